@@ -1,0 +1,5 @@
+"""`python -m batchgen` runs the CLI."""
+
+from batchgen.cli import main
+
+main()

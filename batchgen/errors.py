@@ -1,0 +1,38 @@
+"""User-facing errors: each prints as one line and makes the CLI exit with code 2, no traceback."""
+
+from __future__ import annotations
+
+
+class BatchgenError(Exception):
+    """A mistake in the user's input, options or environment (not a bug in batchgen).
+
+    The CLI prints ``str(error)`` as one line on stderr and exits with code 2.
+    """
+
+
+class RowError(BatchgenError):
+    """One input row is invalid.
+
+    Args:
+        source: the input file name, as the user gave it.
+        line: 1-based line number (JSONL) or 1-based row number (Parquet).
+        field: the offending field, or ``None`` when the whole row is wrong (e.g. bad JSON).
+        message: what is wrong, in a few words.
+    """
+
+    def __init__(self, source: str, line: int, field: str | None, message: str) -> None:
+        self.source = source
+        self.line = line
+        self.field = field
+        self.message = message
+        where = f"{source}:{line}"
+        super().__init__(f"{where}: field '{field}': {message}" if field else f"{where}: {message}")
+
+
+class FieldError(ValueError):
+    """A value of one named field is invalid; callers turn it into a :class:`RowError` or a CLI error."""
+
+    def __init__(self, field: str, message: str) -> None:
+        self.field = field
+        self.message = message
+        super().__init__(f"field '{field}': {message}")

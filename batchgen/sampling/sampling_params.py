@@ -1,0 +1,148 @@
+"""Per-request sampling parameters, with the validation a user-facing batch tool needs."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any
+
+from batchgen.errors import FieldError
+
+# Fields that an input row may set at top level to override the CLI defaults for that row.
+SAMPLING_FIELDS: tuple[str, ...] = (
+    "max_new_tokens",
+    "min_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "seed",
+    "skip_special_tokens",
+    "logprobs",
+    "top_logprobs",
+)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request is sampled and when it stops.
+
+    Semantics follow vLLM/SGLang: ``temperature`` 0 means greedy; ``top_k`` -1 or 0 disables top-k;
+    ``top_p`` 1.0 and ``min_p`` 0.0 disable those filters. ``stop`` strings are matched on the generated
+    text only and are not included in the output text; ``stop_token_ids`` and the model's EOS ids end the
+    request and are included in ``output_token_ids``. ``min_new_tokens`` holds back every stop (EOS, stop ids
+    and stop strings) until that many tokens exist. ``logprobs`` reports the chosen token's raw logprob
+    (log_softmax of unprocessed logits, as vLLM's default and the OpenAI API); ``top_logprobs`` adds the N
+    most likely tokens under the same distribution.
+    """
+
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    seed: int | None = None
+    skip_special_tokens: bool = True
+    logprobs: bool = True
+    top_logprobs: int = 0
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when the next token is the argmax (temperature 0, or top_k 1)."""
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def validate(self, vocab_size: int) -> None:
+        """Check every field against its allowed range.
+
+        Raises:
+            FieldError: naming the first invalid field.
+        """
+        if self.max_new_tokens < 0:
+            raise FieldError("max_new_tokens", f"must be >= 0, got {self.max_new_tokens}")
+        if self.min_new_tokens < 0:
+            raise FieldError("min_new_tokens", f"must be >= 0, got {self.min_new_tokens}")
+        if self.min_new_tokens > self.max_new_tokens:
+            raise FieldError(
+                "min_new_tokens",
+                f"must be <= max_new_tokens ({self.max_new_tokens}), got {self.min_new_tokens}",
+            )
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise FieldError("temperature", f"must be a finite number >= 0, got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise FieldError("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise FieldError("top_k", f"must be -1 or 0 (off) or a positive count, got {self.top_k}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise FieldError("min_p", f"must be in [0, 1], got {self.min_p}")
+        for token_id in self.stop_token_ids:
+            if not 0 <= token_id < vocab_size:
+                raise FieldError("stop_token_ids", f"id {token_id} is outside the vocabulary [0, {vocab_size})")
+        if any(s == "" for s in self.stop):
+            raise FieldError("stop", "stop strings must not be empty")
+        if not 0 <= self.top_logprobs <= vocab_size:
+            raise FieldError("top_logprobs", f"must be in [0, {vocab_size}] (the vocabulary size), got {self.top_logprobs}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise FieldError("seed", f"must be in [0, 2**63), got {self.seed}")
+
+
+_INT_FIELDS = {"max_new_tokens", "min_new_tokens", "top_k", "top_logprobs"}
+_FLOAT_FIELDS = {"temperature", "top_p", "min_p"}
+_BOOL_FIELDS = {"ignore_eos", "skip_special_tokens", "logprobs"}
+
+
+def _coerce(name: str, value: Any) -> Any:
+    """Check the JSON type of one sampling field and convert it to the dataclass's type."""
+    if name in _INT_FIELDS:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise FieldError(name, f"must be an integer, got {value!r}")
+        return value
+    if name in _FLOAT_FIELDS:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise FieldError(name, f"must be a number, got {value!r}")
+        return float(value)
+    if name in _BOOL_FIELDS:
+        if not isinstance(value, bool):
+            raise FieldError(name, f"must be true or false, got {value!r}")
+        return value
+    if name == "seed":
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise FieldError(name, f"must be an integer or null, got {value!r}")
+        return value
+    if name == "stop":
+        if isinstance(value, str):
+            return (value,)
+        if not isinstance(value, (list, tuple)) or not all(isinstance(s, str) for s in value):
+            raise FieldError(name, f"must be a string or a list of strings, got {value!r}")
+        return tuple(value)
+    if name == "stop_token_ids":
+        if not isinstance(value, (list, tuple)) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in value
+        ):
+            raise FieldError(name, f"must be a list of integers, got {value!r}")
+        return tuple(value)
+    raise FieldError(name, "is not a sampling field")
+
+
+def make_sampling_params(defaults: SamplingParams, overrides: dict[str, Any], vocab_size: int) -> SamplingParams:
+    """Return ``defaults`` with the row's ``overrides`` applied, type-checked and validated.
+
+    ``None`` values in ``overrides`` mean "use the default" (Parquet fills absent fields with nulls).
+
+    Raises:
+        FieldError: naming the first field with a wrong type or an out-of-range value.
+    """
+    values = {f.name: getattr(defaults, f.name) for f in fields(defaults)}
+    for name, value in overrides.items():
+        if value is None and name != "seed":
+            continue
+        values[name] = _coerce(name, value)
+    params = SamplingParams(**values)
+    params.validate(vocab_size)
+    return params
