@@ -87,7 +87,7 @@ class SamplingParams:
         if any(s == "" for s in self.stop):
             raise FieldError("stop", "stop strings must not be empty")
         if not 0 <= self.top_logprobs <= vocab_size:
-            raise FieldError("top_logprobs", f"must be in [0, {vocab_size}] (the vocabulary size), got {self.top_logprobs}")
+            raise FieldError("top_logprobs", f"must be in [0, vocab size {vocab_size}], got {self.top_logprobs}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise FieldError("seed", f"must be in [0, 2**63), got {self.seed}")
 
