@@ -1,0 +1,165 @@
+"""The ``batchgen`` command line (Typer). Options can also come from ``--config FILE.yaml``; flags win."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import typer
+import yaml
+
+from batchgen.errors import BatchgenError
+from batchgen.kernels.attention import ATTENTION_BACKENDS
+from batchgen.loop.options import EngineOptions
+from batchgen.models.resolve import DEFAULT_MODEL
+from batchgen.sampling.sampling_params import SamplingParams
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_show_locals=False,
+    help="Offline batch generation for Hugging Face-format causal LMs.",
+)
+
+
+@app.callback()
+def _root() -> None:
+    """Offline batch generation for Hugging Face-format causal LMs."""
+
+
+@contextmanager
+def user_errors() -> Iterator[None]:
+    """Turn a :class:`BatchgenError` into one line on stderr and exit code 2, with no traceback."""
+    try:
+        yield
+    except BatchgenError as e:
+        print(f"batchgen: error: {e}", file=sys.stderr)
+        raise typer.Exit(2) from None
+
+
+_ENGINE_DEFAULTS = EngineOptions(model=DEFAULT_MODEL)
+_SAMPLING_DEFAULTS = SamplingParams()
+
+
+def _load_config(ctx: typer.Context, _param: typer.CallbackParam, value: Path | None) -> Path | None:
+    """Eager ``--config`` callback: the YAML's keys become the command's defaults (flags still override)."""
+    if value is None:
+        return None
+    try:
+        data = yaml.safe_load(value.read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise typer.BadParameter(f"cannot read {value}: {e}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise typer.BadParameter(f"{value}: expected a mapping of option names to values")
+    known = {p.name for p in ctx.command.params if p.name}
+    defaults: dict[str, Any] = {}
+    for key, item in data.items():
+        name = str(key).replace("-", "_")
+        if name not in known or name == "config":
+            raise typer.BadParameter(f"{value}: unknown option '{key}'")
+        defaults[name] = item
+    ctx.default_map = {**(ctx.default_map or {}), **defaults}
+    return value
+
+
+@app.command()
+def run(
+    dataset: Path = typer.Argument(..., help="Prompts: .jsonl (one JSON object per line) or .parquet."),
+    out: Path = typer.Option(..., "--out", "-o", help="Results: .arrow (Arrow IPC file), .parquet or .jsonl."),
+    model: str = typer.Option(DEFAULT_MODEL, help="Model directory, .gguf file, built-in name or Hugging Face hub id."),
+    config: Path | None = typer.Option(
+        None, help="YAML file of option defaults (keys as the long flags).", is_eager=True, callback=_load_config
+    ),
+    dtype: str = typer.Option(_ENGINE_DEFAULTS.dtype, help="auto, float32, bfloat16 or float16."),
+    device: str = typer.Option(_ENGINE_DEFAULTS.device, help="auto, cpu, cuda or cuda:N."),
+    max_new_tokens: int = typer.Option(_SAMPLING_DEFAULTS.max_new_tokens, help="Default per row."),
+    min_new_tokens: int = typer.Option(_SAMPLING_DEFAULTS.min_new_tokens, help="Default per row."),
+    temperature: float = typer.Option(_SAMPLING_DEFAULTS.temperature, help="Default per row; 0 = greedy."),
+    top_p: float = typer.Option(_SAMPLING_DEFAULTS.top_p, help="Default per row, in (0, 1]."),
+    top_k: int = typer.Option(_SAMPLING_DEFAULTS.top_k, help="Default per row; -1 or 0 = off."),
+    min_p: float = typer.Option(_SAMPLING_DEFAULTS.min_p, help="Default per row, in [0, 1]."),
+    stop: list[str] = typer.Option([], help="Default stop string (repeat for several)."),
+    stop_token_ids: list[int] = typer.Option([], help="Default stop token id (repeat for several)."),
+    ignore_eos: bool = typer.Option(_SAMPLING_DEFAULTS.ignore_eos, help="Default per row."),
+    skip_special_tokens: bool = typer.Option(_SAMPLING_DEFAULTS.skip_special_tokens, help="Default per row."),
+    logprobs: bool = typer.Option(_SAMPLING_DEFAULTS.logprobs, help="Report each output token's raw logprob."),
+    top_logprobs: int = typer.Option(_SAMPLING_DEFAULTS.top_logprobs, help="Report the N most likely tokens."),
+    seed: int | None = typer.Option(None, help="Run seed: rows without a seed get one derived from it and their id."),
+    context_length: int | None = typer.Option(None, help="Longest prompt + output (default: the model's)."),
+    max_total_tokens: int | None = typer.Option(None, help="KV pool size in tokens (default: from --mem-fraction)."),
+    mem_fraction: float = typer.Option(_ENGINE_DEFAULTS.mem_fraction, help="Share of free memory for the KV pool."),
+    chunked_prefill_size: int = typer.Option(
+        _ENGINE_DEFAULTS.chunked_prefill_size, help="Longest prefill chunk per round; 0 = no chunking."
+    ),
+    max_prefill_tokens: int = typer.Option(_ENGINE_DEFAULTS.max_prefill_tokens, help="Prompt tokens per round."),
+    max_running_requests: int = typer.Option(_ENGINE_DEFAULTS.max_running_requests, help="Requests decoding together."),
+    attention_backend: str = typer.Option(
+        _ENGINE_DEFAULTS.attention_backend, help=f"One of {', '.join(ATTENTION_BACKENDS)}."
+    ),
+    enable_mixed_chunk: bool = typer.Option(
+        _ENGINE_DEFAULTS.enable_mixed_chunk, help="Run prefill chunks and decodes in one forward."
+    ),
+    on_error: str = typer.Option("fail", help="fail: report bad rows and exit 2 at the end; skip: write them."),
+    overwrite: bool = typer.Option(False, help="Replace an existing output file."),
+    progress: bool = typer.Option(True, help="Show a progress bar on stderr."),
+) -> None:
+    """Generate a completion for every row of DATASET and write one result row per prompt to OUT."""
+    from batchgen.job import RunJob, check_output_path, raise_if_failed
+
+    with user_errors():
+        if on_error not in ("fail", "skip"):
+            raise BatchgenError(f"--on-error must be fail or skip, got '{on_error}'")
+        for name, value in (("max_running_requests", max_running_requests), ("max_prefill_tokens", max_prefill_tokens)):
+            if value < 1:
+                raise BatchgenError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        if chunked_prefill_size < 0:
+            raise BatchgenError(f"--chunked-prefill-size must be >= 0, got {chunked_prefill_size}")
+        if not 0.0 < mem_fraction < 1.0:
+            raise BatchgenError(f"--mem-fraction must be in (0, 1), got {mem_fraction}")
+        check_output_path(out, overwrite)
+        defaults = SamplingParams(
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=min_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            min_p=min_p,
+            stop=tuple(stop),
+            stop_token_ids=tuple(stop_token_ids),
+            ignore_eos=ignore_eos,
+            skip_special_tokens=skip_special_tokens,
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
+        )
+        options = EngineOptions(
+            model=model,
+            dtype=dtype,
+            device=device,
+            context_length=context_length,
+            max_total_tokens=max_total_tokens,
+            mem_fraction=mem_fraction,
+            chunked_prefill_size=chunked_prefill_size,
+            max_prefill_tokens=max_prefill_tokens,
+            max_running_requests=max_running_requests,
+            attention_backend=attention_backend,
+            enable_mixed_chunk=enable_mixed_chunk,
+            seed=seed,
+        )
+        job = RunJob(dataset, out, options, defaults, on_error, progress)
+        try:
+            defaults.validate(job.engine.vocab_size)
+        except ValueError as e:
+            raise BatchgenError(f"command line: {e}") from None
+        summary = job.run()
+        print(summary.line(), file=sys.stderr)
+        raise_if_failed(summary, on_error)
+
+
+def main() -> None:
+    """Console entry point (``batchgen`` and ``python -m batchgen``)."""
+    app()

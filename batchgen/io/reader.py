@@ -1,0 +1,285 @@
+"""Stream input rows from JSON Lines or Parquet, and describe the fields that pass through to the output."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batchgen.errors import BatchgenError, RowError
+from batchgen.io.writer import OUTPUT_COLUMNS
+from batchgen.sampling.sampling_params import SAMPLING_FIELDS
+
+PROMPT_FIELDS: tuple[str, ...] = ("prompt", "messages", "prompt_token_ids")
+# Fields batchgen interprets itself; every other input field is copied to the output unchanged.
+KNOWN_FIELDS: frozenset[str] = frozenset(("id", *PROMPT_FIELDS, *SAMPLING_FIELDS))
+# `id` is both known and an output column; it is never a pass-through field, so it never collides.
+_COLLIDING: frozenset[str] = frozenset(OUTPUT_COLUMNS.names) - {"id"}
+
+_JSONL_SUFFIXES = (".jsonl", ".json")
+_PARQUET_SUFFIXES = (".parquet",)
+_JSON_TYPE_NAMES = {dict: "object", list: "array", str: "string", int: "number", float: "number", bool: "boolean"}
+
+
+@dataclass(frozen=True)
+class InputRow:
+    """One input row, as read from the file.
+
+    Attributes:
+        index: 0-based row index in the dataset (the default ``id``); blank JSONL lines get none.
+        line: 1-based line number (JSONL, blank lines counted) or 1-based row number (Parquet).
+        data: the row's fields with their original names. Parquet nulls are left out, so a null and an
+            absent field mean the same thing ("not set").
+    """
+
+    index: int
+    line: int
+    data: dict[str, Any]
+
+
+def passthrough_name(name: str) -> str:
+    """Return the output name of pass-through field ``name``: ``input_<name>`` if it collides with an output column."""
+    return f"input_{name}" if name in _COLLIDING else name
+
+
+def json_type_name(value: Any) -> str:
+    """Return the JSON name of a decoded value's type (``object``, ``array``, ``string``, ...)."""
+    return "null" if value is None else _JSON_TYPE_NAMES.get(type(value), type(value).__name__)
+
+
+class RowReader:
+    """Stream the rows of a ``.jsonl``/``.json`` (JSON Lines) or ``.parquet`` file, one block at a time.
+
+    Iterating yields :class:`InputRow` for each row and :class:`RowError` (yielded, not raised) for each
+    JSONL line that is not a JSON object; such lines still use up a row index, so later default ids do not
+    shift. The reader can be iterated more than once; each pass re-reads the file.
+
+    ``passthrough_schema`` is known as soon as the constructor returns: it holds every input field that is
+    not a known field (``id``, the prompt fields and the sampling fields), all nullable. A field whose name
+    is an output column (``text``, ``error``, ...) is renamed ``input_<name>`` there and in
+    :func:`batchgen.io.rows.parse_row`'s result. For Parquet the types come from the file schema. For JSONL
+    they are inferred by pyarrow from the first ``block_rows`` rows (read ahead and buffered here), in order
+    of first appearance; a null type (a field null in all of them, or only empty lists) becomes ``string``
+    (``list<string>``). When values disagree the first one's type wins, and rows that do not fit it fail in
+    ``parse_row``.
+
+    Args:
+        path: the input file; ``str(path)`` is used as the source name in every message.
+        block_rows: rows per read block, and the number of JSONL rows used to infer the schema.
+
+    Raises:
+        BatchgenError: the file is missing, a directory, unreadable, not valid Parquet, has an unsupported
+            extension, has no rows, or (JSONL) looks like a JSON document instead of JSON Lines.
+        ValueError: ``block_rows`` < 1.
+    """
+
+    source: str
+    passthrough_schema: pa.Schema
+
+    def __init__(self, path: Path, block_rows: int = 1024) -> None:
+        if block_rows < 1:
+            raise ValueError(f"block_rows must be >= 1, got {block_rows}")
+        self.path = Path(path)
+        self.source = str(path)
+        self.block_rows = block_rows
+        _check_readable_file(self.path, self.source)
+        suffix = self.path.suffix.lower()
+        if suffix in _JSONL_SUFFIXES:
+            self._format = "jsonl"
+            self._init_jsonl()
+        elif suffix in _PARQUET_SUFFIXES:
+            self._format = "parquet"
+            self._init_parquet()
+        else:
+            raise BatchgenError(f"{self.source}: unsupported input format '{suffix}' (use .jsonl or .parquet)")
+
+    def __iter__(self) -> Iterator[InputRow | RowError]:
+        if self._format == "jsonl":
+            yield from self._iter_jsonl()
+        else:
+            yield from self._iter_parquet()
+
+    # --- JSON Lines -------------------------------------------------------------------------------------
+    # stdlib json, not pyarrow.json: we need an exact error per line and must accept rows of differing
+    # shapes, neither of which pyarrow's block-based JSON reader can give.
+
+    def _init_jsonl(self) -> None:
+        self._head: list[InputRow | RowError] = []
+        self._head_end = 0  # byte offset just after the read-ahead block
+        self._head_lines = 0
+        first_text: str | None = None
+        with self._open_jsonl() as f:
+            while len(self._head) < self.block_rows:
+                raw = f.readline()
+                if not raw:
+                    break
+                self._head_lines += 1
+                item = self._parse_line(raw, self._head_lines, len(self._head))
+                if item is None:
+                    continue
+                if first_text is None:
+                    first_text = raw.decode("utf-8", "replace").strip()
+                    _reject_json_document(item, first_text, self.source)
+                self._head.append(item)
+            self._head_end = f.tell()
+        if not self._head:
+            raise BatchgenError(f"{self.source}: dataset is empty")
+        rows = [r.data for r in self._head if isinstance(r, InputRow)]
+        self.passthrough_schema = _infer_schema(rows, self.source)
+
+    def _open_jsonl(self) -> BinaryIO:
+        # Binary mode: tell() works between readline() calls, and a bad byte is one row's error, not a crash.
+        try:
+            return self.path.open("rb")
+        except OSError as e:
+            raise BatchgenError(f"{self.source}: cannot read: {e.strerror or e}") from None
+
+    def _iter_jsonl(self) -> Iterator[InputRow | RowError]:
+        yield from self._head
+        line, index = self._head_lines, len(self._head)
+        with self._open_jsonl() as f:
+            f.seek(self._head_end)
+            for raw in f:
+                line += 1
+                item = self._parse_line(raw, line, index)
+                if item is not None:
+                    index += 1
+                    yield item
+
+    def _parse_line(self, raw: bytes, line: int, index: int) -> InputRow | RowError | None:
+        """Decode one JSONL line; ``None`` for a blank line."""
+        try:
+            text = raw.decode("utf-8-sig" if line == 1 else "utf-8")
+        except UnicodeDecodeError as e:
+            return RowError(self.source, line, None, f"invalid UTF-8 at byte {e.start + 1}")
+        if not text.strip():
+            return None
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            return RowError(self.source, line, None, f"invalid JSON: {e.msg} (column {e.colno})")
+        if not isinstance(value, dict):
+            return RowError(self.source, line, None, f"expected a JSON object, got {json_type_name(value)}")
+        return InputRow(index=index, line=line, data=value)
+
+    # --- Parquet ----------------------------------------------------------------------------------------
+
+    def _init_parquet(self) -> None:
+        with self._open_parquet() as pf:
+            schema = pf.schema_arrow
+            num_rows = pf.metadata.num_rows
+        if num_rows == 0:
+            raise BatchgenError(f"{self.source}: dataset is empty")
+        fields: dict[str, pa.Field] = {}
+        origin: dict[str, str] = {}
+        for field in schema:
+            if field.name in KNOWN_FIELDS:
+                continue
+            name = passthrough_name(field.name)
+            if name in fields:
+                renamed = field.name if name != field.name else origin[name]
+                raise BatchgenError(
+                    f"{self.source}: column '{renamed}' would be renamed '{name}' (it is an output column), "
+                    f"but '{name}' already exists; rename one of them"
+                )
+            # Nullable: rows that fail still get an output row, with nulls for their pass-through fields.
+            fields[name] = field.with_name(name).with_nullable(True)
+            origin[name] = field.name
+        self.passthrough_schema = pa.schema(list(fields.values()))
+
+    def _open_parquet(self) -> pq.ParquetFile:
+        try:
+            return pq.ParquetFile(self.path)
+        except OSError as e:
+            raise BatchgenError(f"{self.source}: cannot read: {e.strerror or e}") from None
+        except pa.ArrowException as e:
+            raise BatchgenError(f"{self.source}: not a valid Parquet file ({e})") from None
+
+    def _iter_parquet(self) -> Iterator[InputRow | RowError]:
+        index = 0
+        with self._open_parquet() as pf:
+            for batch in pf.iter_batches(batch_size=self.block_rows):
+                for row in batch.to_pylist():
+                    data = {k: v for k, v in row.items() if v is not None}
+                    yield InputRow(index=index, line=index + 1, data=data)
+                    index += 1
+
+
+def _check_readable_file(path: Path, source: str) -> None:
+    try:
+        if path.is_dir():
+            raise BatchgenError(f"{source}: is a directory, expected an input file")
+        if not path.exists():
+            raise BatchgenError(f"{source}: no such file")
+    except OSError as e:
+        raise BatchgenError(f"{source}: cannot read: {e.strerror or e}") from None
+
+
+def _reject_json_document(first: InputRow | RowError, text: str, source: str) -> None:
+    """Fail fast on a pretty-printed JSON file, which would otherwise give one row error per line."""
+    if isinstance(first, RowError) and (text.startswith("[") or text == "{"):
+        raise BatchgenError(
+            f"{source}:{first.line}: not a JSON object; this looks like a JSON document, "
+            "but batchgen reads JSON Lines (one object per line)"
+        )
+
+
+def _infer_schema(rows: list[dict[str, Any]], source: str) -> pa.Schema:
+    """Infer the pass-through schema of the read-ahead JSONL rows."""
+    columns: dict[str, list[Any]] = {}
+    for i, row in enumerate(rows):
+        for key, value in row.items():
+            if key in KNOWN_FIELDS:
+                continue
+            # Rows without the field are nulls; padding keeps each list aligned with `rows`.
+            values = columns.setdefault(passthrough_name(key), [None] * i)
+            values.extend([None] * (i - len(values)))
+            values.append(value)
+    fields = []
+    for name, values in columns.items():
+        try:
+            fields.append(pa.field(name, infer_type(values)))
+        except ValueError as e:
+            raise BatchgenError(f"{source}: field '{name}': {e}") from None
+    return pa.schema(fields)
+
+
+def infer_type(values: list[Any]) -> pa.DataType:
+    """Infer one column's Arrow type from Python values with pyarrow; null parts become ``string``.
+
+    When the values do not share a type, the first value's type wins, so only the rows that differ
+    from it fail later (as row errors) instead of the whole dataset.
+
+    Raises:
+        ValueError: no value can be stored in Arrow at all (e.g. an integer beyond 64 bits).
+    """
+    try:
+        return _null_to_string(pa.array(values).type)
+    except (pa.ArrowException, TypeError, ValueError, OverflowError) as e:
+        error: Exception = e
+    for value in values:
+        if value is None:
+            continue
+        try:
+            return _null_to_string(pa.array([value]).type)
+        except (pa.ArrowException, TypeError, ValueError, OverflowError) as e:
+            error = e
+    raise ValueError(f"cannot store its values in Arrow ({error})")
+
+
+def _null_to_string(t: pa.DataType) -> pa.DataType:
+    # A null type (all values null, or only empty lists) would reject every later non-null value.
+    if pa.types.is_null(t):
+        return pa.string()
+    if pa.types.is_list(t):
+        return pa.list_(_null_to_string(t.value_type))
+    if pa.types.is_large_list(t):
+        return pa.large_list(_null_to_string(t.value_type))
+    if pa.types.is_struct(t):
+        return pa.struct([t.field(i).with_type(_null_to_string(t.field(i).type)) for i in range(t.num_fields)])
+    return t

@@ -1,0 +1,170 @@
+"""Turn one raw input row into a checked request description."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+
+from batchgen.errors import RowError
+from batchgen.io.reader import KNOWN_FIELDS, PROMPT_FIELDS, InputRow, json_type_name, passthrough_name
+from batchgen.sampling.sampling_params import SAMPLING_FIELDS
+
+__all__ = ["PROMPT_FIELDS", "RowSpec", "parse_row"]
+
+_REPR_LIMIT = 80
+# Builds the RowError for one field of the row being parsed.
+_Fail = Callable[[str, str], RowError]
+
+
+@dataclass(frozen=True)
+class RowSpec:
+    """One checked input row.
+
+    Exactly one of ``prompt``, ``messages`` and ``prompt_token_ids`` is set.
+
+    Attributes:
+        id: the row's ``id`` as a string, or its 0-based row index when it has none.
+        line: 1-based line (JSONL) or row (Parquet) number, for messages.
+        prompt: raw text prompt.
+        messages: chat messages, each with string ``role`` and ``content`` (and any other string keys given).
+        prompt_token_ids: token ids (their vocabulary range is checked later, by the engine).
+        sampling_overrides: the row's sampling fields with their raw values, for ``make_sampling_params``.
+        passthrough: every field of the pass-through schema (``None`` where absent), under its schema name.
+    """
+
+    id: str
+    line: int
+    prompt: str | None
+    messages: list[dict[str, str]] | None
+    prompt_token_ids: list[int] | None
+    sampling_overrides: dict[str, Any]
+    passthrough: dict[str, Any]
+
+
+def parse_row(row: InputRow, source: str, passthrough_schema: pa.Schema, *, block_rows: int | None = None) -> RowSpec:
+    """Check ``row`` and split it into prompt, id, sampling overrides and pass-through values.
+
+    Pass-through fields named like an output column are renamed ``input_<name>``, as the reader's schema.
+
+    Args:
+        row: a row from :class:`batchgen.io.reader.RowReader`.
+        source: the input name for messages.
+        passthrough_schema: the reader's ``passthrough_schema``.
+        block_rows: the reader's ``block_rows``, only to make the "field not present" message exact.
+
+    Raises:
+        RowError: naming the first offending field (see the messages below for what is checked).
+    """
+
+    def fail(field: str, message: str) -> RowError:
+        return RowError(source, row.line, field, message)
+
+    data = row.data
+    present = [name for name in PROMPT_FIELDS if data.get(name) is not None]
+    if not present:
+        raise fail("prompt", "row has no prompt: give one of " + ", ".join(PROMPT_FIELDS))
+    if len(present) > 1:
+        raise fail(present[1], f"give only one of {', '.join(PROMPT_FIELDS)} (found: {', '.join(present)})")
+    kind = present[0]
+    prompt = messages = token_ids = None
+    if kind == "prompt":
+        prompt = _check_prompt(data["prompt"], fail)
+    elif kind == "messages":
+        messages = _check_messages(data["messages"], fail)
+    else:
+        token_ids = _check_token_ids(data["prompt_token_ids"], fail)
+    return RowSpec(
+        id=_check_id(data.get("id"), row.index, fail),
+        line=row.line,
+        prompt=prompt,
+        messages=messages,
+        prompt_token_ids=token_ids,
+        sampling_overrides={name: data[name] for name in SAMPLING_FIELDS if name in data},
+        passthrough=_passthrough(data, passthrough_schema, block_rows, fail),
+    )
+
+
+def _short_repr(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= _REPR_LIMIT else text[: _REPR_LIMIT - 3] + "..."
+
+
+def _check_prompt(value: Any, fail: _Fail) -> str:
+    if not isinstance(value, str):
+        raise fail("prompt", f"must be a string, got {json_type_name(value)}")
+    return value
+
+
+def _check_messages(value: Any, fail: _Fail) -> list[dict[str, str]]:
+    if not isinstance(value, list) or not value:
+        got = "an empty array" if value == [] else json_type_name(value)
+        raise fail("messages", f"must be a non-empty array of {{role, content}} objects, got {got}")
+    messages = []
+    for i, item in enumerate(value):
+        if not isinstance(item, dict):
+            raise fail("messages", f"item {i} must be an object, got {json_type_name(item)}")
+        message: dict[str, str] = {}
+        for key in ("role", "content"):
+            if not isinstance(item.get(key), str):
+                raise fail("messages", f"item {i}: '{key}' must be a string, got {json_type_name(item.get(key))}")
+        for key, part in item.items():
+            # Parquet stores messages as structs, which fill keys absent in this message with nulls.
+            if part is None:
+                continue
+            if not isinstance(part, str):
+                raise fail("messages", f"item {i}: '{key}' must be a string, got {json_type_name(part)}")
+            message[key] = part
+        messages.append(message)
+    return messages
+
+
+def _check_token_ids(value: Any, fail: _Fail) -> list[int]:
+    if not isinstance(value, list) or not value:
+        got = "an empty array" if value == [] else json_type_name(value)
+        raise fail("prompt_token_ids", f"must be a non-empty array of integers, got {got}")
+    for i, token in enumerate(value):
+        if isinstance(token, bool) or not isinstance(token, int):
+            raise fail("prompt_token_ids", f"item {i} must be an integer, got {_short_repr(token)}")
+    return value
+
+
+def _check_id(value: Any, index: int, fail: _Fail) -> str:
+    if value is None:
+        return str(index)
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise fail("id", f"must be a string or an integer, got {_short_repr(value)}")
+    return str(value)
+
+
+def _passthrough(data: dict[str, Any], schema: pa.Schema, block_rows: int | None, fail: _Fail) -> dict[str, Any]:
+    values: dict[str, Any] = dict.fromkeys(schema.names)
+    origin: dict[str, str] = {}
+    for key, value in data.items():
+        if key in KNOWN_FIELDS:
+            continue
+        name = passthrough_name(key)
+        if name in origin:
+            raise fail(name, f"both '{origin[name]}' and '{key}' give this pass-through field; rename one of them")
+        origin[name] = key
+        if name not in values:
+            first = f"first {block_rows} rows" if block_rows is not None else "first block of rows"
+            raise fail(key, f"field not present in the {first}; pass-through fields must appear there (or use Parquet)")
+        values[name] = value
+    for name, value in values.items():
+        if value is not None:
+            _check_fits(name, value, schema.field(name).type, fail)
+    return values
+
+
+def _check_fits(name: str, value: Any, arrow_type: pa.DataType, fail: _Fail) -> None:
+    message = f"expected {arrow_type} like earlier rows, got {_short_repr(value)}"
+    # pyarrow silently truncates a float into an integer column; that would change the user's data.
+    if pa.types.is_integer(arrow_type) and isinstance(value, float) and not value.is_integer():
+        raise fail(name, message)
+    try:
+        pa.array([value], type=arrow_type)
+    except (pa.ArrowException, TypeError, ValueError, OverflowError):
+        raise fail(name, message) from None

@@ -1,0 +1,231 @@
+"""Write result rows incrementally as Arrow IPC, Parquet or JSON Lines, and read them back."""
+
+from __future__ import annotations
+
+import base64
+import json
+from abc import ABC, abstractmethod
+from pathlib import Path
+from types import TracebackType
+from typing import Any, TextIO
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batchgen.errors import BatchgenError
+
+_TOKEN_LOGPROB = pa.struct([pa.field("id", pa.int32()), pa.field("logprob", pa.float32())])
+
+# The columns batchgen produces, in output order; pass-through input fields follow them.
+OUTPUT_COLUMNS: pa.Schema = pa.schema(
+    [
+        pa.field("id", pa.string()),
+        pa.field("text", pa.string()),
+        pa.field("output_token_ids", pa.list_(pa.int32())),
+        pa.field("output_logprobs", pa.list_(pa.float32())),
+        pa.field("top_logprobs", pa.list_(pa.list_(_TOKEN_LOGPROB))),
+        pa.field("finish_reason", pa.string()),
+        pa.field("matched_stop", pa.string()),
+        pa.field("error", pa.string()),
+        pa.field("prompt_tokens", pa.int32()),
+        pa.field("completion_tokens", pa.int32()),
+    ]
+)
+
+_IPC_SUFFIXES = (".arrow", ".ipc", ".feather")
+_SUPPORTED = ".arrow, .ipc, .feather, .parquet or .jsonl"
+
+
+def result_schema(passthrough: pa.Schema, metadata: dict[str, str]) -> pa.Schema:
+    """Return the output schema: :data:`OUTPUT_COLUMNS`, then ``passthrough``'s fields, with ``metadata``.
+
+    Raises:
+        ValueError: a pass-through field has the name of an output column (the reader renames those).
+    """
+    clash = set(passthrough.names) & set(OUTPUT_COLUMNS.names)
+    if clash:
+        raise ValueError(f"pass-through fields collide with output columns: {sorted(clash)}")
+    return pa.schema([*OUTPUT_COLUMNS, *passthrough], metadata=metadata)
+
+
+class ResultWriter(ABC):
+    """Appends result rows to one output file; usable as a context manager.
+
+    Each :meth:`write` hands its rows to the operating system before returning, so they survive the
+    process dying later. JSONL is readable line by line at any time; Arrow IPC files and Parquet files
+    are only readable after :meth:`close`, which writes their footer.
+    """
+
+    def __init__(self, path: Path, schema: pa.Schema) -> None:
+        self.path = path
+        self.schema = schema
+        self.closed = False
+
+    def write(self, rows: list[dict[str, Any]]) -> None:
+        """Append ``rows`` (dicts keyed by column name; missing keys are null) and flush them.
+
+        ``top_logprobs`` is ``list[list[tuple[int, float]]] | None`` (``(token id, logprob)`` pairs);
+        ``output_logprobs`` may be ``None``. An empty ``rows`` writes nothing.
+
+        Raises:
+            ValueError: the writer is closed, or a row has a key that is not a column.
+            pyarrow.ArrowInvalid, pyarrow.ArrowTypeError, OverflowError: a value does not fit its column.
+            OSError: the file system failed.
+        """
+        if self.closed:
+            raise ValueError(f"{self.path}: writer is closed")
+        if not rows:
+            return
+        names = set(self.schema.names)
+        for row in rows:
+            extra = row.keys() - names
+            if extra:
+                raise ValueError(f"row has keys that are not output columns: {sorted(extra)}")
+        self._write(pa.RecordBatch.from_pylist(rows, schema=self.schema))
+
+    def close(self) -> None:
+        """Finish the file (footer for IPC and Parquet) and release it; calling it again does nothing."""
+        if not self.closed:
+            self.closed = True
+            self._close()
+
+    def __enter__(self) -> ResultWriter:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    @abstractmethod
+    def _write(self, batch: pa.RecordBatch) -> None: ...
+
+    @abstractmethod
+    def _close(self) -> None: ...
+
+
+class _IpcWriter(ResultWriter):
+    def __init__(self, path: Path, schema: pa.Schema) -> None:
+        super().__init__(path, schema)
+        # OSFile is unbuffered, so write_batch reaches the OS; the explicit flush keeps that true if it changes.
+        self._sink = pa.OSFile(str(path), "wb")
+        self._writer = pa.ipc.new_file(self._sink, schema)
+
+    def _write(self, batch: pa.RecordBatch) -> None:
+        self._writer.write_batch(batch)
+        self._sink.flush()
+
+    def _close(self) -> None:
+        try:
+            self._writer.close()
+        finally:
+            self._sink.close()
+
+
+class _ParquetWriter(ResultWriter):
+    def __init__(self, path: Path, schema: pa.Schema) -> None:
+        super().__init__(path, schema)
+        self._sink = pa.OSFile(str(path), "wb")
+        self._writer = pq.ParquetWriter(self._sink, schema)
+
+    def _write(self, batch: pa.RecordBatch) -> None:
+        # One row group per write: write_table would split large writes at its default row group size.
+        self._writer.write_table(pa.Table.from_batches([batch]), row_group_size=batch.num_rows)
+        self._sink.flush()
+
+    def _close(self) -> None:
+        try:
+            self._writer.close()
+        finally:
+            self._sink.close()
+
+
+class _JsonlWriter(ResultWriter):
+    def __init__(self, path: Path, schema: pa.Schema) -> None:
+        super().__init__(path, schema)
+        self._file: TextIO = path.open("w", encoding="utf-8")
+
+    def _write(self, batch: pa.RecordBatch) -> None:
+        # Going through Arrow gives JSONL the same type checks and struct-to-object conversion as the other formats.
+        lines = [json.dumps(row, ensure_ascii=False, default=_json_default) + "\n" for row in batch.to_pylist()]
+        self._file.write("".join(lines))
+        self._file.flush()
+
+    def _close(self) -> None:
+        self._file.close()
+
+
+def _json_default(value: Any) -> Any:
+    """Encode the Python values pyarrow returns for non-JSON Arrow types (Parquet pass-through columns)."""
+    if isinstance(value, (bytes, bytearray)):
+        return base64.b64encode(value).decode("ascii")
+    if hasattr(value, "isoformat"):
+        return value.isoformat()
+    return str(value)
+
+
+def open_result_writer(path: Path, passthrough: pa.Schema, metadata: dict[str, str]) -> ResultWriter:
+    """Create (or truncate) the output file ``path`` and return a writer for it.
+
+    The format follows the extension: ``.arrow``/``.ipc``/``.feather`` → Arrow IPC file format, ``.parquet``
+    → Parquet (one row group per write), ``.jsonl`` → JSON Lines. ``metadata`` goes into the Arrow/Parquet
+    schema metadata and is not written to JSONL. The parent directory must exist.
+
+    Raises:
+        BatchgenError: unsupported extension, missing parent directory, or the file cannot be created.
+    """
+    suffix = path.suffix.lower()
+    if suffix not in (*_IPC_SUFFIXES, ".parquet", ".jsonl"):
+        raise BatchgenError(f"{path}: unsupported output format '{suffix}' (use {_SUPPORTED})")
+    parent = path.parent
+    if not parent.is_dir():
+        raise BatchgenError(f"{path}: output directory '{parent}' does not exist")
+    if path.is_dir():
+        raise BatchgenError(f"{path}: is a directory, expected an output file")
+    schema = result_schema(passthrough, metadata)
+    try:
+        if suffix in _IPC_SUFFIXES:
+            return _IpcWriter(path, schema)
+        if suffix == ".parquet":
+            return _ParquetWriter(path, schema)
+        return _JsonlWriter(path, schema)
+    except OSError as e:
+        raise BatchgenError(f"{path}: cannot create output file: {e.strerror or e}") from None
+
+
+def read_results(path: Path) -> pa.Table:
+    """Read a finished output file of any supported format into a table.
+
+    For JSONL the output columns get their :data:`OUTPUT_COLUMNS` types and other columns are inferred
+    by pyarrow; a zero-row JSONL file gives an empty table with just the output columns.
+
+    Raises:
+        BatchgenError: unsupported extension, or the file cannot be read or parsed (e.g. an Arrow IPC
+            file whose writer never closed it).
+    """
+    suffix = path.suffix.lower()
+    try:
+        if suffix in _IPC_SUFFIXES:
+            with pa.OSFile(str(path), "rb") as source, pa.ipc.open_file(source) as reader:
+                return reader.read_all()
+        if suffix == ".parquet":
+            return pq.read_table(path)
+        if suffix == ".jsonl":
+            return _read_jsonl(path)
+    except (OSError, pa.ArrowException, ValueError) as e:
+        raise BatchgenError(f"{path}: cannot read results ({e})") from None
+    raise BatchgenError(f"{path}: unsupported output format '{suffix}' (use {_SUPPORTED})")
+
+
+def _read_jsonl(path: Path) -> pa.Table:
+    with path.open(encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    names = list(dict.fromkeys(key for row in rows for key in row))
+    fields = [
+        OUTPUT_COLUMNS.field(name)
+        if name in OUTPUT_COLUMNS.names
+        else pa.field(name, pa.array([row.get(name) for row in rows]).type)
+        for name in names
+    ]
+    schema = pa.schema(fields) if rows else OUTPUT_COLUMNS
+    return pa.Table.from_pylist(rows, schema=schema)

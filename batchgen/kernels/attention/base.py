@@ -1,0 +1,45 @@
+"""The interface every attention backend implements, over the paged KV pool."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from batchgen.loop.forward_batch import ForwardBatch
+
+
+class AttentionBackend(ABC):
+    """Computes attention for one round, reading K/V of earlier tokens from ``forward_batch.token_to_kv_pool``.
+
+    Per round, :meth:`init_forward_metadata` turns the batch's index tensors (``req_pool_indices``,
+    ``seq_lens``, extend lengths) into whatever the kernels need, once for all layers. Per layer,
+    :meth:`forward` stores the new tokens' K/V at ``out_cache_loc`` and attends: causal within each request's
+    new tokens, full over its cached prefix.
+    """
+
+    @abstractmethod
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        """Prepare per-round metadata; called by ``ForwardBatch.init_new`` before the model runs."""
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
+        """Attention output ``[T, num_heads, head_dim]`` for q ``[T, num_heads, head_dim]``.
+
+        k, v: ``[T, num_kv_heads, head_dim]``, the new tokens' keys and values, stored into the pool first.
+        """
+        forward_batch.token_to_kv_pool.set_kv(layer_id, forward_batch.out_cache_loc, k, v)
+        if forward_batch.forward_mode.is_decode():
+            return self.forward_decode(q, layer_id, forward_batch)
+        return self.forward_extend(q, layer_id, forward_batch)
+
+    @abstractmethod
+    def forward_extend(self, q: torch.Tensor, layer_id: int, forward_batch: ForwardBatch) -> torch.Tensor:
+        """EXTEND/MIXED rounds: each request appends ``extend_seq_lens[i]`` tokens after a cached prefix."""
+
+    @abstractmethod
+    def forward_decode(self, q: torch.Tensor, layer_id: int, forward_batch: ForwardBatch) -> torch.Tensor:
+        """DECODE rounds: one query token per request, ``q`` is ``[batch_size, num_heads, head_dim]``."""

@@ -1,0 +1,161 @@
+"""``Engine``: loads the model once and runs rounds (schedule → forward → sample → process) on request."""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+from batchgen.errors import BatchgenError
+from batchgen.loop.forward_batch import ForwardBatch
+from batchgen.loop.kv_pool import KVSlotAllocator, TokenToKVPool
+from batchgen.loop.model_runner import ModelRunner
+from batchgen.loop.options import EngineOptions
+from batchgen.loop.req import Req
+from batchgen.loop.scheduler import Scheduler, SchedulerOptions
+from batchgen.models.loader import load_model
+from batchgen.models.resolve import resolve_model
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class RoundStats:
+    """Token counts of all rounds so far, for progress and the summary."""
+
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    rounds: int = 0
+
+
+def pick_device(name: str) -> torch.device:
+    """``auto`` → CUDA when available, else CPU.
+
+    Raises:
+        BatchgenError: CUDA asked for but not available.
+    """
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise BatchgenError(f"--device {name}: CUDA is not available on this machine")
+    return device
+
+
+def pick_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtype:
+    """Resolve ``--dtype``; ``auto`` is the checkpoint's dtype, float32 if it names none or names float16 on CPU.
+
+    Raises:
+        BatchgenError: an unknown dtype name.
+    """
+    if name == "auto":
+        declared = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        dtype = declared if isinstance(declared, torch.dtype) else _DTYPES.get(str(declared), torch.float32)
+        return torch.float32 if device.type == "cpu" and dtype == torch.float16 else dtype
+    if name not in _DTYPES:
+        raise BatchgenError(f"unknown --dtype '{name}'; choose auto, {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def _available_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+def eos_token_ids(model_dir: Path, hf_config: Any) -> list[int]:
+    """EOS ids as ``generate`` uses them: generation_config.json's (int or list), else config.json's."""
+    try:
+        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+    except OSError:
+        eos = None
+    if eos is None:
+        eos = getattr(hf_config, "eos_token_id", None)
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+
+
+class Engine:
+    """The model, its KV pools and a scheduler, ready to run rounds.
+
+    Raises (from the constructor):
+        BatchgenError: the model cannot be resolved or loaded, or the options do not fit it.
+    """
+
+    def __init__(self, options: EngineOptions) -> None:
+        self.options = options
+        self.model_dir = resolve_model(options.model)
+        self.hf_config = AutoConfig.from_pretrained(self.model_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.eos_token_ids = eos_token_ids(self.model_dir, self.hf_config)
+        self.device = pick_device(options.device)
+        self.dtype = pick_dtype(options.dtype, self.hf_config, self.device)
+        max_positions = int(self.hf_config.max_position_embeddings)
+        context_len = options.context_length or max_positions
+        if context_len > max_positions:
+            raise BatchgenError(f"--context-length {context_len} exceeds the model's {max_positions} positions")
+        model = load_model(self.model_dir, self.hf_config, self.dtype, self.device, max_positions=context_len)
+        config = model.config
+        per_token = TokenToKVPool.bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, self.dtype)
+        pool_size = options.max_total_tokens or int(options.mem_fraction * _available_memory(self.device) / per_token)
+        pool_size = min(pool_size, options.max_running_requests * context_len)
+        if pool_size < context_len:
+            # One request must always fit alone, or preemption could not guarantee progress.
+            print(
+                f"batchgen: KV pool of {pool_size} tokens < context length; context length set to {pool_size}",
+                file=sys.stderr,
+            )
+            context_len = pool_size
+        self.context_len = context_len
+        self.runner = ModelRunner(
+            model,
+            self.device,
+            self.dtype,
+            pool_size,
+            options.max_running_requests,
+            context_len,
+            options.attention_backend,
+        )
+        self.allocator = KVSlotAllocator(pool_size)
+        self.scheduler = Scheduler(
+            SchedulerOptions(
+                max_running_requests=options.max_running_requests,
+                max_prefill_tokens=options.max_prefill_tokens,
+                chunked_prefill_size=options.chunked_prefill_size,
+                enable_mixed_chunk=options.enable_mixed_chunk,
+            ),
+            self.runner.req_to_token_pool,
+            self.allocator,
+            self.tokenizer,
+        )
+        self.stats = RoundStats()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.runner.vocab_size
+
+    def add(self, req: Req) -> None:
+        self.scheduler.add(req)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[Req]:
+        """Run one round; return the requests that finished in it."""
+        batch = self.scheduler.next_batch()
+        if batch is None:
+            return []
+        worker_batch = batch.prepare(self.runner.req_to_token_pool, self.allocator, self.vocab_size, self.device)
+        forward_batch = ForwardBatch.init_new(worker_batch, self.runner)
+        logits_output = self.runner.forward(forward_batch)
+        sample_output = self.runner.sample(logits_output, worker_batch.sampling_info)
+        self.stats.rounds += 1
+        self.stats.decode_tokens += batch.num_decode_rows
+        self.stats.prefill_tokens += sum(batch.extend_lens) - batch.num_decode_rows
+        return self.scheduler.process_result(batch, sample_output)

@@ -1,0 +1,77 @@
+"""``ForwardBatch``: the low-level tensors of one round, on the model's device, owned by the ModelRunner."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from batchgen.loop.forward_mode import ForwardMode
+
+if TYPE_CHECKING:
+    from batchgen.kernels.attention.base import AttentionBackend
+    from batchgen.loop.kv_pool import ReqToTokenPool, TokenToKVPool
+    from batchgen.loop.model_runner import ModelRunner
+    from batchgen.loop.schedule_batch import ModelWorkerBatch
+
+
+@dataclass
+class ForwardBatch:
+    """Everything ``ModelRunner.forward`` reads, prepared before the model runs (no host sync inside).
+
+    Token-level tensors have ``T`` rows (all tokens of the round, requests back to back); request-level ones
+    have ``batch_size`` rows. All int64.
+
+    Attributes:
+        input_ids, positions, out_cache_loc: ``[T]`` token ids, their positions, the KV slots they write.
+        req_pool_indices, seq_lens: ``[batch_size]`` request rows in ``req_to_token`` and sequence lengths
+            after this round (cached prefix + new tokens).
+        max_seq_len: host int, ``max(seq_lens)``: the width attention gathers without reading ``seq_lens``.
+        sample_indices: ``[num_sampled]`` rows of the hidden states whose logits are computed.
+        extend_*_cpu: host lists for EXTEND/MIXED rounds (per-request shapes the kernels loop over).
+    """
+
+    forward_mode: ForwardMode
+    batch_size: int
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    out_cache_loc: torch.Tensor
+    req_pool_indices: torch.Tensor
+    req_pool_indices_cpu: list[int]
+    seq_lens: torch.Tensor
+    max_seq_len: int
+    sample_indices: torch.Tensor
+    extend_seq_lens_cpu: list[int] | None
+    extend_prefix_lens_cpu: list[int] | None
+    req_to_token_pool: ReqToTokenPool
+    token_to_kv_pool: TokenToKVPool
+    attn_backend: AttentionBackend
+
+    @classmethod
+    def init_new(cls, batch: ModelWorkerBatch, model_runner: ModelRunner) -> ForwardBatch:
+        """Move ``batch``'s CPU tensors to the runner's device and let the attention backend plan the round."""
+        device = model_runner.device
+
+        def to_device(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, non_blocking=True)
+
+        forward_batch = cls(
+            forward_mode=batch.forward_mode,
+            batch_size=len(batch.req_pool_indices_cpu),
+            input_ids=to_device(batch.input_ids),
+            positions=to_device(batch.positions),
+            out_cache_loc=to_device(batch.out_cache_loc),
+            req_pool_indices=to_device(torch.tensor(batch.req_pool_indices_cpu, dtype=torch.int64)),
+            req_pool_indices_cpu=batch.req_pool_indices_cpu,
+            seq_lens=to_device(torch.tensor(batch.seq_lens_cpu, dtype=torch.int64)),
+            max_seq_len=max(batch.seq_lens_cpu),
+            sample_indices=to_device(batch.sample_indices),
+            extend_seq_lens_cpu=batch.extend_seq_lens_cpu,
+            extend_prefix_lens_cpu=batch.extend_prefix_lens_cpu,
+            req_to_token_pool=model_runner.req_to_token_pool,
+            token_to_kv_pool=model_runner.token_to_kv_pool,
+            attn_backend=model_runner.attn_backend,
+        )
+        model_runner.attn_backend.init_forward_metadata(forward_batch)
+        return forward_batch

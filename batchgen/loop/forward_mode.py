@@ -1,0 +1,46 @@
+"""What one round of the loop does, as one value passed down from the scheduler to the kernels."""
+
+from __future__ import annotations
+
+from enum import IntEnum, auto
+
+
+class ForwardMode(IntEnum):
+    """The kind of a forward round (names as in SGLang's ``forward_batch_info.py``).
+
+    EXTEND: new prompt tokens (a whole prompt or one chunk of it) are appended to each request's KV.
+    DECODE: every request appends exactly one token (the one sampled last round).
+    MIXED: one EXTEND chunk and running DECODE rows share a single forward.
+    IDLE: nothing to run this round.
+    TARGET_VERIFY: the target model scores K+1 draft positions per request (speculative decoding).
+    DRAFT_EXTEND: the draft model catches up on accepted tokens (speculative decoding).
+    """
+
+    EXTEND = auto()
+    DECODE = auto()
+    MIXED = auto()
+    IDLE = auto()
+    TARGET_VERIFY = auto()
+    DRAFT_EXTEND = auto()
+
+    def is_extend(self) -> bool:
+        """True for rounds whose rows may append more than one token (EXTEND, MIXED, DRAFT_EXTEND)."""
+        return self in (ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.DRAFT_EXTEND)
+
+    def is_decode(self) -> bool:
+        return self == ForwardMode.DECODE
+
+    def is_mixed(self) -> bool:
+        return self == ForwardMode.MIXED
+
+    def is_idle(self) -> bool:
+        return self == ForwardMode.IDLE
+
+    def is_target_verify(self) -> bool:
+        return self == ForwardMode.TARGET_VERIFY
+
+    def is_draft_extend(self) -> bool:
+        return self == ForwardMode.DRAFT_EXTEND
+
+    def is_decode_or_idle(self) -> bool:
+        return self in (ForwardMode.DECODE, ForwardMode.IDLE)

@@ -1,0 +1,105 @@
+"""The paged KV cache: request rows → KV slots, per-layer K/V buffers, and the free-slot allocator.
+
+Page size is 1 token: a KV "slot" holds the key and value of one token in every layer. Slot 0 and request
+row 0 are reserved dummies, so padded tokens can write somewhere harmless and padded rows read nothing real.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class ReqToTokenPool:
+    """Maps (request row, position) → KV slot.
+
+    ``req_to_token``: int64 ``[max_reqs + 1, max_context_len]`` on ``device``; row 0 is the dummy row.
+
+    Raises:
+        RuntimeError: from :meth:`alloc` when no row is free (the scheduler checks :meth:`available` first).
+    """
+
+    def __init__(self, max_reqs: int, max_context_len: int, device: torch.device) -> None:
+        self.max_reqs = max_reqs
+        self.max_context_len = max_context_len
+        self.req_to_token = torch.zeros((max_reqs + 1, max_context_len), dtype=torch.int64, device=device)
+        self._free_rows = list(range(max_reqs, 0, -1))
+
+    def available(self) -> int:
+        return len(self._free_rows)
+
+    def alloc(self) -> int:
+        if not self._free_rows:
+            raise RuntimeError("no free request row")
+        return self._free_rows.pop()
+
+    def free(self, row: int) -> None:
+        self._free_rows.append(row)
+
+
+class TokenToKVPool:
+    """Per-layer K and V buffers, each ``[num_layers, size + 1, num_kv_heads, head_dim]`` in ``dtype``.
+
+    Slot 0 is the dummy slot that padded tokens write to.
+    """
+
+    def __init__(
+        self,
+        size: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.size = size
+        shape = (num_layers, size + 1, num_kv_heads, head_dim)
+        self.k_buffer = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_buffer = torch.zeros(shape, dtype=dtype, device=device)
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """Bytes of K plus V for one token in every layer."""
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    def set_kv(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store ``k``, ``v`` ``[num_tokens, num_kv_heads, head_dim]`` at slots ``loc`` (int64 ``[num_tokens]``)."""
+        self.k_buffer[layer].index_copy_(0, loc, k.to(self.k_buffer.dtype))
+        self.v_buffer[layer].index_copy_(0, loc, v.to(self.v_buffer.dtype))
+
+
+class KVSlotAllocator:
+    """Free list of KV slots ``1..size`` (slot 0 is never handed out).
+
+    Kept on the CPU: allocation is bookkeeping for the scheduler, and the slots travel to the device inside
+    the round's ``out_cache_loc``.
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._free = torch.arange(1, size + 1, dtype=torch.int64)
+        self._pending: list[torch.Tensor] = []
+
+    def available(self) -> int:
+        return int(self._free.numel()) + sum(int(t.numel()) for t in self._pending)
+
+    def alloc(self, n: int) -> torch.Tensor:
+        """Take ``n`` free slots (int64 ``[n]``).
+
+        Raises:
+            RuntimeError: when fewer than ``n`` are free.
+        """
+        if n > self._free.numel() and self._pending:
+            self._merge()
+        if n > self._free.numel():
+            raise RuntimeError(f"KV pool exhausted: asked {n}, {self._free.numel()} free")
+        slots, self._free = self._free[:n], self._free[n:]
+        return slots
+
+    def free(self, slots: torch.Tensor) -> None:
+        """Give back ``slots``; merged lazily, since requests finish one at a time but allocate in batches."""
+        if slots.numel():
+            self._pending.append(slots.cpu())
+
+    def _merge(self) -> None:
+        self._free = torch.cat([self._free, *self._pending])
+        self._pending.clear()

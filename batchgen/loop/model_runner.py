@@ -1,0 +1,61 @@
+"""``ModelRunner``: owns the model, the KV pools and the attention backend; runs forward and sample."""
+
+from __future__ import annotations
+
+import torch
+
+from batchgen.kernels.attention import create_attention_backend
+from batchgen.loop.forward_batch import ForwardBatch
+from batchgen.loop.kv_pool import ReqToTokenPool, TokenToKVPool
+from batchgen.models.llama import LlamaForCausalLM
+from batchgen.models.logits_processor import LogitsProcessor, LogitsProcessorOutput
+from batchgen.sampling.sampler import SampleOutput, sample
+from batchgen.sampling.sampling_batch_info import SamplingBatchInfo
+
+
+class ModelRunner:
+    """How one round runs: ``forward(ForwardBatch) → LogitsProcessorOutput``, then ``sample``.
+
+    Args:
+        model: the decoder, already on ``device`` in ``dtype``.
+        kv_pool_size: number of KV slots (tokens) in the pool.
+        max_running_requests: rows of ``req_to_token``.
+        context_len: columns of ``req_to_token``: the longest prompt + output.
+        attention_backend: a name accepted by :func:`create_attention_backend`.
+    """
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        device: torch.device,
+        dtype: torch.dtype,
+        kv_pool_size: int,
+        max_running_requests: int,
+        context_len: int,
+        attention_backend: str,
+    ) -> None:
+        config = model.config
+        self.model = model
+        self.device = device
+        self.dtype = dtype
+        self.vocab_size = config.vocab_size
+        self.req_to_token_pool = ReqToTokenPool(max_running_requests, context_len, device)
+        self.token_to_kv_pool = TokenToKVPool(
+            kv_pool_size, config.num_layers, config.num_kv_heads, config.head_dim, dtype, device
+        )
+        self.attn_backend = create_attention_backend(attention_backend, device)
+        self.logits_processor = LogitsProcessor()
+
+    @torch.inference_mode()
+    def forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
+        """Run the model over the round's tokens; logits only for ``forward_batch.sample_indices``.
+
+        Reads nothing back to the host, so a DECODE round can be captured as a CUDA graph.
+        """
+        hidden = self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
+        return self.logits_processor(hidden, self.model.lm_head_weight(), forward_batch)
+
+    @torch.inference_mode()
+    def sample(self, logits_output: LogitsProcessorOutput, sampling_info: SamplingBatchInfo) -> SampleOutput:
+        """Choose the next token of every sampled row (see :func:`batchgen.sampling.sampler.sample`)."""
+        return sample(logits_output.next_token_logits, sampling_info)

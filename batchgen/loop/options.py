@@ -1,0 +1,39 @@
+"""Engine options: everything ``batchgen run`` and the benchmarks pass down to the loop."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """How to load the model and size the loop.
+
+    Attributes:
+        model: a model directory, a .gguf file, a built-in name or a hub id (see ``resolve_model``).
+        dtype: ``auto`` (the checkpoint's dtype; float32 when it names none, or float16 on CPU), ``float32``,
+            ``bfloat16`` or ``float16``.
+        device: ``auto`` (CUDA if available, else CPU), ``cpu``, ``cuda`` or ``cuda:N``.
+        context_length: longest prompt + output in tokens; ``None`` = the model's ``max_position_embeddings``.
+        max_total_tokens: KV pool size in tokens; ``None`` = sized from ``mem_fraction``.
+        mem_fraction: share of the memory available after loading the weights given to the KV pool.
+        chunked_prefill_size: longest prefill chunk per round (0 = no chunking).
+        max_prefill_tokens: prompt tokens per round.
+        max_running_requests: requests decoding together.
+        attention_backend: ``auto`` or a backend name.
+        enable_mixed_chunk: run prefill chunks and decodes in one forward (MIXED rounds).
+        seed: run seed; rows without a ``seed`` get one derived from it and their ``id``.
+    """
+
+    model: str
+    dtype: str = "auto"
+    device: str = "auto"
+    context_length: int | None = None
+    max_total_tokens: int | None = None
+    mem_fraction: float = 0.4
+    chunked_prefill_size: int = 2048
+    max_prefill_tokens: int = 8192
+    max_running_requests: int = 128
+    attention_backend: str = "auto"
+    enable_mixed_chunk: bool = True
+    seed: int | None = None

@@ -1,0 +1,65 @@
+"""``Req``: one prompt's state from admission to its output row."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from batchgen.loop.detokenizer import IncrementalDetokenizer
+from batchgen.sampling.sampling_params import SamplingParams
+
+
+@dataclass
+class Req:
+    """A request as the scheduler sees it.
+
+    KV invariant: the first ``kv_len`` tokens of ``fill_ids`` (prompt + outputs) have K/V in the pool; the rest
+    are *pending* and go into the next forward. A decoding request has exactly one pending token (the last one
+    sampled); a retracted request has ``kv_len == 0`` and recomputes everything.
+
+    Attributes:
+        rid: the row's ``id``; line: its input line (for messages); order: admission order of the input.
+        seed: the seed its noise is drawn from (the row's own, or one derived for it).
+        stop_token_ids: EOS ids (unless ignore_eos) plus the row's stop_token_ids.
+        max_total_len: the context length; prompt + output never exceed it.
+    """
+
+    rid: str
+    line: int
+    order: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    stop_token_ids: frozenset[int]
+    max_total_len: int
+    passthrough: dict[str, Any]
+    detokenizer: IncrementalDetokenizer | None = None
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    req_pool_idx: int | None = None
+    kv_len: int = 0
+    finish_reason: str | None = None
+    matched_stop: str | None = None
+    text: str | None = None
+
+    @property
+    def fill_len(self) -> int:
+        """Prompt plus output tokens: what the KV cache must hold before the next token can be sampled."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_pending(self) -> int:
+        return self.fill_len - self.kv_len
+
+    def pending_ids(self, count: int) -> list[int]:
+        """The next ``count`` tokens that need K/V, from prompt then outputs."""
+        start, end = self.kv_len, self.kv_len + count
+        prompt_len = len(self.prompt_ids)
+        if end <= prompt_len:
+            return self.prompt_ids[start:end]
+        return self.prompt_ids[start:] + self.output_ids[max(0, start - prompt_len) : end - prompt_len]
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

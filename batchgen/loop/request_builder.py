@@ -1,0 +1,102 @@
+"""Turn a parsed input row into a ``Req``: tokenize the prompt and check it against the model."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from typing import Any
+
+from batchgen.errors import FieldError, RowError
+from batchgen.io.rows import RowSpec
+from batchgen.loop.detokenizer import IncrementalDetokenizer
+from batchgen.loop.req import Req
+from batchgen.sampling.sampling_params import SamplingParams, make_sampling_params
+
+
+def derive_seed(run_seed: int, rid: str) -> int:
+    """A 63-bit seed for a row without one, a pure function of the run seed and the row id."""
+    digest = hashlib.blake2b(f"{run_seed}:{rid}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+class RequestBuilder:
+    """Validates rows against the model and tokenizer and builds requests.
+
+    Args:
+        tokenizer: a transformers tokenizer.
+        vocab_size: the model's vocabulary size (may exceed the tokenizer's: padded embeddings).
+        context_len: prompt + output never exceed it; a prompt of this length or more is an error.
+        eos_token_ids: ids that end a request unless it sets ``ignore_eos``.
+        defaults: sampling parameters for fields a row does not set.
+        run_seed: seeds the rows that carry no ``seed``.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        context_len: int,
+        eos_token_ids: Iterable[int],
+        defaults: SamplingParams,
+        run_seed: int,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.context_len = context_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.defaults = defaults
+        self.run_seed = run_seed
+
+    def build(self, spec: RowSpec, source: str, order: int) -> Req:
+        """The request for one row.
+
+        Raises:
+            RowError: bad sampling values, ids outside the vocabulary, an empty prompt, a prompt that does not
+                fit the context, a chat row for a tokenizer without a chat template.
+        """
+
+        def error(field: str, message: str) -> RowError:
+            return RowError(source, spec.line, field, message)
+
+        try:
+            params = make_sampling_params(self.defaults, spec.sampling_overrides, self.vocab_size)
+        except FieldError as e:
+            raise error(e.field, e.message) from None
+        prompt_field, prompt_ids = self._tokenize(spec, error)
+        if not prompt_ids:
+            raise error(prompt_field, "prompt is empty after tokenization")
+        if len(prompt_ids) >= self.context_len:
+            raise error(prompt_field, f"prompt has {len(prompt_ids)} tokens, >= context length {self.context_len}")
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        return Req(
+            rid=spec.id,
+            line=spec.line,
+            order=order,
+            prompt_ids=prompt_ids,
+            params=params,
+            seed=params.seed if params.seed is not None else derive_seed(self.run_seed, spec.id),
+            stop_token_ids=stop_ids,
+            max_total_len=self.context_len,
+            passthrough=spec.passthrough,
+            detokenizer=(
+                IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens) if params.stop else None
+            ),
+        )
+
+    def _tokenize(self, spec: RowSpec, error: Any) -> tuple[str, list[int]]:
+        if spec.prompt_token_ids is not None:
+            bad = next((t for t in spec.prompt_token_ids if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise error("prompt_token_ids", f"id {bad} is outside the vocabulary [0, {self.vocab_size})")
+            return "prompt_token_ids", list(spec.prompt_token_ids)
+        if spec.messages is not None:
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise error("messages", "the model's tokenizer has no chat template; give a plain prompt instead")
+            try:
+                rendered = self.tokenizer.apply_chat_template(spec.messages, add_generation_prompt=True, tokenize=False)
+            except Exception as e:  # template errors are the row's fault (e.g. a role the template rejects)
+                raise error("messages", f"chat template failed: {e}") from None
+            # The template already contains the special tokens (BOS included) it wants.
+            return "messages", list(self.tokenizer(rendered, add_special_tokens=False)["input_ids"])
+        assert spec.prompt is not None
+        return "prompt", list(self.tokenizer(spec.prompt)["input_ids"])

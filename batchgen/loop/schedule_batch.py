@@ -1,0 +1,104 @@
+"""``ScheduleBatch`` (the scheduler's choice for a round) and ``ModelWorkerBatch`` (what the worker needs)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from batchgen.loop.forward_mode import ForwardMode
+from batchgen.loop.kv_pool import KVSlotAllocator, ReqToTokenPool
+from batchgen.loop.req import Req
+from batchgen.sampling.sampling_batch_info import SamplingBatchInfo
+
+
+@dataclass
+class ModelWorkerBatch:
+    """One round's inputs as CPU tensors and host lists; ``ForwardBatch.init_new`` moves them to the device.
+
+    input_ids, positions, out_cache_loc: int64 ``[T]``; sample_indices: int64 ``[num_sampled]``, positions in
+    the token axis whose logits are needed (each sampling row's last token).
+    """
+
+    forward_mode: ForwardMode
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    out_cache_loc: torch.Tensor
+    req_pool_indices_cpu: list[int]
+    seq_lens_cpu: list[int]
+    extend_seq_lens_cpu: list[int] | None
+    extend_prefix_lens_cpu: list[int] | None
+    sample_indices: torch.Tensor
+    sampling_info: SamplingBatchInfo
+
+
+@dataclass
+class ScheduleBatch:
+    """The requests of one round and how many pending tokens each processes (``extend_lens``).
+
+    A row whose ``extend_len`` covers all its pending tokens samples a token this round; the others are
+    non-final chunks of a chunked prefill. The last ``num_decode_rows`` rows are decodes.
+    """
+
+    forward_mode: ForwardMode
+    reqs: list[Req]
+    extend_lens: list[int]
+    num_decode_rows: int = 0
+
+    def __post_init__(self) -> None:
+        self.sampling_rows = [i for i, (r, n) in enumerate(zip(self.reqs, self.extend_lens)) if n == r.num_pending]
+
+    def prepare(
+        self,
+        req_to_token_pool: ReqToTokenPool,
+        allocator: KVSlotAllocator,
+        vocab_size: int,
+        device: torch.device,
+    ) -> ModelWorkerBatch:
+        """Allocate KV slots for the round's tokens, record them in ``req_to_token`` and build the tensors.
+
+        Advances each request's ``kv_len``: the forward that consumes this batch writes those K/V.
+
+        Raises:
+            RuntimeError: if the pool cannot hold the round (the scheduler sizes rounds so it can).
+        """
+        prefix_lens = [r.kv_len for r in self.reqs]
+        input_ids: list[int] = []
+        positions: list[int] = []
+        rows: list[int] = []
+        for req, n in zip(self.reqs, self.extend_lens):
+            assert req.req_pool_idx is not None
+            input_ids.extend(req.pending_ids(n))
+            positions.extend(range(req.kv_len, req.kv_len + n))
+            rows.extend([req.req_pool_idx] * n)
+        out_cache_loc = allocator.alloc(len(input_ids))
+        positions_t = torch.tensor(positions, dtype=torch.int64)
+        req_to_token_pool.req_to_token[torch.tensor(rows, device=device), positions_t.to(device)] = out_cache_loc.to(
+            device
+        )
+        for req, n in zip(self.reqs, self.extend_lens):
+            req.kv_len += n
+        ends = torch.tensor(self.extend_lens, dtype=torch.int64).cumsum(0) - 1
+        is_extend = self.forward_mode.is_extend()
+        sampled = [self.reqs[i] for i in self.sampling_rows]
+        return ModelWorkerBatch(
+            forward_mode=self.forward_mode,
+            input_ids=torch.tensor(input_ids, dtype=torch.int64),
+            positions=positions_t,
+            out_cache_loc=out_cache_loc,
+            req_pool_indices_cpu=[r.req_pool_idx for r in self.reqs if r.req_pool_idx is not None],
+            seq_lens_cpu=[r.kv_len for r in self.reqs],
+            extend_seq_lens_cpu=list(self.extend_lens) if is_extend else None,
+            extend_prefix_lens_cpu=prefix_lens if is_extend else None,
+            sample_indices=ends[self.sampling_rows],
+            sampling_info=SamplingBatchInfo.from_params(
+                [r.params for r in sampled],
+                seeds=[r.seed for r in sampled],
+                steps=[len(r.output_ids) for r in sampled],
+                banned=[
+                    sorted(r.stop_token_ids) if len(r.output_ids) < r.params.min_new_tokens else [] for r in sampled
+                ],
+                vocab_size=vocab_size,
+                device=device,
+            ),
+        )

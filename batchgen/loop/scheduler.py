@@ -1,0 +1,163 @@
+"""The scheduler: decides who runs each round. Continuous batching, chunked prefill, preemption."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from batchgen.loop.forward_mode import ForwardMode
+from batchgen.loop.kv_pool import KVSlotAllocator, ReqToTokenPool
+from batchgen.loop.req import Req
+from batchgen.loop.schedule_batch import ScheduleBatch
+from batchgen.loop.stop_checker import append_token, finalize_text
+from batchgen.sampling.sampler import SampleOutput
+
+
+@dataclass(frozen=True)
+class SchedulerOptions:
+    """Round-building limits.
+
+    Attributes:
+        max_running_requests: requests holding KV at once.
+        max_prefill_tokens: prompt tokens per round (a single longer prompt still runs alone).
+        chunked_prefill_size: longest prefill chunk per round; 0 disables chunking (prompts prefill whole).
+        enable_mixed_chunk: let a prefill chunk and the running decodes share one forward (MIXED).
+        new_token_ratio: fraction of each running request's remaining ``max_new_tokens`` kept free when
+            admitting new requests, so admission rarely forces a retraction later.
+    """
+
+    max_running_requests: int
+    max_prefill_tokens: int
+    chunked_prefill_size: int
+    enable_mixed_chunk: bool = True
+    new_token_ratio: float = 0.3
+
+
+class Scheduler:
+    """Holds the waiting queue and the running requests, and turns them into one ``ScheduleBatch`` a round.
+
+    Policy: requests are admitted first come, first served while there is a free request row, prefill token
+    budget and KV room; every running request decodes every round. When the KV pool cannot hold the next
+    round, the most recently admitted request is retracted: its KV is freed and it goes back to the front of
+    the queue, keeping its outputs, to be recomputed later (its pending tokens become prompt + outputs).
+    A finished request frees its request row and KV at once.
+    """
+
+    def __init__(
+        self, options: SchedulerOptions, req_to_token_pool: ReqToTokenPool, allocator: KVSlotAllocator, tokenizer: Any
+    ) -> None:
+        self.options = options
+        self.req_to_token_pool = req_to_token_pool
+        self.allocator = allocator
+        self.tokenizer = tokenizer
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.num_retracted = 0
+
+    def add(self, req: Req) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def next_batch(self) -> ScheduleBatch | None:
+        """The next round, or ``None`` when nothing is waiting or running."""
+        while True:
+            decodes = self._make_room_for_decodes()
+            prefill_reqs, prefill_lens = self._prefill_rows(reserved=len(decodes))
+            if decodes or prefill_reqs or len(self.running) <= 1:
+                break
+            # Only partly prefilled requests hold the pool and none can grow: free the newest.
+            self._retract(self.running[-1])
+        if prefill_reqs and decodes and self.options.enable_mixed_chunk:
+            return ScheduleBatch(
+                ForwardMode.MIXED, prefill_reqs + decodes, prefill_lens + [1] * len(decodes), len(decodes)
+            )
+        if prefill_reqs:
+            return ScheduleBatch(ForwardMode.EXTEND, prefill_reqs, prefill_lens)
+        if decodes:
+            return ScheduleBatch(ForwardMode.DECODE, decodes, [1] * len(decodes), len(decodes))
+        return None
+
+    def process_result(self, batch: ScheduleBatch, result: SampleOutput) -> list[Req]:
+        """Append each sampled token, check stops, free finished requests; return those that finished."""
+        token_ids = result.next_token_ids.tolist()
+        logprobs = result.logprobs.tolist() if result.logprobs is not None else None
+        top_ids = result.top_ids.tolist() if result.top_ids is not None else None
+        top_lps = result.top_logprobs.tolist() if result.top_logprobs is not None else None
+        finished = []
+        for j, i in enumerate(batch.sampling_rows):
+            req = batch.reqs[i]
+            want_logprobs = req.params.logprobs
+            k = req.params.top_logprobs if want_logprobs else 0
+            top = list(zip(top_ids[j][:k], top_lps[j][:k])) if k and top_ids and top_lps else None
+            append_token(req, token_ids[j], logprobs[j] if want_logprobs and logprobs else None, top)
+            if req.finished:
+                finalize_text(req, self.tokenizer)
+                self._release(req)
+                self.running.remove(req)
+                finished.append(req)
+        return finished
+
+    def _make_room_for_decodes(self) -> list[Req]:
+        """Running requests that decode this round, after retracting the newest ones until their KV fits."""
+        while True:
+            decodes = [r for r in self.running if r.num_pending == 1]
+            if self.allocator.available() >= len(decodes) or len(self.running) <= 1:
+                return decodes
+            self._retract(self.running[-1])
+
+    def _retract(self, req: Req) -> None:
+        self._release(req)
+        self.running.remove(req)
+        req.kv_len = 0
+        self.waiting.appendleft(req)
+        self.num_retracted += 1
+
+    def _release(self, req: Req) -> None:
+        assert req.req_pool_idx is not None
+        self.allocator.free(self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.kv_len])
+        self.req_to_token_pool.free(req.req_pool_idx)
+        req.req_pool_idx = None
+
+    def _decode_reserve(self, reqs: list[Req]) -> int:
+        remaining = sum(max(0, r.params.max_new_tokens - len(r.output_ids)) for r in reqs)
+        return math.ceil(remaining * self.options.new_token_ratio)
+
+    def _prefill_rows(self, reserved: int) -> tuple[list[Req], list[int]]:
+        """Chunks to prefill this round: unfinished chunked prefills first, then newly admitted requests."""
+        opts = self.options
+        chunk = opts.chunked_prefill_size
+        budget = min(opts.max_prefill_tokens, chunk) if chunk > 0 else opts.max_prefill_tokens
+        room = self.allocator.available() - reserved
+        reqs: list[Req] = []
+        lens: list[int] = []
+        for req in self.running:
+            if req.num_pending > 1 and budget > 0 and room > 0:
+                n = min(req.num_pending, budget, room)
+                reqs.append(req)
+                lens.append(n)
+                budget, room = budget - n, room - n
+        while self.waiting and budget > 0 and room > 0:
+            if len(self.running) >= opts.max_running_requests or self.req_to_token_pool.available() == 0:
+                break
+            req = self.waiting[0]
+            alone = not self.running
+            need = req.num_pending
+            # Keep room for the decodes of everything already running and of this request, unless it would
+            # run alone: then it must be admitted for the job to make progress.
+            free = room if alone else room - self._decode_reserve([*self.running, req])
+            n = min(need, budget, free)
+            if n < need and (chunk == 0 or n <= 0):
+                if not (alone and chunk == 0 and need <= room):
+                    break
+                n = need  # a prompt longer than max_prefill_tokens, prefilled alone
+            self.waiting.popleft()
+            req.req_pool_idx = self.req_to_token_pool.alloc()
+            self.running.append(req)
+            reqs.append(req)
+            lens.append(n)
+            budget, room = budget - n, room - n
+        return reqs, lens

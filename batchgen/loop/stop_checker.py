@@ -1,0 +1,45 @@
+"""Append a sampled token to a request and decide whether it is finished (stop ids, stop strings, length)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from batchgen.loop.detokenizer import continuation_text, find_stop
+from batchgen.loop.req import Req
+
+
+def append_token(req: Req, token_id: int, logprob: float | None, top: list[tuple[int, float]] | None) -> None:
+    """Record one sampled token and set ``req.finish_reason`` when it ends the request.
+
+    Follows the OpenAI/vLLM conventions: a stop or EOS token stays in ``output_token_ids``; a stop string is
+    cut from the text together with everything after it; no stop counts before ``min_new_tokens`` tokens
+    exist; ``length`` when ``max_new_tokens`` is reached or prompt + output fill the context.
+    """
+    req.output_ids.append(token_id)
+    if logprob is not None:
+        req.output_logprobs.append(logprob)
+    if top is not None:
+        req.output_top_logprobs.append(top)
+    num_out = len(req.output_ids)
+    stops_allowed = num_out >= req.params.min_new_tokens
+    if stops_allowed and token_id in req.stop_token_ids:
+        req.finish_reason, req.matched_stop = "stop", str(token_id)
+    elif req.detokenizer is not None:
+        new_text = req.detokenizer.update([token_id])
+        hit = find_stop(req.detokenizer.text, len(new_text), req.params.stop) if stops_allowed and new_text else None
+        if hit is not None:
+            req.finish_reason, req.matched_stop = "stop", hit[1]
+            req.text = req.detokenizer.text[: hit[0]]
+    if req.finish_reason is None and (num_out >= req.params.max_new_tokens or req.fill_len >= req.max_total_len):
+        req.finish_reason = "length"
+
+
+def finalize_text(req: Req, tokenizer: Any) -> None:
+    """Set ``req.text`` for a finished request (already set when a stop string cut it)."""
+    if req.text is not None:
+        return
+    if req.detokenizer is not None:
+        req.detokenizer.finish()
+        req.text = req.detokenizer.text
+    else:
+        req.text = continuation_text(tokenizer, req.prompt_ids, req.output_ids, req.params.skip_special_tokens)

@@ -1,0 +1,82 @@
+"""The few numbers of a Hugging Face config that our Llama-family modules need, read once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from batchgen.errors import BatchgenError
+
+# architectures value in config.json → the variant flags our single decoder implementation needs.
+SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
+    "LlamaForCausalLM": {"qkv_bias": False, "qk_norm": False},
+    "MistralForCausalLM": {"qkv_bias": False, "qk_norm": False},
+    "Qwen2ForCausalLM": {"qkv_bias": True, "qk_norm": False},
+    "Qwen3ForCausalLM": {"qkv_bias": False, "qk_norm": True},
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shapes and options of a Llama-family decoder.
+
+    ``hf_config`` is kept for what only transformers knows how to read (RoPE scaling parameters).
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    o_proj_bias: bool
+    hf_config: Any
+
+    @staticmethod
+    def from_hf(hf_config: Any) -> ModelConfig:
+        """Read a ``transformers.PretrainedConfig``.
+
+        Raises:
+            BatchgenError: the architecture is not one we implement, or it uses an option we do not (activation
+                other than SiLU, MLP biases).
+        """
+        archs = list(getattr(hf_config, "architectures", None) or [])
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise BatchgenError(
+                f"unsupported model architecture {archs or '(none in config.json)'}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        act = getattr(hf_config, "hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise BatchgenError(f"unsupported hidden_act '{act}' for {arch}; only silu is implemented")
+        if getattr(hf_config, "mlp_bias", False):
+            raise BatchgenError(f"unsupported mlp_bias=true for {arch}")
+        flags = SUPPORTED_ARCHITECTURES[arch]
+        num_heads = hf_config.num_attention_heads
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+        return ModelConfig(
+            architecture=arch,
+            vocab_size=hf_config.vocab_size,
+            hidden_size=hf_config.hidden_size,
+            intermediate_size=hf_config.intermediate_size,
+            num_layers=hf_config.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=hf_config.rms_norm_eps,
+            max_position_embeddings=hf_config.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            qkv_bias=flags["qkv_bias"] or bool(getattr(hf_config, "attention_bias", False)),
+            qk_norm=flags["qk_norm"],
+            # Qwen2 puts biases on q/k/v only; Llama's attention_bias covers o_proj as well.
+            o_proj_bias=bool(getattr(hf_config, "attention_bias", False)) and arch != "Qwen2ForCausalLM",
+            hf_config=hf_config,
+        )

@@ -1,0 +1,60 @@
+"""Rotary position embeddings (Su et al. 2021, "RoFormer"), in Hugging Face's rotate-half layout."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from batchgen.errors import BatchgenError
+
+# RoPE variants whose frequencies do not depend on the sequence length, so one cos/sin table serves all.
+_STATIC_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rope_inverse_frequencies(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies ``[head_dim // 2]`` float32 and the cos/sin scale factor.
+
+    The default is ``theta ** (-2i / d)``; ``linear`` and ``llama3`` scaling come from transformers'
+    ``ROPE_INIT_FUNCTIONS`` (the reference implementation our outputs are compared with).
+
+    Raises:
+        BatchgenError: for RoPE types whose tables depend on the sequence length (dynamic, yarn, longrope).
+    """
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in _STATIC_ROPE_TYPES:
+        raise BatchgenError(f"unsupported rope_scaling type '{rope_type}'; supported: {', '.join(_STATIC_ROPE_TYPES)}")
+    if rope_type == "default":
+        theta = float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim))
+        return inv_freq, 1.0
+    inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+    return inv_freq.float(), float(scale)
+
+
+class RotaryEmbedding:
+    """Applies RoPE to q ``[T, H, D]`` and k ``[T, Hkv, D]`` at integer ``positions`` ``[T]``.
+
+    cos/sin are tabulated in float32 for positions ``[0, max_positions)`` on ``device`` and cast to the
+    activations' dtype before use, as transformers does, so bf16 results match the reference too. Not an
+    ``nn.Module``: the tables are derived data, never loaded from or saved to a checkpoint.
+    """
+
+    def __init__(self, hf_config: Any, head_dim: int, max_positions: int, device: torch.device) -> None:
+        inv_freq, scale = rope_inverse_frequencies(hf_config, head_dim)
+        positions = torch.arange(max_positions, dtype=torch.float32, device="cpu")
+        emb = torch.outer(positions, inv_freq.cpu()).repeat(1, 2)
+        self.cos_table = (emb.cos() * scale).to(device)
+        self.sin_table = (emb.sin() * scale).to(device)
+
+    def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos_table[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin_table[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

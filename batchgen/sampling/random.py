@@ -1,0 +1,33 @@
+"""Counter-based random numbers: one uniform per (seed, step), independent of batch composition.
+
+A request's noise at output position ``step`` depends on nothing else, so a seeded request samples the same
+tokens alone or in any batch, in any order, after preemption and recompute.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """Chris Wellons' "lowbias32" integer hash on int64 tensors holding 32-bit values.
+
+    int64 products wrap modulo 2**64, so masking keeps exactly the low 32 bits a uint32 multiply would.
+    """
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def uniform_from_counter(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """float64 ``[n]`` uniforms in the open interval (0, 1), a pure function of int64 ``seeds`` and ``steps``."""
+    h = _mix32(seeds & _MASK32)
+    h = _mix32(h ^ ((seeds >> 32) & _MASK32))
+    h = _mix32(h ^ (steps & _MASK32))
+    low = _mix32(h ^ 0x9E3779B9)
+    bits = (h << 21) | (low >> 11)  # 53 random bits, the precision of a float64 mantissa
+    return (bits.double() + 0.5) / float(1 << 53)

@@ -1,0 +1,72 @@
+"""Choose the next token of every sampled row, and report raw logprobs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from batchgen.sampling.random import uniform_from_counter
+from batchgen.sampling.sampling_batch_info import SamplingBatchInfo
+
+
+@dataclass
+class SampleOutput:
+    """The round's choices: ``next_token_ids`` int64 ``[n]``.
+
+    ``logprobs`` float32 ``[n]`` is the chosen token's raw logprob (log_softmax of the unprocessed logits, as
+    vLLM's default and the OpenAI API); ``top_ids`` int64 / ``top_logprobs`` float32 ``[n, k]`` the ``k`` most
+    likely tokens under the same distribution, ``k`` the largest count any row asked for. ``None`` when no
+    row asked.
+    """
+
+    next_token_ids: torch.Tensor
+    logprobs: torch.Tensor | None
+    top_ids: torch.Tensor | None
+    top_logprobs: torch.Tensor | None
+
+
+def sample(logits: torch.Tensor, info: SamplingBatchInfo) -> SampleOutput:
+    """Sample one token per row of float32 ``logits`` ``[n, vocab]``.
+
+    Order: banned tokens (min_new_tokens) → temperature → top-k → top-p → min-p → draw. The draw is inverse-CDF
+    sampling with one counter-based uniform per row (:func:`uniform_from_counter`), so a row's token depends on
+    its own seed and position only. Greedy rows take the argmax (first index on ties, as ``torch.argmax``).
+    """
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if info.need_logprobs else None
+    if info.banned_rows.numel():
+        logits = logits.index_put(
+            (info.banned_rows, info.banned_ids), torch.tensor(float("-inf"), device=logits.device)
+        )
+    next_ids = torch.argmax(logits, dim=-1)
+    if not info.is_all_greedy:
+        next_ids = torch.where(info.greedy, next_ids, _draw(logits, info))
+    logprobs = top_ids = top_logprobs = None
+    if raw_logprobs is not None:
+        logprobs = raw_logprobs.gather(1, next_ids[:, None]).squeeze(1)
+        k = max(info.top_logprobs)
+        if k:
+            top_logprobs, top_ids = raw_logprobs.topk(k, dim=-1)
+    return SampleOutput(next_ids, logprobs, top_ids, top_logprobs)
+
+
+def _draw(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    """Sample from the temperature-scaled, truncated distribution of every row (greedy rows included, unused)."""
+    scaled = logits / info.temperatures[:, None]
+    if info.need_top_k:
+        kth = scaled.topk(int(info.top_ks.max()), dim=-1).values.gather(1, (info.top_ks - 1)[:, None])
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    order = None
+    if info.need_top_p:
+        probs, order = probs.sort(dim=-1, descending=True)
+        mass_before = probs.cumsum(dim=-1) - probs
+        # Keep the smallest prefix whose mass reaches top_p; the most likely token always stays.
+        probs = probs.masked_fill(mass_before >= info.top_ps[:, None], 0.0)
+    if info.need_min_p:
+        floor = probs.max(dim=-1, keepdim=True).values * info.min_ps[:, None]
+        probs = probs.masked_fill(probs < floor, 0.0)
+    cdf = probs.double().cumsum(dim=-1)
+    target = uniform_from_counter(info.seeds, info.steps) * cdf[:, -1]
+    picked = torch.searchsorted(cdf, target[:, None], right=True).squeeze(1).clamp_(max=logits.shape[-1] - 1)
+    return picked if order is None else order.gather(1, picked[:, None]).squeeze(1)

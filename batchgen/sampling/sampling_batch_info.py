@@ -1,0 +1,82 @@
+"""Per-round sampling parameters of every sampled row, as tensors (built once per round)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from batchgen.sampling.sampling_params import SamplingParams
+
+# Below this temperature a row is sampled greedily: dividing logits by it would overflow to inf (vLLM uses the
+# same threshold), and the distribution is one-hot to float precision anyway.
+GREEDY_TEMPERATURE = 1e-5
+
+
+@dataclass
+class SamplingBatchInfo:
+    """Sampling inputs for ``n`` rows.
+
+    Attributes:
+        temperatures, top_ps, min_ps: float32 ``[n]``; top_ks: int64 ``[n]`` (vocab size where top-k is off).
+        greedy: bool ``[n]``; is_all_greedy: host bool, lets the sampler skip everything but argmax.
+        seeds, steps: int64 ``[n]``: each row's seed and output position, from which its noise is derived.
+        banned_rows, banned_ids: int64 ``[m]`` pairs (row, token) masked to -inf before choosing a token
+            (EOS and stop ids while ``min_new_tokens`` is not reached).
+        top_logprobs: host list, how many top logprobs each row reports; need_logprobs: any row wants them.
+    """
+
+    temperatures: torch.Tensor
+    top_ps: torch.Tensor
+    top_ks: torch.Tensor
+    min_ps: torch.Tensor
+    greedy: torch.Tensor
+    is_all_greedy: bool
+    need_top_p: bool
+    need_top_k: bool
+    need_min_p: bool
+    seeds: torch.Tensor
+    steps: torch.Tensor
+    banned_rows: torch.Tensor
+    banned_ids: torch.Tensor
+    top_logprobs: list[int]
+    need_logprobs: bool
+
+    @classmethod
+    def from_params(
+        cls,
+        params: Sequence[SamplingParams],
+        seeds: Sequence[int],
+        steps: Sequence[int],
+        banned: Sequence[Sequence[int]],
+        vocab_size: int,
+        device: torch.device,
+    ) -> SamplingBatchInfo:
+        """Stack per-row parameters; ``banned[i]`` lists the token ids row ``i`` may not pick this round."""
+        greedy = [p.is_greedy or p.temperature < GREEDY_TEMPERATURE for p in params]
+        top_ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+        banned_rows = [i for i, ids in enumerate(banned) for _ in ids]
+        banned_ids = [t for ids in banned for t in ids]
+
+        def tensor(values: Sequence[float | int | bool], dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+        sampled = [p for p, g in zip(params, greedy) if not g]
+        return cls(
+            temperatures=tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)], torch.float32),
+            top_ps=tensor([p.top_p for p in params], torch.float32),
+            top_ks=tensor(top_ks, torch.int64),
+            min_ps=tensor([p.min_p for p in params], torch.float32),
+            greedy=tensor(greedy, torch.bool),
+            is_all_greedy=all(greedy),
+            need_top_p=any(p.top_p < 1.0 for p in sampled),
+            need_top_k=any(0 < p.top_k < vocab_size for p in sampled),
+            need_min_p=any(p.min_p > 0.0 for p in sampled),
+            seeds=tensor(seeds, torch.int64),
+            steps=tensor(steps, torch.int64),
+            banned_rows=tensor(banned_rows, torch.int64),
+            banned_ids=tensor(banned_ids, torch.int64),
+            top_logprobs=[p.top_logprobs if p.logprobs else 0 for p in params],
+            need_logprobs=any(p.logprobs for p in params),
+        )
