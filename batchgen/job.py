@@ -40,12 +40,14 @@ class RunSummary:
     prompt_tokens: int = 0
     output_tokens: int = 0
     seconds: float = 0.0
+    preemptions: int = 0
 
     def line(self) -> str:
         rate = self.output_tokens / self.seconds if self.seconds > 0 else 0.0
         return (
             f"batchgen: {self.requests} requests ({self.errors} errors), {self.prompt_tokens} prompt + "
-            f"{self.output_tokens} output tokens in {self.seconds:.1f} s, {rate:.1f} output tok/s"
+            f"{self.output_tokens} output tokens in {self.seconds:.1f} s, {rate:.1f} output tok/s, "
+            f"{self.preemptions} preemptions"
         )
 
 
@@ -160,11 +162,8 @@ class RunJob:
                 if self.progress:
                     elapsed = max(time.perf_counter() - start, 1e-9)
                     stats = self.engine.stats
-                    bar.set_postfix_str(
-                        f"prefill {stats.prefill_tokens / elapsed:.0f} tok/s, decode {stats.decode_tokens / elapsed:.0f}"
-                        " tok/s",
-                        refresh=False,
-                    )
+                    prefill, decode = stats.prefill_tokens / elapsed, stats.decode_tokens / elapsed
+                    bar.set_postfix_str(f"prefill {prefill:.0f} tok/s, decode {decode:.0f} tok/s", refresh=False)
                 if len(self._pending_rows) >= FLUSH_EVERY_ROWS or time.monotonic() - last_flush > FLUSH_EVERY_SECONDS:
                     writer.write(self._pending_rows)
                     self._pending_rows = []
@@ -176,6 +175,7 @@ class RunJob:
             writer.close()
             bar.close()
         self.summary.seconds = time.perf_counter() - start
+        self.summary.preemptions = self.engine.scheduler.num_retracted
         return self.summary
 
     def _finish(self, req: Req, bar: tqdm) -> None:

@@ -96,9 +96,12 @@ class KVSlotAllocator:
         return slots
 
     def free(self, slots: torch.Tensor) -> None:
-        """Give back ``slots``; merged lazily, since requests finish one at a time but allocate in batches."""
+        """Give back ``slots``; merged lazily, since requests finish one at a time but allocate in batches.
+
+        The slots are copied: callers pass views of ``req_to_token``, whose row is reused right away.
+        """
         if slots.numel():
-            self._pending.append(slots.cpu())
+            self._pending.append(slots.to("cpu", copy=True))
 
     def _merge(self) -> None:
         self._free = torch.cat([self._free, *self._pending])

@@ -1,0 +1,151 @@
+"""Shared fixtures: tiny random-weight models of every supported architecture, the stories260k model, and a
+helper that runs ``batchgen run`` in-process."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MistralConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen3Config,
+)
+from typer.testing import CliRunner
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(2)
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED = REPO.parent / "shared"
+STORIES = SHARED / "models" / "stories260k"
+GREEDY_REFERENCE = SHARED / "models" / "greedy_reference.json"
+
+needs_shared = pytest.mark.skipif(
+    not STORIES.exists(), reason="needs ../shared/models (the workplace's shared folder; not in a fresh clone)"
+)
+
+_CORPUS = [
+    "Once upon a time there was a little girl named Lily who loved to play in the park.",
+    "The quick brown fox jumps over the lazy dog while the cat sleeps by the fire.",
+    "Numbers like 12345 and symbols such as #, %, & and emoji 🙂 appear in text too.",
+    "Café, naïve and jalapeño use accents; 日本語 and русский use other scripts.",
+] * 4
+
+
+def build_tokenizer(out_dir: Path) -> PreTrainedTokenizerFast:
+    """A byte-level BPE (GPT-2 style) trained on a tiny corpus: 256 bytes + merges + <s>, </s>; adds BOS."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(_CORPUS, trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="</s>")
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+ARCH_CONFIGS: dict[str, Callable[..., Any]] = {
+    "llama": LlamaConfig,
+    "mistral": MistralConfig,
+    "qwen2": Qwen2Config,
+    "qwen3": Qwen3Config,
+}
+
+
+def build_random_model(out_dir: Path, arch: str, seed: int = 0, **overrides: Any) -> Path:
+    """Save a random-weight model of ``arch`` (hidden 64, 2 layers, GQA 4/2 heads) with our test tokenizer."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(out_dir)
+    kwargs: dict[str, Any] = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        vocab_size=len(tokenizer),
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=1,
+        rms_norm_eps=1e-5,
+    )
+    if arch in ("qwen2", "qwen3"):
+        kwargs["head_dim"] = 16
+    kwargs.update(overrides)
+    config = ARCH_CONFIGS[arch](**kwargs)
+    config.architectures = [type(AutoModelForCausalLM.from_config(config)).__name__]
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        # Larger-than-default weights give peaked next-token distributions, so greedy paths have clear margins.
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.08)
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def random_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """arch name → directory of a saved tiny random model."""
+    root = tmp_path_factory.mktemp("models")
+    return {arch: build_random_model(root / arch, arch) for arch in ARCH_CONFIGS}
+
+
+def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    return path
+
+
+def run_cli(args: list[str]) -> tuple[int, str]:
+    """Run ``batchgen`` in this process; return (exit code, stderr + stdout)."""
+    from batchgen.cli import app
+
+    result = CliRunner().invoke(app, args)
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return result.exit_code, result.output
+
+
+def read_rows(path: Path) -> dict[str, dict[str, Any]]:
+    """Output rows by id."""
+    from batchgen.io.writer import read_results
+
+    return {r["id"]: r for r in read_results(path).to_pylist()}
+
+
+def generate(dataset: Path, out: Path, model: Path | str, *extra: str) -> dict[str, dict[str, Any]]:
+    """``batchgen run`` in fp32 on CPU, asserting success; the rows by id."""
+    code, output = run_cli(
+        [
+            "run",
+            str(dataset),
+            "--out",
+            str(out),
+            "--model",
+            str(model),
+            "--dtype",
+            "float32",
+            "--device",
+            "cpu",
+            "--no-progress",
+            "--overwrite",
+            *extra,
+        ]
+    )
+    assert code == 0, output
+    return read_rows(out)
