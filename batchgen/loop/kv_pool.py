@@ -39,7 +39,9 @@ class ReqToTokenPool:
 class TokenToKVPool:
     """Per-layer K and V buffers, each ``[num_layers, size + 1, num_kv_heads, head_dim]`` in ``dtype``.
 
-    Slot 0 is the dummy slot that padded tokens write to.
+    Slot 0 is the dummy slot that padded tokens write to and masked positions read from; it is zeroed. The
+    rest is left uninitialised: every other slot is written before it is read, and untouched memory is never
+    committed by the OS, so a generously sized pool costs only what the run uses.
     """
 
     def __init__(
@@ -53,8 +55,10 @@ class TokenToKVPool:
     ) -> None:
         self.size = size
         shape = (num_layers, size + 1, num_kv_heads, head_dim)
-        self.k_buffer = torch.zeros(shape, dtype=dtype, device=device)
-        self.v_buffer = torch.zeros(shape, dtype=dtype, device=device)
+        self.k_buffer = torch.empty(shape, dtype=dtype, device=device)
+        self.v_buffer = torch.empty(shape, dtype=dtype, device=device)
+        self.k_buffer[:, 0].zero_()
+        self.v_buffer[:, 0].zero_()
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -83,26 +87,23 @@ class KVSlotAllocator:
         return int(self._free.numel()) + sum(int(t.numel()) for t in self._pending)
 
     def alloc(self, n: int) -> torch.Tensor:
-        """Take ``n`` free slots (int64 ``[n]``).
+        """Take ``n`` free slots (int64 ``[n]``), recently freed ones first so the pool's memory stays warm.
 
         Raises:
             RuntimeError: when fewer than ``n`` are free.
         """
-        if n > self._free.numel() and self._pending:
-            self._merge()
+        if self._pending:
+            self._free = torch.cat([*self._pending, self._free])
+            self._pending.clear()
         if n > self._free.numel():
             raise RuntimeError(f"KV pool exhausted: asked {n}, {self._free.numel()} free")
         slots, self._free = self._free[:n], self._free[n:]
         return slots
 
     def free(self, slots: torch.Tensor) -> None:
-        """Give back ``slots``; merged lazily, since requests finish one at a time but allocate in batches.
+        """Give back ``slots``; merged at the next :meth:`alloc`, since requests finish one at a time.
 
         The slots are copied: callers pass views of ``req_to_token``, whose row is reused right away.
         """
         if slots.numel():
             self._pending.append(slots.to("cpu", copy=True))
-
-    def _merge(self) -> None:
-        self._free = torch.cat([self._free, *self._pending])
-        self._pending.clear()

@@ -66,8 +66,9 @@ class TorchNativeAttnBackend(AttentionBackend):
         fb = forward_batch
         req_to_token = fb.req_to_token_pool.req_to_token
         if fb.forward_mode.is_decode():
-            single = _single_token_rows(req_to_token, fb.req_pool_indices, fb.seq_lens, fb.max_seq_len, None)
-            self.metadata = _Metadata(single, [])
+            self.metadata = _Metadata(
+                _single_token_rows(req_to_token, fb.req_pool_indices, fb.seq_lens, fb.max_seq_len, None), []
+            )
             return
         assert fb.extend_seq_lens_cpu is not None and fb.extend_prefix_lens_cpu is not None
         single_rows: list[int] = []
@@ -87,7 +88,7 @@ class TorchNativeAttnBackend(AttentionBackend):
                     mask = torch.arange(seq_len, device=req_to_token.device)[None, :] <= q_pos[:, None]
                 multi.append(_MultiTokenRow(q_start, extend, kv_indices, mask))
             q_start += extend
-        single = None
+        single: _SingleTokenRows | None = None
         if single_rows:
             device = req_to_token.device
             rows = torch.tensor(single_rows, device=device)
