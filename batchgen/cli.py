@@ -102,7 +102,9 @@ def run(
         _ENGINE_DEFAULTS.attention_backend, help=f"One of {', '.join(ATTENTION_BACKENDS)}."
     ),
     enable_mixed_chunk: bool = typer.Option(
-        _ENGINE_DEFAULTS.enable_mixed_chunk, help="Run prefill chunks and decodes in one forward."
+        _ENGINE_DEFAULTS.enable_mixed_chunk,
+        "--enable-mixed-chunk/--disable-mixed-chunk",
+        help="Run prefill chunks and decodes in one forward.",
     ),
     on_error: str = typer.Option("fail", help="fail: report bad rows and exit 2 at the end; skip: write them."),
     overwrite: bool = typer.Option(False, help="Replace an existing output file."),

@@ -15,11 +15,11 @@ def continuation_text(tokenizer: Any, prompt_ids: Sequence[int], output_ids: Seq
 
     This is the text as it reads after the prompt, with its leading space, which decoding the output alone
     would drop. Where the prompt ends inside a character (its decode ends in U+FFFD that the output completes),
-    the longest common prefix is removed instead.
+    the longest common prefix is removed instead. The whole prompt is decoded, once per request: some decoders
+    (byte fallback) replace a whole run of byte tokens when any of it is invalid, so no shorter window is exact.
     """
-    context = list(prompt_ids[-_CONTEXT_TOKENS:])
-    before = tokenizer.decode(context, skip_special_tokens=skip_special)
-    full = tokenizer.decode(context + list(output_ids), skip_special_tokens=skip_special)
+    before = tokenizer.decode(list(prompt_ids), skip_special_tokens=skip_special)
+    full = tokenizer.decode(list(prompt_ids) + list(output_ids), skip_special_tokens=skip_special)
     if full.startswith(before):
         return full[len(before) :]
     return full[_common_prefix_len(before, full) :]
@@ -28,11 +28,11 @@ def continuation_text(tokenizer: Any, prompt_ids: Sequence[int], output_ids: Seq
 class IncrementalDetokenizer:
     """Keeps the continuation text of one request up to date as tokens arrive, decoding a short window only.
 
-    Each step decodes ``ids[prefix_offset:]`` and ``ids[prefix_offset:read_offset]`` and appends the
-    difference (the offset scheme of vLLM's and SGLang's detokenizers). Text is committed only when it does
-    not end in U+FFFD: a character whose bytes span several tokens appears whole once its last byte arrives,
-    never as replacement characters (the fault of vLLM #8627). :meth:`finish` commits whatever is left, so
-    invalid bytes the model really produced stay visible.
+    Used to find stop strings as text appears. Each step decodes ``ids[prefix_offset:]`` and
+    ``ids[prefix_offset:read_offset]`` and appends the difference (the offset scheme of vLLM's and SGLang's
+    detokenizers). Text is committed only when it does not end in U+FFFD: a character whose bytes span several
+    tokens appears whole once its last byte arrives, never as replacement characters (the fault of vLLM
+    #8627). A request's final ``text`` is :func:`continuation_text` unless a stop string cut it here.
     """
 
     def __init__(self, tokenizer: Any, prompt_ids: Sequence[int], skip_special: bool) -> None:
@@ -59,13 +59,6 @@ class IncrementalDetokenizer:
         self.text += pending
         # The tokens just read become the left context of the next window.
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        return pending
-
-    def finish(self) -> str:
-        """Commit the remaining text, including a trailing incomplete character; return it."""
-        pending = self._pending_text()
-        self.text += pending
-        self.prefix_offset = self.read_offset = len(self.ids)
         return pending
 
 

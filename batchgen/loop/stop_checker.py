@@ -36,10 +36,5 @@ def append_token(req: Req, token_id: int, logprob: float | None, top: list[tuple
 
 def finalize_text(req: Req, tokenizer: Any) -> None:
     """Set ``req.text`` for a finished request (already set when a stop string cut it)."""
-    if req.text is not None:
-        return
-    if req.detokenizer is not None:
-        req.detokenizer.finish()
-        req.text = req.detokenizer.text
-    else:
+    if req.text is None:
         req.text = continuation_text(tokenizer, req.prompt_ids, req.output_ids, req.params.skip_special_tokens)

@@ -1,0 +1,95 @@
+"""KV accounting, the slot allocator, ForwardMode predicates and the scheduler's round building."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+from conftest import write_jsonl
+
+from batchgen.io.reader import RowReader
+from batchgen.io.rows import parse_row
+from batchgen.loop.engine import Engine
+from batchgen.loop.forward_batch import ForwardBatch
+from batchgen.loop.forward_mode import ForwardMode
+from batchgen.loop.kv_pool import KVSlotAllocator
+from batchgen.loop.options import EngineOptions
+from batchgen.loop.request_builder import RequestBuilder
+from batchgen.sampling.sampling_params import SamplingParams
+
+
+def test_freed_slots_are_copied_not_aliased() -> None:
+    allocator = KVSlotAllocator(8)
+    slots = allocator.alloc(3)
+    table = torch.zeros(5, dtype=torch.int64)
+    table[:3] = slots
+    allocator.free(table[:3])
+    table[:3] = 99  # the request row is reused right away
+    assert sorted(allocator.alloc(8).tolist()) == list(range(1, 9))
+
+
+def test_allocator_never_hands_out_slot_zero_and_refuses_overdraft() -> None:
+    allocator = KVSlotAllocator(4)
+    assert 0 not in allocator.alloc(4).tolist()
+    assert allocator.available() == 0
+    try:
+        allocator.alloc(1)
+    except RuntimeError as e:
+        assert "exhausted" in str(e)
+    else:
+        raise AssertionError("allocating from an empty pool must fail")
+
+
+def test_forward_mode_predicates() -> None:
+    assert ForwardMode.EXTEND.is_extend() and ForwardMode.MIXED.is_extend() and ForwardMode.DRAFT_EXTEND.is_extend()
+    assert not ForwardMode.DECODE.is_extend() and ForwardMode.DECODE.is_decode()
+    assert ForwardMode.IDLE.is_decode_or_idle() and ForwardMode.TARGET_VERIFY.is_target_verify()
+    assert ForwardMode.MIXED.is_mixed() and not ForwardMode.EXTEND.is_mixed()
+
+
+def _engine_with_requests(model_dir: Path, tmp_path: Path, **options: object) -> tuple[Engine, int]:
+    engine = Engine(EngineOptions(model=str(model_dir), dtype="float32", device="cpu", **options))  # type: ignore[arg-type]
+    rng = random.Random(3)
+    rows = [
+        {
+            "id": str(i),
+            "prompt_token_ids": [0] + [rng.randrange(2, 300) for _ in range(rng.randrange(1, 60))],
+            "max_new_tokens": rng.randrange(1, 20),
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        for i in range(24)
+    ]
+    reader = RowReader(write_jsonl(tmp_path / "p.jsonl", rows))
+    builder = RequestBuilder(
+        engine.tokenizer, engine.vocab_size, engine.context_len, engine.eos_token_ids, SamplingParams(), run_seed=0
+    )
+    for order, item in enumerate(reader):
+        assert not isinstance(item, Exception)
+        engine.add(builder.build(parse_row(item, reader.source, reader.passthrough_schema), reader.source, order))
+    return engine, len(rows)
+
+
+def test_every_kv_slot_is_free_after_a_run_with_preemption(random_models: dict[str, Path], tmp_path: Path) -> None:
+    engine, num_rows = _engine_with_requests(
+        random_models["llama"], tmp_path, max_total_tokens=120, chunked_prefill_size=16, max_running_requests=8
+    )
+    modes: set[ForwardMode] = set()
+    finished = []
+    while engine.has_work():
+        batch = engine.scheduler.next_batch()
+        assert batch is not None
+        modes.add(batch.forward_mode)
+        # The scheduler never plans a round the pool cannot hold.
+        assert sum(batch.extend_lens) <= engine.allocator.available()
+        worker = batch.prepare(engine.runner.req_to_token_pool, engine.allocator, engine.vocab_size, engine.device)
+        logits = engine.runner.forward(ForwardBatch.init_new(worker, engine.runner))
+        finished += engine.scheduler.process_result(batch, engine.runner.sample(logits, worker.sampling_info))
+    assert len(finished) == num_rows
+    assert engine.scheduler.num_retracted > 0
+    assert {ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED} <= modes
+    assert engine.allocator.available() == 120
+    assert engine.runner.req_to_token_pool.available() == 8
+    for req in finished:
+        assert len(req.output_ids) == req.params.max_new_tokens
