@@ -112,3 +112,29 @@ def test_greedy_equals_hf_with_chunking_and_preemption(
     _check_against_hf(model_dir, rows, read_rows(tmp_path / "a.arrow"))
     one_at_a_time = generate(dataset, tmp_path / "b.arrow", model_dir, "--max-running-requests", "1")
     _check_against_hf(model_dir, rows, one_at_a_time)
+
+
+def test_seeded_sampling_is_independent_of_batching_and_preemption(
+    random_models: dict[str, Path], tmp_path: Path
+) -> None:
+    rows = [
+        {
+            "id": f"r{i}",
+            "prompt_token_ids": [0] + list(range(2 + i, 2 + i + 3 * i + 1)),
+            "max_new_tokens": 12,
+            "temperature": 1.0,
+            "top_p": 0.9,
+            "seed": i,
+            "ignore_eos": True,
+        }
+        for i in range(12)
+    ]
+    dataset = write_jsonl(tmp_path / "p.jsonl", rows)
+    model = random_models["qwen2"]
+    alone = generate(dataset, tmp_path / "a.arrow", model, "--max-running-requests", "1")
+    squeezed = generate(dataset, tmp_path / "b.arrow", model, "--max-total-tokens", "60", "--chunked-prefill-size", "8")
+    for row in rows:
+        assert alone[row["id"]]["output_token_ids"] == squeezed[row["id"]]["output_token_ids"]
+        assert len(alone[row["id"]]["output_token_ids"]) == 12
+    # Different seeds really give different samples (the test would be vacuous otherwise).
+    assert len({tuple(r["output_token_ids"]) for r in alone.values()}) > 6
