@@ -45,3 +45,28 @@ def test_default_model_runs_the_examples(tmp_path: Path) -> None:
     assert "Paris" in rows["chat"]["text"]
     assert all(len(t) == 3 for t in rows["chat"]["top_logprobs"])
     assert rows["tokens"]["category"] == "raw ids"
+
+
+@needs_shared
+def test_stories260k_bfloat16_equals_reference(tmp_path: Path) -> None:
+    expected = REFERENCE["stories260k|bfloat16"]
+    dataset = write_jsonl(tmp_path / "p.jsonl", [{"id": "s", "prompt": "Once upon a time", "max_new_tokens": 40}])
+    code, output = run_cli(
+        [
+            "run",
+            str(dataset),
+            "--out",
+            str(tmp_path / "o.arrow"),
+            "--model",
+            str(STORIES),
+            "--dtype",
+            "bfloat16",
+            "--temperature",
+            "0",
+            "--no-progress",
+        ]
+    )
+    assert code == 0, output
+    from conftest import read_rows
+
+    assert read_rows(tmp_path / "o.arrow")["s"]["output_token_ids"] == expected["new_ids"]

@@ -138,3 +138,53 @@ def test_seeded_sampling_is_independent_of_batching_and_preemption(
         assert len(alone[row["id"]]["output_token_ids"]) == 12
     # Different seeds really give different samples (the test would be vacuous otherwise).
     assert len({tuple(r["output_token_ids"]) for r in alone.values()}) > 6
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+            "rope_theta": 500000.0,
+        },
+        {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+        {"tie_word_embeddings": True},
+    ],
+    ids=["llama3-rope", "linear-rope", "tied-embeddings"],
+)
+def test_llama_variants_equal_hf(overrides: dict[str, Any], tmp_path: Path) -> None:
+    from conftest import build_random_model
+
+    model_dir = build_random_model(tmp_path / "model", "llama", seed=1, **overrides)
+    rows = _prompts(vocab=300)[::3]
+    dataset = write_jsonl(tmp_path / "prompts.jsonl", rows)
+    _check_against_hf(
+        model_dir, rows, generate(dataset, tmp_path / "out.arrow", model_dir, "--chunked-prefill-size", "16")
+    )
+
+
+def test_unsupported_architecture_is_one_line_error(random_models: dict[str, Path], tmp_path: Path) -> None:
+    import json
+    import shutil
+
+    from conftest import run_cli
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(random_models["llama"], model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (model_dir / "config.json").write_text(json.dumps(config))
+    dataset = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi"}])
+    code, output = run_cli(["run", str(dataset), "--out", str(tmp_path / "o.arrow"), "--model", str(model_dir)])
+    assert code == 2
+    assert (
+        "unsupported model architecture ['GPT2LMHeadModel']; supported: LlamaForCausalLM, MistralForCausalLM, "
+        "Qwen2ForCausalLM, Qwen3ForCausalLM" in output
+    )
+    assert "Traceback" not in output

@@ -30,7 +30,9 @@ def rope_inverse_frequencies(hf_config: Any, head_dim: int) -> tuple[torch.Tenso
         theta = float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim))
         return inv_freq, 1.0
-    inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+    # The model is built under a meta-device context; these tables must hold real numbers.
+    with torch.device("cpu"):
+        inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
     return inv_freq.float(), float(scale)
 
 
