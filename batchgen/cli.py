@@ -21,6 +21,8 @@ app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_show_locals=False,
+    # Plain help: the rich layout truncates long flag names in an 80-column terminal.
+    rich_markup_mode=None,
     help="Offline batch generation for Hugging Face-format causal LMs.",
 )
 
@@ -48,23 +50,32 @@ def _load_config(ctx: typer.Context, _param: typer.CallbackParam, value: Path | 
     """Eager ``--config`` callback: the YAML's keys become the command's defaults (flags still override)."""
     if value is None:
         return None
+    with user_errors():
+        ctx.default_map = {**(ctx.default_map or {}), **_read_config(value, {p.name for p in ctx.command.params})}
+    return value
+
+
+def _read_config(path: Path, known: set[str | None]) -> dict[str, Any]:
+    """Option defaults from a YAML mapping whose keys are long flag names (``max-new-tokens`` or ``max_new_tokens``).
+
+    Raises:
+        BatchgenError: unreadable file, invalid YAML, not a mapping, or an unknown option.
+    """
     try:
-        data = yaml.safe_load(value.read_text())
+        data = yaml.safe_load(path.read_text())
     except (OSError, yaml.YAMLError) as e:
-        raise typer.BadParameter(f"cannot read {value}: {e}") from None
+        raise BatchgenError(f"{path}: cannot read config: {' '.join(str(e).split())}") from None
     if data is None:
-        data = {}
+        return {}
     if not isinstance(data, dict):
-        raise typer.BadParameter(f"{value}: expected a mapping of option names to values")
-    known = {p.name for p in ctx.command.params if p.name}
+        raise BatchgenError(f"{path}: expected a mapping of option names to values")
     defaults: dict[str, Any] = {}
     for key, item in data.items():
         name = str(key).replace("-", "_")
         if name not in known or name == "config":
-            raise typer.BadParameter(f"{value}: unknown option '{key}'")
+            raise BatchgenError(f"{path}: unknown option '{key}'")
         defaults[name] = item
-    ctx.default_map = {**(ctx.default_map or {}), **defaults}
-    return value
+    return defaults
 
 
 @app.command()

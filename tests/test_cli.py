@@ -1,0 +1,354 @@
+"""The ``batchgen run`` command line: help, ``--config`` files, output formats and their metadata, pass-through
+fields, chat rows, and the summary line."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.json as pajson
+import pyarrow.parquet as pq
+import pytest
+import typer
+from conftest import run_cli, write_jsonl
+from transformers import AutoTokenizer
+from typer.testing import CliRunner
+
+import batchgen
+from batchgen.cli import app
+
+COMMON = ["--dtype", "float32", "--device", "cpu", "--no-progress"]
+SUMMARY = re.compile(
+    r"^batchgen: (\d+) requests \((\d+) errors\), (\d+) prompt \+ (\d+) output tokens in ([\d.]+) s, "
+    r"([\d.]+) output tok/s, (\d+) preemptions$"
+)
+# Every flag of `batchgen run`, as a user types it.
+RUN_FLAGS = {
+    "--out",
+    "-o",
+    "--model",
+    "--config",
+    "--dtype",
+    "--device",
+    "--max-new-tokens",
+    "--min-new-tokens",
+    "--temperature",
+    "--top-p",
+    "--top-k",
+    "--min-p",
+    "--stop",
+    "--stop-token-ids",
+    "--ignore-eos",
+    "--no-ignore-eos",
+    "--skip-special-tokens",
+    "--no-skip-special-tokens",
+    "--logprobs",
+    "--no-logprobs",
+    "--top-logprobs",
+    "--seed",
+    "--context-length",
+    "--max-total-tokens",
+    "--mem-fraction",
+    "--chunked-prefill-size",
+    "--max-prefill-tokens",
+    "--max-running-requests",
+    "--attention-backend",
+    "--enable-mixed-chunk",
+    "--disable-mixed-chunk",
+    "--on-error",
+    "--overwrite",
+    "--no-overwrite",
+    "--progress",
+    "--no-progress",
+    "--help",
+}
+
+
+def _run(dataset: Path, out: Path, model: Path, *extra: str) -> tuple[int, list[str]]:
+    code, output = run_cli(["run", str(dataset), "--out", str(out), "--model", str(model), *COMMON, *extra])
+    assert "Traceback" not in output, output
+    return code, [line for line in output.splitlines() if line.strip()]
+
+
+def _rows(table: pa.Table) -> list[dict[str, Any]]:
+    return sorted(table.to_pylist(), key=lambda r: r["id"])
+
+
+@pytest.fixture(scope="module")
+def model(random_models: dict[str, Path]) -> Path:
+    return random_models["llama"]
+
+
+# --- help -------------------------------------------------------------------------------------------------
+
+
+def test_run_command_has_exactly_the_documented_flags() -> None:
+    command = typer.main.get_command(app).commands["run"]  # type: ignore[attr-defined]
+    flags = {flag for param in command.params for flag in (*param.opts, *param.secondary_opts) if flag.startswith("-")}
+    flags.add("--help")
+    assert flags == RUN_FLAGS
+
+
+@pytest.mark.parametrize("columns", [80, 200])
+def test_run_help_lists_every_option(columns: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # 80 columns is the usual terminal; every flag must be readable in full there, not cut to "--max-total-tok…".
+    monkeypatch.setenv("COLUMNS", str(columns))
+    result = CliRunner().invoke(app, ["run", "--help"])
+    assert result.exit_code == 0, result.output
+    shown = set(re.findall(r"(?<![\w-])(--?[a-z][a-z-]*)", result.output))
+    assert sorted(RUN_FLAGS - shown) == []
+
+
+def test_python_m_batchgen_help() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "batchgen", "--help"], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert "Offline batch generation for Hugging Face-format causal LMs." in result.stdout
+    assert re.search(r"^\W*run\b", result.stdout, re.MULTILINE), result.stdout
+    assert "Traceback" not in result.stderr
+
+
+# --- --config ---------------------------------------------------------------------------------------------
+
+
+def test_config_sets_defaults_and_flags_override_it(model: Path, tmp_path: Path) -> None:
+    dataset = write_jsonl(
+        tmp_path / "in.jsonl", [{"id": "a", "prompt": "Once upon a time"}, {"id": "b", "prompt": "The"}]
+    )
+    config = tmp_path / "run.yaml"
+    # Keys as the long flags (dashes) or as Python names (underscores).
+    config.write_text("max-new-tokens: 3\ntemperature: 0\nignore_eos: true\ntop-logprobs: 2\n")
+
+    code, lines = _run(dataset, tmp_path / "config.arrow", model, "--config", str(config))
+    assert code == 0, lines
+    from_config = {r["id"]: r for r in pa.ipc.open_file(tmp_path / "config.arrow").read_all().to_pylist()}
+    assert {rid: r["completion_tokens"] for rid, r in from_config.items()} == {"a": 3, "b": 3}
+    assert all(len(r["top_logprobs"]) == 3 for r in from_config.values())
+
+    code, lines = _run(dataset, tmp_path / "flag.arrow", model, "--config", str(config), "--max-new-tokens", "5")
+    assert code == 0, lines
+    table = pa.ipc.open_file(tmp_path / "flag.arrow").read_all()
+    from_flag = {r["id"]: r for r in table.to_pylist()}
+    assert {rid: r["completion_tokens"] for rid, r in from_flag.items()} == {"a": 5, "b": 5}
+    # The rest of the config still applies: greedy (so the 5 tokens extend the 3), ignore_eos, top_logprobs 2.
+    for rid in ("a", "b"):
+        assert from_flag[rid]["output_token_ids"][:3] == from_config[rid]["output_token_ids"]
+        assert all(len(step) == 2 for step in from_flag[rid]["top_logprobs"])
+    defaults = json.loads(table.schema.metadata[b"batchgen.sampling_defaults"])
+    assert (defaults["max_new_tokens"], defaults["temperature"], defaults["ignore_eos"], defaults["top_logprobs"]) == (
+        5,
+        0.0,
+        True,
+        2,
+    )
+
+
+def test_config_unknown_key_names_it(model: Path, tmp_path: Path) -> None:
+    dataset = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "x"}])
+    config = tmp_path / "c.yaml"
+    config.write_text("max-new-tokens: 3\nmax_tokens: 3\n")
+    code, output = run_cli(["run", str(dataset), "--out", str(tmp_path / "o.arrow"), "--config", str(config)])
+    assert code == 2
+    assert "unknown option 'max_tokens'" in " ".join(output.replace("│", " ").split())
+    assert "Traceback" not in output
+    assert not (tmp_path / "o.arrow").exists()
+
+
+# --- output formats and metadata --------------------------------------------------------------------------
+
+FORMAT_ROWS = [
+    {"id": "a", "prompt": "Once upon a time"},
+    {"id": "b", "prompt_token_ids": [0, 45, 71, 80, 90], "max_new_tokens": 3},
+    {"id": "c", "prompt": "Café, naïve and jalapeño", "top_logprobs": 1},
+]
+FORMAT_FLAGS = [
+    "--max-new-tokens",
+    "4",
+    "--temperature",
+    "0",
+    "--top-p",
+    "0.9",
+    "--top-k",
+    "5",
+    "--min-p",
+    "0.05",
+    "--ignore-eos",
+    "--top-logprobs",
+    "2",
+]
+
+
+@pytest.fixture(scope="module")
+def formats(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The same dataset and flags written as .arrow, .parquet and .jsonl."""
+    work = tmp_path_factory.mktemp("formats")
+    dataset = write_jsonl(work / "in.jsonl", FORMAT_ROWS)
+    outs = {}
+    for suffix in ("arrow", "parquet", "jsonl"):
+        out = work / f"out.{suffix}"
+        code, lines = _run(dataset, out, model, *FORMAT_FLAGS)
+        assert code == 0, lines
+        outs[suffix] = out
+    return outs
+
+
+def test_output_formats_hold_the_same_rows(formats: dict[str, Path]) -> None:
+    arrow = pa.ipc.open_file(formats["arrow"]).read_all()
+    parquet = pq.read_table(formats["parquet"])
+    jsonl = pajson.read_json(formats["jsonl"])
+    assert parquet.schema.names == arrow.schema.names
+    assert set(jsonl.schema.names) == set(arrow.schema.names)
+    assert len(formats["jsonl"].read_text().splitlines()) == 3
+    rows = _rows(arrow)
+    assert _rows(parquet) == rows
+    assert _rows(jsonl) == rows
+    # Concrete content: flags as defaults, row fields win; greedy, so the chosen token is the raw top-1.
+    assert [(r["id"], r["completion_tokens"], r["finish_reason"]) for r in rows] == [
+        ("a", 4, "length"),
+        ("b", 3, "length"),
+        ("c", 4, "length"),
+    ]
+    assert [r["prompt_tokens"] for r in rows][1] == 5
+    for r in rows:
+        assert len(r["output_token_ids"]) == len(r["output_logprobs"]) == r["completion_tokens"]
+        assert [len(step) for step in r["top_logprobs"]] == [1 if r["id"] == "c" else 2] * r["completion_tokens"]
+        assert [step[0]["id"] for step in r["top_logprobs"]] == r["output_token_ids"]
+        assert [step[0]["logprob"] for step in r["top_logprobs"]] == pytest.approx(r["output_logprobs"], abs=1e-6)
+        assert r["error"] is None and r["matched_stop"] is None
+
+
+def test_arrow_and_parquet_schema_metadata(formats: dict[str, Path], model: Path) -> None:
+    expected_defaults = {
+        "max_new_tokens": 4,
+        "min_new_tokens": 0,
+        "temperature": 0.0,
+        "top_p": 0.9,
+        "top_k": 5,
+        "min_p": 0.05,
+        "stop": [],
+        "stop_token_ids": [],
+        "ignore_eos": True,
+        "seed": None,
+        "skip_special_tokens": True,
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
+    for schema in (pa.ipc.open_file(formats["arrow"]).schema, pq.read_schema(formats["parquet"])):
+        meta = {k.decode(): v.decode() for k, v in schema.metadata.items()}
+        assert meta["batchgen.model"] == str(model)
+        assert meta["batchgen.dtype"] == "float32"
+        assert meta["batchgen.version"] == batchgen.__version__ == version("batchgen")
+        assert meta["batchgen.logprobs_mode"] == "raw"
+        assert json.loads(meta["batchgen.sampling_defaults"]) == expected_defaults
+
+
+# --- pass-through fields ----------------------------------------------------------------------------------
+
+
+def test_passthrough_fields_come_back_unchanged(model: Path, tmp_path: Path) -> None:
+    rows = [
+        {
+            "id": "a",
+            "prompt": "Once upon a time",
+            "source": "wiki",
+            "n": 7,
+            "nested": [[1, 2], [3]],
+            "meta": {"k": "v", "x": 1.5},
+            "text": "original",
+        },
+        {"id": 42, "prompt": "The", "source": "news", "n": -3, "nested": [[], [4, 5, 6]], "meta": {"k": "w", "x": 0.0}},
+        {"id": "c", "prompt": "The"},
+    ]
+    dataset = write_jsonl(tmp_path / "in.jsonl", rows)
+    code, lines = _run(dataset, tmp_path / "out.arrow", model, "--max-new-tokens", "2", "--temperature", "0")
+    assert code == 0, lines
+    table = pa.ipc.open_file(tmp_path / "out.arrow").read_all()
+    got = {r["id"]: r for r in table.to_pylist()}
+    assert sorted(got) == ["42", "a", "c"]
+    fields = ("source", "n", "nested", "meta", "input_text")
+    assert [got["a"][f] for f in fields] == ["wiki", 7, [[1, 2], [3]], {"k": "v", "x": 1.5}, "original"]
+    assert [got["42"][f] for f in fields] == ["news", -3, [[], [4, 5, 6]], {"k": "w", "x": 0.0}, None]
+    assert [got["c"][f] for f in fields] == [None] * 5
+    # `text` is an output column: the input's `text` comes back as `input_text`, the generated text stays `text`.
+    assert got["a"]["text"] != "original" and got["a"]["completion_tokens"] == 2
+    assert table.schema.field("n").type == pa.int64()
+    assert table.schema.field("nested").type == pa.list_(pa.list_(pa.int64()))
+
+
+# --- chat rows --------------------------------------------------------------------------------------------
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+def test_messages_use_the_chat_template(model: Path, tmp_path: Path) -> None:
+    chat_model = tmp_path / "chat_model"
+    shutil.copytree(model, chat_model)
+    tokenizer = AutoTokenizer.from_pretrained(chat_model)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(chat_model)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Once upon a time"}]
+    rendered = "<s>system: Be brief.\nuser: Once upon a time\nassistant:"
+    expected_ids = tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    assert expected_ids[0] == 0 and expected_ids.count(0) == 1  # the template's BOS, once
+    params = {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}
+    rows = [{"id": "chat", "messages": messages, **params}, {"id": "ids", "prompt_token_ids": expected_ids, **params}]
+    dataset = write_jsonl(tmp_path / "in.jsonl", rows)
+    code, lines = _run(dataset, tmp_path / "out.arrow", chat_model)
+    assert code == 0, lines
+    got = {r["id"]: r for r in pa.ipc.open_file(tmp_path / "out.arrow").read_all().to_pylist()}
+    assert got["chat"]["prompt_tokens"] == len(expected_ids) == got["ids"]["prompt_tokens"]
+    assert got["chat"]["completion_tokens"] == 5
+    assert got["chat"]["output_token_ids"] == got["ids"]["output_token_ids"]
+    assert got["chat"]["text"] == got["ids"]["text"]
+
+
+def test_messages_without_chat_template_is_a_row_error(model: Path, tmp_path: Path) -> None:
+    rows = [
+        {"id": "good", "prompt": "Once upon a time", "max_new_tokens": 2},
+        {"id": "chat", "messages": [{"role": "user", "content": "hi"}]},
+    ]
+    dataset = write_jsonl(tmp_path / "in.jsonl", rows)
+    code, lines = _run(dataset, tmp_path / "out.arrow", model)
+    assert code == 2
+    assert (
+        f"batchgen: error: {dataset}:2: field 'messages': the model's tokenizer has no chat template; "
+        "give a plain prompt instead"
+    ) in lines
+    got = pa.ipc.open_file(tmp_path / "out.arrow").read_all().to_pylist()
+    assert [(r["id"], r["completion_tokens"]) for r in got] == [("good", 2)]
+
+
+# --- summary line -----------------------------------------------------------------------------------------
+
+
+def test_summary_line_counts_requests_and_tokens(model: Path, tmp_path: Path) -> None:
+    text_prompt_tokens = len(AutoTokenizer.from_pretrained(model)("Once upon a time")["input_ids"])
+    assert text_prompt_tokens == 6  # BOS + 5
+    rows = [
+        {"id": "a", "prompt_token_ids": [0, 5, 6], "max_new_tokens": 3},
+        {"id": "b", "prompt_token_ids": [0, 7, 8, 9], "max_new_tokens": 4},
+        {"id": "c", "prompt": "Once upon a time", "max_new_tokens": 5},
+    ]
+    dataset = write_jsonl(tmp_path / "in.jsonl", rows)
+    code, lines = _run(dataset, tmp_path / "out.arrow", model, "--ignore-eos", "--temperature", "0")
+    assert code == 0, lines
+    assert len(lines) == 1, lines
+    match = SUMMARY.match(lines[0])
+    assert match, lines[0]
+    n, errors, prompt, output, seconds, rate, preemptions = match.groups()
+    assert (int(n), int(errors), int(prompt), int(output), int(preemptions)) == (3, 0, 3 + 4 + 6, 3 + 4 + 5, 0)
+    got = pa.ipc.open_file(tmp_path / "out.arrow").read_all().to_pylist()
+    assert sum(r["completion_tokens"] for r in got) == int(output)
+    assert sum(r["prompt_tokens"] for r in got) == int(prompt)
+    assert float(rate) > 0.0
