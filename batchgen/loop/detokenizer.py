@@ -39,9 +39,15 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.skip_special = skip_special
         self.ids = list(prompt_ids[-_CONTEXT_TOKENS:])
+        self.num_context = len(self.ids)
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self.text = ""
+
+    @property
+    def committed_tokens(self) -> int:
+        """How many output tokens have their text in :attr:`text`."""
+        return self.read_offset - self.num_context
 
     def _pending_text(self) -> str:
         prefix = self.tokenizer.decode(

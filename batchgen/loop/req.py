@@ -41,6 +41,8 @@ class Req:
     kv_len: int = 0
     finish_reason: str | None = None
     matched_stop: str | None = None
+    # Output tokens whose text was streamed before the one that completed a stop string; None if none did.
+    stop_search_from: int | None = None
     text: str | None = None
 
     @property

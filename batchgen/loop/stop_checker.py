@@ -11,9 +11,10 @@ from batchgen.loop.req import Req
 def append_token(req: Req, token_id: int, logprob: float | None, top: list[tuple[int, float]] | None) -> None:
     """Record one sampled token and set ``req.finish_reason`` when it ends the request.
 
-    Follows the OpenAI/vLLM conventions: a stop or EOS token stays in ``output_token_ids``; a stop string is
-    cut from the text together with everything after it; no stop counts before ``min_new_tokens`` tokens
-    exist; ``length`` when ``max_new_tokens`` is reached or prompt + output fill the context.
+    Follows the OpenAI/vLLM conventions: a stop or EOS token stays in ``output_token_ids``; no stop counts
+    before ``min_new_tokens`` tokens exist; ``length`` when ``max_new_tokens`` is reached or prompt + output
+    fill the context. Stop strings are looked for in the text as it streams (see :func:`finalize_text` for the
+    final cut).
     """
     req.output_ids.append(token_id)
     if logprob is not None:
@@ -25,16 +26,34 @@ def append_token(req: Req, token_id: int, logprob: float | None, top: list[tuple
     if stops_allowed and token_id in req.stop_token_ids:
         req.finish_reason, req.matched_stop = "stop", str(token_id)
     elif req.detokenizer is not None:
+        committed_before = req.detokenizer.committed_tokens
         new_text = req.detokenizer.update([token_id])
         hit = find_stop(req.detokenizer.text, len(new_text), req.params.stop) if stops_allowed and new_text else None
         if hit is not None:
             req.finish_reason, req.matched_stop = "stop", hit[1]
+            req.stop_search_from = committed_before
             req.text = req.detokenizer.text[: hit[0]]
     if req.finish_reason is None and (num_out >= req.params.max_new_tokens or req.fill_len >= req.max_total_len):
         req.finish_reason = "length"
 
 
 def finalize_text(req: Req, tokenizer: Any) -> None:
-    """Set ``req.text`` for a finished request (already set when a stop string cut it)."""
-    if req.text is None:
-        req.text = continuation_text(tokenizer, req.prompt_ids, req.output_ids, req.params.skip_special_tokens)
+    """Set ``req.text`` of a finished request: the continuation text without the stop that ended it.
+
+    The text is cut from the full decode (``decode(prompt + output)`` minus ``decode(prompt)``), never from the
+    streamed text, which can differ where a decoder rewrites a run of invalid bytes. A stop token's text is left
+    out, as a stop string is (vLLM's default); the token itself stays in ``output_token_ids``.
+    """
+    skip = req.params.skip_special_tokens
+    if req.finish_reason == "stop" and req.stop_search_from is None:  # a stop or EOS token
+        req.text = continuation_text(tokenizer, req.prompt_ids, req.output_ids[:-1], skip)
+        return
+    full = continuation_text(tokenizer, req.prompt_ids, req.output_ids, skip)
+    if req.stop_search_from is None:
+        req.text = full
+        return
+    # Look for the stop where the streaming check found it: in the text of the tokens committed last.
+    start = len(continuation_text(tokenizer, req.prompt_ids, req.output_ids[: req.stop_search_from], skip))
+    hit = find_stop(full, len(full) - start, req.params.stop)
+    if hit is not None:
+        req.text = full[: hit[0]]

@@ -125,8 +125,21 @@ class TorchNativeAttnBackend(AttentionBackend):
     def _attend_single(
         q: torch.Tensor, layer_id: int, forward_batch: ForwardBatch, rows: _SingleTokenRows
     ) -> torch.Tensor:
+        """One query per row against its gathered K/V, in float32 with plain batched matmuls.
+
+        Not SDPA: its CPU kernel splits rows across threads with different rounding, so identical requests
+        at different batch positions got logprobs a few 1e-6 apart. A batched matmul computes every row the
+        same way, wherever it sits in the batch.
+        """
         pool = forward_batch.token_to_kv_pool
-        k = pool.k_buffer[layer_id][rows.kv_indices].transpose(1, 2)  # [n, Hkv, max_len, D]
-        v = pool.v_buffer[layer_id][rows.kv_indices].transpose(1, 2)
-        o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=rows.mask, enable_gqa=True)
-        return o.squeeze(2)
+        n, num_heads, head_dim = q.shape
+        flat = rows.kv_indices.flatten()
+        max_len = rows.kv_indices.shape[1]
+        k = pool.k_buffer[layer_id].index_select(0, flat).view(n, max_len, -1, head_dim)
+        v = pool.v_buffer[layer_id].index_select(0, flat).view(n, max_len, -1, head_dim)
+        num_kv_heads = k.shape[2]
+        qg = q.view(n, num_kv_heads, num_heads // num_kv_heads, head_dim).float()
+        scores = torch.matmul(qg, k.permute(0, 2, 3, 1).float()) * head_dim**-0.5  # [n, Hkv, G, max_len]
+        probs = torch.softmax(scores.masked_fill(~rows.mask, float("-inf")), dim=-1)
+        out = torch.matmul(probs, v.permute(0, 2, 1, 3).float())  # [n, Hkv, G, D]
+        return out.reshape(n, num_heads, head_dim).to(q.dtype)
