@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import typer
 import yaml
 
+from batchgen.bench.commands import bench, bench_one_batch, expand_multi_value_options
+from batchgen.cli_errors import user_errors
 from batchgen.errors import BatchgenError
 from batchgen.kernels.attention import ATTENTION_BACKENDS
 from batchgen.loop.options import EngineOptions
@@ -30,16 +30,6 @@ app = typer.Typer(
 @app.callback()
 def _root() -> None:
     """Offline batch generation for Hugging Face-format causal LMs."""
-
-
-@contextmanager
-def user_errors() -> Iterator[None]:
-    """Turn a :class:`BatchgenError` into one line on stderr and exit code 2, with no traceback."""
-    try:
-        yield
-    except BatchgenError as e:
-        print(f"batchgen: error: {e}", file=sys.stderr)
-        raise typer.Exit(2) from None
 
 
 _ENGINE_DEFAULTS = EngineOptions(model=DEFAULT_MODEL)
@@ -173,6 +163,10 @@ def run(
         raise_if_failed(summary, on_error)
 
 
+app.command("bench-one-batch")(bench_one_batch)
+app.command("bench")(bench)
+
+
 def main() -> None:
     """Console entry point (``batchgen`` and ``python -m batchgen``)."""
-    app()
+    app(args=expand_multi_value_options(sys.argv[1:]))

@@ -18,7 +18,8 @@ from batchgen.loop.model_runner import ModelRunner
 from batchgen.loop.options import EngineOptions
 from batchgen.loop.req import Req
 from batchgen.loop.scheduler import Scheduler, SchedulerOptions
-from batchgen.models.loader import load_model
+from batchgen.models.loader import load_model, random_model
+from batchgen.models.random_presets import is_random_spec, random_preset_config
 from batchgen.models.resolve import resolve_model
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -68,12 +69,14 @@ def _available_memory(device: torch.device) -> int:
     return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
-def eos_token_ids(model_dir: Path, hf_config: Any) -> list[int]:
+def eos_token_ids(model_dir: Path | None, hf_config: Any) -> list[int]:
     """EOS ids as ``generate`` uses them: generation_config.json's (int or list), else config.json's."""
-    try:
-        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
-    except OSError:
-        eos = None
+    eos = None
+    if model_dir is not None:
+        try:
+            eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+        except OSError:
+            eos = None
     if eos is None:
         eos = getattr(hf_config, "eos_token_id", None)
     if eos is None:
@@ -84,23 +87,34 @@ def eos_token_ids(model_dir: Path, hf_config: Any) -> list[int]:
 class Engine:
     """The model, its KV pools and a scheduler, ready to run rounds.
 
+    ``tokenizer`` is ``None`` for ``random:`` models: they take ``prompt_token_ids`` only and produce no text.
+
     Raises (from the constructor):
         BatchgenError: the model cannot be resolved or loaded, or the options do not fit it.
     """
 
     def __init__(self, options: EngineOptions) -> None:
         self.options = options
-        self.model_dir = resolve_model(options.model)
-        self.hf_config = AutoConfig.from_pretrained(self.model_dir)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        self.eos_token_ids = eos_token_ids(self.model_dir, self.hf_config)
+        self.model_dir: Path | None = None
+        self.tokenizer: Any = None
+        if is_random_spec(options.model):
+            self.hf_config = random_preset_config(options.model)
+            self.eos_token_ids = eos_token_ids(None, self.hf_config)
+        else:
+            self.model_dir = resolve_model(options.model)
+            self.hf_config = AutoConfig.from_pretrained(self.model_dir)
+            self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+            self.eos_token_ids = eos_token_ids(self.model_dir, self.hf_config)
         self.device = pick_device(options.device)
         self.dtype = pick_dtype(options.dtype, self.hf_config, self.device)
         max_positions = int(self.hf_config.max_position_embeddings)
         context_len = options.context_length or max_positions
         if context_len > max_positions:
             raise BatchgenError(f"--context-length {context_len} exceeds the model's {max_positions} positions")
-        model = load_model(self.model_dir, self.hf_config, self.dtype, self.device, max_positions=context_len)
+        if self.model_dir is None:
+            model = random_model(self.hf_config, self.dtype, self.device, context_len)
+        else:
+            model = load_model(self.model_dir, self.hf_config, self.dtype, self.device, context_len)
         config = model.config
         per_token = TokenToKVPool.bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, self.dtype)
         pool_size = options.max_total_tokens or int(options.mem_fraction * _available_memory(self.device) / per_token)

@@ -23,7 +23,7 @@ class RequestBuilder:
     """Validates rows against the model and tokenizer and builds requests.
 
     Args:
-        tokenizer: a transformers tokenizer.
+        tokenizer: a transformers tokenizer, or ``None`` (``random:`` models: token ids in, no text out).
         vocab_size: the model's vocabulary size (may exceed the tokenizer's: padded embeddings).
         context_len: prompt + output never exceed it; a prompt of this length or more is an error.
         eos_token_ids: ids that end a request unless it sets ``ignore_eos``.
@@ -62,6 +62,9 @@ class RequestBuilder:
             params = make_sampling_params(self.defaults, spec.sampling_overrides, self.vocab_size)
         except FieldError as e:
             raise error(e.field, e.message) from None
+        if self.tokenizer is None and (spec.prompt_token_ids is None or params.stop):
+            field = "stop" if spec.prompt_token_ids is not None else "prompt"
+            raise error(field, "this model has no tokenizer: give prompt_token_ids and no stop strings")
         prompt_field, prompt_ids = self._tokenize(spec, error)
         if not prompt_ids:
             raise error(prompt_field, "prompt is empty after tokenization")

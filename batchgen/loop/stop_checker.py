@@ -42,8 +42,11 @@ def finalize_text(req: Req, tokenizer: Any) -> None:
 
     The text is cut from the full decode (``decode(prompt + output)`` minus ``decode(prompt)``), never from the
     streamed text, which can differ where a decoder rewrites a run of invalid bytes. A stop token's text is left
-    out, as a stop string is (vLLM's default); the token itself stays in ``output_token_ids``.
+    out, as a stop string is (vLLM's default); the token itself stays in ``output_token_ids``. Without a
+    tokenizer (``random:`` models) there is no text.
     """
+    if tokenizer is None:
+        return
     skip = req.params.skip_special_tokens
     if req.finish_reason == "stop" and req.stop_search_from is None:  # a stop or EOS token
         req.text = continuation_text(tokenizer, req.prompt_ids, req.output_ids[:-1], skip)

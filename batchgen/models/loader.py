@@ -33,6 +33,29 @@ def _fused_target(name: str, config: ModelConfig) -> tuple[str, int, int] | None
     return f"{prefix}mlp.gate_up_proj.{kind}", 0 if gate_up == "gate" else inter, inter
 
 
+def _allocate(hf_config: object, dtype: torch.dtype, device: torch.device, max_positions: int) -> LlamaForCausalLM:
+    """The model with uninitialised parameters (built on the meta device, then given real storage)."""
+    config = ModelConfig.from_hf(hf_config)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, max_positions, rotary_device=device)
+    return model.to_empty(device=device).to(dtype)
+
+
+def random_model(
+    hf_config: object, dtype: torch.dtype, device: torch.device, max_positions: int, seed: int = 0
+) -> LlamaForCausalLM:
+    """A model with random weights (normal, std 0.02; norms 1), for benchmarks of a shape without a checkpoint."""
+    model = _allocate(hf_config, dtype, device, max_positions)
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
+    return model.eval()
+
+
 def load_model(
     model_dir: Path, hf_config: object, dtype: torch.dtype, device: torch.device, max_positions: int
 ) -> LlamaForCausalLM:
@@ -44,13 +67,11 @@ def load_model(
     Raises:
         BatchgenError: unsupported architecture, no safetensors files, a missing or mis-shaped tensor.
     """
-    config = ModelConfig.from_hf(hf_config)
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise BatchgenError(f"{model_dir}: no *.safetensors weights found")
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config, max_positions, rotary_device=device)
-    model = model.to_empty(device=device).to(dtype)
+    model = _allocate(hf_config, dtype, device, max_positions)
+    config = model.config
     params = dict(model.named_parameters())
     filled: dict[str, int] = {}
     for file in files:

@@ -1,0 +1,180 @@
+"""The ``bench-one-batch`` and ``bench`` commands (registered on the CLI app in ``batchgen.cli``)."""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+from pathlib import Path
+
+import typer
+
+from batchgen.bench.offline import load_hf_model, run_engine, run_hf_generate, run_hf_generate_batch
+from batchgen.bench.one_batch import OneBatchRunner
+from batchgen.bench.probes import measure_ceilings
+from batchgen.bench.workload import dataset_workload, random_workload
+from batchgen.cli_errors import user_errors
+from batchgen.errors import BatchgenError
+from batchgen.loop.engine import Engine
+from batchgen.loop.options import EngineOptions
+
+# Options that take several values after one flag, SGLang style (``--batch-size 1 8 32``).
+MULTI_VALUE_OPTIONS = ("--batch-size", "--input-len", "--output-len", "--baseline")
+
+
+def expand_multi_value_options(argv: list[str]) -> list[str]:
+    """Rewrite ``--batch-size 1 8 32`` as ``--batch-size 1 --batch-size 8 --batch-size 32`` for the parser."""
+    out: list[str] = []
+    current: str | None = None
+    for arg in argv:
+        if arg.startswith("-"):
+            current = arg if arg in MULTI_VALUE_OPTIONS else None
+            out.append(arg)
+        elif current is not None and out[-1] != current:
+            out += [current, arg]
+        else:
+            out.append(arg)
+    return out
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def bench_one_batch(
+    model: str = typer.Option(..., help="Model directory, .gguf, built-in name, hub id or random:PRESET."),
+    batch_size: list[int] = typer.Option([1], help="Batch sizes (several values allowed)."),
+    input_len: list[int] = typer.Option([256], help="Prompt lengths in tokens (several values allowed)."),
+    output_len: list[int] = typer.Option([32], help="Generated tokens per request (several values allowed)."),
+    dtype: str = typer.Option("auto", help="auto, float32, bfloat16 or float16."),
+    device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
+    attention_backend: str = typer.Option("auto", help="Attention backend."),
+    result_file: Path | None = typer.Option(None, help="Append one JSON line per case to this file."),
+    correctness_test: bool = typer.Option(
+        False, help="Check that a prefill split in two chunks gives the same logits."
+    ),
+    warmup: bool = typer.Option(True, help="Run one small case first, untimed."),
+) -> None:
+    """One static batch straight through ForwardBatch → ModelRunner.forward → sample, for every combination of
+    batch size, input and output length: prefill and decode latency, throughput, bandwidth and FLOP/s."""
+    with user_errors():
+        longest = max(input_len) + max(output_len)
+        engine = Engine(
+            EngineOptions(
+                model=model,
+                dtype=dtype,
+                device=device,
+                context_length=longest + 1,
+                attention_backend=attention_backend,
+                max_running_requests=max(batch_size),
+                max_total_tokens=max(batch_size) * (longest + 1),
+                chunked_prefill_size=0,
+            )
+        )
+        runner = OneBatchRunner(engine)
+        if correctness_test:
+            diff = runner.correctness_test(max(input_len))
+            tolerance = 1e-4 if engine.dtype.itemsize == 4 else 5e-2
+            verdict = "PASS" if diff <= tolerance else "FAIL"
+            print(
+                f"correctness: one chunk vs two chunks, max |logit diff| = {diff:.3g} (tolerance {tolerance}) {verdict}"
+            )
+            if verdict == "FAIL":
+                raise typer.Exit(1)
+        ceilings = measure_ceilings(engine.dtype, engine.device)
+        print(
+            f"machine: {engine.device}, {str(engine.dtype).removeprefix('torch.')} matmul "
+            f"{ceilings.matmul_flops / 1e12:.3f} TFLOP/s, copy {ceilings.copy_bandwidth / 1e9:.1f} GB/s"
+        )
+        if warmup:
+            runner.run_case(min(batch_size), min(16, min(input_len)), 2, ceilings)
+        for bs in batch_size:
+            for n_in in input_len:
+                for n_out in output_len:
+                    result = runner.run_case(bs, n_in, n_out, ceilings)
+                    print(result.line())
+                    if result_file is not None:
+                        with open(result_file, "a") as f:
+                            f.write(json.dumps({"model": model, "dtype": str(engine.dtype), **result.as_dict()}) + "\n")
+
+
+def _parse_range(text: str) -> tuple[int, int]:
+    try:
+        low, high = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise BatchgenError(f"--input-len-range must look like 32:256, got '{text}'") from None
+    if not 1 <= low <= high:
+        raise BatchgenError(f"--input-len-range must satisfy 1 <= low <= high, got '{text}'")
+    return low, high
+
+
+def bench(
+    model: str = typer.Option(..., help="Model directory, .gguf, built-in name, hub id or random:PRESET."),
+    num_prompts: int = typer.Option(64, help="Prompts in the workload."),
+    input_len_range: str = typer.Option("32:256", help="Prompt lengths, uniform in LOW:HIGH tokens."),
+    output_len: int = typer.Option(64, help="New tokens per prompt (EOS ignored)."),
+    dataset: Path | None = typer.Option(None, help="Take prompts from this JSONL/Parquet dataset instead."),
+    baseline: list[str] = typer.Option([], help="Also run hf (generate) and/or hf-cb (generate_batch)."),
+    hf_batch_size: int = typer.Option(32, help="Static batch size of the hf baseline."),
+    dtype: str = typer.Option("auto", help="auto, float32, bfloat16 or float16."),
+    device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
+    seed: int = typer.Option(0, help="Seed of the random workload."),
+    max_running_requests: int = typer.Option(128, help="Engine: requests decoding together."),
+    chunked_prefill_size: int = typer.Option(2048, help="Engine: longest prefill chunk per round."),
+    max_prefill_tokens: int = typer.Option(8192, help="Engine: prompt tokens per round."),
+    max_total_tokens: int | None = typer.Option(None, help="Engine: KV pool size in tokens."),
+    enable_mixed_chunk: bool = typer.Option(True, "--enable-mixed-chunk/--disable-mixed-chunk", help="Engine."),
+    attention_backend: str = typer.Option("auto", help="Engine: attention backend."),
+    report_memory: bool = typer.Option(False, help="Print the peak resident memory after each system."),
+    result_file: Path | None = typer.Option(None, help="Append one JSON line per system to this file."),
+) -> None:
+    """Offline throughput: the whole workload through the engine, then (with --baseline) through HF
+    transformers in the same process, and the ratio batchgen / baseline."""
+    with user_errors():
+        unknown = set(baseline) - {"hf", "hf-cb"}
+        if unknown:
+            raise BatchgenError(f"--baseline must be hf or hf-cb, got {', '.join(sorted(unknown))}")
+        low, high = _parse_range(input_len_range)
+        engine = Engine(
+            EngineOptions(
+                model=model,
+                dtype=dtype,
+                device=device,
+                max_running_requests=max_running_requests,
+                chunked_prefill_size=chunked_prefill_size,
+                max_prefill_tokens=max_prefill_tokens,
+                max_total_tokens=max_total_tokens,
+                enable_mixed_chunk=enable_mixed_chunk,
+                attention_backend=attention_backend,
+            )
+        )
+        if dataset is not None:
+            workload = dataset_workload(
+                dataset, engine.tokenizer, engine.vocab_size, engine.context_len, num_prompts, output_len
+            )
+        else:
+            workload = random_workload(num_prompts, low, high, output_len, engine.vocab_size, seed)
+        print(
+            f"workload: {len(workload.prompts)} prompts, {workload.input_tokens} input tokens, {output_len} new tokens "
+            f"each, {model} in {str(engine.dtype).removeprefix('torch.')} on {engine.device}",
+            file=sys.stderr,
+        )
+        results = [run_engine(engine, workload)]
+        print(results[0].line())
+        if report_memory:
+            print(f"peak RSS after batchgen: {_peak_rss_mib():.0f} MiB")
+        if baseline:
+            hf_model = load_hf_model(engine)
+            for name in baseline:
+                if name == "hf":
+                    result = run_hf_generate(hf_model, workload, hf_batch_size, engine.device)
+                else:
+                    result = run_hf_generate_batch(hf_model, workload, engine.device)
+                results.append(result)
+                print(result.line())
+                ratio = results[0].output_throughput / result.output_throughput
+                print(f"{'ratio':>16}: batchgen / {result.system} = {ratio:.2f}x (output tok/s)")
+        if result_file is not None:
+            with open(result_file, "a") as f:
+                for result in results:
+                    f.write(json.dumps({"model": model, "dtype": str(engine.dtype), **result.as_dict()}) + "\n")

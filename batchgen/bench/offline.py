@@ -1,0 +1,121 @@
+"""``batchgen bench``: offline throughput of the engine on a workload, and of HF transformers on the same one."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from batchgen.bench.workload import Workload
+from batchgen.loop.engine import Engine
+from batchgen.loop.req import Req
+from batchgen.sampling.sampling_params import SamplingParams
+
+
+@dataclass
+class ThroughputResult:
+    """Totals of one system on one workload; rates are per wall-clock second."""
+
+    system: str
+    requests: int
+    input_tokens: int
+    output_tokens: int
+    seconds: float
+
+    @property
+    def output_throughput(self) -> float:
+        return self.output_tokens / self.seconds
+
+    def line(self) -> str:
+        s = self.seconds
+        return (
+            f"{self.system:>16}: {self.requests / s:7.2f} req/s | input {self.input_tokens / s:8.1f} tok/s | "
+            f"output {self.output_tokens / s:8.1f} tok/s | total {(self.input_tokens + self.output_tokens) / s:8.1f} "
+            f"tok/s | {s:7.2f} s"
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "output_throughput": self.output_throughput}
+
+
+def run_engine(engine: Engine, workload: Workload) -> ThroughputResult:
+    """All prompts through the engine's scheduler loop (greedy, EOS ignored, no logprobs), timed end to end."""
+    params = SamplingParams(max_new_tokens=workload.output_len, temperature=0.0, ignore_eos=True, logprobs=False)
+    for i, prompt in enumerate(workload.prompts):
+        engine.add(
+            Req(
+                rid=str(i),
+                line=0,
+                order=i,
+                prompt_ids=list(prompt),
+                params=params,
+                seed=i,
+                stop_token_ids=frozenset(),
+                max_total_len=engine.context_len,
+                passthrough={},
+            )
+        )
+    start = time.perf_counter()
+    finished = 0
+    output_tokens = 0
+    while engine.has_work():
+        for req in engine.step():
+            finished += 1
+            output_tokens += len(req.output_ids)
+    _synchronize(engine.device)
+    return ThroughputResult("batchgen", finished, workload.input_tokens, output_tokens, time.perf_counter() - start)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def load_hf_model(engine: Engine) -> Any:
+    """The same model in HF transformers, same dtype and device (random weights for ``random:`` presets)."""
+    from transformers import AutoModelForCausalLM
+
+    if engine.model_dir is None:
+        model = AutoModelForCausalLM.from_config(engine.hf_config, dtype=engine.dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(engine.model_dir, dtype=engine.dtype)
+    return model.to(engine.device).eval()
+
+
+def run_hf_generate(model: Any, workload: Workload, batch_size: int, device: torch.device) -> ThroughputResult:
+    """HF ``generate`` in static batches of ``batch_size``, left padding, greedy, exactly ``output_len`` new tokens."""
+    n = workload.output_len
+    start = time.perf_counter()
+    output_tokens = 0
+    with torch.inference_mode():
+        for i in range(0, len(workload.prompts), batch_size):
+            chunk = workload.prompts[i : i + batch_size]
+            width = max(len(p) for p in chunk)
+            ids = torch.tensor([[0] * (width - len(p)) + p for p in chunk], device=device)
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=device)
+            out = model.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0
+            )
+            output_tokens += (out.shape[1] - width) * len(chunk)
+    _synchronize(device)
+    return ThroughputResult(
+        "hf generate", len(workload.prompts), workload.input_tokens, output_tokens, time.perf_counter() - start
+    )
+
+
+def run_hf_generate_batch(model: Any, workload: Workload, device: torch.device) -> ThroughputResult:
+    """HF transformers' continuous batching (``generate_batch``), greedy, ``output_len`` new tokens per prompt."""
+    from transformers import GenerationConfig
+
+    n = workload.output_len
+    config = GenerationConfig(max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        outputs = model.generate_batch(inputs=[list(p) for p in workload.prompts], generation_config=config)
+    _synchronize(device)
+    output_tokens = sum(len(o.generated_tokens) for o in outputs.values())
+    return ThroughputResult(
+        "hf generate_batch", len(outputs), workload.input_tokens, output_tokens, time.perf_counter() - start
+    )

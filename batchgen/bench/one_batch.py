@@ -1,0 +1,173 @@
+"""``batchgen bench-one-batch``: one static batch straight through ForwardBatch → forward → sample, no scheduler
+(as SGLang's ``bench_one_batch``): prefill latency, decode step latencies, achieved bandwidth and FLOP/s."""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+from batchgen.bench.model_costs import decode_bytes, forward_flops
+from batchgen.bench.probes import Ceilings
+from batchgen.loop.engine import Engine
+from batchgen.loop.forward_batch import ForwardBatch
+from batchgen.loop.forward_mode import ForwardMode
+from batchgen.loop.req import Req
+from batchgen.loop.schedule_batch import ScheduleBatch
+from batchgen.sampling.sampler import SampleOutput
+from batchgen.sampling.sampling_params import SamplingParams
+
+FIRST_DECODE_STEPS = 3
+
+
+@dataclass
+class OneBatchResult:
+    """One case. Latencies in seconds, throughputs in tokens/s, bandwidth in GB/s, compute in TFLOP/s;
+    ``*_fraction`` is the share of the measured ceiling."""
+
+    batch_size: int
+    input_len: int
+    output_len: int
+    prefill_latency: float
+    prefill_throughput: float
+    first_decode_latencies: list[float]
+    median_decode_latency: float
+    decode_throughput: float
+    total_latency: float
+    total_throughput: float
+    decode_bandwidth_gbs: float
+    decode_bandwidth_fraction: float
+    prefill_tflops: float
+    prefill_flops_fraction: float
+
+    def line(self) -> str:
+        first = ", ".join(f"{t * 1e3:.1f}" for t in self.first_decode_latencies)
+        return (
+            f"bs={self.batch_size} in={self.input_len} out={self.output_len} | "
+            f"prefill {self.prefill_latency * 1e3:.1f} ms "
+            f"{self.prefill_throughput:.0f} tok/s ({self.prefill_tflops:.3f} TFLOP/s, "
+            f"{self.prefill_flops_fraction:.0%} of peak) | decode first [{first}] ms, median "
+            f"{self.median_decode_latency * 1e3:.2f} ms {self.decode_throughput:.0f} tok/s "
+            f"({self.decode_bandwidth_gbs:.1f} GB/s, {self.decode_bandwidth_fraction:.0%} of copy bw) | total "
+            f"{self.total_latency:.2f} s {self.total_throughput:.0f} tok/s"
+        )
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class OneBatchRunner:
+    """Runs static batches on an :class:`Engine`'s ModelRunner and pools, bypassing its scheduler."""
+
+    def __init__(self, engine: Engine, seed: int = 0) -> None:
+        self.engine = engine
+        self.rng = random.Random(seed)
+
+    def make_reqs(self, batch_size: int, input_len: int, output_len: int) -> list[Req]:
+        """Requests with random prompt ids, each holding a request row; greedy, EOS ignored, no logprobs."""
+        params = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True, logprobs=False)
+        vocab = self.engine.vocab_size
+        reqs = []
+        for i in range(batch_size):
+            req = Req(
+                rid=str(i),
+                line=0,
+                order=i,
+                prompt_ids=[self.rng.randrange(vocab) for _ in range(input_len)],
+                params=params,
+                seed=i,
+                stop_token_ids=frozenset(),
+                max_total_len=self.engine.context_len,
+                passthrough={},
+            )
+            req.req_pool_idx = self.engine.runner.req_to_token_pool.alloc()
+            reqs.append(req)
+        return reqs
+
+    def release(self, reqs: list[Req]) -> None:
+        pool = self.engine.runner.req_to_token_pool
+        for req in reqs:
+            assert req.req_pool_idx is not None
+            self.engine.allocator.free(pool.req_to_token[req.req_pool_idx, : req.kv_len])
+            pool.free(req.req_pool_idx)
+            req.req_pool_idx, req.kv_len = None, 0
+
+    def run_round(self, batch: ScheduleBatch) -> tuple[torch.Tensor, SampleOutput]:
+        """prepare → ForwardBatch.init_new → forward → sample; returns the logits and the sample."""
+        engine = self.engine
+        worker = batch.prepare(engine.runner.req_to_token_pool, engine.allocator, engine.vocab_size, engine.device)
+        logits = engine.runner.forward(ForwardBatch.init_new(worker, engine.runner))
+        return logits.next_token_logits, engine.runner.sample(logits, worker.sampling_info)
+
+    def _timed(self, fn: Callable[[], SampleOutput]) -> tuple[float, SampleOutput]:
+        _synchronize(self.engine.device)
+        start = time.perf_counter()
+        out = fn()
+        _synchronize(self.engine.device)
+        return time.perf_counter() - start, out
+
+    def run_case(self, batch_size: int, input_len: int, output_len: int, ceilings: Ceilings) -> OneBatchResult:
+        """Prefill ``batch_size`` prompts of ``input_len`` tokens in one EXTEND round, then decode."""
+        config = self.engine.runner.model.config
+        reqs = self.make_reqs(batch_size, input_len, output_len)
+        try:
+            prefill = ScheduleBatch(ForwardMode.EXTEND, reqs, [input_len] * batch_size)
+            prefill_time, out = self._timed(lambda: self.run_round(prefill)[1])
+            for req, token in zip(reqs, out.next_token_ids.tolist()):
+                req.output_ids.append(token)
+            decode_times: list[float] = []
+            decode_bytes_total = 0.0
+            for _ in range(output_len - 1):
+                decode_bytes_total += decode_bytes(config, self.engine.dtype, [r.kv_len for r in reqs])
+                step = ScheduleBatch(ForwardMode.DECODE, reqs, [1] * batch_size, batch_size)
+                elapsed, out = self._timed(lambda step=step: self.run_round(step)[1])  # type: ignore[misc]
+                decode_times.append(elapsed)
+                for req, token in zip(reqs, out.next_token_ids.tolist()):
+                    req.output_ids.append(token)
+        finally:
+            self.release(reqs)
+        median = statistics.median(decode_times) if decode_times else 0.0
+        total = prefill_time + sum(decode_times)
+        prefill_flops = forward_flops(config, [input_len] * batch_size, [0] * batch_size, batch_size)
+        bandwidth = decode_bytes_total / sum(decode_times) if decode_times else 0.0
+        return OneBatchResult(
+            batch_size=batch_size,
+            input_len=input_len,
+            output_len=output_len,
+            prefill_latency=prefill_time,
+            prefill_throughput=batch_size * input_len / prefill_time,
+            first_decode_latencies=decode_times[:FIRST_DECODE_STEPS],
+            median_decode_latency=median,
+            decode_throughput=batch_size / median if median else 0.0,
+            total_latency=total,
+            total_throughput=batch_size * (input_len + output_len) / total,
+            decode_bandwidth_gbs=bandwidth / 1e9,
+            decode_bandwidth_fraction=bandwidth / ceilings.copy_bandwidth,
+            prefill_tflops=prefill_flops / prefill_time / 1e12,
+            prefill_flops_fraction=prefill_flops / prefill_time / ceilings.matmul_flops,
+        )
+
+    def correctness_test(self, input_len: int) -> float:
+        """Max |logit difference| between prefilling one prompt whole and in two chunks."""
+        prompt = self.make_reqs(1, input_len, 1)
+        self.release(prompt)
+        logits = []
+        for split in ([input_len], [input_len // 2, input_len - input_len // 2]):
+            reqs = self.make_reqs(1, input_len, 1)
+            reqs[0].prompt_ids = prompt[0].prompt_ids
+            try:
+                for n in split:
+                    last, _ = self.run_round(ScheduleBatch(ForwardMode.EXTEND, reqs, [n]))
+                logits.append(last[0].float().cpu())
+            finally:
+                self.release(reqs)
+        return float((logits[0] - logits[1]).abs().max())

@@ -1,0 +1,65 @@
+"""Benchmark workloads: deterministic random-token prompts, or the prompts of a dataset file."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from batchgen.errors import BatchgenError, RowError
+from batchgen.io.reader import RowReader
+from batchgen.io.rows import parse_row
+from batchgen.loop.request_builder import RequestBuilder
+from batchgen.sampling.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Prompts as token ids, each to be extended by exactly ``output_len`` tokens (EOS ignored)."""
+
+    prompts: list[list[int]]
+    output_len: int
+
+    @property
+    def input_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+
+def random_workload(
+    num_prompts: int, min_len: int, max_len: int, output_len: int, vocab_size: int, seed: int
+) -> Workload:
+    """``num_prompts`` prompts with lengths uniform in ``[min_len, max_len]`` and token ids uniform in the
+    vocabulary, the same for the same arguments."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(vocab_size) for _ in range(rng.randint(min_len, max_len))] for _ in range(num_prompts)]
+    return Workload(prompts, output_len)
+
+
+def dataset_workload(
+    path: Path, tokenizer: Any, vocab_size: int, context_len: int, num_prompts: int, output_len: int
+) -> Workload:
+    """The first ``num_prompts`` valid rows of a ``batchgen run`` dataset, tokenized as ``run`` would.
+
+    Raises:
+        BatchgenError: the file cannot be read, or it has no valid row.
+    """
+    reader = RowReader(path)
+    builder = RequestBuilder(tokenizer, vocab_size, context_len - output_len, [], SamplingParams(), run_seed=0)
+    prompts: list[list[int]] = []
+    for order, item in enumerate(reader):
+        if len(prompts) == num_prompts:
+            break
+        if isinstance(item, RowError):
+            continue
+        try:
+            prompts.append(
+                builder.build(
+                    parse_row(item, reader.source, reader.passthrough_schema), reader.source, order
+                ).prompt_ids
+            )
+        except RowError:
+            continue
+    if not prompts:
+        raise BatchgenError(f"{path}: no valid prompt rows for the benchmark")
+    return Workload(prompts, output_len)

@@ -1,0 +1,34 @@
+"""``random:NAME`` models: a preset config from ``configs/models/NAME.json`` with random weights, for benchmarks
+that need a model's shape but no download."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoConfig
+
+from batchgen.errors import BatchgenError
+
+RANDOM_PREFIX = "random:"
+PRESETS_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
+
+
+def is_random_spec(spec: str) -> bool:
+    return spec.startswith(RANDOM_PREFIX)
+
+
+def random_preset_config(spec: str) -> Any:
+    """The transformers config of preset ``random:NAME``.
+
+    Raises:
+        BatchgenError: no such preset (the message lists the available ones).
+    """
+    name = spec.removeprefix(RANDOM_PREFIX)
+    path = PRESETS_DIR / f"{name}.json"
+    if not path.is_file():
+        available = sorted(p.stem for p in PRESETS_DIR.glob("*.json"))
+        raise BatchgenError(f"unknown random model preset '{name}'; available: {', '.join(available) or 'none'}")
+    data = json.loads(path.read_text())
+    return AutoConfig.for_model(data.pop("model_type"), **data)

@@ -1,0 +1,141 @@
+"""The benchmark commands print and record every field they promise (their speed is not tested)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from conftest import run_cli
+
+from batchgen.bench.commands import expand_multi_value_options
+from batchgen.bench.model_costs import forward_flops, layer_params
+from batchgen.models.config import ModelConfig
+
+
+def test_multi_value_options_are_expanded() -> None:
+    argv = ["bench-one-batch", "--model", "m", "--batch-size", "1", "8", "32", "--input-len", "256", "--dtype", "x"]
+    assert expand_multi_value_options(argv) == [
+        "bench-one-batch",
+        "--model",
+        "m",
+        "--batch-size",
+        "1",
+        "--batch-size",
+        "8",
+        "--batch-size",
+        "32",
+        "--input-len",
+        "256",
+        "--dtype",
+        "x",
+    ]
+
+
+def test_flop_count_by_hand() -> None:
+    from transformers import LlamaConfig
+
+    hf = LlamaConfig(
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=10,
+    )
+    hf.architectures = ["LlamaForCausalLM"]
+    config = ModelConfig.from_hf(hf)
+    # per layer: q 8x8 + k,v 8x4 each + o 8x8 + MLP 3 x 8x16 = 64 + 64 + 64 + 384 = 576
+    assert layer_params(config) == 2 * 576
+    # 3 new tokens after a 2-token prefix: 3*2 + 3*4/2 = 12 query-key pairs; one sampled row.
+    assert forward_flops(config, [3], [2], 1) == 2 * 1152 * 3 + 2 * 8 * 10 + 4 * 2 * 2 * 4 * 12
+
+
+def test_bench_one_batch_fields(random_models: dict[str, Path], tmp_path: Path) -> None:
+    result_file = tmp_path / "r.jsonl"
+    code, output = run_cli(
+        [
+            "bench-one-batch",
+            "--model",
+            str(random_models["llama"]),
+            "--batch-size",
+            "1",
+            "--batch-size",
+            "3",
+            "--input-len",
+            "12",
+            "--output-len",
+            "4",
+            "--dtype",
+            "float32",
+            "--device",
+            "cpu",
+            "--correctness-test",
+            "--result-file",
+            str(result_file),
+        ]
+    )
+    assert code == 0, output
+    assert "correctness: one chunk vs two chunks" in output and "PASS" in output
+    assert "matmul" in output and "copy" in output
+    cases = [json.loads(line) for line in result_file.read_text().splitlines()]
+    assert [(c["batch_size"], c["input_len"], c["output_len"]) for c in cases] == [(1, 12, 4), (3, 12, 4)]
+    for case in cases:
+        assert len(case["first_decode_latencies"]) == 3
+        for key in (
+            "prefill_latency",
+            "median_decode_latency",
+            "total_latency",
+            "decode_bandwidth_gbs",
+            "prefill_tflops",
+            "decode_throughput",
+        ):
+            assert case[key] > 0, key
+        assert (
+            abs(case["prefill_throughput"] - case["batch_size"] * 12 / case["prefill_latency"])
+            < 1e-6 * case["prefill_throughput"]
+        )
+        assert (
+            abs(case["decode_throughput"] - case["batch_size"] / case["median_decode_latency"])
+            < 1e-6 * case["decode_throughput"]
+        )
+
+
+def test_bench_with_hf_baseline_fields(random_models: dict[str, Path], tmp_path: Path) -> None:
+    result_file = tmp_path / "r.jsonl"
+    code, output = run_cli(
+        [
+            "bench",
+            "--model",
+            str(random_models["qwen2"]),
+            "--num-prompts",
+            "5",
+            "--input-len-range",
+            "4:20",
+            "--output-len",
+            "6",
+            "--dtype",
+            "float32",
+            "--device",
+            "cpu",
+            "--baseline",
+            "hf",
+            "--hf-batch-size",
+            "2",
+            "--report-memory",
+            "--result-file",
+            str(result_file),
+        ]
+    )
+    assert code == 0, output
+    assert "batchgen / hf generate =" in output and "peak RSS after batchgen" in output
+    rows = [json.loads(line) for line in result_file.read_text().splitlines()]
+    assert [r["system"] for r in rows] == ["batchgen", "hf generate"]
+    for row in rows:
+        assert row["requests"] == 5 and row["output_tokens"] == 30
+        assert row["input_tokens"] == rows[0]["input_tokens"]
+        assert abs(row["output_throughput"] - 30 / row["seconds"]) < 1e-6 * row["output_throughput"]
+
+
+def test_bench_rejects_bad_range(random_models: dict[str, Path]) -> None:
+    code, output = run_cli(["bench", "--model", str(random_models["llama"]), "--input-len-range", "9:3"])
+    assert code == 2 and "--input-len-range must satisfy 1 <= low <= high, got '9:3'" in output
