@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -68,9 +69,40 @@ def _read_config(path: Path, known: set[str | None]) -> dict[str, Any]:
     return defaults
 
 
+def _check_run_options(
+    on_error: str,
+    max_running_requests: int,
+    max_prefill_tokens: int,
+    chunked_prefill_size: int,
+    seed: int | None,
+    context_length: int | None,
+    mem_fraction: float,
+) -> None:
+    """Range checks of ``run``'s engine options (sampling defaults are checked like a row's, by SamplingParams).
+
+    Raises:
+        BatchgenError: naming the first bad option.
+    """
+    if on_error not in ("fail", "skip"):
+        raise BatchgenError(f"--on-error must be fail or skip, got '{on_error}'")
+    for name, value in (("max_running_requests", max_running_requests), ("max_prefill_tokens", max_prefill_tokens)):
+        if value < 1:
+            raise BatchgenError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if chunked_prefill_size < 0:
+        raise BatchgenError(f"--chunked-prefill-size must be >= 0, got {chunked_prefill_size}")
+    if seed is not None and not 0 <= seed < 2**63:
+        raise BatchgenError(f"--seed must be in [0, 2**63), got {seed}")
+    if context_length is not None and context_length < 2:
+        raise BatchgenError(f"--context-length must be >= 2, got {context_length}")
+    if not 0.0 < mem_fraction < 1.0:
+        raise BatchgenError(f"--mem-fraction must be in (0, 1), got {mem_fraction}")
+
+
 @app.command()
 def run(
-    dataset: Path = typer.Argument(..., help="Prompts: .jsonl (one JSON object per line) or .parquet."),
+    dataset: Path = typer.Argument(
+        ..., metavar="DATASET", help="Prompts: .jsonl (one JSON object per line) or .parquet."
+    ),
     out: Path = typer.Option(..., "--out", "-o", help="Results: .arrow (Arrow IPC file), .parquet or .jsonl."),
     model: str = typer.Option(DEFAULT_MODEL, help="Model directory, .gguf file, built-in name or Hugging Face hub id."),
     config: Path | None = typer.Option(
@@ -112,19 +144,23 @@ def run(
     progress: bool = typer.Option(True, help="Show a progress bar on stderr."),
 ) -> None:
     """Generate a completion for every row of DATASET and write one result row per prompt to OUT."""
+    from transformers.utils import logging as transformers_logging
+
     from batchgen.job import RunJob, check_output_path, raise_if_failed
 
+    # batchgen reports problems with the input itself, one line each; transformers' notes would only add noise.
+    transformers_logging.set_verbosity_error()
     with user_errors():
-        if on_error not in ("fail", "skip"):
-            raise BatchgenError(f"--on-error must be fail or skip, got '{on_error}'")
-        for name, value in (("max_running_requests", max_running_requests), ("max_prefill_tokens", max_prefill_tokens)):
-            if value < 1:
-                raise BatchgenError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-        if chunked_prefill_size < 0:
-            raise BatchgenError(f"--chunked-prefill-size must be >= 0, got {chunked_prefill_size}")
-        if not 0.0 < mem_fraction < 1.0:
-            raise BatchgenError(f"--mem-fraction must be in (0, 1), got {mem_fraction}")
-        check_output_path(out, overwrite)
+        _check_run_options(
+            on_error=on_error,
+            max_running_requests=max_running_requests,
+            max_prefill_tokens=max_prefill_tokens,
+            chunked_prefill_size=chunked_prefill_size,
+            seed=seed,
+            context_length=context_length,
+            mem_fraction=mem_fraction,
+        )
+        check_output_path(dataset, out, overwrite)
         defaults = SamplingParams(
             max_new_tokens=max_new_tokens,
             min_new_tokens=min_new_tokens,
@@ -160,6 +196,13 @@ def run(
             raise BatchgenError(f"command line: {e}") from None
         summary = job.run()
         print(summary.line(), file=sys.stderr)
+        if summary.interrupted_by:
+            print(
+                f"batchgen: stopped by {summary.interrupted_by}: {summary.requests} finished rows are in {out}; "
+                "requests still running were not written",
+                file=sys.stderr,
+            )
+            raise typer.Exit(128 + signal.Signals[summary.interrupted_by].value)
         raise_if_failed(summary, on_error)
 
 

@@ -15,14 +15,15 @@ from tqdm import tqdm
 
 from batchgen import __version__
 from batchgen.errors import BatchgenError, RowError
-from batchgen.io.reader import InputRow, RowReader
+from batchgen.interrupts import StopRequest, graceful_stop
+from batchgen.io.reader import RowReader
 from batchgen.io.rows import parse_row
 from batchgen.io.writer import open_result_writer
 from batchgen.loop.engine import Engine
 from batchgen.loop.options import EngineOptions
 from batchgen.loop.req import Req
 from batchgen.loop.request_builder import RequestBuilder
-from batchgen.sampling.sampling_params import SamplingParams
+from batchgen.sampling.sampling_params import SAMPLING_FIELDS, SamplingParams
 
 # Finished rows are handed to the writer at least this often, so a long job's output grows steadily.
 FLUSH_EVERY_ROWS = 256
@@ -41,6 +42,8 @@ class RunSummary:
     output_tokens: int = 0
     seconds: float = 0.0
     preemptions: int = 0
+    # The signal that stopped the run early, e.g. "SIGTERM"; empty when it ran to the end.
+    interrupted_by: str = ""
 
     def line(self) -> str:
         rate = self.output_tokens / self.seconds if self.seconds > 0 else 0.0
@@ -72,6 +75,43 @@ def result_row(req: Req) -> dict[str, Any]:
 def error_row(error: RowError, rid: str, passthrough: dict[str, Any]) -> dict[str, Any]:
     """The output row written for a bad input row under ``--on-error skip``."""
     return {"id": rid, "finish_reason": "error", "error": str(error), **passthrough}
+
+
+# Names other engines use for sampling fields, so that a row written for them is not silently half-understood.
+_FOREIGN_SAMPLING_NAMES = {
+    "max_tokens": "max_new_tokens",
+    "max_completion_tokens": "max_new_tokens",
+    "min_tokens": "min_new_tokens",
+    "stop_sequences": "stop",
+    "n": None,
+    "best_of": None,
+    "frequency_penalty": None,
+    "presence_penalty": None,
+    "repetition_penalty": None,
+    "logit_bias": None,
+    "response_format": None,
+}
+
+
+def warn_about_passthrough_names(names: list[str]) -> None:
+    """Print one warning per pass-through field that looks like a sampling field batchgen does not read."""
+    known = {name.lower(): name for name in SAMPLING_FIELDS}
+    for name in names:
+        hint = known.get(name.lower())
+        if hint is None and name in _FOREIGN_SAMPLING_NAMES:
+            hint = _FOREIGN_SAMPLING_NAMES[name]
+            if hint is None:
+                print(
+                    f"batchgen: warning: field '{name}' is not supported (yet); it is passed through unused",
+                    file=sys.stderr,
+                )
+                continue
+        if hint is not None:
+            print(
+                f"batchgen: warning: field '{name}' is not a sampling field (did you mean '{hint}'?); it is passed "
+                "through unused",
+                file=sys.stderr,
+            )
 
 
 def count_rows(path: Path) -> int | None:
@@ -117,6 +157,7 @@ class RunJob:
             defaults,
             run_seed,
         )
+        warn_about_passthrough_names(self.reader.passthrough_schema.names)
         self.summary = RunSummary()
         self._seen_ids: set[str] = set()
         self._pending_rows: list[dict[str, Any]] = []
@@ -133,7 +174,14 @@ class RunJob:
         }
 
     def run(self) -> RunSummary:
-        """Generate every row; the output file is complete when this returns (also after a row error)."""
+        """Generate every row; the output file is closed and readable when this returns, also after a row error,
+        an exception, or a stop signal (``summary.interrupted_by``: the rows in flight are then not written)."""
+        with graceful_stop() as stop:
+            summary = self._run(stop)
+        summary.interrupted_by = stop.name
+        return summary
+
+    def _run(self, stop: StopRequest) -> RunSummary:
         start = time.perf_counter()
         writer = open_result_writer(self.out, self.reader.passthrough_schema, self.metadata())
         bar = tqdm(
@@ -148,7 +196,7 @@ class RunJob:
             rows = self._requests()
             lookahead = 2 * self.engine.options.max_running_requests
             input_left = True
-            while input_left or self.engine.has_work():
+            while (input_left or self.engine.has_work()) and stop.signum is None:
                 while input_left and len(self.engine.scheduler.waiting) < lookahead:
                     req = next(rows, None)
                     if req is None:
@@ -191,22 +239,24 @@ class RunJob:
             if isinstance(item, RowError):
                 self._row_failed(item, str(order), {})
                 continue
+            source = self.reader.source
             try:
-                req = self._build(item, order)
+                spec = parse_row(item, source, self.reader.passthrough_schema, block_rows=self.reader.block_rows)
             except RowError as e:
                 rid = item.data.get("id")
                 self._row_failed(e, str(rid) if rid is not None else str(item.index), {})
                 continue
+            try:
+                if spec.id in self._seen_ids:
+                    raise RowError(source, item.line, "id", f"duplicate id '{spec.id}'")
+                self._seen_ids.add(spec.id)
+                req = self.builder.build(spec, source, order)
+            except RowError as e:
+                self._row_failed(e, spec.id, spec.passthrough)
+                continue
             if req.params.max_new_tokens == 0:
                 req.finish_reason, req.text = "length", ""
             yield req
-
-    def _build(self, item: InputRow, order: int) -> Req:
-        spec = parse_row(item, self.reader.source, self.reader.passthrough_schema, block_rows=self.reader.block_rows)
-        if spec.id in self._seen_ids:
-            raise RowError(self.reader.source, item.line, "id", f"duplicate id '{spec.id}'")
-        self._seen_ids.add(spec.id)
-        return self.builder.build(spec, self.reader.source, order)
 
     def _row_failed(self, error: RowError, rid: str, passthrough: dict[str, Any]) -> None:
         self.summary.errors += 1
@@ -219,12 +269,14 @@ class RunJob:
             tqdm.write("batchgen: error: more bad rows; only the first 20 are shown", file=sys.stderr)
 
 
-def check_output_path(out: Path, overwrite: bool) -> None:
-    """Refuse to replace an existing output unless asked.
+def check_output_path(dataset: Path, out: Path, overwrite: bool) -> None:
+    """Refuse to replace an existing output unless asked, and never write over the input.
 
     Raises:
-        BatchgenError: ``out`` exists and ``overwrite`` is false, or its directory does not exist.
+        BatchgenError: ``out`` is the dataset, exists without ``overwrite``, or its directory does not exist.
     """
+    if out.exists() and dataset.exists() and out.resolve() == dataset.resolve():
+        raise BatchgenError(f"{out}: the output file is the input dataset; choose another --out")
     if out.exists() and not overwrite:
         raise BatchgenError(f"{out}: output file exists; pass --overwrite to replace it")
     if not out.parent.exists():

@@ -163,6 +163,8 @@ class RowReader:
             value = json.loads(text)
         except json.JSONDecodeError as e:
             return RowError(self.source, line, None, f"invalid JSON: {e.msg} (column {e.colno})")
+        except RecursionError:
+            return RowError(self.source, line, None, "invalid JSON: nested too deeply")
         if not isinstance(value, dict):
             return RowError(self.source, line, None, f"expected a JSON object, got {json_type_name(value)}")
         return InputRow(index=index, line=line, data=value)

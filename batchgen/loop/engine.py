@@ -42,7 +42,12 @@ def pick_device(name: str) -> torch.device:
     """
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        device = torch.device("meta")
+    if device.type not in ("cpu", "cuda"):
+        raise BatchgenError(f"--device {name}: expected auto, cpu, cuda or cuda:N")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise BatchgenError(f"--device {name}: CUDA is not available on this machine")
     return device
@@ -61,6 +66,10 @@ def pick_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtype:
     if name not in _DTYPES:
         raise BatchgenError(f"unknown --dtype '{name}'; choose auto, {', '.join(_DTYPES)}")
     return _DTYPES[name]
+
+
+def _first_line(error: Exception) -> str:
+    return next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
 
 
 def _available_memory(device: torch.device) -> int:
@@ -102,8 +111,13 @@ class Engine:
             self.eos_token_ids = eos_token_ids(None, self.hf_config)
         else:
             self.model_dir = resolve_model(options.model)
-            self.hf_config = AutoConfig.from_pretrained(self.model_dir)
-            self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+            try:
+                self.hf_config = AutoConfig.from_pretrained(self.model_dir)
+                self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+            except (OSError, ValueError, KeyError) as e:
+                raise BatchgenError(
+                    f"{self.model_dir}: cannot load the config or tokenizer: {_first_line(e)}"
+                ) from None
             self.eos_token_ids = eos_token_ids(self.model_dir, self.hf_config)
         self.device = pick_device(options.device)
         self.dtype = pick_dtype(options.dtype, self.hf_config, self.device)

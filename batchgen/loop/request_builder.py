@@ -65,7 +65,13 @@ class RequestBuilder:
         if self.tokenizer is None and (spec.prompt_token_ids is None or params.stop):
             field = "stop" if spec.prompt_token_ids is not None else "prompt"
             raise error(field, "this model has no tokenizer: give prompt_token_ids and no stop strings")
-        prompt_field, prompt_ids = self._tokenize(spec, error)
+        try:
+            prompt_field, prompt_ids = self._tokenize(spec, error)
+        except RowError:
+            raise
+        except Exception as e:  # the tokenizer rejects the text itself (e.g. a lone UTF-16 surrogate)
+            field = "messages" if spec.messages is not None else "prompt"
+            raise error(field, f"cannot tokenize: {' '.join(str(e).split())[:200]}") from None
         if not prompt_ids:
             raise error(prompt_field, "prompt is empty after tokenization")
         if len(prompt_ids) >= self.context_len:

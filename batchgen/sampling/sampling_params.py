@@ -88,6 +88,8 @@ class SamplingParams:
             raise FieldError("stop", "stop strings must not be empty")
         if not 0 <= self.top_logprobs <= vocab_size:
             raise FieldError("top_logprobs", f"must be in [0, vocab size {vocab_size}], got {self.top_logprobs}")
+        if self.top_logprobs and not self.logprobs:
+            raise FieldError("top_logprobs", "needs logprobs: true")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise FieldError("seed", f"must be in [0, 2**63), got {self.seed}")
 

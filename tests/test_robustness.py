@@ -1,0 +1,143 @@
+"""Findings of a new-user trial: signals keep the output readable, odd input never crashes the run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+from conftest import read_rows, run_cli, write_jsonl
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_stop_signal_leaves_a_readable_output(
+    sig: signal.Signals, random_models: dict[str, Path], tmp_path: Path
+) -> None:
+    rows = [
+        {"id": f"r{i}", "prompt": "Once upon a time", "max_new_tokens": 200, "ignore_eos": True} for i in range(400)
+    ]
+    dataset = write_jsonl(tmp_path / "p.jsonl", rows)
+    out = tmp_path / "out.arrow"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "batchgen",
+            "run",
+            str(dataset),
+            "--out",
+            str(out),
+            "--model",
+            str(random_models["llama"]),
+            "--device",
+            "cpu",
+            "--no-progress",
+            "--max-running-requests",
+            "4",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    deadline = time.monotonic() + 60
+    while not out.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(1.0)
+    proc.send_signal(sig)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + sig.value, stderr
+    assert f"stopped by {sig.name}" in stderr and "Traceback" not in stderr
+    table = pa.ipc.open_file(out).read_all()  # readable: the footer was written
+    assert table.num_rows < 400
+    for row in table.to_pylist():
+        assert row["finish_reason"] == "length" and len(row["output_token_ids"]) == 200
+
+
+def test_untokenizable_prompt_is_a_row_error(random_models: dict[str, Path], tmp_path: Path) -> None:
+    dataset = tmp_path / "p.jsonl"
+    dataset.write_text(
+        '{"id": "bad", "prompt": "bad \\ud800", "topic": "x"}\n{"id": "ok", "prompt": "hi", "topic": "y"}\n'
+    )
+    code, output = run_cli(
+        [
+            "run",
+            str(dataset),
+            "--out",
+            str(tmp_path / "o.arrow"),
+            "--model",
+            str(random_models["llama"]),
+            "--max-new-tokens",
+            "2",
+            "--on-error",
+            "skip",
+        ]
+    )
+    assert code == 0, output
+    rows = read_rows(tmp_path / "o.arrow")
+    assert rows["bad"]["finish_reason"] == "error" and "field 'prompt': cannot tokenize" in rows["bad"]["error"]
+    assert rows["bad"]["topic"] == "x"  # error rows keep their pass-through fields
+    assert rows["ok"]["completion_tokens"] == 2
+
+
+def test_output_may_not_be_the_input(random_models: dict[str, Path], tmp_path: Path) -> None:
+    dataset = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi"}])
+    before = dataset.read_text()
+    code, output = run_cli(
+        ["run", str(dataset), "--out", str(dataset), "--overwrite", "--model", str(random_models["llama"])]
+    )
+    assert code == 2 and "the output file is the input dataset" in output
+    assert dataset.read_text() == before
+
+
+def test_top_logprobs_without_logprobs_is_rejected(random_models: dict[str, Path], tmp_path: Path) -> None:
+    dataset = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi", "logprobs": False, "top_logprobs": 2}])
+    code, output = run_cli(
+        ["run", str(dataset), "--out", str(tmp_path / "o.arrow"), "--model", str(random_models["llama"])]
+    )
+    assert code == 2 and "p.jsonl:1: field 'top_logprobs': needs logprobs: true" in output
+
+
+def test_foreign_sampling_field_names_are_warned_about(random_models: dict[str, Path], tmp_path: Path) -> None:
+    dataset = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi", "max_tokens": 2, "Temperature": 0, "n": 2}])
+    code, output = run_cli(
+        [
+            "run",
+            str(dataset),
+            "--out",
+            str(tmp_path / "o.jsonl"),
+            "--model",
+            str(random_models["llama"]),
+            "--max-new-tokens",
+            "3",
+        ]
+    )
+    assert code == 0, output
+    assert "field 'max_tokens' is not a sampling field (did you mean 'max_new_tokens'?)" in output
+    assert "field 'Temperature' is not a sampling field (did you mean 'temperature'?)" in output
+    assert "field 'n' is not supported (yet)" in output
+    row = json.loads((tmp_path / "o.jsonl").read_text())
+    assert row["completion_tokens"] == 3 and row["max_tokens"] == 2
+
+
+@pytest.mark.parametrize("device", ["gpu", "cuda:x", "meta"])
+def test_bad_device_is_one_line(device: str, random_models: dict[str, Path], tmp_path: Path) -> None:
+    dataset = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi"}])
+    code, output = run_cli(
+        [
+            "run",
+            str(dataset),
+            "--out",
+            str(tmp_path / "o.arrow"),
+            "--model",
+            str(random_models["llama"]),
+            "--device",
+            device,
+        ]
+    )
+    assert code == 2 and f"--device {device}: expected auto, cpu, cuda or cuda:N" in output
