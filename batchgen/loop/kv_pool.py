@@ -37,7 +37,10 @@ class ReqToTokenPool:
 
 
 class TokenToKVPool:
-    """Per-layer K and V buffers, each ``[num_layers, size + 1, num_kv_heads, head_dim]`` in ``dtype``.
+    """Per-layer K and V buffers, each ``[num_layers, num_kv_heads, size + 1, head_dim]`` in ``dtype``.
+
+    Head-major: gathering a batch's slots gives ``[num_kv_heads, tokens, head_dim]``, the layout attention
+    multiplies with directly (a (head, request) pair's keys are one contiguous matrix), with no transposing copy.
 
     Slot 0 is the dummy slot that padded tokens write to and masked positions read from; it is zeroed. The
     rest is left uninitialised: every other slot is written before it is read, and untouched memory is never
@@ -54,11 +57,11 @@ class TokenToKVPool:
         device: torch.device,
     ) -> None:
         self.size = size
-        shape = (num_layers, size + 1, num_kv_heads, head_dim)
+        shape = (num_layers, num_kv_heads, size + 1, head_dim)
         self.k_buffer = torch.empty(shape, dtype=dtype, device=device)
         self.v_buffer = torch.empty(shape, dtype=dtype, device=device)
-        self.k_buffer[:, 0].zero_()
-        self.v_buffer[:, 0].zero_()
+        self.k_buffer[:, :, 0].zero_()
+        self.v_buffer[:, :, 0].zero_()
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -67,8 +70,8 @@ class TokenToKVPool:
 
     def set_kv(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store ``k``, ``v`` ``[num_tokens, num_kv_heads, head_dim]`` at slots ``loc`` (int64 ``[num_tokens]``)."""
-        self.k_buffer[layer].index_copy_(0, loc, k.to(self.k_buffer.dtype))
-        self.v_buffer[layer].index_copy_(0, loc, v.to(self.v_buffer.dtype))
+        self.k_buffer[layer].index_copy_(1, loc, k.transpose(0, 1).to(self.k_buffer.dtype))
+        self.v_buffer[layer].index_copy_(1, loc, v.transpose(0, 1).to(self.v_buffer.dtype))
 
 
 class KVSlotAllocator:

@@ -20,7 +20,7 @@ class _SingleTokenRows:
 
     token_index: torch.Tensor | None  # int64 [n] rows of q, None when they are all of q in order
     kv_indices: torch.Tensor  # int64 [n, max_len] KV slots, padded with slot 0
-    mask: torch.Tensor  # bool [n, 1, 1, max_len]: True where the slot is part of the sequence
+    mask: torch.Tensor  # bool [n, 1, max_len]: True where the slot is part of the sequence
 
 
 @dataclass
@@ -49,7 +49,7 @@ def _single_token_rows(
     positions = torch.arange(max_len, device=seq_lens.device)
     valid = positions[None, :] < seq_lens[:, None]
     kv_indices = req_to_token[req_pool_indices, :max_len].masked_fill(~valid, 0)
-    return _SingleTokenRows(token_index, kv_indices, valid[:, None, None, :])
+    return _SingleTokenRows(token_index, kv_indices, valid[:, None, :])
 
 
 class TorchNativeAttnBackend(AttentionBackend):
@@ -109,8 +109,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         out = torch.empty_like(q)
         for row in self.metadata.multi:
             q_row = q[row.q_start : row.q_start + row.q_len].transpose(0, 1).unsqueeze(0)
-            k_row = k_buffer[row.kv_indices].transpose(0, 1).unsqueeze(0)
-            v_row = v_buffer[row.kv_indices].transpose(0, 1).unsqueeze(0)
+            k_row = k_buffer.index_select(1, row.kv_indices).unsqueeze(0)  # [1, Hkv, seq_len, D]
+            v_row = v_buffer.index_select(1, row.kv_indices).unsqueeze(0)
             o = F.scaled_dot_product_attention(
                 q_row, k_row, v_row, attn_mask=row.mask, is_causal=row.mask is None, enable_gqa=True
             )
@@ -125,21 +125,23 @@ class TorchNativeAttnBackend(AttentionBackend):
     def _attend_single(
         q: torch.Tensor, layer_id: int, forward_batch: ForwardBatch, rows: _SingleTokenRows
     ) -> torch.Tensor:
-        """One query per row against its gathered K/V, in float32 with plain batched matmuls.
+        """One query per row against its gathered K/V, with batched matmuls and a float32 softmax.
 
-        Not SDPA: its CPU kernel splits rows across threads with different rounding, so identical requests
-        at different batch positions got logprobs a few 1e-6 apart. A batched matmul computes every row the
-        same way, wherever it sits in the batch.
+        Not SDPA: for one query its CPU kernel is ~10x slower than two matmuls, and in float32 it rounds rows
+        differently depending on which thread gets them (identical requests got logprobs 1e-6 apart). A
+        batched matmul computes every row the same way wherever it sits. In half precision the scores are
+        rounded to that precision before the float32 softmax.
         """
         pool = forward_batch.token_to_kv_pool
         n, num_heads, head_dim = q.shape
-        flat = rows.kv_indices.flatten()
+        num_kv_heads = pool.k_buffer.shape[1]
         max_len = rows.kv_indices.shape[1]
-        k = pool.k_buffer[layer_id].index_select(0, flat).view(n, max_len, -1, head_dim)
-        v = pool.v_buffer[layer_id].index_select(0, flat).view(n, max_len, -1, head_dim)
-        num_kv_heads = k.shape[2]
-        qg = q.view(n, num_kv_heads, num_heads // num_kv_heads, head_dim).float()
-        scores = torch.matmul(qg, k.permute(0, 2, 3, 1).float()) * head_dim**-0.5  # [n, Hkv, G, max_len]
-        probs = torch.softmax(scores.masked_fill(~rows.mask, float("-inf")), dim=-1)
-        out = torch.matmul(probs, v.permute(0, 2, 1, 3).float())  # [n, Hkv, G, D]
-        return out.reshape(n, num_heads, head_dim).to(q.dtype)
+        flat = rows.kv_indices.flatten()
+        k = pool.k_buffer[layer_id].index_select(1, flat).view(num_kv_heads, n, max_len, head_dim)
+        v = pool.v_buffer[layer_id].index_select(1, flat).view(num_kv_heads, n, max_len, head_dim)
+        group = num_heads // num_kv_heads
+        qg = q.view(n, num_kv_heads, group, head_dim).transpose(0, 1)  # [Hkv, n, G, D]
+        scores = torch.matmul(qg * head_dim**-0.5, k.transpose(-1, -2)).float()  # [Hkv, n, G, max_len]
+        probs = torch.softmax(scores.masked_fill(~rows.mask, float("-inf")), dim=-1).to(q.dtype)
+        out = torch.matmul(probs, v)  # [Hkv, n, G, D]
+        return out.transpose(0, 1).reshape(n, num_heads, head_dim)
