@@ -10,7 +10,7 @@ from typing import Any
 import typer
 import yaml
 
-from batchgen.bench.commands import bench, bench_one_batch, expand_multi_value_options
+from batchgen.bench.commands import bench, bench_one_batch, expand_multi_value_options, peak_rss_mib
 from batchgen.cli_errors import user_errors
 from batchgen.errors import BatchgenError
 from batchgen.kernels.attention import ATTENTION_BACKENDS
@@ -71,7 +71,7 @@ def _read_config(path: Path, known: set[str | None]) -> dict[str, Any]:
 
 def _check_run_options(
     on_error: str,
-    max_running_requests: int,
+    max_running_requests: int | None,
     max_prefill_tokens: int,
     chunked_prefill_size: int,
     seed: int | None,
@@ -86,7 +86,7 @@ def _check_run_options(
     if on_error not in ("fail", "skip"):
         raise BatchgenError(f"--on-error must be fail or skip, got '{on_error}'")
     for name, value in (("max_running_requests", max_running_requests), ("max_prefill_tokens", max_prefill_tokens)):
-        if value < 1:
+        if value is not None and value < 1:
             raise BatchgenError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if chunked_prefill_size < 0:
         raise BatchgenError(f"--chunked-prefill-size must be >= 0, got {chunked_prefill_size}")
@@ -130,7 +130,9 @@ def run(
         _ENGINE_DEFAULTS.chunked_prefill_size, help="Longest prefill chunk per round; 0 = no chunking."
     ),
     max_prefill_tokens: int = typer.Option(_ENGINE_DEFAULTS.max_prefill_tokens, help="Prompt tokens per round."),
-    max_running_requests: int = typer.Option(_ENGINE_DEFAULTS.max_running_requests, help="Requests decoding together."),
+    max_running_requests: int | None = typer.Option(
+        None, help="Requests decoding together (default: 64 on CPU, 256 on GPU)."
+    ),
     attention_backend: str = typer.Option(
         _ENGINE_DEFAULTS.attention_backend, help=f"One of {', '.join(ATTENTION_BACKENDS)}."
     ),
@@ -142,6 +144,7 @@ def run(
     on_error: str = typer.Option("fail", help="fail: report bad rows and exit 2 at the end; skip: write them."),
     overwrite: bool = typer.Option(False, help="Replace an existing output file."),
     progress: bool = typer.Option(True, help="Show a progress bar on stderr."),
+    report_memory: bool = typer.Option(False, help="Print the peak resident memory (RSS) at the end."),
 ) -> None:
     """Generate a completion for every row of DATASET and write one result row per prompt to OUT."""
     from transformers.utils import logging as transformers_logging
@@ -196,6 +199,8 @@ def run(
             raise BatchgenError(f"command line: {e}") from None
         summary = job.run()
         print(summary.line(), file=sys.stderr)
+        if report_memory:
+            print(f"batchgen: peak RSS {peak_rss_mib():.0f} MiB", file=sys.stderr)
         if summary.interrupted_by:
             print(
                 f"batchgen: stopped by {summary.interrupted_by}: {summary.requests} finished rows are in {out}; "

@@ -194,7 +194,7 @@ class RunJob:
         last_flush = time.monotonic()
         try:
             rows = self._requests()
-            lookahead = 2 * self.engine.options.max_running_requests
+            lookahead = 2 * self.engine.max_running_requests
             input_left = True
             while (input_left or self.engine.has_work()) and stop.signum is None:
                 while input_left and len(self.engine.scheduler.waiting) < lookahead:

@@ -67,6 +67,8 @@ RUN_FLAGS = {
     "--no-overwrite",
     "--progress",
     "--no-progress",
+    "--report-memory",
+    "--no-report-memory",
     "--help",
 }
 
@@ -352,3 +354,24 @@ def test_summary_line_counts_requests_and_tokens(model: Path, tmp_path: Path) ->
     assert sum(r["completion_tokens"] for r in got) == int(output)
     assert sum(r["prompt_tokens"] for r in got) == int(prompt)
     assert float(rate) > 0.0
+
+
+def test_report_memory_prints_peak_rss(random_models: dict[str, Path], tmp_path: Path) -> None:
+    import re
+
+    dataset = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi", "max_new_tokens": 1}])
+    code, output = run_cli(
+        [
+            "run",
+            str(dataset),
+            "--out",
+            str(tmp_path / "o.arrow"),
+            "--model",
+            str(random_models["llama"]),
+            "--report-memory",
+            *COMMON,
+        ]
+    )
+    assert code == 0, output
+    match = re.search(r"batchgen: peak RSS (\d+) MiB", output)
+    assert match is not None and 50 < int(match.group(1)) < 24 * 1024

@@ -37,7 +37,8 @@ def expand_multi_value_options(argv: list[str]) -> list[str]:
     return out
 
 
-def _peak_rss_mib() -> float:
+def peak_rss_mib() -> float:
+    """Peak resident memory of this process so far, in MiB (Linux reports ru_maxrss in KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
@@ -119,7 +120,7 @@ def bench(
     dtype: str = typer.Option("auto", help="auto, float32, bfloat16 or float16."),
     device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
     seed: int = typer.Option(0, help="Seed of the random workload."),
-    max_running_requests: int = typer.Option(128, help="Engine: requests decoding together."),
+    max_running_requests: int | None = typer.Option(None, help="Engine: requests decoding together (64 CPU, 256 GPU)."),
     chunked_prefill_size: int = typer.Option(2048, help="Engine: longest prefill chunk per round."),
     max_prefill_tokens: int = typer.Option(8192, help="Engine: prompt tokens per round."),
     max_total_tokens: int | None = typer.Option(None, help="Engine: KV pool size in tokens."),
@@ -162,7 +163,7 @@ def bench(
         results = [run_engine(engine, workload)]
         print(results[0].line())
         if report_memory:
-            print(f"peak RSS after batchgen: {_peak_rss_mib():.0f} MiB")
+            print(f"peak RSS after batchgen: {peak_rss_mib():.0f} MiB")
         if baseline:
             hf_model = load_hf_model(engine)
             for name in baseline:

@@ -121,6 +121,7 @@ class Engine:
             self.eos_token_ids = eos_token_ids(self.model_dir, self.hf_config)
         self.device = pick_device(options.device)
         self.dtype = pick_dtype(options.dtype, self.hf_config, self.device)
+        self.max_running_requests: int = options.max_running_requests or (64 if self.device.type == "cpu" else 256)
         max_positions = int(self.hf_config.max_position_embeddings)
         context_len = options.context_length or max_positions
         if context_len > max_positions:
@@ -132,7 +133,7 @@ class Engine:
         config = model.config
         per_token = TokenToKVPool.bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, self.dtype)
         pool_size = options.max_total_tokens or int(options.mem_fraction * _available_memory(self.device) / per_token)
-        pool_size = min(pool_size, options.max_running_requests * context_len)
+        pool_size = min(pool_size, self.max_running_requests * context_len)
         if pool_size < context_len:
             # One request must always fit alone, or preemption could not guarantee progress.
             print(
@@ -146,14 +147,14 @@ class Engine:
             self.device,
             self.dtype,
             pool_size,
-            options.max_running_requests,
+            self.max_running_requests,
             context_len,
             options.attention_backend,
         )
         self.allocator = KVSlotAllocator(pool_size)
         self.scheduler = Scheduler(
             SchedulerOptions(
-                max_running_requests=options.max_running_requests,
+                max_running_requests=self.max_running_requests,
                 max_prefill_tokens=options.max_prefill_tokens,
                 chunked_prefill_size=options.chunked_prefill_size,
                 enable_mixed_chunk=options.enable_mixed_chunk,

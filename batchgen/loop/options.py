@@ -19,7 +19,8 @@ class EngineOptions:
         mem_fraction: share of the memory available after loading the weights given to the KV pool.
         chunked_prefill_size: longest prefill chunk per round (0 = no chunking).
         max_prefill_tokens: prompt tokens per round.
-        max_running_requests: requests decoding together.
+        max_running_requests: requests decoding together; ``None`` = 64 on CPU (where larger batches cost more
+            per token: their KV gathers outgrow the caches), 256 on GPU.
         attention_backend: ``auto`` or a backend name.
         enable_mixed_chunk: run prefill chunks and decodes in one forward (MIXED rounds).
         seed: run seed; rows without a ``seed`` get one derived from it and their ``id``.
@@ -33,7 +34,7 @@ class EngineOptions:
     mem_fraction: float = 0.4
     chunked_prefill_size: int = 2048
     max_prefill_tokens: int = 8192
-    max_running_requests: int = 128
+    max_running_requests: int | None = None
     attention_backend: str = "auto"
     enable_mixed_chunk: bool = True
     seed: int | None = None
