@@ -123,6 +123,12 @@ def run(
     logprobs: bool = typer.Option(_SAMPLING_DEFAULTS.logprobs, help="Report each output token's raw logprob."),
     top_logprobs: int = typer.Option(_SAMPLING_DEFAULTS.top_logprobs, help="Report the N most likely tokens."),
     seed: int | None = typer.Option(None, help="Run seed: rows without a seed get one derived from it and their id."),
+    logprobs_mode: str = typer.Option(
+        "raw", help="raw: log_softmax of the model's logits; processed: of the distribution sampled from."
+    ),
+    repetition_penalty: float = typer.Option(_SAMPLING_DEFAULTS.repetition_penalty, help="Default per row (HF)."),
+    frequency_penalty: float = typer.Option(_SAMPLING_DEFAULTS.frequency_penalty, help="Default per row, in [-2, 2]."),
+    presence_penalty: float = typer.Option(_SAMPLING_DEFAULTS.presence_penalty, help="Default per row, in [-2, 2]."),
     context_length: int | None = typer.Option(None, help="Longest prompt + output (default: the model's)."),
     max_total_tokens: int | None = typer.Option(None, help="KV pool size in tokens (default: from --mem-fraction)."),
     mem_fraction: float = typer.Option(_ENGINE_DEFAULTS.mem_fraction, help="Share of free memory for the KV pool."),
@@ -177,6 +183,9 @@ def run(
             skip_special_tokens=skip_special_tokens,
             logprobs=logprobs,
             top_logprobs=top_logprobs,
+            repetition_penalty=repetition_penalty,
+            frequency_penalty=frequency_penalty,
+            presence_penalty=presence_penalty,
         )
         options = EngineOptions(
             model=model,
@@ -191,6 +200,7 @@ def run(
             attention_backend=attention_backend,
             enable_mixed_chunk=enable_mixed_chunk,
             seed=seed,
+            logprobs_mode=logprobs_mode,
         )
         job = RunJob(dataset, out, options, defaults, on_error, progress)
         try:

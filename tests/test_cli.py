@@ -53,6 +53,10 @@ RUN_FLAGS = {
     "--no-logprobs",
     "--top-logprobs",
     "--seed",
+    "--logprobs-mode",
+    "--repetition-penalty",
+    "--frequency-penalty",
+    "--presence-penalty",
     "--context-length",
     "--max-total-tokens",
     "--mem-fraction",
@@ -242,6 +246,10 @@ def test_arrow_and_parquet_schema_metadata(formats: dict[str, Path], model: Path
         "skip_special_tokens": True,
         "logprobs": True,
         "top_logprobs": 2,
+        "repetition_penalty": 1.0,
+        "frequency_penalty": 0.0,
+        "presence_penalty": 0.0,
+        "logit_bias": [],
     }
     for schema in (pa.ipc.open_file(formats["arrow"]).schema, pq.read_schema(formats["parquet"])):
         meta = {k.decode(): v.decode() for k, v in schema.metadata.items()}

@@ -119,6 +119,8 @@ class Engine:
                     f"{self.model_dir}: cannot load the config or tokenizer: {_first_line(e)}"
                 ) from None
             self.eos_token_ids = eos_token_ids(self.model_dir, self.hf_config)
+        if options.logprobs_mode not in ("raw", "processed"):
+            raise BatchgenError(f"--logprobs-mode must be raw or processed, got '{options.logprobs_mode}'")
         self.device = pick_device(options.device)
         self.dtype = pick_dtype(options.dtype, self.hf_config, self.device)
         self.max_running_requests: int = options.max_running_requests or (64 if self.device.type == "cpu" else 256)
@@ -180,7 +182,13 @@ class Engine:
         batch = self.scheduler.next_batch()
         if batch is None:
             return []
-        worker_batch = batch.prepare(self.runner.req_to_token_pool, self.allocator, self.vocab_size, self.device)
+        worker_batch = batch.prepare(
+            self.runner.req_to_token_pool,
+            self.allocator,
+            self.vocab_size,
+            self.device,
+            processed_logprobs=self.options.logprobs_mode == "processed",
+        )
         forward_batch = ForwardBatch.init_new(worker_batch, self.runner)
         logits_output = self.runner.forward(forward_batch)
         sample_output = self.runner.sample(logits_output, worker_batch.sampling_info)

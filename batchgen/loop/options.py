@@ -24,6 +24,8 @@ class EngineOptions:
         attention_backend: ``auto`` or a backend name.
         enable_mixed_chunk: run prefill chunks and decodes in one forward (MIXED rounds).
         seed: run seed; rows without a ``seed`` get one derived from it and their ``id``.
+        logprobs_mode: ``raw`` (log_softmax of the model's logits) or ``processed`` (of the distribution sampled
+            from, after bias, penalties, temperature and truncation).
     """
 
     model: str
@@ -38,3 +40,4 @@ class EngineOptions:
     attention_backend: str = "auto"
     enable_mixed_chunk: bool = True
     seed: int | None = None
+    logprobs_mode: str = "raw"

@@ -10,6 +10,7 @@ from batchgen.errors import FieldError, RowError
 from batchgen.io.rows import RowSpec
 from batchgen.loop.detokenizer import IncrementalDetokenizer
 from batchgen.loop.req import Req
+from batchgen.sampling.penalties import TokenHistory, needs_history
 from batchgen.sampling.sampling_params import SamplingParams, make_sampling_params
 
 
@@ -90,6 +91,7 @@ class RequestBuilder:
             detokenizer=(
                 IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens) if params.stop else None
             ),
+            history=TokenHistory(frozenset(prompt_ids)) if needs_history(params) else None,
         )
 
     def _tokenize(self, spec: RowSpec, error: Any) -> tuple[str, list[int]]:

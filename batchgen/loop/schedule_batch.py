@@ -54,6 +54,7 @@ class ScheduleBatch:
         allocator: KVSlotAllocator,
         vocab_size: int,
         device: torch.device,
+        processed_logprobs: bool = False,
     ) -> ModelWorkerBatch:
         """Allocate KV slots for the round's tokens, record them in ``req_to_token`` and build the tensors.
 
@@ -100,5 +101,7 @@ class ScheduleBatch:
                 ],
                 vocab_size=vocab_size,
                 device=device,
+                histories=[r.history for r in sampled],
+                processed_logprobs=processed_logprobs,
             ),
         )

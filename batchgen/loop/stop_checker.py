@@ -17,6 +17,8 @@ def append_token(req: Req, token_id: int, logprob: float | None, top: list[tuple
     final cut).
     """
     req.output_ids.append(token_id)
+    if req.history is not None:
+        req.history.add(token_id)
     if logprob is not None:
         req.output_logprobs.append(logprob)
     if top is not None:

@@ -29,29 +29,42 @@ class SampleOutput:
 def sample(logits: torch.Tensor, info: SamplingBatchInfo) -> SampleOutput:
     """Sample one token per row of float32 ``logits`` ``[n, vocab]``.
 
-    Order: banned tokens (min_new_tokens) → temperature → top-k → top-p → min-p → draw. The draw is inverse-CDF
-    sampling with one counter-based uniform per row (:func:`uniform_from_counter`), so a row's token depends on
-    its own seed and position only. Greedy rows take the argmax (first index on ties, as ``torch.argmax``).
+    Order: logit bias and penalties → banned tokens (min_new_tokens) → temperature → top-k → top-p → min-p →
+    draw. The draw is inverse-CDF sampling with one counter-based uniform per row (:func:`uniform_from_counter`),
+    so a row's token depends on its own seed and position only. Greedy rows take the argmax of the adjusted
+    logits (first index on ties, as ``torch.argmax``). Reported logprobs are raw (log_softmax of ``logits``), or
+    with ``info.processed_logprobs`` those of the distribution actually sampled from (vLLM's processed mode).
     """
-    raw_logprobs = torch.log_softmax(logits, dim=-1) if info.need_logprobs else None
+    raw = logits
+    if info.adjustments is not None:
+        logits = info.adjustments.apply(logits)
     if info.banned_rows.numel():
         logits = logits.index_put(
             (info.banned_rows, info.banned_ids), torch.tensor(float("-inf"), device=logits.device)
         )
     next_ids = torch.argmax(logits, dim=-1)
+    processed = torch.log_softmax(logits, dim=-1) if info.need_logprobs and info.processed_logprobs else None
     if not info.is_all_greedy:
-        next_ids = torch.where(info.greedy, next_ids, _draw(logits, info))
+        drawn, probs = _draw(logits, info, keep_probs=processed is not None)
+        next_ids = torch.where(info.greedy, next_ids, drawn)
+        if processed is not None and probs is not None:
+            sampled_logprobs = torch.log(probs / probs.sum(dim=-1, keepdim=True))
+            processed = torch.where(info.greedy[:, None], processed, sampled_logprobs)
     logprobs = top_ids = top_logprobs = None
-    if raw_logprobs is not None:
-        logprobs = raw_logprobs.gather(1, next_ids[:, None]).squeeze(1)
+    if info.need_logprobs:
+        source = processed if processed is not None else torch.log_softmax(raw, dim=-1)
+        logprobs = source.gather(1, next_ids[:, None]).squeeze(1)
         k = max(info.top_logprobs)
         if k:
-            top_logprobs, top_ids = raw_logprobs.topk(k, dim=-1)
+            top_logprobs, top_ids = source.topk(k, dim=-1)
     return SampleOutput(next_ids, logprobs, top_ids, top_logprobs)
 
 
-def _draw(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
-    """Sample from the temperature-scaled, truncated distribution of every row (greedy rows included, unused)."""
+def _draw(logits: torch.Tensor, info: SamplingBatchInfo, keep_probs: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Sample from the temperature-scaled, truncated distribution of every row (greedy rows included, unused).
+
+    Returns the drawn ids and, with ``keep_probs``, the truncated (unnormalised) probabilities in vocabulary order.
+    """
     scaled = logits / info.temperatures[:, None]
     if info.need_top_k:
         kth = scaled.topk(int(info.top_ks.max()), dim=-1).values.gather(1, (info.top_ks - 1)[:, None])
@@ -69,4 +82,8 @@ def _draw(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
     cdf = probs.double().cumsum(dim=-1)
     target = uniform_from_counter(info.seeds, info.steps) * cdf[:, -1]
     picked = torch.searchsorted(cdf, target[:, None], right=True).squeeze(1).clamp_(max=logits.shape[-1] - 1)
-    return picked if order is None else order.gather(1, picked[:, None]).squeeze(1)
+    if order is not None:
+        picked = order.gather(1, picked[:, None]).squeeze(1)
+        if keep_probs:
+            probs = torch.empty_like(probs).scatter_(1, order, probs)
+    return picked, probs if keep_probs else None

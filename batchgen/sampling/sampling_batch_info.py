@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from batchgen.sampling.penalties import LogitAdjustments, TokenHistory
 from batchgen.sampling.sampling_params import SamplingParams
 
 # Below this temperature a row is sampled greedily: dividing logits by it would overflow to inf (vLLM uses the
@@ -25,6 +26,8 @@ class SamplingBatchInfo:
         banned_rows, banned_ids: int64 ``[m]`` pairs (row, token) masked to -inf before choosing a token
             (EOS and stop ids while ``min_new_tokens`` is not reached).
         top_logprobs: host list, how many top logprobs each row reports; need_logprobs: any row wants them.
+        adjustments: logit bias and penalties of the rows that have any (``None`` if no row has).
+        processed_logprobs: report logprobs of the processed distribution instead of the raw one.
     """
 
     temperatures: torch.Tensor
@@ -42,6 +45,8 @@ class SamplingBatchInfo:
     banned_ids: torch.Tensor
     top_logprobs: list[int]
     need_logprobs: bool
+    adjustments: LogitAdjustments | None = None
+    processed_logprobs: bool = False
 
     @classmethod
     def from_params(
@@ -52,8 +57,11 @@ class SamplingBatchInfo:
         banned: Sequence[Sequence[int]],
         vocab_size: int,
         device: torch.device,
+        histories: Sequence[TokenHistory | None] | None = None,
+        processed_logprobs: bool = False,
     ) -> SamplingBatchInfo:
-        """Stack per-row parameters; ``banned[i]`` lists the token ids row ``i`` may not pick this round."""
+        """Stack per-row parameters; ``banned[i]`` lists the token ids row ``i`` may not pick this round;
+        ``histories[i]`` is row ``i``'s token history when it uses penalties."""
         greedy = [p.is_greedy or p.temperature < GREEDY_TEMPERATURE for p in params]
         top_ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
         banned_rows = [i for i, ids in enumerate(banned) for _ in ids]
@@ -79,4 +87,6 @@ class SamplingBatchInfo:
             banned_ids=tensor(banned_ids, torch.int64),
             top_logprobs=[p.top_logprobs if p.logprobs else 0 for p in params],
             need_logprobs=any(p.logprobs for p in params),
+            adjustments=LogitAdjustments.build(params, histories or [None] * len(params), device),
+            processed_logprobs=processed_logprobs,
         )

@@ -23,6 +23,10 @@ SAMPLING_FIELDS: tuple[str, ...] = (
     "skip_special_tokens",
     "logprobs",
     "top_logprobs",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+    "logit_bias",
 )
 
 
@@ -52,6 +56,11 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logprobs: bool = True
     top_logprobs: int = 0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    # (token id, bias) pairs; a tuple, not a dict, so the parameters stay hashable and immutable.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def is_greedy(self) -> bool:
@@ -88,6 +97,17 @@ class SamplingParams:
             raise FieldError("stop", "stop strings must not be empty")
         if not 0 <= self.top_logprobs <= vocab_size:
             raise FieldError("top_logprobs", f"must be in [0, vocab size {vocab_size}], got {self.top_logprobs}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise FieldError("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise FieldError(name, f"must be in [-2, 2], got {value}")
+        for token_id, bias in self.logit_bias:
+            if not 0 <= token_id < vocab_size:
+                raise FieldError("logit_bias", f"id {token_id} is outside the vocabulary [0, {vocab_size})")
+            if not -100.0 <= bias <= 100.0:
+                raise FieldError("logit_bias", f"bias of id {token_id} must be in [-100, 100], got {bias}")
         if self.top_logprobs and not self.logprobs:
             raise FieldError("top_logprobs", "needs logprobs: true")
         if self.seed is not None and not 0 <= self.seed < 2**63:
@@ -95,7 +115,7 @@ class SamplingParams:
 
 
 _INT_FIELDS = {"max_new_tokens", "min_new_tokens", "top_k", "top_logprobs"}
-_FLOAT_FIELDS = {"temperature", "top_p", "min_p"}
+_FLOAT_FIELDS = {"temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"}
 _BOOL_FIELDS = {"ignore_eos", "skip_special_tokens", "logprobs"}
 
 
@@ -129,7 +149,25 @@ def _coerce(name: str, value: Any) -> Any:
         ):
             raise FieldError(name, f"must be a list of integers, got {value!r}")
         return tuple(value)
+    if name == "logit_bias":
+        return _coerce_logit_bias(value)
     raise FieldError(name, "is not a sampling field")
+
+
+def _coerce_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """``{"id": bias}`` (JSON object keys are strings) → sorted ``((id, bias), ...)``."""
+    if not isinstance(value, dict):
+        raise FieldError("logit_bias", f"must be an object of token id → bias, got {value!r}")
+    pairs = []
+    for key, bias in value.items():
+        try:
+            token_id = int(key)
+        except (TypeError, ValueError):
+            raise FieldError("logit_bias", f"key {key!r} is not a token id") from None
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
+            raise FieldError("logit_bias", f"bias of id {token_id} must be a finite number, got {bias!r}")
+        pairs.append((token_id, float(bias)))
+    return tuple(sorted(pairs))
 
 
 def make_sampling_params(defaults: SamplingParams, overrides: dict[str, Any], vocab_size: int) -> SamplingParams:
