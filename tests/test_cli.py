@@ -250,6 +250,9 @@ def test_arrow_and_parquet_schema_metadata(formats: dict[str, Path], model: Path
         "frequency_penalty": 0.0,
         "presence_penalty": 0.0,
         "logit_bias": [],
+        "json_schema": None,
+        "regex": None,
+        "ebnf": None,
     }
     for schema in (pa.ipc.open_file(formats["arrow"]).schema, pq.read_schema(formats["parquet"])):
         meta = {k.decode(): v.decode() for k, v in schema.metadata.items()}

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchgen.loop.detokenizer import IncrementalDetokenizer
+from batchgen.sampling.grammar import GrammarState
 from batchgen.sampling.penalties import TokenHistory
 from batchgen.sampling.sampling_params import SamplingParams
 
@@ -36,6 +37,7 @@ class Req:
     passthrough: dict[str, Any]
     detokenizer: IncrementalDetokenizer | None = None
     history: TokenHistory | None = None
+    grammar: GrammarState | None = None
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)

@@ -10,6 +10,7 @@ from batchgen.errors import FieldError, RowError
 from batchgen.io.rows import RowSpec
 from batchgen.loop.detokenizer import IncrementalDetokenizer
 from batchgen.loop.req import Req
+from batchgen.sampling.grammar import GrammarCompiler
 from batchgen.sampling.penalties import TokenHistory, needs_history
 from batchgen.sampling.sampling_params import SamplingParams, make_sampling_params
 
@@ -47,6 +48,7 @@ class RequestBuilder:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.defaults = defaults
         self.run_seed = run_seed
+        self.grammars = GrammarCompiler(tokenizer, vocab_size)
 
     def build(self, spec: RowSpec, source: str, order: int) -> Req:
         """The request for one row.
@@ -77,6 +79,12 @@ class RequestBuilder:
             raise error(prompt_field, "prompt is empty after tokenization")
         if len(prompt_ids) >= self.context_len:
             raise error(prompt_field, f"prompt has {len(prompt_ids)} tokens, >= context length {self.context_len}")
+        grammar = None
+        if params.constraint is not None:
+            try:
+                grammar = self.grammars.matcher(*params.constraint)
+            except FieldError as e:
+                raise error(e.field, e.message) from None
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         return Req(
             rid=spec.id,
@@ -92,6 +100,7 @@ class RequestBuilder:
                 IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens) if params.stop else None
             ),
             history=TokenHistory(frozenset(prompt_ids)) if needs_history(params) else None,
+            grammar=grammar,
         )
 
     def _tokenize(self, spec: RowSpec, error: Any) -> tuple[str, list[int]]:

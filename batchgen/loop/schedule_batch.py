@@ -102,6 +102,7 @@ class ScheduleBatch:
                 vocab_size=vocab_size,
                 device=device,
                 histories=[r.history for r in sampled],
+                grammars=[r.grammar for r in sampled],
                 processed_logprobs=processed_logprobs,
             ),
         )

@@ -19,6 +19,8 @@ def append_token(req: Req, token_id: int, logprob: float | None, top: list[tuple
     req.output_ids.append(token_id)
     if req.history is not None:
         req.history.add(token_id)
+    if req.grammar is not None:
+        req.grammar.accept(token_id)
     if logprob is not None:
         req.output_logprobs.append(logprob)
     if top is not None:
@@ -27,6 +29,8 @@ def append_token(req: Req, token_id: int, logprob: float | None, top: list[tuple
     stops_allowed = num_out >= req.params.min_new_tokens
     if stops_allowed and token_id in req.stop_token_ids:
         req.finish_reason, req.matched_stop = "stop", str(token_id)
+    elif req.grammar is not None and req.grammar.terminated:
+        req.finish_reason = "stop"
     elif req.detokenizer is not None:
         committed_before = req.detokenizer.committed_tokens
         new_text = req.detokenizer.update([token_id])
@@ -50,7 +54,7 @@ def finalize_text(req: Req, tokenizer: Any) -> None:
     if tokenizer is None:
         return
     skip = req.params.skip_special_tokens
-    if req.finish_reason == "stop" and req.stop_search_from is None:  # a stop or EOS token
+    if req.matched_stop is not None and req.stop_search_from is None:  # a stop or EOS token
         req.text = continuation_text(tokenizer, req.prompt_ids, req.output_ids[:-1], skip)
         return
     full = continuation_text(tokenizer, req.prompt_ids, req.output_ids, skip)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from batchgen.sampling.grammar import apply_bitmask
 from batchgen.sampling.random import uniform_from_counter
 from batchgen.sampling.sampling_batch_info import SamplingBatchInfo
 
@@ -29,13 +30,16 @@ class SampleOutput:
 def sample(logits: torch.Tensor, info: SamplingBatchInfo) -> SampleOutput:
     """Sample one token per row of float32 ``logits`` ``[n, vocab]``.
 
-    Order: logit bias and penalties → banned tokens (min_new_tokens) → temperature → top-k → top-p → min-p →
-    draw. The draw is inverse-CDF sampling with one counter-based uniform per row (:func:`uniform_from_counter`),
-    so a row's token depends on its own seed and position only. Greedy rows take the argmax of the adjusted
-    logits (first index on ties, as ``torch.argmax``). Reported logprobs are raw (log_softmax of ``logits``), or
-    with ``info.processed_logprobs`` those of the distribution actually sampled from (vLLM's processed mode).
+    Order: grammar mask → logit bias and penalties → banned tokens (min_new_tokens) → temperature → top-k →
+    top-p → min-p → draw. The draw is inverse-CDF sampling with one counter-based uniform per row
+    (:func:`uniform_from_counter`), so a row's token depends on its own seed and position only. Greedy rows take
+    the argmax of the adjusted logits (first index on ties, as ``torch.argmax``). Reported logprobs are raw
+    (log_softmax of ``logits``), or with ``info.processed_logprobs`` those of the distribution actually sampled
+    from (vLLM's processed mode).
     """
     raw = logits
+    if info.grammar_mask is not None:
+        logits = apply_bitmask(logits, info.grammar_mask)
     if info.adjustments is not None:
         logits = info.adjustments.apply(logits)
     if info.banned_rows.numel():

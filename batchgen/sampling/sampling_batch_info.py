@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from batchgen.sampling.grammar import GrammarState, grammar_bitmask
 from batchgen.sampling.penalties import LogitAdjustments, TokenHistory
 from batchgen.sampling.sampling_params import SamplingParams
 
@@ -27,6 +28,7 @@ class SamplingBatchInfo:
             (EOS and stop ids while ``min_new_tokens`` is not reached).
         top_logprobs: host list, how many top logprobs each row reports; need_logprobs: any row wants them.
         adjustments: logit bias and penalties of the rows that have any (``None`` if no row has).
+        grammar_mask: int32 ``[n, ceil(vocab / 32)]`` allowed-token bits of constrained rows (``None`` if none).
         processed_logprobs: report logprobs of the processed distribution instead of the raw one.
     """
 
@@ -47,6 +49,7 @@ class SamplingBatchInfo:
     need_logprobs: bool
     adjustments: LogitAdjustments | None = None
     processed_logprobs: bool = False
+    grammar_mask: torch.Tensor | None = None
 
     @classmethod
     def from_params(
@@ -59,6 +62,7 @@ class SamplingBatchInfo:
         device: torch.device,
         histories: Sequence[TokenHistory | None] | None = None,
         processed_logprobs: bool = False,
+        grammars: Sequence[GrammarState | None] | None = None,
     ) -> SamplingBatchInfo:
         """Stack per-row parameters; ``banned[i]`` lists the token ids row ``i`` may not pick this round;
         ``histories[i]`` is row ``i``'s token history when it uses penalties."""
@@ -89,4 +93,5 @@ class SamplingBatchInfo:
             need_logprobs=any(p.logprobs for p in params),
             adjustments=LogitAdjustments.build(params, histories or [None] * len(params), device),
             processed_logprobs=processed_logprobs,
+            grammar_mask=grammar_bitmask(list(grammars), vocab_size) if grammars else None,
         )

@@ -27,6 +27,9 @@ SAMPLING_FIELDS: tuple[str, ...] = (
     "frequency_penalty",
     "presence_penalty",
     "logit_bias",
+    "json_schema",
+    "regex",
+    "ebnf",
 )
 
 
@@ -61,6 +64,19 @@ class SamplingParams:
     presence_penalty: float = 0.0
     # (token id, bias) pairs; a tuple, not a dict, so the parameters stay hashable and immutable.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # At most one constraint (see batchgen.sampling.grammar); a JSON schema is kept as JSON text.
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+
+    @property
+    def constraint(self) -> tuple[str, str] | None:
+        """(field name, source text) of the row's structured-output constraint, if any."""
+        for name in ("json_schema", "regex", "ebnf"):
+            value = getattr(self, name)
+            if value is not None:
+                return name, value
+        return None
 
     @property
     def is_greedy(self) -> bool:
@@ -108,6 +124,11 @@ class SamplingParams:
                 raise FieldError("logit_bias", f"id {token_id} is outside the vocabulary [0, {vocab_size})")
             if not -100.0 <= bias <= 100.0:
                 raise FieldError("logit_bias", f"bias of id {token_id} must be in [-100, 100], got {bias}")
+        constraints = [n for n in ("json_schema", "regex", "ebnf") if getattr(self, n) is not None]
+        if len(constraints) > 1:
+            raise FieldError(
+                constraints[1], f"give only one of json_schema, regex, ebnf (found: {', '.join(constraints)})"
+            )
         if self.top_logprobs and not self.logprobs:
             raise FieldError("top_logprobs", "needs logprobs: true")
         if self.seed is not None and not 0 <= self.seed < 2**63:
@@ -151,6 +172,10 @@ def _coerce(name: str, value: Any) -> Any:
         return tuple(value)
     if name == "logit_bias":
         return _coerce_logit_bias(value)
+    if name in ("json_schema", "regex", "ebnf"):
+        from batchgen.sampling.grammar import normalize_constraint
+
+        return normalize_constraint(name, value)
     raise FieldError(name, "is not a sampling field")
 
 

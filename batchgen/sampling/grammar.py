@@ -1,0 +1,150 @@
+"""Structured output: JSON schema, regex and EBNF constraints compiled by xgrammar into per-step token masks.
+
+A constraint is a mode of sampling, not a separate service: each constrained request carries a matcher, the
+round's token bitmask is filled on the CPU from the matchers and applied to the logits before anything else,
+and every sampled token is fed back to its matcher. A request ends (``stop``) when its grammar terminates.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+
+from batchgen.errors import FieldError
+
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")
+
+
+def _import_xgrammar() -> Any:
+    try:
+        import xgrammar
+    except ImportError:
+        return None
+    return xgrammar
+
+
+class GrammarCompiler:
+    """Compiles constraints for one tokenizer and vocabulary size, caching them by (kind, text).
+
+    Args:
+        tokenizer: the transformers tokenizer of the model.
+        vocab_size: the model's vocabulary (logit) size, which may exceed the tokenizer's.
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._compiler: Any = None
+        self._cache: dict[tuple[str, str], Any] = {}
+        self._no_control_chars: torch.Tensor | None = None
+
+    def matcher(self, kind: str, text: str) -> GrammarState:
+        """A fresh matcher for constraint ``kind`` (one of :data:`GRAMMAR_FIELDS`) with source ``text``.
+
+        Raises:
+            FieldError: xgrammar is not installed, or the constraint does not compile.
+        """
+        xgr = _import_xgrammar()
+        if xgr is None:
+            raise FieldError(kind, "structured output needs xgrammar: pip install 'batchgen[structured]'")
+        if self._compiler is None:
+            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=2)
+        key = (kind, text)
+        if key not in self._cache:
+            try:
+                if kind == "json_schema":
+                    self._cache[key] = self._compiler.compile_json_schema(text, any_whitespace=False)
+                elif kind == "regex":
+                    self._cache[key] = self._compiler.compile_regex(text)
+                else:
+                    self._cache[key] = self._compiler.compile_grammar(text)
+            except Exception as e:  # xgrammar raises several types (RuntimeError, ValueError, its own)
+                raise FieldError(kind, f"does not compile: {' '.join(str(e).split())[:300]}") from None
+        # xgrammar's JSON string rule lets raw control characters (U+0000-U+001F) through, which json.loads
+        # rejects; compact JSON never needs them, so JSON-schema rows may not pick a token that contains one.
+        forbid = self._control_char_mask() if kind == "json_schema" else None
+        return GrammarState(xgr, xgr.GrammarMatcher(self._cache[key]), forbid)
+
+    def _control_char_mask(self) -> torch.Tensor:
+        """Packed int32 bits, set for every token whose text has no control character (decoded once)."""
+        if self._no_control_chars is None:
+            allowed = torch.ones(self.vocab_size, dtype=torch.bool)
+            for token_id in range(min(self.vocab_size, len(self.tokenizer))):
+                text = self.tokenizer.decode([token_id])
+                allowed[token_id] = not any(ord(ch) < 0x20 for ch in text)
+            self._no_control_chars = pack_bits(allowed)
+        return self._no_control_chars
+
+
+class GrammarState:
+    """One request's position in its grammar; ``allowed_mask`` (packed bits) further limits every step."""
+
+    def __init__(self, xgr: Any, matcher: Any, allowed_mask: torch.Tensor | None = None) -> None:
+        self._xgr = xgr
+        self.matcher = matcher
+        self.allowed_mask = allowed_mask
+
+    def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed next tokens into row ``row`` of an int32 ``[n, ceil(vocab / 32)]`` bitmask."""
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+        if self.allowed_mask is not None:
+            bitmask[row] &= self.allowed_mask
+
+    def accept(self, token_id: int) -> None:
+        self.matcher.accept_token(token_id)
+
+    @property
+    def terminated(self) -> bool:
+        return bool(self.matcher.is_terminated())
+
+
+def grammar_bitmask(states: list[GrammarState | None], vocab_size: int) -> torch.Tensor | None:
+    """The round's int32 bitmask ``[n, ceil(vocab / 32)]`` (all ones for unconstrained rows), or ``None``."""
+    if not any(states):
+        return None
+    bitmask = torch.full((len(states), (vocab_size + 31) // 32), -1, dtype=torch.int32)
+    for row, state in enumerate(states):
+        if state is not None:
+            state.fill_mask(bitmask, row)
+    return bitmask
+
+
+def pack_bits(allowed: torch.Tensor) -> torch.Tensor:
+    """bool ``[vocab]`` → int32 ``[ceil(vocab / 32)]``, bit ``i % 32`` of word ``i // 32`` set when allowed
+    (xgrammar's bitmask layout)."""
+    words = (allowed.numel() + 31) // 32
+    padded = torch.zeros(words * 32, dtype=torch.int64)
+    padded[: allowed.numel()] = allowed.to(torch.int64)
+    packed = (padded.view(words, 32) << torch.arange(32, dtype=torch.int64)).sum(dim=1)
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """A copy of float32 ``logits`` ``[n, vocab]`` with the tokens the bitmask forbids set to -inf."""
+    bits = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((bitmask.to(logits.device)[:, :, None] >> bits) & 1).bool().flatten(1)[:, : logits.shape[1]]
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
+def normalize_constraint(name: str, value: Any) -> str:
+    """The constraint's source text; a JSON schema may be given as an object or as a JSON string.
+
+    Raises:
+        FieldError: wrong type, or a schema string that is not JSON.
+    """
+    if name == "json_schema":
+        if isinstance(value, dict):
+            return json.dumps(value, sort_keys=True)
+        if isinstance(value, str):
+            try:
+                json.loads(value)
+            except json.JSONDecodeError as e:
+                raise FieldError(name, f"is not valid JSON: {e.msg}") from None
+            return value
+        raise FieldError(name, f"must be a JSON schema object or string, got {value!r}")
+    if not isinstance(value, str) or not value:
+        raise FieldError(name, f"must be a non-empty string, got {value!r}")
+    return value
