@@ -123,6 +123,9 @@ def run(
     logprobs: bool = typer.Option(_SAMPLING_DEFAULTS.logprobs, help="Report each output token's raw logprob."),
     top_logprobs: int = typer.Option(_SAMPLING_DEFAULTS.top_logprobs, help="Report the N most likely tokens."),
     seed: int | None = typer.Option(None, help="Run seed: rows without a seed get one derived from it and their id."),
+    prompt_logprobs: int | None = typer.Option(
+        None, help="Default per row: report prompt logprobs with the N most likely tokens (0 = just the token's)."
+    ),
     logprobs_mode: str = typer.Option(
         "raw", help="raw: log_softmax of the model's logits; processed: of the distribution sampled from."
     ),
@@ -186,6 +189,7 @@ def run(
             repetition_penalty=repetition_penalty,
             frequency_penalty=frequency_penalty,
             presence_penalty=presence_penalty,
+            prompt_logprobs=prompt_logprobs,
         )
         options = EngineOptions(
             model=model,

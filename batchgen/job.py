@@ -68,6 +68,8 @@ def result_row(req: Req) -> dict[str, Any]:
         "error": None,
         "prompt_tokens": len(req.prompt_ids),
         "completion_tokens": len(req.output_ids),
+        "prompt_logprobs": req.prompt_logprobs if params.prompt_logprobs is not None else None,
+        "prompt_top_logprobs": req.prompt_top_logprobs if params.prompt_logprobs else None,
         **req.passthrough,
     }
 

@@ -54,6 +54,7 @@ RUN_FLAGS = {
     "--top-logprobs",
     "--seed",
     "--logprobs-mode",
+    "--prompt-logprobs",
     "--repetition-penalty",
     "--frequency-penalty",
     "--presence-penalty",
@@ -253,6 +254,7 @@ def test_arrow_and_parquet_schema_metadata(formats: dict[str, Path], model: Path
         "json_schema": None,
         "regex": None,
         "ebnf": None,
+        "prompt_logprobs": None,
     }
     for schema in (pa.ipc.open_file(formats["arrow"]).schema, pq.read_schema(formats["parquet"])):
         meta = {k.decode(): v.decode() for k, v in schema.metadata.items()}

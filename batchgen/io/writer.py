@@ -29,6 +29,8 @@ OUTPUT_COLUMNS: pa.Schema = pa.schema(
         pa.field("error", pa.string()),
         pa.field("prompt_tokens", pa.int32()),
         pa.field("completion_tokens", pa.int32()),
+        pa.field("prompt_logprobs", pa.list_(pa.float32())),
+        pa.field("prompt_top_logprobs", pa.list_(pa.list_(_TOKEN_LOGPROB))),
     ]
 )
 

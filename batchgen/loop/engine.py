@@ -195,4 +195,4 @@ class Engine:
         self.stats.rounds += 1
         self.stats.decode_tokens += batch.num_decode_rows
         self.stats.prefill_tokens += sum(batch.extend_lens) - batch.num_decode_rows
-        return self.scheduler.process_result(batch, sample_output)
+        return self.scheduler.process_result(batch, sample_output, logits_output)

@@ -29,6 +29,8 @@ class ForwardBatch:
             after this round (cached prefix + new tokens).
         max_seq_len: host int, ``max(seq_lens)``: the width attention gathers without reading ``seq_lens``.
         sample_indices: ``[num_sampled]`` rows of the hidden states whose logits are computed.
+        prompt_logprob_indices, prompt_logprob_targets: ``[m]`` rows whose next prompt token's logprob is wanted,
+            and those tokens; prompt_top_k: host int, top logprobs to report for them.
         extend_*_cpu: host lists for EXTEND/MIXED rounds (per-request shapes the kernels loop over).
     """
 
@@ -42,6 +44,9 @@ class ForwardBatch:
     seq_lens: torch.Tensor
     max_seq_len: int
     sample_indices: torch.Tensor
+    prompt_logprob_indices: torch.Tensor
+    prompt_logprob_targets: torch.Tensor
+    prompt_top_k: int
     extend_seq_lens_cpu: list[int] | None
     extend_prefix_lens_cpu: list[int] | None
     req_to_token_pool: ReqToTokenPool
@@ -67,6 +72,9 @@ class ForwardBatch:
             seq_lens=to_device(torch.tensor(batch.seq_lens_cpu, dtype=torch.int64)),
             max_seq_len=max(batch.seq_lens_cpu),
             sample_indices=to_device(batch.sample_indices),
+            prompt_logprob_indices=to_device(batch.prompt_logprob_indices),
+            prompt_logprob_targets=to_device(batch.prompt_logprob_targets),
+            prompt_top_k=batch.prompt_top_k,
             extend_seq_lens_cpu=batch.extend_seq_lens_cpu,
             extend_prefix_lens_cpu=batch.extend_prefix_lens_cpu,
             req_to_token_pool=model_runner.req_to_token_pool,

@@ -41,6 +41,9 @@ class Req:
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # Raw logprob of prompt token i + 1 given tokens 0..i, filled chunk by chunk during prefill.
+    prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     req_pool_idx: int | None = None
     kv_len: int = 0
     finish_reason: str | None = None

@@ -17,7 +17,9 @@ class ModelWorkerBatch:
     """One round's inputs as CPU tensors and host lists; ``ForwardBatch.init_new`` moves them to the device.
 
     input_ids, positions, out_cache_loc: int64 ``[T]``; sample_indices: int64 ``[num_sampled]``, positions in
-    the token axis whose logits are needed (each sampling row's last token).
+    the token axis whose logits are needed (each sampling row's last token). prompt_logprob_indices /
+    prompt_logprob_targets: int64 ``[m]`` positions in the token axis and the prompt token that follows each, for
+    rows that report prompt logprobs; prompt_top_k: how many top logprobs the widest of them wants.
     """
 
     forward_mode: ForwardMode
@@ -30,6 +32,9 @@ class ModelWorkerBatch:
     extend_prefix_lens_cpu: list[int] | None
     sample_indices: torch.Tensor
     sampling_info: SamplingBatchInfo
+    prompt_logprob_indices: torch.Tensor
+    prompt_logprob_targets: torch.Tensor
+    prompt_top_k: int
 
 
 @dataclass
@@ -47,6 +52,8 @@ class ScheduleBatch:
 
     def __post_init__(self) -> None:
         self.sampling_rows = [i for i, (r, n) in enumerate(zip(self.reqs, self.extend_lens)) if n == r.num_pending]
+        # (row, count): how many prompt logprobs each row gets from this round, filled by prepare().
+        self.prompt_logprob_rows: list[tuple[int, int]] = []
 
     def prepare(
         self,
@@ -67,8 +74,22 @@ class ScheduleBatch:
         input_ids: list[int] = []
         positions: list[int] = []
         rows: list[int] = []
-        for req, n in zip(self.reqs, self.extend_lens):
+        prompt_lp_indices: list[int] = []
+        prompt_lp_targets: list[int] = []
+        prompt_top_k = 0
+        for row, (req, n) in enumerate(zip(self.reqs, self.extend_lens)):
             assert req.req_pool_idx is not None
+            if req.params.prompt_logprobs is not None:
+                # Positions whose next token is a prompt token and whose logprob is not known yet (a retracted
+                # request recomputes its prompt but keeps what it reported).
+                first = max(req.kv_len, len(req.prompt_logprobs))
+                last = min(req.kv_len + n, len(req.prompt_ids) - 1)
+                if first < last:
+                    start = len(input_ids) - req.kv_len
+                    prompt_lp_indices.extend(range(start + first, start + last))
+                    prompt_lp_targets.extend(req.prompt_ids[first + 1 : last + 1])
+                    self.prompt_logprob_rows.append((row, last - first))
+                    prompt_top_k = max(prompt_top_k, req.params.prompt_logprobs)
             input_ids.extend(req.pending_ids(n))
             positions.extend(range(req.kv_len, req.kv_len + n))
             rows.extend([req.req_pool_idx] * n)
@@ -105,4 +126,7 @@ class ScheduleBatch:
                 grammars=[r.grammar for r in sampled],
                 processed_logprobs=processed_logprobs,
             ),
+            prompt_logprob_indices=torch.tensor(prompt_lp_indices, dtype=torch.int64),
+            prompt_logprob_targets=torch.tensor(prompt_lp_targets, dtype=torch.int64),
+            prompt_top_k=prompt_top_k,
         )

@@ -12,6 +12,7 @@ from batchgen.loop.kv_pool import KVSlotAllocator, ReqToTokenPool
 from batchgen.loop.req import Req
 from batchgen.loop.schedule_batch import ScheduleBatch
 from batchgen.loop.stop_checker import append_token, finalize_text
+from batchgen.models.logits_processor import LogitsProcessorOutput
 from batchgen.sampling.sampler import SampleOutput
 
 
@@ -81,8 +82,13 @@ class Scheduler:
             return ScheduleBatch(ForwardMode.DECODE, decodes, [1] * len(decodes), len(decodes))
         return None
 
-    def process_result(self, batch: ScheduleBatch, result: SampleOutput) -> list[Req]:
-        """Append each sampled token, check stops, free finished requests; return those that finished."""
+    def process_result(
+        self, batch: ScheduleBatch, result: SampleOutput, logits_output: LogitsProcessorOutput | None = None
+    ) -> list[Req]:
+        """Record prompt logprobs, append each sampled token, check stops, free finished requests; return those
+        that finished."""
+        if logits_output is not None and logits_output.prompt_logprobs is not None:
+            _record_prompt_logprobs(batch, logits_output)
         token_ids = result.next_token_ids.tolist()
         logprobs = result.logprobs.tolist() if result.logprobs is not None else None
         top_ids = result.top_ids.tolist() if result.top_ids is not None else None
@@ -161,3 +167,22 @@ class Scheduler:
             lens.append(n)
             budget, room = budget - n, room - n
         return reqs, lens
+
+
+def _record_prompt_logprobs(batch: ScheduleBatch, out: LogitsProcessorOutput) -> None:
+    """Hand each row its slice of the round's prompt logprobs (rows in ``batch.prompt_logprob_rows`` order)."""
+    assert out.prompt_logprobs is not None
+    values = out.prompt_logprobs.tolist()
+    top_ids = out.prompt_top_ids.tolist() if out.prompt_top_ids is not None else None
+    top_values = out.prompt_top_logprobs.tolist() if out.prompt_top_logprobs is not None else None
+    start = 0
+    for row, count in batch.prompt_logprob_rows:
+        req = batch.reqs[row]
+        req.prompt_logprobs.extend(values[start : start + count])
+        k = req.params.prompt_logprobs or 0
+        if k and top_ids is not None and top_values is not None:
+            req.prompt_top_logprobs.extend(
+                list(zip(ids[:k], lps[:k]))
+                for ids, lps in zip(top_ids[start : start + count], top_values[start : start + count])
+            )
+        start += count

@@ -1,4 +1,4 @@
-"""Logits for the rows that sample, never for every token of a prefill."""
+"""Logits for the rows that sample, never for every token of a prefill; prompt logprobs block by block."""
 
 from __future__ import annotations
 
@@ -11,12 +11,23 @@ from torch.nn import functional as F
 if TYPE_CHECKING:
     from batchgen.loop.forward_batch import ForwardBatch
 
+# Prompt positions projected onto the vocabulary at once: bounds the [block, vocab] logits of a long prompt.
+PROMPT_LOGPROB_BLOCK = 256
+
 
 @dataclass
 class LogitsProcessorOutput:
-    """``next_token_logits``: float32 ``[num_sampled, vocab_size]``, one row per request that samples."""
+    """``next_token_logits``: float32 ``[num_sampled, vocab_size]``, one row per request that samples.
+
+    ``prompt_logprobs`` float32 ``[m]``: raw logprob of each requested prompt token given what precedes it;
+    ``prompt_top_ids`` int64 / ``prompt_top_logprobs`` float32 ``[m, k]``: the k most likely tokens there
+    (``None`` when nothing was requested).
+    """
 
     next_token_logits: torch.Tensor
+    prompt_logprobs: torch.Tensor | None = None
+    prompt_top_ids: torch.Tensor | None = None
+    prompt_top_logprobs: torch.Tensor | None = None
 
 
 class LogitsProcessor:
@@ -29,6 +40,30 @@ class LogitsProcessor:
     def __call__(
         self, hidden: torch.Tensor, lm_head_weight: torch.Tensor, forward_batch: ForwardBatch
     ) -> LogitsProcessorOutput:
-        if not forward_batch.forward_mode.is_decode():
-            hidden = hidden.index_select(0, forward_batch.sample_indices)
-        return LogitsProcessorOutput(F.linear(hidden, lm_head_weight).float())
+        out = LogitsProcessorOutput(self._logits(hidden, lm_head_weight, forward_batch.sample_indices, forward_batch))
+        if forward_batch.forward_mode.is_extend() and forward_batch.prompt_logprob_indices.numel():
+            self._prompt_logprobs(hidden, lm_head_weight, forward_batch, out)
+        return out
+
+    @staticmethod
+    def _logits(hidden: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        if not fb.forward_mode.is_decode():
+            hidden = hidden.index_select(0, rows)
+        return F.linear(hidden, weight).float()
+
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, weight: torch.Tensor, fb: ForwardBatch, out: LogitsProcessorOutput
+    ) -> None:
+        chosen, top_ids, top_values = [], [], []
+        for start in range(0, fb.prompt_logprob_indices.numel(), PROMPT_LOGPROB_BLOCK):
+            rows = fb.prompt_logprob_indices[start : start + PROMPT_LOGPROB_BLOCK]
+            targets = fb.prompt_logprob_targets[start : start + PROMPT_LOGPROB_BLOCK]
+            logprobs = torch.log_softmax(self._logits(hidden, weight, rows, fb), dim=-1)
+            chosen.append(logprobs.gather(1, targets[:, None]).squeeze(1))
+            if fb.prompt_top_k:
+                values, ids = logprobs.topk(fb.prompt_top_k, dim=-1)
+                top_ids.append(ids)
+                top_values.append(values)
+        out.prompt_logprobs = torch.cat(chosen)
+        if top_ids:
+            out.prompt_top_ids, out.prompt_top_logprobs = torch.cat(top_ids), torch.cat(top_values)

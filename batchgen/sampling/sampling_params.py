@@ -30,6 +30,7 @@ SAMPLING_FIELDS: tuple[str, ...] = (
     "json_schema",
     "regex",
     "ebnf",
+    "prompt_logprobs",
 )
 
 
@@ -68,6 +69,8 @@ class SamplingParams:
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+    # None: off; N >= 0: report each prompt token's raw logprob (after the first) and the N most likely tokens.
+    prompt_logprobs: int | None = None
 
     @property
     def constraint(self) -> tuple[str, str] | None:
@@ -129,6 +132,8 @@ class SamplingParams:
             raise FieldError(
                 constraints[1], f"give only one of json_schema, regex, ebnf (found: {', '.join(constraints)})"
             )
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= vocab_size:
+            raise FieldError("prompt_logprobs", f"must be true, false or a count in [0, {vocab_size}]")
         if self.top_logprobs and not self.logprobs:
             raise FieldError("top_logprobs", "needs logprobs: true")
         if self.seed is not None and not 0 <= self.seed < 2**63:
@@ -172,6 +177,12 @@ def _coerce(name: str, value: Any) -> Any:
         return tuple(value)
     if name == "logit_bias":
         return _coerce_logit_bias(value)
+    if name == "prompt_logprobs":
+        if isinstance(value, bool):
+            return 0 if value else None
+        if not isinstance(value, int):
+            raise FieldError(name, f"must be true, false or a count of top logprobs, got {value!r}")
+        return value
     if name in ("json_schema", "regex", "ebnf"):
         from batchgen.sampling.grammar import normalize_constraint
 
@@ -205,7 +216,7 @@ def make_sampling_params(defaults: SamplingParams, overrides: dict[str, Any], vo
     """
     values = {f.name: getattr(defaults, f.name) for f in fields(defaults)}
     for name, value in overrides.items():
-        if value is None and name != "seed":
+        if value is None and name not in ("seed", "prompt_logprobs"):
             continue
         values[name] = _coerce(name, value)
     params = SamplingParams(**values)
