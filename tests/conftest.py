@@ -128,24 +128,27 @@ def read_rows(path: Path) -> dict[str, dict[str, Any]]:
     return {r["id"]: r for r in read_results(path).to_pylist()}
 
 
+def run_args(dataset: Path, out: Path, model: Path | str, *extra: str) -> list[str]:
+    """Arguments of ``batchgen run`` in fp32 on CPU, overwriting ``out``."""
+    return [
+        "run",
+        str(dataset),
+        "--out",
+        str(out),
+        "--model",
+        str(model),
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--no-progress",
+        "--overwrite",
+        *extra,
+    ]
+
+
 def generate(dataset: Path, out: Path, model: Path | str, *extra: str) -> dict[str, dict[str, Any]]:
     """``batchgen run`` in fp32 on CPU, asserting success; the rows by id."""
-    code, output = run_cli(
-        [
-            "run",
-            str(dataset),
-            "--out",
-            str(out),
-            "--model",
-            str(model),
-            "--dtype",
-            "float32",
-            "--device",
-            "cpu",
-            "--no-progress",
-            "--overwrite",
-            *extra,
-        ]
-    )
+    code, output = run_cli(run_args(dataset, out, model, *extra))
     assert code == 0, output
     return read_rows(out)

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import GREEDY_REFERENCE, STORIES, needs_shared, read_rows, run_cli, write_jsonl
+from conftest import GREEDY_REFERENCE, STORIES, generate, needs_shared, read_rows, run_args, run_cli, write_jsonl
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -186,31 +186,9 @@ def continuation(model_dir: Path, prompt_ids: Sequence[int], output_ids: Sequenc
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _run_args(dataset: Path, out: Path, model: Path, extra: Sequence[str]) -> list[str]:
-    return [
-        "run",
-        str(dataset),
-        "--out",
-        str(out),
-        "--model",
-        str(model),
-        "--dtype",
-        "float32",
-        "--device",
-        "cpu",
-        "--no-progress",
-        "--overwrite",
-        *extra,
-    ]
-
-
 def bg(tmp: Path, name: str, rows: list[dict[str, Any]], model: Path, *extra: str) -> dict[str, dict[str, Any]]:
     """Write ``rows`` to ``tmp/name.jsonl``, run batchgen on them (must succeed), return the output rows by id."""
-    dataset = write_jsonl(tmp / f"{name}.jsonl", rows)
-    out = tmp / f"{name}.arrow"
-    code, output = run_cli(_run_args(dataset, out, model, extra))
-    assert code == 0, output
-    return read_rows(out)
+    return generate(write_jsonl(tmp / f"{name}.jsonl", rows), tmp / f"{name}.arrow", model, *extra)
 
 
 def bg_with_errors(
@@ -219,7 +197,7 @@ def bg_with_errors(
     """Like :func:`bg` for a file with bad rows: asserts exit code 2; returns (dataset, CLI output, rows by id)."""
     dataset = write_jsonl(tmp / f"{name}.jsonl", rows)
     out = tmp / f"{name}.arrow"
-    code, output = run_cli(_run_args(dataset, out, model, extra))
+    code, output = run_cli(run_args(dataset, out, model, *extra))
     assert code == 2, output
     return dataset, output, read_rows(out)
 

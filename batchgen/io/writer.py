@@ -106,7 +106,20 @@ class ResultWriter(ABC):
     def _close(self) -> None: ...
 
 
-class _IpcWriter(ResultWriter):
+class _SinkWriter(ResultWriter):
+    """A writer over a ``pa.OSFile`` sink whose footer is written when the writer closes."""
+
+    _sink: pa.OSFile
+    _writer: Any
+
+    def _close(self) -> None:
+        try:
+            self._writer.close()
+        finally:
+            self._sink.close()
+
+
+class _IpcWriter(_SinkWriter):
     def __init__(self, path: Path, schema: pa.Schema) -> None:
         super().__init__(path, schema)
         # OSFile is unbuffered, so write_batch reaches the OS; the explicit flush keeps that true if it changes.
@@ -117,14 +130,8 @@ class _IpcWriter(ResultWriter):
         self._writer.write_batch(batch)
         self._sink.flush()
 
-    def _close(self) -> None:
-        try:
-            self._writer.close()
-        finally:
-            self._sink.close()
 
-
-class _ParquetWriter(ResultWriter):
+class _ParquetWriter(_SinkWriter):
     def __init__(self, path: Path, schema: pa.Schema) -> None:
         super().__init__(path, schema)
         self._sink = pa.OSFile(str(path), "wb")
@@ -134,12 +141,6 @@ class _ParquetWriter(ResultWriter):
         # One row group per write: write_table would split large writes at its default row group size.
         self._writer.write_table(pa.Table.from_batches([batch]), row_group_size=batch.num_rows)
         self._sink.flush()
-
-    def _close(self) -> None:
-        try:
-            self._writer.close()
-        finally:
-            self._sink.close()
 
 
 class _JsonlWriter(ResultWriter):
