@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import write_jsonl
 
@@ -93,3 +94,49 @@ def test_every_kv_slot_is_free_after_a_run_with_preemption(random_models: dict[s
     assert engine.runner.req_to_token_pool.available() == 8
     for req in finished:
         assert len(req.output_ids) == req.params.max_new_tokens
+
+
+@pytest.mark.parametrize("mixed", [True, False])
+def test_tiny_pool_with_small_chunks_always_makes_progress(
+    mixed: bool, random_models: dict[str, Path], tmp_path: Path
+) -> None:
+    """A retracted request re-prefilled in small chunks must not be split by the room left and retracted again
+    forever while the decode that blocks it never runs (found by a reviewer with --disable-mixed-chunk)."""
+    engine = Engine(
+        EngineOptions(
+            model=str(random_models["llama"]),
+            dtype="float32",
+            device="cpu",
+            max_total_tokens=90,
+            chunked_prefill_size=4,
+            enable_mixed_chunk=mixed,
+            max_running_requests=8,
+        )
+    )
+    rng = random.Random(11)
+    builder = RequestBuilder(
+        engine.tokenizer, engine.vocab_size, engine.context_len, engine.eos_token_ids, SamplingParams(), run_seed=0
+    )
+    rows = [
+        {
+            "id": str(i),
+            "prompt_token_ids": [0] + [rng.randrange(2, 300) for _ in range(24)],
+            "max_new_tokens": 40,
+            "ignore_eos": True,
+            "temperature": 0.7,
+            "seed": i,
+        }
+        for i in range(5)
+    ]
+    reader = RowReader(write_jsonl(tmp_path / "p.jsonl", rows))
+    for order, item in enumerate(reader):
+        assert not isinstance(item, Exception)
+        engine.add(builder.build(parse_row(item, reader.source, reader.passthrough_schema), reader.source, order))
+    finished = []
+    for _ in range(2000):
+        if not engine.has_work():
+            break
+        finished += engine.step()
+    assert len(finished) == 5, "the scheduler stopped making progress"
+    assert all(len(r.output_ids) == 40 for r in finished)
+    assert engine.allocator.available() == 90

@@ -133,7 +133,13 @@ class Scheduler:
         return math.ceil(remaining * self.options.new_token_ratio)
 
     def _prefill_rows(self, reserved: int) -> tuple[list[Req], list[int]]:
-        """Chunks to prefill this round: unfinished chunked prefills first, then newly admitted requests."""
+        """Chunks to prefill this round: unfinished chunked prefills first, then newly admitted requests.
+
+        KV room is checked for a request's *whole* pending tokens: chunking splits a prompt's compute over
+        rounds, not its memory (as SGLang's admission does). A partly prefilled request whose rest does not fit
+        waits for decodes to finish or to retract something; splitting it by the room left would let it be
+        retracted again and again, one token short, while the decodes that block it never run.
+        """
         opts = self.options
         chunk = opts.chunked_prefill_size
         budget = min(opts.max_prefill_tokens, chunk) if chunk > 0 else opts.max_prefill_tokens
@@ -141,33 +147,31 @@ class Scheduler:
         reqs: list[Req] = []
         lens: list[int] = []
         for req in self.running:
-            if req.num_pending > 1 and budget > 0 and room > 0:
-                n = min(req.num_pending, budget, room)
+            if req.num_pending > 1 and budget > 0 and req.num_pending <= room:
+                n = min(req.num_pending, budget)
                 reqs.append(req)
                 lens.append(n)
-                budget, room = budget - n, room - n
-        while self.waiting and budget > 0 and room > 0:
+                budget, room = budget - n, room - req.num_pending
+        while self.waiting and budget > 0:
             if len(self.running) >= opts.max_running_requests or self.req_to_token_pool.available() == 0:
                 break
             req = self.waiting[0]
-            alone = not self.running
             need = req.num_pending
             # Keep room for the decodes of everything already running and of this request, unless it would
             # run alone: then it must be admitted for the job to make progress.
-            free = room if alone else room - self._decode_reserve([*self.running, req])
-            n = min(need, budget, free)
-            if n < need and (chunk == 0 or n <= 0):
-                if not (alone and chunk == 0 and need <= room):
-                    break
-                n = need  # a prompt longer than max_prefill_tokens, prefilled alone
+            free = room if not self.running else room - self._decode_reserve([*self.running, req])
+            if need > free:
+                break
+            if chunk == 0 and need > budget and reqs:
+                break  # whole prompts only; one longer than max_prefill_tokens gets a round of its own
+            n = need if chunk == 0 else min(need, budget)
             self.waiting.popleft()
             req.req_pool_idx = self.req_to_token_pool.alloc()
             self.running.append(req)
             reqs.append(req)
             lens.append(n)
-            budget, room = budget - n, room - n
+            budget, room = budget - n, room - need
         return reqs, lens
-
 
 def _record_prompt_logprobs(batch: ScheduleBatch, out: LogitsProcessorOutput) -> None:
     """Hand each row its slice of the round's prompt logprobs (rows in ``batch.prompt_logprob_rows`` order)."""
