@@ -173,6 +173,7 @@ class Scheduler:
             budget, room = budget - n, room - need
         return reqs, lens
 
+
 def _record_prompt_logprobs(batch: ScheduleBatch, out: LogitsProcessorOutput) -> None:
     """Hand each row its slice of the round's prompt logprobs (rows in ``batch.prompt_logprob_rows`` order)."""
     assert out.prompt_logprobs is not None
