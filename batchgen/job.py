@@ -87,10 +87,6 @@ _FOREIGN_SAMPLING_NAMES = {
     "stop_sequences": "stop",
     "n": None,
     "best_of": None,
-    "frequency_penalty": None,
-    "presence_penalty": None,
-    "repetition_penalty": None,
-    "logit_bias": None,
     "response_format": None,
 }
 
@@ -256,7 +252,7 @@ class RunJob:
             except RowError as e:
                 self._row_failed(e, spec.id, spec.passthrough)
                 continue
-            if req.params.max_new_tokens == 0:
+            if req.params.max_new_tokens == 0 and req.params.prompt_logprobs is None:
                 req.finish_reason, req.text = "length", ""
             yield req
 

@@ -321,3 +321,66 @@ def test_b19_seeded_row_is_reproducible_in_any_company(tmp_path: Path) -> None:
         if "twin" in out:
             assert out["twin"]["output_token_ids"] == out["seeded"]["output_token_ids"]
     assert all(r == results[0] for r in results) and len(results[0]) == 16
+
+
+# --- findings of an adversarial review ------------------------------------------------------------------------
+
+
+def test_seeded_row_ignores_other_rows_truncation() -> None:
+    """A row's draw must not depend on whether another row of the batch uses top_p (which sorts)."""
+    plain = SamplingParams(temperature=1.0)
+    nucleus = SamplingParams(temperature=1.0, top_p=0.9)
+    for seed in range(50):
+        alone = sample(
+            LOGITS[None].clone(), SamplingBatchInfo.from_params([plain], [seed], [0], [[]], VOCAB, torch.device("cpu"))
+        ).next_token_ids[0]
+        mixed = sample(
+            LOGITS.expand(2, VOCAB).clone(),
+            SamplingBatchInfo.from_params([plain, nucleus], [seed, 99], [0, 0], [[]] * 2, VOCAB, torch.device("cpu")),
+        ).next_token_ids[0]
+        assert alone == mixed, seed
+
+
+def test_ban_that_would_leave_nothing_is_lifted() -> None:
+    """min_new_tokens bans EOS while a grammar allows only EOS: the row still gets a real token."""
+    from batchgen.sampling.grammar import pack_bits
+
+    only_eos = torch.zeros(VOCAB, dtype=torch.bool)
+    only_eos[2] = True
+    for temperature in (0.0, 1.0):
+        info = SamplingBatchInfo.from_params(
+            [SamplingParams(temperature=temperature)], [0], [0], [[2]], VOCAB, torch.device("cpu")
+        )
+        info.grammar_mask = pack_bits(only_eos)[None]
+        assert sample(LOGITS[None].clone(), info).next_token_ids.tolist() == [2]
+
+
+def test_values_that_overflow_float32_are_rejected(random_models: dict[str, Path], tmp_path: Path) -> None:
+    rows = [
+        {"prompt": "x", "temperature": 1e39},
+        {"prompt": "x", "repetition_penalty": 1e-50},
+        {"id": "ok", "prompt": "x", "prompt_logprobs": None},
+    ]
+    code, output = run_cli(
+        [
+            "run",
+            str(write_jsonl(tmp_path / "p.jsonl", rows)),
+            "--out",
+            str(tmp_path / "o.arrow"),
+            "--model",
+            str(random_models["llama"]),
+            "--max-new-tokens",
+            "2",
+        ]
+    )
+    assert code == 2
+    assert "p.jsonl:1: field 'temperature': must be a number in [0, 10000]" in output
+    assert "p.jsonl:2: field 'repetition_penalty': must be in [0.01, 100]" in output
+    assert "p.jsonl:3" not in output  # null means "the default", as for every sampling field
+
+
+def test_prompt_logprobs_without_generation(random_models: dict[str, Path], tmp_path: Path) -> None:
+    rows = [{"id": "score", "prompt_token_ids": [0, 5, 9, 14, 20], "max_new_tokens": 0, "prompt_logprobs": 1}]
+    out = generate(write_jsonl(tmp_path / "p.jsonl", rows), tmp_path / "o.arrow", random_models["llama"])["score"]
+    assert out["output_token_ids"] == [] and out["finish_reason"] == "length" and out["text"] == ""
+    assert len(out["prompt_logprobs"]) == 4 and len(out["prompt_top_logprobs"]) == 4

@@ -163,3 +163,33 @@ def test_two_constraints_are_rejected(random_models: dict[str, Path], tmp_path: 
         ["run", str(dataset), "--out", str(tmp_path / "o.arrow"), "--model", str(random_models["llama"])]
     )
     assert code == 2 and "field 'ebnf': give only one of json_schema, regex, ebnf (found: regex, ebnf)" in output
+
+
+def test_constraint_with_min_new_tokens_stays_valid(random_models: dict[str, Path], tmp_path: Path) -> None:
+    rows = [
+        {
+            "id": f"r{t}",
+            "prompt": "x",
+            "regex": "a",
+            "min_new_tokens": 5,
+            "max_new_tokens": 10,
+            "temperature": t,
+            "seed": 1,
+        }
+        for t in (0, 1)
+    ]
+    out = generate(write_jsonl(tmp_path / "p.jsonl", rows), tmp_path / "o.arrow", random_models["llama"])
+    for row in out.values():
+        assert row["text"] == "a" and row["finish_reason"] == "stop"
+
+
+def test_schema_object_keeps_property_order(random_models: dict[str, Path], tmp_path: Path) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"zeta": {"enum": [1]}, "alpha": {"enum": [2]}},
+        "required": ["zeta", "alpha"],
+        "additionalProperties": False,
+    }
+    rows = [{"id": "o", "prompt": "x", "json_schema": schema, "max_new_tokens": 40, "temperature": 0}]
+    out = generate(write_jsonl(tmp_path / "p.jsonl", rows), tmp_path / "o.arrow", random_models["llama"])["o"]
+    assert out["finish_reason"] == "stop" and list(json.loads(out["text"])) == ["zeta", "alpha"]

@@ -99,7 +99,10 @@ class Scheduler:
             want_logprobs = req.params.logprobs
             k = req.params.top_logprobs if want_logprobs else 0
             top = list(zip(top_ids[j][:k], top_lps[j][:k])) if k and top_ids and top_lps else None
-            append_token(req, token_ids[j], logprobs[j] if want_logprobs and logprobs else None, top)
+            if req.params.max_new_tokens == 0:  # prefilled only for its prompt logprobs
+                req.finish_reason = "length"
+            else:
+                append_token(req, token_ids[j], logprobs[j] if want_logprobs and logprobs else None, top)
             if req.finished:
                 finalize_text(req, self.tokenizer)
                 self._release(req)

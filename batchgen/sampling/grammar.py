@@ -137,7 +137,7 @@ def normalize_constraint(name: str, value: Any) -> str:
     """
     if name == "json_schema":
         if isinstance(value, dict):
-            return json.dumps(value, sort_keys=True)
+            return json.dumps(value)  # key order kept: it is the order the model writes the properties in
         if isinstance(value, str):
             try:
                 json.loads(value)

@@ -43,9 +43,13 @@ def sample(logits: torch.Tensor, info: SamplingBatchInfo) -> SampleOutput:
     if info.adjustments is not None:
         logits = info.adjustments.apply(logits)
     if info.banned_rows.numel():
+        allowed = logits
         logits = logits.index_put(
             (info.banned_rows, info.banned_ids), torch.tensor(float("-inf"), device=logits.device)
         )
+        # A grammar that can only end (with EOS) meets min_new_tokens banning EOS: the grammar wins, since a row
+        # with no allowed token at all could only produce garbage.
+        logits = torch.where(torch.isinf(logits).all(dim=-1, keepdim=True), allowed, logits)
     next_ids = torch.argmax(logits, dim=-1)
     processed = torch.log_softmax(logits, dim=-1) if info.need_logprobs and info.processed_logprobs else None
     if not info.is_all_greedy:
@@ -74,20 +78,18 @@ def _draw(logits: torch.Tensor, info: SamplingBatchInfo, keep_probs: bool) -> tu
         kth = scaled.topk(int(info.top_ks.max()), dim=-1).values.gather(1, (info.top_ks - 1)[:, None])
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
-    order = None
     if info.need_top_p:
-        probs, order = probs.sort(dim=-1, descending=True)
-        mass_before = probs.cumsum(dim=-1) - probs
-        # Keep the smallest prefix whose mass reaches top_p; the most likely token always stays.
-        probs = probs.masked_fill(mass_before >= info.top_ps[:, None], 0.0)
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        # Keep the smallest prefix whose mass reaches top_p; the most likely token always stays. The mask goes
+        # back to vocabulary order: every row draws in that order, so a row's token never depends on whether
+        # another row of the batch uses top_p.
+        drop = torch.empty_like(mass_before, dtype=torch.bool).scatter_(1, order, mass_before >= info.top_ps[:, None])
+        probs = probs.masked_fill(drop, 0.0)
     if info.need_min_p:
         floor = probs.max(dim=-1, keepdim=True).values * info.min_ps[:, None]
         probs = probs.masked_fill(probs < floor, 0.0)
     cdf = probs.double().cumsum(dim=-1)
     target = uniform_from_counter(info.seeds, info.steps) * cdf[:, -1]
     picked = torch.searchsorted(cdf, target[:, None], right=True).squeeze(1).clamp_(max=logits.shape[-1] - 1)
-    if order is not None:
-        picked = order.gather(1, picked[:, None]).squeeze(1)
-        if keep_probs:
-            probs = torch.empty_like(probs).scatter_(1, order, probs)
     return picked, probs if keep_probs else None

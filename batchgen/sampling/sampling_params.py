@@ -101,8 +101,9 @@ class SamplingParams:
                 "min_new_tokens",
                 f"must be <= max_new_tokens ({self.max_new_tokens}), got {self.min_new_tokens}",
             )
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise FieldError("temperature", f"must be a finite number >= 0, got {self.temperature}")
+        # Upper bounds keep every value finite and non-zero in float32, where the sampler computes.
+        if not math.isfinite(self.temperature) or not 0 <= self.temperature <= 1e4:
+            raise FieldError("temperature", f"must be a number in [0, 10000], got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):
             raise FieldError("top_p", f"must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
@@ -116,8 +117,8 @@ class SamplingParams:
             raise FieldError("stop", "stop strings must not be empty")
         if not 0 <= self.top_logprobs <= vocab_size:
             raise FieldError("top_logprobs", f"must be in [0, vocab size {vocab_size}], got {self.top_logprobs}")
-        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
-            raise FieldError("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        if not 0.01 <= self.repetition_penalty <= 100.0:
+            raise FieldError("repetition_penalty", f"must be in [0.01, 100], got {self.repetition_penalty}")
         for name in ("frequency_penalty", "presence_penalty"):
             value = getattr(self, name)
             if not -2.0 <= value <= 2.0:
@@ -216,7 +217,7 @@ def make_sampling_params(defaults: SamplingParams, overrides: dict[str, Any], vo
     """
     values = {f.name: getattr(defaults, f.name) for f in fields(defaults)}
     for name, value in overrides.items():
-        if value is None and name not in ("seed", "prompt_logprobs"):
+        if value is None and name != "seed":
             continue
         values[name] = _coerce(name, value)
     params = SamplingParams(**values)
