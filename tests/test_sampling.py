@@ -384,3 +384,21 @@ def test_prompt_logprobs_without_generation(random_models: dict[str, Path], tmp_
     out = generate(write_jsonl(tmp_path / "p.jsonl", rows), tmp_path / "o.arrow", random_models["llama"])["score"]
     assert out["output_token_ids"] == [] and out["finish_reason"] == "length" and out["text"] == ""
     assert len(out["prompt_logprobs"]) == 4 and len(out["prompt_top_logprobs"]) == 4
+
+
+@pytest.mark.parametrize(
+    ("bias", "message"),
+    [
+        ({"300": 100, "0300": 100}, "token id 300 is given twice"),
+        ({"٣٠٠": 1}, "key '٣٠٠' is not a token id"),
+        ({"-1": 1}, "key '-1' is not a token id"),
+        ({"5": 101}, "bias of id 5 must be in [-100, 100]"),
+    ],
+)
+def test_bad_logit_bias(bias: dict[str, float], message: str) -> None:
+    from batchgen.errors import FieldError
+    from batchgen.sampling.sampling_params import make_sampling_params
+
+    with pytest.raises(FieldError, match="logit_bias") as raised:
+        make_sampling_params(SamplingParams(), {"logit_bias": bias}, vocab_size=512)
+    assert message in str(raised.value)

@@ -195,16 +195,17 @@ def _coerce_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
     """``{"id": bias}`` (JSON object keys are strings) → sorted ``((id, bias), ...)``."""
     if not isinstance(value, dict):
         raise FieldError("logit_bias", f"must be an object of token id → bias, got {value!r}")
-    pairs = []
+    pairs: dict[int, float] = {}
     for key, bias in value.items():
-        try:
-            token_id = int(key)
-        except (TypeError, ValueError):
-            raise FieldError("logit_bias", f"key {key!r} is not a token id") from None
+        if not (isinstance(key, str) and key.isascii() and key.isdigit()):
+            raise FieldError("logit_bias", f"key {key!r} is not a token id")
+        token_id = int(key)
+        if token_id in pairs:
+            raise FieldError("logit_bias", f"token id {token_id} is given twice")
         if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
             raise FieldError("logit_bias", f"bias of id {token_id} must be a finite number, got {bias!r}")
-        pairs.append((token_id, float(bias)))
-    return tuple(sorted(pairs))
+        pairs[token_id] = float(bias)
+    return tuple(sorted(pairs.items()))
 
 
 def make_sampling_params(defaults: SamplingParams, overrides: dict[str, Any], vocab_size: int) -> SamplingParams:
