@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import REPO, STORIES, generate, needs_shared, run_cli, write_jsonl
+from conftest import REPO, STORIES, generate, needs_shared, run_args, run_cli, write_jsonl
 
 REFERENCE = json.loads((Path(__file__).parent / "data" / "greedy_reference.json").read_text())
 
@@ -52,19 +52,7 @@ def test_stories260k_bfloat16_equals_reference(tmp_path: Path) -> None:
     expected = REFERENCE["stories260k|bfloat16"]
     dataset = write_jsonl(tmp_path / "p.jsonl", [{"id": "s", "prompt": "Once upon a time", "max_new_tokens": 40}])
     code, output = run_cli(
-        [
-            "run",
-            str(dataset),
-            "--out",
-            str(tmp_path / "o.arrow"),
-            "--model",
-            str(STORIES),
-            "--dtype",
-            "bfloat16",
-            "--temperature",
-            "0",
-            "--no-progress",
-        ]
+        run_args(dataset, tmp_path / "o.arrow", STORIES, "--dtype", "bfloat16", "--temperature", "0", "--no-progress")
     )
     assert code == 0, output
     from conftest import read_rows

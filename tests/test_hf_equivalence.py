@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import generate, write_jsonl
+from conftest import generate, run_args, write_jsonl
 from transformers import AutoModelForCausalLM
 
 MAX_NEW = 10
@@ -84,13 +84,10 @@ def test_greedy_equals_hf_with_chunking_and_preemption(
     from conftest import run_cli
 
     code, output = run_cli(
-        [
-            "run",
-            str(dataset),
-            "--out",
-            str(tmp_path / "a.arrow"),
-            "--model",
-            str(model_dir),
+        run_args(
+            dataset,
+            tmp_path / "a.arrow",
+            model_dir,
             "--dtype",
             "float32",
             "--device",
@@ -102,7 +99,7 @@ def test_greedy_equals_hf_with_chunking_and_preemption(
             "150",
             "--max-running-requests",
             "16",
-        ]
+        )
     )
     assert code == 0, output
     preemptions = int(re.search(r"(\d+) preemptions", output).group(1))  # type: ignore[union-attr]
@@ -181,7 +178,7 @@ def test_unsupported_architecture_is_one_line_error(random_models: dict[str, Pat
     config["architectures"] = ["GPT2LMHeadModel"]
     (model_dir / "config.json").write_text(json.dumps(config))
     dataset = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi"}])
-    code, output = run_cli(["run", str(dataset), "--out", str(tmp_path / "o.arrow"), "--model", str(model_dir)])
+    code, output = run_cli(run_args(dataset, tmp_path / "o.arrow", model_dir))
     assert code == 2
     assert (
         "unsupported model architecture ['GPT2LMHeadModel']; supported: LlamaForCausalLM, MistralForCausalLM, "

@@ -6,7 +6,7 @@ import random
 from pathlib import Path
 
 import torch
-from conftest import read_rows, run_cli, write_jsonl
+from conftest import read_rows, run_args, run_cli, write_jsonl
 from transformers import AutoModelForCausalLM
 
 
@@ -29,19 +29,9 @@ def test_prompt_logprobs_equal_hf(random_models: dict[str, Path], tmp_path: Path
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     for flags in (["--chunked-prefill-size", "16"], ["--chunked-prefill-size", "16", "--max-total-tokens", "90"]):
         code, output = run_cli(
-            [
-                "run",
-                str(dataset),
-                "--out",
-                str(tmp_path / "o.arrow"),
-                "--model",
-                str(model_dir),
-                "--dtype",
-                "float32",
-                "--overwrite",
-                "--no-progress",
-                *flags,
-            ]
+            run_args(
+                dataset, tmp_path / "o.arrow", model_dir, "--dtype", "float32", "--overwrite", "--no-progress", *flags
+            )
         )
         assert code == 0, output
         if "--max-total-tokens" in flags:

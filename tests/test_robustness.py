@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
-from conftest import read_rows, run_cli, write_jsonl
+from conftest import read_rows, run_args, run_cli, write_jsonl
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
@@ -65,18 +65,7 @@ def test_untokenizable_prompt_is_a_row_error(random_models: dict[str, Path], tmp
         '{"id": "bad", "prompt": "bad \\ud800", "topic": "x"}\n{"id": "ok", "prompt": "hi", "topic": "y"}\n'
     )
     code, output = run_cli(
-        [
-            "run",
-            str(dataset),
-            "--out",
-            str(tmp_path / "o.arrow"),
-            "--model",
-            str(random_models["llama"]),
-            "--max-new-tokens",
-            "2",
-            "--on-error",
-            "skip",
-        ]
+        run_args(dataset, tmp_path / "o.arrow", random_models["llama"], "--max-new-tokens", "2", "--on-error", "skip")
     )
     assert code == 0, output
     rows = read_rows(tmp_path / "o.arrow")
@@ -97,26 +86,13 @@ def test_output_may_not_be_the_input(random_models: dict[str, Path], tmp_path: P
 
 def test_top_logprobs_without_logprobs_is_rejected(random_models: dict[str, Path], tmp_path: Path) -> None:
     dataset = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi", "logprobs": False, "top_logprobs": 2}])
-    code, output = run_cli(
-        ["run", str(dataset), "--out", str(tmp_path / "o.arrow"), "--model", str(random_models["llama"])]
-    )
+    code, output = run_cli(run_args(dataset, tmp_path / "o.arrow", random_models["llama"]))
     assert code == 2 and "p.jsonl:1: field 'top_logprobs': needs logprobs: true" in output
 
 
 def test_foreign_sampling_field_names_are_warned_about(random_models: dict[str, Path], tmp_path: Path) -> None:
     dataset = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi", "max_tokens": 2, "Temperature": 0, "n": 2}])
-    code, output = run_cli(
-        [
-            "run",
-            str(dataset),
-            "--out",
-            str(tmp_path / "o.jsonl"),
-            "--model",
-            str(random_models["llama"]),
-            "--max-new-tokens",
-            "3",
-        ]
-    )
+    code, output = run_cli(run_args(dataset, tmp_path / "o.jsonl", random_models["llama"], "--max-new-tokens", "3"))
     assert code == 0, output
     assert "field 'max_tokens' is not a sampling field (did you mean 'max_new_tokens'?)" in output
     assert "field 'Temperature' is not a sampling field (did you mean 'temperature'?)" in output
@@ -128,16 +104,5 @@ def test_foreign_sampling_field_names_are_warned_about(random_models: dict[str, 
 @pytest.mark.parametrize("device", ["gpu", "cuda:x", "meta"])
 def test_bad_device_is_one_line(device: str, random_models: dict[str, Path], tmp_path: Path) -> None:
     dataset = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi"}])
-    code, output = run_cli(
-        [
-            "run",
-            str(dataset),
-            "--out",
-            str(tmp_path / "o.arrow"),
-            "--model",
-            str(random_models["llama"]),
-            "--device",
-            device,
-        ]
-    )
+    code, output = run_cli(run_args(dataset, tmp_path / "o.arrow", random_models["llama"], "--device", device))
     assert code == 2 and f"--device {device}: expected auto, cpu, cuda or cuda:N" in output

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import STORIES, generate, needs_shared, run_cli, write_jsonl
+from conftest import STORIES, generate, needs_shared, run_args, run_cli, write_jsonl
 from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -245,19 +245,7 @@ def test_b26_tiny_temperatures_behave_as_greedy(dtype: str, tmp_path: Path) -> N
         {"id": "after", "prompt": "The sun was hot.", "temperature": 0, "max_new_tokens": 8},
     ]
     dataset = write_jsonl(tmp_path / "p.jsonl", rows)
-    code, output = run_cli(
-        [
-            "run",
-            str(dataset),
-            "--out",
-            str(tmp_path / "o.arrow"),
-            "--model",
-            str(STORIES),
-            "--dtype",
-            dtype,
-            "--no-progress",
-        ]
-    )
+    code, output = run_cli(run_args(dataset, tmp_path / "o.arrow", STORIES, "--dtype", dtype, "--no-progress"))
     assert code == 2 and "p.jsonl:4: field 'temperature'" in output
     from conftest import read_rows
 
@@ -362,16 +350,13 @@ def test_values_that_overflow_float32_are_rejected(random_models: dict[str, Path
         {"id": "ok", "prompt": "x", "prompt_logprobs": None},
     ]
     code, output = run_cli(
-        [
-            "run",
-            str(write_jsonl(tmp_path / "p.jsonl", rows)),
-            "--out",
-            str(tmp_path / "o.arrow"),
-            "--model",
-            str(random_models["llama"]),
+        run_args(
+            write_jsonl(tmp_path / "p.jsonl", rows),
+            tmp_path / "o.arrow",
+            random_models["llama"],
             "--max-new-tokens",
             "2",
-        ]
+        )
     )
     assert code == 2
     assert "p.jsonl:1: field 'temperature': must be a number in [0, 10000]" in output

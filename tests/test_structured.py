@@ -9,7 +9,7 @@ from typing import Any
 
 import jsonschema
 import pytest
-from conftest import STORIES, generate, needs_shared, read_rows, run_cli, write_jsonl
+from conftest import STORIES, generate, needs_shared, read_rows, run_args, run_cli, write_jsonl
 
 CITY = {
     "type": "object",
@@ -141,17 +141,7 @@ def test_bad_constraints_are_row_errors(
         tmp_path / "p.jsonl", [{"id": "bad", "prompt": "x", field: value}, {"id": "ok", "prompt": "x"}]
     )
     code, output = run_cli(
-        [
-            "run",
-            str(dataset),
-            "--out",
-            str(tmp_path / "o.arrow"),
-            "--model",
-            str(random_models["llama"]),
-            "--max-new-tokens",
-            "2",
-            "--no-progress",
-        ]
+        run_args(dataset, tmp_path / "o.arrow", random_models["llama"], "--max-new-tokens", "2", "--no-progress")
     )
     assert code == 2 and f"p.jsonl:1: {message}" in output
     assert set(read_rows(tmp_path / "o.arrow")) == {"ok"}
@@ -159,9 +149,7 @@ def test_bad_constraints_are_row_errors(
 
 def test_two_constraints_are_rejected(random_models: dict[str, Path], tmp_path: Path) -> None:
     dataset = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "x", "regex": "a", "ebnf": 'root ::= "a"'}])
-    code, output = run_cli(
-        ["run", str(dataset), "--out", str(tmp_path / "o.arrow"), "--model", str(random_models["llama"])]
-    )
+    code, output = run_cli(run_args(dataset, tmp_path / "o.arrow", random_models["llama"]))
     assert code == 2 and "field 'ebnf': give only one of json_schema, regex, ebnf (found: regex, ebnf)" in output
 
 
