@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
@@ -18,7 +18,25 @@ class AttentionBackend(ABC):
     ``seq_lens``, extend lengths) into whatever the kernels need, once for all layers. Per layer,
     :meth:`forward` stores the new tokens' K/V at ``out_cache_loc`` and attends: causal within each request's
     new tokens, full over its cached prefix.
+
+    CUDA graphs: a backend whose DECODE rounds read only the ForwardBatch's device tensors (``req_pool_indices``,
+    ``seq_lens``, ``out_cache_loc``), never a host value such as ``max_seq_len``, and whose launch grids depend
+    only on the batch size, sets ``supports_cuda_graph``; the graph runner then captures one graph per batch
+    size and, before each replay, lets the backend refresh its static metadata outside the graph.
     """
+
+    supports_cuda_graph: ClassVar[bool] = False
+
+    def init_cuda_graph_state(self, max_bs: int) -> None:
+        """Allocate the static buffers captured DECODE graphs read, for up to ``max_bs`` rows (once, pre-capture)."""
+
+    def init_forward_metadata_capture_cuda_graph(self, forward_batch: ForwardBatch) -> None:
+        """Metadata for capturing a DECODE round of ``forward_batch.batch_size`` rows; by default as eager."""
+        self.init_forward_metadata(forward_batch)
+
+    def init_forward_metadata_replay_cuda_graph(self, forward_batch: ForwardBatch) -> None:
+        """Refresh the static metadata before replaying a captured DECODE round (runs outside the graph)."""
+        self.init_forward_metadata(forward_batch)
 
     @abstractmethod
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
