@@ -29,6 +29,7 @@ class AttentionBackend(ABC):
 
     def init_cuda_graph_state(self, max_bs: int) -> None:
         """Allocate the static buffers captured DECODE graphs read, for up to ``max_bs`` rows (once, pre-capture)."""
+        return None  # backends without static buffers need nothing here
 
     def init_forward_metadata_capture_cuda_graph(self, forward_batch: ForwardBatch) -> None:
         """Metadata for capturing a DECODE round of ``forward_batch.batch_size`` rows; by default as eager."""
