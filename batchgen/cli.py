@@ -122,6 +122,7 @@ def run(
     skip_special_tokens: bool = typer.Option(_SAMPLING_DEFAULTS.skip_special_tokens, help="Default per row."),
     logprobs: bool = typer.Option(_SAMPLING_DEFAULTS.logprobs, help="Report each output token's raw logprob."),
     top_logprobs: int = typer.Option(_SAMPLING_DEFAULTS.top_logprobs, help="Report the N most likely tokens."),
+    n: int = typer.Option(_SAMPLING_DEFAULTS.n, "--n", help="Default per row: samples per prompt (one row each)."),
     seed: int | None = typer.Option(None, help="Run seed: rows without a seed get one derived from it and their id."),
     prompt_logprobs: int | None = typer.Option(
         None, help="Default per row: report prompt logprobs with the N most likely tokens (0 = just the token's)."
@@ -190,6 +191,7 @@ def run(
             frequency_penalty=frequency_penalty,
             presence_penalty=presence_penalty,
             prompt_logprobs=prompt_logprobs,
+            n=n,
         )
         options = EngineOptions(
             model=model,

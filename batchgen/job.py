@@ -59,6 +59,7 @@ def result_row(req: Req) -> dict[str, Any]:
     params = req.params
     return {
         "id": req.rid,
+        "sample_index": req.sample_index,
         "text": req.text,
         "output_token_ids": req.output_ids,
         "output_logprobs": req.output_logprobs if params.logprobs else None,
@@ -85,7 +86,6 @@ _FOREIGN_SAMPLING_NAMES = {
     "max_completion_tokens": "max_new_tokens",
     "min_tokens": "min_new_tokens",
     "stop_sequences": "stop",
-    "n": None,
     "best_of": None,
     "response_format": None,
 }
@@ -154,6 +154,7 @@ class RunJob:
             self.engine.eos_token_ids,
             defaults,
             run_seed,
+            max_samples=self.engine.max_running_requests,
         )
         warn_about_passthrough_names(self.reader.passthrough_schema.names)
         self.summary = RunSummary()
@@ -227,9 +228,10 @@ class RunJob:
     def _finish(self, req: Req, bar: tqdm) -> None:
         self._pending_rows.append(result_row(req))
         self.summary.requests += 1
-        self.summary.prompt_tokens += len(req.prompt_ids)
         self.summary.output_tokens += len(req.output_ids)
-        bar.update(1)
+        if req.sample_index == 0:  # the samples of a row share one prompt, and count as one input row
+            self.summary.prompt_tokens += len(req.prompt_ids)
+            bar.update(1)
 
     def _requests(self) -> Iterator[Req]:
         """Requests for the good rows, in input order; bad rows go through the error policy."""
@@ -254,6 +256,8 @@ class RunJob:
                 continue
             if req.params.max_new_tokens == 0 and req.params.prompt_logprobs is None:
                 req.finish_reason, req.text = "length", ""
+                yield from [req.fork(i, None) for i in range(1, req.params.n)]
+                req.unforked_samples = 0
             yield req
 
     def _row_failed(self, error: RowError, rid: str, passthrough: dict[str, Any]) -> None:

@@ -38,6 +38,7 @@ RUN_FLAGS = {
     "--dtype",
     "--device",
     "--max-new-tokens",
+    "--n",
     "--min-new-tokens",
     "--temperature",
     "--top-p",
@@ -255,6 +256,7 @@ def test_arrow_and_parquet_schema_metadata(formats: dict[str, Path], model: Path
         "regex": None,
         "ebnf": None,
         "prompt_logprobs": None,
+        "n": 1,
     }
     for schema in (pa.ipc.open_file(formats["arrow"]).schema, pq.read_schema(formats["parquet"])):
         meta = {k.decode(): v.decode() for k, v in schema.metadata.items()}
@@ -274,12 +276,19 @@ def test_passthrough_fields_come_back_unchanged(model: Path, tmp_path: Path) -> 
             "id": "a",
             "prompt": "Once upon a time",
             "source": "wiki",
-            "n": 7,
+            "count": 7,
             "nested": [[1, 2], [3]],
             "meta": {"k": "v", "x": 1.5},
             "text": "original",
         },
-        {"id": 42, "prompt": "The", "source": "news", "n": -3, "nested": [[], [4, 5, 6]], "meta": {"k": "w", "x": 0.0}},
+        {
+            "id": 42,
+            "prompt": "The",
+            "source": "news",
+            "count": -3,
+            "nested": [[], [4, 5, 6]],
+            "meta": {"k": "w", "x": 0.0},
+        },
         {"id": "c", "prompt": "The"},
     ]
     dataset = write_jsonl(tmp_path / "in.jsonl", rows)
@@ -288,13 +297,13 @@ def test_passthrough_fields_come_back_unchanged(model: Path, tmp_path: Path) -> 
     table = pa.ipc.open_file(tmp_path / "out.arrow").read_all()
     got = {r["id"]: r for r in table.to_pylist()}
     assert sorted(got) == ["42", "a", "c"]
-    fields = ("source", "n", "nested", "meta", "input_text")
+    fields = ("source", "count", "nested", "meta", "input_text")
     assert [got["a"][f] for f in fields] == ["wiki", 7, [[1, 2], [3]], {"k": "v", "x": 1.5}, "original"]
     assert [got["42"][f] for f in fields] == ["news", -3, [[], [4, 5, 6]], {"k": "w", "x": 0.0}, None]
     assert [got["c"][f] for f in fields] == [None] * 5
     # `text` is an output column: the input's `text` comes back as `input_text`, the generated text stays `text`.
     assert got["a"]["text"] != "original" and got["a"]["completion_tokens"] == 2
-    assert table.schema.field("n").type == pa.int64()
+    assert table.schema.field("count").type == pa.int64()
     assert table.schema.field("nested").type == pa.list_(pa.list_(pa.int64()))
 
 

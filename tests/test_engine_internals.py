@@ -64,7 +64,13 @@ def _engine_with_requests(model_dir: Path, tmp_path: Path, **options: object) ->
     ]
     reader = RowReader(write_jsonl(tmp_path / "p.jsonl", rows))
     builder = RequestBuilder(
-        engine.tokenizer, engine.vocab_size, engine.context_len, engine.eos_token_ids, SamplingParams(), run_seed=0
+        engine.tokenizer,
+        engine.vocab_size,
+        engine.context_len,
+        engine.eos_token_ids,
+        SamplingParams(),
+        run_seed=0,
+        max_samples=engine.max_running_requests,
     )
     for order, item in enumerate(reader):
         assert not isinstance(item, Exception)
@@ -115,7 +121,13 @@ def test_tiny_pool_with_small_chunks_always_makes_progress(
     )
     rng = random.Random(11)
     builder = RequestBuilder(
-        engine.tokenizer, engine.vocab_size, engine.context_len, engine.eos_token_ids, SamplingParams(), run_seed=0
+        engine.tokenizer,
+        engine.vocab_size,
+        engine.context_len,
+        engine.eos_token_ids,
+        SamplingParams(),
+        run_seed=0,
+        max_samples=engine.max_running_requests,
     )
     rows = [
         {

@@ -163,8 +163,8 @@ def test_parquet_rename_conflict(tmp_path: Path) -> None:
 
 def test_jsonl_passthrough_schema_inference(tmp_path: Path) -> None:
     rows = [
-        {"id": 1, "prompt": "a", "temperature": 0.1, "topic": "x", "n": 1, "empty": None},
-        {"prompt": "b", "n": 2.5, "tags": ["a"], "meta": {"k": 1}, "finish_reason": "mine", "nothing": []},
+        {"id": 1, "prompt": "a", "temperature": 0.1, "topic": "x", "count": 1, "empty": None},
+        {"prompt": "b", "count": 2.5, "tags": ["a"], "meta": {"k": 1}, "finish_reason": "mine", "nothing": []},
         {"prompt": "c", "later_in_block": True},
         {"prompt": "d", "after_block": 1},
     ]
@@ -173,7 +173,7 @@ def test_jsonl_passthrough_schema_inference(tmp_path: Path) -> None:
     assert reader.passthrough_schema == pa.schema(
         [
             ("topic", pa.string()),
-            ("n", pa.float64()),
+            ("count", pa.float64()),
             ("empty", pa.string()),  # all null
             ("tags", pa.list_(pa.string())),
             ("meta", pa.struct([("k", pa.int64())])),
@@ -202,7 +202,7 @@ def test_jsonl_mixed_types_take_first_value_type(tmp_path: Path) -> None:
 
 # --- rows.parse_row ---------------------------------------------------------------------------------------
 
-SCHEMA = pa.schema([("topic", pa.string()), ("n", pa.int64()), ("input_text", pa.string())])
+SCHEMA = pa.schema([("topic", pa.string()), ("count", pa.int64()), ("input_text", pa.string())])
 
 
 def parse(data: dict[str, Any], schema: pa.Schema = SCHEMA, **kwargs: Any) -> RowSpec:
@@ -225,7 +225,7 @@ def test_parse_row_prompt_and_defaults() -> None:
         messages=None,
         prompt_token_ids=None,
         sampling_overrides={"temperature": 0, "stop": ["x"]},
-        passthrough={"topic": "t", "n": None, "input_text": "renamed"},
+        passthrough={"topic": "t", "count": None, "input_text": "renamed"},
     )
 
 
@@ -282,12 +282,12 @@ def test_parse_row_bad_types(data: dict[str, Any], field: str, message: str) -> 
     [("3", "'3'"), (1.5, "1.5"), (2**70, str(2**70)), ([1], "[1]")],
 )
 def test_parse_row_passthrough_type_mismatch(value: Any, shown: str) -> None:
-    error = row_error({"prompt": "a", "n": value})
-    assert (error.field, error.message) == ("n", f"expected int64 like earlier rows, got {shown}")
+    error = row_error({"prompt": "a", "count": value})
+    assert (error.field, error.message) == ("count", f"expected int64 like earlier rows, got {shown}")
 
 
 def test_parse_row_passthrough_accepts_integral_float() -> None:
-    assert parse({"prompt": "a", "n": 2.0}).passthrough["n"] == 2.0
+    assert parse({"prompt": "a", "count": 2.0}).passthrough["count"] == 2.0
 
 
 def test_parse_row_unknown_late_field() -> None:

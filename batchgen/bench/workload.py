@@ -45,7 +45,9 @@ def dataset_workload(
         BatchgenError: the file cannot be read, or it has no valid row.
     """
     reader = RowReader(path)
-    builder = RequestBuilder(tokenizer, vocab_size, context_len - output_len, [], SamplingParams(), run_seed=0)
+    builder = RequestBuilder(
+        tokenizer, vocab_size, context_len - output_len, [], SamplingParams(), run_seed=0, max_samples=1
+    )
     prompts: list[list[int]] = []
     for order, item in enumerate(reader):
         if len(prompts) == num_prompts:

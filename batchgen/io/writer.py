@@ -20,6 +20,7 @@ _TOKEN_LOGPROB = pa.struct([pa.field("id", pa.int32()), pa.field("logprob", pa.f
 OUTPUT_COLUMNS: pa.Schema = pa.schema(
     [
         pa.field("id", pa.string()),
+        pa.field("sample_index", pa.int32()),
         pa.field("text", pa.string()),
         pa.field("output_token_ids", pa.list_(pa.int32())),
         pa.field("output_logprobs", pa.list_(pa.float32())),

@@ -75,7 +75,10 @@ class TokenToKVPool:
 
 
 class KVSlotAllocator:
-    """Free list of KV slots ``1..size`` (slot 0 is never handed out).
+    """Free list of KV slots ``1..size`` (slot 0 is never handed out), with a reference count per slot.
+
+    A slot can belong to several requests: the ``n`` samples of one prompt share its prompt's slots. It returns
+    to the free list when the last of them frees it.
 
     Kept on the CPU: allocation is bookkeeping for the scheduler, and the slots travel to the device inside
     the round's ``out_cache_loc``.
@@ -85,6 +88,7 @@ class KVSlotAllocator:
         self.size = size
         self._free = torch.arange(1, size + 1, dtype=torch.int64)
         self._pending: list[torch.Tensor] = []
+        self._refs = torch.zeros(size + 1, dtype=torch.int32)
 
     def available(self) -> int:
         return int(self._free.numel()) + sum(int(t.numel()) for t in self._pending)
@@ -101,12 +105,21 @@ class KVSlotAllocator:
         if n > self._free.numel():
             raise RuntimeError(f"KV pool exhausted: asked {n}, {self._free.numel()} free")
         slots, self._free = self._free[:n], self._free[n:]
+        self._refs[slots] = 1
         return slots
 
-    def free(self, slots: torch.Tensor) -> None:
-        """Give back ``slots``; merged at the next :meth:`alloc`, since requests finish one at a time.
+    def share(self, slots: torch.Tensor, times: int = 1) -> None:
+        """Add ``times`` owners to each of ``slots`` (int64 ``[k]``, distinct, all allocated)."""
+        self._refs[slots.cpu()] += times
 
-        The slots are copied: callers pass views of ``req_to_token``, whose row is reused right away.
-        """
-        if slots.numel():
-            self._pending.append(slots.to("cpu", copy=True))
+    def free(self, slots: torch.Tensor) -> None:
+        """Drop one owner of each of ``slots``; those left with none are merged at the next :meth:`alloc`,
+        since requests finish one at a time."""
+        if not slots.numel():
+            return
+        # A copy on the CPU: callers pass views of req_to_token, whose row is reused right away.
+        slots = slots.to("cpu", copy=True)
+        self._refs[slots] -= 1
+        released = slots[self._refs[slots] == 0]
+        if released.numel():
+            self._pending.append(released)

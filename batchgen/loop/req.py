@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from batchgen.loop.detokenizer import IncrementalDetokenizer
 from batchgen.sampling.grammar import GrammarState
 from batchgen.sampling.penalties import TokenHistory
+from batchgen.sampling.random import derive_seed
 from batchgen.sampling.sampling_params import SamplingParams
 
 
@@ -24,6 +25,9 @@ class Req:
         seed: the seed its noise is drawn from (the row's own, or one derived for it).
         stop_token_ids: EOS ids (unless ignore_eos) plus the row's stop_token_ids.
         max_total_len: the context length; prompt + output never exceed it.
+        sample_index: which of the row's ``n`` samples this is; the row's first request is sample 0.
+        unforked_samples: samples 1..n-1 not created yet; they fork off when the prompt's prefill completes.
+        fork_rows: ``req_to_token`` rows reserved at admission for those samples.
     """
 
     rid: str
@@ -51,6 +55,9 @@ class Req:
     # Output tokens whose text was streamed before the one that completed a stop string; None if none did.
     stop_search_from: int | None = None
     text: str | None = None
+    sample_index: int = 0
+    unforked_samples: int = 0
+    fork_rows: list[int] = field(default_factory=list)
 
     @property
     def fill_len(self) -> int:
@@ -72,3 +79,33 @@ class Req:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def fork(self, sample_index: int, req_pool_idx: int | None) -> Req:
+        """Sample ``sample_index`` of this row, made when the prompt is prefilled and nothing is sampled yet.
+
+        It has its own seed (derived from (seed, sample_index)), penalty history, grammar matcher and
+        detokenizer; the scheduler gives it the prompt's KV slots once the forking round has run.
+        """
+        assert not self.output_ids, "samples fork before the first output token"
+        detokenizer = self.detokenizer
+        return replace(
+            self,
+            seed=derive_seed(self.seed, sample_index),
+            detokenizer=(
+                IncrementalDetokenizer(detokenizer.tokenizer, self.prompt_ids, detokenizer.skip_special)
+                if detokenizer is not None
+                else None
+            ),
+            history=TokenHistory(self.history.prompt_tokens) if self.history is not None else None,
+            grammar=self.grammar.fork() if self.grammar is not None else None,
+            output_ids=[],
+            output_logprobs=[],
+            output_top_logprobs=[],
+            prompt_logprobs=[],
+            prompt_top_logprobs=[],
+            req_pool_idx=req_pool_idx,
+            kv_len=0,
+            sample_index=sample_index,
+            unforked_samples=0,
+            fork_rows=[],
+        )

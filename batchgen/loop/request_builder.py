@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable
 from typing import Any
 
@@ -12,13 +11,8 @@ from batchgen.loop.detokenizer import IncrementalDetokenizer
 from batchgen.loop.req import Req
 from batchgen.sampling.grammar import GrammarCompiler
 from batchgen.sampling.penalties import TokenHistory, needs_history
+from batchgen.sampling.random import derive_seed
 from batchgen.sampling.sampling_params import SamplingParams, make_sampling_params
-
-
-def derive_seed(run_seed: int, rid: str) -> int:
-    """A 63-bit seed for a row without one, a pure function of the run seed and the row id."""
-    digest = hashlib.blake2b(f"{run_seed}:{rid}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
 
 
 class RequestBuilder:
@@ -31,6 +25,7 @@ class RequestBuilder:
         eos_token_ids: ids that end a request unless it sets ``ignore_eos``.
         defaults: sampling parameters for fields a row does not set.
         run_seed: seeds the rows that carry no ``seed``.
+        max_samples: the largest ``n`` a row may ask for (its samples decode together, one request row each).
     """
 
     def __init__(
@@ -41,6 +36,7 @@ class RequestBuilder:
         eos_token_ids: Iterable[int],
         defaults: SamplingParams,
         run_seed: int,
+        max_samples: int,
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -48,6 +44,7 @@ class RequestBuilder:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.defaults = defaults
         self.run_seed = run_seed
+        self.max_samples = max_samples
         self.grammars = GrammarCompiler(tokenizer, vocab_size)
 
     def build(self, spec: RowSpec, source: str, order: int) -> Req:
@@ -65,6 +62,8 @@ class RequestBuilder:
             params = make_sampling_params(self.defaults, spec.sampling_overrides, self.vocab_size)
         except FieldError as e:
             raise error(e.field, e.message) from None
+        if params.n > self.max_samples:
+            raise error("n", f"{params.n} samples exceed --max-running-requests {self.max_samples}")
         if self.tokenizer is None and (spec.prompt_token_ids is None or params.stop):
             field = "stop" if spec.prompt_token_ids is not None else "prompt"
             raise error(field, "this model has no tokenizer: give prompt_token_ids and no stop strings")
@@ -101,6 +100,7 @@ class RequestBuilder:
             ),
             history=TokenHistory(frozenset(prompt_ids)) if needs_history(params) else None,
             grammar=grammar,
+            unforked_samples=params.n - 1,
         )
 
     def _tokenize(self, spec: RowSpec, error: Any) -> tuple[str, list[int]]:

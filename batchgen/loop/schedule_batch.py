@@ -42,7 +42,9 @@ class ScheduleBatch:
     """The requests of one round and how many pending tokens each processes (``extend_lens``).
 
     A row whose ``extend_len`` covers all its pending tokens samples a token this round; the others are
-    non-final chunks of a chunked prefill. The last ``num_decode_rows`` rows are decodes.
+    non-final chunks of a chunked prefill. The last ``num_decode_rows`` rows are decodes. ``sampled`` lists
+    (row, request) per token drawn: the row's own request, and, in the round that completes an ``n > 1``
+    prompt, its other samples too, all drawn from that row's logits.
     """
 
     forward_mode: ForwardMode
@@ -51,7 +53,7 @@ class ScheduleBatch:
     num_decode_rows: int = 0
 
     def __post_init__(self) -> None:
-        self.sampling_rows = [i for i, (r, n) in enumerate(zip(self.reqs, self.extend_lens)) if n == r.num_pending]
+        self.sampled = [(i, r) for i, (r, n) in enumerate(zip(self.reqs, self.extend_lens)) if n == r.num_pending]
         # (row, count): how many prompt logprobs each row gets from this round, filled by prepare().
         self.prompt_logprob_rows: list[tuple[int, int]] = []
 
@@ -102,7 +104,7 @@ class ScheduleBatch:
             req.kv_len += n
         ends = torch.tensor(self.extend_lens, dtype=torch.int64).cumsum(0) - 1
         is_extend = self.forward_mode.is_extend()
-        sampled = [self.reqs[i] for i in self.sampling_rows]
+        sampled = [req for _, req in self.sampled]
         return ModelWorkerBatch(
             forward_mode=self.forward_mode,
             input_ids=torch.tensor(input_ids, dtype=torch.int64),
@@ -112,7 +114,7 @@ class ScheduleBatch:
             seq_lens_cpu=[r.kv_len for r in self.reqs],
             extend_seq_lens_cpu=list(self.extend_lens) if is_extend else None,
             extend_prefix_lens_cpu=prefix_lens if is_extend else None,
-            sample_indices=ends[self.sampling_rows],
+            sample_indices=ends[[row for row, _ in self.sampled]],
             sampling_info=SamplingBatchInfo.from_params(
                 [r.params for r in sampled],
                 seeds=[r.seed for r in sampled],

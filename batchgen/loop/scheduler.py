@@ -44,6 +44,11 @@ class Scheduler:
     round, the most recently admitted request is retracted: its KV is freed and it goes back to the front of
     the queue, keeping its outputs, to be recomputed later (its pending tokens become prompt + outputs).
     A finished request frees its request row and KV at once.
+
+    ``n > 1``: a row's request reserves ``n`` request rows at admission (it counts as ``n`` running requests).
+    In the round that completes its prompt, samples 1..n-1 fork off (:meth:`_fork_samples`) and draw their first
+    token from the same logits; they then share the prompt's KV slots (reference-counted) and decode on their
+    own, each an ordinary request from there on (retracted and recomputed alone if need be).
     """
 
     def __init__(
@@ -73,14 +78,17 @@ class Scheduler:
             # Only partly prefilled requests hold the pool and none can grow: free the newest.
             self._retract(self.running[-1])
         if prefill_reqs and decodes and self.options.enable_mixed_chunk:
-            return ScheduleBatch(
+            batch = ScheduleBatch(
                 ForwardMode.MIXED, prefill_reqs + decodes, prefill_lens + [1] * len(decodes), len(decodes)
             )
-        if prefill_reqs:
-            return ScheduleBatch(ForwardMode.EXTEND, prefill_reqs, prefill_lens)
-        if decodes:
-            return ScheduleBatch(ForwardMode.DECODE, decodes, [1] * len(decodes), len(decodes))
-        return None
+        elif prefill_reqs:
+            batch = ScheduleBatch(ForwardMode.EXTEND, prefill_reqs, prefill_lens)
+        elif decodes:
+            batch = ScheduleBatch(ForwardMode.DECODE, decodes, [1] * len(decodes), len(decodes))
+        else:
+            return None
+        self._fork_samples(batch)
+        return batch
 
     def process_result(
         self, batch: ScheduleBatch, result: SampleOutput, logits_output: LogitsProcessorOutput | None = None
@@ -89,13 +97,13 @@ class Scheduler:
         that finished."""
         if logits_output is not None and logits_output.prompt_logprobs is not None:
             _record_prompt_logprobs(batch, logits_output)
+        self._share_prompt_kv(batch)
         token_ids = result.next_token_ids.tolist()
         logprobs = result.logprobs.tolist() if result.logprobs is not None else None
         top_ids = result.top_ids.tolist() if result.top_ids is not None else None
         top_lps = result.top_logprobs.tolist() if result.top_logprobs is not None else None
         finished = []
-        for j, i in enumerate(batch.sampling_rows):
-            req = batch.reqs[i]
+        for j, (_, req) in enumerate(batch.sampled):
             want_logprobs = req.params.logprobs
             k = req.params.top_logprobs if want_logprobs else 0
             top = list(zip(top_ids[j][:k], top_lps[j][:k])) if k and top_ids and top_lps else None
@@ -109,6 +117,35 @@ class Scheduler:
                 self.running.remove(req)
                 finished.append(req)
         return finished
+
+    def _fork_samples(self, batch: ScheduleBatch) -> None:
+        """Add samples 1..n-1 of every request that samples its first token this round, on the same row."""
+        if not any(req.unforked_samples for _, req in batch.sampled):
+            return
+        sampled: list[tuple[int, Req]] = []
+        for row, req in batch.sampled:
+            sampled.append((row, req))
+            for index, pool_row in enumerate(req.fork_rows, start=1):
+                sampled.append((row, req.fork(index, pool_row)))
+            req.unforked_samples, req.fork_rows = 0, []
+        batch.sampled = sampled
+
+    def _share_prompt_kv(self, batch: ScheduleBatch) -> None:
+        """After a forking round: give each new sample the prompt's KV slots and its prompt logprobs, and
+        start running it."""
+        req_to_token = self.req_to_token_pool.req_to_token
+        for row, req in batch.sampled:
+            parent = batch.reqs[row]
+            if req is parent:
+                continue
+            assert req.req_pool_idx is not None and parent.req_pool_idx is not None
+            slots = req_to_token[parent.req_pool_idx, : parent.kv_len]
+            req_to_token[req.req_pool_idx, : parent.kv_len] = slots
+            self.allocator.share(slots)
+            req.kv_len = parent.kv_len
+            req.prompt_logprobs = list(parent.prompt_logprobs)
+            req.prompt_top_logprobs = list(parent.prompt_top_logprobs)
+            self.running.append(req)
 
     def _make_room_for_decodes(self) -> list[Req]:
         """Running requests that decode this round, after retracting the newest ones until their KV fits."""
@@ -128,11 +165,12 @@ class Scheduler:
     def _release(self, req: Req) -> None:
         assert req.req_pool_idx is not None
         self.allocator.free(self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.kv_len])
-        self.req_to_token_pool.free(req.req_pool_idx)
-        req.req_pool_idx = None
+        for row in [req.req_pool_idx, *req.fork_rows]:
+            self.req_to_token_pool.free(row)
+        req.req_pool_idx, req.fork_rows = None, []
 
     def _decode_reserve(self, reqs: list[Req]) -> int:
-        remaining = sum(max(0, r.params.max_new_tokens - len(r.output_ids)) for r in reqs)
+        remaining = sum(max(0, r.params.max_new_tokens - len(r.output_ids)) * (1 + r.unforked_samples) for r in reqs)
         return math.ceil(remaining * self.options.new_token_ratio)
 
     def _prefill_rows(self, reserved: int) -> tuple[list[Req], list[int]]:
@@ -156,9 +194,11 @@ class Scheduler:
                 lens.append(n)
                 budget, room = budget - n, room - req.num_pending
         while self.waiting and budget > 0:
-            if len(self.running) >= opts.max_running_requests or self.req_to_token_pool.available() == 0:
-                break
             req = self.waiting[0]
+            # An n > 1 request reserves a request row, and a place among the running, for each sample.
+            rows = 1 + req.unforked_samples
+            if len(self.running) + rows > opts.max_running_requests or self.req_to_token_pool.available() < rows:
+                break
             need = req.num_pending
             # Keep room for the decodes of everything already running and of this request, unless it would
             # run alone: then it must be admitted for the job to make progress.
@@ -170,6 +210,7 @@ class Scheduler:
             n = need if chunk == 0 else min(need, budget)
             self.waiting.popleft()
             req.req_pool_idx = self.req_to_token_pool.alloc()
+            req.fork_rows = [self.req_to_token_pool.alloc() for _ in range(req.unforked_samples)]
             self.running.append(req)
             reqs.append(req)
             lens.append(n)

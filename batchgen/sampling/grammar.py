@@ -93,6 +93,10 @@ class GrammarState:
         if self.allowed_mask is not None:
             bitmask[row] &= self.allowed_mask
 
+    def fork(self) -> GrammarState:
+        """An independent matcher at the same position (another sample of the same request)."""
+        return GrammarState(self._xgr, self.matcher.fork(), self.allowed_mask)
+
     def accept(self, token_id: int) -> None:
         self.matcher.accept_token(token_id)
 

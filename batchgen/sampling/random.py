@@ -6,6 +6,8 @@ tokens alone or in any batch, in any order, after preemption and recompute.
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 
 _MASK32 = 0xFFFFFFFF
@@ -31,3 +33,13 @@ def uniform_from_counter(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tens
     low = _mix32(h ^ 0x9E3779B9)
     bits = (h << 21) | (low >> 11)  # 53 random bits, the precision of a float64 mantissa
     return (bits.double() + 0.5) / float(1 << 53)
+
+
+def derive_seed(base: int, key: str | int) -> int:
+    """A 63-bit seed, a pure function of ``base`` and ``key`` (BLAKE2b of ``"base:key"``).
+
+    Gives a row without a seed one from (run seed, row id), and sample ``i`` of an ``n > 1`` row one from (row
+    seed, i), so neither depends on batch composition or on the other rows of the job.
+    """
+    digest = hashlib.blake2b(f"{base}:{key}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1

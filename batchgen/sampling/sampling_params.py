@@ -31,7 +31,11 @@ SAMPLING_FIELDS: tuple[str, ...] = (
     "regex",
     "ebnf",
     "prompt_logprobs",
+    "n",
 )
+
+# Samples per prompt; the run's --max-running-requests may bound it further (all samples decode together).
+MAX_SAMPLES = 1024
 
 
 @dataclass(frozen=True)
@@ -44,7 +48,8 @@ class SamplingParams:
     request and are included in ``output_token_ids``. ``min_new_tokens`` holds back every stop (EOS, stop ids
     and stop strings) until that many tokens exist. ``logprobs`` reports the chosen token's raw logprob
     (log_softmax of unprocessed logits, as vLLM's default and the OpenAI API); ``top_logprobs`` adds the N
-    most likely tokens under the same distribution.
+    most likely tokens under the same distribution. ``n`` samples of one prompt are written as ``n`` rows
+    with ``sample_index`` 0..n-1; sample 0 uses the row's seed, sample ``i`` a seed derived from (seed, i).
     """
 
     max_new_tokens: int = 128
@@ -71,6 +76,8 @@ class SamplingParams:
     ebnf: str | None = None
     # None: off; N >= 0: report each prompt token's raw logprob (after the first) and the N most likely tokens.
     prompt_logprobs: int | None = None
+    # Independent samples of the prompt: they share its prefill and prompt KV, each decodes on its own.
+    n: int = 1
 
     @property
     def constraint(self) -> tuple[str, str] | None:
@@ -92,6 +99,8 @@ class SamplingParams:
         Raises:
             FieldError: naming the first invalid field.
         """
+        if not 1 <= self.n <= MAX_SAMPLES:
+            raise FieldError("n", f"must be in [1, {MAX_SAMPLES}], got {self.n}")
         if self.max_new_tokens < 0:
             raise FieldError("max_new_tokens", f"must be >= 0, got {self.max_new_tokens}")
         if self.min_new_tokens < 0:
@@ -141,7 +150,7 @@ class SamplingParams:
             raise FieldError("seed", f"must be in [0, 2**63), got {self.seed}")
 
 
-_INT_FIELDS = {"max_new_tokens", "min_new_tokens", "top_k", "top_logprobs"}
+_INT_FIELDS = {"max_new_tokens", "min_new_tokens", "top_k", "top_logprobs", "n"}
 _FLOAT_FIELDS = {"temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"}
 _BOOL_FIELDS = {"ignore_eos", "skip_special_tokens", "logprobs"}
 
