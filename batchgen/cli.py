@@ -151,6 +151,12 @@ def run(
         "--enable-mixed-chunk/--disable-mixed-chunk",
         help="Run prefill chunks and decodes in one forward.",
     ),
+    disable_cuda_graph: bool = typer.Option(
+        _ENGINE_DEFAULTS.disable_cuda_graph, "--disable-cuda-graph", help="Run decode rounds eagerly at their own size."
+    ),
+    cuda_graph_max_bs: int | None = typer.Option(
+        None, help="Largest decode batch replayed from a CUDA graph (default 256; on CPU: off, N pads eagerly)."
+    ),
     on_error: str = typer.Option("fail", help="fail: report bad rows and exit 2 at the end; skip: write them."),
     overwrite: bool = typer.Option(False, help="Replace an existing output file."),
     progress: bool = typer.Option(True, help="Show a progress bar on stderr."),
@@ -205,6 +211,8 @@ def run(
             max_running_requests=max_running_requests,
             attention_backend=attention_backend,
             enable_mixed_chunk=enable_mixed_chunk,
+            disable_cuda_graph=disable_cuda_graph,
+            cuda_graph_max_bs=cuda_graph_max_bs,
             seed=seed,
             logprobs_mode=logprobs_mode,
         )

@@ -39,6 +39,8 @@ RUN_FLAGS = {
     "--device",
     "--max-new-tokens",
     "--n",
+    "--disable-cuda-graph",
+    "--cuda-graph-max-bs",
     "--min-new-tokens",
     "--temperature",
     "--top-p",

@@ -50,6 +50,12 @@ def bench_one_batch(
     dtype: str = typer.Option("auto", help="auto, float32, bfloat16 or float16."),
     device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
     attention_backend: str = typer.Option("auto", help="Attention backend."),
+    disable_cuda_graph: bool = typer.Option(
+        False, "--disable-cuda-graph", help="Run decode rounds eagerly, without the graph runner."
+    ),
+    cuda_graph_max_bs: int | None = typer.Option(
+        None, help="Largest decode batch served by the graph runner (default 256 on CUDA, off on CPU)."
+    ),
     result_file: Path | None = typer.Option(None, help="Append one JSON line per case to this file."),
     correctness_test: bool = typer.Option(
         False, help="Check that a prefill split in two chunks gives the same logits."
@@ -67,6 +73,8 @@ def bench_one_batch(
                 device=device,
                 context_length=longest + 1,
                 attention_backend=attention_backend,
+                disable_cuda_graph=disable_cuda_graph,
+                cuda_graph_max_bs=cuda_graph_max_bs,
                 max_running_requests=max(batch_size),
                 max_total_tokens=max(batch_size) * (longest + 1),
                 chunked_prefill_size=0,
@@ -126,6 +134,12 @@ def bench(
     max_total_tokens: int | None = typer.Option(None, help="Engine: KV pool size in tokens."),
     enable_mixed_chunk: bool = typer.Option(True, "--enable-mixed-chunk/--disable-mixed-chunk", help="Engine."),
     attention_backend: str = typer.Option("auto", help="Engine: attention backend."),
+    disable_cuda_graph: bool = typer.Option(
+        False, "--disable-cuda-graph", help="Run decode rounds eagerly, without the graph runner."
+    ),
+    cuda_graph_max_bs: int | None = typer.Option(
+        None, help="Largest decode batch served by the graph runner (default 256 on CUDA, off on CPU)."
+    ),
     report_memory: bool = typer.Option(False, help="Print the peak resident memory after each system."),
     result_file: Path | None = typer.Option(None, help="Append one JSON line per system to this file."),
 ) -> None:
@@ -147,6 +161,8 @@ def bench(
                 max_total_tokens=max_total_tokens,
                 enable_mixed_chunk=enable_mixed_chunk,
                 attention_backend=attention_backend,
+                disable_cuda_graph=disable_cuda_graph,
+                cuda_graph_max_bs=cuda_graph_max_bs,
             )
         )
         if dataset is not None:

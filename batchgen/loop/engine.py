@@ -121,6 +121,8 @@ class Engine:
             self.eos_token_ids = eos_token_ids(self.model_dir, self.hf_config)
         if options.logprobs_mode not in ("raw", "processed"):
             raise BatchgenError(f"--logprobs-mode must be raw or processed, got '{options.logprobs_mode}'")
+        if options.cuda_graph_max_bs is not None and options.cuda_graph_max_bs < 1:
+            raise BatchgenError(f"--cuda-graph-max-bs must be >= 1, got {options.cuda_graph_max_bs}")
         self.device = pick_device(options.device)
         self.dtype = pick_dtype(options.dtype, self.hf_config, self.device)
         self.max_running_requests: int = options.max_running_requests or (64 if self.device.type == "cpu" else 256)
@@ -152,6 +154,7 @@ class Engine:
             self.max_running_requests,
             context_len,
             options.attention_backend,
+            cuda_graph_max_bs=self._graph_max_bs(options),
         )
         self.allocator = KVSlotAllocator(pool_size)
         self.scheduler = Scheduler(
@@ -176,6 +179,14 @@ class Engine:
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
+
+    def _graph_max_bs(self, options: EngineOptions) -> int:
+        """The graph runner's largest batch, 0 for none (see ``EngineOptions.cuda_graph_max_bs``)."""
+        if options.disable_cuda_graph:
+            return 0
+        if options.cuda_graph_max_bs is not None:
+            return options.cuda_graph_max_bs
+        return 256 if self.device.type == "cuda" else 0
 
     def step(self) -> list[Req]:
         """Run one round; return the requests that finished in it."""

@@ -55,13 +55,13 @@ class ForwardBatch:
 
     @classmethod
     def init_new(cls, batch: ModelWorkerBatch, model_runner: ModelRunner) -> ForwardBatch:
-        """Move ``batch``'s CPU tensors to the runner's device and let the attention backend plan the round."""
+        """Move ``batch``'s CPU tensors to the runner's device; ``ModelRunner.forward`` plans the attention."""
         device = model_runner.device
 
         def to_device(t: torch.Tensor) -> torch.Tensor:
             return t.to(device, non_blocking=True)
 
-        forward_batch = cls(
+        return cls(
             forward_mode=batch.forward_mode,
             batch_size=len(batch.req_pool_indices_cpu),
             input_ids=to_device(batch.input_ids),
@@ -81,5 +81,30 @@ class ForwardBatch:
             token_to_kv_pool=model_runner.token_to_kv_pool,
             attn_backend=model_runner.attn_backend,
         )
-        model_runner.attn_backend.init_forward_metadata(forward_batch)
-        return forward_batch
+
+    @classmethod
+    def dummy_decode(cls, model_runner: ModelRunner, batch_size: int) -> ForwardBatch:
+        """A DECODE round of ``batch_size`` padding rows (token 0 → slot 0, request row 0), for graph capture."""
+        device = model_runner.device
+        zeros = torch.zeros(batch_size, dtype=torch.int64, device=device)
+        empty = torch.zeros(0, dtype=torch.int64, device=device)
+        return cls(
+            forward_mode=ForwardMode.DECODE,
+            batch_size=batch_size,
+            input_ids=zeros,
+            positions=zeros,
+            out_cache_loc=zeros,
+            req_pool_indices=zeros,
+            req_pool_indices_cpu=[0] * batch_size,
+            seq_lens=torch.ones(batch_size, dtype=torch.int64, device=device),
+            max_seq_len=1,
+            sample_indices=torch.arange(batch_size, device=device),
+            prompt_logprob_indices=empty,
+            prompt_logprob_targets=empty,
+            prompt_top_k=0,
+            extend_seq_lens_cpu=None,
+            extend_prefix_lens_cpu=None,
+            req_to_token_pool=model_runner.req_to_token_pool,
+            token_to_kv_pool=model_runner.token_to_kv_pool,
+            attn_backend=model_runner.attn_backend,
+        )

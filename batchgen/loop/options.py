@@ -23,6 +23,10 @@ class EngineOptions:
             per token: their KV gathers outgrow the caches), 256 on GPU.
         attention_backend: ``auto`` or a backend name.
         enable_mixed_chunk: run prefill chunks and decodes in one forward (MIXED rounds).
+        disable_cuda_graph: run DECODE rounds eagerly at their own size, without the graph runner.
+        cuda_graph_max_bs: the largest DECODE batch the graph runner serves (capped by max_running_requests);
+            on CUDA it captures graphs for sizes 1, 2, 4, 8, 16, 24, … up to it, on CPU it pads eagerly.
+            ``None`` = 256 on CUDA, and off on CPU, where padding only adds work.
         seed: run seed; rows without a ``seed`` get one derived from it and their ``id``.
         logprobs_mode: ``raw`` (log_softmax of the model's logits) or ``processed`` (of the distribution sampled
             from, after bias, penalties, temperature and truncation).
@@ -39,5 +43,7 @@ class EngineOptions:
     max_running_requests: int | None = None
     attention_backend: str = "auto"
     enable_mixed_chunk: bool = True
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int | None = None
     seed: int | None = None
     logprobs_mode: str = "raw"

@@ -1,0 +1,147 @@
+"""The decode graph runner in eager-padded mode (CPU): padding must change nothing but the dummy slot."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import generate, write_jsonl
+
+from batchgen.loop.engine import Engine
+from batchgen.loop.forward_batch import ForwardBatch
+from batchgen.loop.forward_mode import ForwardMode
+from batchgen.loop.graph_runner import DecodeGraphRunner, capture_batch_sizes
+from batchgen.loop.options import EngineOptions
+from batchgen.loop.req import Req
+from batchgen.loop.schedule_batch import ScheduleBatch
+from batchgen.sampling.sampling_params import SamplingParams
+
+
+@pytest.mark.parametrize(
+    ("max_bs", "sizes"),
+    [
+        (1, [1]),
+        (3, [1, 2, 3]),
+        (8, [1, 2, 4, 8]),
+        (16, [1, 2, 4, 8, 16]),
+        (33, [1, 2, 4, 8, 16, 24, 32, 33]),
+        (40, [1, 2, 4, 8, 16, 24, 32, 40]),
+    ],
+)
+def test_capture_batch_sizes(max_bs: int, sizes: list[int]) -> None:
+    assert capture_batch_sizes(max_bs) == sizes
+
+
+def test_every_batch_size_up_to_33_decodes_as_unpadded(
+    random_models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """33 rows finishing one step apart walk the decode batch through every size 32 … 1; through the padded
+    runner the tokens are identical to plain eager decoding (fp32), and so are the logprobs up to GEMM
+    rounding: CPU BLAS multiplies a 5-row and an 8-row batch with different kernels, which can differ in the
+    last bit (test_padded_rows_touch_only_the_dummy_slot shows padding itself changes nothing)."""
+    rng = random.Random(11)
+    rows = [
+        {
+            "id": str(i),
+            "prompt_token_ids": [0] + [rng.randrange(2, 300) for _ in range(rng.randrange(1, 40))],
+            "max_new_tokens": i + 1,
+            "temperature": 0.8,
+            "seed": i,
+            "ignore_eos": True,
+            "top_logprobs": 3,
+        }
+        for i in range(33)
+    ]
+    dataset = write_jsonl(tmp_path / "in.jsonl", rows)
+    model = random_models["qwen2"]
+    common = ("--max-running-requests", "33", "--chunked-prefill-size", "4096")
+    eager = generate(dataset, tmp_path / "eager.jsonl", model, *common, "--disable-cuda-graph")
+
+    seen: list[tuple[int, int]] = []
+    original = DecodeGraphRunner.run
+
+    def spy(self: DecodeGraphRunner, forward_batch: ForwardBatch) -> Any:
+        seen.append((forward_batch.batch_size, self.padded_size(forward_batch.batch_size)))
+        return original(self, forward_batch)
+
+    monkeypatch.setattr(DecodeGraphRunner, "run", spy)
+    padded = generate(dataset, tmp_path / "padded.jsonl", model, *common, "--cuda-graph-max-bs", "33")
+    assert {bs for bs, _ in seen} == set(range(1, 33))  # 33 rows decode from their 2nd token: 32 … 1 rows
+    assert any(size > bs for bs, size in seen)
+    for rid, want in eager.items():
+        got = padded[rid]
+        assert got["output_token_ids"] == want["output_token_ids"]
+        assert got["output_logprobs"] == pytest.approx(want["output_logprobs"], abs=1e-5, rel=0)
+        assert [[t["id"] for t in step] for step in got["top_logprobs"]] == [
+            [t["id"] for t in step] for step in want["top_logprobs"]
+        ]
+
+
+@pytest.mark.parametrize("batch_size", [4, 5])
+def test_padded_rows_touch_only_the_dummy_slot(batch_size: int, random_models: dict[str, Path]) -> None:
+    """A decode round through the runner writes only its own slots and slot 0; at a captured size (4, no
+    padding rows) it is bit-identical to the plain forward, and padded (5 → 8) equal up to GEMM rounding."""
+    engine = Engine(
+        EngineOptions(
+            model=str(random_models["llama"]),
+            dtype="float32",
+            device="cpu",
+            max_total_tokens=600,
+            max_running_requests=16,
+            cuda_graph_max_bs=16,
+        )
+    )
+    runner, pool = engine.runner, engine.runner.token_to_kv_pool
+    assert runner.graph_runner is not None and not runner.graph_runner.use_cuda_graphs
+    rng = random.Random(2)
+    reqs = []
+    for i in range(batch_size):
+        prompt = [0] + [rng.randrange(2, 300) for _ in range(rng.randrange(3, 30))]
+        params = SamplingParams(temperature=0.0, max_new_tokens=4)
+        req = Req(str(i), i, i, prompt, params, seed=i, stop_token_ids=frozenset(), max_total_len=64, passthrough={})
+        req.req_pool_idx = runner.req_to_token_pool.alloc()
+        reqs.append(req)
+    # Prefill eagerly, then sample each request's first token.
+    prefill = ScheduleBatch(ForwardMode.EXTEND, reqs, [len(r.prompt_ids) for r in reqs])
+    worker = prefill.prepare(runner.req_to_token_pool, engine.allocator, engine.vocab_size, engine.device)
+    out = runner.forward(ForwardBatch.init_new(worker, runner))
+    for req, token in zip(reqs, runner.sample(out, worker.sampling_info).next_token_ids.tolist()):
+        req.output_ids.append(token)
+
+    decode = ScheduleBatch(ForwardMode.DECODE, reqs, [1] * batch_size, batch_size)
+    worker = decode.prepare(runner.req_to_token_pool, engine.allocator, engine.vocab_size, engine.device)
+    forward_batch = ForwardBatch.init_new(worker, runner)
+    k_before, v_before = pool.k_buffer.clone(), pool.v_buffer.clone()
+    padded_logits = runner.forward(forward_batch).next_token_logits
+    assert runner.graph_runner.padded_size(batch_size) == {4: 4, 5: 8}[batch_size]
+    assert padded_logits.shape[0] == batch_size
+
+    # Bit patterns, not values: never-written slots may hold NaNs, which compare unequal to themselves.
+    def bits(t: torch.Tensor) -> torch.Tensor:
+        return t.view(torch.int32)
+
+    changed = ((bits(pool.k_buffer) != bits(k_before)) | (bits(pool.v_buffer) != bits(v_before))).any(dim=(0, 1, 3))
+    written = set(worker.out_cache_loc.tolist()) | {0}
+    assert set(torch.nonzero(changed).flatten().tolist()) <= written
+    assert set(worker.out_cache_loc.tolist()) <= set(torch.nonzero(changed).flatten().tolist())
+
+    # The same round unpadded writes the same K/V and gives the same logits.
+    k_padded, v_padded = pool.k_buffer.clone(), pool.v_buffer.clone()
+    with torch.inference_mode():
+        runner.attn_backend.init_forward_metadata(forward_batch)
+        eager_logits = runner.forward_model(forward_batch).next_token_logits
+    real = worker.out_cache_loc
+    pairs = [
+        (pool.k_buffer[:, :, real], k_padded[:, :, real]),
+        (pool.v_buffer[:, :, real], v_padded[:, :, real]),
+        (eager_logits, padded_logits),
+    ]
+    for eager_value, padded_value in pairs:
+        if batch_size == 4:
+            assert torch.equal(eager_value, padded_value)
+        else:
+            torch.testing.assert_close(eager_value, padded_value, atol=1e-5, rtol=0)
+    assert torch.equal(eager_logits.argmax(-1), padded_logits.argmax(-1))
