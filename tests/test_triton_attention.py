@@ -1,0 +1,285 @@
+"""batchgen's Triton attention kernels and backend, run by Triton's interpreter on the CPU.
+
+The kernels are checked against a float64 reference on random inputs: ragged lengths from 1 to 300, GQA
+ratios 1/2/4/8, head dims 64 and 128 (and 8, 96 for the padded head-dim tile), K/V slots scattered in the
+pool in random order, every slot the kernels must not read filled with NaN. The engine test compares
+greedy generation with the ``triton`` backend against ``torch_native``, chunked prefill included.
+
+bfloat16 on the CPU: Triton's interpreter stores bfloat16 as raw uint16 bits (numpy has no bfloat16) and
+its ``tl.dot`` multiplies those bits as integers, so the kernels upcast bfloat16 operands to float32 there
+(see :func:`batchgen.kernels.triton.dot_settings`). The bfloat16 cases thus check loads, masking and the
+output rounding; the half-precision dot path a GPU takes (``p`` rounded to the input dtype) is checked by
+the float16 cases, which the interpreter runs natively.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Triton picks interpreter or compiler when a kernel is decorated, i.e. when our kernel modules are imported.
+os.environ["TRITON_INTERPRET"] = "1"
+
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
+from typing import Any  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton", reason="triton is not installed (pip install triton); its kernels cannot be tested")
+
+from conftest import generate, write_jsonl  # noqa: E402
+
+from batchgen.errors import BatchgenError  # noqa: E402
+from batchgen.kernels.attention import create_attention_backend  # noqa: E402
+from batchgen.kernels.attention.torch_native import TorchNativeAttnBackend  # noqa: E402
+from batchgen.kernels.attention.triton_backend import TritonAttnBackend  # noqa: E402
+from batchgen.kernels.triton.decode_attention import decode_attention_fwd, decode_scratch  # noqa: E402
+from batchgen.kernels.triton.extend_attention import extend_attention_fwd  # noqa: E402
+from batchgen.loop.forward_mode import ForwardMode  # noqa: E402
+
+NUM_KV_HEADS = 2
+POOL_SLOTS = 1500
+CONTEXT = 320
+DECODE_SEQ_LENS = [1, 2, 17, 64, 65, 300]
+# (cached prefix, new tokens): prefix 0 with one token, one token after a prefix (a MIXED round's decode
+# row), blocks crossing the 64-token tile edges, and a 300-token sequence.
+EXTEND_CASES = [(0, 1), (0, 37), (5, 1), (1, 129), (100, 64), (250, 50)]
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-2}
+
+# fp32 covers every GQA ratio at both head dims; the half types each ratio extreme; 8 and 96 the padded tile.
+SHAPES = [
+    *[(torch.float32, d, g) for d in (64, 128) for g in (1, 2, 4, 8)],
+    *[(dt, d, g) for dt in (torch.bfloat16, torch.float16) for d in (64, 128) for g in (1, 8)],
+    (torch.float32, 8, 2),
+    (torch.float32, 96, 4),
+]
+
+
+def _shape_id(shape: tuple[torch.dtype, int, int]) -> str:
+    dtype, head_dim, group = shape
+    return f"{str(dtype).removeprefix('torch.')}-d{head_dim}-g{group}"
+
+
+class _Pool:
+    """A one-layer paged pool holding random K/V for the given sequence lengths.
+
+    Each sequence's slots are a random, unordered draw from the pool; slots no sequence owns, and the
+    ``req_to_token`` entries past each sequence's end, point at NaN, so any stray read shows up in the output.
+    Row 0 and slot 0 are the pool's dummies (slot 0 zero, as in ``TokenToKVPool``).
+    """
+
+    def __init__(self, seq_lens: list[int], dtype: torch.dtype, head_dim: int, gen: torch.Generator) -> None:
+        shape = (NUM_KV_HEADS, POOL_SLOTS + 1, head_dim)
+        self.k = torch.full(shape, float("nan"), dtype=dtype)
+        self.v = torch.full(shape, float("nan"), dtype=dtype)
+        self.k[:, 0] = 0
+        self.v[:, 0] = 0
+        rows = len(seq_lens) + 3
+        self.req_to_token = torch.randint(1, POOL_SLOTS + 1, (rows, CONTEXT), generator=gen)
+        self.req_pool_indices = torch.randperm(rows - 1, generator=gen)[: len(seq_lens)] + 1
+        free = torch.randperm(POOL_SLOTS, generator=gen) + 1
+        owned = torch.zeros(POOL_SLOTS + 1, dtype=torch.bool)
+        self.slots: list[torch.Tensor] = []
+        for row, n in zip(self.req_pool_indices.tolist(), seq_lens):
+            slots, free = free[:n], free[n:]
+            self.req_to_token[row, :n] = slots
+            owned[slots] = True
+            self.k[:, slots] = torch.randn(NUM_KV_HEADS, n, head_dim, generator=gen).to(dtype)
+            self.v[:, slots] = torch.randn(NUM_KV_HEADS, n, head_dim, generator=gen).to(dtype)
+            self.slots.append(slots)
+        # Positions past a sequence's end point at slots nobody owns (NaN).
+        unowned = (~owned).nonzero().flatten()
+        unowned = unowned[unowned > 0]
+        for row, n in zip(self.req_pool_indices.tolist(), seq_lens):
+            tail = CONTEXT - n
+            self.req_to_token[row, n:] = unowned[torch.randint(len(unowned), (tail,), generator=gen)]
+
+
+def _reference(q: torch.Tensor, pool: _Pool, slots: torch.Tensor, first_pos: int) -> torch.Tensor:
+    """float64 attention of ``q`` ``[n, H, D]`` (positions ``first_pos..``) over K/V at ``slots``, causal."""
+    n, num_heads, head_dim = q.shape
+    group = num_heads // NUM_KV_HEADS
+    k = pool.k[:, slots].double().repeat_interleave(group, 0)  # [H, S, D]
+    v = pool.v[:, slots].double().repeat_interleave(group, 0)
+    scores = torch.einsum("nhd,hsd->hns", q.double(), k) * head_dim**-0.5
+    visible = torch.arange(len(slots))[None, :] <= torch.arange(first_pos, first_pos + n)[:, None]
+    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    return torch.einsum("hns,hsd->nhd", probs, v)
+
+
+def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |out - ref| / max |ref| over one request's rows: outputs are averages of unit-scale values."""
+    return float((out.double() - ref).abs().max() / ref.abs().max())
+
+
+def _run_decode(
+    dtype: torch.dtype, head_dim: int, group: int, num_kv_splits: int, seed: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(output, reference) per request of one decode launch over DECODE_SEQ_LENS."""
+    gen = torch.Generator().manual_seed(seed)
+    pool = _Pool(DECODE_SEQ_LENS, dtype, head_dim, gen)
+    batch, num_heads = len(DECODE_SEQ_LENS), NUM_KV_HEADS * group
+    q = torch.randn(batch, num_heads, head_dim, generator=gen).to(dtype)
+    out = torch.full_like(q, float("nan"))
+    mid_o, mid_lse = decode_scratch(batch, num_heads, head_dim, num_kv_splits, q.device)
+    mid_o.fill_(float("nan"))  # slices stage 1 leaves empty must not be read
+    mid_lse.fill_(float("nan"))
+    seq_lens = torch.tensor(DECODE_SEQ_LENS)
+    decode_attention_fwd(
+        q, pool.k, pool.v, out, pool.req_to_token, pool.req_pool_indices, seq_lens, mid_o, mid_lse, num_kv_splits
+    )
+    return [(out[i : i + 1], _reference(q[i : i + 1], pool, pool.slots[i], n - 1)) for i, n in enumerate(seq_lens)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=_shape_id)
+def test_decode_kernel_matches_float64(shape: tuple[torch.dtype, int, int]) -> None:
+    dtype, head_dim, group = shape
+    for i, (out, ref) in enumerate(_run_decode(dtype, head_dim, group, num_kv_splits=8, seed=head_dim + group)):
+        assert _relative_error(out, ref) <= TOLERANCE[dtype], f"request of length {DECODE_SEQ_LENS[i]}"
+
+
+@pytest.mark.parametrize("num_kv_splits", [1, 3])
+def test_decode_kernel_any_split_count(num_kv_splits: int) -> None:
+    # 1: no split at all; 3: not a power of two, and slices that end mid-block.
+    for out, ref in _run_decode(torch.float32, 64, 4, num_kv_splits, seed=num_kv_splits):
+        assert _relative_error(out, ref) <= 1e-5
+
+
+def test_decode_kernel_row_of_length_zero_gives_zeros() -> None:
+    gen = torch.Generator().manual_seed(3)
+    pool = _Pool([5, 9], torch.float32, 16, gen)
+    q = torch.randn(2, 4, 16, generator=gen)
+    out = torch.full_like(q, float("nan"))
+    mid_o, mid_lse = decode_scratch(2, 4, 16, 4, q.device)
+    mid_o.fill_(float("nan"))
+    mid_lse.fill_(float("nan"))
+    seq_lens = torch.tensor([0, 9])
+    decode_attention_fwd(q, pool.k, pool.v, out, pool.req_to_token, pool.req_pool_indices, seq_lens, mid_o, mid_lse, 4)
+    assert torch.equal(out[0], torch.zeros(4, 16))
+    assert _relative_error(out[1:], _reference(q[1:], pool, pool.slots[1], 8)) <= 1e-5
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=_shape_id)
+def test_extend_kernel_matches_float64(shape: tuple[torch.dtype, int, int]) -> None:
+    dtype, head_dim, group = shape
+    gen = torch.Generator().manual_seed(100 + head_dim + group)
+    pool = _Pool([p + e for p, e in EXTEND_CASES], dtype, head_dim, gen)
+    prefix_lens = torch.tensor([p for p, _ in EXTEND_CASES])
+    extend_lens = torch.tensor([e for _, e in EXTEND_CASES])
+    qo_start = extend_lens.cumsum(0) - extend_lens
+    q = torch.randn(int(extend_lens.sum()), NUM_KV_HEADS * group, head_dim, generator=gen).to(dtype)
+    out = torch.full_like(q, float("nan"))
+    extend_attention_fwd(
+        q,
+        pool.k,
+        pool.v,
+        out,
+        pool.req_to_token,
+        pool.req_pool_indices,
+        prefix_lens,
+        extend_lens,
+        qo_start,
+        int(extend_lens.max()),
+    )
+    for i, (prefix, extend) in enumerate(EXTEND_CASES):
+        rows = slice(int(qo_start[i]), int(qo_start[i]) + extend)
+        ref = _reference(q[rows], pool, pool.slots[i], prefix)
+        assert _relative_error(out[rows], ref) <= TOLERANCE[dtype], f"prefix {prefix}, extend {extend}"
+
+
+def _decode_batch(pool: _Pool, rows: list[int], seq_lens: list[int]) -> Any:
+    """The parts of a DECODE ForwardBatch the backend reads; ``max_seq_len`` is poisoned (it must not be read)."""
+    return SimpleNamespace(
+        forward_mode=ForwardMode.DECODE,
+        batch_size=len(rows),
+        req_pool_indices=pool.req_pool_indices[rows],
+        seq_lens=torch.tensor(seq_lens),
+        max_seq_len=None,
+        extend_seq_lens_cpu=None,
+        extend_prefix_lens_cpu=None,
+        req_to_token_pool=SimpleNamespace(req_to_token=pool.req_to_token),
+        token_to_kv_pool=SimpleNamespace(k_buffer=pool.k[None], v_buffer=pool.v[None]),
+    )
+
+
+def test_backend_decode_reuses_static_scratch_across_replays() -> None:
+    """After init_cuda_graph_state, every decode of up to max_bs rows uses the same scratch and reads only
+    device tensors, as a replayed CUDA graph would (lengths change between 'replays', the grid does not)."""
+    gen = torch.Generator().manual_seed(5)
+    pool = _Pool([40, 300, 7], torch.float32, 64, gen)
+    backend = TritonAttnBackend(torch.device("cpu"), num_kv_splits=4)
+    assert backend.supports_cuda_graph
+    backend.init_cuda_graph_state(max_bs=4)
+    pointers = set()
+    for seq_lens in ([40, 300, 7], [13, 1, 7], [40, 299, 2]):
+        fb = _decode_batch(pool, [0, 1, 2], seq_lens)
+        backend.init_forward_metadata_replay_cuda_graph(fb)
+        q = torch.randn(3, 8, 64, generator=gen)
+        out = backend.forward_decode(q, 0, fb)
+        assert backend._graph_scratch is not None
+        pointers.add(backend._graph_scratch[0].data_ptr())
+        for i, n in enumerate(seq_lens):
+            ref = _reference(q[i : i + 1], pool, pool.slots[i][:n], n - 1)
+            assert _relative_error(out[i : i + 1], ref) <= 1e-5
+    assert len(pointers) == 1
+
+
+def test_engine_greedy_matches_torch_native(
+    random_models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Same greedy tokens and logprobs within 1e-5 as torch_native (fp32), through chunked prefill (prefix
+    plus extend), MIXED rounds (decode rows in the extend kernel) and DECODE rounds."""
+    rounds: list[tuple[ForwardMode, list[int], list[int]]] = []
+    plan = TritonAttnBackend.init_forward_metadata
+
+    def spy(self: TritonAttnBackend, forward_batch: Any) -> None:
+        fb = forward_batch
+        rounds.append((fb.forward_mode, fb.extend_prefix_lens_cpu or [], fb.extend_seq_lens_cpu or []))
+        plan(self, forward_batch)
+
+    monkeypatch.setattr(TritonAttnBackend, "init_forward_metadata", spy)
+    rows = [
+        {"id": f"r{n}", "prompt_token_ids": [0] + [(7 * n + 3 * j) % 290 + 2 for j in range(n - 1)]}
+        for n in (1, 5, 19, 30)
+    ]
+    for row in rows:
+        row.update(max_new_tokens=6, temperature=0, ignore_eos=True)
+    dataset = write_jsonl(tmp_path / "p.jsonl", rows)
+    model = random_models["llama"]
+    args = ("--chunked-prefill-size", "8", "--max-running-requests", "4")
+    native = generate(dataset, tmp_path / "native.arrow", model, "--attention-backend", "torch_native", *args)
+    with_triton = generate(dataset, tmp_path / "triton.arrow", model, "--attention-backend", "triton", *args)
+    for row in rows:
+        want, got = native[row["id"]], with_triton[row["id"]]
+        assert got["output_token_ids"] == want["output_token_ids"], row["id"]
+        assert len(got["output_token_ids"]) == 6
+        for a, b in zip(got["output_logprobs"], want["output_logprobs"]):
+            assert abs(a - b) <= 1e-5, row["id"]
+    modes = {mode for mode, _, _ in rounds}
+    assert {ForwardMode.DECODE, ForwardMode.MIXED} <= modes, modes
+    # A prefill chunk after an earlier one: several new tokens after a cached prefix.
+    assert any(p > 0 and e > 1 for _, prefixes, extends in rounds for p, e in zip(prefixes, extends))
+
+
+def test_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(BatchgenError, match="TRITON_INTERPRET=1") as err:
+        create_attention_backend("triton", torch.device("cpu"))
+    assert "\n" not in str(err.value)
+
+
+def test_triton_missing_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "triton", None)  # makes `import triton` raise ImportError
+    with pytest.raises(BatchgenError, match="needs the triton package") as err:
+        create_attention_backend("triton", torch.device("cuda"))
+    assert "\n" not in str(err.value)
+    assert isinstance(create_attention_backend("auto", torch.device("cuda")), TorchNativeAttnBackend)
+
+
+def test_auto_choice() -> None:
+    assert isinstance(create_attention_backend("auto", torch.device("cpu")), TorchNativeAttnBackend)
+    # Building the backend touches no GPU, so the CUDA choice can be checked here.
+    assert isinstance(create_attention_backend("auto", torch.device("cuda")), TritonAttnBackend)
+    assert isinstance(create_attention_backend("triton", torch.device("cpu")), TritonAttnBackend)
