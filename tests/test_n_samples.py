@@ -187,3 +187,22 @@ def test_n_larger_than_the_running_limit_is_a_row_error(random_models: dict[str,
     dataset = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi", "n": 0}])
     code, output = run_cli(run_args(dataset, tmp_path / "o.jsonl", random_models["llama"]))
     assert code == 2 and "field 'n': must be in [1, 1024], got 0" in output
+
+
+@pytest.mark.parametrize(
+    ("prompts", "chunk"),
+    [([list(range(2, 11)), list(range(20, 26))], "16"), ([list(range(30, 36))], "3")],
+)
+def test_last_prefill_chunk_of_one_token_forks_samples(
+    prompts: list[list[int]], chunk: str, random_models: dict[str, Path], tmp_path: Path
+) -> None:
+    """A prompt whose last chunk is one token (the rest of a shared prefill budget, or k·chunk + 1 tokens) is
+    still prefilling in that round, not decoding: its samples fork there (found by a reviewer: it crashed)."""
+    rows = [
+        {"id": str(i), "prompt_token_ids": [0, *p], "n": 1 + i % 2 + (len(prompts) == 1)} for i, p in enumerate(prompts)
+    ]
+    out = by_sample(
+        run_rows(tmp_path, random_models["llama"], rows, "--max-new-tokens", "4", "--chunked-prefill-size", chunk)
+    )
+    assert sorted(out) == sorted((r["id"], i) for r in rows for i in range(r["n"]))
+    assert all(r["completion_tokens"] == 4 for r in out.values())

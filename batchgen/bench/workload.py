@@ -11,7 +11,7 @@ from batchgen.errors import BatchgenError, RowError
 from batchgen.io.reader import RowReader
 from batchgen.io.rows import parse_row
 from batchgen.loop.request_builder import RequestBuilder
-from batchgen.sampling.sampling_params import SamplingParams
+from batchgen.sampling.sampling_params import MAX_SAMPLES, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ def dataset_workload(
     """
     reader = RowReader(path)
     builder = RequestBuilder(
-        tokenizer, vocab_size, context_len - output_len, [], SamplingParams(), run_seed=0, max_samples=1
+        tokenizer, vocab_size, context_len - output_len, [], SamplingParams(), run_seed=0, max_samples=MAX_SAMPLES
     )
     prompts: list[list[int]] = []
     for order, item in enumerate(reader):

@@ -21,6 +21,7 @@ from batchgen.loop.scheduler import Scheduler, SchedulerOptions
 from batchgen.models.loader import load_model, random_model
 from batchgen.models.random_presets import is_random_spec, random_preset_config
 from batchgen.models.resolve import resolve_model
+from batchgen.speculative import make_drafter
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -167,6 +168,7 @@ class Engine:
             self.runner.req_to_token_pool,
             self.allocator,
             self.tokenizer,
+            drafter=make_drafter(options),
         )
         self.stats = RoundStats()
 
@@ -204,6 +206,11 @@ class Engine:
         logits_output = self.runner.forward(forward_batch)
         sample_output = self.runner.sample(logits_output, worker_batch.sampling_info)
         self.stats.rounds += 1
-        self.stats.decode_tokens += batch.num_decode_rows
-        self.stats.prefill_tokens += sum(batch.extend_lens) - batch.num_decode_rows
-        return self.scheduler.process_result(batch, sample_output, logits_output)
+        if not batch.forward_mode.is_target_verify():
+            self.stats.decode_tokens += batch.num_decode_rows
+            self.stats.prefill_tokens += sum(batch.extend_lens) - batch.num_decode_rows
+            return self.scheduler.process_result(batch, sample_output, logits_output)
+        outputs_before = sum(len(r.output_ids) for r in batch.reqs)
+        finished = self.scheduler.process_result(batch, sample_output, logits_output)
+        self.stats.decode_tokens += sum(len(r.output_ids) for r in batch.reqs) - outputs_before
+        return finished

@@ -27,6 +27,9 @@ class EngineOptions:
         cuda_graph_max_bs: the largest DECODE batch the graph runner serves (capped by max_running_requests);
             on CUDA it captures graphs for sizes 1, 2, 4, 8, 16, 24, … up to it, on CPU it pads eagerly.
             ``None`` = 256 on CUDA, and off on CPU, where padding only adds work.
+        speculative_algorithm: ``None`` (plain decoding) or ``ngram``.
+        speculative_num_draft_tokens: drafts per request per round (K); verify rounds score K + 1 positions.
+        speculative_ngram_min, speculative_ngram_max: suffix lengths the n-gram drafter looks up, longest first.
         seed: run seed; rows without a ``seed`` get one derived from it and their ``id``.
         logprobs_mode: ``raw`` (log_softmax of the model's logits) or ``processed`` (of the distribution sampled
             from, after bias, penalties, temperature and truncation).
@@ -45,5 +48,9 @@ class EngineOptions:
     enable_mixed_chunk: bool = True
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None
+    speculative_algorithm: str | None = None
+    speculative_num_draft_tokens: int = 4
+    speculative_ngram_min: int = 2
+    speculative_ngram_max: int = 4
     seed: int | None = None
     logprobs_mode: str = "raw"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -58,6 +59,13 @@ class Req:
     sample_index: int = 0
     unforked_samples: int = 0
     fork_rows: list[int] = field(default_factory=list)
+    # Speculative decoding: this round's draft tokens, the grammar state after each of them (index j: after
+    # j drafts; 0 is ``grammar`` itself), the drafter's own state, and decode rounds / tokens so far.
+    draft_ids: list[int] = field(default_factory=list)
+    draft_grammars: list[GrammarState | None] = field(default_factory=list)
+    draft_state: Any = None
+    spec_rounds: int = 0
+    spec_tokens: int = 0
 
     @property
     def fill_len(self) -> int:
@@ -67,6 +75,12 @@ class Req:
     @property
     def num_pending(self) -> int:
         return self.fill_len - self.kv_len
+
+    @property
+    def is_decoding(self) -> bool:
+        """Its whole prompt has K/V and one sampled token is pending: it takes a DECODE row. (A prompt with one
+        token left to prefill is still prefilling: the round that finishes it may also fork its samples.)"""
+        return self.num_pending == 1 and self.kv_len >= len(self.prompt_ids)
 
     def pending_ids(self, count: int) -> list[int]:
         """The next ``count`` tokens that need K/V, from prompt then outputs."""
@@ -79,6 +93,15 @@ class Req:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def history_after_drafts(self, count: int) -> TokenHistory | None:
+        """The penalty history as if the first ``count`` drafts had been sampled (``history`` itself for 0)."""
+        if self.history is None or count == 0:
+            return self.history
+        history = TokenHistory(self.history.prompt_tokens, Counter(self.history.output_counts))
+        for token_id in self.draft_ids[:count]:
+            history.add(token_id)
+        return history
 
     def fork(self, sample_index: int, req_pool_idx: int | None) -> Req:
         """Sample ``sample_index`` of this row, made when the prompt is prefilled and nothing is sampled yet.
@@ -108,4 +131,5 @@ class Req:
             sample_index=sample_index,
             unforked_samples=0,
             fork_rows=[],
+            draft_state=None,
         )

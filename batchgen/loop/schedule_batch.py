@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +46,9 @@ class ScheduleBatch:
     non-final chunks of a chunked prefill. The last ``num_decode_rows`` rows are decodes. ``sampled`` lists
     (row, request) per token drawn: the row's own request, and, in the round that completes an ``n > 1``
     prompt, its other samples too, all drawn from that row's logits.
+
+    TARGET_VERIFY rounds (speculative decoding): each row processes its pending token followed by its
+    ``draft_ids``, and samples at every one of those positions, as if each draft before it had been accepted.
     """
 
     forward_mode: ForwardMode
@@ -79,6 +83,7 @@ class ScheduleBatch:
         prompt_lp_indices: list[int] = []
         prompt_lp_targets: list[int] = []
         prompt_top_k = 0
+        verify = self.forward_mode.is_target_verify()
         for row, (req, n) in enumerate(zip(self.reqs, self.extend_lens)):
             assert req.req_pool_idx is not None
             if req.params.prompt_logprobs is not None:
@@ -92,7 +97,7 @@ class ScheduleBatch:
                     prompt_lp_targets.extend(req.prompt_ids[first + 1 : last + 1])
                     self.prompt_logprob_rows.append((row, last - first))
                     prompt_top_k = max(prompt_top_k, req.params.prompt_logprobs)
-            input_ids.extend(req.pending_ids(n))
+            input_ids.extend(req.pending_ids(n) if not verify else req.pending_ids(1) + req.draft_ids)
             positions.extend(range(req.kv_len, req.kv_len + n))
             rows.extend([req.req_pool_idx] * n)
         out_cache_loc = allocator.alloc(len(input_ids))
@@ -102,9 +107,14 @@ class ScheduleBatch:
         )
         for req, n in zip(self.reqs, self.extend_lens):
             req.kv_len += n
-        ends = torch.tensor(self.extend_lens, dtype=torch.int64).cumsum(0) - 1
-        is_extend = self.forward_mode.is_extend()
-        sampled = [req for _, req in self.sampled]
+        is_extend = self.forward_mode.is_extend() or verify
+        # (token index, request, draft position) of every token drawn this round.
+        if verify:
+            starts = [0, *itertools.accumulate(self.extend_lens)]
+            draws = [(starts[i] + j, r, j) for i, r in enumerate(self.reqs) for j in range(self.extend_lens[i])]
+        else:
+            ends = [end - 1 for end in itertools.accumulate(self.extend_lens)]
+            draws = [(ends[row], r, 0) for row, r in self.sampled]
         return ModelWorkerBatch(
             forward_mode=self.forward_mode,
             input_ids=torch.tensor(input_ids, dtype=torch.int64),
@@ -114,18 +124,19 @@ class ScheduleBatch:
             seq_lens_cpu=[r.kv_len for r in self.reqs],
             extend_seq_lens_cpu=list(self.extend_lens) if is_extend else None,
             extend_prefix_lens_cpu=prefix_lens if is_extend else None,
-            sample_indices=ends[[row for row, _ in self.sampled]],
+            sample_indices=torch.tensor([index for index, _, _ in draws], dtype=torch.int64),
             sampling_info=SamplingBatchInfo.from_params(
-                [r.params for r in sampled],
-                seeds=[r.seed for r in sampled],
-                steps=[len(r.output_ids) for r in sampled],
+                [r.params for _, r, _ in draws],
+                seeds=[r.seed for _, r, _ in draws],
+                steps=[len(r.output_ids) + j for _, r, j in draws],
                 banned=[
-                    sorted(r.stop_token_ids) if len(r.output_ids) < r.params.min_new_tokens else [] for r in sampled
+                    sorted(r.stop_token_ids) if len(r.output_ids) + j < r.params.min_new_tokens else []
+                    for _, r, j in draws
                 ],
                 vocab_size=vocab_size,
                 device=device,
-                histories=[r.history for r in sampled],
-                grammars=[r.grammar for r in sampled],
+                histories=[r.history_after_drafts(j) for _, r, j in draws],
+                grammars=[r.draft_grammars[j] if j else r.grammar for _, r, j in draws],
                 processed_logprobs=processed_logprobs,
             ),
             prompt_logprob_indices=torch.tensor(prompt_lp_indices, dtype=torch.int64),

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +15,7 @@ from batchgen.loop.schedule_batch import ScheduleBatch
 from batchgen.loop.stop_checker import append_token, finalize_text
 from batchgen.models.logits_processor import LogitsProcessorOutput
 from batchgen.sampling.sampler import SampleOutput
+from batchgen.speculative.verify import Drafter, accepted_length, plan_drafts
 
 
 @dataclass(frozen=True)
@@ -52,7 +54,12 @@ class Scheduler:
     """
 
     def __init__(
-        self, options: SchedulerOptions, req_to_token_pool: ReqToTokenPool, allocator: KVSlotAllocator, tokenizer: Any
+        self,
+        options: SchedulerOptions,
+        req_to_token_pool: ReqToTokenPool,
+        allocator: KVSlotAllocator,
+        tokenizer: Any,
+        drafter: Drafter | None = None,
     ) -> None:
         self.options = options
         self.req_to_token_pool = req_to_token_pool
@@ -61,6 +68,9 @@ class Scheduler:
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.num_retracted = 0
+        self.drafter = drafter
+        # Speculative decoding: how many decode rounds emitted 1, 2, … K + 1 tokens for one request.
+        self.accept_histogram: Counter[int] = Counter()
 
     def add(self, req: Req) -> None:
         self.waiting.append(req)
@@ -84,7 +94,7 @@ class Scheduler:
         elif prefill_reqs:
             batch = ScheduleBatch(ForwardMode.EXTEND, prefill_reqs, prefill_lens)
         elif decodes:
-            batch = ScheduleBatch(ForwardMode.DECODE, decodes, [1] * len(decodes), len(decodes))
+            batch = self._decode_batch(decodes)
         else:
             return None
         self._fork_samples(batch)
@@ -102,21 +112,56 @@ class Scheduler:
         logprobs = result.logprobs.tolist() if result.logprobs is not None else None
         top_ids = result.top_ids.tolist() if result.top_ids is not None else None
         top_lps = result.top_logprobs.tolist() if result.top_logprobs is not None else None
+        # (request, its first draw, its number of draws): one draw per request, or one per verified position.
+        if batch.forward_mode.is_target_verify():
+            starts = [0, *itertools.accumulate(batch.extend_lens)]
+            plan = [(req, starts[i], n, True) for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens))]
+        else:
+            first_decode_row = len(batch.reqs) - batch.num_decode_rows
+            plan = [(req, j, 1, row >= first_decode_row) for j, (row, req) in enumerate(batch.sampled)]
         finished = []
-        for j, (_, req) in enumerate(batch.sampled):
+        for req, first, count, decoding in plan:
             want_logprobs = req.params.logprobs
             k = req.params.top_logprobs if want_logprobs else 0
-            top = list(zip(top_ids[j][:k], top_lps[j][:k])) if k and top_ids and top_lps else None
-            if req.params.max_new_tokens == 0:  # prefilled only for its prompt logprobs
-                req.finish_reason = "length"
-            else:
+            emit = accepted_length(token_ids[first : first + count], req.draft_ids)
+            for j in range(first, first + emit):
+                if req.params.max_new_tokens == 0:  # prefilled only for its prompt logprobs
+                    req.finish_reason = "length"
+                    break
+                top = list(zip(top_ids[j][:k], top_lps[j][:k])) if k and top_ids and top_lps else None
                 append_token(req, token_ids[j], logprobs[j] if want_logprobs and logprobs else None, top)
+                if req.finished:
+                    break
+            if self.drafter is not None and decoding:
+                req.spec_rounds += 1
+                req.spec_tokens += j - first + 1
+                self.accept_histogram[j - first + 1] += 1
+            if count > 1:
+                self._drop_rejected_kv(req, count, emit)
             if req.finished:
                 finalize_text(req, self.tokenizer)
                 self._release(req)
                 self.running.remove(req)
                 finished.append(req)
         return finished
+
+    def _drop_rejected_kv(self, req: Req, count: int, emit: int) -> None:
+        """After verifying ``count`` positions and emitting ``emit`` tokens, keep the K/V of the pending token
+        and the accepted drafts, and free the slots of the rejected ones (``seq_len`` rolls back)."""
+        assert req.req_pool_idx is not None
+        keep = req.kv_len - count + emit
+        self.allocator.free(self.req_to_token_pool.req_to_token[req.req_pool_idx, keep : req.kv_len])
+        req.kv_len = keep
+        req.draft_ids, req.draft_grammars = [], []
+
+    def _decode_batch(self, decodes: list[Req]) -> ScheduleBatch:
+        """A DECODE round, or with a drafter a TARGET_VERIFY round when any request has drafts (with the KV
+        room left after one slot per request)."""
+        if self.drafter is not None:
+            lens = plan_drafts(decodes, self.drafter, self.allocator.available() - len(decodes))
+            if any(n > 1 for n in lens):
+                return ScheduleBatch(ForwardMode.TARGET_VERIFY, decodes, lens, len(decodes))
+        return ScheduleBatch(ForwardMode.DECODE, decodes, [1] * len(decodes), len(decodes))
 
     def _fork_samples(self, batch: ScheduleBatch) -> None:
         """Add samples 1..n-1 of every request that samples its first token this round, on the same row."""
@@ -150,7 +195,7 @@ class Scheduler:
     def _make_room_for_decodes(self) -> list[Req]:
         """Running requests that decode this round, after retracting the newest ones until their KV fits."""
         while True:
-            decodes = [r for r in self.running if r.num_pending == 1]
+            decodes = [r for r in self.running if r.is_decoding]
             if self.allocator.available() >= len(decodes) or len(self.running) <= 1:
                 return decodes
             self._retract(self.running[-1])
@@ -188,7 +233,7 @@ class Scheduler:
         reqs: list[Req] = []
         lens: list[int] = []
         for req in self.running:
-            if req.num_pending > 1 and budget > 0 and req.num_pending <= room:
+            if not req.is_decoding and budget > 0 and req.num_pending <= room:
                 n = min(req.num_pending, budget)
                 reqs.append(req)
                 lens.append(n)

@@ -97,8 +97,9 @@ class GrammarState:
         """An independent matcher at the same position (another sample of the same request)."""
         return GrammarState(self._xgr, self.matcher.fork(), self.allowed_mask)
 
-    def accept(self, token_id: int) -> None:
-        self.matcher.accept_token(token_id)
+    def accept(self, token_id: int) -> bool:
+        """Advance past ``token_id``; False (and no change) when the grammar does not allow it here."""
+        return bool(self.matcher.accept_token(token_id))
 
     @property
     def terminated(self) -> bool:
