@@ -14,13 +14,20 @@ if TYPE_CHECKING:
     from batchgen.loop.forward_batch import ForwardBatch
 
 
-@dataclass
-class _SingleTokenRows:
-    """Rows that add one token this round, attended together: a DECODE round, or decodes inside MIXED."""
+# Rows extending at most this many tokens (decodes, verify rounds' K + 1 positions) are attended together,
+# padded to the longest of them; longer ones (prefill chunks) run one SDPA each.
+SHORT_ROW_TOKENS = 16
 
-    token_index: torch.Tensor | None  # int64 [n] rows of q, None when they are all of q in order
+
+@dataclass
+class _ShortRows:
+    """Rows that add at most ``SHORT_ROW_TOKENS`` tokens this round, attended in one batched matmul, each padded
+    to ``q_len`` query slots: a DECODE round (``q_len`` 1), a TARGET_VERIFY round, decodes inside MIXED."""
+
+    token_index: torch.Tensor  # int64 [n, q_len] rows of q; padding slots repeat the row's last token
+    valid: torch.Tensor  # bool [n, q_len]: False for padding slots (their output is dropped)
     kv_indices: torch.Tensor  # int64 [n, max_len] KV slots, padded with slot 0
-    mask: torch.Tensor  # bool [n, 1, max_len]: True where the slot is part of the sequence
+    mask: torch.Tensor  # bool [n, q_len, max_len]: key is in the sequence and not after the query
 
 
 @dataclass
@@ -35,21 +42,31 @@ class _MultiTokenRow:
 
 @dataclass
 class _Metadata:
-    single: _SingleTokenRows | None
+    short: _ShortRows | None
     multi: list[_MultiTokenRow]
 
 
-def _single_token_rows(
+def _short_rows(
     req_to_token: torch.Tensor,
     req_pool_indices: torch.Tensor,
     seq_lens: torch.Tensor,
     max_len: int,
-    token_index: torch.Tensor | None,
-) -> _SingleTokenRows:
-    positions = torch.arange(max_len, device=seq_lens.device)
-    valid = positions[None, :] < seq_lens[:, None]
-    kv_indices = req_to_token[req_pool_indices, :max_len].masked_fill(~valid, 0)
-    return _SingleTokenRows(token_index, kv_indices, valid[:, None, :])
+    q_starts: torch.Tensor,
+    q_lens: torch.Tensor,
+    q_len: int,
+) -> _ShortRows:
+    """Metadata for rows whose ``q_lens`` new tokens start at ``q_starts`` in q (all int64 ``[n]`` tensors)."""
+    device = seq_lens.device
+    slot = torch.arange(q_len, device=device)
+    valid = slot[None, :] < q_lens[:, None]
+    token_index = q_starts[:, None] + torch.minimum(slot[None, :], q_lens[:, None] - 1)
+    # A new token at slot j of a row sits at position seq_len - q_len_row + j.
+    q_pos = (seq_lens - q_lens)[:, None] + slot[None, :]
+    key_pos = torch.arange(max_len, device=device)
+    in_seq = key_pos[None, :] < seq_lens[:, None]
+    kv_indices = req_to_token[req_pool_indices, :max_len].masked_fill(~in_seq, 0)
+    mask = in_seq[:, None, :] & (key_pos[None, None, :] <= q_pos[:, :, None])
+    return _ShortRows(token_index, valid, kv_indices, mask)
 
 
 class TorchNativeAttnBackend(AttentionBackend):
@@ -66,19 +83,21 @@ class TorchNativeAttnBackend(AttentionBackend):
         fb = forward_batch
         req_to_token = fb.req_to_token_pool.req_to_token
         if fb.forward_mode.is_decode():
-            self.metadata = _Metadata(
-                _single_token_rows(req_to_token, fb.req_pool_indices, fb.seq_lens, fb.max_seq_len, None), []
+            ones = torch.ones_like(fb.seq_lens)
+            decodes = _short_rows(
+                req_to_token, fb.req_pool_indices, fb.seq_lens, fb.max_seq_len, ones.cumsum(0) - 1, ones, 1
             )
+            self.metadata = _Metadata(decodes, [])
             return
         assert fb.extend_seq_lens_cpu is not None and fb.extend_prefix_lens_cpu is not None
-        single_rows: list[int] = []
-        single_tokens: list[int] = []
+        short_rows: list[int] = []
+        short_starts: list[int] = []
         multi: list[_MultiTokenRow] = []
         q_start = 0
         for i, (prefix, extend) in enumerate(zip(fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu)):
-            if extend == 1:
-                single_rows.append(i)
-                single_tokens.append(q_start)
+            if extend <= SHORT_ROW_TOKENS:
+                short_rows.append(i)
+                short_starts.append(q_start)
             else:
                 seq_len = prefix + extend
                 kv_indices = req_to_token[fb.req_pool_indices_cpu[i], :seq_len]
@@ -88,20 +107,25 @@ class TorchNativeAttnBackend(AttentionBackend):
                     mask = torch.arange(seq_len, device=req_to_token.device)[None, :] <= q_pos[:, None]
                 multi.append(_MultiTokenRow(q_start, extend, kv_indices, mask))
             q_start += extend
-        single: _SingleTokenRows | None = None
-        if single_rows:
+        short: _ShortRows | None = None
+        if short_rows:
             device = req_to_token.device
-            rows = torch.tensor(single_rows, device=device)
-            max_len = max(fb.extend_prefix_lens_cpu[i] + 1 for i in single_rows)
-            token_index = torch.tensor(single_tokens, device=device)
-            single = _single_token_rows(
-                req_to_token, fb.req_pool_indices[rows], fb.seq_lens[rows], max_len, token_index
+            rows = torch.tensor(short_rows, device=device)
+            lens = [fb.extend_seq_lens_cpu[i] for i in short_rows]
+            short = _short_rows(
+                req_to_token,
+                fb.req_pool_indices[rows],
+                fb.seq_lens[rows],
+                max(fb.extend_prefix_lens_cpu[i] + fb.extend_seq_lens_cpu[i] for i in short_rows),
+                torch.tensor(short_starts, device=device),
+                torch.tensor(lens, device=device),
+                max(lens),
             )
-        self.metadata = _Metadata(single, multi)
+        self.metadata = _Metadata(short, multi)
 
     def forward_decode(self, q: torch.Tensor, layer_id: int, forward_batch: ForwardBatch) -> torch.Tensor:
-        assert self.metadata.single is not None
-        return self._attend_single(q, layer_id, forward_batch, self.metadata.single)
+        assert self.metadata.short is not None
+        return self._attend_short(q, layer_id, forward_batch, self.metadata.short)
 
     def forward_extend(self, q: torch.Tensor, layer_id: int, forward_batch: ForwardBatch) -> torch.Tensor:
         pool = forward_batch.token_to_kv_pool
@@ -115,33 +139,38 @@ class TorchNativeAttnBackend(AttentionBackend):
                 q_row, k_row, v_row, attn_mask=row.mask, is_causal=row.mask is None, enable_gqa=True
             )
             out[row.q_start : row.q_start + row.q_len] = o.squeeze(0).transpose(0, 1)
-        single = self.metadata.single
-        if single is not None:
-            assert single.token_index is not None
-            out[single.token_index] = self._attend_single(q[single.token_index], layer_id, forward_batch, single)
+        short = self.metadata.short
+        if short is not None:
+            attended = self._attend_short(q, layer_id, forward_batch, short)
+            out[short.token_index[short.valid]] = attended[short.valid.flatten()]
         return out
 
     @staticmethod
-    def _attend_single(
-        q: torch.Tensor, layer_id: int, forward_batch: ForwardBatch, rows: _SingleTokenRows
-    ) -> torch.Tensor:
-        """One query per row against its gathered K/V, with batched matmuls and a float32 softmax.
+    def _attend_short(q: torch.Tensor, layer_id: int, forward_batch: ForwardBatch, rows: _ShortRows) -> torch.Tensor:
+        """Each row's ``q_len`` query slots against its gathered K/V, with batched matmuls and a float32 softmax.
 
-        Not SDPA: for one query its CPU kernel is ~10x slower than two matmuls, and in float32 it rounds rows
-        differently depending on which thread gets them (identical requests got logprobs 1e-6 apart). A
-        batched matmul computes every row the same way wherever it sits. In half precision the scores are
-        rounded to that precision before the float32 softmax.
+        Returns ``[n * q_len, num_heads, head_dim]``, slot-major within each row. Not SDPA: for a few queries
+        its CPU kernel is ~10x slower than two matmuls, and in float32 it rounds rows differently depending on
+        which thread gets them (identical requests got logprobs 1e-6 apart). A batched matmul computes every
+        row the same way wherever it sits. In half precision the scores are rounded to that precision before
+        the float32 softmax.
         """
         pool = forward_batch.token_to_kv_pool
-        n, num_heads, head_dim = q.shape
+        n, q_len = rows.token_index.shape
+        _, num_heads, head_dim = q.shape
         num_kv_heads = pool.k_buffer.shape[1]
+        group = num_heads // num_kv_heads
         max_len = rows.kv_indices.shape[1]
         flat = rows.kv_indices.flatten()
         k = pool.k_buffer[layer_id].index_select(1, flat).view(num_kv_heads, n, max_len, head_dim)
         v = pool.v_buffer[layer_id].index_select(1, flat).view(num_kv_heads, n, max_len, head_dim)
-        group = num_heads // num_kv_heads
-        qg = q.view(n, num_kv_heads, group, head_dim).transpose(0, 1)  # [Hkv, n, G, D]
-        scores = torch.matmul(qg * head_dim**-0.5, k.transpose(-1, -2)).float()  # [Hkv, n, G, max_len]
-        probs = torch.softmax(scores.masked_fill(~rows.mask, float("-inf")), dim=-1).to(q.dtype)
-        out = torch.matmul(probs, v)  # [Hkv, n, G, D]
-        return out.transpose(0, 1).reshape(n, num_heads, head_dim)
+        # A DECODE round's queries are already one per row, in order.
+        queries = q if q_len == 1 and q.shape[0] == n else q[rows.token_index.flatten()]
+        # [n, q_len, Hkv, G, D] → [Hkv, n, G * q_len, D]: a row's query slots and grouped heads share its K/V.
+        qg = queries.view(n, q_len, num_kv_heads, group, head_dim).permute(2, 0, 3, 1, 4)
+        qg = qg.reshape(num_kv_heads, n, group * q_len, head_dim)
+        scores = torch.matmul(qg * head_dim**-0.5, k.transpose(-1, -2)).float()  # [Hkv, n, G * q_len, max_len]
+        mask = rows.mask[:, None].expand(n, group, q_len, max_len).reshape(n, group * q_len, max_len)
+        probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).to(q.dtype)
+        out = torch.matmul(probs, v).view(num_kv_heads, n, group, q_len, head_dim)
+        return out.permute(1, 3, 0, 2, 4).reshape(n * q_len, num_heads, head_dim)
