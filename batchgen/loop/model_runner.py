@@ -48,7 +48,7 @@ class ModelRunner:
         self.token_to_kv_pool = TokenToKVPool(
             kv_pool_size, config.num_layers, config.num_kv_heads, config.head_dim, dtype, device
         )
-        self.attn_backend = create_attention_backend(attention_backend, device)
+        self.attn_backend = create_attention_backend(attention_backend, device, dtype, config)
         self.logits_processor = LogitsProcessor()
         self.graph_runner: DecodeGraphRunner | None = None
         if cuda_graph_max_bs > 0:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import sys
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -10,21 +12,40 @@ from batchgen.errors import BatchgenError
 from batchgen.kernels.attention.base import AttentionBackend
 from batchgen.kernels.attention.torch_native import TorchNativeAttnBackend
 
-ATTENTION_BACKENDS = ("auto", "torch_native", "triton")
+if TYPE_CHECKING:
+    from batchgen.models.config import ModelConfig
+
+ATTENTION_BACKENDS = ("auto", "torch_native", "triton", "flashinfer")
 
 
-def create_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+def create_attention_backend(
+    name: str, device: torch.device, dtype: torch.dtype | None = None, config: ModelConfig | None = None
+) -> AttentionBackend:
     """The backend called ``name``; ``auto`` picks the fastest one available on ``device``.
 
-    ``auto`` is ``triton`` on CUDA when triton imports, else ``torch_native``. ``triton`` (and only it)
-    imports triton, so batchgen runs without it installed.
+    ``auto`` on CUDA is ``flashinfer`` when it can run the model (``dtype`` float16/bfloat16, ``config``'s head
+    size supported, the package importable and its kernels built), else ``triton`` when triton imports, else
+    ``torch_native``. ``flashinfer`` and ``triton`` import their packages only when chosen, so batchgen runs
+    without them installed. FlashInfer plans with the model's head counts, hence ``dtype`` and ``config``;
+    without them ``auto`` does not consider it.
 
     Raises:
-        BatchgenError: for an unknown name, or ``triton`` when it cannot run on ``device`` (see
-            :func:`_create_triton`).
+        BatchgenError: for an unknown name, or ``flashinfer`` / ``triton`` when it cannot run here (one line
+            saying why).
     """
     if name == "torch_native" or (name == "auto" and device.type != "cuda"):
         return TorchNativeAttnBackend()
+    if name == "flashinfer":
+        return _create_flashinfer(device, dtype, config)
+    if name == "auto" and dtype is not None and config is not None:
+        from batchgen.kernels.attention import flashinfer_backend  # does not import flashinfer itself
+
+        shape = (config.num_heads, config.num_kv_heads, config.head_dim)
+        if flashinfer_backend.unavailable_reason(device, dtype, *shape) is None:  # else quietly the next one
+            try:
+                return flashinfer_backend.FlashInferAttnBackend(device, dtype, *shape)
+            except BatchgenError as e:  # installed and importable, but its kernels would not build
+                print(f"batchgen: {e}; using another attention backend", file=sys.stderr)
     if name == "auto":
         try:
             import triton  # noqa: F401
@@ -34,6 +55,24 @@ def create_attention_backend(name: str, device: torch.device) -> AttentionBacken
     if name == "triton":
         return _create_triton(device)
     raise BatchgenError(f"unknown attention backend '{name}'; choose one of {', '.join(ATTENTION_BACKENDS)}")
+
+
+def _create_flashinfer(device: torch.device, dtype: torch.dtype | None, config: ModelConfig | None) -> AttentionBackend:
+    """The FlashInfer backend for ``config``'s attention shape in ``dtype``.
+
+    Raises:
+        BatchgenError: not CUDA, float32, an unsupported head size, flashinfer not importable or its kernels
+            not buildable (the message says which, in one line).
+    """
+    from batchgen.kernels.attention import flashinfer_backend  # does not import flashinfer itself
+
+    if dtype is None or config is None:
+        raise BatchgenError("attention backend 'flashinfer' needs the model's dtype and attention shape")
+    shape = (config.num_heads, config.num_kv_heads, config.head_dim)
+    reason = flashinfer_backend.unavailable_reason(device, dtype, *shape)
+    if reason is not None:
+        raise BatchgenError(reason)
+    return flashinfer_backend.FlashInferAttnBackend(device, dtype, *shape)
 
 
 def _triton_interpret_set() -> bool:

@@ -1,0 +1,375 @@
+"""Attention with FlashInfer (flashinfer-python 0.5.x) over the paged pool: CUDA only, float16/bfloat16 only.
+
+Each round is planned once, in :meth:`FlashInferAttnBackend.init_forward_metadata`, from ``req_to_token`` with page
+size 1 (a page is one KV slot); every layer then runs the planned wrapper:
+
+- DECODE: ``BatchDecodeWithPagedKVCacheWrapper``, on its tensor-core path (the FA2 prefill kernel with one query
+  per request): faster than the CUDA-core kernel once several query heads share a KV head, and it is the same
+  JIT module as the prefill wrapper's, so a fresh machine compiles one module per dtype and head size, not two.
+- EXTEND/MIXED: ``BatchPrefillWithPagedKVCacheWrapper`` with ``causal=True``. FlashInfer aligns the causal mask
+  to the end of each request's KV, so the query at position ``prefix + i`` sees KV ``0 .. prefix + i``: the cached
+  prefix and the new tokens up to itself; a MIXED decode row (one query) sees its whole sequence.
+
+KV layout. The pool keeps each layer head-major, ``[num_kv_heads, slots, head_dim]``. FlashInfer 0.5 reads a paged
+cache through the tensors' own strides (``paged_kv_t``'s custom-stride constructor in
+``include/flashinfer/page.cuh``, fed by ``paged_k_cache.strides()`` in ``csrc/batch_prefill.cu`` and
+``csrc/batch_decode.cu``; only the last dimension must be dense), so each layer is passed without a copy as the
+view ``k_buffer[layer].transpose(0, 1).unsqueeze(1)``: NHD ``[slots, page_size=1, num_kv_heads, head_dim]``
+with strides ``(head_dim, *, slots * head_dim, 1)``. That holds for the FA2 kernels only: the FA3 (SM90) prefill
+path converts page strides to offsets as ``stride_page // stride_n`` (``BatchPrefillWithPagedKVCacheWrapper.run``
+in ``flashinfer/prefill.py``), which is 0 for this view, so both wrappers are pinned to ``backend="fa2"``.
+
+Imported without flashinfer or CUDA; :class:`FlashInferAttnBackend` imports flashinfer when constructed.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from batchgen.errors import BatchgenError
+from batchgen.kernels.attention.base import AttentionBackend
+
+if TYPE_CHECKING:
+    from batchgen.loop.forward_batch import ForwardBatch
+    from batchgen.loop.kv_pool import TokenToKVPool
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)  # FlashInfer's JIT has no float32 attention kernels
+SUPPORTED_HEAD_DIMS = (64, 128, 256)  # the head sizes FlashInfer's FA2 kernels are built and tested for
+MIN_WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended float workspace
+_KV_LAYOUT = "NHD"
+_KERNELS = "fa2"  # see the module docstring: FA3 misreads the strided pool view
+_PAGE_SIZE = 1
+_MAX_STRIDE = 2**32  # paged_kv_t keeps strides as uint32
+
+
+@dataclass
+class PagedKVIndex:
+    """One round's page table in FlashInfer's CSR form, page size 1.
+
+    Attributes:
+        kv_indptr: int32 ``[bs + 1]`` on the host; request ``i`` owns ``kv_indices[kv_indptr[i]:kv_indptr[i + 1]]``.
+        kv_indices: int32 ``[kv_indptr[-1]]`` on the pool's device: each request's ``req_to_token`` row cut to its
+            sequence length, requests back to back.
+        kv_last_page_len: int32 ``[bs]`` on the host, all ones: with one slot per page every page is full.
+
+    ``plan()`` reads the indptr and last-page lengths on the host (it calls ``.to("cpu")`` on them), so they are
+    built there: a device tensor would cost a device-to-host copy and a sync in every plan.
+    """
+
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    kv_last_page_len: torch.Tensor
+
+
+def indptr_from_lengths(lengths: Sequence[int]) -> torch.Tensor:
+    """int32 ``[len(lengths) + 1]`` on the host: ``0`` then the running sums (FlashInfer's ``*_indptr``)."""
+    indptr = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    if lengths:
+        indptr[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int32), 0, dtype=torch.int32)
+    return indptr
+
+
+def gather_kv_indices(
+    req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, total: int
+) -> torch.Tensor:
+    """``req_to_token[req_pool_indices[i], :seq_lens[i]]`` for every ``i``, concatenated, as int32 ``[total]``.
+
+    Args:
+        req_to_token: int64 ``[rows, max_context_len]``.
+        req_pool_indices, seq_lens: int64 ``[bs]`` on ``req_to_token``'s device.
+        total: ``sum(seq_lens)``, known on the host, so that no step waits for the device.
+    """
+    device = req_to_token.device
+    rows = torch.repeat_interleave(torch.arange(seq_lens.numel(), device=device), seq_lens, output_size=total)
+    starts = torch.cumsum(seq_lens, 0) - seq_lens  # where each request's slots begin in the flat list
+    positions = torch.arange(total, device=device) - starts[rows]
+    return req_to_token[req_pool_indices[rows], positions].to(torch.int32)
+
+
+def build_paged_kv_index(
+    req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, seq_lens_host: Sequence[int]
+) -> PagedKVIndex:
+    """The page table of requests ``req_pool_indices`` with ``seq_lens`` (``seq_lens_host``: the same, on the host)."""
+    kv_indptr = indptr_from_lengths(seq_lens_host)
+    kv_indices = gather_kv_indices(req_to_token, req_pool_indices, seq_lens, int(kv_indptr[-1]))
+    return PagedKVIndex(kv_indptr, kv_indices, torch.ones(len(seq_lens_host), dtype=torch.int32))
+
+
+def paged_kv_view(buffer: torch.Tensor) -> torch.Tensor:
+    """One layer's head-major ``[num_kv_heads, slots, head_dim]`` buffer as FlashInfer's NHD paged cache
+    ``[slots, 1, num_kv_heads, head_dim]`` (page size 1): a view, sharing memory with ``buffer``."""
+    return buffer.transpose(0, 1).unsqueeze(1)
+
+
+def _fa2_cta_tile_q(packed_qo_len: int, head_dim: int) -> int:
+    """Query rows per thread block of FlashInfer's FA2 kernels on SM80+ (``FA2DetermineCtaTileQ``, utils.cuh)."""
+    if packed_qo_len > 64 and head_dim < 256:
+        return 128
+    return 64 if packed_qo_len > 16 else 16
+
+
+def workspace_bytes(num_qo_heads: int, num_kv_heads: int, head_dim: int, num_sms: int, max_graph_bs: int = 0) -> int:
+    """Float workspace large enough for every plan this backend makes (at least 128 MiB).
+
+    FlashInfer's FA2 plan (``PrefillPlan`` in ``include/flashinfer/attention/scheduler.cuh``) fails when the
+    split-KV partial results do not fit: ``num_qo_heads * tiles * cta_tile_q * (head_dim + 1) * 4`` bytes. Eager
+    plans split only up to ``2 * num_sms // num_kv_heads`` tiles; a CUDA-graph decode plan reserves
+    ``max(that, ceil(bs * group / cta_tile_q) + bs - 1)`` tiles. 128 MiB covers Llama-1B at any batch size but
+    not, say, 64 query heads of 128 at batch 256 (~200 MB), hence the computation.
+    """
+    split_tiles = (2 * num_sms) // num_kv_heads
+    need = num_qo_heads * split_tiles * 128 * (head_dim + 1) * 4  # cta_tile_q is at most 128
+    if max_graph_bs:
+        group = num_qo_heads // num_kv_heads
+        cta = _fa2_cta_tile_q(group, head_dim)
+        tiles = max(split_tiles, -(-max_graph_bs * group // cta) + max_graph_bs - 1)
+        need = max(need, num_qo_heads * tiles * cta * (head_dim + 1) * 4)
+    return max(MIN_WORKSPACE_BYTES, (need + (2 << 20)) & ~((1 << 20) - 1))  # + slack for alignment, whole MiB
+
+
+def config_problem(dtype: torch.dtype, num_qo_heads: int, num_kv_heads: int, head_dim: int) -> str | None:
+    """Why FlashInfer cannot run a model of this dtype and shape, or ``None`` when it can."""
+    if dtype not in SUPPORTED_DTYPES:
+        name = str(dtype).removeprefix("torch.")
+        return (
+            f"--attention-backend flashinfer runs float16 and bfloat16 models only, not {name}; "
+            "use --dtype bfloat16 or --attention-backend triton"
+        )
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        return f"--attention-backend flashinfer supports head_dim 64, 128 or 256; this model's is {head_dim}"
+    if num_kv_heads <= 0 or num_qo_heads % num_kv_heads:
+        return f"--attention-backend flashinfer: {num_qo_heads} query heads are not a multiple of {num_kv_heads}"
+    return None
+
+
+@functools.cache
+def import_problem() -> str | None:
+    """Why ``import flashinfer`` fails here (one line), or ``None`` when it works. Cached: it takes seconds."""
+    try:
+        import flashinfer  # noqa: F401
+    except Exception as e:  # not only ImportError: a broken dependency (tvm_ffi, nvml) raises other errors
+        detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return f"--attention-backend flashinfer needs the flashinfer-python package, which failed to import: {detail}"
+    return None
+
+
+def unavailable_reason(
+    device: torch.device, dtype: torch.dtype, num_qo_heads: int, num_kv_heads: int, head_dim: int
+) -> str | None:
+    """Why :class:`FlashInferAttnBackend` cannot run here (one line), or ``None``; ``auto`` uses it to choose."""
+    if device.type != "cuda":
+        return f"--attention-backend flashinfer needs a CUDA device, not {device.type}; use torch_native on CPU"
+    if not torch.cuda.is_available():
+        return "--attention-backend flashinfer needs CUDA, which is not available on this machine"
+    return config_problem(dtype, num_qo_heads, num_kv_heads, head_dim) or import_problem()
+
+
+class FlashInferAttnBackend(AttentionBackend):
+    """FlashInfer's paged-KV prefill and decode kernels, planned once per round; DECODE rounds capturable.
+
+    Args:
+        device: a CUDA device.
+        dtype: the model's (and the KV pool's) dtype, float16 or bfloat16.
+        num_qo_heads, num_kv_heads, head_dim: the model's attention shape.
+
+    Raises:
+        BatchgenError: not a CUDA device, float32, an unsupported head size, or flashinfer cannot be imported.
+    """
+
+    supports_cuda_graph = True
+
+    def __init__(
+        self, device: torch.device, dtype: torch.dtype, num_qo_heads: int, num_kv_heads: int, head_dim: int
+    ) -> None:
+        reason = unavailable_reason(device, dtype, num_qo_heads, num_kv_heads, head_dim)
+        if reason is not None:
+            raise BatchgenError(reason)
+        import flashinfer
+
+        self._flashinfer: Any = flashinfer
+        self.device = device
+        self.dtype = dtype
+        self.num_qo_heads = num_qo_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.sm_scale = 1.0 / math.sqrt(head_dim)  # as the reference backend; passed explicitly, not defaulted
+        self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        self._allocate_workspace(workspace_bytes(num_qo_heads, num_kv_heads, head_dim, self._num_sms))
+        self._build_kernels()
+        self._decode: Any = self._eager_decode  # what forward_decode runs: the eager wrapper or a graph's
+        # CUDA graphs: static page-table buffers shared by one decode wrapper per captured batch size.
+        self._graph_max_bs = 0
+        self._graph_kv_indptr: torch.Tensor | None = None
+        self._graph_kv_last_page_len: torch.Tensor | None = None
+        self._graph_kv_indices: torch.Tensor | None = None
+        self._graph_decode: dict[int, Any] = {}
+        self._kv_views: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._kv_views_of: tuple[object, ...] = ()
+
+    def _allocate_workspace(self, size: int) -> None:
+        """(Re)allocate the float workspace and the eager wrappers that use it."""
+        # FlashInfer requires the workspace zeroed before its first use; the wrappers share it, since one
+        # attention call runs at a time on the stream.
+        self._workspace = torch.zeros(size, dtype=torch.uint8, device=self.device)
+        fi = self._flashinfer
+        self._eager_decode = fi.BatchDecodeWithPagedKVCacheWrapper(
+            self._workspace, _KV_LAYOUT, use_tensor_cores=True, backend=_KERNELS
+        )
+        self._prefill = fi.BatchPrefillWithPagedKVCacheWrapper(self._workspace, _KV_LAYOUT, backend=_KERNELS)
+
+    def _build_kernels(self) -> None:
+        """Plan a one-token batch now: FlashInfer JIT-builds (or loads from its cache) the kernels of this dtype
+        and head size on first use, so a build failure is a one-line error at startup, not a crash mid-run.
+        Both wrappers share the one module (the tensor-core decode path runs the FA2 prefill kernels)."""
+        one = indptr_from_lengths([1])
+        slot0 = torch.zeros(1, dtype=torch.int32, device=self.device)
+        try:
+            self._plan_prefill(one, PagedKVIndex(one, slot0, torch.ones(1, dtype=torch.int32)))
+        except Exception as e:  # ninja/nvcc failures arrive as RuntimeError with the whole build log
+            detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise BatchgenError(
+                "--attention-backend flashinfer could not build its kernels (compiled with nvcc and ninja on "
+                f"first use, cached in ~/.cache/flashinfer): {detail}"
+            ) from e
+
+    # ---- planning (host side, once per round) ----
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        fb = forward_batch
+        if fb.forward_mode.is_decode():
+            self._plan_decode(self._eager_decode, fb)
+            self._decode = self._eager_decode
+            return
+        assert fb.extend_seq_lens_cpu is not None and fb.extend_prefix_lens_cpu is not None
+        extend = fb.extend_seq_lens_cpu
+        seq_lens_host = [p + e for p, e in zip(fb.extend_prefix_lens_cpu, extend)]
+        index = build_paged_kv_index(fb.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens, seq_lens_host)
+        self._plan_prefill(indptr_from_lengths(extend), index)
+
+    def _plan_prefill(self, qo_indptr: torch.Tensor, index: PagedKVIndex) -> None:
+        self._prefill.plan(
+            qo_indptr,
+            index.kv_indptr,
+            index.kv_indices,
+            index.kv_last_page_len,
+            self.num_qo_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            _PAGE_SIZE,
+            causal=True,
+            pos_encoding_mode="NONE",  # RoPE is applied by the model before attention
+            sm_scale=self.sm_scale,
+            q_data_type=self.dtype,
+            kv_data_type=self.dtype,
+        )
+
+    def _plan_decode(self, wrapper: Any, fb: ForwardBatch) -> None:
+        # The one device-to-host copy of a DECODE round: FlashInfer plans on the host and DECODE batches carry
+        # no host copy of their lengths. Never inside a graph capture: plan() itself copies to the host.
+        seq_lens_host = fb.seq_lens.tolist()
+        index = build_paged_kv_index(fb.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens, seq_lens_host)
+        wrapper.plan(
+            index.kv_indptr,
+            index.kv_indices,
+            index.kv_last_page_len,
+            self.num_qo_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            _PAGE_SIZE,
+            pos_encoding_mode="NONE",
+            sm_scale=self.sm_scale,
+            q_data_type=self.dtype,
+            kv_data_type=self.dtype,
+        )
+
+    # ---- CUDA graphs (DECODE only) ----
+
+    def init_cuda_graph_state(self, max_bs: int) -> None:
+        self._graph_max_bs = max_bs
+        needed = workspace_bytes(self.num_qo_heads, self.num_kv_heads, self.head_dim, self._num_sms, max_bs)
+        if needed > self._workspace.numel():
+            self._allocate_workspace(needed)
+            self._decode = self._eager_decode
+        self._graph_kv_indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=self.device)
+        self._graph_kv_last_page_len = torch.ones(max_bs, dtype=torch.int32, device=self.device)
+        self._graph_kv_indices = None  # sized at the first capture, when the pools are known
+        self._graph_decode = {}
+
+    def init_forward_metadata_capture_cuda_graph(self, forward_batch: ForwardBatch) -> None:
+        """Create the decode wrapper of this batch size over the static buffers and plan it.
+
+        Runs outside ``torch.cuda.graph``: planning copies to and from the host.
+        """
+        bs = forward_batch.batch_size
+        if self._graph_kv_indptr is None or self._graph_kv_last_page_len is None or bs > self._graph_max_bs:
+            raise RuntimeError(f"capture of batch size {bs} before init_cuda_graph_state({bs}) or larger")
+        if self._graph_kv_indices is None:
+            # A row never holds more than max_context_len slots. Not the pool size: samples of one prompt
+            # (n > 1) share its slots, so a batch's slot lists can add up to more than the pool.
+            max_context_len = forward_batch.req_to_token_pool.req_to_token.shape[1]
+            self._graph_kv_indices = torch.zeros(
+                self._graph_max_bs * max_context_len, dtype=torch.int32, device=self.device
+            )
+        wrapper = self._graph_decode.get(bs)
+        if wrapper is None:
+            # Fixed-size views of the shared buffers: the graph reads them at fixed addresses, and plan() copies
+            # each round's page table into them. Sharing is safe: every replay is preceded by its own plan.
+            wrapper = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self._workspace,
+                _KV_LAYOUT,
+                use_cuda_graph=True,
+                use_tensor_cores=True,
+                paged_kv_indptr_buffer=self._graph_kv_indptr[: bs + 1],
+                paged_kv_indices_buffer=self._graph_kv_indices,
+                paged_kv_last_page_len_buffer=self._graph_kv_last_page_len[:bs],
+                backend=_KERNELS,
+            )
+            self._graph_decode[bs] = wrapper
+        self._plan_decode(wrapper, forward_batch)
+        self._decode = wrapper
+
+    def init_forward_metadata_replay_cuda_graph(self, forward_batch: ForwardBatch) -> None:
+        """Re-plan the captured wrapper of ``forward_batch.batch_size`` rows for this round's lengths."""
+        wrapper = self._graph_decode.get(forward_batch.batch_size)
+        if wrapper is None:
+            raise RuntimeError(f"no captured decode graph for batch size {forward_batch.batch_size}")
+        self._plan_decode(wrapper, forward_batch)
+        self._decode = wrapper
+
+    # ---- per layer ----
+
+    def forward_decode(self, q: torch.Tensor, layer_id: int, forward_batch: ForwardBatch) -> torch.Tensor:
+        return self._run(self._decode, q, layer_id, forward_batch.token_to_kv_pool)
+
+    def forward_extend(self, q: torch.Tensor, layer_id: int, forward_batch: ForwardBatch) -> torch.Tensor:
+        return self._run(self._prefill, q, layer_id, forward_batch.token_to_kv_pool)
+
+    def _run(self, wrapper: Any, q: torch.Tensor, layer_id: int, pool: TokenToKVPool) -> torch.Tensor:
+        # The kernels take q's row and head strides but need dense head vectors; they write the output densely
+        # ([T, heads, head_dim] contiguous), so it is allocated here rather than left to empty_like(q).
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        return wrapper.run(q, self._layer_kv(pool, layer_id), out=out)
+
+    def _layer_kv(self, pool: TokenToKVPool, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (k, v) views of one layer, built once per pool."""
+        key = (pool.k_buffer.data_ptr(), pool.v_buffer.data_ptr(), tuple(pool.k_buffer.shape))
+        if key != self._kv_views_of:
+            slots, head_dim = pool.k_buffer.shape[2], pool.k_buffer.shape[3]
+            if slots * head_dim >= _MAX_STRIDE:
+                raise BatchgenError(
+                    f"--attention-backend flashinfer: a KV pool of {slots} slots is too large for its 32-bit "
+                    "strides; lower --max-total-tokens"
+                )
+            self._kv_views = [
+                (paged_kv_view(k), paged_kv_view(v)) for k, v in zip(pool.k_buffer.unbind(0), pool.v_buffer.unbind(0))
+            ]
+            self._kv_views_of = key
+        return self._kv_views[layer_id]

@@ -1,0 +1,297 @@
+"""Driver of ``scripts/gpu_check.sh``: the checks that need a CUDA GPU and report as tables.
+
+Subcommands (each prints its own table, writes its files under ``--out-dir`` and exits 1 on a failed check):
+
+- ``warmup``: versions, then one FlashInfer JIT build (bf16, head_dim 64: the module every later step uses), timed.
+- ``compare``: ``batchgen run`` on ``random:llama-1b`` with every attention backend, CUDA graphs on and off;
+  greedy tokens and logprobs against torch_native: float32 identical tokens and logprobs within 1e-4, bfloat16
+  within 2e-2 (runs may part where the reference's top-2 margin is within twice that: a rounding-level tie).
+  bfloat16 rounds the logits themselves (the LM head runs in bf16): Llama-1B's random top logits reach 4 to 6,
+  where one bf16 step is 1/32, so two correct runs can differ by that much. Steps over 2e-2 but within
+  2e-2 + 1/32 are counted and shown, not failed; anything beyond is not rounding and fails.
+- ``bench``: ``batchgen bench-one-batch`` with and without CUDA graphs; decode ms/step, tok/s, achieved GB/s
+  against the measured copy bandwidth, read from its ``--result-file`` JSON lines.
+
+Every batchgen call is a subprocess (``python -m batchgen``), so one crash cannot take the others down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+MODEL = "random:llama-1b"
+TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}
+ROUNDING_SLACK = {"float32": 0.0, "bfloat16": 2.0**-5}  # one bf16 step of a logit in [4, 8)
+GRAPHS_ON = ["--cuda-graph-max-bs", "16"]
+GRAPHS_OFF = ["--disable-cuda-graph"]
+
+
+def batchgen(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "batchgen", *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def tail(text: str, lines: int = 25) -> str:
+    return "\n".join("    " + line for line in text.strip().splitlines()[-lines:])
+
+
+# ---- warmup ----
+
+
+def warmup(_: argparse.Namespace) -> int:
+    import torch
+
+    print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), GPU: {torch.cuda.get_device_name()}")
+    print(f"torch.Tensor has the DLPack C exchange API: {hasattr(torch.Tensor, '__dlpack_c_exchange_api__')}")
+    try:
+        import flashinfer
+        from flashinfer.prefill import get_batch_prefill_module
+    except Exception as e:
+        print(f"FAIL: import flashinfer: {type(e).__name__}: {e}")
+        return 1
+    print(f"flashinfer {flashinfer.__version__} from {Path(flashinfer.__file__).parent}")
+    start = time.perf_counter()
+    # The module both wrappers of FlashInferAttnBackend use in bf16 at head_dim 64 (Llama-1B and the test models):
+    # backend, q/kv/out dtypes, index dtype, head dims, no RoPE, no sliding window, no soft cap, fp32 QK.
+    bf16 = torch.bfloat16
+    get_batch_prefill_module("fa2", bf16, bf16, bf16, torch.int32, 64, 64, 0, False, False, False)
+    print(f"flashinfer FA2 module (bf16, head_dim 64) built or loaded in {time.perf_counter() - start:.0f} s")
+    return 0
+
+
+# ---- compare ----
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    dtype: str
+    backend: str
+    graphs: bool
+
+    @property
+    def name(self) -> str:
+        return f"{self.dtype}/{self.backend}/{'graphs' if self.graphs else 'eager'}"
+
+
+def _configs() -> list[RunConfig]:
+    configs = [RunConfig(dtype, "torch_native", False) for dtype in ("float32", "bfloat16")]
+    configs += [RunConfig("float32", "triton", graphs) for graphs in (False, True)]
+    configs += [
+        RunConfig("bfloat16", backend, graphs) for backend in ("triton", "flashinfer") for graphs in (False, True)
+    ]
+    return configs
+
+
+def _write_prompts(path: Path, rows: int, max_token_id: int, max_len: int) -> None:
+    rng = random.Random(5)
+    with open(path, "w") as f:
+        for i in range(rows):
+            ids = [rng.randrange(2, max_token_id) for _ in range(rng.randrange(16, max_len))]
+            # Different output lengths, so the decode batch shrinks through many (padded) graph sizes.
+            row = {"id": f"r{i}", "prompt_token_ids": ids, "max_new_tokens": 8 + (i % 9) * 2}
+            f.write(json.dumps(row | {"temperature": 0, "top_logprobs": 2, "ignore_eos": True}) + "\n")
+
+
+def _run(
+    config: RunConfig, prompts: Path, work: Path, deadline: float, args: argparse.Namespace
+) -> tuple[dict[str, Any] | None, str]:
+    from batchgen.io.writer import read_results
+
+    out = work / f"{config.name.replace('/', '_')}.arrow"
+    timeout = max(30.0, deadline - time.monotonic())
+    run = [str(prompts), "--out", str(out), "--model", args.model, "--dtype", config.dtype, "--device", args.device]
+    run += ["--attention-backend", config.backend, "--context-length", str(args.context_length)]
+    run += ["--max-total-tokens", "32768", "--max-running-requests", "32", "--chunked-prefill-size", "128"]
+    run += ["--no-progress", "--overwrite", *(GRAPHS_ON if config.graphs else GRAPHS_OFF)]
+    start = time.perf_counter()
+    try:
+        result = batchgen("run", *run, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None, f"timed out after {timeout:.0f} s"
+    took = f"{time.perf_counter() - start:.0f} s"
+    if result.returncode != 0:
+        return None, f"exit {result.returncode} after {took}\n{tail(result.stderr + result.stdout)}"
+    return {r["id"]: r for r in read_results(out).to_pylist()}, took
+
+
+def compare_rows(
+    ref: dict[str, Any], got: dict[str, Any], tol: float, exact_tokens: bool, slack: float = 0.0
+) -> dict[str, Any]:
+    """Step-by-step agreement of two runs' greedy tokens and logprobs (see the module docstring)."""
+    steps = compared = over = rounding = near_ties = 0
+    max_diff = 0.0
+    problems: list[str] = []
+    for rid, r in ref.items():
+        g = got.get(rid)
+        if g is None or len(g["output_token_ids"]) != len(r["output_token_ids"]):
+            problems.append(f"{rid}: missing or of another length")
+            continue
+        steps += len(r["output_token_ids"])
+        for step, (a, b) in enumerate(zip(r["output_token_ids"], g["output_token_ids"])):
+            if a != b:
+                top = r["top_logprobs"][step]
+                margin = top[0]["logprob"] - top[1]["logprob"]
+                if exact_tokens or margin > 2 * tol:
+                    problems.append(f"{rid} step {step}: token {a} vs {b}, reference margin {margin:.3g}")
+                else:
+                    near_ties += 1
+                break
+            diff = abs(r["output_logprobs"][step] - g["output_logprobs"][step])
+            max_diff = max(max_diff, diff)
+            over += diff > tol + slack
+            rounding += tol < diff <= tol + slack
+            compared += 1
+    if over:
+        problems.append(f"{over} steps with |logprob diff| > {tol + slack:.3g} (max {max_diff:.3g})")
+    return {
+        "steps": steps,
+        "compared": compared,
+        "near_tie_partings": near_ties,
+        "over_tol_within_rounding": rounding,
+        "max_logprob_diff": max_diff,
+        "problems": problems,
+        "ok": not problems,
+    }
+
+
+def compare(args: argparse.Namespace) -> int:
+    out_dir: Path = args.out_dir
+    work = Path(tempfile.mkdtemp(prefix="gpu_check_compare_"))  # not under --out-dir: $OUT takes 8 files at most
+    prompts = work / "prompts.jsonl"
+    _write_prompts(prompts, args.rows, args.max_token_id, args.context_length - 30)
+    configs = _configs()
+    deadline = time.monotonic() + args.timeout
+    print(f"{len(configs)} runs of {args.model}, {args.rows} prompts, {args.parallel} at a time")
+    with ThreadPoolExecutor(args.parallel) as pool:
+        futures = {c: pool.submit(_run, c, prompts, work, deadline, args) for c in configs}
+        results = {c: f.result() for c, f in futures.items()}
+    for config, (_, note) in results.items():
+        print(f"  ran {config.name:<28} {note}")
+    pairs = [(RunConfig(c.dtype, "torch_native", False), c) for c in configs if c.backend != "torch_native"]
+    pairs += [(RunConfig(c.dtype, c.backend, False), c) for c in configs if c.graphs]
+    report: list[dict[str, Any]] = []
+    print("\nsteps: compared/total (a row stops at its first parting); ties: partings at a near-tie of the reference;")
+    print(f"rnd: steps over the tolerance but within bf16 logit rounding ({ROUNDING_SLACK['bfloat16']:g} more)")
+    print(f"{'reference':<28} {'compared with':<28} {'steps':>9} {'ties':>4} {'rnd':>4} {'max |dlp|':>9}  verdict")
+    for ref_cfg, cfg in pairs:
+        ref, got = results[ref_cfg][0], results[cfg][0]
+        if ref is None or got is None:
+            entry: dict[str, Any] = {"ok": False, "problems": ["a run failed (see above)"], "steps": 0, "compared": 0}
+            entry |= {"near_tie_partings": 0, "over_tol_within_rounding": 0, "max_logprob_diff": float("nan")}
+        else:
+            tol, slack = TOLERANCE[cfg.dtype], ROUNDING_SLACK[cfg.dtype]
+            entry = compare_rows(ref, got, tol, exact_tokens=cfg.dtype == "float32", slack=slack)
+        report.append({"reference": ref_cfg.name, "config": cfg.name, **entry})
+        verdict = "PASS" if entry["ok"] else "FAIL: " + "; ".join(entry["problems"][:3])
+        steps = f"{entry['compared']}/{entry['steps']}"
+        print(
+            f"{ref_cfg.name:<28} {cfg.name:<28} {steps:>9} {entry['near_tie_partings']:>4} "
+            f"{entry['over_tol_within_rounding']:>4} {entry['max_logprob_diff']:>9.2e}  {verdict}"
+        )
+    (out_dir / "compare.json").write_text(json.dumps(report, indent=1))
+    return 0 if all(e["ok"] for e in report) else 1
+
+
+# ---- bench ----
+
+
+def bench(args: argparse.Namespace) -> int:
+    out_dir: Path = args.out_dir
+    result_file = out_dir / "bench.jsonl"
+    result_file.unlink(missing_ok=True)
+    rows: list[dict[str, Any]] = []
+    failed = False
+    deadline = time.monotonic() + args.timeout
+    for backend in args.backends:
+        for graphs in (True, False):
+            raw = Path(tempfile.mkdtemp(prefix="gpu_check_bench_")) / "raw.jsonl"
+            cmd = ["bench-one-batch", "--model", args.model, "--dtype", "bfloat16", "--device", args.device]
+            cmd += ["--attention-backend", backend, "--result-file", str(raw)]
+            cmd += ["--input-len", str(args.input_len), "--output-len", str(args.output_len)]
+            for bs in args.batch_sizes:
+                cmd += ["--batch-size", str(bs)]  # repeated flags: the CLI's `--batch-size 1 8 64` form also works
+            cmd += [] if graphs else GRAPHS_OFF
+            label = f"{backend}/{'graphs' if graphs else 'eager'}"
+            start = time.perf_counter()
+            try:
+                result = batchgen(*cmd, timeout=max(30.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                print(f"FAIL {label}: timed out")
+                failed = True
+                continue
+            print(f"ran {label} in {time.perf_counter() - start:.0f} s (exit {result.returncode})")
+            for line in result.stdout.splitlines():
+                if line.startswith(("machine:", "bs=")):
+                    print("    " + line)
+            if result.returncode != 0 or not raw.exists():
+                print(tail(result.stderr + result.stdout))
+                failed = True
+                continue
+            for line in raw.read_text().splitlines():
+                rows.append(json.loads(line) | {"attention_backend": backend, "cuda_graphs": graphs})
+    with open(result_file, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    table = bench_table(rows)
+    print("\n" + table)
+    (out_dir / "bench_table.txt").write_text(table + "\n")
+    return 1 if failed or not rows else 0
+
+
+def bench_table(rows: list[dict[str, Any]]) -> str:
+    """One line per case; ``graph x`` is eager decode latency over graph decode latency for the same case."""
+    eager = {(r["attention_backend"], r["batch_size"]): r for r in rows if not r["cuda_graphs"]}
+    head = (
+        f"{'backend':<12} {'graphs':<6} {'bs':>3} {'prefill ms':>10} {'decode ms':>9} {'tok/s':>8} "
+        f"{'GB/s':>7} {'copy GB/s':>9} {'% copy':>6} {'graph x':>7}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        fraction = r["decode_bandwidth_fraction"]
+        copy_bw = r["decode_bandwidth_gbs"] / fraction if fraction else float("nan")
+        base = eager.get((r["attention_backend"], r["batch_size"]))
+        speedup = base["median_decode_latency"] / r["median_decode_latency"] if base and r["cuda_graphs"] else None
+        lines.append(
+            f"{r['attention_backend']:<12} {'on' if r['cuda_graphs'] else 'off':<6} {r['batch_size']:>3} "
+            f"{r['prefill_latency'] * 1e3:>10.1f} {r['median_decode_latency'] * 1e3:>9.2f} "
+            f"{r['decode_throughput']:>8.0f} {r['decode_bandwidth_gbs']:>7.0f} {copy_bw:>9.0f} {fraction:>6.0%} "
+            + (f"{speedup:>6.2f}x" if speedup else f"{'':>7}")
+        )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, fn in (("warmup", warmup), ("compare", compare), ("bench", bench)):
+        p = sub.add_parser(name)
+        p.set_defaults(fn=fn)
+        p.add_argument("--out-dir", type=Path, default=Path("gpu_check_out"))
+        p.add_argument("--timeout", type=float, default=240.0, help="Seconds for the whole subcommand.")
+        p.add_argument("--model", default=MODEL, help="Model for batchgen (a small one for a dry run).")
+        p.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run of the plumbing.")
+    sub.choices["compare"].add_argument("--rows", type=int, default=32)
+    sub.choices["compare"].add_argument("--context-length", type=int, default=512, help="Prompts are shorter by 30+.")
+    sub.choices["compare"].add_argument("--max-token-id", type=int, default=128000, help="Prompt ids below this.")
+    sub.choices["compare"].add_argument("--parallel", type=int, default=4, help="batchgen runs at a time.")
+    sub.choices["bench"].add_argument("--backends", nargs="+", default=["auto"])
+    sub.choices["bench"].add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8, 64])
+    sub.choices["bench"].add_argument("--input-len", type=int, default=512)
+    sub.choices["bench"].add_argument("--output-len", type=int, default=64)
+    args = parser.parse_args()
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    return int(args.fn(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

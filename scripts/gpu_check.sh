@@ -1,0 +1,147 @@
+#!/usr/bin/env bash
+# The device check, in one command on a CUDA machine without internet, from the repository root:
+#
+#     bash scripts/gpu_check.sh
+#
+# 0. environment: a venv over the system python's packages (torch with CUDA must be there already), batchgen
+#    installed editable, wheels from ./wheels (or ./.whl) installed offline (flashinfer-python and apache-tvm-ffi:
+#    see the end of this comment), FlashInfer's one JIT module built and timed;
+# a. pytest -m cuda (tests/test_cuda.py): kernels, CUDA-graph hooks, backends agree on a tiny model;
+# b. scripts/gpu_check.py compare: greedy tokens and logprobs of random:llama-1b across torch_native / triton /
+#    flashinfer and CUDA graphs on/off (float32: identical tokens, |dlogprob| <= 1e-4; bfloat16: <= 2e-2);
+# c. scripts/gpu_check.py bench: bench-one-batch (bf16, batch 1 8 64, input 512, output 64) with and without
+#    CUDA graphs: decode ms/step, tok/s, achieved GB/s against the measured copy bandwidth.
+#
+# a, b and c each report PASS/FAIL and run whatever happened before; the script exits non-zero if any failed.
+# Everything printed also goes to $OUT/gpu_check.log (or ./gpu_check_out/ when OUT is unset), with
+# $OUT/summary.txt, compare.json, bench.jsonl and bench_table.txt. Sized for one H200 in under 8 minutes
+# (up to 3 of them building FlashInfer's kernels on a fresh machine); GPU_CHECK_BUDGET (seconds, default 470)
+# caps the whole run, each step getting what is left.
+#
+# Knobs: PYTHON (the interpreter holding torch; default python3), GPU_CHECK_VENV (default
+# /tmp/batchgen-gpu-venv), GPU_CHECK_BENCH_BACKENDS (default "auto"; e.g. "flashinfer triton" to compare).
+#
+# Wheels for a machine without internet (Python 3.12, x86-64), fetched where pip works:
+#     pip download --no-deps -d wheels flashinfer-python==0.5.3
+#     pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#         --platform manylinux_2_28_x86_64 -d wheels "apache-tvm-ffi>=0.1,<0.2"
+# flashinfer's other import-time needs (numpy, einops, tabulate, nvidia-ml-py, packaging, requests, click, tqdm,
+# filelock) and its JIT's (ninja, nvcc) are assumed present; nvidia-cutlass-dsl and nvidia-cudnn-frontend are
+# only for kernels batchgen does not use.
+
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+OUT_DIR="${OUT:-$PWD/gpu_check_out}"
+mkdir -p "$OUT_DIR"
+exec > >(tee "$OUT_DIR/gpu_check.log") 2>&1
+: >"$OUT_DIR/summary.txt"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+
+BUDGET="${GPU_CHECK_BUDGET:-470}"
+DEADLINE=$((SECONDS + BUDGET))
+declare -A RESULT=()
+
+banner() { printf '\n===== %s  (%ds elapsed, %ds left) =====\n' "$1" "$SECONDS" $((DEADLINE - SECONDS)); }
+
+# Seconds for a step: what it wants, less a reserve kept for the steps after it, at least 60.
+step_time() {
+    local want=$1 reserve=$2
+    local left=$((DEADLINE - SECONDS - reserve))
+    ((left < want)) && want=$left
+    ((want < 60)) && want=60
+    echo "$want"
+}
+
+# Run a step, record PASS/FAIL (never stop the script: the later steps still run).
+run_step() {
+    local name=$1 seconds=$2
+    shift 2
+    local rc=0
+    timeout --kill-after=15 "$seconds" "$@" || rc=$?
+    if ((rc == 0)); then
+        RESULT[$name]=PASS
+    elif ((rc == 124 || rc == 137)); then
+        RESULT[$name]="FAIL (timed out after ${seconds}s)"
+    else
+        RESULT[$name]="FAIL (exit $rc)"
+    fi
+    echo "----- $name: ${RESULT[$name]}"
+}
+
+# ---- 0. environment ----
+banner "0. environment"
+PY="${PYTHON:-python3}"
+"$PY" -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__, "CUDA", torch.version.cuda,
+"available:", torch.cuda.is_available())'
+if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+    echo "FAIL: $PY's torch sees no CUDA GPU; nothing to check"
+    exit 1
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+
+# A venv that sees the system packages through a .pth file: --system-site-packages would not, when python3 is
+# itself a venv (as on the device image), since it exposes only the base interpreter's packages.
+VENV="${GPU_CHECK_VENV:-/tmp/batchgen-gpu-venv}"
+if [[ ! -x "$VENV/bin/python" ]] && "$PY" -m venv --without-pip "$VENV"; then
+    "$PY" -c 'import site; print("\n".join(site.getsitepackages()))' \
+        >"$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_system_site.pth"
+fi
+VPY="$VENV/bin/python"
+if [[ ! -x "$VPY" ]]; then
+    echo "WARNING: no venv at $VENV; installing into $PY's environment instead"
+    VPY="$PY"
+fi
+# The interpreter's own bin (ninja, nvcc wrappers pip installed) for FlashInfer's JIT, then the venv's.
+PY_BIN="$("$PY" -c 'import os, sys; print(os.path.join(sys.prefix, "bin"))')"
+export PATH="$VENV/bin:$PY_BIN:$PATH"
+if ! command -v nvcc >/dev/null && [[ -x /usr/local/cuda/bin/nvcc ]]; then
+    export PATH="/usr/local/cuda/bin:$PATH"
+fi
+echo "nvcc: $(command -v nvcc || echo 'MISSING: FlashInfer cannot build its kernels')"
+echo "ninja: $(command -v ninja || echo 'MISSING: FlashInfer cannot build its kernels')"
+
+for dir in wheels .whl; do
+    if compgen -G "$dir/*.whl" >/dev/null; then
+        echo "installing offline:" "$dir"/*.whl
+        "$VPY" -m pip install -q --no-index --no-deps --no-cache-dir "$dir"/*.whl ||
+            echo "WARNING: installing the wheels in $dir failed; steps that need them will fail"
+    fi
+done
+if ! "$VPY" -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir -e .; then
+    echo "WARNING: editable install failed; using PYTHONPATH=$PWD instead"
+    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+"$VPY" -c 'import batchgen, pathlib; print("batchgen from", pathlib.Path(batchgen.__file__).parent)'
+run_step "0. flashinfer JIT warm-up" "$(step_time 200 270)" \
+    "$VPY" scripts/gpu_check.py warmup --out-dir "$OUT_DIR"
+
+# ---- a. pytest -m cuda ----
+banner "a. pytest -m cuda"
+mapfile -t CUDA_TESTS < <(grep -l "pytest.mark.cuda" tests/test_*.py)
+echo "test files with cuda tests: ${CUDA_TESTS[*]}"
+# Only those files are collected: the others may import packages the GPU image lacks (jsonschema).
+run_step "a. pytest -m cuda" "$(step_time 150 170)" \
+    "$VPY" -m pytest -m cuda -q -p no:cacheprovider "${CUDA_TESTS[@]}"
+
+# ---- b. greedy agreement on random:llama-1b ----
+banner "b. backends and CUDA graphs agree (random:llama-1b)"
+B_TIME="$(step_time 120 100)"
+run_step "b. greedy agreement" "$B_TIME" \
+    "$VPY" scripts/gpu_check.py compare --out-dir "$OUT_DIR" --timeout $((B_TIME - 20))
+
+# ---- c. bench-one-batch ----
+banner "c. bench-one-batch, CUDA graphs on and off"
+C_TIME="$(step_time 150 0)"
+read -r -a BENCH_BACKENDS <<<"${GPU_CHECK_BENCH_BACKENDS:-auto}"
+run_step "c. bench-one-batch" "$C_TIME" \
+    "$VPY" scripts/gpu_check.py bench --out-dir "$OUT_DIR" --timeout $((C_TIME - 20)) --backends "${BENCH_BACKENDS[@]}"
+
+# ---- summary ----
+banner "summary"
+status=0
+for name in "0. flashinfer JIT warm-up" "a. pytest -m cuda" "b. greedy agreement" "c. bench-one-batch"; do
+    printf '%-28s %s\n' "$name" "${RESULT[$name]:-not run}" | tee -a "$OUT_DIR/summary.txt"
+    [[ "${RESULT[$name]:-}" == PASS ]] || status=1
+done
+exit "$status"

@@ -1,0 +1,228 @@
+"""GPU checks, marked ``cuda`` and skipped without CUDA (run them with ``pytest -m cuda``).
+
+- FlashInfer's real kernels against torch_native on a pool with shuffled slots (EXTEND, chunked EXTEND, MIXED,
+  DECODE), and its CUDA-graph hooks under a real capture and replays with longer sequences than captured.
+- Whole ``batchgen run`` jobs on a tiny random Llama (head_dim 64, FlashInfer's smallest): greedy tokens and
+  logprobs agree across the torch_native, triton and flashinfer backends (float32: same tokens, logprobs within
+  1e-4; bfloat16: within 2e-2) and with CUDA graphs on and off (``--disable-cuda-graph``, ``--cuda-graph-max-bs``).
+- ``bench-one-batch`` with and without CUDA graphs.
+
+Everything runs in bfloat16 with head_dim 64 where FlashInfer is involved, so a fresh machine JIT-compiles one
+FlashInfer module (its FA2 prefill kernels, which the decode path reuses) for the whole file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import build_random_model, read_rows, run_args, run_cli, write_jsonl
+from safetensors.torch import load_file, save_file
+from test_flashinfer_backend import ROUNDS, PagedScene, compare_backends
+
+from batchgen.kernels.attention.flashinfer_backend import FlashInferAttnBackend
+from batchgen.kernels.attention.torch_native import TorchNativeAttnBackend
+from batchgen.loop.forward_mode import ForwardMode
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)"),
+]
+
+FP32_TOL = 1e-4
+BF16_TOL = 2e-2
+MAX_NEW = 16
+HEADS, KV_HEADS, HEAD_DIM = 8, 2, 64
+
+
+# ---- kernels ----
+
+
+def test_flashinfer_kernels_match_torch_native() -> None:
+    device = torch.device("cuda")
+    scene = PagedScene(num_layers=2, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype=torch.bfloat16, device=device)
+    backend = FlashInferAttnBackend(device, torch.bfloat16, HEADS, KV_HEADS, HEAD_DIM)
+    # bf16 outputs (|x| up to ~3) round at ~1e-2; both backends round probabilities and outputs differently.
+    compare_backends(scene, TorchNativeAttnBackend(), backend, HEADS, ROUNDS, atol=3e-2)
+
+
+def test_flashinfer_cuda_graph_capture_and_replay() -> None:
+    """Capture one DECODE layer call at 3 rows; replay it for later rounds, one with a sequence grown by 60 tokens."""
+    device = torch.device("cuda")
+    scene = PagedScene(num_layers=1, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype=torch.bfloat16, device=device)
+    backend = FlashInferAttnBackend(device, torch.bfloat16, HEADS, KV_HEADS, HEAD_DIM)
+    reference = TorchNativeAttnBackend()
+    compare_backends(scene, reference, backend, HEADS, ROUNDS[:3], atol=3e-2)  # prompts of rows 1, 2, 3 cached
+    backend.init_cuda_graph_state(4)
+    static = scene.batch(ForwardMode.DECODE, [(1, 31, 1), (2, 4, 1), (3, 6, 1)], backend)
+    q, k, v = (torch.randn(3, h, HEAD_DIM, device=device, dtype=torch.bfloat16) for h in (HEADS, KV_HEADS, KV_HEADS))
+    backend.init_forward_metadata_capture_cuda_graph(static)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        backend.forward(q, k, v, 0, static)  # warm-up outside the graph, as torch.cuda.graph's docs ask
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.forward(q, k, v, 0, static)
+
+    def replay_and_check(rows: list[tuple[int, int, int]]) -> None:
+        fb = scene.batch(ForwardMode.DECODE, rows, backend)
+        for name in ("req_pool_indices", "seq_lens", "out_cache_loc"):
+            getattr(static, name).copy_(getattr(fb, name))
+        for t in (q, k, v):
+            t.copy_(torch.randn_like(t))
+        backend.init_forward_metadata_replay_cuda_graph(static)
+        graph.replay()
+        fb_ref = dataclasses.replace(fb, attn_backend=reference)
+        reference.init_forward_metadata(fb_ref)
+        expected = reference.forward(q, k, v, 0, fb_ref)
+        torch.testing.assert_close(out.float(), expected.float(), atol=3e-2, rtol=0)
+
+    replay_and_check([(1, 32, 1), (2, 5, 1), (3, 7, 1)])
+    compare_backends(scene, reference, backend, HEADS, [(ForwardMode.EXTEND, [(2, 6, 60)])], atol=3e-2)
+    replay_and_check([(1, 33, 1), (2, 66, 1), (3, 8, 1)])  # row 2 is now 60 tokens longer than at capture
+
+
+# ---- whole runs ----
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama with head_dim 64: 4 query heads, 2 KV heads, hidden 256; logits mostly under 2.
+
+    The LM head runs in the model dtype, so bfloat16 rounds every logit to 8 significant bits: a step of 1/32 for
+    logits in [4, 8), more than the 2e-2 the comparisons allow, which two correct runs then exceed by rounding
+    alone (seen on CPU: 0.029). Scaling the head by 0.4 keeps the logits below 2 (steps of 1/128 at most).
+    """
+    root = tmp_path_factory.mktemp("cuda-model")
+    model = build_random_model(
+        root / "llama", "llama", hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2
+    )
+    (weights_file,) = model.glob("*.safetensors")
+    weights = load_file(weights_file)
+    weights["lm_head.weight"] *= 0.4
+    save_file(weights, weights_file, metadata={"format": "pt"})
+    return model
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    rng = random.Random(11)
+    rows = [
+        {
+            "id": f"p{i}",
+            "prompt_token_ids": [0] + [rng.randrange(2, 300) for _ in range(n - 1)],
+            "max_new_tokens": MAX_NEW,
+            "temperature": 0,
+            "top_logprobs": 2,
+            "ignore_eos": True,
+        }
+        for i, n in enumerate([1, 3, 8, 15, 16, 17, 31, 40, 63, 64, 65, 100])
+    ]
+    return write_jsonl(tmp_path_factory.mktemp("cuda-data") / "prompts.jsonl", rows)
+
+
+def _generate(
+    dataset: Path, out: Path, model: Path, backend: str, dtype: str, *extra: str
+) -> dict[str, dict[str, Any]]:
+    """``batchgen run`` on CUDA with chunked prefill, MIXED rounds and decode batches of changing size."""
+    args = run_args(dataset, out, model, "--device", "cuda", "--dtype", dtype, "--attention-backend", backend)
+    args += ["--chunked-prefill-size", "32", "--max-running-requests", "8", "--max-total-tokens", "2048", *extra]
+    code, output = run_cli(args)
+    assert code == 0, output
+    return read_rows(out)
+
+
+def assert_greedy_agree(
+    ref: dict[str, dict[str, Any]], got: dict[str, dict[str, Any]], tol: float, exact_tokens: bool
+) -> None:
+    """Same greedy tokens and logprobs within ``tol``. Unless ``exact_tokens``, two runs may part at a near-tie of
+    the reference (top-2 margin within ``2 * tol``); the rest of that row is then not compared."""
+    compared = total = 0
+    for rid, r in ref.items():
+        g = got[rid]
+        assert len(g["output_token_ids"]) == len(r["output_token_ids"]) == MAX_NEW, rid
+        total += MAX_NEW
+        for step, (a, b) in enumerate(zip(r["output_token_ids"], g["output_token_ids"])):
+            if a != b:
+                top = r["top_logprobs"][step]
+                margin = top[0]["logprob"] - top[1]["logprob"]
+                assert not exact_tokens and margin <= 2 * tol, f"{rid} step {step}: {a} vs {b}, margin {margin:.3g}"
+                break
+            diff = abs(r["output_logprobs"][step] - g["output_logprobs"][step])
+            assert diff <= tol, f"{rid} step {step}: logprob differs by {diff:.3g} > {tol}"
+            compared += 1
+    assert compared >= 0.8 * total, f"only {compared} of {total} steps compared: too many near-ties"
+
+
+@pytest.mark.parametrize(
+    ("dtype", "backends", "tol"),
+    [("float32", ["triton"], FP32_TOL), ("bfloat16", ["triton", "flashinfer"], BF16_TOL)],
+    ids=["float32", "bfloat16"],
+)
+def test_backends_agree_with_torch_native(
+    dtype: str, backends: list[str], tol: float, model_dir: Path, dataset: Path, tmp_path: Path
+) -> None:
+    ref = _generate(dataset, tmp_path / "ref.arrow", model_dir, "torch_native", dtype)
+    for backend in backends:
+        got = _generate(dataset, tmp_path / f"{backend}.arrow", model_dir, backend, dtype)
+        assert_greedy_agree(ref, got, tol, exact_tokens=dtype == "float32")
+
+
+@pytest.mark.parametrize(
+    ("backend", "dtype"), [("triton", "float32"), ("triton", "bfloat16"), ("flashinfer", "bfloat16")]
+)
+def test_cuda_graphs_on_and_off_agree(backend: str, dtype: str, model_dir: Path, dataset: Path, tmp_path: Path) -> None:
+    eager = _generate(dataset, tmp_path / "eager.arrow", model_dir, backend, dtype, "--disable-cuda-graph")
+    # Graphs up to 4 rows: larger decode batches run eagerly, 3-row ones replay a padded 4-row graph.
+    graphs = _generate(dataset, tmp_path / "graphs.arrow", model_dir, backend, dtype, "--cuda-graph-max-bs", "4")
+    tol = FP32_TOL if dtype == "float32" else BF16_TOL
+    assert_greedy_agree(eager, graphs, tol, exact_tokens=dtype == "float32")
+
+
+def test_flashinfer_in_float32_is_a_one_line_error(model_dir: Path, dataset: Path, tmp_path: Path) -> None:
+    args = run_args(dataset, tmp_path / "o.arrow", model_dir, "--device", "cuda", "--attention-backend", "flashinfer")
+    code, output = run_cli(args)  # run_args asks for float32
+    assert code == 2, output
+    assert "flashinfer runs float16 and bfloat16 models only, not float32" in output
+    assert "Traceback" not in output
+
+
+@pytest.mark.parametrize(
+    "graph_flags", [["--disable-cuda-graph"], ["--cuda-graph-max-bs", "4"]], ids=["eager", "graphs"]
+)
+def test_bench_one_batch_with_and_without_cuda_graphs(graph_flags: list[str], model_dir: Path, tmp_path: Path) -> None:
+    result_file = tmp_path / "bench.jsonl"
+    code, output = run_cli(
+        [
+            "bench-one-batch",
+            "--model",
+            str(model_dir),
+            "--device",
+            "cuda",
+            "--dtype",
+            "bfloat16",
+            "--attention-backend",
+            "flashinfer",
+            "--batch-size",
+            "1",
+            "--batch-size",
+            "4",
+            "--input-len",
+            "32",
+            "--output-len",
+            "8",
+            "--correctness-test",
+            "--result-file",
+            str(result_file),
+            *graph_flags,
+        ]
+    )
+    assert code == 0, output
+    assert "PASS" in output
+    assert len(result_file.read_text().splitlines()) == 2
