@@ -199,7 +199,8 @@ def test_last_prefill_chunk_of_one_token_forks_samples(
     """A prompt whose last chunk is one token (the rest of a shared prefill budget, or k·chunk + 1 tokens) is
     still prefilling in that round, not decoding: its samples fork there (found by a reviewer: it crashed)."""
     rows = [
-        {"id": str(i), "prompt_token_ids": [0, *p], "n": 1 + i % 2 + (len(prompts) == 1)} for i, p in enumerate(prompts)
+        {"id": str(i), "prompt_token_ids": [0, *p], "n": 1 + i % 2 + (len(prompts) == 1), "ignore_eos": True}
+        for i, p in enumerate(prompts)
     ]
     out = by_sample(
         run_rows(tmp_path, random_models["llama"], rows, "--max-new-tokens", "4", "--chunked-prefill-size", chunk)

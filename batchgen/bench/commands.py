@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import resource
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import typer
@@ -17,6 +18,7 @@ from batchgen.cli_errors import user_errors
 from batchgen.errors import BatchgenError
 from batchgen.loop.engine import Engine
 from batchgen.loop.options import EngineOptions
+from batchgen.run_summary import speculative_summary
 
 # Options that take several values after one flag, SGLang style (``--batch-size 1 8 32``).
 MULTI_VALUE_OPTIONS = ("--batch-size", "--input-len", "--output-len", "--baseline")
@@ -123,7 +125,10 @@ def bench(
     input_len_range: str = typer.Option("32:256", help="Prompt lengths, uniform in LOW:HIGH tokens."),
     output_len: int = typer.Option(64, help="New tokens per prompt (EOS ignored)."),
     dataset: Path | None = typer.Option(None, help="Take prompts from this JSONL/Parquet dataset instead."),
-    baseline: list[str] = typer.Option([], help="Also run hf (generate) and/or hf-cb (generate_batch)."),
+    baseline: list[str] = typer.Option(
+        [], help="Also run hf (generate), hf-cb (generate_batch) and/or plain (the engine without speculation)."
+    ),
+    repetitive: bool = typer.Option(False, help="Random prompts that repeat a short motif of their own."),
     hf_batch_size: int = typer.Option(32, help="Static batch size of the hf baseline."),
     dtype: str = typer.Option("auto", help="auto, float32, bfloat16 or float16."),
     device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
@@ -140,15 +145,26 @@ def bench(
     cuda_graph_max_bs: int | None = typer.Option(
         None, help="Largest decode batch served by the graph runner (default 256 on CUDA, off on CPU)."
     ),
+    speculative_algorithm: str | None = typer.Option(
+        None,
+        help="Speculative decoding: ngram (drafts from the sequence's own earlier text) or draft (a draft model "
+        "proposes); default off.",
+    ),
+    speculative_num_draft_tokens: int = typer.Option(4, help="Draft tokens per request per round (K)."),
+    speculative_ngram_min: int = typer.Option(2, help="Shortest suffix the n-gram drafter looks up."),
+    speculative_ngram_max: int = typer.Option(4, help="Longest suffix the n-gram drafter looks up."),
+    speculative_draft_model: str | None = typer.Option(
+        None, help="Draft model of --speculative-algorithm draft (same vocabulary as --model; or random:PRESET)."
+    ),
     report_memory: bool = typer.Option(False, help="Print the peak resident memory after each system."),
     result_file: Path | None = typer.Option(None, help="Append one JSON line per system to this file."),
 ) -> None:
     """Offline throughput: the whole workload through the engine, then (with --baseline) through HF
     transformers in the same process, and the ratio batchgen / baseline."""
     with user_errors():
-        unknown = set(baseline) - {"hf", "hf-cb"}
+        unknown = set(baseline) - {"hf", "hf-cb", "plain"}
         if unknown:
-            raise BatchgenError(f"--baseline must be hf or hf-cb, got {', '.join(sorted(unknown))}")
+            raise BatchgenError(f"--baseline must be hf, hf-cb or plain, got {', '.join(sorted(unknown))}")
         low, high = _parse_range(input_len_range)
         engine = Engine(
             EngineOptions(
@@ -163,6 +179,11 @@ def bench(
                 attention_backend=attention_backend,
                 disable_cuda_graph=disable_cuda_graph,
                 cuda_graph_max_bs=cuda_graph_max_bs,
+                speculative_algorithm=speculative_algorithm,
+                speculative_num_draft_tokens=speculative_num_draft_tokens,
+                speculative_ngram_min=speculative_ngram_min,
+                speculative_ngram_max=speculative_ngram_max,
+                speculative_draft_model=speculative_draft_model,
             )
         )
         if dataset is not None:
@@ -170,20 +191,24 @@ def bench(
                 dataset, engine.tokenizer, engine.vocab_size, engine.context_len, num_prompts, output_len
             )
         else:
-            workload = random_workload(num_prompts, low, high, output_len, engine.vocab_size, seed)
+            workload = random_workload(num_prompts, low, high, output_len, engine.vocab_size, seed, repetitive)
         print(
             f"workload: {len(workload.prompts)} prompts, {workload.input_tokens} input tokens, {output_len} new tokens "
             f"each, {model} in {str(engine.dtype).removeprefix('torch.')} on {engine.device}",
             file=sys.stderr,
         )
         results = [run_engine(engine, workload)]
-        print(results[0].line())
+        print(results[0].line() + speculative_summary(dict(engine.scheduler.accept_histogram)))
         if report_memory:
             print(f"peak RSS after batchgen: {peak_rss_mib():.0f} MiB")
         if baseline:
-            hf_model = load_hf_model(engine)
+            hf_model = load_hf_model(engine) if {"hf", "hf-cb"} & set(baseline) else None
             for name in baseline:
-                if name == "hf":
+                if name == "plain":
+                    # The same engine and weights with the drafter switched off: speculation's own speedup.
+                    engine.scheduler.drafter = None
+                    result = replace(run_engine(engine, workload), system="plain")
+                elif name == "hf":
                     result = run_hf_generate(hf_model, workload, hf_batch_size, engine.device)
                 else:
                     result = run_hf_generate_batch(hf_model, workload, engine.device)

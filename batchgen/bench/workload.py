@@ -27,12 +27,23 @@ class Workload:
 
 
 def random_workload(
-    num_prompts: int, min_len: int, max_len: int, output_len: int, vocab_size: int, seed: int
+    num_prompts: int,
+    min_len: int,
+    max_len: int,
+    output_len: int,
+    vocab_size: int,
+    seed: int,
+    repetitive: bool = False,
 ) -> Workload:
     """``num_prompts`` prompts with lengths uniform in ``[min_len, max_len]`` and token ids uniform in the
-    vocabulary, the same for the same arguments."""
+    vocabulary, the same for the same arguments. ``repetitive``: each prompt repeats a motif of 4–16 random
+    tokens (text that repeats itself, where n-gram speculation pays)."""
     rng = random.Random(seed)
-    prompts = [[rng.randrange(vocab_size) for _ in range(rng.randint(min_len, max_len))] for _ in range(num_prompts)]
+    prompts = []
+    for _ in range(num_prompts):
+        length = rng.randint(min_len, max_len)
+        motif = [rng.randrange(vocab_size) for _ in range(rng.randint(4, 16) if repetitive else length)]
+        prompts.append((motif * (length // len(motif) + 1))[:length])
     return Workload(prompts, output_len)
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+from transformers import GenerationConfig
 
 from batchgen.errors import BatchgenError
 from batchgen.loop.forward_batch import ForwardBatch
@@ -18,10 +18,8 @@ from batchgen.loop.model_runner import ModelRunner
 from batchgen.loop.options import EngineOptions
 from batchgen.loop.req import Req
 from batchgen.loop.scheduler import Scheduler, SchedulerOptions
-from batchgen.models.loader import load_model, random_model
-from batchgen.models.random_presets import is_random_spec, random_preset_config
-from batchgen.models.resolve import resolve_model
-from batchgen.speculative import make_drafter
+from batchgen.models.source import ModelSource
+from batchgen.speculative import check_speculative_options, make_drafter
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -69,10 +67,6 @@ def pick_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
-def _first_line(error: Exception) -> str:
-    return next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
-
-
 def _available_memory(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
@@ -105,21 +99,13 @@ class Engine:
 
     def __init__(self, options: EngineOptions) -> None:
         self.options = options
-        self.model_dir: Path | None = None
-        self.tokenizer: Any = None
-        if is_random_spec(options.model):
-            self.hf_config = random_preset_config(options.model)
-            self.eos_token_ids = eos_token_ids(None, self.hf_config)
-        else:
-            self.model_dir = resolve_model(options.model)
-            try:
-                self.hf_config = AutoConfig.from_pretrained(self.model_dir)
-                self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-            except (OSError, ValueError, KeyError) as e:
-                raise BatchgenError(
-                    f"{self.model_dir}: cannot load the config or tokenizer: {_first_line(e)}"
-                ) from None
-            self.eos_token_ids = eos_token_ids(self.model_dir, self.hf_config)
+        # Option errors first: they need no model, and loading one can take a while.
+        check_speculative_options(options)
+        source = ModelSource.open(options.model)
+        self.model_dir: Path | None = source.model_dir
+        self.tokenizer: Any = source.tokenizer
+        self.hf_config = source.hf_config
+        self.eos_token_ids = eos_token_ids(self.model_dir, self.hf_config)
         if options.logprobs_mode not in ("raw", "processed"):
             raise BatchgenError(f"--logprobs-mode must be raw or processed, got '{options.logprobs_mode}'")
         if options.cuda_graph_max_bs is not None and options.cuda_graph_max_bs < 1:
@@ -131,10 +117,7 @@ class Engine:
         context_len = options.context_length or max_positions
         if context_len > max_positions:
             raise BatchgenError(f"--context-length {context_len} exceeds the model's {max_positions} positions")
-        if self.model_dir is None:
-            model = random_model(self.hf_config, self.dtype, self.device, context_len)
-        else:
-            model = load_model(self.model_dir, self.hf_config, self.dtype, self.device, context_len)
+        model = source.load(self.dtype, self.device, context_len)
         config = model.config
         per_token = TokenToKVPool.bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, self.dtype)
         pool_size = options.max_total_tokens or int(options.mem_fraction * _available_memory(self.device) / per_token)
@@ -168,7 +151,7 @@ class Engine:
             self.runner.req_to_token_pool,
             self.allocator,
             self.tokenizer,
-            drafter=make_drafter(options),
+            drafter=make_drafter(options, self.runner, self._graph_max_bs(options)),
         )
         self.stats = RoundStats()
 

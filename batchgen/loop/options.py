@@ -27,9 +27,11 @@ class EngineOptions:
         cuda_graph_max_bs: the largest DECODE batch the graph runner serves (capped by max_running_requests);
             on CUDA it captures graphs for sizes 1, 2, 4, 8, 16, 24, … up to it, on CPU it pads eagerly.
             ``None`` = 256 on CUDA, and off on CPU, where padding only adds work.
-        speculative_algorithm: ``None`` (plain decoding) or ``ngram``.
+        speculative_algorithm: ``None`` (plain decoding), ``ngram`` or ``draft`` (a draft model proposes).
         speculative_num_draft_tokens: drafts per request per round (K); verify rounds score K + 1 positions.
         speculative_ngram_min, speculative_ngram_max: suffix lengths the n-gram drafter looks up, longest first.
+        speculative_draft_model: the draft model for ``draft`` (a spec as ``model``, same vocabulary); it runs on
+            ``device`` in the target's dtype.
         seed: run seed; rows without a ``seed`` get one derived from it and their ``id``.
         logprobs_mode: ``raw`` (log_softmax of the model's logits) or ``processed`` (of the distribution sampled
             from, after bias, penalties, temperature and truncation).
@@ -52,5 +54,6 @@ class EngineOptions:
     speculative_num_draft_tokens: int = 4
     speculative_ngram_min: int = 2
     speculative_ngram_max: int = 4
+    speculative_draft_model: str | None = None
     seed: int | None = None
     logprobs_mode: str = "raw"

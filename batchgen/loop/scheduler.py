@@ -136,6 +136,7 @@ class Scheduler:
                 req.spec_rounds += 1
                 req.spec_tokens += j - first + 1
                 self.accept_histogram[j - first + 1] += 1
+                self.drafter.on_verified(req)
             if count > 1:
                 self._drop_rejected_kv(req, count, emit)
             if req.finished:
@@ -209,6 +210,8 @@ class Scheduler:
 
     def _release(self, req: Req) -> None:
         assert req.req_pool_idx is not None
+        if self.drafter is not None:
+            self.drafter.release(req)
         self.allocator.free(self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.kv_len])
         for row in [req.req_pool_idx, *req.fork_rows]:
             self.req_to_token_pool.free(row)

@@ -1,0 +1,70 @@
+"""Open a model spec (directory, .gguf, built-in name, hub id or ``random:PRESET``) and build our decoder from it.
+
+Shared by the engine (the target model) and speculative decoding (the draft model), so both resolve, read and
+load a spec the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoTokenizer
+
+from batchgen.errors import BatchgenError
+from batchgen.models.llama import LlamaForCausalLM
+from batchgen.models.loader import load_model, random_model
+from batchgen.models.random_presets import is_random_spec, random_preset_config
+from batchgen.models.resolve import resolve_model
+
+
+def first_line(error: Exception) -> str:
+    """The first non-blank line of an exception's message (its type name if it has none)."""
+    return next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
+
+
+@dataclass
+class ModelSource:
+    """A resolved model spec, before its weights are loaded.
+
+    Attributes:
+        spec: what the user passed.
+        model_dir: the local checkpoint directory; ``None`` for ``random:`` presets.
+        hf_config: its transformers config.
+        tokenizer: its transformers tokenizer; ``None`` for ``random:`` presets (they have none).
+    """
+
+    spec: str
+    model_dir: Path | None
+    hf_config: Any
+    tokenizer: Any
+
+    @classmethod
+    def open(cls, spec: str) -> ModelSource:
+        """Resolve ``spec`` and read its config and tokenizer (no weights yet).
+
+        Raises:
+            BatchgenError: the spec matches no model, or its config or tokenizer cannot be read.
+        """
+        if is_random_spec(spec):
+            return cls(spec, None, random_preset_config(spec), None)
+        model_dir = resolve_model(spec)
+        try:
+            hf_config = AutoConfig.from_pretrained(model_dir)
+            tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        except (OSError, ValueError, KeyError) as e:
+            raise BatchgenError(f"{model_dir}: cannot load the config or tokenizer: {first_line(e)}") from None
+        return cls(spec, model_dir, hf_config, tokenizer)
+
+    def load(self, dtype: torch.dtype, device: torch.device, max_positions: int) -> LlamaForCausalLM:
+        """The decoder on ``device`` in ``dtype``, with RoPE tables for ``max_positions`` positions: the
+        checkpoint's weights, or random ones (seed 0) for a ``random:`` preset.
+
+        Raises:
+            BatchgenError: unsupported architecture, or missing / mis-shaped weights (see ``load_model``).
+        """
+        if self.model_dir is None:
+            return random_model(self.hf_config, dtype, device, max_positions)
+        return load_model(self.model_dir, self.hf_config, dtype, device, max_positions)

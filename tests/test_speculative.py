@@ -1,0 +1,197 @@
+"""Speculative decoding (n-gram drafts, TARGET_VERIFY rounds): exact under greedy and sampling."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from conftest import generate, read_rows, run_args, run_cli, write_jsonl
+from scipy.stats import chisquare
+from transformers import AutoModelForCausalLM
+
+from batchgen.io.reader import RowReader
+from batchgen.io.rows import parse_row
+from batchgen.loop.engine import Engine
+from batchgen.loop.options import EngineOptions
+from batchgen.loop.req import Req
+from batchgen.loop.request_builder import RequestBuilder
+from batchgen.sampling.sampling_params import SamplingParams
+from batchgen.speculative.ngram import NgramIndex
+from batchgen.speculative.verify import PerRequestDrafter, accepted_length
+
+SPEC = ("--speculative-algorithm", "ngram", "--speculative-num-draft-tokens", "4", "--speculative-ngram-min", "1")
+
+
+def test_ngram_index_proposes_what_followed_the_latest_longest_match() -> None:
+    index = NgramIndex(1, 3)
+    #        0  1  2  3  4  5  6  7  8
+    tokens = [5, 6, 7, 8, 9, 6, 7, 1, 6]
+    assert index.propose(tokens, 3) == [7, 1, 6]  # suffix [6]: latest earlier 6 is at 5, followed by 7 1 6
+    tokens += [7]  # suffix [6, 7] matched at 5..6 (latest), followed by 1 6 7
+    assert index.propose(tokens, 2) == [1, 6]
+    assert index.propose([*tokens, 42], 4) == []  # 42 never occurred before
+    assert NgramIndex(2, 3).propose([1, 2, 3], 2) == []  # no 2-gram repeats
+
+
+@pytest.mark.parametrize(
+    ("targets", "drafts", "emit"),
+    [([4], [], 1), ([4, 5], [9], 1), ([4, 5], [4], 2), ([4, 5, 6, 7], [4, 5, 6], 4), ([4, 5, 6, 7], [4, 9, 6], 2)],
+)
+def test_accepted_length(targets: list[int], drafts: list[int], emit: int) -> None:
+    assert accepted_length(targets, drafts) == emit
+
+
+def _repetitive_rows(count: int, greedy: bool) -> list[dict[str, Any]]:
+    rng = random.Random(7)
+    rows = []
+    for i in range(count):
+        motif = [rng.randrange(2, 300) for _ in range(rng.randrange(2, 6))]
+        rows.append(
+            {
+                "id": str(i),
+                "prompt_token_ids": [0] + motif * rng.randrange(2, 6) + motif[: rng.randrange(len(motif))],
+                "max_new_tokens": rng.randrange(1, 40),
+                "temperature": 0 if greedy else 0.3,
+                "seed": i,
+                "top_logprobs": 2,
+                "ignore_eos": i % 3 != 0,  # every third row may end at EOS inside an accepted run
+            }
+        )
+    return rows
+
+
+@pytest.mark.parametrize("max_running", ["1", "8"])
+@pytest.mark.parametrize("greedy", [True, False])
+def test_outputs_equal_plain_decoding(
+    max_running: str, greedy: bool, random_models: dict[str, Path], tmp_path: Path
+) -> None:
+    """Tokens, logprobs and top logprobs are the same with and without n-gram speculation, greedy or seeded,
+    with chunked prefill on; runs end inside accepted drafts by max_new_tokens (1..39) and by EOS."""
+    dataset = write_jsonl(tmp_path / "in.jsonl", _repetitive_rows(16, greedy))
+    common = ("--max-running-requests", max_running, "--chunked-prefill-size", "16")
+    model = random_models["llama"]
+    plain = generate(dataset, tmp_path / "plain.jsonl", model, *common)
+    spec = generate(dataset, tmp_path / "spec.jsonl", model, *common, *SPEC)
+    for rid, want in plain.items():
+        got = spec[rid]
+        assert got["output_token_ids"] == want["output_token_ids"], rid
+        assert got["finish_reason"] == want["finish_reason"]
+        assert got["output_logprobs"] == pytest.approx(want["output_logprobs"], abs=1e-5)
+        assert [[t["id"] for t in s] for s in got["top_logprobs"]] == [
+            [t["id"] for t in s] for s in want["top_logprobs"]
+        ]
+        assert want["spec_accept_length"] is None
+    lengths = [r["spec_accept_length"] for r in spec.values() if r["spec_accept_length"] is not None]
+    assert max(lengths) > (1.5 if greedy else 1.0)  # drafts were accepted: more than one token per round
+
+
+def test_stop_strings_and_penalties_inside_accepted_runs(random_models: dict[str, Path], tmp_path: Path) -> None:
+    """A stop string completed by an accepted draft ends the row there, as without speculation; penalties see
+    each verified position's tentative history."""
+    model = random_models["llama"]
+    plain_rows = generate(write_jsonl(tmp_path / "a.jsonl", _repetitive_rows(8, True)), tmp_path / "a_out.jsonl", model)
+    rows = []
+    for row in _repetitive_rows(8, True):
+        text = plain_rows[row["id"]]["text"]
+        stop = text[len(text) // 2 : len(text) // 2 + 2] if len(text) > 4 else None
+        rows.append({**row, "stop": [stop] if stop else [], "ignore_eos": True, "max_new_tokens": 40})
+        rows.append({**row, "id": row["id"] + "p", "repetition_penalty": 1.2, "frequency_penalty": 0.3})
+    dataset = write_jsonl(tmp_path / "in.jsonl", rows)
+    plain = generate(dataset, tmp_path / "plain.jsonl", model)
+    spec = generate(dataset, tmp_path / "spec.jsonl", model, *SPEC)
+    assert any(r["matched_stop"] is not None and r["finish_reason"] == "stop" for r in spec.values())
+    for rid, want in plain.items():
+        got = spec[rid]
+        assert (got["output_token_ids"], got["text"], got["matched_stop"]) == (
+            want["output_token_ids"],
+            want["text"],
+            want["matched_stop"],
+        ), rid
+
+
+class _TableDrafter(PerRequestDrafter):
+    """Test drafter: proposes ``table[last output token]`` (the likely continuation, then a wrong token)."""
+
+    num_draft_tokens = 2
+
+    def __init__(self, table: dict[int, list[int]]) -> None:
+        self.table = table
+
+    def propose(self, req: Req, limit: int) -> list[int]:
+        return self.table.get(req.output_ids[-1], [])[:limit] if req.output_ids else []
+
+
+def _top5(logits: torch.Tensor) -> dict[int, float]:
+    values, ids = logits.float().topk(5)
+    return dict(zip(ids.tolist(), torch.softmax(values, -1).tolist()))
+
+
+def test_sampled_first_two_tokens_follow_the_exact_distribution(random_models: dict[str, Path], tmp_path: Path) -> None:
+    """2,000 seeded samples (top_k 5, temperature 1) of the first two tokens, with and without speculation,
+    against the exact joint distribution computed here from HF transformers; the drafter proposes the most
+    likely second token (often accepted) and then a wrong one, so acceptance and rejection both happen."""
+    model_dir = random_models["mistral"]
+    prompt = [0, 17, 99, 5, 230, 41]
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        first = _top5(hf(torch.tensor([prompt])).logits[0, -1])
+        second = {t0: _top5(hf(torch.tensor([[*prompt, t0]])).logits[0, -1]) for t0 in first}
+    exact = {(t0, t1): p0 * p1 for t0, p0 in first.items() for t1, p1 in second[t0].items()}
+    table = {t0: [max(dist, key=dist.__getitem__), 3] for t0, dist in second.items()}
+
+    counts_by_mode = {}
+    for speculative in (False, True):
+        engine = Engine(
+            EngineOptions(
+                model=str(model_dir),
+                dtype="float32",
+                device="cpu",
+                max_running_requests=256,
+                speculative_algorithm="ngram" if speculative else None,
+            )
+        )
+        if speculative:
+            engine.scheduler.drafter = _TableDrafter(table)
+        rows = [
+            {"id": str(k), "prompt_token_ids": prompt, "n": 250, "seed": k, "top_k": 5, "max_new_tokens": 4}
+            for k in range(8)
+        ]
+        reader = RowReader(write_jsonl(tmp_path / "p.jsonl", rows))
+        builder = RequestBuilder(None, engine.vocab_size, engine.context_len, [], SamplingParams(), 0, 256)
+        for order, item in enumerate(reader):
+            assert not isinstance(item, Exception)
+            engine.add(builder.build(parse_row(item, reader.source, reader.passthrough_schema), reader.source, order))
+        finished = []
+        while engine.has_work():
+            finished += engine.step()
+        assert len(finished) == 2000
+        assert engine.allocator.available() == engine.allocator.size  # every slot freed, rejected drafts too
+        if speculative:
+            assert {1, 2} <= set(engine.scheduler.accept_histogram)  # drafts rejected and accepted
+        counts_by_mode[speculative] = Counter((r.output_ids[0], r.output_ids[1]) for r in finished)
+    cells = sorted(exact)
+    for speculative, counts in counts_by_mode.items():
+        assert set(counts) <= set(exact), speculative
+        observed = np.array([counts[c] for c in cells])
+        expected = np.array([exact[c] for c in cells]) * 2000
+        assert chisquare(observed, expected * observed.sum() / expected.sum()).pvalue > 1e-3, speculative
+
+
+def test_bad_speculative_options_are_one_line_errors(random_models: dict[str, Path], tmp_path: Path) -> None:
+    dataset = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi"}])
+    for extra, message in [
+        (("--speculative-algorithm", "magic"), "--speculative-algorithm must be one of ngram, draft, got 'magic'"),
+        (("--speculative-algorithm", "ngram", "--speculative-num-draft-tokens", "0"), "must be >= 1, got 0"),
+        (
+            ("--speculative-algorithm", "ngram", "--speculative-ngram-min", "3", "--speculative-ngram-max", "2"),
+            "1 <= min <= max, got 3 and 2",
+        ),
+    ]:
+        code, output = run_cli(run_args(dataset, tmp_path / "o.jsonl", random_models["llama"], *extra))
+        assert code == 2 and message in output and "Traceback" not in output
+    assert not (tmp_path / "o.jsonl").exists() or read_rows(tmp_path / "o.jsonl") == {}

@@ -1,0 +1,258 @@
+"""Speculative decoding with a draft model: exact outputs, full acceptance when draft = target, KV accounting."""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import build_random_model, generate, run_args, run_cli, write_jsonl
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from batchgen.io.reader import RowReader
+from batchgen.io.rows import parse_row
+from batchgen.loop.engine import Engine
+from batchgen.loop.forward_mode import ForwardMode
+from batchgen.loop.options import EngineOptions
+from batchgen.loop.req import Req
+from batchgen.loop.request_builder import RequestBuilder
+from batchgen.sampling.sampling_params import SamplingParams
+from batchgen.speculative.draft_model import DraftModelDrafter
+
+K = 4
+
+
+@pytest.fixture(scope="module")
+def other_draft(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A different, smaller (1 layer) random llama with the test tokenizer, so the target's vocabulary."""
+    return build_random_model(tmp_path_factory.mktemp("draft") / "llama1", "llama", seed=1, num_hidden_layers=1)
+
+
+@pytest.fixture(scope="module")
+def perturbed_draft(random_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The target with a little noise on its weights: it agrees with the target often but not always, so drafts
+    are accepted partly (some rounds keep 1..K - 1 drafts)."""
+    out = tmp_path_factory.mktemp("draft") / "perturbed"
+    model = AutoModelForCausalLM.from_pretrained(random_models["llama"], dtype=torch.float32)
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 2:
+                param.add_(torch.randn(param.shape, generator=generator) * 0.005)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(random_models["llama"]).save_pretrained(out)
+    return out
+
+
+def _rows(count: int, sampled: bool) -> list[dict[str, Any]]:
+    """Prompts of 8..40 tokens (longer than the 16-token prefill chunks); max_new_tokens = 1 + 5m, so with K = 4
+    every verify round has room for K drafts and emits K + 1 tokens when they are all accepted."""
+    rng = random.Random(3)
+    rows = []
+    for i in range(count):
+        row: dict[str, Any] = {
+            "id": str(i),
+            "prompt_token_ids": [0] + [rng.randrange(2, 300) for _ in range(rng.randrange(8, 40))],
+            "max_new_tokens": 1 + (K + 1) * rng.randrange(1, 5),
+            "temperature": 0.8 if sampled else 0,
+            "seed": 100 + i,
+            "top_logprobs": 2,
+            "ignore_eos": True,
+        }
+        if sampled:  # every sampling input the coupled draft must reproduce
+            row.update([{}, {"top_p": 0.9}, {"min_p": 0.05, "top_k": 20}, {"repetition_penalty": 1.3}][i % 4])
+            if i == 1:
+                row["n"] = 2  # forked samples draft from their own draft rows
+        rows.append(row)
+    return rows
+
+
+@dataclass
+class _Run:
+    """The finished requests by (id, sample index); per request of each TARGET_VERIFY round, (tokens emitted,
+    tokens emitted if all K drafts the limits allow were accepted); how many retractions there were."""
+
+    reqs: dict[tuple[str, int], Req]
+    verify_emits: list[tuple[int, int]]
+    retracted: int
+
+    def all_accepted(self) -> bool:
+        return bool(self.verify_emits) and all(got == full for got, full in self.verify_emits)
+
+    def partly_accepted(self) -> bool:
+        """Some verify round kept some of its drafts but not all (the draft KV rolls back inside a run)."""
+        return any(1 < got < full for got, full in self.verify_emits)
+
+
+def _run(model: Path, rows: list[dict[str, Any]], tmp_path: Path, draft: Path | None = None, **options: Any) -> _Run:
+    """Run ``rows`` through an Engine (fp32, CPU, 16-token prefill chunks); check that every slot and row of
+    both pools is free after."""
+    engine = Engine(
+        EngineOptions(
+            model=str(model),
+            dtype="float32",
+            device="cpu",
+            chunked_prefill_size=16,
+            speculative_algorithm="draft" if draft else None,
+            speculative_num_draft_tokens=K,
+            speculative_draft_model=str(draft) if draft else None,
+            **options,
+        )
+    )
+    reader = RowReader(write_jsonl(tmp_path / "rows.jsonl", rows))
+    builder = RequestBuilder(None, engine.vocab_size, engine.context_len, [], SamplingParams(), 0, 8)
+    for order, item in enumerate(reader):
+        assert not isinstance(item, Exception)
+        engine.add(builder.build(parse_row(item, reader.source, reader.passthrough_schema), reader.source, order))
+    scheduler = engine.scheduler
+    process_result = scheduler.process_result
+    verify_emits: list[tuple[int, int]] = []
+
+    def recording_process_result(batch: Any, *args: Any) -> list[Req]:
+        before = [len(r.output_ids) for r in batch.reqs]
+        # A round emits 1 + K tokens unless max_new_tokens (or the context) is nearer: rows decoding in MIXED
+        # rounds take one token there, so their later verify rounds may have room for fewer drafts.
+        full = [
+            1 + min(K, r.params.max_new_tokens - n - 1, r.max_total_len - r.fill_len)
+            for r, n in zip(batch.reqs, before)
+        ]
+        finished = process_result(batch, *args)
+        if batch.forward_mode == ForwardMode.TARGET_VERIFY:
+            verify_emits.extend((len(r.output_ids) - n, f) for r, n, f in zip(batch.reqs, before, full))
+        return finished
+
+    scheduler.process_result = recording_process_result  # type: ignore[method-assign]
+    finished: list[Req] = []
+    while engine.has_work():
+        finished += engine.step()
+    assert engine.allocator.available() == engine.allocator.size
+    assert engine.runner.req_to_token_pool.available() == engine.max_running_requests
+    if draft is not None:
+        drafter = scheduler.drafter
+        assert isinstance(drafter, DraftModelDrafter)
+        assert drafter.allocator.available() == drafter.allocator.size  # rejected drafts' slots freed too
+        assert drafter.req_to_token_pool.available() == engine.max_running_requests
+        assert all(r.draft_state is None for r in finished)
+    return _Run({(r.rid, r.sample_index): r for r in finished}, verify_emits, scheduler.num_retracted)
+
+
+def _assert_same_outputs(got: dict[tuple[str, int], Req], want: dict[tuple[str, int], Req]) -> None:
+    assert got.keys() == want.keys()
+    for key, plain in want.items():
+        spec = got[key]
+        assert spec.output_ids == plain.output_ids, key
+        assert spec.finish_reason == plain.finish_reason
+        assert spec.output_logprobs == pytest.approx(plain.output_logprobs, abs=1e-5)
+        assert [[t for t, _ in top] for top in spec.output_top_logprobs] == [
+            [t for t, _ in top] for top in plain.output_top_logprobs
+        ]
+
+
+@pytest.mark.parametrize("max_running", [1, 8])
+def test_greedy_outputs_equal_plain_decoding(
+    max_running: int, random_models: dict[str, Path], other_draft: Path, tmp_path: Path
+) -> None:
+    """Greedy fp32: ids and logprobs equal plain decoding with a different draft model and with the target as
+    its own draft; the latter has every draft accepted, K + 1 tokens per verify round."""
+    model = random_models["llama"]
+    rows = _rows(10, sampled=False)
+    plain = _run(model, rows, tmp_path, max_running_requests=max_running).reqs
+    other = _run(model, rows, tmp_path, draft=other_draft, max_running_requests=max_running)
+    _assert_same_outputs(other.reqs, plain)
+    itself = _run(model, rows, tmp_path, draft=model, max_running_requests=max_running)
+    _assert_same_outputs(itself.reqs, plain)
+    assert itself.all_accepted()
+    if max_running == 1:  # no MIXED rounds, where decodes take one token: every decode round is a verify round
+        assert {req.spec_tokens / req.spec_rounds for req in itself.reqs.values()} == {K + 1}
+
+
+def test_sampled_outputs_equal_plain_decoding_and_identical_draft_is_always_accepted(
+    random_models: dict[str, Path], perturbed_draft: Path, tmp_path: Path
+) -> None:
+    """Seeded sampling (temperature 0.8, top-p, top-k, min-p, repetition penalty, n = 2) gives plain decoding's
+    outputs with a draft that is partly accepted; and, since the draft model draws with the target's uniforms
+    and inputs, with draft = target every draft is accepted."""
+    model = random_models["llama"]
+    rows = _rows(8, sampled=True)
+    plain = _run(model, rows, tmp_path, max_running_requests=8, enable_mixed_chunk=False).reqs
+    near = _run(model, rows, tmp_path, draft=perturbed_draft, max_running_requests=8, enable_mixed_chunk=False)
+    _assert_same_outputs(near.reqs, plain)
+    assert near.partly_accepted()
+    itself = _run(model, rows, tmp_path, draft=model, max_running_requests=8, enable_mixed_chunk=False)
+    _assert_same_outputs(itself.reqs, plain)
+    assert ("1", 1) in itself.reqs  # the n = 2 row's second sample
+    assert itself.all_accepted()
+    assert {req.spec_tokens / req.spec_rounds for req in itself.reqs.values()} == {K + 1}
+
+
+def test_retraction_frees_draft_rows_and_keeps_outputs(
+    random_models: dict[str, Path], perturbed_draft: Path, tmp_path: Path
+) -> None:
+    """A KV pool so small that requests are retracted: they give back their draft rows and KV, catch up from
+    scratch later, and the outputs stay those of plain decoding."""
+    model = random_models["llama"]
+    rows = _rows(10, sampled=False)
+    plain = _run(model, rows, tmp_path, max_running_requests=8).reqs
+    for draft in (model, perturbed_draft):
+        small = _run(model, rows, tmp_path, draft=draft, max_running_requests=8, max_total_tokens=80)
+        assert small.retracted > 0
+        _assert_same_outputs(small.reqs, plain)
+
+
+def test_cli_draft_model_with_text_stops_and_grammar(
+    random_models: dict[str, Path], other_draft: Path, tmp_path: Path
+) -> None:
+    """``batchgen run --speculative-draft-model``: rows with a stop string, EOS, a regex constraint and
+    sampling come out as without speculation. The draft follows the regex to its end, so a verify round holds
+    a draft that terminates the grammar (the position after it samples unconstrained; its draw is never used)."""
+    model = random_models["llama"]
+    rows = [
+        {"id": "greedy", "prompt": "Once upon a time", "max_new_tokens": 30, "temperature": 0},
+        {"id": "stop", "prompt": "The quick brown fox", "max_new_tokens": 30, "temperature": 0, "stop": ["e"]},
+        {"id": "sampled", "prompt": "Numbers like", "max_new_tokens": 30, "temperature": 1.0, "seed": 5},
+        {"id": "regex", "prompt": "Code:", "regex": r"[a-c]{2,4}-\d{3}", "temperature": 1.0, "seed": 2},
+    ]
+    dataset = write_jsonl(tmp_path / "in.jsonl", rows)
+    plain = generate(dataset, tmp_path / "plain.jsonl", model)
+    for draft in (other_draft, model):
+        spec = generate(
+            dataset,
+            tmp_path / "spec.jsonl",
+            model,
+            *("--speculative-algorithm", "draft", "--speculative-draft-model", str(draft)),
+        )
+        for rid, want in plain.items():
+            got = spec[rid]
+            assert (got["output_token_ids"], got["text"], got["finish_reason"]) == (
+                want["output_token_ids"],
+                want["text"],
+                want["finish_reason"],
+            ), (rid, draft)
+    assert re.fullmatch(r"[a-c]{2,4}-\d{3}", plain["regex"]["text"])
+
+
+def test_bad_draft_options_are_one_line_errors(random_models: dict[str, Path], tmp_path: Path) -> None:
+    wide = build_random_model(tmp_path / "wide", "llama", seed=2, vocab_size=512)
+    target_vocab = AutoConfig.from_pretrained(random_models["llama"]).vocab_size
+    dataset = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi"}])
+    for extra, message in [
+        (
+            ("--speculative-algorithm", "draft", "--speculative-draft-model", str(wide)),
+            f"vocabulary of 512 tokens, the target model's has {target_vocab}",
+        ),
+        (("--speculative-algorithm", "draft"), "--speculative-algorithm draft needs --speculative-draft-model"),
+        (("--speculative-draft-model", str(wide)), "--speculative-draft-model needs --speculative-algorithm draft"),
+        (
+            ("--speculative-algorithm", "draft", "--speculative-draft-model", str(tmp_path / "nowhere")),
+            f"--speculative-draft-model {tmp_path / 'nowhere'}: ",
+        ),
+    ]:
+        code, output = run_cli(run_args(dataset, tmp_path / "o.jsonl", random_models["llama"], *extra))
+        errors = [line for line in output.splitlines() if line.startswith("batchgen: error:")]
+        assert code == 2 and "Traceback" not in output, output
+        assert len(errors) == 1 and message in errors[0], output
+    assert not (tmp_path / "o.jsonl").exists()
