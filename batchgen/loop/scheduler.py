@@ -69,7 +69,7 @@ class Scheduler:
         self.running: list[Req] = []
         self.num_retracted = 0
         self.drafter = drafter
-        # Speculative decoding: how many decode rounds emitted 1, 2, … K + 1 tokens for one request.
+        # Speculative decoding: how many verify rounds with drafts emitted 1, 2, … K + 1 tokens for one request.
         self.accept_histogram: Counter[int] = Counter()
 
     def add(self, req: Req) -> None:
@@ -133,9 +133,10 @@ class Scheduler:
                 if req.finished:
                     break
             if self.drafter is not None and decoding:
-                req.spec_rounds += 1
-                req.spec_tokens += j - first + 1
-                self.accept_histogram[j - first + 1] += 1
+                if count > 1:  # only rounds that verified drafts measure acceptance (as SGLang's verify count)
+                    req.spec_rounds += 1
+                    req.spec_tokens += j - first + 1
+                    self.accept_histogram[j - first + 1] += 1
                 self.drafter.on_verified(req)
             if count > 1:
                 self._drop_rejected_kv(req, count, emit)
