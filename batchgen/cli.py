@@ -157,15 +157,36 @@ def run(
     cuda_graph_max_bs: int | None = typer.Option(
         None, help="Largest decode batch replayed from a CUDA graph (default 256; on CPU: off, N pads eagerly)."
     ),
+    speculative_algorithm: str | None = typer.Option(
+        None,
+        help="Speculative decoding: ngram (drafts from the sequence's own earlier text) or draft (a draft model "
+        "proposes); default off.",
+    ),
+    speculative_num_draft_tokens: int = typer.Option(4, help="Draft tokens per request per round (K)."),
+    speculative_ngram_min: int = typer.Option(2, help="Shortest suffix the n-gram drafter looks up."),
+    speculative_ngram_max: int = typer.Option(4, help="Longest suffix the n-gram drafter looks up."),
+    speculative_draft_model: str | None = typer.Option(
+        None, help="Draft model of --speculative-algorithm draft (same vocabulary as --model; or random:PRESET)."
+    ),
     on_error: str = typer.Option("fail", help="fail: report bad rows and exit 2 at the end; skip: write them."),
-    overwrite: bool = typer.Option(False, help="Replace an existing output file."),
+    overwrite: bool = typer.Option(False, help="Replace an existing output file (and discard a partial output)."),
+    resume: bool = typer.Option(
+        False, "--resume", help="Continue an interrupted run: keep the rows OUT.partial/ holds, generate the rest."
+    ),
+    resume_force: bool = typer.Option(
+        False, "--resume-force", help="Resume even if model, dtype, sampling defaults or dataset changed."
+    ),
+    flush_every: int = typer.Option(256, help="Make finished rows durable at least every N rows..."),
+    flush_every_seconds: float = typer.Option(5.0, help="...and at least every S seconds."),
     progress: bool = typer.Option(True, help="Show a progress bar on stderr."),
     report_memory: bool = typer.Option(False, help="Print the peak resident memory (RSS) at the end."),
 ) -> None:
     """Generate a completion for every row of DATASET and write one result row per prompt to OUT."""
     from transformers.utils import logging as transformers_logging
 
-    from batchgen.job import RunJob, check_output_path, raise_if_failed
+    from batchgen.job import RunJob
+    from batchgen.resume import OutputPolicy, check_output_path, resume_command
+    from batchgen.run_summary import raise_if_failed
 
     # batchgen reports problems with the input itself, one line each; transformers' notes would only add noise.
     transformers_logging.set_verbosity_error()
@@ -179,7 +200,10 @@ def run(
             context_length=context_length,
             mem_fraction=mem_fraction,
         )
-        check_output_path(dataset, out, overwrite)
+        policy = OutputPolicy(overwrite, resume or resume_force, resume_force, flush_every, flush_every_seconds)
+        if check_output_path(dataset, out, overwrite, policy.resume):
+            print(f"batchgen: {out} is already complete; nothing to do", file=sys.stderr)
+            return
         defaults = SamplingParams(
             max_new_tokens=max_new_tokens,
             min_new_tokens=min_new_tokens,
@@ -213,30 +237,51 @@ def run(
             enable_mixed_chunk=enable_mixed_chunk,
             disable_cuda_graph=disable_cuda_graph,
             cuda_graph_max_bs=cuda_graph_max_bs,
+            speculative_algorithm=speculative_algorithm,
+            speculative_num_draft_tokens=speculative_num_draft_tokens,
+            speculative_ngram_min=speculative_ngram_min,
+            speculative_ngram_max=speculative_ngram_max,
+            speculative_draft_model=speculative_draft_model,
             seed=seed,
             logprobs_mode=logprobs_mode,
         )
-        job = RunJob(dataset, out, options, defaults, on_error, progress)
+        job = RunJob(dataset, out, options, defaults, on_error, progress, policy)
         try:
             defaults.validate(job.engine.vocab_size)
         except ValueError as e:
             raise BatchgenError(f"command line: {e}") from None
+        if n > job.engine.max_running_requests:
+            raise BatchgenError(f"--n {n} exceeds --max-running-requests {job.engine.max_running_requests}")
         summary = job.run()
         print(summary.line(), file=sys.stderr)
         if report_memory:
             print(f"batchgen: peak RSS {peak_rss_mib():.0f} MiB", file=sys.stderr)
         if summary.interrupted_by:
             print(
-                f"batchgen: stopped by {summary.interrupted_by}: {summary.requests} finished rows are in {out}; "
-                "requests still running were not written",
+                f"batchgen: stopped by {summary.interrupted_by}: the {summary.requests} rows finished in this run are "
+                f"flushed to {job.output.dir}; requests still running were dropped",
                 file=sys.stderr,
             )
+            print(f"batchgen: to resume: {resume_command(dataset, out)}", file=sys.stderr)
             raise typer.Exit(128 + signal.Signals[summary.interrupted_by].value)
         raise_if_failed(summary, on_error)
 
 
 app.command("bench-one-batch")(bench_one_batch)
 app.command("bench")(bench)
+
+
+@app.command()
+def status(
+    dataset: Path = typer.Argument(..., metavar="DATASET", help="The dataset the run reads."),
+    out: Path = typer.Argument(..., metavar="OUT", help="The run's --out."),
+) -> None:
+    """Show how far the run from DATASET to OUT has got: rows done, remaining and errored."""
+    from batchgen.status import output_status
+
+    with user_errors():
+        for line in output_status(dataset, out):
+            print(line)
 
 
 def main() -> None:

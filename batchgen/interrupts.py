@@ -1,8 +1,11 @@
 """Stop a run cleanly on SIGINT, SIGTERM or SIGHUP: the first signal asks the loop to stop after the current
-round (finished rows are written and the output file is closed, so it stays readable); a second one aborts."""
+round (finished rows are flushed to the partial output, which a rerun with ``--resume`` continues); a second one
+ends the process at once. That is safe at any instant, as a ``kill -9`` is: the partial output only ever holds
+complete part files, and a half-written one is dropped on resume."""
 
 from __future__ import annotations
 
+import os
 import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,7 +22,10 @@ class StopRequest:
 
     def handle(self, signum: int, _frame: FrameType | None) -> None:
         if self.signum is not None:
-            raise KeyboardInterrupt  # a second signal: stop now (the writer is still closed on the way out)
+            # A second signal: the user does not want to wait for the flush. Nothing needs to run on the way out.
+            name = signal.Signals(signum).name
+            os.write(2, f"batchgen: second {name}: stopped at once; rerun with --resume to continue\n".encode())
+            os._exit(128 + signum)
         self.signum = signum
 
     @property
@@ -29,7 +35,9 @@ class StopRequest:
 
 @contextmanager
 def graceful_stop() -> Iterator[StopRequest]:
-    """Install the handlers for the duration of a run (main thread only) and restore the previous ones."""
+    """Install the handlers for the duration of a run (main thread only) and restore the previous ones, unless a
+    signal asked the run to stop: the process is then on its way out, and a second signal during the rest of
+    that way (summary, resume hint, interpreter shutdown) must still end it at once, without a traceback."""
     request = StopRequest()
     previous = {}
     try:
@@ -40,5 +48,6 @@ def graceful_stop() -> Iterator[StopRequest]:
     try:
         yield request
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        if request.signum is None:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)

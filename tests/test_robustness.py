@@ -14,9 +14,11 @@ import pyarrow as pa
 import pytest
 from conftest import read_rows, run_args, run_cli, write_jsonl
 
+from batchgen.io.partial_output import PartialOutput
+
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_stop_signal_leaves_a_readable_output(
+def test_stop_signal_leaves_a_readable_partial_output(
     sig: signal.Signals, random_models: dict[str, Path], tmp_path: Path
 ) -> None:
     rows = [
@@ -45,17 +47,22 @@ def test_stop_signal_leaves_a_readable_output(
         text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
+    partial = PartialOutput(out)
     deadline = time.monotonic() + 60
-    while not out.exists() and time.monotonic() < deadline:
+    while not partial.exists() and time.monotonic() < deadline:
         time.sleep(0.1)
     time.sleep(1.0)
     proc.send_signal(sig)
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 128 + sig.value, stderr
     assert f"stopped by {sig.name}" in stderr and "Traceback" not in stderr
-    table = pa.ipc.open_file(out).read_all()  # readable: the footer was written
-    assert table.num_rows < 400
-    for row in table.to_pylist():
+    assert "batchgen: to resume: python -m batchgen run " in stderr and stderr.rstrip().endswith(" --resume")
+    # The output file appears only complete; what finished is flushed to readable part files beside it.
+    assert not out.exists()
+    parts = partial.inspect().parts
+    rows = [row for _, path in parts for row in pa.ipc.open_file(path).read_all().to_pylist()]
+    assert len(rows) < 400
+    for row in rows:
         assert row["finish_reason"] == "length" and len(row["output_token_ids"]) == 200
 
 

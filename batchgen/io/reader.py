@@ -285,3 +285,18 @@ def _null_to_string(t: pa.DataType) -> pa.DataType:
     if pa.types.is_struct(t):
         return pa.struct([t.field(i).with_type(_null_to_string(t.field(i).type)) for i in range(t.num_fields)])
     return t
+
+
+def count_input_rows(path: Path) -> int:
+    """Rows in the dataset (non-blank JSONL lines; Parquet metadata), streaming, for progress and status.
+
+    Raises:
+        BatchgenError: the file cannot be read.
+    """
+    try:
+        if path.suffix.lower() in _PARQUET_SUFFIXES:
+            return int(pq.ParquetFile(path).metadata.num_rows)
+        with open(path, "rb") as f:
+            return sum(1 for line in f if line.strip())
+    except (OSError, pa.ArrowException) as e:
+        raise BatchgenError(f"{path}: cannot read: {e}") from None

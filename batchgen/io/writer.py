@@ -32,6 +32,7 @@ OUTPUT_COLUMNS: pa.Schema = pa.schema(
         pa.field("completion_tokens", pa.int32()),
         pa.field("prompt_logprobs", pa.list_(pa.float32())),
         pa.field("prompt_top_logprobs", pa.list_(pa.list_(_TOKEN_LOGPROB))),
+        pa.field("spec_accept_length", pa.float32()),
     ]
 )
 
@@ -85,6 +86,21 @@ class ResultWriter(ABC):
             if extra:
                 raise ValueError(f"row has keys that are not output columns: {sorted(extra)}")
         self._write(pa.RecordBatch.from_pylist(rows, schema=self.schema))
+
+    def write_batch(self, batch: pa.RecordBatch) -> None:
+        """Append a batch whose columns are this writer's (metadata may differ), and flush it.
+
+        Raises:
+            ValueError: the writer is closed, or the batch's columns are not this writer's.
+            OSError: the file system failed.
+        """
+        if self.closed:
+            raise ValueError(f"{self.path}: writer is closed")
+        if not batch.schema.equals(self.schema, check_metadata=False):
+            raise ValueError(f"{self.path}: batch columns differ from the output's")
+        if batch.num_rows:
+            # Re-attached to our schema so that the file carries this writer's metadata, not the batch's.
+            self._write(pa.RecordBatch.from_arrays(batch.columns, schema=self.schema))
 
     def close(self) -> None:
         """Finish the file (footer for IPC and Parquet) and release it; calling it again does nothing."""
@@ -168,6 +184,18 @@ def _json_default(value: Any) -> Any:
     return str(value)
 
 
+def check_output_format(path: Path) -> str:
+    """Return the output's lower-case extension.
+
+    Raises:
+        BatchgenError: batchgen cannot write that format.
+    """
+    suffix = path.suffix.lower()
+    if suffix not in (*_IPC_SUFFIXES, ".parquet", ".jsonl"):
+        raise BatchgenError(f"{path}: unsupported output format '{suffix}' (use {_SUPPORTED})")
+    return suffix
+
+
 def open_result_writer(path: Path, passthrough: pa.Schema, metadata: dict[str, str]) -> ResultWriter:
     """Create (or truncate) the output file ``path`` and return a writer for it.
 
@@ -178,9 +206,7 @@ def open_result_writer(path: Path, passthrough: pa.Schema, metadata: dict[str, s
     Raises:
         BatchgenError: unsupported extension, missing parent directory, or the file cannot be created.
     """
-    suffix = path.suffix.lower()
-    if suffix not in (*_IPC_SUFFIXES, ".parquet", ".jsonl"):
-        raise BatchgenError(f"{path}: unsupported output format '{suffix}' (use {_SUPPORTED})")
+    suffix = check_output_format(path)
     parent = path.parent
     if not parent.is_dir():
         raise BatchgenError(f"{path}: output directory '{parent}' does not exist")

@@ -60,7 +60,8 @@ class Req:
     unforked_samples: int = 0
     fork_rows: list[int] = field(default_factory=list)
     # Speculative decoding: this round's draft tokens, the grammar state after each of them (index j: after
-    # j drafts; 0 is ``grammar`` itself), the drafter's own state, and the verify rounds with drafts / tokens they emitted.
+    # j drafts; 0 is ``grammar`` itself), the drafter's own state, and the verify rounds with drafts and the
+    # tokens they emitted.
     draft_ids: list[int] = field(default_factory=list)
     draft_grammars: list[GrammarState | None] = field(default_factory=list)
     draft_state: Any = None

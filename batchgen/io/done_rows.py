@@ -1,0 +1,83 @@
+"""Which input rows a partial output already holds, by ``id``, so that a resumed run skips exactly those.
+
+A row is done when all of its ``n`` samples are in the output, or when it was written as an error row
+(``--on-error skip``). The run hands the samples of a row to the part writer together, so they always land in
+one part file; should an older part still hold some samples of a row that a later part holds again (a row found
+incomplete and generated anew), only the later part's samples count: the older ones are superseded and left
+out of the final output. Error rows are never superseded: a duplicate ``id`` is an error row next to the real
+row with that id, so each error row stands for one input row of its own.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+
+class DoneRows:
+    """The done rows of a partial output: sample counts and error rows by id, and the superseded samples.
+
+    Memory: one dict entry per done id (the ids a resumed run skips), plus one per error row.
+    """
+
+    def __init__(self) -> None:
+        # id → number of sample rows in the latest part holding sample rows of that id.
+        self.samples: dict[str, int] = {}
+        # id → error rows not yet matched with an input row by this run (see take_error).
+        self.errors: Counter[str] = Counter()
+        self.error_rows = 0
+        # id → the part whose samples count, only for ids with sample rows in more than one part.
+        self.latest_part: dict[str, int] = {}
+
+    def add_part(self, part: int, table: pa.Table) -> None:
+        """Count the rows of part number ``part`` (``id``, ``sample_index`` and ``finish_reason`` are read)."""
+        ids = table.column("id").to_pylist()
+        is_error = [reason == "error" for reason in table.column("finish_reason").to_pylist()]
+        counts: Counter[str] = Counter(rid for rid, error in zip(ids, is_error) if not error)
+        for rid, error in zip(ids, is_error):
+            if error:
+                self.errors[rid] += 1
+                self.error_rows += 1
+        for rid, count in counts.items():
+            if rid in self.samples:
+                self.latest_part[rid] = part
+            self.samples[rid] = count
+
+    def note_written(self, part: int, sample_ids: list[str]) -> None:
+        """Record that this run wrote part ``part``; its ids that were already present supersede their old rows."""
+        for rid in sample_ids:
+            if rid in self.samples:
+                self.latest_part[rid] = part
+
+    def is_done(self, rid: str, n: int) -> bool:
+        """Whether the row ``rid`` with ``n`` samples has all of them."""
+        return self.samples.get(rid) == n
+
+    def take_error(self, rid: str) -> bool:
+        """Whether an error row for ``rid`` is already written; each one answers ``True`` once.
+
+        A run meets its error rows in input order, and wrote them in input order, so matching them by count
+        pairs each with the input row it was written for.
+        """
+        if self.errors[rid] > 0:
+            self.errors[rid] -= 1
+            return True
+        return False
+
+    @property
+    def count(self) -> int:
+        """Input rows done: rows with their samples, plus error rows."""
+        return len(self.samples) + self.error_rows
+
+    def superseded_in(self, part: int, table: pa.Table) -> pa.Array | None:
+        """A mask of the rows of part ``part`` to leave out (superseded samples), or ``None`` when there are none."""
+        stale = [rid for rid, latest in self.latest_part.items() if latest != part]
+        if not stale:
+            return None
+        mask = pc.and_(
+            pc.is_in(table.column("id"), value_set=pa.array(stale, pa.string())),
+            pc.not_equal(pc.fill_null(table.column("finish_reason"), ""), "error"),
+        )
+        return mask if pc.any(mask).as_py() else None

@@ -1,0 +1,39 @@
+"""Warn about pass-through fields that look like sampling fields, so that a row written for another engine is not
+silently half-understood."""
+
+from __future__ import annotations
+
+import sys
+
+from batchgen.sampling.sampling_params import SAMPLING_FIELDS
+
+# Names other engines use for sampling fields → batchgen's name (None: batchgen has no such field).
+_FOREIGN_SAMPLING_NAMES = {
+    "max_tokens": "max_new_tokens",
+    "max_completion_tokens": "max_new_tokens",
+    "min_tokens": "min_new_tokens",
+    "stop_sequences": "stop",
+    "best_of": None,
+    "response_format": None,
+}
+
+
+def warn_about_passthrough_names(names: list[str]) -> None:
+    """Print one warning per pass-through field that looks like a sampling field batchgen does not read."""
+    known = {name.lower(): name for name in SAMPLING_FIELDS}
+    for name in names:
+        hint = known.get(name.lower())
+        if hint is None and name in _FOREIGN_SAMPLING_NAMES:
+            hint = _FOREIGN_SAMPLING_NAMES[name]
+            if hint is None:
+                print(
+                    f"batchgen: warning: field '{name}' is not supported (yet); it is passed through unused",
+                    file=sys.stderr,
+                )
+                continue
+        if hint is not None:
+            print(
+                f"batchgen: warning: field '{name}' is not a sampling field (did you mean '{hint}'?); it is passed "
+                "through unused",
+                file=sys.stderr,
+            )

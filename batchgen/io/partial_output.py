@@ -1,0 +1,339 @@
+"""``OUT.partial/``: the work in progress of one output file, made durable part by part, and turned into OUT.
+
+Layout (``OUT`` is e.g. ``results.arrow``)::
+
+    results.arrow.partial/
+        manifest.json                      the job: its output schema, whose metadata records model, dtype,
+                                           sampling defaults, engine options, logprobs mode, dataset fingerprint
+                                           and run seed; a SHA-256 of its own content; written atomically
+        part-000000-<16 hex>.arrow         finished rows, one Arrow IPC file per flush; the hex digits are the
+        part-000001-<16 hex>.arrow         first 16 of the file's own SHA-256
+        part-000002.tmp                    a part being written (left by a crash; deleted on resume)
+        lock                               flock'ed by the run that writes the directory
+
+Flush protocol: a part goes to ``part-N.tmp``, is fsynced, renamed to ``part-N-<hash>.arrow``, and the directory
+is fsynced; a crash at any instant leaves either no part N or a complete one. A part counts only when its bytes
+hash to the digits in its name and open as an Arrow IPC file, so a torn, truncated or corrupted part is detected
+(never read as data), dropped on resume, and its rows generated again. The parts are in Arrow IPC whatever
+OUT's format: :func:`batchgen.io.assemble.assemble_output` writes OUT's format at the end.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from batchgen.crash_hooks import CRASH_IN_FLUSH, crash_point
+from batchgen.errors import BatchgenError
+from batchgen.io.assemble import assemble_output
+from batchgen.io.done_rows import DoneRows
+from batchgen.io.durable import fsync_dir, write_atomically
+
+MANIFEST = "manifest.json"
+LOCK = "lock"
+_PART = re.compile(r"part-(\d+)-([0-9a-f]{16})\.arrow")
+_TORN = re.compile(r"part-\d+\.tmp")
+# Temporary files that hold no rows: a manifest being replaced, OUT being assembled.
+_LEFTOVER = re.compile(r"manifest\.json\.tmp|final\..*")
+_FORMAT = "batchgen partial output"
+
+
+def partial_dir(out: Path) -> Path:
+    """The directory that holds ``out``'s work in progress."""
+    return out.with_name(out.name + ".partial")
+
+
+@dataclass
+class PartialState:
+    """What a partial output directory holds (see :meth:`PartialOutput.inspect`).
+
+    Attributes:
+        schema: the job's output schema, from the manifest, else from the latest valid part; ``None`` if neither.
+        manifest_damaged: the manifest exists but is unreadable or fails its checksum.
+        parts: the valid parts, ``(number, path)`` in order.
+        damaged: torn or corrupted parts and temporary part files, to be deleted.
+        done: the rows the valid parts hold.
+        next_part: the number of the next part to write.
+        listing: the directory's files and sizes when inspected (to notice another run changing them).
+    """
+
+    schema: pa.Schema | None = None
+    manifest_damaged: bool = False
+    parts: list[tuple[int, Path]] = field(default_factory=list)
+    damaged: list[Path] = field(default_factory=list)
+    done: DoneRows = field(default_factory=DoneRows)
+    next_part: int = 0
+    listing: frozenset[tuple[str, int]] = frozenset()
+
+
+class PartialOutput:
+    """Writes the part files of ``out`` and assembles ``out`` from them; one instance per run."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.dir = partial_dir(out)
+        self.state = PartialState()
+        self._lock_fd: int | None = None
+        self._broken = False
+
+    def exists(self) -> bool:
+        return self.dir.is_dir()
+
+    def inspect(self) -> PartialState:
+        """Read the directory without changing it.
+
+        Raises:
+            BatchgenError: the directory cannot be read.
+        """
+        state = PartialState()
+        try:
+            state.listing = _listing(self.dir)
+            state.schema, state.manifest_damaged = _read_manifest(self.dir / MANIFEST)
+            numbered = []
+            for path in self.dir.iterdir():
+                match = _PART.fullmatch(path.name)
+                if match:
+                    numbered.append((int(match[1]), match[2], path))
+                elif _TORN.fullmatch(path.name):
+                    state.damaged.append(path)
+            last_schema = None
+            for number, digest, path in sorted(numbered):
+                state.next_part = max(state.next_part, number + 1)
+                table = _read_part(path, digest)
+                if table is None:
+                    state.damaged.append(path)
+                    continue
+                state.parts.append((number, path))
+                state.done.add_part(number, table)
+                last_schema = table.schema
+        except OSError as e:
+            raise BatchgenError(f"{self.dir}: cannot read the partial output: {e.strerror or e}") from None
+        if state.schema is None:
+            # A damaged manifest is rebuilt from the parts: each carries the job's schema and metadata.
+            state.schema = last_schema
+        return state
+
+    def start(self, schema: pa.Schema, state: PartialState | None) -> None:
+        """Open the directory for this run's parts: afresh (``state`` is ``None``: earlier content is removed)
+        or continuing ``state`` from :meth:`inspect` (its damaged files are deleted).
+
+        Raises:
+            BatchgenError: the directory or manifest cannot be written, or another run holds the lock.
+        """
+        try:
+            if not self.dir.exists():
+                self.dir.mkdir()
+                fsync_dir(self.dir.parent)
+            self._lock()
+            if state is not None and _listing(self.dir) != state.listing:
+                raise BatchgenError(
+                    f"{self.dir}: another run changed the partial output meanwhile; rerun with --resume"
+                )
+            if state is None:
+                _remove_contents(self.dir)
+                state = PartialState()
+            for path in [*state.damaged, *(p for p in self.dir.iterdir() if _LEFTOVER.fullmatch(p.name))]:
+                path.unlink(missing_ok=True)
+            state.damaged = []
+            if state.schema is None or state.manifest_damaged or not state.schema.equals(schema, check_metadata=True):
+                write_atomically(self.dir / MANIFEST, encode_manifest(schema))
+            fsync_dir(self.dir)
+        except OSError as e:
+            raise BatchgenError(f"{self.dir}: cannot write the partial output: {e.strerror or e}") from None
+        state.schema, state.manifest_damaged = schema, False
+        self.state = state
+
+    def write_part(self, rows: list[dict[str, Any]]) -> None:
+        """Make ``rows`` durable as the next part (nothing for no rows). The caller hands over whole rows: all
+        samples of a row in one call.
+
+        Raises:
+            BatchgenError: the file system failed (disk full, no permission); every part written before stays
+                valid, and this output takes no more parts.
+            pyarrow.ArrowInvalid, pyarrow.ArrowTypeError: a value does not fit its column.
+        """
+        if self._broken:
+            raise BatchgenError(f"{self.dir}: an earlier part failed to write")
+        if not rows:
+            return
+        assert self.state.schema is not None, "start() first"
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_file(sink, self.state.schema) as writer:
+            writer.write_batch(pa.RecordBatch.from_pylist(rows, schema=self.state.schema))
+        data = sink.getvalue()
+        number = self.state.next_part
+        temp = self.dir / f"part-{number:06d}.tmp"
+        final = self.dir / f"part-{number:06d}-{hashlib.sha256(data).hexdigest()[:16]}.arrow"
+        try:
+            write_part_file(temp, data)
+            os.replace(temp, final)
+            fsync_dir(self.dir)
+        except OSError as e:
+            self._broken = True  # the rename may have happened: writing the same rows again could duplicate them
+            with contextlib.suppress(OSError):  # a stray temporary file is dropped on resume anyway
+                temp.unlink(missing_ok=True)
+            raise BatchgenError(
+                f"{self.dir}: cannot write part {number}: {e.strerror or e}; the rows flushed before are kept "
+                "(fix that, then rerun with --resume)"
+            ) from None
+        self.state.next_part += 1
+        self.state.parts.append((number, final))
+        self.state.done.note_written(number, [row["id"] for row in rows if row.get("finish_reason") != "error"])
+
+    def finalize(self) -> int:
+        """Assemble ``out`` from the parts, put it in place atomically, and remove the directory.
+
+        Returns the number of rows in ``out``.
+
+        Raises:
+            BatchgenError: ``out`` cannot be written (it is then absent, and the parts stay for ``--resume``).
+        """
+        assert self.state.schema is not None, "start() first"
+        temp = self.dir / f"final{self.out.suffix}"
+        try:
+            rows = assemble_output(self.state.parts, self.state.schema, self.state.done, temp)
+            os.replace(temp, self.out)
+            fsync_dir(self.out.parent)
+        except (OSError, BatchgenError, ValueError, pa.ArrowException) as e:
+            with contextlib.suppress(OSError):
+                temp.unlink(missing_ok=True)
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+            raise BatchgenError(
+                f"{self.out}: cannot write the output: {reason}; every row is kept in {self.dir} "
+                "(fix that, then rerun with --resume)"
+            ) from None
+        self.close()
+        # OUT is complete now; a directory that cannot be removed is removed by the next --resume (which finds
+        # OUT complete and nothing to do).
+        with contextlib.suppress(OSError):
+            remove_partial_dir(self.dir)
+        return rows
+
+    def close(self) -> None:
+        """Release the lock (the directory stays, for ``--resume``)."""
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def _lock(self) -> None:
+        if self._lock_fd is not None:
+            return
+        fd = os.open(self.dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            # Released by the kernel when the process ends, however it ends: a kill -9 leaves no stale lock.
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise BatchgenError(f"{self.dir}: another batchgen run is writing this output") from None
+        self._lock_fd = fd
+
+
+def write_part_file(path: Path, data: pa.Buffer) -> None:
+    """Write and fsync one part under its temporary name.
+
+    Raises:
+        OSError: the file system failed.
+    """
+    view = memoryview(data)
+    with open(path, "wb") as f:
+        f.write(view[: len(view) // 2])
+        f.flush()
+        crash_point(CRASH_IN_FLUSH)  # test hook: die here with half a part on disk
+        f.write(view[len(view) // 2 :])
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def remove_partial_dir(directory: Path) -> None:
+    """Delete a partial output directory: the files batchgen writes there, then the directory if it is empty.
+
+    Raises:
+        OSError: a file cannot be deleted.
+    """
+    if not directory.is_dir():
+        return
+    _remove_contents(directory)
+    (directory / LOCK).unlink(missing_ok=True)
+    try:
+        directory.rmdir()
+    except OSError:
+        return  # it holds files batchgen did not write: they are left alone, and so is the directory
+    fsync_dir(directory.parent)
+
+
+def _remove_contents(directory: Path) -> None:
+    """Delete the manifest, parts and temporary files (not the lock, which the caller may hold)."""
+    for path in directory.iterdir():
+        if path.name == MANIFEST or any(p.fullmatch(path.name) for p in (_PART, _TORN, _LEFTOVER)):
+            path.unlink()
+
+
+def encode_manifest(schema: pa.Schema) -> bytes:
+    """The manifest's bytes: the schema (exact, base64 of its IPC form), its metadata readable, and a checksum."""
+    metadata = {k.decode(): v.decode() for k, v in (schema.metadata or {}).items()}
+    body = {
+        "format": _FORMAT,
+        "version": 1,
+        "schema": base64.b64encode(schema.serialize().to_pybytes()).decode(),
+        "metadata": metadata,
+    }
+    checksum = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+    return json.dumps({**body, "sha256": checksum}, indent=1, sort_keys=True, ensure_ascii=False).encode()
+
+
+def decode_manifest(data: bytes) -> pa.Schema:
+    """The schema recorded by :func:`encode_manifest`.
+
+    Raises:
+        ValueError: not a manifest, or its checksum does not match its content.
+    """
+    try:
+        body = json.loads(data)
+        checksum = body.pop("sha256")
+        if hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest() != checksum:
+            raise ValueError("checksum mismatch")
+        if body["format"] != _FORMAT or body["version"] != 1:
+            raise ValueError(f"unknown format {body['format']!r} version {body['version']!r}")
+        return pa.ipc.read_schema(pa.py_buffer(base64.b64decode(body["schema"], validate=True)))
+    except (ValueError, KeyError, TypeError, AttributeError, pa.ArrowException) as e:  # ValueError: JSON, base64
+        raise ValueError(f"not a manifest: {e}") from None
+
+
+def _listing(directory: Path) -> frozenset[tuple[str, int]]:
+    if not directory.is_dir():
+        return frozenset()
+    return frozenset((p.name, p.stat().st_size) for p in directory.iterdir() if p.name != LOCK)
+
+
+def _read_manifest(path: Path) -> tuple[pa.Schema | None, bool]:
+    """(schema, damaged): ``(None, False)`` when there is no manifest (a crash before it was first written)."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None, False
+    try:
+        return decode_manifest(data), False
+    except ValueError:
+        return None, True
+
+
+def _read_part(path: Path, digest: str) -> pa.Table | None:
+    """The part's rows, or ``None`` when its bytes do not hash to ``digest`` or do not parse as Arrow IPC."""
+    data = path.read_bytes()
+    if hashlib.sha256(data).hexdigest()[:16] != digest:
+        return None
+    try:
+        table = pa.ipc.open_file(pa.py_buffer(data)).read_all()
+    except (pa.ArrowException, ValueError):
+        return None
+    return table if {"id", "finish_reason"} <= set(table.column_names) else None

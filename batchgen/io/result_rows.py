@@ -1,0 +1,35 @@
+"""The output rows of finished requests and of bad input rows."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from batchgen.errors import RowError
+from batchgen.loop.req import Req
+
+
+def result_row(req: Req) -> dict[str, Any]:
+    """The output row of a finished request (columns as in ``batchgen.io.writer.OUTPUT_COLUMNS``)."""
+    params = req.params
+    return {
+        "id": req.rid,
+        "sample_index": req.sample_index,
+        "text": req.text,
+        "output_token_ids": req.output_ids,
+        "output_logprobs": req.output_logprobs if params.logprobs else None,
+        "top_logprobs": req.output_top_logprobs if params.logprobs and params.top_logprobs else None,
+        "finish_reason": req.finish_reason,
+        "matched_stop": req.matched_stop,
+        "error": None,
+        "prompt_tokens": len(req.prompt_ids),
+        "completion_tokens": len(req.output_ids),
+        "prompt_logprobs": req.prompt_logprobs if params.prompt_logprobs is not None else None,
+        "prompt_top_logprobs": req.prompt_top_logprobs if params.prompt_logprobs else None,
+        "spec_accept_length": req.spec_tokens / req.spec_rounds if req.spec_rounds else None,
+        **req.passthrough,
+    }
+
+
+def error_row(error: RowError, rid: str, passthrough: dict[str, Any]) -> dict[str, Any]:
+    """The output row written for a bad input row under ``--on-error skip``."""
+    return {"id": rid, "finish_reason": "error", "error": str(error), **passthrough}

@@ -1,0 +1,183 @@
+"""Whether a run may start, continue or skip its output: the output path checks, the comparison of this run with
+the one that wrote a partial output, and the command that resumes an interrupted run."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import secrets
+import shlex
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+
+from batchgen.errors import BatchgenError
+from batchgen.io.fingerprint import DatasetFingerprint, fingerprint_dataset
+from batchgen.io.partial_output import PartialState, partial_dir, remove_partial_dir
+from batchgen.io.writer import check_output_format
+
+# Metadata keys a resumed run adds to ``RunJob.metadata``: the dataset's fingerprint and the run seed.
+DATASET_KEY = "batchgen.dataset"
+RUN_SEED_KEY = "batchgen.run_seed"
+# Engine options that change what a row's output is; the others (batch sizes, memory) only change speed.
+_OUTPUT_ENGINE_OPTIONS = ("seed", "context_length")
+
+
+@dataclass(frozen=True)
+class OutputPolicy:
+    """How ``batchgen run`` treats its output: start over or resume, and how often finished rows are made durable.
+
+    Raises:
+        BatchgenError: ``flush_every`` < 1 or ``flush_every_seconds`` <= 0.
+    """
+
+    overwrite: bool = False
+    resume: bool = False
+    resume_force: bool = False
+    flush_every: int = 256
+    flush_every_seconds: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.flush_every < 1:
+            raise BatchgenError(f"--flush-every must be >= 1, got {self.flush_every}")
+        if not self.flush_every_seconds > 0:
+            raise BatchgenError(f"--flush-every-seconds must be > 0, got {self.flush_every_seconds}")
+
+
+def check_output_path(dataset: Path, out: Path, overwrite: bool, resume: bool) -> bool:
+    """Check the output path before any work; return whether ``out`` is already complete (only with ``resume``;
+    a partial output left beside it is then removed).
+
+    Raises:
+        BatchgenError: ``out`` is the dataset or a directory, has an unsupported format, its directory does not
+            exist, both ``overwrite`` and ``resume`` are given, or ``out`` or its partial output exists without
+            either.
+    """
+    if out.exists() and dataset.exists() and out.resolve() == dataset.resolve():
+        raise BatchgenError(f"{out}: the output file is the input dataset; choose another --out")
+    check_output_format(out)
+    if out.is_dir():
+        raise BatchgenError(f"{out}: is a directory, expected an output file")
+    if overwrite and resume:
+        raise BatchgenError("--overwrite and --resume exclude each other: --overwrite starts over, --resume continues")
+    if out.exists() and not (overwrite or resume):
+        raise BatchgenError(f"{out}: output file exists; pass --overwrite to replace it")
+    partial = partial_dir(out)
+    if partial.exists() and not (overwrite or resume or out.exists()):
+        raise BatchgenError(
+            f"{partial}: an interrupted run's partial output is there; pass --resume to continue it, "
+            "or --overwrite to start over"
+        )
+    if not out.parent.exists():
+        raise BatchgenError(f"{out}: directory {out.parent} does not exist")
+    if not (resume and out.exists()):
+        return False
+    # OUT is only ever put in place complete, so with --resume its existence means there is nothing left to do; a
+    # partial output beside it is what a crash between putting OUT in place and removing it leaves.
+    with contextlib.suppress(OSError):
+        remove_partial_dir(partial)
+    return True
+
+
+def output_schema(
+    schema: pa.Schema, dataset: Path, seed: int | None, recorded: pa.Schema | None, force: bool, where: Path
+) -> pa.Schema:
+    """``schema`` with the dataset's fingerprint and the run seed added to its metadata; when resuming (``recorded``:
+    the schema the partial output recorded), checked against ``recorded`` with :func:`check_same_job`.
+
+    The run seed is ``seed``, else the recorded one (so that resumed rows get the seeds the first run gave them),
+    else a random one.
+
+    Raises:
+        BatchgenError: the dataset cannot be read, or (when resuming) :func:`check_same_job`'s errors.
+    """
+    recorded_seed = (recorded.metadata or {}).get(RUN_SEED_KEY.encode()) if recorded is not None else None
+    if seed is None and recorded_seed is not None:
+        seed = int(recorded_seed.decode())
+    metadata = {
+        **{k.decode(): v.decode() for k, v in (schema.metadata or {}).items()},
+        DATASET_KEY: fingerprint_dataset(dataset).to_json(),
+        RUN_SEED_KEY: str(seed if seed is not None else secrets.randbits(63)),
+    }
+    schema = schema.with_metadata(metadata)
+    if recorded is not None:
+        check_same_job(where, recorded, schema, force)
+    return schema
+
+
+def check_same_job(where: Path, recorded: pa.Schema, now: pa.Schema, force: bool) -> None:
+    """Refuse to resume when this run would not produce what the interrupted one did, unless ``force``.
+
+    Raises:
+        BatchgenError: one line naming every difference in model, dtype, logprobs mode, sampling defaults,
+            output-changing engine options (seed, context length) and the dataset; or, even with ``force``,
+            different pass-through columns (the rows already written could not be combined with new ones).
+    """
+    if not recorded.remove_metadata().equals(now.remove_metadata()):
+        raise BatchgenError(
+            f"{where}: cannot resume: the output columns differ from the interrupted run's (the dataset's "
+            "fields changed); pass --overwrite to start over"
+        )
+    differences = job_differences(_metadata(recorded), _metadata(now))
+    if differences and not force:
+        raise BatchgenError(
+            f"{where}: cannot resume: this run differs from the interrupted one: {'; '.join(differences)} "
+            "(pass --resume-force to resume anyway, or --overwrite to start over)"
+        )
+
+
+def job_differences(recorded: dict[str, str], now: dict[str, str]) -> list[str]:
+    """What differs between two runs' output metadata, as ``what old → new`` phrases; empty when nothing does."""
+    differences = []
+    for key, label in (("model", "model"), ("dtype", "dtype"), ("logprobs_mode", "logprobs mode")):
+        old, new = recorded.get(f"batchgen.{key}"), now.get(f"batchgen.{key}")
+        if old != new:
+            differences.append(f"{label} {old!r} → {new!r}")
+    differences += _changed_fields("batchgen.sampling_defaults", recorded, now, None)
+    differences += _changed_fields("batchgen.engine_options", recorded, now, _OUTPUT_ENGINE_OPTIONS)
+    try:
+        old_dataset = DatasetFingerprint.from_json(recorded.get(DATASET_KEY, ""))
+    except ValueError:
+        differences.append("dataset (no fingerprint recorded)")
+    else:
+        differences += old_dataset.differences(DatasetFingerprint.from_json(now[DATASET_KEY]))
+    return differences
+
+
+def resume_command(dataset: Path, out: Path) -> str:
+    """The command that resumes this run: the command line as typed, without ``--overwrite``/``--resume-force``,
+    with ``--resume``; a generic form when the process was not started from the command line."""
+    argv = sys.argv
+    if len(argv) >= 2 and argv[1] == "run":
+        program = "python -m batchgen" if Path(argv[0]).name == "__main__.py" else "batchgen"
+        args = [a for a in argv[1:] if a not in ("--overwrite", "--resume-force")]
+        if "--resume" not in args:
+            args.append("--resume")
+        return f"{program} {shlex.join(args)}"
+    return f"batchgen run {shlex.quote(str(dataset))} --out {shlex.quote(str(out))} <the same options> --resume"
+
+
+def _metadata(schema: pa.Schema) -> dict[str, str]:
+    return {k.decode(): v.decode() for k, v in (schema.metadata or {}).items()}
+
+
+def _changed_fields(key: str, recorded: dict[str, str], now: dict[str, str], only: tuple[str, ...] | None) -> list[str]:
+    """``name old → new`` for each field of the JSON object under ``key`` that differs (only those in ``only``)."""
+    try:
+        old, new = json.loads(recorded.get(key, "{}")), json.loads(now.get(key, "{}"))
+    except json.JSONDecodeError:
+        return [f"{key} (unreadable)"]
+    names = only if only is not None else sorted(set(old) | set(new))
+    return [f"{name} {old.get(name)!r} → {new.get(name)!r}" for name in names if old.get(name) != new.get(name)]
+
+
+def report_damage(directory: Path, state: PartialState | None) -> None:
+    """Warn about the damaged files a resumed run drops (one line each)."""
+    if state is None:
+        return
+    if state.manifest_damaged:
+        print(f"batchgen: warning: {directory}/manifest.json is damaged; rebuilt from the part files", file=sys.stderr)
+    for path in state.damaged:
+        print(f"batchgen: warning: {path}: torn or damaged write, dropped; its rows run again", file=sys.stderr)

@@ -1,0 +1,549 @@
+"""Jobs that never lose work: a run killed at any point (SIGKILL at chosen rows or inside a flush, SIGKILL at a
+wall-clock instant, SIGINT, SIGTERM, disk full) resumes with ``--resume`` into an output holding every input row
+exactly once, equal to an uninterrupted run's; torn part files and a damaged manifest are detected and dropped."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import random
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pytest
+import torch
+from conftest import run_cli, write_jsonl
+from fork_runner import Zygote
+
+from batchgen.crash_hooks import CRASH_AFTER_ROWS, CRASH_IN_FLUSH
+from batchgen.io import partial_output
+from batchgen.io.fingerprint import DatasetFingerprint, fingerprint_dataset
+from batchgen.io.partial_output import PartialOutput, decode_manifest, encode_manifest, partial_dir
+from batchgen.io.writer import read_results
+
+ROWS = 300
+# Greedy, so an interrupted and resumed run must give the uninterrupted run's tokens; small batches and flushes,
+# so that a kill lands somewhere different in the run each time; bad rows are written, so they must be resumed too.
+JOB_FLAGS = [
+    "--temperature", "0", "--ignore-eos", "--max-running-requests", "8", "--flush-every", "10", "--on-error", "skip",
+]  # fmt: skip
+Key = tuple[str, Any]
+
+
+def job_rows(count: int) -> list[dict[str, Any]]:
+    """``count`` rows: short prompts, 1-4 new tokens, every 30th with n = 2 (from the 8th), one bad row, one
+    duplicate id."""
+    rows: list[dict[str, Any]] = []
+    for i in range(count):
+        row: dict[str, Any] = {
+            "id": f"r{i:03d}",
+            "prompt_token_ids": [0, 5 + i % 50, 7 + i % 13, 9 + i % 7],
+            "max_new_tokens": 1 + i % 4,
+            "topic": f"t{i % 3}",
+        }
+        if i % 30 == 7:
+            row["n"] = 2
+        if i == count // 3:
+            row["temperature"] = -1  # an error row under --on-error skip
+        if i == 2 * count // 3:
+            row["id"] = f"r{count // 6:03d}"  # a duplicate id: an error row with the same id as a real row
+        rows.append(row)
+    return rows
+
+
+COMMON = ["--device", "cpu", "--dtype", "float32", "--no-progress"]
+
+
+def args(dataset: Path, out: Path, model: Path, *extra: str) -> list[str]:
+    """``batchgen run`` arguments, after ``batchgen``."""
+    return ["run", str(dataset), "--out", str(out), "--model", str(model), *COMMON, *JOB_FLAGS, *extra]
+
+
+def by_key(rows: list[dict[str, Any]]) -> dict[Key, dict[str, Any]]:
+    keyed = {(r["id"], r["sample_index"]): r for r in rows}
+    assert len(keyed) == len(rows), "every (id, sample_index) appears exactly once"
+    return keyed
+
+
+def assert_same_rows(got: dict[Key, dict[str, Any]], want: dict[Key, dict[str, Any]]) -> None:
+    assert sorted(got, key=str) == sorted(want, key=str)
+    for key, row in got.items():
+        ref = want[key]
+        for column in ("text", "output_token_ids", "finish_reason", "completion_tokens", "topic"):
+            assert row.get(column) == ref.get(column), (key, column)
+        # An error names the dataset file, which may be a copy: compare what follows "FILE:LINE: ".
+        assert (row["error"] or "").split(".jsonl:")[-1] == (ref["error"] or "").split(".jsonl:")[-1], key
+        if ref["output_logprobs"] is not None:
+            assert row["output_logprobs"] == pytest.approx(ref["output_logprobs"], abs=1e-5), key
+
+
+def partial_rows(out: Path) -> dict[Key, dict[str, Any]]:
+    """The rows of the valid parts of ``out``'s partial output (what a resume keeps)."""
+    state = PartialOutput(out).inspect()
+    tables = [pa.ipc.open_file(pa.memory_map(str(path))).read_all() for _, path in state.parts]
+    return by_key([row for table in tables for row in table.to_pylist()])
+
+
+def wait_for_parts(out: Path, more_than: int, proc: subprocess.Popen[str] | None = None, timeout: float = 120) -> None:
+    """Wait until ``out``'s partial output has more than ``more_than`` part files (a run making progress)."""
+    deadline = time.monotonic() + timeout
+    directory = partial_dir(out)
+    while time.monotonic() < deadline and (proc is None or proc.poll() is None):
+        if directory.is_dir() and sum(1 for p in directory.iterdir() if p.suffix == ".arrow") > more_than:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"{out}: no progress (exit code {proc.poll() if proc else None})")
+
+
+# Every run of this module on one thread, in this process and in the ones it starts: the same arithmetic
+# everywhere, and on a busy 2-core machine two threads spend most of a tiny model's time waiting on each other.
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model(random_models: dict[str, Path]) -> Path:
+    return random_models["llama"]
+
+
+@pytest.fixture(scope="module")
+def job(model: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[Key, dict[str, Any]]]:
+    """The 300-row dataset and the rows of its uninterrupted run."""
+    work = tmp_path_factory.mktemp("job")
+    dataset = write_jsonl(work / "in.jsonl", job_rows(ROWS))
+    code, output = run_cli(args(dataset, work / "reference.arrow", model))
+    assert code == 0, output
+    reference = by_key(read_results(work / "reference.arrow").to_pylist())
+    assert len(reference) == ROWS + ROWS // 30  # one more row per n = 2 row
+    assert sum(r["finish_reason"] == "error" for r in reference.values()) == 2
+    return dataset, reference
+
+
+# --- the crash harness ------------------------------------------------------------------------------------
+
+# (hook, N) per crash: die after N finished rows, or inside the N-th flush, of that process.
+CRASHES = [
+    (CRASH_AFTER_ROWS, 12),
+    (CRASH_IN_FLUSH, 2),
+    (CRASH_AFTER_ROWS, 25),
+    (CRASH_IN_FLUSH, 1),
+    (CRASH_AFTER_ROWS, 9),
+    (CRASH_IN_FLUSH, 3),
+    (CRASH_AFTER_ROWS, 31),
+    (CRASH_IN_FLUSH, 2),
+    (CRASH_AFTER_ROWS, 18),
+    (CRASH_IN_FLUSH, 4),
+]
+
+
+@pytest.fixture(scope="module")
+def zygote() -> Iterator[Zygote]:
+    runner = Zygote(ONE_THREAD)
+    yield runner
+    runner.close()
+
+
+def test_killed_at_many_points_resumes_to_the_uninterrupted_output(
+    job: tuple[Path, dict[Key, dict[str, Any]]], model: Path, zygote: Zygote, tmp_path: Path
+) -> None:
+    """Deaths as by SIGKILL at 10 chosen points (the test hooks), then SIGKILL from here at 2 wall-clock instants,
+    resuming each time. The runs are forked from a zygote (see fork_runner.py): 12 fresh interpreters would spend
+    ~45 s importing torch and transformers. ``python -m batchgen`` itself is killed in the signal tests below."""
+    dataset, reference = job
+    out = tmp_path / "out.arrow"
+    done = [0]
+    for i, (hook, count) in enumerate(CRASHES):
+        # The first run starts afresh without --resume; every later one resumes.
+        log = tmp_path / f"crash{i}.log"
+        pid = zygote.start(args(dataset, out, model, *(["--resume"] if i else [])), {hook: str(count)}, log)
+        assert zygote.wait(pid) == 137, log.read_text()
+        assert not out.exists()  # the final name only ever holds a complete file
+        flushed = partial_rows(out)  # readable, and each row is the uninterrupted run's
+        assert_same_rows(flushed, {key: reference[key] for key in flushed})
+        done.append(len(flushed))
+    rng = random.Random(7)
+    for i in range(2):
+        parts = len(PartialOutput(out).inspect().parts)
+        # Two rows at a time (batch sizes may change on resume): slow enough that the run is still going when
+        # the kill comes, a little after its first new part.
+        run_args = args(dataset, out, model, "--resume", "--max-running-requests", "2")
+        pid = zygote.start(run_args, {}, tmp_path / f"kill{i}.log")
+        wait_for_parts(out, parts)
+        time.sleep(rng.uniform(0.0, 0.05))
+        os.kill(pid, signal.SIGKILL)
+        assert zygote.wait(pid) == -signal.SIGKILL
+        flushed = partial_rows(out)
+        assert_same_rows(flushed, {key: reference[key] for key in flushed})
+        done.append(len(flushed))
+    # The kills were spread over the run: each resumed run added rows, and the last one left work to do.
+    assert done == sorted(done) and done[-1] < len(reference), done
+    code, output = run_cli(args(dataset, out, model, "--resume"))
+    assert code == 0, output
+    assert f"batchgen: resuming {out}: " in output
+    assert not partial_dir(out).exists()
+    assert_same_rows(by_key(read_results(out).to_pylist()), reference)
+
+
+# --- stop signals -----------------------------------------------------------------------------------------
+
+# Slow rows (24 tokens, 2 at a time) so that a signal lands mid-run; a part every 2 rows.
+SLOW_FLAGS = ["--max-running-requests", "2", "--flush-every", "2"]
+
+
+@pytest.fixture(scope="module")
+def slow_job(model: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[Key, dict[str, Any]]]:
+    work = tmp_path_factory.mktemp("slow")
+    rows = [{"id": f"s{i}", "prompt_token_ids": [0, 5 + i, 9], "max_new_tokens": 24} for i in range(10)]
+    dataset = write_jsonl(work / "in.jsonl", rows)
+    code, output = run_cli(args(dataset, work / "reference.arrow", model, *SLOW_FLAGS))
+    assert code == 0, output
+    return dataset, by_key(read_results(work / "reference.arrow").to_pylist())
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_stop_signal_flushes_prints_the_resume_command_and_resumes(
+    sig: signal.Signals, slow_job: tuple[Path, dict[Key, dict[str, Any]]], model: Path, tmp_path: Path
+) -> None:
+    dataset, reference = slow_job
+    out = tmp_path / "out.parquet"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "batchgen", *args(dataset, out, model, *SLOW_FLAGS)],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **ONE_THREAD},
+    )
+    wait_for_parts(out, 0, proc)
+    proc.send_signal(sig)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + sig.value, stderr
+    assert f"stopped by {sig.name}" in stderr and "Traceback" not in stderr
+    assert not out.exists()
+    flushed = partial_rows(out)
+    assert 0 < len(flushed) < len(reference)
+    assert_same_rows(flushed, {key: reference[key] for key in flushed})
+    # The printed command is the one typed, with --resume: run it.
+    [hint] = [line for line in stderr.splitlines() if line.startswith("batchgen: to resume: ")]
+    command = shlex.split(hint.removeprefix("batchgen: to resume: "))
+    assert command == ["python", "-m", "batchgen", *args(dataset, out, model, *SLOW_FLAGS), "--resume"]
+    code, output = run_cli(command[3:])
+    assert code == 0, output
+    assert_same_rows(by_key(read_results(out).to_pylist()), reference)
+
+
+def test_second_sigint_exits_at_once_and_the_run_still_resumes(
+    slow_job: tuple[Path, dict[Key, dict[str, Any]]], model: Path, zygote: Zygote, tmp_path: Path
+) -> None:
+    dataset, reference = slow_job
+    out = tmp_path / "out.jsonl"
+    log = tmp_path / "run.log"
+    pid = zygote.start(args(dataset, out, model, *SLOW_FLAGS), {}, log)
+    wait_for_parts(out, 0)
+    os.kill(pid, signal.SIGINT)
+    time.sleep(0.005)  # two signals at once would be handled as one
+    os.kill(pid, signal.SIGINT)
+    # Whether the second one came during the loop, the flush or the way out, it ends the run with 130.
+    assert zygote.wait(pid) == 130, log.read_text()
+    assert "Traceback" not in log.read_text()
+    code, output = run_cli(args(dataset, out, model, *SLOW_FLAGS, "--resume"))
+    assert code == 0, output
+    assert_same_rows(by_key(read_results(out).to_pylist()), reference)
+
+
+def test_second_signal_handler_exits_with_the_signal_code(
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    from batchgen.interrupts import StopRequest
+
+    def exit_now(code: int) -> None:
+        raise SystemExit(code)
+
+    monkeypatch.setattr(os, "_exit", exit_now)
+    request = StopRequest()
+    request.handle(signal.SIGTERM, None)
+    assert request.name == "SIGTERM"  # the first one only asks the loop to stop
+    with pytest.raises(SystemExit) as info:
+        request.handle(signal.SIGINT, None)
+    assert info.value.code == 130
+    assert "batchgen: second SIGINT: stopped at once; rerun with --resume to continue" in capfd.readouterr().err
+
+
+# --- disk full, torn writes, incomplete rows --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_job(model: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[Key, dict[str, Any]]]:
+    """40 rows like the big job's (two with n = 2, a bad row, a duplicate id) and its uninterrupted rows."""
+    work = tmp_path_factory.mktemp("small")
+    dataset = write_jsonl(work / "in.jsonl", job_rows(40))
+    code, output = run_cli(args(dataset, work / "reference.arrow", model))
+    assert code == 0, output
+    return dataset, by_key(read_results(work / "reference.arrow").to_pylist())
+
+
+def fail_part_write(monkeypatch: pytest.MonkeyPatch, at: int) -> None:
+    """Make the ``at``-th part write fail as a full disk does."""
+    real = partial_output.write_part_file
+    calls = 0
+
+    def write(path: Path, data: pa.Buffer) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == at:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(path, data)
+
+    monkeypatch.setattr(partial_output, "write_part_file", write)
+
+
+def status(dataset: Path, out: Path) -> str:
+    code, output = run_cli(["status", str(dataset), str(out)])
+    assert code == 0, output
+    return output
+
+
+@pytest.mark.parametrize("suffix", [".arrow", ".parquet", ".jsonl"])
+def test_disk_full_is_one_line_keeps_the_flushed_rows_and_resumes(
+    suffix: str,
+    small_job: tuple[Path, dict[Key, dict[str, Any]]],
+    model: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    dataset, reference = small_job
+    out = tmp_path / f"out{suffix}"
+    assert status(dataset, out) == f"{out}: not started: 0 of 40 rows done, 40 remaining, 0 errored\n"
+    with monkeypatch.context() as patch:
+        fail_part_write(patch, at=3)
+        code, output = run_cli(args(dataset, out, model))
+    assert code == 2
+    assert output.splitlines() == [
+        f"batchgen: error: {partial_dir(out)}: cannot write part 2: No space left on device; the rows flushed "
+        "before are kept (fix that, then rerun with --resume)"
+    ]
+    assert sorted(p.name[:11] for p in partial_dir(out).iterdir()) == [
+        "lock",
+        "manifest.js",
+        "part-000000",
+        "part-000001",
+    ]
+    flushed = partial_rows(out)
+    assert_same_rows(flushed, {key: reference[key] for key in flushed})
+    done = len({rid for rid, index in flushed if index is not None}) + sum(index is None for _, index in flushed)
+    errored = sum(index is None for _, index in flushed)
+    assert status(dataset, out).startswith(
+        f"{out}: in progress (2 part files in {partial_dir(out)}): {done} of 40 rows done, {40 - done} remaining, "
+        f"{errored} errored"
+    )
+    code, output = run_cli(args(dataset, out, model, "--resume"))
+    assert code == 0, output
+    assert not partial_dir(out).exists()
+    assert_same_rows(by_key(read_results(out).to_pylist()), reference)
+    assert status(dataset, out) == f"{out}: complete: 40 of 40 rows done, 0 remaining, 2 errored\n"
+
+
+def test_disk_full_while_assembling_the_output_keeps_every_row(
+    small_job: tuple[Path, dict[Key, dict[str, Any]]], model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    dataset, reference = small_job
+    out = tmp_path / "out.parquet"
+
+    def disk_full(*_args: Any) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with monkeypatch.context() as patch:
+        patch.setattr(partial_output, "assemble_output", disk_full)
+        code, output = run_cli(args(dataset, out, model))
+    assert code == 2
+    assert output.splitlines() == [
+        f"batchgen: error: {out}: cannot write the output: No space left on device; every row is kept in "
+        f"{partial_dir(out)} (fix that, then rerun with --resume)"
+    ]
+    assert not out.exists() and len(partial_rows(out)) == len(reference)
+    code, output = run_cli(args(dataset, out, model, "--resume"))
+    assert code == 0, output
+    assert f"batchgen: resuming {out}: 40 rows were done before" in output
+    assert_same_rows(by_key(read_results(out).to_pylist()), reference)
+
+
+def test_torn_parts_and_a_damaged_manifest_are_dropped_on_resume(
+    small_job: tuple[Path, dict[Key, dict[str, Any]]], model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    dataset, reference = small_job
+    out = tmp_path / "out.arrow"
+    with monkeypatch.context() as patch:
+        fail_part_write(patch, at=4)
+        assert run_cli(args(dataset, out, model))[0] == 2
+    state = PartialOutput(out).inspect()
+    latest = state.parts[-1][1]
+    data = latest.read_bytes()
+    kept = len(partial_rows(out)) - pa.ipc.open_file(latest).read_all().num_rows
+    # Truncated at any offset, or with a flipped byte, the part is detected and none of its rows is read.
+    rng = random.Random(3)
+    damaged = [data[:offset] for offset in [0, 1, len(data) - 1, *rng.sample(range(2, len(data) - 1), 12)]]
+    damaged.append(data[: len(data) // 2] + bytes([data[len(data) // 2] ^ 1]) + data[len(data) // 2 + 1 :])
+    for content in damaged:
+        latest.write_bytes(content)
+        assert latest in PartialOutput(out).inspect().damaged
+        assert len(partial_rows(out)) == kept
+    # A crash inside a write leaves a temporary file; a damaged manifest is rebuilt from the parts.
+    (partial_dir(out) / "part-000009.tmp").write_bytes(data[:100])
+    manifest = partial_dir(out) / "manifest.json"
+    manifest.write_bytes(manifest.read_bytes()[:-30])
+    assert "the manifest is damaged" in status(dataset, out)
+    code, output = run_cli(args(dataset, out, model, "--resume"))
+    assert code == 0, output
+    assert "manifest.json is damaged; rebuilt from the part files" in output
+    assert f"{latest}: torn or damaged write, dropped" in output and "part-000009.tmp: torn" in output
+    assert_same_rows(by_key(read_results(out).to_pylist()), reference)
+
+
+def test_a_row_with_missing_samples_is_generated_again(
+    small_job: tuple[Path, dict[Key, dict[str, Any]]], model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Should a part hold only some samples of an n = 2 row, the row is not done: all its samples are generated
+    again, and the stale one is left out of the output."""
+    dataset, reference = small_job
+    out = tmp_path / "out.arrow"
+    with monkeypatch.context() as patch:
+        fail_part_write(patch, at=2)
+        assert run_cli(args(dataset, out, model))[0] == 2
+    assert ("r037", 1) not in partial_rows(out)
+    partial = PartialOutput(out)
+    state = partial.inspect()
+    assert state.schema is not None
+    partial.start(state.schema, state)
+    partial.write_part([{**reference[("r037", 1)], "text": "STALE"}])
+    partial.close()
+    code, output = run_cli(args(dataset, out, model, "--resume"))
+    assert code == 0, output
+    assert_same_rows(by_key(read_results(out).to_pylist()), reference)
+
+
+# --- what a resume accepts --------------------------------------------------------------------------------
+
+
+def test_resume_refuses_another_job_in_one_line_unless_forced(
+    small_job: tuple[Path, dict[Key, dict[str, Any]]],
+    model: Path,
+    random_models: dict[str, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    dataset, reference = small_job
+    copy = write_jsonl(tmp_path / "in.jsonl", [json.loads(line) for line in dataset.read_text().splitlines()])
+    out = tmp_path / "out.arrow"
+    with monkeypatch.context() as patch:
+        fail_part_write(patch, at=2)
+        assert run_cli(args(copy, out, model))[0] == 2
+    where = f"batchgen: error: {partial_dir(out)}: cannot resume: this run differs from the interrupted one:"
+    force = "(pass --resume-force to resume anyway, or --overwrite to start over)"
+    other = random_models["qwen2"]
+    cases = [
+        (args(copy, out, model, "--resume", "--max-new-tokens", "7"), "max_new_tokens 128 → 7"),
+        (args(copy, out, other, "--resume"), f"model {str(model)!r} → {str(other)!r}"),
+        (
+            args(copy, out, model, "--resume", "--temperature", "0.5", "--seed", "3"),
+            "temperature 0.0 → 0.5; seed None → 3",
+        ),
+    ]
+    for run_args, difference in cases:
+        code, output = run_cli(run_args)
+        assert code == 2 and output.splitlines() == [f"{where} {difference} {force}"]
+    with copy.open("a") as f:
+        f.write(json.dumps({"id": "new", "prompt_token_ids": [0, 5]}) + "\n")
+    code, output = run_cli(args(copy, out, model, "--resume"))
+    assert code == 2 and "dataset size" in output
+    copy.write_text(dataset.read_text())  # the same content again, but not the same file
+    code, output = run_cli(args(copy, out, model, "--resume"))
+    assert code == 2 and "dataset modification time" in output
+    code, output = run_cli(args(copy, out, model, "--resume-force", "--max-new-tokens", "7"))
+    assert code == 0, output
+    assert_same_rows(by_key(read_results(out).to_pylist()), reference)  # every row sets its own max_new_tokens
+
+
+def test_overwrite_and_a_finished_job(
+    small_job: tuple[Path, dict[Key, dict[str, Any]]], model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    dataset, reference = small_job
+    out = tmp_path / "out.jsonl"
+    assert run_cli(args(dataset, out, model))[0] == 0
+    before = out.read_bytes()
+    # Finished: --resume does nothing (the model is not even loaded) and says so.
+    start = time.monotonic()
+    code, output = run_cli(args(dataset, out, model, "--resume"))
+    assert (code, output) == (0, f"batchgen: {out} is already complete; nothing to do\n")
+    assert time.monotonic() - start < 5 and out.read_bytes() == before
+    code, output = run_cli(args(dataset, out, model))
+    assert code == 2 and output == f"batchgen: error: {out}: output file exists; pass --overwrite to replace it\n"
+    code, output = run_cli(args(dataset, out, model, "--overwrite", "--resume"))
+    assert code == 2 and "--overwrite and --resume exclude each other" in output
+    # A crash between putting OUT in place and removing OUT.partial/ leaves both: OUT is the complete one.
+    partial_dir(out).mkdir()
+    (partial_dir(out) / "manifest.json").write_text("{}")
+    code, output = run_cli(args(dataset, out, model, "--resume"))
+    assert code == 0 and "already complete" in output and not partial_dir(out).exists()
+    # --overwrite on an interrupted run starts over; a partial output is never silently reused or replaced.
+    out.unlink()
+    with monkeypatch.context() as patch:
+        fail_part_write(patch, at=2)
+        assert run_cli(args(dataset, out, model))[0] == 2
+    code, output = run_cli(args(dataset, out, model))
+    assert code == 2 and "an interrupted run's partial output is there; pass --resume to continue it" in output
+    # One run at a time: the partial output is locked while a run writes it.
+    with (partial_dir(out) / "lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        code, output = run_cli(args(dataset, out, model, "--resume"))
+    assert code == 2 and output.endswith(f"{partial_dir(out)}: another batchgen run is writing this output\n")
+    code, output = run_cli(args(dataset, out, model, "--resume", "--flush-every", "0"))
+    assert (code, output) == (2, "batchgen: error: --flush-every must be >= 1, got 0\n")
+    code, output = run_cli(args(dataset, out, model, "--overwrite"))
+    assert code == 0, output
+    assert not partial_dir(out).exists()
+    assert_same_rows(by_key(read_results(out).to_pylist()), reference)
+
+
+# --- the pieces -------------------------------------------------------------------------------------------
+
+
+def test_dataset_fingerprint_names_what_changed(tmp_path: Path) -> None:
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b"x" * (3 << 20))
+    before = fingerprint_dataset(path)
+    assert before.differences(fingerprint_dataset(path)) == []
+    assert DatasetFingerprint.from_json(before.to_json()) == before
+    path.write_bytes(b"x" * (3 << 20) + b"\n")
+    assert before.differences(fingerprint_dataset(path)) == [f"dataset size {3 << 20} → {(3 << 20) + 1} bytes"]
+    path.write_bytes(b"x" * ((3 << 20) - 1) + b"y")  # the last byte: in the hashed last MiB
+    assert before.differences(fingerprint_dataset(path)) == ["dataset content (its first or last MiB)"]
+    path.write_bytes(b"x" * (3 << 20))
+    assert before.differences(fingerprint_dataset(path))[0].startswith("dataset modification time")
+    with pytest.raises(ValueError, match="not a dataset fingerprint"):
+        DatasetFingerprint.from_json("{}")
+
+
+def test_manifest_round_trip_and_checksum() -> None:
+    schema = pa.schema([("id", pa.string())], metadata={"batchgen.model": "m"})
+    data = encode_manifest(schema)
+    assert decode_manifest(data).equals(schema, check_metadata=True)
+    assert json.loads(data)["metadata"] == {"batchgen.model": "m"}  # readable by a person too
+    tampered = data.replace(b'"batchgen.model": "m"', b'"batchgen.model": "n"')
+    for bad in (tampered, data[:-5], b"", b"[]"):
+        with pytest.raises(ValueError, match="not a manifest|checksum"):
+            decode_manifest(bad)
