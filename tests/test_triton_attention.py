@@ -283,3 +283,35 @@ def test_auto_choice() -> None:
     # Building the backend touches no GPU, so the CUDA choice can be checked here.
     assert isinstance(create_attention_backend("auto", torch.device("cuda")), TritonAttnBackend)
     assert isinstance(create_attention_backend("triton", torch.device("cpu")), TritonAttnBackend)
+
+
+@pytest.mark.parametrize(
+    ("src_dtype", "pool_dtype", "head_dim"),
+    # The model's K/V already have the pool's dtype; float32 → float16 checks the conversion path (bfloat16 is
+    # raw bits in the interpreter, so its conversion is not what a GPU does).
+    [
+        (torch.float32, torch.float32, 64),
+        (torch.bfloat16, torch.bfloat16, 128),
+        (torch.float16, torch.float16, 24),
+        (torch.float32, torch.float16, 32),
+    ],
+)
+def test_kv_store_writes_exactly_the_given_slots(
+    src_dtype: torch.dtype, pool_dtype: torch.dtype, head_dim: int
+) -> None:
+    """Against index_copy_ on the transposed inputs (the torch store): the given slots get the new K/V in the
+    pool's dtype, every other slot keeps its bits; K/V may be strided views (slices of the fused qkv output)."""
+    from batchgen.kernels.triton.kv_store import store_kv
+
+    gen = torch.Generator().manual_seed(3)
+    num_kv_heads, slots, tokens = 2, 64, 9
+    qkv = torch.randn(tokens, 3 * num_kv_heads * head_dim, generator=gen).to(src_dtype)
+    k = qkv[:, : num_kv_heads * head_dim].view(tokens, num_kv_heads, head_dim)
+    v = qkv[:, 2 * num_kv_heads * head_dim :].view(tokens, num_kv_heads, head_dim)
+    loc = torch.randperm(slots - 1, generator=gen)[:tokens] + 1
+    k_buf = torch.randn(num_kv_heads, slots, head_dim, generator=gen).to(pool_dtype)
+    v_buf = torch.randn(num_kv_heads, slots, head_dim, generator=gen).to(pool_dtype)
+    k_want = k_buf.clone().index_copy_(1, loc, k.transpose(0, 1).to(pool_dtype))
+    v_want = v_buf.clone().index_copy_(1, loc, v.transpose(0, 1).to(pool_dtype))
+    store_kv(k_buf, v_buf, loc, k, v)
+    assert torch.equal(k_buf, k_want) and torch.equal(v_buf, v_want)

@@ -13,7 +13,7 @@ import torch
 
 from batchgen.errors import BatchgenError
 from batchgen.kernels.attention.base import AttentionBackend
-from batchgen.kernels.triton import decode_attention, extend_attention
+from batchgen.kernels.triton import decode_attention, extend_attention, kv_store
 
 if TYPE_CHECKING:
     from batchgen.loop.forward_batch import ForwardBatch
@@ -45,7 +45,7 @@ class TritonAttnBackend(AttentionBackend):
     DECODE rounds run Flash-Decoding split-K (:func:`decode_attention.decode_attention_fwd`) with a fixed
     ``num_kv_splits``; EXTEND and MIXED rounds run the FlashAttention-2 style
     :func:`extend_attention.extend_attention_fwd`, decoding rows of a MIXED round included. Both read K/V
-    in place from the pool; the base class stores the new tokens' K/V first. Outputs have q's dtype
+    in place from the pool, after :func:`kv_store.store_kv` has written the new tokens' K/V. Outputs have q's dtype
     (float32, bfloat16 or float16, the pool's dtype).
 
     CUDA graphs: a DECODE round reads only ``req_pool_indices``, ``seq_lens`` (and, in the base class,
@@ -107,6 +107,16 @@ class TritonAttnBackend(AttentionBackend):
         # One host-to-device copy for all three.
         lens = torch.stack([prefix_lens, extend_lens, qo_start]).to(fb.seq_lens.device, non_blocking=True)
         self._extend = _ExtendMetadata(lens[0], lens[1], lens[2], max(fb.extend_seq_lens_cpu, default=0))
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
+        """As the base class, with the new K/V stored by one Triton kernel instead of torch's index copies."""
+        pool = forward_batch.token_to_kv_pool
+        kv_store.store_kv(pool.k_buffer[layer_id], pool.v_buffer[layer_id], forward_batch.out_cache_loc, k, v)
+        if forward_batch.forward_mode.is_decode():
+            return self.forward_decode(q, layer_id, forward_batch)
+        return self.forward_extend(q, layer_id, forward_batch)
 
     def forward_decode(self, q: torch.Tensor, layer_id: int, forward_batch: ForwardBatch) -> torch.Tensor:
         """``[batch, num_heads, head_dim]`` output for one query per request; reads only device tensors."""
