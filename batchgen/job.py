@@ -206,14 +206,17 @@ class RunJob:
         done = self.output.state.done
         for order, item in enumerate(self.reader):
             if isinstance(item, RowError):
+                # Its default id is taken: a later row giving the same id explicitly is a duplicate.
+                self._seen_ids.add(str(order))
                 self._row_failed(item, str(order), {})
                 continue
             source = self.reader.source
             try:
                 spec = parse_row(item, source, self.reader.passthrough_schema, block_rows=self.reader.block_rows)
             except RowError as e:
-                rid = item.data.get("id")
-                self._row_failed(e, str(rid) if rid is not None else str(item.index), {})
+                rid = str(item.data["id"]) if item.data.get("id") is not None else str(item.index)
+                self._seen_ids.add(rid)
+                self._row_failed(e, rid, {})
                 continue
             try:
                 if spec.id in self._seen_ids:

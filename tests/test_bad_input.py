@@ -507,3 +507,24 @@ def test_console_script_unknown_model_one_line(tmp_path: Path) -> None:
     assert lines[0].startswith("batchgen: error: unknown model 'no-such-model': expected a model directory")
     assert result.stdout == ""
     assert not (tmp_path / "out.arrow").exists()
+
+
+def test_default_id_of_an_unreadable_line_is_taken(random_models: dict[str, Path], tmp_path: Path) -> None:
+    """Line 2 cannot be parsed and gets the default id '1' in its error row; a later row naming id 1 is then a
+    duplicate (an error row too), not a second generated row with that id (found by a new user)."""
+    dataset = tmp_path / "in.jsonl"
+    dataset.write_text('{"prompt": "A"}\ngarbage\n{"id": 1, "prompt": "C"}\n')
+    out = tmp_path / "out.jsonl"
+    code, output = run_cli(
+        [
+            "run", str(dataset), "--out", str(out), "--model", str(random_models["llama"]), "--device", "cpu",
+            "--max-new-tokens", "2", "--no-progress", "--on-error", "skip",
+        ]
+    )  # fmt: skip
+    assert code == 0, output
+    rows = read_results(out).to_pylist()
+    generated = [r["id"] for r in rows if r["finish_reason"] != "error"]
+    errors = sorted((r["id"], r["error"]) for r in rows if r["finish_reason"] == "error")
+    assert generated == ["0"]
+    assert [rid for rid, _ in errors] == ["1", "1"]
+    assert any("duplicate id '1'" in message for _, message in errors)

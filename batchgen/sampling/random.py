@@ -27,9 +27,11 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 
 def uniform_from_counter(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     """float64 ``[n]`` uniforms in the open interval (0, 1), a pure function of int64 ``seeds`` and ``steps``."""
-    h = _mix32(seeds & _MASK32)
-    h = _mix32(h ^ ((seeds >> 32) & _MASK32))
-    h = _mix32(h ^ (steps & _MASK32))
+    # The odd constants keep the chain off the hash's fixed point: lowbias32(0) = 0, so without them seed 0 at
+    # step 0 drew u ≈ 0 (the first token with any probability, found by a new user).
+    h = _mix32((seeds & _MASK32) ^ 0x85EBCA6B)
+    h = _mix32(h ^ ((seeds >> 32) & _MASK32) ^ 0xC2B2AE35)
+    h = _mix32(h ^ (steps & _MASK32) ^ 0x27D4EB2F)
     low = _mix32(h ^ 0x9E3779B9)
     bits = (h << 21) | (low >> 11)  # 53 random bits, the precision of a float64 mantissa
     return (bits.double() + 0.5) / float(1 << 53)
