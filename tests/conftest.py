@@ -152,3 +152,26 @@ def generate(dataset: Path, out: Path, model: Path | str, *extra: str) -> dict[s
     code, output = run_cli(run_args(dataset, out, model, *extra))
     assert code == 0, output
     return read_rows(out)
+
+
+def enqueue_rows(engine: Any, rows: list[dict[str, Any]], path: Path, *, eos: bool = True) -> None:
+    """Add ``rows`` to ``engine`` as requests built the way ``batchgen run`` builds them (written to ``path`` as
+    JSONL and read back; run seed 0); with ``eos`` false the model's EOS ids do not end them."""
+    from batchgen.io.reader import RowReader
+    from batchgen.io.rows import parse_row
+    from batchgen.loop.request_builder import RequestBuilder
+    from batchgen.sampling.sampling_params import SamplingParams
+
+    reader = RowReader(write_jsonl(path, rows))
+    builder = RequestBuilder(
+        engine.tokenizer,
+        engine.vocab_size,
+        engine.context_len,
+        engine.eos_token_ids if eos else [],
+        SamplingParams(),
+        run_seed=0,
+        max_samples=engine.max_running_requests,
+    )
+    for order, item in enumerate(reader):
+        assert not isinstance(item, Exception), item
+        engine.add(builder.build(parse_row(item, reader.source, reader.passthrough_schema), reader.source, order))

@@ -7,17 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import write_jsonl
+from conftest import enqueue_rows
 
-from batchgen.io.reader import RowReader
-from batchgen.io.rows import parse_row
 from batchgen.loop.engine import Engine
 from batchgen.loop.forward_batch import ForwardBatch
 from batchgen.loop.forward_mode import ForwardMode
 from batchgen.loop.kv_pool import KVSlotAllocator
 from batchgen.loop.options import EngineOptions
-from batchgen.loop.request_builder import RequestBuilder
-from batchgen.sampling.sampling_params import SamplingParams
 
 
 def test_freed_slots_are_copied_not_aliased() -> None:
@@ -62,19 +58,7 @@ def _engine_with_requests(model_dir: Path, tmp_path: Path, **options: object) ->
         }
         for i in range(24)
     ]
-    reader = RowReader(write_jsonl(tmp_path / "p.jsonl", rows))
-    builder = RequestBuilder(
-        engine.tokenizer,
-        engine.vocab_size,
-        engine.context_len,
-        engine.eos_token_ids,
-        SamplingParams(),
-        run_seed=0,
-        max_samples=engine.max_running_requests,
-    )
-    for order, item in enumerate(reader):
-        assert not isinstance(item, Exception)
-        engine.add(builder.build(parse_row(item, reader.source, reader.passthrough_schema), reader.source, order))
+    enqueue_rows(engine, rows, tmp_path / "p.jsonl")
     return engine, len(rows)
 
 
@@ -120,15 +104,6 @@ def test_tiny_pool_with_small_chunks_always_makes_progress(
         )
     )
     rng = random.Random(11)
-    builder = RequestBuilder(
-        engine.tokenizer,
-        engine.vocab_size,
-        engine.context_len,
-        engine.eos_token_ids,
-        SamplingParams(),
-        run_seed=0,
-        max_samples=engine.max_running_requests,
-    )
     rows = [
         {
             "id": str(i),
@@ -140,10 +115,7 @@ def test_tiny_pool_with_small_chunks_always_makes_progress(
         }
         for i in range(5)
     ]
-    reader = RowReader(write_jsonl(tmp_path / "p.jsonl", rows))
-    for order, item in enumerate(reader):
-        assert not isinstance(item, Exception)
-        engine.add(builder.build(parse_row(item, reader.source, reader.passthrough_schema), reader.source, order))
+    enqueue_rows(engine, rows, tmp_path / "p.jsonl")
     finished = []
     for _ in range(2000):
         if not engine.has_work():

@@ -10,16 +10,12 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import run_args, run_cli, write_jsonl
+from conftest import enqueue_rows, run_args, run_cli, write_jsonl
 
-from batchgen.io.reader import RowReader
-from batchgen.io.rows import parse_row
 from batchgen.io.writer import read_results
 from batchgen.loop.engine import Engine
 from batchgen.loop.forward_batch import ForwardBatch
 from batchgen.loop.options import EngineOptions
-from batchgen.loop.request_builder import RequestBuilder
-from batchgen.sampling.sampling_params import SamplingParams
 
 SEED = 1234
 
@@ -136,19 +132,7 @@ def test_prompt_is_prefilled_once_and_every_slot_is_freed(random_models: dict[st
         {"id": str(k), "prompt_token_ids": p, "n": 3, "max_new_tokens": 10, "ignore_eos": True, "seed": k}
         for k, p in enumerate(prompts)
     ]
-    reader = RowReader(write_jsonl(tmp_path / "p.jsonl", rows))
-    builder = RequestBuilder(
-        engine.tokenizer,
-        engine.vocab_size,
-        engine.context_len,
-        engine.eos_token_ids,
-        SamplingParams(),
-        run_seed=0,
-        max_samples=engine.max_running_requests,
-    )
-    for order, item in enumerate(reader):
-        assert not isinstance(item, Exception)
-        engine.add(builder.build(parse_row(item, reader.source, reader.passthrough_schema), reader.source, order))
+    enqueue_rows(engine, rows, tmp_path / "p.jsonl")
     finished = []
     peak_shared = prefill_tokens = 0
     while engine.has_work():

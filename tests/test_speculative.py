@@ -10,17 +10,13 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import generate, read_rows, run_args, run_cli, write_jsonl
+from conftest import enqueue_rows, generate, read_rows, run_args, run_cli, write_jsonl
 from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM
 
-from batchgen.io.reader import RowReader
-from batchgen.io.rows import parse_row
 from batchgen.loop.engine import Engine
 from batchgen.loop.options import EngineOptions
 from batchgen.loop.req import Req
-from batchgen.loop.request_builder import RequestBuilder
-from batchgen.sampling.sampling_params import SamplingParams
 from batchgen.speculative.ngram import NgramIndex
 from batchgen.speculative.verify import PerRequestDrafter, accepted_length
 
@@ -161,11 +157,7 @@ def test_sampled_first_two_tokens_follow_the_exact_distribution(random_models: d
             {"id": str(k), "prompt_token_ids": prompt, "n": 250, "seed": k, "top_k": 5, "max_new_tokens": 4}
             for k in range(8)
         ]
-        reader = RowReader(write_jsonl(tmp_path / "p.jsonl", rows))
-        builder = RequestBuilder(None, engine.vocab_size, engine.context_len, [], SamplingParams(), 0, 256)
-        for order, item in enumerate(reader):
-            assert not isinstance(item, Exception)
-            engine.add(builder.build(parse_row(item, reader.source, reader.passthrough_schema), reader.source, order))
+        enqueue_rows(engine, rows, tmp_path / "p.jsonl", eos=False)
         finished = []
         while engine.has_work():
             finished += engine.step()

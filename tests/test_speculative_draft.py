@@ -10,17 +10,13 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import build_random_model, generate, run_args, run_cli, write_jsonl
+from conftest import build_random_model, enqueue_rows, generate, run_args, run_cli, write_jsonl
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from batchgen.io.reader import RowReader
-from batchgen.io.rows import parse_row
 from batchgen.loop.engine import Engine
 from batchgen.loop.forward_mode import ForwardMode
 from batchgen.loop.options import EngineOptions
 from batchgen.loop.req import Req
-from batchgen.loop.request_builder import RequestBuilder
-from batchgen.sampling.sampling_params import SamplingParams
 from batchgen.speculative.draft_model import DraftModelDrafter
 
 K = 4
@@ -103,11 +99,7 @@ def _run(model: Path, rows: list[dict[str, Any]], tmp_path: Path, draft: Path | 
             **options,
         )
     )
-    reader = RowReader(write_jsonl(tmp_path / "rows.jsonl", rows))
-    builder = RequestBuilder(None, engine.vocab_size, engine.context_len, [], SamplingParams(), 0, 8)
-    for order, item in enumerate(reader):
-        assert not isinstance(item, Exception)
-        engine.add(builder.build(parse_row(item, reader.source, reader.passthrough_schema), reader.source, order))
+    enqueue_rows(engine, rows, tmp_path / "rows.jsonl", eos=False)
     scheduler = engine.scheduler
     process_result = scheduler.process_result
     verify_emits: list[tuple[int, int]] = []
