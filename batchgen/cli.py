@@ -12,6 +12,15 @@ import yaml
 
 from batchgen.bench.commands import bench, bench_one_batch, expand_multi_value_options, peak_rss_mib
 from batchgen.cli_errors import user_errors
+from batchgen.engine_flags import (
+    CUDA_GRAPH_MAX_BS,
+    DISABLE_CUDA_GRAPH,
+    SPECULATIVE_ALGORITHM,
+    SPECULATIVE_DRAFT_MODEL,
+    SPECULATIVE_NGRAM_MAX,
+    SPECULATIVE_NGRAM_MIN,
+    SPECULATIVE_NUM_DRAFT_TOKENS,
+)
 from batchgen.errors import BatchgenError
 from batchgen.kernels.attention import ATTENTION_BACKENDS
 from batchgen.loop.options import EngineOptions
@@ -151,23 +160,13 @@ def run(
         "--enable-mixed-chunk/--disable-mixed-chunk",
         help="Run prefill chunks and decodes in one forward.",
     ),
-    disable_cuda_graph: bool = typer.Option(
-        _ENGINE_DEFAULTS.disable_cuda_graph, "--disable-cuda-graph", help="Run decode rounds eagerly at their own size."
-    ),
-    cuda_graph_max_bs: int | None = typer.Option(
-        None, help="Largest decode batch replayed from a CUDA graph (default 256; on CPU: off, N pads eagerly)."
-    ),
-    speculative_algorithm: str | None = typer.Option(
-        None,
-        help="Speculative decoding: ngram (drafts from the sequence's own earlier text) or draft (a draft model "
-        "proposes); default off.",
-    ),
-    speculative_num_draft_tokens: int = typer.Option(4, help="Draft tokens per request per round (K)."),
-    speculative_ngram_min: int = typer.Option(2, help="Shortest suffix the n-gram drafter looks up."),
-    speculative_ngram_max: int = typer.Option(4, help="Longest suffix the n-gram drafter looks up."),
-    speculative_draft_model: str | None = typer.Option(
-        None, help="Draft model of --speculative-algorithm draft (same vocabulary as --model; or random:PRESET)."
-    ),
+    disable_cuda_graph: bool = DISABLE_CUDA_GRAPH,
+    cuda_graph_max_bs: int | None = CUDA_GRAPH_MAX_BS,
+    speculative_algorithm: str | None = SPECULATIVE_ALGORITHM,
+    speculative_num_draft_tokens: int = SPECULATIVE_NUM_DRAFT_TOKENS,
+    speculative_ngram_min: int = SPECULATIVE_NGRAM_MIN,
+    speculative_ngram_max: int = SPECULATIVE_NGRAM_MAX,
+    speculative_draft_model: str | None = SPECULATIVE_DRAFT_MODEL,
     on_error: str = typer.Option("fail", help="fail: report bad rows and exit 2 at the end; skip: write them."),
     overwrite: bool = typer.Option(False, help="Replace an existing output file (and discard a partial output)."),
     resume: bool = typer.Option(

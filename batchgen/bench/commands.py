@@ -15,6 +15,15 @@ from batchgen.bench.one_batch import OneBatchRunner
 from batchgen.bench.probes import measure_ceilings
 from batchgen.bench.workload import dataset_workload, random_workload
 from batchgen.cli_errors import user_errors
+from batchgen.engine_flags import (
+    CUDA_GRAPH_MAX_BS,
+    DISABLE_CUDA_GRAPH,
+    SPECULATIVE_ALGORITHM,
+    SPECULATIVE_DRAFT_MODEL,
+    SPECULATIVE_NGRAM_MAX,
+    SPECULATIVE_NGRAM_MIN,
+    SPECULATIVE_NUM_DRAFT_TOKENS,
+)
 from batchgen.errors import BatchgenError
 from batchgen.loop.engine import Engine
 from batchgen.loop.options import EngineOptions
@@ -52,12 +61,8 @@ def bench_one_batch(
     dtype: str = typer.Option("auto", help="auto, float32, bfloat16 or float16."),
     device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
     attention_backend: str = typer.Option("auto", help="Attention backend."),
-    disable_cuda_graph: bool = typer.Option(
-        False, "--disable-cuda-graph", help="Run decode rounds eagerly, without the graph runner."
-    ),
-    cuda_graph_max_bs: int | None = typer.Option(
-        None, help="Largest decode batch served by the graph runner (default 256 on CUDA, off on CPU)."
-    ),
+    disable_cuda_graph: bool = DISABLE_CUDA_GRAPH,
+    cuda_graph_max_bs: int | None = CUDA_GRAPH_MAX_BS,
     result_file: Path | None = typer.Option(None, help="Append one JSON line per case to this file."),
     correctness_test: bool = typer.Option(
         False, help="Check that a prefill split in two chunks gives the same logits."
@@ -139,23 +144,13 @@ def bench(
     max_total_tokens: int | None = typer.Option(None, help="Engine: KV pool size in tokens."),
     enable_mixed_chunk: bool = typer.Option(True, "--enable-mixed-chunk/--disable-mixed-chunk", help="Engine."),
     attention_backend: str = typer.Option("auto", help="Engine: attention backend."),
-    disable_cuda_graph: bool = typer.Option(
-        False, "--disable-cuda-graph", help="Run decode rounds eagerly, without the graph runner."
-    ),
-    cuda_graph_max_bs: int | None = typer.Option(
-        None, help="Largest decode batch served by the graph runner (default 256 on CUDA, off on CPU)."
-    ),
-    speculative_algorithm: str | None = typer.Option(
-        None,
-        help="Speculative decoding: ngram (drafts from the sequence's own earlier text) or draft (a draft model "
-        "proposes); default off.",
-    ),
-    speculative_num_draft_tokens: int = typer.Option(4, help="Draft tokens per request per round (K)."),
-    speculative_ngram_min: int = typer.Option(2, help="Shortest suffix the n-gram drafter looks up."),
-    speculative_ngram_max: int = typer.Option(4, help="Longest suffix the n-gram drafter looks up."),
-    speculative_draft_model: str | None = typer.Option(
-        None, help="Draft model of --speculative-algorithm draft (same vocabulary as --model; or random:PRESET)."
-    ),
+    disable_cuda_graph: bool = DISABLE_CUDA_GRAPH,
+    cuda_graph_max_bs: int | None = CUDA_GRAPH_MAX_BS,
+    speculative_algorithm: str | None = SPECULATIVE_ALGORITHM,
+    speculative_num_draft_tokens: int = SPECULATIVE_NUM_DRAFT_TOKENS,
+    speculative_ngram_min: int = SPECULATIVE_NGRAM_MIN,
+    speculative_ngram_max: int = SPECULATIVE_NGRAM_MAX,
+    speculative_draft_model: str | None = SPECULATIVE_DRAFT_MODEL,
     report_memory: bool = typer.Option(False, help="Print the peak resident memory after each system."),
     result_file: Path | None = typer.Option(None, help="Append one JSON line per system to this file."),
 ) -> None:

@@ -1,0 +1,33 @@
+"""Engine flags that ``batchgen run`` and ``batchgen bench`` share: one definition and one help text each."""
+
+from __future__ import annotations
+
+import typer
+
+from batchgen.loop.options import EngineOptions
+
+_DEFAULTS = EngineOptions(model="")
+
+DISABLE_CUDA_GRAPH = typer.Option(
+    _DEFAULTS.disable_cuda_graph, "--disable-cuda-graph", help="Run decode rounds eagerly at their own size."
+)
+CUDA_GRAPH_MAX_BS = typer.Option(
+    None, help="Largest decode batch replayed from a CUDA graph (default 256; on CPU: off, N pads eagerly)."
+)
+SPECULATIVE_ALGORITHM = typer.Option(
+    None,
+    help="Speculative decoding: ngram (drafts from the sequence's own earlier text) or draft (a draft model "
+    "proposes); default off.",
+)
+SPECULATIVE_NUM_DRAFT_TOKENS = typer.Option(
+    _DEFAULTS.speculative_num_draft_tokens, help="Draft tokens per request per round (K)."
+)
+SPECULATIVE_NGRAM_MIN = typer.Option(
+    _DEFAULTS.speculative_ngram_min, help="Shortest suffix the n-gram drafter looks up."
+)
+SPECULATIVE_NGRAM_MAX = typer.Option(
+    _DEFAULTS.speculative_ngram_max, help="Longest suffix the n-gram drafter looks up."
+)
+SPECULATIVE_DRAFT_MODEL = typer.Option(
+    None, help="Draft model of --speculative-algorithm draft (same vocabulary as --model; or random:PRESET)."
+)
