@@ -44,6 +44,10 @@ def output_status(dataset: Path, out: Path) -> list[str]:
             notes.append("the manifest is damaged (rebuilt from the part files on resume)")
     else:
         state, done, errored = "not started", 0, 0
+    if state == "complete" and DATASET_KEY.encode() not in metadata:
+        # JSON Lines has no schema to carry the run's metadata (found by a new user: a finished output of another
+        # dataset looked like this one's, "complete" with rows remaining).
+        notes.append(f"{out} records no dataset fingerprint (JSONL has no metadata): it may come from another file")
     if DATASET_KEY.encode() in metadata:
         recorded = DatasetFingerprint.from_json(metadata[DATASET_KEY.encode()].decode())
         changes = recorded.differences(fingerprint_dataset(dataset))

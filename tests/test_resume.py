@@ -29,6 +29,7 @@ from batchgen.io import partial_output
 from batchgen.io.fingerprint import DatasetFingerprint, fingerprint_dataset
 from batchgen.io.partial_output import PartialOutput, decode_manifest, encode_manifest, partial_dir
 from batchgen.io.writer import read_results
+from batchgen.status import output_status
 
 ROWS = 300
 # Greedy, so an interrupted and resumed run must give the uninterrupted run's tokens; small batches and flushes,
@@ -355,7 +356,7 @@ def test_disk_full_is_one_line_keeps_the_flushed_rows_and_resumes(
     assert code == 0, output
     assert not partial_dir(out).exists()
     assert_same_rows(by_key(read_results(out).to_pylist()), reference)
-    assert status(dataset, out) == f"{out}: complete: 40 of 40 rows done, 0 remaining, 2 errored\n"
+    assert status(dataset, out).startswith(f"{out}: complete: 40 of 40 rows done, 0 remaining, 2 errored\n")
 
 
 def test_disk_full_while_assembling_the_output_keeps_every_row(
@@ -547,3 +548,16 @@ def test_manifest_round_trip_and_checksum() -> None:
     for bad in (tampered, data[:-5], b"", b"[]"):
         with pytest.raises(ValueError, match="not a manifest|checksum"):
             decode_manifest(bad)
+
+
+def test_status_of_a_jsonl_output_says_it_cannot_check_the_dataset(tmp_path: Path) -> None:
+    """A finished JSONL output holds no run metadata, so status cannot tell which dataset made it: it says so
+    instead of reporting "complete" for another file's output without comment (found by a new user)."""
+    dataset = tmp_path / "in.jsonl"
+    dataset.write_text("".join(json.dumps({"prompt": f"p{i}"}) + "\n" for i in range(3)))
+    out = tmp_path / "out.jsonl"
+    out.write_text(json.dumps({"id": "0", "sample_index": 0, "finish_reason": "length"}) + "\n")
+    lines = output_status(dataset, out)
+    assert lines[0].startswith(f"{out}: complete: 1 of 3 rows done, 2 remaining, 0 errored")
+    note = "records no dataset fingerprint (JSONL has no metadata): it may come from another file"
+    assert lines[1] == f"{out}: note: {out} {note}"
