@@ -126,6 +126,8 @@ def check_same_job(where: Path, recorded: pa.Schema, now: pa.Schema, force: bool
             f"{where}: cannot resume: this run differs from the interrupted one: {'; '.join(differences)} "
             "(pass --resume-force to resume anyway, or --overwrite to start over)"
         )
+    if differences:  # forced: the finished file will mix rows of both settings, so say which
+        print(f"batchgen: warning: {where}: resuming despite: {'; '.join(differences)}", file=sys.stderr)
 
 
 def job_differences(recorded: dict[str, str], now: dict[str, str]) -> list[str]:

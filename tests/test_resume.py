@@ -476,6 +476,7 @@ def test_resume_refuses_another_job_in_one_line_unless_forced(
     assert code == 2 and "dataset modification time" in output
     code, output = run_cli(args(copy, out, model, "--resume-force", "--max-new-tokens", "7"))
     assert code == 0, output
+    assert "warning" in output and "resuming despite" in output and "max_new_tokens" in output
     assert_same_rows(by_key(read_results(out).to_pylist()), reference)  # every row sets its own max_new_tokens
 
 
