@@ -252,15 +252,16 @@ def run(
         if n > job.engine.max_running_requests:
             raise BatchgenError(f"--n {n} exceeds --max-running-requests {job.engine.max_running_requests}")
         summary = job.run()
-        print(summary.line(), file=sys.stderr)
-        if report_memory:
-            print(f"batchgen: peak RSS {peak_rss_mib():.0f} MiB", file=sys.stderr)
-        if summary.interrupted_by:
+        if summary.interrupted_by:  # said first, so the summary below does not read as a finished run
             print(
                 f"batchgen: stopped by {summary.interrupted_by}: the {summary.requests} rows finished in this run are "
                 f"flushed to {job.output.dir}; requests still running were dropped",
                 file=sys.stderr,
             )
+        print(summary.line(), file=sys.stderr)
+        if report_memory:
+            print(f"batchgen: peak RSS {peak_rss_mib():.0f} MiB", file=sys.stderr)
+        if summary.interrupted_by:
             print(f"batchgen: to resume: {resume_command(dataset, out)}", file=sys.stderr)
             raise typer.Exit(128 + signal.Signals[summary.interrupted_by].value)
         raise_if_failed(summary, on_error)

@@ -172,7 +172,14 @@ def _changed_fields(key: str, recorded: dict[str, str], now: dict[str, str], onl
     except json.JSONDecodeError:
         return [f"{key} (unreadable)"]
     names = only if only is not None else sorted(set(old) | set(new))
-    return [f"{name} {old.get(name)!r} → {new.get(name)!r}" for name in names if old.get(name) != new.get(name)]
+    return [
+        f"{name} {_shown(old.get(name))} → {_shown(new.get(name))}" for name in names if old.get(name) != new.get(name)
+    ]
+
+
+def _shown(value: object) -> str:
+    """A recorded option value as a user reads it: ``None`` is an option that was not given."""
+    return "not given" if value is None else repr(value)
 
 
 def report_damage(directory: Path, state: PartialState | None) -> None:

@@ -461,7 +461,7 @@ def test_resume_refuses_another_job_in_one_line_unless_forced(
         (args(copy, out, other, "--resume"), f"model {str(model)!r} → {str(other)!r}"),
         (
             args(copy, out, model, "--resume", "--temperature", "0.5", "--seed", "3"),
-            "temperature 0.0 → 0.5; seed None → 3",
+            "temperature 0.0 → 0.5; seed not given → 3",
         ),
     ]
     for run_args, difference in cases:
