@@ -72,3 +72,19 @@ def check_last_dim_contiguous(**tensors: torch.Tensor) -> None:
     for name, t in tensors.items():
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have a contiguous last dimension, got strides {tuple(t.stride())}")
+
+
+def check_attention_shapes(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, out: torch.Tensor) -> None:
+    """q and out ``[tokens, num_heads, head_dim]`` against one layer's K/V ``[num_kv_heads, slots, head_dim]``.
+
+    Raises:
+        ValueError: dtypes that differ, a head count not a multiple of ``num_kv_heads``, a head size or buffer
+            shape that does not match, or ``out`` not shaped like ``q``.
+    """
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    if q.dtype != k_buffer.dtype or v_buffer.dtype != k_buffer.dtype:
+        raise ValueError(f"q, k_buffer, v_buffer dtypes differ: {q.dtype}, {k_buffer.dtype}, {v_buffer.dtype}")
+    if num_heads % k_buffer.shape[0] or k_buffer.shape[2] != head_dim or v_buffer.shape != k_buffer.shape:
+        raise ValueError(f"q {tuple(q.shape)} does not fit K/V buffers {tuple(k_buffer.shape)}")
+    if out.shape != q.shape:
+        raise ValueError(f"out {tuple(out.shape)} differs from q {tuple(q.shape)}")

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from batchgen.kernels.triton import block_d, check_last_dim_contiguous, dot_settings
+from batchgen.kernels.triton import block_d, check_attention_shapes, check_last_dim_contiguous, dot_settings
 
 
 @triton.jit
@@ -230,12 +230,7 @@ def decode_attention_fwd(
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[0]
-    if q.dtype != k_buffer.dtype or v_buffer.dtype != k_buffer.dtype:
-        raise ValueError(f"q, k_buffer, v_buffer dtypes differ: {q.dtype}, {k_buffer.dtype}, {v_buffer.dtype}")
-    if num_heads % num_kv_heads or k_buffer.shape[2] != head_dim or v_buffer.shape != k_buffer.shape:
-        raise ValueError(f"q {tuple(q.shape)} does not fit K/V buffers {tuple(k_buffer.shape)}")
-    if out.shape != q.shape:
-        raise ValueError(f"out {tuple(out.shape)} differs from q {tuple(q.shape)}")
+    check_attention_shapes(q, k_buffer, v_buffer, out)
     if (
         mid_o.shape[0] < batch
         or mid_o.shape[1:] != (num_heads, num_kv_splits, head_dim)

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from batchgen.kernels.triton import block_d, check_last_dim_contiguous, dot_settings
+from batchgen.kernels.triton import block_d, check_attention_shapes, check_last_dim_contiguous, dot_settings
 
 
 @triton.jit
@@ -168,12 +168,7 @@ def extend_attention_fwd(
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[0]
-    if q.dtype != k_buffer.dtype or v_buffer.dtype != k_buffer.dtype:
-        raise ValueError(f"q, k_buffer, v_buffer dtypes differ: {q.dtype}, {k_buffer.dtype}, {v_buffer.dtype}")
-    if num_heads % num_kv_heads or k_buffer.shape[2] != head_dim or v_buffer.shape != k_buffer.shape:
-        raise ValueError(f"q {tuple(q.shape)} does not fit K/V buffers {tuple(k_buffer.shape)}")
-    if out.shape != q.shape:
-        raise ValueError(f"out {tuple(out.shape)} differs from q {tuple(q.shape)}")
+    check_attention_shapes(q, k_buffer, v_buffer, out)
     check_last_dim_contiguous(q=q, k_buffer=k_buffer, v_buffer=v_buffer, out=out)
     batch = req_pool_indices.shape[0]
     if batch == 0 or num_tokens == 0 or max_extend_len <= 0:
