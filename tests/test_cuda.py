@@ -4,7 +4,8 @@
   DECODE), and its CUDA-graph hooks under a real capture and replays with longer sequences than captured.
 - Whole ``batchgen run`` jobs on a tiny random Llama (head_dim 64, FlashInfer's smallest): greedy tokens and
   logprobs agree across the torch_native, triton and flashinfer backends (float32: same tokens, logprobs within
-  1e-4; bfloat16: within 2e-2) and with CUDA graphs on and off (``--disable-cuda-graph``, ``--cuda-graph-max-bs``).
+  1e-4; bfloat16: within 2e-2) and with CUDA graphs on and off (``--disable-cuda-graph``, ``--cuda-graph-max-bs``),
+  also for speculative TARGET_VERIFY rounds.
 - ``bench-one-batch`` with and without CUDA graphs.
 
 Everything runs in bfloat16 with head_dim 64 where FlashInfer is involved, so a fresh machine JIT-compiles one
@@ -182,6 +183,35 @@ def test_cuda_graphs_on_and_off_agree(backend: str, dtype: str, model_dir: Path,
     # Graphs up to 4 rows: larger decode batches run eagerly, 3-row ones replay a padded 4-row graph.
     graphs = _generate(dataset, tmp_path / "graphs.arrow", model_dir, backend, dtype, "--cuda-graph-max-bs", "4")
     tol = FP32_TOL if dtype == "float32" else BF16_TOL
+    assert_greedy_agree(eager, graphs, tol, exact_tokens=dtype == "float32")
+
+
+@pytest.mark.parametrize(("backend", "dtype"), [("triton", "float32"), ("flashinfer", "bfloat16")])
+def test_speculative_verify_graphs_agree(backend: str, dtype: str, model_dir: Path, tmp_path: Path) -> None:
+    """n-gram speculation on prompts that repeat themselves: TARGET_VERIFY rounds replayed from CUDA graphs
+    (K + 1 = 4 tokens per request, padded drafts) agree with eager verify rounds and with plain decoding."""
+    rng = random.Random(12)
+    rows = []
+    for i in range(10):
+        motif = [rng.randrange(2, 300) for _ in range(rng.randrange(2, 6))]
+        prompt = [0] + motif * rng.randrange(2, 8)
+        rows.append(
+            {
+                "id": f"r{i}",
+                "prompt_token_ids": prompt,
+                "max_new_tokens": MAX_NEW,
+                "temperature": 0,
+                "top_logprobs": 2,
+                "ignore_eos": True,
+            }
+        )
+    data = write_jsonl(tmp_path / "rep.jsonl", rows)
+    spec = ["--speculative-algorithm", "ngram", "--speculative-num-draft-tokens", "3", "--speculative-ngram-min", "1"]
+    plain = _generate(data, tmp_path / "plain.arrow", model_dir, backend, dtype, "--disable-cuda-graph")
+    eager = _generate(data, tmp_path / "eager.arrow", model_dir, backend, dtype, "--disable-cuda-graph", *spec)
+    graphs = _generate(data, tmp_path / "graphs.arrow", model_dir, backend, dtype, "--cuda-graph-max-bs", "4", *spec)
+    tol = FP32_TOL if dtype == "float32" else BF16_TOL
+    assert_greedy_agree(plain, eager, tol, exact_tokens=dtype == "float32")
     assert_greedy_agree(eager, graphs, tol, exact_tokens=dtype == "float32")
 
 

@@ -20,6 +20,7 @@ import torch
 
 from batchgen.errors import BatchgenError
 from batchgen.kernels.attention import flashinfer_backend as fib
+from batchgen.kernels.attention import flashinfer_paging as paging
 from batchgen.kernels.attention.base import AttentionBackend
 from batchgen.kernels.attention.flashinfer_backend import FlashInferAttnBackend
 from batchgen.kernels.attention.torch_native import TorchNativeAttnBackend
@@ -171,14 +172,16 @@ class _FakeWrapperBase:
         self.plans += 1
         self.kv: dict[str, Any] = {"indptr": indptr, "indices": indices, "sm_scale": plan["sm_scale"]}
         if self.use_cuda_graph:
-            # As FlashInfer: copy into the fixed buffers, which the (captured) kernels then read.
-            indptr_buf = self.kwargs["paged_kv_indptr_buffer"]
-            indices_buf = self.kwargs["paged_kv_indices_buffer"]
+            # As FlashInfer: copy into the fixed buffers, which the (captured) kernels then read. The decode
+            # wrapper names them *_buffer, the prefill wrapper *_buf.
+            suffix = "_buffer" if "paged_kv_indptr_buffer" in self.kwargs else "_buf"
+            indptr_buf = self.kwargs["paged_kv_indptr" + suffix]
+            indices_buf = self.kwargs["paged_kv_indices" + suffix]
             if len(indptr_buf) != len(indptr) or len(indices) > len(indices_buf):
                 raise ValueError("batch size or page count does not fit the CUDA-graph buffers")
             indptr_buf.copy_(indptr)
             indices_buf[: len(indices)].copy_(indices)
-            self.kwargs["paged_kv_last_page_len_buffer"].copy_(last_page_len)
+            self.kwargs["paged_kv_last_page_len" + suffix].copy_(last_page_len)
             self.kv = {"indptr": indptr_buf, "indices": indices_buf, "sm_scale": plan["sm_scale"]}
 
 
@@ -233,6 +236,11 @@ class FakePrefillWrapper(_FakeWrapperBase):
             sm_scale=sm_scale,
         )
         self.qo_indptr, self.causal = qo_indptr.tolist(), causal
+        if self.use_cuda_graph:
+            qo_buf = self.kwargs["qo_indptr_buf"]
+            if len(qo_buf) != len(qo_indptr):
+                raise ValueError("batch size does not fit the CUDA-graph buffers")
+            qo_buf.copy_(qo_indptr)
 
     def run(self, q: torch.Tensor, paged_kv_cache: Any, *, out: torch.Tensor | None = None) -> torch.Tensor:
         assert out is not None and out.is_contiguous()
@@ -272,20 +280,20 @@ def test_page_table_of_a_small_batch() -> None:
     req_to_token[1, :4] = torch.tensor([11, 12, 13, 14])
     req_to_token[2, :3] = torch.tensor([7, 3, 9])
     req_to_token[3, :1] = torch.tensor([5])
-    index = fib.build_paged_kv_index(req_to_token, torch.tensor([2, 1, 3]), torch.tensor([3, 2, 1]), [3, 2, 1])
+    index = paging.build_paged_kv_index(req_to_token, torch.tensor([2, 1, 3]), torch.tensor([3, 2, 1]), [3, 2, 1])
     assert index.kv_indptr.tolist() == [0, 3, 5, 6]
     assert index.kv_indices.tolist() == [7, 3, 9, 11, 12, 5]
     assert index.kv_last_page_len.tolist() == [1, 1, 1]
     for t in (index.kv_indptr, index.kv_indices, index.kv_last_page_len):
         assert t.dtype == torch.int32
-    assert fib.indptr_from_lengths([4, 1, 3]).tolist() == [0, 4, 5, 8]  # qo_indptr from the extend lengths
-    assert fib.indptr_from_lengths([]).tolist() == [0]
+    assert paging.indptr_from_lengths([4, 1, 3]).tolist() == [0, 4, 5, 8]  # qo_indptr from the extend lengths
+    assert paging.indptr_from_lengths([]).tolist() == [0]
 
 
 def test_paged_kv_view_reads_the_head_major_pool_in_place() -> None:
     heads, slots, head_dim = 3, 7, 4
     buffer = torch.arange(heads * slots * head_dim, dtype=torch.float32).view(heads, slots, head_dim)
-    view = fib.paged_kv_view(buffer)
+    view = paging.paged_kv_view(buffer)
     assert view.shape == (slots, 1, heads, head_dim)
     assert view.data_ptr() == buffer.data_ptr()
     assert (view.stride(0), view.stride(2), view.stride(3)) == (head_dim, slots * head_dim, 1)
@@ -295,12 +303,12 @@ def test_paged_kv_view_reads_the_head_major_pool_in_place() -> None:
 def test_workspace_grows_with_heads_and_graph_batch() -> None:
     mib = 1 << 20
     # Llama-1B shape (32 q heads, 8 kv heads, 64 dims) on 132 SMs fits FlashInfer's usual 128 MiB, graphs or not.
-    assert fib.workspace_bytes(32, 8, 64, 132) == fib.MIN_WORKSPACE_BYTES
-    assert fib.workspace_bytes(32, 8, 64, 132, max_graph_bs=256) == fib.MIN_WORKSPACE_BYTES
+    assert paging.workspace_bytes(32, 8, 64, 132) == paging.MIN_WORKSPACE_BYTES
+    assert paging.workspace_bytes(32, 8, 64, 132, max_graph_bs=256) == paging.MIN_WORKSPACE_BYTES
     # 64 q heads of 128: eager split needs 64*33*128*129*4 bytes; a batch-256 graph 64*383*16*129*4 (see scheduler.cuh).
-    eager = fib.workspace_bytes(64, 8, 128, 132)
-    graph = fib.workspace_bytes(64, 8, 128, 132, max_graph_bs=256)
-    assert eager >= 64 * 33 * 128 * 129 * 4 > fib.MIN_WORKSPACE_BYTES
+    eager = paging.workspace_bytes(64, 8, 128, 132)
+    graph = paging.workspace_bytes(64, 8, 128, 132, max_graph_bs=256)
+    assert eager >= 64 * 33 * 128 * 129 * 4 > paging.MIN_WORKSPACE_BYTES
     assert graph >= 64 * 383 * 16 * 129 * 4 > eager
     assert eager % mib == 0 and graph % mib == 0
 
@@ -379,4 +387,34 @@ def test_cuda_graph_hooks_replan_the_captured_wrapper(fake_flashinfer: None) -> 
     with pytest.raises(RuntimeError, match="no captured decode graph for batch size 2"):
         backend.init_forward_metadata_replay_cuda_graph(
             scene.batch(ForwardMode.DECODE, [(2, 7, 1), (3, 9, 1)], backend)
+        )
+
+
+def test_cuda_graph_hooks_replan_the_captured_verify_wrapper(fake_flashinfer: None) -> None:
+    """TARGET_VERIFY rounds of K + 1 = 4 tokens per request: captured with a prefill wrapper over the static
+    buffers, re-planned before each replay, attending as torch_native; decode graphs stay separate."""
+    device = torch.device("cpu")
+    scene = PagedScene(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32, device=device)
+    backend = FlashInferAttnBackend(device, torch.float32, 4, 2, 8)
+    reference = TorchNativeAttnBackend()
+    compare_backends(scene, reference, backend, 4, ROUNDS[:3], atol=1e-5)
+    backend.init_cuda_graph_state(4, verify_tokens=4)
+    backend.init_forward_metadata_capture_cuda_graph(
+        scene.batch(ForwardMode.TARGET_VERIFY, [(1, 31, 4), (2, 4, 4), (3, 6, 4)], backend)
+    )
+    wrapper = backend._graph_verify[3]
+    assert wrapper.use_cuda_graph and len(wrapper.kwargs["qo_indptr_buf"]) == 4 and not backend._graph_decode
+    for rows in ([(1, 35, 4), (2, 8, 4), (3, 10, 4)], [(1, 39, 4), (2, 12, 4), (3, 14, 4)]):
+        fb = scene.batch(ForwardMode.TARGET_VERIFY, rows, backend)
+        backend.init_forward_metadata_replay_cuda_graph(fb)
+        assert wrapper.kwargs["qo_indptr_buf"].tolist() == [0, 4, 8, 12]
+        fb_ref = dataclasses.replace(fb, attn_backend=reference)
+        reference.init_forward_metadata(fb_ref)
+        for layer in range(2):
+            q, k, v = (torch.randn(12, h, 8) for h in (4, 2, 2))
+            torch.testing.assert_close(backend.forward(q, k, v, layer, fb), reference.forward(q, k, v, layer, fb_ref))
+    assert wrapper.plans == 3
+    with pytest.raises(RuntimeError, match="no captured decode graph for batch size 3"):
+        backend.init_forward_metadata_replay_cuda_graph(
+            scene.batch(ForwardMode.DECODE, [(1, 43, 1), (2, 16, 1), (3, 18, 1)], backend)
         )

@@ -10,10 +10,10 @@ import pytest
 import torch
 from conftest import generate, write_jsonl
 
+from batchgen.loop.cuda_graph_runner import CudaGraphRunner, capture_batch_sizes
 from batchgen.loop.engine import Engine
 from batchgen.loop.forward_batch import ForwardBatch
 from batchgen.loop.forward_mode import ForwardMode
-from batchgen.loop.graph_runner import DecodeGraphRunner, capture_batch_sizes
 from batchgen.loop.options import EngineOptions
 from batchgen.loop.req import Req
 from batchgen.loop.schedule_batch import ScheduleBatch
@@ -61,13 +61,13 @@ def test_every_batch_size_up_to_33_decodes_as_unpadded(
     eager = generate(dataset, tmp_path / "eager.jsonl", model, *common, "--disable-cuda-graph")
 
     seen: list[tuple[int, int]] = []
-    original = DecodeGraphRunner.run
+    original = CudaGraphRunner.run
 
-    def spy(self: DecodeGraphRunner, forward_batch: ForwardBatch) -> Any:
+    def spy(self: CudaGraphRunner, forward_batch: ForwardBatch) -> Any:
         seen.append((forward_batch.batch_size, self.padded_size(forward_batch.batch_size)))
         return original(self, forward_batch)
 
-    monkeypatch.setattr(DecodeGraphRunner, "run", spy)
+    monkeypatch.setattr(CudaGraphRunner, "run", spy)
     padded = generate(dataset, tmp_path / "padded.jsonl", model, *common, "--cuda-graph-max-bs", "33")
     assert {bs for bs, _ in seen} == set(range(1, 33))  # 33 rows decode from their 2nd token: 32 … 1 rows
     assert any(size > bs for bs, size in seen)

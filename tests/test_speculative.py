@@ -14,11 +14,14 @@ from conftest import enqueue_rows, generate, read_rows, run_args, run_cli, write
 from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM
 
+from batchgen.loop.cuda_graph_runner import CudaGraphRunner
 from batchgen.loop.engine import Engine
+from batchgen.loop.forward_batch import ForwardBatch
 from batchgen.loop.options import EngineOptions
 from batchgen.loop.req import Req
+from batchgen.sampling.sampling_params import SamplingParams
 from batchgen.speculative.ngram import NgramIndex
-from batchgen.speculative.verify import PerRequestDrafter, accepted_length
+from batchgen.speculative.verify import PerRequestDrafter, accepted_length, plan_drafts
 
 SPEC = ("--speculative-algorithm", "ngram", "--speculative-num-draft-tokens", "4", "--speculative-ngram-min", "1")
 
@@ -187,3 +190,106 @@ def test_bad_speculative_options_are_one_line_errors(random_models: dict[str, Pa
         code, output = run_cli(run_args(dataset, tmp_path / "o.jsonl", random_models["llama"], *extra))
         assert code == 2 and message in output and "Traceback" not in output
     assert not (tmp_path / "o.jsonl").exists() or read_rows(tmp_path / "o.jsonl") == {}
+
+
+@pytest.mark.parametrize(("max_running", "greedy"), [("1", True), ("8", True), ("8", False)])
+def test_verify_rounds_through_the_graph_runner(
+    max_running: str, greedy: bool, random_models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the graph runner on (eager-padded on CPU, as on GPU without capture), every request verifies exactly
+    K drafts, TARGET_VERIFY rounds are served padded to a captured batch size, and outputs equal plain decoding."""
+    served: Counter[tuple[str, int, int]] = Counter()  # (mode, batch size, padded size)
+    original = CudaGraphRunner.run
+
+    def spy(self: CudaGraphRunner, forward_batch: ForwardBatch) -> Any:
+        served[
+            (forward_batch.forward_mode.name, forward_batch.batch_size, self.padded_size(forward_batch.batch_size))
+        ] += 1
+        return original(self, forward_batch)
+
+    monkeypatch.setattr(CudaGraphRunner, "run", spy)
+    dataset = write_jsonl(tmp_path / "in.jsonl", _repetitive_rows(12, greedy))
+    common = ("--max-running-requests", max_running, "--chunked-prefill-size", "16")
+    model = random_models["llama"]
+    plain = generate(dataset, tmp_path / "plain.jsonl", model, *common)
+    assert not served
+    spec = generate(dataset, tmp_path / "spec.jsonl", model, *common, *SPEC, "--cuda-graph-max-bs", "8")
+    for rid, want in plain.items():
+        got = spec[rid]
+        assert (got["output_token_ids"], got["finish_reason"]) == (want["output_token_ids"], want["finish_reason"]), rid
+        assert got["output_logprobs"] == pytest.approx(want["output_logprobs"], abs=1e-5)
+    verify = {key: count for key, count in served.items() if key[0] == "TARGET_VERIFY"}
+    assert verify, served
+    if max_running == "8":
+        assert any(bs < padded for _, bs, padded in verify)  # some rounds carried padding rows
+
+
+class _ShortDrafter(PerRequestDrafter):
+    """Proposes ``[7]`` (one token, fewer than asked) for every request."""
+
+    num_draft_tokens = 4
+
+    def propose(self, req: Req, limit: int) -> list[int]:
+        return [7]
+
+
+class _EvenTokens:
+    """A stand-in grammar state: accepts even tokens only, and terminates after accepting 100."""
+
+    def __init__(self, accepted: tuple[int, ...] = ()) -> None:
+        self.accepted = accepted
+        self.terminated = bool(accepted) and accepted[-1] == 100
+
+    def fork(self) -> _EvenTokens:
+        return _EvenTokens(self.accepted)
+
+    def accept(self, token_id: int) -> bool:
+        if token_id % 2:
+            return False
+        self.accepted += (token_id,)
+        self.terminated = token_id == 100
+        return True
+
+
+def _decoding_req(output_ids: list[int], grammar: Any = None, max_new_tokens: int = 50, max_total_len: int = 64) -> Req:
+    params = SamplingParams(max_new_tokens=max_new_tokens)
+    req = Req("r", 1, 1, [1, 2, 3], params, 0, frozenset(), max_total_len=max_total_len, passthrough={})
+    req.output_ids, req.kv_len, req.grammar = list(output_ids), 3 + len(output_ids) - 1, grammar
+    return req
+
+
+def test_padded_drafts_fill_to_the_limit_and_keep_grammar_states() -> None:
+    """pad=True: a request gets K drafts, the proposal then copies of its last token (or of the pending token),
+    also past max_new_tokens (those draws are never emitted) but not past the context length or the KV room;
+    grammar states follow the drafts, and after a draft the grammar rejects (or one that ends it) positions are
+    unconstrained, since they are never reached. Without pad the list stops there."""
+    drafter = _ShortDrafter()
+    plain, padded, near_max = _decoding_req([5]), _decoding_req([5]), _decoding_req([5], max_new_tokens=3)
+    near_context = _decoding_req([5], max_total_len=6)  # prompt 3 + output 1: two positions left
+    assert plan_drafts([plain], drafter, room=100) == [2] and plain.draft_ids == [7]
+    assert plan_drafts([padded, near_max, near_context], drafter, room=100, pad=True) == [5, 5, 3]
+    assert padded.draft_ids == near_max.draft_ids == [7, 7, 7, 7] and near_context.draft_ids == [7, 7]
+    assert plan_drafts([near_max], drafter, room=100) == [2]  # without pad: one draft, then max_new_tokens
+    assert plan_drafts([padded, plain], drafter, room=6, pad=True) == [5, 3]  # the KV room runs out
+
+    class Proposes(PerRequestDrafter):
+        num_draft_tokens = 4
+
+        def __init__(self, tokens: list[int]) -> None:
+            self.tokens = tokens
+
+        def propose(self, req: Req, limit: int) -> list[int]:
+            return self.tokens
+
+    for tokens, pad, want_ids, want_states in [
+        ([2, 4], True, [2, 4, 4, 4], [(), (2,), (2, 4), (2, 4, 4), (2, 4, 4, 4)]),
+        ([2, 3, 4], True, [2, 3, 4, 4], [(), (2,), None, None, None]),  # 3 rejected: kept, later unconstrained
+        ([2, 3, 4], False, [2], [(), (2,)]),  # without pad: cut before the rejected draft
+        ([2, 100, 4], True, [2, 100, 4, 4], [(), (2,), None, None, None]),  # 100 ends the grammar
+        ([2, 100, 4], False, [2, 100], [(), (2,), None]),
+        ([], True, [6, 6, 6, 6], [(), (6,), (6, 6), (6, 6, 6), (6, 6, 6, 6)]),  # copies of the pending token 6
+    ]:
+        req = _decoding_req([6], grammar=_EvenTokens())
+        plan_drafts([req], Proposes(tokens), room=100, pad=pad)
+        assert req.draft_ids == want_ids, tokens
+        assert [None if g is None else g.accepted for g in req.draft_grammars] == want_states, tokens  # type: ignore[attr-defined]

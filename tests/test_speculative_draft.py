@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import re
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ import torch
 from conftest import build_random_model, enqueue_rows, generate, run_args, run_cli, write_jsonl
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from batchgen.loop.cuda_graph_runner import CudaGraphRunner
 from batchgen.loop.engine import Engine
 from batchgen.loop.forward_mode import ForwardMode
 from batchgen.loop.options import EngineOptions
@@ -160,6 +162,34 @@ def test_greedy_outputs_equal_plain_decoding(
     assert itself.all_accepted()
     if max_running == 1:  # no MIXED rounds, where decodes take one token: every decode round is a verify round
         assert {req.spec_tokens / req.spec_rounds for req in itself.reqs.values()} == {K + 1}
+
+
+def test_graph_runner_pads_verify_rounds_and_keeps_outputs(
+    random_models: dict[str, Path], perturbed_draft: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the graph runner on (eager-padded on CPU) for both models, seeded sampling with a partly accepted
+    draft gives plain decoding's outputs, and the draft = target run still accepts everything it drafted."""
+    served: Counter[str] = Counter()
+    original = CudaGraphRunner.run
+
+    def spy(self: CudaGraphRunner, forward_batch: Any) -> Any:
+        served[forward_batch.forward_mode.name] += 1
+        return original(self, forward_batch)
+
+    monkeypatch.setattr(CudaGraphRunner, "run", spy)
+    model = random_models["llama"]
+    rows = _rows(8, sampled=True)
+    plain = _run(model, rows, tmp_path, max_running_requests=8, enable_mixed_chunk=False).reqs
+    graphs = {"cuda_graph_max_bs": 4, "max_running_requests": 8, "enable_mixed_chunk": False}
+    near = _run(model, rows, tmp_path, draft=perturbed_draft, **graphs)
+    _assert_same_outputs(near.reqs, plain)
+    assert near.partly_accepted()
+    itself = _run(model, rows, tmp_path, draft=model, **graphs)
+    _assert_same_outputs(itself.reqs, plain)
+    # Every verify round carries K drafts per request now (padded past max_new_tokens): a full acceptance emits
+    # as many tokens as max_new_tokens leaves.
+    assert all(got == full for got, full in itself.verify_emits)
+    assert served["TARGET_VERIFY"] > 0 and served["DECODE"] > 0  # the draft model's steps are DECODE rounds
 
 
 def test_sampled_outputs_equal_plain_decoding_and_identical_draft_is_always_accepted(

@@ -226,6 +226,36 @@ def test_backend_decode_reuses_static_scratch_across_replays() -> None:
     assert len(pointers) == 1
 
 
+def test_backend_verify_graph_metadata_lives_in_static_buffers() -> None:
+    """TARGET_VERIFY rounds of K + 1 = 3 tokens per request after init_cuda_graph_state: the lengths the extend
+    kernel reads sit at one fixed address across 'replays', and each round attends as the float64 reference."""
+    gen = torch.Generator().manual_seed(6)
+    pool = _Pool([40, 300, 9], torch.float32, 64, gen)
+    backend = TritonAttnBackend(torch.device("cpu"))
+    backend.init_cuda_graph_state(max_bs=4, verify_tokens=3)
+    pointers = set()
+    for seq_lens in ([40, 300, 9], [3, 100, 6]):
+        fb = SimpleNamespace(
+            forward_mode=ForwardMode.TARGET_VERIFY,
+            batch_size=3,
+            req_pool_indices=pool.req_pool_indices,
+            seq_lens=torch.tensor(seq_lens),
+            extend_seq_lens_cpu=[3, 3, 3],
+            extend_prefix_lens_cpu=[n - 3 for n in seq_lens],
+            req_to_token_pool=SimpleNamespace(req_to_token=pool.req_to_token),
+            token_to_kv_pool=SimpleNamespace(k_buffer=pool.k[None], v_buffer=pool.v[None]),
+        )
+        backend.init_forward_metadata_replay_cuda_graph(fb)  # type: ignore[arg-type]
+        assert backend._extend is not None
+        pointers.add(backend._extend.prefix_lens.data_ptr())
+        q = torch.randn(9, 8, 64, generator=gen)
+        out = backend.forward_extend(q, 0, fb)  # type: ignore[arg-type]
+        for i, n in enumerate(seq_lens):
+            ref = _reference(q[3 * i : 3 * i + 3], pool, pool.slots[i][:n], n - 3)
+            assert _relative_error(out[3 * i : 3 * i + 3], ref) <= 1e-5
+    assert len(pointers) == 1
+
+
 def test_engine_greedy_matches_torch_native(
     random_models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

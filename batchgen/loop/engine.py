@@ -139,6 +139,7 @@ class Engine:
             context_len,
             options.attention_backend,
             cuda_graph_max_bs=self._graph_max_bs(options),
+            verify_tokens=options.speculative_num_draft_tokens + 1 if options.speculative_algorithm else 0,
         )
         self.allocator = KVSlotAllocator(pool_size)
         self.scheduler = Scheduler(
@@ -152,6 +153,8 @@ class Engine:
             self.allocator,
             self.tokenizer,
             drafter=make_drafter(options, self.runner, self._graph_max_bs(options)),
+            # Graphs have fixed shapes: every request then verifies exactly K drafts (padded when fewer).
+            pad_drafts=self.runner.graph_runner is not None,
         )
         self.stats = RoundStats()
 

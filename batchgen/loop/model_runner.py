@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from batchgen.kernels.attention import create_attention_backend
+from batchgen.loop.cuda_graph_runner import CudaGraphRunner
 from batchgen.loop.forward_batch import ForwardBatch
-from batchgen.loop.graph_runner import DecodeGraphRunner
 from batchgen.loop.kv_pool import ReqToTokenPool, TokenToKVPool
 from batchgen.models.llama import LlamaForCausalLM
 from batchgen.models.logits_processor import LogitsProcessor, LogitsProcessorOutput
@@ -24,8 +24,10 @@ class ModelRunner:
         context_len: columns of ``req_to_token``: the longest prompt + output.
         attention_backend: a name accepted by :func:`create_attention_backend`.
         cuda_graph_max_bs: DECODE rounds of up to this many requests run through the
-            :class:`DecodeGraphRunner` (CUDA graphs where the device and backend allow, else eager-padded);
+            :class:`CudaGraphRunner` (CUDA graphs where the device and backend allow, else eager-padded);
             0 runs every round eagerly at its own size.
+        verify_tokens: with speculative decoding, K + 1: TARGET_VERIFY rounds with that many tokens per request
+            go through the graph runner too.
     """
 
     def __init__(
@@ -38,6 +40,7 @@ class ModelRunner:
         context_len: int,
         attention_backend: str,
         cuda_graph_max_bs: int = 0,
+        verify_tokens: int = 0,
     ) -> None:
         config = model.config
         self.model = model
@@ -50,17 +53,20 @@ class ModelRunner:
         )
         self.attn_backend = create_attention_backend(attention_backend, device, dtype, config)
         self.logits_processor = LogitsProcessor()
-        self.graph_runner: DecodeGraphRunner | None = None
+        self.graph_runner: CudaGraphRunner | None = None
         if cuda_graph_max_bs > 0:
             use_graphs = device.type == "cuda" and self.attn_backend.supports_cuda_graph
             with torch.inference_mode():
-                self.graph_runner = DecodeGraphRunner(self, min(cuda_graph_max_bs, max_running_requests), use_graphs)
+                self.graph_runner = CudaGraphRunner(
+                    self, min(cuda_graph_max_bs, max_running_requests), use_graphs, verify_tokens
+                )
 
     @torch.inference_mode()
     def forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
         """Run the model over the round's tokens; logits only for ``forward_batch.sample_indices``.
 
-        DECODE rounds the graph runner can serve go through it; the rest plan their attention and run eagerly.
+        DECODE and uniform TARGET_VERIFY rounds the graph runner can serve go through it; the rest plan their
+        attention and run eagerly.
         """
         if self.graph_runner is not None and self.graph_runner.can_run(forward_batch):
             return self.graph_runner.run(forward_batch)
@@ -70,7 +76,7 @@ class ModelRunner:
     def forward_model(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
         """The model and logits processor over a batch whose attention metadata is planned.
 
-        Reads nothing back to the host in a DECODE round, so the graph runner can capture it.
+        Reads nothing back to the host in a DECODE or TARGET_VERIFY round, so the graph runner can capture it.
         """
         hidden = self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
         return self.logits_processor(hidden, self.model.lm_head_weight(), forward_batch)

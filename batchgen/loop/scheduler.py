@@ -60,6 +60,7 @@ class Scheduler:
         allocator: KVSlotAllocator,
         tokenizer: Any,
         drafter: Drafter | None = None,
+        pad_drafts: bool = False,
     ) -> None:
         self.options = options
         self.req_to_token_pool = req_to_token_pool
@@ -69,6 +70,7 @@ class Scheduler:
         self.running: list[Req] = []
         self.num_retracted = 0
         self.drafter = drafter
+        self.pad_drafts = pad_drafts
         # Speculative decoding: how many verify rounds with drafts emitted 1, 2, … K + 1 tokens for one request.
         self.accept_histogram: Counter[int] = Counter()
 
@@ -160,7 +162,8 @@ class Scheduler:
         """A DECODE round, or with a drafter a TARGET_VERIFY round when any request has drafts (with the KV
         room left after one slot per request)."""
         if self.drafter is not None:
-            lens = plan_drafts(decodes, self.drafter, self.allocator.available() - len(decodes))
+            room = self.allocator.available() - len(decodes)
+            lens = plan_drafts(decodes, self.drafter, room, pad=self.pad_drafts)
             if any(n > 1 for n in lens):
                 return ScheduleBatch(ForwardMode.TARGET_VERIFY, decodes, lens, len(decodes))
         return ScheduleBatch(ForwardMode.DECODE, decodes, [1] * len(decodes), len(decodes))

@@ -78,7 +78,7 @@ class PerRequestDrafter:
         return None  # nothing to free; any state in req.draft_state stays valid for the request's tokens
 
 
-def plan_drafts(decodes: Sequence[Req], drafter: Drafter, room: int) -> list[int]:
+def plan_drafts(decodes: Sequence[Req], drafter: Drafter, room: int, pad: bool = False) -> list[int]:
     """Set every request's ``draft_ids`` (and ``draft_grammars``) for this round; return the tokens each
     processes (``1 + drafts``).
 
@@ -86,43 +86,58 @@ def plan_drafts(decodes: Sequence[Req], drafter: Drafter, room: int) -> list[int
     output step), within ``room`` free KV slots in all (a request's whole limit is reserved before drafting,
     since the drafter proposes for all requests at once), and before the first token the request's grammar
     rejects: the target cannot sample it there, so nothing after it could be accepted.
+
+    ``pad`` (the CUDA-graph runner's fixed verify shape): every request gets exactly K drafts unless the context
+    length or ``room`` stops it (not ``max_new_tokens``): the drafter's proposal followed by copies of its last
+    token (or of the pending token), and a token the grammar rejects is kept instead of cutting the list. Any
+    draft is sound to verify: one is accepted only when it equals the target's own draw, and the position after a
+    rejected or grammar-ending draft is never reached.
     """
-    limits = []
+    limits, asks = [], []
     for req in decodes:
-        limit = max(
-            0,
-            min(
-                drafter.num_draft_tokens,
-                req.params.max_new_tokens - len(req.output_ids) - 1,
-                req.max_total_len - req.fill_len,
-                room,
-            ),
-        )
+        # Draws past max_new_tokens are never emitted, so drafting there is pointless; the fixed-shape (pad) mode
+        # still fills those positions, which costs a KV slot each until the round ends, but keeps the round
+        # uniform. The context length is a hard limit: a position past it has no req_to_token column.
+        useful = req.params.max_new_tokens - len(req.output_ids) - 1
+        limit = max(0, min(drafter.num_draft_tokens, req.max_total_len - req.fill_len, room))
+        if not pad:
+            limit = max(0, min(limit, useful))
         limits.append(limit)
+        asks.append(max(0, min(limit, useful)))
         room -= limit
     lens = []
-    for req, limit, proposed in zip(decodes, limits, drafter.propose_batch(decodes, limits)):
+    for req, limit, proposed in zip(decodes, limits, drafter.propose_batch(decodes, asks)):
         drafts = proposed[:limit]
-        grammars: list[GrammarState | None] = [req.grammar]
-        if req.grammar is not None:
-            state = req.grammar
-            for count, token_id in enumerate(drafts):
-                state = state.fork()
-                if not state.accept(token_id):
-                    drafts = drafts[:count]
-                    break
-                if state.terminated:
-                    # This draft ends the request if accepted, so the draw after it is never emitted; a finished
-                    # matcher has no next-token mask (xgrammar raises), so that position samples unconstrained.
-                    drafts = drafts[: count + 1]
-                    grammars.append(None)
-                    break
-                grammars.append(state)
-        else:
-            grammars *= 1 + len(drafts)
-        req.draft_ids, req.draft_grammars = drafts, grammars
-        lens.append(1 + len(drafts))
+        if pad:
+            drafts += [(drafts or req.pending_ids(1))[-1]] * (limit - len(drafts))
+        req.draft_ids, req.draft_grammars = _walk_grammar(req.grammar, drafts, keep_rejected=pad)
+        lens.append(1 + len(req.draft_ids))
     return lens
+
+
+def _walk_grammar(
+    grammar: GrammarState | None, drafts: list[int], keep_rejected: bool
+) -> tuple[list[int], list[GrammarState | None]]:
+    """The drafts to verify and the grammar state of each of their ``len + 1`` positions (``None``:
+    unconstrained), position ``j`` being the state after drafts ``0..j-1``."""
+    if grammar is None:
+        return drafts, [None] * (1 + len(drafts))
+    grammars: list[GrammarState | None] = [grammar]
+    state = grammar
+    for count, token_id in enumerate(drafts):
+        state = state.fork()
+        accepted = state.accept(token_id)
+        if accepted and not state.terminated:
+            grammars.append(state)
+            continue
+        if not accepted and not keep_rejected:
+            return drafts[:count], grammars
+        # This draft is rejected by the target (its draw is grammar-constrained), or, accepted, ends the request:
+        # the draws after it are never emitted. A finished matcher has no next-token mask (xgrammar raises), so
+        # those positions sample unconstrained.
+        kept = drafts if keep_rejected else drafts[: count + 1]
+        return kept, grammars + [None] * (len(kept) - count)
+    return drafts, grammars
 
 
 def accepted_length(target_ids: Sequence[int], draft_ids: Sequence[int]) -> int:

@@ -22,21 +22,24 @@ class AttentionBackend(ABC):
     CUDA graphs: a backend whose DECODE rounds read only the ForwardBatch's device tensors (``req_pool_indices``,
     ``seq_lens``, ``out_cache_loc``), never a host value such as ``max_seq_len``, and whose launch grids depend
     only on the batch size, sets ``supports_cuda_graph``; the graph runner then captures one graph per batch
-    size and, before each replay, lets the backend refresh its static metadata outside the graph.
+    size and, before each replay, lets the backend refresh its static metadata outside the graph. Such a
+    backend also captures TARGET_VERIFY rounds with a fixed number of tokens per request (K + 1).
     """
 
     supports_cuda_graph: ClassVar[bool] = False
 
-    def init_cuda_graph_state(self, max_bs: int) -> None:
-        """Allocate the static buffers captured DECODE graphs read, for up to ``max_bs`` rows (once, pre-capture)."""
+    def init_cuda_graph_state(self, max_bs: int, verify_tokens: int = 0) -> None:
+        """Allocate the static buffers captured graphs read, for up to ``max_bs`` rows (once, pre-capture): DECODE
+        rounds, and with ``verify_tokens`` > 0 TARGET_VERIFY rounds of that many tokens per request."""
         return None  # backends without static buffers need nothing here
 
     def init_forward_metadata_capture_cuda_graph(self, forward_batch: ForwardBatch) -> None:
-        """Metadata for capturing a DECODE round of ``forward_batch.batch_size`` rows; by default as eager."""
+        """Metadata for capturing a DECODE or TARGET_VERIFY round of ``forward_batch.batch_size`` rows; by
+        default as eager."""
         self.init_forward_metadata(forward_batch)
 
     def init_forward_metadata_replay_cuda_graph(self, forward_batch: ForwardBatch) -> None:
-        """Refresh the static metadata before replaying a captured DECODE round (runs outside the graph)."""
+        """Refresh the static metadata before replaying a captured round (runs outside the graph)."""
         self.init_forward_metadata(forward_batch)
 
     @abstractmethod

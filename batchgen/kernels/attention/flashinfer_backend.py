@@ -26,14 +26,19 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from batchgen.errors import BatchgenError
 from batchgen.kernels.attention.base import AttentionBackend
+from batchgen.kernels.attention.flashinfer_paging import (
+    PagedKVIndex,
+    build_paged_kv_index,
+    indptr_from_lengths,
+    paged_kv_view,
+    workspace_bytes,
+)
 
 if TYPE_CHECKING:
     from batchgen.loop.forward_batch import ForwardBatch
@@ -41,96 +46,10 @@ if TYPE_CHECKING:
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)  # FlashInfer's JIT has no float32 attention kernels
 SUPPORTED_HEAD_DIMS = (64, 128, 256)  # the head sizes FlashInfer's FA2 kernels are built and tested for
-MIN_WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended float workspace
 _KV_LAYOUT = "NHD"
 _KERNELS = "fa2"  # see the module docstring: FA3 misreads the strided pool view
 _PAGE_SIZE = 1
 _MAX_STRIDE = 2**32  # paged_kv_t keeps strides as uint32
-
-
-@dataclass
-class PagedKVIndex:
-    """One round's page table in FlashInfer's CSR form, page size 1.
-
-    Attributes:
-        kv_indptr: int32 ``[bs + 1]`` on the host; request ``i`` owns ``kv_indices[kv_indptr[i]:kv_indptr[i + 1]]``.
-        kv_indices: int32 ``[kv_indptr[-1]]`` on the pool's device: each request's ``req_to_token`` row cut to its
-            sequence length, requests back to back.
-        kv_last_page_len: int32 ``[bs]`` on the host, all ones: with one slot per page every page is full.
-
-    ``plan()`` reads the indptr and last-page lengths on the host (it calls ``.to("cpu")`` on them), so they are
-    built there: a device tensor would cost a device-to-host copy and a sync in every plan.
-    """
-
-    kv_indptr: torch.Tensor
-    kv_indices: torch.Tensor
-    kv_last_page_len: torch.Tensor
-
-
-def indptr_from_lengths(lengths: Sequence[int]) -> torch.Tensor:
-    """int32 ``[len(lengths) + 1]`` on the host: ``0`` then the running sums (FlashInfer's ``*_indptr``)."""
-    indptr = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-    if lengths:
-        indptr[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int32), 0, dtype=torch.int32)
-    return indptr
-
-
-def gather_kv_indices(
-    req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, total: int
-) -> torch.Tensor:
-    """``req_to_token[req_pool_indices[i], :seq_lens[i]]`` for every ``i``, concatenated, as int32 ``[total]``.
-
-    Args:
-        req_to_token: int64 ``[rows, max_context_len]``.
-        req_pool_indices, seq_lens: int64 ``[bs]`` on ``req_to_token``'s device.
-        total: ``sum(seq_lens)``, known on the host, so that no step waits for the device.
-    """
-    device = req_to_token.device
-    rows = torch.repeat_interleave(torch.arange(seq_lens.numel(), device=device), seq_lens, output_size=total)
-    starts = torch.cumsum(seq_lens, 0) - seq_lens  # where each request's slots begin in the flat list
-    positions = torch.arange(total, device=device) - starts[rows]
-    return req_to_token[req_pool_indices[rows], positions].to(torch.int32)
-
-
-def build_paged_kv_index(
-    req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, seq_lens_host: Sequence[int]
-) -> PagedKVIndex:
-    """The page table of requests ``req_pool_indices`` with ``seq_lens`` (``seq_lens_host``: the same, on the host)."""
-    kv_indptr = indptr_from_lengths(seq_lens_host)
-    kv_indices = gather_kv_indices(req_to_token, req_pool_indices, seq_lens, int(kv_indptr[-1]))
-    return PagedKVIndex(kv_indptr, kv_indices, torch.ones(len(seq_lens_host), dtype=torch.int32))
-
-
-def paged_kv_view(buffer: torch.Tensor) -> torch.Tensor:
-    """One layer's head-major ``[num_kv_heads, slots, head_dim]`` buffer as FlashInfer's NHD paged cache
-    ``[slots, 1, num_kv_heads, head_dim]`` (page size 1): a view, sharing memory with ``buffer``."""
-    return buffer.transpose(0, 1).unsqueeze(1)
-
-
-def _fa2_cta_tile_q(packed_qo_len: int, head_dim: int) -> int:
-    """Query rows per thread block of FlashInfer's FA2 kernels on SM80+ (``FA2DetermineCtaTileQ``, utils.cuh)."""
-    if packed_qo_len > 64 and head_dim < 256:
-        return 128
-    return 64 if packed_qo_len > 16 else 16
-
-
-def workspace_bytes(num_qo_heads: int, num_kv_heads: int, head_dim: int, num_sms: int, max_graph_bs: int = 0) -> int:
-    """Float workspace large enough for every plan this backend makes (at least 128 MiB).
-
-    FlashInfer's FA2 plan (``PrefillPlan`` in ``include/flashinfer/attention/scheduler.cuh``) fails when the
-    split-KV partial results do not fit: ``num_qo_heads * tiles * cta_tile_q * (head_dim + 1) * 4`` bytes. Eager
-    plans split only up to ``2 * num_sms // num_kv_heads`` tiles; a CUDA-graph decode plan reserves
-    ``max(that, ceil(bs * group / cta_tile_q) + bs - 1)`` tiles. 128 MiB covers Llama-1B at any batch size but
-    not, say, 64 query heads of 128 at batch 256 (~200 MB), hence the computation.
-    """
-    split_tiles = (2 * num_sms) // num_kv_heads
-    need = num_qo_heads * split_tiles * 128 * (head_dim + 1) * 4  # cta_tile_q is at most 128
-    if max_graph_bs:
-        group = num_qo_heads // num_kv_heads
-        cta = _fa2_cta_tile_q(group, head_dim)
-        tiles = max(split_tiles, -(-max_graph_bs * group // cta) + max_graph_bs - 1)
-        need = max(need, num_qo_heads * tiles * cta * (head_dim + 1) * 4)
-    return max(MIN_WORKSPACE_BYTES, (need + (2 << 20)) & ~((1 << 20) - 1))  # + slack for alignment, whole MiB
 
 
 def config_problem(dtype: torch.dtype, num_qo_heads: int, num_kv_heads: int, head_dim: int) -> str | None:
@@ -202,13 +121,17 @@ class FlashInferAttnBackend(AttentionBackend):
         self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         self._allocate_workspace(workspace_bytes(num_qo_heads, num_kv_heads, head_dim, self._num_sms))
         self._build_kernels()
-        self._decode: Any = self._eager_decode  # what forward_decode runs: the eager wrapper or a graph's
-        # CUDA graphs: static page-table buffers shared by one decode wrapper per captured batch size.
+        # What forward_decode / forward_extend run: the eager wrappers or a captured graph's.
+        self._decode: Any = self._eager_decode
+        self._extend: Any = self._prefill
+        # CUDA graphs: static page-table buffers shared by one wrapper per captured mode and batch size.
         self._graph_max_bs = 0
         self._graph_kv_indptr: torch.Tensor | None = None
         self._graph_kv_last_page_len: torch.Tensor | None = None
         self._graph_kv_indices: torch.Tensor | None = None
+        self._graph_qo_indptr: torch.Tensor | None = None
         self._graph_decode: dict[int, Any] = {}
+        self._graph_verify: dict[int, Any] = {}
         self._kv_views: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._kv_views_of: tuple[object, ...] = ()
 
@@ -230,7 +153,7 @@ class FlashInferAttnBackend(AttentionBackend):
         one = indptr_from_lengths([1])
         slot0 = torch.zeros(1, dtype=torch.int32, device=self.device)
         try:
-            self._plan_prefill(one, PagedKVIndex(one, slot0, torch.ones(1, dtype=torch.int32)))
+            self._plan_prefill(self._prefill, one, PagedKVIndex(one, slot0, torch.ones(1, dtype=torch.int32)))
         except Exception as e:  # ninja/nvcc failures arrive as RuntimeError with the whole build log
             detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise BatchgenError(
@@ -245,15 +168,19 @@ class FlashInferAttnBackend(AttentionBackend):
         if fb.forward_mode.is_decode():
             self._plan_decode(self._eager_decode, fb)
             self._decode = self._eager_decode
-            return
+        else:
+            self._plan_extend(self._prefill, fb)
+            self._extend = self._prefill
+
+    def _plan_extend(self, wrapper: Any, fb: ForwardBatch) -> None:
         assert fb.extend_seq_lens_cpu is not None and fb.extend_prefix_lens_cpu is not None
         extend = fb.extend_seq_lens_cpu
         seq_lens_host = [p + e for p, e in zip(fb.extend_prefix_lens_cpu, extend)]
         index = build_paged_kv_index(fb.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens, seq_lens_host)
-        self._plan_prefill(indptr_from_lengths(extend), index)
+        self._plan_prefill(wrapper, indptr_from_lengths(extend), index)
 
-    def _plan_prefill(self, qo_indptr: torch.Tensor, index: PagedKVIndex) -> None:
-        self._prefill.plan(
+    def _plan_prefill(self, wrapper: Any, qo_indptr: torch.Tensor, index: PagedKVIndex) -> None:
+        wrapper.plan(
             qo_indptr,
             index.kv_indptr,
             index.kv_indices,
@@ -288,21 +215,25 @@ class FlashInferAttnBackend(AttentionBackend):
             kv_data_type=self.dtype,
         )
 
-    # ---- CUDA graphs (DECODE only) ----
+    # ---- CUDA graphs (DECODE, and TARGET_VERIFY with K + 1 tokens per request) ----
 
-    def init_cuda_graph_state(self, max_bs: int) -> None:
+    def init_cuda_graph_state(self, max_bs: int, verify_tokens: int = 0) -> None:
         self._graph_max_bs = max_bs
-        needed = workspace_bytes(self.num_qo_heads, self.num_kv_heads, self.head_dim, self._num_sms, max_bs)
+        needed = max(
+            workspace_bytes(self.num_qo_heads, self.num_kv_heads, self.head_dim, self._num_sms, max_bs, tokens)
+            for tokens in (1, verify_tokens)
+        )
         if needed > self._workspace.numel():
             self._allocate_workspace(needed)
-            self._decode = self._eager_decode
+            self._decode, self._extend = self._eager_decode, self._prefill
         self._graph_kv_indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=self.device)
         self._graph_kv_last_page_len = torch.ones(max_bs, dtype=torch.int32, device=self.device)
         self._graph_kv_indices = None  # sized at the first capture, when the pools are known
-        self._graph_decode = {}
+        self._graph_qo_indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=self.device)
+        self._graph_decode, self._graph_verify = {}, {}
 
     def init_forward_metadata_capture_cuda_graph(self, forward_batch: ForwardBatch) -> None:
-        """Create the decode wrapper of this batch size over the static buffers and plan it.
+        """Create the wrapper of this mode and batch size over the static buffers and plan it.
 
         Runs outside ``torch.cuda.graph``: planning copies to and from the host.
         """
@@ -316,6 +247,11 @@ class FlashInferAttnBackend(AttentionBackend):
             self._graph_kv_indices = torch.zeros(
                 self._graph_max_bs * max_context_len, dtype=torch.int32, device=self.device
             )
+        if forward_batch.forward_mode.is_target_verify():
+            self._extend = self._graph_verify.get(bs) or self._new_verify_wrapper(bs)
+            self._graph_verify[bs] = self._extend
+            self._plan_extend(self._extend, forward_batch)
+            return
         wrapper = self._graph_decode.get(bs)
         if wrapper is None:
             # Fixed-size views of the shared buffers: the graph reads them at fixed addresses, and plan() copies
@@ -334,13 +270,34 @@ class FlashInferAttnBackend(AttentionBackend):
         self._plan_decode(wrapper, forward_batch)
         self._decode = wrapper
 
+    def _new_verify_wrapper(self, bs: int) -> Any:
+        """A prefill wrapper for TARGET_VERIFY graphs of ``bs`` requests, over views of the static buffers."""
+        assert self._graph_qo_indptr is not None and self._graph_kv_indptr is not None
+        assert self._graph_kv_last_page_len is not None
+        return self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self._workspace,
+            _KV_LAYOUT,
+            use_cuda_graph=True,
+            qo_indptr_buf=self._graph_qo_indptr[: bs + 1],
+            paged_kv_indptr_buf=self._graph_kv_indptr[: bs + 1],
+            paged_kv_indices_buf=self._graph_kv_indices,
+            paged_kv_last_page_len_buf=self._graph_kv_last_page_len[:bs],
+            backend=_KERNELS,
+        )
+
     def init_forward_metadata_replay_cuda_graph(self, forward_batch: ForwardBatch) -> None:
-        """Re-plan the captured wrapper of ``forward_batch.batch_size`` rows for this round's lengths."""
-        wrapper = self._graph_decode.get(forward_batch.batch_size)
+        """Re-plan the captured wrapper of this round's mode and ``batch_size`` for its lengths."""
+        fb = forward_batch
+        verify = fb.forward_mode.is_target_verify()
+        wrapper = (self._graph_verify if verify else self._graph_decode).get(fb.batch_size)
         if wrapper is None:
-            raise RuntimeError(f"no captured decode graph for batch size {forward_batch.batch_size}")
-        self._plan_decode(wrapper, forward_batch)
-        self._decode = wrapper
+            raise RuntimeError(f"no captured {fb.forward_mode.name.lower()} graph for batch size {fb.batch_size}")
+        if verify:
+            self._plan_extend(wrapper, fb)
+            self._extend = wrapper
+        else:
+            self._plan_decode(wrapper, fb)
+            self._decode = wrapper
 
     # ---- per layer ----
 
@@ -348,7 +305,7 @@ class FlashInferAttnBackend(AttentionBackend):
         return self._run(self._decode, q, layer_id, forward_batch.token_to_kv_pool)
 
     def forward_extend(self, q: torch.Tensor, layer_id: int, forward_batch: ForwardBatch) -> torch.Tensor:
-        return self._run(self._prefill, q, layer_id, forward_batch.token_to_kv_pool)
+        return self._run(self._extend, q, layer_id, forward_batch.token_to_kv_pool)
 
     def _run(self, wrapper: Any, q: torch.Tensor, layer_id: int, pool: TokenToKVPool) -> torch.Tensor:
         # The kernels take q's row and head strides but need dense head vectors; they write the output densely

@@ -39,6 +39,20 @@ class _ExtendMetadata:
     max_extend_len: int  # host int: sizes the extend grid
 
 
+def _extend_lengths(fb: ForwardBatch) -> tuple[torch.Tensor, int]:
+    """Host int64 ``[3, batch]``: prefix lengths, new-token counts and q offsets; and the longest extend.
+
+    Raises:
+        ValueError: for a round without ``extend_*_cpu`` lengths.
+    """
+    if fb.extend_seq_lens_cpu is None or fb.extend_prefix_lens_cpu is None:
+        raise ValueError(f"{fb.forward_mode.name} round without extend lengths")
+    extend_lens = torch.tensor(fb.extend_seq_lens_cpu, dtype=torch.int64)
+    prefix_lens = torch.tensor(fb.extend_prefix_lens_cpu, dtype=torch.int64)
+    qo_start = extend_lens.cumsum(0) - extend_lens
+    return torch.stack([prefix_lens, extend_lens, qo_start]), max(fb.extend_seq_lens_cpu, default=0)
+
+
 class TritonAttnBackend(AttentionBackend):
     """Attention with the Triton kernels of :mod:`batchgen.kernels.triton`.
 
@@ -49,11 +63,11 @@ class TritonAttnBackend(AttentionBackend):
     (float32, bfloat16 or float16, the pool's dtype).
 
     CUDA graphs: a DECODE round reads only ``req_pool_indices``, ``seq_lens`` (and, in the base class,
-    ``out_cache_loc``) on the device, and its grids depend only on the batch size, so the default capture
-    and replay hooks suffice. After :meth:`init_cuda_graph_state`, rounds of up to ``max_bs`` rows share one
-    static scratch buffer, so captured graphs keep pointing at live memory; it is allocated by the first
-    DECODE forward (the eager warm-up before capture), because the interface gives the query head count
-    only with ``q``.
+    ``out_cache_loc``) on the device, and its grids depend only on the batch size. A TARGET_VERIFY round of K + 1
+    tokens per request reads its lengths from a static buffer refreshed before each replay. After
+    :meth:`init_cuda_graph_state`, rounds of up to ``max_bs`` rows share one static scratch buffer, so captured
+    graphs keep pointing at live memory; it is allocated by the first DECODE forward (the eager warm-up before
+    capture), because the interface gives the query head count only with ``q``.
 
     Args:
         device: where the pool lives: ``cuda``, or ``cpu`` under Triton's interpreter (``TRITON_INTERPRET=1``).
@@ -79,13 +93,36 @@ class TritonAttnBackend(AttentionBackend):
         self.num_kv_splits = num_kv_splits
         self._graph_max_bs: int | None = None
         self._graph_scratch: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._graph_extend: torch.Tensor | None = None
         self._decode = _DecodeMetadata()
         self._extend: _ExtendMetadata | None = None
 
-    def init_cuda_graph_state(self, max_bs: int) -> None:
-        """Reserve the DECODE scratch for graphs of up to ``max_bs`` rows (allocated at the first decode)."""
+    def init_cuda_graph_state(self, max_bs: int, verify_tokens: int = 0) -> None:
+        """Reserve the DECODE scratch for graphs of up to ``max_bs`` rows (allocated at the first decode), and
+        with ``verify_tokens`` the static per-request lengths that captured TARGET_VERIFY rounds read."""
         self._graph_max_bs = max_bs
         self._graph_scratch = None
+        self._graph_extend = torch.zeros(3, max_bs, dtype=torch.int64, device=self.device) if verify_tokens else None
+
+    def init_forward_metadata_capture_cuda_graph(self, forward_batch: ForwardBatch) -> None:
+        self._init_graph_metadata(forward_batch)
+
+    def init_forward_metadata_replay_cuda_graph(self, forward_batch: ForwardBatch) -> None:
+        self._init_graph_metadata(forward_batch)
+
+    def _init_graph_metadata(self, forward_batch: ForwardBatch) -> None:
+        """As :meth:`init_forward_metadata`, but a TARGET_VERIFY round's lengths go into the static buffer, whose
+        address the captured extend kernel keeps (its grid depends only on the batch size and K + 1)."""
+        fb = forward_batch
+        if not fb.forward_mode.is_target_verify():
+            self.init_forward_metadata(fb)
+            return
+        if self._graph_extend is None or fb.batch_size > self._graph_extend.shape[1]:
+            raise RuntimeError(f"TARGET_VERIFY graph of {fb.batch_size} rows without init_cuda_graph_state for it")
+        lens, max_extend_len = _extend_lengths(fb)
+        static = self._graph_extend[:, : fb.batch_size]
+        static.copy_(lens, non_blocking=True)
+        self._extend = _ExtendMetadata(static[0], static[1], static[2], max_extend_len)
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         """DECODE: nothing but a fresh scratch slot (the kernels read lengths on the device). EXTEND/MIXED:
@@ -99,14 +136,10 @@ class TritonAttnBackend(AttentionBackend):
             self._decode = _DecodeMetadata()
             self._extend = None
             return
-        if fb.extend_seq_lens_cpu is None or fb.extend_prefix_lens_cpu is None:
-            raise ValueError(f"{fb.forward_mode.name} round without extend lengths")
-        extend_lens = torch.tensor(fb.extend_seq_lens_cpu, dtype=torch.int64)
-        prefix_lens = torch.tensor(fb.extend_prefix_lens_cpu, dtype=torch.int64)
-        qo_start = extend_lens.cumsum(0) - extend_lens
+        host_lens, max_extend_len = _extend_lengths(fb)
         # One host-to-device copy for all three.
-        lens = torch.stack([prefix_lens, extend_lens, qo_start]).to(fb.seq_lens.device, non_blocking=True)
-        self._extend = _ExtendMetadata(lens[0], lens[1], lens[2], max(fb.extend_seq_lens_cpu, default=0))
+        lens = host_lens.to(fb.seq_lens.device, non_blocking=True)
+        self._extend = _ExtendMetadata(lens[0], lens[1], lens[2], max_extend_len)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, forward_batch: ForwardBatch

@@ -1,0 +1,99 @@
+"""FlashInfer's page tables and workspace size for batchgen's pool (page size 1); no flashinfer import needed."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+MIN_WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended float workspace
+
+
+@dataclass
+class PagedKVIndex:
+    """One round's page table in FlashInfer's CSR form, page size 1.
+
+    Attributes:
+        kv_indptr: int32 ``[bs + 1]`` on the host; request ``i`` owns ``kv_indices[kv_indptr[i]:kv_indptr[i + 1]]``.
+        kv_indices: int32 ``[kv_indptr[-1]]`` on the pool's device: each request's ``req_to_token`` row cut to its
+            sequence length, requests back to back.
+        kv_last_page_len: int32 ``[bs]`` on the host, all ones: with one slot per page every page is full.
+
+    ``plan()`` reads the indptr and last-page lengths on the host (it calls ``.to("cpu")`` on them), so they are
+    built there: a device tensor would cost a device-to-host copy and a sync in every plan.
+    """
+
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    kv_last_page_len: torch.Tensor
+
+
+def indptr_from_lengths(lengths: Sequence[int]) -> torch.Tensor:
+    """int32 ``[len(lengths) + 1]`` on the host: ``0`` then the running sums (FlashInfer's ``*_indptr``)."""
+    indptr = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    if lengths:
+        indptr[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int32), 0, dtype=torch.int32)
+    return indptr
+
+
+def gather_kv_indices(
+    req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, total: int
+) -> torch.Tensor:
+    """``req_to_token[req_pool_indices[i], :seq_lens[i]]`` for every ``i``, concatenated, as int32 ``[total]``.
+
+    Args:
+        req_to_token: int64 ``[rows, max_context_len]``.
+        req_pool_indices, seq_lens: int64 ``[bs]`` on ``req_to_token``'s device.
+        total: ``sum(seq_lens)``, known on the host, so that no step waits for the device.
+    """
+    device = req_to_token.device
+    rows = torch.repeat_interleave(torch.arange(seq_lens.numel(), device=device), seq_lens, output_size=total)
+    starts = torch.cumsum(seq_lens, 0) - seq_lens  # where each request's slots begin in the flat list
+    positions = torch.arange(total, device=device) - starts[rows]
+    return req_to_token[req_pool_indices[rows], positions].to(torch.int32)
+
+
+def build_paged_kv_index(
+    req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, seq_lens_host: Sequence[int]
+) -> PagedKVIndex:
+    """The page table of requests ``req_pool_indices`` with ``seq_lens`` (``seq_lens_host``: the same, on the host)."""
+    kv_indptr = indptr_from_lengths(seq_lens_host)
+    kv_indices = gather_kv_indices(req_to_token, req_pool_indices, seq_lens, int(kv_indptr[-1]))
+    return PagedKVIndex(kv_indptr, kv_indices, torch.ones(len(seq_lens_host), dtype=torch.int32))
+
+
+def paged_kv_view(buffer: torch.Tensor) -> torch.Tensor:
+    """One layer's head-major ``[num_kv_heads, slots, head_dim]`` buffer as FlashInfer's NHD paged cache
+    ``[slots, 1, num_kv_heads, head_dim]`` (page size 1): a view, sharing memory with ``buffer``."""
+    return buffer.transpose(0, 1).unsqueeze(1)
+
+
+def _fa2_cta_tile_q(packed_qo_len: int, head_dim: int) -> int:
+    """Query rows per thread block of FlashInfer's FA2 kernels on SM80+ (``FA2DetermineCtaTileQ``, utils.cuh)."""
+    if packed_qo_len > 64 and head_dim < 256:
+        return 128
+    return 64 if packed_qo_len > 16 else 16
+
+
+def workspace_bytes(
+    num_qo_heads: int, num_kv_heads: int, head_dim: int, num_sms: int, max_graph_bs: int = 0, graph_tokens: int = 1
+) -> int:
+    """Float workspace large enough for every plan the backend makes (at least 128 MiB).
+
+    FlashInfer's FA2 plan (``PrefillPlan`` in ``include/flashinfer/attention/scheduler.cuh``) fails when the
+    split-KV partial results do not fit: ``num_qo_heads * tiles * cta_tile_q * (head_dim + 1) * 4`` bytes. Eager
+    plans split only up to ``2 * num_sms // num_kv_heads`` tiles; a CUDA-graph plan of ``bs`` requests with
+    ``graph_tokens`` queries each (1 for DECODE, K + 1 for TARGET_VERIFY) reserves
+    ``max(that, ceil(bs * packed / cta_tile_q) + bs - 1)`` tiles, ``packed = graph_tokens * group``. 128 MiB
+    covers Llama-1B at any batch size but not, say, 64 query heads of 128 at batch 256 (~200 MB), hence the
+    computation.
+    """
+    split_tiles = (2 * num_sms) // num_kv_heads
+    need = num_qo_heads * split_tiles * 128 * (head_dim + 1) * 4  # cta_tile_q is at most 128
+    if max_graph_bs:
+        packed = graph_tokens * (num_qo_heads // num_kv_heads)
+        cta = _fa2_cta_tile_q(packed, head_dim)
+        tiles = max(split_tiles, -(-max_graph_bs * packed // cta) + max_graph_bs - 1)
+        need = max(need, num_qo_heads * tiles * cta * (head_dim + 1) * 4)
+    return max(MIN_WORKSPACE_BYTES, (need + (2 << 20)) & ~((1 << 20) - 1))  # + slack for alignment, whole MiB
