@@ -145,3 +145,49 @@ def test_padded_rows_touch_only_the_dummy_slot(batch_size: int, random_models: d
         else:
             torch.testing.assert_close(eager_value, padded_value, atol=1e-5, rtol=0)
     assert torch.equal(eager_logits.argmax(-1), padded_logits.argmax(-1))
+
+
+def test_capture_batches_have_the_captured_shape(random_models: dict[str, Path]) -> None:
+    """What ``_capture_all`` would capture for each (mode, size): ``size`` padding rows of 1 (DECODE) or K + 1
+    (TARGET_VERIFY) tokens at positions 0, 1, … in request row 0 and slot 0, and a forward over it gives one
+    logits row per token; a context shorter than K + 2 turns verify graphs off."""
+    engine = Engine(
+        EngineOptions(
+            model=str(random_models["llama"]),
+            dtype="float32",
+            device="cpu",
+            max_running_requests=8,
+            cuda_graph_max_bs=6,
+            speculative_algorithm="ngram",
+            speculative_num_draft_tokens=3,
+        )
+    )
+    runner = engine.runner
+    graphs = runner.graph_runner
+    assert graphs is not None and graphs.batch_sizes == [1, 2, 4, 6] and graphs.verify_tokens == 4
+    for mode in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
+        per_row = graphs.tokens_per_request(mode)
+        for size in graphs.batch_sizes:
+            with torch.inference_mode():  # the runner's buffers are inference tensors, as in ModelRunner
+                batch = graphs._padding_batch(mode, size)
+            assert batch.batch_size == size and batch.input_ids.numel() == size * per_row
+            assert batch.positions.tolist() == list(range(per_row)) * size
+            assert batch.req_pool_indices.tolist() == [0] * size and batch.seq_lens.tolist() == [per_row] * size
+            assert set(batch.out_cache_loc.tolist()) == {0}
+            if per_row > 1:
+                assert batch.extend_seq_lens_cpu == [per_row] * size and batch.extend_prefix_lens_cpu == [0] * size
+            with torch.inference_mode():
+                runner.attn_backend.init_forward_metadata(batch)
+                assert runner.forward_model(batch).next_token_logits.shape[0] == size * per_row
+    short = Engine(
+        EngineOptions(
+            model=str(random_models["llama"]),
+            dtype="float32",
+            device="cpu",
+            context_length=4,
+            cuda_graph_max_bs=2,
+            speculative_algorithm="ngram",
+            speculative_num_draft_tokens=6,
+        )
+    )
+    assert short.runner.graph_runner is not None and short.runner.graph_runner.verify_tokens == 0

@@ -189,6 +189,20 @@ def test_graph_runner_pads_verify_rounds_and_keeps_outputs(
     # Every verify round carries K drafts per request now (padded past max_new_tokens): a full acceptance emits
     # as many tokens as max_new_tokens leaves.
     assert all(got == full for got, full in itself.verify_emits)
+    # Padding drafts are not counted: per request, the verify rounds with proposed drafts and the tokens they
+    # emitted are those of the run without the graph runner.
+    # Here "a" has nothing left to draft after its first token while "b" verifies beside it (a reviewer's case).
+    prompt = [0, 5, 6, 7, 5, 6, 7, 5, 6]
+    pair = [
+        {"id": rid, "prompt_token_ids": prompt, "max_new_tokens": n, "temperature": 0, "ignore_eos": True}
+        for rid, n in (("a", 2), ("b", 12))
+    ]
+    for case in (rows, pair):
+        eager = _run(model, case, tmp_path, draft=model, max_running_requests=8, enable_mixed_chunk=False)
+        padded = _run(model, case, tmp_path, draft=model, **graphs)
+        counts = {key: (r.spec_rounds, r.spec_tokens) for key, r in eager.reqs.items()}
+        assert {key: (r.spec_rounds, r.spec_tokens) for key, r in padded.reqs.items()} == counts
+    assert counts[("a", 0)] == (0, 0)
     assert served["TARGET_VERIFY"] > 0 and served["DECODE"] > 0  # the draft model's steps are DECODE rounds
 
 

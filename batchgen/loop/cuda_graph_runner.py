@@ -116,21 +116,23 @@ class CudaGraphRunner:
         bs = forward_batch.batch_size
         size = self.padded_size(bs)
         per_row = self.tokens_per_request(forward_batch.forward_mode)
-        real, total = bs * per_row, size * per_row
-        for static, values in (
-            (self.input_ids, forward_batch.input_ids),
-            (self.out_cache_loc, forward_batch.out_cache_loc),
-            (self.positions, forward_batch.positions),
-        ):
-            static[:real].copy_(values)
-            static[real:total].zero_()
-        if per_row > 1:
-            self.positions[real:total].copy_(self.sample_indices[: total - real] % per_row)
+        real = bs * per_row
+        self.input_ids[:real].copy_(forward_batch.input_ids)
+        self.out_cache_loc[:real].copy_(forward_batch.out_cache_loc)
+        self.positions[:real].copy_(forward_batch.positions)
         self.req_pool_indices[:bs].copy_(forward_batch.req_pool_indices)
-        self.req_pool_indices[bs:size].zero_()
         self.seq_lens[:bs].copy_(forward_batch.seq_lens)
-        self.seq_lens[bs:size].fill_(per_row)
+        self._fill_padding(bs, size, per_row)
         return self._static_batch(forward_batch, size)
+
+    def _fill_padding(self, first_row: int, size: int, per_row: int) -> None:
+        """Make rows ``first_row..size-1`` padding rows of ``per_row`` tokens each."""
+        start, end = first_row * per_row, size * per_row
+        self.input_ids[start:end].zero_()
+        self.out_cache_loc[start:end].zero_()
+        self.positions[start:end].copy_(self.sample_indices[: end - start] % per_row)
+        self.req_pool_indices[first_row:size].zero_()
+        self.seq_lens[first_row:size].fill_(per_row)
 
     def _static_batch(self, template: ForwardBatch, size: int) -> ForwardBatch:
         """``template`` (a real round, or padding only) as a batch of ``size`` rows over the static buffers."""
@@ -162,7 +164,8 @@ class CudaGraphRunner:
         empty = replace(ForwardBatch.dummy_decode(self.model_runner, 0), forward_mode=mode)
         if mode.is_target_verify():
             empty = replace(empty, extend_seq_lens_cpu=[], extend_prefix_lens_cpu=[])
-        return self._load_inputs(empty)
+        self._fill_padding(0, size, self.tokens_per_request(mode))
+        return self._static_batch(empty, size)
 
     def _capture_all(self) -> None:
         """Capture one graph per mode and batch size, largest first, all allocating from one shared memory pool."""

@@ -27,7 +27,7 @@ class ModelRunner:
             :class:`CudaGraphRunner` (CUDA graphs where the device and backend allow, else eager-padded);
             0 runs every round eagerly at its own size.
         verify_tokens: with speculative decoding, K + 1: TARGET_VERIFY rounds with that many tokens per request
-            go through the graph runner too.
+            go through the graph runner too (unless the context is too short for any such round).
     """
 
     def __init__(
@@ -57,6 +57,8 @@ class ModelRunner:
         if cuda_graph_max_bs > 0:
             use_graphs = device.type == "cuda" and self.attn_backend.supports_cuda_graph
             with torch.inference_mode():
+                # A uniform verify round needs a prompt token, a pending token and K drafts within the context.
+                verify_tokens = verify_tokens if verify_tokens + 1 <= context_len else 0
                 self.graph_runner = CudaGraphRunner(
                     self, min(cuda_graph_max_bs, max_running_requests), use_graphs, verify_tokens
                 )

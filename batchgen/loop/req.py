@@ -59,10 +59,12 @@ class Req:
     sample_index: int = 0
     unforked_samples: int = 0
     fork_rows: list[int] = field(default_factory=list)
-    # Speculative decoding: this round's draft tokens, the grammar state after each of them (index j: after
-    # j drafts; 0 is ``grammar`` itself), the drafter's own state, and the verify rounds with drafts and the
-    # tokens they emitted.
+    # Speculative decoding: this round's draft tokens (the first ``draft_proposed`` from the drafter, the rest
+    # padding for the graph runner's fixed shape), the grammar state after each of them (index j: after j drafts;
+    # 0 is ``grammar`` itself), the drafter's own state, and the verify rounds with proposed drafts and the tokens
+    # they emitted.
     draft_ids: list[int] = field(default_factory=list)
+    draft_proposed: int = 0
     draft_grammars: list[GrammarState | None] = field(default_factory=list)
     draft_state: Any = None
     spec_rounds: int = 0

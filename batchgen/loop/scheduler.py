@@ -135,7 +135,9 @@ class Scheduler:
                 if req.finished:
                     break
             if self.drafter is not None and decoding:
-                if count > 1:  # only rounds that verified drafts measure acceptance (as SGLang's verify count)
+                # Only rounds that verified proposed drafts measure acceptance (as SGLang's verify count); a round
+                # of padding drafts alone is not one.
+                if req.draft_proposed:
                     req.spec_rounds += 1
                     req.spec_tokens += j - first + 1
                     self.accept_histogram[j - first + 1] += 1
@@ -156,7 +158,7 @@ class Scheduler:
         keep = req.kv_len - count + emit
         self.allocator.free(self.req_to_token_pool.req_to_token[req.req_pool_idx, keep : req.kv_len])
         req.kv_len = keep
-        req.draft_ids, req.draft_grammars = [], []
+        req.draft_ids, req.draft_grammars, req.draft_proposed = [], [], 0
 
     def _decode_batch(self, decodes: list[Req]) -> ScheduleBatch:
         """A DECODE round, or with a drafter a TARGET_VERIFY round when any request has drafts (with the KV
@@ -164,8 +166,10 @@ class Scheduler:
         if self.drafter is not None:
             room = self.allocator.available() - len(decodes)
             lens = plan_drafts(decodes, self.drafter, room, pad=self.pad_drafts)
-            if any(n > 1 for n in lens):
+            if any(req.draft_proposed for req in decodes):
                 return ScheduleBatch(ForwardMode.TARGET_VERIFY, decodes, lens, len(decodes))
+            for req in decodes:  # padding alone: a plain decode round costs less
+                req.draft_ids, req.draft_grammars = [], []
         return ScheduleBatch(ForwardMode.DECODE, decodes, [1] * len(decodes), len(decodes))
 
     def _fork_samples(self, batch: ScheduleBatch) -> None:

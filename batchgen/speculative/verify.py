@@ -79,8 +79,8 @@ class PerRequestDrafter:
 
 
 def plan_drafts(decodes: Sequence[Req], drafter: Drafter, room: int, pad: bool = False) -> list[int]:
-    """Set every request's ``draft_ids`` (and ``draft_grammars``) for this round; return the tokens each
-    processes (``1 + drafts``).
+    """Set every request's ``draft_ids`` (and ``draft_grammars``, ``draft_proposed``) for this round; return the
+    tokens each processes (``1 + drafts``).
 
     Drafts stop at ``max_new_tokens`` and at the context length (so every verified position has a KV slot and an
     output step), within ``room`` free KV slots in all (a request's whole limit is reserved before drafting,
@@ -108,9 +108,11 @@ def plan_drafts(decodes: Sequence[Req], drafter: Drafter, room: int, pad: bool =
     lens = []
     for req, limit, proposed in zip(decodes, limits, drafter.propose_batch(decodes, asks)):
         drafts = proposed[:limit]
+        req.draft_proposed = len(drafts)
         if pad:
             drafts += [(drafts or req.pending_ids(1))[-1]] * (limit - len(drafts))
         req.draft_ids, req.draft_grammars = _walk_grammar(req.grammar, drafts, keep_rejected=pad)
+        req.draft_proposed = min(req.draft_proposed, len(req.draft_ids))
         lens.append(1 + len(req.draft_ids))
     return lens
 
