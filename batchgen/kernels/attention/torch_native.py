@@ -1,4 +1,9 @@
-"""Attention in plain PyTorch (``scaled_dot_product_attention``) over the paged pool; runs on CPU and GPU."""
+"""Attention in plain PyTorch (``scaled_dot_product_attention``) over the paged pool; runs on CPU and GPU.
+
+On CPU tensors, rows that add a few tokens (decodes, verify rounds) go to batchgen's C++ paged-attention kernel
+when it builds here (:mod:`batchgen.kernels.cpu`): it reads K/V in place, where gathering them copied every
+row's whole cache per layer per round.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ import torch
 from torch.nn import functional as F
 
 from batchgen.kernels.attention.base import AttentionBackend
+from batchgen.kernels.cpu import paged_attention, paged_attention_available
 
 if TYPE_CHECKING:
     from batchgen.loop.forward_batch import ForwardBatch
@@ -20,14 +26,26 @@ SHORT_ROW_TOKENS = 16
 
 
 @dataclass
-class _ShortRows:
-    """Rows that add at most ``SHORT_ROW_TOKENS`` tokens this round, attended in one batched matmul, each padded
-    to ``q_len`` query slots: a DECODE round (``q_len`` 1), a TARGET_VERIFY round, decodes inside MIXED."""
+class _PaddedRows:
+    """Short rows laid out for the gather path: each padded to ``q_len`` query slots and ``max_len`` keys."""
 
     token_index: torch.Tensor  # int64 [n, q_len] rows of q; padding slots repeat the row's last token
     valid: torch.Tensor  # bool [n, q_len]: False for padding slots (their output is dropped)
     kv_indices: torch.Tensor  # int64 [n, max_len] KV slots, padded with slot 0
     mask: torch.Tensor  # bool [n, q_len, max_len]: key is in the sequence and not after the query
+
+
+@dataclass
+class _ShortRows:
+    """Rows that add at most ``SHORT_ROW_TOKENS`` tokens this round: a DECODE round (one each), a TARGET_VERIFY
+    round, decodes inside MIXED. Row i's ``q_lens[i]`` new tokens are ``q[q_starts[i]:]``, the last of its
+    ``seq_lens[i]`` tokens (all int64 ``[n]``)."""
+
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    q_starts: torch.Tensor
+    q_lens: torch.Tensor
+    padded: _PaddedRows | None  # None when the CPU kernel attends: it needs no padded copies of the indices
 
 
 @dataclass
@@ -50,12 +68,15 @@ def _short_rows(
     req_to_token: torch.Tensor,
     req_pool_indices: torch.Tensor,
     seq_lens: torch.Tensor,
-    max_len: int,
     q_starts: torch.Tensor,
     q_lens: torch.Tensor,
+    max_len: int | None,
     q_len: int,
 ) -> _ShortRows:
-    """Metadata for rows whose ``q_lens`` new tokens start at ``q_starts`` in q (all int64 ``[n]`` tensors)."""
+    """Metadata for rows whose ``q_lens`` new tokens start at ``q_starts`` in q (all int64 ``[n]`` tensors);
+    ``max_len`` (the longest ``seq_lens``) only for the gather path, ``None`` for the CPU kernel."""
+    if max_len is None:
+        return _ShortRows(req_pool_indices, seq_lens, q_starts, q_lens, None)
     device = seq_lens.device
     slot = torch.arange(q_len, device=device)
     valid = slot[None, :] < q_lens[:, None]
@@ -66,14 +87,16 @@ def _short_rows(
     in_seq = key_pos[None, :] < seq_lens[:, None]
     kv_indices = req_to_token[req_pool_indices, :max_len].masked_fill(~in_seq, 0)
     mask = in_seq[:, None, :] & (key_pos[None, None, :] <= q_pos[:, :, None])
-    return _ShortRows(token_index, valid, kv_indices, mask)
+    padded = _PaddedRows(token_index, valid, kv_indices, mask)
+    return _ShortRows(req_pool_indices, seq_lens, q_starts, q_lens, padded)
 
 
 class TorchNativeAttnBackend(AttentionBackend):
     """Reference backend: gathers each request's K/V from the pool and calls SDPA.
 
     DECODE rounds run as one batched SDPA with a length mask (no per-request Python loop, no host sync);
-    rows that extend several tokens run one SDPA each, since their shapes differ.
+    rows that extend several tokens run one SDPA each, since their shapes differ. On CPU tensors, short rows
+    use the C++ kernel instead when it is available (``BATCHGEN_CPU_ATTENTION_KERNEL=0`` turns it off).
     """
 
     def __init__(self) -> None:
@@ -82,11 +105,12 @@ class TorchNativeAttnBackend(AttentionBackend):
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         fb = forward_batch
         req_to_token = fb.req_to_token_pool.req_to_token
+        # Asked each round (a lookup once built): the switch may change between engines in one process.
+        gather = req_to_token.device.type != "cpu" or not paged_attention_available()
         if fb.forward_mode.is_decode():
             ones = torch.ones_like(fb.seq_lens)
-            decodes = _short_rows(
-                req_to_token, fb.req_pool_indices, fb.seq_lens, fb.max_seq_len, ones.cumsum(0) - 1, ones, 1
-            )
+            max_len = fb.max_seq_len if gather else None
+            decodes = _short_rows(req_to_token, fb.req_pool_indices, fb.seq_lens, ones.cumsum(0) - 1, ones, max_len, 1)
             self.metadata = _Metadata(decodes, [])
             return
         assert fb.extend_seq_lens_cpu is not None and fb.extend_prefix_lens_cpu is not None
@@ -112,20 +136,24 @@ class TorchNativeAttnBackend(AttentionBackend):
             device = req_to_token.device
             rows = torch.tensor(short_rows, device=device)
             lens = [fb.extend_seq_lens_cpu[i] for i in short_rows]
+            max_len = max(fb.extend_prefix_lens_cpu[i] + fb.extend_seq_lens_cpu[i] for i in short_rows)
             short = _short_rows(
                 req_to_token,
                 fb.req_pool_indices[rows],
                 fb.seq_lens[rows],
-                max(fb.extend_prefix_lens_cpu[i] + fb.extend_seq_lens_cpu[i] for i in short_rows),
                 torch.tensor(short_starts, device=device),
                 torch.tensor(lens, device=device),
+                max_len if gather else None,
                 max(lens),
             )
         self.metadata = _Metadata(short, multi)
 
     def forward_decode(self, q: torch.Tensor, layer_id: int, forward_batch: ForwardBatch) -> torch.Tensor:
-        assert self.metadata.short is not None
-        return self._attend_short(q, layer_id, forward_batch, self.metadata.short)
+        short = self.metadata.short
+        assert short is not None
+        if short.padded is None:
+            return self._attend_in_place(q, layer_id, forward_batch, short, torch.empty_like(q))
+        return self._attend_short(q, layer_id, forward_batch, short.padded)
 
     def forward_extend(self, q: torch.Tensor, layer_id: int, forward_batch: ForwardBatch) -> torch.Tensor:
         pool = forward_batch.token_to_kv_pool
@@ -140,14 +168,39 @@ class TorchNativeAttnBackend(AttentionBackend):
             )
             out[row.q_start : row.q_start + row.q_len] = o.squeeze(0).transpose(0, 1)
         short = self.metadata.short
-        if short is not None:
-            attended = self._attend_short(q, layer_id, forward_batch, short)
-            out[short.token_index[short.valid]] = attended[short.valid.flatten()]
+        padded = short.padded if short is not None else None
+        if padded is not None:
+            attended = self._attend_short(q, layer_id, forward_batch, padded)
+            out[padded.token_index[padded.valid]] = attended[padded.valid.flatten()]
+        elif short is not None:
+            self._attend_in_place(q, layer_id, forward_batch, short, out)
         return out
 
     @staticmethod
-    def _attend_short(q: torch.Tensor, layer_id: int, forward_batch: ForwardBatch, rows: _ShortRows) -> torch.Tensor:
-        """Each row's ``q_len`` query slots against its gathered K/V, with batched matmuls and a float32 softmax.
+    def _attend_in_place(
+        q: torch.Tensor, layer_id: int, forward_batch: ForwardBatch, rows: _ShortRows, out: torch.Tensor
+    ) -> torch.Tensor:
+        """Writes the short rows' tokens of ``out`` ``[T, num_heads, head_dim]`` with the CPU kernel, which reads
+        each row's K/V where they lie in the pool: float32 accumulation (in half precision, the probabilities
+        rounded to it before weighting V, as SDPA does), each row computed alike in any batch. Returns ``out``."""
+        pool = forward_batch.token_to_kv_pool
+        return paged_attention(
+            q,
+            pool.k_buffer[layer_id],
+            pool.v_buffer[layer_id],
+            forward_batch.req_to_token_pool.req_to_token,
+            rows.req_pool_indices,
+            rows.seq_lens,
+            rows.q_starts,
+            rows.q_lens,
+            q.shape[-1] ** -0.5,
+            out,
+        )
+
+    @staticmethod
+    def _attend_short(q: torch.Tensor, layer_id: int, forward_batch: ForwardBatch, rows: _PaddedRows) -> torch.Tensor:
+        """Each row's ``q_len`` query slots against its gathered K/V, with batched matmuls and a float32 softmax
+        (the GPU path, and the CPU's when the C++ kernel is off or did not build).
 
         Returns ``[n * q_len, num_heads, head_dim]``, slot-major within each row. Not SDPA: for a few queries
         its CPU kernel is ~10x slower than two matmuls, and in float32 it rounds rows differently depending on

@@ -1,0 +1,157 @@
+"""C++ kernels for the CPU, JIT-built with ``torch.utils.cpp_extension`` on first use and cached.
+
+``paged_attention.cpp`` registers ``torch.ops.batchgen.paged_attention``: attention that reads each request's
+K/V in place from the paged pool through ``req_to_token`` (no gathered copy), as SGLang's and vLLM's CPU
+backends do. The torch_native backend uses it for decode and verify rows on CPU tensors when it builds here.
+
+The build needs a C++ compiler and ninja; it compiles once per machine with ``-O3 -march=native`` (about 10 s
+on 2 cores) into torch's extension cache (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``),
+in a folder named by a hash of the source, the flags, the torch and Python versions and this CPU's model and
+instruction-set flags, so a cache shared between machines never loads code built for another CPU; later
+processes load it in ~0.1 s (a build says so in one line on stderr). If it cannot build, batchgen says why in
+one line on stderr and attends with plain PyTorch instead. ``BATCHGEN_CPU_ATTENTION_KERNEL=0`` turns the kernel
+off without building it.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+ENV_SWITCH = "BATCHGEN_CPU_ATTENTION_KERNEL"
+_SOURCE = Path(__file__).with_name("paged_attention.cpp")
+_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+
+
+def kernel_enabled() -> bool:
+    """False when ``$BATCHGEN_CPU_ATTENTION_KERNEL`` is ``0``/``false``/``off``/``no`` (read at each call)."""
+    return os.environ.get(ENV_SWITCH, "").strip().lower() not in ("0", "false", "off", "no")
+
+
+def paged_attention_available() -> bool:
+    """Whether :func:`paged_attention` can run: enabled and built (the first call builds it, once per process)."""
+    return kernel_enabled() and build_problem() is None
+
+
+def _build_name() -> str:
+    """The extension's name, hence its cache folder: a hash of everything the built library depends on (the
+    source, the flags, torch and Python versions, and for ``-march=native`` the CPU model and its instruction
+    set flags), so that a changed source, an upgraded torch or another machine sharing the cache never loads a
+    library built for something else."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        cpu = "\n".join([line for line in info.splitlines() if line.startswith(("model name", "flags"))][:2])
+    except OSError:
+        cpu = platform.processor() or platform.machine()
+    parts = [_SOURCE.read_text(), " ".join(_CFLAGS), torch.__version__, sys.version, cpu]
+    return "batchgen_cpu_kernels_" + hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+
+def _one_line(error: BaseException) -> str:
+    """The line of a build failure worth showing: torch raises the whole ninja log (progress, compile commands,
+    compiler output); keep the compiler's first error, else the first other message (``c++: not found``)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    noise = ("[", "FAILED:", "ninja:", "Error building extension")
+    useful = [line for line in lines if not line.startswith(noise) and " -o " not in line]
+    errors = [line for line in useful if "error" in line.lower()]
+    detail = (errors or useful or lines or [type(error).__name__])[0]
+    return detail if len(detail) <= 300 else detail[:297] + "..."
+
+
+@functools.cache
+def build_problem() -> str | None:
+    """Build and load the extension (once per process); ``None`` when it works, else why not, in one line.
+
+    A failure is also reported once on stderr, with the fallback batchgen takes.
+    """
+    from torch.utils import cpp_extension
+
+    # torch logs its own multi-line warnings while building (e.g. about an unexpected compiler); the one line
+    # below says what matters.
+    torch_log = logging.getLogger(cpp_extension.__name__)
+    level = torch_log.level
+    torch_log.setLevel(logging.ERROR)
+    started = time.monotonic()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            cpp_extension.load(
+                name=_build_name(),
+                sources=[str(_SOURCE)],
+                extra_cflags=_CFLAGS,
+                extra_ldflags=["-fopenmp"],
+                is_python_module=False,
+                verbose=False,
+            )
+    except Exception as e:  # compiler or ninja missing, compile errors (RuntimeError with the whole log), dlopen
+        problem = f"the CPU attention kernel did not build ({_one_line(e)})"
+        print(f"batchgen: {problem}; using the slower PyTorch attention ({ENV_SWITCH}=0 hides this)", file=sys.stderr)
+        return problem
+    finally:
+        torch_log.setLevel(level)
+    seconds = time.monotonic() - started
+    if seconds > 2:  # a compile, not a cache hit: say why the first round paused
+        print(f"batchgen: built the CPU attention kernel in {seconds:.0f} s (cached for later runs)", file=sys.stderr)
+    return None
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    q_starts: torch.Tensor,
+    q_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of each row's new tokens over its whole sequence, read in place from the paged pool.
+
+    Row ``r`` (``n`` rows) is request row ``req_pool_indices[r]`` of ``req_to_token``, ``seq_lens[r]`` tokens
+    long, whose last ``q_lens[r]`` tokens are new: they are ``q[q_starts[r] : q_starts[r] + q_lens[r]]``. New
+    token ``t`` sits at position ``p = seq_lens[r] - q_lens[r] + t`` and attends to positions ``0..p``, whose
+    K/V are at slots ``req_to_token[req_pool_indices[r], 0..p]``; query head ``h`` uses KV head
+    ``h // (num_heads // num_kv_heads)`` (GQA). Per query: ``softmax(scale * q·K^T) V`` (Vaswani et al. 2017),
+    computed with an online softmax (Milakov & Gimelshein 2018) that accumulates in float32; in bfloat16 and
+    float16 the probabilities are rounded to that dtype before weighting V, as PyTorch's SDPA (which HF
+    transformers runs) and FlashAttention do, so greedy tokens follow HF's. The output is cast to q's dtype.
+    A query's result does not depend on the other rows, on its row's ``q_lens`` or on threading (it is
+    bit-identical in any batch).
+
+    Args:
+        q: ``[num_tokens, num_heads, head_dim]``, float32, bfloat16 or float16, head_dim contiguous.
+        k_cache, v_cache: one layer of the pool, ``[num_kv_heads, num_slots, head_dim]``, q's dtype.
+        req_to_token: int64 ``[max_reqs, context_len]``, rows contiguous.
+        req_pool_indices, seq_lens, q_starts, q_lens: int64 ``[n]``.
+        scale: the score scale, usually ``head_dim ** -0.5``.
+        out: ``[num_tokens, num_heads, head_dim]`` in q's dtype to write into (head_dim contiguous); only the
+            rows' tokens are written, the others keep their values. ``None``: a new, uninitialised tensor.
+
+    Returns:
+        ``out``.
+
+    Raises:
+        RuntimeError: with a ``batchgen::paged_attention:`` message for tensors not on the CPU, mismatched
+            shapes or dtypes, or indices outside their tensors (including slots outside the pool); or when the
+            extension is not available (check :func:`paged_attention_available` first).
+    """
+    problem = build_problem()
+    if problem is not None:
+        raise RuntimeError(problem)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    torch.ops.batchgen.paged_attention(
+        q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, q_starts, q_lens, scale, out
+    )
+    return out
