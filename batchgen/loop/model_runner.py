@@ -81,7 +81,7 @@ class ModelRunner:
         Reads nothing back to the host in a DECODE or TARGET_VERIFY round, so the graph runner can capture it.
         """
         hidden = self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
-        return self.logits_processor(hidden, self.model.lm_head_weight(), forward_batch)
+        return self.logits_processor(hidden, self.model.compute_logits, forward_batch)
 
     @torch.inference_mode()
     def sample(self, logits_output: LogitsProcessorOutput, sampling_info: SamplingBatchInfo) -> SampleOutput:

@@ -15,6 +15,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from batchgen.models.config import ModelConfig
+from batchgen.models.packed_linear import PackedLinear, prepack_linears
 from batchgen.models.rotary import RotaryEmbedding
 
 if TYPE_CHECKING:
@@ -113,21 +114,37 @@ class LlamaForCausalLM(nn.Module):
 
     ``forward(input_ids [T] int64, positions [T] int64, forward_batch)`` returns the final hidden states
     ``[T, hidden_size]`` in the model dtype; logits are computed by the ``LogitsProcessor`` for the rows that
-    sample only, through :meth:`lm_head_weight`.
+    sample only, through :meth:`compute_logits`.
+
+    :meth:`prepack_for_cpu` swaps the linear layers (and the output projection) for oneDNN-packed ones on a
+    bfloat16 CPU model, after the weights are loaded.
     """
 
     def __init__(self, config: ModelConfig, max_positions: int, rotary_device: torch.device) -> None:
         super().__init__()
         self.config = config
         self.model = DecoderModel(config)
-        self.lm_head = (
+        self.lm_head: nn.Module | None = (
             None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         self.rotary = RotaryEmbedding(config.hf_config, config.head_dim, max_positions, rotary_device)
+        self.tied_lm_head: PackedLinear | None = None  # the tied output projection, packed
 
-    def lm_head_weight(self) -> torch.Tensor:
-        """``[vocab_size, hidden_size]``: the output projection, or the tied input embedding."""
-        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[rows, vocab_size]`` logits in the model dtype for hidden states ``[rows, hidden_size]``: the output
+        projection, or the tied input embedding."""
+        if self.lm_head is not None:
+            return self.lm_head(hidden)
+        if self.tied_lm_head is not None:
+            return self.tied_lm_head(hidden)
+        return F.linear(hidden, self.model.embed_tokens.weight)
+
+    def prepack_for_cpu(self) -> None:
+        """Pack every linear weight for oneDNN (see :mod:`batchgen.models.packed_linear`); a tied output
+        projection is packed from a copy, since the embedding keeps its own weight for lookups."""
+        prepack_linears(self)
+        if self.lm_head is None:
+            self.tied_lm_head = PackedLinear(self.model.embed_tokens.weight, None)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         hidden = self.model.embed_tokens(input_ids)

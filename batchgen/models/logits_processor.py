@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-from torch.nn import functional as F
 
 if TYPE_CHECKING:
     from batchgen.loop.forward_batch import ForwardBatch
 
 # Prompt positions projected onto the vocabulary at once: bounds the [block, vocab] logits of a long prompt.
 PROMPT_LOGPROB_BLOCK = 256
+
+LMHead = Callable[[torch.Tensor], torch.Tensor]  # hidden states [rows, hidden_size] → logits [rows, vocab]
 
 
 @dataclass
@@ -37,28 +39,27 @@ class LogitsProcessor:
     so bf16 logits equal the reference's.
     """
 
-    def __call__(
-        self, hidden: torch.Tensor, lm_head_weight: torch.Tensor, forward_batch: ForwardBatch
-    ) -> LogitsProcessorOutput:
-        out = LogitsProcessorOutput(self._logits(hidden, lm_head_weight, forward_batch.sample_indices, forward_batch))
+    def __call__(self, hidden: torch.Tensor, lm_head: LMHead, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
+        """``lm_head`` maps hidden states ``[rows, hidden_size]`` to logits ``[rows, vocab]`` in the model dtype."""
+        out = LogitsProcessorOutput(self._logits(hidden, lm_head, forward_batch.sample_indices, forward_batch))
         if forward_batch.forward_mode.is_extend() and forward_batch.prompt_logprob_indices.numel():
-            self._prompt_logprobs(hidden, lm_head_weight, forward_batch, out)
+            self._prompt_logprobs(hidden, lm_head, forward_batch, out)
         return out
 
     @staticmethod
-    def _logits(hidden: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+    def _logits(hidden: torch.Tensor, lm_head: LMHead, rows: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         if not fb.forward_mode.is_decode():
             hidden = hidden.index_select(0, rows)
-        return F.linear(hidden, weight).float()
+        return lm_head(hidden).float()
 
     def _prompt_logprobs(
-        self, hidden: torch.Tensor, weight: torch.Tensor, fb: ForwardBatch, out: LogitsProcessorOutput
+        self, hidden: torch.Tensor, lm_head: LMHead, fb: ForwardBatch, out: LogitsProcessorOutput
     ) -> None:
         chosen, top_ids, top_values = [], [], []
         for start in range(0, fb.prompt_logprob_indices.numel(), PROMPT_LOGPROB_BLOCK):
             rows = fb.prompt_logprob_indices[start : start + PROMPT_LOGPROB_BLOCK]
             targets = fb.prompt_logprob_targets[start : start + PROMPT_LOGPROB_BLOCK]
-            logprobs = torch.log_softmax(self._logits(hidden, weight, rows, fb), dim=-1)
+            logprobs = torch.log_softmax(self._logits(hidden, lm_head, rows, fb), dim=-1)
             chosen.append(logprobs.gather(1, targets[:, None]).squeeze(1))
             if fb.prompt_top_k:
                 values, ids = logprobs.topk(fb.prompt_top_k, dim=-1)

@@ -16,6 +16,7 @@ from transformers import AutoConfig, AutoTokenizer
 from batchgen.errors import BatchgenError
 from batchgen.models.llama import LlamaForCausalLM
 from batchgen.models.loader import load_model, random_model
+from batchgen.models.packed_linear import prepack_supported
 from batchgen.models.random_presets import is_random_spec, random_preset_config
 from batchgen.models.resolve import resolve_model
 
@@ -60,11 +61,16 @@ class ModelSource:
 
     def load(self, dtype: torch.dtype, device: torch.device, max_positions: int) -> LlamaForCausalLM:
         """The decoder on ``device`` in ``dtype``, with RoPE tables for ``max_positions`` positions: the
-        checkpoint's weights, or random ones (seed 0) for a ``random:`` preset.
+        checkpoint's weights, or random ones (seed 0) for a ``random:`` preset; bfloat16 weights on the CPU
+        prepacked for oneDNN (:mod:`batchgen.models.packed_linear`).
 
         Raises:
             BatchgenError: unsupported architecture, or missing / mis-shaped weights (see ``load_model``).
         """
         if self.model_dir is None:
-            return random_model(self.hf_config, dtype, device, max_positions)
-        return load_model(self.model_dir, self.hf_config, dtype, device, max_positions)
+            model = random_model(self.hf_config, dtype, device, max_positions)
+        else:
+            model = load_model(self.model_dir, self.hf_config, dtype, device, max_positions)
+        if prepack_supported(dtype, device):
+            model.prepack_for_cpu()
+        return model
