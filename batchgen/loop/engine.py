@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,10 +14,12 @@ from transformers import GenerationConfig
 
 from batchgen.errors import BatchgenError
 from batchgen.loop.forward_batch import ForwardBatch
+from batchgen.loop.forward_mode import ForwardMode
 from batchgen.loop.kv_pool import KVSlotAllocator, TokenToKVPool
 from batchgen.loop.model_runner import ModelRunner
 from batchgen.loop.options import EngineOptions
 from batchgen.loop.req import Req
+from batchgen.loop.schedule_batch import ScheduleBatch
 from batchgen.loop.scheduler import Scheduler, SchedulerOptions
 from batchgen.models.source import ModelSource
 from batchgen.speculative import check_speculative_options, make_drafter
@@ -181,6 +184,7 @@ class Engine:
         batch = self.scheduler.next_batch()
         if batch is None:
             return []
+        started = time.perf_counter()
         worker_batch = batch.prepare(
             self.runner.req_to_token_pool,
             self.allocator,
@@ -192,11 +196,18 @@ class Engine:
         logits_output = self.runner.forward(forward_batch)
         sample_output = self.runner.sample(logits_output, worker_batch.sampling_info)
         self.stats.rounds += 1
+        outputs_before = sum(len(r.output_ids) for r in batch.reqs)
+        finished = self.scheduler.process_result(batch, sample_output, logits_output)
+        self._observe_round_cost(batch, started)
         if not batch.forward_mode.is_target_verify():
             self.stats.decode_tokens += batch.num_decode_rows
             self.stats.prefill_tokens += sum(batch.extend_lens) - batch.num_decode_rows
-            return self.scheduler.process_result(batch, sample_output, logits_output)
-        outputs_before = sum(len(r.output_ids) for r in batch.reqs)
-        finished = self.scheduler.process_result(batch, sample_output, logits_output)
-        self.stats.decode_tokens += sum(len(r.output_ids) for r in batch.reqs) - outputs_before
+        else:
+            self.stats.decode_tokens += sum(len(r.output_ids) for r in batch.reqs) - outputs_before
         return finished
+
+    def _observe_round_cost(self, batch: ScheduleBatch, started: float) -> None:
+        """Feed the scheduler's draft budget with this DECODE/TARGET_VERIFY round's width and duration (after
+        ``process_result``, whose host copies wait for the device)."""
+        if self.scheduler.drafter is not None and batch.forward_mode in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
+            self.scheduler.round_cost.observe(sum(batch.extend_lens), time.perf_counter() - started)

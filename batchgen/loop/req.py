@@ -69,6 +69,9 @@ class Req:
     draft_state: Any = None
     spec_rounds: int = 0
     spec_tokens: int = 0
+    # Per draft position: verify rounds that tried it (all drafts before it accepted) and that accepted it.
+    draft_position_tries: list[int] = field(default_factory=list)
+    draft_position_hits: list[int] = field(default_factory=list)
 
     @property
     def fill_len(self) -> int:

@@ -15,6 +15,7 @@ from batchgen.loop.schedule_batch import ScheduleBatch
 from batchgen.loop.stop_checker import append_token, finalize_text
 from batchgen.models.logits_processor import LogitsProcessorOutput
 from batchgen.sampling.sampler import SampleOutput
+from batchgen.speculative.draft_budget import RoundCostModel, record_acceptance
 from batchgen.speculative.verify import Drafter, accepted_length, plan_drafts
 
 
@@ -71,6 +72,8 @@ class Scheduler:
         self.num_retracted = 0
         self.drafter = drafter
         self.pad_drafts = pad_drafts
+        # Seconds per DECODE/TARGET_VERIFY round against its width, fed by the engine: sets the draft budget.
+        self.round_cost = RoundCostModel()
         # Speculative decoding: how many verify rounds with drafts emitted 1, 2, … K + 1 tokens for one request.
         self.accept_histogram: Counter[int] = Counter()
 
@@ -138,6 +141,7 @@ class Scheduler:
                 # Only rounds that verified proposed drafts measure acceptance (as SGLang's verify count); a round
                 # of padding drafts alone is not one.
                 if req.draft_proposed:
+                    record_acceptance(req, req.draft_proposed, min(emit - 1, req.draft_proposed))
                     req.spec_rounds += 1
                     req.spec_tokens += j - first + 1
                     self.accept_histogram[j - first + 1] += 1
@@ -165,7 +169,8 @@ class Scheduler:
         room left after one slot per request)."""
         if self.drafter is not None:
             room = self.allocator.available() - len(decodes)
-            lens = plan_drafts(decodes, self.drafter, room, pad=self.pad_drafts)
+            break_even = self.round_cost.break_even(len(decodes))
+            lens = plan_drafts(decodes, self.drafter, room, pad=self.pad_drafts, break_even=break_even)
             if any(req.draft_proposed for req in decodes):
                 return ScheduleBatch(ForwardMode.TARGET_VERIFY, decodes, lens, len(decodes))
             for req in decodes:  # padding alone: a plain decode round costs less

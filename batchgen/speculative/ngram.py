@@ -7,14 +7,10 @@ tokens after an earlier occurrence of the last ``m`` tokens are good guesses, an
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 from batchgen.loop.req import Req
 from batchgen.speculative.verify import PerRequestDrafter
-
-# Decode rounds a request runs with the full draft length before its own acceptance rate sets it.
-WARMUP_ROUNDS = 4
 
 
 class NgramIndex:
@@ -61,15 +57,8 @@ class NgramDrafter(PerRequestDrafter):
         self.max_n = max_n
 
     def propose(self, req: Req, limit: int) -> list[int]:
-        """Up to ``limit`` drafts; fewer once the request has shown how many of them it tends to accept.
-
-        Every draft costs a verified position (as much compute as a decode token), so a request that accepts
-        about ``a`` drafts per round is offered ``ceil(2a) + 1``: enough to catch longer runs, without paying
-        for the many rejected tails of short ones.
-        """
-        if req.spec_rounds >= WARMUP_ROUNDS:
-            accepted = req.spec_tokens / req.spec_rounds - 1
-            limit = min(limit, math.ceil(2 * accepted) + 1)
+        """Up to ``limit`` drafts (the scheduler's draft budget already trimmed ``limit`` to what this request's
+        acceptance record makes worth verifying)."""
         if req.draft_state is None:
             req.draft_state = NgramIndex(self.min_n, self.max_n)
         index: NgramIndex = req.draft_state

@@ -31,6 +31,7 @@ from typing import Protocol
 
 from batchgen.loop.req import Req
 from batchgen.sampling.grammar import GrammarState
+from batchgen.speculative.draft_budget import drafts_worth_verifying
 
 
 class Drafter(Protocol):
@@ -78,7 +79,9 @@ class PerRequestDrafter:
         return None  # nothing to free; any state in req.draft_state stays valid for the request's tokens
 
 
-def plan_drafts(decodes: Sequence[Req], drafter: Drafter, room: int, pad: bool = False) -> list[int]:
+def plan_drafts(
+    decodes: Sequence[Req], drafter: Drafter, room: int, pad: bool = False, break_even: float = 0.0
+) -> list[int]:
     """Set every request's ``draft_ids`` (and ``draft_grammars``, ``draft_proposed``) for this round; return the
     tokens each processes (``1 + drafts``).
 
@@ -92,6 +95,9 @@ def plan_drafts(decodes: Sequence[Req], drafter: Drafter, room: int, pad: bool =
     token (or of the pending token), and a token the grammar rejects is kept instead of cutting the list. Any
     draft is sound to verify: one is accepted only when it equals the target's own draw, and the position after a
     rejected or grammar-ending draft is never reached.
+
+    Without ``pad``, a request is offered only the drafts worth verifying at ``break_even`` acceptance
+    (:func:`batchgen.speculative.draft_budget.drafts_worth_verifying`).
     """
     limits, asks = [], []
     for req in decodes:
@@ -101,7 +107,7 @@ def plan_drafts(decodes: Sequence[Req], drafter: Drafter, room: int, pad: bool =
         useful = req.params.max_new_tokens - len(req.output_ids) - 1
         limit = max(0, min(drafter.num_draft_tokens, req.max_total_len - req.fill_len, room))
         if not pad:
-            limit = max(0, min(limit, useful))
+            limit = drafts_worth_verifying(req, break_even, max(0, min(limit, useful)))
         limits.append(limit)
         asks.append(max(0, min(limit, useful)))
         room -= limit

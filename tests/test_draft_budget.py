@@ -1,0 +1,55 @@
+"""The draft budget: the round cost fit, per-position acceptance records, and how many drafts they allow."""
+
+from __future__ import annotations
+
+import pytest
+
+from batchgen.loop.req import Req
+from batchgen.sampling.sampling_params import SamplingParams
+from batchgen.speculative.draft_budget import (
+    MIN_ROUNDS,
+    RoundCostModel,
+    drafts_worth_verifying,
+    record_acceptance,
+)
+
+
+def _req() -> Req:
+    return Req("r", 1, 1, [1, 2], SamplingParams(), 0, frozenset(), max_total_len=64, passthrough={})
+
+
+def test_cost_model_recovers_a_linear_round_time() -> None:
+    model = RoundCostModel()
+    # Rounds of 64 to 320 tokens costing 10 ms + 1 ms per token (hand-made, exact).
+    widths = [64, 128, 320, 64, 200, 64, 96, 128, 256, 64]
+    for i, tokens in enumerate(widths):
+        if i < MIN_ROUNDS:
+            assert model.break_even(64) == 0.0  # not fitted yet: verify every draft
+        model.observe(tokens, 0.010 + 0.001 * tokens)
+    fit = model.coefficients()
+    assert fit is not None and fit == pytest.approx((0.010, 0.001))
+    assert model.break_even(64) == pytest.approx(0.001 / (0.010 / 64 + 0.001))  # 0.865: a wide CPU batch
+    assert model.break_even(1) == pytest.approx(0.001 / 0.011)  # one request: almost any draft pays
+
+
+def test_cost_model_needs_rounds_of_different_widths() -> None:
+    model = RoundCostModel()
+    for _ in range(20):
+        model.observe(64, 0.05)
+    assert model.coefficients() is None and model.break_even(64) == 0.0
+
+
+def test_acceptance_record_and_drafts_worth_verifying() -> None:
+    req = _req()
+    assert drafts_worth_verifying(req, 0.99, 4) == 4  # no record: optimistic, every draft is tried
+    for _ in range(8):
+        record_acceptance(req, proposed=3, accepted=1)  # first draft accepted, second rejected, third untried
+    record_acceptance(req, proposed=3, accepted=0)
+    record_acceptance(req, proposed=3, accepted=3)
+    assert req.draft_position_tries == [10, 9, 1] and req.draft_position_hits == [9, 1, 1]
+    # Chances: position 0 (9 + 2) / (10 + 2) = 0.917; then x (1 + 2) / (9 + 2) = 0.25; then x 3/3; then x 1.
+    assert drafts_worth_verifying(req, 0.9, 4) == 1
+    assert drafts_worth_verifying(req, 0.95, 4) == 0
+    assert drafts_worth_verifying(req, 0.2, 4) == 4
+    assert drafts_worth_verifying(req, 0.2, 2) == 2  # never more than the limit
+    assert drafts_worth_verifying(req, 0.0, 0) == 0
