@@ -14,7 +14,6 @@ from transformers import GenerationConfig
 
 from batchgen.errors import BatchgenError
 from batchgen.loop.forward_batch import ForwardBatch
-from batchgen.loop.forward_mode import ForwardMode
 from batchgen.loop.kv_pool import KVSlotAllocator, TokenToKVPool
 from batchgen.loop.model_runner import ModelRunner
 from batchgen.loop.options import EngineOptions
@@ -207,7 +206,8 @@ class Engine:
         return finished
 
     def _observe_round_cost(self, batch: ScheduleBatch, started: float) -> None:
-        """Feed the scheduler's draft budget with this DECODE/TARGET_VERIFY round's width and duration (after
-        ``process_result``, whose host copies wait for the device)."""
-        if self.scheduler.drafter is not None and batch.forward_mode in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
+        """Feed the scheduler's draft budget with this round's width and duration (after ``process_result``, whose
+        host copies wait for the device). Prefill rounds count too: their widths, far from a decode round's, pin
+        down the per-token cost even while every decode round has the same width."""
+        if self.scheduler.drafter is not None:
             self.scheduler.round_cost.observe(sum(batch.extend_lens), time.perf_counter() - started)

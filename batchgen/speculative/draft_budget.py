@@ -7,8 +7,9 @@ decoding emits, and ``c1`` for each extra verified position. Draft ``d`` adds a 
 ``1..d`` are all accepted, so it is worth verifying while ``P(drafts 1..d accepted) >= c1 / (c0 / B + c1)``,
 the break-even acceptance. A GPU, memory-bound at decode batch sizes, has ``c1`` near 0 (draft everything); a
 CPU running a wide batch is compute-bound (``c1`` dominates: draft only near-certain tokens); a CPU running one
-request is again dominated by ``c0``. The model is fitted online from the engine's own DECODE and TARGET_VERIFY
-rounds, so the choice follows the hardware, the model and the batch size without tuning.
+request is again dominated by ``c0``. The model is fitted online from the engine's own rounds (prefill rounds
+included: their widths pin down ``c1``), so the choice follows the hardware, the model and the batch size without
+tuning.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ MIN_ROUNDS = 8  # rounds observed before the fit is trusted (until then every dr
 
 
 class RoundCostModel:
-    """Weighted least-squares fit of round seconds ≈ ``c0 + c1 * tokens`` over recent DECODE/TARGET_VERIFY rounds."""
+    """Weighted least-squares fit of round seconds ≈ ``c0 + c1 * tokens`` over the recent rounds."""
 
     def __init__(self) -> None:
         self.rounds = 0
