@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import generate, write_jsonl
+from paged_pool import PagedPool, reference_attention, relative_error
 
 from batchgen.kernels import cpu as cpu_kernels
 from batchgen.kernels.attention import torch_native
@@ -58,59 +59,20 @@ def _shape_id(shape: tuple[torch.dtype, int, int]) -> str:
     return f"{str(dtype).removeprefix('torch.')}-d{head_dim}-g{group}"
 
 
-class _Pool:
-    """One layer of a paged pool holding random K/V for sequences of the given lengths.
-
-    Each sequence's slots are a random, unordered draw from the pool; slots no sequence owns, and the
-    ``req_to_token`` entries past each sequence's end, point at NaN, so a stray read shows in the output.
-    Row 0 and slot 0 are the pool's dummies (slot 0 zero, as in ``TokenToKVPool``).
-    """
-
-    def __init__(
-        self, seq_lens: list[int], dtype: torch.dtype, num_kv_heads: int, head_dim: int, gen: torch.Generator
-    ) -> None:
-        shape = (num_kv_heads, POOL_SLOTS + 1, head_dim)
-        self.k = torch.full(shape, float("nan"), dtype=dtype)
-        self.v = torch.full(shape, float("nan"), dtype=dtype)
-        self.k[:, 0] = 0
-        self.v[:, 0] = 0
-        rows = len(seq_lens) + 3
-        self.req_to_token = torch.zeros(rows, CONTEXT, dtype=torch.int64)
-        self.req_pool_indices = torch.randperm(rows - 1, generator=gen)[: len(seq_lens)] + 1
-        free = torch.randperm(POOL_SLOTS, generator=gen) + 1
-        self.slots: list[torch.Tensor] = []
-        for row, n in zip(self.req_pool_indices.tolist(), seq_lens):
-            slots, free = free[:n], free[n:]
-            self.req_to_token[row, :n] = slots
-            self.k[:, slots] = torch.randn(num_kv_heads, n, head_dim, generator=gen).to(dtype)
-            self.v[:, slots] = torch.randn(num_kv_heads, n, head_dim, generator=gen).to(dtype)
-            self.slots.append(slots)
-        for row, n in zip(self.req_pool_indices.tolist(), seq_lens):  # past the end: unowned (NaN) slots
-            self.req_to_token[row, n:] = free[torch.randint(len(free), (CONTEXT - n,), generator=gen)]
+def _Pool(seq_lens: list[int], dtype: torch.dtype, num_kv_heads: int, head_dim: int, gen: torch.Generator) -> PagedPool:
+    return PagedPool(seq_lens, dtype, num_kv_heads, head_dim, gen, POOL_SLOTS, CONTEXT)
 
 
-def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_pos: int) -> torch.Tensor:
-    """float64 attention of ``q`` ``[n, H, D]`` (positions ``first_pos..``) over ``k``, ``v`` ``[Hkv, S, D]``."""
-    n, num_heads, head_dim = q.shape
-    group = num_heads // k.shape[0]
-    k = k.double().repeat_interleave(group, 0)
-    v = v.double().repeat_interleave(group, 0)
-    scores = torch.einsum("nhd,hsd->hns", q.double(), k) * head_dim**-0.5
-    visible = torch.arange(k.shape[1])[None, :] <= torch.arange(first_pos, first_pos + n)[:, None]
-    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
-    return torch.einsum("hns,hsd->nhd", probs, v)
-
-
-def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """max |out - ref| / max |ref| over one row's tokens: outputs are averages of unit-scale values."""
-    return float((out.double() - ref).abs().max() / ref.abs().max())
+def _ref(q: torch.Tensor, pool: PagedPool, i: int, first_pos: int) -> torch.Tensor:
+    """The float64 reference for new tokens ``q`` of the pool's sequence ``i``, the first at ``first_pos``."""
+    return reference_attention(q, pool.k[:, pool.slots[i]], pool.v[:, pool.slots[i]], first_pos)
 
 
 def _index(values: list[int]) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64)
 
 
-def _attend(pool: _Pool, q: torch.Tensor, rows: list[int], seq_lens: list[int], q_lens: list[int]) -> torch.Tensor:
+def _attend(pool: PagedPool, q: torch.Tensor, rows: list[int], seq_lens: list[int], q_lens: list[int]) -> torch.Tensor:
     """The kernel over ``rows`` (indices into the pool's sequences), their new tokens packed in order in q."""
     starts = [sum(q_lens[:i]) for i in range(len(q_lens))]
     return paged_attention(
@@ -140,8 +102,8 @@ def test_kernel_matches_float64(shape: tuple[torch.dtype, int, int]) -> None:
     assert out.dtype == dtype and out.shape == q.shape
     start = 0
     for i, (seq_len, new) in enumerate(ROWS):
-        ref = _reference(q[start : start + new], pool.k[:, pool.slots[i]], pool.v[:, pool.slots[i]], seq_len - new)
-        err = _relative_error(out[start : start + new], ref)
+        ref = _ref(q[start : start + new], pool, i, seq_len - new)
+        err = relative_error(out[start : start + new], ref)
         assert err <= TOLERANCE[dtype], f"row of length {seq_len} adding {new}: {err}"
         start += new
 
@@ -157,8 +119,8 @@ def test_rows_of_many_queries_match_float64(dtype: torch.dtype) -> None:
     out = _attend(pool, q, [0, 1, 2], [n for n, _ in rows], [t for _, t in rows])
     start = 0
     for i, (seq_len, new) in enumerate(rows):
-        ref = _reference(q[start : start + new], pool.k[:, pool.slots[i]], pool.v[:, pool.slots[i]], seq_len - new)
-        assert _relative_error(out[start : start + new], ref) <= TOLERANCE[dtype], f"row of length {seq_len}"
+        ref = _ref(q[start : start + new], pool, i, seq_len - new)
+        assert relative_error(out[start : start + new], ref) <= TOLERANCE[dtype], f"row of length {seq_len}"
         start += new
 
 
@@ -182,8 +144,8 @@ def test_out_keeps_tokens_of_no_row() -> None:
         out,
     )
     assert torch.equal(out[[0, 3, 4, 6]], torch.full((4, 4, 32), 7.0))
-    assert _relative_error(out[1:3], _reference(q[1:3], pool.k[:, pool.slots[0]], pool.v[:, pool.slots[0]], 7)) < 1e-5
-    assert _relative_error(out[5:6], _reference(q[5:6], pool.k[:, pool.slots[1]], pool.v[:, pool.slots[1]], 19)) < 1e-5
+    assert relative_error(out[1:3], _ref(q[1:3], pool, 0, 7)) < 1e-5
+    assert relative_error(out[5:6], _ref(q[5:6], pool, 1, 19)) < 1e-5
 
 
 @pytest.fixture
@@ -307,7 +269,7 @@ def test_build_failure_is_one_line(monkeypatch: pytest.MonkeyPatch, capsys: Any,
     )
 
 
-def _batch(pool: _Pool, mode: ForwardMode, rows: list[int], prefix: list[int], extend: list[int]) -> Any:
+def _batch(pool: PagedPool, mode: ForwardMode, rows: list[int], prefix: list[int], extend: list[int]) -> Any:
     """The parts of a ForwardBatch the torch_native backend reads, for sequences ``rows`` of the pool."""
     seq_lens = [p + e for p, e in zip(prefix, extend)]
     is_decode = mode == ForwardMode.DECODE
@@ -361,9 +323,9 @@ def test_backend_same_with_kernel_on_and_off(
     assert calls == [short_rows]  # the kernel ran when on (over the short rows), not when off
     start = 0
     for i, (p, e) in enumerate(zip(prefix, extend)):
-        ref = _reference(q[start : start + e], pool.k[:, pool.slots[i]], pool.v[:, pool.slots[i]], p)
+        ref = _ref(q[start : start + e], pool, i, p)
         for out in outputs:
-            assert _relative_error(out[start : start + e], ref) <= 1e-5, f"prefix {p}, extend {e}"
+            assert relative_error(out[start : start + e], ref) <= 1e-5, f"prefix {p}, extend {e}"
         start += e
 
 

@@ -30,6 +30,7 @@ import torch  # noqa: E402
 pytest.importorskip("triton", reason="triton is not installed (pip install triton); its kernels cannot be tested")
 
 from conftest import generate, write_jsonl  # noqa: E402
+from paged_pool import PagedPool, reference_attention, relative_error  # noqa: E402
 
 from batchgen.errors import BatchgenError  # noqa: E402
 from batchgen.kernels.attention import create_attention_backend  # noqa: E402
@@ -62,56 +63,12 @@ def _shape_id(shape: tuple[torch.dtype, int, int]) -> str:
     return f"{str(dtype).removeprefix('torch.')}-d{head_dim}-g{group}"
 
 
-class _Pool:
-    """A one-layer paged pool holding random K/V for the given sequence lengths.
-
-    Each sequence's slots are a random, unordered draw from the pool; slots no sequence owns, and the
-    ``req_to_token`` entries past each sequence's end, point at NaN, so any stray read shows up in the output.
-    Row 0 and slot 0 are the pool's dummies (slot 0 zero, as in ``TokenToKVPool``).
-    """
-
-    def __init__(self, seq_lens: list[int], dtype: torch.dtype, head_dim: int, gen: torch.Generator) -> None:
-        shape = (NUM_KV_HEADS, POOL_SLOTS + 1, head_dim)
-        self.k = torch.full(shape, float("nan"), dtype=dtype)
-        self.v = torch.full(shape, float("nan"), dtype=dtype)
-        self.k[:, 0] = 0
-        self.v[:, 0] = 0
-        rows = len(seq_lens) + 3
-        self.req_to_token = torch.randint(1, POOL_SLOTS + 1, (rows, CONTEXT), generator=gen)
-        self.req_pool_indices = torch.randperm(rows - 1, generator=gen)[: len(seq_lens)] + 1
-        free = torch.randperm(POOL_SLOTS, generator=gen) + 1
-        owned = torch.zeros(POOL_SLOTS + 1, dtype=torch.bool)
-        self.slots: list[torch.Tensor] = []
-        for row, n in zip(self.req_pool_indices.tolist(), seq_lens):
-            slots, free = free[:n], free[n:]
-            self.req_to_token[row, :n] = slots
-            owned[slots] = True
-            self.k[:, slots] = torch.randn(NUM_KV_HEADS, n, head_dim, generator=gen).to(dtype)
-            self.v[:, slots] = torch.randn(NUM_KV_HEADS, n, head_dim, generator=gen).to(dtype)
-            self.slots.append(slots)
-        # Positions past a sequence's end point at slots nobody owns (NaN).
-        unowned = (~owned).nonzero().flatten()
-        unowned = unowned[unowned > 0]
-        for row, n in zip(self.req_pool_indices.tolist(), seq_lens):
-            tail = CONTEXT - n
-            self.req_to_token[row, n:] = unowned[torch.randint(len(unowned), (tail,), generator=gen)]
+def _Pool(seq_lens: list[int], dtype: torch.dtype, head_dim: int, gen: torch.Generator) -> PagedPool:
+    return PagedPool(seq_lens, dtype, NUM_KV_HEADS, head_dim, gen, POOL_SLOTS, CONTEXT)
 
 
-def _reference(q: torch.Tensor, pool: _Pool, slots: torch.Tensor, first_pos: int) -> torch.Tensor:
-    """float64 attention of ``q`` ``[n, H, D]`` (positions ``first_pos..``) over K/V at ``slots``, causal."""
-    n, num_heads, head_dim = q.shape
-    group = num_heads // NUM_KV_HEADS
-    k = pool.k[:, slots].double().repeat_interleave(group, 0)  # [H, S, D]
-    v = pool.v[:, slots].double().repeat_interleave(group, 0)
-    scores = torch.einsum("nhd,hsd->hns", q.double(), k) * head_dim**-0.5
-    visible = torch.arange(len(slots))[None, :] <= torch.arange(first_pos, first_pos + n)[:, None]
-    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
-    return torch.einsum("hns,hsd->nhd", probs, v)
-
-
-def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """max |out - ref| / max |ref| over one request's rows: outputs are averages of unit-scale values."""
-    return float((out.double() - ref).abs().max() / ref.abs().max())
+def _reference(q: torch.Tensor, pool: PagedPool, slots: torch.Tensor, first_pos: int) -> torch.Tensor:
+    return reference_attention(q, pool.k[:, slots], pool.v[:, slots], first_pos)
 
 
 def _run_decode(
@@ -137,14 +94,14 @@ def _run_decode(
 def test_decode_kernel_matches_float64(shape: tuple[torch.dtype, int, int]) -> None:
     dtype, head_dim, group = shape
     for i, (out, ref) in enumerate(_run_decode(dtype, head_dim, group, num_kv_splits=8, seed=head_dim + group)):
-        assert _relative_error(out, ref) <= TOLERANCE[dtype], f"request of length {DECODE_SEQ_LENS[i]}"
+        assert relative_error(out, ref) <= TOLERANCE[dtype], f"request of length {DECODE_SEQ_LENS[i]}"
 
 
 @pytest.mark.parametrize("num_kv_splits", [1, 3])
 def test_decode_kernel_any_split_count(num_kv_splits: int) -> None:
     # 1: no split at all; 3: not a power of two, and slices that end mid-block.
     for out, ref in _run_decode(torch.float32, 64, 4, num_kv_splits, seed=num_kv_splits):
-        assert _relative_error(out, ref) <= 1e-5
+        assert relative_error(out, ref) <= 1e-5
 
 
 def test_decode_kernel_row_of_length_zero_gives_zeros() -> None:
@@ -158,7 +115,7 @@ def test_decode_kernel_row_of_length_zero_gives_zeros() -> None:
     seq_lens = torch.tensor([0, 9])
     decode_attention_fwd(q, pool.k, pool.v, out, pool.req_to_token, pool.req_pool_indices, seq_lens, mid_o, mid_lse, 4)
     assert torch.equal(out[0], torch.zeros(4, 16))
-    assert _relative_error(out[1:], _reference(q[1:], pool, pool.slots[1], 8)) <= 1e-5
+    assert relative_error(out[1:], _reference(q[1:], pool, pool.slots[1], 8)) <= 1e-5
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=_shape_id)
@@ -186,10 +143,10 @@ def test_extend_kernel_matches_float64(shape: tuple[torch.dtype, int, int]) -> N
     for i, (prefix, extend) in enumerate(EXTEND_CASES):
         rows = slice(int(qo_start[i]), int(qo_start[i]) + extend)
         ref = _reference(q[rows], pool, pool.slots[i], prefix)
-        assert _relative_error(out[rows], ref) <= TOLERANCE[dtype], f"prefix {prefix}, extend {extend}"
+        assert relative_error(out[rows], ref) <= TOLERANCE[dtype], f"prefix {prefix}, extend {extend}"
 
 
-def _decode_batch(pool: _Pool, rows: list[int], seq_lens: list[int]) -> Any:
+def _decode_batch(pool: PagedPool, rows: list[int], seq_lens: list[int]) -> Any:
     """The parts of a DECODE ForwardBatch the backend reads; ``max_seq_len`` is poisoned (it must not be read)."""
     return SimpleNamespace(
         forward_mode=ForwardMode.DECODE,
@@ -222,7 +179,7 @@ def test_backend_decode_reuses_static_scratch_across_replays() -> None:
         pointers.add(backend._graph_scratch[0].data_ptr())
         for i, n in enumerate(seq_lens):
             ref = _reference(q[i : i + 1], pool, pool.slots[i][:n], n - 1)
-            assert _relative_error(out[i : i + 1], ref) <= 1e-5
+            assert relative_error(out[i : i + 1], ref) <= 1e-5
     assert len(pointers) == 1
 
 
@@ -252,7 +209,7 @@ def test_backend_verify_graph_metadata_lives_in_static_buffers() -> None:
         out = backend.forward_extend(q, 0, fb)  # type: ignore[arg-type]
         for i, n in enumerate(seq_lens):
             ref = _reference(q[3 * i : 3 * i + 3], pool, pool.slots[i][:n], n - 3)
-            assert _relative_error(out[3 * i : 3 * i + 3], ref) <= 1e-5
+            assert relative_error(out[3 * i : 3 * i + 3], ref) <= 1e-5
     assert len(pointers) == 1
 
 

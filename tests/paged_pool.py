@@ -1,0 +1,67 @@
+"""A one-layer paged KV pool with scattered slots and NaN everywhere a kernel must not read, and a float64
+attention reference: shared by the attention-kernel tests (Triton, C++)."""
+
+from __future__ import annotations
+
+import torch
+
+
+class PagedPool:
+    """One layer of a paged pool holding random K/V for sequences of the given lengths.
+
+    Each sequence's slots are a random, unordered draw from the pool; slots no sequence owns, and the
+    ``req_to_token`` entries past each sequence's end, point at NaN, so any stray read shows in the output.
+    Row 0 and slot 0 are the pool's dummies (slot 0 zero, as in ``TokenToKVPool``). ``k``, ``v``:
+    ``[num_kv_heads, num_slots + 1, head_dim]``; ``slots[i]``: sequence i's slots in position order.
+    """
+
+    def __init__(
+        self,
+        seq_lens: list[int],
+        dtype: torch.dtype,
+        num_kv_heads: int,
+        head_dim: int,
+        gen: torch.Generator,
+        num_slots: int,
+        context: int,
+    ) -> None:
+        shape = (num_kv_heads, num_slots + 1, head_dim)
+        self.k = torch.full(shape, float("nan"), dtype=dtype)
+        self.v = torch.full(shape, float("nan"), dtype=dtype)
+        self.k[:, 0] = 0
+        self.v[:, 0] = 0
+        rows = len(seq_lens) + 3
+        self.req_to_token = torch.randint(1, num_slots + 1, (rows, context), generator=gen)
+        self.req_pool_indices = torch.randperm(rows - 1, generator=gen)[: len(seq_lens)] + 1
+        free = torch.randperm(num_slots, generator=gen) + 1
+        owned = torch.zeros(num_slots + 1, dtype=torch.bool)
+        self.slots: list[torch.Tensor] = []
+        for row, n in zip(self.req_pool_indices.tolist(), seq_lens):
+            slots, free = free[:n], free[n:]
+            self.req_to_token[row, :n] = slots
+            owned[slots] = True
+            self.k[:, slots] = torch.randn(num_kv_heads, n, head_dim, generator=gen).to(dtype)
+            self.v[:, slots] = torch.randn(num_kv_heads, n, head_dim, generator=gen).to(dtype)
+            self.slots.append(slots)
+        unowned = (~owned).nonzero().flatten()
+        unowned = unowned[unowned > 0]
+        for row, n in zip(self.req_pool_indices.tolist(), seq_lens):
+            self.req_to_token[row, n:] = unowned[torch.randint(len(unowned), (context - n,), generator=gen)]
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_pos: int) -> torch.Tensor:
+    """float64 causal attention of ``q`` ``[n, H, D]`` (positions ``first_pos..``) over ``k``, ``v``
+    ``[Hkv, S, D]`` (GQA: query head h uses KV head ``h // (H / Hkv)``), scale ``D ** -0.5``."""
+    n, num_heads, head_dim = q.shape
+    group = num_heads // k.shape[0]
+    k = k.double().repeat_interleave(group, 0)
+    v = v.double().repeat_interleave(group, 0)
+    scores = torch.einsum("nhd,hsd->hns", q.double(), k) * head_dim**-0.5
+    visible = torch.arange(k.shape[1])[None, :] <= torch.arange(first_pos, first_pos + n)[:, None]
+    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    return torch.einsum("hns,hsd->nhd", probs, v)
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |out - ref| / max |ref| over one request's rows: outputs are averages of unit-scale values."""
+    return float((out.double() - ref).abs().max() / ref.abs().max())
