@@ -8,6 +8,7 @@ from batchgen.loop.req import Req
 from batchgen.sampling.sampling_params import SamplingParams
 from batchgen.speculative.draft_budget import (
     MIN_ROUNDS,
+    PROBE_EVERY,
     RoundCostModel,
     drafts_worth_verifying,
     record_acceptance,
@@ -53,3 +54,17 @@ def test_acceptance_record_and_drafts_worth_verifying() -> None:
     assert drafts_worth_verifying(req, 0.2, 4) == 4
     assert drafts_worth_verifying(req, 0.2, 2) == 2  # never more than the limit
     assert drafts_worth_verifying(req, 0.0, 0) == 0
+
+
+def test_probe_rounds_while_every_round_has_one_width() -> None:
+    """Without a second width the fit is unknown; then one round in PROBE_EVERY is a plain decode round, whose
+    width (one token per request) gives the fit what it needs."""
+    model = RoundCostModel()
+    probes = []
+    for _ in range(3 * PROBE_EVERY):
+        probes.append(model.wants_probe())
+        model.observe(64 if probes[-1] else 320, 0.020 if probes[-1] else 0.060)
+    assert probes.count(True) == 1 and probes.index(True) >= MIN_ROUNDS  # the first probe suffices
+    fit = model.coefficients()
+    # Two widths on one line: 20 ms at 64 tokens, 60 ms at 320, so c1 = 0.04 s / 256 tokens and c0 = 10 ms.
+    assert fit is not None and fit == pytest.approx((0.010, 0.04 / 256)) and not model.wants_probe()

@@ -160,8 +160,8 @@ def test_greedy_outputs_equal_plain_decoding(
     itself = _run(model, rows, tmp_path, draft=model, max_running_requests=max_running)
     _assert_same_outputs(itself.reqs, plain)
     assert itself.all_accepted()
-    if max_running == 1:  # no MIXED rounds, where decodes take one token: every decode round is a verify round
-        assert {req.spec_tokens / req.spec_rounds for req in itself.reqs.values()} == {K + 1}
+    if max_running == 1:  # no MIXED rounds, where decodes take one token: verify rounds carry all K drafts
+        assert max(req.spec_tokens / req.spec_rounds for req in itself.reqs.values()) == K + 1
 
 
 def test_graph_runner_pads_verify_rounds_and_keeps_outputs(

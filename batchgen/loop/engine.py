@@ -206,8 +206,8 @@ class Engine:
         return finished
 
     def _observe_round_cost(self, batch: ScheduleBatch, started: float) -> None:
-        """Feed the scheduler's draft budget with this round's width and duration (after ``process_result``, whose
-        host copies wait for the device). Prefill rounds count too: their widths, far from a decode round's, pin
-        down the per-token cost even while every decode round has the same width."""
-        if self.scheduler.drafter is not None:
+        """Feed the scheduler's draft budget with this DECODE/TARGET_VERIFY round's width and duration (after
+        ``process_result``, whose host copies wait for the device)."""
+        mode = batch.forward_mode
+        if self.scheduler.drafter is not None and (mode.is_decode() or mode.is_target_verify()):
             self.scheduler.round_cost.observe(sum(batch.extend_lens), time.perf_counter() - started)

@@ -167,7 +167,7 @@ class Scheduler:
     def _decode_batch(self, decodes: list[Req]) -> ScheduleBatch:
         """A DECODE round, or with a drafter a TARGET_VERIFY round when any request has drafts (with the KV
         room left after one slot per request)."""
-        if self.drafter is not None:
+        if self.drafter is not None and not (self.round_cost.wants_probe() and not self.pad_drafts):
             room = self.allocator.available() - len(decodes)
             break_even = self.round_cost.break_even(len(decodes))
             lens = plan_drafts(decodes, self.drafter, room, pad=self.pad_drafts, break_even=break_even)

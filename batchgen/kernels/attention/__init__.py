@@ -11,6 +11,7 @@ import torch
 from batchgen.errors import BatchgenError
 from batchgen.kernels.attention.base import AttentionBackend
 from batchgen.kernels.attention.torch_native import TorchNativeAttnBackend
+from batchgen.kernels.cpu import paged_attention_available
 
 if TYPE_CHECKING:
     from batchgen.models.config import ModelConfig
@@ -34,6 +35,8 @@ def create_attention_backend(
             saying why).
     """
     if name == "torch_native" or (name == "auto" and device.type != "cuda"):
+        if device.type == "cpu":
+            paged_attention_available()  # build the CPU kernel now (once), not inside the first timed round
         return TorchNativeAttnBackend()
     if name == "flashinfer":
         return _create_flashinfer(device, dtype, config)
