@@ -175,3 +175,19 @@ def enqueue_rows(engine: Any, rows: list[dict[str, Any]], path: Path, *, eos: bo
     for order, item in enumerate(reader):
         assert not isinstance(item, Exception), item
         engine.add(builder.build(parse_row(item, reader.source, reader.passthrough_schema), reader.source, order))
+
+
+def spy_graph_runs(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, int]]:
+    """Record every round the graph runner serves, as (mode name, batch size, padded size), in order."""
+    from batchgen.loop.cuda_graph_runner import CudaGraphRunner
+
+    served: list[tuple[str, int, int]] = []
+    original = CudaGraphRunner.run
+
+    def spy(self: CudaGraphRunner, forward_batch: Any) -> Any:
+        bs = forward_batch.batch_size
+        served.append((forward_batch.forward_mode.name, bs, self.padded_size(bs)))
+        return original(self, forward_batch)
+
+    monkeypatch.setattr(CudaGraphRunner, "run", spy)
+    return served

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
-from conftest import generate, write_jsonl
+from conftest import generate, spy_graph_runs, write_jsonl
 
-from batchgen.loop.cuda_graph_runner import CudaGraphRunner, capture_batch_sizes
+from batchgen.loop.cuda_graph_runner import capture_batch_sizes
 from batchgen.loop.engine import Engine
 from batchgen.loop.forward_batch import ForwardBatch
 from batchgen.loop.forward_mode import ForwardMode
@@ -60,15 +59,9 @@ def test_every_batch_size_up_to_33_decodes_as_unpadded(
     common = ("--max-running-requests", "33", "--chunked-prefill-size", "4096")
     eager = generate(dataset, tmp_path / "eager.jsonl", model, *common, "--disable-cuda-graph")
 
-    seen: list[tuple[int, int]] = []
-    original = CudaGraphRunner.run
-
-    def spy(self: CudaGraphRunner, forward_batch: ForwardBatch) -> Any:
-        seen.append((forward_batch.batch_size, self.padded_size(forward_batch.batch_size)))
-        return original(self, forward_batch)
-
-    monkeypatch.setattr(CudaGraphRunner, "run", spy)
+    served = spy_graph_runs(monkeypatch)
     padded = generate(dataset, tmp_path / "padded.jsonl", model, *common, "--cuda-graph-max-bs", "33")
+    seen = [(bs, size) for _, bs, size in served]
     assert {bs for bs, _ in seen} == set(range(1, 33))  # 33 rows decode from their 2nd token: 32 … 1 rows
     assert any(size > bs for bs, size in seen)
     for rid, want in eager.items():

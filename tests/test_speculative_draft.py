@@ -11,10 +11,9 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import build_random_model, enqueue_rows, generate, run_args, run_cli, write_jsonl
+from conftest import build_random_model, enqueue_rows, generate, run_args, run_cli, spy_graph_runs, write_jsonl
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from batchgen.loop.cuda_graph_runner import CudaGraphRunner
 from batchgen.loop.engine import Engine
 from batchgen.loop.forward_mode import ForwardMode
 from batchgen.loop.options import EngineOptions
@@ -169,14 +168,7 @@ def test_graph_runner_pads_verify_rounds_and_keeps_outputs(
 ) -> None:
     """With the graph runner on (eager-padded on CPU) for both models, seeded sampling with a partly accepted
     draft gives plain decoding's outputs, and the draft = target run still accepts everything it drafted."""
-    served: Counter[str] = Counter()
-    original = CudaGraphRunner.run
-
-    def spy(self: CudaGraphRunner, forward_batch: Any) -> Any:
-        served[forward_batch.forward_mode.name] += 1
-        return original(self, forward_batch)
-
-    monkeypatch.setattr(CudaGraphRunner, "run", spy)
+    served = spy_graph_runs(monkeypatch)
     model = random_models["llama"]
     rows = _rows(8, sampled=True)
     plain = _run(model, rows, tmp_path, max_running_requests=8, enable_mixed_chunk=False).reqs
@@ -203,7 +195,8 @@ def test_graph_runner_pads_verify_rounds_and_keeps_outputs(
         counts = {key: (r.spec_rounds, r.spec_tokens) for key, r in eager.reqs.items()}
         assert {key: (r.spec_rounds, r.spec_tokens) for key, r in padded.reqs.items()} == counts
     assert counts[("a", 0)] == (0, 0)
-    assert served["TARGET_VERIFY"] > 0 and served["DECODE"] > 0  # the draft model's steps are DECODE rounds
+    modes = Counter(mode for mode, _, _ in served)
+    assert modes["TARGET_VERIFY"] > 0 and modes["DECODE"] > 0  # the draft model's steps are DECODE rounds
 
 
 def test_sampled_outputs_equal_plain_decoding_and_identical_draft_is_always_accepted(

@@ -195,14 +195,16 @@ class Engine:
         logits_output = self.runner.forward(forward_batch)
         sample_output = self.runner.sample(logits_output, worker_batch.sampling_info)
         self.stats.rounds += 1
-        outputs_before = sum(len(r.output_ids) for r in batch.reqs)
+        verify = batch.forward_mode.is_target_verify()
+        # A verify round emits a varying number of tokens per request: count them around process_result.
+        outputs_before = sum(len(r.output_ids) for r in batch.reqs) if verify else 0
         finished = self.scheduler.process_result(batch, sample_output, logits_output)
         self._observe_round_cost(batch, started)
-        if not batch.forward_mode.is_target_verify():
+        if verify:
+            self.stats.decode_tokens += sum(len(r.output_ids) for r in batch.reqs) - outputs_before
+        else:
             self.stats.decode_tokens += batch.num_decode_rows
             self.stats.prefill_tokens += sum(batch.extend_lens) - batch.num_decode_rows
-        else:
-            self.stats.decode_tokens += sum(len(r.output_ids) for r in batch.reqs) - outputs_before
         return finished
 
     def _observe_round_cost(self, batch: ScheduleBatch, started: float) -> None:
