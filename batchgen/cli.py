@@ -15,6 +15,7 @@ from batchgen.cli_errors import user_errors
 from batchgen.engine_flags import (
     CUDA_GRAPH_MAX_BS,
     DISABLE_CUDA_GRAPH,
+    SPECULATIVE_ACCEPTANCE,
     SPECULATIVE_ALGORITHM,
     SPECULATIVE_DRAFT_MODEL,
     SPECULATIVE_NGRAM_MAX,
@@ -167,6 +168,7 @@ def run(
     speculative_ngram_min: int = SPECULATIVE_NGRAM_MIN,
     speculative_ngram_max: int = SPECULATIVE_NGRAM_MAX,
     speculative_draft_model: str | None = SPECULATIVE_DRAFT_MODEL,
+    speculative_acceptance: str = SPECULATIVE_ACCEPTANCE,
     on_error: str = typer.Option("fail", help="fail: report bad rows and exit 2 at the end; skip: write them."),
     overwrite: bool = typer.Option(False, help="Replace an existing output file (and discard a partial output)."),
     resume: bool = typer.Option(
@@ -241,6 +243,7 @@ def run(
             speculative_ngram_min=speculative_ngram_min,
             speculative_ngram_max=speculative_ngram_max,
             speculative_draft_model=speculative_draft_model,
+            speculative_acceptance=speculative_acceptance,
             seed=seed,
             logprobs_mode=logprobs_mode,
         )

@@ -31,3 +31,8 @@ SPECULATIVE_NGRAM_MAX = typer.Option(
 SPECULATIVE_DRAFT_MODEL = typer.Option(
     None, help="Draft model of --speculative-algorithm draft (same vocabulary as --model; or random:PRESET)."
 )
+SPECULATIVE_ACCEPTANCE = typer.Option(
+    _DEFAULTS.speculative_acceptance,
+    help="How sampled rows verify a draft model's drafts: rejection (rejection sampling, most accepted) or "
+    "coupled (outputs identical to plain decoding with the same seeds).",
+)

@@ -191,3 +191,28 @@ def spy_graph_runs(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, int]
 
     monkeypatch.setattr(CudaGraphRunner, "run", spy)
     return served
+
+
+def assert_first_two_tokens_follow_top5(model_dir: Path, prompt: list[int], reqs: list[Any]) -> None:
+    """The first two output tokens of ``reqs`` (sampled with top_k 5, temperature 1 after ``prompt``) follow the
+    exact joint distribution computed here from HF transformers in float32 (chi-square p > 1e-3)."""
+    import numpy as np
+    from scipy.stats import chisquare
+    from transformers import AutoModelForCausalLM
+
+    def top5(context: list[int]) -> dict[int, float]:
+        values, ids = hf(torch.tensor([context])).logits[0, -1].float().topk(5)
+        return dict(zip(ids.tolist(), torch.softmax(values, -1).tolist()))
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        exact = {(t0, t1): p0 * p1 for t0, p0 in top5(prompt).items() for t1, p1 in top5([*prompt, t0]).items()}
+    counts: dict[tuple[int, int], int] = {}
+    for req in reqs:
+        pair = (req.output_ids[0], req.output_ids[1])
+        counts[pair] = counts.get(pair, 0) + 1
+    assert set(counts) <= set(exact), "a token outside the top 5 was sampled"
+    cells = sorted(exact)
+    observed = np.array([counts.get(c, 0) for c in cells])
+    expected = np.array([exact[c] for c in cells])
+    assert chisquare(observed, expected * observed.sum() / expected.sum()).pvalue > 1e-3

@@ -11,7 +11,16 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import build_random_model, enqueue_rows, generate, run_args, run_cli, spy_graph_runs, write_jsonl
+from conftest import (
+    assert_first_two_tokens_follow_top5,
+    build_random_model,
+    enqueue_rows,
+    generate,
+    run_args,
+    run_cli,
+    spy_graph_runs,
+    write_jsonl,
+)
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from batchgen.loop.engine import Engine
@@ -21,6 +30,8 @@ from batchgen.loop.req import Req
 from batchgen.speculative.draft_model import DraftModelDrafter
 
 K = 4
+# Sampled rows give plain decoding's outputs only with coupled acceptance (rejection sampling redraws rejections).
+COUPLED = {"speculative_acceptance": "coupled"}
 
 
 @pytest.fixture(scope="module")
@@ -167,16 +178,17 @@ def test_graph_runner_pads_verify_rounds_and_keeps_outputs(
     random_models: dict[str, Path], perturbed_draft: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With the graph runner on (eager-padded on CPU) for both models, seeded sampling with a partly accepted
-    draft gives plain decoding's outputs, and the draft = target run still accepts everything it drafted."""
+    draft gives plain decoding's outputs (coupled acceptance), and the draft = target run still accepts
+    everything it drafted."""
     served = spy_graph_runs(monkeypatch)
     model = random_models["llama"]
     rows = _rows(8, sampled=True)
     plain = _run(model, rows, tmp_path, max_running_requests=8, enable_mixed_chunk=False).reqs
     graphs = {"cuda_graph_max_bs": 4, "max_running_requests": 8, "enable_mixed_chunk": False}
-    near = _run(model, rows, tmp_path, draft=perturbed_draft, **graphs)
+    near = _run(model, rows, tmp_path, draft=perturbed_draft, **graphs, **COUPLED)
     _assert_same_outputs(near.reqs, plain)
     assert near.partly_accepted()
-    itself = _run(model, rows, tmp_path, draft=model, **graphs)
+    itself = _run(model, rows, tmp_path, draft=model, **graphs, **COUPLED)
     _assert_same_outputs(itself.reqs, plain)
     # Every verify round carries K drafts per request now (padded past max_new_tokens): a full acceptance emits
     # as many tokens as max_new_tokens leaves.
@@ -190,8 +202,8 @@ def test_graph_runner_pads_verify_rounds_and_keeps_outputs(
         for rid, n in (("a", 2), ("b", 12))
     ]
     for case in (rows, pair):
-        eager = _run(model, case, tmp_path, draft=model, max_running_requests=8, enable_mixed_chunk=False)
-        padded = _run(model, case, tmp_path, draft=model, **graphs)
+        eager = _run(model, case, tmp_path, draft=model, max_running_requests=8, enable_mixed_chunk=False, **COUPLED)
+        padded = _run(model, case, tmp_path, draft=model, **graphs, **COUPLED)
         counts = {key: (r.spec_rounds, r.spec_tokens) for key, r in eager.reqs.items()}
         assert {key: (r.spec_rounds, r.spec_tokens) for key, r in padded.reqs.items()} == counts
     assert counts[("a", 0)] == (0, 0)
@@ -199,23 +211,55 @@ def test_graph_runner_pads_verify_rounds_and_keeps_outputs(
     assert modes["TARGET_VERIFY"] > 0 and modes["DECODE"] > 0  # the draft model's steps are DECODE rounds
 
 
-def test_sampled_outputs_equal_plain_decoding_and_identical_draft_is_always_accepted(
+def test_coupled_sampled_outputs_equal_plain_decoding_and_identical_draft_is_always_accepted(
     random_models: dict[str, Path], perturbed_draft: Path, tmp_path: Path
 ) -> None:
-    """Seeded sampling (temperature 0.8, top-p, top-k, min-p, repetition penalty, n = 2) gives plain decoding's
-    outputs with a draft that is partly accepted; and, since the draft model draws with the target's uniforms
-    and inputs, with draft = target every draft is accepted."""
+    """Coupled acceptance: seeded sampling (temperature 0.8, top-p, top-k, min-p, repetition penalty, n = 2)
+    gives plain decoding's outputs with a draft that is partly accepted; and, since the draft model draws with
+    the target's uniforms and inputs, with draft = target every draft is accepted."""
     model = random_models["llama"]
     rows = _rows(8, sampled=True)
     plain = _run(model, rows, tmp_path, max_running_requests=8, enable_mixed_chunk=False).reqs
-    near = _run(model, rows, tmp_path, draft=perturbed_draft, max_running_requests=8, enable_mixed_chunk=False)
+    near = _run(
+        model, rows, tmp_path, draft=perturbed_draft, max_running_requests=8, enable_mixed_chunk=False, **COUPLED
+    )
     _assert_same_outputs(near.reqs, plain)
     assert near.partly_accepted()
-    itself = _run(model, rows, tmp_path, draft=model, max_running_requests=8, enable_mixed_chunk=False)
+    itself = _run(model, rows, tmp_path, draft=model, max_running_requests=8, enable_mixed_chunk=False, **COUPLED)
     _assert_same_outputs(itself.reqs, plain)
     assert ("1", 1) in itself.reqs  # the n = 2 row's second sample
     assert itself.all_accepted()
     assert {req.spec_tokens / req.spec_rounds for req in itself.reqs.values()} == {K + 1}
+
+
+def test_rejection_sampling_follows_the_exact_distribution_and_accepts_more_than_coupling(
+    random_models: dict[str, Path], perturbed_draft: Path, tmp_path: Path
+) -> None:
+    """Default (rejection) acceptance with a draft model: the first two tokens of 2,000 seeded samples (top_k 5,
+    temperature 1; the second decided by a verify round) follow the exact joint distribution computed from HF
+    transformers, with drafts both accepted and rejected; and more drafts are accepted than under the coupled
+    rule, since rejection sampling accepts with probability Σ min(p, q), the most any rule can."""
+    model = random_models["llama"]
+    prompt = [0, 17, 99, 5, 230, 41]
+    rows = [
+        {"id": str(k), "prompt_token_ids": prompt, "n": 250, "seed": k, "top_k": 5, "max_new_tokens": 3}
+        for k in range(8)
+    ]
+    accepted = {}
+    for name, options in [
+        ("rejection", {}),
+        ("rejection, graph runner", {"cuda_graph_max_bs": 256}),  # padding drafts verify with a one-hot q
+        ("coupled", {"speculative_acceptance": "coupled"}),
+    ]:
+        run = _run(model, rows, tmp_path, draft=perturbed_draft, max_running_requests=256, **options)
+        reqs = list(run.reqs.values())
+        assert len(reqs) == 2000
+        emitted = Counter(got for got, _ in run.verify_emits)
+        assert emitted[1] > 0 and emitted[2] > 0, name  # drafts rejected and accepted
+        accepted[name] = emitted[2] / len(run.verify_emits)
+        if name != "coupled":
+            assert_first_two_tokens_follow_top5(model, prompt, reqs)
+    assert accepted["rejection"] > accepted["coupled"] + 0.1, accepted
 
 
 def test_retraction_frees_draft_rows_and_keeps_outputs(
@@ -236,8 +280,10 @@ def test_cli_draft_model_with_text_stops_and_grammar(
     random_models: dict[str, Path], other_draft: Path, tmp_path: Path
 ) -> None:
     """``batchgen run --speculative-draft-model``: rows with a stop string, EOS, a regex constraint and
-    sampling come out as without speculation. The draft follows the regex to its end, so a verify round holds
-    a draft that terminates the grammar (the position after it samples unconstrained; its draw is never used)."""
+    sampling come out as without speculation (sampled rows with ``--speculative-acceptance coupled``; with the
+    default rejection sampling greedy rows do, and the regex still holds). The draft follows the regex to its
+    end, so a verify round holds a draft that terminates the grammar (the position after it samples
+    unconstrained; its draw is never used)."""
     model = random_models["llama"]
     rows = [
         {"id": "greedy", "prompt": "Once upon a time", "max_new_tokens": 30, "temperature": 0},
@@ -247,21 +293,25 @@ def test_cli_draft_model_with_text_stops_and_grammar(
     ]
     dataset = write_jsonl(tmp_path / "in.jsonl", rows)
     plain = generate(dataset, tmp_path / "plain.jsonl", model)
-    for draft in (other_draft, model):
+    for draft, acceptance in [(other_draft, "coupled"), (model, "coupled"), (other_draft, "rejection")]:
         spec = generate(
             dataset,
             tmp_path / "spec.jsonl",
             model,
             *("--speculative-algorithm", "draft", "--speculative-draft-model", str(draft)),
+            *("--speculative-acceptance", acceptance),
         )
         for rid, want in plain.items():
+            if acceptance == "rejection" and rid in ("sampled", "regex"):
+                continue
             got = spec[rid]
             assert (got["output_token_ids"], got["text"], got["finish_reason"]) == (
                 want["output_token_ids"],
                 want["text"],
                 want["finish_reason"],
             ), (rid, draft)
-    assert re.fullmatch(r"[a-c]{2,4}-\d{3}", plain["regex"]["text"])
+        assert re.fullmatch(r"[a-c]{2,4}-\d{3}", spec["regex"]["text"])
+        assert spec["sampled"]["finish_reason"] in ("stop", "length")
 
 
 def test_bad_draft_options_are_one_line_errors(random_models: dict[str, Path], tmp_path: Path) -> None:
@@ -274,6 +324,17 @@ def test_bad_draft_options_are_one_line_errors(random_models: dict[str, Path], t
             f"vocabulary of 512 tokens, the target model's has {target_vocab}",
         ),
         (("--speculative-algorithm", "draft"), "--speculative-algorithm draft needs --speculative-draft-model"),
+        (
+            (
+                "--speculative-algorithm",
+                "draft",
+                "--speculative-draft-model",
+                str(wide),
+                "--speculative-acceptance",
+                "x",
+            ),
+            "--speculative-acceptance must be one of rejection, coupled, got 'x'",
+        ),
         (("--speculative-draft-model", str(wide)), "--speculative-draft-model needs --speculative-algorithm draft"),
         (
             ("--speculative-algorithm", "draft", "--speculative-draft-model", str(tmp_path / "nowhere")),

@@ -18,6 +18,7 @@ from batchgen.cli_errors import user_errors
 from batchgen.engine_flags import (
     CUDA_GRAPH_MAX_BS,
     DISABLE_CUDA_GRAPH,
+    SPECULATIVE_ACCEPTANCE,
     SPECULATIVE_ALGORITHM,
     SPECULATIVE_DRAFT_MODEL,
     SPECULATIVE_NGRAM_MAX,
@@ -151,6 +152,7 @@ def bench(
     speculative_ngram_min: int = SPECULATIVE_NGRAM_MIN,
     speculative_ngram_max: int = SPECULATIVE_NGRAM_MAX,
     speculative_draft_model: str | None = SPECULATIVE_DRAFT_MODEL,
+    speculative_acceptance: str = SPECULATIVE_ACCEPTANCE,
     report_memory: bool = typer.Option(False, help="Print the peak resident memory after each system."),
     result_file: Path | None = typer.Option(None, help="Append one JSON line per system to this file."),
 ) -> None:
@@ -179,6 +181,7 @@ def bench(
                 speculative_ngram_min=speculative_ngram_min,
                 speculative_ngram_max=speculative_ngram_max,
                 speculative_draft_model=speculative_draft_model,
+                speculative_acceptance=speculative_acceptance,
             )
         )
         if dataset is not None:

@@ -32,6 +32,8 @@ class EngineOptions:
         speculative_ngram_min, speculative_ngram_max: suffix lengths the n-gram drafter looks up, longest first.
         speculative_draft_model: the draft model for ``draft`` (a spec as ``model``, same vocabulary); it runs on
             ``device`` in the target's dtype.
+        speculative_acceptance: how sampled rows verify a draft model's drafts: ``rejection`` (rejection sampling,
+            the highest acceptance) or ``coupled`` (outputs identical to plain decoding with the same seeds).
         seed: run seed; rows without a ``seed`` get one derived from it and their ``id``.
         logprobs_mode: ``raw`` (log_softmax of the model's logits) or ``processed`` (of the distribution sampled
             from, after bias, penalties, temperature and truncation).
@@ -55,5 +57,6 @@ class EngineOptions:
     speculative_ngram_min: int = 2
     speculative_ngram_max: int = 4
     speculative_draft_model: str | None = None
+    speculative_acceptance: str = "rejection"
     seed: int | None = None
     logprobs_mode: str = "raw"

@@ -6,6 +6,8 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import torch
+
 from batchgen.loop.detokenizer import IncrementalDetokenizer
 from batchgen.sampling.grammar import GrammarState
 from batchgen.sampling.penalties import TokenHistory
@@ -62,9 +64,11 @@ class Req:
     # Speculative decoding: this round's draft tokens (the first ``draft_proposed`` from the drafter, the rest
     # padding for the graph runner's fixed shape), the grammar state after each of them (index j: after j drafts;
     # 0 is ``grammar`` itself), the drafter's own state, and the verify rounds with proposed drafts and the tokens
-    # they emitted.
+    # they emitted. ``draft_probs``: float32 ``[proposed, vocab]``, the distributions a draft model drew its
+    # proposed drafts from, for rejection sampling (sampled rows; ``None`` otherwise).
     draft_ids: list[int] = field(default_factory=list)
     draft_proposed: int = 0
+    draft_probs: torch.Tensor | None = None
     draft_grammars: list[GrammarState | None] = field(default_factory=list)
     draft_state: Any = None
     spec_rounds: int = 0
@@ -99,6 +103,10 @@ class Req:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def clear_drafts(self) -> None:
+        """Forget this round's drafts (verified, or not verified after all)."""
+        self.draft_ids, self.draft_grammars, self.draft_proposed, self.draft_probs = [], [], 0, None
 
     def history_after_drafts(self, count: int) -> TokenHistory | None:
         """The penalty history as if the first ``count`` drafts had been sampled (``history`` itself for 0)."""

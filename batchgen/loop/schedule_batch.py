@@ -10,6 +10,7 @@ import torch
 from batchgen.loop.forward_mode import ForwardMode
 from batchgen.loop.kv_pool import KVSlotAllocator, ReqToTokenPool
 from batchgen.loop.req import Req
+from batchgen.sampling.rejection import DraftProposals
 from batchgen.sampling.sampling_batch_info import SamplingBatchInfo
 
 
@@ -138,8 +139,36 @@ class ScheduleBatch:
                 histories=[r.history_after_drafts(j) for _, r, j in draws],
                 grammars=[r.draft_grammars[j] if j else r.grammar for _, r, j in draws],
                 processed_logprobs=processed_logprobs,
+                drafts=_draft_proposals(draws, vocab_size) if verify else None,
             ),
             prompt_logprob_indices=torch.tensor(prompt_lp_indices, dtype=torch.int64),
             prompt_logprob_targets=torch.tensor(prompt_lp_targets, dtype=torch.int64),
             prompt_top_k=prompt_top_k,
         )
+
+
+def _draft_proposals(draws: list[tuple[int, Req, int]], vocab_size: int) -> DraftProposals | None:
+    """The verify rows that decide a draft by rejection sampling: draw ``(token index, request, j)`` with
+    ``j < len(draft_ids)`` of a request whose drafter gave ``draft_probs``; a draft past those (padding) has a
+    one-hot ``q``. ``None`` when no request has any."""
+    rows, token_ids, probs = [], [], []
+    for row, (_, req, j) in enumerate(draws):
+        q = req.draft_probs
+        if q is None or j >= len(req.draft_ids):
+            continue
+        rows.append(row)
+        token_ids.append(req.draft_ids[j])
+        if j < len(q):
+            probs.append(q[j])
+        else:
+            probs.append(
+                torch.nn.functional.one_hot(torch.tensor(req.draft_ids[j], device=q.device), vocab_size).float()
+            )
+    if not rows:
+        return None
+    device = probs[0].device
+    return DraftProposals(
+        torch.tensor(rows, dtype=torch.int64, device=device),
+        torch.tensor(token_ids, dtype=torch.int64, device=device),
+        torch.stack(probs),
+    )

@@ -162,7 +162,7 @@ class Scheduler:
         keep = req.kv_len - count + emit
         self.allocator.free(self.req_to_token_pool.req_to_token[req.req_pool_idx, keep : req.kv_len])
         req.kv_len = keep
-        req.draft_ids, req.draft_grammars, req.draft_proposed = [], [], 0
+        req.clear_drafts()
 
     def _decode_batch(self, decodes: list[Req]) -> ScheduleBatch:
         """A DECODE round, or with a drafter a TARGET_VERIFY round when any request has drafts (with the KV
@@ -174,7 +174,7 @@ class Scheduler:
             if any(req.draft_proposed for req in decodes):
                 return ScheduleBatch(ForwardMode.TARGET_VERIFY, decodes, lens, len(decodes))
             for req in decodes:  # padding alone: a plain decode round costs less
-                req.draft_ids, req.draft_grammars = [], []
+                req.clear_drafts()
         return ScheduleBatch(ForwardMode.DECODE, decodes, [1] * len(decodes), len(decodes))
 
     def _fork_samples(self, batch: ScheduleBatch) -> None:

@@ -25,13 +25,21 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def uniform_from_counter(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-    """float64 ``[n]`` uniforms in the open interval (0, 1), a pure function of int64 ``seeds`` and ``steps``."""
+# Streams: independent uniforms for the same (seed, step). Plain draws (and draft-model drafts) use DRAW;
+# rejection sampling of a draft tests it with ACCEPT and redraws a rejected one with RESIDUAL.
+DRAW, ACCEPT, RESIDUAL = 0, 1, 2
+
+
+def uniform_from_counter(seeds: torch.Tensor, steps: torch.Tensor, stream: int = DRAW) -> torch.Tensor:
+    """float64 ``[n]`` uniforms in the open interval (0, 1), a pure function of int64 ``seeds`` and ``steps``
+    and of ``stream`` (a small int: :data:`DRAW`, :data:`ACCEPT`, :data:`RESIDUAL`)."""
     # The odd constants keep the chain off the hash's fixed point: lowbias32(0) = 0, so without them seed 0 at
     # step 0 drew u ≈ 0 (the first token with any probability, found by a new user).
     h = _mix32((seeds & _MASK32) ^ 0x85EBCA6B)
     h = _mix32(h ^ ((seeds >> 32) & _MASK32) ^ 0xC2B2AE35)
     h = _mix32(h ^ (steps & _MASK32) ^ 0x27D4EB2F)
+    if stream != DRAW:  # DRAW keeps the chain it always had, so seeded outputs do not change
+        h = _mix32(h ^ ((stream * 0x632BE5AB) & _MASK32))
     low = _mix32(h ^ 0x9E3779B9)
     bits = (h << 21) | (low >> 11)  # 53 random bits, the precision of a float64 mantissa
     return (bits.double() + 0.5) / float(1 << 53)

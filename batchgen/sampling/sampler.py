@@ -8,6 +8,7 @@ import torch
 
 from batchgen.sampling.grammar import apply_bitmask
 from batchgen.sampling.random import uniform_from_counter
+from batchgen.sampling.rejection import rejection_sample
 from batchgen.sampling.sampling_batch_info import SamplingBatchInfo
 
 
@@ -18,13 +19,15 @@ class SampleOutput:
     ``logprobs`` float32 ``[n]`` is the chosen token's raw logprob (log_softmax of the unprocessed logits, as
     vLLM's default and the OpenAI API); ``top_ids`` int64 / ``top_logprobs`` float32 ``[n, k]`` the ``k`` most
     likely tokens under the same distribution, ``k`` the largest count any row asked for. ``None`` when no
-    row asked.
+    row asked. ``probs`` float32 ``[n, vocab]``, with ``info.return_probs``: the normalised distribution each row
+    drew from (one-hot at the argmax for greedy rows); else ``None``.
     """
 
     next_token_ids: torch.Tensor
     logprobs: torch.Tensor | None
     top_ids: torch.Tensor | None
     top_logprobs: torch.Tensor | None
+    probs: torch.Tensor | None = None
 
 
 def sample(logits: torch.Tensor, info: SamplingBatchInfo) -> SampleOutput:
@@ -33,9 +36,10 @@ def sample(logits: torch.Tensor, info: SamplingBatchInfo) -> SampleOutput:
     Order: grammar mask → logit bias and penalties → banned tokens (min_new_tokens) → temperature → top-k →
     top-p → min-p → draw. The draw is inverse-CDF sampling with one counter-based uniform per row
     (:func:`uniform_from_counter`), so a row's token depends on its own seed and position only. Greedy rows take
-    the argmax of the adjusted logits (first index on ties, as ``torch.argmax``). Reported logprobs are raw
-    (log_softmax of ``logits``), or with ``info.processed_logprobs`` those of the distribution actually sampled
-    from (vLLM's processed mode).
+    the argmax of the adjusted logits (first index on ties, as ``torch.argmax``). Rows in ``info.drafts`` (sampled
+    rows verifying a draft model's draft) emit :func:`rejection_sample`'s choice instead of their draw. Reported
+    logprobs are raw (log_softmax of ``logits``), or with ``info.processed_logprobs`` those of the distribution
+    actually sampled from (vLLM's processed mode).
     """
     raw = logits
     if info.grammar_mask is not None:
@@ -52,12 +56,21 @@ def sample(logits: torch.Tensor, info: SamplingBatchInfo) -> SampleOutput:
         logits = torch.where(torch.isinf(logits).all(dim=-1, keepdim=True), allowed, logits)
     next_ids = torch.argmax(logits, dim=-1)
     processed = torch.log_softmax(logits, dim=-1) if info.need_logprobs and info.processed_logprobs else None
+    drawn_from = None
+    if info.return_probs:
+        drawn_from = torch.nn.functional.one_hot(next_ids, logits.shape[-1]).float()
     if not info.is_all_greedy:
-        drawn, probs = _draw(logits, info, keep_probs=processed is not None)
+        keep_probs = processed is not None or drawn_from is not None or info.drafts is not None
+        drawn, probs = _draw(logits, info, keep_probs)
+        if info.drafts is not None and probs is not None:
+            drawn = rejection_sample(drawn, probs, info.seeds, info.steps, info.drafts)
         next_ids = torch.where(info.greedy, next_ids, drawn)
-        if processed is not None and probs is not None:
-            sampled_logprobs = torch.log(probs / probs.sum(dim=-1, keepdim=True))
-            processed = torch.where(info.greedy[:, None], processed, sampled_logprobs)
+        if probs is not None:
+            normalised = probs / probs.sum(dim=-1, keepdim=True)
+            if processed is not None:
+                processed = torch.where(info.greedy[:, None], processed, torch.log(normalised))
+            if drawn_from is not None:
+                drawn_from = torch.where(info.greedy[:, None], drawn_from, normalised)
     logprobs = top_ids = top_logprobs = None
     if info.need_logprobs:
         source = processed if processed is not None else torch.log_softmax(raw, dim=-1)
@@ -65,7 +78,7 @@ def sample(logits: torch.Tensor, info: SamplingBatchInfo) -> SampleOutput:
         k = max(info.top_logprobs)
         if k:
             top_logprobs, top_ids = source.topk(k, dim=-1)
-    return SampleOutput(next_ids, logprobs, top_ids, top_logprobs)
+    return SampleOutput(next_ids, logprobs, top_ids, top_logprobs, drawn_from)
 
 
 def _draw(logits: torch.Tensor, info: SamplingBatchInfo, keep_probs: bool) -> tuple[torch.Tensor, torch.Tensor | None]:

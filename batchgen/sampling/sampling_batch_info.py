@@ -9,11 +9,17 @@ import torch
 
 from batchgen.sampling.grammar import GrammarState, grammar_bitmask
 from batchgen.sampling.penalties import LogitAdjustments, TokenHistory
+from batchgen.sampling.rejection import DraftProposals
 from batchgen.sampling.sampling_params import SamplingParams
 
 # Below this temperature a row is sampled greedily: dividing logits by it would overflow to inf (vLLM uses the
 # same threshold), and the distribution is one-hot to float precision anyway.
 GREEDY_TEMPERATURE = 1e-5
+
+
+def samples_greedily(params: SamplingParams) -> bool:
+    """Whether a row with ``params`` takes the argmax instead of drawing."""
+    return params.is_greedy or params.temperature < GREEDY_TEMPERATURE
 
 
 @dataclass
@@ -30,6 +36,9 @@ class SamplingBatchInfo:
         adjustments: logit bias and penalties of the rows that have any (``None`` if no row has).
         grammar_mask: int32 ``[n, ceil(vocab / 32)]`` allowed-token bits of constrained rows (``None`` if none).
         processed_logprobs: report logprobs of the processed distribution instead of the raw one.
+        drafts: draft-model drafts that sampled rows verify by rejection sampling (``None``: rows emit their
+            draws; set for TARGET_VERIFY rounds).
+        return_probs: return each row's processed distribution with its token (a draft model's ``q``).
     """
 
     temperatures: torch.Tensor
@@ -50,6 +59,8 @@ class SamplingBatchInfo:
     adjustments: LogitAdjustments | None = None
     processed_logprobs: bool = False
     grammar_mask: torch.Tensor | None = None
+    drafts: DraftProposals | None = None
+    return_probs: bool = False
 
     @classmethod
     def from_params(
@@ -63,10 +74,11 @@ class SamplingBatchInfo:
         histories: Sequence[TokenHistory | None] | None = None,
         processed_logprobs: bool = False,
         grammars: Sequence[GrammarState | None] | None = None,
+        drafts: DraftProposals | None = None,
     ) -> SamplingBatchInfo:
         """Stack per-row parameters; ``banned[i]`` lists the token ids row ``i`` may not pick this round;
         ``histories[i]`` is row ``i``'s token history when it uses penalties."""
-        greedy = [p.is_greedy or p.temperature < GREEDY_TEMPERATURE for p in params]
+        greedy = [samples_greedily(p) for p in params]
         top_ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
         banned_rows = [i for i, ids in enumerate(banned) for _ in ids]
         banned_ids = [t for ids in banned for t in ids]
@@ -94,4 +106,5 @@ class SamplingBatchInfo:
             adjustments=LogitAdjustments.build(params, histories or [None] * len(params), device),
             processed_logprobs=processed_logprobs,
             grammar_mask=grammar_bitmask(list(grammars), vocab_size) if grammars else None,
+            drafts=drafts,
         )

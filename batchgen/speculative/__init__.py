@@ -10,6 +10,7 @@ from batchgen.speculative.ngram import NgramDrafter
 from batchgen.speculative.verify import Drafter
 
 SPECULATIVE_ALGORITHMS = ("ngram", "draft")
+SPECULATIVE_ACCEPTANCES = ("rejection", "coupled")
 
 
 def check_speculative_options(options: EngineOptions) -> None:
@@ -17,7 +18,7 @@ def check_speculative_options(options: EngineOptions) -> None:
 
     Raises:
         BatchgenError: an unknown algorithm, fewer than 1 draft token, an empty n-gram range, ``draft`` without
-            ``speculative_draft_model``, or a draft model with another algorithm.
+            ``speculative_draft_model``, a draft model with another algorithm, or an unknown acceptance rule.
     """
     algorithm = options.speculative_algorithm
     if algorithm != "draft" and options.speculative_draft_model is not None:
@@ -27,6 +28,11 @@ def check_speculative_options(options: EngineOptions) -> None:
     if algorithm not in SPECULATIVE_ALGORITHMS:
         raise BatchgenError(
             f"--speculative-algorithm must be one of {', '.join(SPECULATIVE_ALGORITHMS)}, got '{algorithm}'"
+        )
+    if options.speculative_acceptance not in SPECULATIVE_ACCEPTANCES:
+        raise BatchgenError(
+            f"--speculative-acceptance must be one of {', '.join(SPECULATIVE_ACCEPTANCES)}, "
+            f"got '{options.speculative_acceptance}'"
         )
     if options.speculative_num_draft_tokens < 1:
         raise BatchgenError(f"--speculative-num-draft-tokens must be >= 1, got {options.speculative_num_draft_tokens}")
@@ -59,6 +65,7 @@ def make_drafter(options: EngineOptions, target: ModelRunner, cuda_graph_max_bs:
             target,
             options.attention_backend,
             cuda_graph_max_bs,
+            options.speculative_acceptance,
         )
     return NgramDrafter(
         options.speculative_num_draft_tokens, options.speculative_ngram_min, options.speculative_ngram_max

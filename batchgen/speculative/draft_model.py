@@ -11,13 +11,16 @@ round, for the requests given a limit > 0:
     next one.
 
 After the target's verify round :meth:`DraftModelDrafter.on_verified` frees the draft K/V of rejected drafts,
-so the draft KV always holds a prefix of the request's actual tokens. Drafts are sampled coupled to the target's
-draws (``draft_steps.py``), which is what makes them accepted for sampled rows too.
+so the draft KV always holds a prefix of the request's actual tokens. Sampled rows' drafts are drawn with the
+target's uniforms (``draft_steps.py``); with ``rejection`` acceptance each one's distribution goes to the verify
+round in ``req.draft_probs``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+import torch
 
 from batchgen.errors import BatchgenError
 from batchgen.loop.forward_mode import ForwardMode
@@ -26,6 +29,7 @@ from batchgen.loop.model_runner import ModelRunner
 from batchgen.loop.req import Req
 from batchgen.models.config import ModelConfig
 from batchgen.models.source import ModelSource
+from batchgen.sampling.sampling_batch_info import samples_greedily
 from batchgen.speculative.draft_steps import Drafting, DraftRow, draft_forward, seq_tokens
 
 
@@ -37,15 +41,24 @@ class DraftModelDrafter:
         num_draft_tokens: K, drafts per request per round.
         target: the engine's runner; the draft's pools get its request rows, context length and KV slot count.
         attention_backend, cuda_graph_max_bs: as for the target's runner.
+        acceptance: ``rejection`` (sampled rows' drafts are verified by rejection sampling: keep their
+            distributions) or ``coupled`` (see ``verify.py``).
 
     Raises:
         BatchgenError: the draft cannot be resolved or loaded, or its vocabulary size differs from the target's.
     """
 
     def __init__(
-        self, spec: str, num_draft_tokens: int, target: ModelRunner, attention_backend: str, cuda_graph_max_bs: int
+        self,
+        spec: str,
+        num_draft_tokens: int,
+        target: ModelRunner,
+        attention_backend: str,
+        cuda_graph_max_bs: int,
+        acceptance: str = "rejection",
     ) -> None:
         self.num_draft_tokens = num_draft_tokens
+        self.keep_probs = acceptance == "rejection"
         # The draft runs at every position of the target's context, also past its own max_position_embeddings
         # (its drafts just get worse there; outputs stay exact).
         context_len = target.req_to_token_pool.max_context_len
@@ -89,6 +102,11 @@ class DraftModelDrafter:
                 draft_forward(
                     self.runner, self.allocator, ForwardMode.DECODE, going, [it.state.fed[-1:] for it in going]
                 )
+        for req in reqs:
+            req.draft_probs = None
+        for it in items:
+            if it.probs:
+                it.req.draft_probs = torch.stack(it.probs)
         drafts = {id(it.req): it.drafts for it in items}
         return [drafts.get(id(req), []) for req in reqs]
 
@@ -142,5 +160,5 @@ class DraftModelDrafter:
             if need > room:
                 continue
             room -= need
-            items.append(Drafting(req, state, limit))
+            items.append(Drafting(req, state, limit, keep_probs=self.keep_probs and not samples_greedily(req.params)))
         return items

@@ -1,10 +1,11 @@
 """One forward of the draft model over a round's drafting requests, and the sampling inputs of its drafts.
 
-Coupling (see ``verify.py``): draft ``j + 1`` of a request is sampled by :func:`batchgen.sampling.sampler.sample`
-with the request's parameters, seed and output step ``len(output) + j``, its penalty history and
-``min_new_tokens`` bans as if drafts ``1..j`` had been emitted, and its grammar state after them: exactly the
-inputs of the target's draw at verify position ``j`` (``ScheduleBatch.prepare``), so both are inverse-CDF draws
-with the same uniform. Greedy rows draft the draft model's argmax.
+Draft ``j + 1`` of a request is sampled by :func:`batchgen.sampling.sampler.sample` with the request's
+parameters, seed and output step ``len(output) + j``, its penalty history and ``min_new_tokens`` bans as if
+drafts ``1..j`` had been emitted, and its grammar state after them: exactly the inputs of the target's draw at
+verify position ``j`` (``ScheduleBatch.prepare``). Both draws are inverse-CDF draws with the same uniform, which
+the ``coupled`` acceptance relies on (``verify.py``); ``rejection`` acceptance keeps the distribution each draft
+was drawn from instead. Greedy rows draft the draft model's argmax.
 """
 
 from __future__ import annotations
@@ -46,15 +47,18 @@ class Drafting:
 
     ``history`` is a copy of the request's penalty history (``None`` without penalties) and ``grammar`` a fork
     of its grammar state (``None`` without a constraint), both advanced past the drafts; the request's own are
-    never touched.
+    never touched. With ``keep_probs`` (a sampled row verified by rejection sampling) ``probs`` holds the
+    float32 ``[vocab]`` distribution each draft was drawn from.
     """
 
     req: Req
     state: DraftRow
     limit: int
+    keep_probs: bool = False
     history: TokenHistory | None = field(init=False)
     grammar: GrammarState | None = field(init=False)
     drafts: list[int] = field(default_factory=list)
+    probs: list[torch.Tensor] = field(default_factory=list)
     done: bool = False
 
     def __post_init__(self) -> None:
@@ -62,10 +66,10 @@ class Drafting:
         self.history = TokenHistory(history.prompt_tokens, Counter(history.output_counts)) if history else None
         self.grammar = self.req.grammar
 
-    def add(self, token_id: int) -> None:
-        """Record a new draft. Drafting ends at the limit, at a token the grammar rejects (dropped; only possible
-        when its mask allowed nothing), when the grammar or a stop token ends the request: nothing after those
-        could be emitted."""
+    def add(self, token_id: int, probs: torch.Tensor | None) -> None:
+        """Record a new draft, drawn from ``probs`` (kept with ``keep_probs``). Drafting ends at the limit, at a
+        token the grammar rejects (dropped; only possible when its mask allowed nothing), when the grammar or a
+        stop token ends the request: nothing after those could be emitted."""
         if self.grammar is not None:
             grammar = self.grammar.fork()
             if not grammar.accept(token_id):
@@ -73,6 +77,8 @@ class Drafting:
                 return
             self.grammar = grammar
         self.drafts.append(token_id)
+        if self.keep_probs and probs is not None:
+            self.probs.append(probs)
         if self.history is not None:
             self.history.add(token_id)
         num_out = len(self.req.output_ids) + len(self.drafts)
@@ -133,8 +139,9 @@ def draft_forward(
         prompt_top_k=0,
     )
     logits_output = runner.forward(ForwardBatch.init_new(batch, runner))
-    for it, token_id in zip(items, runner.sample(logits_output, batch.sampling_info).next_token_ids.tolist()):
-        it.add(token_id)
+    output = runner.sample(logits_output, batch.sampling_info)
+    for i, (it, token_id) in enumerate(zip(items, output.next_token_ids.tolist())):
+        it.add(token_id, output.probs[i] if output.probs is not None else None)
 
 
 def draft_sampling_info(items: list[Drafting], vocab_size: int, device: torch.device) -> SamplingBatchInfo:
@@ -154,4 +161,5 @@ def draft_sampling_info(items: list[Drafting], vocab_size: int, device: torch.de
         grammars=[it.grammar for it in items],
     )
     info.need_logprobs = False  # nobody reads a draft's logprobs: skip their log_softmax and top-k
+    info.return_probs = any(it.keep_probs for it in items)
     return info

@@ -1,27 +1,28 @@
 """Speculative decoding inside the loop: choosing each round's drafts and deciding how many to accept.
 
 A TARGET_VERIFY round feeds each request its pending token followed by its drafts ``d_1..d_k`` and samples the
-target at all ``k + 1`` positions, position ``j`` with the noise of output step ``len(output) + j`` — exactly
-the draw plain decoding would make there if ``d_1..d_j`` had been sampled. Drafts are accepted while they equal
-those draws; the first draw that differs (or the bonus draw after ``d_k``) is emitted too. Every emitted token is
-therefore the target's own sample given the tokens before it, so the output is the one plain decoding gives with
-the same seeds (bit for bit up to the logits' batch-shape rounding), greedy or sampled.
+target at all ``k + 1`` positions, position ``j`` with the inputs (seed, output step ``len(output) + j``,
+penalty history, grammar state) plain decoding would use there if ``d_1..d_j`` had been sampled. Position ``j``
+emits a token if every draft before it was accepted: ``d_{j+1}`` itself when accepted, otherwise a replacement
+(or, after the last draft, the bonus draw), and :func:`accepted_length` counts them. Two rules decide, both of
+which emit exactly the target's distribution:
 
-For a draft that is a single token (n-gram drafting, whose proposal distribution is one-hot) this is rejection
-sampling (Leviathan et al. 2023, Chen et al. 2023) with a particular coupling of the random numbers: the draft
-is accepted with probability ``p(d)`` = ``min(1, p(d) / 1)``, and on rejection the emitted token follows ``p``
-conditioned on ``≠ d``, i.e. ``norm(max(p − onehot(d), 0))``.
+- **coupled** (n-gram drafts always; draft models with ``--speculative-acceptance coupled``): every position's
+  token is the target's plain draw with that step's uniform, and a draft is accepted when it equals it. Outputs
+  are then the ones plain decoding gives with the same seeds (bit for bit up to the logits' batch-shape
+  rounding). For a one-hot proposal (n-gram) this is rejection sampling: the draft is accepted with probability
+  ``p(d) = min(1, p(d) / 1)`` and a rejection follows ``p`` conditioned on ``≠ d``, i.e.
+  ``norm(max(p − onehot(d), 0))``. A draft model then draws its drafts with the target's uniforms
+  (``draft_steps.py``), so a draft is accepted when ``F_q⁻¹(u) = F_p⁻¹(u)``: always when the processed
+  distributions agree, but in general less often than ``Σ min(p, q)``.
+- **rejection** (draft models' sampled rows, the default): Leviathan et al. 2023 / Chen et al. 2023, accept
+  with ``min(1, p(d) / q(d))`` and redraw a rejection from ``norm(max(p − q, 0))``
+  (:func:`batchgen.sampling.rejection.rejection_sample`), with uniforms of their own from (seed, step). It
+  accepts with probability ``Σ min(p, q)``, the most any rule can; a seeded row's tokens then depend on which
+  steps were verified as drafts, so they differ from plain decoding's and between runs whose draft budgets
+  differ.
 
-For a draft *model* with its own distribution ``q`` the rule stays the same; the draft model couples its draws
-to the target's instead (``draft_model.py``): draft ``j + 1`` is drawn by the same sampler with the same
-parameters, seed and output step as the target's draw at verify position ``j``, i.e. by inverse CDF with the same
-uniform ``u``. A draft is then accepted exactly when ``F_q⁻¹(u) = F_p⁻¹(u)``: always when the two processed
-distributions agree, and for greedy rows whenever the argmaxes do. Any coupling of ``p`` and ``q`` accepts with
-probability at most ``Σ min(p, q)`` (one minus their total variation), which Leviathan et al.'s ``min(1, p/q)``
-acceptance attains; this one can fall below it (most when ``q`` moves probability between tokens far apart in
-vocabulary order, which shifts the CDF interval of every token in between). We pay that because it keeps every
-emitted token the target's own seeded draw, so outputs stay bit-identical to plain decoding with the same seeds;
-the optimal rule's resampling from ``norm(max(p − q, 0))`` would give other (equally distributed) tokens.
+Greedy rows accept while the draft equals the target's argmax under either rule.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ class Drafter(Protocol):
     The scheduler calls :meth:`propose_batch` once per decode round (through :func:`plan_drafts`),
     :meth:`on_verified` for every decoding request after the round's tokens are appended, and :meth:`release`
     when a request leaves the running set (finished or retracted). A drafter keeps its per-request state in
-    ``req.draft_state``.
+    ``req.draft_state``; one that samples its drafts for rejection sampling sets ``req.draft_probs`` (the
+    distribution of each proposed draft) in :meth:`propose_batch`.
     """
 
     num_draft_tokens: int
@@ -119,6 +121,8 @@ def plan_drafts(
             drafts += [(drafts or req.pending_ids(1))[-1]] * (limit - len(drafts))
         req.draft_ids, req.draft_grammars = _walk_grammar(req.grammar, drafts, keep_rejected=pad)
         req.draft_proposed = min(req.draft_proposed, len(req.draft_ids))
+        if req.draft_probs is not None:
+            req.draft_probs = req.draft_probs[: req.draft_proposed]
         lens.append(1 + len(req.draft_ids))
     return lens
 
