@@ -46,6 +46,7 @@ RUN_FLAGS = {
     "--speculative-ngram-min",
     "--speculative-ngram-max",
     "--speculative-draft-model",
+    "--speculative-acceptance",
     "--min-new-tokens",
     "--temperature",
     "--top-p",
