@@ -100,6 +100,33 @@ def test_bench_one_batch_fields(random_models: dict[str, Path], tmp_path: Path) 
         )
 
 
+def test_bench_one_batch_reports_speculative_acceptance(random_models: dict[str, Path], tmp_path: Path) -> None:
+    """Greedy float32 with the target drafting for itself: every draft is accepted, so each of the 3 requests
+    emits its 10 decode tokens in 2 verify rounds of K + 1 = 5 (histogram 5:6, accept length 5.00), and every
+    request row and KV slot is free again for the next case."""
+    result_file = tmp_path / "r.jsonl"
+    model = str(random_models["llama"])
+    code, output = run_cli(
+        [
+            "bench-one-batch",
+            *("--model", model, "--batch-size", "3", "--batch-size", "3", "--input-len", "12", "--output-len", "11"),
+            *("--dtype", "float32", "--device", "cpu", "--result-file", str(result_file)),
+            *("--speculative-algorithm", "draft", "--speculative-draft-model", model),
+        ]
+    )
+    assert code == 0, output
+    cases = [json.loads(line) for line in result_file.read_text().splitlines()]
+    assert len(cases) == 2  # the second case runs on the pools the first one gave back
+    for case in cases:
+        assert case["accept_histogram"] == {"5": 6}
+        assert len(case["first_decode_latencies"]) == 2  # two verify rounds
+        assert (
+            abs(case["decode_throughput"] - 3 * 10 / (case["total_latency"] - case["prefill_latency"]))
+            < 1e-6 * case["decode_throughput"]
+        )
+    assert output.count("accept length 5.00 (5:6)") == 2
+
+
 def test_bench_with_hf_baseline_fields(random_models: dict[str, Path], tmp_path: Path) -> None:
     result_file = tmp_path / "r.jsonl"
     code, output = run_cli(

@@ -64,6 +64,12 @@ def bench_one_batch(
     attention_backend: str = typer.Option("auto", help="Attention backend."),
     disable_cuda_graph: bool = DISABLE_CUDA_GRAPH,
     cuda_graph_max_bs: int | None = CUDA_GRAPH_MAX_BS,
+    speculative_algorithm: str | None = SPECULATIVE_ALGORITHM,
+    speculative_num_draft_tokens: int = SPECULATIVE_NUM_DRAFT_TOKENS,
+    speculative_ngram_min: int = SPECULATIVE_NGRAM_MIN,
+    speculative_ngram_max: int = SPECULATIVE_NGRAM_MAX,
+    speculative_draft_model: str | None = SPECULATIVE_DRAFT_MODEL,
+    speculative_acceptance: str = SPECULATIVE_ACCEPTANCE,
     result_file: Path | None = typer.Option(None, help="Append one JSON line per case to this file."),
     correctness_test: bool = typer.Option(
         False, help="Check that a prefill split in two chunks gives the same logits."
@@ -71,7 +77,8 @@ def bench_one_batch(
     warmup: bool = typer.Option(True, help="Run one small case first, untimed."),
 ) -> None:
     """One static batch straight through ForwardBatch → ModelRunner.forward → sample, for every combination of
-    batch size, input and output length: prefill and decode latency, throughput, bandwidth and FLOP/s."""
+    batch size, input and output length: prefill and decode latency, throughput, bandwidth and FLOP/s (with
+    speculative decoding, the decode steps are the engine's verify rounds, and the acceptance is reported)."""
     with user_errors():
         longest = max(input_len) + max(output_len)
         engine = Engine(
@@ -86,6 +93,12 @@ def bench_one_batch(
                 max_running_requests=max(batch_size),
                 max_total_tokens=max(batch_size) * (longest + 1),
                 chunked_prefill_size=0,
+                speculative_algorithm=speculative_algorithm,
+                speculative_num_draft_tokens=speculative_num_draft_tokens,
+                speculative_ngram_min=speculative_ngram_min,
+                speculative_ngram_max=speculative_ngram_max,
+                speculative_draft_model=speculative_draft_model,
+                speculative_acceptance=speculative_acceptance,
             )
         )
         runner = OneBatchRunner(engine)

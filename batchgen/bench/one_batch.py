@@ -1,5 +1,9 @@
 """``batchgen bench-one-batch``: one static batch straight through ForwardBatch → forward → sample, no scheduler
-(as SGLang's ``bench_one_batch``): prefill latency, decode step latencies, achieved bandwidth and FLOP/s."""
+(as SGLang's ``bench_one_batch``): prefill latency, decode step latencies, achieved bandwidth and FLOP/s.
+
+With speculative decoding on, the decode steps are the engine's own rounds (its scheduler drafts, verifies and
+rolls back the KV of rejected drafts), so each timed step is a TARGET_VERIFY round (with the draft model's
+steps) or a plain DECODE round, and the case reports the acceptance as ``batchgen run`` does."""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import TypeVar
 
 import torch
 
@@ -18,10 +23,12 @@ from batchgen.loop.forward_batch import ForwardBatch
 from batchgen.loop.forward_mode import ForwardMode
 from batchgen.loop.req import Req
 from batchgen.loop.schedule_batch import ScheduleBatch
+from batchgen.run_summary import speculative_summary
 from batchgen.sampling.sampler import SampleOutput
 from batchgen.sampling.sampling_params import SamplingParams
 
 FIRST_DECODE_STEPS = 3
+_Out = TypeVar("_Out")
 
 
 @dataclass
@@ -43,6 +50,7 @@ class OneBatchResult:
     decode_bandwidth_fraction: float
     prefill_tflops: float
     prefill_flops_fraction: float
+    accept_histogram: dict[int, int] | None = None
 
     def line(self) -> str:
         first = ", ".join(f"{t * 1e3:.1f}" for t in self.first_decode_latencies)
@@ -54,7 +62,7 @@ class OneBatchResult:
             f"{self.median_decode_latency * 1e3:.2f} ms {self.decode_throughput:.0f} tok/s "
             f"({self.decode_bandwidth_gbs:.1f} GB/s, {self.decode_bandwidth_fraction:.0%} of copy bw) | total "
             f"{self.total_latency:.2f} s {self.total_throughput:.0f} tok/s"
-        )
+        ) + speculative_summary(self.accept_histogram or {})
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -94,9 +102,12 @@ class OneBatchRunner:
         return reqs
 
     def release(self, reqs: list[Req]) -> None:
+        """Give back the request rows and KV slots the requests still hold (the scheduler has freed those it
+        finished)."""
         pool = self.engine.runner.req_to_token_pool
         for req in reqs:
-            assert req.req_pool_idx is not None
+            if req.req_pool_idx is None:
+                continue
             self.engine.allocator.free(pool.req_to_token[req.req_pool_idx, : req.kv_len])
             pool.free(req.req_pool_idx)
             req.req_pool_idx, req.kv_len = None, 0
@@ -108,12 +119,41 @@ class OneBatchRunner:
         logits = engine.runner.forward(ForwardBatch.init_new(worker, engine.runner))
         return logits.next_token_logits, engine.runner.sample(logits, worker.sampling_info)
 
-    def _timed(self, fn: Callable[[], SampleOutput]) -> tuple[float, SampleOutput]:
+    def _timed(self, fn: Callable[[], _Out]) -> tuple[float, _Out]:
         _synchronize(self.engine.device)
         start = time.perf_counter()
         out = fn()
         _synchronize(self.engine.device)
         return time.perf_counter() - start, out
+
+    def _decode_plain(self, reqs: list[Req], output_len: int) -> tuple[list[float], float]:
+        """``output_len - 1`` DECODE rounds of the whole batch; their times and the bytes they read."""
+        config, batch_size = self.engine.runner.model.config, len(reqs)
+        decode_times: list[float] = []
+        decode_bytes_total = 0.0
+        for _ in range(output_len - 1):
+            decode_bytes_total += decode_bytes(config, self.engine.dtype, [r.kv_len for r in reqs])
+            step = ScheduleBatch(ForwardMode.DECODE, reqs, [1] * batch_size, batch_size)
+            elapsed, out = self._timed(lambda step=step: self.run_round(step)[1])  # type: ignore[misc]
+            decode_times.append(elapsed)
+            for req, token in zip(reqs, out.next_token_ids.tolist()):
+                req.output_ids.append(token)
+        return decode_times, decode_bytes_total
+
+    def _decode_speculative(self, reqs: list[Req], output_len: int) -> tuple[list[float], float]:
+        """The engine's rounds until every request has ``output_len`` tokens (the scheduler then frees it); their
+        times and the bytes the target read (weights and the KV of each round's requests)."""
+        scheduler, config = self.engine.scheduler, self.engine.runner.model.config
+        scheduler.accept_histogram.clear()
+        if output_len > 1:
+            scheduler.running.extend(reqs)
+        decode_times: list[float] = []
+        decode_bytes_total = 0.0
+        while scheduler.running:
+            decode_bytes_total += decode_bytes(config, self.engine.dtype, [r.kv_len for r in scheduler.running])
+            elapsed, _ = self._timed(self.engine.step)
+            decode_times.append(elapsed)
+        return decode_times, decode_bytes_total
 
     def run_case(self, batch_size: int, input_len: int, output_len: int, ceilings: Ceilings) -> OneBatchResult:
         """Prefill ``batch_size`` prompts of ``input_len`` tokens in one EXTEND round, then decode."""
@@ -124,19 +164,18 @@ class OneBatchRunner:
             prefill_time, out = self._timed(lambda: self.run_round(prefill)[1])
             for req, token in zip(reqs, out.next_token_ids.tolist()):
                 req.output_ids.append(token)
-            decode_times: list[float] = []
-            decode_bytes_total = 0.0
-            for _ in range(output_len - 1):
-                decode_bytes_total += decode_bytes(config, self.engine.dtype, [r.kv_len for r in reqs])
-                step = ScheduleBatch(ForwardMode.DECODE, reqs, [1] * batch_size, batch_size)
-                elapsed, out = self._timed(lambda step=step: self.run_round(step)[1])  # type: ignore[misc]
-                decode_times.append(elapsed)
-                for req, token in zip(reqs, out.next_token_ids.tolist()):
-                    req.output_ids.append(token)
+            speculative = self.engine.scheduler.drafter is not None
+            decode = self._decode_speculative if speculative else self._decode_plain
+            decode_times, decode_bytes_total = decode(reqs, output_len)
         finally:
             self.release(reqs)
         median = statistics.median(decode_times) if decode_times else 0.0
         total = prefill_time + sum(decode_times)
+        # A verify round emits a varying number of tokens: its throughput is all tokens over all rounds' time.
+        if speculative:
+            decode_throughput = batch_size * (output_len - 1) / sum(decode_times) if decode_times else 0.0
+        else:
+            decode_throughput = batch_size / median if median else 0.0
         prefill_flops = forward_flops(config, [input_len] * batch_size, [0] * batch_size, batch_size)
         bandwidth = decode_bytes_total / sum(decode_times) if decode_times else 0.0
         return OneBatchResult(
@@ -147,13 +186,14 @@ class OneBatchRunner:
             prefill_throughput=batch_size * input_len / prefill_time,
             first_decode_latencies=decode_times[:FIRST_DECODE_STEPS],
             median_decode_latency=median,
-            decode_throughput=batch_size / median if median else 0.0,
+            decode_throughput=decode_throughput,
             total_latency=total,
             total_throughput=batch_size * (input_len + output_len) / total,
             decode_bandwidth_gbs=bandwidth / 1e9,
             decode_bandwidth_fraction=bandwidth / ceilings.copy_bandwidth,
             prefill_tflops=prefill_flops / prefill_time / 1e12,
             prefill_flops_fraction=prefill_flops / prefill_time / ceilings.matmul_flops,
+            accept_histogram=dict(self.engine.scheduler.accept_histogram) if speculative else None,
         )
 
     def correctness_test(self, input_len: int) -> float:
