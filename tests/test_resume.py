@@ -27,7 +27,8 @@ from fork_runner import Zygote
 from batchgen.crash_hooks import CRASH_AFTER_ROWS, CRASH_IN_FLUSH
 from batchgen.io import partial_output
 from batchgen.io.fingerprint import DatasetFingerprint, fingerprint_dataset
-from batchgen.io.partial_output import PartialOutput, decode_manifest, encode_manifest, partial_dir
+from batchgen.io.manifest import decode_manifest, encode_manifest
+from batchgen.io.partial_output import PartialOutput, partial_dir
 from batchgen.io.writer import read_results
 from batchgen.status import output_status
 

@@ -6,6 +6,7 @@ Layout (``OUT`` is e.g. ``results.arrow``)::
         manifest.json                      the job: its output schema, whose metadata records model, dtype,
                                            sampling defaults, engine options, logprobs mode, dataset fingerprint
                                            and run seed; a SHA-256 of its own content; written atomically
+                                           (``manifest.py``)
         part-000000-<16 hex>.arrow         finished rows, one Arrow IPC file per flush; the hex digits are the
         part-000001-<16 hex>.arrow         first 16 of the file's own SHA-256
         part-000002.tmp                    a part being written (left by a crash; deleted on resume)
@@ -20,11 +21,9 @@ OUT's format: :func:`batchgen.io.assemble.assemble_output` writes OUT's format a
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import fcntl
 import hashlib
-import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -38,6 +37,7 @@ from batchgen.errors import BatchgenError
 from batchgen.io.assemble import assemble_output
 from batchgen.io.done_rows import DoneRows
 from batchgen.io.durable import fsync_dir, write_atomically
+from batchgen.io.manifest import encode_manifest, read_manifest
 
 MANIFEST = "manifest.json"
 LOCK = "lock"
@@ -45,7 +45,6 @@ _PART = re.compile(r"part-(\d+)-([0-9a-f]{16})\.arrow")
 _TORN = re.compile(r"part-\d+\.tmp")
 # Temporary files that hold no rows: a manifest being replaced, OUT being assembled.
 _LEFTOVER = re.compile(r"manifest\.json\.tmp|final\..*")
-_FORMAT = "batchgen partial output"
 
 
 def partial_dir(out: Path) -> Path:
@@ -98,7 +97,7 @@ class PartialOutput:
         state = PartialState()
         try:
             state.listing = _listing(self.dir)
-            state.schema, state.manifest_damaged = _read_manifest(self.dir / MANIFEST)
+            state.schema, state.manifest_damaged = read_manifest(self.dir / MANIFEST)
             numbered = []
             for path in self.dir.iterdir():
                 match = _PART.fullmatch(path.name)
@@ -278,53 +277,10 @@ def _remove_contents(directory: Path) -> None:
             path.unlink()
 
 
-def encode_manifest(schema: pa.Schema) -> bytes:
-    """The manifest's bytes: the schema (exact, base64 of its IPC form), its metadata readable, and a checksum."""
-    metadata = {k.decode(): v.decode() for k, v in (schema.metadata or {}).items()}
-    body = {
-        "format": _FORMAT,
-        "version": 1,
-        "schema": base64.b64encode(schema.serialize().to_pybytes()).decode(),
-        "metadata": metadata,
-    }
-    checksum = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
-    return json.dumps({**body, "sha256": checksum}, indent=1, sort_keys=True, ensure_ascii=False).encode()
-
-
-def decode_manifest(data: bytes) -> pa.Schema:
-    """The schema recorded by :func:`encode_manifest`.
-
-    Raises:
-        ValueError: not a manifest, or its checksum does not match its content.
-    """
-    try:
-        body = json.loads(data)
-        checksum = body.pop("sha256")
-        if hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest() != checksum:
-            raise ValueError("checksum mismatch")
-        if body["format"] != _FORMAT or body["version"] != 1:
-            raise ValueError(f"unknown format {body['format']!r} version {body['version']!r}")
-        return pa.ipc.read_schema(pa.py_buffer(base64.b64decode(body["schema"], validate=True)))
-    except (ValueError, KeyError, TypeError, AttributeError, pa.ArrowException) as e:  # ValueError: JSON, base64
-        raise ValueError(f"not a manifest: {e}") from None
-
-
 def _listing(directory: Path) -> frozenset[tuple[str, int]]:
     if not directory.is_dir():
         return frozenset()
     return frozenset((p.name, p.stat().st_size) for p in directory.iterdir() if p.name != LOCK)
-
-
-def _read_manifest(path: Path) -> tuple[pa.Schema | None, bool]:
-    """(schema, damaged): ``(None, False)`` when there is no manifest (a crash before it was first written)."""
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        return None, False
-    try:
-        return decode_manifest(data), False
-    except ValueError:
-        return None, True
 
 
 def _read_part(path: Path, digest: str) -> pa.Table | None:
