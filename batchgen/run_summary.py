@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from batchgen.errors import BatchgenError
+from batchgen.loop.options import EngineOptions
 
 
 @dataclass
@@ -31,14 +33,33 @@ class RunSummary:
         ) + speculative_summary(self.accept_histogram)
 
 
+def mean_accept_length(histogram: dict[int, int]) -> float | None:
+    """Mean tokens emitted per verify round with drafts (``histogram``: tokens → rounds); ``None`` for none."""
+    rounds = sum(histogram.values())
+    return sum(length * count for length, count in histogram.items()) / rounds if rounds else None
+
+
 def speculative_summary(histogram: dict[int, int]) -> str:
     """``, accept length 2.31 (1:40 2:12 …)``: mean tokens per decode round and their histogram; empty
     without speculative decoding."""
-    rounds = sum(histogram.values())
-    if not rounds:
+    mean = mean_accept_length(histogram)
+    if mean is None:
         return ""
-    mean = sum(length * count for length, count in histogram.items()) / rounds
     return f", accept length {mean:.2f} ({' '.join(f'{k}:{v}' for k, v in sorted(histogram.items()))})"
+
+
+def speculative_record(options: EngineOptions, histogram: dict[int, int]) -> dict[str, Any]:
+    """The speculative settings and acceptance of a benchmark's engine, for its JSON result lines: empty
+    without speculative decoding."""
+    if options.speculative_algorithm is None:
+        return {}
+    return {
+        "speculative_algorithm": options.speculative_algorithm,
+        "speculative_num_draft_tokens": options.speculative_num_draft_tokens,
+        "speculative_draft_model": options.speculative_draft_model,
+        "accept_length": mean_accept_length(histogram),
+        "accept_histogram": dict(sorted(histogram.items())),
+    }
 
 
 def raise_if_failed(summary: RunSummary, on_error: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from conftest import run_cli
 
 from batchgen.bench.commands import expand_multi_value_options
@@ -118,7 +119,8 @@ def test_bench_one_batch_reports_speculative_acceptance(random_models: dict[str,
     cases = [json.loads(line) for line in result_file.read_text().splitlines()]
     assert len(cases) == 2  # the second case runs on the pools the first one gave back
     for case in cases:
-        assert case["accept_histogram"] == {"5": 6}
+        assert case["accept_histogram"] == {"5": 6} and case["accept_length"] == 5.0
+        assert (case["speculative_algorithm"], case["speculative_num_draft_tokens"]) == ("draft", 4)
         assert len(case["first_decode_latencies"]) == 2  # two verify rounds
         assert (
             abs(case["decode_throughput"] - 3 * 10 / (case["total_latency"] - case["prefill_latency"]))
@@ -161,6 +163,32 @@ def test_bench_with_hf_baseline_fields(random_models: dict[str, Path], tmp_path:
         assert row["requests"] == 5 and row["output_tokens"] == 30
         assert row["input_tokens"] == rows[0]["input_tokens"]
         assert abs(row["output_throughput"] - 30 / row["seconds"]) < 1e-6 * row["output_throughput"]
+
+
+def test_bench_speculative_result_lines_and_plain_baseline(random_models: dict[str, Path], tmp_path: Path) -> None:
+    """``--speculative-algorithm ngram --baseline plain``: batchgen's result line carries the settings and the
+    acceptance (accept length = the histogram's mean, computed here), the plain line none; ``--baseline plain``
+    without speculation is a one-line error."""
+    model = str(random_models["llama"])
+    workload = ("--num-prompts", "6", "--input-len-range", "16:40", "--output-len", "12", "--repetitive")
+    cpu = ("--dtype", "float32", "--device", "cpu")
+    result_file = tmp_path / "r.jsonl"
+    code, output = run_cli(
+        ["bench", "--model", model, *workload, *cpu, "--speculative-algorithm", "ngram", "--baseline", "plain"]
+        + ["--result-file", str(result_file)]
+    )
+    assert code == 0, output
+    batchgen, plain = [json.loads(line) for line in result_file.read_text().splitlines()]
+    assert (batchgen["system"], plain["system"]) == ("batchgen", "plain")
+    histogram = {int(k): v for k, v in batchgen["accept_histogram"].items()}
+    assert sum(histogram.values()) > 0 and batchgen["speculative_algorithm"] == "ngram"
+    assert batchgen["accept_length"] == pytest.approx(
+        sum(k * v for k, v in histogram.items()) / sum(histogram.values())
+    )
+    assert f"accept length {batchgen['accept_length']:.2f}" in output
+    assert "accept_length" not in plain and "speculative_algorithm" not in plain
+    code, output = run_cli(["bench", "--model", model, *workload, *cpu, "--baseline", "plain"])
+    assert code == 2 and "--baseline plain compares speculative decoding with plain decoding" in output
 
 
 def test_bench_rejects_bad_range(random_models: dict[str, Path]) -> None:

@@ -171,6 +171,12 @@ def test_bad_speculative_options_are_one_line_errors(random_models: dict[str, Pa
     dataset = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi"}])
     for extra, message in [
         (("--speculative-algorithm", "magic"), "--speculative-algorithm must be one of ngram, draft, got 'magic'"),
+        # Checked with speculation off too: a bad value is a mistake whether or not it is used.
+        (("--speculative-num-draft-tokens", "0"), "--speculative-num-draft-tokens must be >= 1, got 0"),
+        (
+            ("--speculative-acceptance", "bogus"),
+            "--speculative-acceptance must be one of rejection, coupled, got 'bogus'",
+        ),
         (("--speculative-algorithm", "ngram", "--speculative-num-draft-tokens", "0"), "must be >= 1, got 0"),
         (
             ("--speculative-algorithm", "ngram", "--speculative-ngram-min", "3", "--speculative-ngram-max", "2"),

@@ -28,7 +28,7 @@ from batchgen.engine_flags import (
 from batchgen.errors import BatchgenError
 from batchgen.loop.engine import Engine
 from batchgen.loop.options import EngineOptions
-from batchgen.run_summary import speculative_summary
+from batchgen.run_summary import speculative_record, speculative_summary
 
 # Options that take several values after one flag, SGLang style (``--batch-size 1 8 32``).
 MULTI_VALUE_OPTIONS = ("--batch-size", "--input-len", "--output-len", "--baseline")
@@ -125,7 +125,9 @@ def bench_one_batch(
                     print(result.line())
                     if result_file is not None:
                         with open(result_file, "a") as f:
-                            f.write(json.dumps({"model": model, "dtype": str(engine.dtype), **result.as_dict()}) + "\n")
+                            record = {"model": model, "dtype": str(engine.dtype), **result.as_dict()}
+                            record.update(speculative_record(engine.options, result.accept_histogram or {}))
+                            f.write(json.dumps(record) + "\n")
 
 
 def _parse_range(text: str) -> tuple[int, int]:
@@ -175,6 +177,10 @@ def bench(
         unknown = set(baseline) - {"hf", "hf-cb", "plain"}
         if unknown:
             raise BatchgenError(f"--baseline must be hf, hf-cb or plain, got {', '.join(sorted(unknown))}")
+        if "plain" in baseline and speculative_algorithm is None:
+            raise BatchgenError(
+                "--baseline plain compares speculative decoding with plain decoding: it needs --speculative-algorithm"
+            )
         low, high = _parse_range(input_len_range)
         engine = Engine(
             EngineOptions(
@@ -209,7 +215,8 @@ def bench(
             file=sys.stderr,
         )
         results = [run_engine(engine, workload)]
-        print(results[0].line() + speculative_summary(dict(engine.scheduler.accept_histogram)))
+        histogram = dict(engine.scheduler.accept_histogram)
+        print(results[0].line() + speculative_summary(histogram))
         if report_memory:
             print(f"peak RSS after batchgen: {peak_rss_mib():.0f} MiB")
         if baseline:
@@ -230,4 +237,7 @@ def bench(
         if result_file is not None:
             with open(result_file, "a") as f:
                 for result in results:
-                    f.write(json.dumps({"model": model, "dtype": str(engine.dtype), **result.as_dict()}) + "\n")
+                    record = {"model": model, "dtype": str(engine.dtype), **result.as_dict()}
+                    if result is results[0]:  # batchgen itself; the baselines ran without speculation
+                        record.update(speculative_record(engine.options, histogram))
+                    f.write(json.dumps(record) + "\n")

@@ -65,7 +65,8 @@ class OneBatchResult:
         ) + speculative_summary(self.accept_histogram or {})
 
     def as_dict(self) -> dict[str, object]:
-        return asdict(self)
+        """The measurements (the acceptance goes to the result file with the speculative settings)."""
+        return {k: v for k, v in asdict(self).items() if k != "accept_histogram"}
 
 
 def _synchronize(device: torch.device) -> None:

@@ -21,14 +21,13 @@ def check_speculative_options(options: EngineOptions) -> None:
             ``speculative_draft_model``, a draft model with another algorithm, or an unknown acceptance rule.
     """
     algorithm = options.speculative_algorithm
-    if algorithm != "draft" and options.speculative_draft_model is not None:
-        raise BatchgenError("--speculative-draft-model needs --speculative-algorithm draft")
-    if algorithm is None:
-        return
-    if algorithm not in SPECULATIVE_ALGORITHMS:
+    if algorithm is not None and algorithm not in SPECULATIVE_ALGORITHMS:
         raise BatchgenError(
             f"--speculative-algorithm must be one of {', '.join(SPECULATIVE_ALGORITHMS)}, got '{algorithm}'"
         )
+    if algorithm != "draft" and options.speculative_draft_model is not None:
+        raise BatchgenError("--speculative-draft-model needs --speculative-algorithm draft")
+    # The other values are checked with speculation off too: a bad value is a mistake whether or not it is used.
     if options.speculative_acceptance not in SPECULATIVE_ACCEPTANCES:
         raise BatchgenError(
             f"--speculative-acceptance must be one of {', '.join(SPECULATIVE_ACCEPTANCES)}, "
@@ -37,7 +36,7 @@ def check_speculative_options(options: EngineOptions) -> None:
     if options.speculative_num_draft_tokens < 1:
         raise BatchgenError(f"--speculative-num-draft-tokens must be >= 1, got {options.speculative_num_draft_tokens}")
     low, high = options.speculative_ngram_min, options.speculative_ngram_max
-    if algorithm == "ngram" and not 1 <= low <= high:
+    if not 1 <= low <= high:
         raise BatchgenError(f"--speculative-ngram-min/max must satisfy 1 <= min <= max, got {low} and {high}")
     if algorithm == "draft" and not options.speculative_draft_model:
         raise BatchgenError("--speculative-algorithm draft needs --speculative-draft-model PATH")
