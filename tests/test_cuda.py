@@ -5,7 +5,8 @@
 - Whole ``batchgen run`` jobs on a tiny random Llama (head_dim 64, FlashInfer's smallest): greedy tokens and
   logprobs agree across the torch_native, triton and flashinfer backends (float32: same tokens, logprobs within
   1e-4; bfloat16: within 2e-2) and with CUDA graphs on and off (``--disable-cuda-graph``, ``--cuda-graph-max-bs``),
-  also for speculative TARGET_VERIFY rounds.
+  also for speculative TARGET_VERIFY rounds; draft-model rejection sampling through verify graphs follows the
+  exact distribution (chi-square against HF).
 - ``bench-one-batch`` with and without CUDA graphs.
 
 Everything runs in bfloat16 with head_dim 64 where FlashInfer is involved, so a fresh machine JIT-compiles one
@@ -21,7 +22,15 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import build_random_model, read_rows, run_args, run_cli, write_jsonl
+from conftest import (
+    assert_first_two_tokens_follow_top5,
+    build_random_model,
+    enqueue_rows,
+    read_rows,
+    run_args,
+    run_cli,
+    write_jsonl,
+)
 from safetensors.torch import load_file, save_file
 from test_flashinfer_backend import ROUNDS, PagedScene, compare_backends
 
@@ -213,6 +222,52 @@ def test_speculative_verify_graphs_agree(backend: str, dtype: str, model_dir: Pa
     tol = FP32_TOL if dtype == "float32" else BF16_TOL
     assert_greedy_agree(plain, eager, tol, exact_tokens=dtype == "float32")
     assert_greedy_agree(eager, graphs, tol, exact_tokens=dtype == "float32")
+
+
+def test_rejection_sampling_through_verify_graphs_follows_the_exact_distribution(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """Draft-model rejection sampling on the GPU, float32, verify rounds replayed from CUDA graphs (the default):
+    the first two tokens of 2,000 seeded samples (top_k 5) follow the exact joint computed from HF transformers
+    on the CPU, with drafts both accepted and rejected, and every slot of both pools free after."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from batchgen.loop.engine import Engine
+    from batchgen.loop.options import EngineOptions
+
+    draft_dir = tmp_path / "draft"
+    draft = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for param in draft.parameters():
+            if param.dim() == 2:
+                param.add_(torch.randn(param.shape, generator=generator) * 0.005)
+    draft.save_pretrained(draft_dir)
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(draft_dir)
+    engine = Engine(
+        EngineOptions(
+            model=str(model_dir),
+            dtype="float32",
+            device="cuda",
+            max_running_requests=256,
+            speculative_algorithm="draft",
+            speculative_draft_model=str(draft_dir),
+        )
+    )
+    assert engine.runner.graph_runner is not None
+    prompt = [0, 17, 99, 5, 230, 41]
+    rows = [
+        {"id": str(k), "prompt_token_ids": prompt, "n": 250, "seed": k, "top_k": 5, "max_new_tokens": 3}
+        for k in range(8)
+    ]
+    enqueue_rows(engine, rows, tmp_path / "p.jsonl", eos=False)
+    finished = []
+    while engine.has_work():
+        finished += engine.step()
+    assert len(finished) == 2000
+    assert {1, 2} <= set(engine.scheduler.accept_histogram)
+    assert engine.allocator.available() == engine.allocator.size
+    assert_first_two_tokens_follow_top5(model_dir, prompt, finished)
 
 
 def test_flashinfer_in_float32_is_a_one_line_error(model_dir: Path, dataset: Path, tmp_path: Path) -> None:
