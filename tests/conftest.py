@@ -193,6 +193,42 @@ def spy_graph_runs(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, int]
     return served
 
 
+def perturbed_copy(model_dir: Path, out: Path, scale: float = 0.005) -> Path:
+    """Save ``model_dir``'s model with Gaussian noise of std ``scale`` (seeded) on its matrices, and its tokenizer:
+    a draft model that agrees with the target often but not always."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 2:
+                param.add_(torch.randn(param.shape, generator=generator) * scale)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(out)
+    return out
+
+
+FIRST_TOKENS_PROMPT = [0, 17, 99, 5, 230, 41]
+
+
+def sample_first_tokens(engine: Any, path: Path, max_new_tokens: int) -> list[Any]:
+    """2,000 seeded samples (8 rows of ``n`` 250, top_k 5, temperature 1) of ``FIRST_TOKENS_PROMPT`` through
+    ``engine`` to the end; asserts they all finish and every KV slot is free again (rejected drafts' too)."""
+    rows = [
+        {"id": str(k), "prompt_token_ids": FIRST_TOKENS_PROMPT, "n": 250, "seed": k, "top_k": 5}
+        | {"max_new_tokens": max_new_tokens}
+        for k in range(8)
+    ]
+    enqueue_rows(engine, rows, path, eos=False)
+    finished = []
+    while engine.has_work():
+        finished += engine.step()
+    assert len(finished) == 2000
+    assert engine.allocator.available() == engine.allocator.size
+    return finished
+
+
 def assert_first_two_tokens_follow_top5(model_dir: Path, prompt: list[int], reqs: list[Any]) -> None:
     """The first two output tokens of ``reqs`` (sampled with top_k 5, temperature 1 after ``prompt``) follow the
     exact joint distribution computed here from HF transformers in float32 (chi-square p > 1e-3)."""

@@ -23,12 +23,14 @@ from typing import Any
 import pytest
 import torch
 from conftest import (
+    FIRST_TOKENS_PROMPT,
     assert_first_two_tokens_follow_top5,
     build_random_model,
-    enqueue_rows,
+    perturbed_copy,
     read_rows,
     run_args,
     run_cli,
+    sample_first_tokens,
     write_jsonl,
 )
 from safetensors.torch import load_file, save_file
@@ -230,20 +232,9 @@ def test_rejection_sampling_through_verify_graphs_follows_the_exact_distribution
     """Draft-model rejection sampling on the GPU, float32, verify rounds replayed from CUDA graphs (the default):
     the first two tokens of 2,000 seeded samples (top_k 5) follow the exact joint computed from HF transformers
     on the CPU, with drafts both accepted and rejected, and every slot of both pools free after."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from batchgen.loop.engine import Engine
     from batchgen.loop.options import EngineOptions
 
-    draft_dir = tmp_path / "draft"
-    draft = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    generator = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for param in draft.parameters():
-            if param.dim() == 2:
-                param.add_(torch.randn(param.shape, generator=generator) * 0.005)
-    draft.save_pretrained(draft_dir)
-    AutoTokenizer.from_pretrained(model_dir).save_pretrained(draft_dir)
     engine = Engine(
         EngineOptions(
             model=str(model_dir),
@@ -251,23 +242,13 @@ def test_rejection_sampling_through_verify_graphs_follows_the_exact_distribution
             device="cuda",
             max_running_requests=256,
             speculative_algorithm="draft",
-            speculative_draft_model=str(draft_dir),
+            speculative_draft_model=str(perturbed_copy(model_dir, tmp_path / "draft")),
         )
     )
     assert engine.runner.graph_runner is not None
-    prompt = [0, 17, 99, 5, 230, 41]
-    rows = [
-        {"id": str(k), "prompt_token_ids": prompt, "n": 250, "seed": k, "top_k": 5, "max_new_tokens": 3}
-        for k in range(8)
-    ]
-    enqueue_rows(engine, rows, tmp_path / "p.jsonl", eos=False)
-    finished = []
-    while engine.has_work():
-        finished += engine.step()
-    assert len(finished) == 2000
+    finished = sample_first_tokens(engine, tmp_path / "p.jsonl", max_new_tokens=3)
     assert {1, 2} <= set(engine.scheduler.accept_histogram)
-    assert engine.allocator.available() == engine.allocator.size
-    assert_first_two_tokens_follow_top5(model_dir, prompt, finished)
+    assert_first_two_tokens_follow_top5(model_dir, FIRST_TOKENS_PROMPT, finished)
 
 
 def test_flashinfer_in_float32_is_a_one_line_error(model_dir: Path, dataset: Path, tmp_path: Path) -> None:

@@ -9,12 +9,13 @@ from typing import Any
 import pytest
 import torch
 from conftest import (
+    FIRST_TOKENS_PROMPT,
     assert_first_two_tokens_follow_top5,
-    enqueue_rows,
     generate,
     read_rows,
     run_args,
     run_cli,
+    sample_first_tokens,
     spy_graph_runs,
     write_jsonl,
 )
@@ -134,7 +135,7 @@ def test_sampled_first_two_tokens_follow_the_exact_distribution(random_models: d
     against the exact joint distribution computed from HF transformers; the drafter proposes the most likely
     second token (often accepted) and then a wrong one, so acceptance and rejection both happen."""
     model_dir = random_models["mistral"]
-    prompt = [0, 17, 99, 5, 230, 41]
+    prompt = FIRST_TOKENS_PROMPT
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     with torch.no_grad():
         first = hf(torch.tensor([prompt])).logits[0, -1].topk(5).indices.tolist()
@@ -152,16 +153,7 @@ def test_sampled_first_two_tokens_follow_the_exact_distribution(random_models: d
         )
         if speculative:
             engine.scheduler.drafter = _TableDrafter(table)
-        rows = [
-            {"id": str(k), "prompt_token_ids": prompt, "n": 250, "seed": k, "top_k": 5, "max_new_tokens": 4}
-            for k in range(8)
-        ]
-        enqueue_rows(engine, rows, tmp_path / "p.jsonl", eos=False)
-        finished = []
-        while engine.has_work():
-            finished += engine.step()
-        assert len(finished) == 2000
-        assert engine.allocator.available() == engine.allocator.size  # every slot freed, rejected drafts too
+        finished = sample_first_tokens(engine, tmp_path / "p.jsonl", max_new_tokens=4)
         if speculative:
             assert {1, 2} <= set(engine.scheduler.accept_histogram)  # drafts rejected and accepted
         assert_first_two_tokens_follow_top5(model_dir, prompt, finished)

@@ -10,18 +10,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from conftest import (
+    FIRST_TOKENS_PROMPT,
     assert_first_two_tokens_follow_top5,
     build_random_model,
     enqueue_rows,
     generate,
+    perturbed_copy,
     run_args,
     run_cli,
     spy_graph_runs,
     write_jsonl,
 )
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig
 
 from batchgen.loop.engine import Engine
 from batchgen.loop.forward_mode import ForwardMode
@@ -44,16 +45,7 @@ def other_draft(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def perturbed_draft(random_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The target with a little noise on its weights: it agrees with the target often but not always, so drafts
     are accepted partly (some rounds keep 1..K - 1 drafts)."""
-    out = tmp_path_factory.mktemp("draft") / "perturbed"
-    model = AutoModelForCausalLM.from_pretrained(random_models["llama"], dtype=torch.float32)
-    generator = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() == 2:
-                param.add_(torch.randn(param.shape, generator=generator) * 0.005)
-    model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(random_models["llama"]).save_pretrained(out)
-    return out
+    return perturbed_copy(random_models["llama"], tmp_path_factory.mktemp("draft") / "perturbed")
 
 
 def _rows(count: int, sampled: bool) -> list[dict[str, Any]]:
@@ -240,7 +232,7 @@ def test_rejection_sampling_follows_the_exact_distribution_and_accepts_more_than
     transformers, with drafts both accepted and rejected; and more drafts are accepted than under the coupled
     rule, since rejection sampling accepts with probability Σ min(p, q), the most any rule can."""
     model = random_models["llama"]
-    prompt = [0, 17, 99, 5, 230, 41]
+    prompt = FIRST_TOKENS_PROMPT
     rows = [
         {"id": str(k), "prompt_token_ids": prompt, "n": 250, "seed": k, "top_k": 5, "max_new_tokens": 3}
         for k in range(8)
