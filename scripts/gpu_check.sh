@@ -10,11 +10,13 @@
 # b. scripts/gpu_check.py compare: greedy tokens and logprobs of random:llama-1b across torch_native / triton /
 #    flashinfer and CUDA graphs on/off (float32: identical tokens, |dlogprob| <= 1e-4; bfloat16: <= 2e-2);
 # c. scripts/gpu_check.py bench: bench-one-batch (bf16, batch 1 8 64, input 512, output 64) with and without
-#    CUDA graphs: decode ms/step, tok/s, achieved GB/s against the measured copy bandwidth.
+#    CUDA graphs: decode ms/step, tok/s, achieved GB/s against the measured copy bandwidth;
+# d. batchgen bench --baseline hf: offline throughput of random:llama-1b (bf16, 256 prompts of 32-256 tokens,
+#    64 new tokens) beside HF transformers generate in the same process, and the ratio.
 #
 # a, b and c each report PASS/FAIL and run whatever happened before; the script exits non-zero if any failed.
 # Everything printed also goes to $OUT/gpu_check.log (or ./gpu_check_out/ when OUT is unset), with
-# $OUT/summary.txt, compare.json, bench.jsonl and bench_table.txt. Sized for one H200 in under 8 minutes
+# $OUT/summary.txt, compare.json, bench.jsonl, bench_table.txt and bench_hf.jsonl. Sized for one H200 in 8 minutes
 # (up to 3 of them building FlashInfer's kernels on a fresh machine); GPU_CHECK_BUDGET (seconds, default 470)
 # caps the whole run, each step getting what is left.
 #
@@ -36,29 +38,38 @@ OUT_DIR="${OUT:-$PWD/gpu_check_out}"
 mkdir -p "$OUT_DIR"
 exec > >(tee "$OUT_DIR/gpu_check.log") 2>&1
 : >"$OUT_DIR/summary.txt"
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
 BUDGET="${GPU_CHECK_BUDGET:-470}"
 DEADLINE=$((SECONDS + BUDGET))
+read -r -a STEPS <<<"${GPU_CHECK_STEPS:-0 a b c d}"
 declare -A RESULT=()
+# Seconds each step would like, and the least it is given (kept in reserve while earlier steps run).
+declare -A WANT=([0]=200 [a]=150 [b]=120 [c]=120 [d]=150) LEAST=([0]=60 [a]=60 [b]=90 [c]=60 [d]=90)
 
 banner() { printf '\n===== %s  (%ds elapsed, %ds left) =====\n' "$1" "$SECONDS" $((DEADLINE - SECONDS)); }
+wanted() { [[ " ${STEPS[*]} " == *" $1 "* ]]; }
 
-# Seconds for a step: what it wants, less a reserve kept for the steps after it, at least 60.
+# Seconds for step $1: what it wants, less the least of each wanted step after it, and never below its own least.
 step_time() {
-    local want=$1 reserve=$2
-    local left=$((DEADLINE - SECONDS - reserve))
+    local step=$1 reserve=0 later=0 s
+    for s in 0 a b c d; do
+        ((later)) && wanted "$s" && reserve=$((reserve + LEAST[$s]))
+        [[ $s == "$step" ]] && later=1
+    done
+    local want=${WANT[$step]} left=$((DEADLINE - SECONDS - reserve))
     ((left < want)) && want=$left
-    ((want < 60)) && want=60
+    ((want < LEAST[$step])) && want=${LEAST[$step]}
     echo "$want"
 }
 
-# Run a step, record PASS/FAIL (never stop the script: the later steps still run).
+# Run a step, record PASS/FAIL (never stop the script: the later steps still run). At its time limit the step
+# gets SIGABRT, on which Python (PYTHONFAULTHANDLER) prints every thread's stack: where it hung.
 run_step() {
     local name=$1 seconds=$2
     shift 2
     local rc=0
-    timeout --kill-after=15 "$seconds" "$@" || rc=$?
+    timeout --signal=ABRT --kill-after=15 "$seconds" "$@" || rc=$?
     if ((rc == 0)); then
         RESULT[$name]=PASS
     elif ((rc == 124 || rc == 137)); then
@@ -68,6 +79,10 @@ run_step() {
     fi
     echo "----- $name: ${RESULT[$name]}"
 }
+
+# A command prefix: each line of the command's output stamped with the wall-clock time; the command's exit status.
+# The stamping loop ignores SIGABRT so that it still passes on the stacks a timed-out command prints.
+STAMPED=(bash -c 'set -o pipefail; "$@" 2>&1 | { trap "" ABRT; while IFS= read -r l; do printf "%(%T)T %s\n" -1 "$l"; done; }' stamped)
 
 # ---- 0. environment ----
 banner "0. environment"
@@ -113,35 +128,54 @@ if ! "$VPY" -m pip install -q --no-index --no-deps --no-build-isolation --no-cac
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
 "$VPY" -c 'import batchgen, pathlib; print("batchgen from", pathlib.Path(batchgen.__file__).parent)'
-run_step "0. flashinfer JIT warm-up" "$(step_time 200 270)" \
-    "$VPY" scripts/gpu_check.py warmup --out-dir "$OUT_DIR"
+if wanted 0; then
+    run_step "0. flashinfer JIT warm-up" "$(step_time 0)" "$VPY" scripts/gpu_check.py warmup --out-dir "$OUT_DIR"
+fi
 
 # ---- a. pytest -m cuda ----
-banner "a. pytest -m cuda"
-mapfile -t CUDA_TESTS < <(grep -l "pytest.mark.cuda" tests/test_*.py)
-echo "test files with cuda tests: ${CUDA_TESTS[*]}"
-# Only those files are collected: the others may import packages the GPU image lacks (jsonschema).
-run_step "a. pytest -m cuda" "$(step_time 150 170)" \
-    "$VPY" -m pytest -m cuda -q -p no:cacheprovider "${CUDA_TESTS[@]}"
+if wanted a; then
+    banner "a. pytest -m cuda"
+    mapfile -t CUDA_TESTS < <(grep -l "pytest.mark.cuda" tests/test_*.py)
+    echo "test files with cuda tests: ${CUDA_TESTS[*]}"
+    # Only those files are collected: the others may import packages the GPU image lacks (jsonschema).
+    # -rP: the passing tests' output too (the bfloat16 test prints each backend's distance from float32).
+    run_step "a. pytest -m cuda" "$(step_time a)" \
+        "$VPY" -m pytest -m cuda -q -rP -p no:cacheprovider "${CUDA_TESTS[@]}"
+fi
 
 # ---- b. greedy agreement on random:llama-1b ----
-banner "b. backends and CUDA graphs agree (random:llama-1b)"
-B_TIME="$(step_time 120 100)"
-run_step "b. greedy agreement" "$B_TIME" \
-    "$VPY" scripts/gpu_check.py compare --out-dir "$OUT_DIR" --timeout $((B_TIME - 20))
+if wanted b; then
+    banner "b. backends and CUDA graphs agree (random:llama-1b)"
+    B_TIME="$(step_time b)"
+    run_step "b. greedy agreement" "$B_TIME" \
+        "$VPY" scripts/gpu_check.py compare --out-dir "$OUT_DIR" --timeout $((B_TIME - 20))
+fi
 
 # ---- c. bench-one-batch ----
-banner "c. bench-one-batch, CUDA graphs on and off"
-C_TIME="$(step_time 150 0)"
-read -r -a BENCH_BACKENDS <<<"${GPU_CHECK_BENCH_BACKENDS:-auto}"
-run_step "c. bench-one-batch" "$C_TIME" \
-    "$VPY" scripts/gpu_check.py bench --out-dir "$OUT_DIR" --timeout $((C_TIME - 20)) --backends "${BENCH_BACKENDS[@]}"
+if wanted c; then
+    banner "c. bench-one-batch, CUDA graphs on and off"
+    C_TIME="$(step_time c)"
+    read -r -a BENCH_BACKENDS <<<"${GPU_CHECK_BENCH_BACKENDS:-auto}"
+    run_step "c. bench-one-batch" "$C_TIME" "$VPY" scripts/gpu_check.py bench --out-dir "$OUT_DIR" \
+        --timeout $((C_TIME - 20)) --backends "${BENCH_BACKENDS[@]}"
+fi
+
+# ---- d. offline throughput beside HF generate ----
+if wanted d; then
+    banner "d. bench --baseline hf hf-cb (random:llama-1b)"
+    run_step "d. bench vs HF generate" "$(step_time d)" "${STAMPED[@]}" \
+        "$VPY" -m batchgen bench --model random:llama-1b --device cuda --dtype bfloat16 --num-prompts 256 \
+        --input-len-range 32:256 --output-len 64 --baseline hf --baseline hf-cb --hf-batch-size 64 \
+        --result-file "$OUT_DIR/bench_hf.jsonl"
+fi
 
 # ---- summary ----
 banner "summary"
 status=0
-for name in "0. flashinfer JIT warm-up" "a. pytest -m cuda" "b. greedy agreement" "c. bench-one-batch"; do
+for name in "0. flashinfer JIT warm-up" "a. pytest -m cuda" "b. greedy agreement" "c. bench-one-batch" \
+    "d. bench vs HF generate"; do
+    wanted "${name%%.*}" || RESULT[$name]="skipped (GPU_CHECK_STEPS)"
     printf '%-28s %s\n' "$name" "${RESULT[$name]:-not run}" | tee -a "$OUT_DIR/summary.txt"
-    [[ "${RESULT[$name]:-}" == PASS ]] || status=1
+    [[ "${RESULT[$name]:-}" == PASS || "${RESULT[$name]:-}" == skipped* ]] || status=1
 done
 exit "$status"

@@ -78,7 +78,9 @@ def load_hf_model(engine: Engine) -> Any:
     from transformers import AutoModelForCausalLM
 
     if engine.model_dir is None:
-        model = AutoModelForCausalLM.from_config(engine.hf_config, dtype=engine.dtype)
+        # Initialised where it runs: random-initialising a 1B model on the host first takes longer than its run.
+        with engine.device:
+            model = AutoModelForCausalLM.from_config(engine.hf_config, dtype=engine.dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(engine.model_dir, dtype=engine.dtype)
     return model.to(engine.device).eval()
