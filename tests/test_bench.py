@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import run_cli
@@ -148,6 +149,8 @@ def test_bench_with_hf_baseline_fields(random_models: dict[str, Path], tmp_path:
             "cpu",
             "--baseline",
             "hf",
+            "--baseline",
+            "hf-cb",
             "--hf-batch-size",
             "2",
             "--report-memory",
@@ -156,13 +159,39 @@ def test_bench_with_hf_baseline_fields(random_models: dict[str, Path], tmp_path:
         ]
     )
     assert code == 0, output
-    assert "batchgen / hf generate =" in output and "peak RSS after batchgen" in output
+    assert "batchgen / hf generate =" in output and "batchgen / hf generate_batch =" in output
+    assert "peak RSS after batchgen" in output
     rows = [json.loads(line) for line in result_file.read_text().splitlines()]
-    assert [r["system"] for r in rows] == ["batchgen", "hf generate"]
+    assert [r["system"] for r in rows] == ["batchgen", "hf generate", "hf generate_batch"]
     for row in rows:
         assert row["requests"] == 5 and row["output_tokens"] == 30
         assert row["input_tokens"] == rows[0]["input_tokens"]
         assert abs(row["output_throughput"] - 30 / row["seconds"]) < 1e-6 * row["output_throughput"]
+
+
+def test_a_failing_baseline_is_a_one_line_error_after_the_results(
+    random_models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """transformers' generate_batch logs its own errors and returns what it has (on CUDA with transformers 5.17
+    once: nothing); bench then says so in one line, exits 2 and keeps the other systems' result lines."""
+    from batchgen.bench import commands
+    from batchgen.bench.offline import ThroughputResult
+
+    def broken(model: object, workload: Any, device: object) -> ThroughputResult:
+        return ThroughputResult("hf generate_batch", 4, workload.input_tokens, 0, 0.4)
+
+    monkeypatch.setattr(commands, "run_hf_generate_batch", broken)
+    result_file = tmp_path / "r.jsonl"
+    args = ["bench", "--model", str(random_models["llama"]), "--num-prompts", "4", "--input-len-range", "4:9"]
+    args += ["--output-len", "3", "--dtype", "float32", "--device", "cpu", "--baseline", "hf-cb", "--baseline", "hf"]
+    code, output = run_cli([*args, "--result-file", str(result_file)])
+    assert code == 2, output
+    assert "hf generate_batch: failed, 0 of 12 new tokens" in output and "Traceback" not in output
+    assert output.strip().splitlines()[-1] == (
+        "batchgen: error: baseline failed: hf generate_batch made 0 of 12 new tokens (the other systems' results stand)"
+    )
+    rows = [json.loads(line) for line in result_file.read_text().splitlines()]
+    assert [r["system"] for r in rows] == ["batchgen", "hf generate"]
 
 
 def test_bench_speculative_result_lines_and_plain_baseline(random_models: dict[str, Path], tmp_path: Path) -> None:

@@ -114,7 +114,9 @@ def run_hf_generate_batch(model: Any, workload: Workload, device: torch.device) 
     n = workload.output_len
     config = GenerationConfig(max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
     start = time.perf_counter()
-    with torch.inference_mode():
+    # Not inference_mode: generate_batch fills its static tensors from a worker thread, outside that mode, and
+    # in-place updates of inference tensors there fail (seen with transformers 5.17 on CUDA).
+    with torch.no_grad():
         outputs = model.generate_batch(inputs=[list(p) for p in workload.prompts], generation_config=config)
     _synchronize(device)
     output_tokens = sum(len(o.generated_tokens) for o in outputs.values())
