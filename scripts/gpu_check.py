@@ -10,8 +10,10 @@ Subcommands (each prints its own table, writes its files under ``--out-dir`` and
   bfloat16 run measures the model's rounding noise (its largest and mean |logprob error|), and every bfloat16 run
   must stay within twice that largest error at each step and 1.5 times the mean, and part from float32 only where
   float32's top-2 margin is within twice the largest error. Graph runs are also held to their eager twins so.
-- ``bench``: ``batchgen bench-one-batch`` with and without CUDA graphs; decode ms/step, tok/s, achieved GB/s
-  against the measured copy bandwidth, read from its ``--result-file`` JSON lines.
+  Two more runs use Triton's fused elementwise kernels (``BATCHGEN_TRITON_FUSED_OPS=1``), held to the same rules.
+- ``bench``: ``batchgen bench-one-batch`` with and without CUDA graphs, and with graphs and the fused elementwise
+  kernels; decode ms/step, tok/s, achieved GB/s against the measured copy bandwidth, read from its
+  ``--result-file`` JSON lines.
 
 Every batchgen call is a subprocess (``python -m batchgen``), so one crash cannot take the others down.
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import subprocess
 import sys
@@ -34,11 +37,13 @@ MODEL = "random:llama-1b"
 FP32_TOL = 1e-4
 GRAPHS_ON = ["--cuda-graph-max-bs", "16"]
 GRAPHS_OFF = ["--disable-cuda-graph"]
+FUSED_OPS_SWITCH = "BATCHGEN_TRITON_FUSED_OPS"
 
 
-def batchgen(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+def batchgen(*args: str, timeout: float, fused: bool = False) -> subprocess.CompletedProcess[str]:
+    env = os.environ | {FUSED_OPS_SWITCH: "1" if fused else "0"}
     return subprocess.run(
-        [sys.executable, "-m", "batchgen", *args], capture_output=True, text=True, timeout=timeout, check=False
+        [sys.executable, "-m", "batchgen", *args], capture_output=True, text=True, timeout=timeout, check=False, env=env
     )
 
 
@@ -78,10 +83,11 @@ class RunConfig:
     dtype: str
     backend: str
     graphs: bool
+    fused: bool = False
 
     @property
     def name(self) -> str:
-        return f"{self.dtype}/{self.backend}/{'graphs' if self.graphs else 'eager'}"
+        return f"{self.dtype}/{self.backend}/{'graphs' if self.graphs else 'eager'}{'/fused' if self.fused else ''}"
 
 
 def _configs() -> list[RunConfig]:
@@ -90,6 +96,7 @@ def _configs() -> list[RunConfig]:
     configs += [
         RunConfig("bfloat16", backend, graphs) for backend in ("triton", "flashinfer") for graphs in (False, True)
     ]
+    configs += [RunConfig("float32", "triton", True, fused=True), RunConfig("bfloat16", "flashinfer", True, fused=True)]
     return configs
 
 
@@ -116,7 +123,7 @@ def _run(
     run += ["--no-progress", "--overwrite", *(GRAPHS_ON if config.graphs else GRAPHS_OFF)]
     start = time.perf_counter()
     try:
-        result = batchgen("run", *run, timeout=timeout)
+        result = batchgen("run", *run, timeout=timeout, fused=config.fused)
     except subprocess.TimeoutExpired:
         return None, f"timed out after {timeout:.0f} s"
     took = f"{time.perf_counter() - start:.0f} s"
@@ -202,8 +209,8 @@ def compare(args: argparse.Namespace) -> int:
     for config, (_, note) in results.items():
         print(f"  ran {config.name:<28} {note}")
     exact = RunConfig("float32", "torch_native", False)
-    pairs = [(exact, c) for c in configs if c != exact and not c.graphs]
-    pairs += [(RunConfig(c.dtype, c.backend, False), c) for c in configs if c.graphs]
+    pairs = [(exact, c) for c in configs if c != exact and (not c.graphs or c.fused)]
+    pairs += [(RunConfig(c.dtype, c.backend, False), c) for c in configs if c.graphs and not c.fused]
     reference, calibration = results[exact][0], results[RunConfig("bfloat16", "torch_native", False)][0]
     noise = deviation(reference, calibration) if reference and calibration else None
     if noise is not None:
@@ -254,7 +261,8 @@ def bench(args: argparse.Namespace) -> int:
     failed = False
     deadline = time.monotonic() + args.timeout
     for backend in args.backends:
-        for graphs in (True, False):
+        # (CUDA graphs, fused elementwise kernels): graphs' speedup over eager, then the kernels' over graphs alone.
+        for graphs, fused in ((True, False), (False, False), (True, True)):
             raw = Path(tempfile.mkdtemp(prefix="gpu_check_bench_")) / "raw.jsonl"
             cmd = ["bench-one-batch", "--model", args.model, "--dtype", "bfloat16", "--device", args.device]
             cmd += ["--attention-backend", backend, "--result-file", str(raw)]
@@ -262,10 +270,10 @@ def bench(args: argparse.Namespace) -> int:
             for bs in args.batch_sizes:
                 cmd += ["--batch-size", str(bs)]  # repeated flags: the CLI's `--batch-size 1 8 64` form also works
             cmd += [] if graphs else GRAPHS_OFF
-            label = f"{backend}/{'graphs' if graphs else 'eager'}"
+            label = f"{backend}/{'graphs' if graphs else 'eager'}{'/fused' if fused else ''}"
             start = time.perf_counter()
             try:
-                result = batchgen(*cmd, timeout=max(30.0, deadline - time.monotonic()))
+                result = batchgen(*cmd, timeout=max(30.0, deadline - time.monotonic()), fused=fused)
             except subprocess.TimeoutExpired:
                 print(f"FAIL {label}: timed out")
                 failed = True
@@ -279,7 +287,9 @@ def bench(args: argparse.Namespace) -> int:
                 failed = True
                 continue
             for line in raw.read_text().splitlines():
-                rows.append(json.loads(line) | {"attention_backend": backend, "cuda_graphs": graphs})
+                rows.append(
+                    json.loads(line) | {"attention_backend": backend, "cuda_graphs": graphs, "fused_ops": fused}
+                )
     with open(result_file, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
     table = bench_table(rows)
@@ -289,21 +299,26 @@ def bench(args: argparse.Namespace) -> int:
 
 
 def bench_table(rows: list[dict[str, Any]]) -> str:
-    """One line per case; ``graph x`` is eager decode latency over graph decode latency for the same case."""
-    eager = {(r["attention_backend"], r["batch_size"]): r for r in rows if not r["cuda_graphs"]}
+    """One line per case; ``speedup`` is the decode latency of the case one switch back over this one's: eager
+    over graphs for a graphs case, graphs alone over graphs with the fused kernels for a fused one."""
+    by_key = {(r["attention_backend"], r["batch_size"], r["cuda_graphs"], r["fused_ops"]): r for r in rows}
     head = (
-        f"{'backend':<12} {'graphs':<6} {'bs':>3} {'prefill ms':>10} {'decode ms':>9} {'tok/s':>8} "
-        f"{'GB/s':>7} {'copy GB/s':>9} {'% copy':>6} {'graph x':>7}"
+        f"{'backend':<12} {'graphs':<6} {'fused':<5} {'bs':>3} {'prefill ms':>10} {'decode ms':>9} {'tok/s':>8} "
+        f"{'GB/s':>7} {'copy GB/s':>9} {'% copy':>6} {'speedup':>7}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
         fraction = r["decode_bandwidth_fraction"]
         copy_bw = r["decode_bandwidth_gbs"] / fraction if fraction else float("nan")
-        base = eager.get((r["attention_backend"], r["batch_size"]))
-        speedup = base["median_decode_latency"] / r["median_decode_latency"] if base and r["cuda_graphs"] else None
+        backend, bs = r["attention_backend"], r["batch_size"]
+        if r["fused_ops"]:
+            base = by_key.get((backend, bs, True, False))
+        else:
+            base = by_key.get((backend, bs, False, False)) if r["cuda_graphs"] else None
+        speedup = base["median_decode_latency"] / r["median_decode_latency"] if base else None
         lines.append(
-            f"{r['attention_backend']:<12} {'on' if r['cuda_graphs'] else 'off':<6} {r['batch_size']:>3} "
-            f"{r['prefill_latency'] * 1e3:>10.1f} {r['median_decode_latency'] * 1e3:>9.2f} "
+            f"{backend:<12} {'on' if r['cuda_graphs'] else 'off':<6} {'on' if r['fused_ops'] else 'off':<5} "
+            f"{bs:>3} {r['prefill_latency'] * 1e3:>10.1f} {r['median_decode_latency'] * 1e3:>9.2f} "
             f"{r['decode_throughput']:>8.0f} {r['decode_bandwidth_gbs']:>7.0f} {copy_bw:>9.0f} {fraction:>6.0%} "
             + (f"{speedup:>6.2f}x" if speedup else f"{'':>7}")
         )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -252,3 +253,51 @@ def assert_first_two_tokens_follow_top5(model_dir: Path, prompt: list[int], reqs
     observed = np.array([counts.get(c, 0) for c in cells])
     expected = np.array([exact[c] for c in cells])
     assert chisquare(observed, expected * observed.sum() / expected.sum()).pvalue > 1e-3
+
+
+@dataclass
+class Deviation:
+    """How a greedy run departs from a reference run: |logprob difference| at each step before its row's first
+    parting, and the reference's top-2 margin where a row parts."""
+
+    diffs: list[float]
+    parting_margins: list[float]
+    total_steps: int
+
+    @property
+    def max(self) -> float:
+        return max(self.diffs)
+
+    @property
+    def mean(self) -> float:
+        return sum(self.diffs) / len(self.diffs)
+
+
+def deviation(ref: dict[str, dict[str, Any]], got: dict[str, dict[str, Any]]) -> Deviation:
+    """Rows by id (``read_rows``) with ``output_logprobs`` and ``top_logprobs`` of at least 2."""
+    result = Deviation([], [], 0)
+    for rid, r in ref.items():
+        g = got[rid]
+        assert len(g["output_token_ids"]) == len(r["output_token_ids"]), rid
+        result.total_steps += len(r["output_token_ids"])
+        for step, (a, b) in enumerate(zip(r["output_token_ids"], g["output_token_ids"])):
+            if a != b:
+                top = r["top_logprobs"][step]
+                result.parting_margins.append(top[0]["logprob"] - top[1]["logprob"])
+                break
+            result.diffs.append(abs(r["output_logprobs"][step] - g["output_logprobs"][step]))
+    return result
+
+
+def assert_within_rounding_noise(dev: Deviation, noise: Deviation, label: str) -> None:
+    """A half-precision run's deviation from float32 against ``noise``, torch_native's in the same dtype: within
+    twice its largest error at every step and 1.5 times its mean, parting only at near-ties (top-2 margin within
+    twice the largest error), and at least half the steps compared."""
+    summary = (
+        f"{label}: max {dev.max:.3g}, mean {dev.mean:.3g} over {len(dev.diffs)}/{dev.total_steps} steps, partings "
+        f"at margins {[round(m, 4) for m in dev.parting_margins]}; noise: max {noise.max:.3g}, mean {noise.mean:.3g}"
+    )
+    print(summary)
+    assert dev.max <= 2 * noise.max and dev.mean <= 1.5 * noise.mean, summary
+    assert all(m <= 2 * noise.max for m in dev.parting_margins), summary
+    assert len(dev.diffs) >= dev.total_steps / 2, summary

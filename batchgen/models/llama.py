@@ -4,10 +4,13 @@ Follows the Hugging Face reference modules (``modeling_llama.py``, ``modeling_qw
 in every numeric step that affects results: RMSNorm in float32, RoPE tables in float32 cast to the activation
 dtype, SiLU-gated MLP. q/k/v and gate/up projections are fused into one GEMM each (one weight read instead of
 three or two); the loader fills the fused weights from the checkpoint's separate tensors.
+:meth:`LlamaForCausalLM.use_triton_fused_ops` swaps the RMSNorm (with the residual add before it), SiLU-and-
+multiply and RoPE chains for one Triton kernel each (:mod:`batchgen.kernels.triton.fused_elementwise`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -23,18 +26,32 @@ if TYPE_CHECKING:
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square layer norm (Zhang & Sennrich 2019), computed in float32 as in transformers."""
+    """Root-mean-square layer norm (Zhang & Sennrich 2019), computed in float32 as in transformers.
+
+    ``fused_kernel`` (set by :meth:`LlamaForCausalLM.use_triton_fused_ops`) runs it, and the residual add of
+    :meth:`add_and_norm`, as one kernel on ``[rows, dim]`` inputs.
+    """
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim))
         self.eps = eps
+        self.fused_kernel: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused_kernel is not None:
+            return self.fused_kernel(x, self.weight, self.eps)[0]
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(residual + x), residual + x)`` for ``[rows, dim]`` inputs of one dtype."""
+        if self.fused_kernel is not None:
+            return self.fused_kernel(x, self.weight, self.eps, residual)
+        summed = residual + x
+        return self(summed), summed
 
 
 class Attention(nn.Module):
@@ -76,9 +93,13 @@ class MLP(nn.Module):
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.silu_and_mul: Callable[[torch.Tensor], torch.Tensor] | None = None  # a fused kernel, when set
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.silu_and_mul is not None:
+            return self.down_proj(self.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -95,8 +116,9 @@ class DecoderLayer(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, rotary: RotaryEmbedding, forward_batch: ForwardBatch
     ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), rotary, forward_batch)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        attended = self.self_attn(positions, self.input_layernorm(hidden), rotary, forward_batch)
+        normed, hidden = self.post_attention_layernorm.add_and_norm(attended, hidden)
+        return hidden + self.mlp(normed)
 
 
 class DecoderModel(nn.Module):
@@ -145,6 +167,20 @@ class LlamaForCausalLM(nn.Module):
         prepack_linears(self)
         if self.lm_head is None:
             self.tied_lm_head = PackedLinear(self.model.embed_tokens.weight, None)
+
+    def use_triton_fused_ops(self) -> None:
+        """Run every layer's RMSNorms (the second with its residual add), SiLU-and-multiply and RoPE, and the final
+        norm, as one Triton kernel each: about 12 kernels a layer instead of 42 (q/k norms stay in torch).
+        Triton runs CUDA tensors, or CPU ones under ``TRITON_INTERPRET=1`` (tests)."""
+        from batchgen.kernels.triton.fused_elementwise import rms_norm, rotary_embedding, silu_and_mul
+
+        for layer in self.model.layers:
+            assert isinstance(layer, DecoderLayer)
+            layer.input_layernorm.fused_kernel = rms_norm
+            layer.post_attention_layernorm.fused_kernel = rms_norm
+            layer.mlp.silu_and_mul = silu_and_mul
+        self.model.norm.fused_kernel = rms_norm
+        self.rotary.fused_kernel = rotary_embedding
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         hidden = self.model.embed_tokens(input_ids)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -41,7 +42,8 @@ class RotaryEmbedding:
 
     cos/sin are tabulated in float32 for positions ``[0, max_positions)`` on ``device`` and cast to the
     activations' dtype before use, as transformers does, so bf16 results match the reference too. Not an
-    ``nn.Module``: the tables are derived data, never loaded from or saved to a checkpoint.
+    ``nn.Module``: the tables are derived data, never loaded from or saved to a checkpoint. ``fused_kernel``
+    (:func:`batchgen.kernels.triton.fused_elementwise.rotary_embedding`, when set) does the same in one kernel.
     """
 
     def __init__(self, hf_config: Any, head_dim: int, max_positions: int, device: torch.device) -> None:
@@ -50,8 +52,11 @@ class RotaryEmbedding:
         emb = torch.outer(positions, inv_freq.cpu()).repeat(1, 2)
         self.cos_table = (emb.cos() * scale).to(device)
         self.sin_table = (emb.sin() * scale).to(device)
+        self.fused_kernel: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fused_kernel is not None:
+            return self.fused_kernel(positions, q, k, self.cos_table, self.sin_table)
         cos = self.cos_table[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin_table[positions].unsqueeze(1).to(q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

@@ -6,6 +6,7 @@ load a spec the same way.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,27 @@ from batchgen.models.loader import load_model, random_model
 from batchgen.models.packed_linear import prepack_supported
 from batchgen.models.random_presets import is_random_spec, random_preset_config
 from batchgen.models.resolve import resolve_model
+
+FUSED_OPS_SWITCH = "BATCHGEN_TRITON_FUSED_OPS"
+
+
+def triton_fused_ops_requested(device: torch.device) -> bool:
+    """Whether ``$BATCHGEN_TRITON_FUSED_OPS`` is ``1``: RMSNorm, SiLU-and-multiply and RoPE as one Triton kernel
+    each (:meth:`LlamaForCausalLM.use_triton_fused_ops`). Off by default until timed on a GPU.
+
+    Raises:
+        BatchgenError: asked for on the CPU outside Triton's interpreter (``TRITON_INTERPRET=1``), which is
+            the only way Triton runs CPU tensors, or without triton installed.
+    """
+    if os.environ.get(FUSED_OPS_SWITCH, "").strip() != "1":
+        return False
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise BatchgenError(f"{FUSED_OPS_SWITCH}=1 needs a CUDA device (on the CPU, Triton runs only interpreted)")
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        raise BatchgenError(f"{FUSED_OPS_SWITCH}=1 needs triton (pip install triton)") from None
+    return True
 
 
 def first_line(error: Exception) -> str:
@@ -62,10 +84,12 @@ class ModelSource:
     def load(self, dtype: torch.dtype, device: torch.device, max_positions: int) -> LlamaForCausalLM:
         """The decoder on ``device`` in ``dtype``, with RoPE tables for ``max_positions`` positions: the
         checkpoint's weights, or random ones (seed 0) for a ``random:`` preset; bfloat16 weights on the CPU
-        prepacked for oneDNN (:mod:`batchgen.models.packed_linear`).
+        prepacked for oneDNN (:mod:`batchgen.models.packed_linear`); Triton's fused elementwise kernels when
+        ``$BATCHGEN_TRITON_FUSED_OPS`` is ``1``.
 
         Raises:
-            BatchgenError: unsupported architecture, or missing / mis-shaped weights (see ``load_model``).
+            BatchgenError: unsupported architecture, missing / mis-shaped weights (see ``load_model``), or fused
+                kernels asked for where Triton cannot run them (see :func:`triton_fused_ops_requested`).
         """
         if self.model_dir is None:
             model = random_model(self.hf_config, dtype, device, max_positions)
@@ -73,4 +97,6 @@ class ModelSource:
             model = load_model(self.model_dir, self.hf_config, dtype, device, max_positions)
         if prepack_supported(dtype, device):
             model.prepack_for_cpu()
+        if triton_fused_ops_requested(device):
+            model.use_triton_fused_ops()
         return model
