@@ -5,8 +5,11 @@ cast back, weight), RoPE as fourteen for q and k, SwiGLU's activation as two. At
 such kernels cost more than the layer's weights take to read, so each chain here is one launch. The arithmetic
 follows the torch code in :mod:`batchgen.models.llama` and :mod:`batchgen.models.rotary` step for step, rounding
 to the activations' dtype wherever that code does (after the normalisation and before the weight, after the
-SiLU, after each RoPE product), so results agree with it to the last bit except for summation order (RMSNorm's
-mean) and exp's last float32 bit.
+SiLU, after each RoPE product), so half-precision results agree with it to the last place except for summation
+order (RMSNorm's mean) and exp: compiled for a GPU, ``tl.exp`` is the hardware's approximate exponential, a few
+float32 places off (more for large arguments: ~14 places at 30), which moves a half-precision rounding rarely and
+a float32 model's SiLU by ~1e-6 relative. RoPE is launched without multiply-add fusion, which would otherwise
+round one product of each sum together with the sum instead of before it as torch does.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # row * stride can pass 2**31 elements in a long prefill
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
@@ -91,7 +94,7 @@ def rms_norm(
 
 @triton.jit
 def _silu_and_mul_kernel(gate_up_ptr, out_ptr, stride_g, stride_o, n_cols, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_cols
     gate = tl.load(gate_up_ptr + row * stride_g + offs, mask=mask, other=0.0).to(tl.float32)
@@ -139,7 +142,7 @@ def _rotary_kernel(
     half,
     BLOCK: tl.constexpr,
 ):
-    token = tl.program_id(0)
+    token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
     mask = offs < half
@@ -202,5 +205,6 @@ def rotary_embedding(
             num_heads,
             half,
             BLOCK=triton.next_power_of_2(half),
+            enable_fp_fusion=False,
         )
     return q_out, k_out
