@@ -15,16 +15,19 @@
 #    graphs, and with graphs and the fused elementwise kernels: decode ms/step, tok/s, achieved GB/s against the
 #    measured copy bandwidth, and each switch's speedup;
 # d. batchgen bench --baseline hf hf-cb: offline throughput of random:llama-1b (bf16, 256 prompts of 32-256
-#    tokens, 64 new tokens) beside HF transformers generate and generate_batch in the same process, the ratios.
+#    tokens, 64 new tokens) beside HF transformers generate and generate_batch in the same process, the ratios;
+# e. batchgen bench --speculative-algorithm ngram --baseline plain: n-gram speculative decoding against plain
+#    decoding on a repetitive workload of random:llama-1b, with the acceptance figures (into bench_hf.jsonl too).
 #
 # Each step reports PASS/FAIL and runs whatever happened before; the script exits non-zero if any failed. A step
 # still running at its time limit gets SIGABRT, on which Python prints its threads' stacks.
 # Everything printed also goes to $OUT/gpu_check.log (or ./gpu_check_out/ when OUT is unset), with
-# $OUT/summary.txt, compare.json, bench.jsonl, bench_table.txt and bench_hf.jsonl. On one H200 (2026-11-29) the
-# whole check took about 5 minutes after the machine's start, FlashInfer's JIT build 14-20 s of it;
+# $OUT/summary.txt, compare.json, bench.jsonl, bench_table.txt and bench_hf.jsonl. On one H200 (2026-11-29) steps
+# 0-d took about 5 minutes after the machine's start (before the fused-kernel runs and step e were added),
+# FlashInfer's JIT build 14-20 s of it;
 # GPU_CHECK_BUDGET (seconds, default 470) caps the whole run, each step getting what is left.
 #
-# Knobs: GPU_CHECK_STEPS (the steps to run, default "0 a b c d"), PYTHON (the interpreter holding torch; default
+# Knobs: GPU_CHECK_STEPS (the steps to run, default "0 a b c d e"), PYTHON (the interpreter holding torch; default
 # python3), GPU_CHECK_VENV (default /tmp/batchgen-gpu-venv), GPU_CHECK_BENCH_BACKENDS (default "auto"; e.g.
 # "flashinfer triton" to compare).
 #
@@ -47,10 +50,10 @@ export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFF
 
 BUDGET="${GPU_CHECK_BUDGET:-470}"
 DEADLINE=$((SECONDS + BUDGET))
-read -r -a STEPS <<<"${GPU_CHECK_STEPS:-0 a b c d}"
+read -r -a STEPS <<<"${GPU_CHECK_STEPS:-0 a b c d e}"
 declare -A RESULT=()
 # Seconds each step would like, and the least it is given (kept in reserve while earlier steps run).
-declare -A WANT=([0]=200 [a]=150 [b]=150 [c]=150 [d]=150) LEAST=([0]=60 [a]=60 [b]=110 [c]=80 [d]=90)
+declare -A WANT=([0]=200 [a]=150 [b]=150 [c]=150 [d]=150 [e]=90) LEAST=([0]=60 [a]=60 [b]=110 [c]=80 [d]=90 [e]=60)
 
 banner() { printf '\n===== %s  (%ds elapsed, %ds left) =====\n' "$1" "$SECONDS" $((DEADLINE - SECONDS)); }
 wanted() { [[ " ${STEPS[*]} " == *" $1 "* ]]; }
@@ -58,7 +61,7 @@ wanted() { [[ " ${STEPS[*]} " == *" $1 "* ]]; }
 # Seconds for step $1: what it wants, less the least of each wanted step after it, and never below its own least.
 step_time() {
     local step=$1 reserve=0 later=0 s
-    for s in 0 a b c d; do
+    for s in 0 a b c d e; do
         ((later)) && wanted "$s" && reserve=$((reserve + LEAST[$s]))
         [[ $s == "$step" ]] && later=1
     done
@@ -174,11 +177,20 @@ if wanted d; then
         --result-file "$OUT_DIR/bench_hf.jsonl"
 fi
 
+# ---- e. speculative decoding against plain decoding ----
+if wanted e; then
+    banner "e. bench --speculative-algorithm ngram --baseline plain (random:llama-1b)"
+    run_step "e. speculative vs plain" "$(step_time e)" "${STAMPED[@]}" \
+        "$VPY" -m batchgen bench --model random:llama-1b --device cuda --dtype bfloat16 --num-prompts 64 \
+        --input-len-range 64:256 --output-len 128 --repetitive --speculative-algorithm ngram --baseline plain \
+        --result-file "$OUT_DIR/bench_hf.jsonl"
+fi
+
 # ---- summary ----
 banner "summary"
 status=0
 for name in "0. flashinfer JIT warm-up" "a. pytest -m cuda" "b. greedy agreement" "c. bench-one-batch" \
-    "d. bench vs HF generate"; do
+    "d. bench vs HF generate" "e. speculative vs plain"; do
     wanted "${name%%.*}" || RESULT[$name]="skipped (GPU_CHECK_STEPS)"
     printf '%-28s %s\n' "$name" "${RESULT[$name]:-not run}" | tee -a "$OUT_DIR/summary.txt"
     [[ "${RESULT[$name]:-}" == PASS || "${RESULT[$name]:-}" == skipped* ]] || status=1
