@@ -11,6 +11,7 @@ from batchgen.speculative.draft_budget import (
     PROBE_EVERY,
     RoundCostModel,
     drafts_worth_verifying,
+    fade_held_back,
     record_acceptance,
 )
 
@@ -68,3 +69,29 @@ def test_probe_rounds_while_every_round_has_one_width() -> None:
     fit = model.coefficients()
     # Two widths on one line: 20 ms at 64 tokens, 60 ms at 320, so c1 = 0.04 s / 256 tokens and c0 = 10 ms.
     assert fit is not None and fit == pytest.approx((0.010, 0.04 / 256)) and not model.wants_probe()
+
+
+def test_a_held_back_position_is_offered_again_once_its_record_fades() -> None:
+    """10 failed tries at the first position, break-even 0.9: held back until 10 * 0.95**n <= 2/0.9 - 2 (the prior
+    (0 + 2) / (tries + 2) back at 0.9), i.e. n = 75 rounds; one more failure, then 34 rounds (hand-computed:
+    ln((2/0.9 - 2) / (10 * 0.95**75 + 1)) / ln(0.95) = 33.1)."""
+    req = _req()
+    for _ in range(10):
+        record_acceptance(req, proposed=1, accepted=0)
+
+    def rounds_held_back() -> int:
+        rounds = 0
+        while (offered := drafts_worth_verifying(req, 0.9, 4)) == 0:
+            fade_held_back(req, offered)
+            rounds += 1
+        return rounds
+
+    assert rounds_held_back() == 75
+    record_acceptance(req, proposed=1, accepted=0)
+    assert rounds_held_back() == 34
+    # A position that is offered keeps its record; only the held-back ones fade.
+    record_acceptance(req, proposed=2, accepted=1)
+    tries, hits = list(req.draft_position_tries), list(req.draft_position_hits)
+    fade_held_back(req, 1)
+    assert req.draft_position_tries[0] == tries[0] and req.draft_position_tries[1] == pytest.approx(0.95 * tries[1])
+    assert req.draft_position_hits[1] == pytest.approx(0.95 * hits[1])

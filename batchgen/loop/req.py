@@ -73,9 +73,10 @@ class Req:
     draft_state: Any = None
     spec_rounds: int = 0
     spec_tokens: int = 0
-    # Per draft position: verify rounds that tried it (all drafts before it accepted) and that accepted it.
-    draft_position_tries: list[int] = field(default_factory=list)
-    draft_position_hits: list[int] = field(default_factory=list)
+    # Per draft position: verify rounds that tried it (all drafts before it accepted) and that accepted it, faded
+    # while the position is held back (speculative.draft_budget).
+    draft_position_tries: list[float] = field(default_factory=list)
+    draft_position_hits: list[float] = field(default_factory=list)
 
     @property
     def fill_len(self) -> int:

@@ -16,8 +16,9 @@ over whole prompts makes a token dearer than in a decode round, which would pull
 every round — the scheduler runs every ``PROBE_EVERY``-th round as a plain decode round
 (:meth:`RoundCostModel.wants_probe`).
 
-Known limitation: a request whose record has fallen below the break-even is never offered drafts again, even if
-its text later becomes predictable.
+A request's record of the positions it is not offered fades a little each round (:func:`fade_held_back`), so one
+whose text turned unpredictable is offered drafts again once the optimistic prior outweighs the faded failures:
+its text may have become predictable since.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from batchgen.loop.req import Req
 DECAY = 0.95  # weight of older rounds in the fit: about the last 20 rounds count
 MIN_ROUNDS = 8  # rounds observed before the fit is trusted (until then every draft is verified)
 PROBE_EVERY = 8  # without a fit after MIN_ROUNDS rounds, one round in this many decodes without drafts
+RECORD_FADE = 0.95  # per round a draft position is held back, the weight its tries and hits keep
 
 
 class RoundCostModel:
@@ -98,3 +100,18 @@ def drafts_worth_verifying(req: Req, break_even: float, limit: int) -> int:
             break
         count += 1
     return count
+
+
+def fade_held_back(req: Req, offered: int) -> None:
+    """Fade the record of every draft position past the first ``offered``, which ``req`` is not offered this round.
+
+    A held-back position's record would otherwise never change. Fading tries and hits alike keeps their ratio and
+    lets the optimistic prior of :func:`drafts_worth_verifying` win again: a position with 10 failed tries and no
+    hit (estimate 2/12) is offered again at break-even 0.9 after 75 rounds held back (the first n with
+    10 * 0.95**n <= 2/0.9 - 2), and after one more failure every 34 rounds: a verified position wasted per ~34
+    tokens at worst.
+    """
+    tries, hits = req.draft_position_tries, req.draft_position_hits
+    for j in range(offered, len(tries)):
+        tries[j] *= RECORD_FADE
+        hits[j] *= RECORD_FADE

@@ -32,7 +32,7 @@ from typing import Protocol
 
 from batchgen.loop.req import Req
 from batchgen.sampling.grammar import GrammarState
-from batchgen.speculative.draft_budget import drafts_worth_verifying
+from batchgen.speculative.draft_budget import drafts_worth_verifying, fade_held_back
 
 
 class Drafter(Protocol):
@@ -99,7 +99,7 @@ def plan_drafts(
     rejected or grammar-ending draft is never reached.
 
     Without ``pad``, a request is offered only the drafts worth verifying at ``break_even`` acceptance
-    (:func:`batchgen.speculative.draft_budget.drafts_worth_verifying`).
+    (:func:`batchgen.speculative.draft_budget.drafts_worth_verifying`); the record of those held back fades.
     """
     limits, asks = [], []
     for req in decodes:
@@ -110,6 +110,7 @@ def plan_drafts(
         limit = max(0, min(drafter.num_draft_tokens, req.max_total_len - req.fill_len, room))
         if not pad:
             limit = drafts_worth_verifying(req, break_even, max(0, min(limit, useful)))
+            fade_held_back(req, limit)
         limits.append(limit)
         asks.append(max(0, min(limit, useful)))
         room -= limit
