@@ -207,7 +207,7 @@ def compare(args: argparse.Namespace) -> int:
         futures = {c: pool.submit(_run, c, prompts, work, deadline, args) for c in configs}
         results = {c: f.result() for c, f in futures.items()}
     for config, (_, note) in results.items():
-        print(f"  ran {config.name:<28} {note}")
+        print(f"  ran {config.name:<33} {note}")
     exact = RunConfig("float32", "torch_native", False)
     pairs = [(exact, c) for c in configs if c != exact and (not c.graphs or c.fused)]
     pairs += [(RunConfig(c.dtype, c.backend, False), c) for c in configs if c.graphs and not c.fused]
@@ -216,7 +216,7 @@ def compare(args: argparse.Namespace) -> int:
     if noise is not None:
         print(f"\nbfloat16 noise (torch_native bfloat16 against float32): max {noise.max:.3g}, mean {noise.mean:.3g}")
     print("steps: compared/total (a row stops at its first parting); partings: rows whose tokens part")
-    print(f"{'reference':<28} {'compared with':<28} {'steps':>9} {'parts':>5} {'max|dlp|':>8} {'mean':>8}  verdict")
+    print(f"{'reference':<28} {'compared with':<33} {'steps':>9} {'parts':>5} {'max|dlp|':>8} {'mean':>8}  verdict")
     report: list[dict[str, Any]] = []
     for ref_cfg, cfg in pairs:
         ref, got = results[ref_cfg][0], results[cfg][0]
@@ -243,7 +243,7 @@ def compare(args: argparse.Namespace) -> int:
         )
         verdict = "PASS" if not problems else "FAIL: " + "; ".join(problems[:3])
         print(
-            f"{ref_cfg.name:<28} {cfg.name:<28} {f'{len(dev.diffs)}/{dev.steps}':>9} {len(dev.parting_margins):>5} "
+            f"{ref_cfg.name:<28} {cfg.name:<33} {f'{len(dev.diffs)}/{dev.steps}':>9} {len(dev.parting_margins):>5} "
             f"{dev.max:>8.2e} {dev.mean:>8.2e}  {verdict}"
         )
     (out_dir / "compare.json").write_text(json.dumps(report, indent=1))
