@@ -21,6 +21,7 @@ from batchgen.engine_flags import (
     SPECULATIVE_NGRAM_MAX,
     SPECULATIVE_NGRAM_MIN,
     SPECULATIVE_NUM_DRAFT_TOKENS,
+    check_engine_limits,
 )
 from batchgen.errors import BatchgenError
 from batchgen.kernels.attention import ATTENTION_BACKENDS
@@ -95,11 +96,7 @@ def _check_run_options(
     """
     if on_error not in ("fail", "skip"):
         raise BatchgenError(f"--on-error must be fail or skip, got '{on_error}'")
-    for name, value in (("max_running_requests", max_running_requests), ("max_prefill_tokens", max_prefill_tokens)):
-        if value is not None and value < 1:
-            raise BatchgenError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    if chunked_prefill_size < 0:
-        raise BatchgenError(f"--chunked-prefill-size must be >= 0, got {chunked_prefill_size}")
+    check_engine_limits(max_running_requests, max_prefill_tokens, chunked_prefill_size)
     if seed is not None and not 0 <= seed < 2**63:
         raise BatchgenError(f"--seed must be in [0, 2**63), got {seed}")
     if context_length is not None and context_length < 2:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import typer
 
+from batchgen.errors import BatchgenError
 from batchgen.loop.options import EngineOptions
 
 _DEFAULTS = EngineOptions(model="")
@@ -36,3 +37,18 @@ SPECULATIVE_ACCEPTANCE = typer.Option(
     help="How sampled rows verify a draft model's drafts: rejection (rejection sampling, most accepted) or "
     "coupled (outputs identical to plain decoding with the same seeds).",
 )
+
+
+def check_engine_limits(
+    max_running_requests: int | None, max_prefill_tokens: int | None, chunked_prefill_size: int | None
+) -> None:
+    """Range checks of the batch-size flags ``run`` and ``bench`` share (``None``: the engine's default).
+
+    Raises:
+        BatchgenError: naming the first bad flag.
+    """
+    for name, value in (("max_running_requests", max_running_requests), ("max_prefill_tokens", max_prefill_tokens)):
+        if value is not None and value < 1:
+            raise BatchgenError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if chunked_prefill_size is not None and chunked_prefill_size < 0:
+        raise BatchgenError(f"--chunked-prefill-size must be >= 0, got {chunked_prefill_size}")

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import run_cli
+from conftest import run_cli, write_jsonl
 
 from batchgen.bench.commands import expand_multi_value_options
 from batchgen.bench.model_costs import forward_flops, layer_params
@@ -160,11 +160,12 @@ def test_bench_with_hf_baseline_fields(random_models: dict[str, Path], tmp_path:
     )
     assert code == 0, output
     assert "batchgen / hf generate =" in output and "batchgen / hf generate_batch =" in output
-    assert "peak RSS after batchgen" in output
+    for system in ("batchgen", "hf generate", "hf generate_batch"):
+        assert f"peak RSS after {system}: " in output
     rows = [json.loads(line) for line in result_file.read_text().splitlines()]
     assert [r["system"] for r in rows] == ["batchgen", "hf generate", "hf generate_batch"]
     for row in rows:
-        assert row["requests"] == 5 and row["output_tokens"] == 30
+        assert row["requests"] == 5 and row["output_tokens"] == 30 and row["dtype"] == "float32"
         assert row["input_tokens"] == rows[0]["input_tokens"]
         assert abs(row["output_throughput"] - 30 / row["seconds"]) < 1e-6 * row["output_throughput"]
 
@@ -223,3 +224,44 @@ def test_bench_speculative_result_lines_and_plain_baseline(random_models: dict[s
 def test_bench_rejects_bad_range(random_models: dict[str, Path]) -> None:
     code, output = run_cli(["bench", "--model", str(random_models["llama"]), "--input-len-range", "9:3"])
     assert code == 2 and "--input-len-range must satisfy 1 <= low <= high, got '9:3'" in output
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--num-prompts", "0"], "--num-prompts must be >= 1, got 0"),
+        (["--output-len", "-1"], "--output-len must be >= 1, got -1"),
+        (["--baseline", "hf", "--hf-batch-size", "0"], "--hf-batch-size must be >= 1, got 0"),
+        (["--max-running-requests", "0"], "--max-running-requests must be >= 1, got 0"),
+        (["--chunked-prefill-size", "-1"], "--chunked-prefill-size must be >= 0, got -1"),
+        (["--result-file", "/nonexistent-dir/r.jsonl"], "--result-file /nonexistent-dir/r.jsonl: cannot write"),
+        # A KV pool of 10 tokens caps the context at 10: the prompts could never be scheduled (this hung before).
+        (["--max-total-tokens", "10"], "--input-len-range up to 16 plus --output-len 4 exceeds the context length"),
+    ],
+    ids=["num-prompts", "output-len", "hf-batch-size", "max-running", "chunk", "result-file", "context"],
+)
+def test_bad_bench_values_are_one_line_errors(
+    extra: list[str], message: str, random_models: dict[str, Path], tmp_path: Path
+) -> None:
+    args = ["bench", "--model", str(random_models["llama"]), "--num-prompts", "2", "--input-len-range", "8:16"]
+    code, output = run_cli([*args, "--output-len", "4", "--dtype", "float32", "--device", "cpu", *extra])
+    assert code == 2, output
+    assert message in output and "Traceback" not in output
+    assert "req/s" not in output  # refused before any work
+
+
+def test_bench_one_batch_checks_its_result_file_first(random_models: dict[str, Path]) -> None:
+    args = ["bench-one-batch", "--model", str(random_models["llama"]), "--batch-size", "1", "--input-len", "8"]
+    code, output = run_cli([*args, "--output-len", "2", "--device", "cpu", "--result-file", "/nonexistent-dir/r.jsonl"])
+    assert code == 2 and "--result-file /nonexistent-dir/r.jsonl: cannot write" in output
+    assert "machine:" not in output
+
+
+def test_bench_dataset_says_which_rows_it_skipped(random_models: dict[str, Path], tmp_path: Path) -> None:
+    rows = [{"prompt_token_ids": [1, 2, 3]}, {"prompt_token_ids": "oops"}, {"prompt_token_ids": [4, 5]}]
+    dataset = write_jsonl(tmp_path / "d.jsonl", rows)
+    args = ["bench", "--model", str(random_models["llama"]), "--dataset", str(dataset), "--output-len", "2"]
+    code, output = run_cli([*args, "--dtype", "float32", "--device", "cpu"])
+    assert code == 0, output
+    assert "skipped 1 rows the benchmark cannot use; the first:" in output and "d.jsonl:2" in output
+    assert "workload: 2 prompts" in output

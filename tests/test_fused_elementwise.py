@@ -173,8 +173,15 @@ def test_fused_ops_on_the_cpu_without_the_interpreter_is_a_one_line_error(monkey
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(BatchgenError, match="BATCHGEN_TRITON_FUSED_OPS=1 needs a CUDA device"):
         triton_fused_ops_requested(torch.device("cpu"))
-    monkeypatch.setenv(FUSED_OPS_SWITCH, "0")
-    assert not triton_fused_ops_requested(torch.device("cpu"))
+    monkeypatch.setenv(FUSED_OPS_SWITCH, "maybe")
+    with pytest.raises(BatchgenError, match="BATCHGEN_TRITON_FUSED_OPS must be 1 or 0, got 'maybe'"):
+        triton_fused_ops_requested(torch.device("cpu"))
+    for off in ("0", "off", ""):
+        monkeypatch.setenv(FUSED_OPS_SWITCH, off)
+        assert not triton_fused_ops_requested(torch.device("cpu"))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv(FUSED_OPS_SWITCH, "true")
+    assert triton_fused_ops_requested(torch.device("cpu"))
 
 
 def test_fused_ops_in_float16_are_as_close_to_float32_as_torch(

@@ -8,6 +8,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import torch
 import typer
 
 from batchgen.bench.offline import load_hf_model, run_engine, run_hf_generate, run_hf_generate_batch
@@ -24,6 +25,7 @@ from batchgen.engine_flags import (
     SPECULATIVE_NGRAM_MAX,
     SPECULATIVE_NGRAM_MIN,
     SPECULATIVE_NUM_DRAFT_TOKENS,
+    check_engine_limits,
 )
 from batchgen.errors import BatchgenError
 from batchgen.loop.engine import Engine
@@ -80,6 +82,7 @@ def bench_one_batch(
     batch size, input and output length: prefill and decode latency, throughput, bandwidth and FLOP/s (with
     speculative decoding, the decode steps are the engine's verify rounds, and the acceptance is reported)."""
     with user_errors():
+        check_writable(result_file)
         longest = max(input_len) + max(output_len)
         engine = Engine(
             EngineOptions(
@@ -113,7 +116,7 @@ def bench_one_batch(
                 raise typer.Exit(1)
         ceilings = measure_ceilings(engine.dtype, engine.device)
         print(
-            f"machine: {engine.device}, {str(engine.dtype).removeprefix('torch.')} matmul "
+            f"machine: {engine.device}, {dtype_name(engine.dtype)} matmul "
             f"{ceilings.matmul_flops / 1e12:.3f} TFLOP/s, copy {ceilings.copy_bandwidth / 1e9:.1f} GB/s"
         )
         if warmup:
@@ -125,9 +128,29 @@ def bench_one_batch(
                     print(result.line())
                     if result_file is not None:
                         with open(result_file, "a") as f:
-                            record = {"model": model, "dtype": str(engine.dtype), **result.as_dict()}
+                            record = {"model": model, "dtype": dtype_name(engine.dtype), **result.as_dict()}
                             record.update(speculative_record(engine.options, result.accept_histogram or {}))
                             f.write(json.dumps(record) + "\n")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``bfloat16`` for ``torch.bfloat16``: the spelling of ``--dtype``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def check_writable(result_file: Path | None) -> None:
+    """Open ``--result-file`` for appending before any work, so a bad path fails first, not after the benchmark.
+
+    Raises:
+        BatchgenError: the file cannot be opened for appending.
+    """
+    if result_file is None:
+        return
+    try:
+        with open(result_file, "a"):
+            pass
+    except OSError as e:
+        raise BatchgenError(f"--result-file {result_file}: cannot write: {e.strerror or e}") from None
 
 
 def _parse_range(text: str) -> tuple[int, int]:
@@ -182,6 +205,13 @@ def bench(
                 "--baseline plain compares speculative decoding with plain decoding: it needs --speculative-algorithm"
             )
         low, high = _parse_range(input_len_range)
+        for flag, value in (("--num-prompts", num_prompts), ("--output-len", output_len)):
+            if value < 1:
+                raise BatchgenError(f"{flag} must be >= 1, got {value}")
+        if {"hf", "hf-cb"} & set(baseline) and hf_batch_size < 1:
+            raise BatchgenError(f"--hf-batch-size must be >= 1, got {hf_batch_size}")
+        check_engine_limits(max_running_requests, max_prefill_tokens, chunked_prefill_size)
+        check_writable(result_file)
         engine = Engine(
             EngineOptions(
                 model=model,
@@ -208,10 +238,15 @@ def bench(
                 dataset, engine.tokenizer, engine.vocab_size, engine.context_len, num_prompts, output_len
             )
         else:
+            if high + output_len > engine.context_len:
+                raise BatchgenError(
+                    f"--input-len-range up to {high} plus --output-len {output_len} exceeds the context length "
+                    f"{engine.context_len} (the model's, or what --max-total-tokens leaves)"
+                )
             workload = random_workload(num_prompts, low, high, output_len, engine.vocab_size, seed, repetitive)
         print(
             f"workload: {len(workload.prompts)} prompts, {workload.input_tokens} input tokens, {output_len} new tokens "
-            f"each, {model} in {str(engine.dtype).removeprefix('torch.')} on {engine.device}",
+            f"each, {model} in {dtype_name(engine.dtype)} on {engine.device}",
             file=sys.stderr,
         )
         results = [run_engine(engine, workload)]
@@ -242,10 +277,12 @@ def bench(
                 print(result.line())
                 ratio = results[0].output_throughput / result.output_throughput
                 print(f"{'ratio':>16}: batchgen / {result.system} = {ratio:.2f}x (output tok/s)")
+                if report_memory:
+                    print(f"peak RSS after {result.system}: {peak_rss_mib():.0f} MiB")
         if result_file is not None:
             with open(result_file, "a") as f:
                 for result in results:
-                    record = {"model": model, "dtype": str(engine.dtype), **result.as_dict()}
+                    record = {"model": model, "dtype": dtype_name(engine.dtype), **result.as_dict()}
                     if result is results[0]:  # batchgen itself; the baselines ran without speculation
                         record.update(speculative_record(engine.options, histogram))
                     f.write(json.dumps(record) + "\n")

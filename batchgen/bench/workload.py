@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,7 +51,8 @@ def random_workload(
 def dataset_workload(
     path: Path, tokenizer: Any, vocab_size: int, context_len: int, num_prompts: int, output_len: int
 ) -> Workload:
-    """The first ``num_prompts`` valid rows of a ``batchgen run`` dataset, tokenized as ``run`` would.
+    """The first ``num_prompts`` valid rows of a ``batchgen run`` dataset, tokenized as ``run`` would; the rows
+    skipped (invalid, or too long for ``context_len - output_len``) are counted on stderr with the first reason.
 
     Raises:
         BatchgenError: the file cannot be read, or it has no valid row.
@@ -60,10 +62,12 @@ def dataset_workload(
         tokenizer, vocab_size, context_len - output_len, [], SamplingParams(), run_seed=0, max_samples=MAX_SAMPLES
     )
     prompts: list[list[int]] = []
+    skipped: list[RowError] = []
     for order, item in enumerate(reader):
         if len(prompts) == num_prompts:
             break
         if isinstance(item, RowError):
+            skipped.append(item)
             continue
         try:
             prompts.append(
@@ -71,8 +75,13 @@ def dataset_workload(
                     parse_row(item, reader.source, reader.passthrough_schema), reader.source, order
                 ).prompt_ids
             )
-        except RowError:
-            continue
+        except RowError as e:
+            skipped.append(e)
+    if skipped:
+        # Not fatal (the benchmark needs prompts, not every row), but never silent: the workload is not the file.
+        print(
+            f"batchgen: skipped {len(skipped)} rows the benchmark cannot use; the first: {skipped[0]}", file=sys.stderr
+        )
     if not prompts:
         raise BatchgenError(f"{path}: no valid prompt rows for the benchmark")
     return Workload(prompts, output_len)

@@ -25,17 +25,25 @@ FUSED_OPS_SWITCH = "BATCHGEN_TRITON_FUSED_OPS"
 
 
 def triton_fused_ops_requested(device: torch.device) -> bool:
-    """Whether ``$BATCHGEN_TRITON_FUSED_OPS`` is ``1``: RMSNorm, SiLU-and-multiply and RoPE as one Triton kernel
-    each (:meth:`LlamaForCausalLM.use_triton_fused_ops`). Off by default until timed on a GPU.
+    """Whether ``$BATCHGEN_TRITON_FUSED_OPS`` is on (``1``, ``true``, ``on``, ``yes``): RMSNorm, SiLU-and-multiply
+    and RoPE as one Triton kernel each (:meth:`LlamaForCausalLM.use_triton_fused_ops`). Off by default until timed
+    on a GPU.
 
     Raises:
-        BatchgenError: asked for on the CPU outside Triton's interpreter (``TRITON_INTERPRET=1``), which is
-            the only way Triton runs CPU tensors, or without triton installed.
+        BatchgenError: a value that is neither on nor off (``0``, ``false``, ``off``, ``no``, empty); asked for
+            on the CPU outside Triton's interpreter (``TRITON_INTERPRET=1``, the only way Triton runs CPU
+            tensors, for tests); or without triton installed.
     """
-    if os.environ.get(FUSED_OPS_SWITCH, "").strip() != "1":
+    value = os.environ.get(FUSED_OPS_SWITCH, "").strip().lower()
+    if value in ("", "0", "false", "off", "no"):
         return False
+    if value not in ("1", "true", "on", "yes"):
+        raise BatchgenError(f"{FUSED_OPS_SWITCH} must be 1 or 0, got '{value}'")
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise BatchgenError(f"{FUSED_OPS_SWITCH}=1 needs a CUDA device (on the CPU, Triton runs only interpreted)")
+        raise BatchgenError(
+            f"{FUSED_OPS_SWITCH}=1 needs a CUDA device: unset it on the CPU (where Triton runs only interpreted, "
+            "with TRITON_INTERPRET=1, slowly, for tests)"
+        )
     try:
         import triton  # noqa: F401
     except ImportError:
