@@ -301,3 +301,9 @@ def assert_within_rounding_noise(dev: Deviation, noise: Deviation, label: str) -
     assert dev.max <= 2 * noise.max and dev.mean <= 1.5 * noise.mean, summary
     assert all(m <= 2 * noise.max for m in dev.parting_margins), summary
     assert len(dev.diffs) >= dev.total_steps / 2, summary
+
+
+def assert_within(got: torch.Tensor, expected: torch.Tensor, places: float, scale: float = 1.0) -> None:
+    """|got - expected| <= places * eps * (|expected| + scale), with eps the epsilon of ``got``'s dtype."""
+    eps = torch.finfo(got.dtype).eps
+    torch.testing.assert_close(got.double(), expected.double(), rtol=places * eps, atol=places * eps * scale)

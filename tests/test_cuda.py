@@ -26,6 +26,7 @@ import torch
 from conftest import (
     FIRST_TOKENS_PROMPT,
     assert_first_two_tokens_follow_top5,
+    assert_within,
     assert_within_rounding_noise,
     build_random_model,
     deviation,
@@ -102,6 +103,42 @@ def test_flashinfer_cuda_graph_capture_and_replay() -> None:
     replay_and_check([(1, 32, 1), (2, 5, 1), (3, 7, 1)])
     compare_backends(scene, reference, backend, HEADS, [(ForwardMode.EXTEND, [(2, 6, 60)])], atol=3e-2)
     replay_and_check([(1, 33, 1), (2, 66, 1), (3, 8, 1)])  # row 2 is now 60 tokens longer than at capture
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_fused_elementwise_kernels_compiled(dtype: torch.dtype) -> None:
+    """The fused RMSNorm, SiLU-and-multiply and RoPE kernels compiled for the GPU against the torch code they
+    replace, on the GPU: half precision within a rounding tie or two (summation order; the GPU's approximate exp),
+    float32 SiLU within 16 places (that exp errs by ~7 float32 places at |x| 16). tests/test_fused_elementwise.py
+    checks the same kernels interpreted on the CPU, more widely."""
+    import torch.nn.functional as F
+    from transformers import LlamaConfig
+
+    from batchgen.kernels.triton.fused_elementwise import rms_norm, rotary_embedding, silu_and_mul
+    from batchgen.models.llama import RMSNorm
+    from batchgen.models.rotary import RotaryEmbedding
+
+    device = torch.device("cuda")
+    gen = torch.Generator().manual_seed(0)
+    x, residual = ((torch.randn(37, 576, generator=gen) * 2).to(device, dtype) for _ in range(2))
+    norm = RMSNorm(576, 1e-5).to(device, dtype)
+    norm.weight.data.copy_(1 + 0.2 * torch.randn(576, generator=gen))
+    out, summed = rms_norm(x, norm.weight, 1e-5, residual)
+    assert_within(summed, residual + x, 0)
+    assert_within(out, norm(residual + x), 2)
+    gate_up = (torch.randn(37, 2 * 1536, generator=gen) * 4).to(device, dtype)
+    gate, up = gate_up.split(1536, dim=-1)
+    assert_within(silu_and_mul(gate_up), F.silu(gate) * up, 16 if dtype == torch.float32 else 2)
+    config = LlamaConfig(hidden_size=9 * 64, num_attention_heads=9, rope_theta=10000.0)
+    rotary = RotaryEmbedding(config, 64, 4096, device)
+    positions = torch.tensor([0, 1, 2, 3, 0, 17, 4095, 1000, 1001], device=device)
+    qkv = torch.randn(9, (9 + 2 * 3) * 64, generator=gen).to(device, dtype)
+    q, k, _ = qkv.split([9 * 64, 3 * 64, 3 * 64], dim=-1)
+    q, k = q.view(9, 9, 64), k.view(9, 3, 64)
+    q_ref, k_ref = rotary(positions, q, k)
+    q_out, k_out = rotary_embedding(positions, q, k, rotary.cos_table, rotary.sin_table)
+    assert_within(q_out, q_ref, 1, scale=4.0)
+    assert_within(k_out, k_ref, 1, scale=4.0)
 
 
 # ---- whole runs ----

@@ -25,7 +25,7 @@ import torch.nn.functional as F  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not installed (pip install triton); its kernels cannot be tested")
 
-from conftest import assert_within_rounding_noise, deviation, generate, write_jsonl  # noqa: E402
+from conftest import assert_within, assert_within_rounding_noise, deviation, generate, write_jsonl  # noqa: E402
 from test_hf_equivalence import _check_against_hf, _prompts  # noqa: E402
 
 from batchgen.errors import BatchgenError  # noqa: E402
@@ -37,11 +37,9 @@ from batchgen.models.source import FUSED_OPS_SWITCH, ModelSource, triton_fused_o
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-def assert_within(got: torch.Tensor, expected: torch.Tensor, places: float, scale: float = 1.0) -> None:
-    """|got - expected| <= places * eps * (|expected| + scale), eps the dtype's; two places more for bfloat16."""
-    eps = torch.finfo(got.dtype).eps
-    places += 2 if got.dtype == torch.bfloat16 else 0
-    torch.testing.assert_close(got.double(), expected.double(), rtol=places * eps, atol=places * eps * scale)
+def within(got: torch.Tensor, expected: torch.Tensor, places: float, scale: float = 1.0) -> None:
+    """``assert_within`` with two places more for bfloat16 (the interpreter's truncating conversion)."""
+    assert_within(got, expected, places + (2 if got.dtype == torch.bfloat16 else 0), scale)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -54,10 +52,10 @@ def test_rms_norm_matches_the_torch_module_and_the_formula(dtype: torch.dtype, h
     module.weight.data.copy_(weight)
     out, summed = rms_norm(x, weight, 1e-6)
     assert summed is x and out.dtype == dtype
-    assert_within(out, module(x), 2)  # the mean's summation order and rsqrt's last bit
+    within(out, module(x), 2)  # the mean's summation order and rsqrt's last bit
     x64 = x.double()
     expected = weight.double() * x64 / torch.sqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6)
-    assert_within(out, expected, 4)  # rounded after the normalisation and after the weight
+    within(out, expected, 4)  # rounded after the normalisation and after the weight
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -69,8 +67,8 @@ def test_rms_norm_after_a_residual_add(dtype: torch.dtype) -> None:
     module = RMSNorm(576, 1e-5).to(dtype)
     module.weight.data.copy_(weight)
     out, summed = rms_norm(x, weight, 1e-5, residual=residual)
-    assert_within(summed, residual + x, 0)  # one rounding, as torch's add
-    assert_within(out, module(residual + x), 2)
+    within(summed, residual + x, 0)  # one rounding, as torch's add
+    within(out, module(residual + x), 2)
 
 
 def test_rms_norm_of_no_rows_and_strided_rows() -> None:
@@ -93,7 +91,7 @@ def test_silu_and_mul_matches_torch(dtype: torch.dtype, n: int) -> None:
     assert out.shape == (6, n) and out.dtype == dtype
     # The interpreter's exp differs from torch's in the last float32 places (a GPU's approximate exp by a few more:
     # see the kernel module), which can move a half-precision rounding tie by one place.
-    assert_within(out, F.silu(gate) * up, 4)
+    within(out, F.silu(gate) * up, 4)
     with pytest.raises(ValueError, match="gate and up halves"):
         silu_and_mul(gate_up[:, :-1])
 
@@ -119,8 +117,8 @@ def test_rotary_embedding_matches_torch_on_qkv_views(
     assert q_out.is_contiguous() and k_out.dtype == dtype
     # Each product is rounded as in the torch code; float32 may fuse a product into the add (one rounding less).
     # Errors scale with the inputs (|x| up to ~4), not with the difference of the two products.
-    assert_within(q_out, q_ref, 1, scale=4.0)
-    assert_within(k_out, k_ref, 1, scale=4.0)
+    within(q_out, q_ref, 1, scale=4.0)
+    within(k_out, k_ref, 1, scale=4.0)
     # The rotation itself, in float64, with the tables' cos and sin (their angles are float32 products, as in
     # transformers; the tables are checked through the model against HF elsewhere):
     # (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin).
@@ -129,7 +127,7 @@ def test_rotary_embedding_matches_torch_on_qkv_views(
     sin = rotary.sin_table[positions, :half].double()[:, None, :]
     x1, x2 = q.double()[..., :half], q.double()[..., half:]
     expected = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    assert_within(q_out, expected, 3, scale=4.0)  # cos/sin and products rounded to the dtype, then the sum
+    within(q_out, expected, 3, scale=4.0)  # cos/sin and products rounded to the dtype, then the sum
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
