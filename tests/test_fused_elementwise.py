@@ -17,10 +17,19 @@ import os
 import random
 from pathlib import Path
 
+import pytest
+import torch
+
+if torch.cuda.is_available():
+    # The interpreter is chosen when a kernel is decorated, once per process: set here, it would make every Triton
+    # kernel of this pytest run interpreted, the GPU tests' too.
+    pytest.skip(
+        "Triton's CPU interpreter tests; on a CUDA machine tests/test_cuda.py checks the compiled kernels",
+        allow_module_level=True,
+    )
+
 os.environ["TRITON_INTERPRET"] = "1"
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not installed (pip install triton); its kernels cannot be tested")

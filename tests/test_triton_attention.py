@@ -16,6 +16,17 @@ from __future__ import annotations
 
 import os
 
+import pytest
+import torch
+
+if torch.cuda.is_available():
+    # The interpreter is chosen when a kernel is decorated, once per process: set here, it would make every Triton
+    # kernel of this pytest run interpreted, the GPU tests' too.
+    pytest.skip(
+        "Triton's CPU interpreter tests; on a CUDA machine tests/test_cuda.py checks the compiled kernels",
+        allow_module_level=True,
+    )
+
 # Triton picks interpreter or compiler when a kernel is decorated, i.e. when our kernel modules are imported.
 os.environ["TRITON_INTERPRET"] = "1"
 
@@ -23,9 +34,6 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
 from typing import Any  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not installed (pip install triton); its kernels cannot be tested")
 
