@@ -13,26 +13,15 @@ so bfloat16 results may sit one place lower per rounding there: bfloat16 cases a
 
 from __future__ import annotations
 
-import os
 import random
 from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
+from conftest import use_triton_interpreter
 
-if torch.cuda.is_available():
-    # The interpreter is chosen when a kernel is decorated, once per process: set here, it would make every Triton
-    # kernel of this pytest run interpreted, the GPU tests' too.
-    pytest.skip(
-        "Triton's CPU interpreter tests; on a CUDA machine tests/test_cuda.py checks the compiled kernels",
-        allow_module_level=True,
-    )
-
-os.environ["TRITON_INTERPRET"] = "1"
-
-import torch.nn.functional as F  # noqa: E402
-
-pytest.importorskip("triton", reason="triton is not installed (pip install triton); its kernels cannot be tested")
+use_triton_interpreter()
 
 from conftest import assert_within, assert_within_rounding_noise, deviation, generate, write_jsonl  # noqa: E402
 from test_hf_equivalence import _check_against_hf, _prompts  # noqa: E402

@@ -14,28 +14,16 @@ the float16 cases, which the interpreter runs natively.
 
 from __future__ import annotations
 
-import os
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
+from conftest import use_triton_interpreter
 
-if torch.cuda.is_available():
-    # The interpreter is chosen when a kernel is decorated, once per process: set here, it would make every Triton
-    # kernel of this pytest run interpreted, the GPU tests' too.
-    pytest.skip(
-        "Triton's CPU interpreter tests; on a CUDA machine tests/test_cuda.py checks the compiled kernels",
-        allow_module_level=True,
-    )
-
-# Triton picks interpreter or compiler when a kernel is decorated, i.e. when our kernel modules are imported.
-os.environ["TRITON_INTERPRET"] = "1"
-
-import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
-from types import SimpleNamespace  # noqa: E402
-from typing import Any  # noqa: E402
-
-pytest.importorskip("triton", reason="triton is not installed (pip install triton); its kernels cannot be tested")
+use_triton_interpreter()
 
 from conftest import generate, write_jsonl  # noqa: E402
 from paged_pool import PagedPool, reference_attention, relative_error  # noqa: E402
