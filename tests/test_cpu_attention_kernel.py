@@ -16,6 +16,8 @@ Everything here skips, saying why, when the extension cannot be built on this ma
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -23,7 +25,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import generate, write_jsonl
+from conftest import assert_within_rounding_noise, build_random_model, deviation, generate, write_jsonl
 from paged_pool import PagedPool, reference_attention, relative_error
 
 from batchgen.kernels import cpu as cpu_kernels
@@ -287,23 +289,24 @@ def _batch(pool: PagedPool, mode: ForwardMode, rows: list[int], prefix: list[int
     )
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("mode", "prefix", "extend"),
     [
         (ForwardMode.DECODE, [0, 1, 16, 63, 129, 299], [1, 1, 1, 1, 1, 1]),
         (ForwardMode.TARGET_VERIFY, [0, 60, 125, 295], [1, 5, 5, 5]),
-        # A prefill chunk (SDPA either way) beside decode rows (the kernel when on).
+        # Prefill chunks (SDPA, or the kernel in bfloat16 on a CPU with AVX512-BF16) beside decode rows.
         (ForwardMode.MIXED, [0, 1, 100, 299], [17, 1, 30, 1]),
     ],
 )
 def test_backend_same_with_kernel_on_and_off(
-    monkeypatch: pytest.MonkeyPatch, mode: ForwardMode, prefix: list[int], extend: list[int]
+    monkeypatch: pytest.MonkeyPatch, mode: ForwardMode, prefix: list[int], extend: list[int], dtype: torch.dtype
 ) -> None:
     gen = torch.Generator().manual_seed(4)
     seq_lens = [p + e for p, e in zip(prefix, extend)]
-    pool = _Pool(seq_lens, torch.float32, 2, 64, gen)
+    pool = _Pool(seq_lens, dtype, 2, 64, gen)
     fb = _batch(pool, mode, list(range(len(seq_lens))), prefix, extend)
-    q = torch.randn(sum(extend), 6, 64, generator=gen)
+    q = torch.randn(sum(extend), 6, 64, generator=gen).to(dtype)
     calls: list[int] = []
     kernel = torch_native.paged_attention
 
@@ -319,14 +322,78 @@ def test_backend_same_with_kernel_on_and_off(
         backend.init_forward_metadata(fb)
         is_decode = mode == ForwardMode.DECODE
         outputs.append(backend.forward_decode(q, 0, fb) if is_decode else backend.forward_extend(q, 0, fb))
-    short_rows = sum(e <= torch_native.SHORT_ROW_TOKENS for e in extend)
-    assert calls == [short_rows]  # the kernel ran when on (over the short rows), not when off
+    monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "1")
+    kernel_rows = sum(e <= torch_native.SHORT_ROW_TOKENS for e in extend)
+    if cpu_kernels.prefill_rows_supported(dtype, 64):
+        kernel_rows = len(extend)
+    assert calls == [kernel_rows]  # the kernel ran when on (over the short rows, or all), not when off
     start = 0
     for i, (p, e) in enumerate(zip(prefix, extend)):
         ref = _ref(q[start : start + e], pool, i, p)
         for out in outputs:
-            assert relative_error(out[start : start + e], ref) <= 1e-5, f"prefix {p}, extend {e}"
+            assert relative_error(out[start : start + e], ref) <= TOLERANCE[dtype], f"prefix {p}, extend {e}"
         start += e
+
+
+def test_prefill_rows_supported_in_bfloat16_with_avx512_bf16() -> None:
+    """Prefill rows go to the kernel exactly where it takes bfloat16 pairs with vdpbf16ps: bfloat16, head sizes
+    a multiple of 32 up to 256, and a build for a CPU whose flags (``/proc/cpuinfo``) include avx512_bf16."""
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    has_dot = " avx512_bf16" in flags and " avx512bw" in flags
+    assert bool(torch.ops.batchgen.has_bf16_dot_product()) == has_dot
+    assert cpu_kernels.prefill_rows_supported(torch.bfloat16, 64) == has_dot
+    assert cpu_kernels.prefill_rows_supported(torch.bfloat16, 256) == has_dot
+    assert not cpu_kernels.prefill_rows_supported(torch.bfloat16, 80)
+    assert not cpu_kernels.prefill_rows_supported(torch.bfloat16, 512)
+    assert not cpu_kernels.prefill_rows_supported(torch.float32, 64)
+    assert not cpu_kernels.prefill_rows_supported(torch.float16, 64)
+
+
+# Run in a child process: the kernel built without AVX512-BF16 (the path of CPUs that lack it), on the inputs
+# the parent saved. Its own process, since one process can load the batchgen op library once only.
+_GENERIC_BUILD = """
+import sys, torch
+from batchgen.kernels import cpu
+cpu._CFLAGS.append("-mno-avx512bf16")
+assert cpu.build_problem() is None
+assert not torch.ops.batchgen.has_bf16_dot_product()
+torch.save(cpu.paged_attention(*torch.load(sys.argv[1])), sys.argv[2])
+"""
+
+
+def test_generic_bfloat16_path_matches_float64(tmp_path: Path) -> None:
+    """On a CPU with AVX512-BF16 the tests above run the vdpbf16ps path; this builds the kernel without it and
+    checks the generic bfloat16 path that other CPUs take against the same float64 reference."""
+    if not torch.ops.batchgen.has_bf16_dot_product():
+        pytest.skip("this CPU has no AVX512-BF16: the tests above already ran the generic bfloat16 path")
+    gen = torch.Generator().manual_seed(6)
+    rows = [(200, 40), (65, 5), (130, 1), (1, 1)]
+    pool = _Pool([n for n, _ in rows], torch.bfloat16, 2, 64, gen)
+    q = torch.randn(sum(t for _, t in rows), 8, 64, generator=gen).to(torch.bfloat16)
+    new = [t for _, t in rows]
+    args = (
+        q,
+        pool.k,
+        pool.v,
+        pool.req_to_token,
+        pool.req_pool_indices[[0, 1, 2, 3]],
+        _index([n for n, _ in rows]),
+        _index([sum(new[:i]) for i in range(len(new))]),
+        _index(new),
+        64**-0.5,
+    )
+    torch.save(args, tmp_path / "args.pt")
+    subprocess.run(
+        [sys.executable, "-c", _GENERIC_BUILD, str(tmp_path / "args.pt"), str(tmp_path / "out.pt")],
+        check=True,
+        timeout=600,
+    )
+    out = torch.load(tmp_path / "out.pt")
+    start = 0
+    for i, (seq_len, n) in enumerate(rows):
+        ref = _ref(q[start : start + n], pool, i, seq_len - n)
+        assert relative_error(out[start : start + n], ref) <= TOLERANCE[torch.bfloat16], f"row of length {seq_len}"
+        start += n
 
 
 def _repetitive_rows() -> list[dict[str, Any]]:
@@ -383,3 +450,60 @@ def test_engine_greedy_same_with_kernel_on_and_off(
         assert len(got["output_token_ids"]) == 12
         for a, b in zip(got["output_logprobs"], want["output_logprobs"]):
             assert abs(a - b) <= 1e-5, row["id"]
+
+
+def _hf_float32_rows(model_dir: Path, rows: list[dict[str, Any]], new_tokens: int) -> dict[str, dict[str, Any]]:
+    """HF transformers' greedy continuation of each row alone, in float32: output ids, their raw logprobs and
+    the top 2 of every step, as ``read_rows`` gives batchgen's."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    reference = {}
+    for row in rows:
+        ids = torch.tensor([row["prompt_token_ids"]])
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+        new_ids = out.sequences[0, ids.shape[1] :].tolist()
+        logprobs = [torch.log_softmax(step[0].float(), dim=-1) for step in out.logits]
+        reference[row["id"]] = {
+            "output_token_ids": new_ids,
+            "output_logprobs": [lp[t].item() for lp, t in zip(logprobs, new_ids)],
+            "top_logprobs": [[{"logprob": v} for v in lp.topk(2).values.tolist()] for lp in logprobs],
+        }
+    return reference
+
+
+def test_bfloat16_engine_within_rounding_noise_of_hf_float32(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A head-64 model in bfloat16 with the kernel on (on a CPU with AVX512-BF16: every row, prefill chunks
+    included, through vdpbf16ps) deviates from HF's float32 greedy run no more than bfloat16 rounding does with
+    the kernel off (SDPA and gathered K/V): the rule of ``assert_within_rounding_noise``."""
+    model_dir = build_random_model(
+        tmp_path / "m", "llama", hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2
+    )
+    rng = torch.Generator().manual_seed(3)
+    rows = [
+        {
+            "id": f"r{n}",
+            "prompt_token_ids": [0] + torch.randint(2, 390, (n - 1,), generator=rng).tolist(),
+            "max_new_tokens": 16,
+            "temperature": 0,
+            "ignore_eos": True,
+            "top_logprobs": 2,
+        }
+        for n in (20, 47, 90, 130, 160, 200)
+    ]
+    dataset = write_jsonl(tmp_path / "p.jsonl", rows)
+    reference = _hf_float32_rows(model_dir, rows, 16)
+    args = ["--dtype", "bfloat16", "--chunked-prefill-size", "64", "--max-running-requests", "4"]
+    monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "0")
+    noise = deviation(reference, generate(dataset, tmp_path / "off.arrow", model_dir, *args))
+    monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "1")
+    kernel = deviation(reference, generate(dataset, tmp_path / "on.arrow", model_dir, *args))
+    assert_within_rounding_noise(kernel, noise, "bfloat16 with the CPU kernel")

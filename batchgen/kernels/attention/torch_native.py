@@ -2,7 +2,8 @@
 
 On CPU tensors, rows that add a few tokens (decodes, verify rounds) go to batchgen's C++ paged-attention kernel
 when it builds here (:mod:`batchgen.kernels.cpu`): it reads K/V in place, where gathering them copied every
-row's whole cache per layer per round.
+row's whole cache per layer per round. In bfloat16 on a CPU with AVX512-BF16 prefill rows go there too
+(:func:`~batchgen.kernels.cpu.prefill_rows_supported`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 from torch.nn import functional as F
 
 from batchgen.kernels.attention.base import AttentionBackend
-from batchgen.kernels.cpu import paged_attention, paged_attention_available
+from batchgen.kernels.cpu import paged_attention, paged_attention_available, prefill_rows_supported
 
 if TYPE_CHECKING:
     from batchgen.loop.forward_batch import ForwardBatch
@@ -96,7 +97,8 @@ class TorchNativeAttnBackend(AttentionBackend):
 
     DECODE rounds run as one batched SDPA with a length mask (no per-request Python loop, no host sync);
     rows that extend several tokens run one SDPA each, since their shapes differ. On CPU tensors, short rows
-    use the C++ kernel instead when it is available (``BATCHGEN_CPU_ATTENTION_KERNEL=0`` turns it off).
+    use the C++ kernel instead when it is available (``BATCHGEN_CPU_ATTENTION_KERNEL=0`` turns it off), and so
+    do the long ones where :func:`~batchgen.kernels.cpu.prefill_rows_supported` says it is the faster.
     """
 
     def __init__(self) -> None:
@@ -114,12 +116,14 @@ class TorchNativeAttnBackend(AttentionBackend):
             self.metadata = _Metadata(decodes, [])
             return
         assert fb.extend_seq_lens_cpu is not None and fb.extend_prefix_lens_cpu is not None
+        pool = fb.token_to_kv_pool.k_buffer
+        all_rows_in_kernel = not gather and prefill_rows_supported(pool.dtype, pool.shape[-1])
         short_rows: list[int] = []
         short_starts: list[int] = []
         multi: list[_MultiTokenRow] = []
         q_start = 0
         for i, (prefix, extend) in enumerate(zip(fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu)):
-            if extend <= SHORT_ROW_TOKENS:
+            if extend <= SHORT_ROW_TOKENS or all_rows_in_kernel:
                 short_rows.append(i)
                 short_starts.append(q_start)
             else:
