@@ -31,7 +31,7 @@ from paged_pool import PagedPool, reference_attention, relative_error
 from batchgen.kernels import cpu as cpu_kernels
 from batchgen.kernels.attention import torch_native
 from batchgen.kernels.attention.torch_native import TorchNativeAttnBackend
-from batchgen.kernels.cpu import paged_attention
+from batchgen.kernels.cpu import fused_elementwise, paged_attention
 from batchgen.loop.forward_mode import ForwardMode
 
 POOL_SLOTS = 2500
@@ -264,10 +264,11 @@ def test_build_failure_is_one_line(monkeypatch: pytest.MonkeyPatch, capsys: Any,
 
     monkeypatch.setattr(cpp_extension, "load", fail)
     problem = cpu_kernels.build_problem.__wrapped__()  # uncached: the real build already happened
-    assert problem is not None and problem.startswith(f"the CPU attention kernel did not build ({reason}")
+    assert problem is not None and problem.startswith(f"the CPU kernels did not build ({reason}")
     err = capsys.readouterr().err
     assert (
-        err == f"batchgen: {problem}; using the slower PyTorch attention (BATCHGEN_CPU_ATTENTION_KERNEL=0 hides this)\n"
+        err == f"batchgen: {problem}; using the slower PyTorch code (BATCHGEN_CPU_ATTENTION_KERNEL=0 and "
+        "BATCHGEN_CPU_FUSED_OPS=0 hide this)\n"
     )
 
 
@@ -481,9 +482,10 @@ def _hf_float32_rows(model_dir: Path, rows: list[dict[str, Any]], new_tokens: in
 
 
 def test_bfloat16_engine_within_rounding_noise_of_hf_float32(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A head-64 model in bfloat16 with the kernel on (on a CPU with AVX512-BF16: every row, prefill chunks
-    included, through vdpbf16ps) deviates from HF's float32 greedy run no more than bfloat16 rounding does with
-    the kernel off (SDPA and gathered K/V): the rule of ``assert_within_rounding_noise``."""
+    """A head-64 model in bfloat16 with batchgen's CPU kernels (attention: on a CPU with AVX512-BF16 every row,
+    prefill chunks included, through vdpbf16ps; the fused RMSNorm, SiLU-and-multiply and RoPE) deviates from HF's
+    float32 greedy run no more than bfloat16 rounding does in plain PyTorch (SDPA and gathered K/V, the torch
+    elementwise code): the rule of ``assert_within_rounding_noise``."""
     model_dir = build_random_model(
         tmp_path / "m", "llama", hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2
     )
@@ -503,7 +505,9 @@ def test_bfloat16_engine_within_rounding_noise_of_hf_float32(tmp_path: Path, mon
     reference = _hf_float32_rows(model_dir, rows, 16)
     args = ["--dtype", "bfloat16", "--chunked-prefill-size", "64", "--max-running-requests", "4"]
     monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "0")
+    monkeypatch.setenv(fused_elementwise.ENV_SWITCH, "0")
     noise = deviation(reference, generate(dataset, tmp_path / "off.arrow", model_dir, *args))
     monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "1")
+    monkeypatch.setenv(fused_elementwise.ENV_SWITCH, "1")
     kernel = deviation(reference, generate(dataset, tmp_path / "on.arrow", model_dir, *args))
     assert_within_rounding_noise(kernel, noise, "bfloat16 with the CPU kernel")

@@ -4,14 +4,15 @@ Follows the Hugging Face reference modules (``modeling_llama.py``, ``modeling_qw
 in every numeric step that affects results: RMSNorm in float32, RoPE tables in float32 cast to the activation
 dtype, SiLU-gated MLP. q/k/v and gate/up projections are fused into one GEMM each (one weight read instead of
 three or two); the loader fills the fused weights from the checkpoint's separate tensors.
-:meth:`LlamaForCausalLM.use_triton_fused_ops` swaps the RMSNorm (with the residual add before it), SiLU-and-
-multiply and RoPE chains for one Triton kernel each (:mod:`batchgen.kernels.triton.fused_elementwise`).
+:meth:`LlamaForCausalLM.use_fused_ops` swaps the RMSNorm (with the residual add before it), SiLU-and-multiply
+and RoPE chains for one kernel each, Triton's (:mod:`batchgen.kernels.triton.fused_elementwise`) or the CPU's
+(:mod:`batchgen.kernels.cpu.fused_elementwise`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
@@ -25,10 +26,29 @@ if TYPE_CHECKING:
     from batchgen.loop.forward_batch import ForwardBatch
 
 
+class FusedElementwiseOps(Protocol):
+    """The fused kernels :meth:`LlamaForCausalLM.use_fused_ops` installs (a module with these functions)."""
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+
+    def rotary_embedding(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        cos_table: torch.Tensor,
+        sin_table: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm (Zhang & Sennrich 2019), computed in float32 as in transformers.
 
-    ``fused_kernel`` (set by :meth:`LlamaForCausalLM.use_triton_fused_ops`) runs it, and the residual add of
+    ``fused_kernel`` (set by :meth:`LlamaForCausalLM.use_fused_ops`) runs it, and the residual add of
     :meth:`add_and_norm`, as one kernel on ``[rows, dim]`` inputs.
     """
 
@@ -168,19 +188,18 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is None:
             self.tied_lm_head = PackedLinear(self.model.embed_tokens.weight, None)
 
-    def use_triton_fused_ops(self) -> None:
+    def use_fused_ops(self, ops: FusedElementwiseOps) -> None:
         """Run every layer's RMSNorms (the second with its residual add), SiLU-and-multiply and RoPE, and the final
-        norm, as one Triton kernel each: about 12 kernels a layer instead of 42 (q/k norms stay in torch).
-        Triton runs CUDA tensors, or CPU ones under ``TRITON_INTERPRET=1`` (tests)."""
-        from batchgen.kernels.triton.fused_elementwise import rms_norm, rotary_embedding, silu_and_mul
-
+        norm, as one kernel each from ``ops``: about 12 kernels a layer instead of 42 (q/k norms stay in torch).
+        ``ops`` is :mod:`batchgen.kernels.triton.fused_elementwise` (CUDA tensors, or CPU ones under
+        ``TRITON_INTERPRET=1``) or :mod:`batchgen.kernels.cpu.fused_elementwise` (bfloat16 on the CPU)."""
         for layer in self.model.layers:
             assert isinstance(layer, DecoderLayer)
-            layer.input_layernorm.fused_kernel = rms_norm
-            layer.post_attention_layernorm.fused_kernel = rms_norm
-            layer.mlp.silu_and_mul = silu_and_mul
-        self.model.norm.fused_kernel = rms_norm
-        self.rotary.fused_kernel = rotary_embedding
+            layer.input_layernorm.fused_kernel = ops.rms_norm
+            layer.post_attention_layernorm.fused_kernel = ops.rms_norm
+            layer.mlp.silu_and_mul = ops.silu_and_mul
+        self.model.norm.fused_kernel = ops.rms_norm
+        self.rotary.fused_kernel = ops.rotary_embedding
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         hidden = self.model.embed_tokens(input_ids)

@@ -15,6 +15,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from batchgen.errors import BatchgenError
+from batchgen.kernels.cpu import fused_elementwise as cpu_ops
 from batchgen.models.llama import LlamaForCausalLM
 from batchgen.models.loader import load_model, random_model
 from batchgen.models.packed_linear import prepack_supported
@@ -26,7 +27,7 @@ FUSED_OPS_SWITCH = "BATCHGEN_TRITON_FUSED_OPS"
 
 def triton_fused_ops_requested(device: torch.device) -> bool:
     """Whether ``$BATCHGEN_TRITON_FUSED_OPS`` is on (``1``, ``true``, ``on``, ``yes``): RMSNorm, SiLU-and-multiply
-    and RoPE as one Triton kernel each (:meth:`LlamaForCausalLM.use_triton_fused_ops`). Off by default until timed
+    and RoPE as one Triton kernel each (:meth:`LlamaForCausalLM.use_fused_ops`). Off by default until timed
     on a GPU.
 
     Raises:
@@ -92,7 +93,8 @@ class ModelSource:
     def load(self, dtype: torch.dtype, device: torch.device, max_positions: int) -> LlamaForCausalLM:
         """The decoder on ``device`` in ``dtype``, with RoPE tables for ``max_positions`` positions: the
         checkpoint's weights, or random ones (seed 0) for a ``random:`` preset; bfloat16 weights on the CPU
-        prepacked for oneDNN (:mod:`batchgen.models.packed_linear`); Triton's fused elementwise kernels when
+        prepacked for oneDNN (:mod:`batchgen.models.packed_linear`) and run with the CPU's fused elementwise
+        kernels (:mod:`batchgen.kernels.cpu.fused_elementwise`, where they build); Triton's fused kernels when
         ``$BATCHGEN_TRITON_FUSED_OPS`` is ``1``.
 
         Raises:
@@ -106,5 +108,9 @@ class ModelSource:
         if prepack_supported(dtype, device):
             model.prepack_for_cpu()
         if triton_fused_ops_requested(device):
-            model.use_triton_fused_ops()
+            from batchgen.kernels.triton import fused_elementwise as triton_ops
+
+            model.use_fused_ops(triton_ops)
+        elif cpu_ops.fused_ops_supported(dtype, device):
+            model.use_fused_ops(cpu_ops)
         return model

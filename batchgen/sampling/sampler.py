@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from batchgen.kernels.cpu import argmax_rows
 from batchgen.sampling.grammar import apply_bitmask
 from batchgen.sampling.random import uniform_from_counter
 from batchgen.sampling.rejection import rejection_sample
@@ -54,7 +55,7 @@ def sample(logits: torch.Tensor, info: SamplingBatchInfo) -> SampleOutput:
         # A grammar that can only end (with EOS) meets min_new_tokens banning EOS: the grammar wins, since a row
         # with no allowed token at all could only produce garbage.
         logits = torch.where(torch.isinf(logits).all(dim=-1, keepdim=True), allowed, logits)
-    next_ids = torch.argmax(logits, dim=-1)
+    next_ids = argmax_rows(logits)
     processed = torch.log_softmax(logits, dim=-1) if info.need_logprobs and info.processed_logprobs else None
     drawn_from = None
     if info.return_probs:

@@ -1,0 +1,217 @@
+// Fused elementwise ops of a Llama-family layer for bfloat16 on the CPU: RMSNorm (with the residual add before
+// it), SiLU-and-multiply, and RoPE. Each replaces a chain of 4-10 PyTorch ops (one pass over memory each, and a
+// float32 temporary per step) by one pass. Every step rounds to bfloat16 where the PyTorch code it replaces does
+// (batchgen/models/llama.py, rotary.py, following transformers): RoPE and the residual add then give the same
+// bits as that code, and RMSNorm and SiLU differ from it only where a float32 sum or exp rounded across a
+// bfloat16 boundary (their float32 parts are summed in another order, or use another exp of ~1 ulp).
+//
+// Rows are split over threads (at::parallel_for); a row's arithmetic never depends on the other rows.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include "vec16.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <tuple>
+
+namespace {
+
+using c10::BFloat16;
+
+// float32 lanes rounded to bfloat16 (to nearest even, NaN kept a quiet NaN), as c10::BFloat16 rounds.
+inline v16h to_bf16(v16f x) {
+  const v16u bits = reinterpret_cast<v16u>(x);
+  const v16u rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  const v16u out = x == x ? rounded : v16u{} + 0x7fc0u;
+  return __builtin_convertvector(out, v16h);
+}
+
+inline void store16(BFloat16* p, v16f x) {
+  const v16h h = to_bf16(x);
+  std::memcpy(p, &h, sizeof(h));
+}
+
+// x rounded to bfloat16 and back: the value a bfloat16 PyTorch op hands to the next one.
+inline v16f round_bf16(v16f x) { return reinterpret_cast<v16f>(__builtin_convertvector(to_bf16(x), v16u) << 16); }
+
+inline float round_bf16(float x) { return static_cast<float>(static_cast<BFloat16>(x)); }
+
+// Rows in one thread's share: about 16K elements, so that a decode step's few rows stay on one thread.
+inline int64_t grain(int64_t cols) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(cols, 1)); }
+
+void check_bf16_rows(const at::Tensor& t, const char* name, int64_t cols) {
+  TORCH_CHECK(t.dim() == 2 && t.size(1) == cols && t.stride(1) == 1, "batchgen::", name,
+              " must be [rows, ", cols, "] with a contiguous last dimension, got ", t.sizes(), " strides ",
+              t.strides());
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16 && t.device().is_cpu(), "batchgen::", name,
+              " must be a bfloat16 CPU tensor, got ", t.scalar_type(), " on ", t.device());
+}
+
+// out = weight * bf16(s * rsqrt(mean(s^2) + eps)) with s = x, or s = bf16(residual + x) written to `summed`.
+std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
+                                            const std::optional<at::Tensor>& residual) {
+  const int64_t rows = x.size(0), cols = x.dim() == 2 ? x.size(1) : -1;
+  check_bf16_rows(x, "rms_norm: x", cols);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == cols && weight.is_contiguous() &&
+                  weight.scalar_type() == at::kBFloat16,
+              "batchgen::rms_norm: weight must be contiguous bfloat16 [", cols, "], got ", weight.scalar_type(), " ",
+              weight.sizes());
+  at::Tensor summed = x;
+  if (residual) {
+    check_bf16_rows(*residual, "rms_norm: residual", cols);
+    TORCH_CHECK(residual->size(0) == rows, "batchgen::rms_norm: residual has ", residual->size(0), " rows, x ", rows);
+    summed = at::empty({rows, cols}, x.options());
+  }
+  at::Tensor out = at::empty({rows, cols}, x.options());
+  const int64_t full = cols / kLanes * kLanes;
+  const float feps = static_cast<float>(eps);
+  const BFloat16* w = weight.const_data_ptr<BFloat16>();
+  at::parallel_for(0, rows, grain(cols), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const BFloat16* xr = x.const_data_ptr<BFloat16>() + r * x.stride(0);
+      BFloat16* sr = summed.mutable_data_ptr<BFloat16>() + r * summed.stride(0);
+      if (residual) {
+        const BFloat16* rr = residual->const_data_ptr<BFloat16>() + r * residual->stride(0);
+        for (int64_t c = 0; c < full; c += kLanes) store16(sr + c, load16(rr + c) + load16(xr + c));
+        for (int64_t c = full; c < cols; ++c) sr[c] = static_cast<BFloat16>(to_float(rr[c]) + to_float(xr[c]));
+      }
+      const BFloat16* s = residual ? sr : xr;
+      v16f squares = {};
+      for (int64_t c = 0; c < full; c += kLanes) {
+        const v16f v = load16(s + c);
+        squares += v * v;
+      }
+      float tail = 0.f;
+      for (int64_t c = full; c < cols; ++c) tail += to_float(s[c]) * to_float(s[c]);
+      const float scale = 1.f / std::sqrt((hsum(squares) + tail) / static_cast<float>(cols) + feps);
+      BFloat16* o = out.mutable_data_ptr<BFloat16>() + r * out.stride(0);
+      for (int64_t c = 0; c < full; c += kLanes) store16(o + c, load16(w + c) * round_bf16(load16(s + c) * scale));
+      for (int64_t c = full; c < cols; ++c) {
+        o[c] = static_cast<BFloat16>(to_float(w[c]) * round_bf16(to_float(s[c]) * scale));
+      }
+    }
+  });
+  return {out, summed};
+}
+
+// silu(x) = x / (1 + exp(-x)) from e = exp(-|x|) <= 1, which cannot overflow: x / (1 + e) for x >= 0 and
+// x * e / (1 + e) for x < 0.
+inline v16f silu(v16f x) {
+  const v16i negative = x < 0.f;
+  const v16f e = exp_nonpositive(negative ? x : -x);
+  return (negative ? x * e : x) / (1.f + e);
+}
+
+// out = bf16(bf16(silu(gate)) * up) for gate_up = [gate | up], as F.silu(gate) * up in bfloat16.
+at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+  const int64_t rows = gate_up.size(0), width = gate_up.dim() == 2 ? gate_up.size(1) : -1;
+  check_bf16_rows(gate_up, "silu_and_mul: gate_up", width);
+  TORCH_CHECK(width % 2 == 0, "batchgen::silu_and_mul: gate_up must hold gate and up halves, got a last dimension of ",
+              width);
+  const int64_t cols = width / 2, full = cols / kLanes * kLanes;
+  at::Tensor out = at::empty({rows, cols}, gate_up.options());
+  at::parallel_for(0, rows, grain(width), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const BFloat16* g = gate_up.const_data_ptr<BFloat16>() + r * gate_up.stride(0);
+      const BFloat16* u = g + cols;
+      BFloat16* o = out.mutable_data_ptr<BFloat16>() + r * out.stride(0);
+      for (int64_t c = 0; c < full; c += kLanes) store16(o + c, round_bf16(silu(load16(g + c))) * load16(u + c));
+      for (int64_t c = full; c < cols; ++c) {
+        v16f lane = {};
+        lane[0] = to_float(g[c]);
+        o[c] = static_cast<BFloat16>(round_bf16(silu(lane)[0]) * to_float(u[c]));
+      }
+    }
+  });
+  return out;
+}
+
+// One head of RoPE in the rotate-half layout: out = bf16(bf16(x * c) + bf16(rotate_half(x) * s)), c and s the
+// table rows rounded to bfloat16, as transformers computes q * cos + rotate_half(q) * sin in bfloat16.
+inline void rotate_head(const BFloat16* x, const float* cos, const float* sin, int64_t head_dim, BFloat16* out) {
+  const int64_t half = head_dim / 2;
+  if (half % kLanes == 0) {
+    for (int64_t c = 0; c < half; c += kLanes) {
+      const v16f lo = load16(x + c), hi = load16(x + half + c);
+      const v16f cos_lo = round_bf16(load16(cos + c)), cos_hi = round_bf16(load16(cos + half + c));
+      const v16f sin_lo = round_bf16(load16(sin + c)), sin_hi = round_bf16(load16(sin + half + c));
+      store16(out + c, round_bf16(lo * cos_lo) + round_bf16(-hi * sin_lo));
+      store16(out + half + c, round_bf16(hi * cos_hi) + round_bf16(lo * sin_hi));
+    }
+    return;
+  }
+  for (int64_t d = 0; d < head_dim; ++d) {
+    const float rotated = d < half ? -to_float(x[d + half]) : to_float(x[d - half]);
+    out[d] = static_cast<BFloat16>(round_bf16(to_float(x[d]) * round_bf16(cos[d])) +
+                                   round_bf16(rotated * round_bf16(sin[d])));
+  }
+}
+
+void check_heads(const at::Tensor& t, const char* name, int64_t tokens, int64_t head_dim) {
+  TORCH_CHECK(t.dim() == 3 && t.size(0) == tokens && t.size(2) == head_dim && t.stride(2) == 1, "batchgen::rotary_embedding: ",
+              name, " must be [", tokens, ", heads, ", head_dim, "] with a contiguous last dimension, got ", t.sizes());
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16 && t.device().is_cpu(), "batchgen::rotary_embedding: ", name,
+              " must be a bfloat16 CPU tensor, got ", t.scalar_type(), " on ", t.device());
+}
+
+std::tuple<at::Tensor, at::Tensor> rotary_embedding(const at::Tensor& positions, const at::Tensor& q,
+                                                    const at::Tensor& k, const at::Tensor& cos_table,
+                                                    const at::Tensor& sin_table) {
+  const int64_t tokens = positions.numel(), head_dim = q.dim() == 3 ? q.size(2) : -1;
+  TORCH_CHECK(positions.dim() == 1 && positions.scalar_type() == at::kLong && positions.is_contiguous(),
+              "batchgen::rotary_embedding: positions must be contiguous int64 [tokens], got ", positions.scalar_type(),
+              " ", positions.sizes());
+  TORCH_CHECK(head_dim > 0 && head_dim % 2 == 0, "batchgen::rotary_embedding: head_dim must be even, got ", head_dim);
+  check_heads(q, "q", tokens, head_dim);
+  check_heads(k, "k", tokens, head_dim);
+  for (const at::Tensor* t : {&cos_table, &sin_table}) {
+    TORCH_CHECK(t->dim() == 2 && t->size(1) == head_dim && t->is_contiguous() && t->scalar_type() == at::kFloat,
+                "batchgen::rotary_embedding: cos/sin tables must be contiguous float32 [positions, ", head_dim,
+                "], got ", t->scalar_type(), " ", t->sizes());
+  }
+  const int64_t* pos = positions.const_data_ptr<int64_t>();
+  const int64_t table_rows = cos_table.size(0);
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < table_rows, "batchgen::rotary_embedding: position ", pos[t],
+                " is outside the tables' ", table_rows, " rows");
+  }
+  at::Tensor q_out = at::empty(q.sizes(), q.options()), k_out = at::empty(k.sizes(), k.options());
+  const int64_t q_heads = q.size(1), k_heads = k.size(1);
+  at::parallel_for(0, tokens, grain((q_heads + k_heads) * head_dim), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* cos = cos_table.const_data_ptr<float>() + pos[t] * head_dim;
+      const float* sin = sin_table.const_data_ptr<float>() + pos[t] * head_dim;
+      for (int64_t h = 0; h < q_heads; ++h) {
+        rotate_head(q.const_data_ptr<BFloat16>() + t * q.stride(0) + h * q.stride(1), cos, sin, head_dim,
+                    q_out.mutable_data_ptr<BFloat16>() + (t * q_heads + h) * head_dim);
+      }
+      for (int64_t h = 0; h < k_heads; ++h) {
+        rotate_head(k.const_data_ptr<BFloat16>() + t * k.stride(0) + h * k.stride(1), cos, sin, head_dim,
+                    k_out.mutable_data_ptr<BFloat16>() + (t * k_heads + h) * head_dim);
+      }
+    }
+  });
+  return {q_out, k_out};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(batchgen, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor? residual) -> (Tensor, Tensor)");
+  m.def("silu_and_mul(Tensor gate_up) -> Tensor");
+  m.def(
+      "rotary_embedding(Tensor positions, Tensor q, Tensor k, Tensor cos_table, Tensor sin_table) -> (Tensor, "
+      "Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(batchgen, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("rotary_embedding", &rotary_embedding);
+}

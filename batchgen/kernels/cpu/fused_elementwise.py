@@ -1,0 +1,84 @@
+"""Fused elementwise ops for bfloat16 models on the CPU (``elementwise.cpp``): RMSNorm with the residual add,
+SiLU-and-multiply and RoPE, one pass over memory each instead of a chain of PyTorch ops.
+
+The same three functions, with the same signatures, as :mod:`batchgen.kernels.triton.fused_elementwise`, so
+:meth:`batchgen.models.llama.LlamaForCausalLM.use_fused_ops` takes either module. Each rounds to bfloat16 where
+the PyTorch code it replaces does: RoPE and the residual add give the same bits; RMSNorm and SiLU can differ by
+one bfloat16 step where a float32 sum or exp (summed in another order, or another exp within ~1 ulp) rounds
+across a boundary. ``BATCHGEN_CPU_FUSED_OPS=0`` keeps the PyTorch code.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from batchgen.kernels.cpu import build_problem
+
+ENV_SWITCH = "BATCHGEN_CPU_FUSED_OPS"
+
+
+def fused_ops_supported(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a model of ``dtype`` on ``device`` runs these ops: bfloat16 on the CPU, the extension built, and
+    ``$BATCHGEN_CPU_FUSED_OPS`` not ``0``/``false``/``off``/``no``. float32 stays on the PyTorch code, the
+    reference path."""
+    if os.environ.get(ENV_SWITCH, "").strip().lower() in ("0", "false", "off", "no"):
+        return False
+    return device.type == "cpu" and dtype == torch.bfloat16 and build_problem() is None
+
+
+def _ops() -> Any:
+    """``torch.ops.batchgen`` with the extension loaded (built on the first call)."""
+    problem = build_problem()
+    if problem is not None:
+        raise RuntimeError(problem)
+    return torch.ops.batchgen
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm (Zhang & Sennrich 2019, as transformers' ``LlamaRMSNorm``) of bfloat16 ``x`` ``[rows, hidden]``,
+    or of ``residual + x`` (rounded to bfloat16) when ``residual`` is given.
+
+    Returns ``(normed, summed)``, both bfloat16 ``[rows, hidden]``: ``weight * bf16(s * rsqrt(mean(s²) + eps))``
+    with ``s`` the input in float32; ``summed`` is ``residual + x`` (``x`` itself without a residual).
+
+    Raises:
+        RuntimeError: (``batchgen::rms_norm: ...``) tensors that are not bfloat16 on the CPU, mismatched shapes, or
+            a last dimension that is not contiguous; the extension's build problem when it did not build.
+    """
+    normed, summed = _ops().rms_norm(x, weight, eps, residual)
+    return normed, summed
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's activation (Shazeer 2020): ``bf16(bf16(silu(gate)) * up)`` for bfloat16 ``gate_up``
+    ``[rows, 2 * n]`` holding gate then up; returns ``[rows, n]``.
+
+    Raises:
+        RuntimeError: (``batchgen::silu_and_mul: ...``) not bfloat16 on the CPU, an odd or non-contiguous last
+            dimension; the extension's build problem when it did not build.
+    """
+    out: torch.Tensor = _ops().silu_and_mul(gate_up)
+    return out
+
+
+def rotary_embedding(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE (Su et al. 2021) in transformers' rotate-half layout on bfloat16 q ``[T, H, D]`` and k ``[T, Hkv, D]``
+    (rows may be strided views of a fused QKV output) at ``positions`` (int64 ``[T]``), from float32 tables
+    ``[max_positions, D]`` rounded to bfloat16 as transformers casts them.
+
+    Returns new contiguous ``(q, k)`` of the same shapes, bit-identical to
+    :class:`batchgen.models.rotary.RotaryEmbedding`'s PyTorch code.
+
+    Raises:
+        RuntimeError: (``batchgen::rotary_embedding: ...``) wrong dtypes or shapes, an odd head_dim, or a position
+            outside the tables; the extension's build problem when it did not build.
+    """
+    q_out, k_out = _ops().rotary_embedding(positions, q, k, cos_table, sin_table)
+    return q_out, k_out

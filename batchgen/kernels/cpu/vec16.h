@@ -1,0 +1,97 @@
+// Sixteen float32 lanes (one AVX-512 register, two AVX2 ones, ...) written with GCC/Clang vector extensions,
+// shared by batchgen's CPU kernels: loading float32/bfloat16/float16 as float32, a horizontal sum and an exp,
+// each in one fixed order so that results do not depend on where a value sits in a batch.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <bit>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#if defined(__F16C__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#if defined(__has_builtin)
+#if __has_builtin(__builtin_shufflevector)
+#define BATCHGEN_HAS_SHUFFLE 1
+#endif
+#endif
+
+namespace {
+
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+
+constexpr int64_t kLanes = 16;
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return std::bit_cast<float>(static_cast<uint32_t>(x.x) << 16); }
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+
+inline v16f load16(const float* p) {
+  v16f v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline v16f load16(const c10::BFloat16* p) {
+  // bfloat16 is the top half of a float32: widen the bits and shift them up.
+#if defined(__AVX512F__)
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return reinterpret_cast<v16f>(_mm512_slli_epi32(wide, 16));  // gcc's own conversion takes 3 more shuffles
+#else
+  v16h h;
+  std::memcpy(&h, p, sizeof(h));
+  return reinterpret_cast<v16f>(__builtin_convertvector(h, v16u) << 16);
+#endif
+}
+
+inline v16f load16(const c10::Half* p) {
+  v16f v;
+#if defined(__F16C__)
+  const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+  std::memcpy(&v, &lo, sizeof(lo));
+  std::memcpy(reinterpret_cast<char*>(&v) + sizeof(lo), &hi, sizeof(hi));
+#else
+  for (int64_t l = 0; l < kLanes; ++l) v[l] = static_cast<float>(p[l]);
+#endif
+  return v;
+}
+
+inline float hsum(v16f a) {  // the same tree as sum16
+  float h[8], q[4];
+  for (int l = 0; l < 8; ++l) h[l] = a[l] + a[l + 8];
+  for (int l = 0; l < 4; ++l) q[l] = h[l] + h[l + 4];
+  return (q[0] + q[2]) + (q[1] + q[3]);
+}
+
+// exp(x) for x <= 0 (-inf allowed): x = n ln2 + r with |r| <= ln2 / 2, exp(r) by its Taylor series to r^7
+// (truncation error below 1e-8), times 2^n built in the exponent bits. Exactly 0 below -87, where exp is
+// under 2e-38 (float32's smallest normal). Vector arithmetic only, so it vectorises, unlike expf.
+inline v16f exp_nonpositive(v16f x) {
+  const v16i underflow = x < -87.0f;
+  x = underflow ? v16f{} - 87.0f : x;
+  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: adding it rounds a float of magnitude < 2^22 to an integer
+  const v16f n = (x * 1.44269504088896341f + kRound) - kRound;
+  v16f r = x - n * 0.693359375f;  // ln 2 split in two (Cody & Waite) so that n * ln 2 loses no bits
+  r = r - n * -2.12194440e-4f;
+  v16f p = r * (1.f / 5040) + 1.f / 720;
+  p = p * r + 1.f / 120;
+  p = p * r + 1.f / 24;
+  p = p * r + 1.f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const v16i bits = (__builtin_convertvector(n, v16i) + 127) << 23;
+  return underflow ? v16f{} : p * reinterpret_cast<v16f>(bits);
+}
+
+}  // namespace

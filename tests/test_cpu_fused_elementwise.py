@@ -1,0 +1,160 @@
+"""batchgen's fused elementwise C++ ops for bfloat16 on the CPU (RMSNorm with the residual add, SiLU-and-multiply,
+RoPE) against HF transformers' own modules in bfloat16 (``LlamaRMSNorm``, the ``silu`` activation,
+``apply_rotary_pos_emb``), which round at the same steps: RoPE and the residual add must give the same bits;
+RMSNorm and SiLU the same bits but where a float32 sum or exp lands on the other side of a bfloat16 rounding
+boundary (then one bfloat16 step apart, at most 1 element in 1,000). Then their errors, the switch, and the
+model's wiring. Skips, saying why, where the extension cannot be built (no compiler or ninja).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from batchgen.kernels import cpu as cpu_kernels
+from batchgen.kernels.cpu import fused_elementwise
+from batchgen.kernels.cpu.fused_elementwise import fused_ops_supported, rms_norm, rotary_embedding, silu_and_mul
+from batchgen.models.rotary import RotaryEmbedding
+from batchgen.models.source import ModelSource
+
+BF16 = torch.bfloat16
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _kernels_built() -> None:
+    problem = cpu_kernels.build_problem()
+    if problem is not None:
+        pytest.skip(f"the C++ kernels cannot be built on this machine: {problem}")
+
+
+def _hf_llama() -> Any:
+    """transformers' Llama modeling module, imported when a test runs: importing it imports triton, which must
+    not happen while pytest collects, before tests/test_fused_elementwise.py selects Triton's interpreter."""
+    from transformers.models.llama import modeling_llama
+
+    return modeling_llama
+
+
+def assert_equal_but_rare_boundary_cases(got: torch.Tensor, expected: torch.Tensor) -> None:
+    """Equal bits, but for at most 1 element in 1,000, each one bfloat16 step (2^-7 relative) from expected."""
+    assert got.dtype == expected.dtype == BF16 and got.shape == expected.shape
+    differ = got != expected
+    assert int(differ.sum()) <= max(1, got.numel() // 1000), f"{int(differ.sum())} of {got.numel()} differ"
+    step = expected[differ].float().abs() * 2.0**-7
+    assert bool(((got[differ].float() - expected[differ].float()).abs() <= step * 1.01).all())
+
+
+@pytest.mark.parametrize("hidden", [64, 576, 1000])
+def test_rms_norm_with_and_without_residual_matches_hf(hidden: int) -> None:
+    """576 is SmolLM2's hidden size; 1000 leaves a tail past the 16-lane chunks. x is a strided view."""
+    LlamaRMSNorm = _hf_llama().LlamaRMSNorm
+    gen = torch.Generator().manual_seed(hidden)
+    wide = (torch.randn(300, hidden + 8, generator=gen) * 3).to(BF16)
+    x = wide[:, :hidden]
+    residual = (torch.randn(300, hidden, generator=gen) * 3).to(BF16)
+    hf = LlamaRMSNorm(hidden, eps=1e-6).to(BF16)
+    hf.weight.data.copy_(1 + 0.2 * torch.randn(hidden, generator=gen))
+    with torch.no_grad():
+        normed, summed = rms_norm(x, hf.weight, 1e-6)
+        assert summed is x
+        assert_equal_but_rare_boundary_cases(normed, hf(x))
+        normed, summed = rms_norm(x, hf.weight, 1e-6, residual)
+        assert torch.equal(summed, residual + x)
+        assert_equal_but_rare_boundary_cases(normed, hf(residual + x))
+
+
+def test_rms_norm_of_no_rows() -> None:
+    normed, summed = rms_norm(torch.empty(0, 64, dtype=BF16), torch.ones(64, dtype=BF16), 1e-6)
+    assert normed.shape == summed.shape == (0, 64)
+
+
+@pytest.mark.parametrize("n", [128, 500, 1536])
+def test_silu_and_mul_matches_hf(n: int) -> None:
+    gen = torch.Generator().manual_seed(n)
+    gate_up = (torch.randn(257, 2 * n, generator=gen) * 4).to(BF16)
+    gate, up = gate_up.split(n, dim=-1)
+    from transformers.activations import ACT2FN
+
+    assert_equal_but_rare_boundary_cases(silu_and_mul(gate_up), ACT2FN["silu"](gate) * up)
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim"), [(8, 4, 64), (9, 3, 64), (4, 1, 128), (2, 2, 96), (2, 1, 40)]
+)
+def test_rotary_embedding_equals_hf_on_qkv_views(heads: int, kv_heads: int, head_dim: int) -> None:
+    """q and k strided views of one fused QKV output, positions that repeat and jump; head_dim 40 takes the scalar
+    loop (its half is not a multiple of 16). Bit-identical to transformers' ``apply_rotary_pos_emb``."""
+    config = LlamaConfig(hidden_size=heads * head_dim, num_attention_heads=heads, rope_theta=10000.0)
+    rotary = RotaryEmbedding(config, head_dim, 4096, CPU)
+    positions = torch.tensor([0, 1, 2, 3, 0, 17, 4095, 1000, 1001], dtype=torch.int64)
+    t = positions.numel()
+    gen = torch.Generator().manual_seed(heads * head_dim)
+    qkv = (torch.randn(t, (heads + 2 * kv_heads) * head_dim, generator=gen) * 3).to(BF16)
+    q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k = q.view(t, heads, head_dim), k.view(t, kv_heads, head_dim)
+    q_out, k_out = rotary_embedding(positions, q, k, rotary.cos_table, rotary.sin_table)
+    # transformers' layout: [batch, heads, tokens, head_dim], cos/sin [batch, tokens, head_dim] in the dtype.
+    cos = rotary.cos_table[positions].to(BF16)[None]
+    sin = rotary.sin_table[positions].to(BF16)[None]
+    q_ref, k_ref = _hf_llama().apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    assert q_out.is_contiguous() and k_out.is_contiguous()
+    assert torch.equal(q_out, q_ref[0].transpose(0, 1))
+    assert torch.equal(k_out, k_ref[0].transpose(0, 1))
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: rms_norm(torch.zeros(2, 8), torch.ones(8), 1e-6), "rms_norm: x must be a bfloat16 CPU tensor"),
+        (
+            lambda: rms_norm(
+                torch.zeros(2, 8, dtype=BF16), torch.ones(8, dtype=BF16), 1e-6, torch.zeros(3, 8, dtype=BF16)
+            ),
+            "residual has 3 rows, x 2",
+        ),
+        (lambda: silu_and_mul(torch.zeros(2, 7, dtype=BF16)), "gate and up halves, got a last dimension of 7"),
+        (
+            lambda: rotary_embedding(
+                torch.tensor([5]),
+                torch.zeros(1, 2, 8, dtype=BF16),
+                torch.zeros(1, 1, 8, dtype=BF16),
+                torch.zeros(4, 8),
+                torch.zeros(4, 8),
+            ),
+            "position 5 is outside the tables' 4 rows",
+        ),
+    ],
+    ids=["float32-input", "residual-rows", "odd-width", "position-outside-table"],
+)
+def test_bad_inputs_are_clear_errors(call: object, message: str) -> None:
+    with pytest.raises(RuntimeError, match=message) as err:
+        call()  # type: ignore[operator]
+    assert "batchgen::" in str(err.value)
+
+
+def test_supported_for_bfloat16_on_the_cpu_unless_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(fused_elementwise.ENV_SWITCH, raising=False)
+    assert fused_ops_supported(BF16, CPU)
+    assert not fused_ops_supported(torch.float32, CPU)  # the reference path stays PyTorch's
+    assert not fused_ops_supported(torch.float16, CPU)
+    for off in ("0", "false", "OFF"):
+        monkeypatch.setenv(fused_elementwise.ENV_SWITCH, off)
+        assert not fused_ops_supported(BF16, CPU)
+
+
+@pytest.mark.parametrize("switch", ["1", "0"])
+def test_a_bfloat16_cpu_model_is_wired_to_the_ops(monkeypatch: pytest.MonkeyPatch, switch: str) -> None:
+    monkeypatch.setenv(fused_elementwise.ENV_SWITCH, switch)
+    model = ModelSource.open("random:llama-58m").load(BF16, CPU, 256)
+    norms = [n for layer in model.model.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+    wired = [n.fused_kernel for n in [*norms, model.model.norm]]
+    wired += [layer.mlp.silu_and_mul for layer in model.model.layers] + [model.rotary.fused_kernel]
+    if switch == "1":
+        assert set(wired) == {rms_norm, silu_and_mul, rotary_embedding}
+    else:
+        assert set(wired) == {None}
+    assert ModelSource.open("random:llama-58m").load(torch.float32, CPU, 256).rotary.fused_kernel is None
