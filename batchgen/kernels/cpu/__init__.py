@@ -24,6 +24,7 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
 import sys
 import time
 import warnings
@@ -62,15 +63,19 @@ def prefill_rows_supported(dtype: torch.dtype, head_dim: int) -> bool:
 
 def _build_name() -> str:
     """The extension's name, hence its cache folder: a hash of everything the built library depends on (the
-    source, the flags, torch and Python versions, and for ``-march=native`` the CPU model and its instruction
-    set flags), so that a changed source, an upgraded torch or another machine sharing the cache never loads a
-    library built for something else."""
+    sources, the flags, torch and Python versions, the ninja and compiler found on ``$PATH``, and for
+    ``-march=native`` the CPU model and its instruction set flags), so that a changed source, an upgraded torch
+    or another machine sharing the cache never loads a library built for something else."""
     try:
         info = Path("/proc/cpuinfo").read_text()
         cpu = "\n".join([line for line in info.splitlines() if line.startswith(("model name", "flags"))][:2])
     except OSError:
         cpu = platform.processor() or platform.machine()
+    # Two ninja builds disagree on which outputs are stale (seen: pip's ninja 1.13 and the system's 1.11 rebuilt
+    # the library in turn, each time the other had run), so each toolchain gets its own folder.
+    tools = [str(shutil.which(tool)) for tool in ("ninja", "c++")]
     parts = [*(f.read_text() for f in _SOURCES + _HEADERS), " ".join(_CFLAGS), torch.__version__, sys.version, cpu]
+    parts += tools
     return "batchgen_cpu_kernels_" + hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 
