@@ -178,6 +178,26 @@ def test_row_is_bit_identical_in_any_batch(dtype: torch.dtype) -> None:
     assert torch.equal(as_decodes, alone)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_keys_after_a_query_never_reach_it(dtype: torch.dtype) -> None:
+    """A row of 6 new tokens whose later V (and K) hold inf or NaN, as a broken model could write: every token
+    before them gives the bits it gives decoded alone. (bfloat16 weights V two keys at a time: the pair of a
+    query's last key reaches one key past it, whose probability is 0, and 0 x inf is NaN.)"""
+    gen = torch.Generator().manual_seed(8)
+    pool = _Pool([70], dtype, 2, 64, gen)
+    q = torch.randn(6, 4, 64, generator=gen).to(dtype)
+    for bad in (65, 66, 67, 69):  # odd and even positions, inside the second 64-key block
+        k, v = pool.k.clone(), pool.v.clone()
+        pool.v[:, pool.slots[0][bad]] = float("inf")
+        pool.k[:, pool.slots[0][bad + 1 :]] = float("nan")
+        together = _attend(pool, q, [0], [70], [6])
+        for t in range(bad - 64):
+            alone = _attend(pool, q[t : t + 1], [0], [65 + t], [1])
+            assert torch.equal(together[t], alone[0]), (bad, t)
+            assert bool(alone.isfinite().all())
+        pool.k, pool.v = k, v
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [

@@ -2,8 +2,9 @@
 RoPE) against HF transformers' own modules in bfloat16 (``LlamaRMSNorm``, the ``silu`` activation,
 ``apply_rotary_pos_emb``), which round at the same steps: RoPE and the residual add must give the same bits;
 RMSNorm and SiLU the same bits but where a float32 sum or exp lands on the other side of a bfloat16 rounding
-boundary (then one bfloat16 step apart, at most 1 element in 1,000). Then their errors, the switch, and the
-model's wiring. Skips, saying why, where the extension cannot be built (no compiler or ninja).
+boundary (then one bfloat16 step apart, at most 1 element in 1,000; SiLU is also checked on every bfloat16 gate).
+Then their errors, the switch, and the model's wiring. Skips, saying why, where the extension cannot be built (no
+compiler or ninja).
 """
 
 from __future__ import annotations
@@ -82,6 +83,18 @@ def test_silu_and_mul_matches_hf(n: int) -> None:
     assert_equal_but_rare_boundary_cases(silu_and_mul(gate_up), ACT2FN["silu"](gate) * up)
 
 
+def test_silu_and_mul_equals_torch_for_every_bfloat16_gate() -> None:
+    """All 65,536 bfloat16 bit patterns as gates (NaN, infinities, subnormals, and the gates below -87 where the
+    kernel's exp needs its subnormal branch), times 1 and 1e30: the same bits as ``F.silu(gate) * up``."""
+    gates = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(BF16)
+    for up_value in (1.0, 1e30):
+        up = torch.full_like(gates, up_value)
+        got = silu_and_mul(torch.cat([gates, up])[None])[0]
+        expected = torch.nn.functional.silu(gates) * up
+        same = (got.view(torch.int16) == expected.view(torch.int16)) | (got.isnan() & expected.isnan())
+        assert bool(same.all()), gates[~same][:8].tolist()
+
+
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim"), [(8, 4, 64), (9, 3, 64), (4, 1, 128), (2, 2, 96), (2, 1, 40)]
 )
@@ -127,8 +140,39 @@ def test_rotary_embedding_equals_hf_on_qkv_views(heads: int, kv_heads: int, head
             ),
             "position 5 is outside the tables' 4 rows",
         ),
+        (lambda: rms_norm(torch.tensor(1.0, dtype=BF16), torch.ones(1, dtype=BF16), 1e-6), "x must be 2-D"),
+        (lambda: silu_and_mul(torch.zeros(8, dtype=BF16)), "gate_up must be 2-D"),
+        (
+            lambda: rotary_embedding(
+                torch.tensor([0]),
+                torch.zeros(1, 8, dtype=BF16),
+                torch.zeros(1, 1, 8, dtype=BF16),
+                torch.zeros(4, 8),
+                torch.zeros(4, 8),
+            ),
+            "q must be 3-D",
+        ),
+        (
+            lambda: rotary_embedding(
+                torch.tensor([3]),
+                torch.zeros(1, 2, 8, dtype=BF16),
+                torch.zeros(1, 1, 8, dtype=BF16),
+                torch.zeros(4, 8),
+                torch.zeros(2, 8),
+            ),
+            "the cos and sin tables must have the same rows, got 4 and 2",
+        ),
     ],
-    ids=["float32-input", "residual-rows", "odd-width", "position-outside-table"],
+    ids=[
+        "float32-input",
+        "residual-rows",
+        "odd-width",
+        "position-outside-table",
+        "0-d",
+        "1-d",
+        "2-d-q",
+        "short-sin-table",
+    ],
 )
 def test_bad_inputs_are_clear_errors(call: object, message: str) -> None:
     with pytest.raises(RuntimeError, match=message) as err:

@@ -45,10 +45,11 @@ inline float round_bf16(float x) { return static_cast<float>(static_cast<BFloat1
 // Rows in one thread's share: about 16K elements, so that a decode step's few rows stay on one thread.
 inline int64_t grain(int64_t cols) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(cols, 1)); }
 
+// Checks `t` is a bfloat16 CPU tensor [rows, cols] with a contiguous last dimension (cols < 0: any width).
 void check_bf16_rows(const at::Tensor& t, const char* name, int64_t cols) {
-  TORCH_CHECK(t.dim() == 2 && t.size(1) == cols && t.stride(1) == 1, "batchgen::", name,
-              " must be [rows, ", cols, "] with a contiguous last dimension, got ", t.sizes(), " strides ",
-              t.strides());
+  TORCH_CHECK(t.dim() == 2, "batchgen::", name, " must be 2-D [rows, cols], got shape ", t.sizes());
+  TORCH_CHECK((cols < 0 || t.size(1) == cols) && t.stride(1) == 1, "batchgen::", name, " must be [rows, ", cols,
+              "] with a contiguous last dimension, got ", t.sizes(), " strides ", t.strides());
   TORCH_CHECK(t.scalar_type() == at::kBFloat16 && t.device().is_cpu(), "batchgen::", name,
               " must be a bfloat16 CPU tensor, got ", t.scalar_type(), " on ", t.device());
 }
@@ -56,8 +57,8 @@ void check_bf16_rows(const at::Tensor& t, const char* name, int64_t cols) {
 // out = weight * bf16(s * rsqrt(mean(s^2) + eps)) with s = x, or s = bf16(residual + x) written to `summed`.
 std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
                                             const std::optional<at::Tensor>& residual) {
-  const int64_t rows = x.size(0), cols = x.dim() == 2 ? x.size(1) : -1;
-  check_bf16_rows(x, "rms_norm: x", cols);
+  check_bf16_rows(x, "rms_norm: x", -1);
+  const int64_t rows = x.size(0), cols = x.size(1);
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == cols && weight.is_contiguous() &&
                   weight.scalar_type() == at::kBFloat16,
               "batchgen::rms_norm: weight must be contiguous bfloat16 [", cols, "], got ", weight.scalar_type(), " ",
@@ -101,17 +102,29 @@ std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tenso
 }
 
 // silu(x) = x / (1 + exp(-x)) from e = exp(-|x|) <= 1, which cannot overflow: x / (1 + e) for x >= 0 and
-// x * e / (1 + e) for x < 0.
+// x * e / (1 + e) for x < 0. exp_nonpositive is 0 below -87, where PyTorch's x / (1 + exp(-x)) is still a tiny
+// float down to -88.72 (exp(-x) overflows below): there e = exp(x / 2)^2, a subnormal, as PyTorch's quotient is.
 inline v16f silu(v16f x) {
   const v16i negative = x < 0.f;
-  const v16f e = exp_nonpositive(negative ? x : -x);
+  v16f e = exp_nonpositive(negative ? x : -x);
+  const v16i deep = x < -87.f;
+#if defined(__AVX512F__)
+  const bool any_deep = _mm512_movepi32_mask(reinterpret_cast<__m512i>(deep)) != 0;
+#else
+  bool any_deep = false;
+  for (int64_t l = 0; l < kLanes; ++l) any_deep = any_deep || deep[l] != 0;
+#endif
+  if (any_deep) {
+    const v16f half = exp_nonpositive(x * 0.5f);
+    e = deep ? (x < -88.72283935546875f ? v16f{} : half * half) : e;
+  }
   return (negative ? x * e : x) / (1.f + e);
 }
 
 // out = bf16(bf16(silu(gate)) * up) for gate_up = [gate | up], as F.silu(gate) * up in bfloat16.
 at::Tensor silu_and_mul(const at::Tensor& gate_up) {
-  const int64_t rows = gate_up.size(0), width = gate_up.dim() == 2 ? gate_up.size(1) : -1;
-  check_bf16_rows(gate_up, "silu_and_mul: gate_up", width);
+  check_bf16_rows(gate_up, "silu_and_mul: gate_up", -1);
+  const int64_t rows = gate_up.size(0), width = gate_up.size(1);
   TORCH_CHECK(width % 2 == 0, "batchgen::silu_and_mul: gate_up must hold gate and up halves, got a last dimension of ",
               width);
   const int64_t cols = width / 2, full = cols / kLanes * kLanes;
@@ -163,7 +176,9 @@ void check_heads(const at::Tensor& t, const char* name, int64_t tokens, int64_t 
 std::tuple<at::Tensor, at::Tensor> rotary_embedding(const at::Tensor& positions, const at::Tensor& q,
                                                     const at::Tensor& k, const at::Tensor& cos_table,
                                                     const at::Tensor& sin_table) {
-  const int64_t tokens = positions.numel(), head_dim = q.dim() == 3 ? q.size(2) : -1;
+  TORCH_CHECK(q.dim() == 3, "batchgen::rotary_embedding: q must be 3-D [tokens, heads, head_dim], got shape ",
+              q.sizes());
+  const int64_t tokens = positions.numel(), head_dim = q.size(2);
   TORCH_CHECK(positions.dim() == 1 && positions.scalar_type() == at::kLong && positions.is_contiguous(),
               "batchgen::rotary_embedding: positions must be contiguous int64 [tokens], got ", positions.scalar_type(),
               " ", positions.sizes());
@@ -175,6 +190,8 @@ std::tuple<at::Tensor, at::Tensor> rotary_embedding(const at::Tensor& positions,
                 "batchgen::rotary_embedding: cos/sin tables must be contiguous float32 [positions, ", head_dim,
                 "], got ", t->scalar_type(), " ", t->sizes());
   }
+  TORCH_CHECK(sin_table.size(0) == cos_table.size(0), "batchgen::rotary_embedding: the cos and sin tables must have ",
+              "the same rows, got ", cos_table.size(0), " and ", sin_table.size(0));
   const int64_t* pos = positions.const_data_ptr<int64_t>();
   const int64_t table_rows = cos_table.size(0);
   for (int64_t t = 0; t < tokens; ++t) {

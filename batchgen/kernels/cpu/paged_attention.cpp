@@ -402,7 +402,7 @@ void attend_block_bf16(const uint32_t* qp, const uint32_t* kp, const uint32_t* v
   row_sum = row_sum * alpha + hsum(sum);
   row_max = new_max;
   // The probabilities weight V rounded to bfloat16 (to nearest even), as in the generic path; keys past `seen`
-  // have probability 0, so a pair's second key may lie past it.
+  // have probability 0.
   for (int64_t g = 0; g < used; g += 2) {
     const __m512 hi = g + 1 < used ? reinterpret_cast<__m512>(scores[g + 1]) : _mm512_setzero_ps();
     _mm512_storeu_si512(probs + g * kLanes / 2,
@@ -413,19 +413,33 @@ void attend_block_bf16(const uint32_t* qp, const uint32_t* kp, const uint32_t* v
     even_acc[c] = reinterpret_cast<__m512>(acc[c] * alpha);
     odd_acc[c] = _mm512_setzero_ps();
   }
-  const int64_t key_pairs = (seen + 1) / 2;
+  const int64_t full_pairs = seen / 2;
   int64_t j = 0;
-  for (; j + 1 < key_pairs; j += 2) {
-    const __m512i p0 = _mm512_set1_epi32(static_cast<int>(probs[j])), p1 = _mm512_set1_epi32(static_cast<int>(probs[j + 1]));
+  for (; j + 1 < full_pairs; j += 2) {
+    const __m512i p0 = _mm512_set1_epi32(static_cast<int>(probs[j]));
+    const __m512i p1 = _mm512_set1_epi32(static_cast<int>(probs[j + 1]));
     const uint32_t* v0 = vp + j * dc * kLanes;
     for (int64_t c = 0; c < dc; ++c) {
       even_acc[c] = dot_pairs(even_acc[c], p0, _mm512_loadu_si512(v0 + c * kLanes));
       odd_acc[c] = dot_pairs(odd_acc[c], p1, _mm512_loadu_si512(v0 + (dc + c) * kLanes));
     }
   }
-  if (j < key_pairs) {
+  if (j < full_pairs) {
     const __m512i p0 = _mm512_set1_epi32(static_cast<int>(probs[j]));
-    for (int64_t c = 0; c < dc; ++c) even_acc[c] = dot_pairs(even_acc[c], p0, _mm512_loadu_si512(vp + (j * dc + c) * kLanes));
+    for (int64_t c = 0; c < dc; ++c) {
+      even_acc[c] = dot_pairs(even_acc[c], p0, _mm512_loadu_si512(vp + (j * dc + c) * kLanes));
+    }
+  }
+  if (seen % 2) {
+    // The last visible key pairs with the next position, a key this query must not see: its V is cleared (its
+    // probability is already 0, but 0 x inf would be NaN), so the output never depends on it.
+    const int64_t last = full_pairs;
+    const __m512i p0 = _mm512_set1_epi32(static_cast<int>(probs[last]));
+    const __m512i first_key = _mm512_set1_epi32(0xffff);
+    for (int64_t c = 0; c < dc; ++c) {
+      const __m512i v = _mm512_and_si512(_mm512_loadu_si512(vp + (last * dc + c) * kLanes), first_key);
+      even_acc[c] = dot_pairs(even_acc[c], p0, v);
+    }
   }
   for (int64_t c = 0; c < dc; ++c) acc[c] = reinterpret_cast<v16f>(_mm512_add_ps(even_acc[c], odd_acc[c]));
 }

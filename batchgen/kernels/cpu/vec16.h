@@ -74,8 +74,9 @@ inline float hsum(v16f a) {  // the same tree as sum16
 }
 
 // exp(x) for x <= 0 (-inf allowed): x = n ln2 + r with |r| <= ln2 / 2, exp(r) by its Taylor series to r^7
-// (truncation error below 1e-8), times 2^n built in the exponent bits. Exactly 0 below -87, where exp is
-// under 2e-38 (float32's smallest normal). Vector arithmetic only, so it vectorises, unlike expf.
+// (truncation error below 1e-8), times 2^n built in the exponent bits, which must stay a normal float: exactly 0
+// below -87 (exp(-87) is 1.6e-38, float32's smallest normal 1.2e-38). Vector arithmetic only, so it vectorises,
+// unlike expf.
 inline v16f exp_nonpositive(v16f x) {
   const v16i underflow = x < -87.0f;
   x = underflow ? v16f{} - 87.0f : x;
