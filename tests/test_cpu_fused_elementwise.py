@@ -119,6 +119,12 @@ def test_rotary_embedding_equals_hf_on_qkv_views(heads: int, kv_heads: int, head
     assert torch.equal(k_out, k_ref[0].transpose(0, 1))
 
 
+def _rope(position: int = 0, q_shape: tuple[int, ...] = (1, 2, 8), sin_rows: int = 4) -> Any:
+    """RoPE of one token (head_dim 8) over tables of 4 positions, with one input changed."""
+    q, k = torch.zeros(q_shape, dtype=BF16), torch.zeros(1, 1, 8, dtype=BF16)
+    return rotary_embedding(torch.tensor([position]), q, k, torch.zeros(4, 8), torch.zeros(sin_rows, 8))
+
+
 @pytest.mark.parametrize(
     ("call", "message"),
     [
@@ -130,38 +136,11 @@ def test_rotary_embedding_equals_hf_on_qkv_views(heads: int, kv_heads: int, head
             "residual has 3 rows, x 2",
         ),
         (lambda: silu_and_mul(torch.zeros(2, 7, dtype=BF16)), "gate and up halves, got a last dimension of 7"),
-        (
-            lambda: rotary_embedding(
-                torch.tensor([5]),
-                torch.zeros(1, 2, 8, dtype=BF16),
-                torch.zeros(1, 1, 8, dtype=BF16),
-                torch.zeros(4, 8),
-                torch.zeros(4, 8),
-            ),
-            "position 5 is outside the tables' 4 rows",
-        ),
+        (lambda: _rope(position=5), "position 5 is outside the tables' 4 rows"),
         (lambda: rms_norm(torch.tensor(1.0, dtype=BF16), torch.ones(1, dtype=BF16), 1e-6), "x must be 2-D"),
         (lambda: silu_and_mul(torch.zeros(8, dtype=BF16)), "gate_up must be 2-D"),
-        (
-            lambda: rotary_embedding(
-                torch.tensor([0]),
-                torch.zeros(1, 8, dtype=BF16),
-                torch.zeros(1, 1, 8, dtype=BF16),
-                torch.zeros(4, 8),
-                torch.zeros(4, 8),
-            ),
-            "q must be 3-D",
-        ),
-        (
-            lambda: rotary_embedding(
-                torch.tensor([3]),
-                torch.zeros(1, 2, 8, dtype=BF16),
-                torch.zeros(1, 1, 8, dtype=BF16),
-                torch.zeros(4, 8),
-                torch.zeros(2, 8),
-            ),
-            "the cos and sin tables must have the same rows, got 4 and 2",
-        ),
+        (lambda: _rope(q_shape=(1, 8)), "q must be 3-D"),
+        (lambda: _rope(sin_rows=2), "the cos and sin tables must have the same rows, got 4 and 2"),
     ],
     ids=[
         "float32-input",

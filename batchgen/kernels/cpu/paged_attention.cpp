@@ -166,6 +166,26 @@ inline v16f round_to(v16f x) {
   }
 }
 
+// The online-softmax step of one query over a block (Milakov & Gimelshein 2018): scores [used chunks of 16], of
+// which the first `seen` are keys it sees, become exp(score - new max) (0 past `seen`); (row_max, row_sum) move to
+// the new max. Returns alpha = exp(old max - new max), the factor that rescales what the query accumulated so far.
+inline float softmax_step(v16f* scores, int64_t seen, int64_t used, float& row_max, float& row_sum) {
+  float* flat = reinterpret_cast<float*>(scores);
+  std::fill(flat + seen, flat + used * kLanes, -kInf);
+  v16f m = scores[0];
+  for (int64_t g = 1; g < used; ++g) m = m > scores[g] ? m : scores[g];
+  const float new_max = std::max(row_max, hmax(m));
+  const float alpha = std::exp(row_max - new_max);  // 0 on the first block (exp(-inf))
+  v16f sum = {};
+  for (int64_t g = 0; g < used; ++g) {
+    scores[g] = exp_nonpositive(scores[g] - new_max);
+    sum += scores[g];
+  }
+  row_sum = row_sum * alpha + hsum(sum);
+  row_max = new_max;
+  return alpha;
+}
+
 // One query against one converted block of `seen` keys: scores, online-softmax update of (row_max, row_sum),
 // weighted values into acc. DC: the head's chunks of 16 floats when fixed at compile time (0: s.chunks).
 template <typename T, int DC>
@@ -184,18 +204,7 @@ void attend_block(const v16f* q, const v16f* keys, const v16f* values, int64_t s
     scores[g] = sum16(dots);
   }
   float* flat = reinterpret_cast<float*>(scores);
-  std::fill(flat + seen, flat + used * kLanes, -kInf);
-  v16f m = scores[0];
-  for (int64_t g = 1; g < used; ++g) m = m > scores[g] ? m : scores[g];
-  const float new_max = std::max(row_max, hmax(m));
-  const float alpha = std::exp(row_max - new_max);  // 0 on the first block (exp(-inf))
-  v16f sum = {};
-  for (int64_t g = 0; g < used; ++g) {
-    scores[g] = exp_nonpositive(scores[g] - new_max);
-    sum += scores[g];
-  }
-  row_sum = row_sum * alpha + hsum(sum);
-  row_max = new_max;
+  const float alpha = softmax_step(scores, seen, used, row_max, row_sum);
   // In bfloat16/float16, the probabilities weight V rounded to that type (their sum above is not), as in
   // PyTorch's SDPA that HF transformers runs and in FlashAttention: greedy tokens then follow HF's further
   // (stories260k and SmolLM2 in bfloat16: all 40 reference tokens, against 16 and 32 with float32 weights).
@@ -388,19 +397,7 @@ void attend_block_bf16(const uint32_t* qp, const uint32_t* kp, const uint32_t* v
     }
   }
   for (int64_t g = 0; g < used; ++g) scores[g] = reinterpret_cast<v16f>(_mm512_add_ps(even[g], odd[g])) * scale;
-  float* flat = reinterpret_cast<float*>(scores);
-  std::fill(flat + seen, flat + used * kLanes, -kInf);
-  v16f m = scores[0];
-  for (int64_t g = 1; g < used; ++g) m = m > scores[g] ? m : scores[g];
-  const float new_max = std::max(row_max, hmax(m));
-  const float alpha = std::exp(row_max - new_max);  // 0 on the first block (exp(-inf))
-  v16f sum = {};
-  for (int64_t g = 0; g < used; ++g) {
-    scores[g] = exp_nonpositive(scores[g] - new_max);
-    sum += scores[g];
-  }
-  row_sum = row_sum * alpha + hsum(sum);
-  row_max = new_max;
+  const float alpha = softmax_step(scores, seen, used, row_max, row_sum);
   // The probabilities weight V rounded to bfloat16 (to nearest even), as in the generic path; keys past `seen`
   // have probability 0.
   for (int64_t g = 0; g < used; g += 2) {
