@@ -2,6 +2,21 @@
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
+_SHOWN_LIMIT = 80
+
+
+def shown_value(value: Any) -> str:
+    """A value from an input row as an error message shows it: written as JSON (``true``, ``null``, ``"a"``), as
+    the user wrote it, cut to 80 characters; values JSON cannot write (Parquet dates, bytes) as Python shows them."""
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= _SHOWN_LIMIT else text[: _SHOWN_LIMIT - 3] + "..."
+
 
 class BatchgenError(Exception):
     """A mistake in the user's input, options or environment (not a bug in batchgen).

@@ -88,7 +88,7 @@ class RunJob:
             int(self.schema.metadata[RUN_SEED_KEY.encode()]),
             max_samples=self.engine.max_running_requests,
         )
-        warn_about_passthrough_names(self.reader.passthrough_schema.names)
+        warn_about_passthrough_names(self.reader.path, self.reader.passthrough_schema.names)
         self.summary = RunSummary()
         self._seen_ids: set[str] = set()
         self._pending_rows: list[dict[str, Any]] = []

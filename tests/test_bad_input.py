@@ -88,14 +88,18 @@ CASES: dict[str, Case] = {
     # --- wrong types
     "prompt_not_string": Case(_bad(prompt=5), "prompt", "must be a string, got number"),
     "max_new_tokens_string": Case(
-        _bad(prompt="x", max_new_tokens="10"), "max_new_tokens", "must be an integer, got '10'"
+        _bad(prompt="x", max_new_tokens="10"), "max_new_tokens", 'must be an integer, got "10"'
     ),
-    "temperature_string": Case(_bad(prompt="x", temperature="hot"), "temperature", "must be a number, got 'hot'"),
+    "temperature_string": Case(_bad(prompt="x", temperature="hot"), "temperature", 'must be a number, got "hot"'),
     "stop_number": Case(_bad(prompt="x", stop=5), "stop", "must be a string or a list of strings, got 5"),
     "stop_token_ids_string": Case(
-        _bad(prompt="x", stop_token_ids="1"), "stop_token_ids", "must be a list of integers, got '1'"
+        _bad(prompt="x", stop_token_ids="1"), "stop_token_ids", 'must be a list of integers, got "1"'
     ),
-    "ignore_eos_string": Case(_bad(prompt="x", ignore_eos="yes"), "ignore_eos", "must be true or false, got 'yes'"),
+    "ignore_eos_string": Case(_bad(prompt="x", ignore_eos="yes"), "ignore_eos", 'must be true or false, got "yes"'),
+    # Values are shown as JSON, as the user wrote them (true, not Python's True).
+    "max_new_tokens_bool": Case(
+        _bad(prompt="x", max_new_tokens=True), "max_new_tokens", "must be an integer, got true"
+    ),
     "id_list": Case({"id": [1], "prompt": "x"}, "id", "must be a string or an integer, got [1]"),
     "messages_string": Case(
         _bad(messages="hi"), "messages", "must be a non-empty array of {role, content} objects, got string"
@@ -108,7 +112,7 @@ CASES: dict[str, Case] = {
         _bad(messages=[{"role": "user"}]), "messages", "item 0: 'content' must be a string, got null"
     ),
     "prompt_token_ids_string_item": Case(
-        _bad(prompt_token_ids=[0, "a"]), "prompt_token_ids", "item 1 must be an integer, got 'a'"
+        _bad(prompt_token_ids=[0, "a"]), "prompt_token_ids", 'item 1 must be an integer, got "a"'
     ),
     # --- out-of-range sampling values
     "temperature_negative": Case(

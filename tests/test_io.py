@@ -197,7 +197,7 @@ def test_jsonl_mixed_types_take_first_value_type(tmp_path: Path) -> None:
             specs.append(e)
     assert isinstance(specs[0], RowSpec) and specs[0].passthrough == {"x": 1}
     assert isinstance(specs[1], RowError)
-    assert str(specs[1]) == f"{path}:2: field 'x': expected int64 like earlier rows, got 'two'"
+    assert str(specs[1]) == f"{path}:2: field 'x': expected int64 like earlier rows, got \"two\""
 
 
 # --- rows.parse_row ---------------------------------------------------------------------------------------
@@ -265,9 +265,9 @@ def test_parse_row_two_prompts() -> None:
         ({"messages": [{"role": "u", "content": "a", "x": 1}]}, "messages", "item 0: 'x' must be a string, got number"),
         ({"prompt_token_ids": "1 2"}, "prompt_token_ids", "must be a non-empty array of integers, got string"),
         ({"prompt_token_ids": []}, "prompt_token_ids", "must be a non-empty array of integers, got an empty array"),
-        ({"prompt_token_ids": [1, True]}, "prompt_token_ids", "item 1 must be an integer, got True"),
+        ({"prompt_token_ids": [1, True]}, "prompt_token_ids", "item 1 must be an integer, got true"),
         ({"prompt_token_ids": [1, 2.0]}, "prompt_token_ids", "item 1 must be an integer, got 2.0"),
-        ({"prompt": "a", "id": True}, "id", "must be a string or an integer, got True"),
+        ({"prompt": "a", "id": True}, "id", "must be a string or an integer, got true"),
         ({"prompt": "a", "id": 1.5}, "id", "must be a string or an integer, got 1.5"),
         ({"prompt": "a", "id": [1]}, "id", "must be a string or an integer, got [1]"),
     ],
@@ -279,7 +279,7 @@ def test_parse_row_bad_types(data: dict[str, Any], field: str, message: str) -> 
 
 @pytest.mark.parametrize(
     ("value", "shown"),
-    [("3", "'3'"), (1.5, "1.5"), (2**70, str(2**70)), ([1], "[1]")],
+    [("3", '"3"'), (1.5, "1.5"), (2**70, str(2**70)), ([1], "[1]")],
 )
 def test_parse_row_passthrough_type_mismatch(value: Any, shown: str) -> None:
     error = row_error({"prompt": "a", "count": value})

@@ -101,7 +101,7 @@ def test_foreign_sampling_field_names_are_warned_about(random_models: dict[str, 
     dataset = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi", "max_tokens": 2, "Temperature": 0, "best_of": 2}])
     code, output = run_cli(run_args(dataset, tmp_path / "o.jsonl", random_models["llama"], "--max-new-tokens", "3"))
     assert code == 0, output
-    assert "field 'max_tokens' is not a sampling field (did you mean 'max_new_tokens'?)" in output
+    assert f"{dataset}: field 'max_tokens' is not a sampling field (did you mean 'max_new_tokens'?)" in output
     assert "field 'Temperature' is not a sampling field (did you mean 'temperature'?)" in output
     assert "field 'best_of' is not supported (yet)" in output
     row = json.loads((tmp_path / "o.jsonl").read_text())

@@ -132,6 +132,8 @@ def test_b11_emoji_regex_text_is_whole(tmp_path: Path) -> None:
         ("regex", "(", "field 'regex': does not compile"),
         ("json_schema", "{not json", "field 'json_schema': is not valid JSON"),
         ("ebnf", "root ::= ", "field 'ebnf': does not compile"),
+        # xgrammar's log prefix (time, C++ file and line) is not part of the message.
+        ("json_schema", '{"type": "objectx"}', "field 'json_schema': does not compile: Unsupported type"),
     ],
 )
 def test_bad_constraints_are_row_errors(

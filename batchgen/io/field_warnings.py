@@ -4,6 +4,7 @@ silently half-understood."""
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from batchgen.sampling.sampling_params import SAMPLING_FIELDS
 
@@ -18,8 +19,9 @@ _FOREIGN_SAMPLING_NAMES = {
 }
 
 
-def warn_about_passthrough_names(names: list[str]) -> None:
-    """Print one warning per pass-through field that looks like a sampling field batchgen does not read."""
+def warn_about_passthrough_names(path: Path, names: list[str]) -> None:
+    """Print one warning per pass-through field of the input file ``path`` that looks like a sampling field
+    batchgen does not read."""
     known = {name.lower(): name for name in SAMPLING_FIELDS}
     for name in names:
         hint = known.get(name.lower())
@@ -27,13 +29,13 @@ def warn_about_passthrough_names(names: list[str]) -> None:
             hint = _FOREIGN_SAMPLING_NAMES[name]
             if hint is None:
                 print(
-                    f"batchgen: warning: field '{name}' is not supported (yet); it is passed through unused",
+                    f"batchgen: warning: {path}: field '{name}' is not supported (yet); it is passed through unused",
                     file=sys.stderr,
                 )
                 continue
         if hint is not None:
             print(
-                f"batchgen: warning: field '{name}' is not a sampling field (did you mean '{hint}'?); it is passed "
-                "through unused",
+                f"batchgen: warning: {path}: field '{name}' is not a sampling field (did you mean '{hint}'?); it is "
+                "passed through unused",
                 file=sys.stderr,
             )

@@ -8,13 +8,12 @@ from typing import Any
 
 import pyarrow as pa
 
-from batchgen.errors import RowError
+from batchgen.errors import RowError, shown_value
 from batchgen.io.reader import KNOWN_FIELDS, PROMPT_FIELDS, InputRow, json_type_name, passthrough_name
 from batchgen.sampling.sampling_params import SAMPLING_FIELDS
 
 __all__ = ["PROMPT_FIELDS", "RowSpec", "parse_row"]
 
-_REPR_LIMIT = 80
 # Builds the RowError for one field of the row being parsed.
 _Fail = Callable[[str, str], RowError]
 
@@ -87,11 +86,6 @@ def parse_row(row: InputRow, source: str, passthrough_schema: pa.Schema, *, bloc
     )
 
 
-def _short_repr(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= _REPR_LIMIT else text[: _REPR_LIMIT - 3] + "..."
-
-
 def _check_prompt(value: Any, fail: _Fail) -> str:
     if not isinstance(value, str):
         raise fail("prompt", f"must be a string, got {json_type_name(value)}")
@@ -127,7 +121,7 @@ def _check_token_ids(value: Any, fail: _Fail) -> list[int]:
         raise fail("prompt_token_ids", f"must be a non-empty array of integers, got {got}")
     for i, token in enumerate(value):
         if isinstance(token, bool) or not isinstance(token, int):
-            raise fail("prompt_token_ids", f"item {i} must be an integer, got {_short_repr(token)}")
+            raise fail("prompt_token_ids", f"item {i} must be an integer, got {shown_value(token)}")
     return value
 
 
@@ -135,7 +129,7 @@ def _check_id(value: Any, index: int, fail: _Fail) -> str:
     if value is None:
         return str(index)
     if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise fail("id", f"must be a string or an integer, got {_short_repr(value)}")
+        raise fail("id", f"must be a string or an integer, got {shown_value(value)}")
     return str(value)
 
 
@@ -160,7 +154,7 @@ def _passthrough(data: dict[str, Any], schema: pa.Schema, block_rows: int | None
 
 
 def _check_fits(name: str, value: Any, arrow_type: pa.DataType, fail: _Fail) -> None:
-    message = f"expected {arrow_type} like earlier rows, got {_short_repr(value)}"
+    message = f"expected {arrow_type} like earlier rows, got {shown_value(value)}"
     # pyarrow silently truncates a float into an integer column; that would change the user's data.
     if pa.types.is_integer(arrow_type) and isinstance(value, float) and not value.is_integer():
         raise fail(name, message)

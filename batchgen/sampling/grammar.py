@@ -8,6 +8,7 @@ and every sampled token is fed back to its matcher. A request ends (``stop``) wh
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import torch
@@ -62,7 +63,7 @@ class GrammarCompiler:
                 else:
                     self._cache[key] = self._compiler.compile_grammar(text)
             except Exception as e:  # xgrammar raises several types (RuntimeError, ValueError, its own)
-                raise FieldError(kind, f"does not compile: {' '.join(str(e).split())[:300]}") from None
+                raise FieldError(kind, f"does not compile: {_compile_message(e)}") from None
         # xgrammar's JSON string rule lets raw control characters (U+0000-U+001F) through, which json.loads
         # rejects; compact JSON never needs them, so JSON-schema rows may not pick a token that contains one.
         forbid = self._control_char_mask() if kind == "json_schema" else None
@@ -153,3 +154,11 @@ def normalize_constraint(name: str, value: Any) -> str:
     if not isinstance(value, str) or not value:
         raise FieldError(name, f"must be a non-empty string, got {value!r}")
     return value
+
+
+def _compile_message(error: Exception) -> str:
+    """xgrammar's compile error on one line, without the time and C++ source location its log prefix carries
+    (``[22:05:05] /project/cpp/json_schema_converter.cc:5082: Unsupported type "objectx"``), at most 300 characters."""
+    text = " ".join(str(error).split())
+    text = re.sub(r"^(\[[0-9:]+\] )?\S+\.(cc|cpp|h):\d+: ", "", text)
+    return text[:300]

@@ -11,6 +11,7 @@ from batchgen.sampling.grammar import apply_bitmask
 from batchgen.sampling.random import uniform_from_counter
 from batchgen.sampling.rejection import rejection_sample
 from batchgen.sampling.sampling_batch_info import SamplingBatchInfo
+from batchgen.sampling.top_logprobs import top_k_by_value_then_id
 
 
 @dataclass
@@ -78,7 +79,7 @@ def sample(logits: torch.Tensor, info: SamplingBatchInfo) -> SampleOutput:
         logprobs = source.gather(1, next_ids[:, None]).squeeze(1)
         k = max(info.top_logprobs)
         if k:
-            top_logprobs, top_ids = source.topk(k, dim=-1)
+            top_logprobs, top_ids = top_k_by_value_then_id(source, k)
     return SampleOutput(next_ids, logprobs, top_ids, top_logprobs, drawn_from)
 
 

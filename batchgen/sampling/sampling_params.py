@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
-from batchgen.errors import FieldError
+from batchgen.errors import FieldError, shown_value
 
 # Fields that an input row may set at top level to override the CLI defaults for that row.
 SAMPLING_FIELDS: tuple[str, ...] = (
@@ -159,31 +159,31 @@ def _coerce(name: str, value: Any) -> Any:
     """Check the JSON type of one sampling field and convert it to the dataclass's type."""
     if name in _INT_FIELDS:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise FieldError(name, f"must be an integer, got {value!r}")
+            raise FieldError(name, f"must be an integer, got {shown_value(value)}")
         return value
     if name in _FLOAT_FIELDS:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise FieldError(name, f"must be a number, got {value!r}")
+            raise FieldError(name, f"must be a number, got {shown_value(value)}")
         return float(value)
     if name in _BOOL_FIELDS:
         if not isinstance(value, bool):
-            raise FieldError(name, f"must be true or false, got {value!r}")
+            raise FieldError(name, f"must be true or false, got {shown_value(value)}")
         return value
     if name == "seed":
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-            raise FieldError(name, f"must be an integer or null, got {value!r}")
+            raise FieldError(name, f"must be an integer or null, got {shown_value(value)}")
         return value
     if name == "stop":
         if isinstance(value, str):
             return (value,)
         if not isinstance(value, (list, tuple)) or not all(isinstance(s, str) for s in value):
-            raise FieldError(name, f"must be a string or a list of strings, got {value!r}")
+            raise FieldError(name, f"must be a string or a list of strings, got {shown_value(value)}")
         return tuple(value)
     if name == "stop_token_ids":
         if not isinstance(value, (list, tuple)) or not all(
             isinstance(t, int) and not isinstance(t, bool) for t in value
         ):
-            raise FieldError(name, f"must be a list of integers, got {value!r}")
+            raise FieldError(name, f"must be a list of integers, got {shown_value(value)}")
         return tuple(value)
     if name == "logit_bias":
         return _coerce_logit_bias(value)
@@ -191,7 +191,7 @@ def _coerce(name: str, value: Any) -> Any:
         if isinstance(value, bool):
             return 0 if value else None
         if not isinstance(value, int):
-            raise FieldError(name, f"must be true, false or a count of top logprobs, got {value!r}")
+            raise FieldError(name, f"must be true, false or a count of top logprobs, got {shown_value(value)}")
         return value
     if name in ("json_schema", "regex", "ebnf"):
         from batchgen.sampling.grammar import normalize_constraint
@@ -203,7 +203,7 @@ def _coerce(name: str, value: Any) -> Any:
 def _coerce_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
     """``{"id": bias}`` (JSON object keys are strings) → sorted ``((id, bias), ...)``."""
     if not isinstance(value, dict):
-        raise FieldError("logit_bias", f"must be an object of token id → bias, got {value!r}")
+        raise FieldError("logit_bias", f"must be an object of token id → bias, got {shown_value(value)}")
     pairs: dict[int, float] = {}
     for key, bias in value.items():
         if not (isinstance(key, str) and key.isascii() and key.isdigit()):

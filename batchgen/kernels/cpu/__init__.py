@@ -12,7 +12,7 @@ The build needs a C++ compiler and ninja; it compiles once per machine with ``-O
 on 2 cores) into torch's extension cache (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``),
 in a folder named by a hash of the sources, the flags, the torch and Python versions and this CPU's model and
 instruction-set flags, so a cache shared between machines never loads code built for another CPU; later
-processes load it in ~0.1 s (a build says so in one line on stderr). If it cannot build, batchgen says why in
+processes load it in ~0.1 s (a build says so on stderr, before and after). If it cannot build, batchgen says why in
 one line on stderr and runs plain PyTorch instead. ``BATCHGEN_CPU_ATTENTION_KERNEL=0`` turns the attention kernel
 off, ``BATCHGEN_CPU_FUSED_OPS=0`` the fused ops; with both off nothing is built.
 """
@@ -103,12 +103,16 @@ def build_problem() -> str | None:
     torch_log = logging.getLogger(cpp_extension.__name__)
     level = torch_log.level
     torch_log.setLevel(logging.ERROR)
+    name = _build_name()
+    if not (Path(cpp_extension._get_build_directory(name, verbose=False)) / f"{name}.so").exists():
+        # Otherwise the first run sits silent for the whole compile.
+        print("batchgen: building the CPU kernels for this machine (once, 15-30 s)", file=sys.stderr)
     started = time.monotonic()
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             cpp_extension.load(
-                name=_build_name(),
+                name=name,
                 sources=[str(f) for f in _SOURCES],
                 extra_cflags=_CFLAGS,
                 extra_ldflags=["-fopenmp"],
@@ -126,7 +130,7 @@ def build_problem() -> str | None:
     finally:
         torch_log.setLevel(level)
     seconds = time.monotonic() - started
-    if seconds > 2:  # a compile, not a cache hit: say why the first round paused
+    if seconds > 2:  # a compile, not a cache hit
         print(f"batchgen: built the CPU kernels in {seconds:.0f} s (cached for later runs)", file=sys.stderr)
     return None
 
