@@ -144,6 +144,32 @@ struct Scratch {
         k_pairs(chunks * kLanes / 2 * kKeyBlock),
         v_pairs(kKeyBlock / 2 * chunks * kLanes),
         prob_pairs(kKeyBlock / 2) {}
+
+  // Query i of a work item starts over: it sees `visible` keys (positions 0 .. visible - 1), has no scores yet.
+  void start_query(int64_t i, int64_t visible, int64_t chunks) {
+    limit[i] = visible;
+    row_max[i] = -kInf;
+    row_sum[i] = 0.f;
+    std::fill_n(&acc[i * chunks], chunks, v16f{});
+  }
+
+  // slots[0 .. block_len) = the KV slots of positions block .. block + block_len - 1; false when one lies outside
+  // the pool's num_slots (nothing is read there).
+  bool take_slots(const int64_t* slot_of_position, int64_t block, int64_t block_len, int64_t num_slots) {
+    for (int64_t j = 0; j < block_len; ++j) {
+      const int64_t slot = slot_of_position[block + j];
+      if (slot < 0 || slot >= num_slots) return false;
+      slots[j] = slot;
+    }
+    return true;
+  }
+
+  // Query i's output, acc / row_sum rounded to T (c10 rounds to nearest even), into dst[0 .. head_dim).
+  template <typename T>
+  void finish_query(int64_t i, int64_t chunks, int64_t head_dim, T* dst) const {
+    const float* sums = reinterpret_cast<const float*>(&acc[i * chunks]);
+    for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(sums[d] / row_sum[i]);
+  }
 };
 
 // x rounded to T's precision (to nearest even) and back: probabilities in half precision, as SDPA and
@@ -248,19 +274,12 @@ bool attend(const Shape& s, const T* q, const T* k, const T* v, T* out, const in
     load_row(q + (q_start + t) * s.q_stride_token + head * s.q_stride_head, s.head_dim, qi);
     for (int64_t c = 0; c < dc; ++c) qi[c] *= s.scale;
     // The new token t sits at position seq_len - q_len + t and sees keys 0..that position.
-    w.limit[i] = seq_len - q_len + t + 1;
+    w.start_query(i, seq_len - q_len + t + 1, dc);
     keys = std::max(keys, w.limit[i]);
-    w.row_max[i] = -kInf;
-    w.row_sum[i] = 0.f;
-    std::fill_n(&w.acc[i * dc], dc, v16f{});
   }
   for (int64_t block = 0; block < keys; block += kKeyBlock) {
     const int64_t block_len = std::min(kKeyBlock, keys - block);
-    for (int64_t j = 0; j < block_len; ++j) {
-      const int64_t slot = slot_of_position[block + j];
-      if (slot < 0 || slot >= s.num_slots) return false;
-      w.slots[j] = slot;
-    }
+    if (!w.take_slots(slot_of_position, block, block_len, s.num_slots)) return false;
     for (int64_t j = 0; j < block_len; ++j) {
       // Slots may be anywhere in the pool, so the hardware prefetcher cannot guess the next rows: ask for them.
       if (block + j + kPrefetchKeys < keys) {
@@ -282,9 +301,7 @@ bool attend(const Shape& s, const T* q, const T* k, const T* v, T* out, const in
   }
   for (int64_t i = 0; i < nq; ++i) {
     const int64_t t = (first + i) / group, head = kv_head * group + (first + i) % group;
-    T* dst = out + (q_start + t) * s.out_stride_token + head * s.out_stride_head;
-    const float* acc = reinterpret_cast<const float*>(&w.acc[i * dc]);
-    for (int64_t d = 0; d < s.head_dim; ++d) dst[d] = static_cast<T>(acc[d] / w.row_sum[i]);  // c10 rounds to even
+    w.finish_query(i, dc, s.head_dim, out + (q_start + t) * s.out_stride_token + head * s.out_stride_head);
   }
   return true;
 }
@@ -454,19 +471,12 @@ bool attend_bf16(const Shape& s, const c10::BFloat16* q, const c10::BFloat16* k,
     const int64_t t = (first + i) / group, head = kv_head * group + (first + i) % group;
     std::memcpy(&w.q_pairs[i * pairs], q + (q_start + t) * s.q_stride_token + head * s.q_stride_head,
                 s.head_dim * sizeof(c10::BFloat16));
-    w.limit[i] = seq_len - q_len + t + 1;
+    w.start_query(i, seq_len - q_len + t + 1, dc);
     keys = std::max(keys, w.limit[i]);
-    w.row_max[i] = -kInf;
-    w.row_sum[i] = 0.f;
-    std::fill_n(&w.acc[i * dc], dc, v16f{});
   }
   for (int64_t block = 0; block < keys; block += kKeyBlock) {
     const int64_t block_len = std::min(kKeyBlock, keys - block);
-    for (int64_t j = 0; j < block_len; ++j) {
-      const int64_t slot = slot_of_position[block + j];
-      if (slot < 0 || slot >= s.num_slots) return false;
-      w.slots[j] = slot;
-    }
+    if (!w.take_slots(slot_of_position, block, block_len, s.num_slots)) return false;
     // The next block's rows, requested now: its slots may be anywhere in the pool.
     for (int64_t j = block + kKeyBlock; j < std::min(keys, block + 2 * kKeyBlock); ++j) {
       const int64_t ahead = slot_of_position[j];
@@ -485,9 +495,7 @@ bool attend_bf16(const Shape& s, const c10::BFloat16* q, const c10::BFloat16* k,
   }
   for (int64_t i = 0; i < nq; ++i) {
     const int64_t t = (first + i) / group, head = kv_head * group + (first + i) % group;
-    c10::BFloat16* dst = out + (q_start + t) * s.out_stride_token + head * s.out_stride_head;
-    const float* acc = reinterpret_cast<const float*>(&w.acc[i * dc]);
-    for (int64_t d = 0; d < s.head_dim; ++d) dst[d] = static_cast<c10::BFloat16>(acc[d] / w.row_sum[i]);
+    w.finish_query(i, dc, s.head_dim, out + (q_start + t) * s.out_stride_token + head * s.out_stride_head);
   }
   return true;
 }
