@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +11,7 @@ import pytest
 from conftest import run_cli, write_jsonl
 
 from batchgen.bench.commands import expand_multi_value_options
-from batchgen.bench.model_costs import forward_flops, layer_params
+from batchgen.bench.model_costs import forward_flops, generation_flops, layer_params
 from batchgen.models.config import ModelConfig
 
 
@@ -50,6 +51,26 @@ def test_flop_count_by_hand() -> None:
     assert layer_params(config) == 2 * 576
     # 3 new tokens after a 2-token prefix: 3*2 + 3*4/2 = 12 query-key pairs; one sampled row.
     assert forward_flops(config, [3], [2], 1) == 2 * 1152 * 3 + 2 * 8 * 10 + 4 * 2 * 2 * 4 * 12
+
+
+def test_generation_flops_by_hand() -> None:
+    """Two prompts of 3 and 5 tokens, 2 new tokens each: a prefill of 8 tokens that samples 2 rows, then one step
+    of 2 single tokens after prefixes of 3 and 5."""
+    from transformers import LlamaConfig
+
+    hf = LlamaConfig(
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=10,
+    )
+    hf.architectures = ["LlamaForCausalLM"]
+    config = ModelConfig.from_hf(hf)
+    # 10 tokens through 1,152 layer weights; 4 sampled rows through the 8 x 10 LM head; query-key pairs: prefill
+    # 3*4/2 + 5*6/2 = 21, decode (3 + 1) + (5 + 1) = 10, each 4 * layers 2 * heads 2 * head_dim 4 FLOPs.
+    assert generation_flops(config, [3, 5], 2) == 2 * 1152 * 10 + 2 * 8 * 10 * 4 + 64 * 31
 
 
 def test_bench_one_batch_fields(random_models: dict[str, Path], tmp_path: Path) -> None:
@@ -265,3 +286,17 @@ def test_bench_dataset_says_which_rows_it_skipped(random_models: dict[str, Path]
     assert code == 0, output
     assert "skipped 1 rows the benchmark cannot use; the first:" in output and "d.jsonl:2" in output
     assert "workload: 2 prompts" in output
+
+
+def test_bench_roofline_line_and_fields(random_models: dict[str, Path], tmp_path: Path) -> None:
+    result_file = tmp_path / "r.jsonl"
+    args = ["bench", "--model", str(random_models["llama"]), "--num-prompts", "3", "--input-len-range", "4:9"]
+    args += ["--output-len", "3", "--dtype", "float32", "--device", "cpu", "--roofline"]
+    code, output = run_cli([*args, "--result-file", str(result_file)])
+    assert code == 0, output
+    line = next(x for x in output.splitlines() if x.strip().startswith("roofline:"))
+    match = re.search(r"([0-9.]+) TFLOP at the measured ([0-9.]+) TFLOP/s matmul rate: ([0-9.]+) s, at most", line)
+    assert match and "batchgen at " in line, line
+    row = json.loads(result_file.read_text())
+    assert row["roofline_seconds"] > 0
+    assert abs(row["roofline_fraction"] - row["roofline_seconds"] / row["seconds"]) < 1e-9

@@ -11,7 +11,13 @@ from pathlib import Path
 import torch
 import typer
 
-from batchgen.bench.offline import load_hf_model, run_engine, run_hf_generate, run_hf_generate_batch
+from batchgen.bench.offline import (
+    load_hf_model,
+    measure_roofline,
+    run_engine,
+    run_hf_generate,
+    run_hf_generate_batch,
+)
 from batchgen.bench.one_batch import OneBatchRunner
 from batchgen.bench.probes import measure_ceilings
 from batchgen.bench.workload import dataset_workload, random_workload
@@ -192,6 +198,9 @@ def bench(
     speculative_draft_model: str | None = SPECULATIVE_DRAFT_MODEL,
     speculative_acceptance: str = SPECULATIVE_ACCEPTANCE,
     report_memory: bool = typer.Option(False, help="Print the peak resident memory after each system."),
+    roofline: bool = typer.Option(
+        False, help="Also probe the matmul rate and print batchgen's share of the workload's compute roofline."
+    ),
     result_file: Path | None = typer.Option(None, help="Append one JSON line per system to this file."),
 ) -> None:
     """Offline throughput: the whole workload through the engine, then (with --baseline) through HF
@@ -252,6 +261,9 @@ def bench(
         results = [run_engine(engine, workload)]
         histogram = dict(engine.scheduler.accept_histogram)
         print(results[0].line() + speculative_summary(histogram))
+        bound = measure_roofline(engine, workload) if roofline else None
+        if bound is not None:
+            print(bound.line(results[0]))
         if report_memory:
             print(f"peak RSS after batchgen: {peak_rss_mib():.0f} MiB")
         expected_tokens = len(workload.prompts) * output_len
@@ -285,6 +297,8 @@ def bench(
                     record = {"model": model, "dtype": dtype_name(engine.dtype), **result.as_dict()}
                     if result is results[0]:  # batchgen itself; the baselines ran without speculation
                         record.update(speculative_record(engine.options, histogram))
+                    if bound is not None:
+                        record.update(roofline_seconds=bound.seconds, roofline_fraction=bound.fraction(result))
                     f.write(json.dumps(record) + "\n")
         if failed:
             raise BatchgenError(f"baseline failed: {'; '.join(failed)} (the other systems' results stand)")

@@ -37,3 +37,14 @@ def decode_bytes(config: ModelConfig, dtype: torch.dtype, seq_lens: Sequence[int
     weights = (layer_params(config) + config.hidden_size * config.vocab_size) * size
     kv_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * size
     return weights + kv_per_token * (sum(seq_lens) + len(seq_lens))
+
+
+def generation_flops(config: ModelConfig, prompt_lens: Sequence[int], output_len: int) -> float:
+    """FLOPs of generating ``output_len`` tokens after each prompt (:func:`forward_flops` summed over the rounds):
+    each prompt's prefill, which samples its first token, then ``output_len - 1`` single-token steps, the step
+    that samples token ``t`` seeing a prefix of ``prompt + t - 1`` tokens."""
+    steps = max(output_len - 1, 0)
+    flops = forward_flops(config, prompt_lens, [0] * len(prompt_lens), len(prompt_lens))
+    for t in range(1, steps + 1):
+        flops += forward_flops(config, [1] * len(prompt_lens), [n + t - 1 for n in prompt_lens], len(prompt_lens))
+    return flops

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from batchgen.bench.model_costs import generation_flops
+from batchgen.bench.probes import measure_ceilings
 from batchgen.bench.workload import Workload
 from batchgen.loop.engine import Engine
 from batchgen.loop.req import Req
@@ -38,6 +40,40 @@ class ThroughputResult:
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "output_throughput": self.output_throughput}
+
+
+@dataclass(frozen=True)
+class Roofline:
+    """The workload's FLOPs (:func:`~batchgen.bench.model_costs.generation_flops`: linear layers, LM head and
+    attention, without speculation's extra verify positions) at the machine's measured matmul rate (FLOP/s)."""
+
+    flops: float
+    matmul_rate: float
+    output_tokens: int
+
+    @property
+    def seconds(self) -> float:
+        """The shortest time the workload can take at that rate."""
+        return self.flops / self.matmul_rate
+
+    def line(self, result: ThroughputResult) -> str:
+        return (
+            f"{'roofline':>16}: {self.flops / 1e12:.3f} TFLOP at the measured {self.matmul_rate / 1e12:.3f} TFLOP/s "
+            f"matmul rate: {self.seconds:.2f} s, at most {self.output_tokens / self.seconds:.1f} output tok/s; "
+            f"{result.system} at {self.fraction(result):.0%} of it"
+        )
+
+    def fraction(self, result: ThroughputResult) -> float:
+        """Roofline time over the system's wall time."""
+        return self.seconds / result.seconds
+
+
+def measure_roofline(engine: Engine, workload: Workload) -> Roofline:
+    """Probe the matmul rate in the engine's dtype on its device (:func:`measure_ceilings`) and count the
+    workload's FLOPs for the engine's model."""
+    rate = measure_ceilings(engine.dtype, engine.device).matmul_flops
+    flops = generation_flops(engine.runner.model.config, [len(p) for p in workload.prompts], workload.output_len)
+    return Roofline(flops, rate, len(workload.prompts) * workload.output_len)
 
 
 def run_engine(engine: Engine, workload: Workload) -> ThroughputResult:
