@@ -1,9 +1,10 @@
 // Fused elementwise ops of a Llama-family layer for bfloat16 on the CPU: RMSNorm (with the residual add before
 // it), SiLU-and-multiply, and RoPE. Each replaces a chain of 4-10 PyTorch ops (one pass over memory each, and a
 // float32 temporary per step) by one pass. Every step rounds to bfloat16 where the PyTorch code it replaces does
-// (batchgen/models/llama.py, rotary.py, following transformers): RoPE and the residual add then give the same
-// bits as that code, and RMSNorm and SiLU differ from it only where a float32 sum or exp rounded across a
-// bfloat16 boundary (their float32 parts are summed in another order, or use another exp of ~1 ulp).
+// (batchgen/models/llama.py, rotary.py, following transformers): RoPE, the residual add and SiLU-and-multiply
+// then give the same bits as that code (SiLU's exp is another within ~1 ulp, which no bfloat16 input's rounded
+// result shows), and RMSNorm differs from it only where its float32 sum, taken in another order, rounds across a
+// bfloat16 boundary.
 //
 // Rows are split over threads (at::parallel_for); a row's arithmetic never depends on the other rows.
 
