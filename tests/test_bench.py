@@ -34,7 +34,8 @@ def test_multi_value_options_are_expanded() -> None:
     ]
 
 
-def test_flop_count_by_hand() -> None:
+def _tiny_config() -> ModelConfig:
+    """Hidden 8, MLP 16, 2 layers, 2 heads of 4 / 1 KV head, vocabulary 10: small enough to count by hand."""
     from transformers import LlamaConfig
 
     hf = LlamaConfig(
@@ -46,7 +47,11 @@ def test_flop_count_by_hand() -> None:
         vocab_size=10,
     )
     hf.architectures = ["LlamaForCausalLM"]
-    config = ModelConfig.from_hf(hf)
+    return ModelConfig.from_hf(hf)
+
+
+def test_flop_count_by_hand() -> None:
+    config = _tiny_config()
     # per layer: q 8x8 + k,v 8x4 each + o 8x8 + MLP 3 x 8x16 = 64 + 64 + 64 + 384 = 576
     assert layer_params(config) == 2 * 576
     # 3 new tokens after a 2-token prefix: 3*2 + 3*4/2 = 12 query-key pairs; one sampled row.
@@ -56,18 +61,7 @@ def test_flop_count_by_hand() -> None:
 def test_generation_flops_by_hand() -> None:
     """Two prompts of 3 and 5 tokens, 2 new tokens each: a prefill of 8 tokens that samples 2 rows, then one step
     of 2 single tokens after prefixes of 3 and 5."""
-    from transformers import LlamaConfig
-
-    hf = LlamaConfig(
-        hidden_size=8,
-        intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        vocab_size=10,
-    )
-    hf.architectures = ["LlamaForCausalLM"]
-    config = ModelConfig.from_hf(hf)
+    config = _tiny_config()
     # 10 tokens through 1,152 layer weights; 4 sampled rows through the 8 x 10 LM head; query-key pairs: prefill
     # 3*4/2 + 5*6/2 = 21, decode (3 + 1) + (5 + 1) = 10, each 4 * layers 2 * heads 2 * head_dim 4 FLOPs.
     assert generation_flops(config, [3, 5], 2) == 2 * 1152 * 10 + 2 * 8 * 10 * 4 + 64 * 31
