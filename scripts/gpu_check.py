@@ -9,7 +9,8 @@ Subcommands (each prints its own table, writes its files under ``--out-dir`` and
   head runs in bf16, and Llama-1B's random top logits reach 4 to 6, where one bf16 step is 1/32), so torch_native's
   bfloat16 run measures the model's rounding noise (its largest and mean |logprob error|), and every bfloat16 run
   must stay within twice that largest error at each step and 1.5 times the mean, and part from float32 only where
-  float32's top-2 margin is within twice the largest error. Graph runs are also held to their eager twins so.
+  float32's top-2 margin is within twice the largest error, and keep at least half as many steps before its rows
+  part as the noise run does. Graph runs are also held to their eager twins so.
   Two more runs use Triton's fused elementwise kernels (``BATCHGEN_TRITON_FUSED_OPS=1``), held to the same rules.
 - ``bench``: ``batchgen bench-one-batch`` with and without CUDA graphs, and with graphs and the fused elementwise
   kernels; decode ms/step, tok/s, achieved GB/s against the measured copy bandwidth, read from its
@@ -186,8 +187,10 @@ def bfloat16_problems(dev: Deviation, noise: Deviation) -> list[str]:
     far = [m for m in dev.parting_margins if m > 2 * noise.max]
     if far:
         problems.append(f"parts where the reference is sure (margins {_rounded(far)})")
-    if len(dev.diffs) < dev.steps / 2:
-        problems.append(f"only {len(dev.diffs)} of {dev.steps} steps before partings")
+    # Relative to the noise: a correct bfloat16 run parts about as early as torch_native's (on 2026-11-29 it kept
+    # 248 of 492 steps, and a run within its error bounds 199), so a fixed share of all steps would fail at random.
+    if len(dev.diffs) < len(noise.diffs) / 2:
+        problems.append(f"only {len(dev.diffs)} steps before partings, under half the noise's {len(noise.diffs)}")
     return problems
 
 
@@ -200,7 +203,8 @@ def compare(args: argparse.Namespace) -> int:
     work = Path(tempfile.mkdtemp(prefix="gpu_check_compare_"))  # not under --out-dir: $OUT takes 8 files at most
     prompts = work / "prompts.jsonl"
     _write_prompts(prompts, args.rows, args.max_token_id, args.context_length - 30)
-    configs = _configs()
+    exact, calibration_cfg = RunConfig("float32", "torch_native", False), RunConfig("bfloat16", "torch_native", False)
+    configs = [c for c in _configs() if not args.only or c.name in args.only or c in (exact, calibration_cfg)]
     deadline = time.monotonic() + args.timeout
     print(f"{len(configs)} runs of {args.model}, {args.rows} prompts, {args.parallel} at a time")
     with ThreadPoolExecutor(args.parallel) as pool:
@@ -208,10 +212,10 @@ def compare(args: argparse.Namespace) -> int:
         results = {c: f.result() for c, f in futures.items()}
     for config, (_, note) in results.items():
         print(f"  ran {config.name:<33} {note}")
-    exact = RunConfig("float32", "torch_native", False)
     pairs = [(exact, c) for c in configs if c != exact and (not c.graphs or c.fused)]
-    pairs += [(RunConfig(c.dtype, c.backend, False), c) for c in configs if c.graphs and not c.fused]
-    reference, calibration = results[exact][0], results[RunConfig("bfloat16", "torch_native", False)][0]
+    twins = [(RunConfig(c.dtype, c.backend, False), c) for c in configs if c.graphs and not c.fused]
+    pairs += [(twin, c) for twin, c in twins if twin in results]
+    reference, calibration = results[exact][0], results[calibration_cfg][0]
     noise = deviation(reference, calibration) if reference and calibration else None
     if noise is not None:
         print(f"\nbfloat16 noise (torch_native bfloat16 against float32): max {noise.max:.3g}, mean {noise.mean:.3g}")
@@ -339,6 +343,9 @@ def main() -> int:
     sub.choices["compare"].add_argument("--context-length", type=int, default=512, help="Prompts are shorter by 30+.")
     sub.choices["compare"].add_argument("--max-token-id", type=int, default=128000, help="Prompt ids below this.")
     sub.choices["compare"].add_argument("--parallel", type=int, default=4, help="batchgen runs at a time.")
+    sub.choices["compare"].add_argument(
+        "--only", nargs="*", default=[], help="Run names to check (e.g. bfloat16/flashinfer/graphs/fused); all if none."
+    )
     sub.choices["bench"].add_argument("--backends", nargs="+", default=["auto"])
     sub.choices["bench"].add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8, 64])
     sub.choices["bench"].add_argument("--input-len", type=int, default=512)

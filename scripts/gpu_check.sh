@@ -29,7 +29,8 @@
 #
 # Knobs: GPU_CHECK_STEPS (the steps to run, default "0 a b c d e"), PYTHON (the interpreter holding torch; default
 # python3), GPU_CHECK_VENV (default /tmp/batchgen-gpu-venv), GPU_CHECK_BENCH_BACKENDS (default "auto"; e.g.
-# "flashinfer triton" to compare).
+# "flashinfer triton" to compare), GPU_CHECK_COMPARE_ONLY (step b's runs to check, e.g.
+# "bfloat16/flashinfer/graphs/fused"; the float32 reference and the bfloat16 noise run always run; default all).
 #
 # Wheels for a machine without internet (Python 3.12, x86-64), fetched where pip works:
 #     pip download --no-deps -d wheels flashinfer-python==0.5.3
@@ -155,8 +156,9 @@ fi
 if wanted b; then
     banner "b. backends and CUDA graphs agree (random:llama-1b)"
     B_TIME="$(step_time b)"
-    run_step "b. greedy agreement" "$B_TIME" \
-        "$VPY" scripts/gpu_check.py compare --out-dir "$OUT_DIR" --timeout $((B_TIME - 20))
+    read -r -a COMPARE_ONLY <<<"${GPU_CHECK_COMPARE_ONLY:-}"
+    run_step "b. greedy agreement" "$B_TIME" "$VPY" scripts/gpu_check.py compare --out-dir "$OUT_DIR" \
+        --timeout $((B_TIME - 20)) --only "${COMPARE_ONLY[@]}"
 fi
 
 # ---- c. bench-one-batch ----

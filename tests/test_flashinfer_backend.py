@@ -313,6 +313,15 @@ def test_workspace_grows_with_heads_and_graph_batch() -> None:
     assert eager % mib == 0 and graph % mib == 0
 
 
+def test_workspace_holds_the_verify_graphs_of_speculative_decoding() -> None:
+    # On an H200 (132 SMs), capturing Llama-1B's batch-256 TARGET_VERIFY graph with 4 drafts (5 queries a request)
+    # failed in FlashInfer 0.5.3's plan: "Buffer overflow when allocating memory for batch_prefill_tmp_v with size
+    # 309329920". That is 32 heads * 295 tiles * cta_tile_q 128 * 64 dims * 4 bytes, and tmp_s adds
+    # 32 * 295 * 128 * 4 bytes after it.
+    tmp_v, tmp_s = 309_329_920, 32 * 295 * 128 * 4
+    assert paging.workspace_bytes(32, 8, 64, 132, max_graph_bs=256, graph_tokens=5) >= tmp_v + tmp_s
+
+
 def test_construction_on_cpu_is_a_one_line_error() -> None:
     with pytest.raises(BatchgenError, match="needs a CUDA device, not cpu; use torch_native on CPU") as info:
         FlashInferAttnBackend(torch.device("cpu"), torch.bfloat16, 8, 2, 64)

@@ -81,19 +81,23 @@ def workspace_bytes(
 ) -> int:
     """Float workspace large enough for every plan the backend makes (at least 128 MiB).
 
-    FlashInfer's FA2 plan (``PrefillPlan`` in ``include/flashinfer/attention/scheduler.cuh``) fails when the
-    split-KV partial results do not fit: ``num_qo_heads * tiles * cta_tile_q * (head_dim + 1) * 4`` bytes. Eager
-    plans split only up to ``2 * num_sms // num_kv_heads`` tiles; a CUDA-graph plan of ``bs`` requests with
-    ``graph_tokens`` queries each (1 for DECODE, K + 1 for TARGET_VERIFY) reserves
-    ``max(that, ceil(bs * packed / cta_tile_q) + bs - 1)`` tiles, ``packed = graph_tokens * group``. 128 MiB
-    covers Llama-1B at any batch size but not, say, 64 query heads of 128 at batch 256 (~200 MB), hence the
-    computation.
+    FlashInfer's FA2 plan (``PrefillPlan`` / ``PrefillSplitQOKVIndptr`` in
+    ``include/flashinfer/attention/scheduler.cuh``) fails when the split-KV partial results do not fit:
+    ``num_qo_heads * tiles * cta_tile_q * (head_dim + 1) * 4`` bytes. Eager plans split only up to
+    ``2 * num_sms // num_kv_heads`` tiles. A CUDA-graph plan of ``bs`` requests with ``graph_tokens`` queries each
+    (1 for DECODE, K + 1 for TARGET_VERIFY), ``rows = bs * graph_tokens`` in all, sizes its tiles for the longest
+    request those rows allow: ``cta_tile_q`` is chosen for ``(rows - bs + 1) * group`` packed queries and it
+    reserves ``max(eager tiles, ceil(rows * group / cta_tile_q) + bs - 1)`` tiles. Every graph size up to
+    ``max_graph_bs`` is captured, so the largest need among them counts. 128 MiB covers Llama-1B's DECODE graphs
+    at any batch size, but neither its batch-256 verify graphs with 4 drafts (~310 MB) nor 64 query heads of 128
+    at batch 256, hence the computation.
     """
+    group = num_qo_heads // num_kv_heads
     split_tiles = (2 * num_sms) // num_kv_heads
     need = num_qo_heads * split_tiles * 128 * (head_dim + 1) * 4  # cta_tile_q is at most 128
-    if max_graph_bs:
-        packed = graph_tokens * (num_qo_heads // num_kv_heads)
-        cta = _fa2_cta_tile_q(packed, head_dim)
-        tiles = max(split_tiles, -(-max_graph_bs * packed // cta) + max_graph_bs - 1)
+    for bs in range(1, max_graph_bs + 1):
+        rows = bs * graph_tokens
+        cta = _fa2_cta_tile_q((rows - bs + 1) * group, head_dim)
+        tiles = max(split_tiles, -(-rows * group // cta) + bs - 1)
         need = max(need, num_qo_heads * tiles * cta * (head_dim + 1) * 4)
     return max(MIN_WORKSPACE_BYTES, (need + (2 << 20)) & ~((1 << 20) - 1))  # + slack for alignment, whole MiB
