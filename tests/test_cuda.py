@@ -217,6 +217,7 @@ def test_float32_backends_agree_with_torch_native(
     model_dir: Path, dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """triton, and triton with the fused elementwise kernels replayed from CUDA graphs, against torch_native."""
+    monkeypatch.setenv(FUSED_OPS_SWITCH, "0")  # on by default on CUDA: the plain runs first
     ref = _generate(dataset, tmp_path / "ref.arrow", model_dir, "torch_native", "float32")
     got = _generate(dataset, tmp_path / "triton.arrow", model_dir, "triton", "float32")
     assert_greedy_agree(ref, got, FP32_TOL, exact_tokens=True)
@@ -238,6 +239,7 @@ def test_bfloat16_backends_are_as_close_to_float32_as_torch_native(
     margin within twice that largest error), as must flashinfer with the fused elementwise Triton kernels. A kernel
     fault (a lost token, a wrong scale or mask) errs by far more.
     """
+    monkeypatch.setenv(FUSED_OPS_SWITCH, "0")  # on by default on CUDA: the plain runs first
     ref = _generate(dataset, tmp_path / "ref.arrow", model_dir, "torch_native", "float32")
     noise = deviation(ref, _generate(dataset, tmp_path / "tn.arrow", model_dir, "torch_native", "bfloat16"))
     assert noise.max <= 0.1, f"torch_native bfloat16 is {noise.max:.3g} from float32: more than rounding"

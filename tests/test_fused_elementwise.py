@@ -14,6 +14,7 @@ so bfloat16 results may sit one place lower per rounding there: bfloat16 cases a
 from __future__ import annotations
 
 import random
+import sys
 from pathlib import Path
 
 import pytest
@@ -178,6 +179,21 @@ def test_fused_ops_on_the_cpu_without_the_interpreter_is_a_one_line_error(monkey
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv(FUSED_OPS_SWITCH, "true")
     assert triton_fused_ops_requested(torch.device("cpu"))
+
+
+def test_fused_ops_are_on_by_default_on_cuda_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(FUSED_OPS_SWITCH, raising=False)
+    assert triton_fused_ops_requested(torch.device("cuda"))
+    assert not triton_fused_ops_requested(torch.device("cpu"))
+    monkeypatch.setenv(FUSED_OPS_SWITCH, "0")
+    assert not triton_fused_ops_requested(torch.device("cuda"))
+    # Without triton the default quietly keeps the PyTorch code; asking for the kernels is an error.
+    monkeypatch.setitem(sys.modules, "triton", None)
+    monkeypatch.delenv(FUSED_OPS_SWITCH)
+    assert not triton_fused_ops_requested(torch.device("cuda"))
+    monkeypatch.setenv(FUSED_OPS_SWITCH, "1")
+    with pytest.raises(BatchgenError, match="needs triton"):
+        triton_fused_ops_requested(torch.device("cuda"))
 
 
 def test_fused_ops_in_float16_are_as_close_to_float32_as_torch(
