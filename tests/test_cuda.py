@@ -105,6 +105,20 @@ def test_flashinfer_cuda_graph_capture_and_replay() -> None:
     replay_and_check([(1, 33, 1), (2, 66, 1), (3, 8, 1)])  # row 2 is now 60 tokens longer than at capture
 
 
+def test_flashinfer_plans_large_verify_graphs() -> None:
+    """Llama-1B's heads (32 q, 8 KV, 64 dims), TARGET_VERIFY graphs of 256 requests with 4 drafts each: FlashInfer's
+    plan of the capture batch fits the workspace (on an H200 it once overflowed it, at batch 256)."""
+    device = torch.device("cuda")
+    rows = 256
+    scene = PagedScene(1, 8, HEAD_DIM, torch.bfloat16, device, size=rows * 15, rows=rows)
+    backend = FlashInferAttnBackend(device, torch.bfloat16, 32, 8, HEAD_DIM)
+    backend.init_cuda_graph_state(rows, verify_tokens=5)
+    for bs in (rows, 1):
+        batch = scene.batch(ForwardMode.TARGET_VERIFY, [(r, 10 if bs == rows else 5, 5) for r in range(bs)], backend)
+        backend.init_forward_metadata_capture_cuda_graph(batch)
+    assert set(backend._graph_verify) == {1, rows}
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_fused_elementwise_kernels_compiled(dtype: torch.dtype) -> None:
     """The fused RMSNorm, SiLU-and-multiply and RoPE kernels compiled for the GPU against the torch code they

@@ -43,9 +43,10 @@ class PagedScene:
         device: torch.device,
         size: int = 512,
         seed: int = 0,
+        rows: int = 8,
     ) -> None:
         self.device = device
-        self.req_to_token_pool = ReqToTokenPool(8, 160, device)
+        self.req_to_token_pool = ReqToTokenPool(rows, 160, device)
         self.kv_pool = TokenToKVPool(size, num_layers, num_kv_heads, head_dim, dtype, device)
         generator = torch.Generator().manual_seed(seed)
         self.free = (torch.randperm(size, generator=generator) + 1).tolist()
