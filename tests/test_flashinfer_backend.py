@@ -257,7 +257,7 @@ def fake_flashinfer(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setitem(sys.modules, "flashinfer", module)
     monkeypatch.setattr(fib, "unavailable_reason", lambda *args: None)
     monkeypatch.setattr(
-        torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(multi_processor_count=8)
+        torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(multi_processor_count=8, major=9)
     )
     yield
 
@@ -323,6 +323,17 @@ def test_workspace_holds_the_verify_graphs_of_speculative_decoding() -> None:
     assert paging.workspace_bytes(32, 8, 64, 132, max_graph_bs=256, graph_tokens=5) >= tmp_v + tmp_s
 
 
+def test_workspace_on_gpus_before_ampere() -> None:
+    # Before SM80 FlashInfer's FA2 tiles are never under 64 query rows (FA2DetermineCtaTileQ, utils.cuh): on a T4
+    # (40 SMs) batch-256 DECODE graphs of 32 heads (8 KV) need 32 * (ceil(256 * 4 / 64) + 255) tiles * 64 rows
+    # * (head_dim + 1) * 4 bytes, over the 128 MiB that Ampere's 16-row tiles need.
+    for head_dim in (64, 128):
+        need = 32 * (256 * 4 // 64 + 255) * 64 * (head_dim + 1) * 4
+        assert need > paging.MIN_WORKSPACE_BYTES
+        assert paging.workspace_bytes(32, 8, head_dim, 40, max_graph_bs=256, ampere_or_newer=False) >= need
+    assert paging.workspace_bytes(32, 8, 64, 40, max_graph_bs=256) == paging.MIN_WORKSPACE_BYTES
+
+
 def test_construction_on_cpu_is_a_one_line_error() -> None:
     with pytest.raises(BatchgenError, match="needs a CUDA device, not cpu; use torch_native on CPU") as info:
         FlashInferAttnBackend(torch.device("cpu"), torch.bfloat16, 8, 2, 64)
@@ -384,6 +395,8 @@ def test_cuda_graph_hooks_replan_the_captured_wrapper(fake_flashinfer: None) -> 
     backend.init_forward_metadata_capture_cuda_graph(capture)
     wrapper = backend._graph_decode[3]
     assert wrapper.use_cuda_graph and len(wrapper.kwargs["paged_kv_indptr_buffer"]) == 4
+    with pytest.raises(RuntimeError, match="after graphs were captured"):
+        backend.init_cuda_graph_state(8)  # could reallocate the workspace under the captured graph
     # Later rounds of three rows re-plan that wrapper (what a replay reads); other sizes run eagerly.
     for rows in ([(1, 32, 1), (2, 5, 1), (3, 7, 1)], [(1, 33, 1), (2, 6, 1), (3, 8, 1)]):
         fb = scene.batch(ForwardMode.DECODE, rows, backend)

@@ -118,8 +118,12 @@ class FlashInferAttnBackend(AttentionBackend):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.sm_scale = 1.0 / math.sqrt(head_dim)  # as the reference backend; passed explicitly, not defaulted
-        self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-        self._allocate_workspace(workspace_bytes(num_qo_heads, num_kv_heads, head_dim, self._num_sms))
+        properties = torch.cuda.get_device_properties(device)
+        self._num_sms = properties.multi_processor_count
+        self._ampere_or_newer = properties.major >= 8
+        self._allocate_workspace(
+            workspace_bytes(num_qo_heads, num_kv_heads, head_dim, self._num_sms, ampere_or_newer=self._ampere_or_newer)
+        )
         self._build_kernels()
         # What forward_decode / forward_extend run: the eager wrappers or a captured graph's.
         self._decode: Any = self._eager_decode
@@ -218,10 +222,21 @@ class FlashInferAttnBackend(AttentionBackend):
     # ---- CUDA graphs (DECODE, and TARGET_VERIFY with K + 1 tokens per request) ----
 
     def init_cuda_graph_state(self, max_bs: int, verify_tokens: int = 0) -> None:
+        if self._graph_decode or self._graph_verify:
+            # A larger workspace would leave the captured graphs pointing into the freed one.
+            raise RuntimeError("init_cuda_graph_state after graphs were captured")
         self._graph_max_bs = max_bs
         needed = max(
-            workspace_bytes(self.num_qo_heads, self.num_kv_heads, self.head_dim, self._num_sms, max_bs, tokens)
-            for tokens in (1, verify_tokens)
+            workspace_bytes(
+                self.num_qo_heads,
+                self.num_kv_heads,
+                self.head_dim,
+                self._num_sms,
+                max_bs,
+                tokens,
+                ampere_or_newer=self._ampere_or_newer,
+            )
+            for tokens in ((1, verify_tokens) if verify_tokens else (1,))
         )
         if needed > self._workspace.numel():
             self._allocate_workspace(needed)

@@ -69,15 +69,22 @@ def paged_kv_view(buffer: torch.Tensor) -> torch.Tensor:
     return buffer.transpose(0, 1).unsqueeze(1)
 
 
-def _fa2_cta_tile_q(packed_qo_len: int, head_dim: int) -> int:
-    """Query rows per thread block of FlashInfer's FA2 kernels on SM80+ (``FA2DetermineCtaTileQ``, utils.cuh)."""
+def _fa2_cta_tile_q(packed_qo_len: int, head_dim: int, ampere_or_newer: bool) -> int:
+    """Query rows per thread block of FlashInfer's FA2 kernels (``FA2DetermineCtaTileQ``, utils.cuh): before SM80
+    (Turing) never fewer than 64, for lack of shared memory."""
     if packed_qo_len > 64 and head_dim < 256:
         return 128
-    return 64 if packed_qo_len > 16 else 16
+    return 64 if packed_qo_len > 16 or not ampere_or_newer else 16
 
 
 def workspace_bytes(
-    num_qo_heads: int, num_kv_heads: int, head_dim: int, num_sms: int, max_graph_bs: int = 0, graph_tokens: int = 1
+    num_qo_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    num_sms: int,
+    max_graph_bs: int = 0,
+    graph_tokens: int = 1,
+    ampere_or_newer: bool = True,
 ) -> int:
     """Float workspace large enough for every plan the backend makes (at least 128 MiB).
 
@@ -89,15 +96,16 @@ def workspace_bytes(
     request those rows allow: ``cta_tile_q`` is chosen for ``(rows - bs + 1) * group`` packed queries and it
     reserves ``max(eager tiles, ceil(rows * group / cta_tile_q) + bs - 1)`` tiles. Every graph size up to
     ``max_graph_bs`` is captured, so the largest need among them counts. 128 MiB covers Llama-1B's DECODE graphs
-    at any batch size, but neither its batch-256 verify graphs with 4 drafts (~310 MB) nor 64 query heads of 128
-    at batch 256, hence the computation.
+    up to batch ~800, but neither its batch-256 verify graphs with 4 drafts (~314 MB) nor 64 query heads of 128
+    at batch 256, hence the computation. ``ampere_or_newer``: the GPU's compute capability is 8.0 or more
+    (older ones use larger tiles, see :func:`_fa2_cta_tile_q`).
     """
     group = num_qo_heads // num_kv_heads
     split_tiles = (2 * num_sms) // num_kv_heads
     need = num_qo_heads * split_tiles * 128 * (head_dim + 1) * 4  # cta_tile_q is at most 128
     for bs in range(1, max_graph_bs + 1):
         rows = bs * graph_tokens
-        cta = _fa2_cta_tile_q((rows - bs + 1) * group, head_dim)
+        cta = _fa2_cta_tile_q((rows - bs + 1) * group, head_dim, ampere_or_newer)
         tiles = max(split_tiles, -(-rows * group // cta) + bs - 1)
         need = max(need, num_qo_heads * tiles * cta * (head_dim + 1) * 4)
     return max(MIN_WORKSPACE_BYTES, (need + (2 << 20)) & ~((1 << 20) - 1))  # + slack for alignment, whole MiB
