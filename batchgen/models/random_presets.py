@@ -1,5 +1,5 @@
-"""``random:NAME`` models: a preset config from ``configs/models/NAME.json`` with random weights, for benchmarks
-that need a model's shape but no download."""
+"""``random:NAME`` models: a preset config from ``presets/NAME.json`` (beside this file; ``configs/models`` links
+to it) with random weights, for benchmarks that need a model's shape but no download."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from transformers import AutoConfig
 from batchgen.errors import BatchgenError
 
 RANDOM_PREFIX = "random:"
-PRESETS_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
+# Inside the package, so that the presets ship in a built wheel too.
+PRESETS_DIR = Path(__file__).with_name("presets")
 
 
 def is_random_spec(spec: str) -> bool:
