@@ -18,7 +18,7 @@ from batchgen import __version__
 from batchgen.crash_hooks import CRASH_AFTER_ROWS, crash_point
 from batchgen.errors import BatchgenError, FieldError, RowError
 from batchgen.interrupts import StopRequest, graceful_stop
-from batchgen.io.field_warnings import warn_about_passthrough_names
+from batchgen.io.field_warnings import warn_about_json_text_fields, warn_about_passthrough_names
 from batchgen.io.partial_output import PartialOutput
 from batchgen.io.reader import RowReader, count_input_rows
 from batchgen.io.result_rows import error_row, result_row
@@ -89,6 +89,7 @@ class RunJob:
             max_samples=self.engine.max_running_requests,
         )
         warn_about_passthrough_names(self.reader.path, self.reader.passthrough_schema.names)
+        warn_about_json_text_fields(self.reader.path, self.reader.passthrough_schema, self.reader.block_rows)
         self.summary = RunSummary()
         self._seen_ids: set[str] = set()
         self._pending_rows: list[dict[str, Any]] = []

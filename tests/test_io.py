@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchgen.errors import BatchgenError, RowError
-from batchgen.io.reader import InputRow, RowReader
+from batchgen.io.reader import InputRow, RowReader, is_json_text
 from batchgen.io.rows import RowSpec, parse_row
 from batchgen.io.writer import OUTPUT_COLUMNS, open_result_writer, read_results, result_schema
 
@@ -184,10 +184,7 @@ def test_jsonl_passthrough_schema_inference(tmp_path: Path) -> None:
     )
 
 
-def test_jsonl_mixed_types_take_first_value_type(tmp_path: Path) -> None:
-    path = write_lines(tmp_path / "in.jsonl", ['{"prompt": "a", "x": 1}', '{"prompt": "b", "x": "two"}'])
-    reader = RowReader(path)
-    assert reader.passthrough_schema == pa.schema([("x", pa.int64())])
+def _parse_all(reader: RowReader) -> list[RowSpec | RowError]:
     specs: list[RowSpec | RowError] = []
     for row in reader:
         assert isinstance(row, InputRow)
@@ -195,9 +192,48 @@ def test_jsonl_mixed_types_take_first_value_type(tmp_path: Path) -> None:
             specs.append(parse_row(row, reader.source, reader.passthrough_schema))
         except RowError as e:
             specs.append(e)
-    assert isinstance(specs[0], RowSpec) and specs[0].passthrough == {"x": 1}
-    assert isinstance(specs[1], RowError)
-    assert str(specs[1]) == f"{path}:2: field 'x': expected int64 like earlier rows, got \"two\""
+    return specs
+
+
+def test_jsonl_mixed_types_pass_through_as_json_text(tmp_path: Path) -> None:
+    """Values that share no Arrow type in the rows the schema comes from keep every row: the column holds each
+    value's JSON text. Integers and floats share double; objects share a struct of all their keys."""
+    rows = [
+        {"prompt": "a", "x": 1, "score": 1, "meta": {"k": 1}, "tags": [{"a": 1}]},
+        {"prompt": "b", "x": "two", "score": 2.5, "meta": {"k": 2, "j": 2}, "tags": [{"b": "s"}]},
+        {"prompt": "c", "x": [3], "meta": {"j": "x"}},
+    ]
+    path = write_lines(tmp_path / "in.jsonl", [json.dumps(r) for r in rows])
+    reader = RowReader(path)
+    schema = reader.passthrough_schema
+    assert [(f.name, str(f.type), is_json_text(f)) for f in schema] == [
+        ("x", "string", True),
+        ("score", "double", False),
+        ("meta", "string", True),  # k is a number, j a number then a string
+        ("tags", "list<item: struct<a: int64, b: string>>", False),
+    ]
+    specs = _parse_all(reader)
+    assert all(isinstance(s, RowSpec) for s in specs)
+    assert [s.passthrough["x"] for s in specs if isinstance(s, RowSpec)] == ["1", '"two"', "[3]"]
+    assert [s.passthrough["meta"] for s in specs if isinstance(s, RowSpec)] == [
+        '{"k": 1}',
+        '{"k": 2, "j": 2}',
+        '{"j": "x"}',
+    ]
+
+
+def test_jsonl_later_object_with_a_new_key_is_a_bad_row_not_a_silent_drop(tmp_path: Path) -> None:
+    lines = ['{"prompt": "a", "meta": {"k": 1, "deep": [{"u": 1}]}}']
+    lines += ['{"prompt": "b", "meta": {"k": 2, "j": 2}}', '{"prompt": "c", "meta": {"k": 3, "deep": [{"v": 1}]}}']
+    path = write_lines(tmp_path / "in.jsonl", lines)
+    reader = RowReader(path, block_rows=1)
+    specs = _parse_all(reader)
+    assert isinstance(specs[0], RowSpec) and specs[0].passthrough["meta"] == {"k": 1, "deep": [{"u": 1}]}
+    meta_type = "struct<k: int64, deep: list<item: struct<u: int64>>>"
+    assert str(specs[1]) == f"{path}:2: field 'meta': key 'j' is not in the object type of earlier rows ({meta_type})"
+    assert str(specs[2]) == (
+        f"{path}:3: field 'meta': key 'deep.v' is not in the object type of earlier rows ({meta_type})"
+    )
 
 
 # --- rows.parse_row ---------------------------------------------------------------------------------------

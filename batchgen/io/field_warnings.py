@@ -1,11 +1,14 @@
 """Warn about pass-through fields that look like sampling fields, so that a row written for another engine is not
-silently half-understood."""
+silently half-understood, and about fields that pass through as JSON text, so that their new type is no surprise."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
+import pyarrow as pa
+
+from batchgen.io.reader import is_json_text
 from batchgen.sampling.sampling_params import SAMPLING_FIELDS
 
 # Names other engines use for sampling fields → batchgen's name (None: batchgen has no such field).
@@ -37,5 +40,17 @@ def warn_about_passthrough_names(path: Path, names: list[str]) -> None:
             print(
                 f"batchgen: warning: {path}: field '{name}' is not a sampling field (did you mean '{hint}'?); it is "
                 "passed through unused",
+                file=sys.stderr,
+            )
+
+
+def warn_about_json_text_fields(path: Path, schema: pa.Schema, block_rows: int) -> None:
+    """Print one warning per pass-through field of the JSONL file ``path`` whose values in its first
+    ``block_rows`` rows share no one type, so that it passes through as JSON text (a string column)."""
+    for field in schema:
+        if is_json_text(field):
+            print(
+                f"batchgen: warning: {path}: field '{field.name}' has values of different types in the first "
+                f"{block_rows} rows; it passes through as JSON text (a string column)",
                 file=sys.stderr,
             )

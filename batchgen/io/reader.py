@@ -21,6 +21,10 @@ KNOWN_FIELDS: frozenset[str] = frozenset(("id", *PROMPT_FIELDS, *SAMPLING_FIELDS
 # `id` is both known and an output column; it is never a pass-through field, so it never collides.
 _COLLIDING: frozenset[str] = frozenset(OUTPUT_COLUMNS.names) - {"id"}
 
+# Field metadata of a pass-through column stored as JSON text: its values in the JSONL rows the schema is inferred
+# from share no one Arrow type (a number and a string; objects whose members differ in type).
+JSON_TEXT_METADATA = {b"batchgen_encoding": b"json"}
+
 _JSONL_SUFFIXES = (".jsonl", ".json")
 _PARQUET_SUFFIXES = (".parquet",)
 _JSON_TYPE_NAMES = {dict: "object", list: "array", str: "string", int: "number", float: "number", bool: "boolean"}
@@ -130,7 +134,7 @@ class RowReader:
         if not self._head:
             raise BatchgenError(f"{self.source}: dataset is empty")
         rows = [r.data for r in self._head if isinstance(r, InputRow)]
-        self.passthrough_schema = _infer_schema(rows, self.source)
+        self.passthrough_schema = _infer_schema(rows)
 
     def _open_jsonl(self) -> BinaryIO:
         # Binary mode: tell() works between readline() calls, and a bad byte is one row's error, not a crash.
@@ -231,8 +235,9 @@ def _reject_json_document(first: InputRow | RowError, text: str, source: str) ->
         )
 
 
-def _infer_schema(rows: list[dict[str, Any]], source: str) -> pa.Schema:
-    """Infer the pass-through schema of the read-ahead JSONL rows."""
+def _infer_schema(rows: list[dict[str, Any]]) -> pa.Schema:
+    """Infer the pass-through schema of the read-ahead JSONL rows: each field's Arrow type, or JSON text
+    (:data:`JSON_TEXT_METADATA`) where its values share no one type."""
     columns: dict[str, list[Any]] = {}
     for i, row in enumerate(rows):
         for key, value in row.items():
@@ -244,34 +249,29 @@ def _infer_schema(rows: list[dict[str, Any]], source: str) -> pa.Schema:
             values.append(value)
     fields = []
     for name, values in columns.items():
-        try:
-            fields.append(pa.field(name, infer_type(values)))
-        except ValueError as e:
-            raise BatchgenError(f"{source}: field '{name}': {e}") from None
+        arrow_type = infer_type(values)
+        if arrow_type is None:
+            fields.append(pa.field(name, pa.string(), metadata=JSON_TEXT_METADATA))
+        else:
+            fields.append(pa.field(name, arrow_type))
     return pa.schema(fields)
 
 
-def infer_type(values: list[Any]) -> pa.DataType:
-    """Infer one column's Arrow type from Python values with pyarrow; null parts become ``string``.
+def is_json_text(field: pa.Field) -> bool:
+    """Whether pass-through ``field`` holds its values as JSON text (see :func:`infer_type`)."""
+    return bool(field.metadata) and field.metadata.get(b"batchgen_encoding") == b"json"
 
-    When the values do not share a type, the first value's type wins, so only the rows that differ
-    from it fail later (as row errors) instead of the whole dataset.
 
-    Raises:
-        ValueError: no value can be stored in Arrow at all (e.g. an integer beyond 64 bits).
+def infer_type(values: list[Any]) -> pa.DataType | None:
+    """One column's Arrow type, inferred by pyarrow from Python values (integers and floats together give
+    ``double``; objects give a struct of all their keys); null parts become ``string``. ``None`` when pyarrow
+    can build no one array of them (a number and a string, an integer beyond 64 bits): such a column passes
+    through as JSON text, so that no row is lost over a field batchgen does not read.
     """
     try:
         return _null_to_string(pa.array(values).type)
-    except (pa.ArrowException, TypeError, ValueError, OverflowError) as e:
-        error: Exception = e
-    for value in values:
-        if value is None:
-            continue
-        try:
-            return _null_to_string(pa.array([value]).type)
-        except (pa.ArrowException, TypeError, ValueError, OverflowError) as e:
-            error = e
-    raise ValueError(f"cannot store its values in Arrow ({error})")
+    except (pa.ArrowException, TypeError, ValueError, OverflowError):
+        return None
 
 
 def _null_to_string(t: pa.DataType) -> pa.DataType:

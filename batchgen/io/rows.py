@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -9,7 +10,14 @@ from typing import Any
 import pyarrow as pa
 
 from batchgen.errors import RowError, shown_value
-from batchgen.io.reader import KNOWN_FIELDS, PROMPT_FIELDS, InputRow, json_type_name, passthrough_name
+from batchgen.io.reader import (
+    KNOWN_FIELDS,
+    PROMPT_FIELDS,
+    InputRow,
+    is_json_text,
+    json_type_name,
+    passthrough_name,
+)
 from batchgen.sampling.sampling_params import SAMPLING_FIELDS
 
 __all__ = ["PROMPT_FIELDS", "RowSpec", "parse_row"]
@@ -148,7 +156,11 @@ def _passthrough(data: dict[str, Any], schema: pa.Schema, block_rows: int | None
             raise fail(key, f"field not present in the {first}; pass-through fields must appear there (or use Parquet)")
         values[name] = value
     for name, value in values.items():
-        if value is not None:
+        if value is None:
+            continue
+        if is_json_text(schema.field(name)):
+            values[name] = json.dumps(value, ensure_ascii=False)
+        else:
             _check_fits(name, value, schema.field(name).type, fail)
     return values
 
@@ -162,3 +174,26 @@ def _check_fits(name: str, value: Any, arrow_type: pa.DataType, fail: _Fail) -> 
         pa.array([value], type=arrow_type)
     except (pa.ArrowException, TypeError, ValueError, OverflowError):
         raise fail(name, message) from None
+    # pyarrow also drops an object's keys that its struct type lacks, silently.
+    unknown = _unknown_key(value, arrow_type)
+    if unknown is not None:
+        raise fail(name, f"key '{unknown}' is not in the object type of earlier rows ({arrow_type})")
+
+
+def _unknown_key(value: Any, arrow_type: pa.DataType) -> str | None:
+    """The first object key within ``value`` (as ``outer.inner``) that ``arrow_type``'s structs, at any depth
+    through lists, have no field for; ``None`` when every key has one."""
+    if isinstance(value, dict) and pa.types.is_struct(arrow_type):
+        names = [arrow_type.field(i).name for i in range(arrow_type.num_fields)]
+        for key, item in value.items():
+            if key not in names:
+                return key
+            inner = _unknown_key(item, arrow_type.field(key).type)
+            if inner is not None:
+                return f"{key}.{inner}"
+    elif isinstance(value, list) and (pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type)):
+        for item in value:
+            inner = _unknown_key(item, arrow_type.value_type)
+            if inner is not None:
+                return inner
+    return None
