@@ -4,6 +4,8 @@ bfloat16)."""
 
 from __future__ import annotations
 
+import json
+import math
 from pathlib import Path
 
 import pytest
@@ -49,3 +51,26 @@ def test_greedy_token_heads_its_top_logprobs_in_bfloat16(random_models: dict[str
     for row in out.values():
         for token, logprob, top in zip(row["output_token_ids"], row["output_logprobs"], row["top_logprobs"]):
             assert top[0]["id"] == token and top[0]["logprob"] == logprob
+
+
+def test_processed_top_logprobs_leave_out_impossible_tokens(random_models: dict[str, Path], tmp_path: Path) -> None:
+    """Under ``--logprobs-mode processed`` with top_k 2, only two tokens have a nonzero probability at a step: the
+    top list holds those two (their processed logprobs sum to probability 1), not four with -inf fillers, which
+    the JSONL output could not carry (JSON has no infinity)."""
+    rows = [
+        {"id": "k2", "prompt_token_ids": [0, 5, 9, 14], "max_new_tokens": 6, "temperature": 1.0, "top_k": 2},
+        {"id": "k9", "prompt_token_ids": [0, 5, 9, 14], "max_new_tokens": 6, "temperature": 1.0, "top_k": 9},
+    ]
+    dataset = write_jsonl(tmp_path / "p.jsonl", [r | {"top_logprobs": 4, "seed": 1} for r in rows])
+    out_path = tmp_path / "o.jsonl"
+    generate(dataset, out_path, random_models["llama"], "--logprobs-mode", "processed")
+
+    def no_constants(name: str) -> None:
+        raise AssertionError(f"not JSON: {name}")
+
+    lines = [json.loads(line, parse_constant=no_constants) for line in out_path.read_text().splitlines()]
+    out = {row["id"]: row for row in lines}
+    for top in out["k2"]["top_logprobs"]:
+        assert len(top) == 2
+        assert math.isclose(sum(math.exp(t["logprob"]) for t in top), 1.0, rel_tol=1e-5)
+    assert all(len(top) == 4 for top in out["k9"]["top_logprobs"])

@@ -133,7 +133,7 @@ class Scheduler:
                 if req.params.max_new_tokens == 0:  # prefilled only for its prompt logprobs
                     req.finish_reason = "length"
                     break
-                top = list(zip(top_ids[j][:k], top_lps[j][:k])) if k and top_ids and top_lps else None
+                top = _possible(top_ids[j][:k], top_lps[j][:k]) if k and top_ids and top_lps else None
                 append_token(req, token_ids[j], logprobs[j] if want_logprobs and logprobs else None, top)
                 if req.finished:
                     break
@@ -279,6 +279,13 @@ class Scheduler:
         return reqs, lens
 
 
+def _possible(ids: list[int], logprobs: list[float]) -> list[tuple[int, float]]:
+    """A step's top (id, logprob) pairs without those of probability 0: under ``--logprobs-mode processed``,
+    tokens that top-k, top-p, min-p or a grammar ruled out (-inf, which JSON cannot carry) rank last in an
+    arbitrary order and are no likely tokens at all."""
+    return [(i, lp) for i, lp in zip(ids, logprobs) if lp != -math.inf]
+
+
 def _record_prompt_logprobs(batch: ScheduleBatch, out: LogitsProcessorOutput) -> None:
     """Hand each row its slice of the round's prompt logprobs (rows in ``batch.prompt_logprob_rows`` order)."""
     assert out.prompt_logprobs is not None
@@ -292,7 +299,7 @@ def _record_prompt_logprobs(batch: ScheduleBatch, out: LogitsProcessorOutput) ->
         k = req.params.prompt_logprobs or 0
         if k and top_ids is not None and top_values is not None:
             req.prompt_top_logprobs.extend(
-                list(zip(ids[:k], lps[:k]))
+                _possible(ids[:k], lps[:k])
                 for ids, lps in zip(top_ids[start : start + count], top_values[start : start + count])
             )
         start += count
