@@ -272,6 +272,25 @@ def test_bench_one_batch_checks_its_result_file_first(random_models: dict[str, P
     assert "machine:" not in output
 
 
+@pytest.mark.parametrize(
+    ("sizes", "message"),
+    [
+        (["--batch-size", "2", "--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+        (["--input-len", "-5"], "--input-len must be >= 1, got -5"),
+        (["--output-len", "0"], "--output-len must be >= 1, got 0"),
+        (["--input-len", "100000"], "--input-len 100000 plus --output-len 2 needs 100003 positions; the model has"),
+    ],
+    ids=["batch-size", "input-len", "output-len", "context"],
+)
+def test_bad_bench_one_batch_sizes_are_one_line_errors(
+    sizes: list[str], message: str, random_models: dict[str, Path]
+) -> None:
+    args = ["bench-one-batch", "--model", str(random_models["llama"]), "--device", "cpu", "--output-len", "2"]
+    code, output = run_cli([*args, *sizes])
+    assert code == 2, output
+    assert message in output and "Traceback" not in output and "machine:" not in output
+
+
 def test_bench_dataset_says_which_rows_it_skipped(random_models: dict[str, Path], tmp_path: Path) -> None:
     rows = [{"prompt_token_ids": [1, 2, 3]}, {"prompt_token_ids": "oops"}, {"prompt_token_ids": [4, 5]}]
     dataset = write_jsonl(tmp_path / "d.jsonl", rows)

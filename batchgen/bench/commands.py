@@ -36,6 +36,7 @@ from batchgen.engine_flags import (
 from batchgen.errors import BatchgenError
 from batchgen.loop.engine import Engine
 from batchgen.loop.options import EngineOptions
+from batchgen.models.source import ModelSource
 from batchgen.run_summary import speculative_record, speculative_summary
 
 # Options that take several values after one flag, SGLang style (``--batch-size 1 8 32``).
@@ -88,8 +89,17 @@ def bench_one_batch(
     batch size, input and output length: prefill and decode latency, throughput, bandwidth and FLOP/s (with
     speculative decoding, the decode steps are the engine's verify rounds, and the acceptance is reported)."""
     with user_errors():
+        for flag, values in (("--batch-size", batch_size), ("--input-len", input_len), ("--output-len", output_len)):
+            if min(values) < 1:
+                raise BatchgenError(f"{flag} must be >= 1, got {min(values)}")
         check_writable(result_file)
         longest = max(input_len) + max(output_len)
+        max_positions = int(ModelSource.open(model).hf_config.max_position_embeddings)
+        if longest + 1 > max_positions:
+            raise BatchgenError(
+                f"--input-len {max(input_len)} plus --output-len {max(output_len)} needs {longest + 1} positions; "
+                f"the model has {max_positions}"
+            )
         engine = Engine(
             EngineOptions(
                 model=model,
