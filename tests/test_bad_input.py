@@ -69,6 +69,8 @@ CASES: dict[str, Case] = {
         None,
         "invalid JSON: Expecting property name enclosed in double quotes (column 15)",
     ),
+    # The closing brace missing: the error points just past the 27 characters (column 28), not to a next line.
+    "truncated_json": Case('{"id": "bad", "prompt": "x"', None, "invalid JSON: Expecting ',' delimiter (column 28)"),
     "json_array_line": Case('["x"]', None, "expected a JSON object, got array"),
     "invalid_utf8": Case(b'{"id": "bad", "prompt": "\xff"}', None, "invalid UTF-8 at byte 26"),
     # --- prompt fields

@@ -164,7 +164,8 @@ class RowReader:
         if not text.strip():
             return None
         try:
-            value = json.loads(text)
+            # Without its line end, so that an error at the end of the line points there, not to a column 1 after.
+            value = json.loads(text.rstrip("\r\n"))
         except json.JSONDecodeError as e:
             return RowError(self.source, line, None, f"invalid JSON: {e.msg} (column {e.colno})")
         except RecursionError:
