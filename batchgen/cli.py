@@ -254,7 +254,7 @@ def run(
         summary = job.run()
         if summary.interrupted_by:  # said first, so the summary below does not read as a finished run
             print(
-                f"batchgen: stopped by {summary.interrupted_by}: the {summary.requests} rows finished in this run are "
+                f"batchgen: stopped by {summary.interrupted_by}: the {summary.rows} rows finished in this run are "
                 f"flushed to {job.output.dir}; requests still running were dropped",
                 file=sys.stderr,
             )

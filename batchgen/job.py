@@ -193,8 +193,10 @@ class RunJob:
             if len(rows) == req.params.n:
                 del self._samples[req.rid]
                 self._pending_rows.extend(sorted(rows, key=lambda row: row["sample_index"]))
+                self.summary.rows += 1
         else:
             self._pending_rows.extend(rows)
+            self.summary.rows += 1
         self.summary.requests += 1
         self.summary.output_tokens += len(req.output_ids)
         if req.sample_index == 0:  # the samples of a row share one prompt, and count as one input row

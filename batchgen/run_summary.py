@@ -14,6 +14,8 @@ class RunSummary:
     """What a run did: rows written and failed, tokens in and out, wall seconds."""
 
     requests: int = 0
+    # Input rows whose every sample finished (with n > 1 a row is n requests).
+    rows: int = 0
     errors: int = 0
     prompt_tokens: int = 0
     output_tokens: int = 0
