@@ -35,7 +35,10 @@ def _check_json_rows(rows: dict[str, dict[str, Any]], schema: dict[str, Any]) ->
     for row in rows.values():
         assert row["finish_reason"] in ("stop", "length"), row
         if row["finish_reason"] == "stop":
-            jsonschema.validate(json.loads(row["text"]), schema)
+            value = json.loads(row["text"])
+            jsonschema.validate(value, schema)
+            # The whitespace README promises: json.dumps' default separators, nothing else.
+            assert row["text"] == json.dumps(value, ensure_ascii=False), row["text"]
             stopped += 1
     return stopped
 
