@@ -200,6 +200,9 @@ def run(
         )
         policy = OutputPolicy(overwrite, resume or resume_force, resume_force, flush_every, flush_every_seconds)
         if check_output_path(dataset, out, overwrite, policy.resume):
+            from batchgen.status import check_nothing_left
+
+            check_nothing_left(dataset, out)
             print(f"batchgen: {out} is already complete; nothing to do", file=sys.stderr)
             return
         defaults = SamplingParams(

@@ -7,6 +7,7 @@ an error row (``--on-error skip``). Nothing is changed on disk, so it is safe ne
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
@@ -20,9 +21,48 @@ from batchgen.io.reader import count_input_rows
 from batchgen.resume import DATASET_KEY
 
 
+@dataclass(frozen=True)
+class OutputStatus:
+    """How far the run from ``dataset`` to ``out`` has got (see :func:`read_output_status`)."""
+
+    dataset: Path
+    out: Path
+    state: str
+    done: int
+    total: int
+    errored: int
+    notes: list[str]
+    # What differs in the dataset since the run started (size, modification time, ...); empty when unchanged.
+    dataset_changes: list[str]
+
+    @property
+    def remaining(self) -> int:
+        return max(self.total - self.done, 0)
+
+    def lines(self) -> list[str]:
+        """``OUT: STATE: D of T rows done, R remaining, E errored``, then one line per note."""
+        line = f"{self.out}: {self.state}: {self.done} of {self.total} rows done, {self.remaining} remaining, "
+        line += f"{self.errored} errored"
+        if self.state == "complete" and self.remaining:
+            line += " (rows left out as bad by --on-error fail are never written)"
+        notes = list(self.notes)
+        if self.dataset_changes:
+            notes.append(f"{self.dataset} changed since the run started: {'; '.join(self.dataset_changes)}")
+        return [line, *(f"{self.out}: note: {note}" for note in notes)]
+
+
 def output_status(dataset: Path, out: Path) -> list[str]:
-    """The lines ``batchgen status`` prints: ``OUT: STATE: D of T rows done, R remaining, E errored``, then one
-    line per note (a changed dataset, damaged part files).
+    """The lines ``batchgen status`` prints (:meth:`OutputStatus.lines`).
+
+    Raises:
+        BatchgenError: the dataset or the output cannot be read.
+    """
+    return read_output_status(dataset, out).lines()
+
+
+def read_output_status(dataset: Path, out: Path) -> OutputStatus:
+    """Rows done, remaining and errored of the run from ``dataset`` to ``out``, with notes on a changed dataset
+    and damaged part files.
 
     Raises:
         BatchgenError: the dataset or the output cannot be read.
@@ -48,16 +88,33 @@ def output_status(dataset: Path, out: Path) -> list[str]:
         # JSON Lines has no schema to carry the run's metadata (found by a new user: a finished output of another
         # dataset looked like this one's, "complete" with rows remaining).
         notes.append(f"{out} records no dataset fingerprint (JSONL has no metadata): it may come from another file")
+    changes: list[str] = []
     if DATASET_KEY.encode() in metadata:
         recorded = DatasetFingerprint.from_json(metadata[DATASET_KEY.encode()].decode())
         changes = recorded.differences(fingerprint_dataset(dataset))
-        if changes:
-            notes.append(f"{dataset} changed since the run started: {'; '.join(changes)}")
-    remaining = max(total - done, 0)
-    line = f"{out}: {state}: {done} of {total} rows done, {remaining} remaining, {errored} errored"
-    if state == "complete" and remaining:
-        line += " (rows left out as bad by --on-error fail are never written)"
-    return [line, *(f"{out}: note: {note}" for note in notes)]
+    return OutputStatus(dataset, out, state, done, total, errored, notes, changes)
+
+
+def check_nothing_left(dataset: Path, out: Path) -> None:
+    """Before ``--resume`` calls the finished output ``out`` complete: check that it holds every row of ``dataset``
+    as the dataset is now.
+
+    Raises:
+        BatchgenError: rows are missing (bad rows that ``--on-error fail`` left out, rows added since) or the
+            dataset changed since the run. A finished output is not reopened, so only ``--overwrite`` runs them.
+    """
+    status = read_output_status(dataset, out)
+    if not status.remaining and not status.dataset_changes:
+        return
+    if status.remaining:
+        what = f"holds {status.done} of the {status.total} rows of {dataset} (bad rows left out by --on-error fail"
+        what += ", or rows added since)"
+    else:
+        what = f"was made from {dataset} before it changed ({'; '.join(status.dataset_changes)})"
+    raise BatchgenError(
+        f"{out} is a finished output that {what}; --resume does not reopen a finished output: pass --overwrite "
+        "to run the whole dataset again"
+    )
 
 
 def _final_counts(path: Path) -> tuple[int, int, dict[bytes, bytes]]:

@@ -577,6 +577,37 @@ def test_manifest_round_trip_and_checksum() -> None:
             decode_manifest(bad)
 
 
+def test_resume_of_a_finished_output_missing_rows_says_why_and_what_to_do(model: Path, tmp_path: Path) -> None:
+    """--on-error fail leaves a bad row out of a finished output; after the row is fixed, --resume does not
+    claim "already complete": it names the missing row count and the way forward (found by a new user)."""
+    rows = [{"id": "a", "prompt_token_ids": [0, 5]}, {"id": "b", "prompt_token_ids": [0, 6], "temperature": "x"}]
+    dataset = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.arrow"
+    flags = ["--max-new-tokens", "2", "--on-error", "fail"]
+    assert run_cli(["run", str(dataset), "--out", str(out), "--model", str(model), *COMMON, *flags])[0] == 2
+    before = out.read_bytes()
+    rows[1]["temperature"] = 0
+    write_jsonl(dataset, rows)
+    for resume in ("--resume", "--resume-force"):
+        code, output = run_cli(["run", str(dataset), "--out", str(out), "--model", str(model), *COMMON, *flags, resume])
+        assert code == 2, output
+        assert output == (
+            f"batchgen: error: {out} is a finished output that holds 1 of the 2 rows of {dataset} (bad rows left out "
+            "by --on-error fail, or rows added since); --resume does not reopen a finished output: pass --overwrite "
+            "to run the whole dataset again\n"
+        )
+        assert out.read_bytes() == before
+    # All rows there, but the dataset changed since: said too.
+    code, output = run_cli(
+        ["run", str(dataset), "--out", str(out), "--model", str(model), *COMMON, *flags, "--overwrite"]
+    )
+    assert code == 0, output
+    rows[0]["prompt_token_ids"] = [0, 7, 8]
+    write_jsonl(dataset, rows)
+    code, output = run_cli(["run", str(dataset), "--out", str(out), "--model", str(model), *COMMON, *flags, "--resume"])
+    assert code == 2 and f"{out} is a finished output that was made from {dataset} before it changed (" in output
+
+
 def test_status_of_a_jsonl_output_says_it_cannot_check_the_dataset(tmp_path: Path) -> None:
     """A finished JSONL output holds no run metadata, so status cannot tell which dataset made it: it says so
     instead of reporting "complete" for another file's output without comment (found by a new user)."""
