@@ -10,6 +10,7 @@ from typing import Any
 import typer
 import yaml
 
+import batchgen
 from batchgen.bench.commands import bench, bench_one_batch, expand_multi_value_options, peak_rss_mib
 from batchgen.cli_errors import user_errors
 from batchgen.engine_flags import (
@@ -39,8 +40,18 @@ app = typer.Typer(
 )
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        print(f"batchgen {batchgen.__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _root() -> None:
+def _root(
+    version: bool = typer.Option(
+        False, "--version", callback=_print_version, is_eager=True, help="Print batchgen's version and exit."
+    ),
+) -> None:
     """Offline batch generation for Hugging Face-format causal LMs."""
 
 
@@ -183,6 +194,7 @@ def run(
     from transformers.utils import logging as transformers_logging
 
     from batchgen.job import RunJob
+    from batchgen.loop.engine import check_engine_options
     from batchgen.resume import OutputPolicy, check_output_path, resume_command
     from batchgen.run_summary import raise_if_failed
 
@@ -198,13 +210,6 @@ def run(
             context_length=context_length,
             mem_fraction=mem_fraction,
         )
-        policy = OutputPolicy(overwrite, resume or resume_force, resume_force, flush_every, flush_every_seconds)
-        if check_output_path(dataset, out, overwrite, policy.resume):
-            from batchgen.status import check_nothing_left
-
-            check_nothing_left(dataset, out)
-            print(f"batchgen: {out} is already complete; nothing to do", file=sys.stderr)
-            return
         defaults = SamplingParams(
             max_new_tokens=max_new_tokens,
             min_new_tokens=min_new_tokens,
@@ -247,6 +252,14 @@ def run(
             seed=seed,
             logprobs_mode=logprobs_mode,
         )
+        check_engine_options(options)  # before the output's checks: a mistyped flag is named first
+        policy = OutputPolicy(overwrite, resume or resume_force, resume_force, flush_every, flush_every_seconds)
+        if check_output_path(dataset, out, overwrite, policy.resume):
+            from batchgen.status import check_nothing_left
+
+            check_nothing_left(dataset, out)
+            print(f"batchgen: {out} is already complete; nothing to do", file=sys.stderr)
+            return
         job = RunJob(dataset, out, options, defaults, on_error, progress, policy)
         try:
             defaults.validate(job.engine.vocab_size)

@@ -126,6 +126,11 @@ def test_run_help_lists_every_option(columns: int, monkeypatch: pytest.MonkeyPat
     assert sorted(RUN_FLAGS - shown) == []
 
 
+def test_version() -> None:
+    code, output = run_cli(["--version"])
+    assert (code, output) == (0, f"batchgen {version('batchgen')}\n")
+
+
 def test_python_m_batchgen_help() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "batchgen", "--help"], capture_output=True, text=True, timeout=300, check=False
@@ -180,6 +185,23 @@ def test_config_unknown_key_names_it(model: Path, tmp_path: Path) -> None:
     assert "unknown option 'max_tokens'" in " ".join(output.replace("│", " ").split())
     assert "Traceback" not in output
     assert not (tmp_path / "o.arrow").exists()
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--logprobs-mode", "foo"], "--logprobs-mode must be raw or processed, got 'foo'"),
+        (["--speculative-algorithm", "eagle"], "--speculative-algorithm must be one of ngram, draft, got 'eagle'"),
+    ],
+)
+def test_a_bad_flag_is_named_before_the_existing_output(
+    flags: list[str], message: str, model: Path, tmp_path: Path
+) -> None:
+    dataset = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "x"}])
+    out = tmp_path / "o.arrow"
+    out.write_bytes(b"an earlier run's output")
+    code, output = run_cli(["run", str(dataset), "--out", str(out), "--model", str(model), *flags])
+    assert (code, output) == (2, f"batchgen: error: {message}\n")
 
 
 # --- output formats and metadata --------------------------------------------------------------------------

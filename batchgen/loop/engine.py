@@ -90,6 +90,20 @@ def eos_token_ids(model_dir: Path | None, hf_config: Any) -> list[int]:
     return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
 
 
+def check_engine_options(options: EngineOptions) -> None:
+    """The checks of ``options`` that need no model: speculative decoding's, ``logprobs_mode``,
+    ``cuda_graph_max_bs``.
+
+    Raises:
+        BatchgenError: one line naming the flag and the value.
+    """
+    check_speculative_options(options)
+    if options.logprobs_mode not in ("raw", "processed"):
+        raise BatchgenError(f"--logprobs-mode must be raw or processed, got '{options.logprobs_mode}'")
+    if options.cuda_graph_max_bs is not None and options.cuda_graph_max_bs < 1:
+        raise BatchgenError(f"--cuda-graph-max-bs must be >= 1, got {options.cuda_graph_max_bs}")
+
+
 class Engine:
     """The model, its KV pools and a scheduler, ready to run rounds.
 
@@ -102,16 +116,12 @@ class Engine:
     def __init__(self, options: EngineOptions) -> None:
         self.options = options
         # Option errors first: they need no model, and loading one can take a while.
-        check_speculative_options(options)
+        check_engine_options(options)
         source = ModelSource.open(options.model)
         self.model_dir: Path | None = source.model_dir
         self.tokenizer: Any = source.tokenizer
         self.hf_config = source.hf_config
         self.eos_token_ids = eos_token_ids(self.model_dir, self.hf_config)
-        if options.logprobs_mode not in ("raw", "processed"):
-            raise BatchgenError(f"--logprobs-mode must be raw or processed, got '{options.logprobs_mode}'")
-        if options.cuda_graph_max_bs is not None and options.cuda_graph_max_bs < 1:
-            raise BatchgenError(f"--cuda-graph-max-bs must be >= 1, got {options.cuda_graph_max_bs}")
         self.device = pick_device(options.device)
         self.dtype = pick_dtype(options.dtype, self.hf_config, self.device)
         self.max_running_requests: int = options.max_running_requests or (64 if self.device.type == "cpu" else 256)
