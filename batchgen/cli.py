@@ -64,11 +64,19 @@ def _load_config(ctx: typer.Context, _param: typer.CallbackParam, value: Path | 
     if value is None:
         return None
     with user_errors():
-        ctx.default_map = {**(ctx.default_map or {}), **_read_config(value, {p.name for p in ctx.command.params})}
+        params = {p.name: p for p in ctx.command.params if p.name is not None}
+        defaults = _read_config(value, set(params))
+        for name, item in defaults.items():
+            # Converted here, so that a bad value names the file; click would name only the option.
+            try:
+                params[name].process_value(ctx, item)
+            except typer.BadParameter as e:
+                raise BatchgenError(f"{value}: option '{name.replace('_', '-')}': {e.message}") from None
+        ctx.default_map = {**(ctx.default_map or {}), **defaults}
     return value
 
 
-def _read_config(path: Path, known: set[str | None]) -> dict[str, Any]:
+def _read_config(path: Path, known: set[str]) -> dict[str, Any]:
     """Option defaults from a YAML mapping whose keys are long flag names (``max-new-tokens`` or ``max_new_tokens``).
 
     Raises:

@@ -204,6 +204,15 @@ def test_a_bad_flag_is_named_before_the_existing_output(
     assert (code, output) == (2, f"batchgen: error: {message}\n")
 
 
+def test_config_bad_value_names_the_file(model: Path, tmp_path: Path) -> None:
+    dataset = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "x"}])
+    config = tmp_path / "c.yaml"
+    config.write_text("max-new-tokens: 3\nmax-running-requests: many\n")
+    code, output = run_cli(["run", str(dataset), "--out", str(tmp_path / "o.arrow"), "--config", str(config)])
+    assert code == 2 and output.startswith(f"batchgen: error: {config}: option 'max-running-requests': "), output
+    assert len(output.splitlines()) == 1
+
+
 # --- output formats and metadata --------------------------------------------------------------------------
 
 FORMAT_ROWS = [
