@@ -249,29 +249,19 @@ def test_stop_signal_flushes_prints_the_resume_command_and_resumes(
     assert_same_rows(by_key(read_results(out).to_pylist()), reference)
 
 
-def test_stop_message_counts_rows_not_samples(model: Path, tmp_path: Path) -> None:
+def test_stop_message_counts_rows_not_samples(model: Path, zygote: Zygote, tmp_path: Path) -> None:
     """With n = 3 a row is three requests: the stop message counts the rows that were flushed."""
     rows = [{"id": f"m{i}", "prompt_token_ids": [0, 5 + i, 9], "max_new_tokens": 24, "n": 3} for i in range(8)]
     dataset = write_jsonl(tmp_path / "in.jsonl", rows)
     out = tmp_path / "out.arrow"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "batchgen",
-            *args(dataset, out, model, "--max-running-requests", "3", "--flush-every", "1"),
-        ],
-        stderr=subprocess.PIPE,
-        stdout=subprocess.DEVNULL,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", **ONE_THREAD},
-    )
-    wait_for_parts(out, 1, proc)
-    proc.send_signal(signal.SIGINT)
-    _, stderr = proc.communicate(timeout=120)
+    log = tmp_path / "run.log"
+    pid = zygote.start(args(dataset, out, model, "--max-running-requests", "3", "--flush-every", "1"), {}, log)
+    wait_for_parts(out, 1)
+    os.kill(pid, signal.SIGINT)
+    assert zygote.wait(pid) == 130, log.read_text()
     flushed_ids = {rid for rid, _ in partial_rows(out)}
-    assert 0 < len(flushed_ids) < len(rows), stderr
-    assert f"the {len(flushed_ids)} rows finished in this run are flushed" in stderr
+    assert 0 < len(flushed_ids) < len(rows), log.read_text()
+    assert f"the {len(flushed_ids)} rows finished in this run are flushed" in log.read_text()
 
 
 def test_second_sigint_exits_at_once_and_the_run_still_resumes(
