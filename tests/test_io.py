@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchgen.errors import BatchgenError, RowError
-from batchgen.io.reader import InputRow, RowReader, is_json_text
+from batchgen.io.reader import InputRow, RowReader, count_input_rows, is_json_text
 from batchgen.io.rows import RowSpec, parse_row
 from batchgen.io.writer import OUTPUT_COLUMNS, open_result_writer, read_results, result_schema
 
@@ -234,6 +234,61 @@ def test_jsonl_later_object_with_a_new_key_is_a_bad_row_not_a_silent_drop(tmp_pa
     assert str(specs[2]) == (
         f"{path}:3: field 'meta': key 'deep.v' is not in the object type of earlier rows ({meta_type})"
     )
+
+
+def test_later_values_pyarrow_would_change_are_bad_rows(tmp_path: Path) -> None:
+    """pyarrow converts quietly: a string into a list of its characters, 2.9 into 2 inside a list or an object,
+    true into 1.0, [] into an object of nulls. Each would change the user's data, so each is a bad row."""
+    first = {"prompt": "a", "tags": ["x"], "meta": {"a": 1}, "w": 0.5, "lst": [1]}
+    late = [{"tags": "abc"}, {"meta": {"a": 2.9}}, {"w": True}, {"lst": [7.9]}, {"meta": []}, {"lst": [2**63]}]
+    lines = [json.dumps(first)] + [json.dumps({"prompt": "b", **change}) for change in late]
+    specs = _parse_all(RowReader(write_lines(tmp_path / "in.jsonl", lines), block_rows=1))
+    assert isinstance(specs[0], RowSpec)
+    errors = [str(s).split(": field ", 1)[1] for s in specs[1:]]
+    assert errors == [
+        "'tags': expected list<item: string> like earlier rows, got \"abc\"",
+        "'meta': expected struct<a: int64> like earlier rows, got {\"a\": 2.9}",
+        "'w': expected double like earlier rows, got true",
+        "'lst': expected list<item: int64> like earlier rows, got [7.9]",
+        "'meta': expected struct<a: int64> like earlier rows, got []",
+        f"'lst': expected list<item: int64> like earlier rows, got [{2**63}]",
+    ]
+
+
+def test_booleans_among_numbers_pass_through_as_json_text(tmp_path: Path) -> None:
+    lines = ['{"prompt": "a", "score": 1.5}', '{"prompt": "b", "score": true}', '{"prompt": "c", "nums": [1, 2.5]}']
+    reader = RowReader(write_lines(tmp_path / "in.jsonl", lines))
+    assert is_json_text(reader.passthrough_schema.field("score"))
+    assert str(reader.passthrough_schema.field("nums").type) == "list<item: double>"  # 1 widens to 1.0: same number
+    specs = _parse_all(reader)
+    assert [s.passthrough["score"] for s in specs if isinstance(s, RowSpec)] == ["1.5", "true", None]
+
+
+def test_a_lone_surrogate_is_a_bad_row_in_any_column(tmp_path: Path) -> None:
+    lines = ['{"prompt": "a", "s": "ok", "j": 1}', '{"prompt": "b", "s": "\\ud800x", "j": "\\ud800"}']
+    reader = RowReader(write_lines(tmp_path / "in.jsonl", lines), block_rows=1)
+    specs = _parse_all(reader)
+    assert isinstance(specs[0], RowSpec) and isinstance(specs[1], RowError)
+    assert specs[1].field == "s" and specs[1].message.startswith("expected string like earlier rows")
+    reader = RowReader(write_lines(tmp_path / "in2.jsonl", lines))  # both rows infer: j is JSON text
+    specs = _parse_all(reader)
+    assert isinstance(specs[1], RowError) and specs[1].field in ("s", "j")
+
+
+def test_parquet_text_from_an_earlier_output_is_not_encoded_again(tmp_path: Path) -> None:
+    field = pa.field("mixed", pa.string(), metadata={b"batchgen_encoding": b"json"})
+    table = pa.table({"prompt": ["a", "b"], "mixed": ['"s0"', "1"]}, schema=pa.schema([("prompt", pa.string()), field]))
+    pq.write_table(table, tmp_path / "in.parquet")
+    reader = RowReader(tmp_path / "in.parquet")
+    assert not is_json_text(reader.passthrough_schema.field("mixed"))
+    assert [s.passthrough["mixed"] for s in _parse_all(reader) if isinstance(s, RowSpec)] == ['"s0"', "1"]
+
+
+def test_lines_of_unicode_whitespace_are_blank_to_the_reader_and_the_row_count(tmp_path: Path) -> None:
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf\n{"prompt": "a"}\n\xc2\xa0\n\x1c\n{"prompt": "b"}\n')
+    assert len([row for row in RowReader(path) if isinstance(row, InputRow)]) == 2
+    assert count_input_rows(path) == 2
 
 
 # --- rows.parse_row ---------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchgen.errors import BatchgenError, RowError
+from batchgen.io.arrow_fit import misfit
 from batchgen.io.writer import OUTPUT_COLUMNS
 from batchgen.sampling.sampling_params import SAMPLING_FIELDS
 
@@ -161,7 +162,7 @@ class RowReader:
             text = raw.decode("utf-8-sig" if line == 1 else "utf-8")
         except UnicodeDecodeError as e:
             return RowError(self.source, line, None, f"invalid UTF-8 at byte {e.start + 1}")
-        if not text.strip():
+        if _blank(text):
             return None
         try:
             # Without its line end, so that an error at the end of the line points there, not to a column 1 after.
@@ -194,8 +195,10 @@ class RowReader:
                     f"{self.source}: column '{renamed}' would be renamed '{name}' (it is an output column), "
                     f"but '{name}' already exists; rename one of them"
                 )
-            # Nullable: rows that fail still get an output row, with nulls for their pass-through fields.
-            fields[name] = field.with_name(name).with_nullable(True)
+            # Nullable: rows that fail still get an output row, with nulls for their pass-through fields. A
+            # column of an earlier output marked JSON text is plain text here: its values are not encoded again.
+            metadata = {k: v for k, v in (field.metadata or {}).items() if k not in JSON_TEXT_METADATA}
+            fields[name] = field.with_name(name).with_nullable(True).with_metadata(metadata)
             origin[name] = field.name
         self.passthrough_schema = pa.schema(list(fields.values()))
 
@@ -266,13 +269,18 @@ def is_json_text(field: pa.Field) -> bool:
 def infer_type(values: list[Any]) -> pa.DataType | None:
     """One column's Arrow type, inferred by pyarrow from Python values (integers and floats together give
     ``double``; objects give a struct of all their keys); null parts become ``string``. ``None`` when pyarrow
-    can build no one array of them (a number and a string, an integer beyond 64 bits): such a column passes
-    through as JSON text, so that no row is lost over a field batchgen does not read.
+    can build no one array that holds them all unchanged (a number and a string, a boolean and a number, an
+    integer beyond 64 bits): such a column passes through as JSON text, so that no row is lost over a field
+    batchgen does not read.
     """
     try:
-        return _null_to_string(pa.array(values).type)
-    except (pa.ArrowException, TypeError, ValueError, OverflowError):
+        arrow_type = _null_to_string(pa.array(values).type)
+    except (pa.ArrowException, TypeError, ValueError, OverflowError, UnicodeError):
         return None
+    # pyarrow's inference also converts: [1.5, true] makes a double column holding 1.0 for true.
+    if any(misfit(value, arrow_type) is not None for value in values if value is not None):
+        return None
+    return arrow_type
 
 
 def _null_to_string(t: pa.DataType) -> pa.DataType:
@@ -288,6 +296,11 @@ def _null_to_string(t: pa.DataType) -> pa.DataType:
     return t
 
 
+def _blank(text: str) -> bool:
+    """A JSONL line with nothing but whitespace (Unicode's too): skipped, not a row."""
+    return not text.strip()
+
+
 def count_input_rows(path: Path) -> int:
     """Rows in the dataset (non-blank JSONL lines; Parquet metadata), streaming, for progress and status.
 
@@ -298,6 +311,7 @@ def count_input_rows(path: Path) -> int:
         if path.suffix.lower() in _PARQUET_SUFFIXES:
             return int(pq.ParquetFile(path).metadata.num_rows)
         with open(path, "rb") as f:
-            return sum(1 for line in f if line.strip())
+            # Blank as the reader sees it (Unicode whitespace too), so that status and --resume count its rows.
+            return sum(not _blank(raw.decode("utf-8-sig" if i == 0 else "utf-8", "replace")) for i, raw in enumerate(f))
     except (OSError, pa.ArrowException) as e:
         raise BatchgenError(f"{path}: cannot read: {e}") from None

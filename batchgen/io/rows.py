@@ -10,6 +10,7 @@ from typing import Any
 import pyarrow as pa
 
 from batchgen.errors import RowError, shown_value
+from batchgen.io.arrow_fit import misfit
 from batchgen.io.reader import (
     KNOWN_FIELDS,
     PROMPT_FIELDS,
@@ -160,40 +161,13 @@ def _passthrough(data: dict[str, Any], schema: pa.Schema, block_rows: int | None
             continue
         if is_json_text(schema.field(name)):
             values[name] = json.dumps(value, ensure_ascii=False)
+            if not values[name].isascii():
+                try:
+                    values[name].encode("utf-8")
+                except UnicodeEncodeError:
+                    raise fail(name, "holds a lone surrogate (\\ud800-\\udfff), which is not Unicode text") from None
         else:
-            _check_fits(name, value, schema.field(name).type, fail)
+            problem = misfit(value, schema.field(name).type)
+            if problem is not None:
+                raise fail(name, problem)
     return values
-
-
-def _check_fits(name: str, value: Any, arrow_type: pa.DataType, fail: _Fail) -> None:
-    message = f"expected {arrow_type} like earlier rows, got {shown_value(value)}"
-    # pyarrow silently truncates a float into an integer column; that would change the user's data.
-    if pa.types.is_integer(arrow_type) and isinstance(value, float) and not value.is_integer():
-        raise fail(name, message)
-    try:
-        pa.array([value], type=arrow_type)
-    except (pa.ArrowException, TypeError, ValueError, OverflowError):
-        raise fail(name, message) from None
-    # pyarrow also drops an object's keys that its struct type lacks, silently.
-    unknown = _unknown_key(value, arrow_type)
-    if unknown is not None:
-        raise fail(name, f"key '{unknown}' is not in the object type of earlier rows ({arrow_type})")
-
-
-def _unknown_key(value: Any, arrow_type: pa.DataType) -> str | None:
-    """The first object key within ``value`` (as ``outer.inner``) that ``arrow_type``'s structs, at any depth
-    through lists, have no field for; ``None`` when every key has one."""
-    if isinstance(value, dict) and pa.types.is_struct(arrow_type):
-        names = [arrow_type.field(i).name for i in range(arrow_type.num_fields)]
-        for key, item in value.items():
-            if key not in names:
-                return key
-            inner = _unknown_key(item, arrow_type.field(key).type)
-            if inner is not None:
-                return f"{key}.{inner}"
-    elif isinstance(value, list) and (pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type)):
-        for item in value:
-            inner = _unknown_key(item, arrow_type.value_type)
-            if inner is not None:
-                return inner
-    return None
