@@ -67,6 +67,8 @@ def _load_config(ctx: typer.Context, _param: typer.CallbackParam, value: Path | 
         params = {p.name: p for p in ctx.command.params if p.name is not None}
         defaults = _read_config(value, set(params))
         for name, item in defaults.items():
+            if item is None:
+                continue  # null: the option's own default
             # Converted here, so that a bad value names the file; click would name only the option.
             try:
                 params[name].process_value(ctx, item)
@@ -265,7 +267,7 @@ def run(
         if check_output_path(dataset, out, overwrite, policy.resume):
             from batchgen.status import check_nothing_left
 
-            check_nothing_left(dataset, out)
+            check_nothing_left(dataset, out, policy.resume_force)
             print(f"batchgen: {out} is already complete; nothing to do", file=sys.stderr)
             return
         job = RunJob(dataset, out, options, defaults, on_error, progress, policy)

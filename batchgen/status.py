@@ -7,6 +7,7 @@ an error row (``--on-error skip``). Nothing is changed on disk, so it is safe ne
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,25 +96,33 @@ def read_output_status(dataset: Path, out: Path) -> OutputStatus:
     return OutputStatus(dataset, out, state, done, total, errored, notes, changes)
 
 
-def check_nothing_left(dataset: Path, out: Path) -> None:
+def check_nothing_left(dataset: Path, out: Path, force: bool) -> None:
     """Before ``--resume`` calls the finished output ``out`` complete: check that it holds every row of ``dataset``
-    as the dataset is now.
+    as the dataset is now. With ``force`` (``--resume-force``) a changed dataset whose rows are all there is
+    only a warning.
 
     Raises:
-        BatchgenError: rows are missing (bad rows that ``--on-error fail`` left out, rows added since) or the
-            dataset changed since the run. A finished output is not reopened, so only ``--overwrite`` runs them.
+        BatchgenError: rows are missing (bad rows that ``--on-error fail`` left out, rows added since), or the
+            dataset changed since the run and not ``force``. A finished output is not reopened, so only
+            ``--overwrite`` runs them.
     """
     status = read_output_status(dataset, out)
     if not status.remaining and not status.dataset_changes:
         return
-    if status.remaining:
-        what = f"holds {status.done} of the {status.total} rows of {dataset} (bad rows left out by --on-error fail"
-        what += ", or rows added since)"
-    else:
-        what = f"was made from {dataset} before it changed ({'; '.join(status.dataset_changes)})"
+    if not status.remaining and force:
+        changes = "; ".join(status.dataset_changes)
+        warning = f"batchgen: warning: {dataset} changed since {out} was made ({changes}); --resume-force keeps it"
+        print(warning, file=sys.stderr)
+        return
+    if not status.remaining:
+        raise BatchgenError(
+            f"{out} is a finished output made from {dataset} before it changed ({'; '.join(status.dataset_changes)});"
+            " pass --resume-force to keep it as it is, or --overwrite to run the whole dataset again"
+        )
     raise BatchgenError(
-        f"{out} is a finished output that {what}; --resume does not reopen a finished output: pass --overwrite "
-        "to run the whole dataset again"
+        f"{out} is a finished output that holds {status.done} of the {status.total} rows of {dataset} (bad rows "
+        "left out by --on-error fail, or rows added since); --resume does not reopen a finished output: pass "
+        "--overwrite to run the whole dataset again"
     )
 
 

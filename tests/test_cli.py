@@ -192,6 +192,8 @@ def test_config_unknown_key_names_it(model: Path, tmp_path: Path) -> None:
     [
         (["--logprobs-mode", "foo"], "--logprobs-mode must be raw or processed, got 'foo'"),
         (["--speculative-algorithm", "eagle"], "--speculative-algorithm must be one of ngram, draft, got 'eagle'"),
+        (["--dtype", "foo"], "unknown --dtype 'foo'; choose auto, "),
+        (["--attention-backend", "foo"], "unknown attention backend 'foo'; choose one of "),
     ],
 )
 def test_a_bad_flag_is_named_before_the_existing_output(
@@ -201,7 +203,17 @@ def test_a_bad_flag_is_named_before_the_existing_output(
     out = tmp_path / "o.arrow"
     out.write_bytes(b"an earlier run's output")
     code, output = run_cli(["run", str(dataset), "--out", str(out), "--model", str(model), *flags])
-    assert (code, output) == (2, f"batchgen: error: {message}\n")
+    assert code == 2 and output.startswith(f"batchgen: error: {message}") and len(output.splitlines()) == 1
+
+
+def test_config_null_keeps_the_default(model: Path, tmp_path: Path) -> None:
+    dataset = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "x"}])
+    config = tmp_path / "c.yaml"
+    config.write_text("out: null\nmax-new-tokens: 2\nseed: null\n")
+    out = tmp_path / "o.jsonl"
+    code, output = run_cli(["run", str(dataset), "--out", str(out), "--model", str(model), "--config", str(config)])
+    assert code == 0, output
+    assert len(out.read_text().splitlines()) == 1
 
 
 def test_config_bad_value_names_the_file(model: Path, tmp_path: Path) -> None:

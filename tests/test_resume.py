@@ -595,7 +595,12 @@ def test_resume_of_a_finished_output_missing_rows_says_why_and_what_to_do(model:
     rows[0]["prompt_token_ids"] = [0, 7, 8]
     write_jsonl(dataset, rows)
     code, output = run_cli(["run", str(dataset), "--out", str(out), "--model", str(model), *COMMON, *flags, "--resume"])
-    assert code == 2 and f"{out} is a finished output that was made from {dataset} before it changed (" in output
+    assert code == 2 and f"{out} is a finished output made from {dataset} before it changed (" in output
+    assert "pass --resume-force to keep it as it is, or --overwrite" in output
+    code, output = run_cli(
+        ["run", str(dataset), "--out", str(out), "--model", str(model), *COMMON, *flags, "--resume-force"]
+    )
+    assert code == 0 and "--resume-force keeps it" in output and "already complete" in output
 
 
 def test_status_of_a_jsonl_output_says_it_cannot_check_the_dataset(tmp_path: Path) -> None:

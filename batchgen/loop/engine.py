@@ -13,6 +13,7 @@ import torch
 from transformers import GenerationConfig
 
 from batchgen.errors import BatchgenError
+from batchgen.kernels.attention import ATTENTION_BACKENDS
 from batchgen.loop.forward_batch import ForwardBatch
 from batchgen.loop.kv_pool import KVSlotAllocator, TokenToKVPool
 from batchgen.loop.model_runner import ModelRunner
@@ -92,12 +93,19 @@ def eos_token_ids(model_dir: Path | None, hf_config: Any) -> list[int]:
 
 def check_engine_options(options: EngineOptions) -> None:
     """The checks of ``options`` that need no model: speculative decoding's, ``logprobs_mode``,
-    ``cuda_graph_max_bs``.
+    ``cuda_graph_max_bs``, the dtype's and attention backend's names, the device.
 
     Raises:
         BatchgenError: one line naming the flag and the value.
     """
     check_speculative_options(options)
+    pick_device(options.device)
+    if options.dtype != "auto" and options.dtype not in _DTYPES:
+        raise BatchgenError(f"unknown --dtype '{options.dtype}'; choose auto, {', '.join(_DTYPES)}")
+    if options.attention_backend not in ATTENTION_BACKENDS:
+        raise BatchgenError(
+            f"unknown attention backend '{options.attention_backend}'; choose one of {', '.join(ATTENTION_BACKENDS)}"
+        )
     if options.logprobs_mode not in ("raw", "processed"):
         raise BatchgenError(f"--logprobs-mode must be raw or processed, got '{options.logprobs_mode}'")
     if options.cuda_graph_max_bs is not None and options.cuda_graph_max_bs < 1:
