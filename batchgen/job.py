@@ -22,7 +22,7 @@ from batchgen.io.field_warnings import warn_about_json_text_fields, warn_about_p
 from batchgen.io.partial_output import PartialOutput
 from batchgen.io.reader import RowReader, count_input_rows
 from batchgen.io.result_rows import error_row, result_row
-from batchgen.io.rows import RowSpec, parse_row
+from batchgen.io.rows import RowSpec, parse_row, passthrough_that_fits
 from batchgen.io.writer import result_schema
 from batchgen.loop.engine import Engine
 from batchgen.loop.options import EngineOptions
@@ -219,7 +219,7 @@ class RunJob:
             except RowError as e:
                 rid = str(item.data["id"]) if item.data.get("id") is not None else str(item.index)
                 self._seen_ids.add(rid)
-                self._row_failed(e, rid, {})
+                self._row_failed(e, rid, passthrough_that_fits(item.data, self.reader.passthrough_schema))
                 continue
             try:
                 if spec.id in self._seen_ids:

@@ -372,6 +372,24 @@ def test_skip_writes_bad_row_as_error(
     )
 
 
+def test_skip_keeps_the_pass_through_fields_that_fit(models: dict[str, Path], tmp_path: Path) -> None:
+    """An error row keeps the row's pass-through fields: after a bad sampling field (found when the request is
+    built) as after a bad prompt field (found when the row is parsed)."""
+    rows = [
+        {"id": "g", "prompt": "hi", "max_new_tokens": 1, "keep": "A", "meta": {"a": 1}},
+        {"id": "b1", "prompt": "hi", "temperature": "x", "keep": "B", "meta": {"a": 2}},
+        {"id": "b2", "prompt": 5, "keep": "C", "meta": {"a": 3}},
+    ]
+    dataset = tmp_path / "in.jsonl"
+    dataset.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out.arrow"
+    code, lines = _run(dataset, out, models["llama"], "--on-error", "skip", "--max-new-tokens", "1")
+    assert code == 0, lines
+    got = {r["id"]: (r["finish_reason"], r["keep"], r["meta"]) for r in read_results(out).to_pylist()}
+    assert got["b1"] == ("error", "B", {"a": 2})
+    assert got["b2"] == ("error", "C", {"a": 3})
+
+
 # --- file-level errors: one line, exit 2 at once ----------------------------------------------------------
 
 FILE_LEVEL = [

@@ -12,7 +12,7 @@ import pytest
 
 from batchgen.errors import BatchgenError, RowError
 from batchgen.io.reader import InputRow, RowReader, count_input_rows, is_json_text
-from batchgen.io.rows import RowSpec, parse_row
+from batchgen.io.rows import RowSpec, parse_row, passthrough_that_fits
 from batchgen.io.writer import OUTPUT_COLUMNS, open_result_writer, read_results, result_schema
 
 
@@ -554,3 +554,9 @@ def test_parquet_input_to_jsonl_output_end_to_end(tmp_path: Path) -> None:
         ("0", "A", "x", "AAE="),
         ("1", "B", None, None),
     ]
+
+
+def test_passthrough_that_fits_keeps_what_fits() -> None:
+    schema = pa.schema([("keep", pa.string()), ("meta", pa.struct([("a", pa.int64())]))])
+    data = {"prompt": "x", "temperature": "bad", "keep": "B", "meta": {"a": 1, "new": 2}}
+    assert passthrough_that_fits(data, schema) == {"keep": "B", "meta": None}

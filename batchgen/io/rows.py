@@ -157,17 +157,32 @@ def _passthrough(data: dict[str, Any], schema: pa.Schema, block_rows: int | None
             raise fail(key, f"field not present in the {first}; pass-through fields must appear there (or use Parquet)")
         values[name] = value
     for name, value in values.items():
-        if value is None:
-            continue
-        if is_json_text(schema.field(name)):
-            values[name] = json.dumps(value, ensure_ascii=False)
-            if not values[name].isascii():
-                try:
-                    values[name].encode("utf-8")
-                except UnicodeEncodeError:
-                    raise fail(name, "holds a lone surrogate (\\ud800-\\udfff), which is not Unicode text") from None
-        else:
-            problem = misfit(value, schema.field(name).type)
+        if value is not None:
+            values[name], problem = _stored(value, schema.field(name))
             if problem is not None:
                 raise fail(name, problem)
     return values
+
+
+def passthrough_that_fits(data: dict[str, Any], schema: pa.Schema) -> dict[str, Any]:
+    """The pass-through fields of a bad row that fit ``schema`` (the others null), for its error row."""
+    values: dict[str, Any] = dict.fromkeys(schema.names)
+    for key, value in data.items():
+        name = passthrough_name(key)
+        if key not in KNOWN_FIELDS and name in values and value is not None:
+            values[name] = _stored(value, schema.field(name))[0]
+    return values
+
+
+def _stored(value: Any, field: pa.Field) -> tuple[Any, str | None]:
+    """What pass-through ``field`` stores for ``value`` (non-null): it, or its JSON text for a JSON-text field;
+    ``(None, why)`` when it does not fit."""
+    if is_json_text(field):
+        text = json.dumps(value, ensure_ascii=False)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            return None, "holds a lone surrogate (\\ud800-\\udfff), which is not Unicode text"
+        return text, None
+    problem = misfit(value, field.type)
+    return (value, None) if problem is None else (None, problem)
