@@ -560,3 +560,15 @@ def test_passthrough_that_fits_keeps_what_fits() -> None:
     schema = pa.schema([("keep", pa.string()), ("meta", pa.struct([("a", pa.int64())]))])
     data = {"prompt": "x", "temperature": "bad", "keep": "B", "meta": {"a": 1, "new": 2}}
     assert passthrough_that_fits(data, schema) == {"keep": "B", "meta": None}
+
+
+def test_json_text_fields_get_one_warning_each(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from batchgen.io.field_warnings import warn_about_json_text_fields
+
+    path = write_lines(tmp_path / "in.jsonl", ['{"prompt": "a", "x": 1, "y": 2}', '{"prompt": "b", "x": "s", "y": 3}'])
+    reader = RowReader(path)
+    warn_about_json_text_fields(path, reader.passthrough_schema, reader.block_rows)
+    assert capsys.readouterr().err.splitlines() == [
+        f"batchgen: warning: {path}: field 'x': no one type stores all its values in the rows the schema is read "
+        "from (the first 1024) unchanged; it passes through as JSON text (a string column)"
+    ]

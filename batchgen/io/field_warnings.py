@@ -50,7 +50,8 @@ def warn_about_json_text_fields(path: Path, schema: pa.Schema, block_rows: int) 
     for field in schema:
         if is_json_text(field):
             print(
-                f"batchgen: warning: {path}: field '{field.name}' has values of different types in the first "
-                f"{block_rows} rows; it passes through as JSON text (a string column)",
+                f"batchgen: warning: {path}: field '{field.name}': no one type stores all its values in the rows "
+                f"the schema is read from (the first {block_rows}) unchanged; it passes through as JSON text (a "
+                "string column)",
                 file=sys.stderr,
             )
