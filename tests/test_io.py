@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchgen.errors import BatchgenError, RowError
+from batchgen.io.arrow_fit import misfit
 from batchgen.io.reader import InputRow, RowReader, count_input_rows, is_json_text
 from batchgen.io.rows import RowSpec, parse_row, passthrough_that_fits
 from batchgen.io.writer import OUTPUT_COLUMNS, open_result_writer, read_results, result_schema
@@ -572,3 +573,18 @@ def test_json_text_fields_get_one_warning_each(tmp_path: Path, capsys: pytest.Ca
         f"batchgen: warning: {path}: field 'x': no one type stores all its values in the rows the schema is read "
         "from (the first 1024) unchanged; it passes through as JSON text (a string column)"
     ]
+
+
+@pytest.mark.parametrize("arrow_type", [pa.int64(), pa.float64(), pa.string(), pa.bool_()], ids=str)
+def test_flat_columns_accept_exactly_what_pyarrow_stores_unchanged(arrow_type: pa.DataType) -> None:
+    """The per-row shortcut for flat columns agrees with storing each value in pyarrow and reading it back."""
+    values = [0, -1, 2**53, 2**53 + 1, 2**63 - 1, 2**63, -(2**63), -(2**63) - 1, 10**400, 2.0, 2.5, 1e300, 9.3e18]
+    values += [-0.0, float("nan"), float("inf"), True, False, "x", "\ud800", "", [1], {"a": 1}]
+    for value in values:
+        try:
+            stored = pa.array([value], type=arrow_type).to_pylist()[0]
+            kept = type(stored) is type(value) or {type(stored), type(value)} == {int, float}
+            kept = kept and (stored == value or stored != stored and value != value)
+        except (pa.ArrowException, TypeError, ValueError, OverflowError, UnicodeError):
+            kept = False
+        assert (misfit(value, arrow_type) is None) == kept, value

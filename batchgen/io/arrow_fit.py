@@ -20,6 +20,9 @@ def misfit(value: Any, arrow_type: pa.DataType) -> str | None:
     It fits when pyarrow converts it and reading it back gives the same value: the same kinds (a boolean stays a
     boolean, a string a string), the same numbers (an integer may widen to an equal float), every object key kept.
     """
+    scalar = _scalar_fits(value, arrow_type)
+    if scalar is not None:  # the common flat columns, without a pyarrow round trip per row
+        return None if scalar else f"expected {arrow_type} like earlier rows, got {shown_value(value)}"
     expected = f"expected {arrow_type} like earlier rows, got {shown_value(value)}"
     try:
         stored = pa.array([value], type=arrow_type).to_pylist()[0]
@@ -29,6 +32,30 @@ def misfit(value: Any, arrow_type: pa.DataType) -> str | None:
     if unknown is not None:
         return f"key '{unknown}' is not in the object type of earlier rows ({arrow_type})"
     return None if _same(value, stored) else expected
+
+
+def _scalar_fits(value: Any, arrow_type: pa.DataType) -> bool | None:
+    """Whether a string, boolean, int64 or double column stores ``value`` unchanged; ``None`` for other types."""
+    if pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type):
+        if not isinstance(value, str):
+            return False
+        try:
+            value.encode("utf-8")  # a lone surrogate is no Unicode text
+        except UnicodeEncodeError:
+            return False
+        return True
+    if pa.types.is_boolean(arrow_type):
+        return isinstance(value, bool)
+    if isinstance(value, bool):
+        return False if pa.types.is_int64(arrow_type) or pa.types.is_float64(arrow_type) else None
+    if pa.types.is_int64(arrow_type):
+        if isinstance(value, float):
+            return value.is_integer() and -(2**63) <= value < 2**63
+        return isinstance(value, int) and -(2**63) <= value < 2**63
+    if pa.types.is_float64(arrow_type):
+        # pyarrow converts an integer to double through int64, so one outside it (or its minimum) fails there.
+        return isinstance(value, float) or isinstance(value, int) and -(2**63) < value < 2**63 and float(value) == value
+    return None
 
 
 def _same(value: Any, stored: Any) -> bool:
