@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -465,6 +466,24 @@ def test_writer_round_trip(tmp_path: Path, suffix: str) -> None:
             b"batchgen.model": b"tiny",
             b"batchgen.version": b"0.1.0",
         }
+
+
+def test_jsonl_output_is_strict_json_with_nan_and_infinity_as_null(tmp_path: Path) -> None:
+    passthrough = pa.schema([("w", pa.float64()), ("nums", pa.list_(pa.float64()))])
+    rows = [{"id": "a", "sample_index": 0, "w": math.inf, "nums": [1.5, math.nan, -math.inf]}, {"id": "b", "w": 2.5}]
+    for suffix in (".jsonl", ".arrow"):
+        path = tmp_path / f"out{suffix}"
+        with open_result_writer(path, passthrough, META) as writer:
+            writer.write(rows)
+        if suffix == ".jsonl":
+
+            def strict(name: str) -> None:
+                raise AssertionError(f"not JSON: {name}")
+
+            lines = [json.loads(line, parse_constant=strict) for line in path.read_text().splitlines()]
+            assert [(r["w"], r["nums"]) for r in lines] == [(None, [1.5, None, None]), (2.5, None)]
+        else:  # Arrow keeps them
+            assert read_results(path).column("w").to_pylist()[0] == math.inf
 
 
 def test_parquet_one_row_group_per_write(tmp_path: Path) -> None:

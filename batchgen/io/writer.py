@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 from abc import ABC, abstractmethod
 from pathlib import Path
 from types import TracebackType
@@ -167,12 +168,31 @@ class _JsonlWriter(ResultWriter):
 
     def _write(self, batch: pa.RecordBatch) -> None:
         # Going through Arrow gives JSONL the same type checks and struct-to-object conversion as the other formats.
-        lines = [json.dumps(row, ensure_ascii=False, default=_json_default) + "\n" for row in batch.to_pylist()]
+        lines = [_json_line(row) for row in batch.to_pylist()]
         self._file.write("".join(lines))
         self._file.flush()
 
     def _close(self) -> None:
         self._file.close()
+
+
+def _json_line(row: dict[str, Any]) -> str:
+    """One row as a strict JSON line: JSON has no NaN or infinity, so such floats (from pass-through fields) are
+    written as null."""
+    try:
+        return json.dumps(row, ensure_ascii=False, default=_json_default, allow_nan=False) + "\n"
+    except ValueError:  # the rare row holding a NaN or an infinity: only it pays for the walk
+        return json.dumps(_finite_or_null(row), ensure_ascii=False, default=_json_default, allow_nan=False) + "\n"
+
+
+def _finite_or_null(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _finite_or_null(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_null(item) for item in value]
+    return value
 
 
 def _json_default(value: Any) -> Any:
