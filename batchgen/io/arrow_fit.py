@@ -20,30 +20,33 @@ def misfit(value: Any, arrow_type: pa.DataType) -> str | None:
     It fits when pyarrow converts it and reading it back gives the same value: the same kinds (a boolean stays a
     boolean, a string a string), the same numbers (an integer may widen to an equal float), every object key kept.
     """
-    scalar = _scalar_fits(value, arrow_type)
-    if scalar is not None:  # the common flat columns, without a pyarrow round trip per row
-        return None if scalar else f"expected {arrow_type} like earlier rows, got {shown_value(value)}"
-    expected = f"expected {arrow_type} like earlier rows, got {shown_value(value)}"
+    fits = _scalar_fits(value, arrow_type)  # the common flat columns, without a pyarrow round trip per row
+    if fits is None:
+        try:
+            stored = pa.array([value], type=arrow_type).to_pylist()[0]
+        except _CONVERSION_ERRORS:
+            stored, fits = None, False
+        else:
+            unknown = _unknown_key(value, arrow_type)
+            if unknown is not None:
+                return f"key '{unknown}' is not in the object type of earlier rows ({arrow_type})"
+            fits = _same(value, stored)
+    return None if fits else f"expected {arrow_type} like earlier rows, got {shown_value(value)}"
+
+
+def is_unicode_text(text: str) -> bool:
+    """Whether ``text`` encodes as UTF-8: no lone surrogate (\\ud800-\\udfff), which JSON input may hold."""
     try:
-        stored = pa.array([value], type=arrow_type).to_pylist()[0]
-    except _CONVERSION_ERRORS:
-        return expected
-    unknown = _unknown_key(value, arrow_type)
-    if unknown is not None:
-        return f"key '{unknown}' is not in the object type of earlier rows ({arrow_type})"
-    return None if _same(value, stored) else expected
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _scalar_fits(value: Any, arrow_type: pa.DataType) -> bool | None:
     """Whether a string, boolean, int64 or double column stores ``value`` unchanged; ``None`` for other types."""
     if pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type):
-        if not isinstance(value, str):
-            return False
-        try:
-            value.encode("utf-8")  # a lone surrogate is no Unicode text
-        except UnicodeEncodeError:
-            return False
-        return True
+        return isinstance(value, str) and is_unicode_text(value)
     if pa.types.is_boolean(arrow_type):
         return isinstance(value, bool)
     if isinstance(value, bool):

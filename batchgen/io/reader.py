@@ -263,7 +263,8 @@ def _infer_schema(rows: list[dict[str, Any]]) -> pa.Schema:
 
 def is_json_text(field: pa.Field) -> bool:
     """Whether pass-through ``field`` holds its values as JSON text (see :func:`infer_type`)."""
-    return bool(field.metadata) and field.metadata.get(b"batchgen_encoding") == b"json"
+    metadata = field.metadata or {}
+    return all(metadata.get(key) == value for key, value in JSON_TEXT_METADATA.items())
 
 
 def infer_type(values: list[Any]) -> pa.DataType | None:

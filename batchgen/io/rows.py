@@ -10,7 +10,7 @@ from typing import Any
 import pyarrow as pa
 
 from batchgen.errors import RowError, shown_value
-from batchgen.io.arrow_fit import misfit
+from batchgen.io.arrow_fit import is_unicode_text, misfit
 from batchgen.io.reader import (
     KNOWN_FIELDS,
     PROMPT_FIELDS,
@@ -179,9 +179,7 @@ def _stored(value: Any, field: pa.Field) -> tuple[Any, str | None]:
     ``(None, why)`` when it does not fit."""
     if is_json_text(field):
         text = json.dumps(value, ensure_ascii=False)
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError:
+        if not is_unicode_text(text):
             return None, "holds a lone surrogate (\\ud800-\\udfff), which is not Unicode text"
         return text, None
     problem = misfit(value, field.type)

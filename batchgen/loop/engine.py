@@ -13,7 +13,7 @@ import torch
 from transformers import GenerationConfig
 
 from batchgen.errors import BatchgenError
-from batchgen.kernels.attention import ATTENTION_BACKENDS
+from batchgen.kernels.attention import check_attention_backend_name
 from batchgen.loop.forward_batch import ForwardBatch
 from batchgen.loop.kv_pool import KVSlotAllocator, TokenToKVPool
 from batchgen.loop.model_runner import ModelRunner
@@ -65,9 +65,18 @@ def pick_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtype:
         declared = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
         dtype = declared if isinstance(declared, torch.dtype) else _DTYPES.get(str(declared), torch.float32)
         return torch.float32 if device.type == "cpu" and dtype == torch.float16 else dtype
-    if name not in _DTYPES:
-        raise BatchgenError(f"unknown --dtype '{name}'; choose auto, {', '.join(_DTYPES)}")
+    check_dtype_name(name)
     return _DTYPES[name]
+
+
+def check_dtype_name(name: str) -> None:
+    """Check ``--dtype`` before a model is loaded.
+
+    Raises:
+        BatchgenError: ``name`` is none of ``auto``, ``float32``, ``bfloat16``, ``float16``.
+    """
+    if name != "auto" and name not in _DTYPES:
+        raise BatchgenError(f"unknown --dtype '{name}'; choose auto, {', '.join(_DTYPES)}")
 
 
 def _available_memory(device: torch.device) -> int:
@@ -100,12 +109,8 @@ def check_engine_options(options: EngineOptions) -> None:
     """
     check_speculative_options(options)
     pick_device(options.device)
-    if options.dtype != "auto" and options.dtype not in _DTYPES:
-        raise BatchgenError(f"unknown --dtype '{options.dtype}'; choose auto, {', '.join(_DTYPES)}")
-    if options.attention_backend not in ATTENTION_BACKENDS:
-        raise BatchgenError(
-            f"unknown attention backend '{options.attention_backend}'; choose one of {', '.join(ATTENTION_BACKENDS)}"
-        )
+    check_dtype_name(options.dtype)
+    check_attention_backend_name(options.attention_backend)
     if options.logprobs_mode not in ("raw", "processed"):
         raise BatchgenError(f"--logprobs-mode must be raw or processed, got '{options.logprobs_mode}'")
     if options.cuda_graph_max_bs is not None and options.cuda_graph_max_bs < 1:

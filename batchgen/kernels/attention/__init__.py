@@ -19,6 +19,16 @@ if TYPE_CHECKING:
 ATTENTION_BACKENDS = ("auto", "torch_native", "triton", "flashinfer")
 
 
+def check_attention_backend_name(name: str) -> None:
+    """Check ``--attention-backend`` before anything is built.
+
+    Raises:
+        BatchgenError: ``name`` is none of :data:`ATTENTION_BACKENDS`.
+    """
+    if name not in ATTENTION_BACKENDS:
+        raise BatchgenError(f"unknown attention backend '{name}'; choose one of {', '.join(ATTENTION_BACKENDS)}")
+
+
 def create_attention_backend(
     name: str, device: torch.device, dtype: torch.dtype | None = None, config: ModelConfig | None = None
 ) -> AttentionBackend:
@@ -34,6 +44,7 @@ def create_attention_backend(
         BatchgenError: for an unknown name, or ``flashinfer`` / ``triton`` when it cannot run here (one line
             saying why).
     """
+    check_attention_backend_name(name)
     if name == "torch_native" or (name == "auto" and device.type != "cuda"):
         if device.type == "cpu":
             paged_attention_available()  # build the CPU kernel now (once), not inside the first timed round
@@ -55,9 +66,7 @@ def create_attention_backend(
         except ImportError:
             return TorchNativeAttnBackend()
         return _create_triton(device)
-    if name == "triton":
-        return _create_triton(device)
-    raise BatchgenError(f"unknown attention backend '{name}'; choose one of {', '.join(ATTENTION_BACKENDS)}")
+    return _create_triton(device)  # the one name left
 
 
 def _create_flashinfer(device: torch.device, dtype: torch.dtype | None, config: ModelConfig | None) -> AttentionBackend:
