@@ -289,6 +289,32 @@ def deviation(ref: dict[str, dict[str, Any]], got: dict[str, dict[str, Any]]) ->
     return result
 
 
+def hf_float32_rows(model_dir: Path, rows: list[dict[str, Any]], new_tokens: int) -> dict[str, dict[str, Any]]:
+    """HF transformers' greedy continuation of each row alone, in float32: output ids, their raw logprobs and
+    the top 2 of every step, as ``read_rows`` gives batchgen's."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    reference = {}
+    for row in rows:
+        ids = torch.tensor([row["prompt_token_ids"]])
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+        new_ids = out.sequences[0, ids.shape[1] :].tolist()
+        logprobs = [torch.log_softmax(step[0].float(), dim=-1) for step in out.logits]
+        reference[row["id"]] = {
+            "output_token_ids": new_ids,
+            "output_logprobs": [lp[t].item() for lp, t in zip(logprobs, new_ids)],
+            "top_logprobs": [[{"logprob": v} for v in lp.topk(2).values.tolist()] for lp in logprobs],
+        }
+    return reference
+
+
 def assert_within_rounding_noise(dev: Deviation, noise: Deviation, label: str) -> None:
     """A half-precision run's deviation from float32 against ``noise``, torch_native's in the same dtype: within
     twice its largest error at every step and 1.5 times its mean, parting only at near-ties (top-2 margin within

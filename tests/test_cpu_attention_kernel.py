@@ -25,7 +25,14 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import assert_within_rounding_noise, build_random_model, deviation, generate, write_jsonl
+from conftest import (
+    assert_within_rounding_noise,
+    build_random_model,
+    deviation,
+    generate,
+    hf_float32_rows,
+    write_jsonl,
+)
 from paged_pool import PagedPool, reference_attention, relative_error
 
 from batchgen.kernels import cpu as cpu_kernels
@@ -370,27 +377,37 @@ def test_prefill_rows_supported_in_bfloat16_with_avx512_bf16() -> None:
     assert not cpu_kernels.prefill_rows_supported(torch.float16, 64)
 
 
-# Run in a child process: the kernel built without AVX512-BF16 (the path of CPUs that lack it), on the inputs
-# the parent saved. Its own process, since one process can load the batchgen op library once only.
-_GENERIC_BUILD = """
+# Run in a child process: the kernel built for a lesser CPU (the flag in argv[1]), on the inputs the parent saved.
+# Its own process, since one process can load the batchgen op library once only.
+_LESSER_BUILD = """
 import sys, torch
 from batchgen.kernels import cpu
-cpu._CFLAGS.append("-mno-avx512bf16")
+cpu._CFLAGS.append(sys.argv[1])
 assert cpu.build_problem() is None
 assert not torch.ops.batchgen.has_bf16_dot_product()
-torch.save(cpu.paged_attention(*torch.load(sys.argv[1])), sys.argv[2])
+torch.save(cpu.paged_attention(*torch.load(sys.argv[2])), sys.argv[3])
 """
+_FLAGS = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
 
 
-def test_generic_bfloat16_path_matches_float64(tmp_path: Path) -> None:
-    """On a CPU with AVX512-BF16 the tests above run the vdpbf16ps path; this builds the kernel without it and
-    checks the generic bfloat16 path that other CPUs take against the same float64 reference."""
-    if not torch.ops.batchgen.has_bf16_dot_product():
+@pytest.mark.parametrize(
+    ("flag", "dtype"),
+    [("-mno-avx512bf16", torch.bfloat16), ("-mno-avx512f", torch.bfloat16), ("-mno-avx512f", torch.float16)],
+)
+def test_paths_of_lesser_cpus_match_float64(flag: str, dtype: torch.dtype, tmp_path: Path) -> None:
+    """The tests above run the best path this CPU has; this builds the kernel as for CPUs with less and checks
+    their paths against the same float64 reference: without AVX512-BF16 the generic 16-lane path, without
+    AVX-512 at all the 8-lane AVX2 path (attention_avx2.h)."""
+    if flag == "-mno-avx512bf16" and not torch.ops.batchgen.has_bf16_dot_product():
         pytest.skip("this CPU has no AVX512-BF16: the tests above already ran the generic bfloat16 path")
+    if flag == "-mno-avx512f" and " avx512f" not in _FLAGS:
+        pytest.skip("this CPU has no AVX-512: the tests above already ran the AVX2 path")
+    if flag == "-mno-avx512f" and not all(f" {f}" in _FLAGS for f in ("avx2", "fma", "f16c")):
+        pytest.skip("this CPU has no AVX2, FMA and F16C: the AVX2 path cannot run here")
     gen = torch.Generator().manual_seed(6)
     rows = [(200, 40), (65, 5), (130, 1), (1, 1)]
-    pool = _Pool([n for n, _ in rows], torch.bfloat16, 2, 64, gen)
-    q = torch.randn(sum(t for _, t in rows), 8, 64, generator=gen).to(torch.bfloat16)
+    pool = _Pool([n for n, _ in rows], dtype, 2, 64, gen)
+    q = torch.randn(sum(t for _, t in rows), 8, 64, generator=gen).to(dtype)
     new = [t for _, t in rows]
     args = (
         q,
@@ -405,7 +422,7 @@ def test_generic_bfloat16_path_matches_float64(tmp_path: Path) -> None:
     )
     torch.save(args, tmp_path / "args.pt")
     subprocess.run(
-        [sys.executable, "-c", _GENERIC_BUILD, str(tmp_path / "args.pt"), str(tmp_path / "out.pt")],
+        [sys.executable, "-c", _LESSER_BUILD, flag, str(tmp_path / "args.pt"), str(tmp_path / "out.pt")],
         check=True,
         timeout=600,
     )
@@ -413,7 +430,7 @@ def test_generic_bfloat16_path_matches_float64(tmp_path: Path) -> None:
     start = 0
     for i, (seq_len, n) in enumerate(rows):
         ref = _ref(q[start : start + n], pool, i, seq_len - n)
-        assert relative_error(out[start : start + n], ref) <= TOLERANCE[torch.bfloat16], f"row of length {seq_len}"
+        assert relative_error(out[start : start + n], ref) <= TOLERANCE[dtype], f"row of length {seq_len}"
         start += n
 
 
@@ -473,34 +490,6 @@ def test_engine_greedy_same_with_kernel_on_and_off(
             assert abs(a - b) <= 1e-5, row["id"]
 
 
-def _hf_float32_rows(model_dir: Path, rows: list[dict[str, Any]], new_tokens: int) -> dict[str, dict[str, Any]]:
-    """HF transformers' greedy continuation of each row alone, in float32: output ids, their raw logprobs and
-    the top 2 of every step, as ``read_rows`` gives batchgen's."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    reference = {}
-    for row in rows:
-        ids = torch.tensor([row["prompt_token_ids"]])
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=new_tokens,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-            pad_token_id=0,
-        )
-        new_ids = out.sequences[0, ids.shape[1] :].tolist()
-        logprobs = [torch.log_softmax(step[0].float(), dim=-1) for step in out.logits]
-        reference[row["id"]] = {
-            "output_token_ids": new_ids,
-            "output_logprobs": [lp[t].item() for lp, t in zip(logprobs, new_ids)],
-            "top_logprobs": [[{"logprob": v} for v in lp.topk(2).values.tolist()] for lp in logprobs],
-        }
-    return reference
-
-
 def test_bfloat16_engine_within_rounding_noise_of_hf_float32(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A head-64 model in bfloat16 with batchgen's CPU kernels (attention: on a CPU with AVX512-BF16 every row,
     prefill chunks included, through vdpbf16ps; the fused RMSNorm, SiLU-and-multiply and RoPE) deviates from HF's
@@ -522,7 +511,7 @@ def test_bfloat16_engine_within_rounding_noise_of_hf_float32(tmp_path: Path, mon
         for n in (20, 47, 90, 130, 160, 200)
     ]
     dataset = write_jsonl(tmp_path / "p.jsonl", rows)
-    reference = _hf_float32_rows(model_dir, rows, 16)
+    reference = hf_float32_rows(model_dir, rows, 16)
     args = ["--dtype", "bfloat16", "--chunked-prefill-size", "64", "--max-running-requests", "4"]
     monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "0")
     monkeypatch.setenv(fused_elementwise.ENV_SWITCH, "0")

@@ -9,6 +9,9 @@ compiler or ninja).
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -49,9 +52,10 @@ def assert_equal_but_rare_boundary_cases(got: torch.Tensor, expected: torch.Tens
     assert bool(((got[differ].float() - expected[differ].float()).abs() <= step * 1.01).all())
 
 
-@pytest.mark.parametrize("hidden", [64, 576, 1000])
+@pytest.mark.parametrize("hidden", [64, 576, 1000, 1003])
 def test_rms_norm_with_and_without_residual_matches_hf(hidden: int) -> None:
-    """576 is SmolLM2's hidden size; 1000 leaves a tail past the 16-lane chunks. x is a strided view."""
+    """576 is SmolLM2's hidden size; 1000 and 1003 leave tails past the 16- and 8-lane chunks. x is a strided
+    view."""
     LlamaRMSNorm = _hf_llama().LlamaRMSNorm
     gen = torch.Generator().manual_seed(hidden)
     wide = (torch.randn(300, hidden + 8, generator=gen) * 3).to(BF16)
@@ -83,16 +87,68 @@ def test_silu_and_mul_matches_hf(n: int) -> None:
     assert torch.equal(silu_and_mul(gate_up), ACT2FN["silu"](gate) * up)
 
 
+def _every_gate() -> torch.Tensor:
+    """All 65,536 bfloat16 bit patterns, as one gate_up row per up value (1 and 1e30)."""
+    gates = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(BF16)
+    return torch.stack([torch.cat([gates, torch.full_like(gates, up)]) for up in (1.0, 1e30)])
+
+
+def _assert_silu_of_every_gate(got: torch.Tensor, gate_up: torch.Tensor) -> None:
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = torch.nn.functional.silu(gate) * up
+    same = (got.view(torch.int16) == expected.view(torch.int16)) | (got.isnan() & expected.isnan())
+    assert bool(same.all()), gate[~same][:8].tolist()
+
+
 def test_silu_and_mul_equals_torch_for_every_bfloat16_gate() -> None:
     """All 65,536 bfloat16 bit patterns as gates (NaN, infinities, subnormals, and the gates below -87 where the
     kernel's exp needs its subnormal branch), times 1 and 1e30: the same bits as ``F.silu(gate) * up``."""
-    gates = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(BF16)
-    for up_value in (1.0, 1e30):
-        up = torch.full_like(gates, up_value)
-        got = silu_and_mul(torch.cat([gates, up])[None])[0]
-        expected = torch.nn.functional.silu(gates) * up
-        same = (got.view(torch.int16) == expected.view(torch.int16)) | (got.isnan() & expected.isnan())
-        assert bool(same.all()), gates[~same][:8].tolist()
+    gate_up = _every_gate()
+    _assert_silu_of_every_gate(silu_and_mul(gate_up), gate_up)
+
+
+# Run in a child process: the ops built without AVX-512 (8 float32 lanes, as on AVX2 CPUs), on the parent's
+# inputs. Its own process, since one process can load the batchgen op library once only.
+_AVX2_BUILD = """
+import sys, torch
+from batchgen.kernels import cpu
+from batchgen.kernels.cpu import fused_elementwise as ops
+cpu._CFLAGS.append("-mno-avx512f")
+gate_up, x, residual, weight, positions, q, k, cos, sin = torch.load(sys.argv[1])
+normed, summed = ops.rms_norm(x, weight, 1e-6, residual)
+torch.save((ops.silu_and_mul(gate_up), normed, summed, *ops.rotary_embedding(positions, q, k, cos, sin)), sys.argv[2])
+"""
+_FLAGS = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+
+
+def test_the_8_lane_build_of_an_avx2_cpu_gives_the_same_results(tmp_path: Path) -> None:
+    """On a CPU with AVX-512 the tests above run 16-lane code; this builds the ops without it, as for AVX2 CPUs,
+    and checks them against HF's modules the same way."""
+    if " avx512f" not in _FLAGS:
+        pytest.skip("this CPU has no AVX-512: the tests above already ran the 8-lane code")
+    gen = torch.Generator().manual_seed(9)
+    x, residual = ((torch.randn(300, 1003, generator=gen) * 3).to(BF16) for _ in range(2))
+    weight = (1 + 0.2 * torch.randn(1003, generator=gen)).to(BF16)
+    config = LlamaConfig(hidden_size=8 * 64, num_attention_heads=8, rope_theta=10000.0)
+    rotary = RotaryEmbedding(config, 64, 512, CPU)
+    positions = torch.tensor([0, 5, 511, 3])
+    q, k = (torch.randn(4, 8, 64, generator=gen) * 3).to(BF16), (torch.randn(4, 2, 64, generator=gen) * 3).to(BF16)
+    inputs = (_every_gate(), x, residual, weight, positions, q, k, rotary.cos_table, rotary.sin_table)
+    torch.save(inputs, tmp_path / "in.pt")
+    subprocess.run(
+        [sys.executable, "-c", _AVX2_BUILD, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")], check=True, timeout=600
+    )
+    silu, normed, summed, q_out, k_out = torch.load(tmp_path / "out.pt")
+    _assert_silu_of_every_gate(silu, inputs[0])
+    hf = _hf_llama().LlamaRMSNorm(1003, eps=1e-6).to(BF16)
+    hf.weight.data.copy_(weight)
+    with torch.no_grad():
+        assert torch.equal(summed, residual + x)
+        assert_equal_but_rare_boundary_cases(normed, hf(residual + x))
+    cos = rotary.cos_table[positions].to(BF16)[None]
+    sin = rotary.sin_table[positions].to(BF16)[None]
+    q_ref, k_ref = _hf_llama().apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    assert torch.equal(q_out, q_ref[0].transpose(0, 1)) and torch.equal(k_out, k_ref[0].transpose(0, 1))
 
 
 @pytest.mark.parametrize(

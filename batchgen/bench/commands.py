@@ -8,7 +8,6 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-import torch
 import typer
 
 from batchgen.bench.offline import (
@@ -34,7 +33,7 @@ from batchgen.engine_flags import (
     check_engine_limits,
 )
 from batchgen.errors import BatchgenError
-from batchgen.loop.engine import Engine
+from batchgen.loop.engine import Engine, dtype_name
 from batchgen.loop.options import EngineOptions
 from batchgen.models.source import ModelSource
 from batchgen.run_summary import speculative_record, speculative_summary
@@ -132,8 +131,8 @@ def bench_one_batch(
                 raise typer.Exit(1)
         ceilings = measure_ceilings(engine.dtype, engine.device)
         print(
-            f"machine: {engine.device}, {dtype_name(engine.dtype)} matmul "
-            f"{ceilings.matmul_flops / 1e12:.3f} TFLOP/s, copy {ceilings.copy_bandwidth / 1e9:.1f} GB/s"
+            f"machine: {engine.device}, {ceilings.matmul_line(engine.dtype)}, copy "
+            f"{ceilings.copy_bandwidth / 1e9:.1f} GB/s"
         )
         if warmup:
             runner.run_case(min(batch_size), min(16, min(input_len)), 2, ceilings)
@@ -147,11 +146,6 @@ def bench_one_batch(
                             record = {"model": model, "dtype": dtype_name(engine.dtype), **result.as_dict()}
                             record.update(speculative_record(engine.options, result.accept_histogram or {}))
                             f.write(json.dumps(record) + "\n")
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """``bfloat16`` for ``torch.bfloat16``: the spelling of ``--dtype``."""
-    return str(dtype).removeprefix("torch.")
 
 
 def check_writable(result_file: Path | None) -> None:

@@ -30,12 +30,12 @@ def forward_flops(
     return flops + 4.0 * config.num_layers * config.num_heads * config.head_dim * pairs
 
 
-def decode_bytes(config: ModelConfig, dtype: torch.dtype, seq_lens: Sequence[int]) -> float:
-    """Bytes a DECODE round must read at least: every layer weight and the LM head once, and the K/V of every
-    cached token of every request (plus writing the new tokens' K/V)."""
-    size = torch.empty((), dtype=dtype).element_size()
-    weights = (layer_params(config) + config.hidden_size * config.vocab_size) * size
-    kv_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * size
+def decode_bytes(config: ModelConfig, dtype: torch.dtype, weight_dtype: torch.dtype, seq_lens: Sequence[int]) -> float:
+    """Bytes a DECODE round must read at least: every layer weight and the LM head once, stored in
+    ``weight_dtype``, and the K/V of every cached token of every request in ``dtype`` (plus writing the new
+    tokens' K/V)."""
+    weights = (layer_params(config) + config.hidden_size * config.vocab_size) * weight_dtype.itemsize
+    kv_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype.itemsize
     return weights + kv_per_token * (sum(seq_lens) + len(seq_lens))
 
 

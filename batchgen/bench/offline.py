@@ -50,6 +50,7 @@ class Roofline:
     flops: float
     matmul_rate: float
     output_tokens: int
+    gemm_note: str = ""  # how the probed matmul ran, when not in the run's dtype
 
     @property
     def seconds(self) -> float:
@@ -60,7 +61,7 @@ class Roofline:
         return (
             f"{'roofline':>16}: {self.flops / 1e12:.3f} TFLOP at the measured {self.matmul_rate / 1e12:.3f} TFLOP/s "
             f"matmul rate: {self.seconds:.2f} s, at most {self.output_tokens / self.seconds:.1f} output tok/s; "
-            f"{result.system} at {self.fraction(result):.0%} of it"
+            f"{result.system} at {self.fraction(result):.0%} of it{self.gemm_note}"
         )
 
     def fraction(self, result: ThroughputResult) -> float:
@@ -71,9 +72,10 @@ class Roofline:
 def measure_roofline(engine: Engine, workload: Workload) -> Roofline:
     """Probe the matmul rate in the engine's dtype on its device (:func:`measure_ceilings`) and count the
     workload's FLOPs for the engine's model."""
-    rate = measure_ceilings(engine.dtype, engine.device).matmul_flops
+    ceilings = measure_ceilings(engine.dtype, engine.device)
     flops = generation_flops(engine.runner.model.config, [len(p) for p in workload.prompts], workload.output_len)
-    return Roofline(flops, rate, len(workload.prompts) * workload.output_len)
+    note = "" if ceilings.gemm_dtype == engine.dtype else f" ({ceilings.matmul_line(engine.dtype)})"
+    return Roofline(flops, ceilings.matmul_flops, len(workload.prompts) * workload.output_len, note)
 
 
 def run_engine(engine: Engine, workload: Workload) -> ThroughputResult:

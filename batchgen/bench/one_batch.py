@@ -23,6 +23,7 @@ from batchgen.loop.forward_batch import ForwardBatch
 from batchgen.loop.forward_mode import ForwardMode
 from batchgen.loop.req import Req
 from batchgen.loop.schedule_batch import ScheduleBatch
+from batchgen.models.packed_linear import cpu_gemm_dtype
 from batchgen.run_summary import speculative_summary
 from batchgen.sampling.sampler import SampleOutput
 from batchgen.sampling.sampling_params import SamplingParams
@@ -80,6 +81,8 @@ class OneBatchRunner:
     def __init__(self, engine: Engine, seed: int = 0) -> None:
         self.engine = engine
         self.rng = random.Random(seed)
+        # The linear layers' weights as the GEMMs read them (float32 copies where they run as float32 GEMMs).
+        self.weight_dtype = cpu_gemm_dtype(engine.dtype, engine.device) or engine.dtype
 
     def make_reqs(self, batch_size: int, input_len: int, output_len: int) -> list[Req]:
         """Requests with random prompt ids, each holding a request row; greedy, EOS ignored, no logprobs."""
@@ -133,7 +136,7 @@ class OneBatchRunner:
         decode_times: list[float] = []
         decode_bytes_total = 0.0
         for _ in range(output_len - 1):
-            decode_bytes_total += decode_bytes(config, self.engine.dtype, [r.kv_len for r in reqs])
+            decode_bytes_total += decode_bytes(config, self.engine.dtype, self.weight_dtype, [r.kv_len for r in reqs])
             step = ScheduleBatch(ForwardMode.DECODE, reqs, [1] * batch_size, batch_size)
             elapsed, out = self._timed(lambda step=step: self.run_round(step)[1])  # type: ignore[misc]
             decode_times.append(elapsed)
@@ -151,7 +154,9 @@ class OneBatchRunner:
         decode_times: list[float] = []
         decode_bytes_total = 0.0
         while scheduler.running:
-            decode_bytes_total += decode_bytes(config, self.engine.dtype, [r.kv_len for r in scheduler.running])
+            decode_bytes_total += decode_bytes(
+                config, self.engine.dtype, self.weight_dtype, [r.kv_len for r in scheduler.running]
+            )
             elapsed, _ = self._timed(self.engine.step)
             decode_times.append(elapsed)
         return decode_times, decode_bytes_total

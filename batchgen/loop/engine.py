@@ -69,6 +69,11 @@ def pick_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """``bfloat16`` for ``torch.bfloat16``: the spelling of ``--dtype``."""
+    return str(dtype).removeprefix("torch.")
+
+
 def check_dtype_name(name: str) -> None:
     """Check ``--dtype`` before a model is loaded.
 

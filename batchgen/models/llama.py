@@ -159,7 +159,7 @@ class LlamaForCausalLM(nn.Module):
     sample only, through :meth:`compute_logits`.
 
     :meth:`prepack_for_cpu` swaps the linear layers (and the output projection) for oneDNN-packed ones on a
-    bfloat16 CPU model, after the weights are loaded.
+    bfloat16 or float16 CPU model, after the weights are loaded.
     """
 
     def __init__(self, config: ModelConfig, max_positions: int, rotary_device: torch.device) -> None:
@@ -181,12 +181,12 @@ class LlamaForCausalLM(nn.Module):
             return self.tied_lm_head(hidden)
         return F.linear(hidden, self.model.embed_tokens.weight)
 
-    def prepack_for_cpu(self) -> None:
-        """Pack every linear weight for oneDNN (see :mod:`batchgen.models.packed_linear`); a tied output
-        projection is packed from a copy, since the embedding keeps its own weight for lookups."""
-        prepack_linears(self)
+    def prepack_for_cpu(self, gemm_dtype: torch.dtype) -> None:
+        """Pack every linear weight for oneDNN GEMMs in ``gemm_dtype`` (see :mod:`batchgen.models.packed_linear`);
+        a tied output projection is packed from a copy, since the embedding keeps its own weight for lookups."""
+        prepack_linears(self, gemm_dtype)
         if self.lm_head is None:
-            self.tied_lm_head = PackedLinear(self.model.embed_tokens.weight, None)
+            self.tied_lm_head = PackedLinear(self.model.embed_tokens.weight, None, gemm_dtype)
 
     def use_fused_ops(self, ops: FusedElementwiseOps) -> None:
         """Run every layer's RMSNorms (the second with its residual add), SiLU-and-multiply and RoPE, and the final

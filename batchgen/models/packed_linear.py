@@ -1,11 +1,22 @@
-"""Linear layers with oneDNN-prepacked weights, for bfloat16 models on the CPU.
+"""Linear layers with oneDNN-prepacked weights, for bfloat16 and float16 models on the CPU.
 
-A bfloat16 ``F.linear`` on the CPU runs oneDNN, which reorders the weight into its blocked layout on every call;
-for the short GEMMs of a decode step (a few dozen rows) that reorder is a large part of the call. Packing each
-weight once at load time (``torch.ops.mkldnn._reorder_linear_weight``, what Inductor's CPU weight prepacking
-uses) and calling ``torch.ops.mkldnn._linear_pointwise`` on the packed weight gives the same kernel the same
-inputs: outputs are bit-identical to ``F.linear`` (tests/test_packed_linear.py), 15-45 % faster on this
-workload's decode shapes. One packed weight serves every row count.
+Two cases, chosen per machine by :func:`cpu_gemm_dtype`:
+
+- **oneDNN has kernels for the model's dtype** (bfloat16 on AVX512-BF16 or AMX): a ``F.linear`` there reorders the
+  weight into oneDNN's blocked layout on every call, a large part of a decode step's short GEMMs. Packing each
+  weight once at load time (``torch.ops.mkldnn._reorder_linear_weight``, what Inductor's CPU weight prepacking
+  uses) and calling ``torch.ops.mkldnn._linear_pointwise`` on it gives the same kernel the same inputs: outputs
+  are bit-identical to ``F.linear`` (tests/test_packed_linear.py).
+- **It has none** (bfloat16 or float16 on an AVX2-only CPU such as AMD Zen 3 or Intel Ice Lake): PyTorch's
+  ``F.linear`` in those dtypes falls back to generic loops, 7-8x slower than its float32 GEMM on the same cores
+  (16-19 against 120-150 GFLOP/s on 2 Zen 3 cores). The weights are then packed as float32 (their values
+  unchanged: every bfloat16 and float16 number is a float32), each input is widened to float32, and the float32
+  output is rounded to the model's dtype. That is the arithmetic of a bfloat16 GEMM that accumulates in float32,
+  as oneDNN's and PyTorch's own do: exact products, float32 sums, one rounding at the end; only the order of the
+  sums differs, so an output can differ from ``F.linear``'s by one step of the model's dtype where its float32
+  sum lies next to a rounding boundary. The cost is memory: the packed weights take twice the model dtype's bytes.
+
+One packed weight serves every row count.
 """
 
 from __future__ import annotations
@@ -19,46 +30,64 @@ ENV_SWITCH = "BATCHGEN_CPU_PREPACK"
 _ROWS_HINT = 64  # oneDNN picks its blocking for this many rows; any row count runs on the packed weight
 
 
-def prepack_supported(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether weights of ``dtype`` on ``device`` are packed: bfloat16 on a CPU whose oneDNN has bf16 kernels,
-    unless ``$BATCHGEN_CPU_PREPACK`` is ``0``. float32 stays on ``F.linear`` (MKL), the reference path."""
+def native_gemm_supported(dtype: torch.dtype) -> bool:
+    """Whether this CPU's oneDNN has GEMM kernels for ``dtype`` itself (float32 always; bfloat16 with
+    AVX512-BF16 or AMX; float16 with AVX512-FP16 or AVX-NE-CONVERT)."""
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if dtype == torch.float16:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    return dtype == torch.float32
+
+
+def cpu_gemm_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype | None:
+    """The dtype in which a ``dtype`` model's linear layers run packed on ``device``, or ``None`` for plain
+    ``F.linear``.
+
+    ``dtype`` itself where oneDNN has kernels for it, float32 for a bfloat16 or float16 model where it has none;
+    ``None`` for float32 models (MKL's ``F.linear``, the reference path), off the CPU, without oneDNN, or when
+    ``$BATCHGEN_CPU_PREPACK`` is ``0``/``false``/``off``/``no``.
+    """
     if os.environ.get(ENV_SWITCH, "").strip().lower() in ("0", "false", "off", "no"):
-        return False
-    return (
-        device.type == "cpu"
-        and dtype == torch.bfloat16
-        and torch.backends.mkldnn.is_available()
-        and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    )
+        return None
+    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16) or not torch.backends.mkldnn.is_available():
+        return None
+    return dtype if native_gemm_supported(dtype) else torch.float32
 
 
 class PackedLinear(nn.Module):
-    """``y = x W^T + b`` over a oneDNN-packed ``W``.
+    """``y = x W^T + b`` over a oneDNN-packed ``W``, computed in ``gemm_dtype``.
 
     Args:
-        weight: ``[out_features, in_features]`` bfloat16 on the CPU (copied into the packed layout).
-        bias: ``[out_features]`` or ``None``.
+        weight: ``[out_features, in_features]`` on the CPU, in the model's dtype (copied into the packed layout).
+        bias: ``[out_features]`` in the model's dtype, or ``None``.
+        gemm_dtype: the dtype the GEMM runs in: the weight's own, or float32 (see the module docstring);
+            default the weight's.
 
-    ``forward(x [T, in_features]) → [T, out_features]``, bfloat16.
+    ``forward(x [T, in_features]) → [T, out_features]`` in the weight's dtype.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, gemm_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _ROWS_HINT)
-        self.bias = None if bias is None else bias.detach()
+        self.out_dtype = weight.dtype
+        self.gemm_dtype = gemm_dtype or weight.dtype
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(self.gemm_dtype), _ROWS_HINT)
+        self.bias = None if bias is None else bias.detach().to(self.gemm_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        out = torch.ops.mkldnn._linear_pointwise(x.to(self.gemm_dtype), self.packed, self.bias, "none", [], "")
+        return out.to(self.out_dtype)
 
 
-def prepack_linears(module: nn.Module) -> int:
-    """Replace every ``nn.Linear`` under ``module`` by a :class:`PackedLinear` of its weights; return how many."""
+def prepack_linears(module: nn.Module, gemm_dtype: torch.dtype | None = None) -> int:
+    """Replace every ``nn.Linear`` under ``module`` by a :class:`PackedLinear` of its weights computing in
+    ``gemm_dtype`` (default: each weight's own dtype); return how many."""
     count = 0
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear):
-            setattr(module, name, PackedLinear(child.weight, child.bias))
+            setattr(module, name, PackedLinear(child.weight, child.bias, gemm_dtype))
             count += 1
         else:
-            count += prepack_linears(child)
+            count += prepack_linears(child, gemm_dtype)
     return count

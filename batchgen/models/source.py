@@ -19,7 +19,7 @@ from batchgen.errors import BatchgenError
 from batchgen.kernels.cpu import fused_elementwise as cpu_ops
 from batchgen.models.llama import LlamaForCausalLM
 from batchgen.models.loader import load_model, random_model
-from batchgen.models.packed_linear import prepack_supported
+from batchgen.models.packed_linear import cpu_gemm_dtype
 from batchgen.models.random_presets import is_random_spec, random_preset_config
 from batchgen.models.resolve import resolve_model
 
@@ -93,8 +93,9 @@ class ModelSource:
 
     def load(self, dtype: torch.dtype, device: torch.device, max_positions: int) -> LlamaForCausalLM:
         """The decoder on ``device`` in ``dtype``, with RoPE tables for ``max_positions`` positions: the
-        checkpoint's weights, or random ones (seed 0) for a ``random:`` preset; bfloat16 weights on the CPU
-        prepacked for oneDNN (:mod:`batchgen.models.packed_linear`) and run with the CPU's fused elementwise
+        checkpoint's weights, or random ones (seed 0) for a ``random:`` preset; bfloat16 and float16 linear weights
+        on the CPU prepacked for oneDNN (:mod:`batchgen.models.packed_linear`; as float32 where oneDNN has no kernels
+        for the dtype); bfloat16 models run with the CPU's fused elementwise
         kernels (:mod:`batchgen.kernels.cpu.fused_elementwise`, where they build); Triton's fused kernels on
         CUDA unless ``$BATCHGEN_TRITON_FUSED_OPS`` is ``0`` (:func:`triton_fused_ops_requested`).
 
@@ -106,8 +107,9 @@ class ModelSource:
             model = random_model(self.hf_config, dtype, device, max_positions)
         else:
             model = load_model(self.model_dir, self.hf_config, dtype, device, max_positions)
-        if prepack_supported(dtype, device):
-            model.prepack_for_cpu()
+        gemm_dtype = cpu_gemm_dtype(dtype, device)
+        if gemm_dtype is not None:
+            model.prepack_for_cpu(gemm_dtype)
         if triton_fused_ops_requested(device):
             from batchgen.kernels.triton import fused_elementwise as triton_ops
 

@@ -1,7 +1,7 @@
 // Greedy sampling's argmax over the vocabulary on the CPU, with torch.argmax's answer: the first index of the
 // largest value, or of the first NaN when a row has one (NaN counts as the largest). PyTorch's CPU argmax
 // compares one element at a time (about 1 ms for 64 rows of a 32,000-token vocabulary on the CI machine); this
-// takes the row's maximum 16 lanes at a time, then looks for its first occurrence.
+// takes the row's maximum a vector (16 lanes with AVX-512, 8 with AVX2) at a time, then looks for its first occurrence.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -17,17 +17,17 @@
 namespace {
 
 int64_t argmax_row(const float* x, int64_t n) {
-  const int64_t full = n / kLanes * kLanes;
-  v16f best = v16f{} - kInf;
-  v16i nan = {};
-  for (int64_t i = 0; i < full; i += kLanes) {
-    const v16f v = load16(x + i);
+  const int64_t full = n / kNativeLanes * kNativeLanes;
+  vnf best = vnf{} - kInf;
+  vni nan = {};
+  for (int64_t i = 0; i < full; i += kNativeLanes) {
+    const vnf v = loadn(x + i);
     nan |= v != v;
     best = v > best ? v : best;
   }
   float m = -kInf;
   bool has_nan = false;
-  for (int64_t l = 0; l < kLanes; ++l) {
+  for (int64_t l = 0; l < kNativeLanes; ++l) {
     m = std::max(m, best[l]);
     has_nan = has_nan || nan[l] != 0;
   }

@@ -26,20 +26,20 @@ namespace {
 using c10::BFloat16;
 
 // float32 lanes rounded to bfloat16 (to nearest even, NaN kept a quiet NaN), as c10::BFloat16 rounds.
-inline v16h to_bf16(v16f x) {
-  const v16u bits = reinterpret_cast<v16u>(x);
-  const v16u rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-  const v16u out = x == x ? rounded : v16u{} + 0x7fc0u;
-  return __builtin_convertvector(out, v16h);
+inline vnh to_bf16(vnf x) {
+  const vnu bits = reinterpret_cast<vnu>(x);
+  const vnu rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  const vnu out = x == x ? rounded : vnu{} + 0x7fc0u;
+  return __builtin_convertvector(out, vnh);
 }
 
-inline void store16(BFloat16* p, v16f x) {
-  const v16h h = to_bf16(x);
+inline void store16(BFloat16* p, vnf x) {
+  const vnh h = to_bf16(x);
   std::memcpy(p, &h, sizeof(h));
 }
 
 // x rounded to bfloat16 and back: the value a bfloat16 PyTorch op hands to the next one.
-inline v16f round_bf16(v16f x) { return reinterpret_cast<v16f>(__builtin_convertvector(to_bf16(x), v16u) << 16); }
+inline vnf round_bf16(vnf x) { return reinterpret_cast<vnf>(__builtin_convertvector(to_bf16(x), vnu) << 16); }
 
 inline float round_bf16(float x) { return static_cast<float>(static_cast<BFloat16>(x)); }
 
@@ -71,7 +71,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tenso
     summed = at::empty({rows, cols}, x.options());
   }
   at::Tensor out = at::empty({rows, cols}, x.options());
-  const int64_t full = cols / kLanes * kLanes;
+  const int64_t full = cols / kNativeLanes * kNativeLanes;
   const float feps = static_cast<float>(eps);
   const BFloat16* w = weight.const_data_ptr<BFloat16>();
   at::parallel_for(0, rows, grain(cols), [&](int64_t begin, int64_t end) {
@@ -80,20 +80,20 @@ std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tenso
       BFloat16* sr = summed.mutable_data_ptr<BFloat16>() + r * summed.stride(0);
       if (residual) {
         const BFloat16* rr = residual->const_data_ptr<BFloat16>() + r * residual->stride(0);
-        for (int64_t c = 0; c < full; c += kLanes) store16(sr + c, load16(rr + c) + load16(xr + c));
+        for (int64_t c = 0; c < full; c += kNativeLanes) store16(sr + c, loadn(rr + c) + loadn(xr + c));
         for (int64_t c = full; c < cols; ++c) sr[c] = static_cast<BFloat16>(to_float(rr[c]) + to_float(xr[c]));
       }
       const BFloat16* s = residual ? sr : xr;
-      v16f squares = {};
-      for (int64_t c = 0; c < full; c += kLanes) {
-        const v16f v = load16(s + c);
+      vnf squares = {};
+      for (int64_t c = 0; c < full; c += kNativeLanes) {
+        const vnf v = loadn(s + c);
         squares += v * v;
       }
       float tail = 0.f;
       for (int64_t c = full; c < cols; ++c) tail += to_float(s[c]) * to_float(s[c]);
-      const float scale = 1.f / std::sqrt((hsum(squares) + tail) / static_cast<float>(cols) + feps);
+      const float scale = 1.f / std::sqrt((hsumn(squares) + tail) / static_cast<float>(cols) + feps);
       BFloat16* o = out.mutable_data_ptr<BFloat16>() + r * out.stride(0);
-      for (int64_t c = 0; c < full; c += kLanes) store16(o + c, load16(w + c) * round_bf16(load16(s + c) * scale));
+      for (int64_t c = 0; c < full; c += kNativeLanes) store16(o + c, loadn(w + c) * round_bf16(loadn(s + c) * scale));
       for (int64_t c = full; c < cols; ++c) {
         o[c] = static_cast<BFloat16>(to_float(w[c]) * round_bf16(to_float(s[c]) * scale));
       }
@@ -105,19 +105,21 @@ std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tenso
 // silu(x) = x / (1 + exp(-x)) from e = exp(-|x|) <= 1, which cannot overflow: x / (1 + e) for x >= 0 and
 // x * e / (1 + e) for x < 0. exp_nonpositive is 0 below -87, where PyTorch's x / (1 + exp(-x)) is still a tiny
 // float down to -88.72 (exp(-x) overflows below): there e = exp(x / 2)^2, a subnormal, as PyTorch's quotient is.
-inline v16f silu(v16f x) {
-  const v16i negative = x < 0.f;
-  v16f e = exp_nonpositive(negative ? x : -x);
-  const v16i deep = x < -87.f;
+inline vnf silu(vnf x) {
+  const vni negative = x < 0.f;
+  vnf e = exp_nonpositive(negative ? x : -x);
+  const vni deep = x < -87.f;
 #if defined(__AVX512F__)
   const bool any_deep = _mm512_movepi32_mask(reinterpret_cast<__m512i>(deep)) != 0;
+#elif defined(__AVX__)
+  const bool any_deep = _mm256_movemask_ps(reinterpret_cast<__m256>(deep)) != 0;
 #else
   bool any_deep = false;
-  for (int64_t l = 0; l < kLanes; ++l) any_deep = any_deep || deep[l] != 0;
+  for (int64_t l = 0; l < kNativeLanes; ++l) any_deep = any_deep || deep[l] != 0;
 #endif
   if (any_deep) {
-    const v16f half = exp_nonpositive(x * 0.5f);
-    e = deep ? (x < -88.72283935546875f ? v16f{} : half * half) : e;
+    const vnf half = exp_nonpositive(x * 0.5f);
+    e = deep ? (x < -88.72283935546875f ? vnf{} : half * half) : e;
   }
   return (negative ? x * e : x) / (1.f + e);
 }
@@ -128,16 +130,16 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   const int64_t rows = gate_up.size(0), width = gate_up.size(1);
   TORCH_CHECK(width % 2 == 0, "batchgen::silu_and_mul: gate_up must hold gate and up halves, got a last dimension of ",
               width);
-  const int64_t cols = width / 2, full = cols / kLanes * kLanes;
+  const int64_t cols = width / 2, full = cols / kNativeLanes * kNativeLanes;
   at::Tensor out = at::empty({rows, cols}, gate_up.options());
   at::parallel_for(0, rows, grain(width), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const BFloat16* g = gate_up.const_data_ptr<BFloat16>() + r * gate_up.stride(0);
       const BFloat16* u = g + cols;
       BFloat16* o = out.mutable_data_ptr<BFloat16>() + r * out.stride(0);
-      for (int64_t c = 0; c < full; c += kLanes) store16(o + c, round_bf16(silu(load16(g + c))) * load16(u + c));
+      for (int64_t c = 0; c < full; c += kNativeLanes) store16(o + c, round_bf16(silu(loadn(g + c))) * loadn(u + c));
       for (int64_t c = full; c < cols; ++c) {
-        v16f lane = {};
+        vnf lane = {};
         lane[0] = to_float(g[c]);
         o[c] = static_cast<BFloat16>(round_bf16(silu(lane)[0]) * to_float(u[c]));
       }
@@ -150,11 +152,11 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
 // table rows rounded to bfloat16, as transformers computes q * cos + rotate_half(q) * sin in bfloat16.
 inline void rotate_head(const BFloat16* x, const float* cos, const float* sin, int64_t head_dim, BFloat16* out) {
   const int64_t half = head_dim / 2;
-  if (half % kLanes == 0) {
-    for (int64_t c = 0; c < half; c += kLanes) {
-      const v16f lo = load16(x + c), hi = load16(x + half + c);
-      const v16f cos_lo = round_bf16(load16(cos + c)), cos_hi = round_bf16(load16(cos + half + c));
-      const v16f sin_lo = round_bf16(load16(sin + c)), sin_hi = round_bf16(load16(sin + half + c));
+  if (half % kNativeLanes == 0) {
+    for (int64_t c = 0; c < half; c += kNativeLanes) {
+      const vnf lo = loadn(x + c), hi = loadn(x + half + c);
+      const vnf cos_lo = round_bf16(loadn(cos + c)), cos_hi = round_bf16(loadn(cos + half + c));
+      const vnf sin_lo = round_bf16(loadn(sin + c)), sin_hi = round_bf16(loadn(sin + half + c));
       store16(out + c, round_bf16(lo * cos_lo) + round_bf16(-hi * sin_lo));
       store16(out + half + c, round_bf16(hi * cos_hi) + round_bf16(lo * sin_hi));
     }

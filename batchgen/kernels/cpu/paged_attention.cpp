@@ -15,7 +15,8 @@
 //
 // bfloat16 on a machine with AVX512-BF16 takes its own path (attend_bf16 in attention_bf16.h): K/V pairs go
 // straight into vdpbf16ps, the same accumulation in float32 with fewer instructions, fast enough for prefill
-// rows as well. attention_common.h holds what both paths share.
+// rows as well. On AVX2 without AVX-512 the generic path's block step is attend_block_avx2 (attention_avx2.h),
+// written for that machine's 16 registers of 8 lanes. attention_common.h holds what the paths share.
 //
 // Built JIT by batchgen/kernels/cpu/__init__.py with -O3 -march=native -fopenmp. The float32 math is
 // written with GCC/Clang vector extensions (16 floats), which the compiler maps onto the machine's SIMD
@@ -28,6 +29,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "attention_avx2.h"
 #include "attention_bf16.h"
 #include "attention_common.h"
 
@@ -120,12 +122,26 @@ bool attend(const Shape& s, const T* q, const T* k, const T* v, T* out, const in
           prefetch_row(v + kv_offset + ahead * s.kv_stride_slot, s.head_dim);
         }
       }
+#ifdef BATCHGEN_AVX2_BLOCK
+      if constexpr (DC > 0 && DC * kLanes % kAvx2DimBlock == 0) {
+        widen_row(k + kv_offset + w.slots[j] * s.kv_stride_slot, s.head_dim, &w.keys[j * dc]);
+        widen_row(v + kv_offset + w.slots[j] * s.kv_stride_slot, s.head_dim, &w.values[j * dc]);
+        continue;
+      }
+#endif
       load_row(k + kv_offset + w.slots[j] * s.kv_stride_slot, s.head_dim, &w.keys[j * dc]);
       load_row(v + kv_offset + w.slots[j] * s.kv_stride_slot, s.head_dim, &w.values[j * dc]);
     }
     for (int64_t i = 0; i < nq; ++i) {
       const int64_t seen = std::min(block_len, w.limit[i] - block);
       if (seen <= 0) continue;  // this query's keys all lie before the block
+#ifdef BATCHGEN_AVX2_BLOCK
+      if constexpr (DC > 0 && DC * kLanes % kAvx2DimBlock == 0) {
+        attend_block_avx2<T>(&w.q[i * dc], w.keys.data(), w.values.data(), seen, dc, &w.acc[i * dc], w.row_max[i],
+                             w.row_sum[i], w.scores.data());
+        continue;
+      }
+#endif
       attend_block<T, DC>(&w.q[i * dc], w.keys.data(), w.values.data(), seen, dc, &w.acc[i * dc],
                           w.row_max[i], w.row_sum[i], w.scores.data(), w.odd.data());
     }

@@ -1,6 +1,7 @@
 // Sixteen float32 lanes (one AVX-512 register, two AVX2 ones, ...) written with GCC/Clang vector extensions,
-// shared by batchgen's CPU kernels: loading float32/bfloat16/float16 as float32, a horizontal sum and an exp,
-// each in one fixed order so that results do not depend on where a value sits in a batch.
+// and the machine's own width (vnf: 16 lanes with AVX-512, 8 elsewhere), shared by batchgen's CPU kernels:
+// loading float32/bfloat16/float16 as float32, horizontal sums and an exp, each in one fixed order so that
+// results do not depend on where a value sits in a batch.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -77,22 +78,67 @@ inline float hsum(v16f a) {  // the same tree as sum16
 // (truncation error below 1e-8), times 2^n built in the exponent bits, which must stay a normal float: exactly 0
 // below -87 (exp(-87) is 1.6e-38, float32's smallest normal 1.2e-38). Vector arithmetic only, so it vectorises,
 // unlike expf.
-inline v16f exp_nonpositive(v16f x) {
-  const v16i underflow = x < -87.0f;
-  x = underflow ? v16f{} - 87.0f : x;
+// V: v16f or vnf.
+template <typename V>
+inline V exp_nonpositive(V x) {
+  using I = decltype(x < x);  // the lanes' int32 type
+  const I underflow = x < -87.0f;
+  x = underflow ? V{} - 87.0f : x;
   constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: adding it rounds a float of magnitude < 2^22 to an integer
-  const v16f n = (x * 1.44269504088896341f + kRound) - kRound;
-  v16f r = x - n * 0.693359375f;  // ln 2 split in two (Cody & Waite) so that n * ln 2 loses no bits
+  const V n = (x * 1.44269504088896341f + kRound) - kRound;
+  V r = x - n * 0.693359375f;  // ln 2 split in two (Cody & Waite) so that n * ln 2 loses no bits
   r = r - n * -2.12194440e-4f;
-  v16f p = r * (1.f / 5040) + 1.f / 720;
+  V p = r * (1.f / 5040) + 1.f / 720;
   p = p * r + 1.f / 120;
   p = p * r + 1.f / 24;
   p = p * r + 1.f / 6;
   p = p * r + 0.5f;
   p = p * r + 1.f;
   p = p * r + 1.f;
-  const v16i bits = (__builtin_convertvector(n, v16i) + 127) << 23;
-  return underflow ? v16f{} : p * reinterpret_cast<v16f>(bits);
+  const I bits = (__builtin_convertvector(n, I) + 127) << 23;
+  return underflow ? V{} : p * reinterpret_cast<V>(bits);
+}
+
+// ---- the machine's own width ----
+//
+// Kernels whose lanes never meet (the elementwise ops, argmax) use the widest vector the machine has registers
+// for: 16 float32 lanes with AVX-512, 8 elsewhere. GCC keeps a vector wider than the registers in memory (with
+// AVX2 a 16-lane vector moves through the stack 16 bytes at a time, and the elementwise ops ran 2-5x slower
+// than PyTorch's), so they do not use v16f there.
+#if defined(__AVX512F__)
+constexpr int64_t kNativeLanes = 16;
+#else
+constexpr int64_t kNativeLanes = 8;
+#endif
+typedef float vnf __attribute__((vector_size(kNativeLanes * 4)));
+typedef int32_t vni __attribute__((vector_size(kNativeLanes * 4)));
+typedef uint32_t vnu __attribute__((vector_size(kNativeLanes * 4)));
+typedef uint16_t vnh __attribute__((vector_size(kNativeLanes * 2)));
+
+inline vnf loadn(const float* p) {
+  vnf v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline vnf loadn(const c10::BFloat16* p) {
+#if defined(__AVX512F__)
+  return load16(p);
+#else
+  vnh h;
+  std::memcpy(&h, p, sizeof(h));
+  return reinterpret_cast<vnf>(__builtin_convertvector(h, vnu) << 16);
+#endif
+}
+
+inline float hsumn(vnf a) {  // 16 lanes: hsum's tree; 8 lanes: its last three levels
+#if defined(__AVX512F__)
+  return hsum(a);
+#else
+  float q[4];
+  for (int l = 0; l < 4; ++l) q[l] = a[l] + a[l + 4];
+  return (q[0] + q[2]) + (q[1] + q[3]);
+#endif
 }
 
 }  // namespace
