@@ -5,11 +5,12 @@
 // The generic attend_block holds 16 keys' dot products of 16 float32 lanes at once and sums them with 16-lane
 // shuffles: on AVX-512 that is 16 of its 32 registers; on AVX2 each 16-lane vector is two of only 16 registers,
 // so the compiler spills most of them and builds the shuffles through memory (measured on 2 Zen 3 cores: a
-// decode round of 64 rows x 180 keys took 3.8 ms a layer, the same in float32 and bfloat16). Here everything
-// is 8 lanes wide: eight keys' dot products accumulate in eight registers and meet in one fixed tree of
-// horizontal adds; the weighted sum of V keeps 64 dims (eight registers) at a time. The inputs and the result
-// are attend_block's: K/V already converted to float32, probabilities rounded to T before they weight V, the
-// same online-softmax step. Sums run in one fixed order set by key positions alone, so a query's output stays
+// decode round of 64 rows x 180 keys took 3.8 ms a layer, the same in float32 and bfloat16; 0.6-0.7 ms here).
+// Here everything is 8 lanes wide: K/V rows are widened to float32 8 at a time, eight keys' dot products
+// accumulate in eight registers and meet in one fixed tree of horizontal adds, the online-softmax step and the
+// rounding of the probabilities run on 8 lanes, and the weighted sum of V keeps 64 dims (eight registers) at a
+// time. The inputs and the result are attend_block's: probabilities rounded to T before they weight V, the
+// same recurrence. Sums run in one fixed order set by key positions alone, so a query's output stays
 // bit-identical in any batch; it differs from the generic path only in the order of its float32 additions.
 #pragma once
 
@@ -18,7 +19,11 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
 #define BATCHGEN_AVX2_BLOCK 1
@@ -61,6 +66,46 @@ inline __m256 dot8(const float* q, const float* keys, int64_t dims) {
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
+// softmax_step over `used` x 16 scores at the machine's width (the 16-lane one spills on AVX2): the scores of
+// keys past `seen` become 0, the others exp(score - new max); (row_max, row_sum) move to the new max. Returns
+// alpha = exp(old max - new max).
+inline float softmax_step_avx2(float* scores, int64_t seen, int64_t used, float& row_max, float& row_sum) {
+  const int64_t n = used * kLanes;
+  std::fill(scores + seen, scores + n, -kInf);
+  vnf m = loadn(scores);
+  for (int64_t j = kAvx2Lanes; j < n; j += kAvx2Lanes) m = m > loadn(scores + j) ? m : loadn(scores + j);
+  float block_max = m[0];
+  for (int l = 1; l < kAvx2Lanes; ++l) block_max = std::max(block_max, m[l]);
+  const float new_max = std::max(row_max, block_max);
+  const float alpha = std::exp(row_max - new_max);  // 0 on the first block (exp(-inf))
+  vnf sum = {};
+  for (int64_t j = 0; j < n; j += kAvx2Lanes) {
+    const vnf e = exp_nonpositive(loadn(scores + j) - new_max);
+    std::memcpy(scores + j, &e, sizeof(e));
+    sum += e;
+  }
+  row_sum = row_sum * alpha + hsumn(sum);
+  row_max = new_max;
+  return alpha;
+}
+
+// Probabilities rounded to T's precision (to nearest even) and back, as round_to does, 8 at a time.
+template <typename T>
+inline void round_probabilities(float* p, int64_t n) {
+  for (int64_t j = 0; j < n; j += kAvx2Lanes) {
+    __m256 x = _mm256_loadu_ps(p + j);
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      const __m256i bits = _mm256_castps_si256(x);
+      const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+      const __m256i up = _mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7fff)), lsb);
+      x = _mm256_castsi256_ps(_mm256_and_si256(up, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+    } else if constexpr (std::is_same_v<T, c10::Half>) {
+      x = _mm256_cvtph_ps(_mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+    }
+    _mm256_storeu_ps(p + j, x);
+  }
+}
+
 // attend_block for heads of `chunks` x 16 dims, a multiple of 64: one query against a converted block of `seen`
 // keys; scores, the online-softmax update of (row_max, row_sum), weighted values into acc.
 template <typename T>
@@ -72,8 +117,8 @@ void attend_block_avx2(const v16f* q, const v16f* keys, const v16f* values, int6
   float* flat = reinterpret_cast<float*>(scores);
   // Keys past `seen` (scratch rows of an earlier block) are scored too; softmax_step sets them to -inf.
   for (int64_t j = 0; j < used * kLanes; j += kAvx2Lanes) _mm256_storeu_ps(flat + j, dot8(qf, kf + j * dims, dims));
-  const float alpha = softmax_step(scores, seen, used, row_max, row_sum);
-  for (int64_t g = 0; g < used; ++g) scores[g] = round_to<T>(scores[g]);
+  const float alpha = softmax_step_avx2(flat, seen, used, row_max, row_sum);
+  round_probabilities<T>(flat, used * kLanes);
   const float* vf = reinterpret_cast<const float*>(values);
   float* accf = reinterpret_cast<float*>(acc);
   const __m256 scale = _mm256_set1_ps(alpha);
