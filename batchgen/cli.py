@@ -24,7 +24,7 @@ from batchgen.engine_flags import (
     SPECULATIVE_NUM_DRAFT_TOKENS,
     check_engine_limits,
 )
-from batchgen.errors import BatchgenError
+from batchgen.errors import BatchgenError, shown_value
 from batchgen.kernels.attention import ATTENTION_BACKENDS
 from batchgen.loop.options import EngineOptions
 from batchgen.models.resolve import DEFAULT_MODEL
@@ -69,13 +69,24 @@ def _load_config(ctx: typer.Context, _param: typer.CallbackParam, value: Path | 
         for name, item in defaults.items():
             if item is None:
                 continue  # null: the option's own default
+            option = name.replace("_", "-")
             # Converted here, so that a bad value names the file; click would name only the option.
             try:
-                params[name].process_value(ctx, item)
+                converted = params[name].process_value(ctx, item)
             except typer.BadParameter as e:
-                raise BatchgenError(f"{value}: option '{name.replace('_', '-')}': {e.message}") from None
+                raise BatchgenError(f"{value}: option '{option}': {e.message}") from None
+            if any(isinstance(v, bool) for v in _values(item)) and not all(
+                isinstance(v, bool) for v in _values(converted)
+            ):
+                # click takes YAML's true as 1 (int(True)) or "True": a slip, not a value of this option.
+                raise BatchgenError(f"{value}: option '{option}': takes no true/false value, got {shown_value(item)}")
         ctx.default_map = {**(ctx.default_map or {}), **defaults}
     return value
+
+
+def _values(item: Any) -> list[Any]:
+    """A config value as a list: itself, or its elements for a multi-value option."""
+    return list(item) if isinstance(item, (list, tuple)) else [item]
 
 
 def _read_config(path: Path, known: set[str]) -> dict[str, Any]:

@@ -278,7 +278,7 @@ def test_bench_one_batch_checks_its_result_file_first(random_models: dict[str, P
         (["--batch-size", "2", "--batch-size", "0"], "--batch-size must be >= 1, got 0"),
         (["--input-len", "-5"], "--input-len must be >= 1, got -5"),
         (["--output-len", "0"], "--output-len must be >= 1, got 0"),
-        (["--input-len", "100000"], "--input-len 100000 plus --output-len 2 needs 100003 positions; the model has"),
+        (["--input-len", "100000"], "--input-len 100000 plus --output-len 2 needs 100002 positions; the model has"),
     ],
     ids=["batch-size", "input-len", "output-len", "context"],
 )
@@ -289,6 +289,17 @@ def test_bad_bench_one_batch_sizes_are_one_line_errors(
     code, output = run_cli([*args, *sizes])
     assert code == 2, output
     assert message in output and "Traceback" not in output and "machine:" not in output
+
+
+def test_bench_one_batch_fills_the_models_positions_as_run_does(random_models: dict[str, Path]) -> None:
+    """Input + output = max_position_embeddings (256) is a context ``run`` accepts (the last output token is never
+    fed back), so bench-one-batch takes it too; one more is refused."""
+    args = ["bench-one-batch", "--model", str(random_models["llama"]), "--device", "cpu", "--dtype", "float32"]
+    code, output = run_cli([*args, "--input-len", "250", "--output-len", "6", "--no-warmup"])
+    assert code == 0, output
+    assert "bs=1 in=250 out=6" in output
+    code, output = run_cli([*args, "--input-len", "251", "--output-len", "6", "--no-warmup"])
+    assert code == 2 and "needs 257 positions; the model has 256" in output
 
 
 def test_bench_dataset_says_which_rows_it_skipped(random_models: dict[str, Path], tmp_path: Path) -> None:

@@ -225,6 +225,38 @@ def test_config_bad_value_names_the_file(model: Path, tmp_path: Path) -> None:
     assert len(output.splitlines()) == 1
 
 
+@pytest.mark.parametrize(
+    ("line", "option", "shown"),
+    [
+        ("max-new-tokens: true", "max-new-tokens", "true"),
+        ("temperature: false", "temperature", "false"),
+        ("model: true", "model", "true"),
+        ("stop: [x, true]", "stop", '["x", true]'),
+    ],
+)
+def test_config_true_or_false_is_not_a_number_or_a_string(
+    line: str, option: str, shown: str, model: Path, tmp_path: Path
+) -> None:
+    """YAML's true/false where an option takes numbers or strings (click would read true as 1 or "True")."""
+    dataset = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "x"}])
+    config = tmp_path / "c.yaml"
+    config.write_text(line + "\n")
+    out = tmp_path / "o.jsonl"
+    code, output = run_cli(["run", str(dataset), "--out", str(out), "--model", str(model), "--config", str(config)])
+    assert code == 2 and not out.exists()
+    assert output == f"batchgen: error: {config}: option '{option}': takes no true/false value, got {shown}\n"
+
+
+def test_config_true_or_false_sets_a_switch(model: Path, tmp_path: Path) -> None:
+    dataset = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "x", "max_new_tokens": 2}])
+    config = tmp_path / "c.yaml"
+    config.write_text("ignore-eos: true\nprogress: false\n")
+    out = tmp_path / "o.jsonl"
+    code, output = run_cli(["run", str(dataset), "--out", str(out), "--model", str(model), "--config", str(config)])
+    assert code == 0, output
+    assert json.loads(out.read_text())["completion_tokens"] == 2
+
+
 # --- output formats and metadata --------------------------------------------------------------------------
 
 FORMAT_ROWS = [

@@ -10,6 +10,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from conftest import run_args, run_cli
 
 from batchgen.errors import BatchgenError, RowError
 from batchgen.io.arrow_fit import misfit
@@ -153,11 +154,24 @@ def test_parquet_read_in_small_blocks(tmp_path: Path) -> None:
     assert rows[1] == InputRow(index=1, line=2, data={"prompt": "p1", "temperature": 0.5, "text": "t", "score": 1})
 
 
-def test_parquet_rename_conflict(tmp_path: Path) -> None:
+def test_renamed_fields_never_share_a_column(tmp_path: Path) -> None:
+    """``error`` is an output column, so it passes through as ``input_error``, and an input's own ``input_error``
+    as ``input_input_error``: each keeps its own column, in Parquet and in JSONL (in one row or in two)."""
     path = tmp_path / "in.parquet"
-    pq.write_table(pa.table({"prompt": ["a"], "error": ["x"], "input_error": ["y"]}), path)
-    with pytest.raises(BatchgenError, match="column 'error' would be renamed 'input_error'"):
-        RowReader(path)
+    pq.write_table(pa.table({"prompt": ["a"], "error": ["x"], "input_error": ["y"], "input_ids": ["z"]}), path)
+    reader = RowReader(path)
+    assert reader.passthrough_schema.names == ["input_error", "input_input_error", "input_ids"]
+    jsonl = write_lines(
+        tmp_path / "in.jsonl", ['{"prompt": "a", "text": "x"}', '{"prompt": "b", "input_text": "y", "text": "z"}']
+    )
+    reader = RowReader(jsonl)
+    schema = reader.passthrough_schema
+    assert schema.names == ["input_text", "input_input_text"]
+    rows = [parse_row(r, str(jsonl), schema) for r in read_all(reader) if isinstance(r, InputRow)]
+    assert [r.passthrough for r in rows] == [
+        {"input_text": "x", "input_input_text": None},
+        {"input_text": "z", "input_input_text": "y"},
+    ]
 
 
 # --- reader: pass-through schema inference ----------------------------------------------------------------
@@ -264,6 +278,28 @@ def test_booleans_among_numbers_pass_through_as_json_text(tmp_path: Path) -> Non
     assert str(reader.passthrough_schema.field("nums").type) == "list<item: double>"  # 1 widens to 1.0: same number
     specs = _parse_all(reader)
     assert [s.passthrough["score"] for s in specs if isinstance(s, RowSpec)] == ["1.5", "true", None]
+
+
+def test_only_empty_objects_pass_through_as_json_text(tmp_path: Path) -> None:
+    """Objects that are all empty in the rows read for the schema would make a struct of no fields, which Parquet
+    cannot store and no later object with a key fits: JSON text keeps every row, nested ones too."""
+    lines = [
+        '{"prompt": "a", "meta": {}, "deep": {"inner": {}}, "tags": [{}], "ok": {"k": 1}}',
+        '{"prompt": "b", "meta": {"added": 1}, "deep": {"inner": {}}, "tags": [], "ok": {"k": 2}}',
+    ]
+    reader = RowReader(write_lines(tmp_path / "in.jsonl", lines), block_rows=1)
+    schema = reader.passthrough_schema
+    assert [is_json_text(schema.field(name)) for name in ("meta", "deep", "tags", "ok")] == [True, True, True, False]
+    specs = _parse_all(reader)
+    assert [s.passthrough["meta"] for s in specs if isinstance(s, RowSpec)] == ["{}", '{"added": 1}']
+
+
+def test_empty_objects_reach_a_parquet_output(random_models: dict[str, Path], tmp_path: Path) -> None:
+    dataset = write_lines(tmp_path / "in.jsonl", ['{"prompt": "a", "meta": {}, "max_new_tokens": 1}'])
+    out = tmp_path / "o.parquet"
+    code, output = run_cli(run_args(dataset, out, random_models["llama"]))
+    assert code == 0, output
+    assert pq.read_table(out).column("meta").to_pylist() == ["{}"]
 
 
 def test_a_lone_surrogate_is_a_bad_row_in_any_column(tmp_path: Path) -> None:
@@ -389,12 +425,6 @@ def test_parse_row_unknown_late_field() -> None:
     assert error.message == (
         "field not present in the first 100 rows; pass-through fields must appear there (or use Parquet)"
     )
-
-
-def test_parse_row_rename_conflict_in_row() -> None:
-    error = row_error({"prompt": "a", "text": "x", "input_text": "y"})
-    assert error.field == "input_text"
-    assert error.message == "both 'text' and 'input_text' give this pass-through field; rename one of them"
 
 
 # --- writer -----------------------------------------------------------------------------------------------
@@ -590,7 +620,8 @@ def test_json_text_fields_get_one_warning_each(tmp_path: Path, capsys: pytest.Ca
     warn_about_json_text_fields(path, reader.passthrough_schema, reader.block_rows)
     assert capsys.readouterr().err.splitlines() == [
         f"batchgen: warning: {path}: field 'x': no one type stores all its values in the rows the schema is read "
-        "from (the first 1024) unchanged; it passes through as JSON text (a string column)"
+        "from (the first 1024) unchanged, or its objects there are all empty; it passes through as JSON text (a "
+        "string column)"
     ]
 
 

@@ -92,11 +92,12 @@ def bench_one_batch(
             if min(values) < 1:
                 raise BatchgenError(f"{flag} must be >= 1, got {min(values)}")
         check_writable(result_file)
+        # Prompt + output tokens, as `run`'s context length counts them (the last token is never fed back).
         longest = max(input_len) + max(output_len)
         max_positions = int(ModelSource.open(model).hf_config.max_position_embeddings)
-        if longest + 1 > max_positions:
+        if longest > max_positions:
             raise BatchgenError(
-                f"--input-len {max(input_len)} plus --output-len {max(output_len)} needs {longest + 1} positions; "
+                f"--input-len {max(input_len)} plus --output-len {max(output_len)} needs {longest} positions; "
                 f"the model has {max_positions}"
             )
         engine = Engine(
@@ -104,12 +105,12 @@ def bench_one_batch(
                 model=model,
                 dtype=dtype,
                 device=device,
-                context_length=longest + 1,
+                context_length=longest,
                 attention_backend=attention_backend,
                 disable_cuda_graph=disable_cuda_graph,
                 cuda_graph_max_bs=cuda_graph_max_bs,
                 max_running_requests=max(batch_size),
-                max_total_tokens=max(batch_size) * (longest + 1),
+                max_total_tokens=max(batch_size) * longest,
                 chunked_prefill_size=0,
                 speculative_algorithm=speculative_algorithm,
                 speculative_num_draft_tokens=speculative_num_draft_tokens,

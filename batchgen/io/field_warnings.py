@@ -51,7 +51,7 @@ def warn_about_json_text_fields(path: Path, schema: pa.Schema, block_rows: int) 
         if is_json_text(field):
             print(
                 f"batchgen: warning: {path}: field '{field.name}': no one type stores all its values in the rows "
-                f"the schema is read from (the first {block_rows}) unchanged; it passes through as JSON text (a "
-                "string column)",
+                f"the schema is read from (the first {block_rows}) unchanged, or its objects there are all empty; it "
+                "passes through as JSON text (a string column)",
                 file=sys.stderr,
             )

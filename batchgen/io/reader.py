@@ -48,8 +48,14 @@ class InputRow:
 
 
 def passthrough_name(name: str) -> str:
-    """Return the output name of pass-through field ``name``: ``input_<name>`` if it collides with an output column."""
-    return f"input_{name}" if name in _COLLIDING else name
+    """Return the output name of pass-through field ``name``: ``input_<name>`` if it collides with an output column
+    or already is such a name with ``input_`` prefixes (``text`` → ``input_text``, ``input_text`` →
+    ``input_input_text``), else ``name``. No two input names share an output name, so every field keeps its own
+    column."""
+    base = name
+    while base.startswith("input_"):
+        base = base.removeprefix("input_")
+    return f"input_{name}" if base in _COLLIDING else name
 
 
 def json_type_name(value: Any) -> str:
@@ -184,22 +190,14 @@ class RowReader:
         if num_rows == 0:
             raise BatchgenError(f"{self.source}: dataset is empty")
         fields: dict[str, pa.Field] = {}
-        origin: dict[str, str] = {}
         for field in schema:
             if field.name in KNOWN_FIELDS:
                 continue
             name = passthrough_name(field.name)
-            if name in fields:
-                renamed = field.name if name != field.name else origin[name]
-                raise BatchgenError(
-                    f"{self.source}: column '{renamed}' would be renamed '{name}' (it is an output column), "
-                    f"but '{name}' already exists; rename one of them"
-                )
             # Nullable: rows that fail still get an output row, with nulls for their pass-through fields. A
             # column of an earlier output marked JSON text is plain text here: its values are not encoded again.
             metadata = {k: v for k, v in (field.metadata or {}).items() if k not in JSON_TEXT_METADATA}
             fields[name] = field.with_name(name).with_nullable(True).with_metadata(metadata)
-            origin[name] = field.name
         self.passthrough_schema = pa.schema(list(fields.values()))
 
     def _open_parquet(self) -> pq.ParquetFile:
@@ -271,12 +269,15 @@ def infer_type(values: list[Any]) -> pa.DataType | None:
     """One column's Arrow type, inferred by pyarrow from Python values (integers and floats together give
     ``double``; objects give a struct of all their keys); null parts become ``string``. ``None`` when pyarrow
     can build no one array that holds them all unchanged (a number and a string, a boolean and a number, an
-    integer beyond 64 bits): such a column passes through as JSON text, so that no row is lost over a field
-    batchgen does not read.
+    integer beyond 64 bits), or when only empty objects give a struct its type (a struct of no fields, which
+    Parquet cannot store and no later object with a key would fit): such a column passes through as JSON text,
+    so that no row is lost over a field batchgen does not read.
     """
     try:
         arrow_type = _null_to_string(pa.array(values).type)
     except (pa.ArrowException, TypeError, ValueError, OverflowError, UnicodeError):
+        return None
+    if _has_empty_struct(arrow_type):
         return None
     # pyarrow's inference also converts: [1.5, true] makes a double column holding 1.0 for true.
     if any(misfit(value, arrow_type) is not None for value in values if value is not None):
@@ -295,6 +296,14 @@ def _null_to_string(t: pa.DataType) -> pa.DataType:
     if pa.types.is_struct(t):
         return pa.struct([t.field(i).with_type(_null_to_string(t.field(i).type)) for i in range(t.num_fields)])
     return t
+
+
+def _has_empty_struct(t: pa.DataType) -> bool:
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        return _has_empty_struct(t.value_type)
+    if pa.types.is_struct(t):
+        return t.num_fields == 0 or any(_has_empty_struct(t.field(i).type) for i in range(t.num_fields))
+    return False
 
 
 def _blank(text: str) -> bool:

@@ -55,7 +55,7 @@ class RowSpec:
 def parse_row(row: InputRow, source: str, passthrough_schema: pa.Schema, *, block_rows: int | None = None) -> RowSpec:
     """Check ``row`` and split it into prompt, id, sampling overrides and pass-through values.
 
-    Pass-through fields named like an output column are renamed ``input_<name>``, as the reader's schema.
+    Pass-through fields are renamed as the reader's schema names them (:func:`passthrough_name`).
 
     Args:
         row: a row from :class:`batchgen.io.reader.RowReader`.
@@ -144,14 +144,10 @@ def _check_id(value: Any, index: int, fail: _Fail) -> str:
 
 def _passthrough(data: dict[str, Any], schema: pa.Schema, block_rows: int | None, fail: _Fail) -> dict[str, Any]:
     values: dict[str, Any] = dict.fromkeys(schema.names)
-    origin: dict[str, str] = {}
     for key, value in data.items():
         if key in KNOWN_FIELDS:
             continue
         name = passthrough_name(key)
-        if name in origin:
-            raise fail(name, f"both '{origin[name]}' and '{key}' give this pass-through field; rename one of them")
-        origin[name] = key
         if name not in values:
             first = f"first {block_rows} rows" if block_rows is not None else "first block of rows"
             raise fail(key, f"field not present in the {first}; pass-through fields must appear there (or use Parquet)")
