@@ -1,5 +1,5 @@
 """`python -m batchgen` runs the CLI."""
 
-from batchgen.cli import main
+from batchgen.entry import main
 
 main()

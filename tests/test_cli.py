@@ -131,6 +131,29 @@ def test_version() -> None:
     assert (code, output) == (0, f"batchgen {version('batchgen')}\n")
 
 
+_CTRL_C_WHILE_IMPORTING = """
+import importlib.abc, sys
+class CtrlC(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "transformers":  # the CLI's imports take seconds; a Ctrl-C lands in one of them
+            raise KeyboardInterrupt
+sys.meta_path.insert(0, CtrlC())
+from batchgen.entry import main
+main()
+"""
+
+
+def test_ctrl_c_while_the_cli_imports_is_one_line_and_130() -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", _CTRL_C_WHILE_IMPORTING, "run", "in.jsonl", "--out", "o.arrow"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert (result.returncode, result.stderr, result.stdout) == (130, "batchgen: interrupted while starting\n", "")
+
+
 def test_python_m_batchgen_help() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "batchgen", "--help"], capture_output=True, text=True, timeout=300, check=False

@@ -1,0 +1,21 @@
+"""The console entry point (``batchgen`` and ``python -m batchgen``).
+
+Importing the CLI imports torch and transformers, which takes seconds; a Ctrl-C in that time would otherwise end
+in a KeyboardInterrupt traceback from deep inside an import. Here it ends the process quietly, as a stop does
+(128 + SIGINT). Once the command runs, its own handlers take over (:mod:`batchgen.interrupts`).
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+
+def main() -> None:
+    """Import the CLI and run it."""
+    try:
+        from batchgen.cli import main as run_cli
+    except KeyboardInterrupt:
+        print("batchgen: interrupted while starting", file=sys.stderr)
+        raise SystemExit(128 + signal.SIGINT) from None
+    run_cli()
