@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from conftest import run_cli, write_jsonl
 
 from batchgen.bench.commands import expand_multi_value_options
@@ -324,3 +325,27 @@ def test_bench_roofline_line_and_fields(random_models: dict[str, Path], tmp_path
     row = json.loads(result_file.read_text())
     assert row["roofline_seconds"] > 0
     assert abs(row["roofline_fraction"] - row["roofline_seconds"] / row["seconds"]) < 1e-9
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_matmul_probe_runs_the_models_linear_path(dtype: torch.dtype) -> None:
+    """The probe computes x W^T (against float64, from the same random draws) through the path the model's layers
+    take here, and names the dtype that path computes in: a bfloat16 run's own where oneDNN has bfloat16 kernels,
+    else float32."""
+    from batchgen.bench.probes import Ceilings, model_linear
+    from batchgen.models.packed_linear import cpu_gemm_dtype
+
+    torch.manual_seed(5)
+    matmul, gemm_dtype = model_linear(dtype, torch.device("cpu"), 64)
+    torch.manual_seed(5)
+    weight, x = torch.randn(64, 64).to(dtype), torch.randn(64, 64).to(dtype)
+    assert gemm_dtype == (cpu_gemm_dtype(dtype, torch.device("cpu")) or dtype)
+    out = matmul()
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.double(), x.double() @ weight.double().T, rtol=2**-7, atol=1e-2)
+    line = Ceilings(matmul_flops=1.5e11, copy_bandwidth=3e10, gemm_dtype=gemm_dtype).matmul_line(dtype)
+    name = str(dtype).removeprefix("torch.")
+    if gemm_dtype == dtype:
+        assert line == f"{name} matmul 0.150 TFLOP/s"
+    else:
+        assert line == f"{name} matmul 0.150 TFLOP/s (as float32 GEMMs, as the model's layers run here)"

@@ -11,7 +11,7 @@ import torch
 from batchgen.bench.model_costs import generation_flops
 from batchgen.bench.probes import measure_ceilings
 from batchgen.bench.workload import Workload
-from batchgen.loop.engine import Engine
+from batchgen.loop.engine import Engine, dtype_name
 from batchgen.loop.req import Req
 from batchgen.sampling.sampling_params import SamplingParams
 
@@ -74,7 +74,7 @@ def measure_roofline(engine: Engine, workload: Workload) -> Roofline:
     workload's FLOPs for the engine's model."""
     ceilings = measure_ceilings(engine.dtype, engine.device)
     flops = generation_flops(engine.runner.model.config, [len(p) for p in workload.prompts], workload.output_len)
-    note = "" if ceilings.gemm_dtype == engine.dtype else f" ({ceilings.matmul_line(engine.dtype)})"
+    note = "" if ceilings.gemm_dtype == engine.dtype else f"; the matmul ran as {dtype_name(ceilings.gemm_dtype)} GEMMs"
     return Roofline(flops, ceilings.matmul_flops, len(workload.prompts) * workload.output_len, note)
 
 

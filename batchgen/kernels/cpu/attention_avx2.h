@@ -32,23 +32,16 @@
 
 namespace {
 
-constexpr int64_t kAvx2Lanes = 8;
+constexpr int64_t kAvx2Lanes = kNativeLanes;  // 8 float32 lanes: vnf is one AVX2 register here
+static_assert(kAvx2Lanes == 8);
 constexpr int64_t kAvx2DimBlock = 64;  // dims of V accumulated in registers at once (eight of 8 lanes)
-
-// Eight elements of a row of the pool or of q, as float32 (bfloat16 is the top half of a float32).
-inline __m256 widen8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 widen8(const c10::BFloat16* p) {
-  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
-inline __m256 widen8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
 // dst[0 .. n) = src[0 .. n) as float32, n a multiple of 8: load_row for whole heads, without the generic
 // 16-lane vectors, which the compiler moves through the stack 16 bytes at a time on AVX2.
 template <typename T>
 inline void widen_row(const T* src, int64_t n, v16f* dst) {
   float* out = reinterpret_cast<float*>(dst);
-  for (int64_t d = 0; d < n; d += kAvx2Lanes) _mm256_storeu_ps(out + d, widen8(src + d));
+  for (int64_t d = 0; d < n; d += kAvx2Lanes) _mm256_storeu_ps(out + d, reinterpret_cast<__m256>(loadn(src + d)));
 }
 
 // Lane j = q · keys[j] for the eight keys keys[0..7], each `dims` floats (a multiple of 8) apart.

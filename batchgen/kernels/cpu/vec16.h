@@ -12,7 +12,7 @@
 #include <cstring>
 #include <limits>
 
-#if defined(__F16C__) || defined(__AVX512F__)
+#if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -124,10 +124,25 @@ inline vnf loadn(const float* p) {
 inline vnf loadn(const c10::BFloat16* p) {
 #if defined(__AVX512F__)
   return load16(p);
+#elif defined(__AVX2__)
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return reinterpret_cast<vnf>(_mm256_slli_epi32(wide, 16));  // as load16: gcc's own conversion shuffles more
 #else
   vnh h;
   std::memcpy(&h, p, sizeof(h));
   return reinterpret_cast<vnf>(__builtin_convertvector(h, vnu) << 16);
+#endif
+}
+
+inline vnf loadn(const c10::Half* p) {
+#if defined(__AVX512F__)
+  return load16(p);
+#elif defined(__F16C__)
+  return reinterpret_cast<vnf>(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#else
+  vnf v;
+  for (int64_t l = 0; l < kNativeLanes; ++l) v[l] = static_cast<float>(p[l]);
+  return v;
 #endif
 }
 
