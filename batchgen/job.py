@@ -215,11 +215,21 @@ class RunJob:
                 continue
             source = self.reader.source
             try:
-                spec = parse_row(item, source, self.reader.passthrough_schema, block_rows=self.reader.block_rows)
+                spec = parse_row(
+                    item,
+                    source,
+                    self.reader.passthrough_schema,
+                    self.reader.passthrough_names,
+                    block_rows=self.reader.block_rows,
+                )
             except RowError as e:
                 rid = str(item.data["id"]) if item.data.get("id") is not None else str(item.index)
                 self._seen_ids.add(rid)
-                self._row_failed(e, rid, passthrough_that_fits(item.data, self.reader.passthrough_schema))
+                self._row_failed(
+                    e,
+                    rid,
+                    passthrough_that_fits(item.data, self.reader.passthrough_schema, self.reader.passthrough_names),
+                )
                 continue
             try:
                 if spec.id in self._seen_ids:

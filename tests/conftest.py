@@ -175,7 +175,13 @@ def enqueue_rows(engine: Any, rows: list[dict[str, Any]], path: Path, *, eos: bo
     )
     for order, item in enumerate(reader):
         assert not isinstance(item, Exception), item
-        engine.add(builder.build(parse_row(item, reader.source, reader.passthrough_schema), reader.source, order))
+        engine.add(
+            builder.build(
+                parse_row(item, reader.source, reader.passthrough_schema, reader.passthrough_names),
+                reader.source,
+                order,
+            )
+        )
 
 
 def spy_graph_runs(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, int]]:

@@ -3,10 +3,11 @@ torch_native backend.
 
 The kernel is checked against a float64 reference written here, in float32, bfloat16 and float16: ragged
 sequence lengths from 1 to 300, rows adding 1 to 5 tokens (causal among them) and prefill-sized rows of up to
-40, GQA groups 1/3/4, head dims 64, 128 and 256 (and 40 and 16, which take the kernel's generic head-size loop
-and its partial last chunk), K/V slots scattered over the pool in random order, and every slot the kernel must
-not read filled with NaN. Then: a row's output is bit-identical in any batch, under any thread count and
-whether its tokens come as one row or one per row; bad inputs and failed builds give one clear line; the
+40, GQA groups 1/3/4, head dims 64, 128 and 256 (and 40, 16, 52, 60, 80, 96 and 192, which take the kernel's
+generic head-size loop and its partial last chunk, or on AVX2 the 8-lane step's shorter last register block),
+K/V slots scattered over the pool in random order, and every slot the kernel must not read filled with NaN.
+Then: a row's output is bit-identical in any batch, under any thread count and whether its tokens come as one
+row or one per row; bad inputs and failed builds give one clear line; the
 torch_native backend agrees with itself with the kernel on and off (``BATCHGEN_CPU_ATTENTION_KERNEL=0``) in
 DECODE, TARGET_VERIFY and MIXED rounds; and the engine generates the same greedy tokens both ways, through
 chunked prefill, MIXED, DECODE and TARGET_VERIFY rounds.
@@ -53,6 +54,13 @@ SHAPES = [
     (torch.float32, 40, 3),
     (torch.bfloat16, 16, 2),
     (torch.float32, 256, 2),
+    # Heads that are no multiple of 64 (AVX2: the last dims in fewer registers) or of 8 (AVX2: the generic path,
+    # which must read nothing past a row: the unread slots after each are NaN).
+    (torch.bfloat16, 96, 3),
+    (torch.float16, 80, 2),
+    (torch.float32, 192, 2),
+    (torch.bfloat16, 60, 2),
+    (torch.float32, 52, 1),
 ]
 
 

@@ -152,11 +152,13 @@ def test_the_8_lane_build_of_an_avx2_cpu_gives_the_same_results(tmp_path: Path) 
 
 
 @pytest.mark.parametrize(
-    ("heads", "kv_heads", "head_dim"), [(8, 4, 64), (9, 3, 64), (4, 1, 128), (2, 2, 96), (2, 1, 40)]
+    ("heads", "kv_heads", "head_dim"),
+    [(8, 4, 64), (9, 3, 64), (4, 1, 128), (2, 2, 96), (2, 1, 40), (2, 1, 16), (2, 2, 48)],
 )
 def test_rotary_embedding_equals_hf_on_qkv_views(heads: int, kv_heads: int, head_dim: int) -> None:
     """q and k strided views of one fused QKV output, positions that repeat and jump; head_dim 40 takes the scalar
-    loop (its half is not a multiple of 16). Bit-identical to transformers' ``apply_rotary_pos_emb``."""
+    loop (its half is a multiple of neither 8 nor 16), 16 and 48 the vector loop of 8 lanes only. Bit-identical to
+    transformers' ``apply_rotary_pos_emb``."""
     config = LlamaConfig(hidden_size=heads * head_dim, num_attention_heads=heads, rope_theta=10000.0)
     rotary = RotaryEmbedding(config, head_dim, 4096, CPU)
     positions = torch.tensor([0, 1, 2, 3, 0, 17, 4095, 1000, 1001], dtype=torch.int64)

@@ -155,23 +155,51 @@ def test_parquet_read_in_small_blocks(tmp_path: Path) -> None:
 
 
 def test_renamed_fields_never_share_a_column(tmp_path: Path) -> None:
-    """``error`` is an output column, so it passes through as ``input_error``, and an input's own ``input_error``
-    as ``input_input_error``: each keeps its own column, in Parquet and in JSONL (in one row or in two)."""
+    """``error`` is an output column, so it passes through as ``input_error``; where the dataset has its own
+    ``input_error`` too, that keeps its name and ``error`` takes one more ``input_``. Each field keeps its own
+    column, in Parquet and in JSONL (in one row or in two); names that collide with nothing stay as they are."""
     path = tmp_path / "in.parquet"
     pq.write_table(pa.table({"prompt": ["a"], "error": ["x"], "input_error": ["y"], "input_ids": ["z"]}), path)
     reader = RowReader(path)
-    assert reader.passthrough_schema.names == ["input_error", "input_input_error", "input_ids"]
+    assert reader.passthrough_schema.names == ["input_input_error", "input_error", "input_ids"]
+    assert read_all(reader)[0].data == {"prompt": "a", "error": "x", "input_error": "y", "input_ids": "z"}
     jsonl = write_lines(
         tmp_path / "in.jsonl", ['{"prompt": "a", "text": "x"}', '{"prompt": "b", "input_text": "y", "text": "z"}']
     )
     reader = RowReader(jsonl)
     schema = reader.passthrough_schema
-    assert schema.names == ["input_text", "input_input_text"]
-    rows = [parse_row(r, str(jsonl), schema) for r in read_all(reader) if isinstance(r, InputRow)]
-    assert [r.passthrough for r in rows] == [
-        {"input_text": "x", "input_input_text": None},
-        {"input_text": "z", "input_input_text": "y"},
+    assert reader.passthrough_names == {"text": "input_input_text", "input_text": "input_text"}
+    rows = [
+        parse_row(r, str(jsonl), schema, reader.passthrough_names) for r in read_all(reader) if isinstance(r, InputRow)
     ]
+    assert [r.passthrough for r in rows] == [
+        {"input_input_text": "x", "input_text": None},
+        {"input_input_text": "z", "input_text": "y"},
+    ]
+    alone = RowReader(write_lines(tmp_path / "alone.jsonl", ['{"prompt": "a", "input_text": "y", "error": 1}']))
+    assert alone.passthrough_names == {"input_text": "input_text", "error": "input_error"}
+
+
+def test_a_field_seen_only_after_the_inferred_rows_is_a_bad_row_not_a_merge(tmp_path: Path) -> None:
+    """``text`` passes through as ``input_text``; a later row's own ``input_text``, unseen while the schema was
+    read, is a bad row: it must not land in ``text``'s column."""
+    lines = ['{"prompt": "a", "text": "x"}', '{"prompt": "b", "input_text": "y"}']
+    reader = RowReader(write_lines(tmp_path / "in.jsonl", lines), block_rows=1)
+    items = [r for r in read_all(reader) if isinstance(r, InputRow)]
+    assert parse_row(items[0], reader.source, reader.passthrough_schema, reader.passthrough_names).passthrough == {
+        "input_text": "x"
+    }
+    with pytest.raises(RowError) as info:
+        parse_row(items[1], reader.source, reader.passthrough_schema, reader.passthrough_names, block_rows=1)
+    assert info.value.field == "input_text" and "field not present in the first 1 rows" in info.value.message
+
+
+def test_a_repeated_parquet_column_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "in.parquet"
+    table = pa.Table.from_arrays([pa.array(["a"]), pa.array(["x1"]), pa.array(["x2"])], names=["prompt", "x", "x"])
+    pq.write_table(table, path)
+    with pytest.raises(BatchgenError, match=f"^{path}: column 'x' appears more than once; rename all but one$"):
+        RowReader(path)
 
 
 # --- reader: pass-through schema inference ----------------------------------------------------------------
@@ -205,7 +233,7 @@ def _parse_all(reader: RowReader) -> list[RowSpec | RowError]:
     for row in reader:
         assert isinstance(row, InputRow)
         try:
-            specs.append(parse_row(row, reader.source, reader.passthrough_schema))
+            specs.append(parse_row(row, reader.source, reader.passthrough_schema, reader.passthrough_names))
         except RowError as e:
             specs.append(e)
     return specs
@@ -335,7 +363,10 @@ SCHEMA = pa.schema([("topic", pa.string()), ("count", pa.int64()), ("input_text"
 
 
 def parse(data: dict[str, Any], schema: pa.Schema = SCHEMA, **kwargs: Any) -> RowSpec:
-    return parse_row(InputRow(index=7, line=9, data=data), "in.jsonl", schema, **kwargs)
+    """``parse_row`` of ``data`` against ``schema``, whose columns are the fields of SCHEMA's rows: ``topic``,
+    ``count``, and ``text`` as ``input_text``."""
+    names = {n: n for n in schema.names} | {"text": "input_text"}
+    return parse_row(InputRow(index=7, line=9, data=data), "in.jsonl", schema, names, **kwargs)
 
 
 def row_error(data: dict[str, Any], **kwargs: Any) -> RowError:
@@ -595,7 +626,11 @@ def test_parquet_input_to_jsonl_output_end_to_end(tmp_path: Path) -> None:
     source = tmp_path / "in.parquet"
     pq.write_table(pa.table({"prompt": ["a", "b"], "text": ["x", None], "blob": [b"\x00\x01", None]}), source)
     reader = RowReader(source)
-    specs = [parse_row(r, reader.source, reader.passthrough_schema) for r in reader if isinstance(r, InputRow)]
+    specs = [
+        parse_row(r, reader.source, reader.passthrough_schema, reader.passthrough_names)
+        for r in reader
+        if isinstance(r, InputRow)
+    ]
     out = tmp_path / "out.jsonl"
     with open_result_writer(out, reader.passthrough_schema, {}) as writer:
         writer.write([{"id": s.id, "text": s.prompt.upper() if s.prompt else None, **s.passthrough} for s in specs])
@@ -609,7 +644,7 @@ def test_parquet_input_to_jsonl_output_end_to_end(tmp_path: Path) -> None:
 def test_passthrough_that_fits_keeps_what_fits() -> None:
     schema = pa.schema([("keep", pa.string()), ("meta", pa.struct([("a", pa.int64())]))])
     data = {"prompt": "x", "temperature": "bad", "keep": "B", "meta": {"a": 1, "new": 2}}
-    assert passthrough_that_fits(data, schema) == {"keep": "B", "meta": None}
+    assert passthrough_that_fits(data, schema, {"keep": "keep", "meta": "meta"}) == {"keep": "B", "meta": None}
 
 
 def test_json_text_fields_get_one_warning_each(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -72,7 +72,9 @@ def dataset_workload(
         try:
             prompts.append(
                 builder.build(
-                    parse_row(item, reader.source, reader.passthrough_schema), reader.source, order
+                    parse_row(item, reader.source, reader.passthrough_schema, reader.passthrough_names),
+                    reader.source,
+                    order,
                 ).prompt_ids
             )
         except RowError as e:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -47,15 +47,24 @@ class InputRow:
     data: dict[str, Any]
 
 
-def passthrough_name(name: str) -> str:
-    """Return the output name of pass-through field ``name``: ``input_<name>`` if it collides with an output column
-    or already is such a name with ``input_`` prefixes (``text`` → ``input_text``, ``input_text`` →
-    ``input_input_text``), else ``name``. No two input names share an output name, so every field keeps its own
-    column."""
-    base = name
-    while base.startswith("input_"):
-        base = base.removeprefix("input_")
-    return f"input_{name}" if base in _COLLIDING else name
+def passthrough_names(keys: Iterable[str]) -> dict[str, str]:
+    """The output column of each pass-through field ``keys`` names (known fields are left out).
+
+    A field keeps its name, unless that is an output column (``text``, ``error``, ...): then it is renamed
+    ``input_<name>``, with one more ``input_`` while that is the name of another field (a dataset with both
+    ``text`` and ``input_text`` gives ``input_input_text`` and ``input_text``), so no two fields share a column.
+    """
+    fields = [key for key in dict.fromkeys(keys) if key not in KNOWN_FIELDS]
+    names = {key: key for key in fields if key not in _COLLIDING}
+    taken = set(names.values())
+    for key in fields:
+        if key in _COLLIDING:
+            name = f"input_{key}"
+            while name in taken:
+                name = f"input_{name}"
+            names[key] = name
+            taken.add(name)
+    return {key: names[key] for key in fields}
 
 
 def json_type_name(value: Any) -> str:
@@ -71,13 +80,13 @@ class RowReader:
     shift. The reader can be iterated more than once; each pass re-reads the file.
 
     ``passthrough_schema`` is known as soon as the constructor returns: it holds every input field that is
-    not a known field (``id``, the prompt fields and the sampling fields), all nullable. A field whose name
-    is an output column (``text``, ``error``, ...) is renamed ``input_<name>`` there and in
-    :func:`batchgen.io.rows.parse_row`'s result. For Parquet the types come from the file schema. For JSONL
-    they are inferred by pyarrow from the first ``block_rows`` rows (read ahead and buffered here), in order
-    of first appearance; a null type (a field null in all of them, or only empty lists) becomes ``string``
-    (``list<string>``). When values disagree the first one's type wins, and rows that do not fit it fail in
-    ``parse_row``.
+    not a known field (``id``, the prompt fields and the sampling fields), all nullable, under the names
+    ``passthrough_names`` gives them (a field named like an output column, ``text`` or ``error``, is renamed
+    ``input_<name>``; see :func:`passthrough_names`), as in :func:`batchgen.io.rows.parse_row`'s result. For
+    Parquet the types come from the file schema. For JSONL they are inferred by pyarrow from the first
+    ``block_rows`` rows (read ahead and buffered here), in order of first appearance; a null type (a field null
+    in all of them, or only empty lists) becomes ``string`` (``list<string>``). When values disagree the first
+    one's type wins, and rows that do not fit it fail in ``parse_row``.
 
     Args:
         path: the input file; ``str(path)`` is used as the source name in every message.
@@ -91,6 +100,7 @@ class RowReader:
 
     source: str
     passthrough_schema: pa.Schema
+    passthrough_names: dict[str, str]  # pass-through field → its column (:func:`passthrough_names`)
 
     def __init__(self, path: Path, block_rows: int = 1024) -> None:
         if block_rows < 1:
@@ -141,7 +151,8 @@ class RowReader:
         if not self._head:
             raise BatchgenError(f"{self.source}: dataset is empty")
         rows = [r.data for r in self._head if isinstance(r, InputRow)]
-        self.passthrough_schema = _infer_schema(rows)
+        self.passthrough_names = passthrough_names(key for row in rows for key in row)
+        self.passthrough_schema = _infer_schema(rows, self.passthrough_names)
 
     def _open_jsonl(self) -> BinaryIO:
         # Binary mode: tell() works between readline() calls, and a bad byte is one row's error, not a crash.
@@ -189,11 +200,15 @@ class RowReader:
             num_rows = pf.metadata.num_rows
         if num_rows == 0:
             raise BatchgenError(f"{self.source}: dataset is empty")
+        repeated = sorted({n for n in schema.names if schema.names.count(n) > 1})
+        if repeated:
+            raise BatchgenError(f"{self.source}: column '{repeated[0]}' appears more than once; rename all but one")
+        self.passthrough_names = passthrough_names(schema.names)
         fields: dict[str, pa.Field] = {}
         for field in schema:
             if field.name in KNOWN_FIELDS:
                 continue
-            name = passthrough_name(field.name)
+            name = self.passthrough_names[field.name]
             # Nullable: rows that fail still get an output row, with nulls for their pass-through fields. A
             # column of an earlier output marked JSON text is plain text here: its values are not encoded again.
             metadata = {k: v for k, v in (field.metadata or {}).items() if k not in JSON_TEXT_METADATA}
@@ -237,16 +252,17 @@ def _reject_json_document(first: InputRow | RowError, text: str, source: str) ->
         )
 
 
-def _infer_schema(rows: list[dict[str, Any]]) -> pa.Schema:
-    """Infer the pass-through schema of the read-ahead JSONL rows: each field's Arrow type, or JSON text
-    (:data:`JSON_TEXT_METADATA`) where its values share no one type."""
+def _infer_schema(rows: list[dict[str, Any]], names: dict[str, str]) -> pa.Schema:
+    """Infer the pass-through schema of the read-ahead JSONL rows, a column for each field of ``names``
+    (:func:`passthrough_names`): each field's Arrow type, or JSON text (:data:`JSON_TEXT_METADATA`) where its
+    values share no one type."""
     columns: dict[str, list[Any]] = {}
     for i, row in enumerate(rows):
         for key, value in row.items():
-            if key in KNOWN_FIELDS:
+            if key not in names:
                 continue
             # Rows without the field are nulls; padding keeps each list aligned with `rows`.
-            values = columns.setdefault(passthrough_name(key), [None] * i)
+            values = columns.setdefault(names[key], [None] * i)
             values.extend([None] * (i - len(values)))
             values.append(value)
     fields = []

@@ -17,7 +17,6 @@ from batchgen.io.reader import (
     InputRow,
     is_json_text,
     json_type_name,
-    passthrough_name,
 )
 from batchgen.sampling.sampling_params import SAMPLING_FIELDS
 
@@ -52,15 +51,22 @@ class RowSpec:
     passthrough: dict[str, Any]
 
 
-def parse_row(row: InputRow, source: str, passthrough_schema: pa.Schema, *, block_rows: int | None = None) -> RowSpec:
+def parse_row(
+    row: InputRow,
+    source: str,
+    passthrough_schema: pa.Schema,
+    passthrough_names: dict[str, str],
+    *,
+    block_rows: int | None = None,
+) -> RowSpec:
     """Check ``row`` and split it into prompt, id, sampling overrides and pass-through values.
-
-    Pass-through fields are renamed as the reader's schema names them (:func:`passthrough_name`).
 
     Args:
         row: a row from :class:`batchgen.io.reader.RowReader`.
         source: the input name for messages.
         passthrough_schema: the reader's ``passthrough_schema``.
+        passthrough_names: the reader's ``passthrough_names``: each pass-through field's column; a field it
+            lacks (one first seen after the JSONL rows the schema was inferred from) is a row error.
         block_rows: the reader's ``block_rows``, only to make the "field not present" message exact.
 
     Raises:
@@ -91,7 +97,7 @@ def parse_row(row: InputRow, source: str, passthrough_schema: pa.Schema, *, bloc
         messages=messages,
         prompt_token_ids=token_ids,
         sampling_overrides={name: data[name] for name in SAMPLING_FIELDS if name in data},
-        passthrough=_passthrough(data, passthrough_schema, block_rows, fail),
+        passthrough=_passthrough(data, passthrough_schema, passthrough_names, block_rows, fail),
     )
 
 
@@ -142,13 +148,15 @@ def _check_id(value: Any, index: int, fail: _Fail) -> str:
     return str(value)
 
 
-def _passthrough(data: dict[str, Any], schema: pa.Schema, block_rows: int | None, fail: _Fail) -> dict[str, Any]:
+def _passthrough(
+    data: dict[str, Any], schema: pa.Schema, names: dict[str, str], block_rows: int | None, fail: _Fail
+) -> dict[str, Any]:
     values: dict[str, Any] = dict.fromkeys(schema.names)
     for key, value in data.items():
         if key in KNOWN_FIELDS:
             continue
-        name = passthrough_name(key)
-        if name not in values:
+        name = names.get(key)
+        if name is None:
             first = f"first {block_rows} rows" if block_rows is not None else "first block of rows"
             raise fail(key, f"field not present in the {first}; pass-through fields must appear there (or use Parquet)")
         values[name] = value
@@ -160,12 +168,13 @@ def _passthrough(data: dict[str, Any], schema: pa.Schema, block_rows: int | None
     return values
 
 
-def passthrough_that_fits(data: dict[str, Any], schema: pa.Schema) -> dict[str, Any]:
-    """The pass-through fields of a bad row that fit ``schema`` (the others null), for its error row."""
+def passthrough_that_fits(data: dict[str, Any], schema: pa.Schema, names: dict[str, str]) -> dict[str, Any]:
+    """The pass-through fields of a bad row that fit ``schema`` (the others null), for its error row; ``names``
+    as :func:`parse_row` takes them."""
     values: dict[str, Any] = dict.fromkeys(schema.names)
     for key, value in data.items():
-        name = passthrough_name(key)
-        if key not in KNOWN_FIELDS and name in values and value is not None:
+        name = names.get(key)
+        if name is not None and value is not None:
             values[name] = _stored(value, schema.field(name))[0]
     return values
 

@@ -2,19 +2,21 @@
 
 Two cases, chosen per machine by :func:`cpu_gemm_dtype`:
 
-- **oneDNN has kernels for the model's dtype** (bfloat16 on AVX512-BF16 or AMX): a ``F.linear`` there reorders the
-  weight into oneDNN's blocked layout on every call, a large part of a decode step's short GEMMs. Packing each
-  weight once at load time (``torch.ops.mkldnn._reorder_linear_weight``, what Inductor's CPU weight prepacking
-  uses) and calling ``torch.ops.mkldnn._linear_pointwise`` on it gives the same kernel the same inputs: outputs
-  are bit-identical to ``F.linear`` (tests/test_packed_linear.py).
-- **It has none** (bfloat16 or float16 on an AVX2-only CPU such as AMD Zen 3 or Intel Ice Lake): PyTorch's
-  ``F.linear`` in those dtypes falls back to generic loops, 7-8x slower than its float32 GEMM on the same cores
-  (16-19 against 120-150 GFLOP/s on 2 Zen 3 cores). The weights are then packed as float32 (their values
-  unchanged: every bfloat16 and float16 number is a float32), each input is widened to float32, and the float32
-  output is rounded to the model's dtype. That is the arithmetic of a bfloat16 GEMM that accumulates in float32,
-  as oneDNN's and PyTorch's own do: exact products, float32 sums, one rounding at the end; only the order of the
-  sums differs, so an output can differ from ``F.linear``'s by one step of the model's dtype where its float32
-  sum lies next to a rounding boundary. The cost is memory: the packed weights take twice the model dtype's bytes.
+- **oneDNN has kernels for the model's dtype** (bfloat16 on CPUs with AVX-512 or AMX: natively with AVX512-BF16
+  or AMX, by conversion on other AVX-512 parts): a ``F.linear`` there reorders the weight into oneDNN's blocked
+  layout on every call, a large part of a decode step's short GEMMs. Packing each weight once at load time
+  (``torch.ops.mkldnn._reorder_linear_weight``, what Inductor's CPU weight prepacking uses) and calling
+  ``torch.ops.mkldnn._linear_pointwise`` on it gives the same kernel the same inputs: outputs are bit-identical
+  to ``F.linear`` (tests/test_packed_linear.py).
+- **It has none** (bfloat16 or float16 on a CPU with AVX2 but no AVX-512, such as AMD Zen 2/3 or Intel's client
+  parts of the last years): PyTorch's ``F.linear`` in those dtypes falls back to generic loops, 7-8x slower than
+  its float32 GEMM on the same cores (16-19 against 120-150 GFLOP/s on 2 Zen 3 cores). The weights are then
+  packed as float32 (their values unchanged: every bfloat16 and float16 number is a float32), each input is
+  widened to float32, and the float32 output is rounded to the model's dtype. That is the arithmetic of a
+  bfloat16 GEMM that accumulates in float32, as oneDNN's and PyTorch's own do: exact products, float32 sums, one
+  rounding at the end; only the order of the sums differs, so an output can differ from ``F.linear``'s by one
+  step of the model's dtype where its float32 sum lies next to a rounding boundary. The cost is memory: the
+  packed weights take twice the model dtype's bytes.
 
 One packed weight serves every row count.
 """
@@ -31,8 +33,8 @@ _ROWS_HINT = 64  # oneDNN picks its blocking for this many rows; any row count r
 
 
 def native_gemm_supported(dtype: torch.dtype) -> bool:
-    """Whether this CPU's oneDNN has GEMM kernels for ``dtype`` itself (float32 always; bfloat16 with
-    AVX512-BF16 or AMX; float16 with AVX512-FP16 or AVX-NE-CONVERT)."""
+    """Whether this CPU's oneDNN has GEMM kernels for ``dtype`` itself, as PyTorch reports it (float32 always;
+    bfloat16 with AVX-512 or AMX; float16 with AVX512-FP16, AMX-FP16 or AVX-NE-CONVERT)."""
     if dtype == torch.bfloat16:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     if dtype == torch.float16:

@@ -1,6 +1,6 @@
 // The paged-attention kernel's block step for CPUs with AVX2, FMA and F16C but no AVX-512 (AMD Zen 2/3, Intel
-// Haswell to Ice Lake client parts), included by paged_attention.cpp, which uses it where BATCHGEN_AVX2_BLOCK
-// is defined and the head size is a multiple of 64.
+// Haswell, Intel's client parts without AVX-512), included by paged_attention.cpp, which uses it where
+// BATCHGEN_AVX2_BLOCK is defined and the head size is a multiple of 8.
 //
 // The generic attend_block holds 16 keys' dot products of 16 float32 lanes at once and sums them with 16-lane
 // shuffles: on AVX-512 that is 16 of its 32 registers; on AVX2 each 16-lane vector is two of only 16 registers,
@@ -44,13 +44,14 @@ inline void widen_row(const T* src, int64_t n, v16f* dst) {
   for (int64_t d = 0; d < n; d += kAvx2Lanes) _mm256_storeu_ps(out + d, reinterpret_cast<__m256>(loadn(src + d)));
 }
 
-// Lane j = q · keys[j] for the eight keys keys[0..7], each `dims` floats (a multiple of 8) apart.
-inline __m256 dot8(const float* q, const float* keys, int64_t dims) {
+// Lane j = q[0 .. dims) · keys[j][0 .. dims) for the eight keys keys[0..7], rows `stride` floats apart; dims a
+// multiple of 8.
+inline __m256 dot8(const float* q, const float* keys, int64_t dims, int64_t stride) {
   __m256 a[kAvx2Lanes];
   for (int j = 0; j < kAvx2Lanes; ++j) a[j] = _mm256_setzero_ps();
   for (int64_t c = 0; c < dims; c += kAvx2Lanes) {
     const __m256 qc = _mm256_loadu_ps(q + c);
-    for (int j = 0; j < kAvx2Lanes; ++j) a[j] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(keys + j * dims + c), a[j]);
+    for (int j = 0; j < kAvx2Lanes; ++j) a[j] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(keys + j * stride + c), a[j]);
   }
   // Each accumulator's lanes summed by the same tree: (0+1)+(2+3) and (4+5)+(6+7), then the two halves.
   const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
@@ -99,35 +100,50 @@ inline void round_probabilities(float* p, int64_t n) {
   }
 }
 
-// attend_block for heads of `chunks` x 16 dims, a multiple of 64: one query against a converted block of `seen`
-// keys; scores, the online-softmax update of (row_max, row_sum), weighted values into acc.
+// acc[0 .. 8 NC) = alpha acc + sum over keys j < seen of p[j] v_j[0 .. 8 NC), the V rows `stride` floats apart:
+// NC registers of 8 dims stay in registers over all keys.
+template <int NC>
+inline void weigh_values(const float* p, const float* v, int64_t seen, int64_t stride, float alpha, float* acc) {
+  __m256 a[NC];
+  for (int c = 0; c < NC; ++c) a[c] = _mm256_mul_ps(_mm256_loadu_ps(acc + c * kAvx2Lanes), _mm256_set1_ps(alpha));
+  for (int64_t j = 0; j < seen; ++j) {
+    const __m256 pj = _mm256_set1_ps(p[j]);
+    for (int c = 0; c < NC; ++c) a[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + j * stride + c * kAvx2Lanes), a[c]);
+  }
+  for (int c = 0; c < NC; ++c) _mm256_storeu_ps(acc + c * kAvx2Lanes, a[c]);
+}
+
+// attend_block for heads of `dims` dims, a multiple of 8, held in scratch rows of `chunks` x 16 floats: one query
+// against a converted block of `seen` keys; scores, the online-softmax update of (row_max, row_sum), weighted
+// values into acc. Nothing past a row's `dims` floats is read (the rows' padding may hold stale values).
 template <typename T>
-void attend_block_avx2(const v16f* q, const v16f* keys, const v16f* values, int64_t seen, int64_t chunks,
-                       v16f* acc, float& row_max, float& row_sum, v16f* scores) {
-  const int64_t dims = chunks * kLanes, used = (seen + kLanes - 1) / kLanes;
+void attend_block_avx2(const v16f* q, const v16f* keys, const v16f* values, int64_t seen, int64_t dims,
+                       int64_t chunks, v16f* acc, float& row_max, float& row_sum, v16f* scores) {
+  const int64_t stride = chunks * kLanes, used = (seen + kLanes - 1) / kLanes;
   const float* qf = reinterpret_cast<const float*>(q);
   const float* kf = reinterpret_cast<const float*>(keys);
   float* flat = reinterpret_cast<float*>(scores);
   // Keys past `seen` (scratch rows of an earlier block) are scored too; softmax_step sets them to -inf.
-  for (int64_t j = 0; j < used * kLanes; j += kAvx2Lanes) _mm256_storeu_ps(flat + j, dot8(qf, kf + j * dims, dims));
+  for (int64_t j = 0; j < used * kLanes; j += kAvx2Lanes) {
+    _mm256_storeu_ps(flat + j, dot8(qf, kf + j * stride, dims, stride));
+  }
   const float alpha = softmax_step_avx2(flat, seen, used, row_max, row_sum);
   round_probabilities<T>(flat, used * kLanes);
   const float* vf = reinterpret_cast<const float*>(values);
   float* accf = reinterpret_cast<float*>(acc);
-  const __m256 scale = _mm256_set1_ps(alpha);
-  for (int64_t d0 = 0; d0 < dims; d0 += kAvx2DimBlock) {
-    __m256 a[kAvx2DimBlock / kAvx2Lanes];
-    for (int c = 0; c < kAvx2DimBlock / kAvx2Lanes; ++c) {
-      a[c] = _mm256_mul_ps(_mm256_loadu_ps(accf + d0 + c * kAvx2Lanes), scale);
-    }
-    for (int64_t j = 0; j < seen; ++j) {
-      const __m256 p = _mm256_set1_ps(flat[j]);
-      const float* v = vf + j * dims + d0;
-      for (int c = 0; c < kAvx2DimBlock / kAvx2Lanes; ++c) {
-        a[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + c * kAvx2Lanes), a[c]);
-      }
-    }
-    for (int c = 0; c < kAvx2DimBlock / kAvx2Lanes; ++c) _mm256_storeu_ps(accf + d0 + c * kAvx2Lanes, a[c]);
+  int64_t d0 = 0;
+  for (; d0 + kAvx2DimBlock <= dims; d0 += kAvx2DimBlock) {
+    weigh_values<kAvx2DimBlock / kAvx2Lanes>(flat, vf + d0, seen, stride, alpha, accf + d0);
+  }
+  switch ((dims - d0) / kAvx2Lanes) {  // the last dims of a head that is not a multiple of 64 (96, 80, 40, ...)
+    case 1: return weigh_values<1>(flat, vf + d0, seen, stride, alpha, accf + d0);
+    case 2: return weigh_values<2>(flat, vf + d0, seen, stride, alpha, accf + d0);
+    case 3: return weigh_values<3>(flat, vf + d0, seen, stride, alpha, accf + d0);
+    case 4: return weigh_values<4>(flat, vf + d0, seen, stride, alpha, accf + d0);
+    case 5: return weigh_values<5>(flat, vf + d0, seen, stride, alpha, accf + d0);
+    case 6: return weigh_values<6>(flat, vf + d0, seen, stride, alpha, accf + d0);
+    case 7: return weigh_values<7>(flat, vf + d0, seen, stride, alpha, accf + d0);
+    default: return;
   }
 }
 

@@ -33,7 +33,7 @@ inline vnh to_bf16(vnf x) {
   return __builtin_convertvector(out, vnh);
 }
 
-inline void store16(BFloat16* p, vnf x) {
+inline void storen(BFloat16* p, vnf x) {
   const vnh h = to_bf16(x);
   std::memcpy(p, &h, sizeof(h));
 }
@@ -80,7 +80,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tenso
       BFloat16* sr = summed.mutable_data_ptr<BFloat16>() + r * summed.stride(0);
       if (residual) {
         const BFloat16* rr = residual->const_data_ptr<BFloat16>() + r * residual->stride(0);
-        for (int64_t c = 0; c < full; c += kNativeLanes) store16(sr + c, loadn(rr + c) + loadn(xr + c));
+        for (int64_t c = 0; c < full; c += kNativeLanes) storen(sr + c, loadn(rr + c) + loadn(xr + c));
         for (int64_t c = full; c < cols; ++c) sr[c] = static_cast<BFloat16>(to_float(rr[c]) + to_float(xr[c]));
       }
       const BFloat16* s = residual ? sr : xr;
@@ -93,7 +93,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tenso
       for (int64_t c = full; c < cols; ++c) tail += to_float(s[c]) * to_float(s[c]);
       const float scale = 1.f / std::sqrt((hsumn(squares) + tail) / static_cast<float>(cols) + feps);
       BFloat16* o = out.mutable_data_ptr<BFloat16>() + r * out.stride(0);
-      for (int64_t c = 0; c < full; c += kNativeLanes) store16(o + c, loadn(w + c) * round_bf16(loadn(s + c) * scale));
+      for (int64_t c = 0; c < full; c += kNativeLanes) storen(o + c, loadn(w + c) * round_bf16(loadn(s + c) * scale));
       for (int64_t c = full; c < cols; ++c) {
         o[c] = static_cast<BFloat16>(to_float(w[c]) * round_bf16(to_float(s[c]) * scale));
       }
@@ -137,7 +137,7 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
       const BFloat16* g = gate_up.const_data_ptr<BFloat16>() + r * gate_up.stride(0);
       const BFloat16* u = g + cols;
       BFloat16* o = out.mutable_data_ptr<BFloat16>() + r * out.stride(0);
-      for (int64_t c = 0; c < full; c += kNativeLanes) store16(o + c, round_bf16(silu(loadn(g + c))) * loadn(u + c));
+      for (int64_t c = 0; c < full; c += kNativeLanes) storen(o + c, round_bf16(silu(loadn(g + c))) * loadn(u + c));
       for (int64_t c = full; c < cols; ++c) {
         vnf lane = {};
         lane[0] = to_float(g[c]);
@@ -157,8 +157,8 @@ inline void rotate_head(const BFloat16* x, const float* cos, const float* sin, i
       const vnf lo = loadn(x + c), hi = loadn(x + half + c);
       const vnf cos_lo = round_bf16(loadn(cos + c)), cos_hi = round_bf16(loadn(cos + half + c));
       const vnf sin_lo = round_bf16(loadn(sin + c)), sin_hi = round_bf16(loadn(sin + half + c));
-      store16(out + c, round_bf16(lo * cos_lo) + round_bf16(-hi * sin_lo));
-      store16(out + half + c, round_bf16(hi * cos_hi) + round_bf16(lo * sin_hi));
+      storen(out + c, round_bf16(lo * cos_lo) + round_bf16(-hi * sin_lo));
+      storen(out + half + c, round_bf16(hi * cos_hi) + round_bf16(lo * sin_hi));
     }
     return;
   }

@@ -100,6 +100,9 @@ bool attend(const Shape& s, const T* q, const T* k, const T* v, T* out, const in
             Scratch& w) {
   const int64_t group = s.num_heads / s.num_kv_heads, dc = s.chunks, nq = last - first;
   const int64_t kv_offset = kv_head * s.kv_stride_head;
+#ifdef BATCHGEN_AVX2_BLOCK
+  const bool avx2_block = s.head_dim % kAvx2Lanes == 0;  // whole registers of each row, nothing past it
+#endif
   int64_t keys = 0;  // keys any query here can see
   for (int64_t i = 0; i < nq; ++i) {
     const int64_t t = (first + i) / group, head = kv_head * group + (first + i) % group;
@@ -123,7 +126,7 @@ bool attend(const Shape& s, const T* q, const T* k, const T* v, T* out, const in
         }
       }
 #ifdef BATCHGEN_AVX2_BLOCK
-      if constexpr (DC > 0 && DC * kLanes % kAvx2DimBlock == 0) {
+      if (avx2_block) {
         widen_row(k + kv_offset + w.slots[j] * s.kv_stride_slot, s.head_dim, &w.keys[j * dc]);
         widen_row(v + kv_offset + w.slots[j] * s.kv_stride_slot, s.head_dim, &w.values[j * dc]);
         continue;
@@ -136,9 +139,9 @@ bool attend(const Shape& s, const T* q, const T* k, const T* v, T* out, const in
       const int64_t seen = std::min(block_len, w.limit[i] - block);
       if (seen <= 0) continue;  // this query's keys all lie before the block
 #ifdef BATCHGEN_AVX2_BLOCK
-      if constexpr (DC > 0 && DC * kLanes % kAvx2DimBlock == 0) {
-        attend_block_avx2<T>(&w.q[i * dc], w.keys.data(), w.values.data(), seen, dc, &w.acc[i * dc], w.row_max[i],
-                             w.row_sum[i], w.scores.data());
+      if (avx2_block) {
+        attend_block_avx2<T>(&w.q[i * dc], w.keys.data(), w.values.data(), seen, s.head_dim, dc, &w.acc[i * dc],
+                             w.row_max[i], w.row_sum[i], w.scores.data());
         continue;
       }
 #endif
