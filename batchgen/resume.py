@@ -107,6 +107,20 @@ def output_schema(
     return schema
 
 
+def _column_differences(recorded: pa.Schema, now: pa.Schema) -> str:
+    """What differs between two output schemas, in words: columns only in one of them, and changed types."""
+    before = {f.name: f.type for f in recorded}
+    after = {f.name: f.type for f in now}
+    parts = []
+    if gone := [name for name in before if name not in after]:
+        parts.append("the interrupted run has " + ", ".join(gone))
+    if new := [name for name in after if name not in before]:
+        parts.append("this run has " + ", ".join(new))
+    if changed := [f"{n} ({before[n]} → {after[n]})" for n in before if n in after and before[n] != after[n]]:
+        parts.append("types differ: " + ", ".join(changed))
+    return "; ".join(parts) or "the same columns in another order"
+
+
 def check_same_job(where: Path, recorded: pa.Schema, now: pa.Schema, force: bool) -> None:
     """Refuse to resume when this run would not produce what the interrupted one did, unless ``force``.
 
@@ -117,8 +131,9 @@ def check_same_job(where: Path, recorded: pa.Schema, now: pa.Schema, force: bool
     """
     if not recorded.remove_metadata().equals(now.remove_metadata()):
         raise BatchgenError(
-            f"{where}: cannot resume: the output columns differ from the interrupted run's (the dataset's "
-            "fields changed); pass --overwrite to start over"
+            f"{where}: cannot resume: the output columns differ from the interrupted run's "
+            f"({_column_differences(recorded, now)}: the dataset's fields changed, or another batchgen version "
+            "passes them through differently); pass --overwrite to start over"
         )
     differences = job_differences(_metadata(recorded), _metadata(now))
     if differences and not force:

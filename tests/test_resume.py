@@ -496,6 +496,25 @@ def test_resume_refuses_another_job_in_one_line_unless_forced(
     assert_same_rows(by_key(read_results(out).to_pylist()), reference)  # every row sets its own max_new_tokens
 
 
+def test_resume_names_the_pass_through_columns_that_changed(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rows = [{"id": f"r{i}", "prompt_token_ids": [0, 5 + i], "max_new_tokens": 2, "topic": "t"} for i in range(12)]
+    dataset = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.arrow"
+    with monkeypatch.context() as patch:
+        fail_part_write(patch, at=2)
+        assert run_cli(args(dataset, out, model, *SLOW_FLAGS))[0] == 2
+    write_jsonl(dataset, [{**{k: v for k, v in r.items() if k != "topic"}, "subject": 1} for r in rows])
+    code, output = run_cli(args(dataset, out, model, "--resume-force"))
+    assert code == 2
+    assert output == (
+        f"batchgen: error: {partial_dir(out)}: cannot resume: the output columns differ from the interrupted run's "
+        "(the interrupted run has topic; this run has subject: the dataset's fields changed, or another batchgen "
+        "version passes them through differently); pass --overwrite to start over\n"
+    )
+
+
 def test_overwrite_and_a_finished_job(
     small_job: tuple[Path, dict[Key, dict[str, Any]]], model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
