@@ -10,7 +10,6 @@ from typing import Any
 import typer
 import yaml
 
-import batchgen
 from batchgen.bench.commands import bench, bench_one_batch, expand_multi_value_options, peak_rss_mib
 from batchgen.cli_errors import user_errors
 from batchgen.engine_flags import (
@@ -24,7 +23,8 @@ from batchgen.engine_flags import (
     SPECULATIVE_NUM_DRAFT_TOKENS,
     check_engine_limits,
 )
-from batchgen.errors import BatchgenError, shown_value
+from batchgen.entry import version_line
+from batchgen.errors import BatchgenError, FieldError, shown_value
 from batchgen.kernels.attention import ATTENTION_BACKENDS
 from batchgen.loop.options import EngineOptions
 from batchgen.models.resolve import DEFAULT_MODEL
@@ -42,7 +42,7 @@ app = typer.Typer(
 
 def _print_version(value: bool) -> None:
     if value:
-        print(f"batchgen {batchgen.__version__}")
+        print(version_line())
         raise typer.Exit()
 
 
@@ -70,6 +70,8 @@ def _load_config(ctx: typer.Context, _param: typer.CallbackParam, value: Path | 
             if item is None:
                 continue  # null: the option's own default
             option = name.replace("_", "-")
+            if params[name].multiple and not isinstance(item, list):
+                item = defaults[name] = [item]  # `stop: "."`: one value of a repeatable option, as on a row
             # Converted here, so that a bad value names the file; click would name only the option.
             try:
                 converted = params[name].process_value(ctx, item)
@@ -137,8 +139,27 @@ def _check_run_options(
         raise BatchgenError(f"--mem-fraction must be in (0, 1), got {mem_fraction}")
 
 
+def _check_sampling_defaults(
+    defaults: SamplingParams, vocab_size: int | None, ctx: typer.Context, config: Path | None
+) -> None:
+    """Validate the sampling defaults (against the model's vocabulary once it is known; ``None``: the checks that
+    need none).
+
+    Raises:
+        BatchgenError: naming the option, and the ``--config`` file when the value came from there.
+    """
+    try:
+        defaults.validate(vocab_size if vocab_size is not None else sys.maxsize)
+    except FieldError as e:
+        option = e.field.replace("_", "-")
+        from_config = getattr(ctx.get_parameter_source(e.field), "name", "") == "DEFAULT_MAP"
+        where = f"{config}: option '{option}'" if config is not None and from_config else f"--{option}"
+        raise BatchgenError(f"{where}: {e.message}") from None
+
+
 @app.command()
 def run(
+    ctx: typer.Context,
     dataset: Path = typer.Argument(
         ..., metavar="DATASET", help="Prompts: .jsonl (one JSON object per line) or .parquet."
     ),
@@ -274,6 +295,7 @@ def run(
             logprobs_mode=logprobs_mode,
         )
         check_engine_options(options)  # before the output's checks: a mistyped flag is named first
+        _check_sampling_defaults(defaults, None, ctx, config)  # what needs no model, before loading it
         policy = OutputPolicy(overwrite, resume or resume_force, resume_force, flush_every, flush_every_seconds)
         if check_output_path(dataset, out, overwrite, policy.resume):
             from batchgen.status import check_nothing_left
@@ -282,17 +304,16 @@ def run(
             print(f"batchgen: {out} is already complete; nothing to do", file=sys.stderr)
             return
         job = RunJob(dataset, out, options, defaults, on_error, progress, policy)
-        try:
-            defaults.validate(job.engine.vocab_size)
-        except ValueError as e:
-            raise BatchgenError(f"command line: {e}") from None
+        _check_sampling_defaults(defaults, job.engine.vocab_size, ctx, config)
         if n > job.engine.max_running_requests:
             raise BatchgenError(f"--n {n} exceeds --max-running-requests {job.engine.max_running_requests}")
         summary = job.run()
         if summary.interrupted_by:  # said first, so the summary below does not read as a finished run
+            # --on-error skip writes error rows too; they are flushed with the rest.
+            also = f" and {summary.errors} error rows" if on_error == "skip" and summary.errors else ""
             print(
-                f"batchgen: stopped by {summary.interrupted_by}: the {summary.rows} rows finished in this run are "
-                f"flushed to {job.output.dir}; requests still running were dropped",
+                f"batchgen: stopped by {summary.interrupted_by}: the {summary.rows} rows finished in this run{also} "
+                f"are flushed to {job.output.dir}; requests still running were dropped",
                 file=sys.stderr,
             )
         print(summary.line(), file=sys.stderr)

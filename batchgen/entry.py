@@ -11,8 +11,18 @@ import signal
 import sys
 
 
+def version_line() -> str:
+    """What ``batchgen --version`` prints."""
+    from batchgen import __version__
+
+    return f"batchgen {__version__}"
+
+
 def main() -> None:
-    """Import the CLI and run it."""
+    """Import the CLI and run it; ``batchgen --version`` alone is answered without it (no torch import)."""
+    if sys.argv[1:] == ["--version"]:
+        print(version_line())
+        return
     try:
         from batchgen.cli import main as run_cli
     except KeyboardInterrupt:

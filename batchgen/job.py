@@ -22,7 +22,7 @@ from batchgen.io.field_warnings import warn_about_json_text_fields, warn_about_p
 from batchgen.io.partial_output import PartialOutput
 from batchgen.io.reader import RowReader, count_input_rows
 from batchgen.io.result_rows import error_row, result_row
-from batchgen.io.rows import RowSpec, parse_row, passthrough_that_fits
+from batchgen.io.rows import RowSpec, error_row_id, parse_row, passthrough_that_fits
 from batchgen.io.writer import result_schema
 from batchgen.loop.engine import Engine
 from batchgen.loop.options import EngineOptions
@@ -223,7 +223,7 @@ class RunJob:
                     block_rows=self.reader.block_rows,
                 )
             except RowError as e:
-                rid = str(item.data["id"]) if item.data.get("id") is not None else str(item.index)
+                rid = error_row_id(item)
                 self._seen_ids.add(rid)
                 self._row_failed(
                     e,
@@ -258,10 +258,12 @@ class RunJob:
         if self.output.state.done.take_error(rid):
             return  # an earlier run wrote this error row (--on-error skip)
         self.summary.errors += 1
-        if self.on_error == "skip":
-            self._pending_rows.append(error_row(error, rid, passthrough))
-            return
+        skip = self.on_error == "skip"
+        # skip: the run succeeds, but a user scanning stderr still learns which rows went wrong, and why.
+        kind = "warning" if skip else "error"
         if self.summary.errors <= MAX_PRINTED_ERRORS:
-            tqdm.write(f"batchgen: error: {error}", file=sys.stderr)
+            tqdm.write(f"batchgen: {kind}: {error}{' (written as an error row)' if skip else ''}", file=sys.stderr)
         elif self.summary.errors == MAX_PRINTED_ERRORS + 1:
-            tqdm.write("batchgen: error: more bad rows; only the first 20 are shown", file=sys.stderr)
+            tqdm.write(f"batchgen: {kind}: more bad rows; only the first 20 are shown", file=sys.stderr)
+        if skip:
+            self._pending_rows.append(error_row(error, rid, passthrough))

@@ -29,7 +29,8 @@ class RunSummary:
     def line(self) -> str:
         rate = self.output_tokens / self.seconds if self.seconds > 0 else 0.0
         return (
-            f"batchgen: {self.requests} requests ({self.errors} errors), {self.prompt_tokens} prompt + "
+            f"batchgen: {self.requests} requests done, {self.errors} bad {'row' if self.errors == 1 else 'rows'}, "
+            f"{self.prompt_tokens} prompt + "
             f"{self.output_tokens} output tokens in {self.seconds:.1f} s, {rate:.1f} output tok/s, "
             f"{self.preemptions} preemptions"
         ) + speculative_summary(self.accept_histogram)

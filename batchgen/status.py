@@ -48,7 +48,11 @@ class OutputStatus:
             line += " (rows left out as bad by --on-error fail are never written)"
         notes = list(self.notes)
         if self.dataset_changes:
-            notes.append(f"{self.dataset} changed since the run started: {'; '.join(self.dataset_changes)}")
+            notes.append(
+                f"{self.out} was made from another version of {self.dataset}, or from another file "
+                f"({'; '.join(self.dataset_changes)}): the rows counted as done are its own, not matched against "
+                f"{self.dataset}'s"
+            )
         return [line, *(f"{self.out}: note: {note}" for note in notes)]
 
 

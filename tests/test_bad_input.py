@@ -39,7 +39,7 @@ CONTEXT = ["--context-length", "16"]
 COMMON = ["--dtype", "float32", "--device", "cpu", "--no-progress"]
 LEFT_OUT_1 = "batchgen: error: 1 bad input rows were left out (see above; --on-error skip writes them)"
 SUMMARY = re.compile(
-    r"^batchgen: (\d+) requests \((\d+) errors\), (\d+) prompt \+ (\d+) output tokens in [\d.]+ s, "
+    r"^batchgen: (\d+) requests done, (\d+) bad rows?, (\d+) prompt \+ (\d+) output tokens in [\d.]+ s, "
     r"[\d.]+ output tok/s, (\d+) preemptions$"
 )
 
@@ -98,11 +98,16 @@ CASES: dict[str, Case] = {
         _bad(prompt="x", stop_token_ids="1"), "stop_token_ids", 'must be a list of integers, got "1"'
     ),
     "ignore_eos_string": Case(_bad(prompt="x", ignore_eos="yes"), "ignore_eos", 'must be true or false, got "yes"'),
+    "max_new_tokens_fraction": Case(
+        _bad(prompt="x", max_new_tokens=4.5), "max_new_tokens", "must be an integer, got 4.5"
+    ),
+    "seed_fraction": Case(_bad(prompt="x", seed=0.5), "seed", "must be an integer or null, got 0.5"),
     # Values are shown as JSON, as the user wrote them (true, not Python's True).
     "max_new_tokens_bool": Case(
         _bad(prompt="x", max_new_tokens=True), "max_new_tokens", "must be an integer, got true"
     ),
     "id_list": Case({"id": [1], "prompt": "x"}, "id", "must be a string or an integer, got [1]"),
+    "id_bool": Case({"id": True, "prompt": "x"}, "id", "must be a string or an integer, got true"),
     "messages_string": Case(
         _bad(messages="hi"), "messages", "must be a non-empty array of {role, content} objects, got string"
     ),
@@ -346,6 +351,8 @@ def test_prompt_one_token_below_context_is_generated(models: dict[str, Path], tm
         ("top_p_above_1", "bad"),
         ("prompt_token_id_vocab", "bad"),
         ("prompt_text_over_context", "bad"),
+        ("id_bool", "true"),  # a bad id: as the input wrote it, JSON
+        ("id_list", "[1]"),
     ],
 )
 def test_skip_writes_bad_row_as_error(
@@ -357,7 +364,10 @@ def test_skip_writes_bad_row_as_error(
     code, lines = _run(dataset, out, models[case.model], "--on-error", "skip", *case.args)
     assert code == 0, lines
     assert not [line for line in lines if line.startswith("batchgen: error")]
-    assert _summary(lines)[1] == 1  # (1 errors)
+    assert [line for line in lines if line.startswith("batchgen: warning")] == [
+        f"batchgen: warning: {_expected_error(dataset, case)} (written as an error row)"
+    ]
+    assert _summary(lines)[1] == 1  # (1 bad row)
     rows = read_results(out).to_pylist()
     assert sorted(r["id"] for r in rows) == sorted(["g1", "g2", rid])
     _check_good_rows(rows, case.model, reference)
@@ -465,7 +475,7 @@ def _file_level_case(name: str, tmp: Path, model: Path) -> tuple[list[str], str,
         return args, f"{config}: unknown option 'max_tokens'", False
     if name == "bad_cli_sampling_default":
         args += ["--temperature", "-1"]
-        return args, "command line: field 'temperature': must be a number in [0, 10000], got -1.0", True
+        return args, "--temperature: must be a number in [0, 10000], got -1.0", True
     raise AssertionError(name)
 
 

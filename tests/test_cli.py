@@ -26,7 +26,7 @@ from batchgen.cli import app
 
 COMMON = ["--dtype", "float32", "--device", "cpu", "--no-progress"]
 SUMMARY = re.compile(
-    r"^batchgen: (\d+) requests \((\d+) errors\), (\d+) prompt \+ (\d+) output tokens in ([\d.]+) s, "
+    r"^batchgen: (\d+) requests done, (\d+) bad rows?, (\d+) prompt \+ (\d+) output tokens in ([\d.]+) s, "
     r"([\d.]+) output tok/s, (\d+) preemptions$"
 )
 # Every flag of `batchgen run`, as a user types it.
@@ -129,6 +129,11 @@ def test_run_help_lists_every_option(columns: int, monkeypatch: pytest.MonkeyPat
 def test_version() -> None:
     code, output = run_cli(["--version"])
     assert (code, output) == (0, f"batchgen {version('batchgen')}\n")
+    # The console script answers it without importing torch (seconds).
+    script = "import sys; sys.argv = ['batchgen', '--version']; from batchgen.entry import main; main(); "
+    script += "print('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True)
+    assert result.stdout == f"batchgen {version('batchgen')}\nFalse\n"
 
 
 _CTRL_C_WHILE_IMPORTING = """
@@ -268,6 +273,22 @@ def test_config_true_or_false_is_not_a_number_or_a_string(
     code, output = run_cli(["run", str(dataset), "--out", str(out), "--model", str(model), "--config", str(config)])
     assert code == 2 and not out.exists()
     assert output == f"batchgen: error: {config}: option '{option}': takes no true/false value, got {shown}\n"
+
+
+def test_config_takes_one_value_of_a_repeatable_option(model: Path, tmp_path: Path) -> None:
+    """``stop: "x"`` in a config, as ``"stop": "x"`` on a row, is the list of that one string."""
+    dataset = write_jsonl(tmp_path / "in.jsonl", [{"prompt_token_ids": [0, 5], "max_new_tokens": 4}])
+    config = tmp_path / "c.yaml"
+    out = tmp_path / "o.jsonl"
+    base = ["run", str(dataset), "--out", str(out), "--model", str(model), "--overwrite", "--config", str(config)]
+    config.write_text("temperature: 0\nignore-eos: true\n")
+    assert run_cli(base)[0] == 0
+    first = json.loads(out.read_text())["output_token_ids"][0]
+    config.write_text(f"temperature: 0\nignore-eos: true\nstop-token-ids: {first}\n")
+    code, output = run_cli(base)
+    assert code == 0, output
+    row = json.loads(out.read_text())
+    assert row["output_token_ids"] == [first] and row["matched_stop"] == str(first)
 
 
 def test_config_true_or_false_sets_a_switch(model: Path, tmp_path: Path) -> None:

@@ -402,3 +402,16 @@ def test_counter_uniforms_are_uniform_for_every_seed_and_step() -> None:
         u = uniform_from_counter(seeds, steps).numpy()
         assert kstest(u, "uniform").pvalue > 1e-3
     assert 1e-3 < float(uniform_from_counter(zero[:1], zero[:1])) < 1 - 1e-3
+
+
+def test_whole_floats_are_integers_where_a_field_takes_one() -> None:
+    """pandas writes an integer column with nulls as float64 (4.0): integer sampling fields take such floats as
+    the integers they are; a fraction stays an error (tests/test_bad_input.py)."""
+    from batchgen.sampling.sampling_params import make_sampling_params
+
+    overrides = {"max_new_tokens": 4.0, "top_k": 3.0, "seed": 2.0, "stop_token_ids": [5.0, 7], "n": 2.0}
+    params = make_sampling_params(SamplingParams(), overrides, vocab_size=512)
+    values = (params.max_new_tokens, params.top_k, params.seed, params.stop_token_ids, params.n)
+    assert values == (4, 3, 2, (5, 7), 2)
+    assert all(type(v) is int for v in (*values[:3], *values[3], values[4]))
+    assert make_sampling_params(SamplingParams(), {"prompt_logprobs": 2.0}, vocab_size=512).prompt_logprobs == 2

@@ -63,7 +63,13 @@ class OneBatchResult:
             f"{self.median_decode_latency * 1e3:.2f} ms {self.decode_throughput:.0f} tok/s "
             f"({self.decode_bandwidth_gbs:.1f} GB/s, {self.decode_bandwidth_fraction:.0%} of copy bw) | total "
             f"{self.total_latency:.2f} s {self.total_throughput:.0f} tok/s"
-        ) + speculative_summary(self.accept_histogram or {})
+        ) + self._acceptance()
+
+    def _acceptance(self) -> str:
+        """The speculative cases' acceptance; said too when no round verified a draft (every one was held back)."""
+        if self.accept_histogram is None:
+            return ""
+        return speculative_summary(self.accept_histogram) or ", no drafts verified"
 
     def as_dict(self) -> dict[str, object]:
         """The measurements (the acceptance goes to the result file with the speculative settings)."""

@@ -140,6 +140,17 @@ def _check_token_ids(value: Any, fail: _Fail) -> list[int]:
     return value
 
 
+def error_row_id(row: InputRow) -> str:
+    """The id of the error row a bad ``row`` becomes: its id as :func:`parse_row` gives it (the row index when it
+    has none), or, when the id itself is bad, that value as JSON (``true``, ``1.5``: as the input wrote it)."""
+    value = row.data.get("id")
+    if value is None:
+        return str(row.index)
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        return json.dumps(value, ensure_ascii=False, default=repr)
+    return str(value)
+
+
 def _check_id(value: Any, index: int, fail: _Fail) -> str:
     if value is None:
         return str(index)

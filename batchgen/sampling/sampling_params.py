@@ -155,9 +155,18 @@ _FLOAT_FIELDS = {"temperature", "top_p", "min_p", "repetition_penalty", "frequen
 _BOOL_FIELDS = {"ignore_eos", "skip_special_tokens", "logprobs"}
 
 
+def _whole(value: Any) -> Any:
+    """A float with no fraction as an int (4.0 → 4): what pandas writes for an integer column with nulls, and
+    what JSON writers give for numbers they hold as floats; every other value unchanged."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
 def _coerce(name: str, value: Any) -> Any:
     """Check the JSON type of one sampling field and convert it to the dataclass's type."""
     if name in _INT_FIELDS:
+        value = _whole(value)
         if isinstance(value, bool) or not isinstance(value, int):
             raise FieldError(name, f"must be an integer, got {shown_value(value)}")
         return value
@@ -170,6 +179,7 @@ def _coerce(name: str, value: Any) -> Any:
             raise FieldError(name, f"must be true or false, got {shown_value(value)}")
         return value
     if name == "seed":
+        value = _whole(value)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise FieldError(name, f"must be an integer or null, got {shown_value(value)}")
         return value
@@ -180,9 +190,9 @@ def _coerce(name: str, value: Any) -> Any:
             raise FieldError(name, f"must be a string or a list of strings, got {shown_value(value)}")
         return tuple(value)
     if name == "stop_token_ids":
-        if not isinstance(value, (list, tuple)) or not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in value
-        ):
+        if isinstance(value, (list, tuple)):
+            value = [_whole(t) for t in value]
+        if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
             raise FieldError(name, f"must be a list of integers, got {shown_value(value)}")
         return tuple(value)
     if name == "logit_bias":
@@ -190,6 +200,7 @@ def _coerce(name: str, value: Any) -> Any:
     if name == "prompt_logprobs":
         if isinstance(value, bool):
             return 0 if value else None
+        value = _whole(value)
         if not isinstance(value, int):
             raise FieldError(name, f"must be true, false or a count of top logprobs, got {shown_value(value)}")
         return value
