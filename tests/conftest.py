@@ -295,6 +295,23 @@ def deviation(ref: dict[str, dict[str, Any]], got: dict[str, dict[str, Any]]) ->
     return result
 
 
+def greedy_rows(lengths: tuple[int, ...], new_tokens: int, seed: int) -> list[dict[str, Any]]:
+    """Rows of random prompt ids (BOS 0 first) of the given lengths for ``hf_float32_rows`` comparisons: greedy,
+    EOS ignored, ``new_tokens`` each, the top 2 logprobs reported (for ``deviation``)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        {
+            "id": f"r{n}",
+            "prompt_token_ids": [0] + torch.randint(2, 390, (n - 1,), generator=gen).tolist(),
+            "max_new_tokens": new_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "top_logprobs": 2,
+        }
+        for n in lengths
+    ]
+
+
 def hf_float32_rows(model_dir: Path, rows: list[dict[str, Any]], new_tokens: int) -> dict[str, dict[str, Any]]:
     """HF transformers' greedy continuation of each row alone, in float32: output ids, their raw logprobs and
     the top 2 of every step, as ``read_rows`` gives batchgen's."""

@@ -31,6 +31,7 @@ from conftest import (
     build_random_model,
     deviation,
     generate,
+    greedy_rows,
     hf_float32_rows,
     write_jsonl,
 )
@@ -506,18 +507,7 @@ def test_bfloat16_engine_within_rounding_noise_of_hf_float32(tmp_path: Path, mon
     model_dir = build_random_model(
         tmp_path / "m", "llama", hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2
     )
-    rng = torch.Generator().manual_seed(3)
-    rows = [
-        {
-            "id": f"r{n}",
-            "prompt_token_ids": [0] + torch.randint(2, 390, (n - 1,), generator=rng).tolist(),
-            "max_new_tokens": 16,
-            "temperature": 0,
-            "ignore_eos": True,
-            "top_logprobs": 2,
-        }
-        for n in (20, 47, 90, 130, 160, 200)
-    ]
+    rows = greedy_rows((20, 47, 90, 130, 160, 200), 16, seed=3)
     dataset = write_jsonl(tmp_path / "p.jsonl", rows)
     reference = hf_float32_rows(model_dir, rows, 16)
     args = ["--dtype", "bfloat16", "--chunked-prefill-size", "64", "--max-running-requests", "4"]

@@ -14,6 +14,7 @@ from conftest import (
     build_random_model,
     deviation,
     generate,
+    greedy_rows,
     hf_float32_rows,
     write_jsonl,
 )
@@ -155,18 +156,7 @@ def test_float32_gemm_engine_within_rounding_noise_of_hf_float32(
     model_dir = build_random_model(
         tmp_path / "m", "llama", hidden_size=256, intermediate_size=512, tie_word_embeddings=tied
     )
-    gen = torch.Generator().manual_seed(4)
-    rows = [
-        {
-            "id": f"r{n}",
-            "prompt_token_ids": [0] + torch.randint(2, 390, (n - 1,), generator=gen).tolist(),
-            "max_new_tokens": 12,
-            "temperature": 0,
-            "ignore_eos": True,
-            "top_logprobs": 2,
-        }
-        for n in (5, 30, 64, 100)
-    ]
+    rows = greedy_rows((5, 30, 64, 100), 12, seed=4)
     dataset = write_jsonl(tmp_path / "p.jsonl", rows)
     reference = hf_float32_rows(model_dir, rows, 12)
     monkeypatch.setenv(ENV_SWITCH, "0")
