@@ -139,22 +139,17 @@ def _check_run_options(
         raise BatchgenError(f"--mem-fraction must be in (0, 1), got {mem_fraction}")
 
 
-def _check_sampling_defaults(
-    defaults: SamplingParams, vocab_size: int | None, ctx: typer.Context, config: Path | None
-) -> None:
+def _check_sampling_defaults(defaults: SamplingParams, vocab_size: int | None) -> None:
     """Validate the sampling defaults (against the model's vocabulary once it is known; ``None``: the checks that
     need none).
 
     Raises:
-        BatchgenError: naming the option, and the ``--config`` file when the value came from there.
+        BatchgenError: naming the option.
     """
     try:
         defaults.validate(vocab_size if vocab_size is not None else sys.maxsize)
     except FieldError as e:
-        option = e.field.replace("_", "-")
-        from_config = getattr(ctx.get_parameter_source(e.field), "name", "") == "DEFAULT_MAP"
-        where = f"{config}: option '{option}'" if config is not None and from_config else f"--{option}"
-        raise BatchgenError(f"{where}: {e.message}") from None
+        raise BatchgenError(f"--{e.field.replace('_', '-')}: {e.message}") from None
 
 
 @app.command()
@@ -242,7 +237,7 @@ def run(
 
     # batchgen reports problems with the input itself, one line each; transformers' notes would only add noise.
     transformers_logging.set_verbosity_error()
-    with user_errors():
+    with user_errors(ctx):
         _check_run_options(
             on_error=on_error,
             max_running_requests=max_running_requests,
@@ -295,7 +290,7 @@ def run(
             logprobs_mode=logprobs_mode,
         )
         check_engine_options(options)  # before the output's checks: a mistyped flag is named first
-        _check_sampling_defaults(defaults, None, ctx, config)  # what needs no model, before loading it
+        _check_sampling_defaults(defaults, None)  # what needs no model, before loading it
         policy = OutputPolicy(overwrite, resume or resume_force, resume_force, flush_every, flush_every_seconds)
         if check_output_path(dataset, out, overwrite, policy.resume):
             from batchgen.status import check_nothing_left
@@ -304,7 +299,7 @@ def run(
             print(f"batchgen: {out} is already complete; nothing to do", file=sys.stderr)
             return
         job = RunJob(dataset, out, options, defaults, on_error, progress, policy)
-        _check_sampling_defaults(defaults, job.engine.vocab_size, ctx, config)
+        _check_sampling_defaults(defaults, job.engine.vocab_size)
         if n > job.engine.max_running_requests:
             raise BatchgenError(f"--n {n} exceeds --max-running-requests {job.engine.max_running_requests}")
         summary = job.run()

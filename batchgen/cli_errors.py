@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -12,10 +13,29 @@ from batchgen.errors import BatchgenError
 
 
 @contextmanager
-def user_errors() -> Iterator[None]:
-    """Turn a :class:`BatchgenError` into one line on stderr and exit code 2."""
+def user_errors(ctx: typer.Context | None = None) -> Iterator[None]:
+    """Turn a :class:`BatchgenError` into one line on stderr and exit code 2.
+
+    With the command's ``ctx``, a message about an option whose value came from its ``--config`` file names the
+    file and the option first: the user never typed that flag.
+    """
     try:
         yield
     except BatchgenError as e:
-        print(f"batchgen: error: {e}", file=sys.stderr)
+        message = str(e) if ctx is None else _name_config_source(str(e), ctx)
+        print(f"batchgen: error: {message}", file=sys.stderr)
         raise typer.Exit(2) from None
+
+
+def _name_config_source(message: str, ctx: typer.Context) -> str:
+    """``message`` with ``FILE: option 'name': `` in front when an option it names as ``--name`` was set in the
+    ``--config`` file (the first such option); unchanged otherwise."""
+    config = ctx.params.get("config")
+    if config is None or message.startswith(f"{config}:"):
+        return message
+    for option in re.findall(r"--([a-z][a-z0-9-]*)", message):
+        name = option.replace("-", "_")
+        # Compared by name: ParameterSource lives in the click that typer vendors, not a public module.
+        if name in ctx.params and getattr(ctx.get_parameter_source(name), "name", "") == "DEFAULT_MAP":
+            return f"{config}: option '{option}': {message.removeprefix(f'--{option}: ')}"
+    return message

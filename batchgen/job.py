@@ -128,40 +128,21 @@ class RunJob:
             before = f"{done.count} rows were done before" if self.resumed else "no partial output, starting at the top"
             print(f"batchgen: resuming {self.out}: {before}", file=sys.stderr)
         total = count_input_rows(self.reader.path) if self.progress else None
-        bar = tqdm(
-            total=total, initial=done.count, unit="req", file=sys.stderr, disable=not self.progress, dynamic_ncols=True
-        )
-        last_flush = time.monotonic()
         try:
-            rows = self._requests()
-            lookahead = 2 * self.engine.max_running_requests
-            input_left = True
-            while (input_left or self.engine.has_work()) and stop.signum is None:
-                while input_left and len(self.engine.scheduler.waiting) < lookahead:
-                    req = next(rows, None)
-                    if req is None:
-                        input_left = False
-                    elif req.finished:
-                        self._finish(req, bar)
-                    else:
-                        self.engine.add(req)
-                for req in self.engine.step():
-                    self._finish(req, bar)
-                if self.progress:
-                    elapsed = max(time.perf_counter() - start, 1e-9)
-                    stats = self.engine.stats
-                    prefill, decode = stats.prefill_tokens / elapsed, stats.decode_tokens / elapsed
-                    bar.set_postfix_str(f"prefill {prefill:.0f} tok/s, decode {decode:.0f} tok/s", refresh=False)
-                overdue = time.monotonic() - last_flush >= self.policy.flush_every_seconds
-                if len(self._pending_rows) >= self.policy.flush_every or overdue:
-                    self._flush()
-                    last_flush = time.monotonic()
+            # Closed before anything below prints, so that no message shares the bar's line.
+            with tqdm(
+                total=total,
+                initial=done.count,
+                unit="req",
+                file=sys.stderr,
+                disable=not self.progress,
+                dynamic_ncols=True,
+            ) as bar:
+                self._generate(stop, bar, start)
             self._flush()
         except BaseException as e:
             self._flush_after_failure(e)
             raise
-        finally:
-            bar.close()
         if stop.signum is None:
             self.output.finalize()
         else:
@@ -169,6 +150,34 @@ class RunJob:
         self.summary.seconds = time.perf_counter() - start
         self.summary.preemptions = self.engine.scheduler.num_retracted
         self.summary.accept_histogram = dict(self.engine.scheduler.accept_histogram)
+
+    def _generate(self, stop: StopRequest, bar: tqdm, start: float) -> None:
+        """Feed the engine from the input and collect finished requests until both are done or a stop arrives,
+        flushing finished rows every ``flush_every`` rows or ``flush_every_seconds``."""
+        last_flush = time.monotonic()
+        rows = self._requests(bar)
+        lookahead = 2 * self.engine.max_running_requests
+        input_left = True
+        while (input_left or self.engine.has_work()) and stop.signum is None:
+            while input_left and len(self.engine.scheduler.waiting) < lookahead:
+                req = next(rows, None)
+                if req is None:
+                    input_left = False
+                elif req.finished:
+                    self._finish(req, bar)
+                else:
+                    self.engine.add(req)
+            for req in self.engine.step():
+                self._finish(req, bar)
+            if self.progress:
+                elapsed = max(time.perf_counter() - start, 1e-9)
+                stats = self.engine.stats
+                prefill, decode = stats.prefill_tokens / elapsed, stats.decode_tokens / elapsed
+                bar.set_postfix_str(f"prefill {prefill:.0f} tok/s, decode {decode:.0f} tok/s", refresh=False)
+            overdue = time.monotonic() - last_flush >= self.policy.flush_every_seconds
+            if len(self._pending_rows) >= self.policy.flush_every or overdue:
+                self._flush()
+                last_flush = time.monotonic()
 
     def _flush(self) -> None:
         self.output.write_part(self._pending_rows)
@@ -204,14 +213,14 @@ class RunJob:
             bar.update(1)
         crash_point(CRASH_AFTER_ROWS)  # test hook: dies here, as kill -9 would, when the test asks for it
 
-    def _requests(self) -> Iterator[Req]:
+    def _requests(self, bar: tqdm) -> Iterator[Req]:
         """Requests for the good rows not done yet, in input order; bad rows go through the error policy."""
         done = self.output.state.done
         for order, item in enumerate(self.reader):
             if isinstance(item, RowError):
                 # Its default id is taken: a later row giving the same id explicitly is a duplicate.
                 self._seen_ids.add(str(order))
-                self._row_failed(item, str(order), {})
+                self._row_failed(item, str(order), {}, bar)
                 continue
             source = self.reader.source
             try:
@@ -229,6 +238,7 @@ class RunJob:
                     e,
                     rid,
                     passthrough_that_fits(item.data, self.reader.passthrough_schema, self.reader.passthrough_names),
+                    bar,
                 )
                 continue
             try:
@@ -239,7 +249,7 @@ class RunJob:
                     continue  # written by an earlier run
                 req = self.builder.build(spec, source, order)
             except RowError as e:
-                self._row_failed(e, spec.id, spec.passthrough)
+                self._row_failed(e, spec.id, spec.passthrough, bar)
                 continue
             if req.params.max_new_tokens == 0 and req.params.prompt_logprobs is None:
                 req.finish_reason, req.text = "length", ""
@@ -254,10 +264,11 @@ class RunJob:
         except FieldError:
             return 0
 
-    def _row_failed(self, error: RowError, rid: str, passthrough: dict[str, Any]) -> None:
+    def _row_failed(self, error: RowError, rid: str, passthrough: dict[str, Any], bar: tqdm) -> None:
         if self.output.state.done.take_error(rid):
             return  # an earlier run wrote this error row (--on-error skip)
         self.summary.errors += 1
+        bar.update(1)  # a bad row is one of the input's rows too: the bar ends at its total
         skip = self.on_error == "skip"
         # skip: the run succeeds, but a user scanning stderr still learns which rows went wrong, and why.
         kind = "warning" if skip else "error"

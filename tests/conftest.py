@@ -107,6 +107,15 @@ def random_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {arch: build_random_model(root / arch, arch) for arch in ARCH_CONFIGS}
 
 
+@pytest.fixture
+def every_draft_verified(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pin the draft budget to "verify every draft". Its round-cost fit is timed, so on a loaded machine it can
+    hold drafts back, and tests that count accepted drafts would then vary between runs."""
+    from batchgen.speculative.draft_budget import RoundCostModel
+
+    monkeypatch.setattr(RoundCostModel, "break_even", lambda self, batch_size: 0.0)
+
+
 def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
     path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     return path

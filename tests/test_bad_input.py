@@ -108,6 +108,7 @@ CASES: dict[str, Case] = {
     ),
     "id_list": Case({"id": [1], "prompt": "x"}, "id", "must be a string or an integer, got [1]"),
     "id_bool": Case({"id": True, "prompt": "x"}, "id", "must be a string or an integer, got true"),
+    "id_empty": Case({"id": "", "prompt": "x"}, "id", 'must not be empty (leave "id" out for the row\'s index)'),
     "messages_string": Case(
         _bad(messages="hi"), "messages", "must be a non-empty array of {role, content} objects, got string"
     ),
@@ -353,6 +354,7 @@ def test_prompt_one_token_below_context_is_generated(models: dict[str, Path], tm
         ("prompt_text_over_context", "bad"),
         ("id_bool", "true"),  # a bad id: as the input wrote it, JSON
         ("id_list", "[1]"),
+        ("id_empty", '""'),
     ],
 )
 def test_skip_writes_bad_row_as_error(

@@ -275,6 +275,32 @@ def test_config_true_or_false_is_not_a_number_or_a_string(
     assert output == f"batchgen: error: {config}: option '{option}': takes no true/false value, got {shown}\n"
 
 
+@pytest.mark.parametrize(
+    ("line", "flag", "error"),
+    [
+        ("dtype: bfloat17", "--dtype=bfloat17", "unknown --dtype 'bfloat17'; choose auto, float32, bfloat16, float16"),
+        ("device: tpu", "--device=tpu", "--device tpu: expected auto, cpu, cuda or cuda:N"),
+        ("mem-fraction: 2", "--mem-fraction=2", "--mem-fraction must be in (0, 1), got 2.0"),
+        ("top_p: 1.5", "--top-p=1.5", "--top-p: must be in (0, 1], got 1.5"),
+    ],
+)
+def test_config_value_out_of_range_names_the_file_and_a_flag_does_not(
+    line: str, flag: str, error: str, model: Path, tmp_path: Path
+) -> None:
+    dataset = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "x"}])
+    config = tmp_path / "c.yaml"
+    out = tmp_path / "o.jsonl"
+    base = ["run", str(dataset), "--out", str(out), "--model", str(model), "--config", str(config)]
+    option = flag.removeprefix("--").split("=")[0]
+    config.write_text(line + "\n")
+    code, output = run_cli(base)
+    assert code == 2 and not out.exists()
+    assert output == f"batchgen: error: {config}: option '{option}': {error.removeprefix(f'--{option}: ')}\n"
+    config.write_text("max-new-tokens: 2\n")
+    code, output = run_cli([*base, flag])
+    assert (code, output) == (2, f"batchgen: error: {error}\n")
+
+
 def test_config_takes_one_value_of_a_repeatable_option(model: Path, tmp_path: Path) -> None:
     """``stop: "x"`` in a config, as ``"stop": "x"`` on a row, is the list of that one string."""
     dataset = write_jsonl(tmp_path / "in.jsonl", [{"prompt_token_ids": [0, 5], "max_new_tokens": 4}])

@@ -311,6 +311,7 @@ def test_speculative_verify_graphs_agree(backend: str, dtype: str, model_dir: Pa
     assert_greedy_agree(eager, graphs, tol, exact_tokens=dtype == "float32")
 
 
+@pytest.mark.usefixtures("every_draft_verified")  # it counts accepted drafts
 def test_rejection_sampling_through_verify_graphs_follows_the_exact_distribution(
     model_dir: Path, tmp_path: Path
 ) -> None:

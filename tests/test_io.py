@@ -430,6 +430,7 @@ def test_parse_row_two_prompts() -> None:
         ({"prompt": "a", "id": True}, "id", "must be a string or an integer, got true"),
         ({"prompt": "a", "id": 1.5}, "id", "must be a string or an integer, got 1.5"),
         ({"prompt": "a", "id": [1]}, "id", "must be a string or an integer, got [1]"),
+        ({"prompt": "a", "id": ""}, "id", 'must not be empty (leave "id" out for the row\'s index)'),
     ],
 )
 def test_parse_row_bad_types(data: dict[str, Any], field: str, message: str) -> None:

@@ -376,6 +376,40 @@ def test_disk_full_is_one_line_keeps_the_flushed_rows_and_resumes(
     assert status(dataset, out).startswith(f"{out}: complete: 40 of 40 rows done, 0 remaining, 2 errored\n")
 
 
+def test_progress_bar_counts_bad_rows_and_no_message_shares_its_line(
+    small_job: tuple[Path, dict[Key, dict[str, Any]]], model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from typer.testing import CliRunner
+
+    from batchgen.cli import app
+
+    dataset, _ = small_job
+    out = tmp_path / "out.arrow"
+    real = partial_output.write_part_file
+    calls = 0
+
+    def write(path: Path, data: pa.Buffer) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise RuntimeError("a bug")  # not a BatchgenError: the run prints where the finished rows are
+        real(path, data)
+
+    with_progress = [a for a in args(dataset, out, model) if a != "--no-progress"]
+    full = CliRunner().invoke(app, [*with_progress, "--out", str(tmp_path / "full.arrow")])
+    assert full.exit_code == 0, full.output
+    # The job's two bad rows (--on-error skip) are rows of the input too: the bar ends at 40 of 40.
+    assert any(part.startswith("100%") and " 40/40 " in part for part in full.output.split("\r")), full.output
+    monkeypatch.setattr(partial_output, "write_part_file", write)
+    failed = CliRunner().invoke(app, with_progress)
+    assert isinstance(failed.exception, RuntimeError)
+    for output in (full.output, failed.output):
+        # tqdm redraws with \r: what a terminal shows of a line is what follows its last \r.
+        shown = [line.split("\r")[-1] for line in output.split("\n")]
+        assert all(line.startswith("batchgen: ") for line in shown if "batchgen: " in line), shown
+    assert f"batchgen: the rows finished so far are kept in {partial_dir(out)}; rerun with --resume" in failed.output
+
+
 def test_disk_full_while_assembling_the_output_keeps_every_row(
     small_job: tuple[Path, dict[Key, dict[str, Any]]], model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

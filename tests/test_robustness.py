@@ -72,7 +72,18 @@ def test_untokenizable_prompt_is_a_row_error(random_models: dict[str, Path], tmp
         '{"id": "bad", "prompt": "bad \\ud800", "topic": "x"}\n{"id": "ok", "prompt": "hi", "topic": "y"}\n'
     )
     code, output = run_cli(
-        run_args(dataset, tmp_path / "o.arrow", random_models["llama"], "--max-new-tokens", "2", "--on-error", "skip")
+        run_args(
+            dataset,
+            tmp_path / "o.arrow",
+            random_models["llama"],
+            "--max-new-tokens",
+            "2",
+            "--on-error",
+            "skip",
+            "--ignore-eos",
+            "--seed",
+            "0",  # sampled: without them an early EOS could end the row (random run seed)
+        )
     )
     assert code == 0, output
     rows = read_rows(tmp_path / "o.arrow")
@@ -99,7 +110,9 @@ def test_top_logprobs_without_logprobs_is_rejected(random_models: dict[str, Path
 
 def test_foreign_sampling_field_names_are_warned_about(random_models: dict[str, Path], tmp_path: Path) -> None:
     dataset = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi", "max_tokens": 2, "Temperature": 0, "best_of": 2}])
-    code, output = run_cli(run_args(dataset, tmp_path / "o.jsonl", random_models["llama"], "--max-new-tokens", "3"))
+    # Sampled ('Temperature' is not read): --ignore-eos and --seed, so that no early EOS ends the row.
+    extra = ("--max-new-tokens", "3", "--ignore-eos", "--seed", "0")
+    code, output = run_cli(run_args(dataset, tmp_path / "o.jsonl", random_models["llama"], *extra))
     assert code == 0, output
     assert f"{dataset}: field 'max_tokens' is not a sampling field (did you mean 'max_new_tokens'?)" in output
     assert "field 'Temperature' is not a sampling field (did you mean 'temperature'?)" in output

@@ -28,6 +28,9 @@ from batchgen.sampling.sampling_params import SamplingParams
 from batchgen.speculative.ngram import NgramIndex
 from batchgen.speculative.verify import PerRequestDrafter, accepted_length, plan_drafts
 
+# Tests here count accepted drafts: the timed draft budget must not hold any back (see the fixture).
+pytestmark = pytest.mark.usefixtures("every_draft_verified")
+
 SPEC = ("--speculative-algorithm", "ngram", "--speculative-num-draft-tokens", "4", "--speculative-ngram-min", "1")
 
 

@@ -30,6 +30,9 @@ from batchgen.loop.options import EngineOptions
 from batchgen.loop.req import Req
 from batchgen.speculative.draft_model import DraftModelDrafter
 
+# Tests here count accepted drafts: the timed draft budget must not hold any back (see the fixture).
+pytestmark = pytest.mark.usefixtures("every_draft_verified")
+
 K = 4
 # Sampled rows give plain decoding's outputs only with coupled acceptance (rejection sampling redraws rejections).
 COUPLED = {"speculative_acceptance": "coupled"}

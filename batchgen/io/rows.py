@@ -146,7 +146,7 @@ def error_row_id(row: InputRow) -> str:
     value = row.data.get("id")
     if value is None:
         return str(row.index)
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
+    if isinstance(value, bool) or not isinstance(value, (int, str)) or value == "":
         return json.dumps(value, ensure_ascii=False, default=repr)
     return str(value)
 
@@ -156,6 +156,9 @@ def _check_id(value: Any, index: int, fail: _Fail) -> str:
         return str(index)
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise fail("id", f"must be a string or an integer, got {shown_value(value)}")
+    if value == "":
+        # Most often an unset template variable; and no result could be looked up by it.
+        raise fail("id", 'must not be empty (leave "id" out for the row\'s index)')
     return str(value)
 
 
