@@ -51,3 +51,8 @@ class FieldError(ValueError):
         self.field = field
         self.message = message
         super().__init__(f"field '{field}': {message}")
+
+
+def counted(n: int, noun: str) -> str:
+    """``n`` and ``noun`` in the number it takes: ``1 row``, ``2 rows`` (``noun`` is the singular; plurals in s)."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from batchgen.errors import BatchgenError
+from batchgen.errors import BatchgenError, counted
 from batchgen.loop.options import EngineOptions
 
 
@@ -29,10 +29,10 @@ class RunSummary:
     def line(self) -> str:
         rate = self.output_tokens / self.seconds if self.seconds > 0 else 0.0
         return (
-            f"batchgen: {self.requests} requests done, {self.errors} bad {'row' if self.errors == 1 else 'rows'}, "
+            f"batchgen: {counted(self.requests, 'request')} done, {counted(self.errors, 'bad row')}, "
             f"{self.prompt_tokens} prompt + "
             f"{self.output_tokens} output tokens in {self.seconds:.1f} s, {rate:.1f} output tok/s, "
-            f"{self.preemptions} preemptions"
+            f"{counted(self.preemptions, 'preemption')}"
         ) + speculative_summary(self.accept_histogram)
 
 
@@ -68,4 +68,6 @@ def speculative_record(options: EngineOptions, histogram: dict[int, int]) -> dic
 def raise_if_failed(summary: RunSummary, on_error: str) -> None:
     """Under ``--on-error fail`` a run with bad rows ends with an error after writing the good ones."""
     if summary.errors and on_error == "fail":
-        raise BatchgenError(f"{summary.errors} bad input rows were left out (see above; --on-error skip writes them)")
+        raise BatchgenError(
+            f"{counted(summary.errors, 'bad input row')} left out (see above; --on-error skip writes them)"
+        )

@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from batchgen.errors import BatchgenError
+from batchgen.errors import BatchgenError, counted
 from batchgen.io.fingerprint import DatasetFingerprint, fingerprint_dataset
 from batchgen.io.partial_output import PartialOutput, partial_dir
 from batchgen.io.reader import count_input_rows
@@ -42,8 +42,11 @@ class OutputStatus:
 
     def lines(self) -> list[str]:
         """``OUT: STATE: D of T rows done, R remaining, E errored``, then one line per note."""
-        line = f"{self.out}: {self.state}: {self.done} of {self.total} rows done, {self.remaining} remaining, "
-        line += f"{self.errored} errored"
+        if self.done > self.total:  # made from another (longer) file: "1096 of 2 rows" would read as a bug
+            counts = f"{self.done} rows done, more than the {self.total} of {self.dataset}"
+        else:
+            counts = f"{self.done} of {self.total} rows done"
+        line = f"{self.out}: {self.state}: {counts}, {self.remaining} remaining, {self.errored} errored"
         if self.state == "complete" and self.remaining:
             line += " (rows left out as bad by --on-error fail are never written)"
         notes = list(self.notes)
@@ -81,10 +84,12 @@ def read_output_status(dataset: Path, out: Path) -> OutputStatus:
     elif partial_dir(out).is_dir():
         partial = PartialOutput(out).inspect()
         done, errored = partial.done.count, partial.done.error_rows
-        state = f"in progress ({len(partial.parts)} part files in {partial_dir(out)})"
+        state = f"in progress ({counted(len(partial.parts), 'part file')} in {partial_dir(out)})"
         metadata = (partial.schema.metadata or {}) if partial.schema is not None else {}
         if partial.damaged:
-            notes.append(f"{len(partial.damaged)} torn or damaged part files (dropped on resume, their rows rerun)")
+            notes.append(
+                f"{counted(len(partial.damaged), 'torn or damaged part file')} (dropped on resume, their rows rerun)"
+            )
         if partial.manifest_damaged:
             notes.append("the manifest is damaged (rebuilt from the part files on resume)")
     else:

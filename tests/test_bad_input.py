@@ -37,10 +37,10 @@ BAD_LINE = 3  # line 1: GOOD_1, line 2: blank, line 3: the bad row, line 4: GOOD
 VOCAB = 400  # the conftest test tokenizer: 256 bytes + merges + <s>, </s>
 CONTEXT = ["--context-length", "16"]
 COMMON = ["--dtype", "float32", "--device", "cpu", "--no-progress"]
-LEFT_OUT_1 = "batchgen: error: 1 bad input rows were left out (see above; --on-error skip writes them)"
+LEFT_OUT_1 = "batchgen: error: 1 bad input row left out (see above; --on-error skip writes them)"
 SUMMARY = re.compile(
-    r"^batchgen: (\d+) requests done, (\d+) bad rows?, (\d+) prompt \+ (\d+) output tokens in [\d.]+ s, "
-    r"[\d.]+ output tok/s, (\d+) preemptions$"
+    r"^batchgen: (\d+) requests? done, (\d+) bad rows?, (\d+) prompt \+ (\d+) output tokens in [\d.]+ s, "
+    r"[\d.]+ output tok/s, (\d+) preemptions?$"
 )
 
 
@@ -108,7 +108,12 @@ CASES: dict[str, Case] = {
     ),
     "id_list": Case({"id": [1], "prompt": "x"}, "id", "must be a string or an integer, got [1]"),
     "id_bool": Case({"id": True, "prompt": "x"}, "id", "must be a string or an integer, got true"),
-    "id_empty": Case({"id": "", "prompt": "x"}, "id", 'must not be empty (leave "id" out for the row\'s index)'),
+    "id_empty": Case(
+        {"id": "", "prompt": "x"}, "id", 'must not be empty or blank (leave "id" out for the row\'s index)'
+    ),
+    "id_lone_surrogate": Case(
+        {"id": "\ud800", "prompt": "x"}, "id", "holds a lone surrogate (\\ud800-\\udfff), which is not Unicode text"
+    ),
     "messages_string": Case(
         _bad(messages="hi"), "messages", "must be a non-empty array of {role, content} objects, got string"
     ),
@@ -303,7 +308,7 @@ def test_many_bad_rows_print_the_first_20_then_count(models: dict[str, Path], tm
     ]
     assert errors[20:] == [
         "batchgen: error: more bad rows; only the first 20 are shown",
-        "batchgen: error: 25 bad input rows were left out (see above; --on-error skip writes them)",
+        "batchgen: error: 25 bad input rows left out (see above; --on-error skip writes them)",
     ]
     assert sorted(r["id"] for r in read_results(tmp_path / "out.arrow").to_pylist()) == ["g1", "g2"]
 
@@ -355,6 +360,7 @@ def test_prompt_one_token_below_context_is_generated(models: dict[str, Path], tm
         ("id_bool", "true"),  # a bad id: as the input wrote it, JSON
         ("id_list", "[1]"),
         ("id_empty", '""'),
+        ("id_lone_surrogate", '"\\ud800"'),  # the id column holds text: the JSON escape
     ],
 )
 def test_skip_writes_bad_row_as_error(

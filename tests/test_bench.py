@@ -116,6 +116,32 @@ def test_bench_one_batch_fields(random_models: dict[str, Path], tmp_path: Path) 
             abs(case["decode_throughput"] - case["batch_size"] / case["median_decode_latency"])
             < 1e-6 * case["decode_throughput"]
         )
+        # The ceilings the fractions divide by are in the record, as on the machine line.
+        assert case["prefill_flops_fraction"] == pytest.approx(
+            case["prefill_tflops"] / case["matmul_ceiling_tflops"], rel=1e-9
+        )
+        assert case["decode_bandwidth_fraction"] == pytest.approx(
+            case["decode_bandwidth_gbs"] / case["copy_ceiling_gbs"], rel=1e-9
+        )
+
+
+def test_bench_one_batch_of_one_output_token_has_no_decode_figures(
+    random_models: dict[str, Path], tmp_path: Path
+) -> None:
+    result_file = tmp_path / "r.jsonl"
+    args = ["bench-one-batch", "--model", str(random_models["llama"]), "--batch-size", "2", "--input-len", "8"]
+    args += ["--output-len", "1", "--dtype", "float32", "--device", "cpu", "--no-warmup"]
+    code, output = run_cli([*args, "--result-file", str(result_file)])
+    assert code == 0, output
+    assert (
+        "bs=2 in=8 out=1 | prefill " in output and "| decode n/a (one output token: the prefill samples it) |" in output
+    )
+    [case] = [json.loads(line) for line in result_file.read_text().splitlines()]
+    assert case["first_decode_latencies"] == []
+    for key in ("median_decode_latency", "decode_throughput", "decode_bandwidth_gbs", "decode_bandwidth_fraction"):
+        assert case[key] is None, key
+    assert case["total_latency"] == case["prefill_latency"]
+    assert case["total_throughput"] == pytest.approx(2 * 9 / case["total_latency"], rel=1e-9)
 
 
 def test_bench_one_batch_reports_speculative_acceptance(random_models: dict[str, Path], tmp_path: Path) -> None:
@@ -177,13 +203,23 @@ def test_bench_with_hf_baseline_fields(random_models: dict[str, Path], tmp_path:
     assert code == 0, output
     assert "batchgen / hf generate =" in output and "batchgen / hf generate_batch =" in output
     for system in ("batchgen", "hf generate", "hf generate_batch"):
-        assert f"peak RSS after {system}: " in output
+        assert f"peak RSS of the process after {system}: " in output
+    # transformers' progress bars and notes stay out of the benchmark's lines.
+    assert "Loading weights" not in output and "ContinuousBatchingLogger" not in output
     rows = [json.loads(line) for line in result_file.read_text().splitlines()]
     assert [r["system"] for r in rows] == ["batchgen", "hf generate", "hf generate_batch"]
     for row in rows:
         assert row["requests"] == 5 and row["output_tokens"] == 30 and row["dtype"] == "float32"
         assert row["input_tokens"] == rows[0]["input_tokens"]
-        assert abs(row["output_throughput"] - 30 / row["seconds"]) < 1e-6 * row["output_throughput"]
+        seconds = row["seconds"]
+        assert row["output_throughput"] == pytest.approx(30 / seconds, rel=1e-9)
+        assert row["request_throughput"] == pytest.approx(5 / seconds, rel=1e-9)
+        assert row["input_throughput"] == pytest.approx(row["input_tokens"] / seconds, rel=1e-9)
+        assert row["total_throughput"] == pytest.approx((row["input_tokens"] + 30) / seconds, rel=1e-9)
+    for row in rows[1:]:
+        ratio = rows[0]["output_throughput"] / row["output_throughput"]
+        assert row["batchgen_ratio"] == pytest.approx(ratio, rel=1e-9)
+        assert f"batchgen / {row['system']} = {ratio:.2f}x" in output
 
 
 def test_a_failing_baseline_is_a_one_line_error_after_the_results(
@@ -221,7 +257,7 @@ def test_bench_speculative_result_lines_and_plain_baseline(random_models: dict[s
     result_file = tmp_path / "r.jsonl"
     code, output = run_cli(
         ["bench", "--model", model, *workload, *cpu, "--speculative-algorithm", "ngram", "--baseline", "plain"]
-        + ["--result-file", str(result_file)]
+        + ["--baseline", "plain", "--result-file", str(result_file)]  # asked for twice, run once
     )
     assert code == 0, output
     batchgen, plain = [json.loads(line) for line in result_file.read_text().splitlines()]
@@ -311,6 +347,25 @@ def test_bench_dataset_says_which_rows_it_skipped(random_models: dict[str, Path]
     assert code == 0, output
     assert "skipped 1 rows the benchmark cannot use; the first:" in output and "d.jsonl:2" in output
     assert "workload: 2 prompts" in output
+    assert f"{dataset} has 2 usable rows, fewer than --num-prompts 64; the benchmark runs those" in output
+    assert "--input-len-range" not in output  # left at its default: nothing to say
+    code, output = run_cli([*args, "--dtype", "float32", "--device", "cpu", "--input-len-range", "8:16"])
+    assert code == 0 and f"--input-len-range is not used with --dataset: {dataset}'s prompts" in output
+
+
+def test_bench_output_len_that_leaves_no_room_for_a_prompt_is_one_line(
+    random_models: dict[str, Path], tmp_path: Path
+) -> None:
+    dataset = write_jsonl(tmp_path / "d.jsonl", [{"prompt_token_ids": [1, 2, 3]}])
+    base = ["bench", "--model", str(random_models["llama"]), "--dtype", "float32", "--device", "cpu"]
+    # The tiny test models have 256 positions (conftest's max_position_embeddings).
+    for extra in (["--dataset", str(dataset)], []):
+        code, output = run_cli([*base, *extra, "--output-len", "256"])
+        assert (code, output) == (
+            2,
+            "batchgen: error: --output-len 256 leaves no room for a prompt in the context length 256 (the model's, "
+            "or what --max-total-tokens leaves)\n",
+        ), output
 
 
 def test_bench_roofline_line_and_fields(random_models: dict[str, Path], tmp_path: Path) -> None:
@@ -349,3 +404,24 @@ def test_the_matmul_probe_runs_the_models_linear_path(dtype: torch.dtype) -> Non
         assert line == f"{name} matmul 0.150 TFLOP/s"
     else:
         assert line == f"{name} matmul 0.150 TFLOP/s (as float32 GEMMs, as the model's layers run here)"
+
+
+@pytest.mark.parametrize("written_before", [False, True])
+def test_ctrl_c_in_a_benchmark_is_one_line_and_keeps_the_result_file_only_with_results(
+    written_before: bool, random_models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from batchgen.bench import one_batch
+
+    def interrupted(*args: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(one_batch.OneBatchRunner, "run_case", interrupted)
+    result_file = tmp_path / "r.jsonl"
+    if written_before:
+        result_file.write_text('{"an earlier case": 1}\n')
+    args = ["bench-one-batch", "--model", str(random_models["llama"]), "--input-len", "8", "--output-len", "2"]
+    code, output = run_cli([*args, "--dtype", "float32", "--device", "cpu", "--result-file", str(result_file)])
+    assert code == 130  # 128 + SIGINT, as a stopped `batchgen run`
+    kept = f"; the results written so far are in {result_file}" if written_before else ""
+    assert output.splitlines()[-1] == f"batchgen: interrupted{kept}"
+    assert result_file.exists() == written_before  # an empty file of this run's own is not left behind

@@ -26,8 +26,8 @@ from batchgen.cli import app
 
 COMMON = ["--dtype", "float32", "--device", "cpu", "--no-progress"]
 SUMMARY = re.compile(
-    r"^batchgen: (\d+) requests done, (\d+) bad rows?, (\d+) prompt \+ (\d+) output tokens in ([\d.]+) s, "
-    r"([\d.]+) output tok/s, (\d+) preemptions$"
+    r"^batchgen: (\d+) requests? done, (\d+) bad rows?, (\d+) prompt \+ (\d+) output tokens in ([\d.]+) s, "
+    r"([\d.]+) output tok/s, (\d+) preemptions?$"
 )
 # Every flag of `batchgen run`, as a user types it.
 RUN_FLAGS = {
@@ -554,3 +554,18 @@ def test_report_memory_prints_peak_rss(random_models: dict[str, Path], tmp_path:
     assert code == 0, output
     match = re.search(r"batchgen: peak RSS (\d+) MiB", output)
     assert match is not None and 50 < int(match.group(1)) < 24 * 1024
+
+
+def test_summary_line_counts_in_the_number_each_count_takes() -> None:
+    from batchgen.run_summary import RunSummary
+
+    one = RunSummary(requests=1, errors=1, prompt_tokens=3, output_tokens=2, seconds=2.0, preemptions=1)
+    assert (
+        one.line()
+        == "batchgen: 1 request done, 1 bad row, 3 prompt + 2 output tokens in 2.0 s, 1.0 output tok/s, 1 preemption"
+    )
+    two = RunSummary(requests=2, errors=0, prompt_tokens=3, output_tokens=4, seconds=2.0, preemptions=0)
+    assert (
+        two.line()
+        == "batchgen: 2 requests done, 0 bad rows, 3 prompt + 4 output tokens in 2.0 s, 2.0 output tok/s, 0 preemptions"
+    )

@@ -9,10 +9,11 @@ import pytest
 import torch
 from conftest import enqueue_rows
 
+from batchgen.errors import BatchgenError
 from batchgen.loop.engine import Engine
 from batchgen.loop.forward_batch import ForwardBatch
 from batchgen.loop.forward_mode import ForwardMode
-from batchgen.loop.kv_pool import KVSlotAllocator
+from batchgen.loop.kv_pool import KVSlotAllocator, TokenToKVPool
 from batchgen.loop.options import EngineOptions
 
 
@@ -36,6 +37,15 @@ def test_allocator_never_hands_out_slot_zero_and_refuses_overdraft() -> None:
         assert "exhausted" in str(e)
     else:
         raise AssertionError("allocating from an empty pool must fail")
+
+
+def test_a_kv_cache_too_large_to_allocate_is_one_line_naming_its_size() -> None:
+    # 2**40 tokens x 1 layer x 1 head x 64 float32 x (K + V) = 2**49 bytes = 512 TiB: no machine allocates it.
+    with pytest.raises(BatchgenError) as info:
+        TokenToKVPool(2**40 - 1, 1, 1, 64, torch.float32, torch.device("cpu"))
+    assert str(info.value).startswith(
+        f"cannot allocate a KV cache of {2**40 - 1} tokens (524288.0 GiB on cpu); ask for fewer tokens"
+    )
 
 
 def test_forward_mode_predicates() -> None:

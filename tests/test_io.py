@@ -430,7 +430,15 @@ def test_parse_row_two_prompts() -> None:
         ({"prompt": "a", "id": True}, "id", "must be a string or an integer, got true"),
         ({"prompt": "a", "id": 1.5}, "id", "must be a string or an integer, got 1.5"),
         ({"prompt": "a", "id": [1]}, "id", "must be a string or an integer, got [1]"),
-        ({"prompt": "a", "id": ""}, "id", 'must not be empty (leave "id" out for the row\'s index)'),
+        ({"prompt": "a", "id": ""}, "id", 'must not be empty or blank (leave "id" out for the row\'s index)'),
+        ({"prompt": "a", "id": " \t"}, "id", 'must not be empty or blank (leave "id" out for the row\'s index)'),
+        ({"prompt": "a", "id": "x\ud800"}, "id", "holds a lone surrogate (\\ud800-\\udfff), which is not Unicode text"),
+        ({"prompt": "\udfff"}, "prompt", "holds a lone surrogate (\\ud800-\\udfff), which is not Unicode text"),
+        (
+            {"messages": [{"role": "user", "content": "a\ud800"}]},
+            "messages",
+            "item 0: 'content' holds a lone surrogate (\\ud800-\\udfff), which is not Unicode text",
+        ),
     ],
 )
 def test_parse_row_bad_types(data: dict[str, Any], field: str, message: str) -> None:

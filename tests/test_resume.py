@@ -558,7 +558,7 @@ def test_status_of_an_output_from_another_dataset_says_so(
     assert run_cli(args(dataset, out, model))[0] == 0
     other = write_jsonl(tmp_path / "other.jsonl", [{"id": f"z{i}", "prompt_token_ids": [0, 5]} for i in range(3)])
     lines = status(other, out).splitlines()
-    assert lines[0].startswith(f"{out}: complete: 40 of 3 rows done")
+    assert lines[0] == f"{out}: complete: 40 rows done, more than the 3 of {other}, 0 remaining, 2 errored"
     assert lines[-1].startswith(f"{out}: note: {out} was made from another version of {other}, or from another file")
     assert lines[-1].endswith(f"the rows counted as done are its own, not matched against {other}'s")
 

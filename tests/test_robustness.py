@@ -66,7 +66,7 @@ def test_stop_signal_leaves_a_readable_partial_output(
         assert row["finish_reason"] == "length" and len(row["output_token_ids"]) == 200
 
 
-def test_untokenizable_prompt_is_a_row_error(random_models: dict[str, Path], tmp_path: Path) -> None:
+def test_a_prompt_that_is_not_unicode_is_a_row_error(random_models: dict[str, Path], tmp_path: Path) -> None:
     dataset = tmp_path / "p.jsonl"
     dataset.write_text(
         '{"id": "bad", "prompt": "bad \\ud800", "topic": "x"}\n{"id": "ok", "prompt": "hi", "topic": "y"}\n'
@@ -87,7 +87,10 @@ def test_untokenizable_prompt_is_a_row_error(random_models: dict[str, Path], tmp
     )
     assert code == 0, output
     rows = read_rows(tmp_path / "o.arrow")
-    assert rows["bad"]["finish_reason"] == "error" and "field 'prompt': cannot tokenize" in rows["bad"]["error"]
+    assert rows["bad"]["finish_reason"] == "error"
+    assert rows["bad"]["error"].endswith(
+        "field 'prompt': holds a lone surrogate (\\ud800-\\udfff), which is not Unicode text"
+    )
     assert rows["bad"]["topic"] == "x"  # error rows keep their pass-through fields
     assert rows["ok"]["completion_tokens"] == 2
 

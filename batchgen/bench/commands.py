@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import resource
+import signal
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -40,6 +43,7 @@ from batchgen.run_summary import speculative_record, speculative_summary
 
 # Options that take several values after one flag, SGLang style (``--batch-size 1 8 32``).
 MULTI_VALUE_OPTIONS = ("--batch-size", "--input-len", "--output-len", "--baseline")
+DEFAULT_INPUT_LEN_RANGE = "32:256"
 
 
 def expand_multi_value_options(argv: list[str]) -> list[str]:
@@ -60,6 +64,24 @@ def expand_multi_value_options(argv: list[str]) -> list[str]:
 def peak_rss_mib() -> float:
     """Peak resident memory of this process so far, in MiB (Linux reports ru_maxrss in KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+@contextmanager
+def benchmark_interrupts(result_file: Path | None) -> Iterator[None]:
+    """Ctrl-C ends a benchmark with one line on stderr and exit code 130 (128 + SIGINT). The lines already in
+    ``--result-file`` stay; a result file this run created and never wrote to is removed."""
+    existed = result_file is not None and result_file.exists()
+    try:
+        yield
+    except KeyboardInterrupt:
+        kept = ""
+        if result_file is not None and result_file.exists():
+            if not existed and result_file.stat().st_size == 0:
+                result_file.unlink()
+            else:
+                kept = f"; the results written so far are in {result_file}"
+        print(f"batchgen: interrupted{kept}", file=sys.stderr)
+        raise typer.Exit(128 + signal.SIGINT) from None
 
 
 def bench_one_batch(
@@ -87,7 +109,7 @@ def bench_one_batch(
     """One static batch straight through ForwardBatch → ModelRunner.forward → sample, for every combination of
     batch size, input and output length: prefill and decode latency, throughput, bandwidth and FLOP/s (with
     speculative decoding, the decode steps are the engine's verify rounds, and the acceptance is reported)."""
-    with user_errors():
+    with user_errors(), benchmark_interrupts(result_file):
         for flag, values in (("--batch-size", batch_size), ("--input-len", input_len), ("--output-len", output_len)):
             if min(values) < 1:
                 raise BatchgenError(f"{flag} must be >= 1, got {min(values)}")
@@ -145,6 +167,11 @@ def bench_one_batch(
                     if result_file is not None:
                         with open(result_file, "a") as f:
                             record = {"model": model, "dtype": dtype_name(engine.dtype), **result.as_dict()}
+                            # The ceilings the *_fraction fields divide by, as the machine line shows them.
+                            record.update(
+                                matmul_ceiling_tflops=ceilings.matmul_flops / 1e12,
+                                copy_ceiling_gbs=ceilings.copy_bandwidth / 1e9,
+                            )
                             record.update(speculative_record(engine.options, result.accept_histogram or {}))
                             f.write(json.dumps(record) + "\n")
 
@@ -177,7 +204,9 @@ def _parse_range(text: str) -> tuple[int, int]:
 def bench(
     model: str = typer.Option(..., help="Model directory, .gguf, built-in name, hub id or random:PRESET."),
     num_prompts: int = typer.Option(64, help="Prompts in the workload."),
-    input_len_range: str = typer.Option("32:256", help="Prompt lengths, uniform in LOW:HIGH tokens."),
+    input_len_range: str = typer.Option(
+        DEFAULT_INPUT_LEN_RANGE, help="Prompt lengths, uniform in LOW:HIGH tokens (not with --dataset)."
+    ),
     output_len: int = typer.Option(64, help="New tokens per prompt (EOS ignored)."),
     dataset: Path | None = typer.Option(None, help="Take prompts from this JSONL/Parquet dataset instead."),
     baseline: list[str] = typer.Option(
@@ -210,7 +239,8 @@ def bench(
 ) -> None:
     """Offline throughput: the whole workload through the engine, then (with --baseline) through HF
     transformers in the same process, and the ratio batchgen / baseline."""
-    with user_errors():
+    with user_errors(), benchmark_interrupts(result_file):
+        baseline = list(dict.fromkeys(baseline))  # each system once, in the order first asked for
         unknown = set(baseline) - {"hf", "hf-cb", "plain"}
         if unknown:
             raise BatchgenError(f"--baseline must be hf, hf-cb or plain, got {', '.join(sorted(unknown))}")
@@ -247,7 +277,14 @@ def bench(
                 speculative_acceptance=speculative_acceptance,
             )
         )
+        if output_len >= engine.context_len:
+            raise BatchgenError(
+                f"--output-len {output_len} leaves no room for a prompt in the context length {engine.context_len} "
+                "(the model's, or what --max-total-tokens leaves)"
+            )
         if dataset is not None:
+            if input_len_range != DEFAULT_INPUT_LEN_RANGE:
+                print(f"batchgen: --input-len-range is not used with --dataset: {dataset}'s prompts", file=sys.stderr)
             workload = dataset_workload(
                 dataset, engine.tokenizer, engine.vocab_size, engine.context_len, num_prompts, output_len
             )
@@ -270,7 +307,7 @@ def bench(
         if bound is not None:
             print(bound.line(results[0]))
         if report_memory:
-            print(f"peak RSS after batchgen: {peak_rss_mib():.0f} MiB")
+            print(f"peak RSS of the process after batchgen: {peak_rss_mib():.0f} MiB")
         expected_tokens = len(workload.prompts) * output_len
         failed: list[str] = []
         if baseline:
@@ -295,13 +332,18 @@ def bench(
                 ratio = results[0].output_throughput / result.output_throughput
                 print(f"{'ratio':>16}: batchgen / {result.system} = {ratio:.2f}x (output tok/s)")
                 if report_memory:
-                    print(f"peak RSS after {result.system}: {peak_rss_mib():.0f} MiB")
+                    # The process's peak so far: a baseline's own use shows only where it rose above the earlier peak.
+                    print(
+                        f"peak RSS of the process after {result.system}: {peak_rss_mib():.0f} MiB (all systems so far)"
+                    )
         if result_file is not None:
             with open(result_file, "a") as f:
                 for result in results:
                     record = {"model": model, "dtype": dtype_name(engine.dtype), **result.as_dict()}
                     if result is results[0]:  # batchgen itself; the baselines ran without speculation
                         record.update(speculative_record(engine.options, histogram))
+                    else:
+                        record["batchgen_ratio"] = results[0].output_throughput / result.output_throughput
                     if bound is not None:
                         record.update(roofline_seconds=bound.seconds, roofline_fraction=bound.fraction(result))
                     f.write(json.dumps(record) + "\n")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -39,7 +40,15 @@ class ThroughputResult:
         )
 
     def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "output_throughput": self.output_throughput}
+        """The totals and the four rates the result line shows (SGLang's ``bench_offline_throughput`` names)."""
+        s = self.seconds
+        return {
+            **asdict(self),
+            "request_throughput": self.requests / s,
+            "input_throughput": self.input_tokens / s,
+            "output_throughput": self.output_throughput,
+            "total_throughput": (self.input_tokens + self.output_tokens) / s,
+        }
 
 
 @dataclass(frozen=True)
@@ -112,8 +121,18 @@ def _synchronize(device: torch.device) -> None:
 
 
 def load_hf_model(engine: Engine) -> Any:
-    """The same model in HF transformers, same dtype and device (random weights for ``random:`` presets)."""
+    """The same model in HF transformers, same dtype and device (random weights for ``random:`` presets).
+
+    transformers' progress bars and notes are turned off (its errors still show): they would land between the
+    benchmark's result lines.
+    """
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    # generate_batch logs through a logger of its own, outside transformers' logging tree.
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
 
     if engine.model_dir is None:
         # Initialised where it runs: random-initialising a 1B model on the host first takes longer than its run.

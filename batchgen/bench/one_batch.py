@@ -35,7 +35,8 @@ _Out = TypeVar("_Out")
 @dataclass
 class OneBatchResult:
     """One case. Latencies in seconds, throughputs in tokens/s, bandwidth in GB/s, compute in TFLOP/s;
-    ``*_fraction`` is the share of the measured ceiling."""
+    ``*_fraction`` is the share of the measured ceiling. The decode figures are ``None`` for ``output_len`` 1
+    (the prefill samples the only token: no decode step is timed)."""
 
     batch_size: int
     input_len: int
@@ -43,27 +44,39 @@ class OneBatchResult:
     prefill_latency: float
     prefill_throughput: float
     first_decode_latencies: list[float]
-    median_decode_latency: float
-    decode_throughput: float
+    median_decode_latency: float | None
+    decode_throughput: float | None
     total_latency: float
     total_throughput: float
-    decode_bandwidth_gbs: float
-    decode_bandwidth_fraction: float
+    decode_bandwidth_gbs: float | None
+    decode_bandwidth_fraction: float | None
     prefill_tflops: float
     prefill_flops_fraction: float
     accept_histogram: dict[int, int] | None = None
 
     def line(self) -> str:
-        first = ", ".join(f"{t * 1e3:.1f}" for t in self.first_decode_latencies)
         return (
             f"bs={self.batch_size} in={self.input_len} out={self.output_len} | "
             f"prefill {self.prefill_latency * 1e3:.1f} ms "
             f"{self.prefill_throughput:.0f} tok/s ({self.prefill_tflops:.3f} TFLOP/s, "
-            f"{self.prefill_flops_fraction:.0%} of peak) | decode first [{first}] ms, median "
-            f"{self.median_decode_latency * 1e3:.2f} ms {self.decode_throughput:.0f} tok/s "
-            f"({self.decode_bandwidth_gbs:.1f} GB/s, {self.decode_bandwidth_fraction:.0%} of copy bw) | total "
+            f"{self.prefill_flops_fraction:.0%} of peak) | {self._decode()} | total "
             f"{self.total_latency:.2f} s {self.total_throughput:.0f} tok/s"
         ) + self._acceptance()
+
+    def _decode(self) -> str:
+        if (
+            self.median_decode_latency is None
+            or self.decode_throughput is None
+            or self.decode_bandwidth_gbs is None
+            or self.decode_bandwidth_fraction is None
+        ):
+            return "decode n/a (one output token: the prefill samples it)"
+        first = ", ".join(f"{t * 1e3:.1f}" for t in self.first_decode_latencies)
+        return (
+            f"decode first [{first}] ms, median {self.median_decode_latency * 1e3:.2f} ms "
+            f"{self.decode_throughput:.0f} tok/s ({self.decode_bandwidth_gbs:.1f} GB/s, "
+            f"{self.decode_bandwidth_fraction:.0%} of copy bw)"
+        )
 
     def _acceptance(self) -> str:
         """The speculative cases' acceptance; said too when no round verified a draft (every one was held back)."""
@@ -181,15 +194,16 @@ class OneBatchRunner:
             decode_times, decode_bytes_total = decode(reqs, output_len)
         finally:
             self.release(reqs)
-        median = statistics.median(decode_times) if decode_times else 0.0
         total = prefill_time + sum(decode_times)
-        # A verify round emits a varying number of tokens: its throughput is all tokens over all rounds' time.
-        if speculative:
-            decode_throughput = batch_size * (output_len - 1) / sum(decode_times) if decode_times else 0.0
-        else:
-            decode_throughput = batch_size / median if median else 0.0
+        median = decode_throughput = bandwidth = None
+        if decode_times:
+            median = statistics.median(decode_times)
+            # A verify round emits a varying number of tokens: its throughput is all tokens over all rounds' time.
+            decode_throughput = (
+                batch_size * (output_len - 1) / sum(decode_times) if speculative else batch_size / median
+            )
+            bandwidth = decode_bytes_total / sum(decode_times)
         prefill_flops = forward_flops(config, [input_len] * batch_size, [0] * batch_size, batch_size)
-        bandwidth = decode_bytes_total / sum(decode_times) if decode_times else 0.0
         return OneBatchResult(
             batch_size=batch_size,
             input_len=input_len,
@@ -201,8 +215,8 @@ class OneBatchRunner:
             decode_throughput=decode_throughput,
             total_latency=total,
             total_throughput=batch_size * (input_len + output_len) / total,
-            decode_bandwidth_gbs=bandwidth / 1e9,
-            decode_bandwidth_fraction=bandwidth / ceilings.copy_bandwidth,
+            decode_bandwidth_gbs=None if bandwidth is None else bandwidth / 1e9,
+            decode_bandwidth_fraction=None if bandwidth is None else bandwidth / ceilings.copy_bandwidth,
             prefill_tflops=prefill_flops / prefill_time / 1e12,
             prefill_flops_fraction=prefill_flops / prefill_time / ceilings.matmul_flops,
             accept_histogram=dict(self.engine.scheduler.accept_histogram) if speculative else None,

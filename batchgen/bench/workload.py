@@ -86,4 +86,10 @@ def dataset_workload(
         )
     if not prompts:
         raise BatchgenError(f"{path}: no valid prompt rows for the benchmark")
+    if len(prompts) < num_prompts:
+        print(
+            f"batchgen: {path} has {len(prompts)} usable rows, fewer than --num-prompts {num_prompts}; the "
+            "benchmark runs those",
+            file=sys.stderr,
+        )
     return Workload(prompts, output_len)

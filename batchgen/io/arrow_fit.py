@@ -34,6 +34,10 @@ def misfit(value: Any, arrow_type: pa.DataType) -> str | None:
     return None if fits else f"expected {arrow_type} like earlier rows, got {shown_value(value)}"
 
 
+# The row error for text that is_unicode_text refuses.
+NOT_UNICODE = "holds a lone surrogate (\\ud800-\\udfff), which is not Unicode text"
+
+
 def is_unicode_text(text: str) -> bool:
     """Whether ``text`` encodes as UTF-8: no lone surrogate (\\ud800-\\udfff), which JSON input may hold."""
     try:

@@ -10,7 +10,7 @@ from typing import Any
 import pyarrow as pa
 
 from batchgen.errors import RowError, shown_value
-from batchgen.io.arrow_fit import is_unicode_text, misfit
+from batchgen.io.arrow_fit import NOT_UNICODE, is_unicode_text, misfit
 from batchgen.io.reader import (
     KNOWN_FIELDS,
     PROMPT_FIELDS,
@@ -104,6 +104,8 @@ def parse_row(
 def _check_prompt(value: Any, fail: _Fail) -> str:
     if not isinstance(value, str):
         raise fail("prompt", f"must be a string, got {json_type_name(value)}")
+    if not is_unicode_text(value):  # JSON's \ud800 escapes can write one; no tokenizer takes it
+        raise fail("prompt", NOT_UNICODE)
     return value
 
 
@@ -125,6 +127,8 @@ def _check_messages(value: Any, fail: _Fail) -> list[dict[str, str]]:
                 continue
             if not isinstance(part, str):
                 raise fail("messages", f"item {i}: '{key}' must be a string, got {json_type_name(part)}")
+            if not is_unicode_text(part):
+                raise fail("messages", f"item {i}: '{key}' {NOT_UNICODE}")
             message[key] = part
         messages.append(message)
     return messages
@@ -142,24 +146,36 @@ def _check_token_ids(value: Any, fail: _Fail) -> list[int]:
 
 def error_row_id(row: InputRow) -> str:
     """The id of the error row a bad ``row`` becomes: its id as :func:`parse_row` gives it (the row index when it
-    has none), or, when the id itself is bad, that value as JSON (``true``, ``1.5``: as the input wrote it)."""
+    has none), or, when the id itself is bad, that value as JSON (``true``, ``1.5``, ``""``: as the input wrote
+    it; a lone surrogate as its ``\\u`` escape, since the id column holds text)."""
     value = row.data.get("id")
     if value is None:
         return str(row.index)
-    if isinstance(value, bool) or not isinstance(value, (int, str)) or value == "":
-        return json.dumps(value, ensure_ascii=False, default=repr)
-    return str(value)
+    if _id_problem(value) is None:
+        return str(value)
+    text = json.dumps(value, ensure_ascii=False, default=repr)
+    return text if is_unicode_text(text) else json.dumps(value, default=repr)
 
 
 def _check_id(value: Any, index: int, fail: _Fail) -> str:
     if value is None:
         return str(index)
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise fail("id", f"must be a string or an integer, got {shown_value(value)}")
-    if value == "":
-        # Most often an unset template variable; and no result could be looked up by it.
-        raise fail("id", 'must not be empty (leave "id" out for the row\'s index)')
+    problem = _id_problem(value)
+    if problem is not None:
+        raise fail("id", problem)
     return str(value)
+
+
+def _id_problem(value: Any) -> str | None:
+    """Why ``value`` (not null) cannot be a row id, or ``None``."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        return f"must be a string or an integer, got {shown_value(value)}"
+    if isinstance(value, str) and not value.strip():
+        # Most often an unset template variable; and no result could be looked up by it.
+        return 'must not be empty or blank (leave "id" out for the row\'s index)'
+    if isinstance(value, str) and not is_unicode_text(value):
+        return NOT_UNICODE
+    return None
 
 
 def _passthrough(
@@ -199,7 +215,7 @@ def _stored(value: Any, field: pa.Field) -> tuple[Any, str | None]:
     if is_json_text(field):
         text = json.dumps(value, ensure_ascii=False)
         if not is_unicode_text(text):
-            return None, "holds a lone surrogate (\\ud800-\\udfff), which is not Unicode text"
+            return None, NOT_UNICODE
         return text, None
     problem = misfit(value, field.type)
     return (value, None) if problem is None else (None, problem)

@@ -6,7 +6,11 @@ row 0 are reserved dummies, so padded tokens can write somewhere harmless and pa
 
 from __future__ import annotations
 
+import math
+
 import torch
+
+from batchgen.errors import BatchgenError
 
 
 class ReqToTokenPool:
@@ -45,6 +49,9 @@ class TokenToKVPool:
     Slot 0 is the dummy slot that padded tokens write to and masked positions read from; it is zeroed. The
     rest is left uninitialised: every other slot is written before it is read, and untouched memory is never
     committed by the OS, so a generously sized pool costs only what the run uses.
+
+    Raises:
+        BatchgenError: the device cannot allocate the buffers (naming their size).
     """
 
     def __init__(
@@ -58,8 +65,17 @@ class TokenToKVPool:
     ) -> None:
         self.size = size
         shape = (num_layers, num_kv_heads, size + 1, head_dim)
-        self.k_buffer = torch.empty(shape, dtype=dtype, device=device)
-        self.v_buffer = torch.empty(shape, dtype=dtype, device=device)
+        try:
+            self.k_buffer = torch.empty(shape, dtype=dtype, device=device)
+            self.v_buffer = torch.empty(shape, dtype=dtype, device=device)
+        except RuntimeError as e:  # CPU allocators raise a plain RuntimeError, CUDA's torch.OutOfMemoryError
+            if "alloc" not in str(e):
+                raise
+            need = 2 * math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            raise BatchgenError(
+                f"cannot allocate a KV cache of {size} tokens ({need / 2**30:.1f} GiB on {device}); ask for fewer "
+                "tokens: a smaller batch, shorter prompts or outputs, or a lower --max-total-tokens"
+            ) from None
         self.k_buffer[:, :, 0].zero_()
         self.v_buffer[:, :, 0].zero_()
 
