@@ -28,6 +28,7 @@ from batchgen.loop.engine import Engine
 from batchgen.loop.options import EngineOptions
 from batchgen.loop.req import Req
 from batchgen.loop.request_builder import RequestBuilder
+from batchgen.recent_rates import RecentRates
 from batchgen.resume import RUN_SEED_KEY, OutputPolicy, output_schema, report_damage
 from batchgen.run_summary import RunSummary
 from batchgen.sampling.sampling_params import SamplingParams, make_sampling_params
@@ -155,6 +156,7 @@ class RunJob:
         """Feed the engine from the input and collect finished requests until both are done or a stop arrives,
         flushing finished rows every ``flush_every`` rows or ``flush_every_seconds``."""
         last_flush = time.monotonic()
+        rates = RecentRates(start)  # the engine is this job's: its token counts start at 0
         rows = self._requests(bar)
         lookahead = 2 * self.engine.max_running_requests
         input_left = True
@@ -170,9 +172,8 @@ class RunJob:
             for req in self.engine.step():
                 self._finish(req, bar)
             if self.progress:
-                elapsed = max(time.perf_counter() - start, 1e-9)
                 stats = self.engine.stats
-                prefill, decode = stats.prefill_tokens / elapsed, stats.decode_tokens / elapsed
+                prefill, decode = rates.update(time.perf_counter(), stats.prefill_tokens, stats.decode_tokens)
                 bar.set_postfix_str(f"prefill {prefill:.0f} tok/s, decode {decode:.0f} tok/s", refresh=False)
             overdue = time.monotonic() - last_flush >= self.policy.flush_every_seconds
             if len(self._pending_rows) >= self.policy.flush_every or overdue:
