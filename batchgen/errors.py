@@ -53,6 +53,19 @@ class FieldError(ValueError):
         super().__init__(f"field '{field}': {message}")
 
 
+# The row error for text that is_unicode_text refuses.
+NOT_UNICODE = "holds a lone surrogate (\\ud800-\\udfff), which is not Unicode text"
+
+
+def is_unicode_text(text: str) -> bool:
+    """Whether ``text`` encodes as UTF-8: no lone surrogate (\\ud800-\\udfff), which JSON input may hold."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def counted(n: int, noun: str) -> str:
     """``n`` and ``noun`` in the number it takes: ``1 row``, ``2 rows`` (``noun`` is the singular; plurals in s)."""
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"

@@ -114,6 +114,12 @@ CASES: dict[str, Case] = {
     "id_lone_surrogate": Case(
         {"id": "\ud800", "prompt": "x"}, "id", "holds a lone surrogate (\\ud800-\\udfff), which is not Unicode text"
     ),
+    # It could never match: detokenized text never holds one.
+    "stop_lone_surrogate": Case(
+        _bad(prompt="x", stop=["ok", "a\udfff"]),
+        "stop",
+        "holds a lone surrogate (\\ud800-\\udfff), which is not Unicode text",
+    ),
     "messages_string": Case(
         _bad(messages="hi"), "messages", "must be a non-empty array of {role, content} objects, got string"
     ),

@@ -13,6 +13,7 @@ from conftest import run_cli, write_jsonl
 
 from batchgen.bench.commands import expand_multi_value_options
 from batchgen.bench.model_costs import forward_flops, generation_flops, layer_params
+from batchgen.bench.probes import Ceilings
 from batchgen.models.config import ModelConfig
 
 
@@ -123,6 +124,30 @@ def test_bench_one_batch_fields(random_models: dict[str, Path], tmp_path: Path) 
         assert case["decode_bandwidth_fraction"] == pytest.approx(
             case["decode_bandwidth_gbs"] / case["copy_ceiling_gbs"], rel=1e-9
         )
+
+
+def test_a_probe_that_read_slow_is_repeated_rather_than_printing_over_100_percent(
+    random_models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first probe reads 1 FLOP/s and 1 B/s, below any case: the first case probes again (here 1e18 FLOP/s and
+    1e15 B/s), its fractions and the next case's are of those, and no third probe runs."""
+    from batchgen.bench import commands
+
+    probes = iter([Ceilings(1.0, 1.0, torch.float32), Ceilings(1e18, 1e15, torch.float32)])
+    monkeypatch.setattr(commands, "measure_ceilings", lambda dtype, device: next(probes))
+    result_file = tmp_path / "r.jsonl"
+    args = ["bench-one-batch", "--model", str(random_models["llama"]), "--batch-size", "1", "--batch-size", "2"]
+    args += ["--input-len", "8"]
+    args += ["--output-len", "3", "--dtype", "float32", "--device", "cpu", "--no-warmup"]
+    code, output = run_cli([*args, "--result-file", str(result_file)])
+    assert code == 0, output
+    assert output.count("machine: probed again, this case ran above the ceilings: float32 matmul 1000000.000") == 1
+    cases = [json.loads(line) for line in result_file.read_text().splitlines()]
+    assert len(cases) == 2
+    for case in cases:
+        assert (case["matmul_ceiling_tflops"], case["copy_ceiling_gbs"]) == (1e6, 1e6)
+        assert case["prefill_flops_fraction"] == pytest.approx(case["prefill_tflops"] / 1e6, rel=1e-9)
+        assert case["decode_bandwidth_fraction"] == pytest.approx(case["decode_bandwidth_gbs"] / 1e6, rel=1e-9)
 
 
 def test_bench_one_batch_of_one_output_token_has_no_decode_figures(
@@ -368,17 +393,28 @@ def test_bench_output_len_that_leaves_no_room_for_a_prompt_is_one_line(
         ), output
 
 
-def test_bench_roofline_line_and_fields(random_models: dict[str, Path], tmp_path: Path) -> None:
+@pytest.mark.parametrize("probed_tflops", [(1.0, 2.0), (2.0, 1.0)], ids=["faster-after", "faster-before"])
+def test_bench_roofline_line_and_fields(
+    probed_tflops: tuple[float, float], random_models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The matmul rate is probed before and after batchgen's run (here 1 and 2 TFLOP/s, in either order) and the
+    roofline is at the faster: 2 TFLOP/s."""
+    from batchgen.bench import commands, offline
+
+    probes = iter([Ceilings(t * 1e12, 1e10, torch.float32) for t in probed_tflops])
+    for module in (commands, offline):
+        monkeypatch.setattr(module, "measure_ceilings", lambda dtype, device: next(probes))
     result_file = tmp_path / "r.jsonl"
     args = ["bench", "--model", str(random_models["llama"]), "--num-prompts", "3", "--input-len-range", "4:9"]
     args += ["--output-len", "3", "--dtype", "float32", "--device", "cpu", "--roofline"]
     code, output = run_cli([*args, "--result-file", str(result_file)])
     assert code == 0, output
     line = next(x for x in output.splitlines() if x.strip().startswith("roofline:"))
-    match = re.search(r"([0-9.]+) TFLOP at the measured ([0-9.]+) TFLOP/s matmul rate: ([0-9.]+) s, at most", line)
+    pattern = r"([0-9.]+) TFLOP at the measured 2.000 TFLOP/s matmul rate \(the faster probe, before or after\): "
+    match = re.search(pattern + r"([0-9.]+) s, at most ([0-9.]+) output tok/s", line)
     assert match and "batchgen at " in line, line
     row = json.loads(result_file.read_text())
-    assert row["roofline_seconds"] > 0
+    assert 9 / row["roofline_seconds"] == pytest.approx(float(match.group(3)), rel=1e-3)  # 3 prompts x 3 tokens
     assert abs(row["roofline_fraction"] - row["roofline_seconds"] / row["seconds"]) < 1e-9
 
 
@@ -387,7 +423,7 @@ def test_the_matmul_probe_runs_the_models_linear_path(dtype: torch.dtype) -> Non
     """The probe computes x W^T (against float64, from the same random draws) through the path the model's layers
     take here, and names the dtype that path computes in: a bfloat16 run's own where oneDNN has bfloat16 kernels,
     else float32."""
-    from batchgen.bench.probes import Ceilings, model_linear
+    from batchgen.bench.probes import model_linear
     from batchgen.models.packed_linear import cpu_gemm_dtype
 
     torch.manual_seed(5)
@@ -398,12 +434,12 @@ def test_the_matmul_probe_runs_the_models_linear_path(dtype: torch.dtype) -> Non
     out = matmul()
     assert out.dtype == dtype
     torch.testing.assert_close(out.double(), x.double() @ weight.double().T, rtol=2**-7, atol=1e-2)
-    line = Ceilings(matmul_flops=1.5e11, copy_bandwidth=3e10, gemm_dtype=gemm_dtype).matmul_line(dtype)
+    line = Ceilings(matmul_flops=1.5e11, copy_bandwidth=3e10, gemm_dtype=gemm_dtype).line(dtype)
     name = str(dtype).removeprefix("torch.")
     if gemm_dtype == dtype:
-        assert line == f"{name} matmul 0.150 TFLOP/s"
+        assert line == f"{name} matmul 0.150 TFLOP/s, copy 30.0 GB/s"
     else:
-        assert line == f"{name} matmul 0.150 TFLOP/s (as float32 GEMMs, as the model's layers run here)"
+        assert line == f"{name} matmul 0.150 TFLOP/s (as float32 GEMMs, as the model's layers run here), copy 30.0 GB/s"
 
 
 @pytest.mark.parametrize("written_before", [False, True])

@@ -186,7 +186,10 @@ def _rope(position: int = 0, q_shape: tuple[int, ...] = (1, 2, 8), sin_rows: int
 @pytest.mark.parametrize(
     ("call", "message"),
     [
-        (lambda: rms_norm(torch.zeros(2, 8), torch.ones(8), 1e-6), "rms_norm: x must be a bfloat16 CPU tensor"),
+        (
+            lambda: rms_norm(torch.zeros(2, 8, dtype=BF16), torch.ones(8), 1e-6),
+            "rms_norm: weight must be contiguous bfloat16",
+        ),
         (
             lambda: rms_norm(
                 torch.zeros(2, 8, dtype=BF16), torch.ones(8, dtype=BF16), 1e-6, torch.zeros(3, 8, dtype=BF16)
@@ -201,7 +204,7 @@ def _rope(position: int = 0, q_shape: tuple[int, ...] = (1, 2, 8), sin_rows: int
         (lambda: _rope(sin_rows=2), "the cos and sin tables must have the same rows, got 4 and 2"),
     ],
     ids=[
-        "float32-input",
+        "float32-weight",
         "residual-rows",
         "odd-width",
         "position-outside-table",
@@ -229,7 +232,9 @@ def test_supported_for_bfloat16_on_the_cpu_unless_switched_off(monkeypatch: pyte
 
 @pytest.mark.parametrize("switch", ["1", "0"])
 def test_a_bfloat16_cpu_model_is_wired_to_the_ops(monkeypatch: pytest.MonkeyPatch, switch: str) -> None:
+    """(tests/test_float32_carrier.py covers the wiring with the float32 carrier, off here.)"""
     monkeypatch.setenv(fused_elementwise.ENV_SWITCH, switch)
+    monkeypatch.setenv(fused_elementwise.CARRIER_SWITCH, "0")
     model = ModelSource.open("random:llama-58m").load(BF16, CPU, 256)
     norms = [n for layer in model.model.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
     wired = [n.fused_kernel for n in [*norms, model.model.norm]]

@@ -153,25 +153,23 @@ def bench_one_batch(
             if verdict == "FAIL":
                 raise typer.Exit(1)
         ceilings = measure_ceilings(engine.dtype, engine.device)
-        print(
-            f"machine: {engine.device}, {ceilings.matmul_line(engine.dtype)}, copy "
-            f"{ceilings.copy_bandwidth / 1e9:.1f} GB/s"
-        )
+        print(f"machine: {engine.device}, {ceilings.line(engine.dtype)}")
         if warmup:
             runner.run_case(min(batch_size), min(16, min(input_len)), 2, ceilings)
         for bs in batch_size:
             for n_in in input_len:
                 for n_out in output_len:
                     result = runner.run_case(bs, n_in, n_out, ceilings)
+                    if result.above(ceilings):
+                        # The machine's speed moves (a shared VM's by 20 % within minutes): probe again rather
+                        # than print a share of the peak above 100 %.
+                        ceilings = ceilings.highest(measure_ceilings(engine.dtype, engine.device))
+                        result = result.against(ceilings)
+                        print(f"machine: probed again, this case ran above the ceilings: {ceilings.line(engine.dtype)}")
                     print(result.line())
                     if result_file is not None:
                         with open(result_file, "a") as f:
                             record = {"model": model, "dtype": dtype_name(engine.dtype), **result.as_dict()}
-                            # The ceilings the *_fraction fields divide by, as the machine line shows them.
-                            record.update(
-                                matmul_ceiling_tflops=ceilings.matmul_flops / 1e12,
-                                copy_ceiling_gbs=ceilings.copy_bandwidth / 1e9,
-                            )
                             record.update(speculative_record(engine.options, result.accept_histogram or {}))
                             f.write(json.dumps(record) + "\n")
 
@@ -300,10 +298,11 @@ def bench(
             f"each, {model} in {dtype_name(engine.dtype)} on {engine.device}",
             file=sys.stderr,
         )
+        probe_before = measure_ceilings(engine.dtype, engine.device) if roofline else None
         results = [run_engine(engine, workload)]
         histogram = dict(engine.scheduler.accept_histogram)
         print(results[0].line() + speculative_summary(histogram))
-        bound = measure_roofline(engine, workload) if roofline else None
+        bound = measure_roofline(engine, workload, probe_before) if roofline else None
         if bound is not None:
             print(bound.line(results[0]))
         if report_memory:

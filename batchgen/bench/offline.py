@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from batchgen.bench.model_costs import generation_flops
-from batchgen.bench.probes import measure_ceilings
+from batchgen.bench.probes import Ceilings, measure_ceilings
 from batchgen.bench.workload import Workload
 from batchgen.loop.engine import Engine, dtype_name
 from batchgen.loop.req import Req
@@ -69,7 +69,8 @@ class Roofline:
     def line(self, result: ThroughputResult) -> str:
         return (
             f"{'roofline':>16}: {self.flops / 1e12:.3f} TFLOP at the measured {self.matmul_rate / 1e12:.3f} TFLOP/s "
-            f"matmul rate: {self.seconds:.2f} s, at most {self.output_tokens / self.seconds:.1f} output tok/s; "
+            f"matmul rate (the faster probe, before or after): {self.seconds:.2f} s, "
+            f"at most {self.output_tokens / self.seconds:.1f} output tok/s; "
             f"{result.system} at {self.fraction(result):.0%} of it{self.gemm_note}"
         )
 
@@ -78,10 +79,13 @@ class Roofline:
         return self.seconds / result.seconds
 
 
-def measure_roofline(engine: Engine, workload: Workload) -> Roofline:
-    """Probe the matmul rate in the engine's dtype on its device (:func:`measure_ceilings`) and count the
-    workload's FLOPs for the engine's model."""
+def measure_roofline(engine: Engine, workload: Workload, earlier: Ceilings | None = None) -> Roofline:
+    """Probe the matmul rate in the engine's dtype on its device (:func:`measure_ceilings`), the higher of this
+    probe and an ``earlier`` one (taken before the run: a shared machine's speed moves by 20 % within minutes, and
+    the ceiling is the best it showed), and count the workload's FLOPs for the engine's model."""
     ceilings = measure_ceilings(engine.dtype, engine.device)
+    if earlier is not None:
+        ceilings = ceilings.highest(earlier)
     flops = generation_flops(engine.runner.model.config, [len(p) for p in workload.prompts], workload.output_len)
     note = "" if ceilings.gemm_dtype == engine.dtype else f"; the matmul ran as {dtype_name(ceilings.gemm_dtype)} GEMMs"
     return Roofline(flops, ceilings.matmul_flops, len(workload.prompts) * workload.output_len, note)

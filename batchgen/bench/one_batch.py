@@ -11,7 +11,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import TypeVar
 
 import torch
@@ -35,8 +35,9 @@ _Out = TypeVar("_Out")
 @dataclass
 class OneBatchResult:
     """One case. Latencies in seconds, throughputs in tokens/s, bandwidth in GB/s, compute in TFLOP/s;
-    ``*_fraction`` is the share of the measured ceiling. The decode figures are ``None`` for ``output_len`` 1
-    (the prefill samples the only token: no decode step is timed)."""
+    ``*_fraction`` is the share of the measured ceiling (``matmul_ceiling_tflops``, ``copy_ceiling_gbs``). The
+    decode figures are ``None`` for ``output_len`` 1 (the prefill samples the only token: no decode step is
+    timed)."""
 
     batch_size: int
     input_len: int
@@ -49,10 +50,29 @@ class OneBatchResult:
     total_latency: float
     total_throughput: float
     decode_bandwidth_gbs: float | None
-    decode_bandwidth_fraction: float | None
     prefill_tflops: float
-    prefill_flops_fraction: float
+    matmul_ceiling_tflops: float
+    copy_ceiling_gbs: float
     accept_histogram: dict[int, int] | None = None
+
+    @property
+    def prefill_flops_fraction(self) -> float:
+        return self.prefill_tflops / self.matmul_ceiling_tflops
+
+    @property
+    def decode_bandwidth_fraction(self) -> float | None:
+        return None if self.decode_bandwidth_gbs is None else self.decode_bandwidth_gbs / self.copy_ceiling_gbs
+
+    def above(self, ceilings: Ceilings) -> bool:
+        """Whether this case ran faster than ``ceilings`` allow (a probe caught the machine in a slow moment)."""
+        over_copy = self.decode_bandwidth_gbs is not None and self.decode_bandwidth_gbs * 1e9 > ceilings.copy_bandwidth
+        return self.prefill_tflops * 1e12 > ceilings.matmul_flops or over_copy
+
+    def against(self, ceilings: Ceilings) -> OneBatchResult:
+        """This case with its fractions of ``ceilings``."""
+        return replace(
+            self, matmul_ceiling_tflops=ceilings.matmul_flops / 1e12, copy_ceiling_gbs=ceilings.copy_bandwidth / 1e9
+        )
 
     def line(self) -> str:
         return (
@@ -64,18 +84,19 @@ class OneBatchResult:
         ) + self._acceptance()
 
     def _decode(self) -> str:
+        fraction = self.decode_bandwidth_fraction
         if (
             self.median_decode_latency is None
             or self.decode_throughput is None
             or self.decode_bandwidth_gbs is None
-            or self.decode_bandwidth_fraction is None
+            or fraction is None
         ):
             return "decode n/a (one output token: the prefill samples it)"
         first = ", ".join(f"{t * 1e3:.1f}" for t in self.first_decode_latencies)
         return (
             f"decode first [{first}] ms, median {self.median_decode_latency * 1e3:.2f} ms "
             f"{self.decode_throughput:.0f} tok/s ({self.decode_bandwidth_gbs:.1f} GB/s, "
-            f"{self.decode_bandwidth_fraction:.0%} of copy bw)"
+            f"{fraction:.0%} of copy bw)"
         )
 
     def _acceptance(self) -> str:
@@ -85,8 +106,13 @@ class OneBatchResult:
         return speculative_summary(self.accept_histogram) or ", no drafts verified"
 
     def as_dict(self) -> dict[str, object]:
-        """The measurements (the acceptance goes to the result file with the speculative settings)."""
-        return {k: v for k, v in asdict(self).items() if k != "accept_histogram"}
+        """The measurements and the ceilings (the acceptance goes to the result file with the speculative
+        settings)."""
+        record = {k: v for k, v in asdict(self).items() if k != "accept_histogram"}
+        record.update(
+            prefill_flops_fraction=self.prefill_flops_fraction, decode_bandwidth_fraction=self.decode_bandwidth_fraction
+        )
+        return record
 
 
 def _synchronize(device: torch.device) -> None:
@@ -216,9 +242,9 @@ class OneBatchRunner:
             total_latency=total,
             total_throughput=batch_size * (input_len + output_len) / total,
             decode_bandwidth_gbs=None if bandwidth is None else bandwidth / 1e9,
-            decode_bandwidth_fraction=None if bandwidth is None else bandwidth / ceilings.copy_bandwidth,
             prefill_tflops=prefill_flops / prefill_time / 1e12,
-            prefill_flops_fraction=prefill_flops / prefill_time / ceilings.matmul_flops,
+            matmul_ceiling_tflops=ceilings.matmul_flops / 1e12,
+            copy_ceiling_gbs=ceilings.copy_bandwidth / 1e9,
             accept_histogram=dict(self.engine.scheduler.accept_histogram) if speculative else None,
         )
 

@@ -25,12 +25,19 @@ class Ceilings:
     copy_bandwidth: float
     gemm_dtype: torch.dtype
 
-    def matmul_line(self, dtype: torch.dtype) -> str:
-        """``bfloat16 matmul 0.412 TFLOP/s`` for a run in ``dtype``, saying so when its GEMMs ran in another."""
+    def highest(self, other: Ceilings) -> Ceilings:
+        """Each ceiling the higher of this probe's and ``other``'s: a ceiling is the best the machine showed."""
+        return Ceilings(
+            max(self.matmul_flops, other.matmul_flops), max(self.copy_bandwidth, other.copy_bandwidth), self.gemm_dtype
+        )
+
+    def line(self, dtype: torch.dtype) -> str:
+        """``bfloat16 matmul 0.412 TFLOP/s, copy 23.8 GB/s`` for a run in ``dtype``, saying so when its GEMMs ran
+        in another."""
         line = f"{dtype_name(dtype)} matmul {self.matmul_flops / 1e12:.3f} TFLOP/s"
         if self.gemm_dtype != dtype:
             line += f" (as {dtype_name(self.gemm_dtype)} GEMMs, as the model's layers run here)"
-        return line
+        return f"{line}, copy {self.copy_bandwidth / 1e9:.1f} GB/s"
 
 
 def _sync(device: torch.device) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from batchgen.errors import shown_value
+from batchgen.errors import is_unicode_text, shown_value
 
 _CONVERSION_ERRORS = (pa.ArrowException, TypeError, ValueError, OverflowError, UnicodeError)
 
@@ -32,19 +32,6 @@ def misfit(value: Any, arrow_type: pa.DataType) -> str | None:
                 return f"key '{unknown}' is not in the object type of earlier rows ({arrow_type})"
             fits = _same(value, stored)
     return None if fits else f"expected {arrow_type} like earlier rows, got {shown_value(value)}"
-
-
-# The row error for text that is_unicode_text refuses.
-NOT_UNICODE = "holds a lone surrogate (\\ud800-\\udfff), which is not Unicode text"
-
-
-def is_unicode_text(text: str) -> bool:
-    """Whether ``text`` encodes as UTF-8: no lone surrogate (\\ud800-\\udfff), which JSON input may hold."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _scalar_fits(value: Any, arrow_type: pa.DataType) -> bool | None:

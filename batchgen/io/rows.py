@@ -9,8 +9,8 @@ from typing import Any
 
 import pyarrow as pa
 
-from batchgen.errors import RowError, shown_value
-from batchgen.io.arrow_fit import NOT_UNICODE, is_unicode_text, misfit
+from batchgen.errors import NOT_UNICODE, RowError, is_unicode_text, shown_value
+from batchgen.io.arrow_fit import misfit
 from batchgen.io.reader import (
     KNOWN_FIELDS,
     PROMPT_FIELDS,

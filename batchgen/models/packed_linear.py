@@ -66,7 +66,9 @@ class PackedLinear(nn.Module):
         gemm_dtype: the dtype the GEMM runs in: the weight's own, or float32 (see the module docstring);
             default the weight's.
 
-    ``forward(x [T, in_features]) → [T, out_features]`` in the weight's dtype.
+    ``forward(x [T, in_features]) → [T, out_features]`` in the weight's dtype; in float32, unrounded, where
+    ``round_output`` is set False (the float32 carrier of :meth:`batchgen.models.llama.LlamaForCausalLM.carry_float32`,
+    whose next op rounds it to the weight's dtype as it loads it).
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, gemm_dtype: torch.dtype | None = None) -> None:
@@ -76,10 +78,11 @@ class PackedLinear(nn.Module):
         self.gemm_dtype = gemm_dtype or weight.dtype
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(self.gemm_dtype), _ROWS_HINT)
         self.bias = None if bias is None else bias.detach().to(self.gemm_dtype)
+        self.round_output = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.ops.mkldnn._linear_pointwise(x.to(self.gemm_dtype), self.packed, self.bias, "none", [], "")
-        return out.to(self.out_dtype)
+        return out.to(self.out_dtype) if self.round_output else out
 
 
 def prepack_linears(module: nn.Module, gemm_dtype: torch.dtype | None = None) -> int:

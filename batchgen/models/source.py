@@ -116,4 +116,6 @@ class ModelSource:
             model.use_fused_ops(triton_ops)
         elif cpu_ops.fused_ops_supported(dtype, device):
             model.use_fused_ops(cpu_ops)
+            if gemm_dtype == torch.float32 and cpu_ops.float32_carrier_enabled():
+                model.carry_float32(cpu_ops)
         return model

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
-from batchgen.errors import FieldError, shown_value
+from batchgen.errors import NOT_UNICODE, FieldError, is_unicode_text, shown_value
 
 # Fields that an input row may set at top level to override the CLI defaults for that row.
 SAMPLING_FIELDS: tuple[str, ...] = (
@@ -185,9 +185,11 @@ def _coerce(name: str, value: Any) -> Any:
         return value
     if name == "stop":
         if isinstance(value, str):
-            return (value,)
+            value = [value]
         if not isinstance(value, (list, tuple)) or not all(isinstance(s, str) for s in value):
             raise FieldError(name, f"must be a string or a list of strings, got {shown_value(value)}")
+        if not all(is_unicode_text(s) for s in value):  # it could never match the detokenized text
+            raise FieldError(name, NOT_UNICODE)
         return tuple(value)
     if name == "stop_token_ids":
         if isinstance(value, (list, tuple)):

@@ -46,19 +46,72 @@ inline float round_bf16(float x) { return static_cast<float>(static_cast<BFloat1
 // Rows in one thread's share: about 16K elements, so that a decode step's few rows stay on one thread.
 inline int64_t grain(int64_t cols) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(cols, 1)); }
 
-// Checks `t` is a bfloat16 CPU tensor [rows, cols] with a contiguous last dimension (cols < 0: any width).
-void check_bf16_rows(const at::Tensor& t, const char* name, int64_t cols) {
+// Where a GEMM runs in float32 for a bfloat16 model (batchgen/models/packed_linear.py), its output reaches these
+// ops unrounded and their outputs feed the next GEMM as float32 ("the float32 carrier"): each op rounds such an
+// input to bfloat16 on load and such an output on store, so the values are those of the all-bfloat16 chain and
+// the casts around the GEMMs are gone. load_value/store_value take bfloat16 (as is) or float32 (rounded).
+inline vnf load_value(const BFloat16* p) { return loadn(p); }
+inline vnf load_value(const float* p) { return round_bf16(loadn(p)); }
+inline float value(BFloat16 x) { return to_float(x); }
+inline float value(float x) { return round_bf16(x); }
+inline void store_value(BFloat16* p, vnf x) { storen(p, x); }
+inline void store_value(float* p, vnf x) {
+  const vnf rounded = round_bf16(x);
+  std::memcpy(p, &rounded, sizeof(rounded));
+}
+inline void store_value(BFloat16* p, float x) { *p = static_cast<BFloat16>(x); }
+inline void store_value(float* p, float x) { *p = round_bf16(x); }
+
+// Calls f(X{}, O{}) with X, O the C++ types of `in` and `out` (each bfloat16 or float32).
+template <typename F>
+void dispatch_value_types(at::ScalarType in, at::ScalarType out, F&& f) {
+  const bool in_bf16 = in == at::kBFloat16, out_bf16 = out == at::kBFloat16;
+  if (in_bf16 && out_bf16) f(BFloat16{}, BFloat16{});
+  if (in_bf16 && !out_bf16) f(BFloat16{}, float{});
+  if (!in_bf16 && out_bf16) f(float{}, BFloat16{});
+  if (!in_bf16 && !out_bf16) f(float{}, float{});
+}
+
+// Checks `t` is a bfloat16 (or, with allow_float32, float32) CPU tensor [rows, cols] with a contiguous last
+// dimension (cols < 0: any width).
+void check_rows(const at::Tensor& t, const char* name, int64_t cols, bool allow_float32) {
   TORCH_CHECK(t.dim() == 2, "batchgen::", name, " must be 2-D [rows, cols], got shape ", t.sizes());
   TORCH_CHECK((cols < 0 || t.size(1) == cols) && t.stride(1) == 1, "batchgen::", name, " must be [rows, ", cols,
               "] with a contiguous last dimension, got ", t.sizes(), " strides ", t.strides());
-  TORCH_CHECK(t.scalar_type() == at::kBFloat16 && t.device().is_cpu(), "batchgen::", name,
-              " must be a bfloat16 CPU tensor, got ", t.scalar_type(), " on ", t.device());
+  const bool dtype_ok = t.scalar_type() == at::kBFloat16 || (allow_float32 && t.scalar_type() == at::kFloat);
+  TORCH_CHECK(dtype_ok && t.device().is_cpu(), "batchgen::", name, " must be a bfloat16",
+              allow_float32 ? " or float32" : "", " CPU tensor, got ", t.scalar_type(), " on ", t.device());
+}
+
+at::ScalarType output_type(const std::optional<at::ScalarType>& out_dtype, const char* op) {
+  const at::ScalarType out = out_dtype.value_or(at::kBFloat16);
+  TORCH_CHECK(out == at::kBFloat16 || out == at::kFloat, "batchgen::", op,
+              ": out_dtype must be bfloat16 or float32, got ", out);
+  return out;
+}
+
+// One row of RMSNorm: o = weight * bf16(s * rsqrt(mean(s^2) + eps)), rounded to bfloat16.
+template <typename S, typename O>
+void norm_row(const S* s, const BFloat16* w, int64_t cols, float eps, O* o) {
+  const int64_t full = cols / kNativeLanes * kNativeLanes;
+  vnf squares = {};
+  for (int64_t c = 0; c < full; c += kNativeLanes) {
+    const vnf v = load_value(s + c);
+    squares += v * v;
+  }
+  float tail = 0.f;
+  for (int64_t c = full; c < cols; ++c) tail += value(s[c]) * value(s[c]);
+  const float scale = 1.f / std::sqrt((hsumn(squares) + tail) / static_cast<float>(cols) + eps);
+  for (int64_t c = 0; c < full; c += kNativeLanes) store_value(o + c, loadn(w + c) * round_bf16(load_value(s + c) * scale));
+  for (int64_t c = full; c < cols; ++c) store_value(o + c, to_float(w[c]) * round_bf16(value(s[c]) * scale));
 }
 
 // out = weight * bf16(s * rsqrt(mean(s^2) + eps)) with s = x, or s = bf16(residual + x) written to `summed`.
+// x: bfloat16 or float32 (rounded on load); residual and summed: bfloat16; out: out_dtype (default bfloat16).
 std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
-                                            const std::optional<at::Tensor>& residual) {
-  check_bf16_rows(x, "rms_norm: x", -1);
+                                            const std::optional<at::Tensor>& residual,
+                                            std::optional<at::ScalarType> out_dtype) {
+  check_rows(x, "rms_norm: x", -1, true);
   const int64_t rows = x.size(0), cols = x.size(1);
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == cols && weight.is_contiguous() &&
                   weight.scalar_type() == at::kBFloat16,
@@ -66,38 +119,32 @@ std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tenso
               weight.sizes());
   at::Tensor summed = x;
   if (residual) {
-    check_bf16_rows(*residual, "rms_norm: residual", cols);
+    check_rows(*residual, "rms_norm: residual", cols, false);
     TORCH_CHECK(residual->size(0) == rows, "batchgen::rms_norm: residual has ", residual->size(0), " rows, x ", rows);
-    summed = at::empty({rows, cols}, x.options());
+    summed = at::empty({rows, cols}, residual->options());
   }
-  at::Tensor out = at::empty({rows, cols}, x.options());
+  at::Tensor out = at::empty({rows, cols}, x.options().dtype(output_type(out_dtype, "rms_norm")));
   const int64_t full = cols / kNativeLanes * kNativeLanes;
   const float feps = static_cast<float>(eps);
   const BFloat16* w = weight.const_data_ptr<BFloat16>();
-  at::parallel_for(0, rows, grain(cols), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const BFloat16* xr = x.const_data_ptr<BFloat16>() + r * x.stride(0);
-      BFloat16* sr = summed.mutable_data_ptr<BFloat16>() + r * summed.stride(0);
-      if (residual) {
+  dispatch_value_types(x.scalar_type(), out.scalar_type(), [&](auto x_type, auto out_type) {
+    using X = decltype(x_type);
+    using O = decltype(out_type);
+    at::parallel_for(0, rows, grain(cols), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const X* xr = x.const_data_ptr<X>() + r * x.stride(0);
+        O* o = out.mutable_data_ptr<O>() + r * out.stride(0);
+        if (!residual) {
+          norm_row(xr, w, cols, feps, o);
+          continue;
+        }
         const BFloat16* rr = residual->const_data_ptr<BFloat16>() + r * residual->stride(0);
-        for (int64_t c = 0; c < full; c += kNativeLanes) storen(sr + c, loadn(rr + c) + loadn(xr + c));
-        for (int64_t c = full; c < cols; ++c) sr[c] = static_cast<BFloat16>(to_float(rr[c]) + to_float(xr[c]));
+        BFloat16* sr = summed.mutable_data_ptr<BFloat16>() + r * summed.stride(0);
+        for (int64_t c = 0; c < full; c += kNativeLanes) storen(sr + c, loadn(rr + c) + load_value(xr + c));
+        for (int64_t c = full; c < cols; ++c) sr[c] = static_cast<BFloat16>(to_float(rr[c]) + value(xr[c]));
+        norm_row(static_cast<const BFloat16*>(sr), w, cols, feps, o);
       }
-      const BFloat16* s = residual ? sr : xr;
-      vnf squares = {};
-      for (int64_t c = 0; c < full; c += kNativeLanes) {
-        const vnf v = loadn(s + c);
-        squares += v * v;
-      }
-      float tail = 0.f;
-      for (int64_t c = full; c < cols; ++c) tail += to_float(s[c]) * to_float(s[c]);
-      const float scale = 1.f / std::sqrt((hsumn(squares) + tail) / static_cast<float>(cols) + feps);
-      BFloat16* o = out.mutable_data_ptr<BFloat16>() + r * out.stride(0);
-      for (int64_t c = 0; c < full; c += kNativeLanes) storen(o + c, loadn(w + c) * round_bf16(loadn(s + c) * scale));
-      for (int64_t c = full; c < cols; ++c) {
-        o[c] = static_cast<BFloat16>(to_float(w[c]) * round_bf16(to_float(s[c]) * scale));
-      }
-    }
+    });
   });
   return {out, summed};
 }
@@ -124,37 +171,46 @@ inline vnf silu(vnf x) {
   return (negative ? x * e : x) / (1.f + e);
 }
 
-// out = bf16(bf16(silu(gate)) * up) for gate_up = [gate | up], as F.silu(gate) * up in bfloat16.
-at::Tensor silu_and_mul(const at::Tensor& gate_up) {
-  check_bf16_rows(gate_up, "silu_and_mul: gate_up", -1);
+// out = bf16(bf16(silu(gate)) * up) for gate_up = [gate | up], as F.silu(gate) * up in bfloat16; gate_up
+// bfloat16 or float32 (rounded on load), out in out_dtype (default bfloat16).
+at::Tensor silu_and_mul(const at::Tensor& gate_up, std::optional<at::ScalarType> out_dtype) {
+  check_rows(gate_up, "silu_and_mul: gate_up", -1, true);
   const int64_t rows = gate_up.size(0), width = gate_up.size(1);
   TORCH_CHECK(width % 2 == 0, "batchgen::silu_and_mul: gate_up must hold gate and up halves, got a last dimension of ",
               width);
   const int64_t cols = width / 2, full = cols / kNativeLanes * kNativeLanes;
-  at::Tensor out = at::empty({rows, cols}, gate_up.options());
-  at::parallel_for(0, rows, grain(width), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const BFloat16* g = gate_up.const_data_ptr<BFloat16>() + r * gate_up.stride(0);
-      const BFloat16* u = g + cols;
-      BFloat16* o = out.mutable_data_ptr<BFloat16>() + r * out.stride(0);
-      for (int64_t c = 0; c < full; c += kNativeLanes) storen(o + c, round_bf16(silu(loadn(g + c))) * loadn(u + c));
-      for (int64_t c = full; c < cols; ++c) {
-        vnf lane = {};
-        lane[0] = to_float(g[c]);
-        o[c] = static_cast<BFloat16>(round_bf16(silu(lane)[0]) * to_float(u[c]));
+  at::Tensor out = at::empty({rows, cols}, gate_up.options().dtype(output_type(out_dtype, "silu_and_mul")));
+  dispatch_value_types(gate_up.scalar_type(), out.scalar_type(), [&](auto in_type, auto out_type) {
+    using X = decltype(in_type);
+    using O = decltype(out_type);
+    at::parallel_for(0, rows, grain(width), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const X* g = gate_up.const_data_ptr<X>() + r * gate_up.stride(0);
+        const X* u = g + cols;
+        O* o = out.mutable_data_ptr<O>() + r * out.stride(0);
+        for (int64_t c = 0; c < full; c += kNativeLanes) {
+          store_value(o + c, round_bf16(silu(load_value(g + c))) * load_value(u + c));
+        }
+        for (int64_t c = full; c < cols; ++c) {
+          vnf lane = {};
+          lane[0] = value(g[c]);
+          store_value(o + c, round_bf16(silu(lane)[0]) * value(u[c]));
+        }
       }
-    }
+    });
   });
   return out;
 }
 
 // One head of RoPE in the rotate-half layout: out = bf16(bf16(x * c) + bf16(rotate_half(x) * s)), c and s the
-// table rows rounded to bfloat16, as transformers computes q * cos + rotate_half(q) * sin in bfloat16.
-inline void rotate_head(const BFloat16* x, const float* cos, const float* sin, int64_t head_dim, BFloat16* out) {
+// table rows rounded to bfloat16, as transformers computes q * cos + rotate_half(q) * sin in bfloat16. x is
+// bfloat16 or float32 (rounded on load); out is bfloat16.
+template <typename X>
+inline void rotate_head(const X* x, const float* cos, const float* sin, int64_t head_dim, BFloat16* out) {
   const int64_t half = head_dim / 2;
   if (half % kNativeLanes == 0) {
     for (int64_t c = 0; c < half; c += kNativeLanes) {
-      const vnf lo = loadn(x + c), hi = loadn(x + half + c);
+      const vnf lo = load_value(x + c), hi = load_value(x + half + c);
       const vnf cos_lo = round_bf16(loadn(cos + c)), cos_hi = round_bf16(loadn(cos + half + c));
       const vnf sin_lo = round_bf16(loadn(sin + c)), sin_hi = round_bf16(loadn(sin + half + c));
       storen(out + c, round_bf16(lo * cos_lo) + round_bf16(-hi * sin_lo));
@@ -163,8 +219,8 @@ inline void rotate_head(const BFloat16* x, const float* cos, const float* sin, i
     return;
   }
   for (int64_t d = 0; d < head_dim; ++d) {
-    const float rotated = d < half ? -to_float(x[d + half]) : to_float(x[d - half]);
-    out[d] = static_cast<BFloat16>(round_bf16(to_float(x[d]) * round_bf16(cos[d])) +
+    const float rotated = d < half ? -value(x[d + half]) : value(x[d - half]);
+    out[d] = static_cast<BFloat16>(round_bf16(value(x[d]) * round_bf16(cos[d])) +
                                    round_bf16(rotated * round_bf16(sin[d])));
   }
 }
@@ -172,10 +228,13 @@ inline void rotate_head(const BFloat16* x, const float* cos, const float* sin, i
 void check_heads(const at::Tensor& t, const char* name, int64_t tokens, int64_t head_dim) {
   TORCH_CHECK(t.dim() == 3 && t.size(0) == tokens && t.size(2) == head_dim && t.stride(2) == 1, "batchgen::rotary_embedding: ",
               name, " must be [", tokens, ", heads, ", head_dim, "] with a contiguous last dimension, got ", t.sizes());
-  TORCH_CHECK(t.scalar_type() == at::kBFloat16 && t.device().is_cpu(), "batchgen::rotary_embedding: ", name,
-              " must be a bfloat16 CPU tensor, got ", t.scalar_type(), " on ", t.device());
+  TORCH_CHECK((t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kFloat) && t.device().is_cpu(),
+              "batchgen::rotary_embedding: ", name, " must be a bfloat16 or float32 CPU tensor, got ", t.scalar_type(),
+              " on ", t.device());
 }
 
+// q [tokens, heads, head_dim] and k [tokens, kv_heads, head_dim], both bfloat16 or both float32 (rounded on
+// load), rotated into new contiguous bfloat16 tensors.
 std::tuple<at::Tensor, at::Tensor> rotary_embedding(const at::Tensor& positions, const at::Tensor& q,
                                                     const at::Tensor& k, const at::Tensor& cos_table,
                                                     const at::Tensor& sin_table) {
@@ -188,6 +247,8 @@ std::tuple<at::Tensor, at::Tensor> rotary_embedding(const at::Tensor& positions,
   TORCH_CHECK(head_dim > 0 && head_dim % 2 == 0, "batchgen::rotary_embedding: head_dim must be even, got ", head_dim);
   check_heads(q, "q", tokens, head_dim);
   check_heads(k, "k", tokens, head_dim);
+  TORCH_CHECK(q.scalar_type() == k.scalar_type(), "batchgen::rotary_embedding: q and k must have one dtype, got ",
+              q.scalar_type(), " and ", k.scalar_type());
   for (const at::Tensor* t : {&cos_table, &sin_table}) {
     TORCH_CHECK(t->dim() == 2 && t->size(1) == head_dim && t->is_contiguous() && t->scalar_type() == at::kFloat,
                 "batchgen::rotary_embedding: cos/sin tables must be contiguous float32 [positions, ", head_dim,
@@ -201,21 +262,25 @@ std::tuple<at::Tensor, at::Tensor> rotary_embedding(const at::Tensor& positions,
     TORCH_CHECK(pos[t] >= 0 && pos[t] < table_rows, "batchgen::rotary_embedding: position ", pos[t],
                 " is outside the tables' ", table_rows, " rows");
   }
-  at::Tensor q_out = at::empty(q.sizes(), q.options()), k_out = at::empty(k.sizes(), k.options());
+  const auto out_options = q.options().dtype(at::kBFloat16);
+  at::Tensor q_out = at::empty(q.sizes(), out_options), k_out = at::empty(k.sizes(), out_options);
   const int64_t q_heads = q.size(1), k_heads = k.size(1);
-  at::parallel_for(0, tokens, grain((q_heads + k_heads) * head_dim), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* cos = cos_table.const_data_ptr<float>() + pos[t] * head_dim;
-      const float* sin = sin_table.const_data_ptr<float>() + pos[t] * head_dim;
-      for (int64_t h = 0; h < q_heads; ++h) {
-        rotate_head(q.const_data_ptr<BFloat16>() + t * q.stride(0) + h * q.stride(1), cos, sin, head_dim,
-                    q_out.mutable_data_ptr<BFloat16>() + (t * q_heads + h) * head_dim);
+  dispatch_value_types(q.scalar_type(), at::kBFloat16, [&](auto in_type, auto) {
+    using X = decltype(in_type);
+    at::parallel_for(0, tokens, grain((q_heads + k_heads) * head_dim), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const float* cos = cos_table.const_data_ptr<float>() + pos[t] * head_dim;
+        const float* sin = sin_table.const_data_ptr<float>() + pos[t] * head_dim;
+        for (int64_t h = 0; h < q_heads; ++h) {
+          rotate_head(q.const_data_ptr<X>() + t * q.stride(0) + h * q.stride(1), cos, sin, head_dim,
+                      q_out.mutable_data_ptr<BFloat16>() + (t * q_heads + h) * head_dim);
+        }
+        for (int64_t h = 0; h < k_heads; ++h) {
+          rotate_head(k.const_data_ptr<X>() + t * k.stride(0) + h * k.stride(1), cos, sin, head_dim,
+                      k_out.mutable_data_ptr<BFloat16>() + (t * k_heads + h) * head_dim);
+        }
       }
-      for (int64_t h = 0; h < k_heads; ++h) {
-        rotate_head(k.const_data_ptr<BFloat16>() + t * k.stride(0) + h * k.stride(1), cos, sin, head_dim,
-                    k_out.mutable_data_ptr<BFloat16>() + (t * k_heads + h) * head_dim);
-      }
-    }
+    });
   });
   return {q_out, k_out};
 }
@@ -223,8 +288,8 @@ std::tuple<at::Tensor, at::Tensor> rotary_embedding(const at::Tensor& positions,
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(batchgen, m) {
-  m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor? residual) -> (Tensor, Tensor)");
-  m.def("silu_and_mul(Tensor gate_up) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor? residual, ScalarType? out_dtype=None) -> (Tensor, Tensor)");
+  m.def("silu_and_mul(Tensor gate_up, ScalarType? out_dtype=None) -> Tensor");
   m.def(
       "rotary_embedding(Tensor positions, Tensor q, Tensor k, Tensor cos_table, Tensor sin_table) -> (Tensor, "
       "Tensor)");

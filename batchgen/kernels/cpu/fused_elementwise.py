@@ -7,6 +7,12 @@ the PyTorch code it replaces does: RoPE, the residual add and SiLU-and-multiply 
 differs from PyTorch's within ~1 ulp of float32, which no bfloat16 input's rounded result shows: all 65,536 are
 tested); RMSNorm can differ by one bfloat16 step where its float32 sum, taken in another order, rounds across a
 boundary. ``BATCHGEN_CPU_FUSED_OPS=0`` keeps the PyTorch code.
+
+Their inputs may also be float32, a float32 GEMM's unrounded output (:mod:`batchgen.models.packed_linear`), which
+they round to bfloat16 as they load it; ``out_dtype=torch.float32`` writes bfloat16 values as float32 for the
+next float32 GEMM. Carried so (:meth:`batchgen.models.llama.LlamaForCausalLM.carry_float32`), every value is
+that of the all-bfloat16 chain, without the casts before and after each GEMM; ``BATCHGEN_CPU_FLOAT32_CARRIER=0``
+keeps the casts.
 """
 
 from __future__ import annotations
@@ -19,15 +25,24 @@ import torch
 from batchgen.kernels.cpu import build_problem
 
 ENV_SWITCH = "BATCHGEN_CPU_FUSED_OPS"
+CARRIER_SWITCH = "BATCHGEN_CPU_FLOAT32_CARRIER"
+_OFF = ("0", "false", "off", "no")
 
 
 def fused_ops_supported(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether a model of ``dtype`` on ``device`` runs these ops: bfloat16 on the CPU, the extension built, and
     ``$BATCHGEN_CPU_FUSED_OPS`` not ``0``/``false``/``off``/``no``. float32 stays on the PyTorch code, the
     reference path."""
-    if os.environ.get(ENV_SWITCH, "").strip().lower() in ("0", "false", "off", "no"):
+    if os.environ.get(ENV_SWITCH, "").strip().lower() in _OFF:
         return False
     return device.type == "cpu" and dtype == torch.bfloat16 and build_problem() is None
+
+
+def float32_carrier_enabled() -> bool:
+    """Whether a bfloat16 model whose GEMMs run in float32 hands their outputs to these ops unrounded
+    (:meth:`batchgen.models.llama.LlamaForCausalLM.carry_float32`): unless ``$BATCHGEN_CPU_FLOAT32_CARRIER`` is
+    ``0``/``false``/``off``/``no``."""
+    return os.environ.get(CARRIER_SWITCH, "").strip().lower() not in _OFF
 
 
 def _ops() -> Any:
@@ -39,43 +54,51 @@ def _ops() -> Any:
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm (Zhang & Sennrich 2019, as transformers' ``LlamaRMSNorm``) of bfloat16 ``x`` ``[rows, hidden]``,
-    or of ``residual + x`` (rounded to bfloat16) when ``residual`` is given.
+    """RMSNorm (Zhang & Sennrich 2019, as transformers' ``LlamaRMSNorm``) of ``x`` ``[rows, hidden]`` (bfloat16,
+    or float32 rounded to bfloat16 on load), or of ``residual + x`` (bfloat16 ``residual``, the sum rounded to
+    bfloat16) when ``residual`` is given.
 
-    Returns ``(normed, summed)``, both bfloat16 ``[rows, hidden]``: ``weight * bf16(s * rsqrt(mean(s²) + eps))``
-    with ``s`` the input in float32; ``summed`` is ``residual + x`` (``x`` itself without a residual).
+    Returns ``(normed, summed)`` ``[rows, hidden]``: ``normed = bf16(weight * bf16(s * rsqrt(mean(s²) + eps)))``
+    with ``s`` the input in float32, in ``out_dtype`` (bfloat16, the default, or float32); ``summed`` is the
+    bfloat16 ``residual + x`` (``x`` itself without a residual).
 
     Raises:
-        RuntimeError: (``batchgen::rms_norm: ...``) tensors that are not bfloat16 on the CPU, mismatched shapes, or
+        RuntimeError: (``batchgen::rms_norm: ...``) tensors of other dtypes or off the CPU, mismatched shapes, or
             a last dimension that is not contiguous; the extension's build problem when it did not build.
     """
-    normed, summed = _ops().rms_norm(x, weight, eps, residual)
+    normed, summed = _ops().rms_norm(x, weight, eps, residual, out_dtype)
     return normed, summed
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU's activation (Shazeer 2020): ``bf16(bf16(silu(gate)) * up)`` for bfloat16 ``gate_up``
-    ``[rows, 2 * n]`` holding gate then up; returns ``[rows, n]``.
+def silu_and_mul(gate_up: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """SwiGLU's activation (Shazeer 2020): ``bf16(bf16(silu(gate)) * up)`` for ``gate_up`` ``[rows, 2 * n]``
+    holding gate then up (bfloat16, or float32 rounded to bfloat16 on load); returns ``[rows, n]`` in
+    ``out_dtype`` (bfloat16, the default, or float32).
 
     Raises:
-        RuntimeError: (``batchgen::silu_and_mul: ...``) not bfloat16 on the CPU, an odd or non-contiguous last
-            dimension; the extension's build problem when it did not build.
+        RuntimeError: (``batchgen::silu_and_mul: ...``) another dtype or off the CPU, an odd or non-contiguous
+            last dimension; the extension's build problem when it did not build.
     """
-    out: torch.Tensor = _ops().silu_and_mul(gate_up)
+    out: torch.Tensor = _ops().silu_and_mul(gate_up, out_dtype)
     return out
 
 
 def rotary_embedding(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE (Su et al. 2021) in transformers' rotate-half layout on bfloat16 q ``[T, H, D]`` and k ``[T, Hkv, D]``
-    (rows may be strided views of a fused QKV output) at ``positions`` (int64 ``[T]``), from float32 tables
-    ``[max_positions, D]`` rounded to bfloat16 as transformers casts them.
+    """RoPE (Su et al. 2021) in transformers' rotate-half layout on q ``[T, H, D]`` and k ``[T, Hkv, D]``, both
+    bfloat16 or both float32 (rounded to bfloat16 on load; rows may be strided views of a fused QKV output), at
+    ``positions`` (int64 ``[T]``), from float32 tables ``[max_positions, D]`` rounded to bfloat16 as transformers
+    casts them.
 
-    Returns new contiguous ``(q, k)`` of the same shapes, bit-identical to
-    :class:`batchgen.models.rotary.RotaryEmbedding`'s PyTorch code.
+    Returns new contiguous bfloat16 ``(q, k)`` of the same shapes, bit-identical to
+    :class:`batchgen.models.rotary.RotaryEmbedding`'s PyTorch code on the bfloat16 inputs.
 
     Raises:
         RuntimeError: (``batchgen::rotary_embedding: ...``) wrong dtypes or shapes, an odd head_dim, or a position
