@@ -14,6 +14,7 @@ from transformers import GenerationConfig
 
 from batchgen.errors import BatchgenError
 from batchgen.kernels.attention import check_attention_backend_name
+from batchgen.loop.cpu_malloc import keep_freed_memory
 from batchgen.loop.forward_batch import ForwardBatch
 from batchgen.loop.kv_pool import KVSlotAllocator, TokenToKVPool
 from batchgen.loop.model_runner import ModelRunner
@@ -142,6 +143,8 @@ class Engine:
         self.eos_token_ids = eos_token_ids(self.model_dir, self.hf_config)
         self.device = pick_device(options.device)
         self.dtype = pick_dtype(options.dtype, self.hf_config, self.device)
+        if self.device.type == "cpu":
+            keep_freed_memory()
         self.max_running_requests: int = options.max_running_requests or (64 if self.device.type == "cpu" else 256)
         max_positions = int(self.hf_config.max_position_embeddings)
         context_len = options.context_length or max_positions
