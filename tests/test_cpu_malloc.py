@@ -3,7 +3,8 @@ own counter (``getrusage``), in a child process so that no earlier test's Engine
 
 from __future__ import annotations
 
-import ctypes.util
+import ctypes
+import os
 import subprocess
 import sys
 
@@ -31,8 +32,7 @@ print(sum(faults[-2:]))
 
 
 def _glibc() -> bool:
-    name = ctypes.util.find_library("c")
-    return name is not None and hasattr(ctypes.CDLL(name), "gnu_get_libc_version")
+    return hasattr(ctypes.CDLL(None), "gnu_get_libc_version")
 
 
 @pytest.mark.skipif(not _glibc(), reason="malloc here is not glibc's: there is nothing to set")
@@ -40,7 +40,7 @@ def test_freed_buffers_are_reused_without_page_faults() -> None:
     """With glibc's defaults, rounds of mixed large buffers keep going back to the kernel (mmap'd, or trimmed
     from the heap's top) and fault their pages in again (here tens of thousands a round, once the thresholds have
     adapted); with the thresholds fixed the rounds after the first few reuse the heap: under a tenth of that."""
-    env = {"GLIBC_TUNABLES": ""}
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
 
     def faults(mode: str) -> int:
         out = subprocess.run(
@@ -49,11 +49,13 @@ def test_freed_buffers_are_reused_without_page_faults() -> None:
         return int(out.stdout.strip())
 
     default, kept = faults("default"), faults("kept")
-    assert default >= 1000 and kept <= default / 10, (default, kept)
+    assert default >= 200 and kept <= default / 10, (default, kept)
 
 
 def test_the_users_own_malloc_tunables_win(monkeypatch: pytest.MonkeyPatch) -> None:
     from batchgen.loop.cpu_malloc import keep_freed_memory
 
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=131072")
+    keep_freed_memory.cache_clear()
     assert not keep_freed_memory()
+    keep_freed_memory.cache_clear()

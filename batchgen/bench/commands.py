@@ -156,13 +156,16 @@ def bench_one_batch(
         print(f"machine: {engine.device}, {ceilings.line(engine.dtype)}")
         if warmup:
             runner.run_case(min(batch_size), min(16, min(input_len)), 2, ceilings)
+        probed_again = False
         for bs in batch_size:
             for n_in in input_len:
                 for n_out in output_len:
                     result = runner.run_case(bs, n_in, n_out, ceilings)
-                    if result.above(ceilings):
+                    if result.above(ceilings) and not probed_again:
                         # The machine's speed moves (a shared VM's by 20 % within minutes): probe again rather
-                        # than print a share of the peak above 100 %.
+                        # than print a share of the peak above 100 %. Once: a case that beats a second probe
+                        # beat the machine's memory bandwidth (its weights in cache), and says so.
+                        probed_again = True
                         ceilings = ceilings.highest(measure_ceilings(engine.dtype, engine.device))
                         result = result.against(ceilings)
                         print(f"machine: probed again, this case ran above the ceilings: {ceilings.line(engine.dtype)}")

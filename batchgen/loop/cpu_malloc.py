@@ -12,7 +12,7 @@ in the heap for the next round; the process's peak memory is unchanged, its resi
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
+import functools
 import os
 
 # mallopt parameters (glibc's malloc.h).
@@ -22,19 +22,17 @@ MMAP_THRESHOLD = 32 << 20  # glibc's largest: allocations above it are mmap'd wh
 TRIM_THRESHOLD = 1 << 30
 
 
+@functools.cache
 def keep_freed_memory() -> bool:
-    """Fix glibc's mmap threshold at 32 MiB and its trim threshold at 1 GiB for this process; return whether it
-    did. Nothing is changed where malloc is not glibc's, or where ``$GLIBC_TUNABLES`` already sets a
-    ``glibc.malloc`` value (the user's choice wins; ``GLIBC_TUNABLES=glibc.malloc.trim_threshold=131072`` restores
-    glibc's default behaviour)."""
+    """Fix glibc's mmap threshold at 32 MiB and its trim threshold at 1 GiB for this process (once); return
+    whether both were set. Nothing is changed where malloc is not glibc's, or where ``$GLIBC_TUNABLES`` already
+    sets a ``glibc.malloc`` value (the user's choice wins; ``GLIBC_TUNABLES=glibc.malloc.trim_threshold=131072``
+    restores glibc's default behaviour)."""
     if "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
         return False
-    name = ctypes.util.find_library("c")
-    if name is None:
+    process = ctypes.CDLL(None)  # the symbols already loaded: the C library's among them
+    if not hasattr(process, "gnu_get_libc_version") or not hasattr(process, "mallopt"):
         return False
-    libc = ctypes.CDLL(name)
-    if not hasattr(libc, "mallopt") or not hasattr(libc, "gnu_get_libc_version"):
-        return False
-    return bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
-        libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)
-    )
+    mmap_set = process.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+    trim_set = process.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+    return bool(mmap_set) and bool(trim_set)

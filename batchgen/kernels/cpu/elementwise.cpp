@@ -107,7 +107,8 @@ void norm_row(const S* s, const BFloat16* w, int64_t cols, float eps, O* o) {
 }
 
 // out = weight * bf16(s * rsqrt(mean(s^2) + eps)) with s = x, or s = bf16(residual + x) written to `summed`.
-// x: bfloat16 or float32 (rounded on load); residual and summed: bfloat16; out: out_dtype (default bfloat16).
+// x: bfloat16 or float32 (rounded on load); residual and summed: bfloat16 (summed is x itself without a
+// residual); out: out_dtype (default bfloat16).
 std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
                                             const std::optional<at::Tensor>& residual,
                                             std::optional<at::ScalarType> out_dtype) {
