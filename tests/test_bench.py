@@ -413,10 +413,14 @@ def test_bench_roofline_line_and_fields(
     code, output = run_cli([*args, "--result-file", str(result_file)])
     assert code == 0, output
     line = next(x for x in output.splitlines() if x.strip().startswith("roofline:"))
-    pattern = r"([0-9.]+) TFLOP at the measured 2.000 TFLOP/s matmul rate \(the faster probe, before or after\): "
-    match = re.search(pattern + r"([0-9.]+) s, at most ([0-9.]+) output tok/s", line)
+    # A tiny model's figures keep their significant digits (0.000 TFLOP and 0.00 s said nothing).
+    number = r"([0-9.]+(?:e-[0-9]+)?)"
+    pattern = number + r" TFLOP at the measured 2.000 TFLOP/s matmul rate \(the faster probe, before or after\): "
+    match = re.search(pattern + number + r" s, at most ([0-9.]+) output tok/s", line)
     assert match and "batchgen at " in line, line
     row = json.loads(result_file.read_text())
+    assert float(match.group(1)) * 1e12 / 2e12 == pytest.approx(row["roofline_seconds"], rel=1e-3)
+    assert float(match.group(2)) == pytest.approx(row["roofline_seconds"], rel=5e-3)
     assert 9 / row["roofline_seconds"] == pytest.approx(float(match.group(3)), rel=1e-3)  # 3 prompts x 3 tokens
     assert abs(row["roofline_fraction"] - row["roofline_seconds"] / row["seconds"]) < 1e-9
 

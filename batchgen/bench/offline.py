@@ -68,8 +68,8 @@ class Roofline:
 
     def line(self, result: ThroughputResult) -> str:
         return (
-            f"{'roofline':>16}: {self.flops / 1e12:.3f} TFLOP at the measured {self.matmul_rate / 1e12:.3f} TFLOP/s "
-            f"matmul rate (the faster probe, before or after): {self.seconds:.2f} s, "
+            f"{'roofline':>16}: {self.flops / 1e12:.4g} TFLOP at the measured {self.matmul_rate / 1e12:.3f} TFLOP/s "
+            f"matmul rate (the faster probe, before or after): {self.seconds:.3g} s, "
             f"at most {self.output_tokens / self.seconds:.1f} output tok/s; "
             f"{result.system} at {self.fraction(result):.0%} of it{self.gemm_note}"
         )
