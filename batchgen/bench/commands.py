@@ -163,8 +163,8 @@ def bench_one_batch(
                     result = runner.run_case(bs, n_in, n_out, ceilings)
                     if result.above(ceilings) and not probed_again:
                         # The machine's speed moves (a shared VM's by 20 % within minutes): probe again rather
-                        # than print a share of the peak above 100 %. Once: a case that beats a second probe
-                        # beat the machine's memory bandwidth (its weights in cache), and says so.
+                        # than print a share of the peak above 100 %. Once: a case that beats the second probe
+                        # too really beat it (a model whose weights stay in the CPU's cache beats the copy probe).
                         probed_again = True
                         ceilings = ceilings.highest(measure_ceilings(engine.dtype, engine.device))
                         result = result.against(ceilings)

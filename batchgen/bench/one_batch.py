@@ -64,7 +64,8 @@ class OneBatchResult:
         return None if self.decode_bandwidth_gbs is None else self.decode_bandwidth_gbs / self.copy_ceiling_gbs
 
     def above(self, ceilings: Ceilings) -> bool:
-        """Whether this case ran faster than ``ceilings`` allow (a probe caught the machine in a slow moment)."""
+        """Whether this case ran faster than ``ceilings`` allow: the probe caught the machine in a slow moment, or
+        the case beat it (weights in cache)."""
         over_copy = self.decode_bandwidth_gbs is not None and self.decode_bandwidth_gbs * 1e9 > ceilings.copy_bandwidth
         return self.prefill_tflops * 1e12 > ceilings.matmul_flops or over_copy
 
