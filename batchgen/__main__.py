@@ -1,5 +1,5 @@
 """`python -m batchgen` runs the CLI."""
 
-from batchgen.entry import main
+from batchgen.cli.entry import main
 
 main()

@@ -123,7 +123,7 @@ def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
 
 def run_cli(args: list[str]) -> tuple[int, str]:
     """Run ``batchgen`` in this process; return (exit code, stderr + stdout)."""
-    from batchgen.cli import app
+    from batchgen.cli.app import app
 
     result = CliRunner().invoke(app, args)
     if result.exception is not None and not isinstance(result.exception, SystemExit):
@@ -169,7 +169,7 @@ def enqueue_rows(engine: Any, rows: list[dict[str, Any]], path: Path, *, eos: bo
     JSONL and read back; run seed 0); with ``eos`` false the model's EOS ids do not end them."""
     from batchgen.io.reader import RowReader
     from batchgen.io.rows import parse_row
-    from batchgen.loop.request_builder import RequestBuilder
+    from batchgen.job.request_builder import RequestBuilder
     from batchgen.sampling.sampling_params import SamplingParams
 
     reader = RowReader(write_jsonl(path, rows))

@@ -65,7 +65,7 @@ def _child(request: dict[str, Any]) -> None:
         os.dup2(log, 1)
         os.dup2(log, 2)
         sys.argv = ["batchgen", *request["argv"]]
-        from batchgen.cli import main
+        from batchgen.cli.app import main
 
         main()
         code = 0
@@ -84,8 +84,8 @@ def _serve() -> None:
     # accelerate: most of the time a run takes to start). Imports only: no model runs here, no thread pool starts.
     import transformers.modeling_utils  # noqa: F401
 
-    import batchgen.cli  # noqa: F401
-    import batchgen.job  # noqa: F401
+    import batchgen.cli.app  # noqa: F401
+    import batchgen.job.run_job  # noqa: F401
 
     running: set[int] = set()
     for line in sys.stdin:

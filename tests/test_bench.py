@@ -11,9 +11,9 @@ import pytest
 import torch
 from conftest import run_cli, write_jsonl
 
-from batchgen.bench.commands import expand_multi_value_options
 from batchgen.bench.model_costs import forward_flops, generation_flops, layer_params
 from batchgen.bench.probes import Ceilings
+from batchgen.cli.app import expand_multi_value_options
 from batchgen.models.config import ModelConfig
 
 

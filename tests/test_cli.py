@@ -22,7 +22,7 @@ from transformers import AutoTokenizer
 from typer.testing import CliRunner
 
 import batchgen
-from batchgen.cli import app
+from batchgen.cli.app import app
 
 COMMON = ["--dtype", "float32", "--device", "cpu", "--no-progress"]
 SUMMARY = re.compile(
@@ -130,7 +130,7 @@ def test_version() -> None:
     code, output = run_cli(["--version"])
     assert (code, output) == (0, f"batchgen {version('batchgen')}\n")
     # The console script answers it without importing torch (seconds).
-    script = "import sys; sys.argv = ['batchgen', '--version']; from batchgen.entry import main; main(); "
+    script = "import sys; sys.argv = ['batchgen', '--version']; from batchgen.cli.entry import main; main(); "
     script += "print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True)
     assert result.stdout == f"batchgen {version('batchgen')}\nFalse\n"
@@ -143,7 +143,7 @@ class CtrlC(importlib.abc.MetaPathFinder):
         if name == "transformers":  # the CLI's imports take seconds; a Ctrl-C lands in one of them
             raise KeyboardInterrupt
 sys.meta_path.insert(0, CtrlC())
-from batchgen.entry import main
+from batchgen.cli.entry import main
 main()
 """
 
@@ -557,7 +557,7 @@ def test_report_memory_prints_peak_rss(random_models: dict[str, Path], tmp_path:
 
 
 def test_summary_line_counts_in_the_number_each_count_takes() -> None:
-    from batchgen.run_summary import RunSummary
+    from batchgen.job.summary import RunSummary
 
     one = RunSummary(requests=1, errors=1, prompt_tokens=3, output_tokens=2, seconds=2.0, preemptions=1)
     assert (

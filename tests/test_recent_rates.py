@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from batchgen.recent_rates import RecentRates
+from batchgen.job.recent_rates import RecentRates
 
 
 def test_rates_cover_the_last_window_not_the_whole_run() -> None:

@@ -24,13 +24,13 @@ import torch
 from conftest import run_cli, write_jsonl
 from fork_runner import Zygote
 
-from batchgen.crash_hooks import CRASH_AFTER_ROWS, CRASH_IN_FLUSH
 from batchgen.io import partial_output
 from batchgen.io.fingerprint import DatasetFingerprint, fingerprint_dataset
 from batchgen.io.manifest import decode_manifest, encode_manifest
 from batchgen.io.partial_output import PartialOutput, partial_dir
 from batchgen.io.writer import read_results
-from batchgen.status import output_status
+from batchgen.job.crash_hooks import CRASH_AFTER_ROWS, CRASH_IN_FLUSH
+from batchgen.job.status import output_status
 
 ROWS = 300
 # Greedy, so an interrupted and resumed run must give the uninterrupted run's tokens; small batches and flushes,
@@ -286,7 +286,7 @@ def test_second_sigint_exits_at_once_and_the_run_still_resumes(
 def test_second_signal_handler_exits_with_the_signal_code(
     monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    from batchgen.interrupts import StopRequest
+    from batchgen.job.interrupts import StopRequest
 
     def exit_now(code: int) -> None:
         raise SystemExit(code)
@@ -381,7 +381,7 @@ def test_progress_bar_counts_bad_rows_and_no_message_shares_its_line(
 ) -> None:
     from typer.testing import CliRunner
 
-    from batchgen.cli import app
+    from batchgen.cli.app import app
 
     dataset, _ = small_job
     out = tmp_path / "out.arrow"

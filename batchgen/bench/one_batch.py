@@ -18,13 +18,13 @@ import torch
 
 from batchgen.bench.model_costs import decode_bytes, forward_flops
 from batchgen.bench.probes import Ceilings
+from batchgen.job.summary import speculative_summary
 from batchgen.loop.engine import Engine
 from batchgen.loop.forward_batch import ForwardBatch
 from batchgen.loop.forward_mode import ForwardMode
 from batchgen.loop.req import Req
 from batchgen.loop.schedule_batch import ScheduleBatch
 from batchgen.models.packed_linear import cpu_gemm_dtype
-from batchgen.run_summary import speculative_summary
 from batchgen.sampling.sampler import SampleOutput
 from batchgen.sampling.sampling_params import SamplingParams
 

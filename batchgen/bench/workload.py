@@ -11,7 +11,7 @@ from typing import Any
 from batchgen.errors import BatchgenError, RowError
 from batchgen.io.reader import RowReader
 from batchgen.io.rows import parse_row
-from batchgen.loop.request_builder import RequestBuilder
+from batchgen.job.request_builder import RequestBuilder
 from batchgen.sampling.sampling_params import MAX_SAMPLES, SamplingParams
 
 

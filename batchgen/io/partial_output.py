@@ -32,12 +32,12 @@ from typing import Any
 
 import pyarrow as pa
 
-from batchgen.crash_hooks import CRASH_IN_FLUSH, crash_point
 from batchgen.errors import BatchgenError
 from batchgen.io.assemble import assemble_output
 from batchgen.io.done_rows import DoneRows
 from batchgen.io.durable import fsync_dir, write_atomically
 from batchgen.io.manifest import encode_manifest, read_manifest
+from batchgen.job.crash_hooks import CRASH_IN_FLUSH, crash_point
 
 MANIFEST = "manifest.json"
 LOCK = "lock"

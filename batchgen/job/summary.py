@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import resource
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,3 +72,8 @@ def raise_if_failed(summary: RunSummary, on_error: str) -> None:
         raise BatchgenError(
             f"{counted(summary.errors, 'bad input row')} left out (see above; --on-error skip writes them)"
         )
+
+
+def peak_rss_mib() -> float:
+    """Peak resident memory of this process so far, in MiB (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

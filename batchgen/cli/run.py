@@ -1,18 +1,15 @@
-"""The ``batchgen`` command line (Typer). Options can also come from ``--config FILE.yaml``; flags win."""
+"""``batchgen run``: the command's options, their checks, and the job it starts."""
 
 from __future__ import annotations
 
 import signal
 import sys
 from pathlib import Path
-from typing import Any
 
 import typer
-import yaml
 
-from batchgen.bench.commands import bench, bench_one_batch, expand_multi_value_options, peak_rss_mib
-from batchgen.cli_errors import user_errors
-from batchgen.engine_flags import (
+from batchgen.cli.config import load_config
+from batchgen.cli.options import (
     CUDA_GRAPH_MAX_BS,
     DISABLE_CUDA_GRAPH,
     SPECULATIVE_ACCEPTANCE,
@@ -23,95 +20,16 @@ from batchgen.engine_flags import (
     SPECULATIVE_NUM_DRAFT_TOKENS,
     check_engine_limits,
 )
-from batchgen.entry import version_line
-from batchgen.errors import BatchgenError, FieldError, shown_value
+from batchgen.cli.user_errors import user_errors
+from batchgen.errors import BatchgenError, FieldError
+from batchgen.job.summary import peak_rss_mib
 from batchgen.kernels.attention import ATTENTION_BACKENDS
 from batchgen.loop.options import EngineOptions
 from batchgen.models.resolve import DEFAULT_MODEL
 from batchgen.sampling.sampling_params import SamplingParams
 
-app = typer.Typer(
-    add_completion=False,
-    no_args_is_help=True,
-    pretty_exceptions_show_locals=False,
-    # Plain help: the rich layout truncates long flag names in an 80-column terminal.
-    rich_markup_mode=None,
-    help="Offline batch generation for Hugging Face-format causal LMs.",
-)
-
-
-def _print_version(value: bool) -> None:
-    if value:
-        print(version_line())
-        raise typer.Exit()
-
-
-@app.callback()
-def _root(
-    version: bool = typer.Option(
-        False, "--version", callback=_print_version, is_eager=True, help="Print batchgen's version and exit."
-    ),
-) -> None:
-    """Offline batch generation for Hugging Face-format causal LMs."""
-
-
 _ENGINE_DEFAULTS = EngineOptions(model=DEFAULT_MODEL)
 _SAMPLING_DEFAULTS = SamplingParams()
-
-
-def _load_config(ctx: typer.Context, _param: typer.CallbackParam, value: Path | None) -> Path | None:
-    """Eager ``--config`` callback: the YAML's keys become the command's defaults (flags still override)."""
-    if value is None:
-        return None
-    with user_errors():
-        params = {p.name: p for p in ctx.command.params if p.name is not None}
-        defaults = _read_config(value, set(params))
-        for name, item in defaults.items():
-            if item is None:
-                continue  # null: the option's own default
-            option = name.replace("_", "-")
-            if params[name].multiple and not isinstance(item, list):
-                item = defaults[name] = [item]  # `stop: "."`: one value of a repeatable option, as on a row
-            # Converted here, so that a bad value names the file; click would name only the option.
-            try:
-                converted = params[name].process_value(ctx, item)
-            except typer.BadParameter as e:
-                raise BatchgenError(f"{value}: option '{option}': {e.message}") from None
-            if any(isinstance(v, bool) for v in _values(item)) and not all(
-                isinstance(v, bool) for v in _values(converted)
-            ):
-                # click takes YAML's true as 1 (int(True)) or "True": a slip, not a value of this option.
-                raise BatchgenError(f"{value}: option '{option}': takes no true/false value, got {shown_value(item)}")
-        ctx.default_map = {**(ctx.default_map or {}), **defaults}
-    return value
-
-
-def _values(item: Any) -> list[Any]:
-    """A config value as a list: itself, or its elements for a multi-value option."""
-    return list(item) if isinstance(item, (list, tuple)) else [item]
-
-
-def _read_config(path: Path, known: set[str]) -> dict[str, Any]:
-    """Option defaults from a YAML mapping whose keys are long flag names (``max-new-tokens`` or ``max_new_tokens``).
-
-    Raises:
-        BatchgenError: unreadable file, invalid YAML, not a mapping, or an unknown option.
-    """
-    try:
-        data = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as e:
-        raise BatchgenError(f"{path}: cannot read config: {' '.join(str(e).split())}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise BatchgenError(f"{path}: expected a mapping of option names to values")
-    defaults: dict[str, Any] = {}
-    for key, item in data.items():
-        name = str(key).replace("-", "_")
-        if name not in known or name == "config":
-            raise BatchgenError(f"{path}: unknown option '{key}'")
-        defaults[name] = item
-    return defaults
 
 
 def _check_run_options(
@@ -152,7 +70,6 @@ def _check_sampling_defaults(defaults: SamplingParams, vocab_size: int | None) -
         raise BatchgenError(f"--{e.field.replace('_', '-')}: {e.message}") from None
 
 
-@app.command()
 def run(
     ctx: typer.Context,
     dataset: Path = typer.Argument(
@@ -161,7 +78,7 @@ def run(
     out: Path = typer.Option(..., "--out", "-o", help="Results: .arrow (Arrow IPC file), .parquet or .jsonl."),
     model: str = typer.Option(DEFAULT_MODEL, help="Model directory, .gguf file, built-in name or Hugging Face hub id."),
     config: Path | None = typer.Option(
-        None, help="YAML file of option defaults (keys as the long flags).", is_eager=True, callback=_load_config
+        None, help="YAML file of option defaults (keys as the long flags).", is_eager=True, callback=load_config
     ),
     dtype: str = typer.Option(_ENGINE_DEFAULTS.dtype, help="auto, float32, bfloat16 or float16."),
     device: str = typer.Option(_ENGINE_DEFAULTS.device, help="auto, cpu, cuda or cuda:N."),
@@ -230,10 +147,10 @@ def run(
     """Generate a completion for every row of DATASET and write one result row per prompt to OUT."""
     from transformers.utils import logging as transformers_logging
 
-    from batchgen.job import RunJob
+    from batchgen.job.resume import OutputPolicy, check_output_path, resume_command
+    from batchgen.job.run_job import RunJob
+    from batchgen.job.summary import raise_if_failed
     from batchgen.loop.engine import check_engine_options
-    from batchgen.resume import OutputPolicy, check_output_path, resume_command
-    from batchgen.run_summary import raise_if_failed
 
     # batchgen reports problems with the input itself, one line each; transformers' notes would only add noise.
     transformers_logging.set_verbosity_error()
@@ -293,7 +210,7 @@ def run(
         _check_sampling_defaults(defaults, None)  # what needs no model, before loading it
         policy = OutputPolicy(overwrite, resume or resume_force, resume_force, flush_every, flush_every_seconds)
         if check_output_path(dataset, out, overwrite, policy.resume):
-            from batchgen.status import check_nothing_left
+            from batchgen.job.status import check_nothing_left
 
             check_nothing_left(dataset, out, policy.resume_force)
             print(f"batchgen: {out} is already complete; nothing to do", file=sys.stderr)
@@ -318,25 +235,3 @@ def run(
             print(f"batchgen: to resume: {resume_command(dataset, out)}", file=sys.stderr)
             raise typer.Exit(128 + signal.Signals[summary.interrupted_by].value)
         raise_if_failed(summary, on_error)
-
-
-app.command("bench-one-batch")(bench_one_batch)
-app.command("bench")(bench)
-
-
-@app.command()
-def status(
-    dataset: Path = typer.Argument(..., metavar="DATASET", help="The dataset the run reads."),
-    out: Path = typer.Argument(..., metavar="OUT", help="The run's --out."),
-) -> None:
-    """Show how far the run from DATASET to OUT has got: rows done, remaining and errored."""
-    from batchgen.status import output_status
-
-    with user_errors():
-        for line in output_status(dataset, out):
-            print(line)
-
-
-def main() -> None:
-    """Console entry point (``batchgen`` and ``python -m batchgen``)."""
-    app(args=expand_multi_value_options(sys.argv[1:]))

@@ -15,22 +15,22 @@ from typing import Any
 from tqdm import tqdm
 
 from batchgen import __version__
-from batchgen.crash_hooks import CRASH_AFTER_ROWS, crash_point
 from batchgen.errors import BatchgenError, FieldError, RowError
-from batchgen.interrupts import StopRequest, graceful_stop
 from batchgen.io.field_warnings import warn_about_json_text_fields, warn_about_passthrough_names
 from batchgen.io.partial_output import PartialOutput
 from batchgen.io.reader import RowReader, count_input_rows
-from batchgen.io.result_rows import error_row, result_row
 from batchgen.io.rows import RowSpec, error_row_id, parse_row, passthrough_that_fits
 from batchgen.io.writer import result_schema
+from batchgen.job.crash_hooks import CRASH_AFTER_ROWS, crash_point
+from batchgen.job.interrupts import StopRequest, graceful_stop
+from batchgen.job.recent_rates import RecentRates
+from batchgen.job.request_builder import RequestBuilder
+from batchgen.job.result_rows import error_row, result_row
+from batchgen.job.resume import RUN_SEED_KEY, OutputPolicy, output_schema, report_damage
+from batchgen.job.summary import RunSummary
 from batchgen.loop.engine import Engine
 from batchgen.loop.options import EngineOptions
 from batchgen.loop.req import Req
-from batchgen.loop.request_builder import RequestBuilder
-from batchgen.recent_rates import RecentRates
-from batchgen.resume import RUN_SEED_KEY, OutputPolicy, output_schema, report_damage
-from batchgen.run_summary import RunSummary
 from batchgen.sampling.sampling_params import SamplingParams, make_sampling_params
 
 # At most this many row errors are printed in full; the rest are counted.

@@ -1,9 +1,8 @@
-"""The ``bench-one-batch`` and ``bench`` commands (registered on the CLI app in ``batchgen.cli``)."""
+"""The ``bench-one-batch`` and ``bench`` commands (registered on the CLI app in ``batchgen.cli.app``)."""
 
 from __future__ import annotations
 
 import json
-import resource
 import signal
 import sys
 from collections.abc import Iterator
@@ -23,8 +22,7 @@ from batchgen.bench.offline import (
 from batchgen.bench.one_batch import OneBatchRunner
 from batchgen.bench.probes import measure_ceilings
 from batchgen.bench.workload import dataset_workload, random_workload
-from batchgen.cli_errors import user_errors
-from batchgen.engine_flags import (
+from batchgen.cli.options import (
     CUDA_GRAPH_MAX_BS,
     DISABLE_CUDA_GRAPH,
     SPECULATIVE_ACCEPTANCE,
@@ -35,35 +33,14 @@ from batchgen.engine_flags import (
     SPECULATIVE_NUM_DRAFT_TOKENS,
     check_engine_limits,
 )
+from batchgen.cli.user_errors import user_errors
 from batchgen.errors import BatchgenError
+from batchgen.job.summary import peak_rss_mib, speculative_record, speculative_summary
 from batchgen.loop.engine import Engine, dtype_name
 from batchgen.loop.options import EngineOptions
 from batchgen.models.source import ModelSource
-from batchgen.run_summary import speculative_record, speculative_summary
 
-# Options that take several values after one flag, SGLang style (``--batch-size 1 8 32``).
-MULTI_VALUE_OPTIONS = ("--batch-size", "--input-len", "--output-len", "--baseline")
 DEFAULT_INPUT_LEN_RANGE = "32:256"
-
-
-def expand_multi_value_options(argv: list[str]) -> list[str]:
-    """Rewrite ``--batch-size 1 8 32`` as ``--batch-size 1 --batch-size 8 --batch-size 32`` for the parser."""
-    out: list[str] = []
-    current: str | None = None
-    for arg in argv:
-        if arg.startswith("-"):
-            current = arg if arg in MULTI_VALUE_OPTIONS else None
-            out.append(arg)
-        elif current is not None and out[-1] != current:
-            out += [current, arg]
-        else:
-            out.append(arg)
-    return out
-
-
-def peak_rss_mib() -> float:
-    """Peak resident memory of this process so far, in MiB (Linux reports ru_maxrss in KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 @contextmanager

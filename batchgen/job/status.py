@@ -19,7 +19,7 @@ from batchgen.errors import BatchgenError, counted
 from batchgen.io.fingerprint import DatasetFingerprint, fingerprint_dataset
 from batchgen.io.partial_output import PartialOutput, partial_dir
 from batchgen.io.reader import count_input_rows
-from batchgen.resume import DATASET_KEY
+from batchgen.job.resume import DATASET_KEY
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 Importing the CLI imports torch and transformers, which takes seconds; a Ctrl-C in that time would otherwise end
 in a KeyboardInterrupt traceback from deep inside an import. Here it ends the process quietly, as a stop does
-(128 + SIGINT). Once the command runs, its own handlers take over (:mod:`batchgen.interrupts`).
+(128 + SIGINT). Once the command runs, its own handlers take over (:mod:`batchgen.job.interrupts`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def main() -> None:
         print(version_line())
         return
     try:
-        from batchgen.cli import main as run_cli
+        from batchgen.cli.app import main as run_cli
     except KeyboardInterrupt:
         print("batchgen: interrupted while starting", file=sys.stderr)
         raise SystemExit(128 + signal.SIGINT) from None

@@ -1,0 +1,67 @@
+"""``--config FILE.yaml``: a YAML mapping of long flag names whose values become a command's defaults (flags win)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import typer
+import yaml
+
+from batchgen.cli.user_errors import user_errors
+from batchgen.errors import BatchgenError, shown_value
+
+
+def load_config(ctx: typer.Context, _param: typer.CallbackParam, value: Path | None) -> Path | None:
+    """Eager ``--config`` callback: the YAML's keys become the command's defaults (flags still override)."""
+    if value is None:
+        return None
+    with user_errors():
+        params = {p.name: p for p in ctx.command.params if p.name is not None}
+        defaults = _read_config(value, set(params))
+        for name, item in defaults.items():
+            if item is None:
+                continue  # null: the option's own default
+            option = name.replace("_", "-")
+            if params[name].multiple and not isinstance(item, list):
+                item = defaults[name] = [item]  # `stop: "."`: one value of a repeatable option, as on a row
+            # Converted here, so that a bad value names the file; click would name only the option.
+            try:
+                converted = params[name].process_value(ctx, item)
+            except typer.BadParameter as e:
+                raise BatchgenError(f"{value}: option '{option}': {e.message}") from None
+            if any(isinstance(v, bool) for v in _values(item)) and not all(
+                isinstance(v, bool) for v in _values(converted)
+            ):
+                # click takes YAML's true as 1 (int(True)) or "True": a slip, not a value of this option.
+                raise BatchgenError(f"{value}: option '{option}': takes no true/false value, got {shown_value(item)}")
+        ctx.default_map = {**(ctx.default_map or {}), **defaults}
+    return value
+
+
+def _values(item: Any) -> list[Any]:
+    """A config value as a list: itself, or its elements for a multi-value option."""
+    return list(item) if isinstance(item, (list, tuple)) else [item]
+
+
+def _read_config(path: Path, known: set[str]) -> dict[str, Any]:
+    """Option defaults from a YAML mapping whose keys are long flag names (``max-new-tokens`` or ``max_new_tokens``).
+
+    Raises:
+        BatchgenError: unreadable file, invalid YAML, not a mapping, or an unknown option.
+    """
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise BatchgenError(f"{path}: cannot read config: {' '.join(str(e).split())}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise BatchgenError(f"{path}: expected a mapping of option names to values")
+    defaults: dict[str, Any] = {}
+    for key, item in data.items():
+        name = str(key).replace("-", "_")
+        if name not in known or name == "config":
+            raise BatchgenError(f"{path}: unknown option '{key}'")
+        defaults[name] = item
+    return defaults

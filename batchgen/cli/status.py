@@ -1,0 +1,21 @@
+"""``batchgen status``: how far a run has got."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from batchgen.cli.user_errors import user_errors
+
+
+def status(
+    dataset: Path = typer.Argument(..., metavar="DATASET", help="The dataset the run reads."),
+    out: Path = typer.Argument(..., metavar="OUT", help="The run's --out."),
+) -> None:
+    """Show how far the run from DATASET to OUT has got: rows done, remaining and errored."""
+    from batchgen.job.status import output_status
+
+    with user_errors():
+        for line in output_status(dataset, out):
+            print(line)
