@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from batchgen.io.reader import is_json_text
+from batchgen.io.passthrough import is_json_text
 from batchgen.sampling.sampling_params import SAMPLING_FIELDS
 
 # Names other engines use for sampling fields → batchgen's name (None: batchgen has no such field).

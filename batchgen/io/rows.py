@@ -11,13 +11,8 @@ import pyarrow as pa
 
 from batchgen.errors import NOT_UNICODE, RowError, is_unicode_text, shown_value
 from batchgen.io.arrow_fit import misfit
-from batchgen.io.reader import (
-    KNOWN_FIELDS,
-    PROMPT_FIELDS,
-    InputRow,
-    is_json_text,
-    json_type_name,
-)
+from batchgen.io.passthrough import KNOWN_FIELDS, PROMPT_FIELDS, is_json_text, json_type_name
+from batchgen.io.reader import InputRow
 from batchgen.sampling.sampling_params import SAMPLING_FIELDS
 
 __all__ = ["PROMPT_FIELDS", "RowSpec", "parse_row"]
