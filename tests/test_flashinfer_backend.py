@@ -21,6 +21,7 @@ import torch
 from batchgen.errors import BatchgenError
 from batchgen.kernels.attention import flashinfer_backend as fib
 from batchgen.kernels.attention import flashinfer_paging as paging
+from batchgen.kernels.attention import flashinfer_support as fis
 from batchgen.kernels.attention.base import AttentionBackend
 from batchgen.kernels.attention.flashinfer_backend import FlashInferAttnBackend
 from batchgen.kernels.attention.torch_native import TorchNativeAttnBackend
@@ -291,14 +292,20 @@ def test_page_table_of_a_small_batch() -> None:
     assert paging.indptr_from_lengths([]).tolist() == [0]
 
 
-def test_paged_kv_view_reads_the_head_major_pool_in_place() -> None:
-    heads, slots, head_dim = 3, 7, 4
-    buffer = torch.arange(heads * slots * head_dim, dtype=torch.float32).view(heads, slots, head_dim)
-    view = paging.paged_kv_view(buffer)
+def test_paged_kv_views_read_the_head_major_pool_in_place() -> None:
+    layers, heads, slots, head_dim = 2, 3, 7, 4
+    k = torch.arange(layers * heads * slots * head_dim, dtype=torch.float32).view(layers, heads, slots, head_dim)
+    views = paging.paged_kv_views(k, -k)
+    assert len(views) == layers
+    view = views[1][0]
     assert view.shape == (slots, 1, heads, head_dim)
-    assert view.data_ptr() == buffer.data_ptr()
+    assert view.data_ptr() == k[1].data_ptr()
     assert (view.stride(0), view.stride(2), view.stride(3)) == (head_dim, slots * head_dim, 1)
-    assert torch.equal(view[5, 0, 2], buffer[2, 5])
+    assert torch.equal(view[5, 0, 2], k[1, 2, 5]) and torch.equal(views[1][1][5, 0, 2], -k[1, 2, 5])
+    # paged_kv_t's uint32 strides: a page stride of slots * head_dim = 2**32 cannot be expressed.
+    huge = torch.empty((1, 1, 2**25, 128), device="meta")
+    with pytest.raises(BatchgenError, match="too large for its 32-bit strides"):
+        paging.paged_kv_views(huge, huge)
 
 
 def test_workspace_grows_with_heads_and_graph_batch() -> None:
@@ -347,18 +354,18 @@ def test_cuda_device_without_cuda_is_a_one_line_error() -> None:
 
 
 def test_unsupported_dtype_head_dim_and_missing_package(monkeypatch: pytest.MonkeyPatch) -> None:
-    problem = fib.config_problem(torch.float32, 8, 2, 64)
+    problem = fis.config_problem(torch.float32, 8, 2, 64)
     assert problem is not None and "float16 and bfloat16 models only, not float32" in problem
-    problem = fib.config_problem(torch.bfloat16, 4, 2, 16)
+    problem = fis.config_problem(torch.bfloat16, 4, 2, 16)
     assert problem is not None and "head_dim 64, 128 or 256; this model's is 16" in problem
-    assert fib.config_problem(torch.float16, 32, 8, 128) is None
+    assert fis.config_problem(torch.float16, 32, 8, 128) is None
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setitem(sys.modules, "flashinfer", None)
-    fib.import_problem.cache_clear()
+    fis.import_problem.cache_clear()
     try:
-        reason = fib.unavailable_reason(torch.device("cuda"), torch.bfloat16, 8, 2, 64)
+        reason = fis.unavailable_reason(torch.device("cuda"), torch.bfloat16, 8, 2, 64)
     finally:
-        fib.import_problem.cache_clear()
+        fis.import_problem.cache_clear()
     assert reason is not None and reason.startswith(
         "--attention-backend flashinfer needs the flashinfer-python package"
     )

@@ -10,21 +10,13 @@ size 1 (a page is one KV slot); every layer then runs the planned wrapper:
   to the end of each request's KV, so the query at position ``prefix + i`` sees KV ``0 .. prefix + i``: the cached
   prefix and the new tokens up to itself; a MIXED decode row (one query) sees its whole sequence.
 
-KV layout. The pool keeps each layer head-major, ``[num_kv_heads, slots, head_dim]``. FlashInfer 0.5 reads a paged
-cache through the tensors' own strides (``paged_kv_t``'s custom-stride constructor in
-``include/flashinfer/page.cuh``, fed by ``paged_k_cache.strides()`` in ``csrc/batch_prefill.cu`` and
-``csrc/batch_decode.cu``; only the last dimension must be dense), so each layer is passed without a copy as the
-view ``k_buffer[layer].transpose(0, 1).unsqueeze(1)``: NHD ``[slots, page_size=1, num_kv_heads, head_dim]``
-with strides ``(head_dim, *, slots * head_dim, 1)``. That holds for the FA2 kernels only: the FA3 (SM90) prefill
-path converts page strides to offsets as ``stride_page // stride_n`` (``BatchPrefillWithPagedKVCacheWrapper.run``
-in ``flashinfer/prefill.py``), which is 0 for this view, so both wrappers are pinned to ``backend="fa2"``.
+KV layout and why both wrappers are pinned to FA2: :mod:`batchgen.kernels.attention.flashinfer_paging`.
 
 Imported without flashinfer or CUDA; :class:`FlashInferAttnBackend` imports flashinfer when constructed.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import TYPE_CHECKING, Any
 
@@ -36,57 +28,18 @@ from batchgen.kernels.attention.flashinfer_paging import (
     PagedKVIndex,
     build_paged_kv_index,
     indptr_from_lengths,
-    paged_kv_view,
+    paged_kv_views,
     workspace_bytes,
 )
+from batchgen.kernels.attention.flashinfer_support import unavailable_reason
 
 if TYPE_CHECKING:
     from batchgen.loop.forward_batch import ForwardBatch
     from batchgen.loop.kv_pool import TokenToKVPool
 
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)  # FlashInfer's JIT has no float32 attention kernels
-SUPPORTED_HEAD_DIMS = (64, 128, 256)  # the head sizes FlashInfer's FA2 kernels are built and tested for
 _KV_LAYOUT = "NHD"
-_KERNELS = "fa2"  # see the module docstring: FA3 misreads the strided pool view
+_KERNELS = "fa2"  # FA3 misreads the strided pool view (flashinfer_paging's docstring)
 _PAGE_SIZE = 1
-_MAX_STRIDE = 2**32  # paged_kv_t keeps strides as uint32
-
-
-def config_problem(dtype: torch.dtype, num_qo_heads: int, num_kv_heads: int, head_dim: int) -> str | None:
-    """Why FlashInfer cannot run a model of this dtype and shape, or ``None`` when it can."""
-    if dtype not in SUPPORTED_DTYPES:
-        name = str(dtype).removeprefix("torch.")
-        return (
-            f"--attention-backend flashinfer runs float16 and bfloat16 models only, not {name}; "
-            "use --dtype bfloat16 or --attention-backend triton"
-        )
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        return f"--attention-backend flashinfer supports head_dim 64, 128 or 256; this model's is {head_dim}"
-    if num_kv_heads <= 0 or num_qo_heads % num_kv_heads:
-        return f"--attention-backend flashinfer: {num_qo_heads} query heads are not a multiple of {num_kv_heads}"
-    return None
-
-
-@functools.cache
-def import_problem() -> str | None:
-    """Why ``import flashinfer`` fails here (one line), or ``None`` when it works. Cached: it takes seconds."""
-    try:
-        import flashinfer  # noqa: F401
-    except Exception as e:  # not only ImportError: a broken dependency (tvm_ffi, nvml) raises other errors
-        detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        return f"--attention-backend flashinfer needs the flashinfer-python package, which failed to import: {detail}"
-    return None
-
-
-def unavailable_reason(
-    device: torch.device, dtype: torch.dtype, num_qo_heads: int, num_kv_heads: int, head_dim: int
-) -> str | None:
-    """Why :class:`FlashInferAttnBackend` cannot run here (one line), or ``None``; ``auto`` uses it to choose."""
-    if device.type != "cuda":
-        return f"--attention-backend flashinfer needs a CUDA device, not {device.type}; use torch_native on CPU"
-    if not torch.cuda.is_available():
-        return "--attention-backend flashinfer needs CUDA, which is not available on this machine"
-    return config_problem(dtype, num_qo_heads, num_kv_heads, head_dim) or import_problem()
 
 
 class FlashInferAttnBackend(AttentionBackend):
@@ -334,14 +287,6 @@ class FlashInferAttnBackend(AttentionBackend):
         """The (k, v) views of one layer, built once per pool."""
         key = (pool.k_buffer.data_ptr(), pool.v_buffer.data_ptr(), tuple(pool.k_buffer.shape))
         if key != self._kv_views_of:
-            slots, head_dim = pool.k_buffer.shape[2], pool.k_buffer.shape[3]
-            if slots * head_dim >= _MAX_STRIDE:
-                raise BatchgenError(
-                    f"--attention-backend flashinfer: a KV pool of {slots} slots is too large for its 32-bit "
-                    "strides; lower --max-total-tokens"
-                )
-            self._kv_views = [
-                (paged_kv_view(k), paged_kv_view(v)) for k, v in zip(pool.k_buffer.unbind(0), pool.v_buffer.unbind(0))
-            ]
+            self._kv_views = paged_kv_views(pool.k_buffer, pool.v_buffer)
             self._kv_views_of = key
         return self._kv_views[layer_id]

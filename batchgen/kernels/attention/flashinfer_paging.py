@@ -1,4 +1,14 @@
-"""FlashInfer's page tables and workspace size for batchgen's pool (page size 1); no flashinfer import needed."""
+"""FlashInfer's page tables and workspace size for batchgen's pool (page size 1); no flashinfer import needed.
+
+KV layout. The pool keeps each layer head-major, ``[num_kv_heads, slots, head_dim]``. FlashInfer 0.5 reads a paged
+cache through the tensors' own strides (``paged_kv_t``'s custom-stride constructor in
+``include/flashinfer/page.cuh``, fed by ``paged_k_cache.strides()`` in ``csrc/batch_prefill.cu`` and
+``csrc/batch_decode.cu``; only the last dimension must be dense), so each layer is passed without a copy as the
+view ``k_buffer[layer].transpose(0, 1).unsqueeze(1)``: NHD ``[slots, page_size=1, num_kv_heads, head_dim]``
+with strides ``(head_dim, *, slots * head_dim, 1)``. That holds for the FA2 kernels only: the FA3 (SM90) prefill
+path converts page strides to offsets as ``stride_page // stride_n`` (``BatchPrefillWithPagedKVCacheWrapper.run``
+in ``flashinfer/prefill.py``), which is 0 for this view, so both wrappers are pinned to ``backend="fa2"``.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
+from batchgen.errors import BatchgenError
+
 MIN_WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended float workspace
+_MAX_STRIDE = 2**32  # paged_kv_t keeps strides as uint32
 
 
 @dataclass
@@ -63,10 +76,20 @@ def build_paged_kv_index(
     return PagedKVIndex(kv_indptr, kv_indices, torch.ones(len(seq_lens_host), dtype=torch.int32))
 
 
-def paged_kv_view(buffer: torch.Tensor) -> torch.Tensor:
-    """One layer's head-major ``[num_kv_heads, slots, head_dim]`` buffer as FlashInfer's NHD paged cache
-    ``[slots, 1, num_kv_heads, head_dim]`` (page size 1): a view, sharing memory with ``buffer``."""
-    return buffer.transpose(0, 1).unsqueeze(1)
+def paged_kv_views(k_buffer: torch.Tensor, v_buffer: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer of the head-major pool ``[num_layers, num_kv_heads, slots, head_dim]`` as FlashInfer's NHD paged
+    cache ``[slots, 1, num_kv_heads, head_dim]`` (page size 1): views, sharing memory with the buffers.
+
+    Raises:
+        BatchgenError: the pool's page stride (``slots * head_dim``) does not fit FlashInfer's 32-bit strides.
+    """
+    slots, head_dim = k_buffer.shape[2], k_buffer.shape[3]
+    if slots * head_dim >= _MAX_STRIDE:
+        raise BatchgenError(
+            f"--attention-backend flashinfer: a KV pool of {slots} slots is too large for its 32-bit "
+            "strides; lower --max-total-tokens"
+        )
+    return [(k.transpose(0, 1).unsqueeze(1), v.transpose(0, 1).unsqueeze(1)) for k, v in zip(k_buffer, v_buffer)]
 
 
 def _fa2_cta_tile_q(packed_qo_len: int, head_dim: int, ampere_or_newer: bool) -> int:
