@@ -34,9 +34,7 @@ import torch
 
 ENV_SWITCH = "BATCHGEN_CPU_ATTENTION_KERNEL"
 _SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "elementwise.cpp", "argmax.cpp")]
-_HEADERS = [
-    Path(__file__).with_name(name) for name in ("vec16.h", "attention_common.h", "attention_bf16.h", "attention_avx2.h")
-]
+_HEADERS = sorted(Path(__file__).parent.glob("*.h"))  # included by the sources: part of the build's key
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 

@@ -1,10 +1,10 @@
-// Fused elementwise ops of a Llama-family layer for bfloat16 on the CPU: RMSNorm (with the residual add before
-// it), SiLU-and-multiply, and RoPE. Each replaces a chain of 4-10 PyTorch ops (one pass over memory each, and a
-// float32 temporary per step) by one pass. Every step rounds to bfloat16 where the PyTorch code it replaces does
-// (batchgen/models/llama.py, rotary.py, following transformers): RoPE, the residual add and SiLU-and-multiply
-// then give the same bits as that code (SiLU's exp is another within ~1 ulp, which no bfloat16 input's rounded
-// result shows), and RMSNorm differs from it only where its float32 sum, taken in another order, rounds across a
-// bfloat16 boundary.
+// Fused elementwise ops of a Llama-family layer for bfloat16 on the CPU: RMSNorm (with the residual add before it),
+// SiLU-and-multiply, and RoPE. Each replaces a chain of 4-10 PyTorch ops (one pass over memory each, and a float32
+// temporary per step) by one pass. Every step rounds to bfloat16 where the PyTorch code it replaces does
+// (batchgen/models/llama.py, rotary.py, following transformers): RoPE, the residual add and SiLU-and-multiply then
+// give the same bits as that code (SiLU's exp is another within ~1 ulp, which no bfloat16 input's rounded result
+// shows), and RMSNorm differs from it only where its float32 sum, taken in another order, rounds across a bfloat16
+// boundary.
 //
 // Rows are split over threads (at::parallel_for); a row's arithmetic never depends on the other rows.
 
@@ -13,6 +13,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "bf16_round.h"
 #include "vec16.h"
 
 #include <algorithm>
@@ -25,42 +26,8 @@ namespace {
 
 using c10::BFloat16;
 
-// float32 lanes rounded to bfloat16 (to nearest even, NaN kept a quiet NaN), as c10::BFloat16 rounds.
-inline vnh to_bf16(vnf x) {
-  const vnu bits = reinterpret_cast<vnu>(x);
-  const vnu rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-  const vnu out = x == x ? rounded : vnu{} + 0x7fc0u;
-  return __builtin_convertvector(out, vnh);
-}
-
-inline void storen(BFloat16* p, vnf x) {
-  const vnh h = to_bf16(x);
-  std::memcpy(p, &h, sizeof(h));
-}
-
-// x rounded to bfloat16 and back: the value a bfloat16 PyTorch op hands to the next one.
-inline vnf round_bf16(vnf x) { return reinterpret_cast<vnf>(__builtin_convertvector(to_bf16(x), vnu) << 16); }
-
-inline float round_bf16(float x) { return static_cast<float>(static_cast<BFloat16>(x)); }
-
 // Rows in one thread's share: about 16K elements, so that a decode step's few rows stay on one thread.
 inline int64_t grain(int64_t cols) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(cols, 1)); }
-
-// Where a GEMM runs in float32 for a bfloat16 model (batchgen/models/packed_linear.py), its output reaches these
-// ops unrounded and their outputs feed the next GEMM as float32 ("the float32 carrier"): each op rounds such an
-// input to bfloat16 on load and such an output on store, so the values are those of the all-bfloat16 chain and
-// the casts around the GEMMs are gone. load_value/store_value take bfloat16 (as is) or float32 (rounded).
-inline vnf load_value(const BFloat16* p) { return loadn(p); }
-inline vnf load_value(const float* p) { return round_bf16(loadn(p)); }
-inline float value(BFloat16 x) { return to_float(x); }
-inline float value(float x) { return round_bf16(x); }
-inline void store_value(BFloat16* p, vnf x) { storen(p, x); }
-inline void store_value(float* p, vnf x) {
-  const vnf rounded = round_bf16(x);
-  std::memcpy(p, &rounded, sizeof(rounded));
-}
-inline void store_value(BFloat16* p, float x) { *p = static_cast<BFloat16>(x); }
-inline void store_value(float* p, float x) { *p = round_bf16(x); }
 
 // Calls f(X{}, O{}) with X, O the C++ types of `in` and `out` (each bfloat16 or float32).
 template <typename F>

@@ -1,15 +1,14 @@
 """Paged decode attention in Triton: one query token per request, split-K over the sequence.
 
 Algorithm: Flash-Decoding (Dao, Haziza, Massa, Sizov, "Flash-Decoding for long-context inference", 2023).
-A single query row gives too little parallelism per (request, head), so the sequence is cut into
-``NUM_KV_SPLITS`` slices. Stage 1 runs one program per (request, KV head, slice): an online-softmax
-(Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022) pass over its slice for every query head of
-the GQA group at once, so each K/V row is loaded once per group. It writes the slice's normalised partial
-output and log-sum-exp. Stage 2 runs one program per (request, query head) and merges the slices, each
-weighted by ``exp(lse_slice - lse_total)``.
+A single query row gives too little parallelism per (request, head), so the sequence is cut into ``NUM_KV_SPLITS``
+slices. Stage 1 runs one program per (request, KV head, slice): an online-softmax (Milakov & Gimelshein 2018;
+FlashAttention, Dao et al. 2022) pass over its slice for every query head of the GQA group at once, so each K/V row
+is loaded once per group. It writes the slice's normalised partial output and log-sum-exp. Stage 2 runs one program
+per (request, query head) and merges the slices, each weighted by ``exp(lse_slice - lse_total)``.
 
-The slice bounds are computed in the kernels from ``seq_lens``, and both grids depend only on the batch
-size, so one launch serves any sequence lengths: a captured CUDA graph stays valid on replay.
+The slice bounds are computed in the kernels from ``seq_lens``, and both grids depend only on the batch size, so one
+launch serves any sequence lengths: a captured CUDA graph stays valid on replay.
 """
 
 from __future__ import annotations
@@ -116,9 +115,8 @@ def _decode_split_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
-    # An empty slice (short sequence) writes nothing; stage 2 skips it by the same bounds. The condition
-    # is folded into the head bound rather than and-ed in as a scalar: Triton's interpreter turns
-    # `block_mask & scalar_mask` into an int32 mask that tl.store rejects.
+    # An empty slice (short sequence) writes nothing; stage 2 skips it by the same bounds. The condition is folded
+    # into the head bound, not and-ed in as a scalar: the interpreter makes that an int32 mask tl.store rejects.
     mask_out = offs_g < tl.where(end > start, GROUP, 0)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # l_i is 0 only in an empty slice, whose results are not stored
     tl.store(
