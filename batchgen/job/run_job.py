@@ -207,7 +207,7 @@ class RunJob:
         else:
             self._pending_rows.extend(rows)
             self.summary.rows += 1
-        self.summary.requests += 1
+        self.summary.samples += 1
         self.summary.output_tokens += len(req.output_ids)
         if req.sample_index == 0:  # the samples of a row share one prompt, and count as one input row
             self.summary.prompt_tokens += len(req.prompt_ids)

@@ -14,8 +14,9 @@ from batchgen.loop.options import EngineOptions
 class RunSummary:
     """What a run did: rows written and failed, tokens in and out, wall seconds."""
 
-    requests: int = 0
-    # Input rows whose every sample finished (with n > 1 a row is n requests).
+    # Finished samples (requests): a row with n > 1 is n of them.
+    samples: int = 0
+    # Input rows whose every sample finished.
     rows: int = 0
     errors: int = 0
     prompt_tokens: int = 0
@@ -29,8 +30,10 @@ class RunSummary:
 
     def line(self) -> str:
         rate = self.output_tokens / self.seconds if self.seconds > 0 else 0.0
+        # Samples are named only where they differ from rows: "10 rows (30 samples)" for n = 3.
+        samples = f" ({counted(self.samples, 'sample')})" if self.samples != self.rows else ""
         return (
-            f"batchgen: {counted(self.requests, 'request')} done, {counted(self.errors, 'bad row')}, "
+            f"batchgen: {counted(self.rows, 'row')}{samples} done, {counted(self.errors, 'bad row')}, "
             f"{self.prompt_tokens} prompt + "
             f"{self.output_tokens} output tokens in {self.seconds:.1f} s, {rate:.1f} output tok/s, "
             f"{counted(self.preemptions, 'preemption')}"
