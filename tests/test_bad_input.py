@@ -75,7 +75,21 @@ CASES: dict[str, Case] = {
     "invalid_utf8": Case(b'{"id": "bad", "prompt": "\xff"}', None, "invalid UTF-8 at byte 26"),
     # --- prompt fields
     "no_prompt": Case(
-        _bad(max_new_tokens=3), "prompt", "row has no prompt: give one of prompt, messages, prompt_token_ids"
+        _bad(max_new_tokens=3),
+        "prompt",
+        "row has no prompt: give one of prompt, messages, prompt_token_ids (found 'max_new_tokens')",
+    ),
+    # Another tool's name for the prompt: the message names the field it found and the rename (found by a new user).
+    "text_instead_of_prompt": Case(
+        _bad(text="x"),
+        "prompt",
+        "row has no prompt: give one of prompt, messages, prompt_token_ids (found 'text'; rename it to 'prompt')",
+    ),
+    "input_ids_instead_of_prompt_token_ids": Case(
+        _bad(topic="t", input_ids=[0, 5]),
+        "prompt",
+        "row has no prompt: give one of prompt, messages, prompt_token_ids (found 'topic', 'input_ids'; rename "
+        "'input_ids' to 'prompt_token_ids')",
     ),
     "prompt_and_token_ids": Case(
         _bad(prompt="x", prompt_token_ids=[0, 5]),
@@ -142,6 +156,16 @@ CASES: dict[str, Case] = {
     "top_k_minus_2": Case(_bad(prompt="x", top_k=-2), "top_k", "must be -1 or 0 (off) or a positive count, got -2"),
     "min_p_above_1": Case(_bad(prompt="x", min_p=1.5), "min_p", "must be in [0, 1], got 1.5"),
     "max_new_tokens_negative": Case(_bad(prompt="x", max_new_tokens=-1), "max_new_tokens", "must be >= 0, got -1"),
+    # OpenAI's names for max_new_tokens are read as it, and errors name the field the row gave.
+    "max_tokens_negative": Case(_bad(prompt="x", max_tokens=-1), "max_tokens", "must be >= 0, got -1"),
+    "max_completion_tokens_string": Case(
+        _bad(prompt="x", max_completion_tokens="10"), "max_completion_tokens", 'must be an integer, got "10"'
+    ),
+    "max_tokens_and_max_new_tokens": Case(
+        _bad(prompt="x", max_new_tokens=3, max_tokens=3),
+        "max_tokens",
+        "give only one of max_new_tokens, max_tokens, max_completion_tokens (found: max_new_tokens, max_tokens)",
+    ),
     "min_new_tokens_above_max": Case(
         _bad(prompt="x", max_new_tokens=3, min_new_tokens=9), "min_new_tokens", "must be <= max_new_tokens (3), got 9"
     ),
