@@ -376,6 +376,39 @@ def test_prompt_one_token_below_context_is_generated(models: dict[str, Path], tm
     assert (got["prompt_tokens"], got["completion_tokens"], got["finish_reason"]) == (15, 1, "length")
 
 
+def test_every_row_bad_writes_no_output(models: dict[str, Path], tmp_path: Path) -> None:
+    """A run whose rows are all bad leaves no output file and no partial output (found by a new user: an empty
+    file made the next try need --overwrite); after the rows are fixed the same command runs."""
+    rows = [{"id": "a", "text": "hi", "max_new_tokens": 2}, {"id": "b", "text": "ho", "max_new_tokens": 2}]
+    dataset = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.arrow"
+    code, lines = _run(dataset, out, models["llama"])
+    assert code == 2, lines
+    assert [line for line in lines if line.startswith("batchgen: error: ")] == [
+        *(f"batchgen: error: {dataset}:{i}: field 'prompt': row has no prompt: give one of prompt, messages, "
+          "prompt_token_ids (found 'text', 'max_new_tokens'; rename 'text' to 'prompt')" for i in (1, 2)),
+        "batchgen: error: 2 bad input rows left out (see above; --on-error skip writes them); no row was good, so "
+        "no output file was written",
+    ]  # fmt: skip
+    assert _summary(lines)[:2] == (0, 2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
+    write_jsonl(dataset, [{"id": r["id"], "prompt": r["text"], "max_new_tokens": 2} for r in rows])
+    code, lines = _run(dataset, out, models["llama"])
+    assert code == 0, lines
+    assert sorted(r["id"] for r in read_results(out).to_pylist()) == ["a", "b"]
+
+
+def test_every_row_bad_under_skip_writes_the_error_rows(models: dict[str, Path], tmp_path: Path) -> None:
+    """Under --on-error skip the error rows are the output: it is written, and the run succeeds."""
+    dataset = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": 5}, {"id": "b", "prompt": 6}])
+    out = tmp_path / "out.arrow"
+    code, lines = _run(dataset, out, models["llama"], "--on-error", "skip")
+    assert code == 0, lines
+    got = read_results(out).to_pylist()
+    assert [(r["id"], r["finish_reason"]) for r in got] == [("a", "error"), ("b", "error")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "out.arrow"]
+
+
 # --- row-level errors, --on-error skip --------------------------------------------------------------------
 
 

@@ -17,7 +17,7 @@ from tqdm import tqdm
 from batchgen import __version__
 from batchgen.errors import BatchgenError, FieldError, RowError
 from batchgen.io.field_warnings import warn_about_json_text_fields, warn_about_passthrough_names
-from batchgen.io.partial_output import PartialOutput
+from batchgen.io.partial_output import PartialOutput, remove_partial_dir
 from batchgen.io.reader import RowReader, count_input_rows
 from batchgen.io.rows import RowSpec, error_row_id, parse_row, passthrough_that_fits
 from batchgen.io.writer import result_schema
@@ -144,10 +144,15 @@ class RunJob:
         except BaseException as e:
             self._flush_after_failure(e)
             raise
-        if stop.signum is None:
-            self.output.finalize()
-        else:
+        if stop.signum is not None:
             self.summary.interrupted_by = stop.name
+        elif self.output.state.parts:
+            self.output.finalize()
+        else:  # every row was bad (--on-error fail): no empty output file that the next try must --overwrite
+            self.summary.output_written = False
+            self.output.close()
+            with contextlib.suppress(OSError):  # it holds no rows; a directory left behind only asks for --resume
+                remove_partial_dir(self.output.dir)
         self.summary.seconds = time.perf_counter() - start
         self.summary.preemptions = self.engine.scheduler.num_retracted
         self.summary.accept_histogram = dict(self.engine.scheduler.accept_histogram)

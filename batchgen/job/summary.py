@@ -25,6 +25,8 @@ class RunSummary:
     preemptions: int = 0
     # The signal that stopped the run early, e.g. "SIGTERM"; empty when it ran to the end.
     interrupted_by: str = ""
+    # False when the run ended with no row to write (every row bad under --on-error fail): no output file then.
+    output_written: bool = True
     # Speculative decoding: decode rounds of one request by the tokens they emitted (1 … K + 1).
     accept_histogram: dict[int, int] = field(default_factory=dict)
 
@@ -72,8 +74,9 @@ def speculative_record(options: EngineOptions, histogram: dict[int, int]) -> dic
 def raise_if_failed(summary: RunSummary, on_error: str) -> None:
     """Under ``--on-error fail`` a run with bad rows ends with an error after writing the good ones."""
     if summary.errors and on_error == "fail":
+        nothing = "" if summary.output_written else "; no row was good, so no output file was written"
         raise BatchgenError(
-            f"{counted(summary.errors, 'bad input row')} left out (see above; --on-error skip writes them)"
+            f"{counted(summary.errors, 'bad input row')} left out (see above; --on-error skip writes them){nothing}"
         )
 
 
