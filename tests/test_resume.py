@@ -737,6 +737,33 @@ def test_resume_of_a_finished_output_with_all_rows_checks_the_dataset(model: Pat
     assert code == 0 and "--resume-force keeps it" in output and "already complete" in output
 
 
+def test_resume_of_an_output_without_input_digests_needs_force_to_add_rows(model: Path, tmp_path: Path) -> None:
+    """An output that records no input digests (an older batchgen's) cannot have its rows checked: --resume says so,
+    and --resume-force keeps its rows and adds the missing one."""
+    rows = [{"id": "a", "prompt_token_ids": [0, 5]}, {"id": "b", "prompt_token_ids": [0, 6], "temperature": "x"}]
+    dataset = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.arrow"
+    run = ["run", str(dataset), "--out", str(out), "--model", str(model), *COMMON, "--max-new-tokens", "2"]
+    assert run_cli(run)[0] == 2
+    table = read_results(out)
+    metadata = {k: v for k, v in (table.schema.metadata or {}).items() if k != b"batchgen.input_digests"}
+    with pa.ipc.new_file(out, table.schema.with_metadata(metadata)) as writer:
+        writer.write_table(table)
+    rows[1]["temperature"] = 0
+    write_jsonl(dataset, rows)
+    code, output = run_cli([*run, "--resume"])
+    assert (code, output) == (
+        2,
+        f"batchgen: error: {out} holds 1 of the 2 rows of {dataset} and records no digests of its input rows (an "
+        "older batchgen made it), so they cannot be checked: pass --resume-force to keep them and add the missing "
+        "rows, or --overwrite to run the whole dataset again\n",
+    )
+    code, output = run_cli([*run, "--resume-force"])
+    assert code == 0, output
+    after = {row["id"]: row for row in read_results(out).to_pylist()}
+    assert sorted(after) == ["a", "b"] and after["a"] == table.to_pylist()[0]
+
+
 def test_resume_of_a_finished_jsonl_output_that_lacks_rows_says_why_not(model: Path, tmp_path: Path) -> None:
     """JSON Lines holds no metadata: no model, seed or input digests to check a resumed run against."""
     rows = [{"id": "a", "prompt_token_ids": [0, 5]}, {"id": "b", "prompt_token_ids": [0, 6], "temperature": "x"}]

@@ -80,14 +80,13 @@ class RowReader:
     shift. The reader can be iterated more than once; each pass re-reads the file.
 
     ``passthrough_schema`` is known as soon as the constructor returns: it holds every input field that is
-    not a known field (``id``, the prompt fields, the sampling fields and their aliases such as ``max_tokens``),
-    all nullable, under the names ``passthrough_names`` gives them (a field named like an output column,
-    ``text`` or ``error``, is renamed ``input_<name>``; see :func:`passthrough_names`), as in
-    :func:`batchgen.io.rows.parse_row`'s result. For Parquet the types come from the file schema. For JSONL they
-    are inferred by pyarrow from the first ``block_rows`` rows (read ahead and buffered here), in order of first
-    appearance; a null type (a field null in all of them, or only empty lists) becomes ``string``
-    (``list<string>``). When values disagree the first one's type wins, and rows that do not fit it fail in
-    ``parse_row``.
+    not a known field (``id``, the prompt and sampling fields and their aliases), all nullable, under the names
+    ``passthrough_names`` gives them (a field named like an output column, ``text`` or ``error``, is renamed
+    ``input_<name>``; see :func:`passthrough_names`), as in :func:`batchgen.io.rows.parse_row`'s result. For
+    Parquet the types come from the file schema. For JSONL they are inferred by pyarrow from the first
+    ``block_rows`` rows (read ahead and buffered here), in order of first appearance; a null type (a field null
+    in all of them, or only empty lists) becomes ``string`` (``list<string>``). When values disagree the first
+    one's type wins, and rows that do not fit it fail in ``parse_row``.
 
     Args:
         path: the input file; ``str(path)`` is used as the source name in every message.

@@ -1,4 +1,4 @@
-"""Whether a run may start, continue or skip its output: the output path checks, the comparison of this run with
+"""Whether a run may start, continue, reopen or skip its output: the output path checks, the comparison of this run with
 the one that wrote a partial output, and the command that resumes an interrupted run."""
 
 from __future__ import annotations
