@@ -648,6 +648,10 @@ def test_resume_adds_the_rows_a_finished_output_lacks(suffix: str, model: Path, 
     assert code == 2 and "batchgen: error: 1 bad input row left out" in output, output
     before = {row["id"]: row for row in read_results(out).to_pylist()}
     assert sorted(before) == ["r0", "r1", "r3"]
+    assert output_status(dataset, out)[0] == (
+        f"{out}: complete: 3 of 4 rows done, 1 remaining, 0 errored (bad rows that --on-error fail left out, or rows "
+        "added since; --resume adds them to an .arrow or .parquet output once they are fixed)"
+    )
     rows[2]["temperature"] = 0
     write_jsonl(dataset, rows)
     code, output = run_cli([*run, "--ignore-eos", "--resume"])

@@ -4,8 +4,9 @@ which of its rows were made from an input that has changed since.
 A row's digest is the first 8 bytes of the BLAKE2b hash of its id and its fields as canonical JSON (keys sorted),
 so a change to any field of the row, its sampling fields included, or to which row holds an id, changes it, and
 rewriting the file with other spacing or key order does not. The output's metadata holds the digests of every row
-the run read, 8 bytes each (base64), in no particular order: 0.8 MiB for 100,000 rows. Two different rows share a
-digest with a chance of about 2**-64 per pair, which is what the check may miss.
+the run read, 8 bytes each, as base64, in input order. The file stores its metadata twice (Arrow IPC: header and
+footer; Parquet: its own and in the Arrow schema), so they add about 2 MiB per 100,000 rows. Two different rows
+share a digest with a chance of about 2**-64 per pair, which is what the check may miss.
 """
 
 from __future__ import annotations

@@ -48,7 +48,10 @@ class OutputStatus:
             counts = f"{self.done} of {self.total} rows done"
         line = f"{self.out}: {self.state}: {counts}, {self.remaining} remaining, {self.errored} errored"
         if self.state == "complete" and self.remaining:
-            line += " (rows left out as bad by --on-error fail are never written)"
+            line += (
+                " (bad rows that --on-error fail left out, or rows added since; --resume adds them to an .arrow or "
+                ".parquet output once they are fixed)"
+            )
         notes = list(self.notes)
         if self.dataset_changes:
             notes.append(
