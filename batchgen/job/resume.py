@@ -51,8 +51,8 @@ class OutputPolicy:
 
 
 def check_output_path(dataset: Path, out: Path, overwrite: bool, resume: bool) -> bool:
-    """Check the output path before any work; return whether ``out`` is already complete (only with ``resume``;
-    a partial output left beside it is then removed).
+    """Check the output path before any work; return whether ``out`` is a finished output to check for missing rows
+    (only with ``resume``; a partial output left beside it is then removed).
 
     Raises:
         BatchgenError: ``out`` is the dataset or a directory, has an unsupported format, its directory does not
@@ -78,8 +78,8 @@ def check_output_path(dataset: Path, out: Path, overwrite: bool, resume: bool) -
         raise BatchgenError(f"{out}: directory {out.parent} does not exist")
     if not (resume and out.exists()):
         return False
-    # OUT is only ever put in place complete, so with --resume its existence means there is nothing left to do; a
-    # partial output beside it is what a crash between putting OUT in place and removing it leaves.
+    # OUT is only ever put in place finished, and removed only once reopened; a partial output beside it is what a
+    # crash between putting OUT in place and removing the directory leaves, or one while OUT was being reopened.
     with contextlib.suppress(OSError):
         remove_partial_dir(partial)
     return True
