@@ -39,8 +39,8 @@ CONTEXT = ["--context-length", "16"]
 COMMON = ["--dtype", "float32", "--device", "cpu", "--no-progress"]
 LEFT_OUT_1 = "batchgen: error: 1 bad input row left out (see above; --on-error skip writes them)"
 SUMMARY = re.compile(
-    r"^batchgen: (\d+) requests? done, (\d+) bad rows?, (\d+) prompt \+ (\d+) output tokens in [\d.]+ s, "
-    r"[\d.]+ output tok/s, (\d+) preemptions?$"
+    r"^batchgen: (\d+) rows?(?: \(\d+ samples\))? done, (\d+) bad rows?, (\d+) prompt \+ (\d+) output tokens in "
+    r"[\d.]+ s, [\d.]+ output tok/s, (\d+) preemptions?$"
 )
 
 
@@ -75,7 +75,21 @@ CASES: dict[str, Case] = {
     "invalid_utf8": Case(b'{"id": "bad", "prompt": "\xff"}', None, "invalid UTF-8 at byte 26"),
     # --- prompt fields
     "no_prompt": Case(
-        _bad(max_new_tokens=3), "prompt", "row has no prompt: give one of prompt, messages, prompt_token_ids"
+        _bad(max_new_tokens=3),
+        "prompt",
+        "row has no prompt: give one of prompt, messages, prompt_token_ids (found 'max_new_tokens')",
+    ),
+    # Another tool's name for the prompt: the message names the field it found and the rename (found by a new user).
+    "text_instead_of_prompt": Case(
+        _bad(text="x"),
+        "prompt",
+        "row has no prompt: give one of prompt, messages, prompt_token_ids (found 'text'; rename it to 'prompt')",
+    ),
+    "input_ids_instead_of_prompt_token_ids": Case(
+        _bad(topic="t", input_ids=[0, 5]),
+        "prompt",
+        "row has no prompt: give one of prompt, messages, prompt_token_ids (found 'topic', 'input_ids'; rename "
+        "'input_ids' to 'prompt_token_ids')",
     ),
     "prompt_and_token_ids": Case(
         _bad(prompt="x", prompt_token_ids=[0, 5]),
@@ -142,6 +156,16 @@ CASES: dict[str, Case] = {
     "top_k_minus_2": Case(_bad(prompt="x", top_k=-2), "top_k", "must be -1 or 0 (off) or a positive count, got -2"),
     "min_p_above_1": Case(_bad(prompt="x", min_p=1.5), "min_p", "must be in [0, 1], got 1.5"),
     "max_new_tokens_negative": Case(_bad(prompt="x", max_new_tokens=-1), "max_new_tokens", "must be >= 0, got -1"),
+    # OpenAI's names for max_new_tokens are read as it, and errors name the field the row gave.
+    "max_tokens_negative": Case(_bad(prompt="x", max_tokens=-1), "max_tokens", "must be >= 0, got -1"),
+    "max_completion_tokens_string": Case(
+        _bad(prompt="x", max_completion_tokens="10"), "max_completion_tokens", 'must be an integer, got "10"'
+    ),
+    "max_tokens_and_max_new_tokens": Case(
+        _bad(prompt="x", max_new_tokens=3, max_tokens=3),
+        "max_tokens",
+        "give only one of max_new_tokens, max_tokens, max_completion_tokens (found: max_new_tokens, max_tokens)",
+    ),
     "min_new_tokens_above_max": Case(
         _bad(prompt="x", max_new_tokens=3, min_new_tokens=9), "min_new_tokens", "must be <= max_new_tokens (3), got 9"
     ),
@@ -350,6 +374,39 @@ def test_prompt_one_token_below_context_is_generated(models: dict[str, Path], tm
     assert code == 0, lines
     [got] = read_results(tmp_path / "out.arrow").to_pylist()
     assert (got["prompt_tokens"], got["completion_tokens"], got["finish_reason"]) == (15, 1, "length")
+
+
+def test_every_row_bad_writes_no_output(models: dict[str, Path], tmp_path: Path) -> None:
+    """A run whose rows are all bad leaves no output file and no partial output (found by a new user: an empty
+    file made the next try need --overwrite); after the rows are fixed the same command runs."""
+    rows = [{"id": "a", "text": "hi", "max_new_tokens": 2}, {"id": "b", "text": "ho", "max_new_tokens": 2}]
+    dataset = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.arrow"
+    code, lines = _run(dataset, out, models["llama"])
+    assert code == 2, lines
+    assert [line for line in lines if line.startswith("batchgen: error: ")] == [
+        *(f"batchgen: error: {dataset}:{i}: field 'prompt': row has no prompt: give one of prompt, messages, "
+          "prompt_token_ids (found 'text', 'max_new_tokens'; rename 'text' to 'prompt')" for i in (1, 2)),
+        "batchgen: error: 2 bad input rows left out (see above; --on-error skip writes them); no row was good, so "
+        "no output file was written",
+    ]  # fmt: skip
+    assert _summary(lines)[:2] == (0, 2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
+    write_jsonl(dataset, [{"id": r["id"], "prompt": r["text"], "max_new_tokens": 2} for r in rows])
+    code, lines = _run(dataset, out, models["llama"])
+    assert code == 0, lines
+    assert sorted(r["id"] for r in read_results(out).to_pylist()) == ["a", "b"]
+
+
+def test_every_row_bad_under_skip_writes_the_error_rows(models: dict[str, Path], tmp_path: Path) -> None:
+    """Under --on-error skip the error rows are the output: it is written, and the run succeeds."""
+    dataset = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": 5}, {"id": "b", "prompt": 6}])
+    out = tmp_path / "out.arrow"
+    code, lines = _run(dataset, out, models["llama"], "--on-error", "skip")
+    assert code == 0, lines
+    got = read_results(out).to_pylist()
+    assert [(r["id"], r["finish_reason"]) for r in got] == [("a", "error"), ("b", "error")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "out.arrow"]
 
 
 # --- row-level errors, --on-error skip --------------------------------------------------------------------

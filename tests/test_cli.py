@@ -26,8 +26,8 @@ from batchgen.cli.app import app
 
 COMMON = ["--dtype", "float32", "--device", "cpu", "--no-progress"]
 SUMMARY = re.compile(
-    r"^batchgen: (\d+) requests? done, (\d+) bad rows?, (\d+) prompt \+ (\d+) output tokens in ([\d.]+) s, "
-    r"([\d.]+) output tok/s, (\d+) preemptions?$"
+    r"^batchgen: (\d+) rows?(?: \(\d+ samples\))? done, (\d+) bad rows?, (\d+) prompt \+ (\d+) output tokens in "
+    r"([\d.]+) s, ([\d.]+) output tok/s, (\d+) preemptions?$"
 )
 # Every flag of `batchgen run`, as a user types it.
 RUN_FLAGS = {
@@ -559,13 +559,24 @@ def test_report_memory_prints_peak_rss(random_models: dict[str, Path], tmp_path:
 def test_summary_line_counts_in_the_number_each_count_takes() -> None:
     from batchgen.job.summary import RunSummary
 
-    one = RunSummary(requests=1, errors=1, prompt_tokens=3, output_tokens=2, seconds=2.0, preemptions=1)
+    one = RunSummary(samples=1, rows=1, errors=1, prompt_tokens=3, output_tokens=2, seconds=2.0, preemptions=1)
     assert (
         one.line()
-        == "batchgen: 1 request done, 1 bad row, 3 prompt + 2 output tokens in 2.0 s, 1.0 output tok/s, 1 preemption"
+        == "batchgen: 1 row done, 1 bad row, 3 prompt + 2 output tokens in 2.0 s, 1.0 output tok/s, 1 preemption"
     )
-    two = RunSummary(requests=2, errors=0, prompt_tokens=3, output_tokens=4, seconds=2.0, preemptions=0)
+    two = RunSummary(samples=2, rows=2, errors=0, prompt_tokens=3, output_tokens=4, seconds=2.0, preemptions=0)
     assert (
         two.line()
-        == "batchgen: 2 requests done, 0 bad rows, 3 prompt + 4 output tokens in 2.0 s, 2.0 output tok/s, 0 preemptions"
+        == "batchgen: 2 rows done, 0 bad rows, 3 prompt + 4 output tokens in 2.0 s, 2.0 output tok/s, 0 preemptions"
     )
+
+
+def test_summary_line_counts_rows_and_their_samples(model: Path, tmp_path: Path) -> None:
+    """10 rows with n = 3 are 10 rows and 30 samples, not "30 requests" (found by a new user)."""
+    rows = [{"id": str(i), "prompt_token_ids": [0, 5 + i], "max_new_tokens": 2, "n": 3} for i in range(10)]
+    dataset = write_jsonl(tmp_path / "in.jsonl", rows)
+    code, lines = _run(dataset, tmp_path / "out.arrow", model, "--ignore-eos", "--seed", "0")
+    assert code == 0, lines
+    assert lines[0].startswith("batchgen: 10 rows (30 samples) done, 0 bad rows, 20 prompt + 60 output tokens in ")
+    assert SUMMARY.match(lines[0]), lines[0]
+    assert len(pa.ipc.open_file(tmp_path / "out.arrow").read_all()) == 30

@@ -403,7 +403,7 @@ def test_parse_row_messages_and_token_ids() -> None:
 def test_parse_row_no_prompt() -> None:
     error = row_error({"topic": "t", "prompt": None})
     assert error.field == "prompt"
-    assert error.message == "row has no prompt: give one of prompt, messages, prompt_token_ids"
+    assert error.message == "row has no prompt: give one of prompt, messages, prompt_token_ids (found 'topic')"
 
 
 def test_parse_row_two_prompts() -> None:

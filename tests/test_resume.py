@@ -634,40 +634,159 @@ def test_manifest_round_trip_and_checksum() -> None:
             decode_manifest(bad)
 
 
-def test_resume_of_a_finished_output_missing_rows_says_why_and_what_to_do(model: Path, tmp_path: Path) -> None:
-    """--on-error fail leaves a bad row out of a finished output; after the row is fixed, --resume does not
-    claim "already complete": it names the missing row count and the way forward (found by a new user)."""
-    rows = [{"id": "a", "prompt_token_ids": [0, 5]}, {"id": "b", "prompt_token_ids": [0, 6], "temperature": "x"}]
+@pytest.mark.parametrize("suffix", [".arrow", ".parquet"])
+def test_resume_adds_the_rows_a_finished_output_lacks(suffix: str, model: Path, tmp_path: Path) -> None:
+    """--on-error fail leaves a bad row out of a finished output; after the row is fixed, --resume generates exactly
+    that row and keeps the others as they were (found by a new user: only --overwrite, which runs every row again,
+    helped)."""
+    rows: list[dict[str, Any]] = [{"id": f"r{i}", "prompt_token_ids": [0, 5 + i]} for i in range(4)]
+    rows[2]["temperature"] = "x"
+    dataset = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / f"out{suffix}"
+    run = ["run", str(dataset), "--out", str(out), "--model", str(model), *COMMON, "--max-new-tokens", "3"]
+    code, output = run_cli([*run, "--ignore-eos"])
+    assert code == 2 and "batchgen: error: 1 bad input row left out" in output, output
+    before = {row["id"]: row for row in read_results(out).to_pylist()}
+    assert sorted(before) == ["r0", "r1", "r3"]
+    assert output_status(dataset, out)[0] == (
+        f"{out}: complete: 3 of 4 rows done, 1 remaining, 0 errored (bad rows that --on-error fail left out, or rows "
+        "added since; --resume adds them to an .arrow or .parquet output once they are fixed)"
+    )
+    rows[2]["temperature"] = 0
+    write_jsonl(dataset, rows)
+    code, output = run_cli([*run, "--ignore-eos", "--resume"])
+    assert code == 0, output
+    lines = output.splitlines()
+    assert lines[0] == f"batchgen: resuming {out}: 3 rows were done before"
+    # One new generation: the fixed row's 2 prompt and 3 output tokens.
+    assert lines[1].startswith("batchgen: 1 row done, 0 bad rows, 2 prompt + 3 output tokens in "), output
+    after = {row["id"]: row for row in read_results(out).to_pylist()}
+    assert sorted(after) == ["r0", "r1", "r2", "r3"] and len(read_results(out)) == 4
+    assert {rid: after[rid] for rid in before} == before
+    assert after["r2"]["completion_tokens"] == 3 and after["r2"]["finish_reason"] == "length"
+    # Greedy: the same tokens as a run of the fixed row alone.
+    alone = tmp_path / "alone.arrow"
+    alone_dataset = write_jsonl(tmp_path / "alone.jsonl", [rows[2]])
+    code, output = run_cli(["run", str(alone_dataset), "--out", str(alone), *run[4:], "--ignore-eos"])
+    assert code == 0, output
+    assert read_results(alone).to_pylist()[0]["output_token_ids"] == after["r2"]["output_token_ids"]
+    assert output_status(dataset, out)[0].startswith(f"{out}: complete: 4 of 4 rows done, 0 remaining")
+
+
+def test_resume_of_a_finished_output_names_the_rows_whose_input_changed(model: Path, tmp_path: Path) -> None:
+    """--resume adds rows to a finished output only when the rows it holds still match the dataset; rows whose input
+    changed are named and refused (generating them again would discard their results); --resume-force keeps them."""
+    rows: list[dict[str, Any]] = [{"id": f"r{i}", "prompt_token_ids": [0, 5 + i]} for i in range(5)]
+    dataset = write_jsonl(tmp_path / "in.jsonl", rows[:4])
+    out = tmp_path / "out.arrow"
+    run = ["run", str(dataset), "--out", str(out), "--model", str(model), *COMMON, "--max-new-tokens", "2"]
+    assert run_cli(run)[0] == 0
+    before = out.read_bytes()
+    kept = {row["id"]: row for row in read_results(out).to_pylist()}
+    rows[0]["prompt_token_ids"] = [0, 9, 9]
+    rows[3]["max_new_tokens"] = 1
+    write_jsonl(dataset, rows[:1] + rows[2:])  # r1 left, r0 and r3 changed, r4 added
+    code, output = run_cli([*run, "--resume"])
+    assert code == 2, output
+    assert output == (
+        f"batchgen: error: cannot resume: the input of 3 rows of {out} changed in {dataset} or left it since it was "
+        "made ('r0', 'r3', 'r1'); --resume does not generate them again, which would discard their results: pass "
+        "--resume-force to keep them as they are and add any missing rows, or --overwrite to run the whole dataset "
+        "again\n"
+    )
+    assert out.read_bytes() == before and not partial_dir(out).exists()
+    code, output = run_cli([*run, "--resume-force"])
+    assert code == 0, output
+    assert output.startswith(
+        f"batchgen: warning: the input of 3 rows of {out} changed in {dataset} or left it since it was made ('r0', "
+        "'r3', 'r1'); --resume-force keeps their results\n"
+    )
+    after = {row["id"]: row for row in read_results(out).to_pylist()}
+    assert sorted(after) == ["r0", "r1", "r2", "r3", "r4"]
+    assert {rid: after[rid] for rid in kept} == kept
+    assert not partial_dir(out).exists()
+
+
+def test_resume_of_a_finished_output_with_all_rows_checks_the_dataset(model: Path, tmp_path: Path) -> None:
+    """All rows there, but the dataset changed since: the changed row is named, and --resume-force keeps the output
+    as it is; a dataset only rewritten (other spacing) is still the output's. An output that records no input digests
+    (an older batchgen's) is checked by the dataset file's fingerprint alone."""
+    rows = [{"id": "a", "prompt_token_ids": [0, 5]}, {"id": "b", "prompt_token_ids": [0, 6]}]
     dataset = write_jsonl(tmp_path / "in.jsonl", rows)
     out = tmp_path / "out.arrow"
     flags = ["--max-new-tokens", "2", "--on-error", "fail"]
-    assert run_cli(["run", str(dataset), "--out", str(out), "--model", str(model), *COMMON, *flags])[0] == 2
+    run = ["run", str(dataset), "--out", str(out), "--model", str(model), *COMMON, *flags]
+    code, output = run_cli(run)
+    assert code == 0, output
+    dataset.write_text("".join(json.dumps(row, indent=None, separators=(" ,", " : ")) + "\n" for row in rows))
+    assert run_cli([*run, "--resume"]) == (0, f"batchgen: {out} is already complete; nothing to do\n")
+    rows[0]["prompt_token_ids"] = [0, 7, 8]
+    write_jsonl(dataset, rows)
+    code, output = run_cli([*run, "--resume"])
+    assert code == 2
+    assert (
+        f"cannot resume: the input of 1 row of {out} changed in {dataset} or left it since it was made ('a');" in output
+    )
+    code, output = run_cli([*run, "--resume-force"])
+    assert code == 0 and "--resume-force keeps their results" in output and "already complete" in output
+    # Without digests (the key removed from the file's metadata), as before they were recorded:
+    table = read_results(out)
+    metadata = {k: v for k, v in (table.schema.metadata or {}).items() if k != b"batchgen.input_digests"}
+    with pa.ipc.new_file(out, table.schema.with_metadata(metadata)) as writer:
+        writer.write_table(table)
+    code, output = run_cli([*run, "--resume"])
+    assert code == 2 and f"{out} is a finished output made from {dataset} before it changed (" in output
+    assert "pass --resume-force to keep it as it is, or --overwrite" in output
+    code, output = run_cli([*run, "--resume-force"])
+    assert code == 0 and "--resume-force keeps it" in output and "already complete" in output
+
+
+def test_resume_of_an_output_without_input_digests_needs_force_to_add_rows(model: Path, tmp_path: Path) -> None:
+    """An output that records no input digests (an older batchgen's) cannot have its rows checked: --resume says so,
+    and --resume-force keeps its rows and adds the missing one."""
+    rows = [{"id": "a", "prompt_token_ids": [0, 5]}, {"id": "b", "prompt_token_ids": [0, 6], "temperature": "x"}]
+    dataset = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.arrow"
+    run = ["run", str(dataset), "--out", str(out), "--model", str(model), *COMMON, "--max-new-tokens", "2"]
+    assert run_cli(run)[0] == 2
+    table = read_results(out)
+    metadata = {k: v for k, v in (table.schema.metadata or {}).items() if k != b"batchgen.input_digests"}
+    with pa.ipc.new_file(out, table.schema.with_metadata(metadata)) as writer:
+        writer.write_table(table)
+    rows[1]["temperature"] = 0
+    write_jsonl(dataset, rows)
+    code, output = run_cli([*run, "--resume"])
+    assert (code, output) == (
+        2,
+        f"batchgen: error: {out} holds 1 of the 2 rows of {dataset} and records no digests of its input rows (an "
+        "older batchgen made it), so they cannot be checked: pass --resume-force to keep them and add the missing "
+        "rows, or --overwrite to run the whole dataset again\n",
+    )
+    code, output = run_cli([*run, "--resume-force"])
+    assert code == 0, output
+    after = {row["id"]: row for row in read_results(out).to_pylist()}
+    assert sorted(after) == ["a", "b"] and after["a"] == table.to_pylist()[0]
+
+
+def test_resume_of_a_finished_jsonl_output_that_lacks_rows_says_why_not(model: Path, tmp_path: Path) -> None:
+    """JSON Lines holds no metadata: no model, seed or input digests to check a resumed run against."""
+    rows = [{"id": "a", "prompt_token_ids": [0, 5]}, {"id": "b", "prompt_token_ids": [0, 6], "temperature": "x"}]
+    dataset = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.jsonl"
+    run = ["run", str(dataset), "--out", str(out), "--model", str(model), *COMMON, "--max-new-tokens", "2"]
+    assert run_cli(run)[0] == 2
     before = out.read_bytes()
     rows[1]["temperature"] = 0
     write_jsonl(dataset, rows)
     for resume in ("--resume", "--resume-force"):
-        code, output = run_cli(["run", str(dataset), "--out", str(out), "--model", str(model), *COMMON, *flags, resume])
-        assert code == 2, output
-        assert output == (
-            f"batchgen: error: {out} is a finished output that holds 1 of the 2 rows of {dataset} (bad rows left out "
-            "by --on-error fail, or rows added since); --resume does not reopen a finished output: pass --overwrite "
-            "to run the whole dataset again\n"
+        code, output = run_cli([*run, resume])
+        assert (code, output) == (
+            2,
+            f"batchgen: error: {out}: a finished JSON Lines output records nothing of the run that made it (model, "
+            "seed, inputs), so --resume cannot add the rows it lacks; pass --overwrite to run the whole dataset "
+            "again (.arrow and .parquet outputs can be resumed)\n",
         )
         assert out.read_bytes() == before
-    # All rows there, but the dataset changed since: said too.
-    code, output = run_cli(
-        ["run", str(dataset), "--out", str(out), "--model", str(model), *COMMON, *flags, "--overwrite"]
-    )
-    assert code == 0, output
-    rows[0]["prompt_token_ids"] = [0, 7, 8]
-    write_jsonl(dataset, rows)
-    code, output = run_cli(["run", str(dataset), "--out", str(out), "--model", str(model), *COMMON, *flags, "--resume"])
-    assert code == 2 and f"{out} is a finished output made from {dataset} before it changed (" in output
-    assert "pass --resume-force to keep it as it is, or --overwrite" in output
-    code, output = run_cli(
-        ["run", str(dataset), "--out", str(out), "--model", str(model), *COMMON, *flags, "--resume-force"]
-    )
-    assert code == 0 and "--resume-force keeps it" in output and "already complete" in output
 
 
 def test_status_of_a_jsonl_output_says_it_cannot_check_the_dataset(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from conftest import read_rows, run_args, run_cli, write_jsonl
 
@@ -112,16 +113,42 @@ def test_top_logprobs_without_logprobs_is_rejected(random_models: dict[str, Path
 
 
 def test_foreign_sampling_field_names_are_warned_about(random_models: dict[str, Path], tmp_path: Path) -> None:
-    dataset = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi", "max_tokens": 2, "Temperature": 0, "best_of": 2}])
+    dataset = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi", "min_tokens": 2, "Temperature": 0, "best_of": 2}])
     # Sampled ('Temperature' is not read): --ignore-eos and --seed, so that no early EOS ends the row.
     extra = ("--max-new-tokens", "3", "--ignore-eos", "--seed", "0")
     code, output = run_cli(run_args(dataset, tmp_path / "o.jsonl", random_models["llama"], *extra))
     assert code == 0, output
-    assert f"{dataset}: field 'max_tokens' is not a sampling field (did you mean 'max_new_tokens'?)" in output
+    assert f"{dataset}: field 'min_tokens' is not a sampling field (did you mean 'min_new_tokens'?)" in output
     assert "field 'Temperature' is not a sampling field (did you mean 'temperature'?)" in output
     assert "field 'best_of' is not supported (yet)" in output
     row = json.loads((tmp_path / "o.jsonl").read_text())
-    assert row["completion_tokens"] == 3 and row["max_tokens"] == 2
+    assert row["completion_tokens"] == 3 and row["min_tokens"] == 2
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_openai_max_tokens_names_are_read_as_max_new_tokens(
+    suffix: str, random_models: dict[str, Path], tmp_path: Path
+) -> None:
+    """A row written for OpenAI's API gets the length it asks for, not the default (found by a new user: it ran to
+    128 tokens with a warning); a row without any of the names gets --max-new-tokens."""
+    rows = [
+        {"id": "a", "prompt": "hi", "max_tokens": 5, "max_completion_tokens": None},
+        {"id": "b", "prompt": "hi", "max_tokens": None, "max_completion_tokens": 4},
+        {"id": "c", "prompt": "hi", "max_tokens": None, "max_completion_tokens": None},
+    ]
+    dataset = tmp_path / f"p{suffix}"
+    if suffix == ".parquet":
+        pq.write_table(pa.Table.from_pylist(rows), dataset)
+    else:
+        write_jsonl(dataset, rows)
+    extra = ("--max-new-tokens", "3", "--ignore-eos", "--temperature", "0")
+    code, output = run_cli(run_args(dataset, tmp_path / "o.arrow", random_models["llama"], *extra))
+    assert code == 0, output
+    assert "warning" not in output
+    got = read_rows(tmp_path / "o.arrow")
+    assert {rid: row["completion_tokens"] for rid, row in got.items()} == {"a": 5, "b": 4, "c": 3}
+    assert {rid: len(row["output_token_ids"]) for rid, row in got.items()} == {"a": 5, "b": 4, "c": 3}
+    assert not {"max_tokens", "max_completion_tokens"} & set(got["a"])  # read, not passed through
 
 
 @pytest.mark.parametrize("device", ["gpu", "cuda:x", "meta"])

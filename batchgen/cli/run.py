@@ -212,9 +212,10 @@ def run(
         if check_output_path(dataset, out, overwrite, policy.resume):
             from batchgen.job.status import check_nothing_left
 
-            check_nothing_left(dataset, out, policy.resume_force)
-            print(f"batchgen: {out} is already complete; nothing to do", file=sys.stderr)
-            return
+            # A finished output that lacks rows is reopened by the job, which adds them.
+            if check_nothing_left(dataset, out, policy.resume_force):
+                print(f"batchgen: {out} is already complete; nothing to do", file=sys.stderr)
+                return
         job = RunJob(dataset, out, options, defaults, on_error, progress, policy)
         _check_sampling_defaults(defaults, job.engine.vocab_size)
         if n > job.engine.max_running_requests:

@@ -9,12 +9,10 @@ from pathlib import Path
 import pyarrow as pa
 
 from batchgen.io.passthrough import is_json_text
-from batchgen.sampling.sampling_params import SAMPLING_FIELDS
+from batchgen.sampling.sampling_params import SAMPLING_FIELD_ALIASES, SAMPLING_FIELDS
 
 # Names other engines use for sampling fields → batchgen's name (None: batchgen has no such field).
 _FOREIGN_SAMPLING_NAMES = {
-    "max_tokens": "max_new_tokens",
-    "max_completion_tokens": "max_new_tokens",
     "min_tokens": "min_new_tokens",
     "stop_sequences": "stop",
     "best_of": None,
@@ -25,7 +23,7 @@ _FOREIGN_SAMPLING_NAMES = {
 def warn_about_passthrough_names(path: Path, names: list[str]) -> None:
     """Print one warning per pass-through field of the input file ``path`` that looks like a sampling field
     batchgen does not read."""
-    known = {name.lower(): name for name in SAMPLING_FIELDS}
+    known = {name.lower(): name for name in (*SAMPLING_FIELDS, *SAMPLING_FIELD_ALIASES)}
     for name in names:
         hint = known.get(name.lower())
         if hint is None and name in _FOREIGN_SAMPLING_NAMES:

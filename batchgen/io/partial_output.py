@@ -189,8 +189,9 @@ class PartialOutput:
         self.state.parts.append((number, final))
         self.state.done.note_written(number, [row["id"] for row in rows if row.get("finish_reason") != "error"])
 
-    def finalize(self) -> int:
-        """Assemble ``out`` from the parts, put it in place atomically, and remove the directory.
+    def finalize(self, metadata: dict[str, str]) -> int:
+        """Assemble ``out`` from the parts, with ``metadata`` added to the job's, put it in place atomically, and
+        remove the directory.
 
         Returns the number of rows in ``out``.
 
@@ -200,7 +201,8 @@ class PartialOutput:
         assert self.state.schema is not None, "start() first"
         temp = self.dir / f"final{self.out.suffix}"
         try:
-            rows = assemble_output(self.state.parts, self.state.schema, self.state.done, temp)
+            schema = self.state.schema.with_metadata({**(self.state.schema.metadata or {}), **metadata})
+            rows = assemble_output(self.state.parts, schema, self.state.done, temp)
             os.replace(temp, self.out)
             fsync_dir(self.out.parent)
         except (OSError, BatchgenError, ValueError, pa.ArrowException) as e:

@@ -42,7 +42,7 @@ class RowReader:
     shift. The reader can be iterated more than once; each pass re-reads the file.
 
     ``passthrough_schema`` is known as soon as the constructor returns: it holds every input field that is
-    not a known field (``id``, the prompt fields and the sampling fields), all nullable, under the names
+    not a known field (``id``, the prompt and sampling fields and their aliases), all nullable, under the names
     ``passthrough_names`` gives them (a field named like an output column, ``text`` or ``error``, is renamed
     ``input_<name>``; see :func:`passthrough_names`), as in :func:`batchgen.io.rows.parse_row`'s result. For
     Parquet the types come from the file schema. For JSONL they are inferred by pyarrow from the first

@@ -13,12 +13,21 @@ from batchgen.errors import NOT_UNICODE, RowError, is_unicode_text, shown_value
 from batchgen.io.arrow_fit import misfit
 from batchgen.io.passthrough import KNOWN_FIELDS, PROMPT_FIELDS, is_json_text, json_type_name
 from batchgen.io.reader import InputRow
-from batchgen.sampling.sampling_params import SAMPLING_FIELDS
+from batchgen.sampling.sampling_params import SAMPLING_FIELD_ALIASES, SAMPLING_FIELDS
 
 __all__ = ["PROMPT_FIELDS", "RowSpec", "parse_row"]
 
 # Builds the RowError for one field of the row being parsed.
 _Fail = Callable[[str, str], RowError]
+
+# Where other tools' datasets keep the prompt (lower-cased field name) → the prompt field batchgen reads instead.
+_PROMPT_FIELD_HINTS = {
+    **{name: "prompt" for name in ("prompt", "text", "input", "inputs", "question", "instruction", "query", "content")},
+    **{name: "messages" for name in ("messages", "message", "conversation", "conversations", "chat", "dialog")},
+    **{name: "prompt_token_ids" for name in ("prompt_token_ids", "input_ids", "token_ids", "tokens", "prompt_ids")},
+}
+# The "no prompt" message names at most this many of the fields the row has.
+_FIELDS_SHOWN = 5
 
 
 @dataclass(frozen=True)
@@ -33,7 +42,8 @@ class RowSpec:
         prompt: raw text prompt.
         messages: chat messages, each with string ``role`` and ``content`` (and any other string keys given).
         prompt_token_ids: token ids (their vocabulary range is checked later, by the engine).
-        sampling_overrides: the row's sampling fields with their raw values, for ``make_sampling_params``.
+        sampling_overrides: the row's sampling fields with their raw values, under the names the row gave them
+            (``max_tokens`` too: see ``SAMPLING_FIELD_ALIASES``), for ``make_sampling_params``.
         passthrough: every field of the pass-through schema (``None`` where absent), under its schema name.
     """
 
@@ -74,7 +84,7 @@ def parse_row(
     data = row.data
     present = [name for name in PROMPT_FIELDS if data.get(name) is not None]
     if not present:
-        raise fail("prompt", "row has no prompt: give one of " + ", ".join(PROMPT_FIELDS))
+        raise fail("prompt", _no_prompt(data))
     if len(present) > 1:
         raise fail(present[1], f"give only one of {', '.join(PROMPT_FIELDS)} (found: {', '.join(present)})")
     kind = present[0]
@@ -91,9 +101,26 @@ def parse_row(
         prompt=prompt,
         messages=messages,
         prompt_token_ids=token_ids,
-        sampling_overrides={name: data[name] for name in SAMPLING_FIELDS if name in data},
+        sampling_overrides={name: data[name] for name in (*SAMPLING_FIELDS, *SAMPLING_FIELD_ALIASES) if name in data},
         passthrough=_passthrough(data, passthrough_schema, passthrough_names, block_rows, fail),
     )
+
+
+def _no_prompt(data: dict[str, Any]) -> str:
+    """The message for a row with no prompt field: the fields it has instead, and the rename that would make one
+    of them its prompt (``text`` → ``prompt``) when one looks like a prompt under another tool's name."""
+    found = [key for key, value in data.items() if key != "id" and value is not None]
+    message = "row has no prompt: give one of " + ", ".join(PROMPT_FIELDS)
+    if not found:
+        return f"{message} (it has no other field)"
+    shown = ", ".join(f"'{key}'" for key in found[:_FIELDS_SHOWN])
+    if len(found) > _FIELDS_SHOWN:
+        shown += f" and {len(found) - _FIELDS_SHOWN} more"
+    hint = next((key for key in found if key.lower() in _PROMPT_FIELD_HINTS), None)
+    if hint is None:
+        return f"{message} (found {shown})"
+    which = "it" if len(found) == 1 else f"'{hint}'"
+    return f"{message} (found {shown}; rename {which} to '{_PROMPT_FIELD_HINTS[hint.lower()]}')"
 
 
 def _check_prompt(value: Any, fail: _Fail) -> str:

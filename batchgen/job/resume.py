@@ -1,4 +1,4 @@
-"""Whether a run may start, continue or skip its output: the output path checks, the comparison of this run with
+"""Whether a run may start, continue, reopen or skip its output: the output path checks, the comparison of this run with
 the one that wrote a partial output, and the command that resumes an interrupted run."""
 
 from __future__ import annotations
@@ -13,9 +13,11 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from batchgen.errors import BatchgenError
+from batchgen.errors import BatchgenError, counted
 from batchgen.io.fingerprint import DatasetFingerprint, fingerprint_dataset
-from batchgen.io.partial_output import PartialState, partial_dir, remove_partial_dir
+from batchgen.io.input_digests import INPUT_DIGESTS_KEY, compare_rows
+from batchgen.io.partial_output import PartialOutput, PartialState, partial_dir, remove_partial_dir
+from batchgen.io.reopen import finished_batches, finished_ids, reopen_output
 from batchgen.io.writer import check_output_format
 
 # Metadata keys a resumed run adds to ``RunJob.metadata``: the dataset's fingerprint and the run seed.
@@ -23,6 +25,8 @@ DATASET_KEY = "batchgen.dataset"
 RUN_SEED_KEY = "batchgen.run_seed"
 # Engine options that change what a row's output is; the others (batch sizes, memory) only change speed.
 _OUTPUT_ENGINE_OPTIONS = ("seed", "context_length")
+# A message names at most this many row ids.
+_IDS_SHOWN = 3
 
 
 @dataclass(frozen=True)
@@ -47,8 +51,8 @@ class OutputPolicy:
 
 
 def check_output_path(dataset: Path, out: Path, overwrite: bool, resume: bool) -> bool:
-    """Check the output path before any work; return whether ``out`` is already complete (only with ``resume``;
-    a partial output left beside it is then removed).
+    """Check the output path before any work; return whether ``out`` is a finished output to check for missing rows
+    (only with ``resume``; a partial output left beside it is then removed).
 
     Raises:
         BatchgenError: ``out`` is the dataset or a directory, has an unsupported format, its directory does not
@@ -74,11 +78,75 @@ def check_output_path(dataset: Path, out: Path, overwrite: bool, resume: bool) -
         raise BatchgenError(f"{out}: directory {out.parent} does not exist")
     if not (resume and out.exists()):
         return False
-    # OUT is only ever put in place complete, so with --resume its existence means there is nothing left to do; a
-    # partial output beside it is what a crash between putting OUT in place and removing it leaves.
+    # OUT is only ever put in place finished, and removed only once reopened; a partial output beside it is what a
+    # crash between putting OUT in place and removing the directory leaves, or one while OUT was being reopened.
     with contextlib.suppress(OSError):
         remove_partial_dir(partial)
     return True
+
+
+def open_output(
+    dataset: Path, output: PartialOutput, schema: pa.Schema, seed: int | None, policy: OutputPolicy
+) -> tuple[pa.Schema, PartialState | None]:
+    """The run's output schema (:func:`output_schema`) and the partial output it continues (``None``: it starts
+    afresh). With ``policy.resume`` that is ``output``'s partial output; or, when the finished output is there (one
+    that lacks rows, which ``check_nothing_left`` let through), the finished output, checked against this run as a
+    partial output is, then reopened as one (:func:`batchgen.io.reopen.reopen_output`).
+
+    Raises:
+        BatchgenError: :func:`output_schema`'s errors; the partial output cannot be read, or the finished output
+            cannot be reopened.
+    """
+    if policy.resume and output.out.exists():
+        try:
+            recorded, _ = finished_batches(output.out)
+        except (OSError, pa.ArrowException) as e:
+            raise BatchgenError(f"{output.out}: cannot read results ({e})") from None
+        # Its rows were checked against the dataset as it is now, row by row: the file's fingerprint is that one.
+        metadata = _metadata(recorded) | {DATASET_KEY: fingerprint_dataset(dataset).to_json()}
+        metadata.pop(INPUT_DIGESTS_KEY, None)
+        schema = output_schema(schema, dataset, seed, recorded.with_metadata(metadata), policy.resume_force, output.out)
+        reopen_output(output.out, schema)
+        return schema, output.inspect()
+    resumed = output.inspect() if policy.resume and output.exists() else None
+    report_damage(output.dir, resumed)
+    recorded = resumed.schema if resumed is not None else None
+    return output_schema(schema, dataset, seed, recorded, policy.resume_force, output.dir), resumed
+
+
+def check_finished_rows(dataset: Path, out: Path, force: bool) -> int | None:
+    """Before ``--resume`` reopens the finished Arrow IPC or Parquet output ``out`` to add the rows it lacks: check
+    that each of its rows was made from the row ``dataset`` holds under its id now (:mod:`batchgen.io.input_digests`),
+    and return how many of the dataset's ids it lacks; ``None`` when ``out`` records no digests (an older batchgen).
+
+    Rows whose input changed (or is gone) are refused, not generated again: that would discard their results. With
+    ``force`` they are kept as they are, with a warning, and only the missing rows are generated.
+
+    Raises:
+        BatchgenError: ``out`` cannot be read, or rows changed (one line naming a few of their ids), unless ``force``.
+    """
+    try:
+        schema, _ = finished_batches(out, ["id"])
+        recorded = _metadata(schema).get(INPUT_DIGESTS_KEY)
+        if recorded is None:
+            return None
+        changed, missing = compare_rows(dataset, finished_ids(out), recorded)
+    except (OSError, ValueError, pa.ArrowException) as e:
+        raise BatchgenError(f"{out}: cannot read results ({e}); pass --overwrite to run the dataset again") from None
+    if not changed:
+        return missing
+    shown = ", ".join(f"'{rid}'" for rid in changed[:_IDS_SHOWN])
+    if len(changed) > _IDS_SHOWN:
+        shown += f" and {len(changed) - _IDS_SHOWN} more"
+    rows = f"{counted(len(changed), 'row')} of {out} changed in {dataset} or left it since it was made ({shown})"
+    if not force:
+        raise BatchgenError(
+            f"cannot resume: the input of {rows}; --resume does not generate them again, which would discard their "
+            "results: pass --resume-force to keep them as they are and add any missing rows, or --overwrite to run "
+            "the whole dataset again"
+        )
+    print(f"batchgen: warning: the input of {rows}; --resume-force keeps their results", file=sys.stderr)
+    return missing
 
 
 def output_schema(

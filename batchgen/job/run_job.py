@@ -17,7 +17,8 @@ from tqdm import tqdm
 from batchgen import __version__
 from batchgen.errors import BatchgenError, FieldError, RowError
 from batchgen.io.field_warnings import warn_about_json_text_fields, warn_about_passthrough_names
-from batchgen.io.partial_output import PartialOutput
+from batchgen.io.input_digests import INPUT_DIGESTS_KEY, encode_digests, row_digest
+from batchgen.io.partial_output import PartialOutput, remove_partial_dir
 from batchgen.io.reader import RowReader, count_input_rows
 from batchgen.io.rows import RowSpec, error_row_id, parse_row, passthrough_that_fits
 from batchgen.io.writer import result_schema
@@ -26,7 +27,7 @@ from batchgen.job.interrupts import StopRequest, graceful_stop
 from batchgen.job.recent_rates import RecentRates
 from batchgen.job.request_builder import RequestBuilder
 from batchgen.job.result_rows import error_row, result_row
-from batchgen.job.resume import RUN_SEED_KEY, OutputPolicy, output_schema, report_damage
+from batchgen.job.resume import RUN_SEED_KEY, OutputPolicy, open_output
 from batchgen.job.summary import RunSummary
 from batchgen.loop.engine import Engine
 from batchgen.loop.options import EngineOptions
@@ -69,16 +70,13 @@ class RunJob:
         self.policy = policy or OutputPolicy()
         self.engine = Engine(engine_options)
         self.output = PartialOutput(out)
-        # Read before the request builder exists: a resumed run reuses the recorded run seed.
-        self.resumed = self.output.inspect() if self.policy.resume and self.output.exists() else None
-        report_damage(self.output.dir, self.resumed)
-        self.schema = output_schema(
-            result_schema(self.reader.passthrough_schema, self.metadata()),
+        # Before the request builder exists: a resumed run reuses the recorded run seed.
+        self.schema, self.resumed = open_output(
             dataset,
+            self.output,
+            result_schema(self.reader.passthrough_schema, self.metadata()),
             engine_options.seed,
-            self.resumed.schema if self.resumed is not None else None,
-            self.policy.resume_force,
-            self.output.dir,
+            self.policy,
         )
         self.builder = RequestBuilder(
             self.engine.tokenizer,
@@ -93,6 +91,8 @@ class RunJob:
         warn_about_json_text_fields(self.reader.path, self.reader.passthrough_schema, self.reader.block_rows)
         self.summary = RunSummary()
         self._seen_ids: set[str] = set()
+        # Every input row's digest, for the output's metadata: a later --resume checks its rows against them.
+        self._digests = bytearray()
         self._pending_rows: list[dict[str, Any]] = []
         # Finished samples of rows whose other samples still run: a row's samples are flushed together.
         self._samples: dict[str, list[dict[str, Any]]] = {}
@@ -144,10 +144,15 @@ class RunJob:
         except BaseException as e:
             self._flush_after_failure(e)
             raise
-        if stop.signum is None:
-            self.output.finalize()
-        else:
+        if stop.signum is not None:
             self.summary.interrupted_by = stop.name
+        elif self.output.state.parts:
+            self.output.finalize({INPUT_DIGESTS_KEY: encode_digests(bytes(self._digests))})
+        else:  # every row was bad (--on-error fail): no empty output file that the next try must --overwrite
+            self.summary.output_written = False
+            self.output.close()
+            with contextlib.suppress(OSError):  # it holds no rows; a directory left behind only asks for --resume
+                remove_partial_dir(self.output.dir)
         self.summary.seconds = time.perf_counter() - start
         self.summary.preemptions = self.engine.scheduler.num_retracted
         self.summary.accept_histogram = dict(self.engine.scheduler.accept_histogram)
@@ -207,7 +212,7 @@ class RunJob:
         else:
             self._pending_rows.extend(rows)
             self.summary.rows += 1
-        self.summary.requests += 1
+        self.summary.samples += 1
         self.summary.output_tokens += len(req.output_ids)
         if req.sample_index == 0:  # the samples of a row share one prompt, and count as one input row
             self.summary.prompt_tokens += len(req.prompt_ids)
@@ -223,6 +228,7 @@ class RunJob:
                 self._seen_ids.add(str(order))
                 self._row_failed(item, str(order), {}, bar)
                 continue
+            self._digests += row_digest(error_row_id(item), item.data)
             source = self.reader.source
             try:
                 spec = parse_row(

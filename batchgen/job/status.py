@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from batchgen.errors import BatchgenError, counted
 from batchgen.io.fingerprint import DatasetFingerprint, fingerprint_dataset
 from batchgen.io.partial_output import PartialOutput, partial_dir
 from batchgen.io.reader import count_input_rows
-from batchgen.job.resume import DATASET_KEY
+from batchgen.io.reopen import finished_batches
+from batchgen.job.resume import DATASET_KEY, check_finished_rows
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,10 @@ class OutputStatus:
             counts = f"{self.done} of {self.total} rows done"
         line = f"{self.out}: {self.state}: {counts}, {self.remaining} remaining, {self.errored} errored"
         if self.state == "complete" and self.remaining:
-            line += " (rows left out as bad by --on-error fail are never written)"
+            line += (
+                " (bad rows that --on-error fail left out, or rows added since; --resume adds them to an .arrow or "
+                ".parquet output once they are fixed)"
+            )
         notes = list(self.notes)
         if self.dataset_changes:
             notes.append(
@@ -105,33 +108,44 @@ def read_output_status(dataset: Path, out: Path) -> OutputStatus:
     return OutputStatus(dataset, out, state, done, total, errored, notes, changes)
 
 
-def check_nothing_left(dataset: Path, out: Path, force: bool) -> None:
-    """Before ``--resume`` calls the finished output ``out`` complete: check that it holds every row of ``dataset``
-    as the dataset is now. With ``force`` (``--resume-force``) a changed dataset whose rows are all there is
-    only a warning.
+def check_nothing_left(dataset: Path, out: Path, force: bool) -> bool:
+    """Before ``--resume`` calls the finished output ``out`` complete: whether it holds every row of ``dataset`` as
+    the dataset is now (``True``), or lacks rows (bad rows that ``--on-error fail`` left out, fixed since; rows
+    added), which the run then adds (``False``). The rows it holds are checked one by one
+    (:func:`check_finished_rows`); for an output that records no digests of its inputs (an older batchgen's) only the
+    dataset file's fingerprint is, and ``force`` (``--resume-force``) takes it as it is.
 
     Raises:
-        BatchgenError: rows are missing (bad rows that ``--on-error fail`` left out, rows added since), or the
-            dataset changed since the run and not ``force``. A finished output is not reopened, so only
-            ``--overwrite`` runs them.
+        BatchgenError: a JSON Lines output lacks rows (it records nothing to resume from); rows changed; or (no
+            digests) the dataset changed or rows are missing, unless ``force``.
     """
     status = read_output_status(dataset, out)
     if not status.remaining and not status.dataset_changes:
-        return
-    if not status.remaining and force:
-        changes = "; ".join(status.dataset_changes)
-        warning = f"batchgen: warning: {dataset} changed since {out} was made ({changes}); --resume-force keeps it"
-        print(warning, file=sys.stderr)
-        return
-    if not status.remaining:
+        return True
+    if out.suffix.lower() == ".jsonl":  # no metadata, so no dataset changes either: rows are missing
         raise BatchgenError(
-            f"{out} is a finished output made from {dataset} before it changed ({'; '.join(status.dataset_changes)});"
-            " pass --resume-force to keep it as it is, or --overwrite to run the whole dataset again"
+            f"{out}: a finished JSON Lines output records nothing of the run that made it (model, seed, inputs), so "
+            "--resume cannot add the rows it lacks; pass --overwrite to run the whole dataset again (.arrow and "
+            ".parquet outputs can be resumed)"
+        )
+    missing = check_finished_rows(dataset, out, force)
+    if missing is not None:
+        return missing == 0
+    if force:
+        if status.dataset_changes:
+            changes = "; ".join(status.dataset_changes)
+            warning = f"batchgen: warning: {dataset} changed since {out} was made ({changes}); --resume-force keeps it"
+            print(warning, file=sys.stderr)
+        return not status.remaining
+    if status.remaining:
+        raise BatchgenError(
+            f"{out} holds {status.done} of the {status.total} rows of {dataset} and records no digests of its input "
+            "rows (an older batchgen made it), so they cannot be checked: pass --resume-force to keep them and add the "
+            "missing rows, or --overwrite to run the whole dataset again"
         )
     raise BatchgenError(
-        f"{out} is a finished output that holds {status.done} of the {status.total} rows of {dataset} (bad rows "
-        "left out by --on-error fail, or rows added since); --resume does not reopen a finished output: pass "
-        "--overwrite to run the whole dataset again"
+        f"{out} is a finished output made from {dataset} before it changed ({'; '.join(status.dataset_changes)});"
+        " pass --resume-force to keep it as it is, or --overwrite to run the whole dataset again"
     )
 
 
@@ -148,14 +162,8 @@ def _final_counts(path: Path) -> tuple[int, int, dict[bytes, bytes]]:
                         errored += row.get("finish_reason") == "error"
                         done += row.get("sample_index") == 0 or row.get("finish_reason") == "error"
             return done, errored, {}
-        if suffix == ".parquet":
-            parquet = pq.ParquetFile(path)
-            metadata = parquet.schema_arrow.metadata or {}
-            batches = parquet.iter_batches(columns=["sample_index", "finish_reason"])
-        else:
-            reader = pa.ipc.open_file(pa.memory_map(str(path)))
-            metadata = reader.schema.metadata or {}
-            batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+        schema, batches = finished_batches(path, ["sample_index", "finish_reason"])
+        metadata = schema.metadata or {}
         for batch in batches:
             first = pc.sum(pc.equal(batch.column("sample_index"), 0)).as_py() or 0
             errors = pc.sum(pc.equal(batch.column("finish_reason"), "error")).as_py() or 0

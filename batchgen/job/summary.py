@@ -14,8 +14,9 @@ from batchgen.loop.options import EngineOptions
 class RunSummary:
     """What a run did: rows written and failed, tokens in and out, wall seconds."""
 
-    requests: int = 0
-    # Input rows whose every sample finished (with n > 1 a row is n requests).
+    # Finished samples (requests): a row with n > 1 is n of them.
+    samples: int = 0
+    # Input rows whose every sample finished.
     rows: int = 0
     errors: int = 0
     prompt_tokens: int = 0
@@ -24,13 +25,17 @@ class RunSummary:
     preemptions: int = 0
     # The signal that stopped the run early, e.g. "SIGTERM"; empty when it ran to the end.
     interrupted_by: str = ""
+    # False when the run ended with no row to write (every row bad under --on-error fail): no output file then.
+    output_written: bool = True
     # Speculative decoding: decode rounds of one request by the tokens they emitted (1 … K + 1).
     accept_histogram: dict[int, int] = field(default_factory=dict)
 
     def line(self) -> str:
         rate = self.output_tokens / self.seconds if self.seconds > 0 else 0.0
+        # Samples are named only where they differ from rows: "10 rows (30 samples)" for n = 3.
+        samples = f" ({counted(self.samples, 'sample')})" if self.samples != self.rows else ""
         return (
-            f"batchgen: {counted(self.requests, 'request')} done, {counted(self.errors, 'bad row')}, "
+            f"batchgen: {counted(self.rows, 'row')}{samples} done, {counted(self.errors, 'bad row')}, "
             f"{self.prompt_tokens} prompt + "
             f"{self.output_tokens} output tokens in {self.seconds:.1f} s, {rate:.1f} output tok/s, "
             f"{counted(self.preemptions, 'preemption')}"
@@ -69,8 +74,9 @@ def speculative_record(options: EngineOptions, histogram: dict[int, int]) -> dic
 def raise_if_failed(summary: RunSummary, on_error: str) -> None:
     """Under ``--on-error fail`` a run with bad rows ends with an error after writing the good ones."""
     if summary.errors and on_error == "fail":
+        nothing = "" if summary.output_written else "; no row was good, so no output file was written"
         raise BatchgenError(
-            f"{counted(summary.errors, 'bad input row')} left out (see above; --on-error skip writes them)"
+            f"{counted(summary.errors, 'bad input row')} left out (see above; --on-error skip writes them){nothing}"
         )
 
 

@@ -34,6 +34,11 @@ SAMPLING_FIELDS: tuple[str, ...] = (
     "n",
 )
 
+# OpenAI's names for max_new_tokens, which input rows may use (options take only batchgen's names); a row gives at
+# most one of MAX_NEW_TOKENS_NAMES.
+SAMPLING_FIELD_ALIASES: dict[str, str] = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens"}
+MAX_NEW_TOKENS_NAMES: tuple[str, ...] = ("max_new_tokens", "max_tokens", "max_completion_tokens")
+
 # Samples per prompt; the run's --max-running-requests may bound it further (all samples decode together).
 MAX_SAMPLES = 1024
 
@@ -233,16 +238,28 @@ def _coerce_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
 def make_sampling_params(defaults: SamplingParams, overrides: dict[str, Any], vocab_size: int) -> SamplingParams:
     """Return ``defaults`` with the row's ``overrides`` applied, type-checked and validated.
 
-    ``None`` values in ``overrides`` mean "use the default" (Parquet fills absent fields with nulls).
+    ``None`` values in ``overrides`` mean "use the default" (Parquet fills absent fields with nulls). A field may
+    be given under an alias of :data:`SAMPLING_FIELD_ALIASES` (``max_tokens``); errors then name the alias.
 
     Raises:
-        FieldError: naming the first field with a wrong type or an out-of-range value.
+        FieldError: naming the first field with a wrong type or an out-of-range value, or the second of
+            :data:`MAX_NEW_TOKENS_NAMES` when the row gives two.
     """
+    given = [name for name in MAX_NEW_TOKENS_NAMES if overrides.get(name) is not None]
+    if len(given) > 1:
+        raise FieldError(given[1], f"give only one of {', '.join(MAX_NEW_TOKENS_NAMES)} (found: {', '.join(given)})")
+    aliased = {SAMPLING_FIELD_ALIASES[name]: name for name in given if name in SAMPLING_FIELD_ALIASES}
     values = {f.name: getattr(defaults, f.name) for f in fields(defaults)}
-    for name, value in overrides.items():
-        if value is None and name != "seed":
-            continue
-        values[name] = _coerce(name, value)
-    params = SamplingParams(**values)
-    params.validate(vocab_size)
+    try:
+        for name, value in overrides.items():
+            if value is None and name != "seed":
+                continue
+            field = SAMPLING_FIELD_ALIASES.get(name, name)
+            values[field] = _coerce(field, value)
+        params = SamplingParams(**values)
+        params.validate(vocab_size)
+    except FieldError as e:
+        if e.field in aliased:
+            raise FieldError(aliased[e.field], e.message) from None
+        raise
     return params
