@@ -8,11 +8,15 @@ before it starts ``batchgen``), so the product carries no hooks. The process end
   it started, right after the N-th one is handed over to the pending part.
 - ``(IN_FLUSH, N)``: it dies while writing its N-th part file, with the first half of the part's bytes in the
   temporary file (``part-NNNNNN.tmp``), as a kill in the middle of the write leaves it.
+
+:func:`part_write_with_fault` is the part writer with a fault at its N-th call; tests that run ``batchgen`` in
+their own process install it with ``monkeypatch`` (a full disk, a bug), and ``IN_FLUSH`` is built on it.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pyarrow as pa
@@ -60,16 +64,30 @@ def _die_after_rows(count: int) -> None:
     RunJob._finish = finish_then_maybe_die  # type: ignore[method-assign]
 
 
-def _die_in_flush(count: int) -> None:
+PartWriter = Callable[[Path, pa.Buffer], None]
+
+
+def part_write_with_fault(at: int, fault: Callable[[PartWriter, Path, pa.Buffer], None]) -> PartWriter:
+    """``partial_output.write_part_file`` as it is now, except that its ``at``-th call (counting from 1) runs
+    ``fault(write_part_file, path, data)`` instead: raise as a full disk does, write some of the bytes, die."""
     write = partial_output.write_part_file
-    writes = 0
+    calls = 0
 
-    def write_or_die_half_way(path: Path, data: pa.Buffer) -> None:
-        nonlocal writes
-        writes += 1
-        if writes == count:
-            write(path, data.slice(0, data.size // 2))
-            os._exit(KILLED)
-        write(path, data)
+    def write_or_fault(path: Path, data: pa.Buffer) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == at:
+            fault(write, path, data)
+        else:
+            write(path, data)
 
-    partial_output.write_part_file = write_or_die_half_way
+    return write_or_fault
+
+
+def _write_half_and_die(write: PartWriter, path: Path, data: pa.Buffer) -> None:
+    write(path, data.slice(0, data.size // 2))
+    os._exit(KILLED)
+
+
+def _die_in_flush(count: int) -> None:
+    partial_output.write_part_file = part_write_with_fault(count, _write_half_and_die)  # type: ignore[assignment]

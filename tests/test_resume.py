@@ -22,7 +22,7 @@ import pyarrow as pa
 import pytest
 import torch
 from conftest import run_cli, write_jsonl
-from crash_points import AFTER_ROWS, IN_FLUSH
+from crash_points import AFTER_ROWS, IN_FLUSH, part_write_with_fault
 from fork_runner import Zygote
 
 from batchgen.io import partial_output
@@ -323,17 +323,11 @@ def small_job(model: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Pa
 
 def fail_part_write(monkeypatch: pytest.MonkeyPatch, at: int) -> None:
     """Make the ``at``-th part write fail as a full disk does."""
-    real = partial_output.write_part_file
-    calls = 0
 
-    def write(path: Path, data: pa.Buffer) -> None:
-        nonlocal calls
-        calls += 1
-        if calls == at:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        real(path, data)
+    def disk_full(*_: Any) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(partial_output, "write_part_file", write)
+    monkeypatch.setattr(partial_output, "write_part_file", part_write_with_fault(at, disk_full))
 
 
 def status(dataset: Path, out: Path) -> str:
@@ -392,22 +386,16 @@ def test_progress_bar_counts_bad_rows_and_no_message_shares_its_line(
 
     dataset, _ = small_job
     out = tmp_path / "out.arrow"
-    real = partial_output.write_part_file
-    calls = 0
 
-    def write(path: Path, data: pa.Buffer) -> None:
-        nonlocal calls
-        calls += 1
-        if calls == 3:
-            raise RuntimeError("a bug")  # not a BatchgenError: the run prints where the finished rows are
-        real(path, data)
+    def bug(*_: Any) -> None:
+        raise RuntimeError("a bug")  # not a BatchgenError: the run prints where the finished rows are
 
     with_progress = [a for a in args(dataset, out, model) if a != "--no-progress"]
     full = CliRunner().invoke(app, [*with_progress, "--out", str(tmp_path / "full.arrow")])
     assert full.exit_code == 0, full.output
     # The job's two bad rows (--on-error skip) are rows of the input too: the bar ends at 40 of 40.
     assert any(part.startswith("100%") and " 40/40 " in part for part in full.output.split("\r")), full.output
-    monkeypatch.setattr(partial_output, "write_part_file", write)
+    monkeypatch.setattr(partial_output, "write_part_file", part_write_with_fault(3, bug))
     failed = CliRunner().invoke(app, with_progress)
     assert isinstance(failed.exception, RuntimeError)
     for output in (full.output, failed.output):
