@@ -2,9 +2,10 @@
 
 A *zygote* process imports batchgen (torch, transformers) once, runs no model, and forks one child per run; each
 child is an ordinary process running ``batchgen.cli.main`` with its own argv, environment and log file, and can
-be killed like any other. The test talks to the zygote over its stdin/stdout, one JSON object per line:
-``{"argv": [...], "env": {...}, "log": PATH}`` → ``{"pid": N}``, and ``{"wait": N}`` → ``{"code": C}`` (the
-exit code, or minus the signal that killed it).
+be killed like any other, or made to die at an exact point of its work (crash_points.py). The test talks to the
+zygote over its stdin/stdout, one JSON object per line: ``{"argv": [...], "env": {...}, "log": PATH, "crash":
+[KIND, N] or null}`` → ``{"pid": N}``, and ``{"wait": N}`` → ``{"code": C}`` (the exit code, or minus the signal
+that killed it).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import sys
 import traceback
 from pathlib import Path
 from typing import Any
+
+import crash_points
 
 
 class Zygote:
@@ -41,9 +44,12 @@ class Zygote:
         assert reply, f"the zygote died (exit code {self.proc.poll()})"
         return dict(json.loads(reply))
 
-    def start(self, argv: list[str], env: dict[str, str], log: Path) -> int:
-        """Fork a ``batchgen`` run; its stdout and stderr go to ``log``. Returns its pid."""
-        return int(self._ask({"argv": argv, "env": env, "log": str(log)})["pid"])
+    def start(
+        self, argv: list[str], env: dict[str, str], log: Path, crash: crash_points.CrashPoint | None = None
+    ) -> int:
+        """Fork a ``batchgen`` run; its stdout and stderr go to ``log``; with ``crash``, it dies at that point
+        (see crash_points.py). Returns its pid."""
+        return int(self._ask({"argv": argv, "env": env, "log": str(log), "crash": crash})["pid"])
 
     def wait(self, pid: int) -> int:
         """Wait for run ``pid`` to end; its exit code, or minus the signal that killed it."""
@@ -65,6 +71,9 @@ def _child(request: dict[str, Any]) -> None:
         os.dup2(log, 1)
         os.dup2(log, 2)
         sys.argv = ["batchgen", *request["argv"]]
+        if request["crash"] is not None:
+            kind, count = request["crash"]
+            crash_points.install((kind, count))
         from batchgen.cli.app import main
 
         main()

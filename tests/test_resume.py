@@ -22,6 +22,7 @@ import pyarrow as pa
 import pytest
 import torch
 from conftest import run_cli, write_jsonl
+from crash_points import AFTER_ROWS, IN_FLUSH, part_write_with_fault
 from fork_runner import Zygote
 
 from batchgen.io import partial_output
@@ -29,7 +30,6 @@ from batchgen.io.fingerprint import DatasetFingerprint, fingerprint_dataset
 from batchgen.io.manifest import decode_manifest, encode_manifest
 from batchgen.io.partial_output import PartialOutput, partial_dir
 from batchgen.io.writer import read_results
-from batchgen.job.crash_hooks import CRASH_AFTER_ROWS, CRASH_IN_FLUSH
 from batchgen.job.status import output_status
 
 ROWS = 300
@@ -139,18 +139,18 @@ def job(model: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, di
 
 # --- the crash harness ------------------------------------------------------------------------------------
 
-# (hook, N) per crash: die after N finished rows, or inside the N-th flush, of that process.
+# (kind, N) per crash: die after N finished rows, or inside the N-th part write, of that process.
 CRASHES = [
-    (CRASH_AFTER_ROWS, 12),
-    (CRASH_IN_FLUSH, 2),
-    (CRASH_AFTER_ROWS, 25),
-    (CRASH_IN_FLUSH, 1),
-    (CRASH_AFTER_ROWS, 9),
-    (CRASH_IN_FLUSH, 3),
-    (CRASH_AFTER_ROWS, 31),
-    (CRASH_IN_FLUSH, 2),
-    (CRASH_AFTER_ROWS, 18),
-    (CRASH_IN_FLUSH, 4),
+    (AFTER_ROWS, 12),
+    (IN_FLUSH, 2),
+    (AFTER_ROWS, 25),
+    (IN_FLUSH, 1),
+    (AFTER_ROWS, 9),
+    (IN_FLUSH, 3),
+    (AFTER_ROWS, 31),
+    (IN_FLUSH, 2),
+    (AFTER_ROWS, 18),
+    (IN_FLUSH, 4),
 ]
 
 
@@ -164,18 +164,25 @@ def zygote() -> Iterator[Zygote]:
 def test_killed_at_many_points_resumes_to_the_uninterrupted_output(
     job: tuple[Path, dict[Key, dict[str, Any]]], model: Path, zygote: Zygote, tmp_path: Path
 ) -> None:
-    """Deaths as by SIGKILL at 10 chosen points (the test hooks), then SIGKILL from here at 2 wall-clock instants,
+    """Deaths as by SIGKILL at 10 chosen points (crash_points.py), then SIGKILL from here at 2 wall-clock instants,
     resuming each time. The runs are forked from a zygote (see fork_runner.py): 12 fresh interpreters would spend
     ~45 s importing torch and transformers. ``python -m batchgen`` itself is killed in the signal tests below."""
     dataset, reference = job
     out = tmp_path / "out.arrow"
     done = [0]
-    for i, (hook, count) in enumerate(CRASHES):
+    for i, crash in enumerate(CRASHES):
         # The first run starts afresh without --resume; every later one resumes.
         log = tmp_path / f"crash{i}.log"
-        pid = zygote.start(args(dataset, out, model, *(["--resume"] if i else [])), {hook: str(count)}, log)
+        pid = zygote.start(args(dataset, out, model, *(["--resume"] if i else [])), {}, log, crash)
         assert zygote.wait(pid) == 137, log.read_text()
         assert not out.exists()  # the final name only ever holds a complete file
+        # A death inside a part write leaves that part half-written under its temporary name; one between rows
+        # leaves none (the run deleted the one before it when it resumed).
+        torn = [p.stat().st_size for p in PartialOutput(out).inspect().damaged]
+        if crash[0] == IN_FLUSH:
+            assert len(torn) == 1 and torn[0] > 0, torn
+        else:
+            assert torn == [], torn
         flushed = partial_rows(out)  # readable, and each row is the uninterrupted run's
         assert_same_rows(flushed, {key: reference[key] for key in flushed})
         done.append(len(flushed))
@@ -316,17 +323,11 @@ def small_job(model: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Pa
 
 def fail_part_write(monkeypatch: pytest.MonkeyPatch, at: int) -> None:
     """Make the ``at``-th part write fail as a full disk does."""
-    real = partial_output.write_part_file
-    calls = 0
 
-    def write(path: Path, data: pa.Buffer) -> None:
-        nonlocal calls
-        calls += 1
-        if calls == at:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        real(path, data)
+    def disk_full(*_: Any) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(partial_output, "write_part_file", write)
+    monkeypatch.setattr(partial_output, "write_part_file", part_write_with_fault(at, disk_full))
 
 
 def status(dataset: Path, out: Path) -> str:
@@ -385,22 +386,16 @@ def test_progress_bar_counts_bad_rows_and_no_message_shares_its_line(
 
     dataset, _ = small_job
     out = tmp_path / "out.arrow"
-    real = partial_output.write_part_file
-    calls = 0
 
-    def write(path: Path, data: pa.Buffer) -> None:
-        nonlocal calls
-        calls += 1
-        if calls == 3:
-            raise RuntimeError("a bug")  # not a BatchgenError: the run prints where the finished rows are
-        real(path, data)
+    def bug(*_: Any) -> None:
+        raise RuntimeError("a bug")  # not a BatchgenError: the run prints where the finished rows are
 
     with_progress = [a for a in args(dataset, out, model) if a != "--no-progress"]
     full = CliRunner().invoke(app, [*with_progress, "--out", str(tmp_path / "full.arrow")])
     assert full.exit_code == 0, full.output
     # The job's two bad rows (--on-error skip) are rows of the input too: the bar ends at 40 of 40.
     assert any(part.startswith("100%") and " 40/40 " in part for part in full.output.split("\r")), full.output
-    monkeypatch.setattr(partial_output, "write_part_file", write)
+    monkeypatch.setattr(partial_output, "write_part_file", part_write_with_fault(3, bug))
     failed = CliRunner().invoke(app, with_progress)
     assert isinstance(failed.exception, RuntimeError)
     for output in (full.output, failed.output):

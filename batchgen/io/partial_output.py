@@ -37,7 +37,6 @@ from batchgen.io.assemble import assemble_output
 from batchgen.io.done_rows import DoneRows
 from batchgen.io.durable import fsync_dir, write_atomically
 from batchgen.io.manifest import encode_manifest, read_manifest
-from batchgen.job.crash_hooks import CRASH_IN_FLUSH, crash_point
 
 MANIFEST = "manifest.json"
 LOCK = "lock"
@@ -245,12 +244,8 @@ def write_part_file(path: Path, data: pa.Buffer) -> None:
     Raises:
         OSError: the file system failed.
     """
-    view = memoryview(data)
     with open(path, "wb") as f:
-        f.write(view[: len(view) // 2])
-        f.flush()
-        crash_point(CRASH_IN_FLUSH)  # test hook: die here with half a part on disk
-        f.write(view[len(view) // 2 :])
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
 

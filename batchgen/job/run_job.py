@@ -22,7 +22,6 @@ from batchgen.io.partial_output import PartialOutput, remove_partial_dir
 from batchgen.io.reader import RowReader, count_input_rows
 from batchgen.io.rows import RowSpec, error_row_id, parse_row, passthrough_that_fits
 from batchgen.io.writer import result_schema
-from batchgen.job.crash_hooks import CRASH_AFTER_ROWS, crash_point
 from batchgen.job.interrupts import StopRequest, graceful_stop
 from batchgen.job.recent_rates import RecentRates
 from batchgen.job.request_builder import RequestBuilder
@@ -217,7 +216,6 @@ class RunJob:
         if req.sample_index == 0:  # the samples of a row share one prompt, and count as one input row
             self.summary.prompt_tokens += len(req.prompt_ids)
             bar.update(1)
-        crash_point(CRASH_AFTER_ROWS)  # test hook: dies here, as kill -9 would, when the test asks for it
 
     def _requests(self, bar: tqdm) -> Iterator[Req]:
         """Requests for the good rows not done yet, in input order; bad rows go through the error policy."""
