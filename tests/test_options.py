@@ -15,8 +15,7 @@ import yaml
 from typer.testing import CliRunner
 
 from batchgen.cli.app import app
-from batchgen.cli.bench import BENCH_ENGINE_OPTIONS
-from batchgen.cli.bench_one_batch import ONE_BATCH_ENGINE_OPTIONS
+from batchgen.cli.bench import BENCH_ENGINE_OPTIONS, ONE_BATCH_ENGINE_OPTIONS
 from batchgen.cli.config import load_config
 from batchgen.cli.options import OPTION_CLASSES, declared_options, with_options
 from batchgen.job.options import JobOptions

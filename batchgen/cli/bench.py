@@ -7,7 +7,7 @@ import signal
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 import typer
@@ -28,25 +28,24 @@ from batchgen.job.summary import peak_rss_mib, speculative_record, speculative_s
 from batchgen.loop.engine import Engine, dtype_name
 from batchgen.loop.options import EngineOptions
 
-# The engine options it takes (the run seed is not one: --seed seeds the random workload).
-BENCH_ENGINE_OPTIONS = (
+# The engine options of bench-one-batch, which sizes the context, the KV pool and the batch itself per case;
+# bench takes the batch-size options too. Not the run seed: bench's --seed seeds its random workload.
+ONE_BATCH_ENGINE_OPTIONS = (
     "model",
     "dtype",
     "device",
+    "attention_backend",
+    "disable_cuda_graph",
+    "cuda_graph_max_bs",
+    *(f.name for f in fields(EngineOptions) if f.name.startswith("speculative_")),
+)
+BENCH_ENGINE_OPTIONS = (
+    *ONE_BATCH_ENGINE_OPTIONS,
     "max_running_requests",
     "chunked_prefill_size",
     "max_prefill_tokens",
     "max_total_tokens",
     "enable_mixed_chunk",
-    "attention_backend",
-    "disable_cuda_graph",
-    "cuda_graph_max_bs",
-    "speculative_algorithm",
-    "speculative_num_draft_tokens",
-    "speculative_ngram_min",
-    "speculative_ngram_max",
-    "speculative_draft_model",
-    "speculative_acceptance",
 )
 DEFAULT_INPUT_LEN_RANGE = "32:256"
 

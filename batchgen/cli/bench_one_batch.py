@@ -10,7 +10,7 @@ import typer
 
 from batchgen.bench.one_batch import OneBatchRunner
 from batchgen.bench.probes import measure_ceilings
-from batchgen.cli.bench import benchmark_interrupts, check_writable
+from batchgen.cli.bench import ONE_BATCH_ENGINE_OPTIONS, benchmark_interrupts, check_writable
 from batchgen.cli.options import with_options
 from batchgen.cli.user_errors import user_errors
 from batchgen.errors import BatchgenError
@@ -18,22 +18,6 @@ from batchgen.job.summary import speculative_record
 from batchgen.loop.engine import Engine, dtype_name
 from batchgen.loop.options import EngineOptions
 from batchgen.models.source import ModelSource
-
-# The engine options it takes; it sizes the context, the pool and the batch itself, per run.
-ONE_BATCH_ENGINE_OPTIONS = (
-    "model",
-    "dtype",
-    "device",
-    "attention_backend",
-    "disable_cuda_graph",
-    "cuda_graph_max_bs",
-    "speculative_algorithm",
-    "speculative_num_draft_tokens",
-    "speculative_ngram_min",
-    "speculative_ngram_max",
-    "speculative_draft_model",
-    "speculative_acceptance",
-)
 
 
 @with_options(only=ONE_BATCH_ENGINE_OPTIONS, required=("model",))
