@@ -133,10 +133,10 @@ def test_a_probe_that_read_slow_is_repeated_once_rather_than_printing_over_100_p
     """The first probe reads 1 FLOP/s and 1 B/s, below any case: the first case probes again (1e18 FLOP/s and
     1e15 B/s, or 2 and 2 again), its fractions and the next case's are of that probe, and no third probe runs
     even when the second case beats the second probe too."""
-    from batchgen.bench import commands
+    from batchgen.cli import bench_one_batch
 
     probes = iter([Ceilings(1.0, 1.0, torch.float32), Ceilings(*second_probe, torch.float32)])
-    monkeypatch.setattr(commands, "measure_ceilings", lambda dtype, device: next(probes))
+    monkeypatch.setattr(bench_one_batch, "measure_ceilings", lambda dtype, device, prepack: next(probes))
     result_file = tmp_path / "r.jsonl"
     args = ["bench-one-batch", "--model", str(random_models["llama"]), "--batch-size", "1", "--batch-size", "2"]
     args += ["--input-len", "8"]
@@ -255,8 +255,8 @@ def test_a_failing_baseline_is_a_one_line_error_after_the_results(
 ) -> None:
     """transformers' generate_batch logs its own errors and returns what it has (on CUDA with transformers 5.17
     once: nothing); bench then says so in one line, exits 2 and keeps the other systems' result lines."""
-    from batchgen.bench import commands
     from batchgen.bench.offline import ThroughputResult
+    from batchgen.cli import bench as commands
 
     def broken(model: object, workload: Any, device: object) -> ThroughputResult:
         return ThroughputResult("hf generate_batch", 4, workload.input_tokens, 0, 0.4)
@@ -402,11 +402,12 @@ def test_bench_roofline_line_and_fields(
 ) -> None:
     """The matmul rate is probed before and after batchgen's run (here 1 and 2 TFLOP/s, in either order) and the
     roofline is at the faster: 2 TFLOP/s."""
-    from batchgen.bench import commands, offline
+    from batchgen.bench import offline
+    from batchgen.cli import bench as commands
 
     probes = iter([Ceilings(t * 1e12, 1e10, torch.float32) for t in probed_tflops])
     for module in (commands, offline):
-        monkeypatch.setattr(module, "measure_ceilings", lambda dtype, device: next(probes))
+        monkeypatch.setattr(module, "measure_ceilings", lambda dtype, device, prepack: next(probes))
     result_file = tmp_path / "r.jsonl"
     args = ["bench", "--model", str(random_models["llama"]), "--num-prompts", "3", "--input-len-range", "4:9"]
     args += ["--output-len", "3", "--dtype", "float32", "--device", "cpu", "--roofline"]

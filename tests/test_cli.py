@@ -126,6 +126,22 @@ def test_run_help_lists_every_option(columns: int, monkeypatch: pytest.MonkeyPat
     assert sorted(RUN_FLAGS - shown) == []
 
 
+@pytest.mark.parametrize(
+    ("command", "usage"),
+    [
+        ("run", "[OPTIONS] DATASET --out OUT"),
+        ("bench", "[OPTIONS] --model MODEL"),
+        ("bench-one-batch", "[OPTIONS] --model MODEL"),
+        ("status", "[OPTIONS] DATASET OUT"),
+    ],
+)
+def test_usage_line_names_the_required_options(command: str, usage: str) -> None:
+    """``run``'s --out and the benchmarks' --model are required: the usage line says so, as it does arguments."""
+    result = CliRunner().invoke(app, [command, "--help"])
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines()[0].endswith(f" {command} {usage}"), result.output.splitlines()[0]
+
+
 def test_version() -> None:
     code, output = run_cli(["--version"])
     assert (code, output) == (0, f"batchgen {version('batchgen')}\n")
@@ -554,6 +570,40 @@ def test_report_memory_prints_peak_rss(random_models: dict[str, Path], tmp_path:
     assert code == 0, output
     match = re.search(r"batchgen: peak RSS (\d+) MiB", output)
     assert match is not None and 50 < int(match.group(1)) < 24 * 1024
+
+
+@pytest.mark.parametrize(
+    ("load", "threads_variable", "warned"), [(8.5, None, True), (1.5, None, False), (8.5, "2", False)]
+)
+def test_a_busy_machine_is_said_once(
+    load: float,
+    threads_variable: str | None,
+    warned: bool,
+    random_models: dict[str, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A 1-minute load average above the 2 threads the tests compute with (conftest) takes cores this run counts
+    on: one line says so and names OMP_NUM_THREADS; not below it, nor when OMP_NUM_THREADS chose the count."""
+    import os
+
+    monkeypatch.setattr(os, "getloadavg", lambda: (load, 0.0, 0.0))
+    if threads_variable is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", threads_variable)
+    dataset = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi", "max_new_tokens": 1}] * 3)
+    code, lines = _run(dataset, tmp_path / "o.arrow", random_models["llama"])
+    assert code == 0, lines
+    warnings = [line for line in lines if "load average" in line]
+    if warned:
+        assert warnings == [
+            "batchgen: warning: the load average is 8.5, above the 2 cores batchgen computes on: other processes "
+            "compete for them and this run will be slower (set OMP_NUM_THREADS to the idle cores)"
+        ]
+    else:
+        assert warnings == []
+    assert SUMMARY.match(lines[-1]), lines
 
 
 def test_summary_line_counts_in_the_number_each_count_takes() -> None:

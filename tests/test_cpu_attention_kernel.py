@@ -37,10 +37,11 @@ from conftest import (
 )
 from paged_pool import PagedPool, reference_attention, relative_error
 
+from batchgen.environment import kernel_switches
 from batchgen.kernels import cpu as cpu_kernels
 from batchgen.kernels.attention import torch_native
 from batchgen.kernels.attention.torch_native import TorchNativeAttnBackend
-from batchgen.kernels.cpu import fused_elementwise, paged_attention
+from batchgen.kernels.cpu import paged_attention
 from batchgen.loop.forward_mode import ForwardMode
 
 POOL_SLOTS = 2500
@@ -261,13 +262,13 @@ def test_bad_inputs_are_clear_errors(change: dict[str, Any], message: str) -> No
 
 
 def test_switch_off_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(cpu_kernels.ENV_SWITCH, raising=False)
-    assert cpu_kernels.paged_attention_available()
+    monkeypatch.delenv("BATCHGEN_CPU_ATTENTION_KERNEL", raising=False)
+    assert kernel_switches().cpu_attention_kernel and cpu_kernels.paged_attention_available()
     for off in ("0", "false", "OFF"):
-        monkeypatch.setenv(cpu_kernels.ENV_SWITCH, off)
-        assert not cpu_kernels.paged_attention_available()
-    monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "1")
-    assert cpu_kernels.paged_attention_available()
+        monkeypatch.setenv("BATCHGEN_CPU_ATTENTION_KERNEL", off)
+        assert not kernel_switches().cpu_attention_kernel
+    monkeypatch.setenv("BATCHGEN_CPU_ATTENTION_KERNEL", "1")
+    assert kernel_switches().cpu_attention_kernel
 
 
 _COMMAND = "c++ -MMD -MF x.o.d -DTORCH_EXTENSION_NAME=x -fPIC -std=c++20 -c paged_attention.cpp -o x.o"
@@ -354,12 +355,12 @@ def test_backend_same_with_kernel_on_and_off(
     monkeypatch.setattr(torch_native, "paged_attention", spy)
     outputs = []
     for switch in ("1", "0"):
-        monkeypatch.setenv(cpu_kernels.ENV_SWITCH, switch)
-        backend = TorchNativeAttnBackend()
+        monkeypatch.setenv("BATCHGEN_CPU_ATTENTION_KERNEL", switch)
+        backend = TorchNativeAttnBackend(kernel_switches().cpu_attention_kernel)
         backend.init_forward_metadata(fb)
         is_decode = mode == ForwardMode.DECODE
         outputs.append(backend.forward_decode(q, 0, fb) if is_decode else backend.forward_extend(q, 0, fb))
-    monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "1")
+    monkeypatch.setenv("BATCHGEN_CPU_ATTENTION_KERNEL", "1")
     kernel_rows = sum(e <= torch_native.SHORT_ROW_TOKENS for e in extend)
     if cpu_kernels.prefill_rows_supported(dtype, 64):
         kernel_rows = len(extend)
@@ -482,10 +483,10 @@ def test_engine_greedy_same_with_kernel_on_and_off(
 
     monkeypatch.setattr(TorchNativeAttnBackend, "init_forward_metadata", plan_spy)
     monkeypatch.setattr(torch_native, "paged_attention", kernel_spy)
-    monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "0")
+    monkeypatch.setenv("BATCHGEN_CPU_ATTENTION_KERNEL", "0")
     gathered = generate(dataset, tmp_path / "off.arrow", random_models["llama"], *args)
     assert not calls
-    monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "1")
+    monkeypatch.setenv("BATCHGEN_CPU_ATTENTION_KERNEL", "1")
     in_place = generate(dataset, tmp_path / "on.arrow", random_models["llama"], *args)
     expected = {ForwardMode.MIXED, ForwardMode.DECODE}
     if speculative:
@@ -511,10 +512,10 @@ def test_bfloat16_engine_within_rounding_noise_of_hf_float32(tmp_path: Path, mon
     dataset = write_jsonl(tmp_path / "p.jsonl", rows)
     reference = hf_float32_rows(model_dir, rows, 16)
     args = ["--dtype", "bfloat16", "--chunked-prefill-size", "64", "--max-running-requests", "4"]
-    monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "0")
-    monkeypatch.setenv(fused_elementwise.ENV_SWITCH, "0")
+    monkeypatch.setenv("BATCHGEN_CPU_ATTENTION_KERNEL", "0")
+    monkeypatch.setenv("BATCHGEN_CPU_FUSED_OPS", "0")
     noise = deviation(reference, generate(dataset, tmp_path / "off.arrow", model_dir, *args))
-    monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "1")
-    monkeypatch.setenv(fused_elementwise.ENV_SWITCH, "1")
+    monkeypatch.setenv("BATCHGEN_CPU_ATTENTION_KERNEL", "1")
+    monkeypatch.setenv("BATCHGEN_CPU_FUSED_OPS", "1")
     kernel = deviation(reference, generate(dataset, tmp_path / "on.arrow", model_dir, *args))
     assert_within_rounding_noise(kernel, noise, "bfloat16 with the CPU kernel")

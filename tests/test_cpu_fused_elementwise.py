@@ -18,9 +18,10 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
+from batchgen.environment import kernel_switches
 from batchgen.kernels import cpu as cpu_kernels
-from batchgen.kernels.cpu import fused_elementwise
 from batchgen.kernels.cpu.fused_elementwise import fused_ops_supported, rms_norm, rotary_embedding, silu_and_mul
+from batchgen.kernels.switches import KernelSwitches
 from batchgen.models.rotary import RotaryEmbedding
 from batchgen.models.source import ModelSource
 
@@ -221,21 +222,21 @@ def test_bad_inputs_are_clear_errors(call: object, message: str) -> None:
 
 
 def test_supported_for_bfloat16_on_the_cpu_unless_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(fused_elementwise.ENV_SWITCH, raising=False)
-    assert fused_ops_supported(BF16, CPU)
+    monkeypatch.delenv("BATCHGEN_CPU_FUSED_OPS", raising=False)
+    assert kernel_switches().cpu_fused_ops and fused_ops_supported(BF16, CPU)
     assert not fused_ops_supported(torch.float32, CPU)  # the reference path stays PyTorch's
     assert not fused_ops_supported(torch.float16, CPU)
     for off in ("0", "false", "OFF"):
-        monkeypatch.setenv(fused_elementwise.ENV_SWITCH, off)
-        assert not fused_ops_supported(BF16, CPU)
+        monkeypatch.setenv("BATCHGEN_CPU_FUSED_OPS", off)
+        assert not kernel_switches().cpu_fused_ops
 
 
 @pytest.mark.parametrize("switch", ["1", "0"])
 def test_a_bfloat16_cpu_model_is_wired_to_the_ops(monkeypatch: pytest.MonkeyPatch, switch: str) -> None:
     """(tests/test_float32_carrier.py covers the wiring with the float32 carrier, off here.)"""
-    monkeypatch.setenv(fused_elementwise.ENV_SWITCH, switch)
-    monkeypatch.setenv(fused_elementwise.CARRIER_SWITCH, "0")
-    model = ModelSource.open("random:llama-58m").load(BF16, CPU, 256)
+    monkeypatch.setenv("BATCHGEN_CPU_FUSED_OPS", switch)
+    monkeypatch.setenv("BATCHGEN_CPU_FLOAT32_CARRIER", "0")
+    model = ModelSource.open("random:llama-58m").load(BF16, CPU, 256, kernel_switches())
     norms = [n for layer in model.model.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
     wired = [n.fused_kernel for n in [*norms, model.model.norm]]
     wired += [layer.mlp.silu_and_mul for layer in model.model.layers] + [model.rotary.fused_kernel]
@@ -243,4 +244,5 @@ def test_a_bfloat16_cpu_model_is_wired_to_the_ops(monkeypatch: pytest.MonkeyPatc
         assert set(wired) == {rms_norm, silu_and_mul, rotary_embedding}
     else:
         assert set(wired) == {None}
-    assert ModelSource.open("random:llama-58m").load(torch.float32, CPU, 256).rotary.fused_kernel is None
+    model = ModelSource.open("random:llama-58m").load(torch.float32, CPU, 256, KernelSwitches())
+    assert model.rotary.fused_kernel is None

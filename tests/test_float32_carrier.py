@@ -18,7 +18,6 @@ from transformers import LlamaConfig
 
 from batchgen.bench.one_batch import OneBatchRunner
 from batchgen.kernels import cpu as cpu_kernels
-from batchgen.kernels.cpu import fused_elementwise
 from batchgen.kernels.cpu.fused_elementwise import rms_norm, rotary_embedding, silu_and_mul
 from batchgen.loop.engine import Engine
 from batchgen.loop.forward_mode import ForwardMode
@@ -150,11 +149,11 @@ def test_a_carried_model_gives_the_same_logits_bit_for_bit(
     """GEMMs packed as float32 on any CPU (where oneDNN has bfloat16 kernels it would pack them as bfloat16 and
     carry nothing); with and without the carrier. Qwen3's q/k norms run in torch, so its q/k/v projection still
     rounds."""
-    monkeypatch.setattr(source, "cpu_gemm_dtype", lambda dtype, device: F32)
+    monkeypatch.setattr(source, "cpu_gemm_dtype", lambda dtype, device, prepack: F32)
     model_dir = build_random_model(tmp_path / "m", arch, **overrides)
     logits = {}
     for switch in ("0", "1"):
-        monkeypatch.setenv(fused_elementwise.CARRIER_SWITCH, switch)
+        monkeypatch.setenv("BATCHGEN_CPU_FLOAT32_CARRIER", switch)
         engine = Engine(EngineOptions(model=str(model_dir), dtype="bfloat16", device="cpu"))
         layer = engine.runner.model.model.layers[0]
         linears = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]

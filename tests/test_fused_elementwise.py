@@ -27,6 +27,7 @@ use_triton_interpreter()
 from conftest import assert_within, assert_within_rounding_noise, deviation, generate, write_jsonl  # noqa: E402
 from test_hf_equivalence import _check_against_hf, _prompts  # noqa: E402
 
+from batchgen.environment import kernel_switches  # noqa: E402
 from batchgen.errors import BatchgenError  # noqa: E402
 from batchgen.kernels.triton.fused_elementwise import rms_norm, rotary_embedding, silu_and_mul  # noqa: E402
 from batchgen.models.llama import RMSNorm  # noqa: E402
@@ -147,11 +148,15 @@ def test_fused_ops_model_really_runs_the_kernels(
 ) -> None:
     from batchgen.kernels.triton import fused_elementwise
 
-    model = ModelSource.open(str(random_models["llama"])).load(torch.float32, torch.device("cpu"), 64)
+    model = ModelSource.open(str(random_models["llama"])).load(
+        torch.float32, torch.device("cpu"), 64, kernel_switches()
+    )
     assert model.rotary.fused_kernel is None and model.model.norm.fused_kernel is None
     monkeypatch.setenv(FUSED_OPS_SWITCH, "1")
     for arch in ("llama", "qwen3"):
-        model = ModelSource.open(str(random_models[arch])).load(torch.float32, torch.device("cpu"), 64)
+        model = ModelSource.open(str(random_models[arch])).load(
+            torch.float32, torch.device("cpu"), 64, kernel_switches()
+        )
         assert model.rotary.fused_kernel is fused_elementwise.rotary_embedding
         assert model.model.norm.fused_kernel is fused_elementwise.rms_norm
         for layer in model.model.layers:
@@ -169,31 +174,31 @@ def test_fused_ops_on_the_cpu_without_the_interpreter_is_a_one_line_error(monkey
     monkeypatch.setenv(FUSED_OPS_SWITCH, "1")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(BatchgenError, match="BATCHGEN_TRITON_FUSED_OPS=1 needs a CUDA device"):
-        triton_fused_ops_requested(torch.device("cpu"))
+        triton_fused_ops_requested(torch.device("cpu"), kernel_switches())
     monkeypatch.setenv(FUSED_OPS_SWITCH, "maybe")
     with pytest.raises(BatchgenError, match="BATCHGEN_TRITON_FUSED_OPS must be 1 or 0, got 'maybe'"):
-        triton_fused_ops_requested(torch.device("cpu"))
+        triton_fused_ops_requested(torch.device("cpu"), kernel_switches())
     for off in ("0", "off", ""):
         monkeypatch.setenv(FUSED_OPS_SWITCH, off)
-        assert not triton_fused_ops_requested(torch.device("cpu"))
+        assert not triton_fused_ops_requested(torch.device("cpu"), kernel_switches())
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv(FUSED_OPS_SWITCH, "true")
-    assert triton_fused_ops_requested(torch.device("cpu"))
+    assert triton_fused_ops_requested(torch.device("cpu"), kernel_switches())
 
 
 def test_fused_ops_are_on_by_default_on_cuda_only(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(FUSED_OPS_SWITCH, raising=False)
-    assert triton_fused_ops_requested(torch.device("cuda"))
-    assert not triton_fused_ops_requested(torch.device("cpu"))
+    assert triton_fused_ops_requested(torch.device("cuda"), kernel_switches())
+    assert not triton_fused_ops_requested(torch.device("cpu"), kernel_switches())
     monkeypatch.setenv(FUSED_OPS_SWITCH, "0")
-    assert not triton_fused_ops_requested(torch.device("cuda"))
+    assert not triton_fused_ops_requested(torch.device("cuda"), kernel_switches())
     # Without triton the default quietly keeps the PyTorch code; asking for the kernels is an error.
     monkeypatch.setitem(sys.modules, "triton", None)
     monkeypatch.delenv(FUSED_OPS_SWITCH)
-    assert not triton_fused_ops_requested(torch.device("cuda"))
+    assert not triton_fused_ops_requested(torch.device("cuda"), kernel_switches())
     monkeypatch.setenv(FUSED_OPS_SWITCH, "1")
     with pytest.raises(BatchgenError, match="needs triton"):
-        triton_fused_ops_requested(torch.device("cuda"))
+        triton_fused_ops_requested(torch.device("cuda"), kernel_switches())
 
 
 def test_fused_ops_in_float16_are_as_close_to_float32_as_torch(

@@ -20,8 +20,9 @@ from conftest import (
 )
 from torch.nn import functional as F
 
+from batchgen.environment import kernel_switches
 from batchgen.models import source
-from batchgen.models.packed_linear import ENV_SWITCH, PackedLinear, cpu_gemm_dtype, prepack_linears
+from batchgen.models.packed_linear import PackedLinear, cpu_gemm_dtype, prepack_linears
 
 CPU = torch.device("cpu")
 NATIVE_BF16 = cpu_gemm_dtype(torch.bfloat16, CPU) == torch.bfloat16
@@ -49,8 +50,8 @@ def test_gemm_dtype_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     elif flags and not any(f.startswith("avx512") for f in flags) and "avx_ne_convert" not in flags:
         assert cpu_gemm_dtype(torch.bfloat16, CPU) == torch.float32
         assert cpu_gemm_dtype(torch.float16, CPU) == torch.float32
-    monkeypatch.setenv(ENV_SWITCH, "0")
-    assert cpu_gemm_dtype(torch.bfloat16, CPU) is None
+    monkeypatch.setenv("BATCHGEN_CPU_PREPACK", "0")
+    assert cpu_gemm_dtype(torch.bfloat16, CPU, kernel_switches().cpu_prepack) is None
 
 
 @needs_native_bf16
@@ -135,9 +136,9 @@ def test_engine_outputs_equal_with_and_without_prepacking(
     dataset = write_jsonl(tmp_path / "in.jsonl", rows)
     for name, model in (("llama", random_models["llama"]), ("qwen2", random_models["qwen2"]), ("tied", tied)):
         packed = generate(dataset, tmp_path / f"{name}_packed.jsonl", model, "--dtype", "bfloat16")
-        monkeypatch.setenv(ENV_SWITCH, "0")
+        monkeypatch.setenv("BATCHGEN_CPU_PREPACK", "0")
         plain = generate(dataset, tmp_path / f"{name}_plain.jsonl", model, "--dtype", "bfloat16")
-        monkeypatch.delenv(ENV_SWITCH)
+        monkeypatch.delenv("BATCHGEN_CPU_PREPACK")
         for rid, want in plain.items():
             got = packed[rid]
             assert got["output_token_ids"] == want["output_token_ids"], (name, rid)
@@ -159,10 +160,10 @@ def test_float32_gemm_engine_within_rounding_noise_of_hf_float32(
     rows = greedy_rows((5, 30, 64, 100), 12, seed=4)
     dataset = write_jsonl(tmp_path / "p.jsonl", rows)
     reference = hf_float32_rows(model_dir, rows, 12)
-    monkeypatch.setenv(ENV_SWITCH, "0")
+    monkeypatch.setenv("BATCHGEN_CPU_PREPACK", "0")
     noise = deviation(reference, generate(dataset, tmp_path / "plain.arrow", model_dir, "--dtype", dtype))
-    monkeypatch.delenv(ENV_SWITCH)
-    monkeypatch.setattr(source, "cpu_gemm_dtype", lambda d, device: torch.float32)
+    monkeypatch.delenv("BATCHGEN_CPU_PREPACK")
+    monkeypatch.setattr(source, "cpu_gemm_dtype", lambda d, device, prepack: torch.float32)
     packed = deviation(reference, generate(dataset, tmp_path / "packed.arrow", model_dir, "--dtype", dtype))
     assert_within_rounding_noise(packed, noise, f"{dtype} through float32 GEMMs")
 
@@ -172,11 +173,11 @@ def test_half_precision_cpu_models_load_packed(
     dtype: torch.dtype, random_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     def packed_layers() -> list[PackedLinear]:
-        model = source.ModelSource.open(str(random_models["llama"])).load(dtype, CPU, 64)
+        model = source.ModelSource.open(str(random_models["llama"])).load(dtype, CPU, 64, kernel_switches())
         return [m for m in model.modules() if isinstance(m, PackedLinear)]
 
     layers = packed_layers()
     assert len(layers) == 2 * 4 + 1  # qkv, o, gate_up and down in each of 2 layers; the output projection
     assert {layer.gemm_dtype for layer in layers} == {cpu_gemm_dtype(dtype, CPU)}
-    monkeypatch.setenv(ENV_SWITCH, "0")
+    monkeypatch.setenv("BATCHGEN_CPU_PREPACK", "0")
     assert packed_layers() == []

@@ -545,6 +545,30 @@ def test_resume_names_the_pass_through_columns_that_changed(
     )
 
 
+def test_resume_refuses_other_kernel_switches_as_it_refuses_another_dtype(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A kernel switch can move a result's last bits as the dtype can: the output records the switches, and a
+    resume under other ones is refused in the same one line, naming the variable."""
+    rows = [{"id": f"r{i}", "prompt_token_ids": [0, 5 + i], "max_new_tokens": 2} for i in range(12)]
+    dataset = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.arrow"
+    with monkeypatch.context() as patch:
+        fail_part_write(patch, at=2)
+        assert run_cli(args(dataset, out, model, *SLOW_FLAGS))[0] == 2
+    where = f"batchgen: error: {partial_dir(out)}: cannot resume: this run differs from the interrupted one:"
+    force = "(pass --resume-force to resume anyway, or --overwrite to start over)"
+    code, output = run_cli([*args(dataset, out, model, "--resume"), "--dtype", "bfloat16"])
+    assert (code, output.splitlines()) == (2, [f"{where} dtype 'float32' → 'bfloat16' {force}"])
+    monkeypatch.setenv("BATCHGEN_CPU_PREPACK", "off")
+    code, output = run_cli(args(dataset, out, model, "--resume"))
+    assert (code, output.splitlines()) == (2, [f"{where} BATCHGEN_CPU_PREPACK True → False {force}"])
+    monkeypatch.delenv("BATCHGEN_CPU_PREPACK")
+    code, output = run_cli(args(dataset, out, model, "--resume"))
+    assert code == 0, output
+    assert sorted(row["id"] for row in read_results(out).to_pylist()) == sorted(row["id"] for row in rows)
+
+
 def test_status_of_an_output_from_another_dataset_says_so(
     small_job: tuple[Path, dict[Key, dict[str, Any]]], model: Path, tmp_path: Path
 ) -> None:

@@ -28,6 +28,7 @@ use_triton_interpreter()
 from conftest import generate, write_jsonl  # noqa: E402
 from paged_pool import PagedPool, reference_attention, relative_error  # noqa: E402
 
+from batchgen.environment import kernel_switches  # noqa: E402
 from batchgen.errors import BatchgenError  # noqa: E402
 from batchgen.kernels.attention import create_attention_backend  # noqa: E402
 from batchgen.kernels.attention.torch_native import TorchNativeAttnBackend  # noqa: E402
@@ -249,23 +250,31 @@ def test_engine_greedy_matches_torch_native(
 def test_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(BatchgenError, match="TRITON_INTERPRET=1") as err:
-        create_attention_backend("triton", torch.device("cpu"))
+        create_attention_backend("triton", torch.device("cpu"), switches=kernel_switches())
     assert "\n" not in str(err.value)
 
 
 def test_triton_missing_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "triton", None)  # makes `import triton` raise ImportError
     with pytest.raises(BatchgenError, match="needs the triton package") as err:
-        create_attention_backend("triton", torch.device("cuda"))
+        create_attention_backend("triton", torch.device("cuda"), switches=kernel_switches())
     assert "\n" not in str(err.value)
-    assert isinstance(create_attention_backend("auto", torch.device("cuda")), TorchNativeAttnBackend)
+    assert isinstance(
+        create_attention_backend("auto", torch.device("cuda"), switches=kernel_switches()), TorchNativeAttnBackend
+    )
 
 
 def test_auto_choice() -> None:
-    assert isinstance(create_attention_backend("auto", torch.device("cpu")), TorchNativeAttnBackend)
+    assert isinstance(
+        create_attention_backend("auto", torch.device("cpu"), switches=kernel_switches()), TorchNativeAttnBackend
+    )
     # Building the backend touches no GPU, so the CUDA choice can be checked here.
-    assert isinstance(create_attention_backend("auto", torch.device("cuda")), TritonAttnBackend)
-    assert isinstance(create_attention_backend("triton", torch.device("cpu")), TritonAttnBackend)
+    assert isinstance(
+        create_attention_backend("auto", torch.device("cuda"), switches=kernel_switches()), TritonAttnBackend
+    )
+    assert isinstance(
+        create_attention_backend("triton", torch.device("cpu"), switches=kernel_switches()), TritonAttnBackend
+    )
 
 
 @pytest.mark.parametrize(

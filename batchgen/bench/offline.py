@@ -83,7 +83,7 @@ def measure_roofline(engine: Engine, workload: Workload, earlier: Ceilings | Non
     """Probe the matmul rate in the engine's dtype on its device (:func:`measure_ceilings`), the higher of this
     probe and an ``earlier`` one (taken before the run: a shared machine's speed moves by 20 % within minutes, and
     the ceiling is the best it showed), and count the workload's FLOPs for the engine's model."""
-    ceilings = measure_ceilings(engine.dtype, engine.device)
+    ceilings = measure_ceilings(engine.dtype, engine.device, engine.switches.cpu_prepack)
     if earlier is not None:
         ceilings = ceilings.highest(earlier)
     flops = generation_flops(engine.runner.model.config, [len(p) for p in workload.prompts], workload.output_len)

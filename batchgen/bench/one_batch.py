@@ -128,7 +128,7 @@ class OneBatchRunner:
         self.engine = engine
         self.rng = random.Random(seed)
         # The linear layers' weights as the GEMMs read them (float32 copies where they run as float32 GEMMs).
-        self.weight_dtype = cpu_gemm_dtype(engine.dtype, engine.device) or engine.dtype
+        self.weight_dtype = cpu_gemm_dtype(engine.dtype, engine.device, engine.switches.cpu_prepack) or engine.dtype
 
     def make_reqs(self, batch_size: int, input_len: int, output_len: int) -> list[Req]:
         """Requests with random prompt ids, each holding a request row; greedy, EOS ignored, no logprobs."""

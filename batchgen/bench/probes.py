@@ -56,24 +56,27 @@ def _best_time(fn: Callable[[], object], device: torch.device, repeats: int) -> 
     return best
 
 
-def model_linear(dtype: torch.dtype, device: torch.device, n: int) -> tuple[Callable[[], torch.Tensor], torch.dtype]:
+def model_linear(
+    dtype: torch.dtype, device: torch.device, n: int, prepack: bool = True
+) -> tuple[Callable[[], torch.Tensor], torch.dtype]:
     """An ``[n, n] x [n, n]^T`` product of random ``dtype`` matrices run as the model's linear layers run it (a
-    :class:`PackedLinear` where :func:`cpu_gemm_dtype` packs, else ``F.linear``), and the dtype it computes in."""
+    :class:`PackedLinear` where :func:`cpu_gemm_dtype` packs with ``prepack``, else ``F.linear``), and the dtype
+    it computes in."""
     weight = torch.randn(n, n, device=device).to(dtype)
     x = torch.randn(n, n, device=device).to(dtype)
-    gemm_dtype = cpu_gemm_dtype(dtype, device)
+    gemm_dtype = cpu_gemm_dtype(dtype, device, prepack)
     if gemm_dtype is None:
         return (lambda: F.linear(x, weight)), dtype
     layer = PackedLinear(weight, None, gemm_dtype)
     return (lambda: layer(x)), gemm_dtype
 
 
-def measure_ceilings(dtype: torch.dtype, device: torch.device) -> Ceilings:
+def measure_ceilings(dtype: torch.dtype, device: torch.device, prepack: bool = True) -> Ceilings:
     """One large square matmul (n = 2048 on CPU, 8192 on GPU) through the model's linear-layer path
-    (:func:`model_linear`) and one large copy (256 MiB on CPU, 2 GiB on GPU), each the best of a few runs after a
-    warm-up."""
+    (:func:`model_linear`, ``prepack`` as the engine's ``KernelSwitches.cpu_prepack``) and one large copy
+    (256 MiB on CPU, 2 GiB on GPU), each the best of a few runs after a warm-up."""
     n = 8192 if device.type == "cuda" else 2048
-    matmul, gemm_dtype = model_linear(dtype, device, n)
+    matmul, gemm_dtype = model_linear(dtype, device, n, prepack)
     matmul()
     matmul_time = _best_time(matmul, device, repeats=3)
     size = (2 << 30) if device.type == "cuda" else (256 << 20)

@@ -1,54 +1,96 @@
-"""Engine flags that ``batchgen run`` and ``batchgen bench`` share: one definition and one help text each."""
+"""The commands' flags, derived from the options' declarations (:class:`~batchgen.loop.options.EngineOptions`,
+:class:`~batchgen.sampling.sampling_params.SamplingParams`' run defaults, :class:`~batchgen.job.options.JobOptions`).
+
+A command names an options object among its parameters (``options: EngineOptions``); :func:`with_options` puts
+one Typer option per declared field in its place (the ``help`` and ``flag`` of the field's metadata, its default,
+its type: a tuple field is a repeatable flag) and hands the command the object built from the values given. So a
+field added to one of those dataclasses is a flag of every command that takes the object, and a ``--config`` key.
+"""
 
 from __future__ import annotations
 
+import functools
+import inspect
+from collections.abc import Callable, Collection
+from dataclasses import MISSING, Field, fields
+from typing import Any, get_args, get_origin, get_type_hints
+
 import typer
+from typer._click.core import Context  # the click typer vendors: its commands take this Context
+from typer.core import TyperArgument, TyperCommand
 
-from batchgen.errors import BatchgenError
+from batchgen.job.options import JobOptions
 from batchgen.loop.options import EngineOptions
+from batchgen.sampling.sampling_params import SamplingParams
 
-_DEFAULTS = EngineOptions(model="")
-
-DISABLE_CUDA_GRAPH = typer.Option(
-    _DEFAULTS.disable_cuda_graph, "--disable-cuda-graph", help="Run decode rounds eagerly at their own size."
-)
-CUDA_GRAPH_MAX_BS = typer.Option(
-    None, help="Largest decode batch replayed from a CUDA graph (default 256; on CPU: off, N pads eagerly)."
-)
-SPECULATIVE_ALGORITHM = typer.Option(
-    None,
-    help="Speculative decoding: ngram (drafts from the sequence's own earlier text) or draft (a draft model "
-    "proposes); default off.",
-)
-SPECULATIVE_NUM_DRAFT_TOKENS = typer.Option(
-    _DEFAULTS.speculative_num_draft_tokens, help="Draft tokens per request per round (K)."
-)
-SPECULATIVE_NGRAM_MIN = typer.Option(
-    _DEFAULTS.speculative_ngram_min, help="Shortest suffix the n-gram drafter looks up."
-)
-SPECULATIVE_NGRAM_MAX = typer.Option(
-    _DEFAULTS.speculative_ngram_max, help="Longest suffix the n-gram drafter looks up."
-)
-SPECULATIVE_DRAFT_MODEL = typer.Option(
-    None, help="Draft model of --speculative-algorithm draft (same vocabulary as --model; or random:PRESET)."
-)
-SPECULATIVE_ACCEPTANCE = typer.Option(
-    _DEFAULTS.speculative_acceptance,
-    help="How sampled rows verify a draft model's drafts: rejection (rejection sampling, most accepted) or "
-    "coupled (outputs identical to plain decoding with the same seeds).",
-)
+OPTION_CLASSES: tuple[type, ...] = (EngineOptions, SamplingParams, JobOptions)
 
 
-def check_engine_limits(
-    max_running_requests: int | None, max_prefill_tokens: int | None, chunked_prefill_size: int | None
-) -> None:
-    """Range checks of the batch-size flags ``run`` and ``bench`` share (``None``: the engine's default).
+def declared_options(cls: type) -> list[Field[Any]]:
+    """The fields of ``cls`` that are command-line options: those whose metadata has a ``help``."""
+    return [f for f in fields(cls) if "help" in f.metadata]
 
-    Raises:
-        BatchgenError: naming the first bad flag.
-    """
-    for name, value in (("max_running_requests", max_running_requests), ("max_prefill_tokens", max_prefill_tokens)):
-        if value is not None and value < 1:
-            raise BatchgenError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    if chunked_prefill_size is not None and chunked_prefill_size < 0:
-        raise BatchgenError(f"--chunked-prefill-size must be >= 0, got {chunked_prefill_size}")
+
+def with_options(
+    only: Collection[str] | None = None, required: Collection[str] = ()
+) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Decorate a Typer command whose parameters include options objects (annotated with one of
+    :data:`OPTION_CLASSES`): each such parameter becomes the flags of its class's declared fields (only those named
+    in ``only``, when given; the others keep their defaults), and the command receives the built object.
+    ``required`` names fields that become required flags (no default)."""
+
+    def decorate(func: Callable[..., None]) -> Callable[..., None]:
+        hints = get_type_hints(func)
+        parameters: list[inspect.Parameter] = []
+        groups: dict[str, tuple[type, list[str]]] = {}
+        for parameter in inspect.signature(func).parameters.values():
+            cls = hints.get(parameter.name)
+            if cls not in OPTION_CLASSES:
+                annotation = hints.get(parameter.name, parameter.annotation)
+                parameters.append(parameter.replace(kind=inspect.Parameter.KEYWORD_ONLY, annotation=annotation))
+                continue
+            assert isinstance(cls, type)
+            declared = [f for f in declared_options(cls) if only is None or f.name in only]
+            groups[parameter.name] = (cls, [f.name for f in declared])
+            field_hints = get_type_hints(cls)
+            parameters += [_typer_parameter(f, field_hints[f.name], f.name in required) for f in declared]
+
+        @functools.wraps(func)
+        def command(**values: Any) -> None:
+            for name, (cls, names) in groups.items():
+                given = {n: values.pop(n) for n in names}
+                values[name] = cls(**{n: tuple(v) if isinstance(v, list) else v for n, v in given.items()})
+            func(**values)
+
+        command.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]
+        command.__annotations__ = {p.name: p.annotation for p in parameters}
+        return command
+
+    return decorate
+
+
+def _typer_parameter(field: Field[Any], annotation: Any, required: bool) -> inspect.Parameter:
+    """The Typer option of one declared field (a ``tuple[X, ...]`` field: a repeatable ``list[X]`` option)."""
+    default = field.default if field.default is not MISSING else ...
+    if get_origin(annotation) is tuple:
+        annotation = list[get_args(annotation)[0]]  # type: ignore[misc]
+        default = list(default) if default is not ... else ...
+    flags = [field.metadata["flag"]] if "flag" in field.metadata else []
+    option = typer.Option(... if required else default, *flags, help=field.metadata["help"])
+    return inspect.Parameter(field.name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=annotation)
+
+
+class UsageShowsRequiredOptions(TyperCommand):
+    """A command whose usage line names its required options too: ``batchgen run [OPTIONS] DATASET --out OUT``
+    (click's lists only the arguments, so a required ``--out`` surfaced only as an error)."""
+
+    def collect_usage_pieces(self, ctx: Context) -> list[str]:
+        pieces = [self.options_metavar] if self.options_metavar else []
+        for param in self.get_params(ctx):
+            name = (param.name or "").upper()
+            if isinstance(param, TyperArgument):
+                pieces.append(f"{name}..." if param.nargs == -1 else name)
+            elif param.required:
+                flag = max(param.opts, key=len)
+                pieces.append(flag if getattr(param, "is_flag", False) else f"{flag} {name}")
+        return pieces

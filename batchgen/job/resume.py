@@ -31,23 +31,14 @@ _IDS_SHOWN = 3
 
 @dataclass(frozen=True)
 class OutputPolicy:
-    """How ``batchgen run`` treats its output: start over or resume, and how often finished rows are made durable.
-
-    Raises:
-        BatchgenError: ``flush_every`` < 1 or ``flush_every_seconds`` <= 0.
-    """
+    """How ``batchgen run`` treats its output: start over or resume, and how often finished rows are made durable
+    (built from :class:`batchgen.job.options.JobOptions`, whose ``validate`` checks the values)."""
 
     overwrite: bool = False
     resume: bool = False
     resume_force: bool = False
     flush_every: int = 256
     flush_every_seconds: float = 5.0
-
-    def __post_init__(self) -> None:
-        if self.flush_every < 1:
-            raise BatchgenError(f"--flush-every must be >= 1, got {self.flush_every}")
-        if not self.flush_every_seconds > 0:
-            raise BatchgenError(f"--flush-every-seconds must be > 0, got {self.flush_every_seconds}")
 
 
 def check_output_path(dataset: Path, out: Path, overwrite: bool, resume: bool) -> bool:
@@ -193,8 +184,8 @@ def check_same_job(where: Path, recorded: pa.Schema, now: pa.Schema, force: bool
     """Refuse to resume when this run would not produce what the interrupted one did, unless ``force``.
 
     Raises:
-        BatchgenError: one line naming every difference in model, dtype, logprobs mode, sampling defaults,
-            output-changing engine options (seed, context length) and the dataset; or, even with ``force``,
+        BatchgenError: one line naming every difference in model, dtype, logprobs mode, kernel switches, sampling
+            defaults, output-changing engine options (seed, context length) and the dataset; or, even with ``force``,
             different pass-through columns (the rows already written could not be combined with new ones).
     """
     if not recorded.remove_metadata().equals(now.remove_metadata()):
@@ -220,6 +211,7 @@ def job_differences(recorded: dict[str, str], now: dict[str, str]) -> list[str]:
         old, new = recorded.get(f"batchgen.{key}"), now.get(f"batchgen.{key}")
         if old != new:
             differences.append(f"{label} {old!r} → {new!r}")
+    differences += _changed_fields("batchgen.kernel_switches", recorded, now, None)
     differences += _changed_fields("batchgen.sampling_defaults", recorded, now, None)
     differences += _changed_fields("batchgen.engine_options", recorded, now, _OUTPUT_ENGINE_OPTIONS)
     try:

@@ -102,6 +102,7 @@ class RunJob:
             "batchgen.model": self.engine_options.model,
             "batchgen.model_dir": str(self.engine.model_dir),
             "batchgen.dtype": str(self.engine.dtype).removeprefix("torch."),
+            "batchgen.kernel_switches": json.dumps(self.engine.switches.as_metadata()),
             "batchgen.logprobs_mode": self.engine_options.logprobs_mode,
             "batchgen.sampling_defaults": json.dumps(asdict(self.defaults)),
             "batchgen.engine_options": json.dumps(asdict(self.engine_options)),

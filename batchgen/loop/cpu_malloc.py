@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
+
+from batchgen.environment import malloc_tuned_by_user
 
 # mallopt parameters (glibc's malloc.h).
 _M_TRIM_THRESHOLD = -1
@@ -28,7 +29,7 @@ def keep_freed_memory() -> bool:
     whether both were set. Nothing is changed where malloc is not glibc's, or where ``$GLIBC_TUNABLES`` already
     sets a ``glibc.malloc`` value (the user's choice wins; ``GLIBC_TUNABLES=glibc.malloc.trim_threshold=131072``
     restores glibc's default behaviour)."""
-    if "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
+    if malloc_tuned_by_user():
         return False
     process = ctypes.CDLL(None)  # the symbols already loaded: the C library's among them
     if not hasattr(process, "gnu_get_libc_version") or not hasattr(process, "mallopt"):

@@ -12,20 +12,21 @@ from typing import Any
 import torch
 from transformers import GenerationConfig
 
+from batchgen.environment import kernel_switches
 from batchgen.errors import BatchgenError
-from batchgen.kernels.attention import check_attention_backend_name
+from batchgen.kernels.switches import KernelSwitches
 from batchgen.loop.cpu_malloc import keep_freed_memory
 from batchgen.loop.forward_batch import ForwardBatch
 from batchgen.loop.kv_pool import KVSlotAllocator, TokenToKVPool
 from batchgen.loop.model_runner import ModelRunner
-from batchgen.loop.options import EngineOptions
+from batchgen.loop.options import DTYPE_NAMES, EngineOptions, pick_device
 from batchgen.loop.req import Req
 from batchgen.loop.schedule_batch import ScheduleBatch
 from batchgen.loop.scheduler import Scheduler, SchedulerOptions
 from batchgen.models.source import ModelSource
-from batchgen.speculative import check_speculative_options, make_drafter
+from batchgen.speculative import make_drafter
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 @dataclass
@@ -37,52 +38,22 @@ class RoundStats:
     rounds: int = 0
 
 
-def pick_device(name: str) -> torch.device:
-    """``auto`` → CUDA when available, else CPU.
-
-    Raises:
-        BatchgenError: CUDA asked for but not available.
-    """
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        device = torch.device("meta")
-    if device.type not in ("cpu", "cuda"):
-        raise BatchgenError(f"--device {name}: expected auto, cpu, cuda or cuda:N")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise BatchgenError(f"--device {name}: CUDA is not available on this machine")
-    return device
-
-
 def pick_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtype:
     """Resolve ``--dtype``; ``auto`` is the checkpoint's dtype, float32 if it names none or names float16 on CPU.
 
     Raises:
-        BatchgenError: an unknown dtype name.
+        KeyError: an unknown dtype name (:meth:`EngineOptions.validate` names it first).
     """
     if name == "auto":
         declared = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
         dtype = declared if isinstance(declared, torch.dtype) else _DTYPES.get(str(declared), torch.float32)
         return torch.float32 if device.type == "cpu" and dtype == torch.float16 else dtype
-    check_dtype_name(name)
-    return _DTYPES[name]
+    return _DTYPES[name]  # a known name: EngineOptions.validate checked it
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     """``bfloat16`` for ``torch.bfloat16``: the spelling of ``--dtype``."""
     return str(dtype).removeprefix("torch.")
-
-
-def check_dtype_name(name: str) -> None:
-    """Check ``--dtype`` before a model is loaded.
-
-    Raises:
-        BatchgenError: ``name`` is none of ``auto``, ``float32``, ``bfloat16``, ``float16``.
-    """
-    if name != "auto" and name not in _DTYPES:
-        raise BatchgenError(f"unknown --dtype '{name}'; choose auto, {', '.join(_DTYPES)}")
 
 
 def _available_memory(device: torch.device) -> int:
@@ -106,36 +77,21 @@ def eos_token_ids(model_dir: Path | None, hf_config: Any) -> list[int]:
     return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
 
 
-def check_engine_options(options: EngineOptions) -> None:
-    """The checks of ``options`` that need no model: speculative decoding's, ``logprobs_mode``,
-    ``cuda_graph_max_bs``, the dtype's and attention backend's names, the device.
-
-    Raises:
-        BatchgenError: one line naming the flag and the value.
-    """
-    check_speculative_options(options)
-    pick_device(options.device)
-    check_dtype_name(options.dtype)
-    check_attention_backend_name(options.attention_backend)
-    if options.logprobs_mode not in ("raw", "processed"):
-        raise BatchgenError(f"--logprobs-mode must be raw or processed, got '{options.logprobs_mode}'")
-    if options.cuda_graph_max_bs is not None and options.cuda_graph_max_bs < 1:
-        raise BatchgenError(f"--cuda-graph-max-bs must be >= 1, got {options.cuda_graph_max_bs}")
-
-
 class Engine:
     """The model, its KV pools and a scheduler, ready to run rounds.
 
     ``tokenizer`` is ``None`` for ``random:`` models: they take ``prompt_token_ids`` only and produce no text.
+    ``switches``: the kernel switches; ``None`` reads them from the environment, here, once for this engine.
 
     Raises (from the constructor):
         BatchgenError: the model cannot be resolved or loaded, or the options do not fit it.
     """
 
-    def __init__(self, options: EngineOptions) -> None:
+    def __init__(self, options: EngineOptions, switches: KernelSwitches | None = None) -> None:
         self.options = options
         # Option errors first: they need no model, and loading one can take a while.
-        check_engine_options(options)
+        options.validate()
+        self.switches = switches if switches is not None else kernel_switches()
         source = ModelSource.open(options.model)
         self.model_dir: Path | None = source.model_dir
         self.tokenizer: Any = source.tokenizer
@@ -150,7 +106,7 @@ class Engine:
         context_len = options.context_length or max_positions
         if context_len > max_positions:
             raise BatchgenError(f"--context-length {context_len} exceeds the model's {max_positions} positions")
-        model = source.load(self.dtype, self.device, context_len)
+        model = source.load(self.dtype, self.device, context_len, self.switches)
         config = model.config
         per_token = TokenToKVPool.bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, self.dtype)
         pool_size = options.max_total_tokens or int(options.mem_fraction * _available_memory(self.device) / per_token)
@@ -173,6 +129,7 @@ class Engine:
             options.attention_backend,
             cuda_graph_max_bs=self._graph_max_bs(options),
             verify_tokens=options.speculative_num_draft_tokens + 1 if options.speculative_algorithm else 0,
+            switches=self.switches,
         )
         self.allocator = KVSlotAllocator(pool_size)
         self.scheduler = Scheduler(

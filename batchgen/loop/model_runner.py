@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from batchgen.kernels.attention import create_attention_backend
+from batchgen.kernels.switches import KernelSwitches
 from batchgen.loop.cuda_graph_runner import CudaGraphRunner
 from batchgen.loop.forward_batch import ForwardBatch
 from batchgen.loop.kv_pool import ReqToTokenPool, TokenToKVPool
@@ -28,6 +29,7 @@ class ModelRunner:
             0 runs every round eagerly at its own size.
         verify_tokens: with speculative decoding, K + 1: TARGET_VERIFY rounds with that many tokens per request
             go through the graph runner too (unless the context is too short for any such round).
+        switches: the kernel switches of the attention backend and of greedy sampling's argmax.
     """
 
     def __init__(
@@ -41,8 +43,10 @@ class ModelRunner:
         attention_backend: str,
         cuda_graph_max_bs: int = 0,
         verify_tokens: int = 0,
+        switches: KernelSwitches = KernelSwitches(),
     ) -> None:
         config = model.config
+        self.switches = switches
         self.model = model
         self.device = device
         self.dtype = dtype
@@ -51,7 +55,7 @@ class ModelRunner:
         self.token_to_kv_pool = TokenToKVPool(
             kv_pool_size, config.num_layers, config.num_kv_heads, config.head_dim, dtype, device
         )
-        self.attn_backend = create_attention_backend(attention_backend, device, dtype, config)
+        self.attn_backend = create_attention_backend(attention_backend, device, dtype, config, switches)
         self.logits_processor = LogitsProcessor()
         self.graph_runner: CudaGraphRunner | None = None
         if cuda_graph_max_bs > 0:
@@ -86,4 +90,4 @@ class ModelRunner:
     @torch.inference_mode()
     def sample(self, logits_output: LogitsProcessorOutput, sampling_info: SamplingBatchInfo) -> SampleOutput:
         """Choose the next token of every sampled row (see :func:`batchgen.sampling.sampler.sample`)."""
-        return sample(logits_output.next_token_logits, sampling_info)
+        return sample(logits_output.next_token_logits, sampling_info, self.switches.cpu_attention_kernel)

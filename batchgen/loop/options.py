@@ -1,62 +1,183 @@
-"""Engine options: everything ``batchgen run`` and the benchmarks pass down to the loop."""
+"""Engine options: everything ``batchgen run`` and the benchmarks pass down to the loop.
+
+Each field is declared once here: its default, its help text (``metadata["help"]``; ``metadata["flag"]`` where the
+flag is not ``--field-name``) and, in :meth:`EngineOptions.validate`, its rules. :mod:`batchgen.cli.options` turns
+the declarations into the commands' flags and ``--config`` keys.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import torch
+
+from batchgen.errors import BatchgenError
+from batchgen.kernels.attention import ATTENTION_BACKENDS
+from batchgen.models.resolve import DEFAULT_MODEL
+
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+SPECULATIVE_ALGORITHMS = ("ngram", "draft")
+SPECULATIVE_ACCEPTANCES = ("rejection", "coupled")
+LOGPROBS_MODES = ("raw", "processed")
+
+
+def pick_device(name: str) -> torch.device:
+    """``auto`` → CUDA when available, else CPU.
+
+    Raises:
+        BatchgenError: not a device name, or CUDA asked for but not available.
+    """
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        device = torch.device("meta")
+    if device.type not in ("cpu", "cuda"):
+        raise BatchgenError(f"--device {name}: expected auto, cpu, cuda or cuda:N")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise BatchgenError(f"--device {name}: CUDA is not available on this machine")
+    return device
 
 
 @dataclass(frozen=True)
 class EngineOptions:
-    """How to load the model and size the loop.
+    """How to load the model and size the loop; each field's meaning is its ``help``."""
 
-    Attributes:
-        model: a model directory, a .gguf file, a built-in name or a hub id (see ``resolve_model``).
-        dtype: ``auto`` (the checkpoint's dtype; float32 when it names none, or float16 on CPU), ``float32``,
-            ``bfloat16`` or ``float16``.
-        device: ``auto`` (CUDA if available, else CPU), ``cpu``, ``cuda`` or ``cuda:N``.
-        context_length: longest prompt + output in tokens; ``None`` = the model's ``max_position_embeddings``.
-        max_total_tokens: KV pool size in tokens; ``None`` = sized from ``mem_fraction``.
-        mem_fraction: share of the memory available after loading the weights given to the KV pool.
-        chunked_prefill_size: longest prefill chunk per round (0 = no chunking).
-        max_prefill_tokens: prompt tokens per round.
-        max_running_requests: requests decoding together; ``None`` = 64 on CPU (where larger batches cost more
-            per token: their KV gathers outgrow the caches), 256 on GPU.
-        attention_backend: ``auto`` or a backend name.
-        enable_mixed_chunk: run prefill chunks and decodes in one forward (MIXED rounds).
-        disable_cuda_graph: run DECODE rounds eagerly at their own size, without the graph runner.
-        cuda_graph_max_bs: the largest DECODE batch the graph runner serves (capped by max_running_requests);
-            on CUDA it captures graphs for sizes 1, 2, 4, 8, 16, 24, … up to it, on CPU it pads eagerly.
-            ``None`` = 256 on CUDA, and off on CPU, where padding only adds work.
-        speculative_algorithm: ``None`` (plain decoding), ``ngram`` or ``draft`` (a draft model proposes).
-        speculative_num_draft_tokens: drafts per request per round (K); verify rounds score K + 1 positions.
-        speculative_ngram_min, speculative_ngram_max: suffix lengths the n-gram drafter looks up, longest first.
-        speculative_draft_model: the draft model for ``draft`` (a spec as ``model``, same vocabulary); it runs on
-            ``device`` in the target's dtype.
-        speculative_acceptance: how sampled rows verify a draft model's drafts: ``rejection`` (rejection sampling,
-            the highest acceptance) or ``coupled`` (outputs identical to plain decoding with the same seeds).
-        seed: run seed; rows without a ``seed`` get one derived from it and their ``id``.
-        logprobs_mode: ``raw`` (log_softmax of the model's logits) or ``processed`` (of the distribution sampled
-            from, after bias, penalties, temperature and truncation).
-    """
+    model: str = field(
+        default=DEFAULT_MODEL,
+        metadata={"help": "Model directory, .gguf file, built-in name, Hugging Face hub id or random:PRESET."},
+    )
+    dtype: str = field(
+        default="auto",
+        metadata={
+            "help": "auto (the checkpoint's; float32 when it names none, or float16 on CPU), float32, bfloat16 or "
+            "float16."
+        },
+    )
+    device: str = field(default="auto", metadata={"help": "auto (CUDA if available), cpu, cuda or cuda:N."})
+    context_length: int | None = field(
+        default=None, metadata={"help": "Longest prompt + output (default: the model's)."}
+    )
+    max_total_tokens: int | None = field(
+        default=None, metadata={"help": "KV pool size in tokens (default: from --mem-fraction)."}
+    )
+    mem_fraction: float = field(
+        default=0.4, metadata={"help": "Share of the memory free after loading the weights given to the KV pool."}
+    )
+    chunked_prefill_size: int = field(
+        default=2048, metadata={"help": "Longest prefill chunk per round; 0 = no chunking."}
+    )
+    max_prefill_tokens: int = field(default=8192, metadata={"help": "Prompt tokens per round."})
+    # 64 on CPU, where larger batches cost more per token: their KV gathers outgrow the caches.
+    max_running_requests: int | None = field(
+        default=None, metadata={"help": "Requests decoding together (default: 64 on CPU, 256 on GPU)."}
+    )
+    attention_backend: str = field(default="auto", metadata={"help": f"One of {', '.join(ATTENTION_BACKENDS)}."})
+    enable_mixed_chunk: bool = field(
+        default=True,
+        metadata={
+            "help": "Run prefill chunks and decodes in one forward.",
+            "flag": "--enable-mixed-chunk/--disable-mixed-chunk",
+        },
+    )
+    disable_cuda_graph: bool = field(
+        default=False, metadata={"help": "Run decode rounds eagerly at their own size.", "flag": "--disable-cuda-graph"}
+    )
+    # The graph runner captures sizes 1, 2, 4, 8, 16, 24, ... up to it (capped by max_running_requests).
+    cuda_graph_max_bs: int | None = field(
+        default=None,
+        metadata={
+            "help": "Largest decode batch replayed from a CUDA graph (default 256; on CPU: off, N pads eagerly)."
+        },
+    )
+    speculative_algorithm: str | None = field(
+        default=None,
+        metadata={
+            "help": "Speculative decoding: ngram (drafts from the sequence's own earlier text) or draft (a draft "
+            "model proposes); default off."
+        },
+    )
+    # Verify rounds score K + 1 positions.
+    speculative_num_draft_tokens: int = field(default=4, metadata={"help": "Draft tokens per request per round (K)."})
+    speculative_ngram_min: int = field(default=2, metadata={"help": "Shortest suffix the n-gram drafter looks up."})
+    speculative_ngram_max: int = field(default=4, metadata={"help": "Longest suffix the n-gram drafter looks up."})
+    # The draft runs on --device in the target's dtype.
+    speculative_draft_model: str | None = field(
+        default=None,
+        metadata={
+            "help": "Draft model of --speculative-algorithm draft (same vocabulary as --model; or random:PRESET)."
+        },
+    )
+    speculative_acceptance: str = field(
+        default="rejection",
+        metadata={
+            "help": "How sampled rows verify a draft model's drafts: rejection (rejection sampling, most accepted) "
+            "or coupled (outputs identical to plain decoding with the same seeds)."
+        },
+    )
+    seed: int | None = field(
+        default=None, metadata={"help": "Run seed: rows without a seed get one derived from it and their id."}
+    )
+    logprobs_mode: str = field(
+        default="raw",
+        metadata={
+            "help": "raw: log_softmax of the model's logits; processed: of the distribution sampled from (after "
+            "bias, penalties, temperature and truncation)."
+        },
+    )
 
-    model: str
-    dtype: str = "auto"
-    device: str = "auto"
-    context_length: int | None = None
-    max_total_tokens: int | None = None
-    mem_fraction: float = 0.4
-    chunked_prefill_size: int = 2048
-    max_prefill_tokens: int = 8192
-    max_running_requests: int | None = None
-    attention_backend: str = "auto"
-    enable_mixed_chunk: bool = True
-    disable_cuda_graph: bool = False
-    cuda_graph_max_bs: int | None = None
-    speculative_algorithm: str | None = None
-    speculative_num_draft_tokens: int = 4
-    speculative_ngram_min: int = 2
-    speculative_ngram_max: int = 4
-    speculative_draft_model: str | None = None
-    speculative_acceptance: str = "rejection"
-    seed: int | None = None
-    logprobs_mode: str = "raw"
+    def validate(self) -> None:
+        """Every rule of these options that needs no model (the device's: that it exists here).
+
+        Raises:
+            BatchgenError: one line naming the first bad flag and its value.
+        """
+        for name in ("max_running_requests", "max_prefill_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise BatchgenError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        if self.chunked_prefill_size < 0:
+            raise BatchgenError(f"--chunked-prefill-size must be >= 0, got {self.chunked_prefill_size}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise BatchgenError(f"--seed must be in [0, 2**63), got {self.seed}")
+        if self.context_length is not None and self.context_length < 2:
+            raise BatchgenError(f"--context-length must be >= 2, got {self.context_length}")
+        if not 0.0 < self.mem_fraction < 1.0:
+            raise BatchgenError(f"--mem-fraction must be in (0, 1), got {self.mem_fraction}")
+        self._validate_speculative()
+        pick_device(self.device)
+        if self.dtype != "auto" and self.dtype not in DTYPE_NAMES:
+            raise BatchgenError(f"unknown --dtype '{self.dtype}'; choose auto, {', '.join(DTYPE_NAMES)}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise BatchgenError(
+                f"unknown attention backend '{self.attention_backend}'; choose one of {', '.join(ATTENTION_BACKENDS)}"
+            )
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise BatchgenError(f"--logprobs-mode must be raw or processed, got '{self.logprobs_mode}'")
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
+            raise BatchgenError(f"--cuda-graph-max-bs must be >= 1, got {self.cuda_graph_max_bs}")
+
+    def _validate_speculative(self) -> None:
+        """The speculative options' rules: a known algorithm and acceptance rule, at least 1 draft token, a
+        non-empty n-gram range, a draft model exactly with ``draft``."""
+        algorithm = self.speculative_algorithm
+        if algorithm is not None and algorithm not in SPECULATIVE_ALGORITHMS:
+            raise BatchgenError(
+                f"--speculative-algorithm must be one of {', '.join(SPECULATIVE_ALGORITHMS)}, got '{algorithm}'"
+            )
+        if algorithm != "draft" and self.speculative_draft_model is not None:
+            raise BatchgenError("--speculative-draft-model needs --speculative-algorithm draft")
+        # The other values are checked with speculation off too: a bad value is a mistake whether or not it is used.
+        if self.speculative_acceptance not in SPECULATIVE_ACCEPTANCES:
+            raise BatchgenError(
+                f"--speculative-acceptance must be one of {', '.join(SPECULATIVE_ACCEPTANCES)}, "
+                f"got '{self.speculative_acceptance}'"
+            )
+        if self.speculative_num_draft_tokens < 1:
+            raise BatchgenError(f"--speculative-num-draft-tokens must be >= 1, got {self.speculative_num_draft_tokens}")
+        low, high = self.speculative_ngram_min, self.speculative_ngram_max
+        if not 1 <= low <= high:
+            raise BatchgenError(f"--speculative-ngram-min/max must satisfy 1 <= min <= max, got {low} and {high}")
+        if algorithm == "draft" and not self.speculative_draft_model:
+            raise BatchgenError("--speculative-algorithm draft needs --speculative-draft-model PATH")

@@ -23,12 +23,9 @@ One packed weight serves every row count.
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
-ENV_SWITCH = "BATCHGEN_CPU_PREPACK"
 _ROWS_HINT = 64  # oneDNN picks its blocking for this many rows; any row count runs on the packed weight
 
 
@@ -42,15 +39,15 @@ def native_gemm_supported(dtype: torch.dtype) -> bool:
     return dtype == torch.float32
 
 
-def cpu_gemm_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype | None:
+def cpu_gemm_dtype(dtype: torch.dtype, device: torch.device, prepack: bool = True) -> torch.dtype | None:
     """The dtype in which a ``dtype`` model's linear layers run packed on ``device``, or ``None`` for plain
     ``F.linear``.
 
     ``dtype`` itself where oneDNN has kernels for it, float32 for a bfloat16 or float16 model where it has none;
-    ``None`` for float32 models (MKL's ``F.linear``, the reference path), off the CPU, without oneDNN, or when
-    ``$BATCHGEN_CPU_PREPACK`` is ``0``/``false``/``off``/``no``.
+    ``None`` for float32 models (MKL's ``F.linear``, the reference path), off the CPU, without oneDNN, or without
+    ``prepack`` (``KernelSwitches.cpu_prepack``, ``$BATCHGEN_CPU_PREPACK``).
     """
-    if os.environ.get(ENV_SWITCH, "").strip().lower() in ("0", "false", "off", "no"):
+    if not prepack:
         return None
     if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16) or not torch.backends.mkldnn.is_available():
         return None

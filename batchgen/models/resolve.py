@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from batchgen.environment import cache_variables, hub_offline
 from batchgen.errors import BatchgenError
 from batchgen.models.builtin import (
     BUILTIN_MODEL_NAMES,
@@ -52,9 +53,10 @@ def cache_root(cache_dir: Path | None = None) -> Path:
     """
     if cache_dir is not None:
         return Path(cache_dir).expanduser()
-    if env := os.environ.get("BATCHGEN_CACHE"):
+    env, xdg = cache_variables()
+    if env:
         return Path(env).expanduser()
-    if xdg := os.environ.get("XDG_CACHE_HOME"):
+    if xdg:
         return Path(xdg).expanduser() / "batchgen"
     return Path.home() / ".cache" / "batchgen"
 
@@ -181,15 +183,6 @@ def _remove_stale_temps(models_dir: Path) -> None:
                 shutil.rmtree(entry, ignore_errors=True)
 
 
-def _hub_offline() -> bool:
-    # huggingface_hub reads HF_HUB_OFFLINE once at import, which transformers may already have done;
-    # reading it here honours the variable as it is now.
-    return any(
-        os.environ.get(var, "").strip().upper() in {"1", "ON", "YES", "TRUE"}
-        for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
-    )
-
-
 def _resolve_hub(spec: str) -> Path:
     from huggingface_hub import snapshot_download
 
@@ -198,7 +191,7 @@ def _resolve_hub(spec: str) -> Path:
         local = Path(snapshot_download(spec, allow_patterns=_HUB_PATTERNS, local_files_only=True))
         check_model_dir(local)
         return local
-    if _hub_offline():
+    if hub_offline():
         raise BatchgenError(
             f"cannot fetch model '{spec}' from the Hugging Face hub: offline (HF_HUB_OFFLINE is set) "
             "and not in the local Hugging Face cache"

@@ -7,7 +7,6 @@ load a spec the same way.
 from __future__ import annotations
 
 import importlib.util
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from batchgen.errors import BatchgenError
 from batchgen.kernels.cpu import fused_elementwise as cpu_ops
+from batchgen.kernels.switches import KernelSwitches
 from batchgen.models.llama import LlamaForCausalLM
 from batchgen.models.loader import load_model, random_model
 from batchgen.models.packed_linear import cpu_gemm_dtype
@@ -26,24 +26,21 @@ from batchgen.models.resolve import resolve_model
 FUSED_OPS_SWITCH = "BATCHGEN_TRITON_FUSED_OPS"
 
 
-def triton_fused_ops_requested(device: torch.device) -> bool:
+def triton_fused_ops_requested(device: torch.device, switches: KernelSwitches) -> bool:
     """Whether to run RMSNorm, SiLU-and-multiply and RoPE as one Triton kernel each
     (:meth:`LlamaForCausalLM.use_fused_ops`): by default on a CUDA device where triton imports (on an H200 they made
-    CUDA-graph decode steps of Llama-1B 1.29-1.59x faster, docs/performance.md); ``$BATCHGEN_TRITON_FUSED_OPS``
-    ``0`` (``false``, ``off``, ``no``) turns them off, ``1`` (``true``, ``on``, ``yes``) insists on them.
+    CUDA-graph decode steps of Llama-1B 1.29-1.59x faster, docs/performance.md); ``switches.triton_fused_ops``
+    (``$BATCHGEN_TRITON_FUSED_OPS``) off turns them off, on insists on them.
 
     Raises:
-        BatchgenError: a value that is neither on nor off; on asked for on the CPU outside Triton's interpreter
-            (``TRITON_INTERPRET=1``, the only way Triton runs CPU tensors, for tests); or without triton installed.
+        BatchgenError: on asked for on the CPU outside Triton's interpreter (``TRITON_INTERPRET=1``, the only way
+            Triton runs CPU tensors, for tests); or without triton installed.
     """
-    value = os.environ.get(FUSED_OPS_SWITCH, "").strip().lower()
-    if value == "":
+    if switches.triton_fused_ops is None:
         return device.type == "cuda" and importlib.util.find_spec("triton") is not None
-    if value in ("0", "false", "off", "no"):
+    if not switches.triton_fused_ops:
         return False
-    if value not in ("1", "true", "on", "yes"):
-        raise BatchgenError(f"{FUSED_OPS_SWITCH} must be 1 or 0, got '{value}'")
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    if device.type == "cpu" and not switches.triton_interpret:
         raise BatchgenError(
             f"{FUSED_OPS_SWITCH}=1 needs a CUDA device: unset it on the CPU (where Triton runs only interpreted, "
             "with TRITON_INTERPRET=1, slowly, for tests)"
@@ -91,13 +88,15 @@ class ModelSource:
             raise BatchgenError(f"{model_dir}: cannot load the config or tokenizer: {first_line(e)}") from None
         return cls(spec, model_dir, hf_config, tokenizer)
 
-    def load(self, dtype: torch.dtype, device: torch.device, max_positions: int) -> LlamaForCausalLM:
+    def load(
+        self, dtype: torch.dtype, device: torch.device, max_positions: int, switches: KernelSwitches
+    ) -> LlamaForCausalLM:
         """The decoder on ``device`` in ``dtype``, with RoPE tables for ``max_positions`` positions: the
         checkpoint's weights, or random ones (seed 0) for a ``random:`` preset; bfloat16 and float16 linear weights
         on the CPU prepacked for oneDNN (:mod:`batchgen.models.packed_linear`; as float32 where oneDNN has no kernels
         for the dtype); bfloat16 models run with the CPU's fused elementwise
         kernels (:mod:`batchgen.kernels.cpu.fused_elementwise`, where they build); Triton's fused kernels on
-        CUDA unless ``$BATCHGEN_TRITON_FUSED_OPS`` is ``0`` (:func:`triton_fused_ops_requested`).
+        CUDA (:func:`triton_fused_ops_requested`); each unless ``switches`` turns it off.
 
         Raises:
             BatchgenError: unsupported architecture, missing / mis-shaped weights (see ``load_model``), or fused
@@ -107,15 +106,15 @@ class ModelSource:
             model = random_model(self.hf_config, dtype, device, max_positions)
         else:
             model = load_model(self.model_dir, self.hf_config, dtype, device, max_positions)
-        gemm_dtype = cpu_gemm_dtype(dtype, device)
+        gemm_dtype = cpu_gemm_dtype(dtype, device, switches.cpu_prepack)
         if gemm_dtype is not None:
             model.prepack_for_cpu(gemm_dtype)
-        if triton_fused_ops_requested(device):
+        if triton_fused_ops_requested(device, switches):
             from batchgen.kernels.triton import fused_elementwise as triton_ops
 
             model.use_fused_ops(triton_ops)
-        elif cpu_ops.fused_ops_supported(dtype, device):
+        elif switches.cpu_fused_ops and cpu_ops.fused_ops_supported(dtype, device):
             model.use_fused_ops(cpu_ops)
-            if gemm_dtype == torch.float32 and cpu_ops.float32_carrier_enabled():
+            if gemm_dtype == torch.float32 and switches.cpu_float32_carrier:
                 model.carry_float32(cpu_ops)
         return model

@@ -32,7 +32,7 @@ class SampleOutput:
     probs: torch.Tensor | None = None
 
 
-def sample(logits: torch.Tensor, info: SamplingBatchInfo) -> SampleOutput:
+def sample(logits: torch.Tensor, info: SamplingBatchInfo, cpu_kernel: bool = True) -> SampleOutput:
     """Sample one token per row of float32 ``logits`` ``[n, vocab]``.
 
     Order: grammar mask → logit bias and penalties → banned tokens (min_new_tokens) → temperature → top-k →
@@ -41,7 +41,8 @@ def sample(logits: torch.Tensor, info: SamplingBatchInfo) -> SampleOutput:
     the argmax of the adjusted logits (first index on ties, as ``torch.argmax``). Rows in ``info.drafts`` (sampled
     rows verifying a draft model's draft) emit :func:`rejection_sample`'s choice instead of their draw. Reported
     logprobs are raw (log_softmax of ``logits``), or with ``info.processed_logprobs`` those of the distribution
-    actually sampled from (vLLM's processed mode).
+    actually sampled from (vLLM's processed mode). ``cpu_kernel``: the argmax may run batchgen's C++ op
+    (:func:`argmax_rows`).
     """
     raw = logits
     if info.grammar_mask is not None:
@@ -56,7 +57,7 @@ def sample(logits: torch.Tensor, info: SamplingBatchInfo) -> SampleOutput:
         # A grammar that can only end (with EOS) meets min_new_tokens banning EOS: the grammar wins, since a row
         # with no allowed token at all could only produce garbage.
         logits = torch.where(torch.isinf(logits).all(dim=-1, keepdim=True), allowed, logits)
-    next_ids = argmax_rows(logits)
+    next_ids = argmax_rows(logits, cpu_kernel)
     processed = torch.log_softmax(logits, dim=-1) if info.need_logprobs and info.processed_logprobs else None
     drawn_from = None
     if info.return_probs:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from batchgen.errors import NOT_UNICODE, FieldError, is_unicode_text, shown_value
@@ -57,22 +57,25 @@ class SamplingParams:
     with ``sample_index`` 0..n-1; sample 0 uses the row's seed, sample ``i`` a seed derived from (seed, i).
     """
 
-    max_new_tokens: int = 128
-    min_new_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
+    # Fields with a ``help`` are also ``batchgen run`` flags: the run's defaults for rows that do not set them.
+    max_new_tokens: int = field(default=128, metadata={"help": "Default per row."})
+    min_new_tokens: int = field(default=0, metadata={"help": "Default per row."})
+    temperature: float = field(default=1.0, metadata={"help": "Default per row; 0 = greedy."})
+    top_p: float = field(default=1.0, metadata={"help": "Default per row, in (0, 1]."})
+    top_k: int = field(default=-1, metadata={"help": "Default per row; -1 or 0 = off."})
+    min_p: float = field(default=0.0, metadata={"help": "Default per row, in [0, 1]."})
+    stop: tuple[str, ...] = field(default=(), metadata={"help": "Default stop string (repeat for several)."})
+    stop_token_ids: tuple[int, ...] = field(
+        default=(), metadata={"help": "Default stop token id (repeat for several)."}
+    )
+    ignore_eos: bool = field(default=False, metadata={"help": "Default per row."})
     seed: int | None = None
-    skip_special_tokens: bool = True
-    logprobs: bool = True
-    top_logprobs: int = 0
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
+    skip_special_tokens: bool = field(default=True, metadata={"help": "Default per row."})
+    logprobs: bool = field(default=True, metadata={"help": "Report each output token's raw logprob."})
+    top_logprobs: int = field(default=0, metadata={"help": "Report the N most likely tokens."})
+    repetition_penalty: float = field(default=1.0, metadata={"help": "Default per row (HF)."})
+    frequency_penalty: float = field(default=0.0, metadata={"help": "Default per row, in [-2, 2]."})
+    presence_penalty: float = field(default=0.0, metadata={"help": "Default per row, in [-2, 2]."})
     # (token id, bias) pairs; a tuple, not a dict, so the parameters stay hashable and immutable.
     logit_bias: tuple[tuple[int, float], ...] = ()
     # At most one constraint (see batchgen.sampling.grammar); a JSON schema is kept as JSON text.
@@ -80,9 +83,14 @@ class SamplingParams:
     regex: str | None = None
     ebnf: str | None = None
     # None: off; N >= 0: report each prompt token's raw logprob (after the first) and the N most likely tokens.
-    prompt_logprobs: int | None = None
+    prompt_logprobs: int | None = field(
+        default=None,
+        metadata={
+            "help": "Default per row: report prompt logprobs with the N most likely tokens (0 = just the token's)."
+        },
+    )
     # Independent samples of the prompt: they share its prefill and prompt KV, each decodes on its own.
-    n: int = 1
+    n: int = field(default=1, metadata={"help": "Default per row: samples per prompt (one row each).", "flag": "--n"})
 
     @property
     def constraint(self) -> tuple[str, str] | None:

@@ -70,7 +70,7 @@ class DraftModelDrafter:
                     f"vocabulary of {vocab_size} tokens, the target model's has {target.vocab_size}; the draft must "
                     "share the target's tokenizer"
                 )
-            model = source.load(target.dtype, target.device, context_len)
+            model = source.load(target.dtype, target.device, context_len, target.switches)
         except BatchgenError as e:
             raise BatchgenError(f"--speculative-draft-model {spec}: {e}") from None
         pool_size = target.token_to_kv_pool.size
@@ -83,6 +83,7 @@ class DraftModelDrafter:
             context_len,
             attention_backend,
             cuda_graph_max_bs=cuda_graph_max_bs,
+            switches=target.switches,
         )
         self.req_to_token_pool = self.runner.req_to_token_pool
         self.allocator = KVSlotAllocator(pool_size)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import TYPE_CHECKING
 
@@ -12,6 +11,7 @@ from batchgen.errors import BatchgenError
 from batchgen.kernels.attention.base import AttentionBackend
 from batchgen.kernels.attention.torch_native import TorchNativeAttnBackend
 from batchgen.kernels.cpu import paged_attention_available
+from batchgen.kernels.switches import KernelSwitches
 
 if TYPE_CHECKING:
     from batchgen.models.config import ModelConfig
@@ -19,18 +19,12 @@ if TYPE_CHECKING:
 ATTENTION_BACKENDS = ("auto", "torch_native", "triton", "flashinfer")
 
 
-def check_attention_backend_name(name: str) -> None:
-    """Check ``--attention-backend`` before anything is built.
-
-    Raises:
-        BatchgenError: ``name`` is none of :data:`ATTENTION_BACKENDS`.
-    """
-    if name not in ATTENTION_BACKENDS:
-        raise BatchgenError(f"unknown attention backend '{name}'; choose one of {', '.join(ATTENTION_BACKENDS)}")
-
-
 def create_attention_backend(
-    name: str, device: torch.device, dtype: torch.dtype | None = None, config: ModelConfig | None = None
+    name: str,
+    device: torch.device,
+    dtype: torch.dtype | None = None,
+    config: ModelConfig | None = None,
+    switches: KernelSwitches = KernelSwitches(),
 ) -> AttentionBackend:
     """The backend called ``name``; ``auto`` picks the fastest one available on ``device``.
 
@@ -38,17 +32,17 @@ def create_attention_backend(
     size supported, the package importable and its kernels built), else ``triton`` when triton imports, else
     ``torch_native``. ``flashinfer`` and ``triton`` import their packages only when chosen, so batchgen runs
     without them installed. FlashInfer plans with the model's head counts, hence ``dtype`` and ``config``;
-    without them ``auto`` does not consider it.
+    without them ``auto`` does not consider it. ``switches``: whether torch_native may use the CPU kernel, and
+    whether Triton runs interpreted (the only way it runs on the CPU).
 
     Raises:
-        BatchgenError: for an unknown name, or ``flashinfer`` / ``triton`` when it cannot run here (one line
-            saying why).
+        BatchgenError: ``flashinfer`` / ``triton`` when it cannot run here (one line saying why); an unknown
+            name is :meth:`batchgen.loop.options.EngineOptions.validate`'s to report.
     """
-    check_attention_backend_name(name)
     if name == "torch_native" or (name == "auto" and device.type != "cuda"):
-        if device.type == "cpu":
+        if device.type == "cpu" and switches.cpu_attention_kernel:
             paged_attention_available()  # build the CPU kernel now (once), not inside the first timed round
-        return TorchNativeAttnBackend()
+        return TorchNativeAttnBackend(switches.cpu_attention_kernel)
     if name == "flashinfer":
         return _create_flashinfer(device, dtype, config)
     if name == "auto" and dtype is not None and config is not None:
@@ -64,9 +58,10 @@ def create_attention_backend(
         try:
             import triton  # noqa: F401
         except ImportError:
-            return TorchNativeAttnBackend()
-        return _create_triton(device)
-    return _create_triton(device)  # the one name left
+            return TorchNativeAttnBackend(switches.cpu_attention_kernel)
+        return _create_triton(device, switches.triton_interpret)
+    assert name == "triton", f"unknown attention backend {name!r}"
+    return _create_triton(device, switches.triton_interpret)
 
 
 def _create_flashinfer(device: torch.device, dtype: torch.dtype | None, config: ModelConfig | None) -> AttentionBackend:
@@ -87,13 +82,8 @@ def _create_flashinfer(device: torch.device, dtype: torch.dtype | None, config: 
     return flashinfer_backend.FlashInferAttnBackend(device, dtype, *shape)
 
 
-def _triton_interpret_set() -> bool:
-    # The truthy spellings Triton itself accepts for boolean environment variables.
-    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on", "yes")
-
-
-def _create_triton(device: torch.device) -> AttentionBackend:
-    """The Triton backend on ``device``.
+def _create_triton(device: torch.device, interpreted: bool) -> AttentionBackend:
+    """The Triton backend on ``device``; ``interpreted``: Triton's interpreter runs the kernels (``TRITON_INTERPRET``).
 
     Raises:
         BatchgenError: when triton is not importable, when ``device`` is neither CUDA nor CPU, or when it is
@@ -107,7 +97,7 @@ def _create_triton(device: torch.device) -> AttentionBackend:
             f"attention backend 'triton' needs the triton package, which cannot be imported ({e}); "
             "install it (pip install triton) or use --attention-backend torch_native"
         ) from e
-    if device.type == "cpu" and not _triton_interpret_set():
+    if device.type == "cpu" and not interpreted:
         raise BatchgenError(
             "attention backend 'triton' on the CPU runs only in Triton's interpreter: set TRITON_INTERPRET=1 "
             "(slow, for testing) or use --attention-backend torch_native"

@@ -97,18 +97,20 @@ class TorchNativeAttnBackend(AttentionBackend):
 
     DECODE rounds run as one batched SDPA with a length mask (no per-request Python loop, no host sync);
     rows that extend several tokens run one SDPA each, since their shapes differ. On CPU tensors, short rows
-    use the C++ kernel instead when it is available (``BATCHGEN_CPU_ATTENTION_KERNEL=0`` turns it off), and so
-    do the long ones where :func:`~batchgen.kernels.cpu.prefill_rows_supported` says it is the faster.
+    use the C++ kernel instead when ``cpu_kernel`` and it is available (``BATCHGEN_CPU_ATTENTION_KERNEL=0``
+    turns it off), and so do the long ones where :func:`~batchgen.kernels.cpu.prefill_rows_supported` says it is
+    the faster.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, cpu_kernel: bool = True) -> None:
+        self.cpu_kernel = cpu_kernel
         self.metadata = _Metadata(None, [])
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         fb = forward_batch
         req_to_token = fb.req_to_token_pool.req_to_token
-        # Asked each round (a lookup once built): the switch may change between engines in one process.
-        gather = req_to_token.device.type != "cpu" or not paged_attention_available()
+        # A lookup once built; asked here so that a CUDA run never builds the CPU kernel.
+        gather = req_to_token.device.type != "cpu" or not (self.cpu_kernel and paged_attention_available())
         if fb.forward_mode.is_decode():
             ones = torch.ones_like(fb.seq_lens)
             max_len = fb.max_seq_len if gather else None

@@ -14,7 +14,8 @@ in a folder named by a hash of the sources, the flags, the torch and Python vers
 instruction-set flags, so a cache shared between machines never loads code built for another CPU; later
 processes load it in ~0.1 s (a build says so on stderr, before and after). If it cannot build, batchgen says why in
 one line on stderr and runs plain PyTorch instead. ``BATCHGEN_CPU_ATTENTION_KERNEL=0`` turns the attention kernel
-off, ``BATCHGEN_CPU_FUSED_OPS=0`` the fused ops; with both off nothing is built.
+off, ``BATCHGEN_CPU_FUSED_OPS=0`` the fused ops (:class:`batchgen.kernels.switches.KernelSwitches`); with both off
+nothing is built.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-import os
 import platform
 import shutil
 import sys
@@ -32,20 +32,15 @@ from pathlib import Path
 
 import torch
 
-ENV_SWITCH = "BATCHGEN_CPU_ATTENTION_KERNEL"
 _SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "elementwise.cpp", "argmax.cpp")]
 _HEADERS = sorted(Path(__file__).parent.glob("*.h"))  # included by the sources: part of the build's key
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 
-def kernel_enabled() -> bool:
-    """False when ``$BATCHGEN_CPU_ATTENTION_KERNEL`` is ``0``/``false``/``off``/``no`` (read at each call)."""
-    return os.environ.get(ENV_SWITCH, "").strip().lower() not in ("0", "false", "off", "no")
-
-
 def paged_attention_available() -> bool:
-    """Whether :func:`paged_attention` can run: enabled and built (the first call builds it, once per process)."""
-    return kernel_enabled() and build_problem() is None
+    """Whether :func:`paged_attention` can run: built (the first call builds it, once per process). Whether it
+    should is the caller's ``KernelSwitches.cpu_attention_kernel``."""
+    return build_problem() is None
 
 
 def prefill_rows_supported(dtype: torch.dtype, head_dim: int) -> bool:
@@ -122,8 +117,8 @@ def build_problem() -> str | None:
     except Exception as e:  # compiler or ninja missing, compile errors (RuntimeError with the whole log), dlopen
         problem = f"the CPU kernels did not build ({_one_line(e)})"
         print(
-            f"batchgen: {problem}; using the slower PyTorch code ({ENV_SWITCH}=0 and BATCHGEN_CPU_FUSED_OPS=0 hide "
-            "this)",
+            f"batchgen: {problem}; using the slower PyTorch code (BATCHGEN_CPU_ATTENTION_KERNEL=0 and "
+            "BATCHGEN_CPU_FUSED_OPS=0 hide this)",
             file=sys.stderr,
         )
         return problem
@@ -188,10 +183,10 @@ def paged_attention(
     return out
 
 
-def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+def argmax_rows(logits: torch.Tensor, use_kernel: bool = True) -> torch.Tensor:
     """``torch.argmax(logits, dim=-1)`` for ``[rows, vocab]`` logits (int64 ``[rows]``: the first index of each
     row's largest value, or of its first NaN), by the C++ op on float32 CPU logits with a contiguous last dimension
-    when the attention kernel's build is available (its switch turns this off too); by torch elsewhere. The C++
+    when ``use_kernel`` (the attention kernel's switch) and the build is available; by torch elsewhere. The C++
     op takes each row's maximum 16 lanes at a time, where torch's CPU argmax compares one element at a time
     (~1 ms per decode round at 64 rows of 32k logits)."""
     if (
@@ -200,6 +195,7 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
         and logits.dim() == 2
         and logits.shape[1] > 0
         and logits.stride(1) == 1
+        and use_kernel
         and paged_attention_available()
     ):
         out: torch.Tensor = torch.ops.batchgen.argmax_rows(logits)

@@ -17,32 +17,18 @@ keeps the casts.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 
 from batchgen.kernels.cpu import build_problem
 
-ENV_SWITCH = "BATCHGEN_CPU_FUSED_OPS"
-CARRIER_SWITCH = "BATCHGEN_CPU_FLOAT32_CARRIER"
-_OFF = ("0", "false", "off", "no")
-
 
 def fused_ops_supported(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether a model of ``dtype`` on ``device`` runs these ops: bfloat16 on the CPU, the extension built, and
-    ``$BATCHGEN_CPU_FUSED_OPS`` not ``0``/``false``/``off``/``no``. float32 stays on the PyTorch code, the
-    reference path."""
-    if os.environ.get(ENV_SWITCH, "").strip().lower() in _OFF:
-        return False
+    """Whether a model of ``dtype`` on ``device`` can run these ops: bfloat16 on the CPU and the extension built
+    (whether it should is ``KernelSwitches.cpu_fused_ops``). float32 stays on the PyTorch code, the reference
+    path."""
     return device.type == "cpu" and dtype == torch.bfloat16 and build_problem() is None
-
-
-def float32_carrier_enabled() -> bool:
-    """Whether a bfloat16 model whose GEMMs run in float32 hands their outputs to these ops unrounded
-    (:meth:`batchgen.models.llama.LlamaForCausalLM.carry_float32`): unless ``$BATCHGEN_CPU_FLOAT32_CARRIER`` is
-    ``0``/``false``/``off``/``no``."""
-    return os.environ.get(CARRIER_SWITCH, "").strip().lower() not in _OFF
 
 
 def _ops() -> Any:

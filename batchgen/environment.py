@@ -1,0 +1,45 @@
+"""The process environment: the one module of batchgen that reads ``os.environ``.
+
+Each function reads its variables when called; callers call them once, where a run starts (the engine's
+constructor, the model resolver, the CLI), and pass the values down.
+"""
+
+from __future__ import annotations
+
+import os
+
+from batchgen.kernels.switches import KernelSwitches
+
+
+def kernel_switches() -> KernelSwitches:
+    """The kernel switches the environment sets (see :class:`KernelSwitches`).
+
+    Raises:
+        BatchgenError: ``$BATCHGEN_TRITON_FUSED_OPS`` is neither on nor off.
+    """
+    return KernelSwitches.from_environment(os.environ)
+
+
+def cache_variables() -> tuple[str, str]:
+    """``($BATCHGEN_CACHE, $XDG_CACHE_HOME)``, ``""`` for an unset one."""
+    return os.environ.get("BATCHGEN_CACHE", ""), os.environ.get("XDG_CACHE_HOME", "")
+
+
+def hub_offline() -> bool:
+    """Whether ``$HF_HUB_OFFLINE`` or ``$TRANSFORMERS_OFFLINE`` forbids the network (``1``/``on``/``yes``/``true``).
+
+    Read at each call: huggingface_hub reads it once at its import, which transformers may have done already."""
+    return any(
+        os.environ.get(var, "").strip().upper() in {"1", "ON", "YES", "TRUE"}
+        for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    )
+
+
+def malloc_tuned_by_user() -> bool:
+    """Whether ``$GLIBC_TUNABLES`` sets a ``glibc.malloc`` value (the user's choice then wins over batchgen's)."""
+    return "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", "")
+
+
+def thread_count_chosen() -> bool:
+    """Whether ``$OMP_NUM_THREADS`` sets the number of threads torch computes with."""
+    return bool(os.environ.get("OMP_NUM_THREADS", "").strip())

@@ -1,0 +1,65 @@
+"""Job options: how ``batchgen run`` treats bad rows, its output file and its terminal; declared as the engine's
+are (:mod:`batchgen.loop.options`): default, ``help`` (and ``flag``) per field, the rules in :meth:`validate`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from batchgen.errors import BatchgenError
+from batchgen.job.resume import OutputPolicy
+
+ON_ERROR = ("fail", "skip")
+
+
+@dataclass(frozen=True)
+class JobOptions:
+    """The job's side of ``batchgen run``; each field's meaning is its ``help``."""
+
+    on_error: str = field(
+        default="fail", metadata={"help": "fail: report bad rows and exit 2 at the end; skip: write them."}
+    )
+    overwrite: bool = field(
+        default=False, metadata={"help": "Replace an existing output file (and discard a partial output)."}
+    )
+    resume: bool = field(
+        default=False,
+        metadata={
+            "help": "Continue an interrupted run: keep the rows OUT.partial/ holds, generate the rest.",
+            "flag": "--resume",
+        },
+    )
+    resume_force: bool = field(
+        default=False,
+        metadata={
+            "help": "Resume even if model, dtype, kernel switches, sampling defaults or dataset changed.",
+            "flag": "--resume-force",
+        },
+    )
+    flush_every: int = field(default=256, metadata={"help": "Make finished rows durable at least every N rows..."})
+    flush_every_seconds: float = field(default=5.0, metadata={"help": "...and at least every S seconds."})
+    progress: bool = field(default=True, metadata={"help": "Show a progress bar on stderr."})
+    report_memory: bool = field(default=False, metadata={"help": "Print the peak resident memory (RSS) at the end."})
+
+    def validate(self) -> None:
+        """Every rule of these options.
+
+        Raises:
+            BatchgenError: one line naming the first bad flag and its value.
+        """
+        if self.on_error not in ON_ERROR:
+            raise BatchgenError(f"--on-error must be fail or skip, got '{self.on_error}'")
+        if self.flush_every < 1:
+            raise BatchgenError(f"--flush-every must be >= 1, got {self.flush_every}")
+        if not self.flush_every_seconds > 0:
+            raise BatchgenError(f"--flush-every-seconds must be > 0, got {self.flush_every_seconds}")
+
+    @property
+    def policy(self) -> OutputPolicy:
+        """What the output side of the job needs: ``--resume-force`` implies ``--resume``."""
+        return OutputPolicy(
+            self.overwrite,
+            self.resume or self.resume_force,
+            self.resume_force,
+            self.flush_every,
+            self.flush_every_seconds,
+        )

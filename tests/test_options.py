@@ -1,0 +1,138 @@
+"""The option model: every option declared on EngineOptions, SamplingParams (the run's defaults) and JobOptions is
+a flag of the commands that take its object, with its help and default, and a ``--config`` key; flags and config
+values reach the built objects. Walks the declarations, so an option added there is covered here."""
+
+from __future__ import annotations
+
+from dataclasses import Field, fields
+from pathlib import Path
+from types import NoneType, UnionType
+from typing import Any, get_args, get_origin, get_type_hints
+
+import pytest
+import typer
+import yaml
+from typer.testing import CliRunner
+
+from batchgen.cli.app import app
+from batchgen.cli.bench import BENCH_ENGINE_OPTIONS, ONE_BATCH_ENGINE_OPTIONS
+from batchgen.cli.config import load_config
+from batchgen.cli.options import OPTION_CLASSES, declared_options, with_options
+from batchgen.job.options import JobOptions
+from batchgen.loop.options import EngineOptions
+from batchgen.sampling.sampling_params import SamplingParams
+
+COMMANDS = typer.main.get_command(app).commands  # type: ignore[attr-defined]
+
+
+def _flag(field: Field[Any]) -> str:
+    return "--" + field.name.replace("_", "-")
+
+
+def _cli_default(field: Field[Any]) -> Any:
+    return list(field.default) if isinstance(field.default, tuple) else field.default
+
+
+@pytest.mark.parametrize("cls", OPTION_CLASSES, ids=lambda cls: cls.__name__)
+def test_every_declared_option_is_a_flag_of_run_with_its_help_and_default(cls: type) -> None:
+    params = {param.name: param for param in COMMANDS["run"].params}
+    declared = declared_options(cls)
+    assert declared
+    for field in declared:
+        param = params[field.name]
+        assert _flag(field) in param.opts, field.name
+        assert param.help and param.help == field.metadata["help"], field.name
+        assert param.default == _cli_default(field), field.name
+        assert not param.required, field.name
+
+
+@pytest.mark.parametrize(
+    ("command", "names"), [("bench", BENCH_ENGINE_OPTIONS), ("bench-one-batch", ONE_BATCH_ENGINE_OPTIONS)]
+)
+def test_the_benchmarks_take_engine_options_as_run_does_with_a_model_required(
+    command: str, names: tuple[str, ...]
+) -> None:
+    params = {param.name: param for param in COMMANDS[command].params}
+    run_params = {param.name: param for param in COMMANDS["run"].params}
+    for name in names:
+        param, in_run = params[name], run_params[name]
+        assert (param.opts, param.secondary_opts, param.help) == (in_run.opts, in_run.secondary_opts, in_run.help)
+        assert param.required == (name == "model")
+        if name != "model":
+            assert param.default == in_run.default, name
+
+
+def _other_value(field: Field[Any], annotation: Any) -> Any:
+    """A value of the field's type that is not its default (the objects are built unchecked, so any will do)."""
+    if isinstance(annotation, UnionType):
+        annotation = next(a for a in get_args(annotation) if a is not NoneType)
+    if get_origin(annotation) is tuple:
+        return ("a", "b") if get_args(annotation)[0] is str else (3, 5)
+    default = field.default
+    if annotation is bool:
+        return not default
+    if annotation is int:
+        return (default or 0) + 3
+    if annotation is float:
+        return (default or 0.0) + 0.25
+    assert annotation is str, (field.name, annotation)
+    return f"{default}-other"
+
+
+def _probe_app(built: dict[str, Any]) -> typer.Typer:
+    """A command taking all three objects and a ``--config``, as ``run`` does; it keeps what it was given."""
+
+    @with_options()
+    def probe(
+        config: Path | None = typer.Option(None, is_eager=True, callback=load_config),
+        *,
+        options: EngineOptions,
+        defaults: SamplingParams,
+        job: JobOptions,
+    ) -> None:
+        built.update({EngineOptions: options, SamplingParams: defaults, JobOptions: job})
+
+    probe_app = typer.Typer()
+    probe_app.command()(probe)
+    return probe_app
+
+
+def _wanted() -> dict[type, dict[str, Any]]:
+    return {
+        cls: {f.name: _other_value(f, get_type_hints(cls)[f.name]) for f in declared_options(cls)}
+        for cls in OPTION_CLASSES
+    }
+
+
+def test_a_config_file_sets_every_declared_option(tmp_path: Path) -> None:
+    wanted = _wanted()
+    config = tmp_path / "c.yaml"
+    keys = {name.replace("_", "-"): value for values in wanted.values() for name, value in values.items()}
+    config.write_text(yaml.safe_dump({k: list(v) if isinstance(v, tuple) else v for k, v in keys.items()}))
+    built: dict[str, Any] = {}
+    result = CliRunner().invoke(_probe_app(built), ["--config", str(config)])
+    assert result.exit_code == 0, result.output
+    for cls, values in wanted.items():
+        assert {name: getattr(built[cls], name) for name in values} == values, cls.__name__
+
+
+def test_flags_set_every_declared_option_and_the_rest_keep_their_defaults() -> None:
+    wanted = _wanted()
+    argv: list[str] = []
+    for cls, values in wanted.items():
+        declared = {f.name: f for f in declared_options(cls)}
+        for name, value in values.items():
+            if isinstance(value, bool):  # the flag that gives this value: --x, --no-x or --disable-x
+                flag = declared[name].metadata.get("flag", f"{_flag(declared[name])}/--no-{_flag(declared[name])[2:]}")
+                on, _, off = flag.partition("/")
+                argv.append(on if value else off)
+            else:
+                for item in value if isinstance(value, tuple) else [value]:
+                    argv += [_flag(declared[name]), str(item)]
+    built: dict[str, Any] = {}
+    result = CliRunner().invoke(_probe_app(built), argv)
+    assert result.exit_code == 0, result.output
+    for cls, values in wanted.items():
+        assert {name: getattr(built[cls], name) for name in values} == values, cls.__name__
+        undeclared = [f for f in fields(cls) if "help" not in f.metadata]
+        assert all(getattr(built[cls], f.name) == f.default for f in undeclared), cls.__name__
