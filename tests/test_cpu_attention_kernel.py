@@ -309,6 +309,27 @@ def test_build_failure_is_one_line(monkeypatch: pytest.MonkeyPatch, capsys: Any,
     )
 
 
+# A child process that loads the kernels after a build was killed holding torch's `lock` file (as SIGKILL leaves it).
+_LOAD_AFTER_A_KILLED_BUILD = """
+import sys
+from pathlib import Path
+from torch.utils import cpp_extension
+from batchgen.kernels import cpu
+build_dir = Path(cpp_extension._get_build_directory(cpu._build_name(), verbose=False))
+(build_dir / "lock").touch()
+assert cpu.build_problem() is None
+assert not (build_dir / "lock").exists()
+"""
+
+
+def test_a_build_killed_holding_the_lock_does_not_hang_the_next_run() -> None:
+    """torch's builder waits for its ``lock`` file to go, forever; the one a killed build left is removed."""
+    result = subprocess.run(
+        [sys.executable, "-c", _LOAD_AFTER_A_KILLED_BUILD], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+
+
 def _batch(pool: PagedPool, mode: ForwardMode, rows: list[int], prefix: list[int], extend: list[int]) -> Any:
     """The parts of a ForwardBatch the torch_native backend reads, for sequences ``rows`` of the pool."""
     seq_lens = [p + e for p, e in zip(prefix, extend)]

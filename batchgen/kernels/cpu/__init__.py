@@ -20,6 +20,8 @@ nothing is built.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
@@ -28,6 +30,7 @@ import shutil
 import sys
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -85,6 +88,24 @@ def _one_line(error: BaseException) -> str:
     return detail if len(detail) <= 300 else detail[:297] + "..."
 
 
+@contextlib.contextmanager
+def _build_lock(build_dir: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``build_dir/batchgen.lock`` around torch's build-and-load.
+
+    torch serialises builds with a plain ``lock`` file that its builder deletes when done; a process killed while
+    holding it (SIGKILL, or SIGTERM before batchgen's handlers are installed) leaves it behind, and every later
+    load then waits for it forever. An ``flock`` dies with its process, so whoever holds this one is the only
+    batchgen building or loading here: a ``lock`` file found then is such a leftover, and is removed.
+    """
+    with open(build_dir / "batchgen.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            (build_dir / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 @functools.cache
 def build_problem() -> str | None:
     """Build and load the extension (once per process); ``None`` when it works, else why not, in one line.
@@ -99,12 +120,13 @@ def build_problem() -> str | None:
     level = torch_log.level
     torch_log.setLevel(logging.ERROR)
     name = _build_name()
-    if not (Path(cpp_extension._get_build_directory(name, verbose=False)) / f"{name}.so").exists():
+    build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
+    if not (build_dir / f"{name}.so").exists():
         # Otherwise the first run sits silent for the whole compile.
         print("batchgen: building the CPU kernels for this machine (once, 15-30 s)", file=sys.stderr)
     started = time.monotonic()
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _build_lock(build_dir):
             warnings.simplefilter("ignore")
             cpp_extension.load(
                 name=name,
