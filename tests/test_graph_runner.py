@@ -94,18 +94,18 @@ def test_padded_rows_touch_only_the_dummy_slot(batch_size: int, random_models: d
     for i in range(batch_size):
         prompt = [0] + [rng.randrange(2, 300) for _ in range(rng.randrange(3, 30))]
         params = SamplingParams(temperature=0.0, max_new_tokens=4)
-        req = Req(str(i), i, i, prompt, params, seed=i, stop_token_ids=frozenset(), max_total_len=64, passthrough={})
-        req.req_pool_idx = runner.req_to_token_pool.alloc()
+        req = Req(str(i), prompt, params, seed=i, stop_token_ids=frozenset(), max_total_len=64)
+        req.req_pool_idx = engine.kv_cache.allocate_rows(1)[0]
         reqs.append(req)
     # Prefill eagerly, then sample each request's first token.
     prefill = ScheduleBatch(ForwardMode.EXTEND, reqs, [len(r.prompt_ids) for r in reqs])
-    worker = prefill.prepare(runner.req_to_token_pool, engine.allocator, engine.vocab_size, engine.device)
+    worker = prefill.prepare(engine.kv_cache, engine.vocab_size, engine.device)
     out = runner.forward(ForwardBatch.init_new(worker, runner))
     for req, token in zip(reqs, runner.sample(out, worker.sampling_info).next_token_ids.tolist()):
         req.output_ids.append(token)
 
     decode = ScheduleBatch(ForwardMode.DECODE, reqs, [1] * batch_size, batch_size)
-    worker = decode.prepare(runner.req_to_token_pool, engine.allocator, engine.vocab_size, engine.device)
+    worker = decode.prepare(engine.kv_cache, engine.vocab_size, engine.device)
     forward_batch = ForwardBatch.init_new(worker, runner)
     k_before, v_before = pool.k_buffer.clone(), pool.v_buffer.clone()
     padded_logits = runner.forward(forward_batch).next_token_logits

@@ -39,6 +39,7 @@ from batchgen.job.summary import peak_rss_mib, speculative_record, speculative_s
 from batchgen.loop.engine import Engine, dtype_name
 from batchgen.loop.options import EngineOptions
 from batchgen.models.source import ModelSource
+from batchgen.speculative import make_drafter
 
 DEFAULT_INPUT_LEN_RANGE = "32:256"
 
@@ -117,7 +118,8 @@ def bench_one_batch(
                 speculative_ngram_max=speculative_ngram_max,
                 speculative_draft_model=speculative_draft_model,
                 speculative_acceptance=speculative_acceptance,
-            )
+            ),
+            make_drafter,
         )
         runner = OneBatchRunner(engine)
         if correctness_test:
@@ -253,7 +255,8 @@ def bench(
                 speculative_ngram_max=speculative_ngram_max,
                 speculative_draft_model=speculative_draft_model,
                 speculative_acceptance=speculative_acceptance,
-            )
+            ),
+            make_drafter,
         )
         if output_len >= engine.context_len:
             raise BatchgenError(
