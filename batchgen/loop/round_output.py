@@ -33,15 +33,14 @@ class RoundTokens:
         )
 
     def emit(self, req: Req, first: int, count: int) -> int:
-        """Append draws ``first..first + count - 1`` to ``req`` until one finishes it; return how many were
-        appended. A request that asked for no new tokens (prefilled only for its prompt logprobs) finishes with
-        none."""
+        """Append draws ``first..first + count - 1`` (``count`` >= 1) to ``req`` until one finishes it; return how
+        many were appended."""
+        if req.params.max_new_tokens == 0:  # prefilled only for its prompt logprobs
+            req.finish_reason = "length"
+            return 0
         want_logprobs = req.params.logprobs
         k = req.params.top_logprobs if want_logprobs else 0
-        for appended, j in enumerate(range(first, first + count)):
-            if req.params.max_new_tokens == 0:
-                req.finish_reason = "length"
-                return appended
+        for j in range(first, first + count):
             top = (
                 _possible(self.top_ids[j][:k], self.top_logprobs[j][:k])
                 if k and self.top_ids and self.top_logprobs
@@ -49,7 +48,7 @@ class RoundTokens:
             )
             append_token(req, self.ids[j], self.logprobs[j] if want_logprobs and self.logprobs else None, top)
             if req.finished:
-                return appended + 1
+                return j - first + 1
         return count
 
 
