@@ -17,6 +17,7 @@ from batchgen.loop.options import EngineOptions
 from batchgen.loop.req import Req
 from batchgen.loop.schedule_batch import ScheduleBatch
 from batchgen.sampling.sampling_params import SamplingParams
+from batchgen.speculative import make_drafter
 
 
 @pytest.mark.parametrize(
@@ -153,7 +154,8 @@ def test_capture_batches_have_the_captured_shape(random_models: dict[str, Path])
             cuda_graph_max_bs=6,
             speculative_algorithm="ngram",
             speculative_num_draft_tokens=3,
-        )
+        ),
+        make_drafter,
     )
     runner = engine.runner
     graphs = runner.graph_runner
@@ -181,6 +183,7 @@ def test_capture_batches_have_the_captured_shape(random_models: dict[str, Path])
             cuda_graph_max_bs=2,
             speculative_algorithm="ngram",
             speculative_num_draft_tokens=6,
-        )
+        ),
+        make_drafter,
     )
     assert short.runner.graph_runner is not None and short.runner.graph_runner.verify_tokens == 0
