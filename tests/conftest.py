@@ -114,7 +114,7 @@ def random_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def every_draft_verified(monkeypatch: pytest.MonkeyPatch) -> None:
     """Pin the draft budget to "verify every draft". Its round-cost fit is timed, so on a loaded machine it can
     hold drafts back, and tests that count accepted drafts would then vary between runs."""
-    from batchgen.speculative.draft_budget import RoundCostModel
+    from batchgen.loop.round_cost import RoundCostModel
 
     monkeypatch.setattr(RoundCostModel, "break_even", lambda self, batch_size: 0.0)
 
@@ -185,13 +185,12 @@ def enqueue_rows(engine: Any, rows: list[dict[str, Any]], path: Path, *, eos: bo
         run_seed=0,
         max_samples=engine.max_running_requests,
     )
-    for order, item in enumerate(reader):
+    for item in reader:
         assert not isinstance(item, Exception), item
         engine.add(
             builder.build(
                 parse_row(item, reader.source, reader.passthrough_schema, reader.passthrough_names),
                 reader.source,
-                order,
             )
         )
 
@@ -244,7 +243,7 @@ def sample_first_tokens(engine: Any, path: Path, max_new_tokens: int) -> list[An
     while engine.has_work():
         finished += engine.step()
     assert len(finished) == 2000
-    assert engine.allocator.available() == engine.allocator.size
+    assert engine.kv_cache.available() == engine.kv_cache.size
     return finished
 
 

@@ -320,6 +320,7 @@ def test_rejection_sampling_through_verify_graphs_follows_the_exact_distribution
     on the CPU, with drafts both accepted and rejected, and every slot of both pools free after."""
     from batchgen.loop.engine import Engine
     from batchgen.loop.options import EngineOptions
+    from batchgen.speculative import make_drafter
 
     engine = Engine(
         EngineOptions(
@@ -329,7 +330,8 @@ def test_rejection_sampling_through_verify_graphs_follows_the_exact_distribution
             max_running_requests=256,
             speculative_algorithm="draft",
             speculative_draft_model=str(perturbed_copy(model_dir, tmp_path / "draft")),
-        )
+        ),
+        make_drafter,
     )
     assert engine.runner.graph_runner is not None
     finished = sample_first_tokens(engine, tmp_path / "p.jsonl", max_new_tokens=3)

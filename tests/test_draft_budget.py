@@ -4,20 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from batchgen.loop.req import Req
-from batchgen.sampling.sampling_params import SamplingParams
-from batchgen.speculative.draft_budget import (
-    MIN_ROUNDS,
-    PROBE_EVERY,
-    RoundCostModel,
-    drafts_worth_verifying,
-    fade_held_back,
-    record_acceptance,
-)
-
-
-def _req() -> Req:
-    return Req("r", 1, 1, [1, 2], SamplingParams(), 0, frozenset(), max_total_len=64, passthrough={})
+from batchgen.loop.round_cost import MIN_ROUNDS, PROBE_EVERY, RoundCostModel
+from batchgen.speculative.draft_budget import drafts_worth_verifying, fade_held_back, record_acceptance
+from batchgen.speculative.draft_state import DraftState
 
 
 def test_cost_model_recovers_a_linear_round_time() -> None:
@@ -42,19 +31,19 @@ def test_cost_model_needs_rounds_of_different_widths() -> None:
 
 
 def test_acceptance_record_and_drafts_worth_verifying() -> None:
-    req = _req()
-    assert drafts_worth_verifying(req, 0.99, 4) == 4  # no record: optimistic, every draft is tried
+    state = DraftState()
+    assert drafts_worth_verifying(state, 0.99, 4) == 4  # no record: optimistic, every draft is tried
     for _ in range(8):
-        record_acceptance(req, proposed=3, accepted=1)  # first draft accepted, second rejected, third untried
-    record_acceptance(req, proposed=3, accepted=0)
-    record_acceptance(req, proposed=3, accepted=3)
-    assert req.draft_position_tries == [10, 9, 1] and req.draft_position_hits == [9, 1, 1]
+        record_acceptance(state, proposed=3, accepted=1)  # first draft accepted, second rejected, third untried
+    record_acceptance(state, proposed=3, accepted=0)
+    record_acceptance(state, proposed=3, accepted=3)
+    assert state.position_tries == [10, 9, 1] and state.position_hits == [9, 1, 1]
     # Chances: position 0 (9 + 2) / (10 + 2) = 0.917; then x (1 + 2) / (9 + 2) = 0.25; then x 3/3; then x 1.
-    assert drafts_worth_verifying(req, 0.9, 4) == 1
-    assert drafts_worth_verifying(req, 0.95, 4) == 0
-    assert drafts_worth_verifying(req, 0.2, 4) == 4
-    assert drafts_worth_verifying(req, 0.2, 2) == 2  # never more than the limit
-    assert drafts_worth_verifying(req, 0.0, 0) == 0
+    assert drafts_worth_verifying(state, 0.9, 4) == 1
+    assert drafts_worth_verifying(state, 0.95, 4) == 0
+    assert drafts_worth_verifying(state, 0.2, 4) == 4
+    assert drafts_worth_verifying(state, 0.2, 2) == 2  # never more than the limit
+    assert drafts_worth_verifying(state, 0.0, 0) == 0
 
 
 def test_probe_rounds_while_every_round_has_one_width() -> None:
@@ -75,23 +64,23 @@ def test_a_held_back_position_is_offered_again_once_its_record_fades() -> None:
     """10 failed tries at the first position, break-even 0.9: held back until 10 * 0.95**n <= 2/0.9 - 2 (the prior
     (0 + 2) / (tries + 2) back at 0.9), i.e. n = 75 rounds; one more failure, then 34 rounds (hand-computed:
     ln((2/0.9 - 2) / (10 * 0.95**75 + 1)) / ln(0.95) = 33.1)."""
-    req = _req()
+    state = DraftState()
     for _ in range(10):
-        record_acceptance(req, proposed=1, accepted=0)
+        record_acceptance(state, proposed=1, accepted=0)
 
     def rounds_held_back() -> int:
         rounds = 0
-        while (offered := drafts_worth_verifying(req, 0.9, 4)) == 0:
-            fade_held_back(req, offered)
+        while (offered := drafts_worth_verifying(state, 0.9, 4)) == 0:
+            fade_held_back(state, offered)
             rounds += 1
         return rounds
 
     assert rounds_held_back() == 75
-    record_acceptance(req, proposed=1, accepted=0)
+    record_acceptance(state, proposed=1, accepted=0)
     assert rounds_held_back() == 34
     # A position that is offered keeps its record; only the held-back ones fade.
-    record_acceptance(req, proposed=2, accepted=1)
-    tries, hits = list(req.draft_position_tries), list(req.draft_position_hits)
-    fade_held_back(req, 1)
-    assert req.draft_position_tries[0] == tries[0] and req.draft_position_tries[1] == pytest.approx(0.95 * tries[1])
-    assert req.draft_position_hits[1] == pytest.approx(0.95 * hits[1])
+    record_acceptance(state, proposed=2, accepted=1)
+    tries, hits = list(state.position_tries), list(state.position_hits)
+    fade_held_back(state, 1)
+    assert state.position_tries[0] == tries[0] and state.position_tries[1] == pytest.approx(0.95 * tries[1])
+    assert state.position_hits[1] == pytest.approx(0.95 * hits[1])

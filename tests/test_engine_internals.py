@@ -51,7 +51,8 @@ def test_a_kv_cache_too_large_to_allocate_is_one_line_naming_its_size() -> None:
 def test_forward_mode_predicates() -> None:
     assert ForwardMode.EXTEND.is_extend() and ForwardMode.MIXED.is_extend() and ForwardMode.DRAFT_EXTEND.is_extend()
     assert not ForwardMode.DECODE.is_extend() and ForwardMode.DECODE.is_decode()
-    assert ForwardMode.IDLE.is_decode_or_idle() and ForwardMode.TARGET_VERIFY.is_target_verify()
+    assert ForwardMode.TARGET_VERIFY.is_target_verify() and not ForwardMode.DECODE.is_target_verify()
+    assert ForwardMode.DRAFT_EXTEND.is_draft_extend() and not ForwardMode.EXTEND.is_draft_extend()
     assert ForwardMode.MIXED.is_mixed() and not ForwardMode.EXTEND.is_mixed()
 
 
@@ -83,14 +84,14 @@ def test_every_kv_slot_is_free_after_a_run_with_preemption(random_models: dict[s
         assert batch is not None
         modes.add(batch.forward_mode)
         # The scheduler never plans a round the pool cannot hold.
-        assert sum(batch.extend_lens) <= engine.allocator.available()
-        worker = batch.prepare(engine.runner.req_to_token_pool, engine.allocator, engine.vocab_size, engine.device)
+        assert sum(batch.extend_lens) <= engine.kv_cache.available()
+        worker = batch.prepare(engine.kv_cache, engine.vocab_size, engine.device)
         logits = engine.runner.forward(ForwardBatch.init_new(worker, engine.runner))
         finished += engine.scheduler.process_result(batch, engine.runner.sample(logits, worker.sampling_info))
     assert len(finished) == num_rows
     assert engine.scheduler.num_retracted > 0
     assert {ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED} <= modes
-    assert engine.allocator.available() == 120
+    assert engine.kv_cache.available() == 120
     assert engine.runner.req_to_token_pool.available() == 8
     for req in finished:
         assert len(req.output_ids) == req.params.max_new_tokens
@@ -133,4 +134,4 @@ def test_tiny_pool_with_small_chunks_always_makes_progress(
         finished += engine.step()
     assert len(finished) == 5, "the scheduler stopped making progress"
     assert all(len(r.output_ids) == 40 for r in finished)
-    assert engine.allocator.available() == 90
+    assert engine.kv_cache.available() == 90

@@ -17,6 +17,7 @@ from batchgen.loop.options import EngineOptions
 from batchgen.loop.req import Req
 from batchgen.loop.schedule_batch import ScheduleBatch
 from batchgen.sampling.sampling_params import SamplingParams
+from batchgen.speculative import make_drafter
 
 
 @pytest.mark.parametrize(
@@ -94,18 +95,18 @@ def test_padded_rows_touch_only_the_dummy_slot(batch_size: int, random_models: d
     for i in range(batch_size):
         prompt = [0] + [rng.randrange(2, 300) for _ in range(rng.randrange(3, 30))]
         params = SamplingParams(temperature=0.0, max_new_tokens=4)
-        req = Req(str(i), i, i, prompt, params, seed=i, stop_token_ids=frozenset(), max_total_len=64, passthrough={})
-        req.req_pool_idx = runner.req_to_token_pool.alloc()
+        req = Req(str(i), prompt, params, seed=i, stop_token_ids=frozenset(), max_total_len=64)
+        req.req_pool_idx = engine.kv_cache.allocate_rows(1)[0]
         reqs.append(req)
     # Prefill eagerly, then sample each request's first token.
     prefill = ScheduleBatch(ForwardMode.EXTEND, reqs, [len(r.prompt_ids) for r in reqs])
-    worker = prefill.prepare(runner.req_to_token_pool, engine.allocator, engine.vocab_size, engine.device)
+    worker = prefill.prepare(engine.kv_cache, engine.vocab_size, engine.device)
     out = runner.forward(ForwardBatch.init_new(worker, runner))
     for req, token in zip(reqs, runner.sample(out, worker.sampling_info).next_token_ids.tolist()):
         req.output_ids.append(token)
 
     decode = ScheduleBatch(ForwardMode.DECODE, reqs, [1] * batch_size, batch_size)
-    worker = decode.prepare(runner.req_to_token_pool, engine.allocator, engine.vocab_size, engine.device)
+    worker = decode.prepare(engine.kv_cache, engine.vocab_size, engine.device)
     forward_batch = ForwardBatch.init_new(worker, runner)
     k_before, v_before = pool.k_buffer.clone(), pool.v_buffer.clone()
     padded_logits = runner.forward(forward_batch).next_token_logits
@@ -153,7 +154,8 @@ def test_capture_batches_have_the_captured_shape(random_models: dict[str, Path])
             cuda_graph_max_bs=6,
             speculative_algorithm="ngram",
             speculative_num_draft_tokens=3,
-        )
+        ),
+        make_drafter,
     )
     runner = engine.runner
     graphs = runner.graph_runner
@@ -181,6 +183,7 @@ def test_capture_batches_have_the_captured_shape(random_models: dict[str, Path])
             cuda_graph_max_bs=2,
             speculative_algorithm="ngram",
             speculative_num_draft_tokens=6,
-        )
+        ),
+        make_drafter,
     )
     assert short.runner.graph_runner is not None and short.runner.graph_runner.verify_tokens == 0

@@ -140,7 +140,7 @@ def test_prompt_is_prefilled_once_and_every_slot_is_freed(random_models: dict[st
         assert batch is not None
         prefill_tokens += sum(batch.extend_lens) - batch.num_decode_rows
         assert len(engine.scheduler.running) + sum(len(r.fork_rows) for r in engine.scheduler.running) <= 8
-        worker = batch.prepare(engine.runner.req_to_token_pool, engine.allocator, engine.vocab_size, engine.device)
+        worker = batch.prepare(engine.kv_cache, engine.vocab_size, engine.device)
         logits = engine.runner.forward(ForwardBatch.init_new(worker, engine.runner))
         finished += engine.scheduler.process_result(batch, engine.runner.sample(logits, worker.sampling_info))
         table = engine.runner.req_to_token_pool.req_to_token
@@ -157,7 +157,7 @@ def test_prompt_is_prefilled_once_and_every_slot_is_freed(random_models: dict[st
     assert sorted((r.rid, r.sample_index) for r in finished) == [(str(k), i) for k in range(3) for i in range(3)]
     assert engine.scheduler.num_retracted == 0
     assert prefill_tokens == sum(len(p) for p in prompts)  # each prompt once, not n times
-    assert engine.allocator.available() == 400
+    assert engine.kv_cache.available() == 400
     assert engine.runner.req_to_token_pool.available() == 8
 
 

@@ -21,12 +21,14 @@ from conftest import (
 )
 from transformers import AutoModelForCausalLM
 
+from batchgen.loop.drafter import accepted_length
 from batchgen.loop.engine import Engine
 from batchgen.loop.options import EngineOptions
 from batchgen.loop.req import Req
 from batchgen.sampling.sampling_params import SamplingParams
+from batchgen.speculative import make_drafter
 from batchgen.speculative.ngram import NgramIndex
-from batchgen.speculative.verify import PerRequestDrafter, accepted_length, plan_drafts
+from batchgen.speculative.verify import PerRequestDrafter, plan_drafts
 
 # Tests here count accepted drafts: the timed draft budget must not hold any back (see the fixture).
 pytestmark = pytest.mark.usefixtures("every_draft_verified")
@@ -152,7 +154,8 @@ def test_sampled_first_two_tokens_follow_the_exact_distribution(random_models: d
                 device="cpu",
                 max_running_requests=256,
                 speculative_algorithm="ngram" if speculative else None,
-            )
+            ),
+            make_drafter,
         )
         if speculative:
             engine.scheduler.drafter = _TableDrafter(table)
@@ -235,7 +238,7 @@ class _EvenTokens:
 
 def _decoding_req(output_ids: list[int], grammar: Any = None, max_new_tokens: int = 50, max_total_len: int = 64) -> Req:
     params = SamplingParams(max_new_tokens=max_new_tokens)
-    req = Req("r", 1, 1, [1, 2, 3], params, 0, frozenset(), max_total_len=max_total_len, passthrough={})
+    req = Req("r", [1, 2, 3], params, 0, frozenset(), max_total_len=max_total_len)
     req.output_ids, req.kv_len, req.grammar = list(output_ids), 3 + len(output_ids) - 1, grammar
     return req
 
@@ -248,11 +251,11 @@ def test_padded_drafts_fill_to_the_limit_and_keep_grammar_states() -> None:
     drafter = _ShortDrafter()
     plain, padded, near_max = _decoding_req([5]), _decoding_req([5]), _decoding_req([5], max_new_tokens=3)
     near_context = _decoding_req([5], max_total_len=6)  # prompt 3 + output 1: two positions left
-    assert plan_drafts([plain], drafter, room=100) == [2] and plain.draft_ids == [7]
-    assert plan_drafts([padded, near_max, near_context], drafter, room=100, pad=True) == [5, 5, 3]
-    assert padded.draft_ids == near_max.draft_ids == [7, 7, 7, 7] and near_context.draft_ids == [7, 7]
-    assert plan_drafts([near_max], drafter, room=100) == [2]  # without pad: one draft, then max_new_tokens
-    assert plan_drafts([padded, plain], drafter, room=6, pad=True) == [5, 3]  # the KV room runs out
+    assert [d.ids for d in plan_drafts([plain], drafter, room=100)] == [[7]]
+    padded_drafts = plan_drafts([padded, near_max, near_context], drafter, room=100, pad=True)
+    assert [d.ids for d in padded_drafts] == [[7, 7, 7, 7], [7, 7, 7, 7], [7, 7]]
+    assert [d.ids for d in plan_drafts([near_max], drafter, room=100)] == [[7]]  # without pad: then max_new_tokens
+    assert [len(d.ids) for d in plan_drafts([padded, plain], drafter, room=6, pad=True)] == [4, 2]  # KV room runs out
 
     class Proposes(PerRequestDrafter):
         num_draft_tokens = 4
@@ -272,6 +275,6 @@ def test_padded_drafts_fill_to_the_limit_and_keep_grammar_states() -> None:
         ([], True, [6, 6, 6, 6], [(), (6,), (6, 6), (6, 6, 6), (6, 6, 6, 6)]),  # copies of the pending token 6
     ]:
         req = _decoding_req([6], grammar=_EvenTokens())
-        plan_drafts([req], Proposes(tokens), room=100, pad=pad)
-        assert req.draft_ids == want_ids, tokens
-        assert [None if g is None else g.accepted for g in req.draft_grammars] == want_states, tokens  # type: ignore[attr-defined]
+        (drafts,) = plan_drafts([req], Proposes(tokens), room=100, pad=pad)
+        assert drafts.ids == want_ids, tokens
+        assert [None if g is None else g.accepted for g in drafts.grammars] == want_states, tokens  # type: ignore[attr-defined]

@@ -28,6 +28,7 @@ from batchgen.loop.engine import Engine
 from batchgen.loop.forward_mode import ForwardMode
 from batchgen.loop.options import EngineOptions
 from batchgen.loop.req import Req
+from batchgen.speculative import make_drafter
 from batchgen.speculative.draft_model import DraftModelDrafter
 
 # Tests here count accepted drafts: the timed draft budget must not hold any back (see the fixture).
@@ -104,7 +105,8 @@ def _run(model: Path, rows: list[dict[str, Any]], tmp_path: Path, draft: Path | 
             speculative_num_draft_tokens=K,
             speculative_draft_model=str(draft) if draft else None,
             **options,
-        )
+        ),
+        make_drafter,
     )
     enqueue_rows(engine, rows, tmp_path / "rows.jsonl", eos=False)
     scheduler = engine.scheduler
@@ -128,15 +130,21 @@ def _run(model: Path, rows: list[dict[str, Any]], tmp_path: Path, draft: Path | 
     finished: list[Req] = []
     while engine.has_work():
         finished += engine.step()
-    assert engine.allocator.available() == engine.allocator.size
-    assert engine.runner.req_to_token_pool.available() == engine.max_running_requests
+    assert engine.kv_cache.available() == engine.kv_cache.size
+    assert engine.kv_cache.available_rows() == engine.max_running_requests
     if draft is not None:
         drafter = scheduler.drafter
         assert isinstance(drafter, DraftModelDrafter)
-        assert drafter.allocator.available() == drafter.allocator.size  # rejected drafts' slots freed too
-        assert drafter.req_to_token_pool.available() == engine.max_running_requests
-        assert all(r.draft_state is None for r in finished)
+        assert drafter.kv_cache.available() == drafter.kv_cache.size  # rejected drafts' slots freed too
+        assert drafter.kv_cache.available_rows() == engine.max_running_requests
+        assert all(r.draft_state is None or r.draft_state.proposer is None for r in finished)
     return _Run({(r.rid, r.sample_index): r for r in finished}, verify_emits, scheduler.num_retracted)
+
+
+def _spec_counts(req: Req) -> tuple[int, int]:
+    """The request's verify rounds with proposed drafts and the tokens they emitted."""
+    state = req.draft_state
+    return (state.rounds, state.tokens) if state is not None else (0, 0)
 
 
 def _assert_same_outputs(got: dict[tuple[str, int], Req], want: dict[tuple[str, int], Req]) -> None:
@@ -166,7 +174,7 @@ def test_greedy_outputs_equal_plain_decoding(
     _assert_same_outputs(itself.reqs, plain)
     assert itself.all_accepted()
     if max_running == 1:  # no MIXED rounds, where decodes take one token: verify rounds carry all K drafts
-        assert max(req.spec_tokens / req.spec_rounds for req in itself.reqs.values()) == K + 1
+        assert max(tokens / rounds for rounds, tokens in map(_spec_counts, itself.reqs.values())) == K + 1
 
 
 def test_graph_runner_pads_verify_rounds_and_keeps_outputs(
@@ -199,8 +207,8 @@ def test_graph_runner_pads_verify_rounds_and_keeps_outputs(
     for case in (rows, pair):
         eager = _run(model, case, tmp_path, draft=model, max_running_requests=8, enable_mixed_chunk=False, **COUPLED)
         padded = _run(model, case, tmp_path, draft=model, **graphs, **COUPLED)
-        counts = {key: (r.spec_rounds, r.spec_tokens) for key, r in eager.reqs.items()}
-        assert {key: (r.spec_rounds, r.spec_tokens) for key, r in padded.reqs.items()} == counts
+        counts = {key: _spec_counts(r) for key, r in eager.reqs.items()}
+        assert {key: _spec_counts(r) for key, r in padded.reqs.items()} == counts
     assert counts[("a", 0)] == (0, 0)
     modes = Counter(mode for mode, _, _ in served)
     assert modes["TARGET_VERIFY"] > 0 and modes["DECODE"] > 0  # the draft model's steps are DECODE rounds
@@ -224,7 +232,7 @@ def test_coupled_sampled_outputs_equal_plain_decoding_and_identical_draft_is_alw
     _assert_same_outputs(itself.reqs, plain)
     assert ("1", 1) in itself.reqs  # the n = 2 row's second sample
     assert itself.all_accepted()
-    assert {req.spec_tokens / req.spec_rounds for req in itself.reqs.values()} == {K + 1}
+    assert {tokens / rounds for rounds, tokens in map(_spec_counts, itself.reqs.values())} == {K + 1}
 
 
 def test_rejection_sampling_follows_the_exact_distribution_and_accepts_more_than_coupling(

@@ -98,14 +98,11 @@ def run_engine(engine: Engine, workload: Workload) -> ThroughputResult:
         engine.add(
             Req(
                 rid=str(i),
-                line=0,
-                order=i,
                 prompt_ids=list(prompt),
                 params=params,
                 seed=i,
                 stop_token_ids=frozenset(),
                 max_total_len=engine.context_len,
-                passthrough={},
             )
         )
     start = time.perf_counter()

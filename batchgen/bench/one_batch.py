@@ -138,34 +138,29 @@ class OneBatchRunner:
         for i in range(batch_size):
             req = Req(
                 rid=str(i),
-                line=0,
-                order=i,
                 prompt_ids=[self.rng.randrange(vocab) for _ in range(input_len)],
                 params=params,
                 seed=i,
                 stop_token_ids=frozenset(),
                 max_total_len=self.engine.context_len,
-                passthrough={},
             )
-            req.req_pool_idx = self.engine.runner.req_to_token_pool.alloc()
+            req.req_pool_idx = self.engine.kv_cache.allocate_rows(1)[0]
             reqs.append(req)
         return reqs
 
     def release(self, reqs: list[Req]) -> None:
         """Give back the request rows and KV slots the requests still hold (the scheduler has freed those it
         finished)."""
-        pool = self.engine.runner.req_to_token_pool
         for req in reqs:
             if req.req_pool_idx is None:
                 continue
-            self.engine.allocator.free(pool.req_to_token[req.req_pool_idx, : req.kv_len])
-            pool.free(req.req_pool_idx)
+            self.engine.kv_cache.release(req.req_pool_idx, req.kv_len)
             req.req_pool_idx, req.kv_len = None, 0
 
     def run_round(self, batch: ScheduleBatch) -> tuple[torch.Tensor, SampleOutput]:
         """prepare → ForwardBatch.init_new → forward → sample; returns the logits and the sample."""
         engine = self.engine
-        worker = batch.prepare(engine.runner.req_to_token_pool, engine.allocator, engine.vocab_size, engine.device)
+        worker = batch.prepare(engine.kv_cache, engine.vocab_size, engine.device)
         logits = engine.runner.forward(ForwardBatch.init_new(worker, engine.runner))
         return logits.next_token_logits, engine.runner.sample(logits, worker.sampling_info)
 

@@ -63,7 +63,7 @@ def dataset_workload(
     )
     prompts: list[list[int]] = []
     skipped: list[RowError] = []
-    for order, item in enumerate(reader):
+    for item in reader:
         if len(prompts) == num_prompts:
             break
         if isinstance(item, RowError):
@@ -74,7 +74,6 @@ def dataset_workload(
                 builder.build(
                     parse_row(item, reader.source, reader.passthrough_schema, reader.passthrough_names),
                     reader.source,
-                    order,
                 ).prompt_ids
             )
         except RowError as e:

@@ -27,6 +27,7 @@ from batchgen.errors import BatchgenError
 from batchgen.job.summary import peak_rss_mib, speculative_record, speculative_summary
 from batchgen.loop.engine import Engine, dtype_name
 from batchgen.loop.options import EngineOptions
+from batchgen.speculative import make_drafter
 
 # The engine options of bench-one-batch, which sizes the context, the KV pool and the batch itself per case;
 # bench takes the batch-size options too. Not the run seed: bench's --seed seeds its random workload.
@@ -133,7 +134,7 @@ def bench(
             raise BatchgenError(f"--hf-batch-size must be >= 1, got {hf_batch_size}")
         options.validate()
         check_writable(result_file)
-        engine = Engine(options)
+        engine = Engine(options, make_drafter)
         if output_len >= engine.context_len:
             raise BatchgenError(
                 f"--output-len {output_len} leaves no room for a prompt in the context length {engine.context_len} "

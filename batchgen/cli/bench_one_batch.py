@@ -18,6 +18,7 @@ from batchgen.job.summary import speculative_record
 from batchgen.loop.engine import Engine, dtype_name
 from batchgen.loop.options import EngineOptions
 from batchgen.models.source import ModelSource
+from batchgen.speculative import make_drafter
 
 
 @with_options(only=ONE_BATCH_ENGINE_OPTIONS, required=("model",))
@@ -56,7 +57,8 @@ def bench_one_batch(
                 max_running_requests=max(batch_size),
                 max_total_tokens=max(batch_size) * longest,
                 chunked_prefill_size=0,
-            )
+            ),
+            make_drafter,
         )
         runner = OneBatchRunner(engine)
         if correctness_test:

@@ -47,8 +47,8 @@ class RequestBuilder:
         self.max_samples = max_samples
         self.grammars = GrammarCompiler(tokenizer, vocab_size)
 
-    def build(self, spec: RowSpec, source: str, order: int) -> Req:
-        """The request for one row.
+    def build(self, spec: RowSpec, source: str) -> Req:
+        """The request for one row (its pass-through fields stay with the job: ``spec.passthrough``).
 
         Raises:
             RowError: bad sampling values, ids outside the vocabulary, an empty prompt, a prompt that does not
@@ -87,14 +87,11 @@ class RequestBuilder:
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         return Req(
             rid=spec.id,
-            line=spec.line,
-            order=order,
             prompt_ids=prompt_ids,
             params=params,
             seed=params.seed if params.seed is not None else derive_seed(self.run_seed, spec.id),
             stop_token_ids=stop_ids,
             max_total_len=self.context_len,
-            passthrough=spec.passthrough,
             detokenizer=(
                 IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens) if params.stop else None
             ),

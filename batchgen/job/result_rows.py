@@ -6,10 +6,12 @@ from typing import Any
 
 from batchgen.errors import RowError
 from batchgen.loop.req import Req
+from batchgen.speculative.draft_state import spec_accept_length
 
 
-def result_row(req: Req) -> dict[str, Any]:
-    """The output row of a finished request (columns as in ``batchgen.io.writer.OUTPUT_COLUMNS``)."""
+def result_row(req: Req, passthrough: dict[str, Any]) -> dict[str, Any]:
+    """The output row of a finished request (columns as in ``batchgen.io.writer.OUTPUT_COLUMNS``), then its input
+    row's ``passthrough`` fields."""
     params = req.params
     return {
         "id": req.rid,
@@ -25,8 +27,8 @@ def result_row(req: Req) -> dict[str, Any]:
         "completion_tokens": len(req.output_ids),
         "prompt_logprobs": req.prompt_logprobs if params.prompt_logprobs is not None else None,
         "prompt_top_logprobs": req.prompt_top_logprobs if params.prompt_logprobs else None,
-        "spec_accept_length": req.spec_tokens / req.spec_rounds if req.spec_rounds else None,
-        **req.passthrough,
+        "spec_accept_length": spec_accept_length(req),
+        **passthrough,
     }
 
 

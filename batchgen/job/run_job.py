@@ -32,6 +32,7 @@ from batchgen.loop.engine import Engine
 from batchgen.loop.options import EngineOptions
 from batchgen.loop.req import Req
 from batchgen.sampling.sampling_params import SamplingParams, make_sampling_params
+from batchgen.speculative import make_drafter
 
 # At most this many row errors are printed in full; the rest are counted.
 MAX_PRINTED_ERRORS = 20
@@ -67,7 +68,7 @@ class RunJob:
         self.defaults = defaults
         self.engine_options = engine_options
         self.policy = policy or OutputPolicy()
-        self.engine = Engine(engine_options)
+        self.engine = Engine(engine_options, make_drafter)
         self.output = PartialOutput(out)
         # Before the request builder exists: a resumed run reuses the recorded run seed.
         self.schema, self.resumed = open_output(
@@ -95,6 +96,8 @@ class RunJob:
         self._pending_rows: list[dict[str, Any]] = []
         # Finished samples of rows whose other samples still run: a row's samples are flushed together.
         self._samples: dict[str, list[dict[str, Any]]] = {}
+        # The pass-through fields of each row in flight, by id, until its last sample is written.
+        self._passthrough: dict[str, dict[str, Any]] = {}
 
     def metadata(self) -> dict[str, str]:
         return {
@@ -200,16 +203,17 @@ class RunJob:
             )
 
     def _finish(self, req: Req, bar: tqdm) -> None:
-        rows = [result_row(req)]
+        rows = [result_row(req, self._passthrough[req.rid])]
         if req.params.n > 1:
             # All samples of a row go into one part, so a part holds all of a row's samples or none of them.
             rows = self._samples.setdefault(req.rid, []) + rows
             self._samples[req.rid] = rows
             if len(rows) == req.params.n:
-                del self._samples[req.rid]
+                del self._samples[req.rid], self._passthrough[req.rid]
                 self._pending_rows.extend(sorted(rows, key=lambda row: row["sample_index"]))
                 self.summary.rows += 1
         else:
+            del self._passthrough[req.rid]
             self._pending_rows.extend(rows)
             self.summary.rows += 1
         self.summary.samples += 1
@@ -253,10 +257,11 @@ class RunJob:
                 self._seen_ids.add(spec.id)
                 if spec.id in done.samples and done.is_done(spec.id, self._samples_of(spec)):
                     continue  # written by an earlier run
-                req = self.builder.build(spec, source, order)
+                req = self.builder.build(spec, source)
             except RowError as e:
                 self._row_failed(e, spec.id, spec.passthrough, bar)
                 continue
+            self._passthrough[spec.id] = spec.passthrough
             if req.params.max_new_tokens == 0 and req.params.prompt_logprobs is None:
                 req.finish_reason, req.text = "length", ""
                 yield from [req.fork(i, None) for i in range(1, req.params.n)]

@@ -8,8 +8,8 @@ size. Padded rows point at request row 0 and KV slot 0, the pool's dummies: they
 only it, so they never touch a real request's cache.
 
 Speculative decoding's TARGET_VERIFY rounds are captured too, with ``verify_tokens`` (K + 1) tokens per request:
-the scheduler pads every request's drafts to K when this runner is on (:func:`batchgen.speculative.verify.
-plan_drafts`), so a verify round has the same shape as a decode round with K + 1 times the tokens. A padding
+the scheduler has the drafter pad every request's drafts to K when this runner is on (``Drafter.plan`` with
+``pad``), so a verify round has the same shape as a decode round with K + 1 times the tokens. A padding
 row verifies K + 1 dummy tokens at positions ``0..K``, all in slot 0.
 
 On CPU (or with a backend that cannot be captured) the same runner works in *eager-padded* mode: the same

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,9 @@ from batchgen.environment import kernel_switches
 from batchgen.errors import BatchgenError
 from batchgen.kernels.switches import KernelSwitches
 from batchgen.loop.cpu_malloc import keep_freed_memory
+from batchgen.loop.drafter import Drafter
 from batchgen.loop.forward_batch import ForwardBatch
+from batchgen.loop.kv_cache import KVCache
 from batchgen.loop.kv_pool import KVSlotAllocator, TokenToKVPool
 from batchgen.loop.model_runner import ModelRunner
 from batchgen.loop.options import DTYPE_NAMES, EngineOptions, pick_device
@@ -24,7 +27,10 @@ from batchgen.loop.req import Req
 from batchgen.loop.schedule_batch import ScheduleBatch
 from batchgen.loop.scheduler import Scheduler, SchedulerOptions
 from batchgen.models.source import ModelSource
-from batchgen.speculative import make_drafter
+
+# Makes the drafter ``EngineOptions`` asks for (``None``: plain decoding) for the target's runner and its graph
+# runner's largest batch: ``batchgen.speculative.make_drafter``, passed in by whoever builds the engine.
+DrafterFactory = Callable[[EngineOptions, ModelRunner, int], Drafter | None]
 
 _DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
@@ -81,16 +87,26 @@ class Engine:
     """The model, its KV pools and a scheduler, ready to run rounds.
 
     ``tokenizer`` is ``None`` for ``random:`` models: they take ``prompt_token_ids`` only and produce no text.
-    ``switches``: the kernel switches; ``None`` reads them from the environment, here, once for this engine.
+    ``make_drafter`` makes the drafter of speculative decoding (``batchgen.speculative.make_drafter``); it is
+    needed when ``options.speculative_algorithm`` is set. ``switches``: the kernel switches; ``None`` reads them
+    from the environment, here, once for this engine.
 
     Raises (from the constructor):
         BatchgenError: the model cannot be resolved or loaded, or the options do not fit it.
+        ValueError: speculative options without ``make_drafter``.
     """
 
-    def __init__(self, options: EngineOptions, switches: KernelSwitches | None = None) -> None:
+    def __init__(
+        self,
+        options: EngineOptions,
+        make_drafter: DrafterFactory | None = None,
+        switches: KernelSwitches | None = None,
+    ) -> None:
         self.options = options
         # Option errors first: they need no model, and loading one can take a while.
         options.validate()
+        if options.speculative_algorithm is not None and make_drafter is None:
+            raise ValueError("speculative options need make_drafter (batchgen.speculative.make_drafter)")
         self.switches = switches if switches is not None else kernel_switches()
         source = ModelSource.open(options.model)
         self.model_dir: Path | None = source.model_dir
@@ -131,7 +147,7 @@ class Engine:
             verify_tokens=options.speculative_num_draft_tokens + 1 if options.speculative_algorithm else 0,
             switches=self.switches,
         )
-        self.allocator = KVSlotAllocator(pool_size)
+        self.kv_cache = KVCache(self.runner.req_to_token_pool, KVSlotAllocator(pool_size))
         self.scheduler = Scheduler(
             SchedulerOptions(
                 max_running_requests=self.max_running_requests,
@@ -139,10 +155,9 @@ class Engine:
                 chunked_prefill_size=options.chunked_prefill_size,
                 enable_mixed_chunk=options.enable_mixed_chunk,
             ),
-            self.runner.req_to_token_pool,
-            self.allocator,
+            self.kv_cache,
             self.tokenizer,
-            drafter=make_drafter(options, self.runner, self._graph_max_bs(options)),
+            drafter=make_drafter(options, self.runner, self._graph_max_bs(options)) if make_drafter else None,
             # Graphs have fixed shapes: every request then verifies exactly K drafts (padded when fewer).
             pad_drafts=self.runner.graph_runner is not None,
         )
@@ -173,8 +188,7 @@ class Engine:
             return []
         started = time.perf_counter()
         worker_batch = batch.prepare(
-            self.runner.req_to_token_pool,
-            self.allocator,
+            self.kv_cache,
             self.vocab_size,
             self.device,
             processed_logprobs=self.options.logprobs_mode == "processed",

@@ -11,7 +11,6 @@ class ForwardMode(IntEnum):
     EXTEND: new prompt tokens (a whole prompt or one chunk of it) are appended to each request's KV.
     DECODE: every request appends exactly one token (the one sampled last round).
     MIXED: one EXTEND chunk and running DECODE rows share a single forward.
-    IDLE: nothing to run this round.
     TARGET_VERIFY: the target model scores K+1 draft positions per request (speculative decoding).
     DRAFT_EXTEND: the draft model catches up on accepted tokens (speculative decoding).
     """
@@ -19,7 +18,6 @@ class ForwardMode(IntEnum):
     EXTEND = auto()
     DECODE = auto()
     MIXED = auto()
-    IDLE = auto()
     TARGET_VERIFY = auto()
     DRAFT_EXTEND = auto()
 
@@ -33,14 +31,8 @@ class ForwardMode(IntEnum):
     def is_mixed(self) -> bool:
         return self == ForwardMode.MIXED
 
-    def is_idle(self) -> bool:
-        return self == ForwardMode.IDLE
-
     def is_target_verify(self) -> bool:
         return self == ForwardMode.TARGET_VERIFY
 
     def is_draft_extend(self) -> bool:
         return self == ForwardMode.DRAFT_EXTEND
-
-    def is_decode_or_idle(self) -> bool:
-        return self in (ForwardMode.DECODE, ForwardMode.IDLE)

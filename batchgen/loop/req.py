@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any
-
-import torch
 
 from batchgen.loop.detokenizer import IncrementalDetokenizer
 from batchgen.sampling.grammar import GrammarState
@@ -24,24 +21,23 @@ class Req:
     sampled); a retracted request has ``kv_len == 0`` and recomputes everything.
 
     Attributes:
-        rid: the row's ``id``; line: its input line (for messages); order: admission order of the input.
+        rid: the row's ``id`` (shared by its ``n`` samples).
         seed: the seed its noise is drawn from (the row's own, or one derived for it).
         stop_token_ids: EOS ids (unless ignore_eos) plus the row's stop_token_ids.
         max_total_len: the context length; prompt + output never exceed it.
         sample_index: which of the row's ``n`` samples this is; the row's first request is sample 0.
         unforked_samples: samples 1..n-1 not created yet; they fork off when the prompt's prefill completes.
         fork_rows: ``req_to_token`` rows reserved at admission for those samples.
+        draft_state: speculative decoding's bookkeeping for this request (``speculative.draft_state.DraftState``;
+            opaque to the loop), ``None`` without a drafter.
     """
 
     rid: str
-    line: int
-    order: int
     prompt_ids: list[int]
     params: SamplingParams
     seed: int
     stop_token_ids: frozenset[int]
     max_total_len: int
-    passthrough: dict[str, Any]
     detokenizer: IncrementalDetokenizer | None = None
     history: TokenHistory | None = None
     grammar: GrammarState | None = None
@@ -61,22 +57,7 @@ class Req:
     sample_index: int = 0
     unforked_samples: int = 0
     fork_rows: list[int] = field(default_factory=list)
-    # Speculative decoding: this round's draft tokens (the first ``draft_proposed`` from the drafter, the rest
-    # padding for the graph runner's fixed shape), the grammar state after each of them (index j: after j drafts;
-    # 0 is ``grammar`` itself), the drafter's own state, and the verify rounds with proposed drafts and the tokens
-    # they emitted. ``draft_probs``: float32 ``[proposed, vocab]``, the distributions a draft model drew its
-    # proposed drafts from, for rejection sampling (sampled rows; ``None`` otherwise).
-    draft_ids: list[int] = field(default_factory=list)
-    draft_proposed: int = 0
-    draft_probs: torch.Tensor | None = None
-    draft_grammars: list[GrammarState | None] = field(default_factory=list)
     draft_state: Any = None
-    spec_rounds: int = 0
-    spec_tokens: int = 0
-    # Per draft position: verify rounds that tried it (all drafts before it accepted) and that accepted it, faded
-    # while the position is held back (speculative.draft_budget).
-    draft_position_tries: list[float] = field(default_factory=list)
-    draft_position_hits: list[float] = field(default_factory=list)
 
     @property
     def fill_len(self) -> int:
@@ -104,19 +85,6 @@ class Req:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
-
-    def clear_drafts(self) -> None:
-        """Forget this round's drafts (verified, or not verified after all)."""
-        self.draft_ids, self.draft_grammars, self.draft_proposed, self.draft_probs = [], [], 0, None
-
-    def history_after_drafts(self, count: int) -> TokenHistory | None:
-        """The penalty history as if the first ``count`` drafts had been sampled (``history`` itself for 0)."""
-        if self.history is None or count == 0:
-            return self.history
-        history = TokenHistory(self.history.prompt_tokens, Counter(self.history.output_counts))
-        for token_id in self.draft_ids[:count]:
-            history.add(token_id)
-        return history
 
     def fork(self, sample_index: int, req_pool_idx: int | None) -> Req:
         """Sample ``sample_index`` of this row, made when the prompt is prefilled and nothing is sampled yet.

@@ -8,15 +8,16 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any
 
+from batchgen.loop.drafter import Drafter, RoundDrafts, accepted_length
 from batchgen.loop.forward_mode import ForwardMode
-from batchgen.loop.kv_pool import KVSlotAllocator, ReqToTokenPool
+from batchgen.loop.kv_cache import KVCache
 from batchgen.loop.req import Req
+from batchgen.loop.round_cost import RoundCostModel
+from batchgen.loop.round_output import RoundTokens, record_prompt_logprobs
 from batchgen.loop.schedule_batch import ScheduleBatch
-from batchgen.loop.stop_checker import append_token, finalize_text
+from batchgen.loop.stop_checker import finalize_text
 from batchgen.models.logits_processor import LogitsProcessorOutput
 from batchgen.sampling.sampler import SampleOutput
-from batchgen.speculative.draft_budget import RoundCostModel, record_acceptance
-from batchgen.speculative.verify import Drafter, accepted_length, plan_drafts
 
 
 @dataclass(frozen=True)
@@ -52,20 +53,20 @@ class Scheduler:
     In the round that completes its prompt, samples 1..n-1 fork off (:meth:`_fork_samples`) and draw their first
     token from the same logits; they then share the prompt's KV slots (reference-counted) and decode on their
     own, each an ordinary request from there on (retracted and recomputed alone if need be).
+
+    Request rows and KV slots are ``kv_cache``'s: the scheduler asks it for them and gives them back.
     """
 
     def __init__(
         self,
         options: SchedulerOptions,
-        req_to_token_pool: ReqToTokenPool,
-        allocator: KVSlotAllocator,
+        kv_cache: KVCache,
         tokenizer: Any,
         drafter: Drafter | None = None,
         pad_drafts: bool = False,
     ) -> None:
         self.options = options
-        self.req_to_token_pool = req_to_token_pool
-        self.allocator = allocator
+        self.kv_cache = kv_cache
         self.tokenizer = tokenizer
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
@@ -108,73 +109,56 @@ class Scheduler:
     def process_result(
         self, batch: ScheduleBatch, result: SampleOutput, logits_output: LogitsProcessorOutput | None = None
     ) -> list[Req]:
-        """Record prompt logprobs, append each sampled token, check stops, free finished requests; return those
-        that finished."""
+        """Record prompt logprobs, append each request's emitted tokens, account a verify round, free finished
+        requests; return those that finished."""
         if logits_output is not None and logits_output.prompt_logprobs is not None:
-            _record_prompt_logprobs(batch, logits_output)
+            record_prompt_logprobs(batch, logits_output)
         self._share_prompt_kv(batch)
-        token_ids = result.next_token_ids.tolist()
-        logprobs = result.logprobs.tolist() if result.logprobs is not None else None
-        top_ids = result.top_ids.tolist() if result.top_ids is not None else None
-        top_lps = result.top_logprobs.tolist() if result.top_logprobs is not None else None
-        # (request, its first draw, its number of draws): one draw per request, or one per verified position.
-        if batch.forward_mode.is_target_verify():
-            starts = [0, *itertools.accumulate(batch.extend_lens)]
-            plan = [(req, starts[i], n, True) for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens))]
-        else:
-            first_decode_row = len(batch.reqs) - batch.num_decode_rows
-            plan = [(req, j, 1, row >= first_decode_row) for j, (row, req) in enumerate(batch.sampled)]
+        tokens = RoundTokens.from_sample(result)
         finished = []
-        for req, first, count, decoding in plan:
-            want_logprobs = req.params.logprobs
-            k = req.params.top_logprobs if want_logprobs else 0
-            emit = accepted_length(token_ids[first : first + count], req.draft_ids)
-            for j in range(first, first + emit):
-                if req.params.max_new_tokens == 0:  # prefilled only for its prompt logprobs
-                    req.finish_reason = "length"
-                    break
-                top = _possible(top_ids[j][:k], top_lps[j][:k]) if k and top_ids and top_lps else None
-                append_token(req, token_ids[j], logprobs[j] if want_logprobs and logprobs else None, top)
-                if req.finished:
-                    break
+        for req, first, count, drafts, decoding in _draw_plan(batch):
+            emit = accepted_length(tokens.ids[first : first + count], drafts.ids if drafts is not None else [])
+            appended = tokens.emit(req, first, emit)
             if self.drafter is not None and decoding:
-                # Only rounds that verified proposed drafts measure acceptance (as SGLang's verify count); a round
-                # of padding drafts alone is not one.
-                if req.draft_proposed:
-                    record_acceptance(req, req.draft_proposed, min(emit - 1, req.draft_proposed))
-                    req.spec_rounds += 1
-                    req.spec_tokens += j - first + 1
-                    self.accept_histogram[j - first + 1] += 1
-                self.drafter.on_verified(req)
+                self._account_verify(req, drafts, emit - 1, appended)
             if count > 1:
                 self._drop_rejected_kv(req, count, emit)
             if req.finished:
-                finalize_text(req, self.tokenizer)
-                self._release(req)
-                self.running.remove(req)
+                self._finish(req)
                 finished.append(req)
         return finished
 
+    def _account_verify(self, req: Req, drafts: RoundDrafts | None, accepted: int, emitted: int) -> None:
+        """A decoding request's round under a drafter: the target agreed with ``accepted`` drafts and ``emitted``
+        tokens were appended."""
+        assert self.drafter is not None
+        if drafts is not None and drafts.proposed:
+            self.accept_histogram[emitted] += 1
+        self.drafter.on_verified(req, drafts, accepted, emitted)
+
+    def _finish(self, req: Req) -> None:
+        finalize_text(req, self.tokenizer)
+        self._release(req)
+        self.running.remove(req)
+
     def _drop_rejected_kv(self, req: Req, count: int, emit: int) -> None:
         """After verifying ``count`` positions and emitting ``emit`` tokens, keep the K/V of the pending token
-        and the accepted drafts, and free the slots of the rejected ones (``seq_len`` rolls back)."""
+        and the accepted drafts, and free the slots of the rejected ones (``kv_len`` rolls back)."""
         assert req.req_pool_idx is not None
         keep = req.kv_len - count + emit
-        self.allocator.free(self.req_to_token_pool.req_to_token[req.req_pool_idx, keep : req.kv_len])
+        self.kv_cache.truncate(req.req_pool_idx, keep, req.kv_len)
         req.kv_len = keep
-        req.clear_drafts()
 
     def _decode_batch(self, decodes: list[Req]) -> ScheduleBatch:
         """A DECODE round, or with a drafter a TARGET_VERIFY round when any request has drafts (with the KV
-        room left after one slot per request)."""
+        room left after one slot per request); a round of padding drafts alone decodes instead, for less."""
         if self.drafter is not None and not (self.round_cost.wants_probe() and not self.pad_drafts):
-            room = self.allocator.available() - len(decodes)
+            room = self.kv_cache.available() - len(decodes)
             break_even = self.round_cost.break_even(len(decodes))
-            lens = plan_drafts(decodes, self.drafter, room, pad=self.pad_drafts, break_even=break_even)
-            if any(req.draft_proposed for req in decodes):
-                return ScheduleBatch(ForwardMode.TARGET_VERIFY, decodes, lens, len(decodes))
-            for req in decodes:  # padding alone: a plain decode round costs less
-                req.clear_drafts()
+            drafts = self.drafter.plan(decodes, room, self.pad_drafts, break_even)
+            if any(d.proposed for d in drafts):
+                lens = [1 + len(d.ids) for d in drafts]
+                return ScheduleBatch(ForwardMode.TARGET_VERIFY, decodes, lens, len(decodes), drafts)
         return ScheduleBatch(ForwardMode.DECODE, decodes, [1] * len(decodes), len(decodes))
 
     def _fork_samples(self, batch: ScheduleBatch) -> None:
@@ -192,15 +176,12 @@ class Scheduler:
     def _share_prompt_kv(self, batch: ScheduleBatch) -> None:
         """After a forking round: give each new sample the prompt's KV slots and its prompt logprobs, and
         start running it."""
-        req_to_token = self.req_to_token_pool.req_to_token
         for row, req in batch.sampled:
             parent = batch.reqs[row]
             if req is parent:
                 continue
             assert req.req_pool_idx is not None and parent.req_pool_idx is not None
-            slots = req_to_token[parent.req_pool_idx, : parent.kv_len]
-            req_to_token[req.req_pool_idx, : parent.kv_len] = slots
-            self.allocator.share(slots)
+            self.kv_cache.fork(parent.req_pool_idx, parent.kv_len, req.req_pool_idx)
             req.kv_len = parent.kv_len
             req.prompt_logprobs = list(parent.prompt_logprobs)
             req.prompt_top_logprobs = list(parent.prompt_top_logprobs)
@@ -210,7 +191,7 @@ class Scheduler:
         """Running requests that decode this round, after retracting the newest ones until their KV fits."""
         while True:
             decodes = [r for r in self.running if r.is_decoding]
-            if self.allocator.available() >= len(decodes) or len(self.running) <= 1:
+            if self.kv_cache.available() >= len(decodes) or len(self.running) <= 1:
                 return decodes
             self._retract(self.running[-1])
 
@@ -225,9 +206,9 @@ class Scheduler:
         assert req.req_pool_idx is not None
         if self.drafter is not None:
             self.drafter.release(req)
-        self.allocator.free(self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.kv_len])
-        for row in [req.req_pool_idx, *req.fork_rows]:
-            self.req_to_token_pool.free(row)
+        self.kv_cache.release(req.req_pool_idx, req.kv_len)
+        for row in req.fork_rows:
+            self.kv_cache.release(row, 0)
         req.req_pool_idx, req.fork_rows = None, []
 
     def _decode_reserve(self, reqs: list[Req]) -> int:
@@ -245,7 +226,7 @@ class Scheduler:
         opts = self.options
         chunk = opts.chunked_prefill_size
         budget = min(opts.max_prefill_tokens, chunk) if chunk > 0 else opts.max_prefill_tokens
-        room = self.allocator.available() - reserved
+        room = self.kv_cache.available() - reserved
         reqs: list[Req] = []
         lens: list[int] = []
         for req in self.running:
@@ -258,7 +239,7 @@ class Scheduler:
             req = self.waiting[0]
             # An n > 1 request reserves a request row, and a place among the running, for each sample.
             rows = 1 + req.unforked_samples
-            if len(self.running) + rows > opts.max_running_requests or self.req_to_token_pool.available() < rows:
+            if len(self.running) + rows > opts.max_running_requests or self.kv_cache.available_rows() < rows:
                 break
             need = req.num_pending
             # Keep room for the decodes of everything already running and of this request, unless it would
@@ -270,8 +251,8 @@ class Scheduler:
                 break  # whole prompts only; one longer than max_prefill_tokens gets a round of its own
             n = need if chunk == 0 else min(need, budget)
             self.waiting.popleft()
-            req.req_pool_idx = self.req_to_token_pool.alloc()
-            req.fork_rows = [self.req_to_token_pool.alloc() for _ in range(req.unforked_samples)]
+            pool_rows = self.kv_cache.allocate_rows(rows)
+            req.req_pool_idx, req.fork_rows = pool_rows[0], pool_rows[1:]
             self.running.append(req)
             reqs.append(req)
             lens.append(n)
@@ -279,27 +260,13 @@ class Scheduler:
         return reqs, lens
 
 
-def _possible(ids: list[int], logprobs: list[float]) -> list[tuple[int, float]]:
-    """A step's top (id, logprob) pairs without those of probability 0: under ``--logprobs-mode processed``,
-    tokens that top-k, top-p, min-p or a grammar ruled out (-inf, which JSON cannot carry) rank last in an
-    arbitrary order and are no likely tokens at all."""
-    return [(i, lp) for i, lp in zip(ids, logprobs) if lp != -math.inf]
-
-
-def _record_prompt_logprobs(batch: ScheduleBatch, out: LogitsProcessorOutput) -> None:
-    """Hand each row its slice of the round's prompt logprobs (rows in ``batch.prompt_logprob_rows`` order)."""
-    assert out.prompt_logprobs is not None
-    values = out.prompt_logprobs.tolist()
-    top_ids = out.prompt_top_ids.tolist() if out.prompt_top_ids is not None else None
-    top_values = out.prompt_top_logprobs.tolist() if out.prompt_top_logprobs is not None else None
-    start = 0
-    for row, count in batch.prompt_logprob_rows:
-        req = batch.reqs[row]
-        req.prompt_logprobs.extend(values[start : start + count])
-        k = req.params.prompt_logprobs or 0
-        if k and top_ids is not None and top_values is not None:
-            req.prompt_top_logprobs.extend(
-                _possible(ids[:k], lps[:k])
-                for ids, lps in zip(top_ids[start : start + count], top_values[start : start + count])
-            )
-        start += count
+def _draw_plan(batch: ScheduleBatch) -> list[tuple[Req, int, int, RoundDrafts | None, bool]]:
+    """(request, its first draw, its number of draws, its drafts, whether it decodes) per request that drew:
+    one draw per sampled request, or one per verified position."""
+    if batch.drafts is not None:
+        starts = [0, *itertools.accumulate(batch.extend_lens)]
+        return [
+            (req, starts[i], n, batch.drafts[i], True) for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens))
+        ]
+    first_decode_row = len(batch.reqs) - batch.num_decode_rows
+    return [(req, i, 1, None, row >= first_decode_row) for i, (row, req) in enumerate(batch.sampled)]

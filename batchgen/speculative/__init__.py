@@ -1,12 +1,13 @@
-"""Speculative decoding: drafters, and the verify rule the scheduler applies in TARGET_VERIFY rounds."""
+"""Speculative decoding: the drafters behind ``batchgen.loop.drafter.Drafter``, and :func:`make_drafter`, the
+factory the callers that build an ``Engine`` pass it."""
 
 from __future__ import annotations
 
+from batchgen.loop.drafter import Drafter
 from batchgen.loop.model_runner import ModelRunner
 from batchgen.loop.options import EngineOptions
 from batchgen.speculative.draft_model import DraftModelDrafter
 from batchgen.speculative.ngram import NgramDrafter
-from batchgen.speculative.verify import Drafter
 
 
 def make_drafter(options: EngineOptions, target: ModelRunner, cuda_graph_max_bs: int = 0) -> Drafter | None:

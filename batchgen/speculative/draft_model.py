@@ -10,10 +10,10 @@ round, for the requests given a limit > 0:
 (b) up to K − 1 batched DECODE steps, each feeding the previous draft (writing its draft K/V) and sampling the
     next one.
 
-After the target's verify round :meth:`DraftModelDrafter.on_verified` frees the draft K/V of rejected drafts,
+After the target's verify round :meth:`DraftModelDrafter.forget_rejected` frees the draft K/V of rejected drafts,
 so the draft KV always holds a prefix of the request's actual tokens. Sampled rows' drafts are drawn with the
 target's uniforms (``draft_steps.py``); with ``rejection`` acceptance each one's distribution goes to the verify
-round in ``req.draft_probs``.
+round with the drafts.
 """
 
 from __future__ import annotations
@@ -24,16 +24,19 @@ import torch
 
 from batchgen.errors import BatchgenError
 from batchgen.loop.forward_mode import ForwardMode
+from batchgen.loop.kv_cache import KVCache
 from batchgen.loop.kv_pool import KVSlotAllocator
 from batchgen.loop.model_runner import ModelRunner
 from batchgen.loop.req import Req
 from batchgen.models.config import ModelConfig
 from batchgen.models.source import ModelSource
 from batchgen.sampling.sampling_batch_info import samples_greedily
+from batchgen.speculative.draft_state import DraftState
 from batchgen.speculative.draft_steps import Drafting, DraftRow, draft_forward, seq_tokens
+from batchgen.speculative.verify import Proposal, SpeculativeDrafter
 
 
-class DraftModelDrafter:
+class DraftModelDrafter(SpeculativeDrafter):
     """Drafts with a small model on the target's device, in its dtype (see the module docstring).
 
     Args:
@@ -85,10 +88,9 @@ class DraftModelDrafter:
             cuda_graph_max_bs=cuda_graph_max_bs,
             switches=target.switches,
         )
-        self.req_to_token_pool = self.runner.req_to_token_pool
-        self.allocator = KVSlotAllocator(pool_size)
+        self.kv_cache = KVCache(self.runner.req_to_token_pool, KVSlotAllocator(pool_size))
 
-    def propose_batch(self, reqs: Sequence[Req], limits: Sequence[int]) -> list[list[int]]:
+    def propose_batch(self, reqs: Sequence[Req], limits: Sequence[int]) -> list[Proposal]:
         """Up to ``limits[i]`` drafts for each request: one catch-up forward, then up to ``max(limits) - 1``
         DECODE steps of the draft model. A request the draft pool has no room for this round gets none."""
         items = self._admit(reqs, limits)
@@ -96,24 +98,21 @@ class DraftModelDrafter:
             missing = [seq_tokens(it.req, it.state.kv_len, it.req.fill_len) for it in items]
             # One missing token each (a draft was rejected): a plain DECODE, which the graph runner can replay.
             mode = ForwardMode.DECODE if all(len(m) == 1 for m in missing) else ForwardMode.DRAFT_EXTEND
-            draft_forward(self.runner, self.allocator, mode, items, missing)
+            draft_forward(self.runner, self.kv_cache, mode, items, missing)
             while going := [it for it in items if not it.done]:
                 for it in going:
                     it.state.fed.append(it.drafts[-1])
                 draft_forward(
-                    self.runner, self.allocator, ForwardMode.DECODE, going, [it.state.fed[-1:] for it in going]
+                    self.runner, self.kv_cache, ForwardMode.DECODE, going, [it.state.fed[-1:] for it in going]
                 )
-        for req in reqs:
-            req.draft_probs = None
-        for it in items:
-            if it.probs:
-                it.req.draft_probs = torch.stack(it.probs)
-        drafts = {id(it.req): it.drafts for it in items}
-        return [drafts.get(id(req), []) for req in reqs]
+        proposals: dict[int, Proposal] = {
+            id(it.req): (it.drafts, torch.stack(it.probs) if it.probs else None) for it in items
+        }
+        return [proposals.get(id(req), ([], None)) for req in reqs]
 
-    def on_verified(self, req: Req) -> None:
+    def forget_rejected(self, req: Req) -> None:
         """Keep the draft K/V of the drafts that equal what the request emitted; free the rest."""
-        state: DraftRow | None = req.draft_state
+        state = _draft_row(req)
         if state is None or not state.fed:
             return
         start = state.kv_len - len(state.fed)
@@ -124,16 +123,15 @@ class DraftModelDrafter:
     def release(self, req: Req) -> None:
         """Free the request's draft row and draft K/V (it finished, or was retracted: then it catches up from
         scratch when it decodes again)."""
-        state: DraftRow | None = req.draft_state
+        state = _draft_row(req)
         if state is None:
             return
-        self._truncate(state, 0)
-        self.req_to_token_pool.free(state.row)
-        req.draft_state = None
+        self.kv_cache.release(state.row, state.kv_len)
+        DraftState.of(req).proposer = None
 
     def _truncate(self, state: DraftRow, keep: int) -> None:
         """Free the draft K/V of positions ``keep..kv_len - 1``."""
-        self.allocator.free(self.req_to_token_pool.req_to_token[state.row, keep : state.kv_len])
+        self.kv_cache.truncate(state.row, keep, state.kv_len)
         state.kv_len, state.fed = keep, []
 
     def _admit(self, reqs: Sequence[Req], limits: Sequence[int]) -> list[Drafting]:
@@ -142,17 +140,17 @@ class DraftModelDrafter:
         The draft pool has the target's size and holds no more tokens per request than the target does in its
         verify round, so room runs out here only if a caller gives limits the target's pool could not verify.
         """
-        room = self.allocator.available()
+        room = self.kv_cache.available()
         items = []
         for req, limit in zip(reqs, limits):
             if limit <= 0:
                 continue
-            state: DraftRow | None = req.draft_state
+            state = _draft_row(req)
             if state is None:
-                if not self.req_to_token_pool.available():
+                if not self.kv_cache.available_rows():
                     continue
-                state = req.draft_state = DraftRow(self.req_to_token_pool.alloc())
-            self.on_verified(req)  # a no-op unless the last round's drafts were never verified
+                state = DraftState.of(req).proposer = DraftRow(self.kv_cache.allocate_rows(1)[0])
+            self.forget_rejected(req)  # a no-op unless the last round's drafts were never verified
             if state.kv_len == req.fill_len:
                 # Every token has draft K/V (a truncated draft run continued as emitted): recompute the last one,
                 # whose logits give draft 1.
@@ -163,3 +161,9 @@ class DraftModelDrafter:
             room -= need
             items.append(Drafting(req, state, limit, keep_probs=self.keep_probs and not samples_greedily(req.params)))
         return items
+
+
+def _draft_row(req: Req) -> DraftRow | None:
+    """``req``'s place in the draft pools, ``None`` while it has none."""
+    state: DraftState | None = req.draft_state
+    return state.proposer if state is not None else None

@@ -18,7 +18,7 @@ import torch
 
 from batchgen.loop.forward_batch import ForwardBatch
 from batchgen.loop.forward_mode import ForwardMode
-from batchgen.loop.kv_pool import KVSlotAllocator
+from batchgen.loop.kv_cache import KVCache
 from batchgen.loop.model_runner import ModelRunner
 from batchgen.loop.req import Req
 from batchgen.loop.schedule_batch import ModelWorkerBatch
@@ -29,7 +29,7 @@ from batchgen.sampling.sampling_batch_info import SamplingBatchInfo
 
 @dataclass
 class DraftRow:
-    """A request's place in the draft model's pools (kept in ``req.draft_state``).
+    """A request's place in the draft model's pools (kept in its ``DraftState.proposer``).
 
     Invariant between rounds: the draft KV holds the first ``kv_len`` tokens of the request's prompt + output,
     at positions ``0..kv_len - 1`` of draft request row ``row``. During a round its last ``len(fed)`` entries are
@@ -97,7 +97,7 @@ def seq_tokens(req: Req, start: int, end: int) -> list[int]:
 
 def draft_forward(
     runner: ModelRunner,
-    allocator: KVSlotAllocator,
+    kv_cache: KVCache,
     mode: ForwardMode,
     items: list[Drafting],
     feed: list[list[int]],
@@ -118,9 +118,8 @@ def draft_forward(
         positions += range(it.state.kv_len, it.state.kv_len + len(tokens))
         rows += [it.state.row] * len(tokens)
         it.state.kv_len += len(tokens)
-    slots = allocator.alloc(len(input_ids))
     positions_t = torch.tensor(positions, dtype=torch.int64)
-    runner.req_to_token_pool.req_to_token[torch.tensor(rows, device=device), positions_t.to(device)] = slots.to(device)
+    slots = kv_cache.allocate(rows, positions_t)
     lens = [len(tokens) for tokens in feed]
     extend = mode.is_extend()
     batch = ModelWorkerBatch(

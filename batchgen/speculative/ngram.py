@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from batchgen.loop.req import Req
+from batchgen.speculative.draft_state import DraftState
 from batchgen.speculative.verify import PerRequestDrafter
 
 
@@ -48,7 +49,7 @@ class NgramIndex:
 class NgramDrafter(PerRequestDrafter):
     """Drafts up to ``num_draft_tokens`` per round by n-gram lookup over each request's prompt and output.
 
-    Keeps one :class:`NgramIndex` per request in ``req.draft_state``, so a round costs only the new tokens.
+    Keeps one :class:`NgramIndex` per request in its :class:`DraftState`, so a round costs only the new tokens.
     """
 
     def __init__(self, num_draft_tokens: int, min_n: int, max_n: int) -> None:
@@ -59,7 +60,8 @@ class NgramDrafter(PerRequestDrafter):
     def propose(self, req: Req, limit: int) -> list[int]:
         """Up to ``limit`` drafts (the scheduler's draft budget already trimmed ``limit`` to what this request's
         acceptance record makes worth verifying)."""
-        if req.draft_state is None:
-            req.draft_state = NgramIndex(self.min_n, self.max_n)
-        index: NgramIndex = req.draft_state
+        state = DraftState.of(req)
+        if state.proposer is None:
+            state.proposer = NgramIndex(self.min_n, self.max_n)
+        index: NgramIndex = state.proposer
         return index.propose(req.prompt_ids + req.output_ids, limit)

@@ -1,11 +1,11 @@
-"""Speculative decoding inside the loop: choosing each round's drafts and deciding how many to accept.
+"""Speculative decoding: choosing each round's drafts (the base of the drafters), and how many the target accepts.
 
 A TARGET_VERIFY round feeds each request its pending token followed by its drafts ``d_1..d_k`` and samples the
 target at all ``k + 1`` positions, position ``j`` with the inputs (seed, output step ``len(output) + j``,
 penalty history, grammar state) plain decoding would use there if ``d_1..d_j`` had been sampled. Position ``j``
 emits a token if every draft before it was accepted: ``d_{j+1}`` itself when accepted, otherwise a replacement
-(or, after the last draft, the bonus draw), and :func:`accepted_length` counts them. Two rules decide, both of
-which emit exactly the target's distribution:
+(or, after the last draft, the bonus draw), and :func:`batchgen.loop.drafter.accepted_length` counts them. Two
+rules decide, both of which emit exactly the target's distribution:
 
 - **coupled** (n-gram drafts always; draft models with ``--speculative-acceptance coupled``): every position's
   token is the target's plain draw with that step's uniform, and a draft is accepted when it equals it. Outputs
@@ -28,64 +28,73 @@ Greedy rows accept while the draft equals the target's argmax under either rule.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
 
+import torch
+
+from batchgen.loop.drafter import RoundDrafts
 from batchgen.loop.req import Req
 from batchgen.sampling.grammar import GrammarState
-from batchgen.speculative.draft_budget import drafts_worth_verifying, fade_held_back
+from batchgen.speculative.draft_budget import drafts_worth_verifying, fade_held_back, record_acceptance
+from batchgen.speculative.draft_state import DraftState
+
+# A drafter's proposal for one request: its draft tokens, and the float32 ``[len, vocab]`` distributions they were
+# drawn from when they are to be verified by rejection sampling (``None`` otherwise).
+Proposal = tuple[list[int], torch.Tensor | None]
 
 
-class Drafter(Protocol):
-    """Proposes draft tokens for decoding requests (n-gram lookup, a draft model…).
+class SpeculativeDrafter:
+    """Base of the drafters: implements ``batchgen.loop.drafter.Drafter`` around :meth:`propose_batch`.
 
-    The scheduler calls :meth:`propose_batch` once per decode round (through :func:`plan_drafts`),
-    :meth:`on_verified` for every decoding request after the round's tokens are appended, and :meth:`release`
-    when a request leaves the running set (finished or retracted). A drafter keeps its per-request state in
-    ``req.draft_state``; one that samples its drafts for rejection sampling sets ``req.draft_probs`` (the
-    distribution of each proposed draft) in :meth:`propose_batch`.
+    :meth:`plan` sizes each request's drafts with its draft budget (:func:`plan_drafts`); :meth:`on_verified`
+    records the acceptance in the request's :class:`DraftState` and calls :meth:`forget_rejected`. Subclasses
+    propose, and free what they built on drafts that were not accepted.
     """
 
     num_draft_tokens: int
 
-    def propose_batch(self, reqs: Sequence[Req], limits: Sequence[int]) -> list[list[int]]:
+    def propose_batch(self, reqs: Sequence[Req], limits: Sequence[int]) -> list[Proposal]:
         """For each request, at most ``limits[i]`` tokens likely to follow its prompt + output (``[]`` for a
         limit of 0)."""
-        ...
+        raise NotImplementedError
 
-    def on_verified(self, req: Req) -> None:
+    def forget_rejected(self, req: Req) -> None:
         """The round's tokens are appended to ``req.output_ids``: forget (and free) what was built on drafts
         that were not accepted."""
-        ...
+        return None
 
     def release(self, req: Req) -> None:
         """``req`` finished or was retracted: free whatever the drafter holds for it."""
-        ...
+        return None
+
+    def plan(self, decodes: Sequence[Req], room: int, pad: bool, break_even: float) -> list[RoundDrafts]:
+        return plan_drafts(decodes, self, room, pad=pad, break_even=break_even)
+
+    def on_verified(self, req: Req, drafts: RoundDrafts | None, accepted: int, emitted: int) -> None:
+        # Only rounds that verified proposed drafts measure acceptance (as SGLang's verify count); a round of
+        # padding drafts alone is not one.
+        if drafts is not None and drafts.proposed:
+            state = DraftState.of(req)
+            record_acceptance(state, drafts.proposed, min(accepted, drafts.proposed))
+            state.rounds += 1
+            state.tokens += emitted
+        self.forget_rejected(req)
 
 
-class PerRequestDrafter:
+class PerRequestDrafter(SpeculativeDrafter):
     """Base of drafters that look at one request at a time and hold no resources (n-gram lookup, tests)."""
-
-    num_draft_tokens: int
 
     def propose(self, req: Req, limit: int) -> list[int]:
         """At most ``limit`` (≥ 1) tokens likely to follow ``req``'s prompt + output."""
         raise NotImplementedError
 
-    def propose_batch(self, reqs: Sequence[Req], limits: Sequence[int]) -> list[list[int]]:
-        return [self.propose(req, limit) if limit > 0 else [] for req, limit in zip(reqs, limits)]
-
-    def on_verified(self, req: Req) -> None:
-        return None  # nothing depends on the drafts once they are verified
-
-    def release(self, req: Req) -> None:
-        return None  # nothing to free; any state in req.draft_state stays valid for the request's tokens
+    def propose_batch(self, reqs: Sequence[Req], limits: Sequence[int]) -> list[Proposal]:
+        return [(self.propose(req, limit) if limit > 0 else [], None) for req, limit in zip(reqs, limits)]
 
 
 def plan_drafts(
-    decodes: Sequence[Req], drafter: Drafter, room: int, pad: bool = False, break_even: float = 0.0
-) -> list[int]:
-    """Set every request's ``draft_ids`` (and ``draft_grammars``, ``draft_proposed``) for this round; return the
-    tokens each processes (``1 + drafts``).
+    decodes: Sequence[Req], drafter: SpeculativeDrafter, room: int, pad: bool = False, break_even: float = 0.0
+) -> list[RoundDrafts]:
+    """Every request's drafts for this round (each processes ``1 + len(ids)`` tokens).
 
     Drafts stop at ``max_new_tokens`` and at the context length (so every verified position has a KV slot and an
     output step), within ``room`` free KV slots in all (a request's whole limit is reserved before drafting,
@@ -109,23 +118,22 @@ def plan_drafts(
         useful = req.params.max_new_tokens - len(req.output_ids) - 1
         limit = max(0, min(drafter.num_draft_tokens, req.max_total_len - req.fill_len, room))
         if not pad:
-            limit = drafts_worth_verifying(req, break_even, max(0, min(limit, useful)))
-            fade_held_back(req, limit)
+            state = DraftState.of(req)
+            limit = drafts_worth_verifying(state, break_even, max(0, min(limit, useful)))
+            fade_held_back(state, limit)
         limits.append(limit)
         asks.append(max(0, min(limit, useful)))
         room -= limit
-    lens = []
-    for req, limit, proposed in zip(decodes, limits, drafter.propose_batch(decodes, asks)):
+    plans = []
+    for req, limit, (proposed, probs) in zip(decodes, limits, drafter.propose_batch(decodes, asks)):
         drafts = proposed[:limit]
-        req.draft_proposed = len(drafts)
+        count = len(drafts)
         if pad:
             drafts += [(drafts or req.pending_ids(1))[-1]] * (limit - len(drafts))
-        req.draft_ids, req.draft_grammars = _walk_grammar(req.grammar, drafts, keep_rejected=pad)
-        req.draft_proposed = min(req.draft_proposed, len(req.draft_ids))
-        if req.draft_probs is not None:
-            req.draft_probs = req.draft_probs[: req.draft_proposed]
-        lens.append(1 + len(req.draft_ids))
-    return lens
+        ids, grammars = _walk_grammar(req.grammar, drafts, keep_rejected=pad)
+        count = min(count, len(ids))
+        plans.append(RoundDrafts(ids, grammars, count, probs[:count] if probs is not None else None))
+    return plans
 
 
 def _walk_grammar(
@@ -151,12 +159,3 @@ def _walk_grammar(
         kept = drafts if keep_rejected else drafts[: count + 1]
         return kept, grammars + [None] * (len(kept) - count)
     return drafts, grammars
-
-
-def accepted_length(target_ids: Sequence[int], draft_ids: Sequence[int]) -> int:
-    """How many of ``target_ids`` (the draws at the ``len(draft_ids) + 1`` verified positions) to emit: the
-    drafts up to the first the target's draw differs from, plus that draw (or the bonus draw after the last)."""
-    accepted = 0
-    while accepted < len(draft_ids) and target_ids[accepted] == draft_ids[accepted]:
-        accepted += 1
-    return accepted + 1
