@@ -6,7 +6,7 @@
 # 0. environment: a venv over the system python's packages (torch with CUDA must be there already), batchgen
 #    installed editable, wheels from ./wheels (or ./.whl) installed offline (flashinfer-python and apache-tvm-ffi:
 #    see the end of this comment), FlashInfer's one JIT module built and timed;
-# a. pytest -m cuda (tests/test_cuda.py): kernels, CUDA-graph hooks, backends agree on a tiny model;
+# a. pytest -m cuda (tests/gpu/test_cuda.py): kernels, CUDA-graph hooks, backends agree on a tiny model;
 # b. scripts/gpu_check.py compare: greedy tokens and logprobs of random:llama-1b across torch_native / triton /
 #    flashinfer, CUDA graphs on/off and the fused elementwise kernels (BATCHGEN_TRITON_FUSED_OPS=1) (float32:
 #    identical tokens, |dlogprob| <= 1e-4; bfloat16: against float32, within torch_native bfloat16's rounding
@@ -144,7 +144,7 @@ fi
 # ---- a. pytest -m cuda ----
 if wanted a; then
     banner "a. pytest -m cuda"
-    mapfile -t CUDA_TESTS < <(grep -l "pytest.mark.cuda" tests/test_*.py)
+    mapfile -t CUDA_TESTS < <(grep -l "pytest.mark.cuda" tests/*/test_*.py)
     echo "test files with cuda tests: ${CUDA_TESTS[*]}"
     # Only those files are collected: the others may import packages the GPU image lacks (jsonschema).
     # -rP: the passing tests' output too (the bfloat16 test prints each backend's distance from float32).

@@ -7,7 +7,7 @@ Two cases, chosen per machine by :func:`cpu_gemm_dtype`:
   layout on every call, a large part of a decode step's short GEMMs. Packing each weight once at load time
   (``torch.ops.mkldnn._reorder_linear_weight``, what Inductor's CPU weight prepacking uses) and calling
   ``torch.ops.mkldnn._linear_pointwise`` on it gives the same kernel the same inputs: outputs are bit-identical
-  to ``F.linear`` (tests/test_packed_linear.py).
+  to ``F.linear`` (tests/kernels/test_packed_linear.py).
 - **It has none** (bfloat16 or float16 on a CPU with AVX2 but no AVX-512, such as AMD Zen 2/3 or Intel's client
   parts of the last years): PyTorch's ``F.linear`` in those dtypes falls back to generic loops, 7-8x slower than
   its float32 GEMM on the same cores (16-19 against 120-150 GFLOP/s on 2 Zen 3 cores). The weights are then

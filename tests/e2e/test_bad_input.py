@@ -1,0 +1,635 @@
+"""Bad input: every bad row gives one line ``batchgen: error: <file>:<line>: field '<field>': <message>``, the good
+rows of the same file are still generated (and equal a clean run of each alone), and the run exits 2; with
+``--on-error skip`` the bad rows are written with ``finish_reason == "error"``; file-level problems exit 2 at once
+with one line; no traceback anywhere."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from batchgen.io.writer import read_results
+from tests.helpers.cli import run_cli, write_jsonl
+
+# Two good rows around the bad one. ignore_eos pins completion_tokens to max_new_tokens.
+GOOD_1 = {"id": "g1", "prompt": "Once upon a time", "max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+GOOD_2 = {
+    "id": "g2",
+    "prompt_token_ids": [0, 45, 71, 80],
+    "max_new_tokens": 4,
+    "temperature": 0,
+    "ignore_eos": True,
+    "top_logprobs": 2,
+}
+GOOD = {"g1": GOOD_1, "g2": GOOD_2}
+BAD_LINE = 3  # line 1: GOOD_1, line 2: blank, line 3: the bad row, line 4: GOOD_2
+VOCAB = 400  # the conftest test tokenizer: 256 bytes + merges + <s>, </s>
+CONTEXT = ["--context-length", "16"]
+COMMON = ["--dtype", "float32", "--device", "cpu", "--no-progress"]
+LEFT_OUT_1 = "batchgen: error: 1 bad input row left out (see above; --on-error skip writes them)"
+SUMMARY = re.compile(
+    r"^batchgen: (\d+) rows?(?: \(\d+ samples\))? done, (\d+) bad rows?, (\d+) prompt \+ (\d+) output tokens in "
+    r"[\d.]+ s, [\d.]+ output tok/s, (\d+) preemptions?$"
+)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One bad row: its line (a dict is JSON-encoded; str/bytes are written as they are), the field its error must
+    name (None: the whole line is wrong), the exact message after ``field '<field>': ``, extra CLI flags, model."""
+
+    row: dict[str, Any] | str | bytes
+    field: str | None
+    message: str
+    args: tuple[str, ...] = ()
+    model: str = "llama"
+
+
+def _bad(**fields: Any) -> dict[str, Any]:
+    return {"id": "bad", **fields}
+
+
+_MSG = {"role": "user", "content": "hi"}
+CASES: dict[str, Case] = {
+    # --- not a JSON object
+    "bad_json": Case(
+        # An unquoted key (not a trailing comma: Python 3.13 words that error differently).
+        '{"id": "bad", prompt: "x"}',
+        None,
+        "invalid JSON: Expecting property name enclosed in double quotes (column 15)",
+    ),
+    # The closing brace missing: the error points just past the 27 characters (column 28), not to a next line.
+    "truncated_json": Case('{"id": "bad", "prompt": "x"', None, "invalid JSON: Expecting ',' delimiter (column 28)"),
+    "json_array_line": Case('["x"]', None, "expected a JSON object, got array"),
+    "invalid_utf8": Case(b'{"id": "bad", "prompt": "\xff"}', None, "invalid UTF-8 at byte 26"),
+    # --- prompt fields
+    "no_prompt": Case(
+        _bad(max_new_tokens=3),
+        "prompt",
+        "row has no prompt: give one of prompt, messages, prompt_token_ids (found 'max_new_tokens')",
+    ),
+    # Another tool's name for the prompt: the message names the field it found and the rename (found by a new user).
+    "text_instead_of_prompt": Case(
+        _bad(text="x"),
+        "prompt",
+        "row has no prompt: give one of prompt, messages, prompt_token_ids (found 'text'; rename it to 'prompt')",
+    ),
+    "input_ids_instead_of_prompt_token_ids": Case(
+        _bad(topic="t", input_ids=[0, 5]),
+        "prompt",
+        "row has no prompt: give one of prompt, messages, prompt_token_ids (found 'topic', 'input_ids'; rename "
+        "'input_ids' to 'prompt_token_ids')",
+    ),
+    "prompt_and_token_ids": Case(
+        _bad(prompt="x", prompt_token_ids=[0, 5]),
+        "prompt_token_ids",
+        "give only one of prompt, messages, prompt_token_ids (found: prompt, prompt_token_ids)",
+    ),
+    "prompt_and_messages": Case(
+        _bad(prompt="x", messages=[_MSG]),
+        "messages",
+        "give only one of prompt, messages, prompt_token_ids (found: prompt, messages)",
+    ),
+    # --- wrong types
+    "prompt_not_string": Case(_bad(prompt=5), "prompt", "must be a string, got number"),
+    "max_new_tokens_string": Case(
+        _bad(prompt="x", max_new_tokens="10"), "max_new_tokens", 'must be an integer, got "10"'
+    ),
+    "temperature_string": Case(_bad(prompt="x", temperature="hot"), "temperature", 'must be a number, got "hot"'),
+    "stop_number": Case(_bad(prompt="x", stop=5), "stop", "must be a string or a list of strings, got 5"),
+    "stop_token_ids_string": Case(
+        _bad(prompt="x", stop_token_ids="1"), "stop_token_ids", 'must be a list of integers, got "1"'
+    ),
+    "ignore_eos_string": Case(_bad(prompt="x", ignore_eos="yes"), "ignore_eos", 'must be true or false, got "yes"'),
+    "max_new_tokens_fraction": Case(
+        _bad(prompt="x", max_new_tokens=4.5), "max_new_tokens", "must be an integer, got 4.5"
+    ),
+    "seed_fraction": Case(_bad(prompt="x", seed=0.5), "seed", "must be an integer or null, got 0.5"),
+    # Values are shown as JSON, as the user wrote them (true, not Python's True).
+    "max_new_tokens_bool": Case(
+        _bad(prompt="x", max_new_tokens=True), "max_new_tokens", "must be an integer, got true"
+    ),
+    "id_list": Case({"id": [1], "prompt": "x"}, "id", "must be a string or an integer, got [1]"),
+    "id_bool": Case({"id": True, "prompt": "x"}, "id", "must be a string or an integer, got true"),
+    "id_empty": Case(
+        {"id": "", "prompt": "x"}, "id", 'must not be empty or blank (leave "id" out for the row\'s index)'
+    ),
+    "id_lone_surrogate": Case(
+        {"id": "\ud800", "prompt": "x"}, "id", "holds a lone surrogate (\\ud800-\\udfff), which is not Unicode text"
+    ),
+    # It could never match: detokenized text never holds one.
+    "stop_lone_surrogate": Case(
+        _bad(prompt="x", stop=["ok", "a\udfff"]),
+        "stop",
+        "holds a lone surrogate (\\ud800-\\udfff), which is not Unicode text",
+    ),
+    "messages_string": Case(
+        _bad(messages="hi"), "messages", "must be a non-empty array of {role, content} objects, got string"
+    ),
+    "messages_empty": Case(
+        _bad(messages=[]), "messages", "must be a non-empty array of {role, content} objects, got an empty array"
+    ),
+    "messages_item_not_object": Case(_bad(messages=["hi"]), "messages", "item 0 must be an object, got string"),
+    "messages_item_no_content": Case(
+        _bad(messages=[{"role": "user"}]), "messages", "item 0: 'content' must be a string, got null"
+    ),
+    "prompt_token_ids_string_item": Case(
+        _bad(prompt_token_ids=[0, "a"]), "prompt_token_ids", 'item 1 must be an integer, got "a"'
+    ),
+    # --- out-of-range sampling values
+    "temperature_negative": Case(
+        _bad(prompt="x", temperature=-0.5), "temperature", "must be a number in [0, 10000], got -0.5"
+    ),
+    "top_p_zero": Case(_bad(prompt="x", top_p=0), "top_p", "must be in (0, 1], got 0.0"),
+    "top_p_above_1": Case(_bad(prompt="x", top_p=1.5), "top_p", "must be in (0, 1], got 1.5"),
+    "top_k_minus_2": Case(_bad(prompt="x", top_k=-2), "top_k", "must be -1 or 0 (off) or a positive count, got -2"),
+    "min_p_above_1": Case(_bad(prompt="x", min_p=1.5), "min_p", "must be in [0, 1], got 1.5"),
+    "max_new_tokens_negative": Case(_bad(prompt="x", max_new_tokens=-1), "max_new_tokens", "must be >= 0, got -1"),
+    # OpenAI's names for max_new_tokens are read as it, and errors name the field the row gave.
+    "max_tokens_negative": Case(_bad(prompt="x", max_tokens=-1), "max_tokens", "must be >= 0, got -1"),
+    "max_completion_tokens_string": Case(
+        _bad(prompt="x", max_completion_tokens="10"), "max_completion_tokens", 'must be an integer, got "10"'
+    ),
+    "max_tokens_and_max_new_tokens": Case(
+        _bad(prompt="x", max_new_tokens=3, max_tokens=3),
+        "max_tokens",
+        "give only one of max_new_tokens, max_tokens, max_completion_tokens (found: max_new_tokens, max_tokens)",
+    ),
+    "min_new_tokens_above_max": Case(
+        _bad(prompt="x", max_new_tokens=3, min_new_tokens=9), "min_new_tokens", "must be <= max_new_tokens (3), got 9"
+    ),
+    "seed_negative": Case(_bad(prompt="x", seed=-1), "seed", "must be in [0, 2**63), got -1"),
+    "top_logprobs_above_vocab": Case(
+        _bad(prompt="x", top_logprobs=VOCAB + 1), "top_logprobs", f"must be in [0, vocab size {VOCAB}], got {VOCAB + 1}"
+    ),
+    # --- token ids outside the vocabulary
+    "prompt_token_id_vocab": Case(
+        _bad(prompt_token_ids=[0, VOCAB]), "prompt_token_ids", f"id {VOCAB} is outside the vocabulary [0, {VOCAB})"
+    ),
+    "prompt_token_id_minus_1": Case(
+        _bad(prompt_token_ids=[0, -1]), "prompt_token_ids", f"id -1 is outside the vocabulary [0, {VOCAB})"
+    ),
+    "stop_token_id_vocab": Case(
+        _bad(prompt="x", stop_token_ids=[1, VOCAB]),
+        "stop_token_ids",
+        f"id {VOCAB} is outside the vocabulary [0, {VOCAB})",
+    ),
+    "stop_token_id_minus_1": Case(
+        _bad(prompt="x", stop_token_ids=[-1]), "stop_token_ids", f"id -1 is outside the vocabulary [0, {VOCAB})"
+    ),
+    # --- empty prompts
+    "prompt_token_ids_empty": Case(
+        _bad(prompt_token_ids=[]), "prompt_token_ids", "must be a non-empty array of integers, got an empty array"
+    ),
+    "prompt_empty_without_bos": Case(_bad(prompt=""), "prompt", "prompt is empty after tokenization", model="nobos"),
+    # --- prompt does not fit the context (16 tokens)
+    "prompt_token_ids_at_context": Case(
+        _bad(prompt_token_ids=[0] + [5] * 15), "prompt_token_ids", "prompt has 16 tokens, >= context length 16", CONTEXT
+    ),
+    # "~" is not in the tokenizer's training corpus: one token per byte, plus BOS.
+    "prompt_text_over_context": Case(
+        _bad(prompt="~" * 20), "prompt", "prompt has 21 tokens, >= context length 16", CONTEXT
+    ),
+    # --- duplicate id: the first row with the id (GOOD_1) is generated, the second is the bad one
+    "duplicate_id": Case({"id": "g1", "prompt": "The quick"}, "id", "duplicate id 'g1'"),
+}
+
+
+def _line_bytes(row: dict[str, Any] | str | bytes) -> bytes:
+    if isinstance(row, bytes):
+        return row
+    return (row if isinstance(row, str) else json.dumps(row)).encode()
+
+
+def _dataset(path: Path, bad: dict[str, Any] | str | bytes) -> Path:
+    lines = [json.dumps(GOOD_1).encode(), b"", _line_bytes(bad), json.dumps(GOOD_2).encode()]
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    return path
+
+
+def _run(dataset: Path, out: Path, model: Path | str, *extra: str) -> tuple[int, list[str]]:
+    code, output = run_cli(["run", str(dataset), "--out", str(out), "--model", str(model), *COMMON, *extra])
+    assert "Traceback" not in output, output
+    return code, [line for line in output.splitlines() if line.strip()]
+
+
+def _summary(lines: list[str]) -> tuple[int, ...]:
+    matches = [m for m in map(SUMMARY.match, lines) if m]
+    assert len(matches) == 1, lines
+    return tuple(int(g) for g in matches[0].groups())
+
+
+@pytest.fixture(scope="module")
+def models(random_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """``llama``: the tiny test model; ``nobos``: a copy whose tokenizer adds no BOS (so "" has no tokens)."""
+    nobos = tmp_path_factory.mktemp("nobos") / "model"
+    shutil.copytree(random_models["llama"], nobos)
+    tokenizer_json = nobos / "tokenizer.json"
+    data = json.loads(tokenizer_json.read_text())
+    data["post_processor"] = None
+    tokenizer_json.write_text(json.dumps(data))
+    return {"llama": random_models["llama"], "nobos": nobos}
+
+
+@pytest.fixture(scope="module")
+def reference(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """``reference(model, rid)``: the output row of good row ``rid`` run alone, in a clean file."""
+    cache: dict[tuple[str, str], dict[str, Any]] = {}
+
+    def get(model: str, rid: str) -> dict[str, Any]:
+        if (model, rid) not in cache:
+            work = tmp_path_factory.mktemp(f"ref-{model}-{rid}")
+            dataset = write_jsonl(work / "in.jsonl", [GOOD[rid]])
+            code, lines = _run(dataset, work / "out.arrow", models[model])
+            assert code == 0, lines
+            rows = read_results(work / "out.arrow").to_pylist()
+            assert len(rows) == 1
+            cache[(model, rid)] = rows[0]
+        return cache[(model, rid)]
+
+    return get
+
+
+def _assert_same_generation(got: dict[str, Any], ref: dict[str, Any]) -> None:
+    for key in ("id", "text", "output_token_ids", "finish_reason", "matched_stop", "error"):
+        assert got[key] == ref[key], key
+    for key in ("prompt_tokens", "completion_tokens"):
+        assert got[key] == ref[key], key
+    assert got["output_logprobs"] == pytest.approx(ref["output_logprobs"], abs=1e-5)
+    if ref["top_logprobs"] is None:
+        assert got["top_logprobs"] is None
+    else:
+        assert [[t["id"] for t in step] for step in got["top_logprobs"]] == [
+            [t["id"] for t in step] for step in ref["top_logprobs"]
+        ]
+        assert [t["logprob"] for step in got["top_logprobs"] for t in step] == pytest.approx(
+            [t["logprob"] for step in ref["top_logprobs"] for t in step], abs=1e-5
+        )
+
+
+def _check_good_rows(rows: list[dict[str, Any]], model: str, reference: Any) -> None:
+    good = {r["id"]: r for r in rows if r["id"] in GOOD and r["finish_reason"] != "error"}
+    assert sorted(good) == ["g1", "g2"]
+    for rid, row in good.items():
+        assert row["completion_tokens"] == GOOD[rid]["max_new_tokens"]
+        assert row["finish_reason"] == "length"
+        _assert_same_generation(row, reference(model, rid))
+    assert good["g1"]["prompt_tokens"] == (6 if model == "llama" else 5)  # BOS + 5 text tokens
+    assert good["g2"]["prompt_tokens"] == 4
+    assert all(len(step) == 2 for step in good["g2"]["top_logprobs"])
+
+
+def _expected_error(path: Path, case: Case) -> str:
+    where = f"{path}:{BAD_LINE}"
+    return f"{where}: field '{case.field}': {case.message}" if case.field else f"{where}: {case.message}"
+
+
+# --- row-level errors, --on-error fail (the default) ------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bad_row_is_reported_and_left_out(name: str, models: dict[str, Path], reference: Any, tmp_path: Path) -> None:
+    case = CASES[name]
+    dataset = _dataset(tmp_path / "in.jsonl", case.row)
+    out = tmp_path / "out.arrow"
+    code, lines = _run(dataset, out, models[case.model], *case.args)
+
+    # (a) exit code 2, and the last line says how many bad rows were left out.
+    assert code == 2, lines
+    assert lines[-1] == LEFT_OUT_1
+    # (b) exactly one error line for the row, naming file, line and field.
+    errors = [line for line in lines if line.startswith("batchgen: error: ") and line != LEFT_OUT_1]
+    assert errors == [f"batchgen: error: {_expected_error(dataset, case)}"]
+    if case.field is not None:
+        assert f"{dataset}:{BAD_LINE}: field '{case.field}'" in errors[0]
+    else:
+        assert f"{dataset}:{BAD_LINE}: " in errors[0] and "field '" not in errors[0]
+    # (c) the good rows are all there and equal a clean run of each row alone.
+    rows = read_results(out).to_pylist()
+    _check_good_rows(rows, case.model, reference)
+    # (d) the bad row is absent: only the two good rows were written.
+    assert sorted(r["id"] for r in rows) == ["g1", "g2"]
+    assert all(r["finish_reason"] == "length" and r["error"] is None for r in rows)
+    # The summary counts only what was generated: the good rows' tokens.
+    prompt_tokens = sum(r["prompt_tokens"] for r in rows)
+    _requests, errors_count, prompt, output, _preemptions = _summary(lines)
+    assert (errors_count, prompt, output) == (1, prompt_tokens, 6 + 4)
+
+
+def test_many_bad_rows_print_the_first_20_then_count(models: dict[str, Path], tmp_path: Path) -> None:
+    rows: list[dict[str, Any]] = [GOOD_1] + [{"id": f"b{i}", "prompt": i} for i in range(25)] + [GOOD_2]
+    dataset = write_jsonl(tmp_path / "in.jsonl", rows)
+    code, lines = _run(dataset, tmp_path / "out.arrow", models["llama"])
+    assert code == 2
+    errors = [line for line in lines if line.startswith("batchgen: error: ")]
+    assert errors[:20] == [
+        f"batchgen: error: {dataset}:{i + 2}: field 'prompt': must be a string, got number" for i in range(20)
+    ]
+    assert errors[20:] == [
+        "batchgen: error: more bad rows; only the first 20 are shown",
+        "batchgen: error: 25 bad input rows left out (see above; --on-error skip writes them)",
+    ]
+    assert sorted(r["id"] for r in read_results(tmp_path / "out.arrow").to_pylist()) == ["g1", "g2"]
+
+
+def test_bad_parquet_row_names_its_row_number(models: dict[str, Path], reference: Any, tmp_path: Path) -> None:
+    table = pa.table(
+        {
+            "id": ["g1", "bad", "g3"],
+            "prompt": [GOOD_1["prompt"], "x", "The quick"],
+            "max_new_tokens": [6, 6, 3],
+            "temperature": [0.0, -1.0, 0.0],
+            "ignore_eos": [True, True, True],
+        }
+    )
+    dataset = tmp_path / "in.parquet"
+    pq.write_table(table, dataset)
+    out = tmp_path / "out.arrow"
+    code, lines = _run(dataset, out, models["llama"])
+    assert code == 2
+    assert f"batchgen: error: {dataset}:2: field 'temperature': must be a number in [0, 10000], got -1.0" in lines
+    assert lines[-1] == LEFT_OUT_1
+    rows = {r["id"]: r for r in read_results(out).to_pylist()}
+    assert sorted(rows) == ["g1", "g3"]
+    _assert_same_generation(rows["g1"], reference("llama", "g1"))
+    assert rows["g3"]["completion_tokens"] == 3
+
+
+def test_prompt_one_token_below_context_is_generated(models: dict[str, Path], tmp_path: Path) -> None:
+    # The boundary next to "prompt_token_ids_at_context": 15 tokens fit a 16-token context, leaving room for one.
+    row = {"id": "edge", "prompt_token_ids": [0] + [5] * 14, "max_new_tokens": 8, "temperature": 0}
+    dataset = write_jsonl(tmp_path / "in.jsonl", [row])
+    code, lines = _run(dataset, tmp_path / "out.arrow", models["llama"], *CONTEXT)
+    assert code == 0, lines
+    [got] = read_results(tmp_path / "out.arrow").to_pylist()
+    assert (got["prompt_tokens"], got["completion_tokens"], got["finish_reason"]) == (15, 1, "length")
+
+
+def test_every_row_bad_writes_no_output(models: dict[str, Path], tmp_path: Path) -> None:
+    """A run whose rows are all bad leaves no output file and no partial output (found by a new user: an empty
+    file made the next try need --overwrite); after the rows are fixed the same command runs."""
+    rows = [{"id": "a", "text": "hi", "max_new_tokens": 2}, {"id": "b", "text": "ho", "max_new_tokens": 2}]
+    dataset = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.arrow"
+    code, lines = _run(dataset, out, models["llama"])
+    assert code == 2, lines
+    assert [line for line in lines if line.startswith("batchgen: error: ")] == [
+        *(f"batchgen: error: {dataset}:{i}: field 'prompt': row has no prompt: give one of prompt, messages, "
+          "prompt_token_ids (found 'text', 'max_new_tokens'; rename 'text' to 'prompt')" for i in (1, 2)),
+        "batchgen: error: 2 bad input rows left out (see above; --on-error skip writes them); no row was good, so "
+        "no output file was written",
+    ]  # fmt: skip
+    assert _summary(lines)[:2] == (0, 2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
+    write_jsonl(dataset, [{"id": r["id"], "prompt": r["text"], "max_new_tokens": 2} for r in rows])
+    code, lines = _run(dataset, out, models["llama"])
+    assert code == 0, lines
+    assert sorted(r["id"] for r in read_results(out).to_pylist()) == ["a", "b"]
+
+
+def test_every_row_bad_under_skip_writes_the_error_rows(models: dict[str, Path], tmp_path: Path) -> None:
+    """Under --on-error skip the error rows are the output: it is written, and the run succeeds."""
+    dataset = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": 5}, {"id": "b", "prompt": 6}])
+    out = tmp_path / "out.arrow"
+    code, lines = _run(dataset, out, models["llama"], "--on-error", "skip")
+    assert code == 0, lines
+    got = read_results(out).to_pylist()
+    assert [(r["id"], r["finish_reason"]) for r in got] == [("a", "error"), ("b", "error")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "out.arrow"]
+
+
+# --- row-level errors, --on-error skip --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "rid"),
+    [
+        ("bad_json", "1"),  # no id: the row index (the blank line 2 has none, so line 3 is index 1)
+        ("prompt_not_string", "bad"),
+        ("top_p_above_1", "bad"),
+        ("prompt_token_id_vocab", "bad"),
+        ("prompt_text_over_context", "bad"),
+        ("id_bool", "true"),  # a bad id: as the input wrote it, JSON
+        ("id_list", "[1]"),
+        ("id_empty", '""'),
+        ("id_lone_surrogate", '"\\ud800"'),  # the id column holds text: the JSON escape
+    ],
+)
+def test_skip_writes_bad_row_as_error(
+    name: str, rid: str, models: dict[str, Path], reference: Any, tmp_path: Path
+) -> None:
+    case = CASES[name]
+    dataset = _dataset(tmp_path / "in.jsonl", case.row)
+    out = tmp_path / "out.arrow"
+    code, lines = _run(dataset, out, models[case.model], "--on-error", "skip", *case.args)
+    assert code == 0, lines
+    assert not [line for line in lines if line.startswith("batchgen: error")]
+    assert [line for line in lines if line.startswith("batchgen: warning")] == [
+        f"batchgen: warning: {_expected_error(dataset, case)} (written as an error row)"
+    ]
+    assert _summary(lines)[1] == 1  # (1 bad row)
+    rows = read_results(out).to_pylist()
+    assert sorted(r["id"] for r in rows) == sorted(["g1", "g2", rid])
+    _check_good_rows(rows, case.model, reference)
+    [bad] = [r for r in rows if r["finish_reason"] == "error"]
+    assert bad["id"] == rid
+    assert bad["error"] == _expected_error(dataset, case)
+    assert (bad["text"], bad["output_token_ids"], bad["prompt_tokens"], bad["completion_tokens"]) == (
+        None,
+        None,
+        None,
+        None,
+    )
+
+
+def test_skip_keeps_the_pass_through_fields_that_fit(models: dict[str, Path], tmp_path: Path) -> None:
+    """An error row keeps the row's pass-through fields: after a bad sampling field (found when the request is
+    built) as after a bad prompt field (found when the row is parsed)."""
+    rows = [
+        {"id": "g", "prompt": "hi", "max_new_tokens": 1, "keep": "A", "meta": {"a": 1}},
+        {"id": "b1", "prompt": "hi", "temperature": "x", "keep": "B", "meta": {"a": 2}},
+        {"id": "b2", "prompt": 5, "keep": "C", "meta": {"a": 3}},
+    ]
+    dataset = tmp_path / "in.jsonl"
+    dataset.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out.arrow"
+    code, lines = _run(dataset, out, models["llama"], "--on-error", "skip", "--max-new-tokens", "1")
+    assert code == 0, lines
+    got = {r["id"]: (r["finish_reason"], r["keep"], r["meta"]) for r in read_results(out).to_pylist()}
+    assert got["b1"] == ("error", "B", {"a": 2})
+    assert got["b2"] == ("error", "C", {"a": 3})
+
+
+# --- file-level errors: one line, exit 2 at once ----------------------------------------------------------
+
+FILE_LEVEL = [
+    "missing_dataset",
+    "empty_dataset",
+    "blank_lines_dataset",
+    "json_document_dataset",
+    "unknown_model",
+    "model_dir_without_config",
+    "output_dir_missing",
+    "output_exists",
+    "unsupported_output_format",
+    "unknown_dtype",
+    "bad_on_error",
+    "bad_config_key",
+    "bad_cli_sampling_default",
+]
+
+
+def _file_level_case(name: str, tmp: Path, model: Path) -> tuple[list[str], str, bool]:
+    """(CLI args, the expected error line, whether it must be equal (else: contained)) for one file-level case."""
+    dataset = write_jsonl(tmp / "in.jsonl", [GOOD_1])
+    out = tmp / "out.arrow"
+    args = ["run", str(dataset), "--out", str(out), "--model", str(model), *COMMON]
+    if name == "missing_dataset":
+        missing = tmp / "nope.jsonl"
+        args[1] = str(missing)
+        return args, f"{missing}: no such file", True
+    if name in ("empty_dataset", "blank_lines_dataset"):
+        dataset.write_text("" if name == "empty_dataset" else "\n  \n\n")
+        return args, f"{dataset}: dataset is empty", True
+    if name == "json_document_dataset":
+        dataset.write_text('[\n  {"prompt": "a"}\n]\n')
+        return (
+            args,
+            f"{dataset}:1: not a JSON object; this looks like a JSON document, but batchgen reads JSON Lines "
+            "(one object per line)",
+            True,
+        )
+    if name == "unknown_model":
+        args[5] = "no-such-model"
+        return args, "unknown model 'no-such-model': expected a model directory, a .gguf file, a built-in name (", False
+    if name == "model_dir_without_config":
+        empty = tmp / "empty_model"
+        empty.mkdir()
+        args[5] = str(empty)
+        return args, f"{empty}: not a model directory (no config.json)", True
+    if name == "output_dir_missing":
+        missing_out = tmp / "no_dir" / "out.arrow"
+        args[3] = str(missing_out)
+        return args, f"{missing_out}: directory {missing_out.parent} does not exist", True
+    if name == "output_exists":
+        out.write_text("keep me")
+        return args, f"{out}: output file exists; pass --overwrite to replace it", True
+    if name == "unsupported_output_format":
+        csv = tmp / "out.csv"
+        args[3] = str(csv)
+        return (
+            args,
+            f"{csv}: unsupported output format '.csv' (use .arrow, .ipc, .feather, .parquet or .jsonl)",
+            True,
+        )
+    if name == "unknown_dtype":
+        args += ["--dtype", "float8"]
+        return args, "unknown --dtype 'float8'; choose auto, float32, bfloat16, float16", True
+    if name == "bad_on_error":
+        args += ["--on-error", "ignore"]
+        return args, "--on-error must be fail or skip, got 'ignore'", True
+    if name == "bad_config_key":
+        config = tmp / "bad.yaml"
+        config.write_text("max_tokens: 3\n")
+        args += ["--config", str(config)]
+        return args, f"{config}: unknown option 'max_tokens'", False
+    if name == "bad_cli_sampling_default":
+        args += ["--temperature", "-1"]
+        return args, "--temperature: must be a number in [0, 10000], got -1.0", True
+    raise AssertionError(name)
+
+
+@pytest.mark.parametrize("name", FILE_LEVEL)
+def test_file_level_error_is_one_line(name: str, models: dict[str, Path], tmp_path: Path) -> None:
+    args, expected, exact = _file_level_case(name, tmp_path, models["llama"])
+    out = Path(args[3])
+    code, output = run_cli(args)
+    lines = [line for line in output.splitlines() if line.strip()]
+    assert code == 2, output
+    assert "Traceback" not in output
+    assert len(lines) == 1, output
+    if exact:
+        assert lines[0] == f"batchgen: error: {expected}"
+    else:
+        assert lines[0].startswith("batchgen: error: ") and expected in lines[0], lines[0]
+    if name == "output_exists":
+        assert out.read_text() == "keep me"
+    else:
+        assert not out.exists()
+
+
+# --- the real entry points, in a subprocess (each ~4 s, so only two) --------------------------------------
+
+
+def _subprocess_env() -> dict[str, str]:
+    return {**os.environ, "HF_HUB_OFFLINE": "1"}
+
+
+def test_python_m_batchgen_missing_dataset_one_line(tmp_path: Path) -> None:
+    missing = tmp_path / "missing.jsonl"
+    result = subprocess.run(
+        [sys.executable, "-m", "batchgen", "run", str(missing), "--out", str(tmp_path / "out.arrow")],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=_subprocess_env(),
+        timeout=300,
+    )
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stderr.splitlines() == [f"batchgen: error: {missing}: no such file"]
+    assert result.stdout == ""
+    assert not (tmp_path / "out.arrow").exists()
+
+
+def test_console_script_unknown_model_one_line(tmp_path: Path) -> None:
+    script = Path(sys.executable).parent / "batchgen"
+    assert script.is_file(), f"the batchgen console script is not installed next to {sys.executable}"
+    dataset = write_jsonl(tmp_path / "in.jsonl", [GOOD_1])
+    result = subprocess.run(
+        [str(script), "run", str(dataset), "--out", str(tmp_path / "out.arrow"), "--model", "no-such-model"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=_subprocess_env(),
+        timeout=300,
+    )
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("batchgen: error: unknown model 'no-such-model': expected a model directory")
+    assert result.stdout == ""
+    assert not (tmp_path / "out.arrow").exists()
+
+
+def test_default_id_of_an_unreadable_line_is_taken(random_models: dict[str, Path], tmp_path: Path) -> None:
+    """Line 2 cannot be parsed and gets the default id '1' in its error row; a later row naming id 1 is then a
+    duplicate (an error row too), not a second generated row with that id (found by a new user)."""
+    dataset = tmp_path / "in.jsonl"
+    dataset.write_text('{"prompt": "A"}\ngarbage\n{"id": 1, "prompt": "C"}\n')
+    out = tmp_path / "out.jsonl"
+    code, output = run_cli(
+        [
+            "run", str(dataset), "--out", str(out), "--model", str(random_models["llama"]), "--device", "cpu",
+            "--max-new-tokens", "2", "--no-progress", "--on-error", "skip",
+        ]
+    )  # fmt: skip
+    assert code == 0, output
+    rows = read_results(out).to_pylist()
+    generated = [r["id"] for r in rows if r["finish_reason"] != "error"]
+    errors = sorted((r["id"], r["error"]) for r in rows if r["finish_reason"] == "error")
+    assert generated == ["0"]
+    assert [rid for rid, _ in errors] == ["1", "1"]
+    assert any("duplicate id '1'" in message for _, message in errors)

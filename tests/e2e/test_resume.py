@@ -1,0 +1,821 @@
+"""Jobs that never lose work: a run killed at any point (SIGKILL at chosen rows or inside a flush, SIGKILL at a
+wall-clock instant, SIGINT, SIGTERM, disk full) resumes with ``--resume`` into an output holding every input row
+exactly once, equal to an uninterrupted run's; torn part files and a damaged manifest are detected and dropped."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import random
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pytest
+import torch
+
+from batchgen.io import partial_output
+from batchgen.io.fingerprint import DatasetFingerprint, fingerprint_dataset
+from batchgen.io.manifest import decode_manifest, encode_manifest
+from batchgen.io.partial_output import PartialOutput, partial_dir
+from batchgen.io.writer import read_results
+from batchgen.job.status import output_status
+from tests.helpers.cli import run_cli, write_jsonl
+from tests.helpers.crash_points import AFTER_ROWS, IN_FLUSH, part_write_with_fault
+from tests.helpers.fork_runner import Zygote
+
+ROWS = 300
+# Greedy, so an interrupted and resumed run must give the uninterrupted run's tokens; small batches and flushes,
+# so that a kill lands somewhere different in the run each time; bad rows are written, so they must be resumed too.
+JOB_FLAGS = [
+    "--temperature", "0", "--ignore-eos", "--max-running-requests", "8", "--flush-every", "10", "--on-error", "skip",
+]  # fmt: skip
+Key = tuple[str, Any]
+
+
+def job_rows(count: int) -> list[dict[str, Any]]:
+    """``count`` rows: short prompts, 1-4 new tokens, every 30th with n = 2 (from the 8th), one bad row, one
+    duplicate id."""
+    rows: list[dict[str, Any]] = []
+    for i in range(count):
+        row: dict[str, Any] = {
+            "id": f"r{i:03d}",
+            "prompt_token_ids": [0, 5 + i % 50, 7 + i % 13, 9 + i % 7],
+            "max_new_tokens": 1 + i % 4,
+            "topic": f"t{i % 3}",
+        }
+        if i % 30 == 7:
+            row["n"] = 2
+        if i == count // 3:
+            row["temperature"] = -1  # an error row under --on-error skip
+        if i == 2 * count // 3:
+            row["id"] = f"r{count // 6:03d}"  # a duplicate id: an error row with the same id as a real row
+        rows.append(row)
+    return rows
+
+
+COMMON = ["--device", "cpu", "--dtype", "float32", "--no-progress"]
+
+
+def args(dataset: Path, out: Path, model: Path, *extra: str) -> list[str]:
+    """``batchgen run`` arguments, after ``batchgen``."""
+    return ["run", str(dataset), "--out", str(out), "--model", str(model), *COMMON, *JOB_FLAGS, *extra]
+
+
+def by_key(rows: list[dict[str, Any]]) -> dict[Key, dict[str, Any]]:
+    keyed = {(r["id"], r["sample_index"]): r for r in rows}
+    assert len(keyed) == len(rows), "every (id, sample_index) appears exactly once"
+    return keyed
+
+
+def assert_same_rows(got: dict[Key, dict[str, Any]], want: dict[Key, dict[str, Any]]) -> None:
+    assert sorted(got, key=str) == sorted(want, key=str)
+    for key, row in got.items():
+        ref = want[key]
+        for column in ("text", "output_token_ids", "finish_reason", "completion_tokens", "topic"):
+            assert row.get(column) == ref.get(column), (key, column)
+        # An error names the dataset file, which may be a copy: compare what follows "FILE:LINE: ".
+        assert (row["error"] or "").split(".jsonl:")[-1] == (ref["error"] or "").split(".jsonl:")[-1], key
+        if ref["output_logprobs"] is not None:
+            assert row["output_logprobs"] == pytest.approx(ref["output_logprobs"], abs=1e-5), key
+
+
+def partial_rows(out: Path) -> dict[Key, dict[str, Any]]:
+    """The rows of the valid parts of ``out``'s partial output (what a resume keeps)."""
+    state = PartialOutput(out).inspect()
+    tables = [pa.ipc.open_file(pa.memory_map(str(path))).read_all() for _, path in state.parts]
+    return by_key([row for table in tables for row in table.to_pylist()])
+
+
+def wait_for_parts(out: Path, more_than: int, proc: subprocess.Popen[str] | None = None, timeout: float = 120) -> None:
+    """Wait until ``out``'s partial output has more than ``more_than`` part files (a run making progress)."""
+    deadline = time.monotonic() + timeout
+    directory = partial_dir(out)
+    while time.monotonic() < deadline and (proc is None or proc.poll() is None):
+        if directory.is_dir() and sum(1 for p in directory.iterdir() if p.suffix == ".arrow") > more_than:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"{out}: no progress (exit code {proc.poll() if proc else None})")
+
+
+# Every run of this module on one thread, in this process and in the ones it starts: the same arithmetic
+# everywhere, and on a busy 2-core machine two threads spend most of a tiny model's time waiting on each other.
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model(random_models: dict[str, Path]) -> Path:
+    return random_models["llama"]
+
+
+@pytest.fixture(scope="module")
+def job(model: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[Key, dict[str, Any]]]:
+    """The 300-row dataset and the rows of its uninterrupted run."""
+    work = tmp_path_factory.mktemp("job")
+    dataset = write_jsonl(work / "in.jsonl", job_rows(ROWS))
+    code, output = run_cli(args(dataset, work / "reference.arrow", model))
+    assert code == 0, output
+    reference = by_key(read_results(work / "reference.arrow").to_pylist())
+    assert len(reference) == ROWS + ROWS // 30  # one more row per n = 2 row
+    assert sum(r["finish_reason"] == "error" for r in reference.values()) == 2
+    return dataset, reference
+
+
+# --- the crash harness ------------------------------------------------------------------------------------
+
+# (kind, N) per crash: die after N finished rows, or inside the N-th part write, of that process.
+CRASHES = [
+    (AFTER_ROWS, 12),
+    (IN_FLUSH, 2),
+    (AFTER_ROWS, 25),
+    (IN_FLUSH, 1),
+    (AFTER_ROWS, 9),
+    (IN_FLUSH, 3),
+    (AFTER_ROWS, 31),
+    (IN_FLUSH, 2),
+    (AFTER_ROWS, 18),
+    (IN_FLUSH, 4),
+]
+
+
+@pytest.fixture(scope="module")
+def zygote() -> Iterator[Zygote]:
+    runner = Zygote(ONE_THREAD)
+    yield runner
+    runner.close()
+
+
+def test_killed_at_many_points_resumes_to_the_uninterrupted_output(
+    job: tuple[Path, dict[Key, dict[str, Any]]], model: Path, zygote: Zygote, tmp_path: Path
+) -> None:
+    """Deaths as by SIGKILL at 10 chosen points (crash_points.py), then SIGKILL from here at 2 wall-clock instants,
+    resuming each time. The runs are forked from a zygote (see fork_runner.py): 12 fresh interpreters would spend
+    ~45 s importing torch and transformers. ``python -m batchgen`` itself is killed in the signal tests below."""
+    dataset, reference = job
+    out = tmp_path / "out.arrow"
+    done = [0]
+    for i, crash in enumerate(CRASHES):
+        # The first run starts afresh without --resume; every later one resumes.
+        log = tmp_path / f"crash{i}.log"
+        pid = zygote.start(args(dataset, out, model, *(["--resume"] if i else [])), {}, log, crash)
+        assert zygote.wait(pid) == 137, log.read_text()
+        assert not out.exists()  # the final name only ever holds a complete file
+        # A death inside a part write leaves that part half-written under its temporary name; one between rows
+        # leaves none (the run deleted the one before it when it resumed).
+        torn = [p.stat().st_size for p in PartialOutput(out).inspect().damaged]
+        if crash[0] == IN_FLUSH:
+            assert len(torn) == 1 and torn[0] > 0, torn
+        else:
+            assert torn == [], torn
+        flushed = partial_rows(out)  # readable, and each row is the uninterrupted run's
+        assert_same_rows(flushed, {key: reference[key] for key in flushed})
+        done.append(len(flushed))
+    rng = random.Random(7)
+    for i in range(2):
+        parts = len(PartialOutput(out).inspect().parts)
+        # Two rows at a time (batch sizes may change on resume): slow enough that the run is still going when
+        # the kill comes, a little after its first new part.
+        run_args = args(dataset, out, model, "--resume", "--max-running-requests", "2")
+        pid = zygote.start(run_args, {}, tmp_path / f"kill{i}.log")
+        wait_for_parts(out, parts)
+        time.sleep(rng.uniform(0.0, 0.05))
+        os.kill(pid, signal.SIGKILL)
+        assert zygote.wait(pid) == -signal.SIGKILL
+        flushed = partial_rows(out)
+        assert_same_rows(flushed, {key: reference[key] for key in flushed})
+        done.append(len(flushed))
+    # The kills were spread over the run: each resumed run added rows, and the last one left work to do.
+    assert done == sorted(done) and done[-1] < len(reference), done
+    code, output = run_cli(args(dataset, out, model, "--resume"))
+    assert code == 0, output
+    assert f"batchgen: resuming {out}: " in output
+    assert not partial_dir(out).exists()
+    assert_same_rows(by_key(read_results(out).to_pylist()), reference)
+
+
+# --- stop signals -----------------------------------------------------------------------------------------
+
+# Slow rows (24 tokens, 2 at a time) so that a signal lands mid-run; a part every 2 rows.
+SLOW_FLAGS = ["--max-running-requests", "2", "--flush-every", "2"]
+
+
+@pytest.fixture(scope="module")
+def slow_job(model: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[Key, dict[str, Any]]]:
+    work = tmp_path_factory.mktemp("slow")
+    rows = [{"id": f"s{i}", "prompt_token_ids": [0, 5 + i, 9], "max_new_tokens": 24} for i in range(10)]
+    dataset = write_jsonl(work / "in.jsonl", rows)
+    code, output = run_cli(args(dataset, work / "reference.arrow", model, *SLOW_FLAGS))
+    assert code == 0, output
+    return dataset, by_key(read_results(work / "reference.arrow").to_pylist())
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_stop_signal_flushes_prints_the_resume_command_and_resumes(
+    sig: signal.Signals, slow_job: tuple[Path, dict[Key, dict[str, Any]]], model: Path, tmp_path: Path
+) -> None:
+    dataset, reference = slow_job
+    out = tmp_path / "out.parquet"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "batchgen", *args(dataset, out, model, *SLOW_FLAGS)],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **ONE_THREAD},
+    )
+    wait_for_parts(out, 0, proc)
+    proc.send_signal(sig)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + sig.value, stderr
+    assert f"stopped by {sig.name}" in stderr and "Traceback" not in stderr
+    assert not out.exists()
+    flushed = partial_rows(out)
+    assert 0 < len(flushed) < len(reference)
+    assert_same_rows(flushed, {key: reference[key] for key in flushed})
+    # The printed command is the one typed, with --resume: run it.
+    [hint] = [line for line in stderr.splitlines() if line.startswith("batchgen: to resume: ")]
+    command = shlex.split(hint.removeprefix("batchgen: to resume: "))
+    assert command == ["python", "-m", "batchgen", *args(dataset, out, model, *SLOW_FLAGS), "--resume"]
+    code, output = run_cli(command[3:])
+    assert code == 0, output
+    assert_same_rows(by_key(read_results(out).to_pylist()), reference)
+
+
+def test_stop_message_counts_rows_not_samples(model: Path, zygote: Zygote, tmp_path: Path) -> None:
+    """With n = 3 a row is three requests: the stop message counts the rows that were flushed."""
+    rows = [{"id": f"m{i}", "prompt_token_ids": [0, 5 + i, 9], "max_new_tokens": 24, "n": 3} for i in range(8)]
+    dataset = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.arrow"
+    log = tmp_path / "run.log"
+    pid = zygote.start(args(dataset, out, model, "--max-running-requests", "3", "--flush-every", "1"), {}, log)
+    wait_for_parts(out, 1)
+    os.kill(pid, signal.SIGINT)
+    assert zygote.wait(pid) == 130, log.read_text()
+    flushed_ids = {rid for rid, _ in partial_rows(out)}
+    assert 0 < len(flushed_ids) < len(rows), log.read_text()
+    assert f"the {len(flushed_ids)} rows finished in this run are flushed" in log.read_text()
+
+
+def test_second_sigint_exits_at_once_and_the_run_still_resumes(
+    slow_job: tuple[Path, dict[Key, dict[str, Any]]], model: Path, zygote: Zygote, tmp_path: Path
+) -> None:
+    dataset, reference = slow_job
+    out = tmp_path / "out.jsonl"
+    log = tmp_path / "run.log"
+    pid = zygote.start(args(dataset, out, model, *SLOW_FLAGS), {}, log)
+    wait_for_parts(out, 0)
+    os.kill(pid, signal.SIGINT)
+    time.sleep(0.005)  # two signals at once would be handled as one
+    os.kill(pid, signal.SIGINT)
+    # Whether the second one came during the loop, the flush or the way out, it ends the run with 130.
+    assert zygote.wait(pid) == 130, log.read_text()
+    assert "Traceback" not in log.read_text()
+    code, output = run_cli(args(dataset, out, model, *SLOW_FLAGS, "--resume"))
+    assert code == 0, output
+    assert_same_rows(by_key(read_results(out).to_pylist()), reference)
+
+
+def test_second_signal_handler_exits_with_the_signal_code(
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    from batchgen.job.interrupts import StopRequest
+
+    def exit_now(code: int) -> None:
+        raise SystemExit(code)
+
+    monkeypatch.setattr(os, "_exit", exit_now)
+    request = StopRequest()
+    request.handle(signal.SIGTERM, None)
+    assert request.name == "SIGTERM"  # the first one only asks the loop to stop
+    with pytest.raises(SystemExit) as info:
+        request.handle(signal.SIGINT, None)
+    assert info.value.code == 130
+    assert "batchgen: second SIGINT: stopped at once; rerun with --resume to continue" in capfd.readouterr().err
+
+
+# --- disk full, torn writes, incomplete rows --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_job(model: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[Key, dict[str, Any]]]:
+    """40 rows like the big job's (two with n = 2, a bad row, a duplicate id) and its uninterrupted rows."""
+    work = tmp_path_factory.mktemp("small")
+    dataset = write_jsonl(work / "in.jsonl", job_rows(40))
+    code, output = run_cli(args(dataset, work / "reference.arrow", model))
+    assert code == 0, output
+    return dataset, by_key(read_results(work / "reference.arrow").to_pylist())
+
+
+def fail_part_write(monkeypatch: pytest.MonkeyPatch, at: int) -> None:
+    """Make the ``at``-th part write fail as a full disk does."""
+
+    def disk_full(*_: Any) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(partial_output, "write_part_file", part_write_with_fault(at, disk_full))
+
+
+def status(dataset: Path, out: Path) -> str:
+    code, output = run_cli(["status", str(dataset), str(out)])
+    assert code == 0, output
+    return output
+
+
+@pytest.mark.parametrize("suffix", [".arrow", ".parquet", ".jsonl"])
+def test_disk_full_is_one_line_keeps_the_flushed_rows_and_resumes(
+    suffix: str,
+    small_job: tuple[Path, dict[Key, dict[str, Any]]],
+    model: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    dataset, reference = small_job
+    out = tmp_path / f"out{suffix}"
+    assert status(dataset, out) == f"{out}: not started: 0 of 40 rows done, 40 remaining, 0 errored\n"
+    with monkeypatch.context() as patch:
+        fail_part_write(patch, at=3)
+        code, output = run_cli(args(dataset, out, model))
+    assert code == 2
+    # Besides the warnings about the job's bad rows (--on-error skip), one line.
+    assert [line for line in output.splitlines() if not line.startswith("batchgen: warning: ")] == [
+        f"batchgen: error: {partial_dir(out)}: cannot write part 2: No space left on device; the rows flushed "
+        "before are kept (fix that, then rerun with --resume)"
+    ]
+    assert sorted(p.name[:11] for p in partial_dir(out).iterdir()) == [
+        "lock",
+        "manifest.js",
+        "part-000000",
+        "part-000001",
+    ]
+    flushed = partial_rows(out)
+    assert_same_rows(flushed, {key: reference[key] for key in flushed})
+    done = len({rid for rid, index in flushed if index is not None}) + sum(index is None for _, index in flushed)
+    errored = sum(index is None for _, index in flushed)
+    assert status(dataset, out).startswith(
+        f"{out}: in progress (2 part files in {partial_dir(out)}): {done} of 40 rows done, {40 - done} remaining, "
+        f"{errored} errored"
+    )
+    code, output = run_cli(args(dataset, out, model, "--resume"))
+    assert code == 0, output
+    assert not partial_dir(out).exists()
+    assert_same_rows(by_key(read_results(out).to_pylist()), reference)
+    assert status(dataset, out).startswith(f"{out}: complete: 40 of 40 rows done, 0 remaining, 2 errored\n")
+
+
+def test_progress_bar_counts_bad_rows_and_no_message_shares_its_line(
+    small_job: tuple[Path, dict[Key, dict[str, Any]]], model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from typer.testing import CliRunner
+
+    from batchgen.cli.app import app
+
+    dataset, _ = small_job
+    out = tmp_path / "out.arrow"
+
+    def bug(*_: Any) -> None:
+        raise RuntimeError("a bug")  # not a BatchgenError: the run prints where the finished rows are
+
+    with_progress = [a for a in args(dataset, out, model) if a != "--no-progress"]
+    full = CliRunner().invoke(app, [*with_progress, "--out", str(tmp_path / "full.arrow")])
+    assert full.exit_code == 0, full.output
+    # The job's two bad rows (--on-error skip) are rows of the input too: the bar ends at 40 of 40.
+    assert any(part.startswith("100%") and " 40/40 " in part for part in full.output.split("\r")), full.output
+    monkeypatch.setattr(partial_output, "write_part_file", part_write_with_fault(3, bug))
+    failed = CliRunner().invoke(app, with_progress)
+    assert isinstance(failed.exception, RuntimeError)
+    for output in (full.output, failed.output):
+        # tqdm redraws with \r: what a terminal shows of a line is what follows its last \r.
+        shown = [line.split("\r")[-1] for line in output.split("\n")]
+        assert all(line.startswith("batchgen: ") for line in shown if "batchgen: " in line), shown
+    assert f"batchgen: the rows finished so far are kept in {partial_dir(out)}; rerun with --resume" in failed.output
+
+
+def test_disk_full_while_assembling_the_output_keeps_every_row(
+    small_job: tuple[Path, dict[Key, dict[str, Any]]], model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    dataset, reference = small_job
+    out = tmp_path / "out.parquet"
+
+    def disk_full(*_args: Any) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with monkeypatch.context() as patch:
+        patch.setattr(partial_output, "assemble_output", disk_full)
+        code, output = run_cli(args(dataset, out, model))
+    assert code == 2
+    assert [line for line in output.splitlines() if not line.startswith("batchgen: warning: ")] == [
+        f"batchgen: error: {out}: cannot write the output: No space left on device; every row is kept in "
+        f"{partial_dir(out)} (fix that, then rerun with --resume)"
+    ]
+    assert not out.exists() and len(partial_rows(out)) == len(reference)
+    code, output = run_cli(args(dataset, out, model, "--resume"))
+    assert code == 0, output
+    assert f"batchgen: resuming {out}: 40 rows were done before" in output
+    assert_same_rows(by_key(read_results(out).to_pylist()), reference)
+
+
+def test_torn_parts_and_a_damaged_manifest_are_dropped_on_resume(
+    small_job: tuple[Path, dict[Key, dict[str, Any]]], model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    dataset, reference = small_job
+    out = tmp_path / "out.arrow"
+    with monkeypatch.context() as patch:
+        fail_part_write(patch, at=4)
+        assert run_cli(args(dataset, out, model))[0] == 2
+    state = PartialOutput(out).inspect()
+    latest = state.parts[-1][1]
+    data = latest.read_bytes()
+    kept = len(partial_rows(out)) - pa.ipc.open_file(latest).read_all().num_rows
+    # Truncated at any offset, or with a flipped byte, the part is detected and none of its rows is read.
+    rng = random.Random(3)
+    damaged = [data[:offset] for offset in [0, 1, len(data) - 1, *rng.sample(range(2, len(data) - 1), 12)]]
+    damaged.append(data[: len(data) // 2] + bytes([data[len(data) // 2] ^ 1]) + data[len(data) // 2 + 1 :])
+    for content in damaged:
+        latest.write_bytes(content)
+        assert latest in PartialOutput(out).inspect().damaged
+        assert len(partial_rows(out)) == kept
+    # A crash inside a write leaves a temporary file; a damaged manifest is rebuilt from the parts.
+    (partial_dir(out) / "part-000009.tmp").write_bytes(data[:100])
+    manifest = partial_dir(out) / "manifest.json"
+    manifest.write_bytes(manifest.read_bytes()[:-30])
+    assert "the manifest is damaged" in status(dataset, out)
+    code, output = run_cli(args(dataset, out, model, "--resume"))
+    assert code == 0, output
+    assert "manifest.json is damaged; rebuilt from the part files" in output
+    assert f"{latest}: torn or damaged write, dropped" in output and "part-000009.tmp: torn" in output
+    assert_same_rows(by_key(read_results(out).to_pylist()), reference)
+
+
+def test_a_row_with_missing_samples_is_generated_again(
+    small_job: tuple[Path, dict[Key, dict[str, Any]]], model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Should a part hold only some samples of an n = 2 row, the row is not done: all its samples are generated
+    again, and the stale one is left out of the output."""
+    dataset, reference = small_job
+    out = tmp_path / "out.arrow"
+    with monkeypatch.context() as patch:
+        fail_part_write(patch, at=2)
+        assert run_cli(args(dataset, out, model))[0] == 2
+    assert ("r037", 1) not in partial_rows(out)
+    partial = PartialOutput(out)
+    state = partial.inspect()
+    assert state.schema is not None
+    partial.start(state.schema, state)
+    partial.write_part([{**reference[("r037", 1)], "text": "STALE"}])
+    partial.close()
+    code, output = run_cli(args(dataset, out, model, "--resume"))
+    assert code == 0, output
+    assert_same_rows(by_key(read_results(out).to_pylist()), reference)
+
+
+# --- what a resume accepts --------------------------------------------------------------------------------
+
+
+def test_resume_refuses_another_job_in_one_line_unless_forced(
+    small_job: tuple[Path, dict[Key, dict[str, Any]]],
+    model: Path,
+    random_models: dict[str, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    dataset, reference = small_job
+    copy = write_jsonl(tmp_path / "in.jsonl", [json.loads(line) for line in dataset.read_text().splitlines()])
+    out = tmp_path / "out.arrow"
+    with monkeypatch.context() as patch:
+        fail_part_write(patch, at=2)
+        assert run_cli(args(copy, out, model))[0] == 2
+    where = f"batchgen: error: {partial_dir(out)}: cannot resume: this run differs from the interrupted one:"
+    force = "(pass --resume-force to resume anyway, or --overwrite to start over)"
+    other = random_models["qwen2"]
+    cases = [
+        (args(copy, out, model, "--resume", "--max-new-tokens", "7"), "max_new_tokens 128 → 7"),
+        (args(copy, out, other, "--resume"), f"model {str(model)!r} → {str(other)!r}"),
+        (
+            args(copy, out, model, "--resume", "--temperature", "0.5", "--seed", "3"),
+            "temperature 0.0 → 0.5; seed not given → 3",
+        ),
+    ]
+    for run_args, difference in cases:
+        code, output = run_cli(run_args)
+        assert code == 2 and output.splitlines() == [f"{where} {difference} {force}"]
+    with copy.open("a") as f:
+        f.write(json.dumps({"id": "new", "prompt_token_ids": [0, 5]}) + "\n")
+    code, output = run_cli(args(copy, out, model, "--resume"))
+    assert code == 2 and "dataset size" in output
+    copy.write_text(dataset.read_text())  # the same content again, but not the same file
+    code, output = run_cli(args(copy, out, model, "--resume"))
+    assert code == 2 and "dataset modification time" in output
+    code, output = run_cli(args(copy, out, model, "--resume-force", "--max-new-tokens", "7"))
+    assert code == 0, output
+    assert "warning" in output and "resuming despite" in output and "max_new_tokens" in output
+    assert_same_rows(by_key(read_results(out).to_pylist()), reference)  # every row sets its own max_new_tokens
+
+
+def test_resume_names_the_pass_through_columns_that_changed(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rows = [{"id": f"r{i}", "prompt_token_ids": [0, 5 + i], "max_new_tokens": 2, "topic": "t"} for i in range(12)]
+    dataset = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.arrow"
+    with monkeypatch.context() as patch:
+        fail_part_write(patch, at=2)
+        assert run_cli(args(dataset, out, model, *SLOW_FLAGS))[0] == 2
+    write_jsonl(dataset, [{**{k: v for k, v in r.items() if k != "topic"}, "subject": 1} for r in rows])
+    code, output = run_cli(args(dataset, out, model, "--resume-force"))
+    assert code == 2
+    assert output == (
+        f"batchgen: error: {partial_dir(out)}: cannot resume: the output columns differ from the interrupted run's "
+        "(the interrupted run has topic; this run has subject: the dataset's fields changed, or another batchgen "
+        "version passes them through differently); pass --overwrite to start over\n"
+    )
+
+
+def test_resume_refuses_other_kernel_switches_as_it_refuses_another_dtype(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A kernel switch can move a result's last bits as the dtype can: the output records the switches, and a
+    resume under other ones is refused in the same one line, naming the variable."""
+    rows = [{"id": f"r{i}", "prompt_token_ids": [0, 5 + i], "max_new_tokens": 2} for i in range(12)]
+    dataset = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.arrow"
+    with monkeypatch.context() as patch:
+        fail_part_write(patch, at=2)
+        assert run_cli(args(dataset, out, model, *SLOW_FLAGS))[0] == 2
+    where = f"batchgen: error: {partial_dir(out)}: cannot resume: this run differs from the interrupted one:"
+    force = "(pass --resume-force to resume anyway, or --overwrite to start over)"
+    code, output = run_cli([*args(dataset, out, model, "--resume"), "--dtype", "bfloat16"])
+    assert (code, output.splitlines()) == (2, [f"{where} dtype 'float32' → 'bfloat16' {force}"])
+    monkeypatch.setenv("BATCHGEN_CPU_PREPACK", "off")
+    code, output = run_cli(args(dataset, out, model, "--resume"))
+    assert (code, output.splitlines()) == (2, [f"{where} BATCHGEN_CPU_PREPACK True → False {force}"])
+    monkeypatch.delenv("BATCHGEN_CPU_PREPACK")
+    code, output = run_cli(args(dataset, out, model, "--resume"))
+    assert code == 0, output
+    assert sorted(row["id"] for row in read_results(out).to_pylist()) == sorted(row["id"] for row in rows)
+
+
+def test_status_of_an_output_from_another_dataset_says_so(
+    small_job: tuple[Path, dict[Key, dict[str, Any]]], model: Path, tmp_path: Path
+) -> None:
+    dataset, _ = small_job
+    out = tmp_path / "out.arrow"
+    assert run_cli(args(dataset, out, model))[0] == 0
+    other = write_jsonl(tmp_path / "other.jsonl", [{"id": f"z{i}", "prompt_token_ids": [0, 5]} for i in range(3)])
+    lines = status(other, out).splitlines()
+    assert lines[0] == f"{out}: complete: 40 rows done, more than the 3 of {other}, 0 remaining, 2 errored"
+    assert lines[-1].startswith(f"{out}: note: {out} was made from another version of {other}, or from another file")
+    assert lines[-1].endswith(f"the rows counted as done are its own, not matched against {other}'s")
+
+
+def test_overwrite_and_a_finished_job(
+    small_job: tuple[Path, dict[Key, dict[str, Any]]], model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    dataset, reference = small_job
+    out = tmp_path / "out.jsonl"
+    assert run_cli(args(dataset, out, model))[0] == 0
+    before = out.read_bytes()
+    # Finished: --resume does nothing (the model is not even loaded) and says so.
+    start = time.monotonic()
+    code, output = run_cli(args(dataset, out, model, "--resume"))
+    assert (code, output) == (0, f"batchgen: {out} is already complete; nothing to do\n")
+    assert time.monotonic() - start < 5 and out.read_bytes() == before
+    code, output = run_cli(args(dataset, out, model))
+    assert code == 2 and output == f"batchgen: error: {out}: output file exists; pass --overwrite to replace it\n"
+    code, output = run_cli(args(dataset, out, model, "--overwrite", "--resume"))
+    assert code == 2 and "--overwrite and --resume exclude each other" in output
+    # A crash between putting OUT in place and removing OUT.partial/ leaves both: OUT is the complete one.
+    partial_dir(out).mkdir()
+    (partial_dir(out) / "manifest.json").write_text("{}")
+    code, output = run_cli(args(dataset, out, model, "--resume"))
+    assert code == 0 and "already complete" in output and not partial_dir(out).exists()
+    # --overwrite on an interrupted run starts over; a partial output is never silently reused or replaced.
+    out.unlink()
+    with monkeypatch.context() as patch:
+        fail_part_write(patch, at=2)
+        assert run_cli(args(dataset, out, model))[0] == 2
+    code, output = run_cli(args(dataset, out, model))
+    assert code == 2 and "an interrupted run's partial output is there; pass --resume to continue it" in output
+    # One run at a time: the partial output is locked while a run writes it.
+    with (partial_dir(out) / "lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        code, output = run_cli(args(dataset, out, model, "--resume"))
+    assert code == 2 and output.endswith(f"{partial_dir(out)}: another batchgen run is writing this output\n")
+    code, output = run_cli(args(dataset, out, model, "--resume", "--flush-every", "0"))
+    assert (code, output) == (2, "batchgen: error: --flush-every must be >= 1, got 0\n")
+    code, output = run_cli(args(dataset, out, model, "--overwrite"))
+    assert code == 0, output
+    assert not partial_dir(out).exists()
+    assert_same_rows(by_key(read_results(out).to_pylist()), reference)
+
+
+# --- the pieces -------------------------------------------------------------------------------------------
+
+
+def test_dataset_fingerprint_names_what_changed(tmp_path: Path) -> None:
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b"x" * (3 << 20))
+    before = fingerprint_dataset(path)
+    assert before.differences(fingerprint_dataset(path)) == []
+    assert DatasetFingerprint.from_json(before.to_json()) == before
+    path.write_bytes(b"x" * (3 << 20) + b"\n")
+    assert before.differences(fingerprint_dataset(path)) == [f"dataset size {3 << 20} → {(3 << 20) + 1} bytes"]
+    path.write_bytes(b"x" * ((3 << 20) - 1) + b"y")  # the last byte: in the hashed last MiB
+    assert before.differences(fingerprint_dataset(path)) == ["dataset content (its first or last MiB)"]
+    path.write_bytes(b"x" * (3 << 20))
+    assert before.differences(fingerprint_dataset(path))[0].startswith("dataset modification time")
+    with pytest.raises(ValueError, match="not a dataset fingerprint"):
+        DatasetFingerprint.from_json("{}")
+
+
+def test_manifest_round_trip_and_checksum() -> None:
+    schema = pa.schema([("id", pa.string())], metadata={"batchgen.model": "m"})
+    data = encode_manifest(schema)
+    assert decode_manifest(data).equals(schema, check_metadata=True)
+    assert json.loads(data)["metadata"] == {"batchgen.model": "m"}  # readable by a person too
+    tampered = data.replace(b'"batchgen.model": "m"', b'"batchgen.model": "n"')
+    for bad in (tampered, data[:-5], b"", b"[]"):
+        with pytest.raises(ValueError, match="not a manifest|checksum"):
+            decode_manifest(bad)
+
+
+@pytest.mark.parametrize("suffix", [".arrow", ".parquet"])
+def test_resume_adds_the_rows_a_finished_output_lacks(suffix: str, model: Path, tmp_path: Path) -> None:
+    """--on-error fail leaves a bad row out of a finished output; after the row is fixed, --resume generates exactly
+    that row and keeps the others as they were (found by a new user: only --overwrite, which runs every row again,
+    helped)."""
+    rows: list[dict[str, Any]] = [{"id": f"r{i}", "prompt_token_ids": [0, 5 + i]} for i in range(4)]
+    rows[2]["temperature"] = "x"
+    dataset = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / f"out{suffix}"
+    run = ["run", str(dataset), "--out", str(out), "--model", str(model), *COMMON, "--max-new-tokens", "3"]
+    code, output = run_cli([*run, "--ignore-eos"])
+    assert code == 2 and "batchgen: error: 1 bad input row left out" in output, output
+    before = {row["id"]: row for row in read_results(out).to_pylist()}
+    assert sorted(before) == ["r0", "r1", "r3"]
+    assert output_status(dataset, out)[0] == (
+        f"{out}: complete: 3 of 4 rows done, 1 remaining, 0 errored (bad rows that --on-error fail left out, or rows "
+        "added since; --resume adds them to an .arrow or .parquet output once they are fixed)"
+    )
+    rows[2]["temperature"] = 0
+    write_jsonl(dataset, rows)
+    code, output = run_cli([*run, "--ignore-eos", "--resume"])
+    assert code == 0, output
+    lines = output.splitlines()
+    assert lines[0] == f"batchgen: resuming {out}: 3 rows were done before"
+    # One new generation: the fixed row's 2 prompt and 3 output tokens.
+    assert lines[1].startswith("batchgen: 1 row done, 0 bad rows, 2 prompt + 3 output tokens in "), output
+    after = {row["id"]: row for row in read_results(out).to_pylist()}
+    assert sorted(after) == ["r0", "r1", "r2", "r3"] and len(read_results(out)) == 4
+    assert {rid: after[rid] for rid in before} == before
+    assert after["r2"]["completion_tokens"] == 3 and after["r2"]["finish_reason"] == "length"
+    # Greedy: the same tokens as a run of the fixed row alone.
+    alone = tmp_path / "alone.arrow"
+    alone_dataset = write_jsonl(tmp_path / "alone.jsonl", [rows[2]])
+    code, output = run_cli(["run", str(alone_dataset), "--out", str(alone), *run[4:], "--ignore-eos"])
+    assert code == 0, output
+    assert read_results(alone).to_pylist()[0]["output_token_ids"] == after["r2"]["output_token_ids"]
+    assert output_status(dataset, out)[0].startswith(f"{out}: complete: 4 of 4 rows done, 0 remaining")
+
+
+def test_resume_of_a_finished_output_names_the_rows_whose_input_changed(model: Path, tmp_path: Path) -> None:
+    """--resume adds rows to a finished output only when the rows it holds still match the dataset; rows whose input
+    changed are named and refused (generating them again would discard their results); --resume-force keeps them."""
+    rows: list[dict[str, Any]] = [{"id": f"r{i}", "prompt_token_ids": [0, 5 + i]} for i in range(5)]
+    dataset = write_jsonl(tmp_path / "in.jsonl", rows[:4])
+    out = tmp_path / "out.arrow"
+    run = ["run", str(dataset), "--out", str(out), "--model", str(model), *COMMON, "--max-new-tokens", "2"]
+    assert run_cli(run)[0] == 0
+    before = out.read_bytes()
+    kept = {row["id"]: row for row in read_results(out).to_pylist()}
+    rows[0]["prompt_token_ids"] = [0, 9, 9]
+    rows[3]["max_new_tokens"] = 1
+    write_jsonl(dataset, rows[:1] + rows[2:])  # r1 left, r0 and r3 changed, r4 added
+    code, output = run_cli([*run, "--resume"])
+    assert code == 2, output
+    assert output == (
+        f"batchgen: error: cannot resume: the input of 3 rows of {out} changed in {dataset} or left it since it was "
+        "made ('r0', 'r3', 'r1'); --resume does not generate them again, which would discard their results: pass "
+        "--resume-force to keep them as they are and add any missing rows, or --overwrite to run the whole dataset "
+        "again\n"
+    )
+    assert out.read_bytes() == before and not partial_dir(out).exists()
+    code, output = run_cli([*run, "--resume-force"])
+    assert code == 0, output
+    assert output.startswith(
+        f"batchgen: warning: the input of 3 rows of {out} changed in {dataset} or left it since it was made ('r0', "
+        "'r3', 'r1'); --resume-force keeps their results\n"
+    )
+    after = {row["id"]: row for row in read_results(out).to_pylist()}
+    assert sorted(after) == ["r0", "r1", "r2", "r3", "r4"]
+    assert {rid: after[rid] for rid in kept} == kept
+    assert not partial_dir(out).exists()
+
+
+def test_resume_of_a_finished_output_with_all_rows_checks_the_dataset(model: Path, tmp_path: Path) -> None:
+    """All rows there, but the dataset changed since: the changed row is named, and --resume-force keeps the output
+    as it is; a dataset only rewritten (other spacing) is still the output's. An output that records no input digests
+    (an older batchgen's) is checked by the dataset file's fingerprint alone."""
+    rows = [{"id": "a", "prompt_token_ids": [0, 5]}, {"id": "b", "prompt_token_ids": [0, 6]}]
+    dataset = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.arrow"
+    flags = ["--max-new-tokens", "2", "--on-error", "fail"]
+    run = ["run", str(dataset), "--out", str(out), "--model", str(model), *COMMON, *flags]
+    code, output = run_cli(run)
+    assert code == 0, output
+    dataset.write_text("".join(json.dumps(row, indent=None, separators=(" ,", " : ")) + "\n" for row in rows))
+    assert run_cli([*run, "--resume"]) == (0, f"batchgen: {out} is already complete; nothing to do\n")
+    rows[0]["prompt_token_ids"] = [0, 7, 8]
+    write_jsonl(dataset, rows)
+    code, output = run_cli([*run, "--resume"])
+    assert code == 2
+    assert (
+        f"cannot resume: the input of 1 row of {out} changed in {dataset} or left it since it was made ('a');" in output
+    )
+    code, output = run_cli([*run, "--resume-force"])
+    assert code == 0 and "--resume-force keeps their results" in output and "already complete" in output
+    # Without digests (the key removed from the file's metadata), as before they were recorded:
+    table = read_results(out)
+    metadata = {k: v for k, v in (table.schema.metadata or {}).items() if k != b"batchgen.input_digests"}
+    with pa.ipc.new_file(out, table.schema.with_metadata(metadata)) as writer:
+        writer.write_table(table)
+    code, output = run_cli([*run, "--resume"])
+    assert code == 2 and f"{out} is a finished output made from {dataset} before it changed (" in output
+    assert "pass --resume-force to keep it as it is, or --overwrite" in output
+    code, output = run_cli([*run, "--resume-force"])
+    assert code == 0 and "--resume-force keeps it" in output and "already complete" in output
+
+
+def test_resume_of_an_output_without_input_digests_needs_force_to_add_rows(model: Path, tmp_path: Path) -> None:
+    """An output that records no input digests (an older batchgen's) cannot have its rows checked: --resume says so,
+    and --resume-force keeps its rows and adds the missing one."""
+    rows = [{"id": "a", "prompt_token_ids": [0, 5]}, {"id": "b", "prompt_token_ids": [0, 6], "temperature": "x"}]
+    dataset = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.arrow"
+    run = ["run", str(dataset), "--out", str(out), "--model", str(model), *COMMON, "--max-new-tokens", "2"]
+    assert run_cli(run)[0] == 2
+    table = read_results(out)
+    metadata = {k: v for k, v in (table.schema.metadata or {}).items() if k != b"batchgen.input_digests"}
+    with pa.ipc.new_file(out, table.schema.with_metadata(metadata)) as writer:
+        writer.write_table(table)
+    rows[1]["temperature"] = 0
+    write_jsonl(dataset, rows)
+    code, output = run_cli([*run, "--resume"])
+    assert (code, output) == (
+        2,
+        f"batchgen: error: {out} holds 1 of the 2 rows of {dataset} and records no digests of its input rows (an "
+        "older batchgen made it), so they cannot be checked: pass --resume-force to keep them and add the missing "
+        "rows, or --overwrite to run the whole dataset again\n",
+    )
+    code, output = run_cli([*run, "--resume-force"])
+    assert code == 0, output
+    after = {row["id"]: row for row in read_results(out).to_pylist()}
+    assert sorted(after) == ["a", "b"] and after["a"] == table.to_pylist()[0]
+
+
+def test_resume_of_a_finished_jsonl_output_that_lacks_rows_says_why_not(model: Path, tmp_path: Path) -> None:
+    """JSON Lines holds no metadata: no model, seed or input digests to check a resumed run against."""
+    rows = [{"id": "a", "prompt_token_ids": [0, 5]}, {"id": "b", "prompt_token_ids": [0, 6], "temperature": "x"}]
+    dataset = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.jsonl"
+    run = ["run", str(dataset), "--out", str(out), "--model", str(model), *COMMON, "--max-new-tokens", "2"]
+    assert run_cli(run)[0] == 2
+    before = out.read_bytes()
+    rows[1]["temperature"] = 0
+    write_jsonl(dataset, rows)
+    for resume in ("--resume", "--resume-force"):
+        code, output = run_cli([*run, resume])
+        assert (code, output) == (
+            2,
+            f"batchgen: error: {out}: a finished JSON Lines output records nothing of the run that made it (model, "
+            "seed, inputs), so --resume cannot add the rows it lacks; pass --overwrite to run the whole dataset "
+            "again (.arrow and .parquet outputs can be resumed)\n",
+        )
+        assert out.read_bytes() == before
+
+
+def test_status_of_a_jsonl_output_says_it_cannot_check_the_dataset(tmp_path: Path) -> None:
+    """A finished JSONL output holds no run metadata, so status cannot tell which dataset made it: it says so
+    instead of reporting "complete" for another file's output without comment (found by a new user)."""
+    dataset = tmp_path / "in.jsonl"
+    dataset.write_text("".join(json.dumps({"prompt": f"p{i}"}) + "\n" for i in range(3)))
+    out = tmp_path / "out.jsonl"
+    out.write_text(json.dumps({"id": "0", "sample_index": 0, "finish_reason": "length"}) + "\n")
+    lines = output_status(dataset, out)
+    assert lines[0].startswith(f"{out}: complete: 1 of 3 rows done, 2 remaining, 0 errored")
+    note = "records no dataset fingerprint (JSONL has no metadata): it may come from another file"
+    assert lines[1] == f"{out}: note: {out} {note}"

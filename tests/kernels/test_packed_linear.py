@@ -1,0 +1,177 @@
+"""oneDNN-prepacked linear layers on the CPU: bit-identical to ``F.linear`` where oneDNN has bfloat16 kernels; as
+float32 GEMMs elsewhere, where each output is the exact product rounded once to the model's dtype (up to the
+order of the float32 sums), and the engine stays within bfloat16 rounding noise of HF's float32 run."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from batchgen.environment import kernel_switches
+from batchgen.models import source
+from batchgen.models.packed_linear import PackedLinear, cpu_gemm_dtype, prepack_linears
+from tests.helpers.cli import generate, write_jsonl
+from tests.helpers.models import build_random_model
+from tests.helpers.reference import assert_within_rounding_noise, deviation, greedy_rows, hf_float32_rows
+
+CPU = torch.device("cpu")
+NATIVE_BF16 = cpu_gemm_dtype(torch.bfloat16, CPU) == torch.bfloat16
+needs_native_bf16 = pytest.mark.skipif(
+    not NATIVE_BF16,
+    reason="this CPU's oneDNN has no bfloat16 kernels (torch.ops.mkldnn._is_mkldnn_bf16_supported() is False)",
+)
+SHAPES = [(1, 64, 48), (5, 576, 192), (64, 576, 3072), (300, 1536, 576)]
+
+
+def _cpu_flags() -> set[str]:
+    info = Path("/proc/cpuinfo")
+    lines = info.read_text().splitlines() if info.exists() else []
+    return next((set(line.split(":", 1)[1].split()) for line in lines if line.startswith("flags")), set())
+
+
+def test_gemm_dtype_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """float32 models, other devices and the switch keep ``F.linear``; bfloat16 packs as itself on a CPU with
+    AVX512-BF16 and as float32 on one with no AVX-512 at all (oneDNN's bfloat16 kernels need one or the other)."""
+    assert cpu_gemm_dtype(torch.float32, CPU) is None
+    assert cpu_gemm_dtype(torch.bfloat16, torch.device("cuda")) is None
+    flags = _cpu_flags()
+    if "avx512_bf16" in flags:
+        assert cpu_gemm_dtype(torch.bfloat16, CPU) == torch.bfloat16
+    elif flags and not any(f.startswith("avx512") for f in flags) and "avx_ne_convert" not in flags:
+        assert cpu_gemm_dtype(torch.bfloat16, CPU) == torch.float32
+        assert cpu_gemm_dtype(torch.float16, CPU) == torch.float32
+    monkeypatch.setenv("BATCHGEN_CPU_PREPACK", "0")
+    assert cpu_gemm_dtype(torch.bfloat16, CPU, kernel_switches().cpu_prepack) is None
+
+
+@needs_native_bf16
+@pytest.mark.parametrize(("rows", "in_features", "out_features"), SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_is_bit_identical_to_f_linear(rows: int, in_features: int, out_features: int, bias: bool) -> None:
+    gen = torch.Generator().manual_seed(rows + in_features)
+    weight = torch.randn(out_features, in_features, generator=gen).bfloat16()
+    b = torch.randn(out_features, generator=gen).bfloat16() if bias else None
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    packed = PackedLinear(weight, b)
+    assert torch.equal(packed(x), F.linear(x, weight, b))
+    assert torch.equal(packed(x[:1]), F.linear(x[:1], weight, b))  # one packing serves every row count
+
+
+def _one_step_of(reference: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The spacing of ``dtype``'s numbers at each float64 value: 2^(exponent) times its epsilon."""
+    magnitude = reference.abs().clamp_min(torch.finfo(dtype).tiny)
+    return torch.exp2(torch.floor(torch.log2(magnitude))) * torch.finfo(dtype).eps
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("rows", "in_features", "out_features"), SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_float32_gemms_round_the_exact_product_once(
+    dtype: torch.dtype, rows: int, in_features: int, out_features: int, bias: bool
+) -> None:
+    """A bfloat16/float16 layer packed as float32 returns the float64 product of its inputs rounded to the dtype:
+    exactly for almost every element, and otherwise within one step of the dtype plus float32 summation's own
+    error bound (``K u Σ|x_i w_i|``, u = 2^-24, Higham's "Accuracy and Stability of Numerical Algorithms" §3.1),
+    which matters only where the sum cancels to near 0; in the layer's dtype, for any row count."""
+    gen = torch.Generator().manual_seed(rows + in_features + out_features)
+    weight = (torch.randn(out_features, in_features, generator=gen) / in_features**0.5).to(dtype)
+    b = torch.randn(out_features, generator=gen).to(dtype) if bias else None
+    x = torch.randn(rows, in_features, generator=gen).to(dtype)
+    exact = F.linear(x.double(), weight.double(), None if b is None else b.double())
+    magnitudes = F.linear(x.double().abs(), weight.double().abs(), None if b is None else b.double().abs())
+    summation = (in_features + 1) * 2.0**-24 * magnitudes
+    packed = PackedLinear(weight, b, torch.float32)
+    for got, want, bound in ((packed(x), exact, summation), (packed(x[:1]), exact[:1], summation[:1])):
+        assert got.dtype == dtype and got.shape == want.shape
+        off = (got.double() - want.to(dtype).double()).abs()
+        assert (off <= _one_step_of(want, dtype) + bound).all()
+        assert (off == 0).double().mean() >= 0.99
+
+
+@pytest.mark.parametrize("gemm_dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_native_bf16)])
+def test_prepack_replaces_every_linear(gemm_dtype: torch.dtype) -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Linear(16, 4)))
+    model = model.bfloat16()
+    x = torch.randn(3, 8).bfloat16()
+    want = model(x)
+    assert prepack_linears(model, gemm_dtype) == 2
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert all(m.gemm_dtype == gemm_dtype for m in model.modules() if isinstance(m, PackedLinear))
+    got = model(x)
+    if gemm_dtype == torch.bfloat16:
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, rtol=2**-7, atol=2**-7)
+
+
+@needs_native_bf16
+def test_engine_outputs_equal_with_and_without_prepacking(
+    random_models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bfloat16 runs (untied, tied output projection, q/k/v biases; greedy and sampled rows, top logprobs) give
+    the same tokens and bit-identical logprobs with packed weights as with ``F.linear``."""
+    tied = build_random_model(tmp_path / "tied", "llama", tie_word_embeddings=True)
+    rng = random.Random(3)
+    rows = [
+        {
+            "id": str(i),
+            "prompt_token_ids": [0] + [rng.randrange(2, 300) for _ in range(rng.randrange(1, 40))],
+            "max_new_tokens": 8,
+            "temperature": 0 if i % 2 else 0.8,
+            "seed": i,
+            "top_logprobs": 3,
+        }
+        for i in range(6)
+    ]
+    dataset = write_jsonl(tmp_path / "in.jsonl", rows)
+    for name, model in (("llama", random_models["llama"]), ("qwen2", random_models["qwen2"]), ("tied", tied)):
+        packed = generate(dataset, tmp_path / f"{name}_packed.jsonl", model, "--dtype", "bfloat16")
+        monkeypatch.setenv("BATCHGEN_CPU_PREPACK", "0")
+        plain = generate(dataset, tmp_path / f"{name}_plain.jsonl", model, "--dtype", "bfloat16")
+        monkeypatch.delenv("BATCHGEN_CPU_PREPACK")
+        for rid, want in plain.items():
+            got = packed[rid]
+            assert got["output_token_ids"] == want["output_token_ids"], (name, rid)
+            assert got["output_logprobs"] == want["output_logprobs"], (name, rid)
+            assert got["top_logprobs"] == want["top_logprobs"], (name, rid)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_float32_gemm_engine_within_rounding_noise_of_hf_float32(
+    dtype: str, tied: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A half-precision model whose linear layers (the tied output projection too) run as float32 GEMMs, forced on
+    any CPU, deviates from HF's float32 greedy run no more than the same model on PyTorch's own half-precision
+    ``F.linear`` does (``assert_within_rounding_noise``)."""
+    model_dir = build_random_model(
+        tmp_path / "m", "llama", hidden_size=256, intermediate_size=512, tie_word_embeddings=tied
+    )
+    rows = greedy_rows((5, 30, 64, 100), 12, seed=4)
+    dataset = write_jsonl(tmp_path / "p.jsonl", rows)
+    reference = hf_float32_rows(model_dir, rows, 12)
+    monkeypatch.setenv("BATCHGEN_CPU_PREPACK", "0")
+    noise = deviation(reference, generate(dataset, tmp_path / "plain.arrow", model_dir, "--dtype", dtype))
+    monkeypatch.delenv("BATCHGEN_CPU_PREPACK")
+    monkeypatch.setattr(source, "cpu_gemm_dtype", lambda d, device, prepack: torch.float32)
+    packed = deviation(reference, generate(dataset, tmp_path / "packed.arrow", model_dir, "--dtype", dtype))
+    assert_within_rounding_noise(packed, noise, f"{dtype} through float32 GEMMs")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_cpu_models_load_packed(
+    dtype: torch.dtype, random_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def packed_layers() -> list[PackedLinear]:
+        model = source.ModelSource.open(str(random_models["llama"])).load(dtype, CPU, 64, kernel_switches())
+        return [m for m in model.modules() if isinstance(m, PackedLinear)]
+
+    layers = packed_layers()
+    assert len(layers) == 2 * 4 + 1  # qkv, o, gate_up and down in each of 2 layers; the output projection
+    assert {layer.gemm_dtype for layer in layers} == {cpu_gemm_dtype(dtype, CPU)}
+    monkeypatch.setenv("BATCHGEN_CPU_PREPACK", "0")
+    assert packed_layers() == []
