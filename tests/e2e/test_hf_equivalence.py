@@ -3,76 +3,14 @@ with chunked prefill, a KV pool small enough to force preemption, and one reques
 
 from __future__ import annotations
 
-import random
 import re
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from tests.helpers.cli import generate, run_args, write_jsonl
-
-MAX_NEW = 10
-
-
-def _prompts(vocab: int) -> list[dict[str, Any]]:
-    rng = random.Random(7)
-    rows: list[dict[str, Any]] = []
-    lengths = [1, 2, 3, 5, 8, 15, 16, 17, 24, 31, 32, 33, 40, 47, 55, 63]
-    for i, n in enumerate(lengths):
-        ids = [0] + [rng.randrange(2, vocab) for _ in range(n - 1)]
-        rows.append(
-            {"id": f"p{i}", "prompt_token_ids": ids, "max_new_tokens": MAX_NEW, "temperature": 0, "top_logprobs": 3}
-        )
-    rows.append({"id": "text", "prompt": "Once upon a time there was", "max_new_tokens": MAX_NEW, "temperature": 0})
-    return rows
-
-
-def _hf_reference(model_dir: Path, prompt_ids: list[int]) -> tuple[list[int], list[torch.Tensor]]:
-    model = _hf_model(model_dir)
-    out = model.generate(
-        torch.tensor([prompt_ids]),
-        max_new_tokens=MAX_NEW,
-        do_sample=False,
-        output_logits=True,
-        return_dict_in_generate=True,
-        attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-    )
-    new_ids = out.sequences[0, len(prompt_ids) :].tolist()
-    logprobs = [torch.log_softmax(step[0].float(), dim=-1) for step in out.logits]
-    return new_ids, logprobs
-
-
-_HF_CACHE: dict[Path, Any] = {}
-
-
-def _hf_model(model_dir: Path) -> Any:
-    if model_dir not in _HF_CACHE:
-        _HF_CACHE[model_dir] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    return _HF_CACHE[model_dir]
-
-
-def _check_against_hf(model_dir: Path, rows: list[dict[str, Any]], results: dict[str, dict[str, Any]]) -> None:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    for row in rows:
-        prompt_ids = row.get("prompt_token_ids") or tokenizer(row["prompt"])["input_ids"]
-        ref_ids, ref_logprobs = _hf_reference(model_dir, prompt_ids)
-        got = results[row["id"]]
-        for step, lp in enumerate(ref_logprobs[: len(ref_ids)]):
-            top2 = lp.topk(2).values
-            assert top2[0] - top2[1] > 1e-4, f"{row['id']} step {step}: reference near-tie, pick another input"
-        assert got["output_token_ids"] == ref_ids, row["id"]
-        for step, token in enumerate(ref_ids):
-            assert abs(got["output_logprobs"][step] - ref_logprobs[step][token].item()) < 1e-4, (row["id"], step)
-        if row.get("top_logprobs"):
-            for step, top in enumerate(got["top_logprobs"]):
-                values, ids = ref_logprobs[step].topk(3)
-                assert [t["id"] for t in top] == ids.tolist(), (row["id"], step)
-                assert torch.allclose(torch.tensor([t["logprob"] for t in top]), values, atol=1e-4)
+from tests.helpers.hf_greedy import check_against_hf, greedy_prompts
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
@@ -80,7 +18,7 @@ def test_greedy_equals_hf_with_chunking_and_preemption(
     arch: str, random_models: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     model_dir = random_models[arch]
-    rows = _prompts(vocab=300)
+    rows = greedy_prompts(vocab=300)
     dataset = write_jsonl(tmp_path / "prompts.jsonl", rows)
     from tests.helpers.cli import run_cli
 
@@ -107,9 +45,9 @@ def test_greedy_equals_hf_with_chunking_and_preemption(
     assert preemptions > 0, "the KV pool was meant to be small enough to force preemption"
     from tests.helpers.cli import read_rows
 
-    _check_against_hf(model_dir, rows, read_rows(tmp_path / "a.arrow"))
+    check_against_hf(model_dir, rows, read_rows(tmp_path / "a.arrow"))
     one_at_a_time = generate(dataset, tmp_path / "b.arrow", model_dir, "--max-running-requests", "1")
-    _check_against_hf(model_dir, rows, one_at_a_time)
+    check_against_hf(model_dir, rows, one_at_a_time)
 
 
 def test_seeded_sampling_is_independent_of_batching_and_preemption(
@@ -160,9 +98,9 @@ def test_llama_variants_equal_hf(overrides: dict[str, Any], tmp_path: Path) -> N
     from tests.helpers.models import build_random_model
 
     model_dir = build_random_model(tmp_path / "model", "llama", seed=1, **overrides)
-    rows = _prompts(vocab=300)[::3]
+    rows = greedy_prompts(vocab=300)[::3]
     dataset = write_jsonl(tmp_path / "prompts.jsonl", rows)
-    _check_against_hf(
+    check_against_hf(
         model_dir, rows, generate(dataset, tmp_path / "out.arrow", model_dir, "--chunked-prefill-size", "16")
     )
 

@@ -24,7 +24,6 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_flashinfer_backend import ROUNDS, PagedScene, compare_backends
 
 from batchgen.kernels.attention.flashinfer_backend import FlashInferAttnBackend
 from batchgen.kernels.attention.torch_native import TorchNativeAttnBackend
@@ -33,6 +32,7 @@ from batchgen.models.source import FUSED_OPS_SWITCH
 from tests.helpers.cli import read_rows, run_args, run_cli, write_jsonl
 from tests.helpers.engine import FIRST_TOKENS_PROMPT, assert_first_two_tokens_follow_top5, sample_first_tokens
 from tests.helpers.models import build_random_model, perturbed_copy
+from tests.helpers.paged_scene import ROUNDS, PagedScene, compare_backends
 from tests.helpers.reference import assert_within, assert_within_rounding_noise, deviation
 
 pytestmark = [

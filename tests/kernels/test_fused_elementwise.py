@@ -25,8 +25,6 @@ from tests.helpers.triton import use_triton_interpreter
 
 use_triton_interpreter()
 
-from test_hf_equivalence import _check_against_hf, _prompts  # noqa: E402
-
 from batchgen.environment import kernel_switches  # noqa: E402
 from batchgen.errors import BatchgenError  # noqa: E402
 from batchgen.kernels.triton.fused_elementwise import rms_norm, rotary_embedding, silu_and_mul  # noqa: E402
@@ -34,6 +32,7 @@ from batchgen.models.llama import RMSNorm  # noqa: E402
 from batchgen.models.rotary import RotaryEmbedding  # noqa: E402
 from batchgen.models.source import FUSED_OPS_SWITCH, ModelSource, triton_fused_ops_requested  # noqa: E402
 from tests.helpers.cli import generate, write_jsonl  # noqa: E402
+from tests.helpers.hf_greedy import check_against_hf, greedy_prompts  # noqa: E402
 from tests.helpers.reference import assert_within, assert_within_rounding_noise, deviation  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -139,10 +138,10 @@ def test_models_with_fused_ops_equal_hf(
     """``BATCHGEN_TRITON_FUSED_OPS=1``: greedy tokens and logprobs equal HF transformers in float32 with chunked
     prefill (qwen3: q/k norms stay in torch beside the fused kernels)."""
     monkeypatch.setenv(FUSED_OPS_SWITCH, "1")
-    rows = _prompts(vocab=300)[::2]
+    rows = greedy_prompts(vocab=300)[::2]
     dataset = write_jsonl(tmp_path / "prompts.jsonl", rows)
     results = generate(dataset, tmp_path / "out.arrow", random_models[arch], "--chunked-prefill-size", "16")
-    _check_against_hf(random_models[arch], rows, results)
+    check_against_hf(random_models[arch], rows, results)
 
 
 def test_fused_ops_model_really_runs_the_kernels(
