@@ -6,9 +6,9 @@ import sys
 
 import typer
 
+from batchgen.cli import version_line
 from batchgen.cli.bench import bench
 from batchgen.cli.bench_one_batch import bench_one_batch
-from batchgen.cli.entry import version_line
 from batchgen.cli.options import UsageShowsRequiredOptions
 from batchgen.cli.run import run
 from batchgen.cli.status import status

@@ -10,12 +10,7 @@ from __future__ import annotations
 import signal
 import sys
 
-
-def version_line() -> str:
-    """What ``batchgen --version`` prints."""
-    from batchgen import __version__
-
-    return f"batchgen {__version__}"
+from batchgen.cli import version_line
 
 
 def main() -> None:
