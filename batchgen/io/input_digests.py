@@ -5,8 +5,10 @@ A row's digest is the first 8 bytes of the BLAKE2b hash of its id and its fields
 so a change to any field of the row, its sampling fields included, or to which row holds an id, changes it, and
 rewriting the file with other spacing or key order does not. The output's metadata holds the digests of every row
 the run read, 8 bytes each, as base64, in input order. The file stores its metadata twice (Arrow IPC: header and
-footer; Parquet: its own and in the Arrow schema), so they add about 2 MiB per 100,000 rows. Two different rows
-share a digest with a chance of about 2**-64 per pair, which is what the check may miss.
+footer; Parquet: its own and in the Arrow schema), so they add about 2 MiB per 100,000 rows; a run of more than
+:data:`MAX_DIGESTED_ROWS` rows records none (its output is then checked by the dataset file's fingerprint alone, as
+an older batchgen's). Two different rows share a digest with a chance of about 2**-64 per pair, which is what the
+check may miss.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ from batchgen.io.rows import error_row_id
 # Output metadata key of the digests.
 INPUT_DIGESTS_KEY = "batchgen.input_digests"
 DIGEST_BYTES = 8
+# Parquet readers refuse a footer whose strings pass 100 MB (pyarrow's thrift limit: 8M rows' digests, stored twice,
+# did); 1M rows keep the metadata near 21 MB, readable by every reader.
+MAX_DIGESTED_ROWS = 1_000_000
 
 
 def row_digest(rid: str, data: dict[str, Any]) -> bytes:

@@ -163,7 +163,17 @@ def output_schema(
     schema = schema.with_metadata(metadata)
     if recorded is not None:
         check_same_job(where, recorded, schema, force)
+        # Written with the recorded columns: a field only earlier rows had stays, null in the rows written now.
+        schema = recorded.remove_metadata().with_metadata(metadata)
     return schema
+
+
+def _columns_combine(recorded: pa.Schema, now: pa.Schema) -> bool:
+    """Whether rows of ``now`` can be written beside those of ``recorded``: each of this run's columns is one the
+    written rows have, of the same type. A pass-through field that only earlier rows had (a bad row's ``text``,
+    renamed ``prompt`` since to fix it) is no obstacle: the rows written now hold null there."""
+    before = {f.name: f for f in recorded}
+    return all(f.name in before and before[f.name].equals(f) for f in now)
 
 
 def _column_differences(recorded: pa.Schema, now: pa.Schema) -> str:
@@ -172,7 +182,7 @@ def _column_differences(recorded: pa.Schema, now: pa.Schema) -> str:
     after = {f.name: f.type for f in now}
     parts = []
     if gone := [name for name in before if name not in after]:
-        parts.append("the interrupted run has " + ", ".join(gone))
+        parts.append("the rows written have " + ", ".join(gone))
     if new := [name for name in after if name not in before]:
         parts.append("this run has " + ", ".join(new))
     if changed := [f"{n} ({before[n]} → {after[n]})" for n in before if n in after and before[n] != after[n]]:
@@ -186,11 +196,11 @@ def check_same_job(where: Path, recorded: pa.Schema, now: pa.Schema, force: bool
     Raises:
         BatchgenError: one line naming every difference in model, dtype, logprobs mode, kernel switches, sampling
             defaults, output-changing engine options (seed, context length) and the dataset; or, even with ``force``,
-            different pass-through columns (the rows already written could not be combined with new ones).
+            pass-through columns the rows already written lack, or of another type (they could not be combined).
     """
-    if not recorded.remove_metadata().equals(now.remove_metadata()):
+    if not _columns_combine(recorded, now):
         raise BatchgenError(
-            f"{where}: cannot resume: the output columns differ from the interrupted run's "
+            f"{where}: cannot resume: the output columns differ from those of the rows written "
             f"({_column_differences(recorded, now)}: the dataset's fields changed, or another batchgen version "
             "passes them through differently); pass --overwrite to start over"
         )
@@ -211,7 +221,8 @@ def job_differences(recorded: dict[str, str], now: dict[str, str]) -> list[str]:
         old, new = recorded.get(f"batchgen.{key}"), now.get(f"batchgen.{key}")
         if old != new:
             differences.append(f"{label} {old!r} → {new!r}")
-    differences += _changed_fields("batchgen.kernel_switches", recorded, now, None)
+    if "batchgen.kernel_switches" in recorded:  # an output of a batchgen that did not record them: not compared
+        differences += _changed_fields("batchgen.kernel_switches", recorded, now, None)
     differences += _changed_fields("batchgen.sampling_defaults", recorded, now, None)
     differences += _changed_fields("batchgen.engine_options", recorded, now, _OUTPUT_ENGINE_OPTIONS)
     try:

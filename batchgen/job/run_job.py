@@ -17,7 +17,13 @@ from tqdm import tqdm
 from batchgen import __version__
 from batchgen.errors import BatchgenError, FieldError, RowError
 from batchgen.io.field_warnings import warn_about_json_text_fields, warn_about_passthrough_names
-from batchgen.io.input_digests import INPUT_DIGESTS_KEY, encode_digests, row_digest
+from batchgen.io.input_digests import (
+    DIGEST_BYTES,
+    INPUT_DIGESTS_KEY,
+    MAX_DIGESTED_ROWS,
+    encode_digests,
+    row_digest,
+)
 from batchgen.io.partial_output import PartialOutput, remove_partial_dir
 from batchgen.io.reader import RowReader, count_input_rows
 from batchgen.io.rows import RowSpec, error_row_id, parse_row, passthrough_that_fits
@@ -150,7 +156,8 @@ class RunJob:
         if stop.signum is not None:
             self.summary.interrupted_by = stop.name
         elif self.output.state.parts:
-            self.output.finalize({INPUT_DIGESTS_KEY: encode_digests(bytes(self._digests))})
+            digested = len(self._digests) <= MAX_DIGESTED_ROWS * DIGEST_BYTES
+            self.output.finalize({INPUT_DIGESTS_KEY: encode_digests(bytes(self._digests))} if digested else {})
         else:  # every row was bad (--on-error fail): no empty output file that the next try must --overwrite
             self.summary.output_written = False
             self.output.close()
@@ -231,7 +238,8 @@ class RunJob:
                 self._seen_ids.add(str(order))
                 self._row_failed(item, str(order), {}, bar)
                 continue
-            self._digests += row_digest(error_row_id(item), item.data)
+            if len(self._digests) <= MAX_DIGESTED_ROWS * DIGEST_BYTES:  # past it, one more says "too many"
+                self._digests += row_digest(error_row_id(item), item.data)
             source = self.reader.source
             try:
                 spec = parse_row(

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 
@@ -539,10 +540,24 @@ def test_resume_names_the_pass_through_columns_that_changed(
     code, output = run_cli(args(dataset, out, model, "--resume-force"))
     assert code == 2
     assert output == (
-        f"batchgen: error: {partial_dir(out)}: cannot resume: the output columns differ from the interrupted run's "
-        "(the interrupted run has topic; this run has subject: the dataset's fields changed, or another batchgen "
-        "version passes them through differently); pass --overwrite to start over\n"
+        f"batchgen: error: {partial_dir(out)}: cannot resume: the output columns differ from those of the rows "
+        "written (the rows written have topic; this run has subject: the dataset's fields changed, or another "
+        "batchgen version passes them through differently); pass --overwrite to start over\n"
     )
+
+
+def test_an_output_that_records_no_kernel_switches_is_not_refused_over_them() -> None:
+    """Outputs written before the switches were recorded resume as before: nothing to compare them with. An output
+    that records them is compared (the test above)."""
+    from batchgen.job.resume import job_differences
+
+    fingerprint = json.dumps({"size": 1, "mtime_ns": 1, "sample_sha256": "0" * 64})
+    older = {"batchgen.model": "m", "batchgen.dtype": "float32", "batchgen.dataset": fingerprint}
+    switches = json.dumps({"BATCHGEN_CPU_PREPACK": True})
+    now = {**older, "batchgen.kernel_switches": switches}
+    assert job_differences(older, now) == []
+    other = json.dumps({"BATCHGEN_CPU_PREPACK": False})
+    assert job_differences({**older, "batchgen.kernel_switches": other}, now) == ["BATCHGEN_CPU_PREPACK False → True"]
 
 
 def test_resume_refuses_other_kernel_switches_as_it_refuses_another_dtype(
@@ -690,6 +705,49 @@ def test_resume_adds_the_rows_a_finished_output_lacks(suffix: str, model: Path, 
     assert code == 0, output
     assert read_results(alone).to_pylist()[0]["output_token_ids"] == after["r2"]["output_token_ids"]
     assert output_status(dataset, out)[0].startswith(f"{out}: complete: 4 of 4 rows done, 0 remaining")
+
+
+@pytest.mark.parametrize("suffix", [".arrow", ".parquet"])
+def test_a_row_fixed_by_renaming_its_field_is_added_by_resume(suffix: str, model: Path, tmp_path: Path) -> None:
+    """The first-hour fix the error message suggests: a row with ``text`` instead of ``prompt`` is left out, the user
+    renames the field, and ``--resume`` adds that row. The first run passed ``text`` through (as ``input_text``, null
+    in the good rows); the fixed dataset has no such field, and the rows written now hold null there too."""
+    rows: list[dict[str, Any]] = [{"id": f"r{i}", "prompt": f"Once upon a time {i}"} for i in range(3)]
+    rows.insert(1, {"id": "b", "text": "The quick brown fox"})
+    dataset = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / f"out{suffix}"
+    run = ["run", str(dataset), "--out", str(out), "--model", str(model), *COMMON, "--max-new-tokens", "3"]
+    code, output = run_cli([*run, "--ignore-eos"])
+    assert code == 2 and "(found 'text'; rename it to 'prompt')" in output, output
+    before = {row["id"]: row for row in read_results(out).to_pylist()}
+    assert sorted(before) == ["r0", "r1", "r2"] and all(row["input_text"] is None for row in before.values())
+    rows[1] = {"id": "b", "prompt": "The quick brown fox"}
+    write_jsonl(dataset, rows)
+    code, output = run_cli([*run, "--ignore-eos", "--resume"])
+    assert code == 0, output
+    after = {row["id"]: row for row in read_results(out).to_pylist()}
+    assert sorted(after) == ["b", "r0", "r1", "r2"]
+    assert {rid: after[rid] for rid in before} == before
+    assert after["b"]["input_text"] is None and after["b"]["completion_tokens"] == 3
+
+
+def test_a_run_of_more_rows_than_digests_may_cover_records_none(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The digests grow with the rows; past MAX_DIGESTED_ROWS an output records none (a Parquet footer of 8M rows'
+    digests no longer parsed), and is checked by the dataset's fingerprint alone, as an older batchgen's."""
+    import batchgen.job.run_job as run_job
+    from batchgen.io.input_digests import INPUT_DIGESTS_KEY
+
+    monkeypatch.setattr(run_job, "MAX_DIGESTED_ROWS", 3)
+    for count, recorded in ((3, True), (4, False)):
+        rows = [{"id": f"r{i}", "prompt_token_ids": [0, 5 + i]} for i in range(count)]
+        dataset = write_jsonl(tmp_path / f"in{count}.jsonl", rows)
+        out = tmp_path / f"out{count}.parquet"
+        code, output = run_cli(["run", str(dataset), "--out", str(out), "--model", str(model), *COMMON])
+        assert code == 0, output
+        metadata = pq.read_schema(out).metadata
+        assert (INPUT_DIGESTS_KEY.encode() in metadata) == recorded, count
 
 
 def test_resume_of_a_finished_output_names_the_rows_whose_input_changed(model: Path, tmp_path: Path) -> None:
