@@ -28,11 +28,5 @@ class ForwardMode(IntEnum):
     def is_decode(self) -> bool:
         return self == ForwardMode.DECODE
 
-    def is_mixed(self) -> bool:
-        return self == ForwardMode.MIXED
-
     def is_target_verify(self) -> bool:
         return self == ForwardMode.TARGET_VERIFY
-
-    def is_draft_extend(self) -> bool:
-        return self == ForwardMode.DRAFT_EXTEND

@@ -52,8 +52,6 @@ def test_forward_mode_predicates() -> None:
     assert ForwardMode.EXTEND.is_extend() and ForwardMode.MIXED.is_extend() and ForwardMode.DRAFT_EXTEND.is_extend()
     assert not ForwardMode.DECODE.is_extend() and ForwardMode.DECODE.is_decode()
     assert ForwardMode.TARGET_VERIFY.is_target_verify() and not ForwardMode.DECODE.is_target_verify()
-    assert ForwardMode.DRAFT_EXTEND.is_draft_extend() and not ForwardMode.EXTEND.is_draft_extend()
-    assert ForwardMode.MIXED.is_mixed() and not ForwardMode.EXTEND.is_mixed()
 
 
 def _engine_with_requests(model_dir: Path, tmp_path: Path, **options: object) -> tuple[Engine, int]:
