@@ -85,6 +85,7 @@ class UsageShowsRequiredOptions(TyperCommand):
     (click's lists only the arguments, so a required ``--out`` surfaced only as an error)."""
 
     def collect_usage_pieces(self, ctx: Context) -> list[str]:
+        """The usage line after the command's name: ``[OPTIONS]``, the arguments, then each required option."""
         pieces = [self.options_metavar] if self.options_metavar else []
         for param in self.get_params(ctx):
             name = (param.name or "").upper()

@@ -67,9 +67,12 @@ class SpeculativeDrafter:
         return None
 
     def plan(self, decodes: Sequence[Req], room: int, pad: bool, break_even: float) -> list[RoundDrafts]:
+        """The round's drafts of each of ``decodes`` (the loop's ``Drafter.plan``): :func:`plan_drafts`."""
         return plan_drafts(decodes, self, room, pad=pad, break_even=break_even)
 
     def on_verified(self, req: Req, drafts: RoundDrafts | None, accepted: int, emitted: int) -> None:
+        """After a verify round: record ``accepted`` of ``drafts``' proposed tokens and the ``emitted`` tokens in
+        ``req``'s :class:`DraftState`, then forget what was built on the rejected ones."""
         # Only rounds that verified proposed drafts measure acceptance (as SGLang's verify count); a round of
         # padding drafts alone is not one.
         if drafts is not None and drafts.proposed:
@@ -88,6 +91,7 @@ class PerRequestDrafter(SpeculativeDrafter):
         raise NotImplementedError
 
     def propose_batch(self, reqs: Sequence[Req], limits: Sequence[int]) -> list[Proposal]:
+        """Each request's :meth:`propose` (none where its limit is 0), without draft probabilities."""
         return [(self.propose(req, limit) if limit > 0 else [], None) for req, limit in zip(reqs, limits)]
 
 

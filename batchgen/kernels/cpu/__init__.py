@@ -72,7 +72,17 @@ def _build_name() -> str:
     # Two ninja builds disagree on which outputs are stale (seen: pip's ninja 1.13 and the system's 1.11 rebuilt
     # the library in turn, each time the other had run), so each toolchain gets its own folder.
     tools = [str(shutil.which(tool)) for tool in ("ninja", "c++")]
-    parts = [*(f.read_text() for f in _SOURCES + _HEADERS), " ".join(_CFLAGS), torch.__version__, sys.version, cpu]
+    # The sources' folder too: torch's build file names them by absolute path, so two checkouts sharing one cache
+    # folder would rewrite it in turn and each rebuild the library.
+    folder = str(Path(__file__).resolve().parent)
+    parts = [
+        *(f.read_text() for f in _SOURCES + _HEADERS),
+        " ".join(_CFLAGS),
+        torch.__version__,
+        sys.version,
+        cpu,
+        folder,
+    ]
     parts += tools
     return "batchgen_cpu_kernels_" + hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
@@ -124,9 +134,9 @@ def build_problem() -> str | None:
     if not (build_dir / f"{name}.so").exists():
         # Otherwise the first run sits silent for the whole compile.
         print("batchgen: building the CPU kernels for this machine (once, 15-30 s)", file=sys.stderr)
-    started = time.monotonic()
     try:
         with warnings.catch_warnings(), _build_lock(build_dir):
+            started = time.monotonic()  # after the lock: time waiting for another process's build is not ours
             warnings.simplefilter("ignore")
             cpp_extension.load(
                 name=name,
