@@ -48,8 +48,15 @@ def test_freed_buffers_are_reused_without_page_faults() -> None:
         )
         return int(out.stdout.strip())
 
-    default, kept = faults("default"), faults("kept")
-    assert default >= 200 and kept <= default / 10, (default, kept)
+    # glibc adapts its default thresholds to what was freed before, and on a loaded machine a default run was once
+    # seen to fault nothing in its last rounds (the suite beside two other jobs): measure again, up to 3 times.
+    measured = []
+    for _ in range(3):
+        default, kept = faults("default"), faults("kept")
+        measured.append((default, kept))
+        if default >= 200:
+            break
+    assert default >= 200 and kept <= default / 10, measured
 
 
 def test_the_users_own_malloc_tunables_win(monkeypatch: pytest.MonkeyPatch) -> None:

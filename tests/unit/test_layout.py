@@ -14,7 +14,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "batchgen"
 MAX_LINES = 300
-# Modules that may read the process environment: the one that turns it into options, and the console entry.
+# The one module that reads the process environment; everything else is handed what it needs.
 ENVIRONMENT_READERS = {"batchgen/environment.py"}
 
 
