@@ -17,6 +17,7 @@ import base64
 import binascii
 import hashlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -83,3 +84,14 @@ def compare_rows(dataset: Path, out_ids: list[str], recorded: str) -> tuple[list
     changed = [rid for rid, same in zip(ids, found) if not same]
     changed += dict.fromkeys(rid for rid in out_ids if rid not in seen)
     return changed, len(seen - have)
+
+
+def input_ids(dataset: Path) -> Iterator[str]:
+    """The id of each row of ``dataset``, in order, as a run gives it to its output row: the row's ``id``, else its
+    index (a line that is not a JSON object too).
+
+    Raises:
+        BatchgenError: the dataset cannot be read.
+    """
+    for index, item in enumerate(RowReader(dataset)):
+        yield str(index) if isinstance(item, RowError) else error_row_id(item)

@@ -16,6 +16,7 @@ import pyarrow.compute as pc
 
 from batchgen.errors import BatchgenError, counted
 from batchgen.io.fingerprint import DatasetFingerprint, fingerprint_dataset
+from batchgen.io.input_digests import input_ids
 from batchgen.io.partial_output import PartialOutput, partial_dir
 from batchgen.io.reader import count_input_rows
 from batchgen.io.reopen import finished_batches
@@ -35,10 +36,12 @@ class OutputStatus:
     notes: list[str]
     # What differs in the dataset since the run started (size, modification time, ...); empty when unchanged.
     dataset_changes: list[str]
+    # A finished output: how many of the dataset's ids it holds no row of (None: counted as total - done).
+    missing: int | None = None
 
     @property
     def remaining(self) -> int:
-        return max(self.total - self.done, 0)
+        return self.missing if self.missing is not None else max(self.total - self.done, 0)
 
     def lines(self) -> list[str]:
         """``OUT: STATE: D of T rows done, R remaining, E errored``, then one line per note."""
@@ -81,9 +84,12 @@ def read_output_status(dataset: Path, out: Path) -> OutputStatus:
     total = count_input_rows(dataset)
     notes = []
     metadata: dict[bytes, bytes] = {}
+    missing = None
     if out.exists():
         state = "complete"
-        done, errored, metadata = _final_counts(out)
+        done, errored, metadata, ids = _final_counts(out)
+        # By id, not by count: a row the output lacks can hide behind a row the dataset no longer has.
+        missing = sum(rid not in ids for rid in dict.fromkeys(input_ids(dataset)))
     elif partial_dir(out).is_dir():
         partial = PartialOutput(out).inspect()
         done, errored = partial.done.count, partial.done.error_rows
@@ -105,7 +111,7 @@ def read_output_status(dataset: Path, out: Path) -> OutputStatus:
     if DATASET_KEY.encode() in metadata:
         recorded = DatasetFingerprint.from_json(metadata[DATASET_KEY.encode()].decode())
         changes = recorded.differences(fingerprint_dataset(dataset))
-    return OutputStatus(dataset, out, state, done, total, errored, notes, changes)
+    return OutputStatus(dataset, out, state, done, total, errored, notes, changes, missing)
 
 
 def check_nothing_left(dataset: Path, out: Path, force: bool) -> bool:
@@ -149,25 +155,28 @@ def check_nothing_left(dataset: Path, out: Path, force: bool) -> bool:
     )
 
 
-def _final_counts(path: Path) -> tuple[int, int, dict[bytes, bytes]]:
-    """(rows done, error rows, schema metadata) of a finished output file, read batch by batch."""
+def _final_counts(path: Path) -> tuple[int, int, dict[bytes, bytes], set[str]]:
+    """(rows done, error rows, schema metadata, the rows' ids) of a finished output file, read batch by batch."""
     suffix = path.suffix.lower()
     done = errored = 0
+    ids: set[str] = set()
     try:
         if suffix == ".jsonl":
             with path.open(encoding="utf-8") as f:
                 for line in f:
                     if line.strip():
                         row = json.loads(line)
+                        ids.add(str(row.get("id")))
                         errored += row.get("finish_reason") == "error"
                         done += row.get("sample_index") == 0 or row.get("finish_reason") == "error"
-            return done, errored, {}
-        schema, batches = finished_batches(path, ["sample_index", "finish_reason"])
+            return done, errored, {}, ids
+        schema, batches = finished_batches(path, ["id", "sample_index", "finish_reason"])
         metadata = schema.metadata or {}
         for batch in batches:
             first = pc.sum(pc.equal(batch.column("sample_index"), 0)).as_py() or 0
             errors = pc.sum(pc.equal(batch.column("finish_reason"), "error")).as_py() or 0
             done, errored = done + first + errors, errored + errors
+            ids.update(batch.column("id").to_pylist())
     except (OSError, ValueError, KeyError, pa.ArrowException) as e:
         raise BatchgenError(f"{path}: cannot read results ({e})") from None
-    return done, errored, metadata
+    return done, errored, metadata, ids

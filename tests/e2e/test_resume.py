@@ -592,9 +592,22 @@ def test_status_of_an_output_from_another_dataset_says_so(
     assert run_cli(args(dataset, out, model))[0] == 0
     other = write_jsonl(tmp_path / "other.jsonl", [{"id": f"z{i}", "prompt_token_ids": [0, 5]} for i in range(3)])
     lines = status(other, out).splitlines()
-    assert lines[0] == f"{out}: complete: 40 rows done, more than the 3 of {other}, 0 remaining, 2 errored"
+    # Remaining by id: none of the other dataset's 3 ids has a row in the output.
+    assert lines[0].startswith(f"{out}: complete: 40 rows done, more than the 3 of {other}, 3 remaining, 2 errored")
     assert lines[-1].startswith(f"{out}: note: {out} was made from another version of {other}, or from another file")
     assert lines[-1].endswith(f"the rows counted as done are its own, not matched against {other}'s")
+
+
+def test_a_finished_output_lacking_an_id_is_not_complete_whatever_its_row_count(model: Path, tmp_path: Path) -> None:
+    """Remaining rows are counted by id (found by a new user: with row b replaced by c, a finished JSONL output of
+    a and b counted 2 of 2 rows done, and --resume said it was complete, c never generated)."""
+    dataset = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "prompt_token_ids": [0, 5]} for i in ("a", "b")])
+    out = tmp_path / "out.jsonl"
+    assert run_cli(args(dataset, out, model))[0] == 0
+    write_jsonl(dataset, [{"id": i, "prompt_token_ids": [0, 5]} for i in ("a", "c")])
+    assert status(dataset, out).splitlines()[0].startswith(f"{out}: complete: 2 of 2 rows done, 1 remaining")
+    code, output = run_cli(args(dataset, out, model, "--resume"))
+    assert code == 2 and "cannot add the rows it lacks" in output, output
 
 
 def test_overwrite_and_a_finished_job(
