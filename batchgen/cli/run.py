@@ -76,25 +76,23 @@ def run(
         job_options.validate()
         options.validate()  # before the output's checks: a mistyped flag is named first
         _check_sampling_defaults(defaults, None)  # what needs no model, before loading it
-        policy = job_options.policy
-        if check_output_path(dataset, out, policy.overwrite, policy.resume):
+        if check_output_path(dataset, out, job_options.overwrite, job_options.resuming):
             from batchgen.job.status import check_nothing_left
 
             # A finished output that lacks rows is reopened by the job, which adds them.
-            if check_nothing_left(dataset, out, policy.resume_force):
+            if check_nothing_left(dataset, out, job_options.resume_force):
                 print(f"batchgen: {out} is already complete; nothing to do", file=sys.stderr)
                 return
         if pick_device(options.device).type == "cpu":
             warn_if_cores_busy()
-        on_error = job_options.on_error
-        job = RunJob(dataset, out, options, defaults, on_error, job_options.progress, policy)
+        job = RunJob(dataset, out, options, defaults, job_options)
         _check_sampling_defaults(defaults, job.engine.vocab_size)
         if defaults.n > job.engine.max_running_requests:
             raise BatchgenError(f"--n {defaults.n} exceeds --max-running-requests {job.engine.max_running_requests}")
         summary = job.run()
         if summary.interrupted_by:  # said first, so the summary below does not read as a finished run
             # --on-error skip writes error rows too; they are flushed with the rest.
-            also = f" and {summary.errors} error rows" if on_error == "skip" and summary.errors else ""
+            also = f" and {summary.errors} error rows" if job_options.on_error == "skip" and summary.errors else ""
             print(
                 f"batchgen: stopped by {summary.interrupted_by}: the {summary.rows} rows finished in this run{also} "
                 f"are flushed to {job.output.dir}; requests still running were dropped",
@@ -106,4 +104,4 @@ def run(
         if summary.interrupted_by:
             print(f"batchgen: to resume: {resume_command(dataset, out)}", file=sys.stderr)
             raise typer.Exit(128 + signal.Signals[summary.interrupted_by].value)
-        raise_if_failed(summary, on_error)
+        raise_if_failed(summary, job_options.on_error)

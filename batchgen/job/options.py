@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from batchgen.errors import BatchgenError
-from batchgen.job.resume import OutputPolicy
 
 ON_ERROR = ("fail", "skip")
 
@@ -24,7 +23,8 @@ class JobOptions:
     resume: bool = field(
         default=False,
         metadata={
-            "help": "Continue an interrupted run: keep the rows OUT.partial/ holds, generate the rest.",
+            "help": "Continue an interrupted run (keep the rows OUT.partial/ holds, generate the rest), or add "
+            "the rows a finished OUT lacks.",
             "flag": "--resume",
         },
     )
@@ -54,12 +54,6 @@ class JobOptions:
             raise BatchgenError(f"--flush-every-seconds must be > 0, got {self.flush_every_seconds}")
 
     @property
-    def policy(self) -> OutputPolicy:
-        """What the output side of the job needs: ``--resume-force`` implies ``--resume``."""
-        return OutputPolicy(
-            self.overwrite,
-            self.resume or self.resume_force,
-            self.resume_force,
-            self.flush_every,
-            self.flush_every_seconds,
-        )
+    def resuming(self) -> bool:
+        """Whether the run continues what is there: ``--resume``, or ``--resume-force``, which implies it."""
+        return self.resume or self.resume_force

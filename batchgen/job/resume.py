@@ -8,7 +8,6 @@ import json
 import secrets
 import shlex
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
@@ -19,6 +18,7 @@ from batchgen.io.input_digests import INPUT_DIGESTS_KEY, compare_rows
 from batchgen.io.partial_output import PartialOutput, PartialState, partial_dir, remove_partial_dir
 from batchgen.io.reopen import finished_batches, finished_ids, reopen_output
 from batchgen.io.writer import check_output_format
+from batchgen.job.options import JobOptions
 
 # Metadata keys a resumed run adds to ``RunJob.metadata``: the dataset's fingerprint and the run seed.
 DATASET_KEY = "batchgen.dataset"
@@ -27,18 +27,6 @@ RUN_SEED_KEY = "batchgen.run_seed"
 _OUTPUT_ENGINE_OPTIONS = ("seed", "context_length")
 # A message names at most this many row ids.
 _IDS_SHOWN = 3
-
-
-@dataclass(frozen=True)
-class OutputPolicy:
-    """How ``batchgen run`` treats its output: start over or resume, and how often finished rows are made durable
-    (built from :class:`batchgen.job.options.JobOptions`, whose ``validate`` checks the values)."""
-
-    overwrite: bool = False
-    resume: bool = False
-    resume_force: bool = False
-    flush_every: int = 256
-    flush_every_seconds: float = 5.0
 
 
 def check_output_path(dataset: Path, out: Path, overwrite: bool, resume: bool) -> bool:
@@ -77,10 +65,10 @@ def check_output_path(dataset: Path, out: Path, overwrite: bool, resume: bool) -
 
 
 def open_output(
-    dataset: Path, output: PartialOutput, schema: pa.Schema, seed: int | None, policy: OutputPolicy
+    dataset: Path, output: PartialOutput, schema: pa.Schema, seed: int | None, job: JobOptions
 ) -> tuple[pa.Schema, PartialState | None]:
     """The run's output schema (:func:`output_schema`) and the partial output it continues (``None``: it starts
-    afresh). With ``policy.resume`` that is ``output``'s partial output; or, when the finished output is there (one
+    afresh). With ``job.resuming`` that is ``output``'s partial output; or, when the finished output is there (one
     that lacks rows, which ``check_nothing_left`` let through), the finished output, checked against this run as a
     partial output is, then reopened as one (:func:`batchgen.io.reopen.reopen_output`).
 
@@ -88,7 +76,7 @@ def open_output(
         BatchgenError: :func:`output_schema`'s errors; the partial output cannot be read, or the finished output
             cannot be reopened.
     """
-    if policy.resume and output.out.exists():
+    if job.resuming and output.out.exists():
         try:
             recorded, _ = finished_batches(output.out)
         except (OSError, pa.ArrowException) as e:
@@ -96,13 +84,13 @@ def open_output(
         # Its rows were checked against the dataset as it is now, row by row: the file's fingerprint is that one.
         metadata = _metadata(recorded) | {DATASET_KEY: fingerprint_dataset(dataset).to_json()}
         metadata.pop(INPUT_DIGESTS_KEY, None)
-        schema = output_schema(schema, dataset, seed, recorded.with_metadata(metadata), policy.resume_force, output.out)
+        schema = output_schema(schema, dataset, seed, recorded.with_metadata(metadata), job.resume_force, output.out)
         reopen_output(output.out, schema)
         return schema, output.inspect()
-    resumed = output.inspect() if policy.resume and output.exists() else None
+    resumed = output.inspect() if job.resuming and output.exists() else None
     report_damage(output.dir, resumed)
     recorded = resumed.schema if resumed is not None else None
-    return output_schema(schema, dataset, seed, recorded, policy.resume_force, output.dir), resumed
+    return output_schema(schema, dataset, seed, recorded, job.resume_force, output.dir), resumed
 
 
 def check_finished_rows(dataset: Path, out: Path, force: bool) -> int | None:

@@ -29,10 +29,11 @@ from batchgen.io.reader import RowReader, count_input_rows
 from batchgen.io.rows import RowSpec, error_row_id, parse_row, passthrough_that_fits
 from batchgen.io.writer import result_schema
 from batchgen.job.interrupts import StopRequest, graceful_stop
+from batchgen.job.options import JobOptions
 from batchgen.job.recent_rates import RecentRates
 from batchgen.job.request_builder import RequestBuilder
 from batchgen.job.result_rows import error_row, result_row
-from batchgen.job.resume import RUN_SEED_KEY, OutputPolicy, open_output
+from batchgen.job.resume import RUN_SEED_KEY, open_output
 from batchgen.job.summary import RunSummary
 from batchgen.loop.engine import Engine
 from batchgen.loop.options import EngineOptions
@@ -48,13 +49,12 @@ class RunJob:
     """One ``batchgen run``: reader → RequestBuilder → Engine → part files → output file, with the error policy.
 
     Args:
-        on_error: ``fail`` (bad rows are reported on stderr, left out of the output, and the run exits 2 after
-            finishing every good row) or ``skip`` (bad rows are written with ``finish_reason="error"``).
-        policy: resume or start over, and how often finished rows are made durable.
+        job: the job's options: ``on_error`` ``fail`` (bad rows are reported on stderr, left out of the output, and
+            the run exits 2 after finishing every good row) or ``skip`` (bad rows are written with
+            ``finish_reason="error"``), resume or start over, how often finished rows are made durable, progress.
 
     Raises:
-        BatchgenError: with ``policy.resume``, a partial output written by a different job (unless
-            ``policy.resume_force``).
+        BatchgenError: when resuming, a partial output written by a different job (unless ``job.resume_force``).
     """
 
     def __init__(
@@ -63,17 +63,13 @@ class RunJob:
         out: Path,
         engine_options: EngineOptions,
         defaults: SamplingParams,
-        on_error: str,
-        progress: bool,
-        policy: OutputPolicy | None = None,
+        job: JobOptions,
     ) -> None:
         self.reader = RowReader(dataset)
         self.out = out
-        self.on_error = on_error
-        self.progress = progress
+        self.job = job
         self.defaults = defaults
         self.engine_options = engine_options
-        self.policy = policy or OutputPolicy()
         self.engine = Engine(engine_options, make_drafter)
         self.output = PartialOutput(out)
         # Before the request builder exists: a resumed run reuses the recorded run seed.
@@ -82,7 +78,7 @@ class RunJob:
             self.output,
             result_schema(self.reader.passthrough_schema, self.metadata()),
             engine_options.seed,
-            self.policy,
+            job,
         )
         self.builder = RequestBuilder(
             self.engine.tokenizer,
@@ -130,14 +126,14 @@ class RunJob:
 
     def _run(self, stop: StopRequest) -> None:
         start = time.perf_counter()
-        if self.policy.overwrite:
+        if self.job.overwrite:
             self.out.unlink(missing_ok=True)
         self.output.start(self.schema, self.resumed)
         done = self.output.state.done
-        if self.policy.resume:
+        if self.job.resuming:
             before = f"{done.count} rows were done before" if self.resumed else "no partial output, starting at the top"
             print(f"batchgen: resuming {self.out}: {before}", file=sys.stderr)
-        total = count_input_rows(self.reader.path) if self.progress else None
+        total = count_input_rows(self.reader.path) if self.job.progress else None
         try:
             # Closed before anything below prints, so that no message shares the bar's line.
             with tqdm(
@@ -145,7 +141,7 @@ class RunJob:
                 initial=done.count,
                 unit="req",
                 file=sys.stderr,
-                disable=not self.progress,
+                disable=not self.job.progress,
                 dynamic_ncols=True,
             ) as bar:
                 self._generate(stop, bar, start)
@@ -186,12 +182,12 @@ class RunJob:
                     self.engine.add(req)
             for req in self.engine.step():
                 self._finish(req, bar)
-            if self.progress:
+            if self.job.progress:
                 stats = self.engine.stats
                 prefill, decode = rates.update(time.perf_counter(), stats.prefill_tokens, stats.decode_tokens)
                 bar.set_postfix_str(f"prefill {prefill:.0f} tok/s, decode {decode:.0f} tok/s", refresh=False)
-            overdue = time.monotonic() - last_flush >= self.policy.flush_every_seconds
-            if len(self._pending_rows) >= self.policy.flush_every or overdue:
+            overdue = time.monotonic() - last_flush >= self.job.flush_every_seconds
+            if len(self._pending_rows) >= self.job.flush_every or overdue:
                 self._flush()
                 last_flush = time.monotonic()
 
@@ -288,7 +284,7 @@ class RunJob:
             return  # an earlier run wrote this error row (--on-error skip)
         self.summary.errors += 1
         bar.update(1)  # a bad row is one of the input's rows too: the bar ends at its total
-        skip = self.on_error == "skip"
+        skip = self.job.on_error == "skip"
         # skip: the run succeeds, but a user scanning stderr still learns which rows went wrong, and why.
         kind = "warning" if skip else "error"
         if self.summary.errors <= MAX_PRINTED_ERRORS:
