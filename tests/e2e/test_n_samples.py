@@ -84,8 +84,8 @@ def test_greedy_samples_agree_and_rows_mix(random_models: dict[str, Path], tmp_p
 
 def test_penalties_grammar_and_prompt_logprobs_per_sample(random_models: dict[str, Path], tmp_path: Path) -> None:
     """Each sample keeps its own penalty counts and grammar state; prompt logprobs are repeated per sample."""
-    jsonschema = pytest.importorskip("jsonschema", reason="jsonschema checks the outputs (pip install -e \".[dev]\")")
-    pytest.importorskip("xgrammar", reason="grammars need xgrammar (pip install -e \".[structured]\")")
+    jsonschema = pytest.importorskip("jsonschema", reason='jsonschema checks the outputs (pip install -e ".[dev]")')
+    pytest.importorskip("xgrammar", reason='grammars need xgrammar (pip install -e ".[structured]")')
     schema = {
         "type": "object",
         "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "y"]}},
