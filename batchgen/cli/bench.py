@@ -47,6 +47,7 @@ BENCH_ENGINE_OPTIONS = (
     "max_prefill_tokens",
     "max_total_tokens",
     "enable_mixed_chunk",
+    "prefix_cache",
 )
 DEFAULT_INPUT_LEN_RANGE = "32:256"
 

@@ -37,11 +37,22 @@ _DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 @dataclass
 class RoundStats:
-    """Token counts of all rounds so far, for progress and the summary."""
+    """Token counts of all rounds so far, for progress and the summary.
+
+    ``prefill_tokens`` were computed; ``cached_tokens`` were prompt (or recomputed) tokens whose K/V came from the
+    prefix cache at admission instead.
+    """
 
     prefill_tokens: int = 0
     decode_tokens: int = 0
     rounds: int = 0
+    cached_tokens: int = 0
+
+    @property
+    def cached_share(self) -> float | None:
+        """Share of the tokens admitted for prefill that the prefix cache served, ``None`` before any."""
+        total = self.cached_tokens + self.prefill_tokens
+        return self.cached_tokens / total if total else None
 
 
 def pick_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtype:

@@ -73,6 +73,14 @@ class EngineOptions:
     max_running_requests: int | None = field(
         default=None, metadata={"help": "Requests decoding together (default: 64 on CPU, 256 on GPU)."}
     )
+    prefix_cache: bool = field(
+        default=True,
+        metadata={
+            "help": "Keep computed prompt and output K/V in a radix tree and reuse it for every later prompt that "
+            "starts with the same tokens (off: same outputs, every prompt prefilled whole).",
+            "flag": "--prefix-cache/--no-prefix-cache",
+        },
+    )
     attention_backend: str = field(default="auto", metadata={"help": f"One of {', '.join(ATTENTION_BACKENDS)}."})
     enable_mixed_chunk: bool = field(
         default=True,
