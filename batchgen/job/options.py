@@ -35,6 +35,13 @@ class JobOptions:
             "flag": "--resume-force",
         },
     )
+    schedule_lookahead: int = field(
+        default=4096,
+        metadata={
+            "help": "Rows read ahead for the scheduler (at least 2x --max-running-requests): with the prefix cache "
+            "it runs the rows among them that share a prompt prefix together, however the file interleaves them.",
+        },
+    )
     flush_every: int = field(default=256, metadata={"help": "Make finished rows durable at least every N rows..."})
     flush_every_seconds: float = field(default=5.0, metadata={"help": "...and at least every S seconds."})
     progress: bool = field(default=True, metadata={"help": "Show a progress bar on stderr."})
@@ -48,6 +55,8 @@ class JobOptions:
         """
         if self.on_error not in ON_ERROR:
             raise BatchgenError(f"--on-error must be fail or skip, got '{self.on_error}'")
+        if self.schedule_lookahead < 1:
+            raise BatchgenError(f"--schedule-lookahead must be >= 1, got {self.schedule_lookahead}")
         if self.flush_every < 1:
             raise BatchgenError(f"--flush-every must be >= 1, got {self.flush_every}")
         if not self.flush_every_seconds > 0:

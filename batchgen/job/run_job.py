@@ -161,6 +161,8 @@ class RunJob:
                 remove_partial_dir(self.output.dir)
         self.summary.seconds = time.perf_counter() - start
         self.summary.preemptions = self.engine.scheduler.num_retracted
+        if self.engine.options.prefix_cache:
+            self.summary.cached_share = self.engine.stats.cached_share or 0.0
         self.summary.accept_histogram = dict(self.engine.scheduler.accept_histogram)
 
     def _generate(self, stop: StopRequest, bar: tqdm, start: float) -> None:
@@ -169,7 +171,7 @@ class RunJob:
         last_flush = time.monotonic()
         rates = RecentRates(start)  # the engine is this job's: its token counts start at 0
         rows = self._requests(bar)
-        lookahead = 2 * self.engine.max_running_requests
+        lookahead = max(self.job.schedule_lookahead, 2 * self.engine.max_running_requests)
         input_left = True
         while (input_left or self.engine.has_work()) and stop.signum is None:
             while input_left and len(self.engine.scheduler.waiting) < lookahead:
@@ -185,7 +187,9 @@ class RunJob:
             if self.job.progress:
                 stats = self.engine.stats
                 prefill, decode = rates.update(time.perf_counter(), stats.prefill_tokens, stats.decode_tokens)
-                bar.set_postfix_str(f"prefill {prefill:.0f} tok/s, decode {decode:.0f} tok/s", refresh=False)
+                share = self.engine.stats.cached_share if self.engine.options.prefix_cache else None
+                cached = f", cache {100 * share:.0f} %" if share is not None else ""
+                bar.set_postfix_str(f"prefill {prefill:.0f} tok/s, decode {decode:.0f} tok/s{cached}", refresh=False)
             overdue = time.monotonic() - last_flush >= self.job.flush_every_seconds
             if len(self._pending_rows) >= self.job.flush_every or overdue:
                 self._flush()

@@ -27,6 +27,8 @@ class RunSummary:
     interrupted_by: str = ""
     # False when the run ended with no row to write (every row bad under --on-error fail): no output file then.
     output_written: bool = True
+    # Share of the prompt tokens admitted for prefill that the prefix cache gave; None with the cache off.
+    cached_share: float | None = None
     # Speculative decoding: decode rounds of one request by the tokens they emitted (1 … K + 1).
     accept_histogram: dict[int, int] = field(default_factory=dict)
 
@@ -39,7 +41,14 @@ class RunSummary:
             f"{self.prompt_tokens} prompt + "
             f"{self.output_tokens} output tokens in {self.seconds:.1f} s, {rate:.1f} output tok/s, "
             f"{counted(self.preemptions, 'preemption')}"
+            f"{prefix_cache_summary(self.cached_share)}"
         ) + speculative_summary(self.accept_histogram)
+
+
+def prefix_cache_summary(share: float | None) -> str:
+    """``, prefix cache 91 % of prompt tokens``: the share of prefill tokens the cache served; empty with the
+    cache off (``None``)."""
+    return "" if share is None else f", prefix cache {100 * share:.0f} % of prompt tokens"
 
 
 def mean_accept_length(histogram: dict[int, int]) -> float | None:

@@ -23,6 +23,7 @@ from batchgen.loop.kv_cache import KVCache
 from batchgen.loop.kv_pool import KVSlotAllocator, TokenToKVPool
 from batchgen.loop.model_runner import ModelRunner
 from batchgen.loop.options import DTYPE_NAMES, EngineOptions, pick_device
+from batchgen.loop.radix_cache import RadixCache
 from batchgen.loop.req import Req
 from batchgen.loop.schedule_batch import ScheduleBatch
 from batchgen.loop.scheduler import Scheduler, SchedulerOptions
@@ -158,7 +159,9 @@ class Engine:
             verify_tokens=options.speculative_num_draft_tokens + 1 if options.speculative_algorithm else 0,
             switches=self.switches,
         )
-        self.kv_cache = KVCache(self.runner.req_to_token_pool, KVSlotAllocator(pool_size))
+        allocator = KVSlotAllocator(pool_size)
+        radix_cache = RadixCache(allocator) if options.prefix_cache else None
+        self.kv_cache = KVCache(self.runner.req_to_token_pool, allocator, radix_cache)
         self.scheduler = Scheduler(
             SchedulerOptions(
                 max_running_requests=self.max_running_requests,
@@ -218,6 +221,7 @@ class Engine:
         else:
             self.stats.decode_tokens += batch.num_decode_rows
             self.stats.prefill_tokens += sum(batch.extend_lens) - batch.num_decode_rows
+        self.stats.cached_tokens += batch.cached_tokens
         return finished
 
     def _observe_round_cost(self, batch: ScheduleBatch, started: float) -> None:

@@ -4,11 +4,12 @@ Every write to ``req_to_token`` and every free of a request row or a KV slot goe
 scheduler and ``ScheduleBatch.prepare`` ask it for rows and slots and never index the table themselves (as
 SGLang's and mini-sglang's schedulers ask their cache). Page size is 1 token.
 
-A slot is reference counted (:class:`KVSlotAllocator`): it holds K/V while any request row holds it, so the
-``n`` samples of one prompt share the prompt's slots (:meth:`KVCache.fork`). A cache of token prefixes (SGLang's
-``RadixCache``: a tree whose nodes own slots and count the requests reading them) fits the same shape: it would
-be one more holder of slots, matched against a prompt before :meth:`KVCache.allocate`, and unlocked, not freed,
-by :meth:`KVCache.release`.
+A slot is reference counted (:class:`KVSlotAllocator`): it holds K/V while any request row, or the prefix cache
+(:class:`RadixCache`), holds it. The ``n`` samples of one prompt share the prompt's slots (:meth:`KVCache.fork`);
+a request admitted with a cached prefix reads the tree's slots for it (:meth:`KVCache.match`), and what it
+computes joins the tree (:meth:`KVCache.cache`). Each request row locks the tree path it reads or added, so
+that every slot it shares with the tree lies on a locked path: unlocked tree slots are held by the tree alone,
+and :meth:`available` can count them as free (they are evicted when :meth:`allocate` needs them).
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ from collections.abc import Sequence
 import torch
 
 from batchgen.loop.kv_pool import KVSlotAllocator, ReqToTokenPool
+from batchgen.loop.radix_cache import RadixCache, TreeNode
 
 
 class KVCache:
-    """Request rows (``req_to_token_pool``) and KV slots (``allocator``) of one model's pools.
+    """Request rows (``req_to_token_pool``) and KV slots (``allocator``) of one model's pools, and its prefix
+    cache (``radix_cache``; ``None`` when off).
 
     Position ``p`` of request row ``r`` is ``req_to_token[r, p]``; a request of ``length`` tokens with K/V holds
     positions ``0..length - 1`` of its row (callers keep ``length``: ``Req.kv_len`` for the target model).
@@ -31,9 +34,13 @@ class KVCache:
             :meth:`available_rows` and :meth:`available` first).
     """
 
-    def __init__(self, req_to_token_pool: ReqToTokenPool, allocator: KVSlotAllocator) -> None:
+    def __init__(
+        self, req_to_token_pool: ReqToTokenPool, allocator: KVSlotAllocator, radix_cache: RadixCache | None = None
+    ) -> None:
         self.req_to_token_pool = req_to_token_pool
         self.allocator = allocator
+        self.radix_cache = radix_cache
+        self._locks: dict[int, TreeNode] = {}  # request row → the tree node whose path it has locked
 
     @property
     def size(self) -> int:
@@ -41,8 +48,9 @@ class KVCache:
         return self.allocator.size
 
     def available(self) -> int:
-        """KV slots that no request holds."""
-        return self.allocator.available()
+        """KV slots that no request holds: free ones, and those only the prefix cache holds (evictable)."""
+        evictable = self.radix_cache.evictable_size if self.radix_cache is not None else 0
+        return self.allocator.available() + evictable
 
     def available_rows(self) -> int:
         """Request rows that no request holds."""
@@ -61,18 +69,50 @@ class KVCache:
         Returns:
             ``out_cache_loc``: int64 ``[T]`` on the CPU, the slots the forward writes the tokens' K/V to.
         """
+        short = positions.numel() - self.allocator.available()
+        if short > 0 and self.radix_cache is not None:
+            self.radix_cache.evict(short)
         slots = self.allocator.alloc(positions.numel())
         table = self.req_to_token_pool.req_to_token
         table[torch.tensor(rows, device=table.device), positions.to(table.device)] = slots.to(table.device)
         return slots
 
+    def match_len(self, tokens: Sequence[int]) -> int:
+        """How many leading ``tokens`` the prefix cache holds (0 without one); reserves nothing."""
+        return self.radix_cache.match_len(tokens) if self.radix_cache is not None else 0
+
+    def match(self, row: int, tokens: Sequence[int]) -> int:
+        """Point the first positions of ``row`` (a fresh request row) at the cached K/V of the longest cached
+        prefix of ``tokens``, hold those slots and lock their path; return the prefix's length (0 without a
+        cache)."""
+        if self.radix_cache is None:
+            return 0
+        slots, node = self.radix_cache.match_prefix(tokens)
+        if slots.numel():
+            table = self.req_to_token_pool.req_to_token
+            table[row, : slots.numel()] = slots.to(table.device)
+            self.allocator.share(slots)
+        self._lock(row, node)
+        return int(slots.numel())
+
+    def cache(self, row: int, tokens: Sequence[int]) -> None:
+        """Put ``tokens``, whose K/V are at the first ``len(tokens)`` positions of ``row``, into the prefix cache
+        (no-op without one), and move the row's lock to their path: later requests starting with them hit."""
+        if self.radix_cache is None:
+            return
+        slots = self.req_to_token_pool.req_to_token[row, : len(tokens)]
+        self._lock(row, self.radix_cache.insert(tokens, slots))
+
     def fork(self, parent_row: int, length: int, child_row: int) -> None:
         """Give ``child_row`` the slots of the first ``length`` positions of ``parent_row`` (one more holder
-        each): an ``n > 1`` sample reads its prompt's K/V without a copy."""
+        each) and the parent's lock: an ``n > 1`` sample reads its prompt's K/V without a copy. With a prefix
+        cache the parent has cached its prompt first, so this is the sample's match of it in the tree."""
         table = self.req_to_token_pool.req_to_token
         slots = table[parent_row, :length]
         table[child_row, :length] = slots
         self.allocator.share(slots)
+        if parent_row in self._locks:
+            self._lock(child_row, self._locks[parent_row])
 
     def truncate(self, row: int, keep: int, length: int) -> None:
         """Let go of positions ``keep..length - 1`` of ``row`` (rejected drafts): their slots are free once no
@@ -83,4 +123,17 @@ class KVCache:
         """Let go of the first ``length`` positions of ``row`` and of the row itself (a finished or retracted
         request; ``length`` 0 for a row reserved but never filled)."""
         self.truncate(row, 0, length)
+        self._unlock(row)
         self.req_to_token_pool.free(row)
+
+    def _lock(self, row: int, node: TreeNode) -> None:
+        """Make ``node`` the one tree node ``row`` locks (lock first: the old path may share nodes with it)."""
+        assert self.radix_cache is not None
+        self.radix_cache.lock(node)
+        self._unlock(row)
+        self._locks[row] = node
+
+    def _unlock(self, row: int) -> None:
+        node = self._locks.pop(row, None)
+        if node is not None and self.radix_cache is not None:
+            self.radix_cache.unlock(node)

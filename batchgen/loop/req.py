@@ -74,6 +74,23 @@ class Req:
         token left to prefill is still prefilling: the round that finishes it may also fork its samples.)"""
         return self.num_pending == 1 and self.kv_len >= len(self.prompt_ids)
 
+    def fill_ids(self, end: int) -> list[int]:
+        """The first ``end`` tokens of prompt + outputs."""
+        prompt_len = len(self.prompt_ids)
+        if end <= prompt_len:
+            return self.prompt_ids[:end]
+        return self.prompt_ids + self.output_ids[: end - prompt_len]
+
+    @property
+    def match_limit(self) -> int:
+        """The most leading tokens a cached prefix may give this request at admission: all but the last
+        pending one, whose logits give the next token; no further than its prompt logprobs reach, when it asks
+        for them, since a cached position yields no logits."""
+        limit = self.fill_len - 1
+        if self.params.prompt_logprobs is not None:
+            limit = min(limit, len(self.prompt_logprobs))
+        return limit
+
     def pending_ids(self, count: int) -> list[int]:
         """The next ``count`` tokens that need K/V, from prompt then outputs."""
         start, end = self.kv_len, self.kv_len + count

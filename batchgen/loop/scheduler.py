@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 import itertools
-import math
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
 from batchgen.loop.drafter import Drafter, RoundDrafts, accepted_length
 from batchgen.loop.forward_mode import ForwardMode
 from batchgen.loop.kv_cache import KVCache
+from batchgen.loop.prefill_adder import PrefillAdder
 from batchgen.loop.req import Req
 from batchgen.loop.round_cost import RoundCostModel
 from batchgen.loop.round_output import RoundTokens, record_prompt_logprobs
 from batchgen.loop.schedule_batch import ScheduleBatch
 from batchgen.loop.stop_checker import finalize_text
+from batchgen.loop.waiting_queue import WaitingQueue
 from batchgen.models.logits_processor import LogitsProcessorOutput
 from batchgen.sampling.sampler import SampleOutput
 
@@ -43,8 +44,9 @@ class SchedulerOptions:
 class Scheduler:
     """Holds the waiting queue and the running requests, and turns them into one ``ScheduleBatch`` a round.
 
-    Policy: requests are admitted first come, first served while there is a free request row, prefill token
-    budget and KV room; every running request decodes every round. When the KV pool cannot hold the next
+    Policy: waiting requests are admitted in the ``WaitingQueue``'s order (longest cached prefix first with a
+    prefix cache, else first come, first served) while there is a free request row, prefill token budget and KV
+    room (``PrefillAdder``); every running request decodes every round. When the KV pool cannot hold the next
     round, the most recently admitted request is retracted: its KV is freed and it goes back to the front of
     the queue, keeping its outputs, to be recomputed later (its pending tokens become prompt + outputs).
     A finished request frees its request row and KV at once.
@@ -68,7 +70,7 @@ class Scheduler:
         self.options = options
         self.kv_cache = kv_cache
         self.tokenizer = tokenizer
-        self.waiting: deque[Req] = deque()
+        self.waiting = WaitingQueue(by_prefix=kv_cache.radix_cache is not None)
         self.running: list[Req] = []
         self.num_retracted = 0
         self.drafter = drafter
@@ -82,13 +84,13 @@ class Scheduler:
         self.waiting.append(req)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(len(self.waiting) or self.running)
 
     def next_batch(self) -> ScheduleBatch | None:
         """The next round, or ``None`` when nothing is waiting or running."""
         while True:
             decodes = self._make_room_for_decodes()
-            prefill_reqs, prefill_lens = self._prefill_rows(reserved=len(decodes))
+            prefill_reqs, prefill_lens, cached = self._prefill_rows(reserved=len(decodes))
             if decodes or prefill_reqs or len(self.running) <= 1:
                 break
             # Only partly prefilled requests hold the pool and none can grow: free the newest.
@@ -103,6 +105,7 @@ class Scheduler:
             batch = self._decode_batch(decodes)
         else:
             return None
+        batch.cached_tokens = cached
         self._fork_samples(batch)
         return batch
 
@@ -113,6 +116,7 @@ class Scheduler:
         requests; return those that finished."""
         if logits_output is not None and logits_output.prompt_logprobs is not None:
             record_prompt_logprobs(batch, logits_output)
+        self._cache_prefills(batch)
         self._share_prompt_kv(batch)
         tokens = RoundTokens.from_sample(result)
         finished = []
@@ -173,6 +177,14 @@ class Scheduler:
             req.unforked_samples, req.fork_rows = 0, []
         batch.sampled = sampled
 
+    def _cache_prefills(self, batch: ScheduleBatch) -> None:
+        """Put the tokens the round's prefill rows computed into the prefix cache: a request that shares them
+        hits from the next round on, while this one is still running (and before its samples fork, which
+        share its lock)."""
+        for req in batch.reqs[: len(batch.reqs) - batch.num_decode_rows]:
+            assert req.req_pool_idx is not None
+            self.kv_cache.cache(req.req_pool_idx, req.fill_ids(req.kv_len))
+
     def _share_prompt_kv(self, batch: ScheduleBatch) -> None:
         """After a forking round: give each new sample the prompt's KV slots and its prompt logprobs, and
         start running it."""
@@ -203,61 +215,35 @@ class Scheduler:
         self.num_retracted += 1
 
     def _release(self, req: Req) -> None:
+        """Free the request's rows and KV; what it computed stays in the prefix cache (a finished request's
+        prompt and output, a retracted one's prefix, which its recompute then mostly hits)."""
         assert req.req_pool_idx is not None
         if self.drafter is not None:
             self.drafter.release(req)
+        self.kv_cache.cache(req.req_pool_idx, req.fill_ids(req.kv_len))
         self.kv_cache.release(req.req_pool_idx, req.kv_len)
         for row in req.fork_rows:
             self.kv_cache.release(row, 0)
         req.req_pool_idx, req.fork_rows = None, []
 
-    def _decode_reserve(self, reqs: list[Req]) -> int:
-        remaining = sum(max(0, r.params.max_new_tokens - len(r.output_ids)) * (1 + r.unforked_samples) for r in reqs)
-        return math.ceil(remaining * self.options.new_token_ratio)
-
-    def _prefill_rows(self, reserved: int) -> tuple[list[Req], list[int]]:
-        """Chunks to prefill this round: unfinished chunked prefills first, then newly admitted requests.
-
-        KV room is checked for a request's *whole* pending tokens: chunking splits a prompt's compute over
-        rounds, not its memory (as SGLang's admission does). A partly prefilled request whose rest does not fit
-        waits for decodes to finish or to retract something; splitting it by the room left would let it be
-        retracted again and again, one token short, while the decodes that block it never run.
-        """
+    def _prefill_rows(self, reserved: int) -> tuple[list[Req], list[int], int]:
+        """Chunks to prefill this round (see ``PrefillAdder``), and the prompt tokens the prefix cache gave the
+        requests admitted now."""
         opts = self.options
         chunk = opts.chunked_prefill_size
-        budget = min(opts.max_prefill_tokens, chunk) if chunk > 0 else opts.max_prefill_tokens
-        room = self.kv_cache.available() - reserved
-        reqs: list[Req] = []
-        lens: list[int] = []
-        for req in self.running:
-            if not req.is_decoding and budget > 0 and req.num_pending <= room:
-                n = min(req.num_pending, budget)
-                reqs.append(req)
-                lens.append(n)
-                budget, room = budget - n, room - req.num_pending
-        while self.waiting and budget > 0:
-            req = self.waiting[0]
-            # An n > 1 request reserves a request row, and a place among the running, for each sample.
-            rows = 1 + req.unforked_samples
-            if len(self.running) + rows > opts.max_running_requests or self.kv_cache.available_rows() < rows:
-                break
-            need = req.num_pending
-            # Keep room for the decodes of everything already running and of this request, unless it would
-            # run alone: then it must be admitted for the job to make progress.
-            free = room if not self.running else room - self._decode_reserve([*self.running, req])
-            if need > free:
-                break
-            if chunk == 0 and need > budget and reqs:
-                break  # whole prompts only; one longer than max_prefill_tokens gets a round of its own
-            n = need if chunk == 0 else min(need, budget)
-            self.waiting.popleft()
-            pool_rows = self.kv_cache.allocate_rows(rows)
-            req.req_pool_idx, req.fork_rows = pool_rows[0], pool_rows[1:]
-            self.running.append(req)
-            reqs.append(req)
-            lens.append(n)
-            budget, room = budget - n, room - need
-        return reqs, lens
+        adder = PrefillAdder(
+            self.kv_cache,
+            self.running,
+            self.waiting,
+            opts.max_running_requests,
+            budget=min(opts.max_prefill_tokens, chunk) if chunk > 0 else opts.max_prefill_tokens,
+            chunk=chunk,
+            reserved=reserved,
+            new_token_ratio=opts.new_token_ratio,
+        )
+        adder.add_chunked()
+        adder.add_waiting()
+        return adder.reqs, adder.lens, adder.cached_tokens
 
 
 def _draw_plan(batch: ScheduleBatch) -> list[tuple[Req, int, int, RoundDrafts | None, bool]]:

@@ -38,6 +38,8 @@ def test_greedy_equals_hf_with_chunking_and_preemption(
             "150",
             "--max-running-requests",
             "16",
+            # In arrival order this pool forces a preemption; tests/e2e/test_prefix_cache.py preempts with the cache.
+            "--no-prefix-cache",
         )
     )
     assert code == 0, output

@@ -139,7 +139,8 @@ def test_prompt_is_prefilled_once_and_every_slot_is_freed(random_models: dict[st
     while engine.has_work():
         batch = engine.scheduler.next_batch()
         assert batch is not None
-        prefill_tokens += sum(batch.extend_lens) - batch.num_decode_rows
+        # Prompt tokens computed, or given by the prefix cache (the prompts share their first token).
+        prefill_tokens += sum(batch.extend_lens) - batch.num_decode_rows + batch.cached_tokens
         assert len(engine.scheduler.running) + sum(len(r.fork_rows) for r in engine.scheduler.running) <= 8
         worker = batch.prepare(engine.kv_cache, engine.vocab_size, engine.device)
         logits = engine.runner.forward(ForwardBatch.init_new(worker, engine.runner))

@@ -1,0 +1,141 @@
+"""``PrefillAdder``: which prefill chunks join a round (SGLang's ``PrefillAdder``, in its ``schedule_policy.py``).
+
+Partly prefilled requests go first, then waiting requests are admitted in the ``WaitingQueue``'s order while
+there is a free request row, prefill token budget and KV room. An admitted request first takes the longest
+cached prefix of its tokens from the prefix cache (``KVCache.match``) and prefills only the rest.
+
+In-batch prefix sharing: a waiting request whose prompt shares at least ``SHARED_PREFIX_MIN`` more tokens with
+a request still prefilling than the cache holds waits for that request to finish its prefill (its K/V then
+joins the cache) instead of computing the same prefix beside it (SGLang's in-batch prefix caching).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from batchgen.loop.kv_cache import KVCache
+from batchgen.loop.req import Req
+from batchgen.loop.waiting_queue import WaitingQueue
+
+# A shared prefix shorter than this is not worth a round's wait (SGLang's in-batch threshold is 32 tokens too).
+SHARED_PREFIX_MIN = 32
+
+
+class PrefillAdder:
+    """Builds one round's prefill rows (``reqs``, each taking ``lens`` tokens) and counts the prompt tokens the
+    prefix cache gave the requests it admitted (``cached_tokens``).
+
+    Args:
+        kv_cache: the target model's rows, slots and prefix cache.
+        running: the running requests; admitted ones are appended to it.
+        waiting: the waiting requests; admitted ones are removed from it.
+        max_running_requests: requests holding KV at once (an ``n > 1`` request counts ``n`` times).
+        budget: prompt tokens this round may prefill; chunk: longest chunk per request, 0 for whole prompts.
+        reserved: KV slots already promised to this round's decodes.
+        new_token_ratio: see ``SchedulerOptions``.
+    """
+
+    def __init__(
+        self,
+        kv_cache: KVCache,
+        running: list[Req],
+        waiting: WaitingQueue,
+        max_running_requests: int,
+        budget: int,
+        chunk: int,
+        reserved: int,
+        new_token_ratio: float,
+    ) -> None:
+        self.kv_cache = kv_cache
+        self.running = running
+        self.waiting = waiting
+        self.max_running_requests = max_running_requests
+        self.budget = budget
+        self.chunk = chunk
+        self.used = reserved  # slots promised this round (decodes, and whole pending tokens of each prefill)
+        self.new_token_ratio = new_token_ratio
+        self.reqs: list[Req] = []
+        self.lens: list[int] = []
+        self.cached_tokens = 0
+
+    def add_chunked(self) -> None:
+        """Continue the running requests' unfinished prefills.
+
+        KV room is checked for a request's *whole* pending tokens: chunking splits a prompt's compute over
+        rounds, not its memory (as SGLang's admission does). A partly prefilled request whose rest does not fit
+        waits for decodes to finish or to retract something; splitting it by the room left would let it be
+        retracted again and again, one token short, while the decodes that block it never run.
+        """
+        for req in self.running:
+            if not req.is_decoding and self.budget > 0 and req.num_pending <= self.kv_cache.available() - self.used:
+                self._take(req, min(req.num_pending, self.budget))
+
+    def add_waiting(self) -> None:
+        """Admit waiting requests in the queue's order until one does not fit (an ``n > 1`` request reserves a
+        request row, and a place among the running, for each sample)."""
+        if self.budget <= 0 or not len(self.waiting) or not self._rows_free(1):
+            return
+        if self.kv_cache.radix_cache is None:
+            candidates = [(req, 0) for req in self.waiting.in_order()]
+        else:
+            candidates = self.waiting.by_cached_match(self.kv_cache.match_len)
+        prefilling = [r for r in self.running if not r.is_decoding]
+        for req, match in candidates:
+            if self.budget <= 0:
+                break
+            rows = 1 + req.unforked_samples
+            if not self._rows_free(rows):
+                break
+            if prefilling and _waits_for_shared_prefix(req, min(match, req.match_limit), prefilling):
+                continue
+            if not self._admit(req, rows):
+                break
+            prefilling.append(req)
+
+    def _admit(self, req: Req, rows: int) -> bool:
+        """Give ``req`` its request rows and its cached prefix, and take its first chunk, if its pending tokens
+        fit; else undo and return False."""
+        pool_rows = self.kv_cache.allocate_rows(rows)
+        req.req_pool_idx, req.fork_rows = pool_rows[0], pool_rows[1:]
+        req.kv_len = self.kv_cache.match(pool_rows[0], req.fill_ids(req.match_limit))
+        need = req.num_pending
+        room = self.kv_cache.available() - self.used
+        # Keep room for the decodes of everything already running and of this request, unless it would run
+        # alone: then it must be admitted for the job to make progress.
+        free = room - self._decode_reserve([*self.running, req]) if self.running else room
+        # Whole prompts only without chunking; one longer than the budget gets a round of its own.
+        whole_too_long = self.chunk == 0 and need > self.budget and bool(self.reqs)
+        if need > free or whole_too_long:
+            for row, length in zip(pool_rows, [req.kv_len, *[0] * (rows - 1)]):
+                self.kv_cache.release(row, length)
+            req.req_pool_idx, req.fork_rows, req.kv_len = None, [], 0
+            return False
+        self.waiting.remove(req)
+        self.running.append(req)
+        self.cached_tokens += req.kv_len
+        self._take(req, need if self.chunk == 0 else min(need, self.budget))
+        return True
+
+    def _take(self, req: Req, n: int) -> None:
+        self.reqs.append(req)
+        self.lens.append(n)
+        self.budget -= n
+        self.used += req.num_pending
+
+    def _rows_free(self, rows: int) -> bool:
+        return len(self.running) + rows <= self.max_running_requests and self.kv_cache.available_rows() >= rows
+
+    def _decode_reserve(self, reqs: list[Req]) -> int:
+        remaining = sum(max(0, r.params.max_new_tokens - len(r.output_ids)) * (1 + r.unforked_samples) for r in reqs)
+        return math.ceil(remaining * self.new_token_ratio)
+
+
+def _waits_for_shared_prefix(req: Req, cached: int, prefilling: Sequence[Req]) -> bool:
+    """Whether ``req``'s prompt shares ``SHARED_PREFIX_MIN`` tokens past its ``cached`` ones with the prompt of
+    a request still prefilling."""
+    want = cached + SHARED_PREFIX_MIN
+    if len(req.prompt_ids) <= want:
+        return False
+    head = req.prompt_ids[:want]
+    return any(p.prompt_ids[:want] == head for p in prefilling)
