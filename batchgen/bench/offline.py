@@ -12,20 +12,23 @@ import torch
 from batchgen.bench.model_costs import generation_flops
 from batchgen.bench.probes import Ceilings, measure_ceilings
 from batchgen.bench.workload import Workload
-from batchgen.loop.engine import Engine, dtype_name
+from batchgen.loop.engine import Engine, RoundStats, dtype_name
 from batchgen.loop.req import Req
 from batchgen.sampling.sampling_params import SamplingParams
 
 
 @dataclass
 class ThroughputResult:
-    """Totals of one system on one workload; rates are per wall-clock second."""
+    """Totals of one system on one workload; rates are per wall-clock second. ``prefix_cache_share``: the share
+    of the prompt tokens admitted for prefill whose K/V the engine's prefix cache served (``None`` where there is
+    no prefix cache: the cache turned off, or a baseline)."""
 
     system: str
     requests: int
     input_tokens: int
     output_tokens: int
     seconds: float
+    prefix_cache_share: float | None = None
 
     @property
     def output_throughput(self) -> float:
@@ -37,7 +40,11 @@ class ThroughputResult:
             f"{self.system:>16}: {self.requests / s:7.2f} req/s | input {self.input_tokens / s:8.1f} tok/s | "
             f"output {self.output_tokens / s:8.1f} tok/s | total {(self.input_tokens + self.output_tokens) / s:8.1f} "
             f"tok/s | {s:7.2f} s"
-        )
+        ) + self._prefix_cache()
+
+    def _prefix_cache(self) -> str:
+        share = self.prefix_cache_share
+        return "" if share is None else f" | prefix cache {share * 100:.0f} % of prompt tokens"
 
     def as_dict(self) -> dict[str, Any]:
         """The totals and the four rates the result line shows (SGLang's ``bench_offline_throughput`` names)."""
@@ -92,7 +99,9 @@ def measure_roofline(engine: Engine, workload: Workload, earlier: Ceilings | Non
 
 
 def run_engine(engine: Engine, workload: Workload) -> ThroughputResult:
-    """All prompts through the engine's scheduler loop (greedy, EOS ignored, no logprobs), timed end to end."""
+    """All prompts through the engine's scheduler loop (greedy, EOS ignored, no logprobs), timed end to end; with
+    the engine's prefix cache on, the share of prompt tokens it served in this run (``engine.stats`` counts every
+    run of the engine: this run's share is of the counts' growth)."""
     params = SamplingParams(max_new_tokens=workload.output_len, temperature=0.0, ignore_eos=True, logprobs=False)
     for i, prompt in enumerate(workload.prompts):
         engine.add(
@@ -105,6 +114,7 @@ def run_engine(engine: Engine, workload: Workload) -> ThroughputResult:
                 max_total_len=engine.context_len,
             )
         )
+    before = (engine.stats.cached_tokens, engine.stats.prefill_tokens)
     start = time.perf_counter()
     finished = 0
     output_tokens = 0
@@ -113,7 +123,12 @@ def run_engine(engine: Engine, workload: Workload) -> ThroughputResult:
             finished += 1
             output_tokens += len(req.output_ids)
     _synchronize(engine.device)
-    return ThroughputResult("batchgen", finished, workload.input_tokens, output_tokens, time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    run = RoundStats(
+        cached_tokens=engine.stats.cached_tokens - before[0], prefill_tokens=engine.stats.prefill_tokens - before[1]
+    )
+    share = run.cached_share if engine.options.prefix_cache else None
+    return ThroughputResult("batchgen", finished, workload.input_tokens, output_tokens, seconds, share)
 
 
 def _synchronize(device: torch.device) -> None:

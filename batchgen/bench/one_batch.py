@@ -37,9 +37,12 @@ class OneBatchResult:
     """One case. Latencies in seconds, throughputs in tokens/s, bandwidth in GB/s, compute in TFLOP/s;
     ``*_fraction`` is the share of the measured ceiling (``matmul_ceiling_tflops``, ``copy_ceiling_gbs``). The
     decode figures are ``None`` for ``output_len`` 1 (the prefill samples the only token: no decode step is
-    timed)."""
+    timed). ``input_len`` tokens per request are prefilled in the timed round, after ``prefix_len`` tokens whose
+    K/V are already in the pool (an untimed earlier round, as a prefix cache hit leaves them): the prefill figures
+    count the ``input_len`` tokens only."""
 
     batch_size: int
+    prefix_len: int
     input_len: int
     output_len: int
     prefill_latency: float
@@ -77,7 +80,8 @@ class OneBatchResult:
 
     def line(self) -> str:
         return (
-            f"bs={self.batch_size} in={self.input_len} out={self.output_len} | "
+            f"bs={self.batch_size}{f' prefix={self.prefix_len}' if self.prefix_len else ''} in={self.input_len} "
+            f"out={self.output_len} | "
             f"prefill {self.prefill_latency * 1e3:.1f} ms "
             f"{self.prefill_throughput:.0f} tok/s ({self.prefill_tflops:.3f} TFLOP/s, "
             f"{self.prefill_flops_fraction:.0%} of peak) | {self._decode()} | total "
@@ -202,13 +206,26 @@ class OneBatchRunner:
             decode_times.append(elapsed)
         return decode_times, decode_bytes_total
 
-    def run_case(self, batch_size: int, input_len: int, output_len: int, ceilings: Ceilings) -> OneBatchResult:
-        """Prefill ``batch_size`` prompts of ``input_len`` tokens in one EXTEND round, then decode."""
+    def prefill(self, reqs: list[Req], prefix_len: int = 0) -> tuple[float, torch.Tensor, SampleOutput]:
+        """An untimed EXTEND round of each prompt's first ``prefix_len`` tokens (none for 0), then the timed EXTEND
+        round of the rest over that prefix (``extend_prefix_lens`` = ``prefix_len``), which samples each request's
+        first token; its seconds, last-position logits (float ``[len(reqs), vocab]``) and sample."""
+        if prefix_len:
+            self.run_round(ScheduleBatch(ForwardMode.EXTEND, reqs, [prefix_len] * len(reqs)))
+        # Built before timing: a ScheduleBatch notes at construction which rows sample.
+        rest = ScheduleBatch(ForwardMode.EXTEND, reqs, [len(r.prompt_ids) - prefix_len for r in reqs])
+        elapsed, (logits, out) = self._timed(lambda: self.run_round(rest))
+        return elapsed, logits, out
+
+    def run_case(
+        self, batch_size: int, input_len: int, output_len: int, ceilings: Ceilings, prefix_len: int = 0
+    ) -> OneBatchResult:
+        """Prefill ``batch_size`` prompts of ``input_len`` tokens in one EXTEND round (after an untimed round of a
+        ``prefix_len``-token prefix each: :meth:`prefill`), then decode."""
         config = self.engine.runner.model.config
-        reqs = self.make_reqs(batch_size, input_len, output_len)
+        reqs = self.make_reqs(batch_size, prefix_len + input_len, output_len)
         try:
-            prefill = ScheduleBatch(ForwardMode.EXTEND, reqs, [input_len] * batch_size)
-            prefill_time, out = self._timed(lambda: self.run_round(prefill)[1])
+            prefill_time, _, out = self.prefill(reqs, prefix_len)
             for req, token in zip(reqs, out.next_token_ids.tolist()):
                 req.output_ids.append(token)
             speculative = self.engine.scheduler.drafter is not None
@@ -225,9 +242,10 @@ class OneBatchRunner:
                 batch_size * (output_len - 1) / sum(decode_times) if speculative else batch_size / median
             )
             bandwidth = decode_bytes_total / sum(decode_times)
-        prefill_flops = forward_flops(config, [input_len] * batch_size, [0] * batch_size, batch_size)
+        prefill_flops = forward_flops(config, [input_len] * batch_size, [prefix_len] * batch_size, batch_size)
         return OneBatchResult(
             batch_size=batch_size,
+            prefix_len=prefix_len,
             input_len=input_len,
             output_len=output_len,
             prefill_latency=prefill_time,

@@ -1,4 +1,5 @@
-"""Benchmark workloads: deterministic random-token prompts, or the prompts of a dataset file."""
+"""Benchmark workloads: deterministic random-token prompts (with or without shared prefixes), or the prompts of a
+dataset file."""
 
 from __future__ import annotations
 
@@ -43,9 +44,40 @@ def random_workload(
     prompts = []
     for _ in range(num_prompts):
         length = rng.randint(min_len, max_len)
-        motif = [rng.randrange(vocab_size) for _ in range(rng.randint(4, 16) if repetitive else length)]
+        motif = _random_ids(rng, rng.randint(4, 16) if repetitive else length, vocab_size)
         prompts.append((motif * (length // len(motif) + 1))[:length])
     return Workload(prompts, output_len)
+
+
+def shared_prefix_workload(
+    num_prompts: int,
+    num_groups: int,
+    prefix_len: int,
+    min_len: int,
+    max_len: int,
+    output_len: int,
+    vocab_size: int,
+    seed: int,
+) -> Workload:
+    """``num_groups`` random prefixes of ``prefix_len`` tokens, and ``num_prompts`` prompts: prompt ``i`` is
+    prefix ``i % num_groups`` followed by a random question of a length uniform in ``[min_len, max_len]`` (the
+    groups interleaved, as an evaluation file lists its items; as SGLang's generated-shared-prefix dataset).
+
+    The same for the same arguments: one ``random.Random(seed)`` draws the prefixes' token ids first (prefix by
+    prefix, each ``randrange(vocab_size)``), then per prompt the question's length (``randint(min_len,
+    max_len)``) and its token ids.
+    """
+    rng = random.Random(seed)
+    prefixes = [_random_ids(rng, prefix_len, vocab_size) for _ in range(num_groups)]
+    prompts = []
+    for i in range(num_prompts):
+        length = rng.randint(min_len, max_len)
+        prompts.append(prefixes[i % num_groups] + _random_ids(rng, length, vocab_size))
+    return Workload(prompts, output_len)
+
+
+def _random_ids(rng: random.Random, count: int, vocab_size: int) -> list[int]:
+    return [rng.randrange(vocab_size) for _ in range(count)]
 
 
 def dataset_workload(

@@ -20,7 +20,7 @@ from batchgen.bench.offline import (
     run_hf_generate_batch,
 )
 from batchgen.bench.probes import measure_ceilings
-from batchgen.bench.workload import dataset_workload, random_workload
+from batchgen.bench.workload import Workload, dataset_workload, random_workload, shared_prefix_workload
 from batchgen.cli.options import with_options
 from batchgen.cli.user_errors import user_errors
 from batchgen.errors import BatchgenError
@@ -95,6 +95,33 @@ def _parse_range(text: str) -> tuple[int, int]:
     return low, high
 
 
+def _check_shared_prefix(
+    groups: int | None, length: int | None, dataset: Path | None, repetitive: bool
+) -> tuple[int, int] | None:
+    """``(groups, prefix length)`` of a shared-prefix workload, ``None`` without one.
+
+    Raises:
+        BatchgenError: only one of the two flags, a value below 1, or with --dataset or --repetitive.
+    """
+    if groups is None and length is None:
+        return None
+    if groups is None or length is None:
+        raise BatchgenError("--shared-prefix-groups and --shared-prefix-len go together: give both or neither")
+    for flag, value in (("--shared-prefix-groups", groups), ("--shared-prefix-len", length)):
+        if value < 1:
+            raise BatchgenError(f"{flag} must be >= 1, got {value}")
+    for flag, given in (("--dataset", dataset is not None), ("--repetitive", repetitive)):
+        if given:
+            raise BatchgenError(f"--shared-prefix-groups generates its own prompts: not with {flag}")
+    return groups, length
+
+
+def _shape(workload: Workload, shared: tuple[int, int] | None) -> str:
+    """``64 prompts``, or ``64 prompts in 4 groups sharing a prefix of 768 tokens``."""
+    shape = f"{len(workload.prompts)} prompts"
+    return shape if shared is None else f"{shape} in {shared[0]} groups sharing a prefix of {shared[1]} tokens"
+
+
 @with_options(only=BENCH_ENGINE_OPTIONS, required=("model",))
 def bench(
     options: EngineOptions,
@@ -108,6 +135,14 @@ def bench(
         [], help="Also run hf (generate), hf-cb (generate_batch) and/or plain (the engine without speculation)."
     ),
     repetitive: bool = typer.Option(False, help="Random prompts that repeat a short motif of their own."),
+    shared_prefix_groups: int | None = typer.Option(
+        None,
+        help="Prompts that share prefixes: N random prefixes, prompt i = prefix i % N + a random question of "
+        "--input-len-range tokens (with --shared-prefix-len).",
+    ),
+    shared_prefix_len: int | None = typer.Option(
+        None, help="Tokens of each shared prefix (with --shared-prefix-groups)."
+    ),
     hf_batch_size: int = typer.Option(32, help="Static batch size of the hf baseline."),
     seed: int = typer.Option(0, help="Seed of the random workload."),
     report_memory: bool = typer.Option(False, help="Print the peak resident memory after each system."),
@@ -128,6 +163,7 @@ def bench(
                 "--baseline plain compares speculative decoding with plain decoding: it needs --speculative-algorithm"
             )
         low, high = _parse_range(input_len_range)
+        shared = _check_shared_prefix(shared_prefix_groups, shared_prefix_len, dataset, repetitive)
         for flag, value in (("--num-prompts", num_prompts), ("--output-len", output_len)):
             if value < 1:
                 raise BatchgenError(f"{flag} must be >= 1, got {value}")
@@ -148,14 +184,19 @@ def bench(
                 dataset, engine.tokenizer, engine.vocab_size, engine.context_len, num_prompts, output_len
             )
         else:
-            if high + output_len > engine.context_len:
+            prefix_len = 0 if shared is None else shared[1]
+            if prefix_len + high + output_len > engine.context_len:
+                named = f"--shared-prefix-len {prefix_len} plus " if prefix_len else ""
                 raise BatchgenError(
-                    f"--input-len-range up to {high} plus --output-len {output_len} exceeds the context length "
+                    f"{named}--input-len-range up to {high} plus --output-len {output_len} exceeds the context length "
                     f"{engine.context_len} (the model's, or what --max-total-tokens leaves)"
                 )
-            workload = random_workload(num_prompts, low, high, output_len, engine.vocab_size, seed, repetitive)
+            if shared is None:
+                workload = random_workload(num_prompts, low, high, output_len, engine.vocab_size, seed, repetitive)
+            else:
+                workload = shared_prefix_workload(num_prompts, *shared, low, high, output_len, engine.vocab_size, seed)
         print(
-            f"workload: {len(workload.prompts)} prompts, {workload.input_tokens} input tokens, {output_len} new tokens "
+            f"workload: {_shape(workload, shared)}, {workload.input_tokens} input tokens, {output_len} new tokens "
             f"each, {options.model} in {dtype_name(engine.dtype)} on {engine.device}",
             file=sys.stderr,
         )

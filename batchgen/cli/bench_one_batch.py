@@ -27,6 +27,12 @@ def bench_one_batch(
     batch_size: list[int] = typer.Option([1], help="Batch sizes (several values allowed)."),
     input_len: list[int] = typer.Option([256], help="Prompt lengths in tokens (several values allowed)."),
     output_len: list[int] = typer.Option([32], help="Generated tokens per request (several values allowed)."),
+    prefix_len: int = typer.Option(
+        0,
+        help="Tokens of each prompt already in the KV cache, as a prefix cache hit leaves them: prefilled untimed "
+        "before each case, so the timed prefill computes --input-len tokens over them (its throughput and FLOP/s "
+        "count those only).",
+    ),
     result_file: Path | None = typer.Option(None, help="Append one JSON line per case to this file."),
     correctness_test: bool = typer.Option(
         False, help="Check that a prefill split in two chunks gives the same logits."
@@ -34,20 +40,24 @@ def bench_one_batch(
     warmup: bool = typer.Option(True, help="Run one small case first, untimed."),
 ) -> None:
     """One static batch straight through ForwardBatch → ModelRunner.forward → sample, for every combination of
-    batch size, input and output length: prefill and decode latency, throughput, bandwidth and FLOP/s (with
-    speculative decoding, the decode steps are the engine's verify rounds, and the acceptance is reported)."""
+    batch size, input and output length (after a prefix of --prefix-len tokens already in the KV cache): prefill
+    and decode latency, throughput, bandwidth and FLOP/s (with speculative decoding, the decode steps are the
+    engine's verify rounds, and the acceptance is reported)."""
     with user_errors(), benchmark_interrupts(result_file):
         options.validate()
         for flag, values in (("--batch-size", batch_size), ("--input-len", input_len), ("--output-len", output_len)):
             if min(values) < 1:
                 raise BatchgenError(f"{flag} must be >= 1, got {min(values)}")
+        if prefix_len < 0:
+            raise BatchgenError(f"--prefix-len must be >= 0, got {prefix_len}")
         check_writable(result_file)
         # Prompt + output tokens, as `run`'s context length counts them (the last token is never fed back).
-        longest = max(input_len) + max(output_len)
+        longest = prefix_len + max(input_len) + max(output_len)
         max_positions = int(ModelSource.open(options.model).hf_config.max_position_embeddings)
         if longest > max_positions:
+            prefix = f"--prefix-len {prefix_len} plus " if prefix_len else ""
             raise BatchgenError(
-                f"--input-len {max(input_len)} plus --output-len {max(output_len)} needs {longest} positions; "
+                f"{prefix}--input-len {max(input_len)} plus --output-len {max(output_len)} needs {longest} positions; "
                 f"the model has {max_positions}"
             )
         engine = Engine(
@@ -73,12 +83,12 @@ def bench_one_batch(
         ceilings = measure_ceilings(engine.dtype, engine.device, engine.switches.cpu_prepack)
         print(f"machine: {engine.device}, {ceilings.line(engine.dtype)}")
         if warmup:
-            runner.run_case(min(batch_size), min(16, min(input_len)), 2, ceilings)
+            runner.run_case(min(batch_size), min(16, min(input_len)), 2, ceilings, min(16, prefix_len))
         probed_again = False
         for bs in batch_size:
             for n_in in input_len:
                 for n_out in output_len:
-                    result = runner.run_case(bs, n_in, n_out, ceilings)
+                    result = runner.run_case(bs, n_in, n_out, ceilings, prefix_len)
                     if result.above(ceilings) and not probed_again:
                         # The machine's speed moves (a shared VM's by 20 % within minutes): probe again rather
                         # than print a share of the peak above 100 %. Once: a case that beats the second probe
