@@ -217,6 +217,7 @@ def bench(
                 if name == "plain":
                     # The same engine and weights with the drafter switched off: speculation's own speedup.
                     engine.scheduler.drafter = None
+                    engine.kv_cache.drop_cached()  # as cold as batchgen's own run found it
                     result = replace(run_engine(engine, workload), system="plain")
                 elif name == "hf":
                     result = run_hf_generate(hf_model, workload, hf_batch_size, engine.device)

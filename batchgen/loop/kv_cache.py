@@ -77,6 +77,11 @@ class KVCache:
         table[torch.tensor(rows, device=table.device), positions.to(table.device)] = slots.to(table.device)
         return slots
 
+    def drop_cached(self) -> int:
+        """Evict every cached prefix that no request reads (a cold cache, e.g. before timing another system on
+        the same prompts); return how many slots that freed."""
+        return self.radix_cache.evict(self.radix_cache.evictable_size) if self.radix_cache is not None else 0
+
     def match_len(self, tokens: Sequence[int]) -> int:
         """How many leading ``tokens`` the prefix cache holds (0 without one); reserves nothing."""
         return self.radix_cache.match_len(tokens) if self.radix_cache is not None else 0

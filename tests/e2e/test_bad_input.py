@@ -40,7 +40,7 @@ COMMON = ["--dtype", "float32", "--device", "cpu", "--no-progress"]
 LEFT_OUT_1 = "batchgen: error: 1 bad input row left out (see above; --on-error skip writes them)"
 SUMMARY = re.compile(
     r"^batchgen: (\d+) rows?(?: \(\d+ samples\))? done, (\d+) bad rows?, (\d+) prompt \+ (\d+) output tokens in "
-    r"[\d.]+ s, [\d.]+ output tok/s, (\d+) preemptions?$"
+    r"[\d.]+ s, [\d.]+ output tok/s, (\d+) preemptions?(?:, prefix cache \d+ % of prompt tokens)?$"
 )
 
 

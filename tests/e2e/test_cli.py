@@ -27,7 +27,7 @@ from tests.helpers.cli import run_cli, write_jsonl
 COMMON = ["--dtype", "float32", "--device", "cpu", "--no-progress"]
 SUMMARY = re.compile(
     r"^batchgen: (\d+) rows?(?: \(\d+ samples\))? done, (\d+) bad rows?, (\d+) prompt \+ (\d+) output tokens in "
-    r"([\d.]+) s, ([\d.]+) output tok/s, (\d+) preemptions?$"
+    r"([\d.]+) s, ([\d.]+) output tok/s, (\d+) preemptions?(?:, prefix cache \d+ % of prompt tokens)?$"
 )
 # Every flag of `batchgen run`, as a user types it.
 RUN_FLAGS = {
@@ -74,6 +74,9 @@ RUN_FLAGS = {
     "--max-prefill-tokens",
     "--max-running-requests",
     "--attention-backend",
+    "--prefix-cache",
+    "--no-prefix-cache",
+    "--schedule-lookahead",
     "--enable-mixed-chunk",
     "--disable-mixed-chunk",
     "--on-error",

@@ -25,10 +25,18 @@ def test_prompt_logprobs_equal_hf(random_models: dict[str, Path], tmp_path: Path
                 "temperature": 0,
             }
         )
+    # Rows that share p4's prompt: with the prefix cache, prompt logprobs are computed at every position anyway.
+    shared = rows[4]["prompt_token_ids"]
+    rows.append(rows[4] | {"id": "p6", "prompt_token_ids": shared + [rng.randrange(2, 300) for _ in range(9)]})
+    rows.append(rows[3] | {"id": "p7", "prompt_token_ids": shared[:20]})
     rows.append({"id": "plain", "prompt": "no prompt logprobs here", "max_new_tokens": 3})
     dataset = write_jsonl(tmp_path / "p.jsonl", rows)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    for flags in (["--chunked-prefill-size", "16"], ["--chunked-prefill-size", "16", "--max-total-tokens", "90"]):
+    for flags in (
+        ["--chunked-prefill-size", "16"],
+        ["--chunked-prefill-size", "16", "--max-total-tokens", "80"],
+        ["--chunked-prefill-size", "16", "--max-total-tokens", "90", "--no-prefix-cache"],
+    ):
         code, output = run_cli(
             run_args(
                 dataset, tmp_path / "o.arrow", model_dir, "--dtype", "float32", "--overwrite", "--no-progress", *flags

@@ -166,3 +166,16 @@ def test_waiting_queue_without_cache_is_first_come_first_served() -> None:
     queue.remove(reqs[2])
     queue.appendleft(reqs[2])
     assert [r.rid for r in queue.in_order()] == ["2", "0", "1", "3", "4"]
+
+
+def test_drop_cached_frees_what_no_request_reads() -> None:
+    cache = KVCache(ReqToTokenPool(4, 16, torch.device("cpu")), KVSlotAllocator(32), None)
+    cache.radix_cache = RadixCache(cache.allocator)
+    reader, done = cache.allocate_rows(2)
+    for row in (reader, done):
+        cache.allocate([row] * 6, torch.arange(6))
+    cache.cache(reader, [1, 2, 3, 4, 5, 6])
+    cache.cache(done, [1, 2, 3, 7, 8, 9])
+    cache.release(done, 6)  # [7, 8, 9] is now held by the tree alone; [1, 2, 3] and [4, 5, 6] are read
+    assert cache.drop_cached() == 3
+    assert cache.allocator.available() == 32 - 6 and cache.available() == 32 - 6
