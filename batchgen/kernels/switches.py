@@ -24,8 +24,6 @@ class KernelSwitches:
 
     # batchgen's C++ paged attention on CPU tensors (and greedy sampling's argmax, built with it).
     cpu_attention_kernel: bool = field(default=True, metadata={"env": "BATCHGEN_CPU_ATTENTION_KERNEL"})
-    # Requests of a round that share a cached prefix attend to it together (with the C++ kernel).
-    cpu_shared_prefix_attention: bool = field(default=True, metadata={"env": "BATCHGEN_CPU_SHARED_PREFIX_ATTENTION"})
     # The fused RMSNorm, SiLU-and-multiply and RoPE of bfloat16 models on the CPU.
     cpu_fused_ops: bool = field(default=True, metadata={"env": "BATCHGEN_CPU_FUSED_OPS"})
     # Float32 GEMM outputs handed to the fused ops unrounded (bfloat16 models whose GEMMs run in float32).

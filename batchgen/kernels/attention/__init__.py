@@ -42,7 +42,7 @@ def create_attention_backend(
     if name == "torch_native" or (name == "auto" and device.type != "cuda"):
         if device.type == "cpu" and switches.cpu_attention_kernel:
             paged_attention_available()  # build the CPU kernel now (once), not inside the first timed round
-        return TorchNativeAttnBackend(switches.cpu_attention_kernel, switches.cpu_shared_prefix_attention)
+        return TorchNativeAttnBackend(switches.cpu_attention_kernel)
     if name == "flashinfer":
         return _create_flashinfer(device, dtype, config)
     if name == "auto" and dtype is not None and config is not None:

@@ -15,7 +15,6 @@ import torch
 from torch.nn import functional as F
 
 from batchgen.kernels.attention.base import AttentionBackend
-from batchgen.kernels.attention.shared_prefix import SharedPrefixPlan, attend_shared_prefixes, plan_shared_prefixes
 from batchgen.kernels.cpu import paged_attention, paged_attention_available, prefill_rows_supported
 
 if TYPE_CHECKING:
@@ -64,7 +63,6 @@ class _MultiTokenRow:
 class _Metadata:
     short: _ShortRows | None
     multi: list[_MultiTokenRow]
-    shared: SharedPrefixPlan | None = None  # requests attended by shared prefix, left out of short and multi
 
 
 def _short_rows(
@@ -104,9 +102,8 @@ class TorchNativeAttnBackend(AttentionBackend):
     the faster.
     """
 
-    def __init__(self, cpu_kernel: bool = True, shared_prefix: bool = True) -> None:
+    def __init__(self, cpu_kernel: bool = True) -> None:
         self.cpu_kernel = cpu_kernel
-        self.shared_prefix = shared_prefix
         self.metadata = _Metadata(None, [])
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
@@ -114,35 +111,21 @@ class TorchNativeAttnBackend(AttentionBackend):
         req_to_token = fb.req_to_token_pool.req_to_token
         # A lookup once built; asked here so that a CUDA run never builds the CPU kernel.
         gather = req_to_token.device.type != "cpu" or not (self.cpu_kernel and paged_attention_available())
-        decode = fb.forward_mode.is_decode()
-        if decode:
-            extend_lens = [1] * fb.batch_size
-            prefix_lens = [s - 1 for s in fb.seq_lens.tolist()]
-        else:
-            assert fb.extend_seq_lens_cpu is not None and fb.extend_prefix_lens_cpu is not None
-            extend_lens, prefix_lens = fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu
-        # Shared prefixes on the CPU kernel's path only: its rows write into a shared output in place.
-        shared = None
-        if self.shared_prefix and not gather:
-            seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
-            shared = plan_shared_prefixes(req_to_token, fb.req_pool_indices_cpu, seq_lens, extend_lens)
-        if decode and shared is None:
+        if fb.forward_mode.is_decode():
             ones = torch.ones_like(fb.seq_lens)
             max_len = fb.max_seq_len if gather else None
             decodes = _short_rows(req_to_token, fb.req_pool_indices, fb.seq_lens, ones.cumsum(0) - 1, ones, max_len, 1)
             self.metadata = _Metadata(decodes, [])
             return
-        grouped = shared.grouped if shared is not None else set()
+        assert fb.extend_seq_lens_cpu is not None and fb.extend_prefix_lens_cpu is not None
         pool = fb.token_to_kv_pool.k_buffer
         all_rows_in_kernel = not gather and prefill_rows_supported(pool.dtype, pool.shape[-1])
         short_rows: list[int] = []
         short_starts: list[int] = []
         multi: list[_MultiTokenRow] = []
         q_start = 0
-        for i, (prefix, extend) in enumerate(zip(prefix_lens, extend_lens)):
-            if i in grouped:
-                pass  # attended by its shared prefix
-            elif extend <= SHORT_ROW_TOKENS or all_rows_in_kernel:
+        for i, (prefix, extend) in enumerate(zip(fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu)):
+            if extend <= SHORT_ROW_TOKENS or all_rows_in_kernel:
                 short_rows.append(i)
                 short_starts.append(q_start)
             else:
@@ -158,8 +141,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         if short_rows:
             device = req_to_token.device
             rows = torch.tensor(short_rows, device=device)
-            lens = [extend_lens[i] for i in short_rows]
-            max_len = max(prefix_lens[i] + extend_lens[i] for i in short_rows)
+            lens = [fb.extend_seq_lens_cpu[i] for i in short_rows]
+            max_len = max(fb.extend_prefix_lens_cpu[i] + fb.extend_seq_lens_cpu[i] for i in short_rows)
             short = _short_rows(
                 req_to_token,
                 fb.req_pool_indices[rows],
@@ -169,11 +152,9 @@ class TorchNativeAttnBackend(AttentionBackend):
                 max_len if gather else None,
                 max(lens),
             )
-        self.metadata = _Metadata(short, multi, shared)
+        self.metadata = _Metadata(short, multi)
 
     def forward_decode(self, q: torch.Tensor, layer_id: int, forward_batch: ForwardBatch) -> torch.Tensor:
-        if self.metadata.shared is not None:  # laid out as a round of one-token extends
-            return self.forward_extend(q, layer_id, forward_batch)
         short = self.metadata.short
         assert short is not None
         if short.padded is None:
@@ -199,8 +180,6 @@ class TorchNativeAttnBackend(AttentionBackend):
             out[padded.token_index[padded.valid]] = attended[padded.valid.flatten()]
         elif short is not None:
             self._attend_in_place(q, layer_id, forward_batch, short, out)
-        if self.metadata.shared is not None:
-            attend_shared_prefixes(q, k_buffer, v_buffer, self.metadata.shared, out)
         return out
 
     @staticmethod
