@@ -388,14 +388,16 @@ def test_backend_same_with_kernel_on_and_off(
         start += e
 
 
-def test_prefill_rows_supported_in_bfloat16_with_avx512_bf16() -> None:
-    """Prefill rows go to the kernel exactly where it takes bfloat16 pairs with vdpbf16ps: bfloat16, head sizes
-    a multiple of 32 up to 256, and a build for a CPU whose flags (``/proc/cpuinfo``) include avx512_bf16."""
+def test_prefill_rows_supported_in_bfloat16_with_avx512_bf16_and_no_amx() -> None:
+    """Prefill rows go to the kernel exactly where it takes bfloat16 pairs with vdpbf16ps and SDPA has no matrix
+    unit to run on: bfloat16, head sizes a multiple of 32 up to 256, and a build for a CPU whose flags
+    (``/proc/cpuinfo``) include avx512_bf16 but not amx_tile."""
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     has_dot = " avx512_bf16" in flags and " avx512bw" in flags
     assert bool(torch.ops.batchgen.has_bf16_dot_product()) == has_dot
-    assert cpu_kernels.prefill_rows_supported(torch.bfloat16, 64) == has_dot
-    assert cpu_kernels.prefill_rows_supported(torch.bfloat16, 256) == has_dot
+    to_kernel = has_dot and " amx_tile" not in flags
+    assert cpu_kernels.prefill_rows_supported(torch.bfloat16, 64) == to_kernel
+    assert cpu_kernels.prefill_rows_supported(torch.bfloat16, 256) == to_kernel
     assert not cpu_kernels.prefill_rows_supported(torch.bfloat16, 80)
     assert not cpu_kernels.prefill_rows_supported(torch.bfloat16, 512)
     assert not cpu_kernels.prefill_rows_supported(torch.float32, 64)

@@ -48,15 +48,24 @@ def paged_attention_available() -> bool:
 
 def prefill_rows_supported(dtype: torch.dtype, head_dim: int) -> bool:
     """Whether rows of many new tokens (prefill chunks) should go to the kernel too: in bfloat16 on a CPU with
-    AVX512-BF16, where it scores and weights V with ``vdpbf16ps`` (head sizes a multiple of 32, up to 256) and
-    runs a prefill row 2-3x faster than SDPA. Elsewhere SDPA is as fast as the kernel's float32 loops, and stays."""
+    AVX512-BF16 but no matrix unit, where it scores and weights V with ``vdpbf16ps`` (head sizes a multiple of 32,
+    up to 256) and beats SDPA. With AMX tiles SDPA's flash attention (oneDNN's brgemm) runs them on the matrix
+    unit and is the faster (figures in docs/performance.md); elsewhere SDPA is as fast as the kernel's float32
+    loops. Both keep them."""
     return (
         dtype == torch.bfloat16
         and head_dim % 32 == 0
         and head_dim <= 256
+        and not _has_amx()
         and paged_attention_available()
         and bool(torch.ops.batchgen.has_bf16_dot_product())
     )
+
+
+def _has_amx() -> bool:
+    """Whether this CPU has AMX tiles that PyTorch's CPU kernels use (``torch.cpu``'s own probe)."""
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(probe()) if probe is not None else False
 
 
 def _build_name() -> str:
