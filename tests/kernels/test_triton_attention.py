@@ -214,9 +214,19 @@ def test_engine_greedy_matches_torch_native(
     random_models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Same greedy tokens and logprobs within 1e-5 as torch_native (fp32), through chunked prefill (prefix
-    plus extend), MIXED rounds (decode rows in the extend kernel) and DECODE rounds."""
+    plus extend), prefixes from the prefix cache, MIXED rounds (decode rows in the extend kernel) and DECODE
+    rounds."""
+    from batchgen.loop.kv_cache import KVCache
+
     rounds: list[tuple[ForwardMode, list[int], list[int]]] = []
-    plan = TritonAttnBackend.init_forward_metadata
+    hits: list[int] = []
+    plan, match = TritonAttnBackend.init_forward_metadata, KVCache.match
+
+    def spy_match(self: KVCache, row: int, tokens: Any) -> int:
+        hits.append(match(self, row, tokens))
+        return hits[-1]
+
+    monkeypatch.setattr(KVCache, "match", spy_match)
 
     def spy(self: TritonAttnBackend, forward_batch: Any) -> None:
         fb = forward_batch
@@ -228,6 +238,8 @@ def test_engine_greedy_matches_torch_native(
         {"id": f"r{n}", "prompt_token_ids": [0] + [(7 * n + 3 * j) % 290 + 2 for j in range(n - 1)]}
         for n in (1, 5, 19, 30)
     ]
+    # Two more that start with r30's prompt: they wait for it to be cached, then prefill only their tails.
+    rows += [{"id": f"s{k}", "prompt_token_ids": rows[-1]["prompt_token_ids"] + [5 + k, 9]} for k in range(2)]
     for row in rows:
         row.update(max_new_tokens=6, temperature=0, ignore_eos=True)
     dataset = write_jsonl(tmp_path / "p.jsonl", rows)
@@ -245,6 +257,7 @@ def test_engine_greedy_matches_torch_native(
     assert {ForwardMode.DECODE, ForwardMode.MIXED} <= modes, modes
     # A prefill chunk after an earlier one: several new tokens after a cached prefix.
     assert any(p > 0 and e > 1 for _, prefixes, extends in rounds for p, e in zip(prefixes, extends))
+    assert max(hits) >= 30  # the s rows' prefix came from the cache (in both runs)
 
 
 def test_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
