@@ -97,36 +97,19 @@ class RadixCache:
         Returns:
             int64 ``[m]`` slots on the CPU (``m`` the match length) and the node (the root when ``m == 0``).
         """
-        node, matched = self.root, 0
-        values = []
-        tick = next(self._clock)
-        while matched < len(tokens) and (child := node.children.get(tokens[matched])) is not None:
-            n = common_prefix_len(child.key, tokens[matched : matched + len(child.key)])
-            if n < len(child.key):
-                child = self._split(child, n)
-            child.last_access = tick
-            values.append(child.value)
-            matched += n
-            node = child
-        slots = torch.cat(values) if values else self.root.value
-        return slots, node
+        node, values = self._descend(tokens)
+        return (torch.cat(values) if values else self.root.value), node
 
     def insert(self, tokens: Sequence[int], slots: torch.Tensor) -> TreeNode:
         """Cache ``tokens`` whose K/V are in ``slots`` (int64 ``[len(tokens)]``): the tokens past the longest
         cached prefix become a new leaf holding their slots (one more reference each); the cached part keeps the
         tree's own slots. Returns the node whose path is exactly ``tokens``."""
-        slots = slots.to("cpu")
-        node, matched = self.root, 0
-        tick = next(self._clock)
-        while matched < len(tokens) and (child := node.children.get(tokens[matched])) is not None:
-            n = common_prefix_len(child.key, tokens[matched : matched + len(child.key)])
-            if n < len(child.key):
-                child = self._split(child, n)
-            child.last_access = tick
-            matched += n
-            node = child
+        node, values = self._descend(tokens)
+        matched = sum(len(v) for v in values)
         if matched < len(tokens):
-            leaf = TreeNode(list(tokens[matched:]), slots[matched:].clone(), node, last_access=tick)
+            leaf = TreeNode(
+                list(tokens[matched:]), slots.to("cpu")[matched:].clone(), node, last_access=node.last_access
+            )
             self.allocator.share(leaf.value)
             node.children[leaf.key[0]] = leaf
             self.evictable_size += len(leaf.key)
@@ -168,6 +151,22 @@ class RadixCache:
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(leaves, (parent.last_access, id(parent), parent))
         return freed
+
+    def _descend(self, tokens: Sequence[int]) -> tuple[TreeNode, list[torch.Tensor]]:
+        """Walk down the longest cached prefix of ``tokens``, splitting the edge it ends inside and marking the
+        path as just used: the node whose path is exactly that prefix, and the slots of each edge on the way."""
+        node, matched = self.root, 0
+        values: list[torch.Tensor] = []
+        node.last_access = tick = next(self._clock)
+        while matched < len(tokens) and (child := node.children.get(tokens[matched])) is not None:
+            n = common_prefix_len(child.key, tokens[matched : matched + len(child.key)])
+            if n < len(child.key):
+                child = self._split(child, n)
+            child.last_access = tick
+            values.append(child.value)
+            matched += n
+            node = child
+        return node, values
 
     def _split(self, child: TreeNode, n: int) -> TreeNode:
         """Cut ``child``'s edge after ``n`` tokens (0 < n < len(key)); return the new node of the first part.
