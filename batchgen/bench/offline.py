@@ -114,7 +114,7 @@ def run_engine(engine: Engine, workload: Workload) -> ThroughputResult:
                 max_total_len=engine.context_len,
             )
         )
-    before = (engine.stats.cached_tokens, engine.stats.prefill_tokens)
+    before = (engine.stats.cached_tokens, engine.stats.admitted_prompt_tokens)
     start = time.perf_counter()
     finished = 0
     output_tokens = 0
@@ -125,7 +125,8 @@ def run_engine(engine: Engine, workload: Workload) -> ThroughputResult:
     _synchronize(engine.device)
     seconds = time.perf_counter() - start
     run = RoundStats(
-        cached_tokens=engine.stats.cached_tokens - before[0], prefill_tokens=engine.stats.prefill_tokens - before[1]
+        cached_tokens=engine.stats.cached_tokens - before[0],
+        admitted_prompt_tokens=engine.stats.admitted_prompt_tokens - before[1],
     )
     share = run.cached_share if engine.options.prefix_cache else None
     return ThroughputResult("batchgen", finished, workload.input_tokens, output_tokens, seconds, share)

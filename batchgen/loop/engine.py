@@ -40,19 +40,21 @@ _DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 class RoundStats:
     """Token counts of all rounds so far, for progress and the summary.
 
-    ``prefill_tokens`` were computed; ``cached_tokens`` were prompt (or recomputed) tokens whose K/V came from the
-    prefix cache at admission instead.
+    ``prefill_tokens`` were computed (recomputes after a preemption too). Of the requests admitted (for the first
+    time: not a retracted one coming back), ``admitted_prompt_tokens`` is their prompt tokens and
+    ``cached_tokens`` those whose K/V the prefix cache gave them.
     """
 
     prefill_tokens: int = 0
     decode_tokens: int = 0
     rounds: int = 0
     cached_tokens: int = 0
+    admitted_prompt_tokens: int = 0
 
     @property
     def cached_share(self) -> float | None:
-        """Share of the tokens admitted for prefill that the prefix cache served, ``None`` before any."""
-        total = self.cached_tokens + self.prefill_tokens
+        """Share of the admitted prompt tokens that the prefix cache served, ``None`` before any."""
+        total = self.admitted_prompt_tokens
         return self.cached_tokens / total if total else None
 
 
@@ -199,6 +201,8 @@ class Engine:
         """Run one round; return the requests that finished in it."""
         batch = self.scheduler.next_batch()
         if batch is None:
+            if self.scheduler.has_work():  # a scheduling fault: fail loudly rather than spin forever
+                raise RuntimeError(self.scheduler.stuck_message())
             return []
         started = time.perf_counter()
         worker_batch = batch.prepare(
@@ -222,6 +226,7 @@ class Engine:
             self.stats.decode_tokens += batch.num_decode_rows
             self.stats.prefill_tokens += sum(batch.extend_lens) - batch.num_decode_rows
         self.stats.cached_tokens += batch.cached_tokens
+        self.stats.admitted_prompt_tokens += batch.admitted_prompt_tokens
         return finished
 
     def _observe_round_cost(self, batch: ScheduleBatch, started: float) -> None:

@@ -82,10 +82,6 @@ class KVCache:
         the same prompts); return how many slots that freed."""
         return self.radix_cache.evict(self.radix_cache.evictable_size) if self.radix_cache is not None else 0
 
-    def match_len(self, tokens: Sequence[int]) -> int:
-        """How many leading ``tokens`` the prefix cache holds (0 without one); reserves nothing."""
-        return self.radix_cache.match_len(tokens) if self.radix_cache is not None else 0
-
     def match(self, row: int, tokens: Sequence[int]) -> int:
         """Point the first positions of ``row`` (a fresh request row) at the cached K/V of the longest cached
         prefix of ``tokens``, hold those slots and lock their path; return the prefix's length (0 without a
@@ -102,11 +98,24 @@ class KVCache:
 
     def cache(self, row: int, tokens: Sequence[int]) -> None:
         """Put ``tokens``, whose K/V are at the first ``len(tokens)`` positions of ``row``, into the prefix cache
-        (no-op without one), and move the row's lock to their path: later requests starting with them hit."""
+        (no-op without one), and move the row's lock to their path: later requests starting with them hit.
+
+        Where the tree already held some of them (another request computed them first, or a row asking for prompt
+        logprobs took no match), the row switches to the tree's slots and lets go of its own copies, as SGLang's
+        ``cache_unfinished_req`` does: the pool holds each cached token once, so a request that fits the pool
+        alone still fits beside its cached prefix.
+        """
         if self.radix_cache is None:
             return
-        slots = self.req_to_token_pool.req_to_token[row, : len(tokens)]
-        self._lock(row, self.radix_cache.insert(tokens, slots))
+        table = self.req_to_token_pool.req_to_token
+        own = table[row, : len(tokens)].to("cpu", copy=True)
+        node, cached = self.radix_cache.insert(tokens, own)
+        differ = cached != own
+        if bool(differ.any()):
+            self.allocator.share(cached[differ])
+            self.allocator.free(own[differ])
+            table[row, : len(tokens)] = cached.to(table.device)
+        self._lock(row, node)
 
     def fork(self, parent_row: int, length: int, child_row: int) -> None:
         """Give ``child_row`` the slots of the first ``length`` positions of ``parent_row`` (one more holder

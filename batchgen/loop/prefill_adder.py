@@ -15,6 +15,7 @@ import math
 from collections.abc import Sequence
 
 from batchgen.loop.kv_cache import KVCache
+from batchgen.loop.radix_cache import PrefixMatcher
 from batchgen.loop.req import Req
 from batchgen.loop.waiting_queue import WaitingQueue
 
@@ -23,8 +24,9 @@ SHARED_PREFIX_MIN = 32
 
 
 class PrefillAdder:
-    """Builds one round's prefill rows (``reqs``, each taking ``lens`` tokens) and counts the prompt tokens the
-    prefix cache gave the requests it admitted (``cached_tokens``).
+    """Builds one round's prefill rows (``reqs``, each taking ``lens`` tokens); of the requests it admits for the
+    first time (not retracted ones coming back), counts the prompt tokens (``admitted_prompt_tokens``) and those
+    the prefix cache gave them (``cached_tokens``).
 
     Args:
         kv_cache: the target model's rows, slots and prefix cache.
@@ -58,6 +60,8 @@ class PrefillAdder:
         self.reqs: list[Req] = []
         self.lens: list[int] = []
         self.cached_tokens = 0
+        self.admitted_prompt_tokens = 0
+        self._retracted: set[int] = set()  # id() of the waiting requests that were retracted
 
     def add_chunked(self) -> None:
         """Continue the running requests' unfinished prefills.
@@ -79,8 +83,9 @@ class PrefillAdder:
         if self.kv_cache.radix_cache is None:
             candidates = [(req, 0) for req in self.waiting.in_order()]
         else:
-            candidates = self.waiting.by_cached_match(self.kv_cache.match_len)
+            candidates = self.waiting.by_cached_match(PrefixMatcher(self.kv_cache.radix_cache))
         prefilling = [r for r in self.running if not r.is_decoding]
+        self._retracted = {id(r) for r in self.waiting.retracted}
         for req, match in candidates:
             if self.budget <= 0:
                 break
@@ -113,7 +118,9 @@ class PrefillAdder:
             return False
         self.waiting.remove(req)
         self.running.append(req)
-        self.cached_tokens += req.kv_len
+        if id(req) not in self._retracted:
+            self.cached_tokens += req.kv_len
+            self.admitted_prompt_tokens += len(req.prompt_ids)
         self._take(req, need if self.chunk == 0 else min(need, self.budget))
         return True
 

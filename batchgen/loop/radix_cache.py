@@ -79,17 +79,6 @@ class RadixCache:
         self.total_size = 0  # tokens in all nodes
         self._clock = itertools.count(1)
 
-    def match_len(self, tokens: Sequence[int]) -> int:
-        """Length of the longest cached prefix of ``tokens``; changes nothing (for ranking waiting requests)."""
-        node, matched = self.root, 0
-        while matched < len(tokens) and (child := node.children.get(tokens[matched])) is not None:
-            n = common_prefix_len(child.key, tokens[matched : matched + len(child.key)])
-            matched += n
-            if n < len(child.key):
-                break
-            node = child
-        return matched
-
     def match_prefix(self, tokens: Sequence[int]) -> tuple[torch.Tensor, TreeNode]:
         """The slots of the longest cached prefix of ``tokens`` and the node whose path is exactly that prefix
         (an edge the match ends inside is split there). Marks the path as just used.
@@ -100,10 +89,15 @@ class RadixCache:
         node, values = self._descend(tokens)
         return (torch.cat(values) if values else self.root.value), node
 
-    def insert(self, tokens: Sequence[int], slots: torch.Tensor) -> TreeNode:
+    def insert(self, tokens: Sequence[int], slots: torch.Tensor) -> tuple[TreeNode, torch.Tensor]:
         """Cache ``tokens`` whose K/V are in ``slots`` (int64 ``[len(tokens)]``): the tokens past the longest
         cached prefix become a new leaf holding their slots (one more reference each); the cached part keeps the
-        tree's own slots. Returns the node whose path is exactly ``tokens``."""
+        tree's own slots.
+
+        Returns:
+            The node whose path is exactly ``tokens``, and the tree's slots for ``tokens`` (int64 on the CPU), which
+            differ from ``slots`` where another request had computed the same tokens first.
+        """
         node, values = self._descend(tokens)
         matched = sum(len(v) for v in values)
         if matched < len(tokens):
@@ -115,7 +109,8 @@ class RadixCache:
             self.evictable_size += len(leaf.key)
             self.total_size += len(leaf.key)
             node = leaf
-        return node
+            values.append(leaf.value)
+        return node, (torch.cat(values) if values else self.root.value)
 
     def lock(self, node: TreeNode) -> None:
         """One more request reads the path to ``node``: none of it is evicted until :meth:`unlock`."""
@@ -187,3 +182,28 @@ class RadixCache:
             out.append(node)
             stack.extend(node.children.values())
         return out
+
+
+class PrefixMatcher:
+    """Match lengths of many sequences against ``tree`` (changing nothing), each walk resuming where the previous
+    sequence's walk passed through the part the two share: over prompts in sorted order that share a long prefix,
+    only their differing tails are walked."""
+
+    def __init__(self, tree: RadixCache) -> None:
+        self.tree = tree
+        self._path: list[tuple[int, TreeNode]] = [(0, tree.root)]  # (depth, node) the last walk passed wholly
+
+    def match_len(self, tokens: Sequence[int], shared: int) -> int:
+        """Length of the longest cached prefix of ``tokens``, which share their first ``shared`` tokens with the
+        sequence of the previous call (0 for none)."""
+        while self._path[-1][0] > shared:
+            self._path.pop()
+        matched, node = self._path[-1]
+        while matched < len(tokens) and (child := node.children.get(tokens[matched])) is not None:
+            n = common_prefix_len(child.key, tokens[matched : matched + len(child.key)])
+            matched += n
+            if n < len(child.key):
+                break
+            node = child
+            self._path.append((matched, node))
+        return matched

@@ -76,8 +76,10 @@ class ScheduleBatch:
     def __post_init__(self) -> None:
         self.sampled = [(i, r) for i, (r, n) in enumerate(zip(self.reqs, self.extend_lens)) if n == r.num_pending]
         # (row, count): how many prompt logprobs each row gets from this round, filled by prepare().
-        # Prompt tokens the prefix cache gave the requests admitted in this round (set by the scheduler).
+        # Of the requests admitted for the first time this round: the prompt tokens the prefix cache gave them,
+        # and all their prompt tokens (set by the scheduler).
         self.cached_tokens = 0
+        self.admitted_prompt_tokens = 0
         self.prompt_logprob_rows: list[tuple[int, int]] = []
 
     def prepare(

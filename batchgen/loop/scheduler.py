@@ -90,7 +90,7 @@ class Scheduler:
         """The next round, or ``None`` when nothing is waiting or running."""
         while True:
             decodes = self._make_room_for_decodes()
-            prefill_reqs, prefill_lens, cached = self._prefill_rows(reserved=len(decodes))
+            prefill_reqs, prefill_lens, admitted = self._prefill_rows(reserved=len(decodes))
             if decodes or prefill_reqs or len(self.running) <= 1:
                 break
             # Only partly prefilled requests hold the pool and none can grow: free the newest.
@@ -105,9 +105,19 @@ class Scheduler:
             batch = self._decode_batch(decodes)
         else:
             return None
-        batch.cached_tokens = cached
+        batch.cached_tokens, batch.admitted_prompt_tokens = admitted
         self._fork_samples(batch)
         return batch
+
+    def stuck_message(self) -> str:
+        """What :meth:`next_batch` could not schedule although work remains (a fault, never a user's mistake)."""
+        waiting = self.waiting.in_order()
+        first = waiting[0] if waiting else self.running[0]
+        return (
+            f"scheduler made no round: {len(waiting)} waiting, {len(self.running)} running; request {first.rid!r} "
+            f"has {first.kv_len} of {first.fill_len} tokens cached, {self.kv_cache.available()} of "
+            f"{self.kv_cache.size} KV slots available"
+        )
 
     def process_result(
         self, batch: ScheduleBatch, result: SampleOutput, logits_output: LogitsProcessorOutput | None = None
@@ -226,9 +236,9 @@ class Scheduler:
             self.kv_cache.release(row, 0)
         req.req_pool_idx, req.fork_rows = None, []
 
-    def _prefill_rows(self, reserved: int) -> tuple[list[Req], list[int], int]:
-        """Chunks to prefill this round (see ``PrefillAdder``), and the prompt tokens the prefix cache gave the
-        requests admitted now."""
+    def _prefill_rows(self, reserved: int) -> tuple[list[Req], list[int], tuple[int, int]]:
+        """Chunks to prefill this round (see ``PrefillAdder``), and, of the requests admitted for the first time,
+        the prompt tokens the prefix cache gave them and their prompt tokens."""
         opts = self.options
         chunk = opts.chunked_prefill_size
         adder = PrefillAdder(
@@ -243,7 +253,7 @@ class Scheduler:
         )
         adder.add_chunked()
         adder.add_waiting()
-        return adder.reqs, adder.lens, adder.cached_tokens
+        return adder.reqs, adder.lens, (adder.cached_tokens, adder.admitted_prompt_tokens)
 
 
 def _draw_plan(batch: ScheduleBatch) -> list[tuple[Req, int, int, RoundDrafts | None, bool]]:

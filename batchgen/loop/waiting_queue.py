@@ -4,8 +4,8 @@ With a prefix cache the order is SGLang's ``lpm`` (longest prefix match) policy:
 the longest cached prefix goes first, so a prefix is reused while it is in the pool instead of being evicted
 and computed again. The queue keeps its requests sorted by prompt token ids, i.e. in the depth-first order of a
 trie of the prompts: prompts that share a prefix sit side by side however the input interleaves them, ties of
-the match length keep that order, and a request whose predecessor shares more with it than the predecessor's
-match needs no tree walk of its own (:meth:`WaitingQueue.by_cached_match`). Without a prefix cache requests wait
+the match length keep that order, and the tree walks that rank them resume where the predecessor's left off
+(:meth:`WaitingQueue.by_cached_match`). Without a prefix cache requests wait
 first come, first served. Retracted requests always come first, in the order they were retracted.
 """
 
@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from collections.abc import Callable, Sequence
 
-from batchgen.loop.radix_cache import common_prefix_len
+from batchgen.loop.radix_cache import PrefixMatcher, common_prefix_len
 from batchgen.loop.req import Req
 
 
@@ -73,21 +72,12 @@ class WaitingQueue:
         """Every waiting request, retracted ones first, without ranking (no prefix cache to rank by)."""
         return [*self.retracted, *self._reqs]
 
-    def by_cached_match(self, match_len: Callable[[Sequence[int]], int]) -> list[tuple[Req, int]]:
-        """Every waiting request with the length of its longest cached prefix (``match_len`` of its tokens, not
-        yet capped by :attr:`Req.match_limit`): retracted ones first, then the rest by that length, longest
-        first, ties in prompt order.
-
-        A request shares ``_lcp[i]`` tokens with its predecessor; when that exceeds the predecessor's match
-        ``m``, both continue past ``m`` with the same token, which the tree lacks after that prefix, so the
-        request's match is ``m`` too and is not looked up.
-        """
-        retracted = [(r, match_len(r.fill_ids(r.fill_len))) for r in self.retracted]
-        matches: list[int] = []
-        for i, req in enumerate(self._reqs):
-            if i and self._lcp[i] > matches[-1]:
-                matches.append(matches[-1])
-            else:
-                matches.append(match_len(req.prompt_ids))
+    def by_cached_match(self, matcher: PrefixMatcher) -> list[tuple[Req, int]]:
+        """Every waiting request with the length of its longest cached prefix (not yet capped by
+        :attr:`Req.match_limit`): retracted ones first, then the rest by that length, longest first, ties in prompt
+        order. In prompt order each walk of the tree resumes where its predecessor's passed through their common
+        prefix (``_lcp``), so a window of prompts sharing a long prefix walks it once."""
+        retracted = [(r, matcher.match_len(r.fill_ids(r.fill_len), 0)) for r in self.retracted]
+        matches = [matcher.match_len(req.prompt_ids, self._lcp[i]) for i, req in enumerate(self._reqs)]
         ranked = sorted(range(len(self._reqs)), key=lambda i: -matches[i])
         return retracted + [(self._reqs[i], matches[i]) for i in ranked]

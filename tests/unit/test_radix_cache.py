@@ -9,14 +9,14 @@ import torch
 
 from batchgen.loop.kv_cache import KVCache
 from batchgen.loop.kv_pool import KVSlotAllocator, ReqToTokenPool
-from batchgen.loop.radix_cache import RadixCache, common_prefix_len
+from batchgen.loop.radix_cache import PrefixMatcher, RadixCache, common_prefix_len
 from batchgen.loop.req import Req
 from batchgen.loop.waiting_queue import WaitingQueue
 from batchgen.sampling.sampling_params import SamplingParams
 
 
-def _slots(*values: int) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64)
+def _match_len(tree: RadixCache, tokens: list[int]) -> int:
+    return PrefixMatcher(tree).match_len(tokens, 0)
 
 
 def _brute_lcp(a: list[int], b: list[int]) -> int:
@@ -39,7 +39,7 @@ def test_match_insert_split_and_shared_slots() -> None:
     slots = allocator.alloc(8)  # 1..8, one reference each (a request's)
     tree = RadixCache(allocator)
     tree.insert([1, 2, 3, 4], slots[:4])
-    assert tree.match_len([1, 2, 3, 9]) == 3 and tree.match_len([5]) == 0 and tree.match_len([1, 2, 3, 4, 5]) == 4
+    assert _match_len(tree, [1, 2, 3, 9]) == 3 and _match_len(tree, [5]) == 0 and _match_len(tree, [1, 2, 3, 4, 5]) == 4
     # [1, 2] is cached with slots 1, 2: a second insert keeps those and adds only its own tail [5, 6].
     tree.insert([1, 2, 5, 6], slots[4:])
     assert tree.total_size == 6 and tree.evictable_size == 6
@@ -67,9 +67,9 @@ def test_lock_and_lru_eviction() -> None:
     tree.lock(node)
     assert tree.evictable_size == 3  # [1, 2] and [3] locked
     assert tree.evict(1) == 1  # the LRU unlocked leaf: [7]
-    assert tree.match_len([1, 2, 7]) == 2 and allocator.available() == 11
+    assert _match_len(tree, [1, 2, 7]) == 2 and allocator.available() == 11
     assert tree.evict(100) == 2  # [9, 9]; the locked path stays
-    assert tree.match_len([1, 2, 3]) == 3 and tree.match_len([9, 9]) == 0
+    assert _match_len(tree, [1, 2, 3]) == 3 and _match_len(tree, [9, 9]) == 0
     tree.unlock(node)
     assert tree.evict(100) == 3 and tree.total_size == 0 and allocator.available() == 16
 
@@ -144,7 +144,7 @@ def test_waiting_queue_ranks_by_cached_match_like_brute_force() -> None:
         queue.remove(req)
     retracted = _req("back", [2, 2, 2])
     queue.appendleft(retracted)
-    ranked = queue.by_cached_match(tree.match_len)
+    ranked = queue.by_cached_match(PrefixMatcher(tree))
     assert ranked[0] == (retracted, max(_brute_lcp([2, 2, 2], s) for s in cached))
     rest = ranked[1:]
     assert len(rest) == 200 == len(queue) - 1
