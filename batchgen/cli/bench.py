@@ -96,12 +96,13 @@ def _parse_range(text: str) -> tuple[int, int]:
 
 
 def _check_shared_prefix(
-    groups: int | None, length: int | None, dataset: Path | None, repetitive: bool
+    groups: int | None, length: int | None, dataset: Path | None, repetitive: bool, num_prompts: int
 ) -> tuple[int, int] | None:
     """``(groups, prefix length)`` of a shared-prefix workload, ``None`` without one.
 
     Raises:
-        BatchgenError: only one of the two flags, a value below 1, or with --dataset or --repetitive.
+        BatchgenError: only one of the two flags, a value below 1, more groups than prompts, or with --dataset or
+            --repetitive.
     """
     if groups is None and length is None:
         return None
@@ -110,6 +111,10 @@ def _check_shared_prefix(
     for flag, value in (("--shared-prefix-groups", groups), ("--shared-prefix-len", length)):
         if value < 1:
             raise BatchgenError(f"{flag} must be >= 1, got {value}")
+    if groups > num_prompts:
+        raise BatchgenError(
+            f"--shared-prefix-groups {groups} exceeds --num-prompts {num_prompts}: a group needs a prompt"
+        )
     for flag, given in (("--dataset", dataset is not None), ("--repetitive", repetitive)):
         if given:
             raise BatchgenError(f"--shared-prefix-groups generates its own prompts: not with {flag}")
@@ -163,7 +168,7 @@ def bench(
                 "--baseline plain compares speculative decoding with plain decoding: it needs --speculative-algorithm"
             )
         low, high = _parse_range(input_len_range)
-        shared = _check_shared_prefix(shared_prefix_groups, shared_prefix_len, dataset, repetitive)
+        shared = _check_shared_prefix(shared_prefix_groups, shared_prefix_len, dataset, repetitive, num_prompts)
         for flag, value in (("--num-prompts", num_prompts), ("--output-len", output_len)):
             if value < 1:
                 raise BatchgenError(f"{flag} must be >= 1, got {value}")

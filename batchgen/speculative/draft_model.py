@@ -137,8 +137,9 @@ class DraftModelDrafter(SpeculativeDrafter):
     def _admit(self, reqs: Sequence[Req], limits: Sequence[int]) -> list[Drafting]:
         """The requests that draft this round, each with a draft row and room for its catch-up and K − 1 steps.
 
-        The draft pool has the target's size and holds no more tokens per request than the target does in its
-        verify round, so room runs out here only if a caller gives limits the target's pool could not verify.
+        The draft pool has the target's size but keeps no prefix cache: where the target's requests share a
+        prompt prefix (or an ``n > 1`` prompt), the draft holds a copy per request, so room can run out here; a
+        request without room drafts nothing this round and decodes plainly.
         """
         room = self.kv_cache.available()
         items = []

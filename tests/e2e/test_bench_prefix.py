@@ -66,12 +66,16 @@ def test_the_cached_share_is_of_the_timed_run_only(random_models: dict[str, Path
         (["--shared-prefix-groups", "2", "--shared-prefix-len", "0"], "--shared-prefix-len must be >= 1, got 0"),
         (["--shared-prefix-groups", "2", "--shared-prefix-len", "8", "--repetitive"], "not with --repetitive"),
         (
+            ["--shared-prefix-groups", "100", "--shared-prefix-len", "8"],
+            "--shared-prefix-groups 100 exceeds --num-prompts 2: a group needs a prompt",
+        ),
+        (
             ["--shared-prefix-groups", "2", "--shared-prefix-len", "237"],
             "--shared-prefix-len 237 plus --input-len-range up to 16 plus --output-len 4 exceeds the context length "
             "256",
         ),
     ],
-    ids=["groups-alone", "len-alone", "groups", "len", "repetitive", "context"],
+    ids=["groups-alone", "len-alone", "groups", "len", "repetitive", "more-groups-than-prompts", "context"],
 )
 def test_bad_shared_prefix_flags_are_one_line_errors(
     extra: list[str], message: str, random_models: dict[str, Path]
