@@ -12,6 +12,7 @@ import torch
 from batchgen.bench.model_costs import generation_flops
 from batchgen.bench.probes import Ceilings, measure_ceilings
 from batchgen.bench.workload import Workload
+from batchgen.job.summary import prefix_cache_text
 from batchgen.loop.engine import Engine, RoundStats, dtype_name
 from batchgen.loop.req import Req
 from batchgen.sampling.sampling_params import SamplingParams
@@ -44,7 +45,7 @@ class ThroughputResult:
 
     def _prefix_cache(self) -> str:
         share = self.prefix_cache_share
-        return "" if share is None else f" | prefix cache {share * 100:.0f} % of prompt tokens"
+        return "" if share is None else f" | {prefix_cache_text(share)}"
 
     def as_dict(self) -> dict[str, Any]:
         """The totals and the four rates the result line shows (SGLang's ``bench_offline_throughput`` names)."""

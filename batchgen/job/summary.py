@@ -41,14 +41,14 @@ class RunSummary:
             f"{self.prompt_tokens} prompt + "
             f"{self.output_tokens} output tokens in {self.seconds:.1f} s, {rate:.1f} output tok/s, "
             f"{counted(self.preemptions, 'preemption')}"
-            f"{prefix_cache_summary(self.cached_share)}"
+            f"{'' if self.cached_share is None else ', ' + prefix_cache_text(self.cached_share)}"
         ) + speculative_summary(self.accept_histogram)
 
 
-def prefix_cache_summary(share: float | None) -> str:
-    """``, prefix cache 91 % of prompt tokens``: the share of prefill tokens the cache served; empty with the
-    cache off (``None``)."""
-    return "" if share is None else f", prefix cache {100 * share:.0f} % of prompt tokens"
+def prefix_cache_text(share: float) -> str:
+    """``prefix cache 91 % of prompt tokens``: the share of the admitted prompt tokens the prefix cache served
+    (``RoundStats.cached_share``), as the summary line and the bench line say it."""
+    return f"prefix cache {100 * share:.0f} % of prompt tokens"
 
 
 def mean_accept_length(histogram: dict[int, int]) -> float | None:

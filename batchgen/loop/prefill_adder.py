@@ -61,7 +61,6 @@ class PrefillAdder:
         self.lens: list[int] = []
         self.cached_tokens = 0
         self.admitted_prompt_tokens = 0
-        self._retracted: set[int] = set()  # id() of the waiting requests that were retracted
 
     def add_chunked(self) -> None:
         """Continue the running requests' unfinished prefills.
@@ -85,7 +84,6 @@ class PrefillAdder:
         else:
             candidates = self.waiting.by_cached_match(PrefixMatcher(self.kv_cache.radix_cache))
         prefilling = [r for r in self.running if not r.is_decoding]
-        self._retracted = {id(r) for r in self.waiting.retracted}
         for req, match in candidates:
             if self.budget <= 0:
                 break
@@ -116,9 +114,9 @@ class PrefillAdder:
                 self.kv_cache.release(row, length)
             req.req_pool_idx, req.fork_rows, req.kv_len = None, [], 0
             return False
-        self.waiting.remove(req)
+        came_back = self.waiting.remove(req)
         self.running.append(req)
-        if id(req) not in self._retracted:
+        if not came_back:
             self.cached_tokens += req.kv_len
             self.admitted_prompt_tokens += len(req.prompt_ids)
         self._take(req, need if self.chunk == 0 else min(need, self.budget))

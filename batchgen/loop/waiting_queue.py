@@ -52,14 +52,14 @@ class WaitingQueue:
         """A retracted request: it goes before every new one and every request retracted earlier."""
         self.retracted.appendleft(req)
 
-    def remove(self, req: Req) -> None:
-        """Take ``req`` out (it was admitted)."""
+    def remove(self, req: Req) -> bool:
+        """Take ``req`` out (it was admitted); return whether it had been retracted."""
         if any(r is req for r in self.retracted):
             self.retracted.remove(req)
-            return
+            return True
         if not self.by_prefix:
             self._reqs.remove(req)
-            return
+            return False
         i = bisect.bisect_left(self._keys, req.prompt_ids)
         while self._reqs[i] is not req:
             i += 1
@@ -67,6 +67,7 @@ class WaitingQueue:
             # In sorted order the common prefix of two keys is the smallest of those between them.
             self._lcp[i + 1] = min(self._lcp[i], self._lcp[i + 1]) if i else 0
         del self._reqs[i], self._keys[i], self._lcp[i]
+        return False
 
     def in_order(self) -> list[Req]:
         """Every waiting request, retracted ones first, without ranking (no prefix cache to rank by)."""
