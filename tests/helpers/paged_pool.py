@@ -1,5 +1,6 @@
 """A one-layer paged KV pool with scattered slots and NaN everywhere a kernel must not read, and a float64
-attention reference: shared by the attention-kernel tests (Triton, C++)."""
+attention reference: shared by the attention-kernel tests (Triton, C++); and the C++ kernel called over such a
+pool's sequences."""
 
 from __future__ import annotations
 
@@ -65,3 +66,35 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     """max |out - ref| / max |ref| over one request's rows: outputs are averages of unit-scale values."""
     return float((out.double() - ref).abs().max() / ref.abs().max())
+
+
+def index(values: list[int]) -> torch.Tensor:
+    """int64 1-D tensor of ``values``."""
+    return torch.tensor(values, dtype=torch.int64)
+
+
+def pool_reference(q: torch.Tensor, pool: PagedPool, i: int, first_pos: int) -> torch.Tensor:
+    """The float64 reference for new tokens ``q`` of the pool's sequence ``i``, the first at ``first_pos``."""
+    return reference_attention(q, pool.k[:, pool.slots[i]], pool.v[:, pool.slots[i]], first_pos)
+
+
+def kernel_attention(
+    pool: PagedPool, q: torch.Tensor, rows: list[int], seq_lens: list[int], q_lens: list[int], matrix_unit: bool = False
+) -> torch.Tensor:
+    """batchgen's C++ kernel over ``rows`` (indices into the pool's sequences), their new tokens packed in order in
+    q; on the matrix unit if asked."""
+    from batchgen.kernels.cpu import paged_attention
+
+    starts = [sum(q_lens[:i]) for i in range(len(q_lens))]
+    return paged_attention(
+        q,
+        pool.k,
+        pool.v,
+        pool.req_to_token,
+        pool.req_pool_indices[rows],
+        index(seq_lens),
+        index(starts),
+        index(q_lens),
+        q.shape[-1] ** -0.5,
+        matrix_unit=matrix_unit,
+    )

@@ -35,9 +35,10 @@ from batchgen.kernels.cpu import paged_attention
 from batchgen.loop.forward_mode import ForwardMode
 from tests.helpers.cli import generate, write_jsonl
 from tests.helpers.models import build_random_model
-from tests.helpers.paged_pool import PagedPool, reference_attention, relative_error
+from tests.helpers.paged_pool import PagedPool, index, kernel_attention, pool_reference, relative_error
 from tests.helpers.reference import assert_within_rounding_noise, deviation, greedy_rows, hf_float32_rows
 
+_FLAGS = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
 POOL_SLOTS = 2500
 CONTEXT = 320
 # (sequence length, new tokens): one token of a one-token sequence, decodes around the kernel's 16-key and
@@ -76,31 +77,6 @@ def _Pool(seq_lens: list[int], dtype: torch.dtype, num_kv_heads: int, head_dim: 
     return PagedPool(seq_lens, dtype, num_kv_heads, head_dim, gen, POOL_SLOTS, CONTEXT)
 
 
-def _ref(q: torch.Tensor, pool: PagedPool, i: int, first_pos: int) -> torch.Tensor:
-    """The float64 reference for new tokens ``q`` of the pool's sequence ``i``, the first at ``first_pos``."""
-    return reference_attention(q, pool.k[:, pool.slots[i]], pool.v[:, pool.slots[i]], first_pos)
-
-
-def _index(values: list[int]) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64)
-
-
-def _attend(pool: PagedPool, q: torch.Tensor, rows: list[int], seq_lens: list[int], q_lens: list[int]) -> torch.Tensor:
-    """The kernel over ``rows`` (indices into the pool's sequences), their new tokens packed in order in q."""
-    starts = [sum(q_lens[:i]) for i in range(len(q_lens))]
-    return paged_attention(
-        q,
-        pool.k,
-        pool.v,
-        pool.req_to_token,
-        pool.req_pool_indices[rows],
-        _index(seq_lens),
-        _index(starts),
-        _index(q_lens),
-        q.shape[-1] ** -0.5,
-    )
-
-
 @pytest.mark.parametrize("shape", SHAPES, ids=_shape_id)
 def test_kernel_matches_float64(shape: tuple[torch.dtype, int, int]) -> None:
     dtype, head_dim, group = shape
@@ -111,11 +87,11 @@ def test_kernel_matches_float64(shape: tuple[torch.dtype, int, int]) -> None:
     # q as the model makes it: a strided view into the fused qkv projection's output.
     qkv = torch.randn(tokens, (num_kv_heads * group + 2 * num_kv_heads) * head_dim, generator=gen).to(dtype)
     q = qkv[:, : num_kv_heads * group * head_dim].view(tokens, num_kv_heads * group, head_dim)
-    out = _attend(pool, q, list(range(len(ROWS))), [n for n, _ in ROWS], [t for _, t in ROWS])
+    out = kernel_attention(pool, q, list(range(len(ROWS))), [n for n, _ in ROWS], [t for _, t in ROWS])
     assert out.dtype == dtype and out.shape == q.shape
     start = 0
     for i, (seq_len, new) in enumerate(ROWS):
-        ref = _ref(q[start : start + new], pool, i, seq_len - new)
+        ref = pool_reference(q[start : start + new], pool, i, seq_len - new)
         err = relative_error(out[start : start + new], ref)
         assert err <= TOLERANCE[dtype], f"row of length {seq_len} adding {new}: {err}"
         start += new
@@ -129,10 +105,10 @@ def test_rows_of_many_queries_match_float64(dtype: torch.dtype) -> None:
     rows = [(200, 40), (100, 17), (33, 33)]
     pool = _Pool([n for n, _ in rows], dtype, 2, 64, gen)
     q = torch.randn(sum(t for _, t in rows), 8, 64, generator=gen).to(dtype)
-    out = _attend(pool, q, [0, 1, 2], [n for n, _ in rows], [t for _, t in rows])
+    out = kernel_attention(pool, q, [0, 1, 2], [n for n, _ in rows], [t for _, t in rows])
     start = 0
     for i, (seq_len, new) in enumerate(rows):
-        ref = _ref(q[start : start + new], pool, i, seq_len - new)
+        ref = pool_reference(q[start : start + new], pool, i, seq_len - new)
         assert relative_error(out[start : start + new], ref) <= TOLERANCE[dtype], f"row of length {seq_len}"
         start += new
 
@@ -150,15 +126,15 @@ def test_out_keeps_tokens_of_no_row() -> None:
         pool.v,
         pool.req_to_token,
         pool.req_pool_indices[[0, 1, 1]],
-        _index([9, 20, 20]),
-        _index([1, 5, 0]),
-        _index([2, 1, 0]),
+        index([9, 20, 20]),
+        index([1, 5, 0]),
+        index([2, 1, 0]),
         32**-0.5,
         out,
     )
     assert torch.equal(out[[0, 3, 4, 6]], torch.full((4, 4, 32), 7.0))
-    assert relative_error(out[1:3], _ref(q[1:3], pool, 0, 7)) < 1e-5
-    assert relative_error(out[5:6], _ref(q[5:6], pool, 1, 19)) < 1e-5
+    assert relative_error(out[1:3], pool_reference(q[1:3], pool, 0, 7)) < 1e-5
+    assert relative_error(out[5:6], pool_reference(q[5:6], pool, 1, 19)) < 1e-5
 
 
 @pytest.fixture
@@ -176,14 +152,14 @@ def test_row_is_bit_identical_in_any_batch(dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(2)
     pool = _Pool([n for n, _ in ROWS], dtype, 2, 64, gen)
     q_row = torch.randn(4, 8, 64, generator=gen).to(dtype)
-    alone = _attend(pool, q_row, [5], [130], [4])
+    alone = kernel_attention(pool, q_row, [5], [130], [4])
     others = torch.randn(12, 8, 64, generator=gen).to(dtype)
     torch.set_num_threads(1)
-    one_thread = _attend(pool, q_row, [5], [130], [4])
+    one_thread = kernel_attention(pool, q_row, [5], [130], [4])
     torch.set_num_threads(2)
     mixed = torch.cat([others[:7], q_row, others[7:]])  # rows 6 and 3 add 7 tokens before it
-    batch = _attend(pool, mixed, [6, 3, 5, 7, 1], [300, 64, 130, 129, 2], [4, 3, 4, 1, 1])
-    as_decodes = _attend(pool, q_row, [5, 5, 5, 5], [127, 128, 129, 130], [1, 1, 1, 1])
+    batch = kernel_attention(pool, mixed, [6, 3, 5, 7, 1], [300, 64, 130, 129, 2], [4, 3, 4, 1, 1])
+    as_decodes = kernel_attention(pool, q_row, [5, 5, 5, 5], [127, 128, 129, 130], [1, 1, 1, 1])
     assert torch.equal(one_thread, alone)
     assert torch.equal(batch[7:11], alone)
     assert torch.equal(as_decodes, alone)
@@ -201,9 +177,9 @@ def test_keys_after_a_query_never_reach_it(dtype: torch.dtype) -> None:
         k, v = pool.k.clone(), pool.v.clone()
         pool.v[:, pool.slots[0][bad]] = float("inf")
         pool.k[:, pool.slots[0][bad + 1 :]] = float("nan")
-        together = _attend(pool, q, [0], [70], [6])
+        together = kernel_attention(pool, q, [0], [70], [6])
         for t in range(bad - 64):
-            alone = _attend(pool, q[t : t + 1], [0], [65 + t], [1])
+            alone = kernel_attention(pool, q[t : t + 1], [0], [65 + t], [1])
             assert torch.equal(together[t], alone[0]), (bad, t)
             assert bool(alone.isfinite().all())
         pool.k, pool.v = k, v
@@ -216,11 +192,11 @@ def test_keys_after_a_query_never_reach_it(dtype: torch.dtype) -> None:
         (dict(v=torch.zeros(2, 50, 64, dtype=torch.bfloat16)), "must share one dtype"),
         (dict(q=torch.zeros(3, 5, 64)), "5 heads are not a multiple of the cache's 2 KV heads"),
         (dict(q=torch.zeros(3, 4, 64, dtype=torch.float64)), "float32, bfloat16 or float16"),
-        (dict(seq_lens=_index([1])), "q_lens \\(2\\) <= seq_lens \\(1\\)"),
-        (dict(seq_lens=_index([400])), "<= context_len \\(40\\)"),
-        (dict(q_starts=_index([2])), "its tokens \\[2, 4\\) are outside q's 3 tokens"),
-        (dict(rows=_index([9])), "req_pool_indices 9 is outside req_to_token's 3 rows"),
-        (dict(q_lens=_index([1, 1])), "q_lens must be 1-D of length 1"),
+        (dict(seq_lens=index([1])), "q_lens \\(2\\) <= seq_lens \\(1\\)"),
+        (dict(seq_lens=index([400])), "<= context_len \\(40\\)"),
+        (dict(q_starts=index([2])), "its tokens \\[2, 4\\) are outside q's 3 tokens"),
+        (dict(rows=index([9])), "req_pool_indices 9 is outside req_to_token's 3 rows"),
+        (dict(q_lens=index([1, 1])), "q_lens must be 1-D of length 1"),
         (dict(table=torch.full((3, 40), 50)), "names a KV slot outside \\[0, 50\\)"),
         (dict(table=torch.zeros(3, 40, dtype=torch.int32)), "req_to_token must be int64"),
         (dict(out=torch.zeros(3, 4, 32)), "out must have q's shape"),
@@ -232,10 +208,10 @@ def test_bad_inputs_are_clear_errors(change: dict[str, Any], message: str) -> No
         k=torch.zeros(2, 50, 64),
         v=torch.zeros(2, 50, 64),
         table=torch.zeros(3, 40, dtype=torch.int64),
-        rows=_index([1]),
-        seq_lens=_index([5]),
-        q_starts=_index([0]),
-        q_lens=_index([2]),
+        rows=index([1]),
+        seq_lens=index([5]),
+        q_starts=index([0]),
+        q_lens=index([2]),
         out=None,
     )
     args.update(change)
@@ -333,7 +309,7 @@ def _batch(pool: PagedPool, mode: ForwardMode, rows: list[int], prefix: list[int
         batch_size=len(rows),
         req_pool_indices=pool.req_pool_indices[rows],
         req_pool_indices_cpu=pool.req_pool_indices[rows].tolist(),
-        seq_lens=_index(seq_lens),
+        seq_lens=index(seq_lens),
         max_seq_len=max(seq_lens),
         extend_prefix_lens_cpu=None if is_decode else prefix,
         extend_seq_lens_cpu=None if is_decode else extend,
@@ -382,26 +358,26 @@ def test_backend_same_with_kernel_on_and_off(
     assert calls == [kernel_rows]  # the kernel ran when on (over the short rows, or all), not when off
     start = 0
     for i, (p, e) in enumerate(zip(prefix, extend)):
-        ref = _ref(q[start : start + e], pool, i, p)
+        ref = pool_reference(q[start : start + e], pool, i, p)
         for out in outputs:
             assert relative_error(out[start : start + e], ref) <= TOLERANCE[dtype], f"prefix {p}, extend {e}"
         start += e
 
 
-def test_prefill_rows_supported_in_bfloat16_with_avx512_bf16_and_no_amx() -> None:
-    """Prefill rows go to the kernel exactly where it takes bfloat16 pairs with vdpbf16ps and SDPA has no matrix
-    unit to run on: bfloat16, head sizes a multiple of 32 up to 256, and a build for a CPU whose flags
-    (``/proc/cpuinfo``) include avx512_bf16 but not amx_tile."""
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    has_dot = " avx512_bf16" in flags and " avx512bw" in flags
+def test_prefill_rows_go_to_the_kernel_with_amx_or_avx512_bf16() -> None:
+    """Prefill rows go to the kernel exactly where it beats SDPA: in bfloat16 with head sizes a multiple of 32 up to
+    256, on a CPU whose flags (``/proc/cpuinfo``) include avx512_bf16 (vdpbf16ps) or amx_bf16 (the matrix unit,
+    also asked of the kernel's ``matrix_unit`` path)."""
+    has_dot = " avx512_bf16" in _FLAGS and " avx512bw" in _FLAGS
+    has_amx = " amx_bf16" in _FLAGS and " amx_tile" in _FLAGS
     assert bool(torch.ops.batchgen.has_bf16_dot_product()) == has_dot
-    to_kernel = has_dot and " amx_tile" not in flags
+    assert cpu_kernels.matrix_unit_supported(torch.bfloat16, 64) == (has_amx and has_dot)
+    to_kernel = has_dot
     assert cpu_kernels.prefill_rows_supported(torch.bfloat16, 64) == to_kernel
     assert cpu_kernels.prefill_rows_supported(torch.bfloat16, 256) == to_kernel
-    assert not cpu_kernels.prefill_rows_supported(torch.bfloat16, 80)
-    assert not cpu_kernels.prefill_rows_supported(torch.bfloat16, 512)
-    assert not cpu_kernels.prefill_rows_supported(torch.float32, 64)
-    assert not cpu_kernels.prefill_rows_supported(torch.float16, 64)
+    for dtype, head_dim in [(torch.bfloat16, 80), (torch.bfloat16, 512), (torch.float32, 64), (torch.float16, 64)]:
+        assert not cpu_kernels.prefill_rows_supported(dtype, head_dim)
+        assert not cpu_kernels.matrix_unit_supported(dtype, head_dim)
 
 
 # Run in a child process: the kernel built for a lesser CPU (the flag in argv[1]), on the inputs the parent saved.
@@ -414,7 +390,6 @@ assert cpu.build_problem() is None
 assert not torch.ops.batchgen.has_bf16_dot_product()
 torch.save(cpu.paged_attention(*torch.load(sys.argv[2])), sys.argv[3])
 """
-_FLAGS = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
 
 
 @pytest.mark.parametrize(
@@ -442,9 +417,9 @@ def test_paths_of_lesser_cpus_match_float64(flag: str, dtype: torch.dtype, tmp_p
         pool.v,
         pool.req_to_token,
         pool.req_pool_indices[[0, 1, 2, 3]],
-        _index([n for n, _ in rows]),
-        _index([sum(new[:i]) for i in range(len(new))]),
-        _index(new),
+        index([n for n, _ in rows]),
+        index([sum(new[:i]) for i in range(len(new))]),
+        index(new),
         64**-0.5,
     )
     torch.save(args, tmp_path / "args.pt")
@@ -456,7 +431,7 @@ def test_paths_of_lesser_cpus_match_float64(flag: str, dtype: torch.dtype, tmp_p
     out = torch.load(tmp_path / "out.pt")
     start = 0
     for i, (seq_len, n) in enumerate(rows):
-        ref = _ref(q[start : start + n], pool, i, seq_len - n)
+        ref = pool_reference(q[start : start + n], pool, i, seq_len - n)
         assert relative_error(out[start : start + n], ref) <= TOLERANCE[dtype], f"row of length {seq_len}"
         start += n
 

@@ -3,7 +3,8 @@
 ``paged_attention.cpp`` registers ``torch.ops.batchgen.paged_attention``: attention that reads each request's
 K/V in place from the paged pool through ``req_to_token`` (no gathered copy), as SGLang's and vLLM's CPU
 backends do. The torch_native backend uses it for decode and verify rows on CPU tensors when it builds here,
-and for prefill rows too in bfloat16 on a CPU with AVX512-BF16 (``torch.ops.batchgen.has_bf16_dot_product()``).
+and for prefill rows too in bfloat16 on a CPU with AMX (on the matrix unit, ``attention_amx.h``) or with
+AVX512-BF16 (``torch.ops.batchgen.has_bf16_dot_product()``).
 ``elementwise.cpp`` registers the fused RMSNorm, SiLU-and-multiply and RoPE of bfloat16 models
 (:mod:`batchgen.kernels.cpu.fused_elementwise`), ``argmax.cpp`` greedy sampling's argmax
 (:func:`argmax_rows`); ``vec16.h`` holds the vector helpers they share.
@@ -47,11 +48,13 @@ def paged_attention_available() -> bool:
 
 
 def prefill_rows_supported(dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether rows of many new tokens (prefill chunks) should go to the kernel too: in bfloat16 on a CPU with
-    AVX512-BF16 but no matrix unit, where it scores and weights V with ``vdpbf16ps`` (head sizes a multiple of 32,
-    up to 256) and beats SDPA. With AMX tiles SDPA's flash attention (oneDNN's brgemm) runs them on the matrix
-    unit and is the faster (figures in docs/performance.md); elsewhere SDPA is as fast as the kernel's float32
-    loops. Both keep them."""
+    """Whether rows of many new tokens (prefill chunks) should go to the kernel too, rather than to SDPA over
+    gathered K/V: where the kernel runs them on the matrix unit (:func:`matrix_unit_supported`), or in bfloat16 on
+    a CPU with AVX512-BF16 and no AMX, where it scores and weights V with ``vdpbf16ps`` (head sizes a multiple of
+    32, up to 256). Both beat SDPA there (figures in docs/performance.md); elsewhere SDPA is as fast as the
+    kernel's float32 loops and keeps them."""
+    if matrix_unit_supported(dtype, head_dim):
+        return True
     return (
         dtype == torch.bfloat16
         and head_dim % 32 == 0
@@ -59,6 +62,20 @@ def prefill_rows_supported(dtype: torch.dtype, head_dim: int) -> bool:
         and not _has_amx()
         and paged_attention_available()
         and bool(torch.ops.batchgen.has_bf16_dot_product())
+    )
+
+
+@functools.cache
+def matrix_unit_supported(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether :func:`paged_attention` can run on the CPU's matrix unit (``matrix_unit=True``): bfloat16, head
+    sizes a multiple of 32 up to 256, a CPU with AMX tiles, and PyTorch's brgemm (oneDNN) running bfloat16 here."""
+    return (
+        dtype == torch.bfloat16
+        and head_dim % 32 == 0
+        and head_dim <= 256
+        and _has_amx()
+        and paged_attention_available()
+        and bool(torch.ops.batchgen.has_brgemm_bf16())
     )
 
 
@@ -182,6 +199,7 @@ def paged_attention(
     q_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    matrix_unit: bool = False,
 ) -> torch.Tensor:
     """Causal attention of each row's new tokens over its whole sequence, read in place from the paged pool.
 
@@ -194,7 +212,9 @@ def paged_attention(
     float16 the probabilities are rounded to that dtype before weighting V, as PyTorch's SDPA (which HF
     transformers runs) and FlashAttention do, so greedy tokens follow HF's. The output is cast to q's dtype.
     A query's result does not depend on the other rows, on its row's ``q_lens`` or on threading (it is
-    bit-identical in any batch).
+    bit-identical in any batch). With ``matrix_unit`` (where :func:`matrix_unit_supported`) the scores and the
+    weighting of V run as GEMMs on the AMX tiles through PyTorch's ``at::native::cpublas::brgemm``: same inputs,
+    same guarantees, rounding that differs from the vector path's by the order in which products are summed.
 
     Args:
         q: ``[num_tokens, num_heads, head_dim]``, float32, bfloat16 or float16, head_dim contiguous.
@@ -204,14 +224,16 @@ def paged_attention(
         scale: the score scale, usually ``head_dim ** -0.5``.
         out: ``[num_tokens, num_heads, head_dim]`` in q's dtype to write into (head_dim contiguous); only the
             rows' tokens are written, the others keep their values. ``None``: a new, uninitialised tensor.
+        matrix_unit: run on the matrix unit; only where :func:`matrix_unit_supported` says so.
 
     Returns:
         ``out``.
 
     Raises:
         RuntimeError: with a ``batchgen::paged_attention:`` message for tensors not on the CPU, mismatched
-            shapes or dtypes, or indices outside their tensors (including slots outside the pool); or when the
-            extension is not available (check :func:`paged_attention_available` first).
+            shapes or dtypes, indices outside their tensors (including slots outside the pool), or ``matrix_unit``
+            where it cannot run; or when the extension is not available (check :func:`paged_attention_available`
+            first).
     """
     problem = build_problem()
     if problem is not None:
@@ -219,7 +241,7 @@ def paged_attention(
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     torch.ops.batchgen.paged_attention(
-        q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, q_starts, q_lens, scale, out
+        q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, q_starts, q_lens, scale, out, matrix_unit
     )
     return out
 

@@ -51,11 +51,11 @@ inline void transpose16(v16u rows[16]) {
 }
 #undef BATCHGEN_LIST
 
-// Block packing for `block_len` keys at `slots` (keys past block_len read as zeros): kp[p * kKeyBlock + j] holds
+// Block packing for `block_len` keys at `slots` (keys past block_len read as zeros): kp[p * key_block + j] holds
 // key j's dims (2p, 2p + 1) for the 16-key groups the block reaches; vp[(j / 2) * head_dim + d] holds dim d of keys
 // j and j + 1 (even j). `pairs` = head_dim / 2, a multiple of 16.
 inline void pack_block(const uint16_t* k, const uint16_t* v, const int64_t* slots, int64_t block_len, int64_t pairs,
-                       int64_t slot_stride, uint32_t* kp, uint32_t* vp) {
+                       int64_t slot_stride, uint32_t* kp, uint32_t* vp, int64_t key_block = kKeyBlock) {
   const int64_t head_dim = 2 * pairs;
   for (int64_t g = 0; g * kLanes < block_len; ++g) {
     for (int64_t pg = 0; pg < pairs; pg += kLanes) {
@@ -69,7 +69,7 @@ inline void pack_block(const uint16_t* k, const uint16_t* v, const int64_t* slot
         }
       }
       transpose16(rows);
-      for (int64_t pp = 0; pp < kLanes; ++pp) std::memcpy(kp + (pg + pp) * kKeyBlock + g * kLanes, &rows[pp], 64);
+      for (int64_t pp = 0; pp < kLanes; ++pp) std::memcpy(kp + (pg + pp) * key_block + g * kLanes, &rows[pp], 64);
     }
   }
   // Interleaving two rows of 32 bfloat16s: the first 16 dims' pairs, then the last 16 dims' pairs.
@@ -193,6 +193,62 @@ bool attend_bf16(const Shape& s, const c10::BFloat16* q, const c10::BFloat16* k,
   for (int64_t i = 0; i < nq; ++i) {
     const int64_t t = (first + i) / group, head = kv_head * group + (first + i) % group;
     w.finish_query(i, dc, s.head_dim, out + (q_start + t) * s.out_stride_token + head * s.out_stride_head);
+  }
+  return true;
+}
+
+
+// attend_bf16 for the rows of a shared prefix (attention_shared.h): rows `members` (indices into the round's rows,
+// each with all its queries) whose first `depth` blocks of keys are the same pool slots. Those blocks are packed
+// once and run for every member's queries; then each member goes on over its own blocks. A query meets the same
+// packed blocks in the same order, through the same attend_block_bf16 calls, as attend_bf16 gives it alone, so
+// its output is the same bits; only the reads of the shared K/V and their packing are not repeated.
+template <int DC>
+bool attend_bf16_shared(const Shape& s, const c10::BFloat16* q, const c10::BFloat16* k, const c10::BFloat16* v,
+                        c10::BFloat16* out, const Rows& rows, const int64_t* members, int64_t num_members,
+                        int64_t depth, int64_t kv_head, Scratch& w) {
+  const int64_t group = s.num_heads / s.num_kv_heads, dc = s.chunks, pairs = s.head_dim / 2;
+  const auto* k16 = reinterpret_cast<const uint16_t*>(k + kv_head * s.kv_stride_head);
+  const auto* v16 = reinterpret_cast<const uint16_t*>(v + kv_head * s.kv_stride_head);
+  int64_t nq = 0;
+  for (int64_t m = 0; m < num_members; ++m) {
+    const int64_t r = members[m];
+    for (int64_t i = 0; i < rows.q_lens[r] * group; ++i, ++nq) {
+      const int64_t t = i / group, head = kv_head * group + i % group;
+      std::memcpy(&w.q_pairs[nq * pairs], q + (rows.q_starts[r] + t) * s.q_stride_token + head * s.q_stride_head,
+                  s.head_dim * sizeof(c10::BFloat16));
+      w.start_query(nq, rows.seq_lens[r] - rows.q_lens[r] + t + 1, dc);
+    }
+  }
+  auto attend_queries = [&](int64_t first, int64_t last, int64_t block, int64_t block_len) {
+    pack_block(k16, v16, w.slots.data(), block_len, pairs, s.kv_stride_slot, w.k_pairs.data(), w.v_pairs.data());
+    for (int64_t i = first; i < last; ++i) {
+      const int64_t seen = std::min(block_len, w.limit[i] - block);
+      if (seen <= 0) continue;
+      attend_block_bf16<DC>(&w.q_pairs[i * pairs], w.k_pairs.data(), w.v_pairs.data(), seen, dc, s.scale,
+                            &w.acc[i * dc], w.row_max[i], w.row_sum[i], w.scores.data(), w.prob_pairs.data());
+    }
+  };
+  const int64_t* shared_slots = rows.slots_of(members[0]);
+  for (int64_t block = 0; block < depth * kKeyBlock; block += kKeyBlock) {
+    if (!w.take_slots(shared_slots, block, kKeyBlock, s.num_slots)) return false;
+    attend_queries(0, nq, block, kKeyBlock);
+  }
+  int64_t first = 0;
+  for (int64_t m = 0; m < num_members; ++m) {
+    const int64_t r = members[m], last = first + rows.q_lens[r] * group;
+    const int64_t keys = rows.seq_lens[r];  // what the member's last query sees
+    for (int64_t block = depth * kKeyBlock; block < keys; block += kKeyBlock) {
+      const int64_t block_len = std::min(kKeyBlock, keys - block);
+      if (!w.take_slots(rows.slots_of(r), block, block_len, s.num_slots)) return false;
+      attend_queries(first, last, block, block_len);
+    }
+    for (int64_t i = first; i < last; ++i) {
+      const int64_t t = (i - first) / group, head = kv_head * group + (i - first) % group;
+      w.finish_query(i, dc, s.head_dim,
+                     out + (rows.q_starts[r] + t) * s.out_stride_token + head * s.out_stride_head);
+    }
+    first = last;
   }
   return true;
 }

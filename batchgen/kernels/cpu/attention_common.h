@@ -19,6 +19,11 @@
 namespace {
 
 constexpr int64_t kKeyBlock = 64;      // keys per online-softmax step (a multiple of kLanes)
+// The matrix-unit path's step (attention_amx.h): longer, so that each GEMM call does more work.
+constexpr int64_t kTileKeyBlock = 256;
+// Rows with fewer queries (new tokens x GQA group) than this stay on the vector path even where the matrix unit is
+// asked for: with a handful of queries the GEMM calls cost more than they save (docs/performance.md).
+constexpr int64_t kTileMinQueries = 8;
 constexpr int64_t kQueryBlock = 64;    // queries sharing one pass over K/V (bounds the scratch per thread)
 constexpr int64_t kPrefetchKeys = 16;  // how far ahead the K/V rows are requested
 
@@ -87,35 +92,47 @@ inline float hmax(v16f a) {
 }
 
 struct Shape {
-  int64_t num_heads, num_kv_heads, head_dim, chunks, num_slots, table_stride;
+  int64_t num_heads, num_kv_heads, head_dim, chunks, num_slots;
   int64_t q_stride_token, q_stride_head, out_stride_token, out_stride_head;
   int64_t kv_stride_head, kv_stride_slot;
   float scale;
 };
 
+// The rows of one call: row r is request row pool_rows[r] of req_to_token, seq_lens[r] tokens long, of which the last
+// q_lens[r] are new, at q_starts[r] in q.
+struct Rows {
+  const int64_t *req_to_token, *pool_rows, *seq_lens, *q_starts, *q_lens;
+  int64_t table_stride;
+  const int64_t* slots_of(int64_t r) const { return req_to_token + pool_rows[r] * table_stride; }
+};
+
 // Per-thread scratch, sized once per call.
 struct Scratch {
   std::vector<v16f> q, acc, keys, values;  // [queries][chunks] x 2, [kKeyBlock][chunks] x 2
-  std::vector<v16f> scores;                // one query's scores for the block, [kKeyBlock / 16]
+  std::vector<v16f> scores;                // one query's scores for the block, [kTileKeyBlock / 16]
   std::vector<v16f> odd;                   // [chunks]: a running sum when the head size is not fixed
   std::vector<float> row_max, row_sum;
   std::vector<int64_t> limit, slots;
   std::vector<uint32_t> q_pairs, k_pairs, v_pairs, prob_pairs;  // the bfloat16 dot-product path's packed operands
+  std::vector<float> block_scores;     // the matrix-unit path's S, [queries][kTileKeyBlock]
+  std::vector<uint16_t> block_probs;   // and its P in bfloat16, [queries][kTileKeyBlock]
   Scratch(int64_t queries, int64_t chunks)
       : q(queries * chunks),
         acc(queries * chunks),
         keys(kKeyBlock * chunks),
         values(kKeyBlock * chunks),
-        scores(kKeyBlock / kLanes),
+        scores(kTileKeyBlock / kLanes),
         odd(chunks),
         row_max(queries),
         row_sum(queries),
         limit(queries),
-        slots(kKeyBlock),
+        slots(kTileKeyBlock),
         q_pairs(queries * chunks * kLanes / 2),
-        k_pairs(chunks * kLanes / 2 * kKeyBlock),
-        v_pairs(kKeyBlock / 2 * chunks * kLanes),
-        prob_pairs(kKeyBlock / 2) {}
+        k_pairs(chunks * kLanes / 2 * kTileKeyBlock),
+        v_pairs(kTileKeyBlock / 2 * chunks * kLanes),
+        prob_pairs(kKeyBlock / 2),
+        block_scores(queries * kTileKeyBlock),
+        block_probs(queries * kTileKeyBlock) {}
 
   // Query i of a work item starts over: it sees `visible` keys (positions 0 .. visible - 1), has no scores yet.
   void start_query(int64_t i, int64_t visible, int64_t chunks) {

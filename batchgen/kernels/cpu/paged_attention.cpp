@@ -30,10 +30,12 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "attention_amx.h"
 #include "attention_avx2.h"
 #include "attention_bf16.h"
 #include "attention_common.h"
 #include "attention_generic.h"
+#include "attention_shared.h"
 
 #include <algorithm>
 #include <atomic>
@@ -122,55 +124,104 @@ bool has_bf16_dot_product() {
 #endif
 }
 
+bool has_brgemm_bf16() {
+#ifdef BATCHGEN_BF16_DOT
+  return brgemm_bf16_available();
+#else
+  return false;
+#endif
+}
+
 
 template <typename T, int DC>
 void run(const Shape& s, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-         const int64_t* req_to_token, const int64_t* pool_rows, const int64_t* seq_lens, const int64_t* q_starts,
-         const int64_t* q_lens, int64_t num_rows) {
+         const Rows& rows, int64_t num_rows, bool matrix_unit) {
   const int64_t group = s.num_heads / s.num_kv_heads;
-  int64_t max_queries = 1;
-  for (int64_t r = 0; r < num_rows; ++r) max_queries = std::max(max_queries, q_lens[r] * group);
-  const int64_t block_queries = std::min(max_queries, kQueryBlock);
-  // Work items: (row, first query of a block of block_queries) x kv head, so that a long prefill row spreads
-  // over threads too. Largest first (keys its last query sees), so no thread is left with a long one at the end.
-  struct Work {
-    int64_t row, first, keys;
-  };
-  std::vector<Work> work;
-  for (int64_t r = 0; r < num_rows; ++r) {
-    for (int64_t first = 0; first < q_lens[r] * group; first += block_queries) {
-      const int64_t last_query = std::min(q_lens[r] * group, first + block_queries) - 1;
-      work.push_back({r, first, seq_lens[r] - q_lens[r] + last_query / group + 1});
+  const int64_t* q_lens = rows.q_lens;
+  using Attend = bool (*)(const Shape&, const T*, const T*, const T*, T*, const int64_t*, int64_t, int64_t,
+                          int64_t, int64_t, int64_t, int64_t, Scratch&);
+  Attend attend_item = &attend<T, DC>, attend_tiles = nullptr;
+  // A row's path is its own: the matrix unit for rows of kTileMinQueries queries or more (where two GEMMs per
+  // block beat packing K for the vector path's few queries), the vector path for the others (decodes).
+  auto on_tiles = [&](int64_t r) { return attend_tiles != nullptr && q_lens[r] * group >= kTileMinQueries; };
+  std::vector<SharedPrefix> shared;
+#ifdef BATCHGEN_BF16_DOT
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (bf16_dot_fits(s.head_dim)) {
+      attend_item = &attend_bf16<DC>;
+      if (matrix_unit) attend_tiles = &attend_amx<DC>;
+      // Rows of a few queries on the vector path (decodes) that share a cached prefix read it once together.
+      std::vector<int64_t> few;
+      for (int64_t r = 0; r < num_rows; ++r) {
+        if (q_lens[r] > 0 && !on_tiles(r) && q_lens[r] * group < kTileMinQueries) few.push_back(r);
+      }
+      if (few.size() > 1) shared = shared_prefixes(rows, std::move(few), [&](int64_t r) { return q_lens[r] * group; });
     }
   }
+#endif
+  // Work items, each for every KV head: a shared prefix's rows, or (row, first query of a block of kQueryBlock)
+  // for the other rows, so that a long prefill row spreads over threads too (the blocks depend on the row alone).
+  // Largest first (keys the item's queries see), so no thread is left with a long one at the end.
+  struct Work {
+    int64_t row, first, keys, shared;  // shared: index into `shared`, or -1
+  };
+  std::vector<Work> work;
+  std::vector<bool> in_shared(num_rows, false);
+  for (size_t g = 0; g < shared.size(); ++g) {
+    int64_t keys = 0;
+    for (int64_t r : shared[g].members) {
+      in_shared[r] = true;
+      keys += rows.seq_lens[r] - shared[g].depth * kKeyBlock;
+    }
+    work.push_back({-1, 0, keys + shared[g].depth * kKeyBlock, static_cast<int64_t>(g)});
+  }
+  int64_t max_queries = 1;
+  for (int64_t r = 0; r < num_rows; ++r) {
+    max_queries = std::max(max_queries, q_lens[r] * group);
+    if (in_shared[r]) continue;
+    for (int64_t first = 0; first < q_lens[r] * group; first += kQueryBlock) {
+      const int64_t last_query = std::min(q_lens[r] * group, first + kQueryBlock) - 1;
+      work.push_back({r, first, rows.seq_lens[r] - q_lens[r] + last_query / group + 1, -1});
+    }
+  }
+  // The most queries an item holds: a shared prefix's rows hold up to kQueryBlock together.
+  const int64_t block_queries = shared.empty() ? std::min(max_queries, kQueryBlock) : kQueryBlock;
   std::stable_sort(work.begin(), work.end(), [](const Work& a, const Work& b) { return a.keys > b.keys; });
   const int64_t items = static_cast<int64_t>(work.size()) * s.num_kv_heads;
   const T* q_ptr = q.const_data_ptr<T>();
   const T* k_ptr = k.const_data_ptr<T>();
   const T* v_ptr = v.const_data_ptr<T>();
   T* out_ptr = out.mutable_data_ptr<T>();
-  bool (*attend_item)(const Shape&, const T*, const T*, const T*, T*, const int64_t*, int64_t, int64_t, int64_t,
-                      int64_t, int64_t, int64_t, Scratch&) = &attend<T, DC>;
-#ifdef BATCHGEN_BF16_DOT
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    if (bf16_dot_fits(s.head_dim)) attend_item = &attend_bf16<DC>;
-  }
-#endif
   std::atomic<int64_t> next{0};
   std::atomic<bool> bad_slot{false};
   // Items differ in length, so threads take them one at a time rather than in fixed chunks.
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     Scratch scratch(block_queries, s.chunks);
+    bool used_tiles = false;
     for (int64_t item = next++; item < items; item = next++) {
       const Work& it = work[item / s.num_kv_heads];
-      const int64_t r = it.row, kv_head = item % s.num_kv_heads;
-      const int64_t last = std::min(q_lens[r] * group, it.first + block_queries);
-      if (!attend_item(s, q_ptr, k_ptr, v_ptr, out_ptr, req_to_token + pool_rows[r] * s.table_stride, seq_lens[r],
-                       q_starts[r], q_lens[r], kv_head, it.first, last, scratch)) {
-        bad_slot = true;
+      const int64_t kv_head = item % s.num_kv_heads;
+      bool ok = true;
+      if (it.shared >= 0) {
+#ifdef BATCHGEN_BF16_DOT
+        if constexpr (std::is_same_v<T, c10::BFloat16>) {
+          const SharedPrefix& g = shared[it.shared];
+          ok = attend_bf16_shared<DC>(s, q_ptr, k_ptr, v_ptr, out_ptr, rows, g.members.data(),
+                                      static_cast<int64_t>(g.members.size()), g.depth, kv_head, scratch);
+        }
+#endif
+      } else {
+        const int64_t r = it.row, last = std::min(q_lens[r] * group, it.first + kQueryBlock);
+        const bool tiles = on_tiles(r);
+        used_tiles |= tiles;
+        ok = (tiles ? attend_tiles : attend_item)(s, q_ptr, k_ptr, v_ptr, out_ptr, rows.slots_of(r),
+                                                  rows.seq_lens[r], rows.q_starts[r], q_lens[r], kv_head, it.first,
+                                                  last, scratch);
       }
+      if (!ok) bad_slot = true;
     }
+    if (used_tiles) at::native::cpublas::brgemm_release();  // hands the tile configuration back
   });
   TORCH_CHECK(!bad_slot, "batchgen::paged_attention: req_to_token names a KV slot outside [0, ", s.num_slots,
               ") within a row's first seq_len positions");
@@ -178,18 +229,17 @@ void run(const Shape& s, const at::Tensor& q, const at::Tensor& k, const at::Ten
 
 template <typename T>
 void run_any_dim(const Shape& s, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                 const at::Tensor& out, const int64_t* req_to_token, const int64_t* pool_rows,
-                 const int64_t* seq_lens, const int64_t* q_starts, const int64_t* q_lens, int64_t num_rows) {
+                 const at::Tensor& out, const Rows& rows, int64_t num_rows, bool matrix_unit) {
   // The common head sizes 64, 128, 256 get code with the loops over a head unrolled; others a generic loop.
   switch (s.chunks) {
     case 4:
-      return run<T, 4>(s, q, k, v, out, req_to_token, pool_rows, seq_lens, q_starts, q_lens, num_rows);
+      return run<T, 4>(s, q, k, v, out, rows, num_rows, matrix_unit);
     case 8:
-      return run<T, 8>(s, q, k, v, out, req_to_token, pool_rows, seq_lens, q_starts, q_lens, num_rows);
+      return run<T, 8>(s, q, k, v, out, rows, num_rows, matrix_unit);
     case 16:
-      return run<T, 16>(s, q, k, v, out, req_to_token, pool_rows, seq_lens, q_starts, q_lens, num_rows);
+      return run<T, 16>(s, q, k, v, out, rows, num_rows, matrix_unit);
     default:
-      return run<T, 0>(s, q, k, v, out, req_to_token, pool_rows, seq_lens, q_starts, q_lens, num_rows);
+      return run<T, 0>(s, q, k, v, out, rows, num_rows, matrix_unit);
   }
 }
 
@@ -204,7 +254,8 @@ at::Tensor contiguous_index(const at::Tensor& t, const char* name, int64_t n) {
 
 void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& req_to_token, const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
-                     const at::Tensor& q_starts, const at::Tensor& q_lens, double scale, const at::Tensor& out) {
+                     const at::Tensor& q_starts, const at::Tensor& q_lens, double scale, const at::Tensor& out,
+                     bool matrix_unit) {
   constexpr const char* op = "batchgen::paged_attention: ";
   TORCH_CHECK(q.dim() == 3, op, "q must be [num_tokens, num_heads, head_dim], got shape ", q.sizes());
   TORCH_CHECK(k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes(), op,
@@ -220,6 +271,9 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   for (const at::Tensor* t : {&q, &k_cache, &v_cache, &out, &req_to_token}) {
     TORCH_CHECK(t->device().is_cpu(), op, "all tensors must be on the CPU, got one on ", t->device());
   }
+  TORCH_CHECK(!matrix_unit || (dtype == at::kBFloat16 && bf16_dot_fits(q.size(2)) && has_brgemm_bf16()), op,
+              "matrix_unit needs bfloat16, a head size that is a multiple of 32 up to 256, and brgemm in bfloat16 "
+              "on this CPU (has_brgemm_bf16)");
   const int64_t num_heads = q.size(1), head_dim = q.size(2), num_kv_heads = k_cache.size(0);
   TORCH_CHECK(k_cache.size(2) == head_dim, op, "k_cache's head_dim ", k_cache.size(2), " differs from q's ",
               head_dim);
@@ -236,11 +290,11 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
               req_to_token.scalar_type(), " ", req_to_token.sizes());
   TORCH_CHECK(req_pool_indices.dim() == 1, op, "req_pool_indices must be 1-D, got shape ", req_pool_indices.sizes());
   const int64_t n = req_pool_indices.size(0);
-  const at::Tensor rows = contiguous_index(req_pool_indices, "req_pool_indices", n);
+  const at::Tensor pool_rows = contiguous_index(req_pool_indices, "req_pool_indices", n);
   const at::Tensor lens = contiguous_index(seq_lens, "seq_lens", n);
   const at::Tensor starts = contiguous_index(q_starts, "q_starts", n);
   const at::Tensor new_lens = contiguous_index(q_lens, "q_lens", n);
-  const int64_t *row_p = rows.const_data_ptr<int64_t>(), *len_p = lens.const_data_ptr<int64_t>();
+  const int64_t *row_p = pool_rows.const_data_ptr<int64_t>(), *len_p = lens.const_data_ptr<int64_t>();
   const int64_t *start_p = starts.const_data_ptr<int64_t>(), *new_p = new_lens.const_data_ptr<int64_t>();
   const int64_t num_tokens = q.size(0), max_reqs = req_to_token.size(0), context_len = req_to_token.size(1);
   for (int64_t r = 0; r < n; ++r) {
@@ -257,7 +311,6 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
                 head_dim,
                 (head_dim + kLanes - 1) / kLanes,
                 k_cache.size(1),
-                req_to_token.stride(0),
                 q.stride(0),
                 q.stride(1),
                 out.stride(0),
@@ -265,14 +318,14 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
                 k_cache.stride(0),
                 k_cache.stride(1),
                 static_cast<float>(scale)};
-  const int64_t* table = req_to_token.const_data_ptr<int64_t>();
+  const Rows rows{req_to_token.const_data_ptr<int64_t>(), row_p, len_p, start_p, new_p, req_to_token.stride(0)};
   switch (dtype) {
     case at::kFloat:
-      return run_any_dim<float>(s, q, k_cache, v_cache, out, table, row_p, len_p, start_p, new_p, n);
+      return run_any_dim<float>(s, q, k_cache, v_cache, out, rows, n, matrix_unit);
     case at::kBFloat16:
-      return run_any_dim<c10::BFloat16>(s, q, k_cache, v_cache, out, table, row_p, len_p, start_p, new_p, n);
+      return run_any_dim<c10::BFloat16>(s, q, k_cache, v_cache, out, rows, n, matrix_unit);
     default:
-      return run_any_dim<c10::Half>(s, q, k_cache, v_cache, out, table, row_p, len_p, start_p, new_p, n);
+      return run_any_dim<c10::Half>(s, q, k_cache, v_cache, out, rows, n, matrix_unit);
   }
 }
 
@@ -281,10 +334,12 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
 TORCH_LIBRARY(batchgen, m) {
   m.def(
       "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor req_to_token, Tensor req_pool_indices, "
-      "Tensor seq_lens, Tensor q_starts, Tensor q_lens, float scale, Tensor(a!) out) -> ()");
+      "Tensor seq_lens, Tensor q_starts, Tensor q_lens, float scale, Tensor(a!) out, bool matrix_unit=False) -> ()");
   // Whether bfloat16 attention runs on vdpbf16ps here (built for a CPU with AVX512-BF16): fast enough for
   // prefill rows too, which otherwise go to SDPA.
   m.def("has_bf16_dot_product() -> bool", &has_bf16_dot_product);
+  // Whether brgemm (oneDNN's ukernel) runs bfloat16 here, which the matrix_unit path needs, besides AMX tiles.
+  m.def("has_brgemm_bf16() -> bool", &has_brgemm_bf16);
 }
 
 TORCH_LIBRARY_IMPL(batchgen, CPU, m) { m.impl("paged_attention", &paged_attention); }

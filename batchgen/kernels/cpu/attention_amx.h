@@ -1,0 +1,154 @@
+// The paged-attention kernel's bfloat16 path on the CPU's matrix unit (AMX), included by paged_attention.cpp where
+// the machine has AVX512-BF16 (BATCHGEN_BF16_DOT, attention_common.h); the caller picks it at run time, on a CPU
+// with AMX tiles.
+//
+// A work item's queries (up to kQueryBlock: the row's new tokens times the GQA group, all on one KV head) form the
+// rows of two GEMMs per block of kTileKeyBlock (256) keys, run by PyTorch's at::native::cpublas::brgemm (oneDNN's
+// batch-reduce GEMM ukernel: tdpbf16ps on the tiles):
+//   S [queries x 256 keys] = Q [queries x head_dim] . K^T        (K^T packed as (dim 2p, dim 2p + 1) pairs)
+//   acc [queries x head_dim] = alpha * acc + P [queries x 256] . V   (V packed as (key 2j, key 2j + 1) pairs)
+// with the online softmax (attention_common.h's softmax_step) between them, per query, in float32; P is rounded to
+// bfloat16 as on the other paths. The packed layouts are the VNNI layouts brgemm takes for B, the same ones the
+// vdpbf16ps path builds (pack_block), so a block is packed once for all its queries.
+//
+// Determinism: a query's result depends on its own inputs only. Keys are blocked at fixed positions, every GEMM
+// has the same K (head_dim, then kTileKeyBlock: keys past a query's last visible one get probability 0), a query that
+// sees none of a block skips the softmax step and adds exact zeros, and items hold fixed blocks of a row's own
+// queries, so neither the other rows of the round nor the thread that runs an item change its arithmetic. (brgemm's
+// result for one element of C does not depend on M: tests/kernels/test_cpu_attention_paths.py checks it.) Keys
+// after a query never reach it, even where a broken model wrote inf or NaN into them (weigh_values_per_query).
+#pragma once
+
+#include "attention_bf16.h"
+#include "attention_common.h"
+
+#include <ATen/native/CPUBlas.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#ifdef BATCHGEN_BF16_DOT
+
+namespace {
+
+// Whether all of bf16[0 .. n) (n a multiple of 32) are finite: an exponent of all ones is inf or NaN.
+inline bool all_finite(const uint16_t* bf16, int64_t n) {
+  const __m512i exponent = _mm512_set1_epi16(0x7f80);
+  for (int64_t i = 0; i < n; i += 32) {
+    const __m512i x = _mm512_and_si512(_mm512_loadu_si512(bf16 + i), exponent);
+    if (_mm512_cmpeq_epi16_mask(x, exponent)) return false;
+  }
+  return true;
+}
+
+// acc[i] += P[i] . V for each query alone, V's keys from the query's `seen` on cleared: for a block whose V holds
+// inf or NaN (a broken model's) at keys some queries must not see, where one GEMM would give them 0 x inf = NaN.
+inline void weigh_values_per_query(const Scratch& w, const c10::BFloat16* probs, float* acc, int64_t nq,
+                                   int64_t head_dim, int64_t block, int64_t block_len) {
+  std::vector<uint16_t> masked(w.v_pairs.size() * 2);
+  for (int64_t i = 0; i < nq; ++i) {
+    const int64_t seen = std::min(block_len, w.limit[i] - block);
+    if (seen <= 0) continue;
+    std::memcpy(masked.data(), w.v_pairs.data(), masked.size() * sizeof(uint16_t));
+    // Key j's dim d sits at [(j / 2) * head_dim + d] * 2 + j % 2.
+    for (int64_t j = seen; j < kTileKeyBlock; ++j) {
+      for (int64_t d = 0; d < head_dim; ++d) masked[((j / 2) * head_dim + d) * 2 + j % 2] = 0;
+    }
+    at::native::cpublas::brgemm(1, head_dim, kTileKeyBlock, kTileKeyBlock, head_dim, head_dim, true,
+                                probs + i * kTileKeyBlock, reinterpret_cast<const c10::BFloat16*>(masked.data()),
+                                acc + i * head_dim);
+  }
+}
+
+// Whether brgemm runs bfloat16 in the VNNI layout on this CPU (oneDNN's ukernel was built in and the CPU has the
+// instructions); the caller adds whether it has AMX tiles.
+inline bool brgemm_bf16_available() { return at::native::cpublas::could_pack(at::kBFloat16); }
+
+// attend() for bfloat16 on the matrix unit: the same work item, inputs and result. Call
+// at::native::cpublas::brgemm_release() on the thread when its items are done.
+template <int DC>
+bool attend_amx(const Shape& s, const c10::BFloat16* q, const c10::BFloat16* k, const c10::BFloat16* v,
+                c10::BFloat16* out, const int64_t* slot_of_position, int64_t seq_len, int64_t q_start, int64_t q_len,
+                int64_t kv_head, int64_t first, int64_t last, Scratch& w) {
+  const int64_t group = s.num_heads / s.num_kv_heads, dc = s.chunks, head_dim = s.head_dim, nq = last - first;
+  const int64_t pairs = head_dim / 2;
+  const auto* k16 = reinterpret_cast<const uint16_t*>(k + kv_head * s.kv_stride_head);
+  const auto* v16 = reinterpret_cast<const uint16_t*>(v + kv_head * s.kv_stride_head);
+  auto* q_rows = reinterpret_cast<c10::BFloat16*>(w.q_pairs.data());     // [nq][head_dim]
+  auto* probs = reinterpret_cast<c10::BFloat16*>(w.block_probs.data());  // [nq][kTileKeyBlock]
+  auto* acc = reinterpret_cast<float*>(w.acc.data());                    // [nq][head_dim]: dc * 16 == head_dim
+  const auto* kp = reinterpret_cast<const c10::BFloat16*>(w.k_pairs.data());
+  const auto* vp = reinterpret_cast<const c10::BFloat16*>(w.v_pairs.data());
+  int64_t keys = 0, fewest = std::numeric_limits<int64_t>::max();  // keys the item's queries see: most, fewest
+  for (int64_t i = 0; i < nq; ++i) {
+    const int64_t t = (first + i) / group, head = kv_head * group + (first + i) % group;
+    std::memcpy(q_rows + i * head_dim, q + (q_start + t) * s.q_stride_token + head * s.q_stride_head,
+                head_dim * sizeof(c10::BFloat16));
+    w.start_query(i, seq_len - q_len + t + 1, dc);
+    keys = std::max(keys, w.limit[i]);
+    fewest = std::min(fewest, w.limit[i]);
+  }
+  for (int64_t block = 0; block < keys; block += kTileKeyBlock) {
+    const int64_t block_len = std::min(kTileKeyBlock, keys - block);
+    if (!w.take_slots(slot_of_position, block, block_len, s.num_slots)) return false;
+    for (int64_t j = block + kTileKeyBlock; j < std::min(keys, block + 2 * kTileKeyBlock); ++j) {
+      const int64_t ahead = slot_of_position[j];
+      if (ahead >= 0 && ahead < s.num_slots) {
+        prefetch_row(k16 + ahead * s.kv_stride_slot, head_dim);
+        prefetch_row(v16 + ahead * s.kv_stride_slot, head_dim);
+      }
+    }
+    pack_block(k16, v16, w.slots.data(), block_len, pairs, s.kv_stride_slot, w.k_pairs.data(), w.v_pairs.data(),
+                kTileKeyBlock);
+    if (block_len < kTileKeyBlock) {
+      // The GEMMs always run over kTileKeyBlock keys. Past the block's keys P is 0, but 0 x NaN is NaN, so the V
+      // pairs there (pack_block leaves them as they were) are cleared; the scores there are computed, never read.
+      const int64_t written = (block_len + 1) / 2;
+      std::fill(w.v_pairs.begin() + written * head_dim, w.v_pairs.begin() + kTileKeyBlock / 2 * head_dim, 0u);
+    }
+    at::native::cpublas::brgemm(nq, kTileKeyBlock, head_dim, head_dim, kTileKeyBlock, kTileKeyBlock, false, q_rows, kp,
+                                w.block_scores.data());
+    for (int64_t i = 0; i < nq; ++i) {
+      c10::BFloat16* p = probs + i * kTileKeyBlock;
+      const int64_t seen = std::min(block_len, w.limit[i] - block);
+      if (seen <= 0) {  // none of this block is visible: P . V adds zeros, the running max and sum stay
+        std::fill_n(reinterpret_cast<uint16_t*>(p), kTileKeyBlock, uint16_t{0});
+        continue;
+      }
+      v16f* scores = w.scores.data();
+      const int64_t used = (seen + kLanes - 1) / kLanes;
+      const float* row_scores = w.block_scores.data() + i * kTileKeyBlock;
+      for (int64_t g = 0; g < used; ++g) scores[g] = load16(row_scores + g * kLanes) * s.scale;
+      const float alpha = softmax_step(scores, seen, used, w.row_max[i], w.row_sum[i]);
+      for (int64_t g = 0; g < kTileKeyBlock / kLanes; g += 2) {
+        const __m512 lo = g < used ? reinterpret_cast<__m512>(scores[g]) : _mm512_setzero_ps();
+        const __m512 hi = g + 1 < used ? reinterpret_cast<__m512>(scores[g + 1]) : _mm512_setzero_ps();
+        // Rounded to nearest even, as the other paths round P.
+        _mm512_storeu_si512(p + g * kLanes, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+      }
+      v16f* row = &w.acc[i * dc];
+      for (int64_t c = 0; c < dc; ++c) row[c] *= alpha;
+    }
+    // One GEMM weighs every query's values, unless some query must not see part of this block and V holds inf or
+    // NaN there: then 0 x inf would reach it, so each query weighs its own visible keys.
+    const auto* v_bits = reinterpret_cast<const uint16_t*>(vp);
+    if (block + block_len > fewest && !all_finite(v_bits, (block_len + 1) / 2 * 2 * head_dim)) {
+      weigh_values_per_query(w, probs, acc, nq, head_dim, block, block_len);
+    } else {
+      at::native::cpublas::brgemm(nq, head_dim, kTileKeyBlock, kTileKeyBlock, head_dim, head_dim, true, probs, vp, acc);
+    }
+  }
+  for (int64_t i = 0; i < nq; ++i) {
+    const int64_t t = (first + i) / group, head = kv_head * group + (first + i) % group;
+    w.finish_query(i, dc, head_dim, out + (q_start + t) * s.out_stride_token + head * s.out_stride_head);
+  }
+  return true;
+}
+
+}  // namespace
+
+#endif  // BATCHGEN_BF16_DOT

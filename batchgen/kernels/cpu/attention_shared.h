@@ -1,0 +1,66 @@
+// Rows of a round that share a prefix of KV slots (the prefix cache hands requests with a common prompt prefix the
+// same slots): found here so that the paged-attention kernel reads and packs that prefix's K/V once for all of
+// them (attend_bf16_shared), as cascade attention does (FlashInfer's "cascade", SGLang's and vLLM's shared-prefix
+// decoding). A query's arithmetic is unchanged, so its output is bit-identical with or without the sharing.
+#pragma once
+
+#include "attention_common.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+// Rows (their indices in the call) whose first `depth` blocks of kKeyBlock keys are the same slots, every one of
+// them seen whole by all their queries.
+struct SharedPrefix {
+  std::vector<int64_t> members;
+  int64_t depth;
+};
+
+// Groups of the `candidates` rows (each adding `queries_of(r)` queries, at most kQueryBlock in a group) that share
+// whole leading blocks. Rows are sorted by their slots, so rows with a common prefix sit side by side; a run grows
+// while the blocks it saves reading (depth x (members - 1)) do not shrink. Cost: a sort and a comparison of slot
+// lists, small beside reading the K/V they name.
+template <typename QueriesOf>
+std::vector<SharedPrefix> shared_prefixes(const Rows& rows, std::vector<int64_t> candidates, QueriesOf queries_of) {
+  // Whole blocks every query of row r sees: its first new token sees seq_len - q_len + 1 keys.
+  auto whole_blocks = [&](int64_t r) { return (rows.seq_lens[r] - rows.q_lens[r] + 1) / kKeyBlock; };
+  std::erase_if(candidates, [&](int64_t r) { return whole_blocks(r) == 0; });
+  auto common_blocks = [&](int64_t a, int64_t b) {
+    const int64_t limit = std::min(whole_blocks(a), whole_blocks(b));
+    int64_t n = 0;
+    while (n < limit && std::memcmp(rows.slots_of(a) + n * kKeyBlock, rows.slots_of(b) + n * kKeyBlock,
+                                    kKeyBlock * sizeof(int64_t)) == 0) {
+      ++n;
+    }
+    return n;
+  };
+  std::stable_sort(candidates.begin(), candidates.end(), [&](int64_t a, int64_t b) {
+    const int64_t n = std::min(whole_blocks(a), whole_blocks(b)) * kKeyBlock;
+    return std::lexicographical_compare(rows.slots_of(a), rows.slots_of(a) + n, rows.slots_of(b),
+                                        rows.slots_of(b) + n);
+  });
+  std::vector<SharedPrefix> groups;
+  for (size_t i = 0; i < candidates.size();) {
+    SharedPrefix g{{candidates[i]}, whole_blocks(candidates[i])};
+    int64_t queries = queries_of(candidates[i]);
+    size_t j = i + 1;
+    for (; j < candidates.size(); ++j) {
+      const int64_t depth = std::min(g.depth, common_blocks(candidates[j - 1], candidates[j]));
+      const int64_t members = static_cast<int64_t>(g.members.size());
+      const bool fits = queries + queries_of(candidates[j]) <= kQueryBlock;
+      if (depth == 0 || !fits || depth * members < g.depth * (members - 1)) break;
+      g.depth = depth;
+      g.members.push_back(candidates[j]);
+      queries += queries_of(candidates[j]);
+    }
+    if (g.members.size() > 1) groups.push_back(std::move(g));
+    i = j;
+  }
+  return groups;
+}
+
+}  // namespace

@@ -1,0 +1,149 @@
+"""The C++ paged-attention kernel's matrix-unit path (AMX through PyTorch's brgemm, ``matrix_unit=True``) and its
+reading of a prefix shared by several rows once for all of them.
+
+Matrix unit: against the float64 reference in bfloat16 (head sizes 64, 128 and 256, GQA groups 1, 3 and 4, rows
+from 2 to 300 keys adding 2 to 70 tokens, decodes beside them), with NaN in every slot it must not read and inf or
+NaN in the keys after a query; a row's output is the same bits alone, among other rows, on one thread or two, and
+split into rows of other sizes that still take the matrix unit. Tests of it skip, saying so, on a CPU without AMX.
+
+Shared prefixes: rows whose first slots are the same (as the prefix cache hands them out) give the bits they give
+alone, on each path this CPU has, with prefixes shared by two to five rows over 1 to 4 whole blocks of keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from batchgen.kernels import cpu as cpu_kernels
+from tests.helpers.paged_pool import PagedPool, kernel_attention, pool_reference, relative_error
+
+_FLAGS = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+TOLERANCE = 2e-2  # bfloat16 inputs, probabilities rounded to bfloat16
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _kernel_built() -> None:
+    problem = cpu_kernels.build_problem()
+    if problem is not None:
+        pytest.skip(f"the C++ kernel cannot be built on this machine: {problem}")
+
+
+def _needs_matrix_unit(head_dim: int = 64) -> None:
+    if not cpu_kernels.matrix_unit_supported(torch.bfloat16, head_dim):
+        pytest.skip("this CPU has no AMX-BF16 (or PyTorch's brgemm cannot run bfloat16 here): no matrix-unit path")
+
+
+@pytest.fixture
+def _threads() -> Iterator[None]:
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def _pool(seq_lens: list[int], num_kv_heads: int, head_dim: int, gen: torch.Generator) -> PagedPool:
+    return PagedPool(seq_lens, torch.bfloat16, num_kv_heads, head_dim, gen, 4000, 400)
+
+
+def _check(out: torch.Tensor, q: torch.Tensor, pool: PagedPool, rows: list[tuple[int, int]]) -> None:
+    start = 0
+    for i, (seq_len, new) in enumerate(rows):
+        ref = pool_reference(q[start : start + new], pool, i, seq_len - new)
+        err = relative_error(out[start : start + new], ref)
+        assert err <= TOLERANCE, f"row of length {seq_len} adding {new}: {err}"
+        start += new
+
+
+# (sequence length, new tokens): prefill chunks without and with a cached prefix, a whole prompt, verify-sized rows
+# and decodes (these take the vector path).
+MATRIX_ROWS = [(2, 2), (70, 70), (300, 40), (257, 9), (256, 3), (129, 5), (90, 1), (300, 1)]
+
+
+@pytest.mark.parametrize(("head_dim", "group"), [(64, 1), (64, 3), (64, 4), (128, 3), (256, 2)])
+def test_matrix_unit_matches_float64(head_dim: int, group: int) -> None:
+    _needs_matrix_unit(head_dim)
+    gen = torch.Generator().manual_seed(head_dim + group)
+    pool = _pool([n for n, _ in MATRIX_ROWS], 2, head_dim, gen)
+    q = torch.randn(sum(t for _, t in MATRIX_ROWS), 2 * group, head_dim, generator=gen).to(torch.bfloat16)
+    out = kernel_attention(pool, q, list(range(len(MATRIX_ROWS))), *map(list, zip(*MATRIX_ROWS)), matrix_unit=True)
+    _check(out, q, pool, MATRIX_ROWS)
+
+
+@pytest.mark.usefixtures("_threads")
+def test_matrix_unit_row_is_bit_identical_in_any_batch() -> None:
+    """A 40-token row (4 query heads per KV head: 160 queries, three work items) alone, on one thread, among other
+    rows, and as rows of 2 and 5 tokens (8 and 20 queries, still on the matrix unit) gives the same bits."""
+    _needs_matrix_unit()
+    gen = torch.Generator().manual_seed(2)
+    pool = _pool([300, 200, 64], 2, 64, gen)
+    q_row = torch.randn(40, 8, 64, generator=gen).to(torch.bfloat16)
+    alone = kernel_attention(pool, q_row, [0], [300], [40], matrix_unit=True)
+    torch.set_num_threads(1)
+    one_thread = kernel_attention(pool, q_row, [0], [300], [40], matrix_unit=True)
+    torch.set_num_threads(2)
+    others = torch.randn(13, 8, 64, generator=gen).to(torch.bfloat16)
+    mixed = torch.cat([others[:12], q_row, others[12:]])
+    batch = kernel_attention(pool, mixed, [1, 2, 0, 1], [200, 64, 300, 150], [9, 3, 40, 1], matrix_unit=True)
+    pairs = kernel_attention(pool, q_row, [0] * 20, [262 + 2 * i for i in range(20)], [2] * 20, matrix_unit=True)
+    fives = kernel_attention(pool, q_row, [0] * 8, [265 + 5 * i for i in range(8)], [5] * 8, matrix_unit=True)
+    for other in (one_thread, batch[12:52], pairs, fives):
+        assert torch.equal(other, alone)
+
+
+def test_matrix_unit_keys_after_a_query_never_reach_it() -> None:
+    """Keys after a query's position holding inf (V) and NaN (K), as a broken model could write them: the tokens
+    before give the bits they give without them."""
+    _needs_matrix_unit()
+    gen = torch.Generator().manual_seed(8)
+    pool = _pool([300], 2, 64, gen)
+    q = torch.randn(20, 4, 64, generator=gen).to(torch.bfloat16)
+    clean = kernel_attention(pool, q, [0], [300], [20], matrix_unit=True)
+    k, v = pool.k.clone(), pool.v.clone()
+    for bad in (290, 291):  # the 20 tokens sit at positions 280..299
+        pool.v[:, pool.slots[0][bad]] = float("inf")
+        pool.k[:, pool.slots[0][bad + 1 :]] = float("nan")
+        dirty = kernel_attention(pool, q, [0], [300], [20], matrix_unit=True)
+        assert torch.equal(dirty[: bad - 280], clean[: bad - 280])
+        assert bool(dirty[: bad - 280].isfinite().all())
+        pool.k, pool.v = k.clone(), v.clone()
+
+
+def test_matrix_unit_refused_where_it_cannot_run() -> None:
+    pool = PagedPool([10], torch.float32, 2, 64, torch.Generator().manual_seed(1), 50, 20)
+    with pytest.raises(RuntimeError, match="matrix_unit needs bfloat16"):
+        kernel_attention(pool, torch.zeros(2, 4, 64), [0], [10], [2], matrix_unit=True)
+
+
+def _paths() -> list[bool]:
+    return [False, True] if cpu_kernels.matrix_unit_supported(torch.bfloat16, 64) else [False]
+
+
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("matrix_unit", [False, True], ids=["vector", "matrix-unit"])
+def test_rows_sharing_a_prefix_give_the_bits_they_give_alone(group: int, matrix_unit: bool) -> None:
+    """Ten rows over one pool: rows 1-4 share row 0's first 256 slots (4 blocks of 64 keys), rows 5-6 its first 64,
+    rows 7-8 one another's first 200; row 9 shares nothing. Each decodes one token, except row 3 (two: six queries
+    with a group of 3, still on the vector path); row 8 adds 30 (the matrix unit where asked). Every row's output
+    equals the one it gives alone, and matches float64."""
+    if matrix_unit and True not in _paths():
+        pytest.skip("this CPU has no AMX-BF16: no matrix-unit path")
+    gen = torch.Generator().manual_seed(group)
+    seq_lens = [300, 280, 257, 320, 300, 65, 128, 210, 230, 150]
+    pool = _pool(seq_lens, 2, 64, gen)
+    shares = {1: (0, 256), 2: (0, 256), 3: (0, 256), 4: (0, 256), 5: (0, 64), 6: (0, 64), 8: (7, 200)}
+    for row, (source, length) in shares.items():
+        slots = pool.slots[source][:length]
+        pool.req_to_token[pool.req_pool_indices[row], :length] = slots
+        pool.slots[row] = torch.cat([slots, pool.slots[row][length:]])
+    new = [1, 1, 1, 2, 1, 1, 1, 1, 30, 1]
+    q = torch.randn(sum(new), 2 * group, 64, generator=gen).to(torch.bfloat16)
+    together = kernel_attention(pool, q, list(range(10)), seq_lens, new, matrix_unit=matrix_unit)
+    start = 0
+    for row, (n, t) in enumerate(zip(seq_lens, new)):
+        alone = kernel_attention(pool, q[start : start + t], [row], [n], [t], matrix_unit=matrix_unit)
+        assert torch.equal(together[start : start + t], alone), f"row {row}"
+        start += t
+    _check(together, q, pool, list(zip(seq_lens, new)))
