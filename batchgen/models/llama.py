@@ -119,8 +119,23 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
-        out = forward_batch.attn_backend.forward(q, k, v, self.layer_id, forward_batch)
+        if rotary.kv_store_kernel is not None:  # RoPE writes the new K/V into the pool itself
+            pool = forward_batch.token_to_kv_pool
+            q = rotary.kv_store_kernel(
+                positions,
+                q,
+                k,
+                v,
+                rotary.cos_table,
+                rotary.sin_table,
+                pool.k_buffer[self.layer_id],
+                pool.v_buffer[self.layer_id],
+                forward_batch.out_cache_loc,
+            )
+            out = forward_batch.attn_backend.forward(q, None, None, self.layer_id, forward_batch)
+        else:
+            q, k = rotary(positions, q, k)
+            out = forward_batch.attn_backend.forward(q, k, v, self.layer_id, forward_batch)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
@@ -233,6 +248,12 @@ class LlamaForCausalLM(nn.Module):
             layer.mlp.silu_and_mul = ops.silu_and_mul
         self.model.norm.fused_kernel = ops.rms_norm
         self.rotary.fused_kernel = ops.rotary_embedding
+
+    def store_kv_in_rope(self, kernel: Callable[..., torch.Tensor]) -> None:
+        """Let ``kernel`` (:func:`batchgen.kernels.cpu.fused_elementwise.rotary_embedding_kv`) rotate q and k and
+        write the new tokens' K/V into the KV pool in one pass, instead of RoPE then the backend's store; for a
+        model whose KV pool has its dtype on its device (bfloat16 on the CPU)."""
+        self.rotary.kv_store_kernel = kernel
 
     def carry_float32(self, ops: Float32CarrierOps) -> None:
         """Carry activations in float32 between float32 GEMMs and ``ops``' kernels, after :meth:`prepack_for_cpu`

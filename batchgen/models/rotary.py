@@ -53,6 +53,8 @@ class RotaryEmbedding:
         self.cos_table = (emb.cos() * scale).to(device)
         self.sin_table = (emb.sin() * scale).to(device)
         self.fused_kernel: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+        # RoPE that also stores the new K/V in the pool (LlamaForCausalLM.store_kv_in_rope), when set.
+        self.kv_store_kernel: Callable[..., torch.Tensor] | None = None
 
     def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.fused_kernel is not None:

@@ -94,9 +94,9 @@ class ModelSource:
         """The decoder on ``device`` in ``dtype``, with RoPE tables for ``max_positions`` positions: the
         checkpoint's weights, or random ones (seed 0) for a ``random:`` preset; bfloat16 and float16 linear weights
         on the CPU prepacked for oneDNN (:mod:`batchgen.models.packed_linear`; as float32 where oneDNN has no kernels
-        for the dtype); bfloat16 models run with the CPU's fused elementwise
-        kernels (:mod:`batchgen.kernels.cpu.fused_elementwise`, where they build); Triton's fused kernels on
-        CUDA (:func:`triton_fused_ops_requested`); each unless ``switches`` turns it off.
+        for the dtype); bfloat16 models run with the CPU's fused elementwise kernels
+        (:mod:`batchgen.kernels.cpu.fused_elementwise`, where they build; RoPE stores the new K/V); Triton's fused
+        kernels on CUDA (:func:`triton_fused_ops_requested`); each unless ``switches`` turns it off.
 
         Raises:
             BatchgenError: unsupported architecture, missing / mis-shaped weights (see ``load_model``), or fused
@@ -115,6 +115,7 @@ class ModelSource:
             model.use_fused_ops(triton_ops)
         elif switches.cpu_fused_ops and cpu_ops.fused_ops_supported(dtype, device):
             model.use_fused_ops(cpu_ops)
+            model.store_kv_in_rope(cpu_ops.rotary_embedding_kv)
             if gemm_dtype == torch.float32 and switches.cpu_float32_carrier:
                 model.carry_float32(cpu_ops)
         return model

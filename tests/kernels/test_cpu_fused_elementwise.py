@@ -20,7 +20,13 @@ from transformers import LlamaConfig
 
 from batchgen.environment import kernel_switches
 from batchgen.kernels import cpu as cpu_kernels
-from batchgen.kernels.cpu.fused_elementwise import fused_ops_supported, rms_norm, rotary_embedding, silu_and_mul
+from batchgen.kernels.cpu.fused_elementwise import (
+    fused_ops_supported,
+    rms_norm,
+    rotary_embedding,
+    rotary_embedding_kv,
+    silu_and_mul,
+)
 from batchgen.kernels.switches import KernelSwitches
 from batchgen.models.rotary import RotaryEmbedding
 from batchgen.models.source import ModelSource
@@ -176,6 +182,55 @@ def test_rotary_embedding_equals_hf_on_qkv_views(heads: int, kv_heads: int, head
     assert q_out.is_contiguous() and k_out.is_contiguous()
     assert torch.equal(q_out, q_ref[0].transpose(0, 1))
     assert torch.equal(k_out, k_ref[0].transpose(0, 1))
+
+
+@pytest.mark.parametrize("carrier", [BF16, torch.float32], ids=["bfloat16", "float32-carrier"])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 1, 128), (2, 1, 40)])
+def test_rotary_embedding_kv_equals_hf_rope_then_the_pool_store(
+    heads: int, kv_heads: int, head_dim: int, carrier: torch.dtype
+) -> None:
+    """The RoPE that stores K/V: q equals transformers' rotated q, and the pool afterwards equals a pool into which
+    transformers' rotated k and the bfloat16 v were index-copied at the same slots (float32 inputs, as a float32
+    GEMM hands them on, are rounded to bfloat16 first, as the model's casts do); every other slot is untouched."""
+    config = LlamaConfig(hidden_size=heads * head_dim, num_attention_heads=heads, rope_theta=10000.0)
+    rotary = RotaryEmbedding(config, head_dim, 2048, CPU)
+    positions = torch.tensor([0, 5, 6, 2047, 300, 1], dtype=torch.int64)
+    loc = torch.tensor([7, 3, 12, 1, 20, 9], dtype=torch.int64)
+    t = positions.numel()
+    gen = torch.Generator().manual_seed(head_dim)
+    qkv = (torch.randn(t, (heads + 2 * kv_heads) * head_dim, generator=gen) * 3).to(carrier)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k, v = q.view(t, heads, head_dim), k.view(t, kv_heads, head_dim), v.view(t, kv_heads, head_dim)
+    k_cache = torch.randn(kv_heads, 24, head_dim, generator=gen).to(BF16)
+    v_cache = torch.randn(kv_heads, 24, head_dim, generator=gen).to(BF16)
+    k_want, v_want = k_cache.clone(), v_cache.clone()
+    q_out = rotary_embedding_kv(positions, q, k, v, rotary.cos_table, rotary.sin_table, k_cache, v_cache, loc)
+    cos = rotary.cos_table[positions].to(BF16)[None]
+    sin = rotary.sin_table[positions].to(BF16)[None]
+    q16, k16 = q.to(BF16).transpose(0, 1)[None], k.to(BF16).transpose(0, 1)[None]
+    q_ref, k_ref = _hf_llama().apply_rotary_pos_emb(q16, k16, cos, sin)
+    k_want[:, loc] = k_ref[0]
+    v_want[:, loc] = v.to(BF16).transpose(0, 1)
+    assert torch.equal(q_out, q_ref[0].transpose(0, 1))
+    assert torch.equal(k_cache, k_want)
+    assert torch.equal(v_cache, v_want)
+
+
+def test_rotary_embedding_kv_refuses_a_slot_outside_the_pool() -> None:
+    q, k = torch.zeros(1, 2, 8, dtype=BF16), torch.zeros(1, 1, 8, dtype=BF16)
+    cache = torch.zeros(1, 4, 8, dtype=BF16)
+    with pytest.raises(RuntimeError, match="slot 4 is outside the pool's 4 slots"):
+        rotary_embedding_kv(
+            torch.tensor([0]),
+            q,
+            k,
+            k.clone(),
+            torch.zeros(4, 8),
+            torch.zeros(4, 8),
+            cache,
+            cache.clone(),
+            torch.tensor([4]),
+        )
 
 
 def _rope(position: int = 0, q_shape: tuple[int, ...] = (1, 2, 8), sin_rows: int = 4) -> Any:

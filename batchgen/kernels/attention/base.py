@@ -47,13 +47,20 @@ class AttentionBackend(ABC):
         """Prepare per-round metadata; called by ``ForwardBatch.init_new`` before the model runs."""
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, forward_batch: ForwardBatch
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        layer_id: int,
+        forward_batch: ForwardBatch,
     ) -> torch.Tensor:
         """Attention output ``[T, num_heads, head_dim]`` for q ``[T, num_heads, head_dim]``.
 
-        k, v: ``[T, num_kv_heads, head_dim]``, the new tokens' keys and values, stored into the pool first.
+        k, v: ``[T, num_kv_heads, head_dim]``, the new tokens' keys and values, stored into the pool first; both
+        ``None`` when the model stored them already (:meth:`batchgen.models.llama.LlamaForCausalLM.store_kv_in_rope`).
         """
-        forward_batch.token_to_kv_pool.set_kv(layer_id, forward_batch.out_cache_loc, k, v)
+        if k is not None and v is not None:
+            forward_batch.token_to_kv_pool.set_kv(layer_id, forward_batch.out_cache_loc, k, v)
         if forward_batch.forward_mode.is_decode():
             return self.forward_decode(q, layer_id, forward_batch)
         return self.forward_extend(q, layer_id, forward_batch)

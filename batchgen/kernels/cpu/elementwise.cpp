@@ -19,8 +19,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <tuple>
+#include <type_traits>
 
 namespace {
 
@@ -203,9 +205,9 @@ void check_heads(const at::Tensor& t, const char* name, int64_t tokens, int64_t 
 
 // q [tokens, heads, head_dim] and k [tokens, kv_heads, head_dim], both bfloat16 or both float32 (rounded on
 // load), rotated into new contiguous bfloat16 tensors.
-std::tuple<at::Tensor, at::Tensor> rotary_embedding(const at::Tensor& positions, const at::Tensor& q,
-                                                    const at::Tensor& k, const at::Tensor& cos_table,
-                                                    const at::Tensor& sin_table) {
+// The checks rotary_embedding and rotary_embedding_kv share: positions, q, k and the tables.
+void check_rope_inputs(const at::Tensor& positions, const at::Tensor& q, const at::Tensor& k,
+                       const at::Tensor& cos_table, const at::Tensor& sin_table) {
   TORCH_CHECK(q.dim() == 3, "batchgen::rotary_embedding: q must be 3-D [tokens, heads, head_dim], got shape ",
               q.sizes());
   const int64_t tokens = positions.numel(), head_dim = q.size(2);
@@ -230,6 +232,14 @@ std::tuple<at::Tensor, at::Tensor> rotary_embedding(const at::Tensor& positions,
     TORCH_CHECK(pos[t] >= 0 && pos[t] < table_rows, "batchgen::rotary_embedding: position ", pos[t],
                 " is outside the tables' ", table_rows, " rows");
   }
+}
+
+std::tuple<at::Tensor, at::Tensor> rotary_embedding(const at::Tensor& positions, const at::Tensor& q,
+                                                    const at::Tensor& k, const at::Tensor& cos_table,
+                                                    const at::Tensor& sin_table) {
+  check_rope_inputs(positions, q, k, cos_table, sin_table);
+  const int64_t tokens = positions.numel(), head_dim = q.size(2);
+  const int64_t* pos = positions.const_data_ptr<int64_t>();
   const auto out_options = q.options().dtype(at::kBFloat16);
   at::Tensor q_out = at::empty(q.sizes(), out_options), k_out = at::empty(k.sizes(), out_options);
   const int64_t q_heads = q.size(1), k_heads = k.size(1);
@@ -253,6 +263,65 @@ std::tuple<at::Tensor, at::Tensor> rotary_embedding(const at::Tensor& positions,
   return {q_out, k_out};
 }
 
+// RoPE with the KV store folded in: q rotated into a new bfloat16 tensor (returned), k rotated and v (rounded to
+// bfloat16) written straight into one layer of the head-major pool, k_cache/v_cache [kv_heads, slots, head_dim],
+// at slots loc [tokens]: what rotary_embedding followed by TokenToKVPool.set_kv does, without k's temporary and the
+// two index copies.
+at::Tensor rotary_embedding_kv(const at::Tensor& positions, const at::Tensor& q, const at::Tensor& k,
+                               const at::Tensor& v, const at::Tensor& cos_table, const at::Tensor& sin_table,
+                               const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& loc) {
+  constexpr const char* op = "batchgen::rotary_embedding_kv: ";
+  check_rope_inputs(positions, q, k, cos_table, sin_table);
+  const int64_t tokens = positions.numel(), head_dim = q.size(2), kv_heads = k.size(1);
+  check_heads(v, "v", tokens, head_dim);
+  TORCH_CHECK(v.scalar_type() == k.scalar_type() && v.size(1) == kv_heads, op, "v must be like k, got ",
+              v.scalar_type(), " ", v.sizes());
+  for (const at::Tensor* t : {&k_cache, &v_cache}) {
+    TORCH_CHECK(t->dim() == 3 && t->size(0) == kv_heads && t->size(2) == head_dim && t->stride(2) == 1 &&
+                    t->scalar_type() == at::kBFloat16 && t->device().is_cpu(),
+                op, "k_cache and v_cache must be bfloat16 CPU [", kv_heads, ", slots, ", head_dim,
+                "] with a contiguous last dimension, got ", t->scalar_type(), " ", t->sizes());
+  }
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && v_cache.strides() == k_cache.strides(), op,
+              "k_cache and v_cache must have one shape and strides");
+  TORCH_CHECK(loc.dim() == 1 && loc.numel() == tokens && loc.scalar_type() == at::kLong && loc.is_contiguous(), op,
+              "loc must be contiguous int64 [", tokens, "], got ", loc.scalar_type(), " ", loc.sizes());
+  const int64_t* slots = loc.const_data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < k_cache.size(1), op, "slot ", slots[t], " is outside the pool's ",
+                k_cache.size(1), " slots");
+  }
+  const int64_t* pos = positions.const_data_ptr<int64_t>();
+  at::Tensor q_out = at::empty(q.sizes(), q.options().dtype(at::kBFloat16));
+  const int64_t q_heads = q.size(1), head_stride = k_cache.stride(0), slot_stride = k_cache.stride(1);
+  BFloat16* k_pool = k_cache.mutable_data_ptr<BFloat16>();
+  BFloat16* v_pool = v_cache.mutable_data_ptr<BFloat16>();
+  dispatch_value_types(q.scalar_type(), at::kBFloat16, [&](auto in_type, auto) {
+    using X = decltype(in_type);
+    at::parallel_for(0, tokens, grain((q_heads + 2 * kv_heads) * head_dim), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const float* cos = cos_table.const_data_ptr<float>() + pos[t] * head_dim;
+        const float* sin = sin_table.const_data_ptr<float>() + pos[t] * head_dim;
+        for (int64_t h = 0; h < q_heads; ++h) {
+          rotate_head(q.const_data_ptr<X>() + t * q.stride(0) + h * q.stride(1), cos, sin, head_dim,
+                      q_out.mutable_data_ptr<BFloat16>() + (t * q_heads + h) * head_dim);
+        }
+        for (int64_t h = 0; h < kv_heads; ++h) {
+          const int64_t dst = h * head_stride + slots[t] * slot_stride;
+          rotate_head(k.const_data_ptr<X>() + t * k.stride(0) + h * k.stride(1), cos, sin, head_dim, k_pool + dst);
+          const X* src = v.const_data_ptr<X>() + t * v.stride(0) + h * v.stride(1);
+          if constexpr (std::is_same_v<X, BFloat16>) {
+            std::memcpy(v_pool + dst, src, head_dim * sizeof(BFloat16));
+          } else {
+            for (int64_t d = 0; d < head_dim; ++d) v_pool[dst + d] = static_cast<BFloat16>(src[d]);
+          }
+        }
+      }
+    });
+  });
+  return q_out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(batchgen, m) {
@@ -261,10 +330,14 @@ TORCH_LIBRARY_FRAGMENT(batchgen, m) {
   m.def(
       "rotary_embedding(Tensor positions, Tensor q, Tensor k, Tensor cos_table, Tensor sin_table) -> (Tensor, "
       "Tensor)");
+  m.def(
+      "rotary_embedding_kv(Tensor positions, Tensor q, Tensor k, Tensor v, Tensor cos_table, Tensor sin_table, "
+      "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor loc) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(batchgen, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("rotary_embedding", &rotary_embedding);
+  m.impl("rotary_embedding_kv", &rotary_embedding_kv);
 }

@@ -1,5 +1,6 @@
 """Fused elementwise ops for bfloat16 models on the CPU (``elementwise.cpp``): RMSNorm with the residual add,
-SiLU-and-multiply and RoPE, one pass over memory each instead of a chain of PyTorch ops.
+SiLU-and-multiply and RoPE (with the new tokens' K/V store folded in: :func:`rotary_embedding_kv`), one pass over
+memory each instead of a chain of PyTorch ops.
 
 The same three functions, with the same signatures, as :mod:`batchgen.kernels.triton.fused_elementwise`, so
 :meth:`batchgen.models.llama.LlamaForCausalLM.use_fused_ops` takes either module. Each rounds to bfloat16 where
@@ -92,3 +93,27 @@ def rotary_embedding(
     """
     q_out, k_out = _ops().rotary_embedding(positions, q, k, cos_table, sin_table)
     return q_out, k_out
+
+
+def rotary_embedding_kv(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    loc: torch.Tensor,
+) -> torch.Tensor:
+    """:func:`rotary_embedding` and the KV store in one pass: returns the rotated q (new, contiguous bfloat16
+    ``[T, H, D]``) and writes the rotated k and v (``[T, Hkv, D]``, like k; float32 rounded to bfloat16) into one
+    layer of the pool, ``k_cache[:, loc[t]]`` and ``v_cache[:, loc[t]]`` (bfloat16 ``[Hkv, slots, D]``), the same
+    bits as ``rotary_embedding`` followed by :meth:`batchgen.loop.kv_pool.TokenToKVPool.set_kv`.
+
+    Raises:
+        RuntimeError: (``batchgen::rotary_embedding...``) wrong dtypes or shapes, a position outside the tables
+            or a slot outside the pool; the extension's build problem when it did not build.
+    """
+    q_out: torch.Tensor = _ops().rotary_embedding_kv(positions, q, k, v, cos_table, sin_table, k_cache, v_cache, loc)
+    return q_out
