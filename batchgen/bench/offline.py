@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from batchgen.bench.attention_time import attention_text, graphs_hide_attention, timing_attention
 from batchgen.bench.model_costs import generation_flops
 from batchgen.bench.probes import Ceilings, measure_ceilings
 from batchgen.bench.workload import Workload
@@ -62,12 +63,14 @@ class ThroughputResult:
 @dataclass(frozen=True)
 class Roofline:
     """The workload's FLOPs (:func:`~batchgen.bench.model_costs.generation_flops`: linear layers, LM head and
-    attention, without speculation's extra verify positions) at the machine's measured matmul rate (FLOP/s)."""
+    attention, without speculation's extra verify positions) at the machine's measured matmul rate (FLOP/s), and
+    the share of batchgen's run spent in attention (:func:`run_engine_timing_attention`)."""
 
     flops: float
     matmul_rate: float
     output_tokens: int
     gemm_note: str = ""  # how the probed matmul ran, when not in the run's dtype
+    attention_share: float | None = None
 
     @property
     def seconds(self) -> float:
@@ -79,7 +82,8 @@ class Roofline:
             f"{'roofline':>16}: {self.flops / 1e12:.4g} TFLOP at the measured {self.matmul_rate / 1e12:.3f} TFLOP/s "
             f"matmul rate (the faster probe, before or after): {self.seconds:.3g} s, "
             f"at most {self.output_tokens / self.seconds:.1f} output tok/s; "
-            f"{result.system} at {self.fraction(result):.0%} of it{self.gemm_note}"
+            f"{result.system} at {self.fraction(result):.0%} of it{self.gemm_note}; "
+            f"{attention_text(self.attention_share)}"
         )
 
     def fraction(self, result: ThroughputResult) -> float:
@@ -87,16 +91,19 @@ class Roofline:
         return self.seconds / result.seconds
 
 
-def measure_roofline(engine: Engine, workload: Workload, earlier: Ceilings | None = None) -> Roofline:
+def measure_roofline(
+    engine: Engine, workload: Workload, earlier: Ceilings | None = None, attention_share: float | None = None
+) -> Roofline:
     """Probe the matmul rate in the engine's dtype on its device (:func:`measure_ceilings`), the higher of this
     probe and an ``earlier`` one (taken before the run: a shared machine's speed moves by 20 % within minutes, and
-    the ceiling is the best it showed), and count the workload's FLOPs for the engine's model."""
+    the ceiling is the best it showed), and count the workload's FLOPs for the engine's model; ``attention_share``
+    is the run's, as :func:`run_engine_timing_attention` measured it."""
     ceilings = measure_ceilings(engine.dtype, engine.device, engine.switches.cpu_prepack)
     if earlier is not None:
         ceilings = ceilings.highest(earlier)
     flops = generation_flops(engine.runner.model.config, [len(p) for p in workload.prompts], workload.output_len)
     note = "" if ceilings.gemm_dtype == engine.dtype else f"; the matmul ran as {dtype_name(ceilings.gemm_dtype)} GEMMs"
-    return Roofline(flops, ceilings.matmul_flops, len(workload.prompts) * workload.output_len, note)
+    return Roofline(flops, ceilings.matmul_flops, len(workload.prompts) * workload.output_len, note, attention_share)
 
 
 def run_engine(engine: Engine, workload: Workload) -> ThroughputResult:
@@ -131,6 +138,15 @@ def run_engine(engine: Engine, workload: Workload) -> ThroughputResult:
     )
     share = run.cached_share if engine.options.prefix_cache else None
     return ThroughputResult("batchgen", finished, workload.input_tokens, output_tokens, seconds, share)
+
+
+def run_engine_timing_attention(engine: Engine, workload: Workload) -> tuple[ThroughputResult, float | None]:
+    """:func:`run_engine` with the engine's attention backends timed (:func:`timing_attention`): its result and
+    the share of its wall time spent in attention, ``None`` where CUDA graphs replay rounds
+    (:func:`graphs_hide_attention`)."""
+    with timing_attention(engine) as attention:
+        result = run_engine(engine, workload)
+    return result, None if graphs_hide_attention(engine) else attention.seconds / result.seconds
 
 
 def _synchronize(device: torch.device) -> None:

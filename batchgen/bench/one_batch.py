@@ -16,6 +16,7 @@ from typing import TypeVar
 
 import torch
 
+from batchgen.bench.attention_time import attention_text, graphs_hide_attention, timing_attention
 from batchgen.bench.model_costs import decode_bytes, forward_flops
 from batchgen.bench.probes import Ceilings
 from batchgen.job.summary import speculative_summary
@@ -39,7 +40,9 @@ class OneBatchResult:
     decode figures are ``None`` for ``output_len`` 1 (the prefill samples the only token: no decode step is
     timed). ``input_len`` tokens per request are prefilled in the timed round, after ``prefix_len`` tokens whose
     K/V are already in the pool (an untimed earlier round, as a prefix cache hit leaves them): the prefill figures
-    count the ``input_len`` tokens only."""
+    count the ``input_len`` tokens only. ``*_attention_share``: the part's seconds inside the attention backends
+    (:func:`~batchgen.bench.attention_time.timing_attention`) over its wall time; the decode one ``None`` where
+    CUDA graphs replay the decode rounds (their attention is not timed) or no decode step ran."""
 
     batch_size: int
     prefix_len: int
@@ -56,6 +59,8 @@ class OneBatchResult:
     prefill_tflops: float
     matmul_ceiling_tflops: float
     copy_ceiling_gbs: float
+    prefill_attention_share: float
+    decode_attention_share: float | None
     accept_histogram: dict[int, int] | None = None
 
     @property
@@ -84,7 +89,8 @@ class OneBatchResult:
             f"out={self.output_len} | "
             f"prefill {self.prefill_latency * 1e3:.1f} ms "
             f"{self.prefill_throughput:.0f} tok/s ({self.prefill_tflops:.3f} TFLOP/s, "
-            f"{self.prefill_flops_fraction:.0%} of peak) | {self._decode()} | total "
+            f"{self.prefill_flops_fraction:.0%} of peak, {attention_text(self.prefill_attention_share)}) | "
+            f"{self._decode()} | total "
             f"{self.total_latency:.2f} s {self.total_throughput:.0f} tok/s"
         ) + self._acceptance()
 
@@ -101,7 +107,7 @@ class OneBatchResult:
         return (
             f"decode first [{first}] ms, median {self.median_decode_latency * 1e3:.2f} ms "
             f"{self.decode_throughput:.0f} tok/s ({self.decode_bandwidth_gbs:.1f} GB/s, "
-            f"{fraction:.0%} of copy bw)"
+            f"{fraction:.0%} of copy bw, {attention_text(self.decode_attention_share)})"
         )
 
     def _acceptance(self) -> str:
@@ -133,6 +139,7 @@ class OneBatchRunner:
         self.rng = random.Random(seed)
         # The linear layers' weights as the GEMMs read them (float32 copies where they run as float32 GEMMs).
         self.weight_dtype = cpu_gemm_dtype(engine.dtype, engine.device, engine.switches.cpu_prepack) or engine.dtype
+        self.attention_seconds = 0.0  # in the attention backends during the timed calls
 
     def make_reqs(self, batch_size: int, input_len: int, output_len: int) -> list[Req]:
         """Requests with random prompt ids, each holding a request row; greedy, EOS ignored, no logprobs."""
@@ -169,11 +176,15 @@ class OneBatchRunner:
         return logits.next_token_logits, engine.runner.sample(logits, worker.sampling_info)
 
     def _timed(self, fn: Callable[[], _Out]) -> tuple[float, _Out]:
-        _synchronize(self.engine.device)
-        start = time.perf_counter()
-        out = fn()
-        _synchronize(self.engine.device)
-        return time.perf_counter() - start, out
+        """``fn``'s wall time and result; its time in attention is added to :attr:`attention_seconds`."""
+        with timing_attention(self.engine) as attention:
+            _synchronize(self.engine.device)
+            start = time.perf_counter()
+            out = fn()
+            _synchronize(self.engine.device)
+            elapsed = time.perf_counter() - start
+        self.attention_seconds += attention.seconds
+        return elapsed, out
 
     def _decode_plain(self, reqs: list[Req], output_len: int) -> tuple[list[float], float]:
         """``output_len - 1`` DECODE rounds of the whole batch; their times and the bytes they read."""
@@ -225,7 +236,9 @@ class OneBatchRunner:
         config = self.engine.runner.model.config
         reqs = self.make_reqs(batch_size, prefix_len + input_len, output_len)
         try:
+            self.attention_seconds = 0.0
             prefill_time, _, out = self.prefill(reqs, prefix_len)
+            prefill_attention = self.attention_seconds
             for req, token in zip(reqs, out.next_token_ids.tolist()):
                 req.output_ids.append(token)
             speculative = self.engine.scheduler.drafter is not None
@@ -234,8 +247,10 @@ class OneBatchRunner:
         finally:
             self.release(reqs)
         total = prefill_time + sum(decode_times)
-        median = decode_throughput = bandwidth = None
+        median = decode_throughput = bandwidth = decode_attention = None
         if decode_times:
+            if not graphs_hide_attention(self.engine):
+                decode_attention = (self.attention_seconds - prefill_attention) / sum(decode_times)
             median = statistics.median(decode_times)
             # A verify round emits a varying number of tokens: its throughput is all tokens over all rounds' time.
             decode_throughput = (
@@ -259,6 +274,8 @@ class OneBatchRunner:
             prefill_tflops=prefill_flops / prefill_time / 1e12,
             matmul_ceiling_tflops=ceilings.matmul_flops / 1e12,
             copy_ceiling_gbs=ceilings.copy_bandwidth / 1e9,
+            prefill_attention_share=prefill_attention / prefill_time,
+            decode_attention_share=decode_attention,
             accept_histogram=dict(self.engine.scheduler.accept_histogram) if speculative else None,
         )
 

@@ -16,6 +16,7 @@ from batchgen.bench.offline import (
     load_hf_model,
     measure_roofline,
     run_engine,
+    run_engine_timing_attention,
     run_hf_generate,
     run_hf_generate_batch,
 )
@@ -152,7 +153,10 @@ def bench(
     seed: int = typer.Option(0, help="Seed of the random workload."),
     report_memory: bool = typer.Option(False, help="Print the peak resident memory after each system."),
     roofline: bool = typer.Option(
-        False, help="Also probe the matmul rate and print batchgen's share of the workload's compute roofline."
+        False,
+        help="Also probe the matmul rate and print batchgen's share of the workload's compute roofline, and the "
+        "share of batchgen's wall time spent in attention (the attention backend's calls, timed; n/a where CUDA "
+        "graphs replay rounds).",
     ),
     result_file: Path | None = typer.Option(None, help="Append one JSON line per system to this file."),
 ) -> None:
@@ -206,10 +210,14 @@ def bench(
             file=sys.stderr,
         )
         probe_before = measure_ceilings(engine.dtype, engine.device, engine.switches.cpu_prepack) if roofline else None
-        results = [run_engine(engine, workload)]
+        # Attention is timed only for the roofline: the timer synchronizes a GPU around every attention call.
+        batchgen, attention_share = (
+            run_engine_timing_attention(engine, workload) if roofline else (run_engine(engine, workload), None)
+        )
+        results = [batchgen]
         histogram = dict(engine.scheduler.accept_histogram)
         print(results[0].line() + speculative_summary(histogram))
-        bound = measure_roofline(engine, workload, probe_before) if roofline else None
+        bound = measure_roofline(engine, workload, probe_before, attention_share) if roofline else None
         if bound is not None:
             print(bound.line(results[0]))
         if report_memory:
@@ -253,6 +261,8 @@ def bench(
                         record["batchgen_ratio"] = results[0].output_throughput / result.output_throughput
                     if bound is not None:
                         record.update(roofline_seconds=bound.seconds, roofline_fraction=bound.fraction(result))
+                        if result is results[0]:
+                            record["attention_share"] = bound.attention_share
                     f.write(json.dumps(record) + "\n")
         if failed:
             raise BatchgenError(f"baseline failed: {'; '.join(failed)} (the other systems' results stand)")

@@ -124,6 +124,13 @@ def test_bench_one_batch_fields(random_models: dict[str, Path], tmp_path: Path) 
         assert case["decode_bandwidth_fraction"] == pytest.approx(
             case["decode_bandwidth_gbs"] / case["copy_ceiling_gbs"], rel=1e-9
         )
+        # Attention is part of each timed part, never all of it (the linear layers run too).
+        shares = (case["prefill_attention_share"], case["decode_attention_share"])
+        assert all(0 < share < 1 for share in shares), shares
+        line = next(x for x in output.splitlines() if x.startswith(f"bs={case['batch_size']} "))
+        assert line.count("attention ") == 2
+        for share in shares:
+            assert f"attention {share:.0%})" in line, line
 
 
 @pytest.mark.parametrize("second_probe", [(1e18, 1e15), (2.0, 2.0)], ids=["fast", "slow-again"])
@@ -166,8 +173,15 @@ def test_bench_one_batch_of_one_output_token_has_no_decode_figures(
     )
     [case] = [json.loads(line) for line in result_file.read_text().splitlines()]
     assert case["first_decode_latencies"] == []
-    for key in ("median_decode_latency", "decode_throughput", "decode_bandwidth_gbs", "decode_bandwidth_fraction"):
+    for key in (
+        "median_decode_latency",
+        "decode_throughput",
+        "decode_bandwidth_gbs",
+        "decode_bandwidth_fraction",
+        "decode_attention_share",
+    ):
         assert case[key] is None, key
+    assert 0 < case["prefill_attention_share"] < 1
     assert case["total_latency"] == case["prefill_latency"]
     assert case["total_throughput"] == pytest.approx(2 * 9 / case["total_latency"], rel=1e-9)
 
@@ -238,6 +252,7 @@ def test_bench_with_hf_baseline_fields(random_models: dict[str, Path], tmp_path:
     assert [r["system"] for r in rows] == ["batchgen", "hf generate", "hf generate_batch"]
     for row in rows:
         assert row["requests"] == 5 and row["output_tokens"] == 30 and row["dtype"] == "float32"
+        assert "attention_share" not in row  # timed with --roofline only
         assert row["input_tokens"] == rows[0]["input_tokens"]
         seconds = row["seconds"]
         assert row["output_throughput"] == pytest.approx(30 / seconds, rel=1e-9)
@@ -424,6 +439,8 @@ def test_bench_roofline_line_and_fields(
     assert float(match.group(2)) == pytest.approx(row["roofline_seconds"], rel=5e-3)
     assert 9 / row["roofline_seconds"] == pytest.approx(float(match.group(3)), rel=1e-3)  # 3 prompts x 3 tokens
     assert abs(row["roofline_fraction"] - row["roofline_seconds"] / row["seconds"]) < 1e-9
+    assert 0 < row["attention_share"] < 1
+    assert line.endswith(f"; attention {row['attention_share']:.0%}"), line
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
