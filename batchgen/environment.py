@@ -7,6 +7,7 @@ constructor, the model resolver, the CLI), and pass the values down.
 from __future__ import annotations
 
 import os
+import sys
 
 from batchgen.kernels.switches import KernelSwitches
 
@@ -43,3 +44,18 @@ def malloc_tuned_by_user() -> bool:
 def thread_count_chosen() -> bool:
     """Whether ``$OMP_NUM_THREADS`` sets the number of threads torch computes with."""
     return bool(os.environ.get("OMP_NUM_THREADS", "").strip())
+
+
+def keep_openmp_threads_spinning() -> bool:
+    """Set ``$OMP_WAIT_POLICY=ACTIVE`` for this process unless the user set it; return whether it was set here.
+
+    PyTorch's CPU ops run on OpenMP threads (GNU libgomp), which by default sleep in the kernel soon after each
+    parallel region; a forward pass is hundreds of short regions with Python in between, and waking the threads
+    for each cost a third of a batch-1 decode step (docs/performance.md). ACTIVE keeps them spinning while the
+    process lives, as a dedicated batch job wants. libgomp reads the variable when it loads, with torch, so this
+    runs before torch is imported (the CLI's entry point) and does nothing once it is.
+    """
+    if "torch" in sys.modules or "OMP_WAIT_POLICY" in os.environ:
+        return False
+    os.environ["OMP_WAIT_POLICY"] = "ACTIVE"
+    return True

@@ -71,7 +71,12 @@ class TimedAttentionBackend(AttentionBackend):
         self._timed(lambda: self.inner.init_forward_metadata(forward_batch))
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, forward_batch: ForwardBatch
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        layer_id: int,
+        forward_batch: ForwardBatch,
     ) -> torch.Tensor:
         return self._timed(lambda: self.inner.forward(q, k, v, layer_id, forward_batch))
 

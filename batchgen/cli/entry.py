@@ -1,5 +1,8 @@
 """The console entry point (``batchgen`` and ``python -m batchgen``).
 
+Before anything imports torch it keeps PyTorch's OpenMP threads spinning between ops
+(:func:`batchgen.environment.keep_openmp_threads_spinning`).
+
 Importing the CLI imports torch and transformers, which takes seconds; a Ctrl-C in that time would otherwise end
 in a KeyboardInterrupt traceback from deep inside an import. Here it ends the process quietly, as a stop does
 (128 + SIGINT). Once the command runs, its own handlers take over (:mod:`batchgen.job.interrupts`).
@@ -11,6 +14,7 @@ import signal
 import sys
 
 from batchgen.cli import version_line
+from batchgen.environment import keep_openmp_threads_spinning
 
 
 def main() -> None:
@@ -18,6 +22,7 @@ def main() -> None:
     if sys.argv[1:] == ["--version"]:
         print(version_line())
         return
+    keep_openmp_threads_spinning()  # before the CLI imports torch
     try:
         from batchgen.cli.app import main as run_cli
     except KeyboardInterrupt:
