@@ -24,6 +24,9 @@ constexpr int64_t kTileKeyBlock = 256;
 // Rows with fewer queries (new tokens x GQA group) than this stay on the vector path even where the matrix unit is
 // asked for: with a handful of queries the GEMM calls cost more than they save (docs/performance.md).
 constexpr int64_t kTileMinQueries = 8;
+// Queries of the rows that read one shared prefix together (attention_shared.h): more rows per pass read the prefix
+// fewer times, fewer leave the threads more passes to share.
+constexpr int64_t kSharedQueries = 192;
 constexpr int64_t kQueryBlock = 64;    // queries sharing one pass over K/V (bounds the scratch per thread)
 constexpr int64_t kPrefetchKeys = 16;  // how far ahead the K/V rows are requested
 

@@ -20,7 +20,7 @@ struct SharedPrefix {
   int64_t depth;
 };
 
-// Groups of the `candidates` rows (each adding `queries_of(r)` queries, at most kQueryBlock in a group) that share
+// Groups of the `candidates` rows (each adding `queries_of(r)` queries, at most kSharedQueries in a group) that share
 // whole leading blocks. Rows are sorted by their slots, so rows with a common prefix sit side by side; a run grows
 // while the blocks it saves reading (depth x (members - 1)) do not shrink. Cost: a sort and a comparison of slot
 // lists, small beside reading the K/V they name.
@@ -51,7 +51,7 @@ std::vector<SharedPrefix> shared_prefixes(const Rows& rows, std::vector<int64_t>
     for (; j < candidates.size(); ++j) {
       const int64_t depth = std::min(g.depth, common_blocks(candidates[j - 1], candidates[j]));
       const int64_t members = static_cast<int64_t>(g.members.size());
-      const bool fits = queries + queries_of(candidates[j]) <= kQueryBlock;
+      const bool fits = queries + queries_of(candidates[j]) <= kSharedQueries;
       if (depth == 0 || !fits || depth * members < g.depth * (members - 1)) break;
       g.depth = depth;
       g.members.push_back(candidates[j]);

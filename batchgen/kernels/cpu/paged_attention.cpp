@@ -184,8 +184,8 @@ void run(const Shape& s, const at::Tensor& q, const at::Tensor& k, const at::Ten
       work.push_back({r, first, rows.seq_lens[r] - q_lens[r] + last_query / group + 1, -1});
     }
   }
-  // The most queries an item holds: a shared prefix's rows hold up to kQueryBlock together.
-  const int64_t block_queries = shared.empty() ? std::min(max_queries, kQueryBlock) : kQueryBlock;
+  // The most queries an item holds: a shared prefix's rows hold up to kSharedQueries together.
+  const int64_t block_queries = shared.empty() ? std::min(max_queries, kQueryBlock) : kSharedQueries;
   std::stable_sort(work.begin(), work.end(), [](const Work& a, const Work& b) { return a.keys > b.keys; });
   const int64_t items = static_cast<int64_t>(work.size()) * s.num_kv_heads;
   const T* q_ptr = q.const_data_ptr<T>();
