@@ -131,7 +131,7 @@ class Engine:
         self.dtype = pick_dtype(options.dtype, self.hf_config, self.device)
         if self.device.type == "cpu":
             keep_freed_memory()
-        self.max_running_requests: int = options.max_running_requests or (64 if self.device.type == "cpu" else 256)
+        self.max_running_requests: int = options.max_running_requests or (128 if self.device.type == "cpu" else 256)
         max_positions = int(self.hf_config.max_position_embeddings)
         context_len = options.context_length or max_positions
         if context_len > max_positions:

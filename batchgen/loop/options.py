@@ -69,9 +69,10 @@ class EngineOptions:
         default=2048, metadata={"help": "Longest prefill chunk per round; 0 = no chunking."}
     )
     max_prefill_tokens: int = field(default=8192, metadata={"help": "Prompt tokens per round."})
-    # 64 on CPU, where larger batches cost more per token: their KV gathers outgrow the caches.
+    # 128 on CPU: decode rounds are memory-bound there (weights and K/V), so wider rounds read the weights fewer
+    # times; 256 gained nothing more on W3 (docs/performance.md).
     max_running_requests: int | None = field(
-        default=None, metadata={"help": "Requests decoding together (default: 64 on CPU, 256 on GPU)."}
+        default=None, metadata={"help": "Requests decoding together (default: 128 on CPU, 256 on GPU)."}
     )
     prefix_cache: bool = field(
         default=True,

@@ -15,7 +15,10 @@
 //
 // bfloat16 on a machine with AVX512-BF16 takes its own path (attend_bf16 in attention_bf16.h): K/V pairs go
 // straight into vdpbf16ps, the same accumulation in float32 with fewer instructions, fast enough for prefill
-// rows as well. The generic path's block step is attend_block (attention_generic.h); on AVX2 without AVX-512 it
+// rows as well. Where the caller asks for the matrix unit (matrix_unit: a CPU with AMX), rows of kTileMinQueries
+// queries or more run as two GEMMs per block of keys on the AMX tiles instead (attend_amx, attention_amx.h). Rows
+// of a few queries (decodes) whose leading KV slots are the same, as the prefix cache hands them out, read and
+// pack that prefix once for all of them (attention_shared.h, attend_bf16_shared). The generic path's block step is attend_block (attention_generic.h); on AVX2 without AVX-512 it
 // is attend_block_avx2 (attention_avx2.h), written for that machine's 16 registers of 8 lanes.
 // attention_common.h holds what the paths share.
 //
