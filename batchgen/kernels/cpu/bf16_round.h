@@ -1,16 +1,32 @@
-// bfloat16 rounding for the fused elementwise ops (elementwise.cpp), and the loads and stores of "the float32
+// bfloat16 rounding for the fused elementwise ops (elementwise.cpp, rope.h), how they split rows over threads, and the loads and stores of "the float32
 // carrier": values that are bfloat16 in meaning, held in float32 between a GEMM and these ops.
 #pragma once
 
 #include "vec16.h"
 
+#include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <cstring>
 
 namespace {
 
 using c10::BFloat16;
+
+// Rows in one thread's share: about 16K elements, so that a decode step's few rows stay on one thread.
+inline int64_t grain(int64_t cols) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(cols, 1)); }
+
+// Calls f(X{}, O{}) with X, O the C++ types of `in` and `out` (each bfloat16 or float32).
+template <typename F>
+void dispatch_value_types(at::ScalarType in, at::ScalarType out, F&& f) {
+  const bool in_bf16 = in == at::kBFloat16, out_bf16 = out == at::kBFloat16;
+  if (in_bf16 && out_bf16) f(BFloat16{}, BFloat16{});
+  if (in_bf16 && !out_bf16) f(BFloat16{}, float{});
+  if (!in_bf16 && out_bf16) f(float{}, BFloat16{});
+  if (!in_bf16 && !out_bf16) f(float{}, float{});
+}
 
 // float32 lanes rounded to bfloat16 (to nearest even, NaN kept a quiet NaN), as c10::BFloat16 rounds.
 inline vnh to_bf16(vnf x) {

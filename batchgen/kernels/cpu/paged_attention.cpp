@@ -19,7 +19,8 @@
 // queries or more run as two GEMMs per block of keys on the AMX tiles instead (attend_amx, attention_amx.h). Rows
 // of a few queries (decodes) whose leading KV slots are the same, as the prefix cache hands them out, read and
 // pack that prefix once for all of them (attention_shared.h, attend_bf16_shared). The generic path's block step is attend_block (attention_generic.h); on AVX2 without AVX-512 it
-// is attend_block_avx2 (attention_avx2.h), written for that machine's 16 registers of 8 lanes.
+// is attend_block_avx2 (attention_avx2.h), written for that machine's 16 registers of 8 lanes; attention_vector.h
+// holds the work item (attend) that runs either.
 // attention_common.h holds what the paths share.
 //
 // Built JIT by batchgen/kernels/cpu/__init__.py with -O3 -march=native -fopenmp. The float32 math is
@@ -34,11 +35,10 @@
 #include <torch/library.h>
 
 #include "attention_amx.h"
-#include "attention_avx2.h"
 #include "attention_bf16.h"
 #include "attention_common.h"
-#include "attention_generic.h"
 #include "attention_shared.h"
+#include "attention_vector.h"
 
 #include <algorithm>
 #include <atomic>
@@ -51,70 +51,6 @@
 #include <vector>
 
 namespace {
-
-// Queries [first, last) of one (row, kv head) work item; query i is new token i / group, head i % group of
-// the kv head's group. Returns false when req_to_token names a slot outside the pool (nothing is read there).
-template <typename T, int DC>
-bool attend(const Shape& s, const T* q, const T* k, const T* v, T* out, const int64_t* slot_of_position,
-            int64_t seq_len, int64_t q_start, int64_t q_len, int64_t kv_head, int64_t first, int64_t last,
-            Scratch& w) {
-  const int64_t group = s.num_heads / s.num_kv_heads, dc = s.chunks, nq = last - first;
-  const int64_t kv_offset = kv_head * s.kv_stride_head;
-#ifdef BATCHGEN_AVX2_BLOCK
-  const bool avx2_block = s.head_dim % kAvx2Lanes == 0;  // whole registers of each row, nothing past it
-#endif
-  int64_t keys = 0;  // keys any query here can see
-  for (int64_t i = 0; i < nq; ++i) {
-    const int64_t t = (first + i) / group, head = kv_head * group + (first + i) % group;
-    v16f* qi = &w.q[i * dc];
-    load_row(q + (q_start + t) * s.q_stride_token + head * s.q_stride_head, s.head_dim, qi);
-    for (int64_t c = 0; c < dc; ++c) qi[c] *= s.scale;
-    // The new token t sits at position seq_len - q_len + t and sees keys 0..that position.
-    w.start_query(i, seq_len - q_len + t + 1, dc);
-    keys = std::max(keys, w.limit[i]);
-  }
-  for (int64_t block = 0; block < keys; block += kKeyBlock) {
-    const int64_t block_len = std::min(kKeyBlock, keys - block);
-    if (!w.take_slots(slot_of_position, block, block_len, s.num_slots)) return false;
-    for (int64_t j = 0; j < block_len; ++j) {
-      // Slots may be anywhere in the pool, so the hardware prefetcher cannot guess the next rows: ask for them.
-      if (block + j + kPrefetchKeys < keys) {
-        const int64_t ahead = slot_of_position[block + j + kPrefetchKeys];
-        if (ahead >= 0 && ahead < s.num_slots) {
-          prefetch_row(k + kv_offset + ahead * s.kv_stride_slot, s.head_dim);
-          prefetch_row(v + kv_offset + ahead * s.kv_stride_slot, s.head_dim);
-        }
-      }
-#ifdef BATCHGEN_AVX2_BLOCK
-      if (avx2_block) {
-        widen_row(k + kv_offset + w.slots[j] * s.kv_stride_slot, s.head_dim, &w.keys[j * dc]);
-        widen_row(v + kv_offset + w.slots[j] * s.kv_stride_slot, s.head_dim, &w.values[j * dc]);
-        continue;
-      }
-#endif
-      load_row(k + kv_offset + w.slots[j] * s.kv_stride_slot, s.head_dim, &w.keys[j * dc]);
-      load_row(v + kv_offset + w.slots[j] * s.kv_stride_slot, s.head_dim, &w.values[j * dc]);
-    }
-    for (int64_t i = 0; i < nq; ++i) {
-      const int64_t seen = std::min(block_len, w.limit[i] - block);
-      if (seen <= 0) continue;  // this query's keys all lie before the block
-#ifdef BATCHGEN_AVX2_BLOCK
-      if (avx2_block) {
-        attend_block_avx2<T>(&w.q[i * dc], w.keys.data(), w.values.data(), seen, s.head_dim, dc, &w.acc[i * dc],
-                             w.row_max[i], w.row_sum[i], w.scores.data());
-        continue;
-      }
-#endif
-      attend_block<T, DC>(&w.q[i * dc], w.keys.data(), w.values.data(), seen, dc, &w.acc[i * dc],
-                          w.row_max[i], w.row_sum[i], w.scores.data(), w.odd.data());
-    }
-  }
-  for (int64_t i = 0; i < nq; ++i) {
-    const int64_t t = (first + i) / group, head = kv_head * group + (first + i) % group;
-    w.finish_query(i, dc, s.head_dim, out + (q_start + t) * s.out_stride_token + head * s.out_stride_head);
-  }
-  return true;
-}
 
 // Head sizes the dot-product path packs: pairs of dims in groups of 16, at most 16 chunks held per query.
 constexpr bool bf16_dot_fits(int64_t head_dim) { return head_dim % 32 == 0 && head_dim <= 256; }
