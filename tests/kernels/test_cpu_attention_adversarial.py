@@ -1,8 +1,9 @@
-"""Edge cases of the C++ paged-attention kernel found by a review of issue 21's matrix-unit and shared-prefix paths.
+"""Edge cases of the C++ paged-attention kernel's matrix-unit and shared-prefix paths (a review of issue 21).
 
 Matrix unit: head sizes 32, 96, 160 and 192 (the other tests take 64, 128 and 256) with GQA groups 5 and 7,
 sequences of exactly 256, 257, 512 and 513 keys around the 256-key blocks, a whole prompt with no cached prefix,
-and rows whose queries (``q_len * group``) number 7, 8 and 9 around the smallest matrix-unit row. Shared prefixes:
+and rows whose queries (``q_len * group``) number 7, 8, 9 and 16 (one KV head, scores in the hundreds). Shared
+prefixes:
 one request row passed several times in one call at different lengths (1 to 400 keys, across 64-key blocks),
 prefixes that end inside a block, and 100 decode rows of a group of 3 (300 queries) over one prefix. Every row is
 checked against the float64 reference and against the bits it gives alone; ``out`` with rows covering part of q.
@@ -164,3 +165,17 @@ def test_out_covering_part_of_q(matrix_unit: bool) -> None:
     untouched[200, :, 64:192] = False
     untouched[202:, :, 64:192] = False
     assert bool((buffer[untouched] == 7).all())
+
+
+@pytest.mark.parametrize("matrix_unit", [False, True], ids=["vector", "matrix-unit"])
+def test_one_kv_head_of_sixteen_queries_with_large_scores(matrix_unit: bool) -> None:
+    """One KV head for 16 query heads (decodes of 16 queries), queries 30 times unit scale (scores in the
+    hundreds: the online softmax rescales often), a decode sharing 256 slots with a 100-token chunk's row."""
+    if matrix_unit and True not in _paths():
+        pytest.skip("this CPU has no AMX-BF16: no matrix-unit path")
+    gen = torch.Generator().manual_seed(16)
+    seq_lens, q_lens = [513, 300, 64], [100, 1, 3]
+    pool = PagedPool(seq_lens, torch.bfloat16, 1, 64, gen, 1200, 600)
+    _share(pool, {1: (0, 256)})
+    q = (torch.randn(sum(q_lens), 16, 64, generator=gen) * 30).to(torch.bfloat16)
+    _check_rows(pool, q, [0, 1, 2], seq_lens, q_lens, matrix_unit)
