@@ -2,7 +2,7 @@
 // the machine has AVX512-BF16 (BATCHGEN_BF16_DOT, attention_common.h); the caller picks it at run time, on a CPU
 // with AMX tiles.
 //
-// A work item's queries (up to kQueryBlock: the row's new tokens times the GQA group, all on one KV head) form the
+// A work item's queries (up to kTileQueryBlock: the row's new tokens times the GQA group, all on one KV head) form the
 // rows of two GEMMs per block of kTileKeyBlock (256) keys, run by PyTorch's at::native::cpublas::brgemm (oneDNN's
 // batch-reduce GEMM ukernel: tdpbf16ps on the tiles):
 //   S [queries x 256 keys] = Q [queries x head_dim] . K^T        (K^T packed as (dim 2p, dim 2p + 1) pairs)

@@ -24,6 +24,8 @@ constexpr int64_t kTileKeyBlock = 256;
 // Rows with fewer queries (new tokens x GQA group) than this stay on the vector path even where the matrix unit is
 // asked for: with a handful of queries the GEMM calls cost more than they save (docs/performance.md).
 constexpr int64_t kTileMinQueries = 8;
+// Queries of a matrix-unit work item: the GEMMs' rows; more of them pack each block of K/V for more queries.
+constexpr int64_t kTileQueryBlock = 192;
 // Queries of the rows that read one shared prefix together (attention_shared.h): more rows per pass read the prefix
 // fewer times, fewer leave the threads more passes to share.
 constexpr int64_t kSharedQueries = 192;

@@ -98,8 +98,10 @@ void run(const Shape& s, const at::Tensor& q, const at::Tensor& k, const at::Ten
     }
   }
 #endif
-  // Work items, each for every KV head: a shared prefix's rows, or (row, first query of a block of kQueryBlock)
-  // for the other rows, so that a long prefill row spreads over threads too (the blocks depend on the row alone).
+  // Work items, each for every KV head: a shared prefix's rows, or (row, first query of a block of kQueryBlock, or
+  // of kTileQueryBlock on the matrix unit) for the other rows, so that a long prefill row spreads over threads too
+  // (the blocks depend on the row alone).
+  auto item_queries = [&](int64_t r) { return on_tiles(r) ? kTileQueryBlock : kQueryBlock; };
   // Largest first (keys the item's queries see), so no thread is left with a long one at the end.
   struct Work {
     int64_t row, first, keys, shared;  // shared: index into `shared`, or -1
@@ -114,17 +116,16 @@ void run(const Shape& s, const at::Tensor& q, const at::Tensor& k, const at::Ten
     }
     work.push_back({-1, 0, keys + shared[g].depth * kKeyBlock, static_cast<int64_t>(g)});
   }
-  int64_t max_queries = 1;
+  // The most queries an item holds (a shared prefix's rows hold up to kSharedQueries together): the scratch's size.
+  int64_t block_queries = shared.empty() ? 1 : kSharedQueries;
   for (int64_t r = 0; r < num_rows; ++r) {
-    max_queries = std::max(max_queries, q_lens[r] * group);
+    block_queries = std::max(block_queries, std::min(q_lens[r] * group, item_queries(r)));
     if (in_shared[r]) continue;
-    for (int64_t first = 0; first < q_lens[r] * group; first += kQueryBlock) {
-      const int64_t last_query = std::min(q_lens[r] * group, first + kQueryBlock) - 1;
+    for (int64_t first = 0; first < q_lens[r] * group; first += item_queries(r)) {
+      const int64_t last_query = std::min(q_lens[r] * group, first + item_queries(r)) - 1;
       work.push_back({r, first, rows.seq_lens[r] - q_lens[r] + last_query / group + 1, -1});
     }
   }
-  // The most queries an item holds: a shared prefix's rows hold up to kSharedQueries together.
-  const int64_t block_queries = shared.empty() ? std::min(max_queries, kQueryBlock) : kSharedQueries;
   std::stable_sort(work.begin(), work.end(), [](const Work& a, const Work& b) { return a.keys > b.keys; });
   const int64_t items = static_cast<int64_t>(work.size()) * s.num_kv_heads;
   const T* q_ptr = q.const_data_ptr<T>();
@@ -151,7 +152,7 @@ void run(const Shape& s, const at::Tensor& q, const at::Tensor& k, const at::Ten
         }
 #endif
       } else {
-        const int64_t r = it.row, last = std::min(q_lens[r] * group, it.first + kQueryBlock);
+        const int64_t r = it.row, last = std::min(q_lens[r] * group, it.first + item_queries(r));
         const bool tiles = on_tiles(r);
         used_tiles |= tiles;
         ok = (tiles ? attend_tiles : attend_item)(s, q_ptr, k_ptr, v_ptr, out_ptr, rows.slots_of(r),
