@@ -83,15 +83,8 @@ bool attend_amx(const Shape& s, const c10::BFloat16* q, const c10::BFloat16* k, 
   auto* acc = reinterpret_cast<float*>(w.acc.data());                    // [nq][head_dim]: dc * 16 == head_dim
   const auto* kp = reinterpret_cast<const c10::BFloat16*>(w.k_pairs.data());
   const auto* vp = reinterpret_cast<const c10::BFloat16*>(w.v_pairs.data());
-  int64_t keys = 0, fewest = std::numeric_limits<int64_t>::max();  // keys the item's queries see: most, fewest
-  for (int64_t i = 0; i < nq; ++i) {
-    const int64_t t = (first + i) / group, head = kv_head * group + (first + i) % group;
-    std::memcpy(q_rows + i * head_dim, q + (q_start + t) * s.q_stride_token + head * s.q_stride_head,
-                head_dim * sizeof(c10::BFloat16));
-    w.start_query(i, seq_len - q_len + t + 1, dc);
-    keys = std::max(keys, w.limit[i]);
-    fewest = std::min(fewest, w.limit[i]);
-  }
+  const int64_t keys = start_bf16_queries(s, q, seq_len, q_start, q_len, kv_head, first, last, w);  // q_rows
+  const int64_t fewest = *std::min_element(w.limit.begin(), w.limit.begin() + nq);  // keys the first query sees
   for (int64_t block = 0; block < keys; block += kTileKeyBlock) {
     const int64_t block_len = std::min(kTileKeyBlock, keys - block);
     if (!w.take_slots(slot_of_position, block, block_len, s.num_slots)) return false;

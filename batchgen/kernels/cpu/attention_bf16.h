@@ -155,6 +155,22 @@ void attend_block_bf16(const uint32_t* qp, const uint32_t* kp, const uint32_t* v
   for (int64_t c = 0; c < dc; ++c) acc[c] = reinterpret_cast<v16f>(_mm512_add_ps(even_acc[c], odd_acc[c]));
 }
 
+// Queries [first, last) of a work item (query i: new token i / group, head i % group of the KV head's group) copied
+// as bfloat16 rows into w.q_pairs and started; returns the most keys any of them sees.
+inline int64_t start_bf16_queries(const Shape& s, const c10::BFloat16* q, int64_t seq_len, int64_t q_start,
+                                  int64_t q_len, int64_t kv_head, int64_t first, int64_t last, Scratch& w) {
+  const int64_t group = s.num_heads / s.num_kv_heads;
+  int64_t keys = 0;
+  for (int64_t i = 0; i < last - first; ++i) {
+    const int64_t t = (first + i) / group, head = kv_head * group + (first + i) % group;
+    std::memcpy(&w.q_pairs[i * s.head_dim / 2], q + (q_start + t) * s.q_stride_token + head * s.q_stride_head,
+                s.head_dim * sizeof(c10::BFloat16));
+    w.start_query(i, seq_len - q_len + t + 1, s.chunks);
+    keys = std::max(keys, w.limit[i]);
+  }
+  return keys;
+}
+
 // attend() for bfloat16 through the dot-product instructions; the same work item, inputs and result.
 template <int DC>
 bool attend_bf16(const Shape& s, const c10::BFloat16* q, const c10::BFloat16* k, const c10::BFloat16* v,
@@ -163,14 +179,7 @@ bool attend_bf16(const Shape& s, const c10::BFloat16* q, const c10::BFloat16* k,
   const int64_t group = s.num_heads / s.num_kv_heads, dc = s.chunks, pairs = s.head_dim / 2, nq = last - first;
   const auto* k16 = reinterpret_cast<const uint16_t*>(k + kv_head * s.kv_stride_head);
   const auto* v16 = reinterpret_cast<const uint16_t*>(v + kv_head * s.kv_stride_head);
-  int64_t keys = 0;
-  for (int64_t i = 0; i < nq; ++i) {
-    const int64_t t = (first + i) / group, head = kv_head * group + (first + i) % group;
-    std::memcpy(&w.q_pairs[i * pairs], q + (q_start + t) * s.q_stride_token + head * s.q_stride_head,
-                s.head_dim * sizeof(c10::BFloat16));
-    w.start_query(i, seq_len - q_len + t + 1, dc);
-    keys = std::max(keys, w.limit[i]);
-  }
+  const int64_t keys = start_bf16_queries(s, q, seq_len, q_start, q_len, kv_head, first, last, w);
   for (int64_t block = 0; block < keys; block += kKeyBlock) {
     const int64_t block_len = std::min(kKeyBlock, keys - block);
     if (!w.take_slots(slot_of_position, block, block_len, s.num_slots)) return false;

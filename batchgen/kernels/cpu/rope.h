@@ -39,6 +39,14 @@ inline void rotate_head(const X* x, const float* cos, const float* sin, int64_t 
   }
 }
 
+// Token t's heads of x ([tokens, heads, head_dim], X values) rotated into dst(h), bfloat16 rows.
+template <typename X, typename Dst>
+inline void rotate_heads(const at::Tensor& x, int64_t t, const float* cos, const float* sin, Dst dst) {
+  for (int64_t h = 0; h < x.size(1); ++h) {
+    rotate_head(x.const_data_ptr<X>() + t * x.stride(0) + h * x.stride(1), cos, sin, x.size(2), dst(h));
+  }
+}
+
 void check_heads(const at::Tensor& t, const char* name, int64_t tokens, int64_t head_dim) {
   TORCH_CHECK(t.dim() == 3 && t.size(0) == tokens && t.size(2) == head_dim && t.stride(2) == 1, "batchgen::rotary_embedding: ",
               name, " must be [", tokens, ", heads, ", head_dim, "] with a contiguous last dimension, got ", t.sizes());
@@ -87,20 +95,15 @@ std::tuple<at::Tensor, at::Tensor> rotary_embedding(const at::Tensor& positions,
   const auto out_options = q.options().dtype(at::kBFloat16);
   at::Tensor q_out = at::empty(q.sizes(), out_options), k_out = at::empty(k.sizes(), out_options);
   const int64_t q_heads = q.size(1), k_heads = k.size(1);
+  BFloat16 *q_out_p = q_out.mutable_data_ptr<BFloat16>(), *k_out_p = k_out.mutable_data_ptr<BFloat16>();
   dispatch_value_types(q.scalar_type(), at::kBFloat16, [&](auto in_type, auto) {
     using X = decltype(in_type);
     at::parallel_for(0, tokens, grain((q_heads + k_heads) * head_dim), [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         const float* cos = cos_table.const_data_ptr<float>() + pos[t] * head_dim;
         const float* sin = sin_table.const_data_ptr<float>() + pos[t] * head_dim;
-        for (int64_t h = 0; h < q_heads; ++h) {
-          rotate_head(q.const_data_ptr<X>() + t * q.stride(0) + h * q.stride(1), cos, sin, head_dim,
-                      q_out.mutable_data_ptr<BFloat16>() + (t * q_heads + h) * head_dim);
-        }
-        for (int64_t h = 0; h < k_heads; ++h) {
-          rotate_head(k.const_data_ptr<X>() + t * k.stride(0) + h * k.stride(1), cos, sin, head_dim,
-                      k_out.mutable_data_ptr<BFloat16>() + (t * k_heads + h) * head_dim);
-        }
+        rotate_heads<X>(q, t, cos, sin, [&](int64_t h) { return q_out_p + (t * q_heads + h) * head_dim; });
+        rotate_heads<X>(k, t, cos, sin, [&](int64_t h) { return k_out_p + (t * k_heads + h) * head_dim; });
       }
     });
   });
@@ -138,6 +141,7 @@ at::Tensor rotary_embedding_kv(const at::Tensor& positions, const at::Tensor& q,
   const int64_t* pos = positions.const_data_ptr<int64_t>();
   at::Tensor q_out = at::empty(q.sizes(), q.options().dtype(at::kBFloat16));
   const int64_t q_heads = q.size(1), head_stride = k_cache.stride(0), slot_stride = k_cache.stride(1);
+  BFloat16* q_out_p = q_out.mutable_data_ptr<BFloat16>();
   BFloat16* k_pool = k_cache.mutable_data_ptr<BFloat16>();
   BFloat16* v_pool = v_cache.mutable_data_ptr<BFloat16>();
   dispatch_value_types(q.scalar_type(), at::kBFloat16, [&](auto in_type, auto) {
@@ -146,13 +150,10 @@ at::Tensor rotary_embedding_kv(const at::Tensor& positions, const at::Tensor& q,
       for (int64_t t = begin; t < end; ++t) {
         const float* cos = cos_table.const_data_ptr<float>() + pos[t] * head_dim;
         const float* sin = sin_table.const_data_ptr<float>() + pos[t] * head_dim;
-        for (int64_t h = 0; h < q_heads; ++h) {
-          rotate_head(q.const_data_ptr<X>() + t * q.stride(0) + h * q.stride(1), cos, sin, head_dim,
-                      q_out.mutable_data_ptr<BFloat16>() + (t * q_heads + h) * head_dim);
-        }
+        rotate_heads<X>(q, t, cos, sin, [&](int64_t h) { return q_out_p + (t * q_heads + h) * head_dim; });
+        rotate_heads<X>(k, t, cos, sin, [&](int64_t h) { return k_pool + h * head_stride + slots[t] * slot_stride; });
         for (int64_t h = 0; h < kv_heads; ++h) {
           const int64_t dst = h * head_stride + slots[t] * slot_stride;
-          rotate_head(k.const_data_ptr<X>() + t * k.stride(0) + h * k.stride(1), cos, sin, head_dim, k_pool + dst);
           const X* src = v.const_data_ptr<X>() + t * v.stride(0) + h * v.stride(1);
           if constexpr (std::is_same_v<X, BFloat16>) {
             std::memcpy(v_pool + dst, src, head_dim * sizeof(BFloat16));
