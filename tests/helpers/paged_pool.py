@@ -98,3 +98,33 @@ def kernel_attention(
         q.shape[-1] ** -0.5,
         matrix_unit=matrix_unit,
     )
+
+
+def share_prefix(pool: PagedPool, shares: dict[int, tuple[int, int]]) -> None:
+    """Sequence ``row``'s first ``length`` slots become sequence ``source``'s (``shares[row] = (source, length)``),
+    as the prefix cache hands them out; ``pool.slots`` follows, so the reference reads the same K/V."""
+    for row, (source, length) in shares.items():
+        slots = pool.slots[source][:length]
+        pool.req_to_token[pool.req_pool_indices[row], :length] = slots
+        pool.slots[row] = torch.cat([slots, pool.slots[row][length:]])
+
+
+def skip_without_cpu_kernel() -> None:
+    """Skip the test, saying why, where batchgen's C++ kernels cannot be built (no compiler or ninja)."""
+    import pytest
+
+    from batchgen.kernels.cpu import build_problem
+
+    problem = build_problem()
+    if problem is not None:
+        pytest.skip(f"the C++ kernel cannot be built on this machine: {problem}")
+
+
+def skip_without_matrix_unit(head_dim: int = 64) -> None:
+    """Skip the test, saying why, where the kernel has no matrix-unit path for bfloat16 heads of ``head_dim``."""
+    import pytest
+
+    from batchgen.kernels.cpu import matrix_unit_supported
+
+    if not matrix_unit_supported(torch.bfloat16, head_dim):
+        pytest.skip("this CPU has no AMX-BF16 (or PyTorch's brgemm cannot run bfloat16 here): no matrix-unit path")

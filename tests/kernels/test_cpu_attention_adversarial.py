@@ -21,6 +21,9 @@ from tests.helpers.paged_pool import (
     kernel_attention,
     reference_attention,
     relative_error,
+    share_prefix,
+    skip_without_cpu_kernel,
+    skip_without_matrix_unit,
 )
 
 TOLERANCE = 2e-2  # bfloat16 inputs, probabilities rounded to bfloat16
@@ -28,21 +31,7 @@ TOLERANCE = 2e-2  # bfloat16 inputs, probabilities rounded to bfloat16
 
 @pytest.fixture(scope="module", autouse=True)
 def _kernel_built() -> None:
-    problem = cpu_kernels.build_problem()
-    if problem is not None:
-        pytest.skip(f"the C++ kernel cannot be built on this machine: {problem}")
-
-
-def _paths(head_dim: int = 64) -> list[bool]:
-    return [False, True] if cpu_kernels.matrix_unit_supported(torch.bfloat16, head_dim) else [False]
-
-
-def _share(pool: PagedPool, shares: dict[int, tuple[int, int]]) -> None:
-    """Sequence ``row``'s first ``length`` slots become sequence ``source``'s, as the prefix cache hands them out."""
-    for row, (source, length) in shares.items():
-        slots = pool.slots[source][:length]
-        pool.req_to_token[pool.req_pool_indices[row], :length] = slots
-        pool.slots[row] = torch.cat([slots, pool.slots[row][length:]])
+    skip_without_cpu_kernel()
 
 
 def _check_rows(
@@ -76,8 +65,7 @@ def _check_rows(
 def test_matrix_unit_head_sizes_and_block_edges(head_dim: int, group: int) -> None:
     """Rows of exactly 256, 257, 512 and 513 keys: a whole 256-token prompt, 9 and 70 new tokens after a cached
     prefix, 130 new tokens (several 64-query items), and a decode beside them."""
-    if True not in _paths(head_dim):
-        pytest.skip("this CPU has no AMX-BF16: no matrix-unit path")
+    skip_without_matrix_unit(head_dim)
     gen = torch.Generator().manual_seed(head_dim + group)
     seq_lens, q_lens = [256, 257, 512, 513, 300], [256, 9, 70, 130, 1]
     pool = PagedPool(seq_lens, torch.bfloat16, 2, head_dim, gen, 2000, 600)
@@ -89,8 +77,8 @@ def test_matrix_unit_head_sizes_and_block_edges(head_dim: int, group: int) -> No
 @pytest.mark.parametrize("matrix_unit", [False, True], ids=["vector", "matrix-unit"])
 def test_rows_of_seven_eight_and_nine_queries(group: int, new: int, matrix_unit: bool) -> None:
     """``q_len * group`` of 7, 8 and 9 (the matrix unit takes rows of at least 8 queries), one KV head."""
-    if matrix_unit and True not in _paths():
-        pytest.skip("this CPU has no AMX-BF16: no matrix-unit path")
+    if matrix_unit:
+        skip_without_matrix_unit()
     gen = torch.Generator().manual_seed(group * 10 + new)
     pool = PagedPool([300, 64], torch.bfloat16, 1, 64, gen, 800, 400)
     q = torch.randn(2 * new, group, 64, generator=gen).to(torch.bfloat16)
@@ -101,8 +89,8 @@ def test_rows_of_seven_eight_and_nine_queries(group: int, new: int, matrix_unit:
 def test_one_request_row_passed_several_times(matrix_unit: bool) -> None:
     """Sequence 0 as eight rows of one call, 1 to 400 keys long (every row's slots a prefix of the longest's),
     decodes and one 30-token chunk, a group of 3."""
-    if matrix_unit and True not in _paths():
-        pytest.skip("this CPU has no AMX-BF16: no matrix-unit path")
+    if matrix_unit:
+        skip_without_matrix_unit()
     gen = torch.Generator().manual_seed(11)
     pool = PagedPool([400], torch.bfloat16, 2, 64, gen, 800, 500)
     seq_lens, q_lens = [400, 300, 257, 256, 65, 64, 63, 1], [1, 1, 30, 1, 1, 2, 1, 1]
@@ -114,13 +102,13 @@ def test_one_request_row_passed_several_times(matrix_unit: bool) -> None:
 def test_prefixes_that_end_inside_a_block(matrix_unit: bool) -> None:
     """Rows sharing 1, 63, 64, 65, 70, 100, 130 and 299 of sequence 0's slots, some sequences only 63 to 65
     long; decodes, 2-token rows (6 queries, vector path) and prefill chunks mixed."""
-    if matrix_unit and True not in _paths():
-        pytest.skip("this CPU has no AMX-BF16: no matrix-unit path")
+    if matrix_unit:
+        skip_without_matrix_unit()
     gen = torch.Generator().manual_seed(6)
     seq_lens = [300, 280, 200, 100, 70, 65, 64, 63, 300, 300]
     pool = PagedPool(seq_lens, torch.bfloat16, 2, 64, gen, 3000, 400)
-    _share(pool, {1: (0, 100), 2: (0, 130), 3: (0, 70), 4: (0, 65), 5: (0, 64), 6: (0, 64), 7: (0, 63)})
-    _share(pool, {8: (0, 1), 9: (0, 299)})
+    share_prefix(pool, {1: (0, 100), 2: (0, 130), 3: (0, 70), 4: (0, 65), 5: (0, 64), 6: (0, 64), 7: (0, 63)})
+    share_prefix(pool, {8: (0, 1), 9: (0, 299)})
     q_lens = [1, 2, 40, 1, 2, 1, 64, 1, 1, 9]
     q = torch.randn(sum(q_lens), 6, 64, generator=gen).to(torch.bfloat16)
     _check_rows(pool, q, list(range(10)), seq_lens, q_lens, matrix_unit)
@@ -130,12 +118,12 @@ def test_prefixes_that_end_inside_a_block(matrix_unit: bool) -> None:
 def test_a_hundred_decode_rows_over_one_prefix(matrix_unit: bool) -> None:
     """100 decode rows of a GQA group of 3 (300 queries, more than one shared pass holds) over sequence 0's first
     256 slots, each with 2 to 31 keys of its own; every 9th row checked (the last one among them)."""
-    if matrix_unit and True not in _paths():
-        pytest.skip("this CPU has no AMX-BF16: no matrix-unit path")
+    if matrix_unit:
+        skip_without_matrix_unit()
     gen = torch.Generator().manual_seed(100)
     seq_lens = [258 + i % 30 for i in range(100)]
     pool = PagedPool(seq_lens, torch.bfloat16, 2, 64, gen, sum(seq_lens) + 100, 300)
-    _share(pool, {i: (0, 256) for i in range(1, 100)})
+    share_prefix(pool, {i: (0, 256) for i in range(1, 100)})
     q = torch.randn(100, 6, 64, generator=gen).to(torch.bfloat16)
     _check_rows(pool, q, list(range(100)), seq_lens, [1] * 100, matrix_unit, every=9)
 
@@ -144,12 +132,12 @@ def test_a_hundred_decode_rows_over_one_prefix(matrix_unit: bool) -> None:
 def test_out_covering_part_of_q(matrix_unit: bool) -> None:
     """``out`` given, a strided view, and rows over tokens 200 and 202..210 of q only: those get the bits a full
     call gives them, every other element of the buffer keeps its 7."""
-    if matrix_unit and True not in _paths(128):
-        pytest.skip("this CPU has no AMX-BF16: no matrix-unit path")
+    if matrix_unit:
+        skip_without_matrix_unit(128)
     gen = torch.Generator().manual_seed(3)
     seq_lens, q_lens = [513, 300, 300, 65], [200, 1, 1, 9]
     pool = PagedPool(seq_lens, torch.bfloat16, 2, 128, gen, 3000, 600)
-    _share(pool, {1: (0, 256)})
+    share_prefix(pool, {1: (0, 256)})
     q = torch.randn(sum(q_lens), 10, 128, generator=gen).to(torch.bfloat16)
     full = kernel_attention(pool, q, [0, 1, 2, 3], seq_lens, q_lens, matrix_unit=matrix_unit)
     buffer = torch.full((q.shape[0], 10, 256), 7.0, dtype=torch.bfloat16)
@@ -171,11 +159,11 @@ def test_out_covering_part_of_q(matrix_unit: bool) -> None:
 def test_one_kv_head_of_sixteen_queries_with_large_scores(matrix_unit: bool) -> None:
     """One KV head for 16 query heads (decodes of 16 queries), queries 30 times unit scale (scores in the
     hundreds: the online softmax rescales often), a decode sharing 256 slots with a 100-token chunk's row."""
-    if matrix_unit and True not in _paths():
-        pytest.skip("this CPU has no AMX-BF16: no matrix-unit path")
+    if matrix_unit:
+        skip_without_matrix_unit()
     gen = torch.Generator().manual_seed(16)
     seq_lens, q_lens = [513, 300, 64], [100, 1, 3]
     pool = PagedPool(seq_lens, torch.bfloat16, 1, 64, gen, 1200, 600)
-    _share(pool, {1: (0, 256)})
+    share_prefix(pool, {1: (0, 256)})
     q = (torch.randn(sum(q_lens), 16, 64, generator=gen) * 30).to(torch.bfloat16)
     _check_rows(pool, q, [0, 1, 2], seq_lens, q_lens, matrix_unit)

@@ -18,8 +18,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from batchgen.kernels import cpu as cpu_kernels
-from tests.helpers.paged_pool import PagedPool, kernel_attention, pool_reference, relative_error
+from tests.helpers.paged_pool import (
+    PagedPool,
+    kernel_attention,
+    pool_reference,
+    relative_error,
+    share_prefix,
+    skip_without_cpu_kernel,
+    skip_without_matrix_unit,
+)
 
 _FLAGS = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
 TOLERANCE = 2e-2  # bfloat16 inputs, probabilities rounded to bfloat16
@@ -27,14 +34,7 @@ TOLERANCE = 2e-2  # bfloat16 inputs, probabilities rounded to bfloat16
 
 @pytest.fixture(scope="module", autouse=True)
 def _kernel_built() -> None:
-    problem = cpu_kernels.build_problem()
-    if problem is not None:
-        pytest.skip(f"the C++ kernel cannot be built on this machine: {problem}")
-
-
-def _needs_matrix_unit(head_dim: int = 64) -> None:
-    if not cpu_kernels.matrix_unit_supported(torch.bfloat16, head_dim):
-        pytest.skip("this CPU has no AMX-BF16 (or PyTorch's brgemm cannot run bfloat16 here): no matrix-unit path")
+    skip_without_cpu_kernel()
 
 
 @pytest.fixture
@@ -64,7 +64,7 @@ MATRIX_ROWS = [(2, 2), (70, 70), (300, 40), (257, 9), (256, 3), (129, 5), (90, 1
 
 @pytest.mark.parametrize(("head_dim", "group"), [(64, 1), (64, 3), (64, 4), (128, 3), (256, 2)])
 def test_matrix_unit_matches_float64(head_dim: int, group: int) -> None:
-    _needs_matrix_unit(head_dim)
+    skip_without_matrix_unit(head_dim)
     gen = torch.Generator().manual_seed(head_dim + group)
     pool = _pool([n for n, _ in MATRIX_ROWS], 2, head_dim, gen)
     q = torch.randn(sum(t for _, t in MATRIX_ROWS), 2 * group, head_dim, generator=gen).to(torch.bfloat16)
@@ -76,7 +76,7 @@ def test_matrix_unit_matches_float64(head_dim: int, group: int) -> None:
 def test_matrix_unit_row_is_bit_identical_in_any_batch() -> None:
     """A 40-token row (4 query heads per KV head: 160 queries, three work items) alone, on one thread, among other
     rows, and as rows of 2 and 5 tokens (8 and 20 queries, still on the matrix unit) gives the same bits."""
-    _needs_matrix_unit()
+    skip_without_matrix_unit()
     gen = torch.Generator().manual_seed(2)
     pool = _pool([300, 200, 64], 2, 64, gen)
     q_row = torch.randn(40, 8, 64, generator=gen).to(torch.bfloat16)
@@ -96,7 +96,7 @@ def test_matrix_unit_row_is_bit_identical_in_any_batch() -> None:
 def test_matrix_unit_keys_after_a_query_never_reach_it() -> None:
     """Keys after a query's position holding inf (V) and NaN (K), as a broken model could write them: the tokens
     before give the bits they give without them."""
-    _needs_matrix_unit()
+    skip_without_matrix_unit()
     gen = torch.Generator().manual_seed(8)
     pool = _pool([300], 2, 64, gen)
     q = torch.randn(20, 4, 64, generator=gen).to(torch.bfloat16)
@@ -117,10 +117,6 @@ def test_matrix_unit_refused_where_it_cannot_run() -> None:
         kernel_attention(pool, torch.zeros(2, 4, 64), [0], [10], [2], matrix_unit=True)
 
 
-def _paths() -> list[bool]:
-    return [False, True] if cpu_kernels.matrix_unit_supported(torch.bfloat16, 64) else [False]
-
-
 @pytest.mark.parametrize("group", [1, 3])
 @pytest.mark.parametrize("matrix_unit", [False, True], ids=["vector", "matrix-unit"])
 def test_rows_sharing_a_prefix_give_the_bits_they_give_alone(group: int, matrix_unit: bool) -> None:
@@ -128,16 +124,13 @@ def test_rows_sharing_a_prefix_give_the_bits_they_give_alone(group: int, matrix_
     rows 7-8 one another's first 200; row 9 shares nothing. Each decodes one token, except row 3 (two: six queries
     with a group of 3, still on the vector path); row 8 adds 30 (the matrix unit where asked). Every row's output
     equals the one it gives alone, and matches float64."""
-    if matrix_unit and True not in _paths():
-        pytest.skip("this CPU has no AMX-BF16: no matrix-unit path")
+    if matrix_unit:
+        skip_without_matrix_unit()
     gen = torch.Generator().manual_seed(group)
     seq_lens = [300, 280, 257, 320, 300, 65, 128, 210, 230, 150]
     pool = _pool(seq_lens, 2, 64, gen)
     shares = {1: (0, 256), 2: (0, 256), 3: (0, 256), 4: (0, 256), 5: (0, 64), 6: (0, 64), 8: (7, 200)}
-    for row, (source, length) in shares.items():
-        slots = pool.slots[source][:length]
-        pool.req_to_token[pool.req_pool_indices[row], :length] = slots
-        pool.slots[row] = torch.cat([slots, pool.slots[row][length:]])
+    share_prefix(pool, shares)
     new = [1, 1, 1, 2, 1, 1, 1, 1, 30, 1]
     q = torch.randn(sum(new), 2 * group, 64, generator=gen).to(torch.bfloat16)
     together = kernel_attention(pool, q, list(range(10)), seq_lens, new, matrix_unit=matrix_unit)

@@ -60,10 +60,15 @@ class AttentionBackend(ABC):
         ``None`` when the model stored them already (:meth:`batchgen.models.llama.LlamaForCausalLM.store_kv_in_rope`).
         """
         if k is not None and v is not None:
-            forward_batch.token_to_kv_pool.set_kv(layer_id, forward_batch.out_cache_loc, k, v)
+            self.store_kv(k, v, layer_id, forward_batch)
         if forward_batch.forward_mode.is_decode():
             return self.forward_decode(q, layer_id, forward_batch)
         return self.forward_extend(q, layer_id, forward_batch)
+
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, layer_id: int, forward_batch: ForwardBatch) -> None:
+        """Write the new tokens' ``k``, ``v`` ``[T, num_kv_heads, head_dim]`` at ``out_cache_loc`` of layer
+        ``layer_id``'s pool; torch's index copies unless a backend has a kernel for it."""
+        forward_batch.token_to_kv_pool.set_kv(layer_id, forward_batch.out_cache_loc, k, v)
 
     @abstractmethod
     def forward_extend(self, q: torch.Tensor, layer_id: int, forward_batch: ForwardBatch) -> torch.Tensor:

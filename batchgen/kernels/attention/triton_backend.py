@@ -141,21 +141,10 @@ class TritonAttnBackend(AttentionBackend):
         lens = host_lens.to(fb.seq_lens.device, non_blocking=True)
         self._extend = _ExtendMetadata(lens[0], lens[1], lens[2], max_extend_len)
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor | None,
-        v: torch.Tensor | None,
-        layer_id: int,
-        forward_batch: ForwardBatch,
-    ) -> torch.Tensor:
-        """As the base class, with the new K/V stored by one Triton kernel instead of torch's index copies."""
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, layer_id: int, forward_batch: ForwardBatch) -> None:
+        """As the base class, with one Triton kernel instead of torch's index copies."""
         pool = forward_batch.token_to_kv_pool
-        if k is not None and v is not None:
-            kv_store.store_kv(pool.k_buffer[layer_id], pool.v_buffer[layer_id], forward_batch.out_cache_loc, k, v)
-        if forward_batch.forward_mode.is_decode():
-            return self.forward_decode(q, layer_id, forward_batch)
-        return self.forward_extend(q, layer_id, forward_batch)
+        kv_store.store_kv(pool.k_buffer[layer_id], pool.v_buffer[layer_id], forward_batch.out_cache_loc, k, v)
 
     def forward_decode(self, q: torch.Tensor, layer_id: int, forward_batch: ForwardBatch) -> torch.Tensor:
         """``[batch, num_heads, head_dim]`` output for one query per request; reads only device tensors."""
