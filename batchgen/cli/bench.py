@@ -39,6 +39,7 @@ ONE_BATCH_ENGINE_OPTIONS = (
     "attention_backend",
     "disable_cuda_graph",
     "cuda_graph_max_bs",
+    "deterministic",
     *(f.name for f in fields(EngineOptions) if f.name.startswith("speculative_")),
 )
 BENCH_ENGINE_OPTIONS = (

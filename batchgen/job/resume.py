@@ -24,7 +24,7 @@ from batchgen.job.options import JobOptions
 DATASET_KEY = "batchgen.dataset"
 RUN_SEED_KEY = "batchgen.run_seed"
 # Engine options that change what a row's output is; the others (batch sizes, memory) only change speed.
-_OUTPUT_ENGINE_OPTIONS = ("seed", "context_length")
+_OUTPUT_ENGINE_OPTIONS = ("seed", "context_length", "deterministic")
 # A message names at most this many row ids.
 _IDS_SHOWN = 3
 

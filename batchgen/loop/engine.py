@@ -136,7 +136,7 @@ class Engine:
         context_len = options.context_length or max_positions
         if context_len > max_positions:
             raise BatchgenError(f"--context-length {context_len} exceeds the model's {max_positions} positions")
-        model = source.load(self.dtype, self.device, context_len, self.switches)
+        model = source.load(self.dtype, self.device, context_len, self.switches, options.deterministic)
         config = model.config
         per_token = TokenToKVPool.bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, self.dtype)
         pool_size = options.max_total_tokens or int(options.mem_fraction * _available_memory(self.device) / per_token)
@@ -160,6 +160,7 @@ class Engine:
             cuda_graph_max_bs=self._graph_max_bs(options),
             verify_tokens=options.speculative_num_draft_tokens + 1 if options.speculative_algorithm else 0,
             switches=self.switches,
+            deterministic=options.deterministic,
         )
         allocator = KVSlotAllocator(pool_size)
         radix_cache = RadixCache(allocator) if options.prefix_cache else None

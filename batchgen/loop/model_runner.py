@@ -30,6 +30,7 @@ class ModelRunner:
         verify_tokens: with speculative decoding, K + 1: TARGET_VERIFY rounds with that many tokens per request
             go through the graph runner too (unless the context is too short for any such round).
         switches: the kernel switches of the attention backend and of greedy sampling's argmax.
+        deterministic: attention whose result for a row depends on that row only (``--deterministic``).
     """
 
     def __init__(
@@ -44,9 +45,11 @@ class ModelRunner:
         cuda_graph_max_bs: int = 0,
         verify_tokens: int = 0,
         switches: KernelSwitches = KernelSwitches(),
+        deterministic: bool = False,
     ) -> None:
         config = model.config
         self.switches = switches
+        self.deterministic = deterministic
         self.model = model
         self.device = device
         self.dtype = dtype
@@ -55,7 +58,7 @@ class ModelRunner:
         self.token_to_kv_pool = TokenToKVPool(
             kv_pool_size, config.num_layers, config.num_kv_heads, config.head_dim, dtype, device
         )
-        self.attn_backend = create_attention_backend(attention_backend, device, dtype, config, switches)
+        self.attn_backend = create_attention_backend(attention_backend, device, dtype, config, switches, deterministic)
         self.logits_processor = LogitsProcessor()
         self.graph_runner: CudaGraphRunner | None = None
         if cuda_graph_max_bs > 0:

@@ -125,6 +125,14 @@ class EngineOptions:
             "or coupled (outputs identical to plain decoding with the same seeds)."
         },
     )
+    deterministic: bool = field(
+        default=False,
+        metadata={
+            "help": "Bitwise batch invariance (CPU): a row's logits, hence its tokens, logprobs and text, do not "
+            "depend on the rows it runs with, its prompt's chunking or the prefix cache (docs/input-output.md).",
+            "flag": "--deterministic/--no-deterministic",
+        },
+    )
     seed: int | None = field(
         default=None, metadata={"help": "Run seed: rows without a seed get one derived from it and their id."}
     )
@@ -164,6 +172,10 @@ class EngineOptions:
             )
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise BatchgenError(f"--logprobs-mode must be raw or processed, got '{self.logprobs_mode}'")
+        if self.deterministic and pick_device(self.device).type != "cpu":
+            raise BatchgenError("--deterministic runs on the CPU only for now; add --device cpu")
+        if self.deterministic and self.attention_backend not in ("auto", "torch_native"):
+            raise BatchgenError(f"--deterministic needs attention backend torch_native, not {self.attention_backend}")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             raise BatchgenError(f"--cuda-graph-max-bs must be >= 1, got {self.cuda_graph_max_bs}")
 

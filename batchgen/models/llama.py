@@ -229,12 +229,14 @@ class LlamaForCausalLM(nn.Module):
             return self.tied_lm_head(hidden)
         return F.linear(hidden, self.model.embed_tokens.weight)
 
-    def prepack_for_cpu(self, gemm_dtype: torch.dtype) -> None:
-        """Pack every linear weight for oneDNN GEMMs in ``gemm_dtype`` (see :mod:`batchgen.models.packed_linear`);
-        a tied output projection is packed from a copy, since the embedding keeps its own weight for lookups."""
-        prepack_linears(self, gemm_dtype)
+    def prepack_for_cpu(self, gemm_dtype: torch.dtype, min_rows: int = 1) -> None:
+        """Pack every linear weight for oneDNN GEMMs in ``gemm_dtype`` with ``min_rows`` (see
+        :mod:`batchgen.models.packed_linear`); a tied output projection is packed from a copy, since the embedding
+        keeps its own weight for lookups."""
+        prepack_linears(self, gemm_dtype, min_rows)
         if self.lm_head is None:
             self.tied_lm_head = PackedLinear(self.model.embed_tokens.weight, None, gemm_dtype)
+            self.tied_lm_head.min_rows = min_rows
 
     def use_fused_ops(self, ops: FusedElementwiseOps) -> None:
         """Run every layer's RMSNorms (the second with its residual add), SiLU-and-multiply and RoPE, and the final

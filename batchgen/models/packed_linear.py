@@ -18,7 +18,10 @@ Two cases, chosen per machine by :func:`cpu_gemm_dtype`:
   step of the model's dtype where its float32 sum lies next to a rounding boundary. The cost is memory: the
   packed weights take twice the model dtype's bytes.
 
-One packed weight serves every row count.
+One packed weight serves every row count. Measured on AMX and AVX-512 CPUs, a row's output depends only on that
+row for every row count from 2 up (oneDNN's kernels keep one reduction order over the inner dimension), while one
+row alone may take another kernel: ``min_rows = 2`` pads such calls, which ``--deterministic`` relies on
+(tests/kernels/test_packed_linear.py checks it on each machine the suite runs on).
 """
 
 from __future__ import annotations
@@ -39,17 +42,22 @@ def native_gemm_supported(dtype: torch.dtype) -> bool:
     return dtype == torch.float32
 
 
-def cpu_gemm_dtype(dtype: torch.dtype, device: torch.device, prepack: bool = True) -> torch.dtype | None:
+def cpu_gemm_dtype(
+    dtype: torch.dtype, device: torch.device, prepack: bool = True, deterministic: bool = False
+) -> torch.dtype | None:
     """The dtype in which a ``dtype`` model's linear layers run packed on ``device``, or ``None`` for plain
     ``F.linear``.
 
     ``dtype`` itself where oneDNN has kernels for it, float32 for a bfloat16 or float16 model where it has none;
-    ``None`` for float32 models (MKL's ``F.linear``, the reference path), off the CPU, without oneDNN, or without
-    ``prepack`` (``KernelSwitches.cpu_prepack``, ``$BATCHGEN_CPU_PREPACK``).
+    ``None`` off the CPU, without oneDNN, for float32 models (MKL's ``F.linear``, the reference path, whose
+    reduction order changes with the row count) unless ``deterministic``, or without ``prepack``
+    (``KernelSwitches.cpu_prepack``, ``$BATCHGEN_CPU_PREPACK``) unless ``deterministic``.
     """
-    if not prepack:
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available() or not (prepack or deterministic):
         return None
-    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16) or not torch.backends.mkldnn.is_available():
+    if dtype == torch.float32:
+        return dtype if deterministic else None
+    if dtype not in (torch.bfloat16, torch.float16):
         return None
     return dtype if native_gemm_supported(dtype) else torch.float32
 
@@ -65,7 +73,8 @@ class PackedLinear(nn.Module):
 
     ``forward(x [T, in_features]) → [T, out_features]`` in the weight's dtype; in float32, unrounded, where
     ``round_output`` is set False (the float32 carrier of :meth:`batchgen.models.llama.LlamaForCausalLM.carry_float32`,
-    whose next op rounds it to the weight's dtype as it loads it).
+    whose next op rounds it to the weight's dtype as it loads it). ``min_rows``: fewer rows are padded with zeros
+    to that many (2 under ``--deterministic``, see the module docstring).
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, gemm_dtype: torch.dtype | None = None) -> None:
@@ -76,20 +85,26 @@ class PackedLinear(nn.Module):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(self.gemm_dtype), _ROWS_HINT)
         self.bias = None if bias is None else bias.detach().to(self.gemm_dtype)
         self.round_output = True
+        self.min_rows = 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.ops.mkldnn._linear_pointwise(x.to(self.gemm_dtype), self.packed, self.bias, "none", [], "")
+        rows = x.shape[0]
+        if rows < self.min_rows:
+            x = torch.cat([x, x.new_zeros(self.min_rows - rows, x.shape[1])])
+        out = torch.ops.mkldnn._linear_pointwise(x.to(self.gemm_dtype), self.packed, self.bias, "none", [], "")[:rows]
         return out.to(self.out_dtype) if self.round_output else out
 
 
-def prepack_linears(module: nn.Module, gemm_dtype: torch.dtype | None = None) -> int:
+def prepack_linears(module: nn.Module, gemm_dtype: torch.dtype | None = None, min_rows: int = 1) -> int:
     """Replace every ``nn.Linear`` under ``module`` by a :class:`PackedLinear` of its weights computing in
-    ``gemm_dtype`` (default: each weight's own dtype); return how many."""
+    ``gemm_dtype`` (default: each weight's own dtype) with ``min_rows``; return how many."""
     count = 0
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear):
-            setattr(module, name, PackedLinear(child.weight, child.bias, gemm_dtype))
+            packed = PackedLinear(child.weight, child.bias, gemm_dtype)
+            packed.min_rows = min_rows
+            setattr(module, name, packed)
             count += 1
         else:
-            count += prepack_linears(child, gemm_dtype)
+            count += prepack_linears(child, gemm_dtype, min_rows)
     return count

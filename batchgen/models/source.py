@@ -89,14 +89,21 @@ class ModelSource:
         return cls(spec, model_dir, hf_config, tokenizer)
 
     def load(
-        self, dtype: torch.dtype, device: torch.device, max_positions: int, switches: KernelSwitches
+        self,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_positions: int,
+        switches: KernelSwitches,
+        deterministic: bool = False,
     ) -> LlamaForCausalLM:
         """The decoder on ``device`` in ``dtype``, with RoPE tables for ``max_positions`` positions: the
         checkpoint's weights, or random ones (seed 0) for a ``random:`` preset; bfloat16 and float16 linear weights
         on the CPU prepacked for oneDNN (:mod:`batchgen.models.packed_linear`; as float32 where oneDNN has no kernels
         for the dtype); bfloat16 models run with the CPU's fused elementwise kernels
         (:mod:`batchgen.kernels.cpu.fused_elementwise`, where they build; RoPE stores the new K/V); Triton's fused
-        kernels on CUDA (:func:`triton_fused_ops_requested`); each unless ``switches`` turns it off.
+        kernels on CUDA (:func:`triton_fused_ops_requested`); each unless ``switches`` turns it off. With
+        ``deterministic`` (CPU) every linear layer, float32 ones too, is packed and pads single rows, so that a
+        row's GEMM outputs do not depend on the row count (:mod:`batchgen.models.packed_linear`).
 
         Raises:
             BatchgenError: unsupported architecture, missing / mis-shaped weights (see ``load_model``), or fused
@@ -106,9 +113,9 @@ class ModelSource:
             model = random_model(self.hf_config, dtype, device, max_positions)
         else:
             model = load_model(self.model_dir, self.hf_config, dtype, device, max_positions)
-        gemm_dtype = cpu_gemm_dtype(dtype, device, switches.cpu_prepack)
+        gemm_dtype = cpu_gemm_dtype(dtype, device, switches.cpu_prepack, deterministic)
         if gemm_dtype is not None:
-            model.prepack_for_cpu(gemm_dtype)
+            model.prepack_for_cpu(gemm_dtype, min_rows=2 if deterministic else 1)
         if triton_fused_ops_requested(device, switches):
             from batchgen.kernels.triton import fused_elementwise as triton_ops
 

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from batchgen.sampling.random import ACCEPT, RESIDUAL, uniform_from_counter
+from batchgen.kernels.cpu.sampling_ops import exponential_race
+from batchgen.sampling.random import ACCEPT, RESIDUAL, token_noise_keys, uniform_from_counter
 
 
 @dataclass
@@ -34,16 +35,23 @@ class DraftProposals:
 
 
 def rejection_sample(
-    drawn: torch.Tensor, probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, drafts: DraftProposals
+    drawn: torch.Tensor,
+    probs: torch.Tensor,
+    seeds: torch.Tensor,
+    steps: torch.Tensor,
+    drafts: DraftProposals,
+    cpu_kernel: bool = True,
 ) -> torch.Tensor:
     """The token each row emits if reached: its draft if accepted, else a draw from the residual.
 
     Args:
         drawn: int64 ``[n]``, every row's plain draw from ``p`` (kept for rows without a draft).
         probs: float32 ``[n, vocab]``, each row's processed target distribution ``p``, unnormalised.
-        seeds, steps: int64 ``[n]``, each row's seed and output step; the accept test and the residual draw use
-            their own streams of :func:`uniform_from_counter`, independent of the draft's draw.
+        seeds, steps: int64 ``[n]``, each row's seed and output step; the accept test (a uniform of
+            :func:`uniform_from_counter`) and the residual draw (an exponential race) use their own streams,
+            independent of the draft's draw.
         drafts: the rows to verify, their drafts and the draft distributions ``q``.
+        cpu_kernel: the race may run batchgen's C++ op.
 
     Returns:
         int64 ``[n]``. A rejected row's token is never its draft (``p(d) < q(d)`` there, so the residual has no
@@ -59,12 +67,10 @@ def rejection_sample(
     p_draft, q_draft = p.gather(1, token_ids).squeeze(1), q.gather(1, token_ids).squeeze(1)
     seeds, steps = seeds[rows], steps[rows]
     accepted = uniform_from_counter(seeds, steps, ACCEPT) * q_draft.double() <= p_draft.double()
-    cdf = (p - q).clamp_(min=0.0).double().cumsum(dim=-1)
-    total = cdf[:, -1]
-    target = uniform_from_counter(seeds, steps, RESIDUAL) * total
-    residual = torch.searchsorted(cdf, target[:, None], right=True).squeeze(1).clamp_(max=p.shape[-1] - 1)
+    excess = (p - q).clamp_(min=0.0)
+    residual = exponential_race(excess, token_noise_keys(seeds, steps, RESIDUAL), cpu_kernel)
     # No residual mass means p = q up to rounding, where rejection has probability ~0: the plain draw is p's.
-    replacement = torch.where(total > 0, residual, drawn[rows])
+    replacement = torch.where((excess > 0).any(dim=1), residual, drawn[rows])
     out = drawn.clone()
     out[rows] = torch.where(accepted, drafts.token_ids, replacement)
     return out

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from batchgen.kernels.cpu import argmax_rows
+from batchgen.kernels.cpu.sampling_ops import argmax_rows, exponential_race
 from batchgen.sampling.grammar import apply_bitmask
-from batchgen.sampling.random import uniform_from_counter
+from batchgen.sampling.random import token_noise_keys
 from batchgen.sampling.rejection import rejection_sample
 from batchgen.sampling.sampling_batch_info import SamplingBatchInfo
 from batchgen.sampling.top_logprobs import top_k_by_value_then_id
@@ -36,8 +36,11 @@ def sample(logits: torch.Tensor, info: SamplingBatchInfo, cpu_kernel: bool = Tru
     """Sample one token per row of float32 ``logits`` ``[n, vocab]``.
 
     Order: grammar mask → logit bias and penalties → banned tokens (min_new_tokens) → temperature → top-k →
-    top-p → min-p → draw. The draw is inverse-CDF sampling with one counter-based uniform per row
-    (:func:`uniform_from_counter`), so a row's token depends on its own seed and position only. Greedy rows take
+    top-p → min-p → draw. The draw is an exponential race (:func:`exponential_race`, i.e. Gumbel-max) with
+    counter-based noise per (seed, position, token id), so a row's token depends on its own seed, position and
+    distribution only, and a rounding-sized change of its logits changes the token only where two tokens' noisy
+    scores are that close (inverse-CDF sampling moved every interval by the rounding summed over the vocabulary).
+    Greedy rows take
     the argmax of the adjusted logits (first index on ties, as ``torch.argmax``). Rows in ``info.drafts`` (sampled
     rows verifying a draft model's draft) emit :func:`rejection_sample`'s choice instead of their draw. Reported
     logprobs are raw (log_softmax of ``logits``), or with ``info.processed_logprobs`` those of the distribution
@@ -64,9 +67,9 @@ def sample(logits: torch.Tensor, info: SamplingBatchInfo, cpu_kernel: bool = Tru
         drawn_from = torch.nn.functional.one_hot(next_ids, logits.shape[-1]).float()
     if not info.is_all_greedy:
         keep_probs = processed is not None or drawn_from is not None or info.drafts is not None
-        drawn, probs = _draw(logits, info, keep_probs)
+        drawn, probs = _draw(logits, info, keep_probs, cpu_kernel)
         if info.drafts is not None and probs is not None:
-            drawn = rejection_sample(drawn, probs, info.seeds, info.steps, info.drafts)
+            drawn = rejection_sample(drawn, probs, info.seeds, info.steps, info.drafts, cpu_kernel)
         next_ids = torch.where(info.greedy, next_ids, drawn)
         if probs is not None:
             normalised = probs / probs.sum(dim=-1, keepdim=True)
@@ -84,7 +87,9 @@ def sample(logits: torch.Tensor, info: SamplingBatchInfo, cpu_kernel: bool = Tru
     return SampleOutput(next_ids, logprobs, top_ids, top_logprobs, drawn_from)
 
 
-def _draw(logits: torch.Tensor, info: SamplingBatchInfo, keep_probs: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _draw(
+    logits: torch.Tensor, info: SamplingBatchInfo, keep_probs: bool, cpu_kernel: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Sample from the temperature-scaled, truncated distribution of every row (greedy rows included, unused).
 
     Returns the drawn ids and, with ``keep_probs``, the truncated (unnormalised) probabilities in vocabulary order.
@@ -105,7 +110,5 @@ def _draw(logits: torch.Tensor, info: SamplingBatchInfo, keep_probs: bool) -> tu
     if info.need_min_p:
         floor = probs.max(dim=-1, keepdim=True).values * info.min_ps[:, None]
         probs = probs.masked_fill(probs < floor, 0.0)
-    cdf = probs.double().cumsum(dim=-1)
-    target = uniform_from_counter(info.seeds, info.steps) * cdf[:, -1]
-    picked = torch.searchsorted(cdf, target[:, None], right=True).squeeze(1).clamp_(max=logits.shape[-1] - 1)
+    picked = exponential_race(probs, token_noise_keys(info.seeds, info.steps), cpu_kernel)
     return picked, probs if keep_probs else None

@@ -12,7 +12,7 @@ round, for the requests given a limit > 0:
 
 After the target's verify round :meth:`DraftModelDrafter.forget_rejected` frees the draft K/V of rejected drafts,
 so the draft KV always holds a prefix of the request's actual tokens. Sampled rows' drafts are drawn with the
-target's uniforms (``draft_steps.py``); with ``rejection`` acceptance each one's distribution goes to the verify
+target's noise (``draft_steps.py``); with ``rejection`` acceptance each one's distribution goes to the verify
 round with the drafts.
 """
 
@@ -73,7 +73,7 @@ class DraftModelDrafter(SpeculativeDrafter):
                     f"vocabulary of {vocab_size} tokens, the target model's has {target.vocab_size}; the draft must "
                     "share the target's tokenizer"
                 )
-            model = source.load(target.dtype, target.device, context_len, target.switches)
+            model = source.load(target.dtype, target.device, context_len, target.switches, target.deterministic)
         except BatchgenError as e:
             raise BatchgenError(f"--speculative-draft-model {spec}: {e}") from None
         pool_size = target.token_to_kv_pool.size
@@ -87,6 +87,7 @@ class DraftModelDrafter(SpeculativeDrafter):
             attention_backend,
             cuda_graph_max_bs=cuda_graph_max_bs,
             switches=target.switches,
+            deterministic=target.deterministic,
         )
         self.kv_cache = KVCache(self.runner.req_to_token_pool, KVSlotAllocator(pool_size))
 

@@ -3,7 +3,7 @@
 Draft ``j + 1`` of a request is sampled by :func:`batchgen.sampling.sampler.sample` with the request's
 parameters, seed and output step ``len(output) + j``, its penalty history and ``min_new_tokens`` bans as if
 drafts ``1..j`` had been emitted, and its grammar state after them: exactly the inputs of the target's draw at
-verify position ``j`` (``ScheduleBatch.prepare``). Both draws are inverse-CDF draws with the same uniform, which
+verify position ``j`` (``ScheduleBatch.prepare``). Both draws are exponential races with the same noise, which
 the ``coupled`` acceptance relies on (``verify.py``); ``rejection`` acceptance keeps the distribution each draft
 was drawn from instead. Greedy rows draft the draft model's argmax.
 """

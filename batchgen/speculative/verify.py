@@ -8,16 +8,17 @@ emits a token if every draft before it was accepted: ``d_{j+1}`` itself when acc
 rules decide, both of which emit exactly the target's distribution:
 
 - **coupled** (n-gram drafts always; draft models with ``--speculative-acceptance coupled``): every position's
-  token is the target's plain draw with that step's uniform, and a draft is accepted when it equals it. Outputs
+  token is the target's plain draw with that step's noise, and a draft is accepted when it equals it. Outputs
   are then the ones plain decoding gives with the same seeds (bit for bit up to the logits' batch-shape
   rounding). For a one-hot proposal (n-gram) this is rejection sampling: the draft is accepted with probability
   ``p(d) = min(1, p(d) / 1)`` and a rejection follows ``p`` conditioned on ``≠ d``, i.e.
-  ``norm(max(p − onehot(d), 0))``. A draft model then draws its drafts with the target's uniforms
-  (``draft_steps.py``), so a draft is accepted when ``F_q⁻¹(u) = F_p⁻¹(u)``: always when the processed
-  distributions agree, but in general less often than ``Σ min(p, q)``.
+  ``norm(max(p − onehot(d), 0))``. A draft model then draws its drafts with the target's noise
+  (``draft_steps.py``), so a draft is accepted when the exponential races over ``q`` and over ``p`` with the same
+  noise pick the same token (Gumbel coupling): always when the processed distributions agree, with probability
+  at least ``Σ min(p, q) / (2 − Σ min(p, q))`` in general, less than rejection sampling's ``Σ min(p, q)``.
 - **rejection** (draft models' sampled rows, the default): Leviathan et al. 2023 / Chen et al. 2023, accept
   with ``min(1, p(d) / q(d))`` and redraw a rejection from ``norm(max(p − q, 0))``
-  (:func:`batchgen.sampling.rejection.rejection_sample`), with uniforms of their own from (seed, step). It
+  (:func:`batchgen.sampling.rejection.rejection_sample`), with noise of their own from (seed, step). It
   accepts with probability ``Σ min(p, q)``, the most any rule can; a seeded row's tokens then depend on which
   steps were verified as drafts, so they differ from plain decoding's and between runs whose draft budgets
   differ.

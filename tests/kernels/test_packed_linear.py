@@ -46,6 +46,34 @@ def test_gemm_dtype_choice(monkeypatch: pytest.MonkeyPatch) -> None:
         assert cpu_gemm_dtype(torch.float16, CPU) == torch.float32
     monkeypatch.setenv("BATCHGEN_CPU_PREPACK", "0")
     assert cpu_gemm_dtype(torch.bfloat16, CPU, kernel_switches().cpu_prepack) is None
+    # --deterministic packs every dtype, the switch notwithstanding.
+    assert cpu_gemm_dtype(torch.float32, CPU, False, deterministic=True) == torch.float32
+    assert cpu_gemm_dtype(torch.bfloat16, CPU, False, deterministic=True) in (torch.bfloat16, torch.float32)
+    assert cpu_gemm_dtype(torch.float32, torch.device("cuda"), deterministic=True) is None
+
+
+GEMM_DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=needs_native_bf16)]
+
+
+@pytest.mark.parametrize("gemm_dtype", GEMM_DTYPES)
+@pytest.mark.parametrize(("in_features", "out_features"), [(64, 192), (576, 960), (1536, 576), (576, 8192)])
+def test_a_rows_output_depends_on_that_row_only(gemm_dtype: torch.dtype, in_features: int, out_features: int) -> None:
+    """What ``--deterministic`` rests on: with ``min_rows = 2`` a row's output is the same bits whatever the row
+    count (1 to 2,048) and wherever the row sits, on this machine's oneDNN kernels. (MKL's ``F.linear`` in float32
+    gives other bits for 1, 2-15 and 16+ rows, and oneDNN's float32 kernel for one row of 1,536 inputs differs
+    from its kernel for more: hence the packing and the padding.)"""
+    gen = torch.Generator().manual_seed(in_features + out_features)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    x = torch.randn(2048, in_features, generator=gen)
+    linear = PackedLinear(weight.to(gemm_dtype), None)
+    linear.min_rows = 2
+    probe = x[:1].to(gemm_dtype)
+    alone = linear(probe)
+    for rows in (1, 2, 3, 15, 16, 17, 64, 100, 511, 2048):
+        batch = x[:rows].to(gemm_dtype).clone()
+        at = rows // 2
+        batch[at] = probe[0]
+        assert torch.equal(linear(batch)[at], alone[0]), rows
 
 
 @needs_native_bf16
@@ -157,7 +185,7 @@ def test_float32_gemm_engine_within_rounding_noise_of_hf_float32(
     monkeypatch.setenv("BATCHGEN_CPU_PREPACK", "0")
     noise = deviation(reference, generate(dataset, tmp_path / "plain.arrow", model_dir, "--dtype", dtype))
     monkeypatch.delenv("BATCHGEN_CPU_PREPACK")
-    monkeypatch.setattr(source, "cpu_gemm_dtype", lambda d, device, prepack: torch.float32)
+    monkeypatch.setattr(source, "cpu_gemm_dtype", lambda d, device, prepack, deterministic=False: torch.float32)
     packed = deviation(reference, generate(dataset, tmp_path / "packed.arrow", model_dir, "--dtype", dtype))
     assert_within_rounding_noise(packed, noise, f"{dtype} through float32 GEMMs")
 

@@ -10,7 +10,7 @@ import torch
 from batchgen.errors import BatchgenError
 from batchgen.kernels.attention.base import AttentionBackend
 from batchgen.kernels.attention.torch_native import TorchNativeAttnBackend
-from batchgen.kernels.cpu import paged_attention_available
+from batchgen.kernels.cpu import build_problem, paged_attention_available
 from batchgen.kernels.switches import KernelSwitches
 
 if TYPE_CHECKING:
@@ -25,6 +25,7 @@ def create_attention_backend(
     dtype: torch.dtype | None = None,
     config: ModelConfig | None = None,
     switches: KernelSwitches = KernelSwitches(),
+    deterministic: bool = False,
 ) -> AttentionBackend:
     """The backend called ``name``; ``auto`` picks the fastest one available on ``device``.
 
@@ -33,12 +34,19 @@ def create_attention_backend(
     ``torch_native``. ``flashinfer`` and ``triton`` import their packages only when chosen, so batchgen runs
     without them installed. FlashInfer plans with the model's head counts, hence ``dtype`` and ``config``;
     without them ``auto`` does not consider it. ``switches``: whether torch_native may use the CPU kernel, and
-    whether Triton runs interpreted (the only way it runs on the CPU).
+    whether Triton runs interpreted (the only way it runs on the CPU). ``deterministic``: torch_native on the
+    CPU with every row in the C++ kernel's vector path, whose result for a query depends only on its row.
 
     Raises:
-        BatchgenError: ``flashinfer`` / ``triton`` when it cannot run here (one line saying why); an unknown
+        BatchgenError: ``flashinfer`` / ``triton`` when it cannot run here (one line saying why), ``deterministic``
+            where the CPU kernel cannot run or is switched off; an unknown
             name is :meth:`batchgen.loop.options.EngineOptions.validate`'s to report.
     """
+    if deterministic:
+        problem = build_problem() if switches.cpu_attention_kernel else "BATCHGEN_CPU_ATTENTION_KERNEL=0"
+        if device.type != "cpu" or problem is not None:
+            raise BatchgenError(f"--deterministic needs batchgen's CPU attention kernel ({problem or device})")
+        return TorchNativeAttnBackend(True, deterministic=True)
     if name == "torch_native" or (name == "auto" and device.type != "cuda"):
         if device.type == "cpu" and switches.cpu_attention_kernel:
             paged_attention_available()  # build the CPU kernel now (once), not inside the first timed round

@@ -108,11 +108,13 @@ class TorchNativeAttnBackend(AttentionBackend):
     rows that extend several tokens run one SDPA each, since their shapes differ. On CPU tensors, short rows
     use the C++ kernel instead when ``cpu_kernel`` and it is available (``BATCHGEN_CPU_ATTENTION_KERNEL=0``
     turns it off), and so do the long ones where :func:`~batchgen.kernels.cpu.prefill_rows_supported` says it is
-    the faster.
+    the faster. With ``deterministic`` every row goes to the kernel's vector path (never the matrix unit, whose
+    rounding differs), so a query's result is the same in a prefill chunk of any size as in a decode.
     """
 
-    def __init__(self, cpu_kernel: bool = True) -> None:
+    def __init__(self, cpu_kernel: bool = True, deterministic: bool = False) -> None:
         self.cpu_kernel = cpu_kernel
+        self.deterministic = deterministic
         self.metadata = _Metadata(None, [])
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
@@ -121,7 +123,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         # A lookup once built; asked here so that a CUDA run never builds the CPU kernel.
         gather = req_to_token.device.type != "cpu" or not (self.cpu_kernel and paged_attention_available())
         pool = fb.token_to_kv_pool.k_buffer
-        matrix_unit = not gather and matrix_unit_supported(pool.dtype, pool.shape[-1])
+        matrix_unit = not gather and not self.deterministic and matrix_unit_supported(pool.dtype, pool.shape[-1])
         if fb.forward_mode.is_decode():
             ones = torch.ones_like(fb.seq_lens)
             max_len = fb.max_seq_len if gather else None
@@ -131,7 +133,7 @@ class TorchNativeAttnBackend(AttentionBackend):
             self.metadata = _Metadata(decodes, [])
             return
         assert fb.extend_seq_lens_cpu is not None and fb.extend_prefix_lens_cpu is not None
-        all_rows_in_kernel = not gather and prefill_rows_supported(pool.dtype, pool.shape[-1])
+        all_rows_in_kernel = not gather and (self.deterministic or prefill_rows_supported(pool.dtype, pool.shape[-1]))
         short_rows: list[int] = []
         short_starts: list[int] = []
         multi: list[_MultiTokenRow] = []

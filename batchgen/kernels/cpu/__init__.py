@@ -6,8 +6,9 @@ backends do. The torch_native backend uses it for decode and verify rows on CPU 
 and for prefill rows too in bfloat16 on a CPU with AMX (on the matrix unit, ``attention_amx.h``) or with
 AVX512-BF16 (``torch.ops.batchgen.has_bf16_dot_product()``).
 ``elementwise.cpp`` registers the fused RMSNorm, SiLU-and-multiply and RoPE of bfloat16 models
-(:mod:`batchgen.kernels.cpu.fused_elementwise`), ``argmax.cpp`` greedy sampling's argmax
-(:func:`argmax_rows`); ``vec16.h`` holds the vector helpers they share.
+(:mod:`batchgen.kernels.cpu.fused_elementwise`), ``sampling.cpp`` greedy sampling's argmax
+and the exponential race of random sampling (:mod:`batchgen.kernels.cpu.sampling_ops`); ``vec16.h`` holds the
+vector helpers they share.
 
 The build needs a C++ compiler and ninja; it compiles once per machine with ``-O3 -march=native`` (about 10 s
 on 2 cores) into torch's extension cache (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``),
@@ -36,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-_SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "elementwise.cpp", "argmax.cpp")]
+_SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "elementwise.cpp", "sampling.cpp")]
 _HEADERS = sorted(Path(__file__).parent.glob("*.h"))  # included by the sources: part of the build's key
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
@@ -244,23 +245,3 @@ def paged_attention(
         q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, q_starts, q_lens, scale, out, matrix_unit
     )
     return out
-
-
-def argmax_rows(logits: torch.Tensor, use_kernel: bool = True) -> torch.Tensor:
-    """``torch.argmax(logits, dim=-1)`` for ``[rows, vocab]`` logits (int64 ``[rows]``: the first index of each
-    row's largest value, or of its first NaN), by the C++ op on float32 CPU logits with a contiguous last dimension
-    when ``use_kernel`` (the attention kernel's switch) and the build is available; by torch elsewhere. The C++
-    op takes each row's maximum 16 lanes at a time, where torch's CPU argmax compares one element at a time
-    (~1 ms per decode round at 64 rows of 32k logits)."""
-    if (
-        logits.device.type == "cpu"
-        and logits.dtype == torch.float32
-        and logits.dim() == 2
-        and logits.shape[1] > 0
-        and logits.stride(1) == 1
-        and use_kernel
-        and paged_attention_available()
-    ):
-        out: torch.Tensor = torch.ops.batchgen.argmax_rows(logits)
-        return out
-    return torch.argmax(logits, dim=-1)

@@ -1,0 +1,89 @@
+"""Seeded-sampling reproducibility trial (issue 22): how many rows of a seeded run change their tokens with the
+batch they run in, or across an interruption and ``--resume``.
+
+    python scripts/flip_rate.py --model DIR --dtype bfloat16 --work /tmp/flip [--rows 200] [--new-tokens 32]
+
+Writes ``rows.jsonl`` (chat rows, no per-row seed: each gets one from ``--seed 7`` and its id), then runs ``batchgen
+run`` with ``--max-running-requests 64`` and ``3``, and a third run at 64 stopped twice with SIGINT (``--interrupt-
+after`` seconds after each start) and finished with ``--resume``; prints how many rows differ from the first run
+(token ids) and from which output position. Extra arguments after ``--`` go to every ``batchgen run``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.ipc as ipc
+
+TOPICS = ["rivers", "bread", "volcanoes", "chess", "owls", "trains", "glass", "tea", "bees", "comets"]
+ASKS = ["Write two sentences about {}.", "Give a surprising fact about {}.", "Describe {} to a child.", "A poem on {}:"]
+
+
+def _rows(count: int) -> list[dict[str, object]]:
+    return [
+        {"id": f"r{i}", "messages": [{"role": "user", "content": ASKS[i % 4].format(TOPICS[i // 4 % 10]) + f" ({i})"}]}
+        for i in range(count)
+    ]
+
+
+def _tokens(path: Path) -> dict[str, list[int]]:
+    with ipc.open_file(path) as reader:
+        table = reader.read_all()
+    return dict(zip(table.column("id").to_pylist(), table.column("output_token_ids").to_pylist()))
+
+
+def _run(base: list[str], out: Path, batch: int, interrupts: int = 0, after: float = 0.0) -> float:
+    command = [*base, "--out", str(out), "--max-running-requests", str(batch)]
+    started = time.monotonic()
+    for _ in range(interrupts):
+        proc = subprocess.Popen([*command, *(["--resume"] if out.exists() else [])])
+        time.sleep(after)
+        proc.send_signal(signal.SIGINT)
+        proc.wait()
+    subprocess.run([*command, *(["--resume"] if out.exists() else [])], check=True)
+    return time.monotonic() - started
+
+
+def _compare(name: str, ref: dict[str, list[int]], other: dict[str, list[int]]) -> None:
+    assert ref.keys() == other.keys(), f"{name}: not the same rows"
+    firsts = []
+    for key, tokens in ref.items():
+        if tokens != other[key]:
+            firsts.append(next((i for i, (a, b) in enumerate(zip(tokens, other[key])) if a != b), len(tokens)))
+    print(f"{name}: {len(firsts)} of {len(ref)} rows differ; first differing positions {sorted(firsts)}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--work", type=Path, required=True)
+    parser.add_argument("--rows", type=int, default=200)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--interrupt-after", type=float, default=10.0, help="Seconds from each start to SIGINT.")
+    args, extra = parser.parse_known_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    rows = args.work / "rows.jsonl"
+    rows.write_text("".join(json.dumps(r) + "\n" for r in _rows(args.rows)))
+    base = [sys.executable, "-m", "batchgen", "run", str(rows), "--model", args.model, "--dtype", args.dtype]
+    base += ["--seed", "7", "--temperature", "1.0", "--max-new-tokens", str(args.new_tokens), "--overwrite"]
+    base += ["--no-progress", *[a for a in extra if a != "--"]]
+    outs = {name: args.work / f"{name}.arrow" for name in ("bs64", "bs3", "resumed")}
+    for out in outs.values():
+        out.unlink(missing_ok=True)
+    _run(base, outs["bs64"], 64)
+    _run(base, outs["bs3"], 3)
+    _run([a for a in base if a != "--overwrite"], outs["resumed"], 64, 2, args.interrupt_after)
+    ref = _tokens(outs["bs64"])
+    _compare("--max-running-requests 3 vs 64", ref, _tokens(outs["bs3"]))
+    _compare("interrupted twice + --resume vs uninterrupted", ref, _tokens(outs["resumed"]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""``--deterministic``: a row's output bytes (ids, logprobs, top logprobs, text) do not depend on the batch it ran
+in, on how its prompt was chunked, on the prefix cache, on speculative decoding, on an interruption and resume,
+or on being one sample of an ``n > 1`` row rather than a row of its own. The right value is the output of the same
+row run another way; the same comparisons without ``--deterministic`` do differ (measured in
+docs/performance.md), so byte equality is what the mode adds."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from batchgen.io.partial_output import partial_dir
+from batchgen.io.writer import read_results
+from tests.helpers.cli import generate, run_args, run_cli, write_jsonl
+from tests.helpers.crash_points import AFTER_ROWS
+from tests.helpers.fork_runner import Zygote
+from tests.helpers.models import STORIES
+
+PROMPTS = [
+    "Once upon a time",
+    "Once upon a time, there was a little girl named Lily. She loved to play outside in the park",
+    "The sun was hot.",
+    "Lily and Ben went to the park. They saw a big dog and a small cat",
+]
+COLUMNS = ("output_token_ids", "output_logprobs", "top_logprobs", "text", "finish_reason")
+# Each way of running the job, as flags after the reference's (64 rows a round, chunks of 2048, cache on).
+WAYS = {
+    "one row a round": ["--max-running-requests", "1"],
+    "8 rows, chunks of 16": ["--max-running-requests", "8", "--chunked-prefill-size", "16"],
+    "no chunking": ["--chunked-prefill-size", "0"],
+    "no prefix cache": ["--no-prefix-cache", "--max-running-requests", "3"],
+    "n-gram speculative": ["--speculative-algorithm", "ngram", "--speculative-num-draft-tokens", "3"],
+}
+
+
+def rows(count: int = 12, new_tokens: int = 16) -> list[dict[str, Any]]:
+    """Sampled rows at temperature 1.0 (each its own seed) and greedy ones; prompts share prefixes."""
+    return [
+        {
+            "id": f"r{i}",
+            "prompt": PROMPTS[i % 4] + "." * (i // 4),
+            "max_new_tokens": new_tokens,
+            "temperature": 0.0 if i % 3 == 0 else 1.0,
+            "seed": 100 + i,
+            "logprobs": True,
+            "top_logprobs": 3,
+        }
+        for i in range(count)
+    ]
+
+
+def columns(table: dict[str, dict[str, Any]]) -> dict[str, str]:
+    """Each row's compared columns, serialised exactly (floats by their repr: every bit counts)."""
+    return {key: json.dumps([row[c] for c in COLUMNS]) for key, row in table.items()}
+
+
+@pytest.fixture(params=["stories260k", "llama", "qwen2"])
+def model(request: pytest.FixtureRequest, random_models: dict[str, Path]) -> Path:
+    if request.param == "stories260k":
+        if not STORIES.exists():
+            pytest.skip("needs ../shared/models/stories260k (the workplace's shared folder; not in a fresh clone)")
+        return STORIES
+    return random_models[request.param]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_rows_are_identical_however_the_job_runs(dtype: str, model: Path, tmp_path: Path) -> None:
+    dataset = write_jsonl(tmp_path / "in.jsonl", rows())
+    flags = ("--dtype", dtype, "--deterministic")
+    reference = columns(generate(dataset, tmp_path / "ref.arrow", model, *flags, "--max-running-requests", "64"))
+    assert len({json.loads(v)[0][0] for v in reference.values()}) > 1  # rows do differ from each other
+    for way, extra in WAYS.items():
+        got = columns(generate(dataset, tmp_path / "out.arrow", model, *flags, *extra))
+        assert got == reference, way
+
+
+def test_samples_of_an_n_row_equal_rows_of_their_own(random_models: dict[str, Path], tmp_path: Path) -> None:
+    """Sample i of a row with seed s and n = 3 is the row with seed BLAKE2b-64("s:i") >> 1 (i > 0; the documented
+    derivation), alone in its batch."""
+    model, seed = random_models["llama"], 1234
+    row = {"prompt": PROMPTS[1], "max_new_tokens": 16, "temperature": 1.0, "logprobs": True, "top_logprobs": 3}
+    forked = write_jsonl(tmp_path / "n.jsonl", [{**row, "id": "r", "n": 3, "seed": seed}])
+    code, output = run_cli(run_args(forked, tmp_path / "n.arrow", model, "--dtype", "bfloat16", "--deterministic"))
+    assert code == 0, output
+    samples = {r["sample_index"]: r for r in read_results(tmp_path / "n.arrow").to_pylist()}
+    for i in range(3):
+        own = (
+            seed
+            if i == 0
+            else int.from_bytes(hashlib.blake2b(f"{seed}:{i}".encode(), digest_size=8).digest(), "little") >> 1
+        )
+        single = write_jsonl(tmp_path / f"{i}.jsonl", [{**row, "id": "r", "seed": own}])
+        alone = generate(single, tmp_path / f"{i}.arrow", model, "--dtype", "bfloat16", "--deterministic")
+        assert columns({"r": samples[i]}) == columns(alone), i
+
+
+def _resumable_args(dataset: Path, out: Path, model: Path, *extra: str) -> list[str]:
+    return [
+        a for a in run_args(dataset, out, model, "--dtype", "bfloat16", "--deterministic", *extra) if a != "--overwrite"
+    ]
+
+
+def test_killed_and_interrupted_runs_resume_to_identical_rows(random_models: dict[str, Path], tmp_path: Path) -> None:
+    """Killed (as by SIGKILL) after 5 rows, resumed with other batch sizes and stopped by SIGINT, then resumed
+    to the end: every row equals the uninterrupted run's, byte for byte. A resume without --deterministic is
+    refused: the mode is part of the job."""
+    model = random_models["llama"]
+    dataset = write_jsonl(tmp_path / "in.jsonl", rows(24, 24))
+    reference = columns(generate(dataset, tmp_path / "ref.arrow", model, "--dtype", "bfloat16", "--deterministic"))
+    out = tmp_path / "out.arrow"
+    zygote = Zygote({"OMP_NUM_THREADS": "1"})
+    try:
+        pid = zygote.start(
+            _resumable_args(dataset, out, model, "--flush-every", "1"), {}, tmp_path / "kill.log", (AFTER_ROWS, 5)
+        )
+        assert zygote.wait(pid) == 137, (tmp_path / "kill.log").read_text()
+    finally:
+        zygote.close()
+    code, output = run_cli([a for a in _resumable_args(dataset, out, model, "--resume") if a != "--deterministic"])
+    assert code != 0 and "deterministic" in output, output
+    slow = ["--resume", "--max-running-requests", "2", "--flush-every", "1"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "batchgen", *_resumable_args(dataset, out, model, *slow)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    before = len(list(partial_dir(out).glob("*.arrow")))
+    deadline = time.monotonic() + 120
+    while len(list(partial_dir(out).glob("*.arrow"))) <= before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGINT, stderr
+    code, output = run_cli(_resumable_args(dataset, out, model, "--resume", "--max-running-requests", "5"))
+    assert code == 0, output
+    assert columns({r["id"]: r for r in read_results(out).to_pylist()}) == reference
