@@ -2,13 +2,16 @@
 
 A constraint is a mode of sampling, not a separate service: each constrained request carries a matcher, the
 round's token bitmask is filled on the CPU from the matchers and applied to the logits before anything else,
-and every sampled token is fed back to its matcher. A request ends (``stop``) when its grammar terminates.
+and every sampled token is fed back to its matcher. A request ends (``stop``) when its grammar terminates, which
+it does only by accepting one of the request's end ids (every EOS id of the model and the row's stop ids): the
+matcher masks them until the grammar is complete and allows them there.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -41,8 +44,14 @@ class GrammarCompiler:
         self._cache: dict[tuple[str, str], Any] = {}
         self._no_control_chars: torch.Tensor | None = None
 
-    def matcher(self, kind: str, text: str) -> GrammarState:
+    def matcher(self, kind: str, text: str, end_ids: Collection[int]) -> GrammarState:
         """A fresh matcher for constraint ``kind`` (one of :data:`GRAMMAR_FIELDS`) with source ``text``.
+
+        ``end_ids`` are the ids that may close the grammar: each is masked until the grammar is complete, and
+        allowed (and accepted, terminating it) there. xgrammar's own guess, the tokenizer's single EOS, misses the
+        extra EOS ids a generation_config.json lists, which the matcher would then take as ordinary text (in the
+        middle of a JSON string, say) while the stop check ends the row on them (vLLM #42403). Empty: the
+        tokenizer's EOS, as xgrammar detects it.
 
         Raises:
             FieldError: xgrammar is not installed, or the constraint does not compile.
@@ -67,7 +76,10 @@ class GrammarCompiler:
         # xgrammar's JSON string rule lets raw control characters (U+0000-U+001F) through, which json.loads
         # rejects; compact JSON never needs them, so JSON-schema rows may not pick a token that contains one.
         forbid = self._control_char_mask() if kind == "json_schema" else None
-        return GrammarState(xgr, xgr.GrammarMatcher(self._cache[key]), forbid)
+        if forbid is not None and end_ids:  # an end id's text never reaches the output: it may hold one
+            forbid = forbid | pack_bits(_one_hot(end_ids, self.vocab_size))
+        stops = sorted(end_ids) or None
+        return GrammarState(xgr, xgr.GrammarMatcher(self._cache[key], override_stop_tokens=stops), forbid)
 
     def _control_char_mask(self) -> torch.Tensor:
         """Packed int32 bits, set for every token whose text has no control character (decoded once)."""
@@ -126,6 +138,13 @@ def pack_bits(allowed: torch.Tensor) -> torch.Tensor:
     padded[: allowed.numel()] = allowed.to(torch.int64)
     packed = (padded.view(words, 32) << torch.arange(32, dtype=torch.int64)).sum(dim=1)
     return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
+def _one_hot(ids: Collection[int], size: int) -> torch.Tensor:
+    """bool ``[size]``, True at ``ids``."""
+    hot = torch.zeros(size, dtype=torch.bool)
+    hot[list(ids)] = True
+    return hot
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
