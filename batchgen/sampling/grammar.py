@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from batchgen.errors import FieldError
+from batchgen.sampling.json_schema_support import check_enforceable
 
 GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")
 
@@ -158,16 +159,19 @@ def normalize_constraint(name: str, value: Any) -> str:
     """The constraint's source text; a JSON schema may be given as an object or as a JSON string.
 
     Raises:
-        FieldError: wrong type, or a schema string that is not JSON.
+        FieldError: wrong type, a schema string that is not JSON, or a schema with a keyword xgrammar does not
+            enforce (:func:`batchgen.sampling.json_schema_support.check_enforceable`).
     """
     if name == "json_schema":
         if isinstance(value, dict):
+            check_enforceable(value)
             return json.dumps(value)  # key order kept: it is the order the model writes the properties in
         if isinstance(value, str):
             try:
-                json.loads(value)
+                schema = json.loads(value)
             except json.JSONDecodeError as e:
                 raise FieldError(name, f"is not valid JSON: {e.msg}") from None
+            check_enforceable(schema)
             return value
         raise FieldError(name, f"must be a JSON schema object or string, got {value!r}")
     if not isinstance(value, str) or not value:
