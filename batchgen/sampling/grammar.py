@@ -55,6 +55,7 @@ class GrammarCompiler:
         self._cache: dict[tuple[str, str], Any] = {}
         self._no_control_chars: torch.Tensor | None = None
         self._surrogates: SurrogateMasks | None = None
+        self._allowed: dict[tuple[bool, frozenset[int]], torch.Tensor] = {}
 
     def matcher(self, kind: str, text: str, end_ids: Collection[int]) -> GrammarState:
         """A fresh matcher for constraint ``kind`` (one of :data:`GRAMMAR_FIELDS`) with source ``text``.
@@ -87,16 +88,24 @@ class GrammarCompiler:
             except Exception as e:  # xgrammar raises several types (RuntimeError, ValueError, its own)
                 raise FieldError(kind, f"does not compile: {_compile_message(e)}") from None
         assert self._surrogates is not None  # made with the compiler
-        allowed = self._surrogates.no_surrogate
-        # xgrammar's JSON string rule lets raw control characters (U+0000-U+001F) through, which json.loads
-        # rejects; compact JSON never needs them, so JSON-schema rows may not pick a token that contains one.
-        if kind == "json_schema":
-            allowed = allowed & self._control_char_mask()
-        if end_ids:  # an end id's text never reaches the output: it may hold anything
-            allowed = allowed | pack_bits(_one_hot(end_ids, self.vocab_size))
         stops = sorted(end_ids) or None
         matcher = xgr.GrammarMatcher(self._cache[key], override_stop_tokens=stops)
-        return GrammarState(xgr, matcher, allowed, self._surrogates)
+        return GrammarState(xgr, matcher, self._allowed_mask(kind, frozenset(end_ids)), self._surrogates)
+
+    def _allowed_mask(self, kind: str, end_ids: frozenset[int]) -> torch.Tensor:
+        """Packed int32 bits of the tokens a row of ``kind`` may ever pick (cached: rows share their end ids)."""
+        key = (kind == "json_schema", end_ids)
+        if key not in self._allowed:
+            assert self._surrogates is not None
+            allowed = self._surrogates.no_surrogate
+            # xgrammar's JSON string rule lets raw control characters (U+0000-U+001F) through, which json.loads
+            # rejects; compact JSON never needs them, so JSON-schema rows may not pick a token that contains one.
+            if kind == "json_schema":
+                allowed = allowed & self._control_char_mask()
+            if end_ids:  # an end id's text never reaches the output: it may hold anything
+                allowed = allowed | pack_bits(_one_hot(end_ids, self.vocab_size))
+            self._allowed[key] = allowed
+        return self._allowed[key]
 
     def _control_char_mask(self) -> torch.Tensor:
         """Packed int32 bits, set for every token whose text has no control character (decoded once)."""
