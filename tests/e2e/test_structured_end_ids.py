@@ -126,6 +126,7 @@ def _hf_constrained_greedy(model_dir: Path, prompt: str, end_ids: list[int], bia
     out: list[int] = []
     bitmask = xgrammar.allocate_token_bitmask(1, vocab)
     while not matcher.is_terminated():
+        assert len(out) < 24, out  # the row's max_new_tokens
         with torch.no_grad():
             logits = model(torch.tensor([ids + out])).logits[:, -1].float()
         for token_id, value in bias.items():
@@ -139,7 +140,8 @@ def _hf_constrained_greedy(model_dir: Path, prompt: str, end_ids: list[int], bia
 
 def test_greedy_rows_equal_hf_under_xgrammar_with_every_eos(two_eos_model: tuple[Path, int], tmp_path: Path) -> None:
     model, extra = two_eos_model
-    rows = [{"id": "r", "prompt": "Code:", "regex": REGEX, "temperature": 0, "logit_bias": {str(extra): 4.0}}]
+    row = {"id": "r", "prompt": "Code:", "regex": REGEX, "temperature": 0, "max_new_tokens": 24}
+    rows = [row | {"logit_bias": {str(extra): 4.0}}]
     out = generate(write_jsonl(tmp_path / "p.jsonl", rows), tmp_path / "o.arrow", model)["r"]
     want = _hf_constrained_greedy(model, "Code:", [EOS, extra], {extra: 4.0})
     assert out["output_token_ids"] == want and want[-1] == extra
