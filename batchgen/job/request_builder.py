@@ -80,8 +80,12 @@ class RequestBuilder:
             raise error(prompt_field, f"prompt has {len(prompt_ids)} tokens, >= context length {self.context_len}")
         grammar = None
         if params.constraint is not None:
+            # Every EOS id closes the grammar, ignore_eos or not (the grammar must end on one of them, and an EOS
+            # it has not accepted must never end the row), and so does every stop id: each would otherwise end
+            # the row wherever it was sampled, leaving the output incomplete.
+            end_ids = frozenset(params.stop_token_ids) | self.eos_token_ids
             try:
-                grammar = self.grammars.matcher(*params.constraint)
+                grammar = self.grammars.matcher(*params.constraint, end_ids=end_ids)
             except FieldError as e:
                 raise error(e.field, e.message) from None
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)

@@ -30,7 +30,9 @@ def append_token(req: Req, token_id: int, logprob: float | None, top: list[tuple
     if stops_allowed and token_id in req.stop_token_ids:
         req.finish_reason, req.matched_stop = "stop", str(token_id)
     elif req.grammar is not None and req.grammar.terminated:
-        req.finish_reason = "stop"
+        # The grammar ends only on accepting one of its end ids (an EOS under ignore_eos or min_new_tokens): that
+        # token is the stop, and its text is no more part of ``text`` than any other stop token's.
+        req.finish_reason, req.matched_stop = "stop", str(token_id)
     elif req.detokenizer is not None:
         committed_before = req.detokenizer.committed_tokens
         new_text = req.detokenizer.update([token_id])

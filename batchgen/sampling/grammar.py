@@ -2,20 +2,34 @@
 
 A constraint is a mode of sampling, not a separate service: each constrained request carries a matcher, the
 round's token bitmask is filled on the CPU from the matchers and applied to the logits before anything else,
-and every sampled token is fed back to its matcher. A request ends (``stop``) when its grammar terminates.
+and every sampled token is fed back to its matcher. A request ends (``stop``) when its grammar terminates, which
+it does only by accepting one of the request's end ids (every EOS id of the model and the row's stop ids): the
+matcher masks them until the grammar is complete and allows them there.
+
+Two masks make up for what xgrammar lets through. JSON strings may not hold raw control characters (json.loads
+rejects them). And no constraint may produce a UTF-8-encoded surrogate: xgrammar's character classes (a JSON
+string's characters, a regex's ``[^"]``) take the code points U+D800-U+DFFF, bytes ED A0-BF 80-BF, which are not
+UTF-8 (RFC 3629, section 3) and decode to three U+FFFD each, so a JSON string would overrun its ``maxLength`` and
+a regex would no longer match. The cut is at the second byte: right after a token whose bytes end in the lead
+byte ED, tokens starting with A0-BF are masked, and tokens holding ED A0-BF inside are masked everywhere.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from collections.abc import Collection
+from typing import Any, NamedTuple
 
 import torch
 
 from batchgen.errors import FieldError
+from batchgen.sampling.json_schema_support import check_enforceable
 
 GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")
+# A surrogate's UTF-8 form starts with this lead byte and a second byte in this range.
+_LEAD = 0xED
+_SURROGATE_SECOND = range(0xA0, 0xC0)
 
 
 def _import_xgrammar() -> Any:
@@ -40,9 +54,17 @@ class GrammarCompiler:
         self._compiler: Any = None
         self._cache: dict[tuple[str, str], Any] = {}
         self._no_control_chars: torch.Tensor | None = None
+        self._surrogates: SurrogateMasks | None = None
+        self._allowed: dict[tuple[bool, frozenset[int]], torch.Tensor] = {}
 
-    def matcher(self, kind: str, text: str) -> GrammarState:
+    def matcher(self, kind: str, text: str, end_ids: Collection[int]) -> GrammarState:
         """A fresh matcher for constraint ``kind`` (one of :data:`GRAMMAR_FIELDS`) with source ``text``.
+
+        ``end_ids`` are the ids that may close the grammar: each is masked until the grammar is complete, and
+        allowed (and accepted, terminating it) there. xgrammar's own guess, the tokenizer's single EOS, misses the
+        extra EOS ids a generation_config.json lists, which the matcher would then take as ordinary text (in the
+        middle of a JSON string, say) while the stop check ends the row on them (vLLM #42403). Empty: the
+        tokenizer's EOS, as xgrammar detects it.
 
         Raises:
             FieldError: xgrammar is not installed, or the constraint does not compile.
@@ -53,6 +75,7 @@ class GrammarCompiler:
         if self._compiler is None:
             info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size)
             self._compiler = xgr.GrammarCompiler(info, max_threads=2)
+            self._surrogates = SurrogateMasks.of_vocab(info.decoded_vocab, self.vocab_size)
         key = (kind, text)
         if key not in self._cache:
             try:
@@ -64,10 +87,25 @@ class GrammarCompiler:
                     self._cache[key] = self._compiler.compile_grammar(text)
             except Exception as e:  # xgrammar raises several types (RuntimeError, ValueError, its own)
                 raise FieldError(kind, f"does not compile: {_compile_message(e)}") from None
-        # xgrammar's JSON string rule lets raw control characters (U+0000-U+001F) through, which json.loads
-        # rejects; compact JSON never needs them, so JSON-schema rows may not pick a token that contains one.
-        forbid = self._control_char_mask() if kind == "json_schema" else None
-        return GrammarState(xgr, xgr.GrammarMatcher(self._cache[key]), forbid)
+        assert self._surrogates is not None  # made with the compiler
+        stops = sorted(end_ids) or None
+        matcher = xgr.GrammarMatcher(self._cache[key], override_stop_tokens=stops)
+        return GrammarState(xgr, matcher, self._allowed_mask(kind, frozenset(end_ids)), self._surrogates)
+
+    def _allowed_mask(self, kind: str, end_ids: frozenset[int]) -> torch.Tensor:
+        """Packed int32 bits of the tokens a row of ``kind`` may ever pick (cached: rows share their end ids)."""
+        key = (kind == "json_schema", end_ids)
+        if key not in self._allowed:
+            assert self._surrogates is not None
+            allowed = self._surrogates.no_surrogate
+            # xgrammar's JSON string rule lets raw control characters (U+0000-U+001F) through, which json.loads
+            # rejects; compact JSON never needs them, so JSON-schema rows may not pick a token that contains one.
+            if kind == "json_schema":
+                allowed = allowed & self._control_char_mask()
+            if end_ids:  # an end id's text never reaches the output: it may hold anything
+                allowed = allowed | pack_bits(_one_hot(end_ids, self.vocab_size))
+            self._allowed[key] = allowed
+        return self._allowed[key]
 
     def _control_char_mask(self) -> torch.Tensor:
         """Packed int32 bits, set for every token whose text has no control character (decoded once)."""
@@ -80,27 +118,69 @@ class GrammarCompiler:
         return self._no_control_chars
 
 
-class GrammarState:
-    """One request's position in its grammar; ``allowed_mask`` (packed bits) further limits every step."""
+class SurrogateMasks(NamedTuple):
+    """A vocabulary's masks against UTF-8-encoded surrogates (see the module docstring): packed int32 bits
+    ``[ceil(vocab / 32)]`` set for the tokens whose bytes hold no ED A0-BF pair (``no_surrogate``), the same less
+    the tokens starting with A0-BF (``after_lead``: what may follow a lone ED), and the tokens whose bytes end in
+    ED (``ends_in_lead``)."""
 
-    def __init__(self, xgr: Any, matcher: Any, allowed_mask: torch.Tensor | None = None) -> None:
+    no_surrogate: torch.Tensor
+    after_lead: torch.Tensor
+    ends_in_lead: frozenset[int]
+
+    @classmethod
+    def of_vocab(cls, token_bytes: list[bytes], vocab_size: int) -> SurrogateMasks:
+        """The masks of a vocabulary given as each token's bytes (xgrammar's ``TokenizerInfo.decoded_vocab``);
+        ids past its end (padded embeddings) stay allowed."""
+        known = token_bytes[:vocab_size]
+        clean = [_LEAD not in data or not _holds_surrogate(data) for data in known]
+        follows = [ok and not (data and data[0] in _SURROGATE_SECOND) for ok, data in zip(clean, known)]
+        ends = frozenset(i for i, data in enumerate(known) if data[-1:] == bytes([_LEAD]))
+        padding = [True] * (vocab_size - len(known))
+        clean_mask = pack_bits(torch.tensor(clean + padding, dtype=torch.bool))
+        return cls(clean_mask, pack_bits(torch.tensor(follows + padding, dtype=torch.bool)), ends)
+
+
+def _holds_surrogate(data: bytes) -> bool:
+    """True when ``data`` holds the first two bytes of a surrogate's UTF-8 form (ED A0-BF)."""
+    return any(a == _LEAD and b in _SURROGATE_SECOND for a, b in zip(data, data[1:]))
+
+
+class GrammarState:
+    """One request's position in its grammar; ``allowed_mask`` (packed bits) further limits every step, and
+    ``surrogates`` the step after a token that ends in a lone ED byte."""
+
+    def __init__(
+        self,
+        xgr: Any,
+        matcher: Any,
+        allowed_mask: torch.Tensor,
+        surrogates: SurrogateMasks,
+        after_lead: bool = False,
+    ) -> None:
         self._xgr = xgr
         self.matcher = matcher
         self.allowed_mask = allowed_mask
+        self.surrogates = surrogates
+        self.after_lead = after_lead
 
     def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into row ``row`` of an int32 ``[n, ceil(vocab / 32)]`` bitmask."""
         self.matcher.fill_next_token_bitmask(bitmask, row)
-        if self.allowed_mask is not None:
-            bitmask[row] &= self.allowed_mask
+        bitmask[row] &= self.allowed_mask
+        if self.after_lead:
+            bitmask[row] &= self.surrogates.after_lead
 
     def fork(self) -> GrammarState:
         """An independent matcher at the same position (another sample of the same request)."""
-        return GrammarState(self._xgr, self.matcher.fork(), self.allowed_mask)
+        return GrammarState(self._xgr, self.matcher.fork(), self.allowed_mask, self.surrogates, self.after_lead)
 
     def accept(self, token_id: int) -> bool:
         """Advance past ``token_id``; False (and no change) when the grammar does not allow it here."""
-        return bool(self.matcher.accept_token(token_id))
+        accepted = bool(self.matcher.accept_token(token_id))
+        if accepted:
+            self.after_lead = token_id in self.surrogates.ends_in_lead
+        return accepted
 
     @property
     def terminated(self) -> bool:
@@ -128,6 +208,13 @@ def pack_bits(allowed: torch.Tensor) -> torch.Tensor:
     return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
 
 
+def _one_hot(ids: Collection[int], size: int) -> torch.Tensor:
+    """bool ``[size]``, True at ``ids``."""
+    hot = torch.zeros(size, dtype=torch.bool)
+    hot[list(ids)] = True
+    return hot
+
+
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """A copy of float32 ``logits`` ``[n, vocab]`` with the tokens the bitmask forbids set to -inf."""
     bits = torch.arange(32, dtype=torch.int32, device=logits.device)
@@ -139,16 +226,19 @@ def normalize_constraint(name: str, value: Any) -> str:
     """The constraint's source text; a JSON schema may be given as an object or as a JSON string.
 
     Raises:
-        FieldError: wrong type, or a schema string that is not JSON.
+        FieldError: wrong type, a schema string that is not JSON, or a schema with a keyword xgrammar does not
+            enforce (:func:`batchgen.sampling.json_schema_support.check_enforceable`).
     """
     if name == "json_schema":
         if isinstance(value, dict):
+            check_enforceable(value)
             return json.dumps(value)  # key order kept: it is the order the model writes the properties in
         if isinstance(value, str):
             try:
-                json.loads(value)
+                schema = json.loads(value)
             except json.JSONDecodeError as e:
                 raise FieldError(name, f"is not valid JSON: {e.msg}") from None
+            check_enforceable(schema)
             return value
         raise FieldError(name, f"must be a JSON schema object or string, got {value!r}")
     if not isinstance(value, str) or not value:

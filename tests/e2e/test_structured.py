@@ -139,10 +139,16 @@ def test_b11_emoji_regex_text_is_whole(tmp_path: Path) -> None:
         ("ebnf", "root ::= ", "field 'ebnf': does not compile"),
         # xgrammar's log prefix (time, C++ file and line) is not part of the message.
         ("json_schema", '{"type": "objectx"}', "field 'json_schema': does not compile: Unsupported type"),
+        # A keyword xgrammar would drop, nested: refused with its place (tests/unit/test_json_schema_support.py).
+        (
+            "json_schema",
+            {"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}},
+            "field 'json_schema': uniqueItems at #/properties/tags is not enforced by xgrammar",
+        ),
     ],
 )
 def test_bad_constraints_are_row_errors(
-    field: str, value: str, message: str, random_models: dict[str, Path], tmp_path: Path
+    field: str, value: Any, message: str, random_models: dict[str, Path], tmp_path: Path
 ) -> None:
     dataset = write_jsonl(
         tmp_path / "p.jsonl", [{"id": "bad", "prompt": "x", field: value}, {"id": "ok", "prompt": "x"}]

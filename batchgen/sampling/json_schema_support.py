@@ -1,0 +1,112 @@
+"""Refuse JSON schemas whose keywords the grammar backend compiles but does not enforce.
+
+xgrammar turns a schema into a context-free grammar and, for keywords a grammar cannot express (uniqueness,
+counting, negation, conditionals, arithmetic on numbers), drops them with at most a log line: such a schema
+compiles, and rows finish with ``stop`` and output the schema rejects. A row whose schema uses one is refused
+instead, naming the keyword and where it sits (sglang PR #28804 does the same). The list below is what
+xgrammar 0.2.9 leaves unenforced, each entry checked against ``jsonschema`` by
+``tests/unit/test_json_schema_support.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from batchgen.errors import FieldError
+
+# Dropped wherever they appear (uniqueItems only when true: false asks nothing).
+_DROPPED = {
+    "uniqueItems": "array items cannot be kept unique",
+    "contains": "array contents cannot be counted",
+    "minContains": "array contents cannot be counted",
+    "maxContains": "array contents cannot be counted",
+    "not": "a negation is not enforced",
+    "if": "conditionals are not enforced",
+    "then": "conditionals are not enforced",
+    "else": "conditionals are not enforced",
+    "dependentRequired": "dependencies between properties are not enforced",
+    "dependentSchemas": "dependencies between properties are not enforced",
+    "dependencies": "dependencies between properties are not enforced",
+}
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+# Where a schema holds subschemas: one, a name → subschema map, or a list (``items`` may be any of them).
+_ONE = (
+    *("additionalProperties", "unevaluatedProperties", "items", "additionalItems", "unevaluatedItems"),
+    *("contains", "propertyNames", "not", "if", "then", "else"),
+)
+_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies")
+_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
+
+
+def check_enforceable(schema: Any) -> None:
+    """Refuse a JSON schema (parsed) that uses a keyword xgrammar does not enforce, at any depth.
+
+    Only subschema positions are searched, so the same names inside ``const``, ``enum``, ``default`` or
+    ``examples`` values are data, not keywords. Every subschema of ``$defs``/``definitions`` is checked, used or
+    not.
+
+    Raises:
+        FieldError: (``json_schema``) naming the first such keyword and its JSON pointer (``#`` is the root).
+    """
+    for pointer, node in _subschemas(schema, "#"):
+        problem = _unenforced(node)
+        if problem is not None:
+            keyword, why = problem
+            raise FieldError("json_schema", f"{keyword} at {pointer} is not enforced by xgrammar ({why})")
+
+
+def _unenforced(node: dict[str, Any]) -> tuple[str, str] | None:
+    """(keyword, why) of the first keyword of this one schema node that xgrammar would drop, or ``None``."""
+    for keyword, why in _DROPPED.items():
+        if keyword in node and (keyword != "uniqueItems" or node[keyword] is not False):
+            return keyword, why
+    if "multipleOf" in node:
+        step = node["multipleOf"]
+        if node.get("type") != "integer" or isinstance(step, bool) or not isinstance(step, int):
+            return "multipleOf", "only an integer multipleOf of an integer-typed value is enforced"
+        bound = next((b for b in _BOUNDS if b in node), None)
+        if bound is not None:
+            return "multipleOf", f"not enforced together with {bound}"
+    for length in ("minLength", "maxLength"):
+        shape = next((k for k in ("pattern", "format") if k in node), None)
+        if length in node and shape is not None:
+            return length, f"not enforced together with {shape}"
+    all_of, one_of = node.get("allOf"), node.get("oneOf")
+    if isinstance(all_of, list) and len(all_of) > 1:
+        return "allOf", "several subschemas are not all enforced: merge them into one"
+    if isinstance(one_of, list) and len(one_of) > 1 and not _distinct_types(one_of):
+        return "oneOf", "xgrammar may let several branches match: use anyOf if they cannot overlap"
+    return None
+
+
+def _distinct_types(branches: list[Any]) -> bool:
+    """True when each branch has one ``type`` and no two can hold the same value: ``oneOf`` is then ``anyOf``,
+    which xgrammar does enforce (an integer is also a number)."""
+    types = [b.get("type") if isinstance(b, dict) else None for b in branches]
+    if not all(isinstance(t, str) for t in types):
+        return False
+    return len(set(types)) == len(types) and not {"integer", "number"} <= set(types)
+
+
+def _subschemas(node: Any, pointer: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Every schema object in ``node``, itself first, with its JSON pointer (boolean schemas have no keywords)."""
+    if not isinstance(node, dict):
+        return
+    yield pointer, node
+    for key in _ONE:
+        if isinstance(node.get(key), dict):
+            yield from _subschemas(node[key], f"{pointer}/{_escape(key)}")
+    for key in _MAPS:
+        if isinstance(node.get(key), dict):
+            for name, sub in node[key].items():
+                yield from _subschemas(sub, f"{pointer}/{_escape(key)}/{_escape(str(name))}")
+    for key in _LISTS:
+        if isinstance(node.get(key), list):
+            for i, sub in enumerate(node[key]):
+                yield from _subschemas(sub, f"{pointer}/{_escape(key)}/{i}")
+
+
+def _escape(token: str) -> str:
+    """A JSON pointer reference token (RFC 6901: ``~`` → ``~0``, ``/`` → ``~1``)."""
+    return token.replace("~", "~0").replace("/", "~1")

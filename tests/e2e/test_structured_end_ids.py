@@ -1,0 +1,168 @@
+"""A grammar ends only where it is complete, on any id that ends its row, and that id is not in ``text``
+(issue 22, part 3: several EOS ids in generation_config.json, stop ids, ``ignore_eos``).
+
+The model's generation_config.json lists a second EOS id that is an ordinary text token ("c", which no grammar
+here needs), and rows bias it up so that it is sampled wherever allowed: told only the tokenizer's EOS, the
+grammar took it for text (inside a JSON string, in ``[a-c]``) and the row ended there, invalid (vLLM #42403).
+References: ``json.loads`` with ``jsonschema``, ``re.fullmatch``, and HF transformers' greedy logits under
+xgrammar's own matcher.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tests.helpers.cli import generate, write_jsonl
+
+xgrammar = pytest.importorskip("xgrammar")
+
+REGEX = r"[a-c]{2,4}-\d{3}"
+EBNF = 'root ::= "yes" | "no" | "maybe " ("so" | "not")'
+SCHEMA = {
+    "type": "object",
+    # Seed 0 of _rows once ended "name" with a UTF-8-encoded surrogate (three U+FFFD: too long), which xgrammar
+    # lets through (tests/unit/test_grammar_surrogates.py).
+    "properties": {"name": {"type": "string", "maxLength": 10}, "tag": {"enum": ["x", "aa"]}},
+    "required": ["name", "tag"],
+    "additionalProperties": False,
+}
+SPEC = ("--speculative-algorithm", "ngram", "--speculative-num-draft-tokens", "4", "--speculative-ngram-min", "1")
+# The model drafting for itself: its drafts go through the same grammar masks as the target's draws.
+DRAFT = ("--speculative-algorithm", "draft", "--speculative-draft-model", "TARGET")
+EOS = 1
+
+
+@pytest.fixture(scope="module")
+def two_eos_model(random_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
+    """A copy of the random llama whose generation_config.json lists EOS ids [1, id of "c"]; (dir, that id)."""
+    model = tmp_path_factory.mktemp("two_eos") / "llama"
+    shutil.copytree(random_models["llama"], model)
+    extra = int(AutoTokenizer.from_pretrained(model).convert_tokens_to_ids("c"))
+    config = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps({**config, "eos_token_id": [EOS, extra]}))
+    return model, extra
+
+
+def _rows(extra: int) -> list[dict[str, Any]]:
+    bias = {"logit_bias": {str(extra): 4.0}, "temperature": 1.0}
+    rows = [
+        {"id": f"j{s}", "prompt": "Name:", "json_schema": SCHEMA, "seed": s, "max_new_tokens": 48} for s in range(8)
+    ]
+    rows += [{"id": f"r{s}", "prompt": "Code:", "regex": REGEX, "seed": s, "max_new_tokens": 24} for s in range(6)]
+    rows += [{"id": f"e{s}", "prompt": "Answer:", "ebnf": EBNF, "seed": s, "max_new_tokens": 12} for s in range(4)]
+    return [{**row, **bias} for row in rows]
+
+
+def _check(row: dict[str, Any], end_ids: set[int]) -> None:
+    """A finished row is valid for its constraint and ends on one of ``end_ids``, whose text is not in ``text``."""
+    assert row["finish_reason"] in ("stop", "length"), row
+    if row["finish_reason"] == "length":
+        return
+    last = row["output_token_ids"][-1]
+    assert last in end_ids and row["matched_stop"] == str(last), row
+    kind = row["id"][0]
+    if kind == "j":
+        value = json.loads(row["text"])
+        jsonschema.validate(value, SCHEMA)
+        assert row["text"] == json.dumps(value, ensure_ascii=False), row
+    elif kind == "r":
+        assert re.fullmatch(REGEX, row["text"]), row
+    else:
+        assert row["text"] in {"yes", "no", "maybe so", "maybe not"}, row
+
+
+@pytest.mark.parametrize("spec", [(), SPEC, DRAFT], ids=["plain", "ngram", "draft-model"])
+def test_extra_eos_id_closes_grammar_only_when_complete(
+    spec: tuple[str, ...], two_eos_model: tuple[Path, int], tmp_path: Path
+) -> None:
+    model, extra = two_eos_model
+    rows = _rows(extra)
+    spec = tuple(str(model) if arg == "TARGET" else arg for arg in spec)
+    out = generate(write_jsonl(tmp_path / "p.jsonl", rows), tmp_path / "o.arrow", model, *spec)
+    for row in out.values():
+        _check(row, {EOS, extra})
+    # Not vacuous: the extra EOS is sampled, and closes rows of every kind.
+    closed_by_extra = {
+        r["id"][0] for r in out.values() if r["finish_reason"] == "stop" and r["matched_stop"] == str(extra)
+    }
+    assert closed_by_extra == {"j", "r", "e"}
+    if spec:
+        assert any(r["spec_accept_length"] is not None for r in out.values())  # drafts were verified
+
+
+def test_stop_ids_close_grammar_only_when_complete(random_models: dict[str, Path], tmp_path: Path) -> None:
+    """A row's own stop id is an end id of its grammar too: masked before the regex is complete, allowed after."""
+    model = random_models["llama"]
+    b = int(AutoTokenizer.from_pretrained(model).convert_tokens_to_ids("b"))
+    rows = [
+        {"id": f"r{s}", "prompt": "Code:", "regex": REGEX, "seed": s, "max_new_tokens": 24, "temperature": 1.0}
+        | {"stop_token_ids": [b], "logit_bias": {str(b): 4.0}}
+        for s in range(6)
+    ]
+    out = generate(write_jsonl(tmp_path / "p.jsonl", rows), tmp_path / "o.arrow", model)
+    for row in out.values():
+        _check(row, {EOS, b})
+    assert any(r["matched_stop"] == str(b) for r in out.values())
+
+
+def _hf_constrained_greedy(model_dir: Path, prompt: str, end_ids: list[int], bias: dict[int, float]) -> list[int]:
+    """HF float32 greedy decoding of ``prompt`` under the regex, by xgrammar's own matcher told ``end_ids``."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    vocab = model.config.vocab_size
+    info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab)
+    compiled = xgrammar.GrammarCompiler(info).compile_regex(REGEX)
+    matcher = xgrammar.GrammarMatcher(compiled, override_stop_tokens=end_ids)
+    ids = list(tokenizer(prompt)["input_ids"])
+    out: list[int] = []
+    bitmask = xgrammar.allocate_token_bitmask(1, vocab)
+    while not matcher.is_terminated():
+        assert len(out) < 24, out  # the row's max_new_tokens
+        with torch.no_grad():
+            logits = model(torch.tensor([ids + out])).logits[:, -1].float()
+        for token_id, value in bias.items():
+            logits[0, token_id] += value
+        matcher.fill_next_token_bitmask(bitmask)
+        xgrammar.apply_token_bitmask_inplace(logits, bitmask)
+        out.append(int(logits.argmax()))
+        assert matcher.accept_token(out[-1])
+    return out
+
+
+def test_greedy_rows_equal_hf_under_xgrammar_with_every_eos(two_eos_model: tuple[Path, int], tmp_path: Path) -> None:
+    model, extra = two_eos_model
+    row = {"id": "r", "prompt": "Code:", "regex": REGEX, "temperature": 0, "max_new_tokens": 24}
+    rows = [row | {"logit_bias": {str(extra): 4.0}}]
+    out = generate(write_jsonl(tmp_path / "p.jsonl", rows), tmp_path / "o.arrow", model)["r"]
+    want = _hf_constrained_greedy(model, "Code:", [EOS, extra], {extra: 4.0})
+    assert out["output_token_ids"] == want and want[-1] == extra
+    _check(out, {EOS, extra})
+
+
+@pytest.mark.parametrize("temperature", [0, 1.0])
+def test_closing_eos_not_in_text_with_ignore_eos(
+    temperature: float, random_models: dict[str, Path], tmp_path: Path
+) -> None:
+    """``ignore_eos`` with a grammar: the grammar still ends on EOS, whose text ("</s>", kept by
+    ``skip_special_tokens: false``) is not in ``text``."""
+    common = {"ignore_eos": True, "skip_special_tokens": False, "temperature": temperature, "seed": 1}
+    rows = [
+        {"id": "r", "prompt": "Code:", "regex": REGEX, "max_new_tokens": 24},
+        {"id": "j", "prompt": "Name:", "json_schema": SCHEMA, "max_new_tokens": 48},
+        {"id": "e", "prompt": "Answer:", "ebnf": EBNF, "max_new_tokens": 12},
+    ]
+    out = generate(
+        write_jsonl(tmp_path / "p.jsonl", [r | common for r in rows]), tmp_path / "o.arrow", random_models["llama"]
+    )
+    for row in out.values():
+        assert row["finish_reason"] == "stop" and "</s>" not in row["text"], row
+        _check(row, {EOS})

@@ -1,0 +1,132 @@
+"""JSON-schema keywords xgrammar does not enforce are refused, at any depth (issue 22, part 3).
+
+The outside reference is ``jsonschema``: each case is an instance it rejects. For a refused schema, xgrammar's
+own grammar accepts that instance (so the refusal is needed: were xgrammar to enforce the keyword, the test says
+to drop it from the list); for a schema batchgen lets through, xgrammar's grammar rejects it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import jsonschema
+import pytest
+
+from batchgen.errors import FieldError
+from batchgen.sampling.grammar import normalize_constraint
+from batchgen.sampling.json_schema_support import check_enforceable
+
+xgrammar = pytest.importorskip("xgrammar")
+from xgrammar.testing import _is_grammar_accept_string  # noqa: E402
+
+INTS = {"type": "array", "items": {"type": "integer"}}
+UNIQUE = {**INTS, "uniqueItems": True}
+AB = {"a": {"type": "integer"}, "b": {"type": "integer"}}
+
+# (name, schema, an instance the schema rejects, the keyword batchgen names, or None where xgrammar enforces it)
+CASES: list[tuple[str, dict[str, Any], Any, str | None]] = [
+    ("uniqueItems", UNIQUE, [1, 1], "uniqueItems"),
+    ("contains", {**INTS, "contains": {"const": 5}}, [1], "contains"),
+    ("minContains", {**INTS, "contains": {"const": 5}, "minContains": 2}, [5, 1], "contains"),
+    ("maxContains", {**INTS, "contains": {"const": 5}, "maxContains": 1}, [5, 5], "contains"),
+    ("not", {"type": "integer", "not": {"const": 3}}, 3, "not"),
+    ("if/then", {"type": "integer", "if": {"minimum": 5}, "then": {"maximum": 6}}, 9, "if"),
+    (
+        "dependentRequired",
+        {"type": "object", "properties": AB, "dependentRequired": {"a": ["b"]}},
+        {"a": 1},
+        "dependentRequired",
+    ),
+    (
+        "dependentSchemas",
+        {"type": "object", "properties": AB, "dependentSchemas": {"a": {"required": ["b"]}}},
+        {"a": 1},
+        "dependentSchemas",
+    ),
+    ("multipleOf number", {"type": "number", "multipleOf": 0.5}, 0.3, "multipleOf"),
+    ("multipleOf untyped", {"multipleOf": 7}, 8, "multipleOf"),
+    ("multipleOf fraction", {"type": "integer", "multipleOf": 2.5}, 3, "multipleOf"),
+    ("multipleOf bounded", {"type": "integer", "multipleOf": 7, "minimum": 3}, 8, "multipleOf"),
+    ("pattern+maxLength", {"type": "string", "pattern": "^a+$", "maxLength": 2}, "aaa", "maxLength"),
+    ("format+maxLength", {"type": "string", "format": "date", "maxLength": 3}, "2020-01-01", "maxLength"),
+    ("allOf", {"allOf": [{"type": "integer", "minimum": 0}, {"type": "integer", "maximum": 5}]}, 9, "allOf"),
+    ("oneOf overlapping", {"oneOf": [{"type": "integer"}, {"type": "number"}]}, 3, "oneOf"),
+    # Enforced: no refusal, and the grammar itself rejects the instance.
+    ("multipleOf integer (B23 jbad)", {"type": "integer", "multipleOf": 7}, 8, None),
+    ("allOf of one", {"allOf": [{"type": "integer", "maximum": 5}]}, 9, None),
+    ("oneOf of disjoint types", {"oneOf": [{"type": "integer"}, {"type": "string"}]}, 1.5, None),
+    ("maxLength", {"type": "string", "maxLength": 1}, "ab", None),
+    ("pattern", {"type": "string", "pattern": "^a+$"}, "b", None),
+    ("minimum", {"type": "number", "minimum": 0.5}, 0.25, None),
+    ("enum", {"enum": [1, 2]}, 3, None),
+    ("maxItems", {**INTS, "maxItems": 1}, [1, 2], None),
+    ("additionalProperties", {"type": "object", "properties": AB, "additionalProperties": False}, {"c": 1}, None),
+    ("uniqueItems false", {**INTS, "uniqueItems": False, "maxItems": 1}, [1, 1], None),
+]
+
+
+def _xgrammar_accepts(schema: dict[str, Any], instance: Any) -> bool:
+    grammar = xgrammar.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+    return bool(_is_grammar_accept_string(grammar, json.dumps(instance)))
+
+
+@pytest.mark.parametrize(("name", "schema", "instance", "keyword"), CASES, ids=[c[0] for c in CASES])
+def test_no_schema_passes_with_an_unenforced_keyword(
+    name: str, schema: dict[str, Any], instance: Any, keyword: str | None
+) -> None:
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(instance, schema)
+    if keyword is None:
+        check_enforceable(schema)
+        assert not _xgrammar_accepts(schema, instance), name
+        return
+    with pytest.raises(FieldError) as refused:
+        check_enforceable(schema)
+    assert refused.value.field == "json_schema"
+    assert refused.value.message.startswith(f"{keyword} at # is not enforced by xgrammar ("), refused.value.message
+    assert _xgrammar_accepts(schema, instance), f"xgrammar now enforces {name}: drop it from the refused keywords"
+
+
+def _in_object(sub: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "object", "properties": {"tags": sub}, "required": ["tags"]}
+
+
+# (schema with uniqueItems nested somewhere, its JSON pointer, an instance jsonschema rejects)
+NESTED: list[tuple[dict[str, Any], str, Any]] = [
+    (_in_object(UNIQUE), "#/properties/tags", {"tags": [1, 1]}),
+    ({"type": "array", "items": UNIQUE}, "#/items", [[1, 1]]),
+    ({"type": "array", "prefixItems": [UNIQUE], "items": False}, "#/prefixItems/0", [[1, 1]]),
+    ({"type": "object", "additionalProperties": UNIQUE}, "#/additionalProperties", {"x": [1, 1]}),
+    ({**_in_object({"$ref": "#/$defs/set"}), "$defs": {"set": UNIQUE}}, "#/$defs/set", {"tags": [1, 1]}),
+    (_in_object({"anyOf": [UNIQUE, {"type": "string"}]}), "#/properties/tags/anyOf/0", {"tags": [1, 1]}),
+    (_in_object(_in_object({"type": "array", "items": UNIQUE})), "#/properties/tags/properties/tags/items", None),
+    ({"type": "object", "properties": {"a/b~": UNIQUE}, "required": ["a/b~"]}, "#/properties/a~1b~0", None),
+]
+
+
+@pytest.mark.parametrize(("schema", "pointer", "instance"), NESTED, ids=[n[1] for n in NESTED])
+def test_refusal_names_the_keyword_where_it_is_nested(schema: dict[str, Any], pointer: str, instance: Any) -> None:
+    if instance is not None:
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(instance, schema)
+        assert _xgrammar_accepts(schema, instance)
+    with pytest.raises(FieldError, match=re.escape(f"field 'json_schema': uniqueItems at {pointer} is not enforced")):
+        normalize_constraint("json_schema", schema)
+    with pytest.raises(FieldError, match=re.escape(f"uniqueItems at {pointer} ")):  # the schema given as a JSON string
+        normalize_constraint("json_schema", json.dumps(schema))
+
+
+def test_keyword_names_as_data_or_property_names_are_not_keywords() -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            "uniqueItems": {"type": "boolean"},
+            "not": {"const": {"uniqueItems": True, "not": {}}},
+            "mode": {"enum": [{"contains": 1}], "default": {"if": 1}, "examples": [{"oneOf": [1, 2]}]},
+        },
+        "required": ["uniqueItems"],
+    }
+    check_enforceable(schema)
+    check_enforceable({"type": "array", "items": True, "additionalProperties": False})  # boolean subschemas
