@@ -50,7 +50,8 @@ class SamplingParams:
     Semantics follow vLLM/SGLang: ``temperature`` 0 means greedy; ``top_k`` -1 or 0 disables top-k;
     ``top_p`` 1.0 and ``min_p`` 0.0 disable those filters. ``stop`` strings are matched on the generated
     text only and are not included in the output text; ``stop_token_ids`` and the model's EOS ids end the
-    request and are included in ``output_token_ids``. ``min_new_tokens`` holds back every stop (EOS, stop ids
+    request and are included in ``output_token_ids`` (in a constrained row only where its grammar is complete:
+    they are its end tokens). ``min_new_tokens`` holds back every stop (EOS, stop ids
     and stop strings) until that many tokens exist. ``logprobs`` reports the chosen token's raw logprob
     (log_softmax of unprocessed logits, as vLLM's default and the OpenAI API); ``top_logprobs`` adds the N
     most likely tokens under the same distribution. ``n`` samples of one prompt are written as ``n`` rows

@@ -40,6 +40,8 @@ RUN_FLAGS = {
     "--max-new-tokens",
     "--n",
     "--disable-cuda-graph",
+    "--deterministic",
+    "--no-deterministic",
     "--cuda-graph-max-bs",
     "--speculative-algorithm",
     "--speculative-num-draft-tokens",
