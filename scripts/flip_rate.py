@@ -5,8 +5,8 @@ batch they run in, or across an interruption and ``--resume``.
 
 Writes ``rows.jsonl`` (chat rows, no per-row seed: each gets one from ``--seed 7`` and its id), then runs ``batchgen
 run`` with ``--max-running-requests 64`` and ``3``, and a third run at 64 stopped twice with SIGINT (``--interrupt-
-after`` seconds after each start) and finished with ``--resume``; prints how many rows differ from the first run
-(token ids) and from which output position. Extra arguments after ``--`` go to every ``batchgen run``.
+after`` seconds after each wrote its first part) and finished with ``--resume``; prints how many rows differ from
+the first run (token ids) and from which output position. Extra arguments after ``--`` go to every ``batchgen run``.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 
 import pyarrow.ipc as ipc
+
+from batchgen.io.partial_output import partial_dir
 
 TOPICS = ["rivers", "bread", "volcanoes", "chess", "owls", "trains", "glass", "tea", "bees", "comets"]
 ASKS = ["Write two sentences about {}.", "Give a surprising fact about {}.", "Describe {} to a child.", "A poem on {}:"]
@@ -38,16 +40,27 @@ def _tokens(path: Path) -> dict[str, list[int]]:
     return dict(zip(table.column("id").to_pylist(), table.column("output_token_ids").to_pylist()))
 
 
-def _run(base: list[str], out: Path, batch: int, interrupts: int = 0, after: float = 0.0) -> float:
-    command = [*base, "--out", str(out), "--max-running-requests", str(batch)]
-    started = time.monotonic()
-    for _ in range(interrupts):
-        proc = subprocess.Popen([*command, *(["--resume"] if out.exists() else [])])
+def _parts(out: Path) -> int:
+    folder = partial_dir(out)
+    return sum(1 for _ in folder.glob("*.arrow")) if folder.is_dir() else 0
+
+
+def _run(base: list[str], out: Path, batch: int, interrupts: int = 0, after: float = 0.0) -> None:
+    """Run to the end; with ``interrupts``, first stop that many runs by SIGINT, each ``after`` seconds after it
+    wrote its first part (``--flush-every 20``), each resuming the one before."""
+    command = [*base, "--out", str(out), "--max-running-requests", str(batch), "--flush-every", "20"]
+    for i in range(interrupts):
+        before = _parts(out)
+        proc = subprocess.Popen([*command, *(["--resume"] if i else [])])
+        while _parts(out) == before and proc.poll() is None:
+            time.sleep(0.05)
         time.sleep(after)
         proc.send_signal(signal.SIGINT)
         proc.wait()
-    subprocess.run([*command, *(["--resume"] if out.exists() else [])], check=True)
-    return time.monotonic() - started
+        # How far the stopped run got: a trial whose stops land after the last row proves nothing.
+        status = subprocess.run([*base[:3], "status", base[4], str(out)], capture_output=True, text=True)
+        print(f"after SIGINT: {status.stdout.strip() or status.stderr.strip()}", flush=True)
+    subprocess.run([*command, *(["--resume"] if interrupts else [])], check=True)
 
 
 def _compare(name: str, ref: dict[str, list[int]], other: dict[str, list[int]]) -> None:
@@ -66,7 +79,7 @@ def main() -> None:
     parser.add_argument("--work", type=Path, required=True)
     parser.add_argument("--rows", type=int, default=200)
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--interrupt-after", type=float, default=10.0, help="Seconds from each start to SIGINT.")
+    parser.add_argument("--interrupt-after", type=float, default=2.0, help="Seconds from a first part to SIGINT.")
     args, extra = parser.parse_known_args()
     args.work.mkdir(parents=True, exist_ok=True)
     rows = args.work / "rows.jsonl"

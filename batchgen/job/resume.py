@@ -24,7 +24,7 @@ from batchgen.job.options import JobOptions
 DATASET_KEY = "batchgen.dataset"
 RUN_SEED_KEY = "batchgen.run_seed"
 # Engine options that change what a row's output is; the others (batch sizes, memory) only change speed.
-_OUTPUT_ENGINE_OPTIONS = ("seed", "context_length", "deterministic")
+_OUTPUT_ENGINE_OPTIONS = ("seed", "context_length")
 # A message names at most this many row ids.
 _IDS_SHOWN = 3
 
@@ -211,6 +211,9 @@ def job_differences(recorded: dict[str, str], now: dict[str, str]) -> list[str]:
             differences.append(f"{label} {old!r} → {new!r}")
     if "batchgen.kernel_switches" in recorded:  # an output of a batchgen that did not record them: not compared
         differences += _changed_fields("batchgen.kernel_switches", recorded, now, None)
+    old_mode, new_mode = recorded.get("batchgen.deterministic"), now.get("batchgen.deterministic")
+    if old_mode is not None and old_mode != new_mode:  # not recorded before batchgen had the mode: not compared
+        differences.append(f"deterministic {old_mode} → {new_mode}")
     differences += _changed_fields("batchgen.sampling_defaults", recorded, now, None)
     differences += _changed_fields("batchgen.engine_options", recorded, now, _OUTPUT_ENGINE_OPTIONS)
     try:

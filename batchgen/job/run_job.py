@@ -109,6 +109,7 @@ class RunJob:
             "batchgen.dtype": str(self.engine.dtype).removeprefix("torch."),
             "batchgen.kernel_switches": json.dumps(self.engine.switches.as_metadata()),
             "batchgen.logprobs_mode": self.engine_options.logprobs_mode,
+            "batchgen.deterministic": str(self.engine.deterministic).lower(),
             "batchgen.sampling_defaults": json.dumps(asdict(self.defaults)),
             "batchgen.engine_options": json.dumps(asdict(self.engine_options)),
         }

@@ -15,6 +15,7 @@ from transformers import GenerationConfig
 
 from batchgen.environment import kernel_switches
 from batchgen.errors import BatchgenError
+from batchgen.kernels.cpu import paged_attention_available
 from batchgen.kernels.switches import KernelSwitches
 from batchgen.loop.cpu_malloc import keep_freed_memory
 from batchgen.loop.drafter import Drafter
@@ -56,6 +57,19 @@ class RoundStats:
         """Share of the admitted prompt tokens that the prefix cache served, ``None`` before any."""
         total = self.admitted_prompt_tokens
         return self.cached_tokens / total if total else None
+
+
+def pick_deterministic(options: EngineOptions, device: torch.device, switches: KernelSwitches) -> bool:
+    """Resolve ``--deterministic``: as given, else on for the CPU where the torch_native backend's C++ kernel
+    builds and is switched on (it is what makes attention batch invariant there), off elsewhere."""
+    if options.deterministic is not None:
+        return options.deterministic
+    return (
+        device.type == "cpu"
+        and options.attention_backend in ("auto", "torch_native")
+        and switches.cpu_attention_kernel
+        and paged_attention_available()
+    )
 
 
 def pick_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtype:
@@ -129,6 +143,7 @@ class Engine:
         self.eos_token_ids = eos_token_ids(self.model_dir, self.hf_config)
         self.device = pick_device(options.device)
         self.dtype = pick_dtype(options.dtype, self.hf_config, self.device)
+        self.deterministic = pick_deterministic(options, self.device, self.switches)
         if self.device.type == "cpu":
             keep_freed_memory()
         self.max_running_requests: int = options.max_running_requests or (128 if self.device.type == "cpu" else 256)
@@ -136,7 +151,7 @@ class Engine:
         context_len = options.context_length or max_positions
         if context_len > max_positions:
             raise BatchgenError(f"--context-length {context_len} exceeds the model's {max_positions} positions")
-        model = source.load(self.dtype, self.device, context_len, self.switches, options.deterministic)
+        model = source.load(self.dtype, self.device, context_len, self.switches, self.deterministic)
         config = model.config
         per_token = TokenToKVPool.bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, self.dtype)
         pool_size = options.max_total_tokens or int(options.mem_fraction * _available_memory(self.device) / per_token)
@@ -160,7 +175,7 @@ class Engine:
             cuda_graph_max_bs=self._graph_max_bs(options),
             verify_tokens=options.speculative_num_draft_tokens + 1 if options.speculative_algorithm else 0,
             switches=self.switches,
-            deterministic=options.deterministic,
+            deterministic=self.deterministic,
         )
         allocator = KVSlotAllocator(pool_size)
         radix_cache = RadixCache(allocator) if options.prefix_cache else None

@@ -125,11 +125,13 @@ class EngineOptions:
             "or coupled (outputs identical to plain decoding with the same seeds)."
         },
     )
-    deterministic: bool = field(
-        default=False,
+    # Default on the CPU: it cost no more than the runs' noise on W1 and W2 there (docs/performance.md).
+    deterministic: bool | None = field(
+        default=None,
         metadata={
-            "help": "Bitwise batch invariance (CPU): a row's logits, hence its tokens, logprobs and text, do not "
-            "depend on the rows it runs with, its prompt's chunking or the prefix cache (docs/input-output.md).",
+            "help": "Bitwise batch invariance: a row's tokens, logprobs and text do not depend on the rows it runs "
+            "with, its prompt's chunking or the prefix cache (default: on for the CPU where batchgen's kernels "
+            "build; CPU only for now).",
             "flag": "--deterministic/--no-deterministic",
         },
     )

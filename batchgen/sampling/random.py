@@ -10,6 +10,8 @@ import hashlib
 
 import torch
 
+from batchgen.kernels.cpu.sampling_ops import exponential_race_kernel, kernel_takes
+
 _MASK32 = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B9  # 2**32 / golden ratio: consecutive token ids land far apart before hashing
 
@@ -69,6 +71,24 @@ def exponential_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     x = _mix32(_mix32((ids[None, :] * _GOLDEN + keys[:, :1]) & _MASK32) ^ keys[:, 1:])
     w = (x.double() + 0.5) / float(1 << 32)
     return -torch.log1p(-w)
+
+
+def exponential_race(weights: torch.Tensor, keys: torch.Tensor, use_kernel: bool = True) -> torch.Tensor:
+    """int64 ``[rows]``: each row's ``argmax_i weights[i] / E_i``, ``E`` the row's :func:`exponential_noise` of
+    ``keys``; first index on ties.
+
+    With ``weights`` ``[rows, vocab]`` unnormalised probabilities (float32, ≥ 0, zero for excluded tokens) the
+    winner follows ``weights / weights.sum()`` exactly: the minimum of independent exponentials ``E_i / w_i`` is
+    attained at ``i`` with probability ``w_i / Σ w`` (the exponential race; equivalently Gumbel-max,
+    ``argmax log w_i − log E_i``). A row with no positive weight gets ``torch.argmax(weights)``. ``keys``: int64
+    ``[rows, 2]`` from :func:`token_noise_keys`. Runs the C++ op where ``use_kernel`` and
+    :func:`batchgen.kernels.cpu.sampling_ops.kernel_takes` allow.
+    """
+    if kernel_takes(weights, use_kernel):
+        return exponential_race_kernel(weights, keys)
+    positive = weights > 0
+    scores = torch.where(positive, weights.double() / exponential_noise(keys, weights.shape[1]), 0.0)
+    return torch.where(positive.any(dim=1), scores.argmax(dim=1), weights.argmax(dim=1))
 
 
 def derive_seed(base: int, key: str | int) -> int:

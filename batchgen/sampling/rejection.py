@@ -13,8 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from batchgen.kernels.cpu.sampling_ops import exponential_race
-from batchgen.sampling.random import ACCEPT, RESIDUAL, token_noise_keys, uniform_from_counter
+from batchgen.sampling.random import ACCEPT, RESIDUAL, exponential_race, token_noise_keys, uniform_from_counter
 
 
 @dataclass

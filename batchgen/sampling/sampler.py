@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from batchgen.kernels.cpu.sampling_ops import argmax_rows, exponential_race
+from batchgen.kernels.cpu.sampling_ops import argmax_rows
 from batchgen.sampling.grammar import apply_bitmask
-from batchgen.sampling.random import token_noise_keys
+from batchgen.sampling.random import exponential_race, token_noise_keys
 from batchgen.sampling.rejection import rejection_sample
 from batchgen.sampling.sampling_batch_info import SamplingBatchInfo
 from batchgen.sampling.top_logprobs import top_k_by_value_then_id
@@ -44,8 +44,8 @@ def sample(logits: torch.Tensor, info: SamplingBatchInfo, cpu_kernel: bool = Tru
     the argmax of the adjusted logits (first index on ties, as ``torch.argmax``). Rows in ``info.drafts`` (sampled
     rows verifying a draft model's draft) emit :func:`rejection_sample`'s choice instead of their draw. Reported
     logprobs are raw (log_softmax of ``logits``), or with ``info.processed_logprobs`` those of the distribution
-    actually sampled from (vLLM's processed mode). ``cpu_kernel``: the argmax may run batchgen's C++ op
-    (:func:`argmax_rows`).
+    actually sampled from (vLLM's processed mode). ``cpu_kernel``: the argmax and the race may run batchgen's
+    C++ ops (:mod:`batchgen.kernels.cpu.sampling_ops`).
     """
     raw = logits
     if info.grammar_mask is not None:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from batchgen.io.partial_output import partial_dir
 from batchgen.io.writer import read_results
@@ -32,13 +33,14 @@ PROMPTS = [
     "Lily and Ben went to the park. They saw a big dog and a small cat",
 ]
 COLUMNS = ("output_token_ids", "output_logprobs", "top_logprobs", "text", "finish_reason")
-# Each way of running the job, as flags after the reference's (64 rows a round, chunks of 2048, cache on).
+# Ways of running the job, as flags after the reference's (64 rows a round, chunks of 2048, prefix cache on).
 WAYS = {
-    "one row a round": ["--max-running-requests", "1"],
-    "8 rows, chunks of 16": ["--max-running-requests", "8", "--chunked-prefill-size", "16"],
-    "no chunking": ["--chunked-prefill-size", "0"],
-    "no prefix cache": ["--no-prefix-cache", "--max-running-requests", "3"],
-    "n-gram speculative": ["--speculative-algorithm", "ngram", "--speculative-num-draft-tokens", "3"],
+    "one row a round, no prefix cache": ["--max-running-requests", "1", "--no-prefix-cache"],
+    "8 rows, chunks of 16, n-gram speculative": [
+        *("--max-running-requests", "8", "--chunked-prefill-size", "16"),
+        *("--speculative-algorithm", "ngram", "--speculative-num-draft-tokens", "3"),
+    ],
+    "3 rows, no chunking": ["--max-running-requests", "3", "--chunked-prefill-size", "0"],
 }
 
 
@@ -111,7 +113,7 @@ def _resumable_args(dataset: Path, out: Path, model: Path, *extra: str) -> list[
 
 def test_killed_and_interrupted_runs_resume_to_identical_rows(random_models: dict[str, Path], tmp_path: Path) -> None:
     """Killed (as by SIGKILL) after 5 rows, resumed with other batch sizes and stopped by SIGINT, then resumed
-    to the end: every row equals the uninterrupted run's, byte for byte. A resume without --deterministic is
+    to the end: every row equals the uninterrupted run's, byte for byte. A resume with --no-deterministic is
     refused: the mode is part of the job."""
     model = random_models["llama"]
     dataset = write_jsonl(tmp_path / "in.jsonl", rows(24, 24))
@@ -125,8 +127,11 @@ def test_killed_and_interrupted_runs_resume_to_identical_rows(random_models: dic
         assert zygote.wait(pid) == 137, (tmp_path / "kill.log").read_text()
     finally:
         zygote.close()
-    code, output = run_cli([a for a in _resumable_args(dataset, out, model, "--resume") if a != "--deterministic"])
-    assert code != 0 and "deterministic" in output, output
+    no_mode = [
+        a for a in _resumable_args(dataset, out, model, "--resume", "--no-deterministic") if a != "--deterministic"
+    ]
+    code, output = run_cli(no_mode)
+    assert code != 0 and "deterministic true → false" in output, output
     slow = ["--resume", "--max-running-requests", "2", "--flush-every", "1"]
     proc = subprocess.Popen(
         [sys.executable, "-m", "batchgen", *_resumable_args(dataset, out, model, *slow)],
@@ -145,3 +150,17 @@ def test_killed_and_interrupted_runs_resume_to_identical_rows(random_models: dic
     code, output = run_cli(_resumable_args(dataset, out, model, "--resume", "--max-running-requests", "5"))
     assert code == 0, output
     assert columns({r["id"]: r for r in read_results(out).to_pylist()}) == reference
+
+
+def test_the_cpu_default_is_deterministic_where_the_kernel_runs() -> None:
+    from batchgen.kernels.cpu import build_problem
+    from batchgen.kernels.switches import KernelSwitches
+    from batchgen.loop.engine import pick_deterministic
+    from batchgen.loop.options import EngineOptions
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert pick_deterministic(EngineOptions(), cpu, KernelSwitches()) == (build_problem() is None)
+    assert not pick_deterministic(EngineOptions(), cuda, KernelSwitches())
+    assert not pick_deterministic(EngineOptions(), cpu, KernelSwitches(cpu_attention_kernel=False))
+    assert not pick_deterministic(EngineOptions(deterministic=False), cpu, KernelSwitches())
+    assert pick_deterministic(EngineOptions(deterministic=True), cuda, KernelSwitches())  # validate() refuses it

@@ -1,4 +1,5 @@
-"""Sampling's reductions on the CPU (``batchgen.kernels.cpu.sampling_ops``).
+"""Sampling's reductions on the CPU (``batchgen.kernels.cpu.sampling_ops``; ``batchgen.sampling.random``'s race
+runs its op).
 
 - ``argmax_rows``: torch.argmax's answer, the first index of each row's maximum or of its first NaN, for every row
   the C++ op gets and those it leaves to torch.
@@ -14,8 +15,8 @@ import torch
 from scipy.stats import chisquare
 
 from batchgen.kernels import cpu as cpu_kernels
-from batchgen.kernels.cpu.sampling_ops import argmax_rows, exponential_race
-from batchgen.sampling.random import exponential_noise, token_noise_keys
+from batchgen.kernels.cpu.sampling_ops import argmax_rows
+from batchgen.sampling.random import exponential_noise, exponential_race, token_noise_keys
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -6,10 +6,11 @@ from __future__ import annotations
 import torch
 
 from batchgen.kernels.cpu import paged_attention_available
-from batchgen.sampling.random import exponential_noise
 
 
-def _kernel_takes(x: torch.Tensor, use_kernel: bool) -> bool:
+def kernel_takes(x: torch.Tensor, use_kernel: bool) -> bool:
+    """Whether the C++ ops run on ``x``: ``use_kernel``, built here, float32 ``[rows, vocab > 0]`` on the CPU with a
+    contiguous last dimension."""
     return (
         use_kernel
         and x.device.type == "cpu"
@@ -27,26 +28,14 @@ def argmax_rows(logits: torch.Tensor, use_kernel: bool = True) -> torch.Tensor:
     when ``use_kernel`` (the attention kernel's switch) and the build is available; by torch elsewhere. The C++
     op takes each row's maximum 16 lanes at a time, where torch's CPU argmax compares one element at a time
     (~1 ms per decode round at 64 rows of 32k logits)."""
-    if _kernel_takes(logits, use_kernel):
+    if kernel_takes(logits, use_kernel):
         out: torch.Tensor = torch.ops.batchgen.argmax_rows(logits)
         return out
     return torch.argmax(logits, dim=-1)
 
 
-def exponential_race(weights: torch.Tensor, keys: torch.Tensor, use_kernel: bool = True) -> torch.Tensor:
-    """int64 ``[rows]``: each row's ``argmax_i weights[i] / E_i``, ``E`` the row's exponential noise
-    (:func:`batchgen.sampling.random.exponential_noise` of ``keys``); first index on ties.
-
-    With ``weights`` ``[rows, vocab]`` unnormalised probabilities (float32, ≥ 0, zero for excluded tokens) the
-    winner follows ``weights / weights.sum()`` exactly: the minimum of independent exponentials ``E_i / w_i`` is
-    attained at ``i`` with probability ``w_i / Σ w`` (the exponential race; equivalently Gumbel-max,
-    ``argmax log w_i − log E_i``). A row with no positive weight gets ``torch.argmax(weights)``. ``keys``: int64
-    ``[rows, 2]`` from :func:`batchgen.sampling.random.token_noise_keys`. The C++ op (where ``use_kernel`` and the
-    build allow) computes the noise only for tokens that could still win, in float64 as the torch code does.
-    """
-    if _kernel_takes(weights, use_kernel):
-        out: torch.Tensor = torch.ops.batchgen.exponential_race(weights, keys)
-        return out
-    positive = weights > 0
-    scores = torch.where(positive, weights.double() / exponential_noise(keys, weights.shape[1]), 0.0)
-    return torch.where(positive.any(dim=1), scores.argmax(dim=1), weights.argmax(dim=1))
+def exponential_race_kernel(weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """The C++ op of :func:`batchgen.sampling.random.exponential_race` (check :func:`kernel_takes` first): the same
+    winners, computing the noise only for tokens that could still win, in float64 as the torch code does."""
+    out: torch.Tensor = torch.ops.batchgen.exponential_race(weights, keys)
+    return out
