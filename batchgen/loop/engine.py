@@ -136,7 +136,9 @@ class Engine:
         context_len = options.context_length or max_positions
         if context_len > max_positions:
             raise BatchgenError(f"--context-length {context_len} exceeds the model's {max_positions} positions")
-        model = source.load(self.dtype, self.device, context_len, self.switches, options.deterministic)
+        model = source.load(
+            self.dtype, self.device, context_len, self.switches, options.deterministic, options.attention_backend
+        )
         config = model.config
         per_token = TokenToKVPool.bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, self.dtype)
         pool_size = options.max_total_tokens or int(options.mem_fraction * _available_memory(self.device) / per_token)

@@ -26,6 +26,8 @@ row alone may take another kernel: ``min_rows = 2`` pads such calls, which ``--d
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -95,16 +97,25 @@ class PackedLinear(nn.Module):
         return out.to(self.out_dtype) if self.round_output else out
 
 
-def prepack_linears(module: nn.Module, gemm_dtype: torch.dtype | None = None, min_rows: int = 1) -> int:
-    """Replace every ``nn.Linear`` under ``module`` by a :class:`PackedLinear` of its weights computing in
-    ``gemm_dtype`` (default: each weight's own dtype) with ``min_rows``; return how many."""
+def replace_linears(module: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> int:
+    """Replace every ``nn.Linear`` under ``module`` by ``make(linear)``; return how many."""
     count = 0
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear):
-            packed = PackedLinear(child.weight, child.bias, gemm_dtype)
-            packed.min_rows = min_rows
-            setattr(module, name, packed)
+            setattr(module, name, make(child))
             count += 1
         else:
-            count += prepack_linears(child, gemm_dtype, min_rows)
+            count += replace_linears(child, make)
     return count
+
+
+def prepack_linears(module: nn.Module, gemm_dtype: torch.dtype | None = None, min_rows: int = 1) -> int:
+    """Replace every ``nn.Linear`` under ``module`` by a :class:`PackedLinear` of its weights computing in
+    ``gemm_dtype`` (default: each weight's own dtype) with ``min_rows``; return how many."""
+
+    def pack(linear: nn.Linear) -> PackedLinear:
+        packed = PackedLinear(linear.weight, linear.bias, gemm_dtype)
+        packed.min_rows = min_rows
+        return packed
+
+    return replace_linears(module, pack)
