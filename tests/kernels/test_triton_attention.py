@@ -149,8 +149,7 @@ def test_extend_kernel_matches_float64(shape: tuple[torch.dtype, int, int]) -> N
 )
 def test_a_querys_bits_do_not_depend_on_its_round(shape: tuple[torch.dtype, int, int]) -> None:
     """--deterministic's attention: a query decoded (alone or among others) and attended as a row of prefill chunks
-    of many shapes gives the same bits (see :func:`assert_query_bits_independent_of_round`). Flash-Decoding's split
-    kernel does not: it differs from these in float32 and float16."""
+    of many shapes gives the same bits (see :func:`assert_query_bits_independent_of_round`)."""
     dtype, head_dim, group = shape
     assert_query_bits_independent_of_round(dtype, head_dim, group, torch.device("cpu"), TOLERANCE[dtype])
 
@@ -175,6 +174,28 @@ def test_backend_decode_reuses_static_scratch_across_replays() -> None:
             ref = _reference(q[i : i + 1], pool, pool.slots[i][:n], n - 1)
             assert relative_error(out[i : i + 1], ref) <= 1e-5
     assert len(pointers) == 1
+
+
+def test_deterministic_decode_graph_metadata_lives_in_static_buffers() -> None:
+    """--deterministic DECODE rounds after init_cuda_graph_state: the lengths the extend kernel reads sit at one
+    fixed address across 'replays' of changing lengths (the grid depends on the batch size only), no split scratch
+    is allocated, and each round attends as the float64 reference."""
+    gen = torch.Generator().manual_seed(8)
+    pool = _Pool([40, 300, 7], torch.float32, 64, gen)
+    backend = TritonAttnBackend(torch.device("cpu"), deterministic=True)
+    backend.init_cuda_graph_state(max_bs=4)
+    pointers = set()
+    for seq_lens in ([40, 300, 7], [13, 1, 7], [40, 299, 2]):
+        fb = decode_batch(pool, [0, 1, 2], seq_lens)
+        backend.init_forward_metadata_replay_cuda_graph(fb)
+        assert backend._extend is not None
+        pointers.add(backend._extend.prefix_lens.data_ptr())
+        q = torch.randn(3, 8, 64, generator=gen)
+        out = backend.forward_decode(q, 0, fb)
+        for i, n in enumerate(seq_lens):
+            ref = _reference(q[i : i + 1], pool, pool.slots[i][:n], n - 1)
+            assert relative_error(out[i : i + 1], ref) <= 1e-5
+    assert len(pointers) == 1 and backend._graph_scratch is None
 
 
 def test_backend_verify_graph_metadata_lives_in_static_buffers() -> None:
