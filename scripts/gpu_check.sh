@@ -7,6 +7,8 @@
 #    installed editable, wheels from ./wheels (or ./.whl) installed offline (flashinfer-python and apache-tvm-ffi:
 #    see the end of this comment), FlashInfer's one JIT module built and timed;
 # a. pytest -m cuda (tests/gpu/test_cuda.py): kernels, CUDA-graph hooks, backends agree on a tiny model;
+#    tests/gpu/test_cuda_deterministic.py: --deterministic's batch-invariant GEMM and attention compiled, and
+#    byte-identical rows across batch sizes, chunking, prefix cache, speculative decoding and CUDA graphs;
 # b. scripts/gpu_check.py compare: greedy tokens and logprobs of random:llama-1b across torch_native / triton /
 #    flashinfer, CUDA graphs on/off and the fused elementwise kernels (BATCHGEN_TRITON_FUSED_OPS=1) (float32:
 #    identical tokens, |dlogprob| <= 1e-4; bfloat16: against float32, within torch_native bfloat16's rounding

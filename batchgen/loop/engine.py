@@ -15,7 +15,6 @@ from transformers import GenerationConfig
 
 from batchgen.environment import kernel_switches
 from batchgen.errors import BatchgenError
-from batchgen.kernels.cpu import paged_attention_available
 from batchgen.kernels.switches import KernelSwitches
 from batchgen.loop.cpu_malloc import keep_freed_memory
 from batchgen.loop.drafter import Drafter
@@ -57,19 +56,6 @@ class RoundStats:
         """Share of the admitted prompt tokens that the prefix cache served, ``None`` before any."""
         total = self.admitted_prompt_tokens
         return self.cached_tokens / total if total else None
-
-
-def pick_deterministic(options: EngineOptions, device: torch.device, switches: KernelSwitches) -> bool:
-    """Resolve ``--deterministic``: as given, else on for the CPU where the torch_native backend's C++ kernel
-    builds and is switched on (it is what makes attention batch invariant there), off elsewhere."""
-    if options.deterministic is not None:
-        return options.deterministic
-    return (
-        device.type == "cpu"
-        and options.attention_backend in ("auto", "torch_native")
-        and switches.cpu_attention_kernel
-        and paged_attention_available()
-    )
 
 
 def pick_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtype:
@@ -143,7 +129,7 @@ class Engine:
         self.eos_token_ids = eos_token_ids(self.model_dir, self.hf_config)
         self.device = pick_device(options.device)
         self.dtype = pick_dtype(options.dtype, self.hf_config, self.device)
-        self.deterministic = pick_deterministic(options, self.device, self.switches)
+        self.deterministic = options.deterministic
         if self.device.type == "cpu":
             keep_freed_memory()
         self.max_running_requests: int = options.max_running_requests or (128 if self.device.type == "cpu" else 256)
@@ -151,7 +137,9 @@ class Engine:
         context_len = options.context_length or max_positions
         if context_len > max_positions:
             raise BatchgenError(f"--context-length {context_len} exceeds the model's {max_positions} positions")
-        model = source.load(self.dtype, self.device, context_len, self.switches, self.deterministic)
+        model = source.load(
+            self.dtype, self.device, context_len, self.switches, self.deterministic, options.attention_backend
+        )
         config = model.config
         per_token = TokenToKVPool.bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, self.dtype)
         pool_size = options.max_total_tokens or int(options.mem_fraction * _available_memory(self.device) / per_token)

@@ -22,7 +22,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from batchgen.models.config import ModelConfig
-from batchgen.models.packed_linear import PackedLinear, prepack_linears
+from batchgen.models.packed_linear import PackedLinear, make_batch_invariant, prepack_linears, replace_linears
 from batchgen.models.rotary import RotaryEmbedding
 
 if TYPE_CHECKING:
@@ -207,7 +207,7 @@ class LlamaForCausalLM(nn.Module):
     sample only, through :meth:`compute_logits`.
 
     :meth:`prepack_for_cpu` swaps the linear layers (and the output projection) for oneDNN-packed ones on a
-    bfloat16 or float16 CPU model, after the weights are loaded.
+    bfloat16 or float16 CPU model, after the weights are loaded; :meth:`use_linears` for others (Triton's).
     """
 
     def __init__(self, config: ModelConfig, max_positions: int, rotary_device: torch.device) -> None:
@@ -218,7 +218,7 @@ class LlamaForCausalLM(nn.Module):
             None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         self.rotary = RotaryEmbedding(config.hf_config, config.head_dim, max_positions, rotary_device)
-        self.tied_lm_head: PackedLinear | None = None  # the tied output projection, packed
+        self.tied_lm_head: nn.Module | None = None  # the tied output projection, packed or swapped
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[rows, vocab_size]`` logits in the model dtype for hidden states ``[rows, hidden_size]``: the output
@@ -229,14 +229,22 @@ class LlamaForCausalLM(nn.Module):
             return self.tied_lm_head(hidden)
         return F.linear(hidden, self.model.embed_tokens.weight)
 
-    def prepack_for_cpu(self, gemm_dtype: torch.dtype, min_rows: int = 1) -> None:
-        """Pack every linear weight for oneDNN GEMMs in ``gemm_dtype`` with ``min_rows`` (see
+    def prepack_for_cpu(self, gemm_dtype: torch.dtype, deterministic: bool = False) -> None:
+        """Pack every linear weight for oneDNN GEMMs in ``gemm_dtype``, batch invariant with ``deterministic`` (see
         :mod:`batchgen.models.packed_linear`); a tied output projection is packed from a copy, since the embedding
         keeps its own weight for lookups."""
-        prepack_linears(self, gemm_dtype, min_rows)
+        prepack_linears(self, gemm_dtype, deterministic)
         if self.lm_head is None:
-            self.tied_lm_head = PackedLinear(self.model.embed_tokens.weight, None, gemm_dtype)
-            self.tied_lm_head.min_rows = min_rows
+            self.tied_lm_head = tied = PackedLinear(self.model.embed_tokens.weight, None, gemm_dtype)
+            if deterministic:
+                make_batch_invariant(tied)
+
+    def use_linears(self, make: Callable[[torch.Tensor, torch.Tensor | None], nn.Module]) -> None:
+        """Run every linear layer and the output projection (a tied one sharing the embedding's weight) as
+        ``make(weight, bias)``: :class:`batchgen.models.triton_linear.TritonLinear` under ``--deterministic``."""
+        replace_linears(self, lambda linear: make(linear.weight, linear.bias))
+        if self.lm_head is None:
+            self.tied_lm_head = make(self.model.embed_tokens.weight, None)
 
     def use_fused_ops(self, ops: FusedElementwiseOps) -> None:
         """Run every layer's RMSNorms (the second with its residual add), SiLU-and-multiply and RoPE, and the final

@@ -18,13 +18,18 @@ Two cases, chosen per machine by :func:`cpu_gemm_dtype`:
   step of the model's dtype where its float32 sum lies next to a rounding boundary. The cost is memory: the
   packed weights take twice the model dtype's bytes.
 
-One packed weight serves every row count. Measured on AMX and AVX-512 CPUs, a row's output depends only on that
-row for every row count from 2 up (oneDNN's kernels keep one reduction order over the inner dimension), while one
-row alone may take another kernel: ``min_rows = 2`` pads such calls, which ``--deterministic`` relies on
-(tests/kernels/test_packed_linear.py checks it on each machine the suite runs on).
+One packed weight serves every row count, but not with one reduction order: which kernel and blocking oneDNN
+picks depends on the row count, so a row's output can change in its last bits with the rows beside it. Measured
+on an AMX CPU (tests/kernels/test_packed_linear.py checks it on each machine the suite runs on): float32 GEMMs
+give a row the same bits for every row count from 2 up (one row alone may take another kernel: ``min_rows = 2``
+pads it); bfloat16 ones change with the row count in no simple pattern (33-130 rows of 576 inputs, for one), but
+never with a row's place among a fixed number of rows, so ``--deterministic`` runs them ``call_rows`` rows at a
+time, the last call padded with zero rows.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -74,7 +79,7 @@ class PackedLinear(nn.Module):
     ``forward(x [T, in_features]) → [T, out_features]`` in the weight's dtype; in float32, unrounded, where
     ``round_output`` is set False (the float32 carrier of :meth:`batchgen.models.llama.LlamaForCausalLM.carry_float32`,
     whose next op rounds it to the weight's dtype as it loads it). ``min_rows``: fewer rows are padded with zeros
-    to that many (2 under ``--deterministic``, see the module docstring).
+    to that many; ``call_rows``: when set, every GEMM call gets exactly that many rows (see the module docstring).
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, gemm_dtype: torch.dtype | None = None) -> None:
@@ -86,25 +91,58 @@ class PackedLinear(nn.Module):
         self.bias = None if bias is None else bias.detach().to(self.gemm_dtype)
         self.round_output = True
         self.min_rows = 1
+        self.call_rows = 0
+
+    def _gemm(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x.to(self.gemm_dtype), self.packed, self.bias, "none", [], "")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
-        if rows < self.min_rows:
-            x = torch.cat([x, x.new_zeros(self.min_rows - rows, x.shape[1])])
-        out = torch.ops.mkldnn._linear_pointwise(x.to(self.gemm_dtype), self.packed, self.bias, "none", [], "")[:rows]
+        padded = max(self.min_rows, -(-rows // self.call_rows) * self.call_rows if self.call_rows else rows)
+        if padded > rows:
+            x = torch.cat([x, x.new_zeros(padded - rows, x.shape[1])])
+        if self.call_rows and padded > self.call_rows:
+            out = torch.cat([self._gemm(part) for part in x.split(self.call_rows)])[:rows]
+        else:
+            out = self._gemm(x)[:rows]
         return out.to(self.out_dtype) if self.round_output else out
 
 
-def prepack_linears(module: nn.Module, gemm_dtype: torch.dtype | None = None, min_rows: int = 1) -> int:
-    """Replace every ``nn.Linear`` under ``module`` by a :class:`PackedLinear` of its weights computing in
-    ``gemm_dtype`` (default: each weight's own dtype) with ``min_rows``; return how many."""
+def replace_linears(module: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> int:
+    """Replace every ``nn.Linear`` under ``module`` by ``make(linear)``; return how many."""
     count = 0
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear):
-            packed = PackedLinear(child.weight, child.bias, gemm_dtype)
-            packed.min_rows = min_rows
-            setattr(module, name, packed)
+            setattr(module, name, make(child))
             count += 1
         else:
-            count += prepack_linears(child, gemm_dtype, min_rows)
+            count += replace_linears(child, make)
     return count
+
+
+def prepack_linears(module: nn.Module, gemm_dtype: torch.dtype | None = None, deterministic: bool = False) -> int:
+    """Replace every ``nn.Linear`` under ``module`` by a :class:`PackedLinear` of its weights computing in
+    ``gemm_dtype`` (default: each weight's own dtype), batch invariant with ``deterministic``
+    (:func:`make_batch_invariant`); return how many."""
+
+    def pack(linear: nn.Linear) -> PackedLinear:
+        packed = PackedLinear(linear.weight, linear.bias, gemm_dtype)
+        if deterministic:
+            make_batch_invariant(packed)
+        return packed
+
+    return replace_linears(module, pack)
+
+
+# Rows per GEMM call of a half-precision GEMM under --deterministic: a decode round of up to 64 rows is one call;
+# larger ones take a call per 64 rows, each reading the weights again (the mode's cost, docs/performance.md).
+DETERMINISTIC_CALL_ROWS = 64
+
+
+def make_batch_invariant(linear: PackedLinear) -> None:
+    """Set ``linear`` up so that a row's output depends on that row only: float32 GEMMs pad a lone row to two,
+    half-precision ones run :data:`DETERMINISTIC_CALL_ROWS` rows a call (see the module docstring)."""
+    if linear.gemm_dtype == torch.float32:
+        linear.min_rows = 2
+    else:
+        linear.call_rows = DETERMINISTIC_CALL_ROWS

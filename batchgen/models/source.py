@@ -15,6 +15,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from batchgen.errors import BatchgenError
+from batchgen.kernels.attention import deterministic_backend
 from batchgen.kernels.cpu import fused_elementwise as cpu_ops
 from batchgen.kernels.switches import KernelSwitches
 from batchgen.models.llama import LlamaForCausalLM
@@ -95,27 +96,47 @@ class ModelSource:
         max_positions: int,
         switches: KernelSwitches,
         deterministic: bool = False,
+        attention_backend: str = "auto",
     ) -> LlamaForCausalLM:
         """The decoder on ``device`` in ``dtype``, with RoPE tables for ``max_positions`` positions: the
         checkpoint's weights, or random ones (seed 0) for a ``random:`` preset; bfloat16 and float16 linear weights
         on the CPU prepacked for oneDNN (:mod:`batchgen.models.packed_linear`; as float32 where oneDNN has no kernels
         for the dtype); bfloat16 models run with the CPU's fused elementwise kernels
         (:mod:`batchgen.kernels.cpu.fused_elementwise`, where they build; RoPE stores the new K/V); Triton's fused
-        kernels on CUDA (:func:`triton_fused_ops_requested`); each unless ``switches`` turns it off. With
-        ``deterministic`` (CPU) every linear layer, float32 ones too, is packed and pads single rows, so that a
-        row's GEMM outputs do not depend on the row count (:mod:`batchgen.models.packed_linear`).
+        kernels on CUDA (:func:`triton_fused_ops_requested`); each unless ``switches`` turns it off.
+
+        ``deterministic``: a row's outputs must not depend on the row count. With torch_native (the CPU; see
+        :func:`batchgen.kernels.attention.deterministic_backend` for ``attention_backend``) every linear layer,
+        float32 ones too, is packed and pads single rows (:mod:`batchgen.models.packed_linear`). With triton (CUDA,
+        or the CPU in Triton's interpreter) every linear layer and the LM head run Triton's batch-invariant GEMM
+        (:mod:`batchgen.kernels.triton.matmul`) and the norms, SiLU and RoPE its per-row fused kernels (torch's
+        CUDA reductions choose their split by the row count).
 
         Raises:
-            BatchgenError: unsupported architecture, missing / mis-shaped weights (see ``load_model``), or fused
-                kernels asked for where Triton cannot run them (see :func:`triton_fused_ops_requested`).
+            BatchgenError: unsupported architecture, missing / mis-shaped weights (see ``load_model``), fused
+                kernels asked for where Triton cannot run them (see :func:`triton_fused_ops_requested`), or turned
+                off where ``deterministic`` needs them.
         """
         if self.model_dir is None:
             model = random_model(self.hf_config, dtype, device, max_positions)
         else:
             model = load_model(self.model_dir, self.hf_config, dtype, device, max_positions)
+        if deterministic and deterministic_backend(attention_backend, device) == "triton":
+            if importlib.util.find_spec("triton") is None:
+                raise BatchgenError("--deterministic with attention backend triton needs triton (pip install triton)")
+            if switches.triton_fused_ops is False:
+                raise BatchgenError(
+                    f"--deterministic on the triton backend runs Triton's per-row norms: unset {FUSED_OPS_SWITCH}=0"
+                )
+            from batchgen.kernels.triton import fused_elementwise as triton_ops
+            from batchgen.models.triton_linear import TritonLinear
+
+            model.use_linears(TritonLinear)
+            model.use_fused_ops(triton_ops)
+            return model
         gemm_dtype = cpu_gemm_dtype(dtype, device, switches.cpu_prepack, deterministic)
         if gemm_dtype is not None:
-            model.prepack_for_cpu(gemm_dtype, min_rows=2 if deterministic else 1)
+            model.prepack_for_cpu(gemm_dtype, deterministic)
         if triton_fused_ops_requested(device, switches):
             from batchgen.kernels.triton import fused_elementwise as triton_ops
 

@@ -73,7 +73,9 @@ class DraftModelDrafter(SpeculativeDrafter):
                     f"vocabulary of {vocab_size} tokens, the target model's has {target.vocab_size}; the draft must "
                     "share the target's tokenizer"
                 )
-            model = source.load(target.dtype, target.device, context_len, target.switches, target.deterministic)
+            model = source.load(
+                target.dtype, target.device, context_len, target.switches, target.deterministic, attention_backend
+            )
         except BatchgenError as e:
             raise BatchgenError(f"--speculative-draft-model {spec}: {e}") from None
         pool_size = target.token_to_kv_pool.size

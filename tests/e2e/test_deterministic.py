@@ -17,14 +17,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from batchgen.io.partial_output import partial_dir
 from batchgen.io.writer import read_results
 from tests.helpers.cli import generate, run_args, run_cli, write_jsonl
 from tests.helpers.crash_points import AFTER_ROWS
 from tests.helpers.fork_runner import Zygote
-from tests.helpers.models import STORIES
+from tests.helpers.models import STORIES, build_random_model
 
 PROMPTS = [
     "Once upon a time",
@@ -65,12 +64,22 @@ def columns(table: dict[str, dict[str, Any]]) -> dict[str, str]:
     return {key: json.dumps([row[c] for c in COLUMNS]) for key, row in table.items()}
 
 
-@pytest.fixture(params=["stories260k", "llama", "qwen2"])
+@pytest.fixture(scope="module")
+def wide_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2's widths (576 hidden, 1536 MLP, 9 heads of 64 over 3 KV heads) in 2 layers: the GEMM shapes whose
+    bfloat16 kernels change their reduction order with the row count, and the attention kernel's bfloat16 path."""
+    shape = {"hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9, "num_key_value_heads": 3}
+    return build_random_model(tmp_path_factory.mktemp("wide") / "m", "llama", **shape)
+
+
+@pytest.fixture(params=["stories260k", "llama", "qwen2", "wide-llama"])
 def model(request: pytest.FixtureRequest, random_models: dict[str, Path]) -> Path:
     if request.param == "stories260k":
         if not STORIES.exists():
             pytest.skip("needs ../shared/models/stories260k (the workplace's shared folder; not in a fresh clone)")
         return STORIES
+    if request.param == "wide-llama":
+        return Path(request.getfixturevalue("wide_llama"))
     return random_models[request.param]
 
 
@@ -150,17 +159,3 @@ def test_killed_and_interrupted_runs_resume_to_identical_rows(random_models: dic
     code, output = run_cli(_resumable_args(dataset, out, model, "--resume", "--max-running-requests", "5"))
     assert code == 0, output
     assert columns({r["id"]: r for r in read_results(out).to_pylist()}) == reference
-
-
-def test_the_cpu_default_is_deterministic_where_the_kernel_runs() -> None:
-    from batchgen.kernels.cpu import build_problem
-    from batchgen.kernels.switches import KernelSwitches
-    from batchgen.loop.engine import pick_deterministic
-    from batchgen.loop.options import EngineOptions
-
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert pick_deterministic(EngineOptions(), cpu, KernelSwitches()) == (build_problem() is None)
-    assert not pick_deterministic(EngineOptions(), cuda, KernelSwitches())
-    assert not pick_deterministic(EngineOptions(), cpu, KernelSwitches(cpu_attention_kernel=False))
-    assert not pick_deterministic(EngineOptions(deterministic=False), cpu, KernelSwitches())
-    assert pick_deterministic(EngineOptions(deterministic=True), cuda, KernelSwitches())  # validate() refuses it

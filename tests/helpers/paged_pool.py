@@ -4,6 +4,10 @@ pool's sequences."""
 
 from __future__ import annotations
 
+import copy
+from types import SimpleNamespace
+from typing import Any
+
 import torch
 
 
@@ -48,6 +52,32 @@ class PagedPool:
         unowned = unowned[unowned > 0]
         for row, n in zip(self.req_pool_indices.tolist(), seq_lens):
             self.req_to_token[row, n:] = unowned[torch.randint(len(unowned), (context - n,), generator=gen)]
+
+    def to(self, device: torch.device) -> PagedPool:
+        """This pool with its tensors (not ``slots``, which index the CPU copies a reference reads) on ``device``."""
+        moved = copy.copy(self)
+        moved.k, moved.v = self.k.to(device), self.v.to(device)
+        moved.req_to_token, moved.req_pool_indices = self.req_to_token.to(device), self.req_pool_indices.to(device)
+        return moved
+
+
+def decode_batch(pool: PagedPool, rows: list[int], seq_lens: list[int]) -> Any:
+    """The parts of a DECODE ForwardBatch an attention backend reads, for the pool's sequences ``rows`` (indices)
+    at lengths ``seq_lens``, on the pool's device; ``max_seq_len`` is poisoned (a graph-safe backend must not read
+    it)."""
+    from batchgen.loop.forward_mode import ForwardMode
+
+    return SimpleNamespace(
+        forward_mode=ForwardMode.DECODE,
+        batch_size=len(rows),
+        req_pool_indices=pool.req_pool_indices[rows],
+        seq_lens=torch.tensor(seq_lens, device=pool.k.device),
+        max_seq_len=None,
+        extend_seq_lens_cpu=None,
+        extend_prefix_lens_cpu=None,
+        req_to_token_pool=SimpleNamespace(req_to_token=pool.req_to_token),
+        token_to_kv_pool=SimpleNamespace(k_buffer=pool.k[None], v_buffer=pool.v[None]),
+    )
 
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_pos: int) -> torch.Tensor:

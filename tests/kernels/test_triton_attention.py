@@ -34,8 +34,9 @@ from batchgen.kernels.attention.triton_backend import TritonAttnBackend  # noqa:
 from batchgen.kernels.triton.decode_attention import decode_attention_fwd, decode_scratch  # noqa: E402
 from batchgen.kernels.triton.extend_attention import extend_attention_fwd  # noqa: E402
 from batchgen.loop.forward_mode import ForwardMode  # noqa: E402
+from tests.helpers.batch_invariance import assert_query_bits_independent_of_round  # noqa: E402
 from tests.helpers.cli import generate, write_jsonl  # noqa: E402
-from tests.helpers.paged_pool import PagedPool, reference_attention, relative_error  # noqa: E402
+from tests.helpers.paged_pool import PagedPool, decode_batch, reference_attention, relative_error  # noqa: E402
 
 NUM_KV_HEADS = 2
 POOL_SLOTS = 1500
@@ -143,19 +144,14 @@ def test_extend_kernel_matches_float64(shape: tuple[torch.dtype, int, int]) -> N
         assert relative_error(out[rows], ref) <= TOLERANCE[dtype], f"prefix {prefix}, extend {extend}"
 
 
-def _decode_batch(pool: PagedPool, rows: list[int], seq_lens: list[int]) -> Any:
-    """The parts of a DECODE ForwardBatch the backend reads; ``max_seq_len`` is poisoned (it must not be read)."""
-    return SimpleNamespace(
-        forward_mode=ForwardMode.DECODE,
-        batch_size=len(rows),
-        req_pool_indices=pool.req_pool_indices[rows],
-        seq_lens=torch.tensor(seq_lens),
-        max_seq_len=None,
-        extend_seq_lens_cpu=None,
-        extend_prefix_lens_cpu=None,
-        req_to_token_pool=SimpleNamespace(req_to_token=pool.req_to_token),
-        token_to_kv_pool=SimpleNamespace(k_buffer=pool.k[None], v_buffer=pool.v[None]),
-    )
+@pytest.mark.parametrize(
+    "shape", [(torch.float32, 64, 4), (torch.bfloat16, 64, 1), (torch.float16, 128, 8)], ids=_shape_id
+)
+def test_a_querys_bits_do_not_depend_on_its_round(shape: tuple[torch.dtype, int, int]) -> None:
+    """--deterministic's attention: a query decoded (alone or among others) and attended as a row of prefill chunks
+    of many shapes gives the same bits (see :func:`assert_query_bits_independent_of_round`)."""
+    dtype, head_dim, group = shape
+    assert_query_bits_independent_of_round(dtype, head_dim, group, torch.device("cpu"), TOLERANCE[dtype])
 
 
 def test_backend_decode_reuses_static_scratch_across_replays() -> None:
@@ -168,7 +164,7 @@ def test_backend_decode_reuses_static_scratch_across_replays() -> None:
     backend.init_cuda_graph_state(max_bs=4)
     pointers = set()
     for seq_lens in ([40, 300, 7], [13, 1, 7], [40, 299, 2]):
-        fb = _decode_batch(pool, [0, 1, 2], seq_lens)
+        fb = decode_batch(pool, [0, 1, 2], seq_lens)
         backend.init_forward_metadata_replay_cuda_graph(fb)
         q = torch.randn(3, 8, 64, generator=gen)
         out = backend.forward_decode(q, 0, fb)
@@ -178,6 +174,28 @@ def test_backend_decode_reuses_static_scratch_across_replays() -> None:
             ref = _reference(q[i : i + 1], pool, pool.slots[i][:n], n - 1)
             assert relative_error(out[i : i + 1], ref) <= 1e-5
     assert len(pointers) == 1
+
+
+def test_deterministic_decode_graph_metadata_lives_in_static_buffers() -> None:
+    """--deterministic DECODE rounds after init_cuda_graph_state: the lengths the extend kernel reads sit at one
+    fixed address across 'replays' of changing lengths (the grid depends on the batch size only), no split scratch
+    is allocated, and each round attends as the float64 reference."""
+    gen = torch.Generator().manual_seed(8)
+    pool = _Pool([40, 300, 7], torch.float32, 64, gen)
+    backend = TritonAttnBackend(torch.device("cpu"), deterministic=True)
+    backend.init_cuda_graph_state(max_bs=4)
+    pointers = set()
+    for seq_lens in ([40, 300, 7], [13, 1, 7], [40, 299, 2]):
+        fb = decode_batch(pool, [0, 1, 2], seq_lens)
+        backend.init_forward_metadata_replay_cuda_graph(fb)
+        assert backend._extend is not None
+        pointers.add(backend._extend.prefix_lens.data_ptr())
+        q = torch.randn(3, 8, 64, generator=gen)
+        out = backend.forward_decode(q, 0, fb)
+        for i, n in enumerate(seq_lens):
+            ref = _reference(q[i : i + 1], pool, pool.slots[i][:n], n - 1)
+            assert relative_error(out[i : i + 1], ref) <= 1e-5
+    assert len(pointers) == 1 and backend._graph_scratch is None
 
 
 def test_backend_verify_graph_metadata_lives_in_static_buffers() -> None:

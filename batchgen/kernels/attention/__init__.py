@@ -34,18 +34,22 @@ def create_attention_backend(
     ``torch_native``. ``flashinfer`` and ``triton`` import their packages only when chosen, so batchgen runs
     without them installed. FlashInfer plans with the model's head counts, hence ``dtype`` and ``config``;
     without them ``auto`` does not consider it. ``switches``: whether torch_native may use the CPU kernel, and
-    whether Triton runs interpreted (the only way it runs on the CPU). ``deterministic``: torch_native on the
-    CPU with every row in the C++ kernel's vector path, whose result for a query depends only on its row.
+    whether Triton runs interpreted (the only way it runs on the CPU). ``deterministic``: the backend
+    :func:`deterministic_backend` names, in its batch-invariant mode: torch_native with every row in the C++
+    kernel's vector path, or triton decoding with its extend kernel; either way a query's result depends only on
+    its row.
 
     Raises:
         BatchgenError: ``flashinfer`` / ``triton`` when it cannot run here (one line saying why), ``deterministic``
-            where the CPU kernel cannot run or is switched off; an unknown
+            with a backend it cannot use or where the CPU kernel cannot run or is switched off; an unknown
             name is :meth:`batchgen.loop.options.EngineOptions.validate`'s to report.
     """
     if deterministic:
+        if deterministic_backend(name, device) == "triton":
+            return _create_triton(device, switches.triton_interpret, deterministic=True)
         problem = build_problem() if switches.cpu_attention_kernel else "BATCHGEN_CPU_ATTENTION_KERNEL=0"
-        if device.type != "cpu" or problem is not None:
-            raise BatchgenError(f"--deterministic needs batchgen's CPU attention kernel ({problem or device})")
+        if problem is not None:
+            raise BatchgenError(f"--deterministic needs batchgen's CPU attention kernel ({problem})")
         return TorchNativeAttnBackend(True, deterministic=True)
     if name == "torch_native" or (name == "auto" and device.type != "cuda"):
         if device.type == "cpu" and switches.cpu_attention_kernel:
@@ -72,6 +76,28 @@ def create_attention_backend(
     return _create_triton(device, switches.triton_interpret)
 
 
+def deterministic_backend(name: str, device: torch.device) -> str:
+    """The attention backend ``--deterministic`` runs for ``--attention-backend name`` on ``device``: ``auto`` is
+    torch_native (batchgen's C++ kernel) on the CPU and triton on CUDA; triton on the CPU runs in Triton's
+    interpreter (``TRITON_INTERPRET=1``), the GPU path's test. Triton's path also runs the linear layers on its
+    batch-invariant GEMM (:meth:`batchgen.models.source.ModelSource.load`).
+
+    Raises:
+        BatchgenError: flashinfer (its decode and prefill kernels tile a query's keys differently, so a token's
+            bits would depend on the round that computes it), or torch_native off the CPU (torch's attention).
+    """
+    if name == "auto":
+        return "triton" if device.type == "cuda" else "torch_native"
+    if name == "flashinfer":
+        raise BatchgenError(
+            "--deterministic does not run on attention backend flashinfer (its decode and prefill kernels tile a "
+            "query's keys differently); use --attention-backend triton"
+        )
+    if name == "torch_native" and device.type != "cpu":
+        raise BatchgenError(f"--deterministic on {device.type} needs --attention-backend triton, not torch_native")
+    return name
+
+
 def _create_flashinfer(device: torch.device, dtype: torch.dtype | None, config: ModelConfig | None) -> AttentionBackend:
     """The FlashInfer backend for ``config``'s attention shape in ``dtype``.
 
@@ -90,8 +116,9 @@ def _create_flashinfer(device: torch.device, dtype: torch.dtype | None, config: 
     return flashinfer_backend.FlashInferAttnBackend(device, dtype, *shape)
 
 
-def _create_triton(device: torch.device, interpreted: bool) -> AttentionBackend:
-    """The Triton backend on ``device``; ``interpreted``: Triton's interpreter runs the kernels (``TRITON_INTERPRET``).
+def _create_triton(device: torch.device, interpreted: bool, deterministic: bool = False) -> AttentionBackend:
+    """The Triton backend on ``device``; ``interpreted``: Triton's interpreter runs the kernels (``TRITON_INTERPRET``);
+    ``deterministic``: its batch-invariant mode.
 
     Raises:
         BatchgenError: when triton is not importable, when ``device`` is neither CUDA nor CPU, or when it is
@@ -116,4 +143,4 @@ def _create_triton(device: torch.device, interpreted: bool) -> AttentionBackend:
         )
     from batchgen.kernels.attention.triton_backend import TritonAttnBackend
 
-    return TritonAttnBackend(device)
+    return TritonAttnBackend(device, deterministic=deterministic)

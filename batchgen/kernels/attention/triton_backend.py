@@ -53,6 +53,12 @@ def _extend_lengths(fb: ForwardBatch) -> tuple[torch.Tensor, int]:
     return torch.stack([prefix_lens, extend_lens, qo_start]), max(fb.extend_seq_lens_cpu, default=0)
 
 
+def _one_token_lengths(seq_lens: torch.Tensor) -> torch.Tensor:
+    """int64 ``[3, batch]`` on ``seq_lens``' device: a DECODE round as an extend of one token per request (prefix
+    lengths ``seq_lens - 1``, new-token counts 1, q offsets ``0..batch-1``), computed there without a host sync."""
+    return torch.stack([seq_lens - 1, torch.ones_like(seq_lens), torch.arange(len(seq_lens), device=seq_lens.device)])
+
+
 class TritonAttnBackend(AttentionBackend):
     """Attention with the Triton kernels of :mod:`batchgen.kernels.triton`.
 
@@ -69,10 +75,17 @@ class TritonAttnBackend(AttentionBackend):
     graphs keep pointing at live memory; it is allocated by the first DECODE forward (the eager warm-up before
     capture), because the interface gives the query head count only with ``q``.
 
+    ``deterministic`` (``--deterministic``): DECODE rounds run the extend kernel too, as an extend of one token per
+    request after ``seq_lens - 1`` cached ones (lengths derived on the device; a static buffer under CUDA graphs),
+    so that a query's output has the same bits whether it is decoded, verified or part of any prefill chunk: one
+    compiled kernel, the same key blocks and tiles (Flash-Decoding's slices follow the sequence length, and its
+    products have other tile shapes). Its grid ``(batch, num_heads, 1)`` depends only on the batch size.
+
     Args:
         device: where the pool lives: ``cuda``, or ``cpu`` under Triton's interpreter (``TRITON_INTERPRET=1``).
         num_kv_splits: slices of each sequence in a DECODE round (Flash-Decoding's split count); a constant
             of the backend, so a captured graph's split count never goes stale.
+        deterministic: batch-invariant DECODE rounds, as above.
 
     Raises:
         BatchgenError: on a CPU device when the kernels were not loaded in interpreter mode.
@@ -81,7 +94,9 @@ class TritonAttnBackend(AttentionBackend):
 
     supports_cuda_graph: ClassVar[bool] = True
 
-    def __init__(self, device: torch.device, num_kv_splits: int = DEFAULT_NUM_KV_SPLITS) -> None:
+    def __init__(
+        self, device: torch.device, num_kv_splits: int = DEFAULT_NUM_KV_SPLITS, deterministic: bool = False
+    ) -> None:
         if num_kv_splits < 1:
             raise ValueError(f"num_kv_splits must be >= 1, got {num_kv_splits}")
         if device.type == "cpu" and not (decode_attention.INTERPRETED and extend_attention.INTERPRETED):
@@ -91,9 +106,11 @@ class TritonAttnBackend(AttentionBackend):
             )
         self.device = device
         self.num_kv_splits = num_kv_splits
+        self.deterministic = deterministic
         self._graph_max_bs: int | None = None
         self._graph_scratch: tuple[torch.Tensor, torch.Tensor] | None = None
         self._graph_extend: torch.Tensor | None = None
+        self._graph_decode: torch.Tensor | None = None
         self._decode = _DecodeMetadata()
         self._extend: _ExtendMetadata | None = None
 
@@ -103,6 +120,8 @@ class TritonAttnBackend(AttentionBackend):
         self._graph_max_bs = max_bs
         self._graph_scratch = None
         self._graph_extend = torch.zeros(3, max_bs, dtype=torch.int64, device=self.device) if verify_tokens else None
+        ones = torch.ones(max_bs, dtype=torch.int64, device=self.device)
+        self._graph_decode = _one_token_lengths(ones) if self.deterministic else None
 
     def init_forward_metadata_capture_cuda_graph(self, forward_batch: ForwardBatch) -> None:
         self._init_graph_metadata(forward_batch)
@@ -114,6 +133,13 @@ class TritonAttnBackend(AttentionBackend):
         """As :meth:`init_forward_metadata`, but a TARGET_VERIFY round's lengths go into the static buffer, whose
         address the captured extend kernel keeps (its grid depends only on the batch size and K + 1)."""
         fb = forward_batch
+        if fb.forward_mode.is_decode() and self.deterministic:
+            if self._graph_decode is None or fb.batch_size > self._graph_decode.shape[1]:
+                raise RuntimeError(f"DECODE graph of {fb.batch_size} rows without init_cuda_graph_state for it")
+            static = self._graph_decode[:, : fb.batch_size]
+            torch.sub(fb.seq_lens, 1, out=static[0])  # rows 1 and 2 (ones, 0..max_bs-1) never change
+            self._extend = _ExtendMetadata(static[0], static[1], static[2], 1)
+            return
         if not fb.forward_mode.is_target_verify():
             self.init_forward_metadata(fb)
             return
@@ -135,6 +161,9 @@ class TritonAttnBackend(AttentionBackend):
         if fb.forward_mode.is_decode():
             self._decode = _DecodeMetadata()
             self._extend = None
+            if self.deterministic:
+                lens = _one_token_lengths(fb.seq_lens)
+                self._extend = _ExtendMetadata(lens[0], lens[1], lens[2], 1)
             return
         host_lens, max_extend_len = _extend_lengths(fb)
         # One host-to-device copy for all three.
@@ -148,6 +177,8 @@ class TritonAttnBackend(AttentionBackend):
 
     def forward_decode(self, q: torch.Tensor, layer_id: int, forward_batch: ForwardBatch) -> torch.Tensor:
         """``[batch, num_heads, head_dim]`` output for one query per request; reads only device tensors."""
+        if self.deterministic:
+            return self.forward_extend(q, layer_id, forward_batch)
         pool = forward_batch.token_to_kv_pool
         q = q.contiguous()
         mid_o, mid_lse = self._decode_scratch(q)

@@ -7,6 +7,7 @@ Submodules:
     decode_attention: one query token per request, FlashDecoding split-K over the sequence.
     extend_attention: several new tokens per request after a cached prefix, FlashAttention-2 tiling.
     kv_store: the round's new K/V written to their pool slots.
+    matmul: a GEMM whose rows do not depend on the row count (linear layers under ``--deterministic``).
 """
 
 from __future__ import annotations

@@ -9,6 +9,12 @@ call), so there is no separate pass over the new tokens. Blocks past the diagona
 
 Rows are ragged: request ``b``'s queries are rows ``qo_start[b] .. qo_start[b] + extend_lens[b]`` of
 ``q``. MIXED rounds need nothing special: a decoding row is a request extending one token.
+
+Batch invariance (``--deterministic``): a query's result depends on its own row only. Key blocks start at position
+0 for every query, the tiles are fixed by ``head_dim``, and a block past a query's position (the rest of its tile
+may need it) changes nothing for it (its scores are -inf: the running max stays, its weights are exact zeros). So
+the same query gives the same bits in any chunk of any prefill, as a verify row, and as a DECODE round's query run
+through this kernel as an extend of one token (:class:`batchgen.kernels.attention.triton_backend.TritonAttnBackend`).
 """
 
 from __future__ import annotations
