@@ -59,16 +59,9 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
   return out;
 }
 
-// lowbias32 (Chris Wellons), as batchgen/sampling/random.py's _mix32, on every lane.
-inline vnu mix32(vnu x) {
-  x ^= x >> 16;
-  x *= 0x7FEB352Du;
-  x ^= x >> 15;
-  x *= 0x846CA68Bu;
-  return x ^ (x >> 16);
-}
-
-inline uint32_t mix32(uint32_t x) {
+// lowbias32 (Chris Wellons), as batchgen/sampling/random.py's _mix32: on a uint32_t, or on every lane of a vnu.
+template <typename U>
+inline U mix32(U x) {
   x ^= x >> 16;
   x *= 0x7FEB352Du;
   x ^= x >> 15;
