@@ -51,8 +51,8 @@ class EngineOptions:
     dtype: str = field(
         default="auto",
         metadata={
-            "help": "auto (the checkpoint's; float32 when it names none, or float16 on CPU), float32, bfloat16 or "
-            "float16."
+            "help": "auto (the checkpoint's; float32 when it names none, or names float16 on CPU), float32, "
+            "bfloat16 or float16."
         },
     )
     device: str = field(default="auto", metadata={"help": "auto (CUDA if available), cpu, cuda or cuda:N."})
