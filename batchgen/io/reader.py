@@ -12,6 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchgen.errors import BatchgenError, RowError
+from batchgen.io.openai_batch import OpenAIBatchInput, is_openai_batch_line
 from batchgen.io.passthrough import JSON_TEXT_METADATA, KNOWN_FIELDS, infer_schema, json_type_name, passthrough_names
 
 _JSONL_SUFFIXES = (".jsonl", ".json")
@@ -26,12 +27,15 @@ class InputRow:
         index: 0-based row index in the dataset (the default ``id``); blank JSONL lines get none.
         line: 1-based line number (JSONL, blank lines counted) or 1-based row number (Parquet).
         data: the row's fields with their original names. Parquet nulls are left out, so a null and an
-            absent field mean the same thing ("not set").
+            absent field mean the same thing ("not set"). An OpenAI Batch line's are those of its batchgen row.
+        error: why the row is bad, when the reader knows it already (an OpenAI Batch line asking for what batchgen
+            cannot do): :func:`batchgen.io.rows.parse_row` raises it.
     """
 
     index: int
     line: int
     data: dict[str, Any]
+    error: RowError | None = None
 
 
 class RowReader:
@@ -63,6 +67,7 @@ class RowReader:
     source: str
     passthrough_schema: pa.Schema
     passthrough_names: dict[str, str]  # pass-through field → its column (:func:`passthrough_names`)
+    openai: OpenAIBatchInput | None = None  # set for an OpenAI Batch file (:mod:`batchgen.io.openai_batch`)
 
     def __init__(self, path: Path, block_rows: int = 1024) -> None:
         if block_rows < 1:
@@ -92,6 +97,7 @@ class RowReader:
     # shapes, neither of which pyarrow's block-based JSON reader can give.
 
     def _init_jsonl(self) -> None:
+        self._kind_known = False  # whether the first JSON object has said if this is an OpenAI Batch file
         self._head: list[InputRow | RowError] = []
         self._head_end = 0  # byte offset just after the read-ahead block
         self._head_lines = 0
@@ -152,7 +158,27 @@ class RowReader:
             return RowError(self.source, line, None, "invalid JSON: nested too deeply")
         if not isinstance(value, dict):
             return RowError(self.source, line, None, f"expected a JSON object, got {json_type_name(value)}")
-        return InputRow(index=index, line=line, data=value)
+        return self._openai_row(InputRow(index=index, line=line, data=value))
+
+    def _openai_row(self, row: InputRow) -> InputRow:
+        """``row`` as batchgen reads it: unchanged, or an OpenAI Batch line mapped onto batchgen's fields.
+
+        Raises:
+            BatchgenError: a file mixing OpenAI Batch lines with batchgen rows.
+        """
+        if not self._kind_known:
+            self._kind_known = True
+            if is_openai_batch_line(row.data):
+                self.openai = OpenAIBatchInput(self.source)
+        if self.openai is None:
+            if is_openai_batch_line(row.data):
+                raise BatchgenError(
+                    f"{self.source}:{row.line}: an OpenAI Batch request line, but the file's first row is not one; "
+                    "a file holds one kind of row"
+                )
+            return row
+        data, error = self.openai.row(row.data, row.line)
+        return InputRow(index=row.index, line=row.line, data=data, error=error)
 
     # --- Parquet ----------------------------------------------------------------------------------------
 

@@ -75,12 +75,14 @@ def parse_row(
         block_rows: the reader's ``block_rows``, only to make the "field not present" message exact.
 
     Raises:
-        RowError: naming the first offending field (see the messages below for what is checked).
+        RowError: naming the first offending field (see the messages below for what is checked); ``row.error``.
     """
 
     def fail(field: str, message: str) -> RowError:
         return RowError(source, row.line, field, message)
 
+    if row.error is not None:
+        raise row.error
     data = row.data
     present = [name for name in PROMPT_FIELDS if data.get(name) is not None]
     if not present:
