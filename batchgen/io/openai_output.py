@@ -75,6 +75,7 @@ class OpenAIOutput:
     tokenizer: Any
     run_seed: int
     _tokens: dict[int, str] = field(default_factory=dict)
+    _anchor: tuple[int, str] | None = None
 
     def render(self, assembled: Path, out: Path) -> None:
         """Write the OpenAI Batch lines of the rows of ``assembled`` (an Arrow IPC file of result rows) to ``out``:
@@ -150,16 +151,25 @@ class OpenAIOutput:
         }
 
     def token(self, token_id: int) -> str:
-        """A token's text as OpenAI reports it: the token decoded alone, special tokens included (a token holding
-        part of a character decodes to U+FFFD, as in vLLM)."""
+        """A token's text as OpenAI reports it, special tokens included: what it adds to a text after another token
+        (so a SentencePiece token keeps the leading space that decoding it alone drops, and the tokens of a reply
+        join to its text); a token holding part of a character reads U+FFFD, as in vLLM."""
         text = self._tokens.get(token_id)
         if text is None:
             if self.tokenizer is None:
                 text = f"token_id:{token_id}"
             else:
-                text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+                if self._anchor is None:  # the token decoded before each one: the last of "a"'s
+                    anchor_id = int(self.tokenizer.encode("a", add_special_tokens=False)[-1])
+                    self._anchor = (anchor_id, self._decode(anchor_id))
+                anchor_id, anchor = self._anchor
+                pair = self._decode(anchor_id, token_id)
+                text = pair[len(anchor) :] if pair.startswith(anchor) else self._decode(token_id)
             self._tokens[token_id] = text
         return text
+
+    def _decode(self, *ids: int) -> str:
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False))
 
     def _chat_logprobs(self, row: dict[str, Any]) -> dict[str, Any] | None:
         """``{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}`` (OpenAI's chat shape), or ``None``

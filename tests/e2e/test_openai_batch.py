@@ -20,6 +20,7 @@ from batchgen.io.partial_output import partial_dir
 from batchgen.io.writer import OUTPUT_COLUMNS
 from tests.helpers.cli import read_rows, run_args, run_cli, write_jsonl
 from tests.helpers.crash_points import part_write_with_fault
+from tests.helpers.models import STORIES, needs_shared
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -115,6 +116,28 @@ def test_a_vllm_run_batch_chat_file_runs_unchanged(model: Path, tmp_path: Path) 
 GREEDY = {"model": "m", "temperature": 0}
 
 
+@needs_shared
+def test_a_completions_line_gives_hf_greedy_text(tmp_path: Path) -> None:
+    """stories260k's greedy continuation as HF transformers generates it (tests/data/greedy_reference.json)."""
+    expected = json.loads((Path(__file__).parents[1] / "data" / "greedy_reference.json").read_text())[
+        "stories260k|float32"
+    ]
+    body = {"model": "stories260k", "prompt": "Once upon a time", "max_tokens": 40, "temperature": 0, "logprobs": 1}
+    dataset = write_jsonl(tmp_path / "requests.jsonl", [request("story", body, COMPLETIONS)])
+    output = run(dataset, tmp_path / "out.jsonl", STORIES)
+    assert "body.model" not in output  # it names the loaded model by its last path part: no warning
+    (line,) = output_lines(tmp_path / "out.jsonl")
+    completion = validated(line, COMPLETIONS)
+    (choice,) = completion.choices
+    assert choice.text == expected["text"] and choice.finish_reason == "length"
+    # SentencePiece: each token keeps its leading space, so the tokens join to the text.
+    assert choice.logprobs is not None and choice.logprobs.tokens is not None
+    assert "".join(choice.logprobs.tokens) == expected["text"]
+    assert completion.usage is not None
+    assert completion.usage.prompt_tokens == len(expected["prompt_ids"])
+    assert completion.usage.completion_tokens == len(expected["new_ids"])
+
+
 def completions_file(tmp_path: Path) -> Path:
     """Completions requests: text and token-id prompts, logprobs N, the first one longest (it finishes last)."""
     lines = [
@@ -149,7 +172,7 @@ def test_completions_lines_in_input_order_with_the_columns_logprobs(
             assert choice.logprobs is None  # not asked for
             continue
         assert choice.logprobs is not None
-        tokens = [tokenizer.decode([t]) for t in row["output_token_ids"]]
+        tokens = [tokenizer.decode([t]) for t in row["output_token_ids"]]  # byte-level BPE: each token alone
         assert choice.logprobs.tokens == tokens
         assert choice.logprobs.token_logprobs == row["output_logprobs"]
         offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
