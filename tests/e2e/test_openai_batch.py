@@ -267,6 +267,7 @@ def bad_file(tmp_path: Path) -> Path:
         {"custom_id": "embed", "method": "POST", "url": "/v1/embeddings", "body": {"model": "m", "input": "x"}},
         request("hot", {**chat_body, "temperature": -1}),
         request("good-2", chat_body),
+        request("good-1", chat_body),  # a duplicate custom_id
     ]
     return write_jsonl(tmp_path / "bad.jsonl", lines)
 
@@ -276,20 +277,22 @@ def test_bad_lines_are_400_lines_in_place_under_on_error_skip(model: Path, tmp_p
     output = run(dataset, tmp_path / "out.jsonl", model, "--on-error", "skip")
     assert f"{dataset}:2: field 'body.tools'" in output
     lines = output_lines(tmp_path / "out.jsonl")
-    assert [line["custom_id"] for line in lines] == ["good-1", "tools", "embed", "hot", "good-2"]
-    for line, param in zip(lines[1:4], ["body.tools", "url", "temperature"]):
+    # In input order; a duplicate's error line right after the request whose id it repeats.
+    assert [line["custom_id"] for line in lines] == ["good-1", "good-1", "tools", "embed", "hot", "good-2"]
+    assert len({line["id"] for line in lines}) == 6
+    for line, param in zip(lines[1:5], ["id", "body.tools", "url", "temperature"]):
         assert line["response"]["status_code"] == 400
         assert set(line["response"]["body"]) == {"error"}
         error = line["response"]["body"]["error"]
         assert set(error) == {"message", "type", "param", "code"}
         assert error["type"] == "invalid_request_error" and error["param"] == param and error["code"] is None
         assert f"field '{param}'" in error["message"]
+    assert "duplicate id 'good-1'" in lines[1]["response"]["body"]["error"]["message"]
     validated(lines[0])
-    validated(lines[4])
+    validated(lines[5])
     code, status = run_cli(["status", str(dataset), str(tmp_path / "out.jsonl")])
-    assert code == 0 and status.startswith(
-        f"{tmp_path / 'out.jsonl'}: complete: 5 of 5 rows done, 0 remaining, 3 errored"
-    )
+    assert code == 0
+    assert status.startswith(f"{tmp_path / 'out.jsonl'}: complete: 6 of 6 rows done, 0 remaining, 4 errored")
 
 
 def test_bad_lines_fail_the_run_and_are_left_out_under_on_error_fail(model: Path, tmp_path: Path) -> None:
