@@ -11,6 +11,7 @@ field, never a success that ignored part of the request.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +23,8 @@ from batchgen.io.passthrough import PROMPT_FIELDS, json_type_name
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
 ENDPOINTS = (CHAT_URL, COMPLETIONS_URL)
+# Builds the RowError for one field of the line being mapped.
+_Fail = Callable[[str, str], RowError]
 # The keys of a request line; one of them on a line marks it as OpenAI-shaped.
 LINE_KEYS = ("custom_id", "method", "url", "body")
 
@@ -165,7 +168,7 @@ def is_openai_batch_line(data: dict[str, Any]) -> bool:
     return "custom_id" in data and "body" in data and not any(name in data for name in PROMPT_FIELDS)
 
 
-def _check_body_field(key: str, value: Any, url: str, body: dict[str, Any], fail: Any) -> None:
+def _check_body_field(key: str, value: Any, url: str, body: dict[str, Any], fail: _Fail) -> None:
     """Refuse a body field batchgen cannot honour (``value`` is not null)."""
     name = f"body.{key}"
     chat = url == CHAT_URL
@@ -184,7 +187,7 @@ def _check_body_field(key: str, value: Any, url: str, body: dict[str, Any], fail
         raise fail(name, "is not supported by batchgen; leave it out (the result would not be what it asks for)")
 
 
-def _prompt(url: str, body: dict[str, Any], fail: Any) -> dict[str, Any]:
+def _prompt(url: str, body: dict[str, Any], fail: _Fail) -> dict[str, Any]:
     if url == CHAT_URL:
         if "messages" not in body:
             raise fail("body.messages", "is required for /v1/chat/completions")
@@ -201,7 +204,7 @@ def _prompt(url: str, body: dict[str, Any], fail: Any) -> dict[str, Any]:
     raise fail("body.prompt", f"must be a string or an array of token ids, got {shown_value(prompt)}")
 
 
-def _messages(messages: Any, fail: Any) -> Any:
+def _messages(messages: Any, fail: _Fail) -> Any:
     """The messages with OpenAI's text content parts joined into one string (``\\n`` between parts, as vLLM
     does); other parts (images, audio) are refused. Other checks are the row's (:func:`batchgen.io.rows.parse_row`)."""
     if not isinstance(messages, list):
@@ -222,7 +225,7 @@ def _messages(messages: Any, fail: Any) -> Any:
     return joined
 
 
-def _logprobs(url: str, body: dict[str, Any], fail: Any) -> dict[str, Any]:
+def _logprobs(url: str, body: dict[str, Any], fail: _Fail) -> dict[str, Any]:
     """batchgen's ``logprobs`` / ``top_logprobs`` for the body's: off unless the body asks (OpenAI's default)."""
     value = body.get("logprobs")
     if url == CHAT_URL:
@@ -236,7 +239,7 @@ def _logprobs(url: str, body: dict[str, Any], fail: Any) -> dict[str, Any]:
     return {"logprobs": True, "top_logprobs": value}
 
 
-def _response_format(value: Any, fail: Any) -> dict[str, Any]:
+def _response_format(value: Any, fail: _Fail) -> dict[str, Any]:
     """``{"type": "text"}``: nothing; ``json_object``: any JSON object; ``json_schema``: its ``schema``."""
     kind = value.get("type") if isinstance(value, dict) else None
     if kind == "text":
