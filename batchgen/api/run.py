@@ -4,7 +4,9 @@ shares (it prints the summary and turns the outcome into an exit status itself).
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +15,7 @@ import torch
 from batchgen.api.checks import check_sampling_defaults
 from batchgen.environment import thread_count_chosen
 from batchgen.io.partial_output import partial_dir
+from batchgen.job.interrupts import HANDLED_SIGNALS
 from batchgen.job.options import JobOptions
 from batchgen.job.summary import RunSummary, raise_if_failed
 from batchgen.loop.options import EngineOptions, pick_device
@@ -22,8 +25,8 @@ from batchgen.sampling.sampling_params import SamplingParams
 
 class RunInterrupted(KeyboardInterrupt):
     """:func:`run` stopped by SIGINT, SIGTERM or SIGHUP: the rows finished are flushed to the partial output
-    (``partial_dir``), which ``run(..., resume=True)`` continues. Its handlers stay installed, so that a second
-    signal on the way out ends the process at once (as the command line's does).
+    (``partial_dir``), which ``run(..., resume=True)`` continues. The caller's own signal handlers are back in
+    place when it is raised (the command line keeps batchgen's: there a second signal ends the process at once).
 
     Attributes:
         signal_name: ``SIGINT``, ``SIGTERM`` or ``SIGHUP``.
@@ -66,12 +69,17 @@ def run(dataset: str | os.PathLike[str], out: str | os.PathLike[str], **options:
     """
     check_option_names(options, OPTION_CLASSES, "run")
     job_options = options_of(JobOptions, options)
+    handlers = {sig: signal.getsignal(sig) for sig in HANDLED_SIGNALS}
     summary = run_dataset(
         Path(dataset), Path(out), options_of(EngineOptions, options), options_of(SamplingParams, options), job_options
     )
     if summary is None:
         return RunSummary()
     if summary.interrupted_by:
+        if threading.current_thread() is threading.main_thread():  # elsewhere the job installed no handler
+            for sig, handler in handlers.items():
+                if handler is not None:  # None: a handler not set from Python, which cannot be put back
+                    signal.signal(sig, handler)
         raise RunInterrupted(summary.interrupted_by, summary, partial_dir(Path(out)))
     raise_if_failed(summary, job_options.on_error)
     return summary

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -213,6 +215,40 @@ def test_run_with_bad_rows_raises_after_writing_the_good_ones(chat_model: Path, 
     summary = batchgen.run(dataset, out, on_error="skip", overwrite=True, **options)
     assert (summary.rows, summary.errors) == (1, 1)
     assert read_rows(out)["1"]["finish_reason"] == "error"
+
+
+def test_a_stop_signal_raises_run_interrupted_and_resume_finishes(
+    chat_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from batchgen.loop.engine import Engine
+
+    rows = [{"prompt": f"row {i}", "max_new_tokens": 1 + i % 3, "ignore_eos": True} for i in range(12)]
+    dataset = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.arrow"
+    options = {"model": str(chat_model), "progress": False, "flush_every": 1, **ENGINE, "max_running_requests": 2}
+    step = Engine.step
+    rounds = 0
+
+    def step_then_interrupt(engine: Engine) -> list[Any]:
+        nonlocal rounds
+        rounds += 1
+        if rounds == 3:
+            os.kill(os.getpid(), signal.SIGINT)  # as Ctrl-C would, in the middle of the run
+        return step(engine)
+
+    monkeypatch.setattr(Engine, "step", step_then_interrupt)
+    caller_handler = signal.getsignal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt) as stopped:
+        batchgen.run(dataset, out, **options)
+    monkeypatch.undo()
+
+    assert isinstance(stopped.value, batchgen.RunInterrupted) and stopped.value.signal_name == "SIGINT"
+    assert signal.getsignal(signal.SIGINT) is caller_handler
+    done = stopped.value.summary.rows
+    assert 0 < done < 12 and stopped.value.partial_dir.is_dir() and not out.exists()
+    resumed = batchgen.run(dataset, out, resume=True, **options)
+    assert resumed.rows == 12 - done
+    assert sorted(read_rows(out), key=int) == [str(i) for i in range(12)]
 
 
 def test_import_batchgen_loads_no_torch() -> None:

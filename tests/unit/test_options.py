@@ -17,9 +17,10 @@ from typer.testing import CliRunner
 from batchgen.cli.app import app
 from batchgen.cli.bench import BENCH_ENGINE_OPTIONS, ONE_BATCH_ENGINE_OPTIONS
 from batchgen.cli.config import load_config
-from batchgen.cli.options import OPTION_CLASSES, declared_options, with_options
+from batchgen.cli.options import with_options
 from batchgen.job.options import JobOptions
 from batchgen.loop.options import EngineOptions
+from batchgen.options import OPTION_CLASSES, declared_options
 from batchgen.sampling.sampling_params import SamplingParams
 
 COMMANDS = typer.main.get_command(app).commands  # type: ignore[attr-defined]
