@@ -96,6 +96,7 @@ def test_generate_keeps_input_order_and_stream_yields_finishing_order(generator:
     in_order = generator.generate(rows)
     streamed = list(generator.stream(rows))
     assert [r["id"] for r in in_order] == ["0", "1"]
+    assert generator.generate([]) == [] and list(generator.stream(iter([]))) == []
     # Row 1's one token comes from its prefill round; row 0 decodes 7 more.
     assert [r["id"] for r in streamed] == ["1", "0"]
     assert [r["completion_tokens"] for r in streamed] == [1, 8]
