@@ -4,6 +4,7 @@ fed with a bounded lookahead → the result rows of finished requests, all sampl
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from batchgen.errors import RowError
@@ -18,6 +19,7 @@ from batchgen.loop.req import Req
 BadRowHandler = Callable[[RowError, str, dict[str, Any]], None]
 
 
+@dataclass
 class RowFlow:
     """One pass of rows through an engine: each row checked once, its request built, fed to the engine, and its
     finished samples turned into result rows.
@@ -25,7 +27,7 @@ class RowFlow:
     Row ids are unique within one flow (a second row with an id is a bad row); the flow keeps each row's
     pass-through fields until its last sample finishes.
 
-    Args:
+    Attributes:
         engine: the loaded engine; the flow owns its scheduler's requests while it runs.
         builder: builds a row's request (sampling defaults, run seed).
         source: the input's name in row errors.
@@ -34,26 +36,17 @@ class RowFlow:
         lookahead: rows read ahead for the scheduler: requests waiting in it are topped up to this many.
     """
 
-    def __init__(
-        self,
-        engine: Engine,
-        builder: RequestBuilder,
-        source: str,
-        parse: Callable[[InputRow], RowSpec],
-        bad_passthrough: Callable[[InputRow], dict[str, Any]],
-        lookahead: int,
-    ) -> None:
-        self.engine = engine
-        self.builder = builder
-        self.source = source
-        self.parse = parse
-        self.bad_passthrough = bad_passthrough
-        self.lookahead = lookahead
-        self._seen_ids: set[str] = set()
-        # Finished samples of rows whose other samples still run: a row's samples are handed out together.
-        self._samples: dict[str, list[dict[str, Any]]] = {}
-        # The pass-through fields of each row in flight, by id, until its last sample is handed out.
-        self._passthrough: dict[str, dict[str, Any]] = {}
+    engine: Engine
+    builder: RequestBuilder
+    source: str
+    parse: Callable[[InputRow], RowSpec]
+    bad_passthrough: Callable[[InputRow], dict[str, Any]]
+    lookahead: int
+    _seen_ids: set[str] = field(default_factory=set, init=False)
+    # Finished samples of rows whose other samples still run: a row's samples are handed out together.
+    _samples: dict[str, list[dict[str, Any]]] = field(default_factory=dict, init=False)
+    # The pass-through fields of each row in flight, by id, until its last sample is handed out.
+    _passthrough: dict[str, dict[str, Any]] = field(default_factory=dict, init=False)
 
     def requests(
         self,
