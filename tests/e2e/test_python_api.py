@@ -134,13 +134,26 @@ def test_a_closed_stream_leaves_the_generator_ready(generator: batchgen.Generato
 
 
 def test_a_bad_row_raises_naming_the_row_and_field_before_anything_runs(generator: batchgen.Generator) -> None:
+    rounds = generator.engine.stats.rounds
     with pytest.raises(RowError, match=r"^rows:2: field 'temperature': must be a number, got \"hot\"$") as error:
         generator.generate(["fine", {"prompt": "x", "temperature": "hot"}, {"prompt": "y", "top_p": 0}])
     assert (error.value.line, error.value.field) == (2, "temperature")
+    assert generator.engine.stats.rounds == rounds  # the good row did not run either
     with pytest.raises(RowError, match=r"^rows:1: must be a prompt string, a message list, a token-id list or a dict"):
         generator.generate([3.5])
     with pytest.raises(RowError, match=r"^rows:2: field 'id': duplicate id 'a'$"):
         list(generator.stream([{"id": "a", "prompt": "x"}, {"id": "a", "prompt": "y"}]))
+
+
+def test_a_stream_raises_at_a_bad_row_after_the_results_before_it(generator: batchgen.Generator) -> None:
+    rows: list[Any] = [f"row {i}" for i in range(30)]
+    rows[25] = {"prompt": "late", "n": "two"}
+    seen = []
+    with pytest.raises(RowError, match=r"^rows:26: field 'n': must be an integer, got \"two\"$"):
+        for result in generator.stream(rows, max_new_tokens=2):
+            seen.append(result["id"])
+    # Rows are read 8 ahead of those running: the first ones finished before row 26 was read.
+    assert seen and len(seen) == len(set(seen)) and set(seen) <= {str(i) for i in range(25)}
 
 
 def test_on_error_skip_gives_error_rows_in_their_place(generator: batchgen.Generator) -> None:
