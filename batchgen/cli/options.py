@@ -1,5 +1,6 @@
 """The commands' flags, derived from the options' declarations (:class:`~batchgen.loop.options.EngineOptions`,
-:class:`~batchgen.sampling.sampling_params.SamplingParams`' run defaults, :class:`~batchgen.job.options.JobOptions`).
+:class:`~batchgen.sampling.sampling_params.SamplingParams`' run defaults, :class:`~batchgen.job.options.JobOptions`,
+:class:`~batchgen.io.input_options.InputOptions`).
 
 A command names an options object among its parameters (``options: EngineOptions``); :func:`with_options` puts
 one Typer option per declared field in its place (the ``help`` and ``flag`` of the field's metadata, its default,
@@ -19,11 +20,12 @@ import typer
 from typer._click.core import Context  # the click typer vendors: its commands take this Context
 from typer.core import TyperArgument, TyperCommand
 
+from batchgen.io.input_options import InputOptions
 from batchgen.job.options import JobOptions
 from batchgen.loop.options import EngineOptions
 from batchgen.sampling.sampling_params import SamplingParams
 
-OPTION_CLASSES: tuple[type, ...] = (EngineOptions, SamplingParams, JobOptions)
+OPTION_CLASSES: tuple[type, ...] = (EngineOptions, SamplingParams, JobOptions, InputOptions)
 
 
 def declared_options(cls: type) -> list[Field[Any]]:

@@ -15,6 +15,7 @@ from batchgen.cli.options import with_options
 from batchgen.cli.user_errors import user_errors
 from batchgen.environment import thread_count_chosen
 from batchgen.errors import BatchgenError, FieldError
+from batchgen.io.input_options import InputOptions
 from batchgen.job.options import JobOptions
 from batchgen.job.summary import peak_rss_mib
 from batchgen.loop.options import EngineOptions, pick_device
@@ -52,7 +53,9 @@ def warn_if_cores_busy() -> None:
 def run(
     ctx: typer.Context,
     dataset: Path = typer.Argument(
-        ..., metavar="DATASET", help="Prompts: .jsonl (one JSON object per line) or .parquet."
+        ...,
+        metavar="DATASET",
+        help="Prompts: .jsonl (one JSON object per line), .parquet or .arrow; or a directory or quoted glob of shards.",
     ),
     out: Path = typer.Option(..., "--out", "-o", help="Results: .arrow (Arrow IPC file), .parquet or .jsonl."),
     config: Path | None = typer.Option(
@@ -62,6 +65,7 @@ def run(
     options: EngineOptions,
     defaults: SamplingParams,
     job_options: JobOptions,
+    input_options: InputOptions,
 ) -> None:
     """Generate a completion for every row of DATASET and write one result row per prompt to OUT."""
     from transformers.utils import logging as transformers_logging
@@ -74,18 +78,19 @@ def run(
     transformers_logging.set_verbosity_error()
     with user_errors(ctx):
         job_options.validate()
+        input_options.validate()
         options.validate()  # before the output's checks: a mistyped flag is named first
         _check_sampling_defaults(defaults, None)  # what needs no model, before loading it
         if check_output_path(dataset, out, job_options.overwrite, job_options.resuming):
             from batchgen.job.status import check_nothing_left
 
             # A finished output that lacks rows is reopened by the job, which adds them.
-            if check_nothing_left(dataset, out, job_options.resume_force):
+            if check_nothing_left(dataset, out, job_options.resume_force, input_options):
                 print(f"batchgen: {out} is already complete; nothing to do", file=sys.stderr)
                 return
         if pick_device(options.device).type == "cpu":
             warn_if_cores_busy()
-        job = RunJob(dataset, out, options, defaults, job_options)
+        job = RunJob(dataset, out, options, defaults, job_options, input_options)
         _check_sampling_defaults(defaults, job.engine.vocab_size)
         if defaults.n > job.engine.max_running_requests:
             raise BatchgenError(f"--n {defaults.n} exceeds --max-running-requests {job.engine.max_running_requests}")

@@ -24,6 +24,7 @@ from batchgen.io.input_digests import (
     encode_digests,
     row_digest,
 )
+from batchgen.io.input_options import INPUT_OPTIONS_KEY, InputOptions
 from batchgen.io.partial_output import PartialOutput, remove_partial_dir
 from batchgen.io.reader import RowReader, count_input_rows
 from batchgen.io.rows import RowSpec, error_row_id, parse_row, passthrough_that_fits
@@ -64,8 +65,9 @@ class RunJob:
         engine_options: EngineOptions,
         defaults: SamplingParams,
         job: JobOptions,
+        input_options: InputOptions | None = None,
     ) -> None:
-        self.reader = RowReader(dataset)
+        self.reader = RowReader(dataset, options=input_options)
         self.out = out
         self.job = job
         self.defaults = defaults
@@ -112,6 +114,7 @@ class RunJob:
             "batchgen.deterministic": str(self.engine.deterministic).lower(),
             "batchgen.sampling_defaults": json.dumps(asdict(self.defaults)),
             "batchgen.engine_options": json.dumps(asdict(self.engine_options)),
+            INPUT_OPTIONS_KEY: json.dumps(asdict(self.reader.options)),
         }
 
     def run(self) -> RunSummary:
@@ -241,15 +244,10 @@ class RunJob:
                 continue
             if len(self._digests) <= MAX_DIGESTED_ROWS * DIGEST_BYTES:  # past it, one more says "too many"
                 self._digests += row_digest(error_row_id(item), item.data)
-            source = self.reader.source
+            source = item.source or self.reader.source
             try:
-                spec = parse_row(
-                    item,
-                    source,
-                    self.reader.passthrough_schema,
-                    self.reader.passthrough_names,
-                    block_rows=self.reader.block_rows,
-                )
+                names = self.reader.passthrough_names
+                spec = parse_row(item, source, self.reader.passthrough_schema, names, block_rows=self.reader.block_rows)
             except RowError as e:
                 rid = error_row_id(item)
                 self._seen_ids.add(rid)
