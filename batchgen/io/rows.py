@@ -111,8 +111,9 @@ def parse_row(
 
 
 def _no_prompt(data: dict[str, Any]) -> str:
-    """The message for a row with no prompt field: the fields it has instead, and the rename that would make one
-    of them its prompt (``text`` → ``prompt``) when one looks like a prompt under another tool's name."""
+    """The message for a row with no prompt field: the fields it has instead, and the rename (or the column option)
+    that would make one of them its prompt (``text`` → ``prompt``) when one looks like a prompt under another tool's
+    name."""
     found = [key for key, value in data.items() if key != "id" and value is not None]
     message = "row has no prompt: give one of " + ", ".join(PROMPT_FIELDS)
     if not found:
@@ -124,7 +125,9 @@ def _no_prompt(data: dict[str, Any]) -> str:
     if hint is None:
         return f"{message} (found {shown})"
     which = "it" if len(found) == 1 else f"'{hint}'"
-    return f"{message} (found {shown}; rename {which} to '{_PROMPT_FIELD_HINTS[hint.lower()]}')"
+    field = _PROMPT_FIELD_HINTS[hint.lower()]
+    flag = {"prompt": " or pass --prompt-column", "messages": " or pass --messages-column"}.get(field)
+    return f"{message} (found {shown}; rename {which} to '{field}'{f'{flag} {hint}' if flag else ''})"
 
 
 def _check_prompt(value: Any, fail: _Fail) -> str:
