@@ -47,9 +47,10 @@ class RowReader:
             when the dataset has no prompt field).
 
     Raises:
-        BatchgenError: :func:`list_shards`' errors; a shard is unreadable or not valid Parquet/Arrow; the dataset
-            has no rows; (JSONL) it looks like a JSON document instead of JSON Lines; (Parquet/Arrow) a shard
-            repeats a column, or two shards give a column types that do not unify; :class:`ColumnMapping`'s errors.
+        BatchgenError: ``options`` break their rules (:meth:`InputOptions.validate`); :func:`list_shards`' errors; a
+            shard is unreadable or not valid Parquet/Arrow; the dataset has no rows; (JSONL) it looks like a JSON
+            document instead of JSON Lines; (Parquet/Arrow) a shard repeats a column, or two shards give a column
+            types that do not unify; :class:`ColumnMapping`'s errors.
         ValueError: ``block_rows`` < 1.
     """
 
@@ -67,6 +68,7 @@ class RowReader:
         self.block_rows = block_rows
         self.shards = list_shards(self.path)
         self.options = options or InputOptions()
+        self.options.validate()
         # A lone file is named as the user gave it; a shard by its path.
         self._names = [self.source] if self.shards.root is None else [str(p) for p in self.shards.paths]
         jsonl = self.shards.format == "jsonl"
