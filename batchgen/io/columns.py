@@ -61,7 +61,8 @@ class ColumnMapping:
         self.template = options.template_fields() if options.prompt_template is not None else None
 
     def _flag_of(self, column: str) -> str:
-        """The flag that names ``column`` (or replaces the field ``column``)."""
+        """The flag that names ``column`` (or replaces the field ``column``); for ``conversations`` read as messages
+        without one, what batchgen does instead."""
         o = self.options
         if column in (o.id_column, "id") and o.id_column is not None:
             return f"--id-column {o.id_column}"
@@ -69,7 +70,9 @@ class ColumnMapping:
             return f"--prompt-column {o.prompt_column}"
         if o.messages_column is not None:
             return f"--messages-column {o.messages_column}"
-        return "--prompt-template"
+        if o.prompt_template is not None:
+            return "--prompt-template"
+        return f"reading '{column}' as the chat messages (the dataset has no prompt field)"
 
     @property
     def active(self) -> bool:

@@ -204,6 +204,12 @@ def test_conversations_are_picked_up_only_without_a_prompt_field() -> None:
     spec = parse({"conversations": conversation}, InputOptions(), ["conversations"])
     assert spec.messages == [{"role": "user", "content": "hi"}]
     assert not ColumnMapping(InputOptions(), ["conversations", "prompt"], "d").active
+    with pytest.raises(RowError) as info:
+        parse({"topic": "t"}, InputOptions(), ["conversations", "topic"])
+    assert str(info.value) == (
+        "d.jsonl:4: field 'conversations': null or missing; reading 'conversations' as the chat messages (the dataset "
+        "has no prompt field) needs a value in every row"
+    )
 
 
 def test_row_errors_name_the_dataset_column() -> None:
