@@ -58,7 +58,7 @@ class RowReader:
     options: InputOptions
     passthrough_schema: pa.Schema
     passthrough_names: dict[str, str]  # pass-through field → its column (:func:`passthrough_names`)
-    _head: list[InputRow | RowError]  # JSONL: the rows read ahead
+    _head: list[InputRow | RowError]  # JSONL: the rows read ahead, as read (mapped as they are yielded)
 
     def __init__(self, path: Path, block_rows: int = 1024, options: InputOptions | None = None) -> None:
         if block_rows < 1:
@@ -75,8 +75,6 @@ class RowReader:
         columns = self._init_jsonl() if jsonl else self._init_table()
         # Named by the file whose columns were read: the first shard's schema, or the rows read ahead.
         self.mapping = ColumnMapping(self.options, columns, self.source if jsonl else self._names[0])
-        if jsonl:
-            self._head = [self._mapped(item) for item in self._head]
 
     def __iter__(self) -> Iterator[InputRow | RowError]:
         items = self._iter_jsonl() if self.shards.format == "jsonl" else self._iter_table()

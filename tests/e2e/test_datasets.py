@@ -221,3 +221,28 @@ def test_dataset_errors_are_one_line_before_any_row(model: Path, tmp_path: Path)
         f"shards disagree on column 'score': int64 in {clash / '0.parquet'}, string in {clash / '1.parquet'}"
     )
     assert not out.exists()
+
+
+def test_config_keys_and_a_messages_column_of_role_content_items(chat_model: Path, tmp_path: Path) -> None:
+    chats = [
+        [{"role": "user", "content": question}, {"role": "assistant", "content": "ref"}] for question in QUESTIONS[:2]
+    ]
+    Dataset.from_dict({"chat": chats, "qid": ["a", "b"]}).to_parquet(str(tmp_path / "chats.parquet"))
+    config = tmp_path / "c.yaml"
+    config.write_text("messages-column: chat\nid-column: qid\n")
+    rows = generate(tmp_path / "chats.parquet", tmp_path / "out.arrow", chat_model, "--config", str(config), *GREEDY)
+    want = plain_texts(
+        tmp_path, chat_model, [{"id": rid, "messages": chat[:1]} for rid, chat in zip(["a", "b"], chats, strict=True)]
+    )
+    assert {rid: row["text"] for rid, row in rows.items()} == want
+
+
+def test_a_template_from_a_config_file_in_either_yaml_quoting(model: Path, tmp_path: Path) -> None:
+    questions().to_json(str(tmp_path / "q.jsonl"), lines=True)
+    want = plain_texts(tmp_path, model, [{"id": str(i), "prompt": f"Q: {q}\nA:"} for i, q in enumerate(QUESTIONS)])
+    # YAML's double quotes make the newline; in single quotes \n stays two characters, which batchgen reads as one.
+    for line in ['prompt-template: "Q: {question}\\nA:"\n', "prompt-template: 'Q: {question}\\nA:'\n"]:
+        config = tmp_path / "c.yaml"
+        config.write_text(line)
+        rows = generate(tmp_path / "q.jsonl", tmp_path / "out.arrow", model, "--config", str(config), *GREEDY)
+        assert {rid: row["text"] for rid, row in rows.items()} == want, line
