@@ -8,6 +8,7 @@ import json
 import secrets
 import shlex
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pyarrow as pa
@@ -100,8 +101,8 @@ def open_output(
 def check_finished_rows(dataset: Path, out: Path, force: bool, options: InputOptions | None = None) -> int | None:
     """Before ``--resume`` reopens the finished Arrow IPC or Parquet output ``out`` to add the rows it lacks: check
     that each of its rows was made from the row ``dataset`` (read with the column ``options``; ``None``: those ``out``
-    records) holds under its id now (:mod:`batchgen.io.input_digests`),
-    and return how many of the dataset's ids it lacks; ``None`` when ``out`` records no digests (an older batchgen).
+    records) holds under its id now (:mod:`batchgen.io.input_digests`), and return how many of the dataset's ids it
+    lacks; ``None`` when ``out`` records no digests (an older batchgen).
 
     Rows whose input changed (or is gone) are refused, not generated again: that would discard their results. With
     ``force`` they are kept as they are, with a warning, and only the missing rows are generated.
@@ -114,8 +115,8 @@ def check_finished_rows(dataset: Path, out: Path, force: bool, options: InputOpt
         recorded = _metadata(schema).get(INPUT_DIGESTS_KEY)
         if recorded is None:
             return None
-        if options is None:
-            options = recorded_input_options(schema.metadata or {})
+        options_then = recorded_input_options(schema.metadata or {})
+        options = options if options is not None else options_then
         changed, missing = compare_rows(dataset, finished_ids(out), recorded, options)
     except (OSError, ValueError, pa.ArrowException) as e:
         raise BatchgenError(f"{out}: cannot read results ({e}); pass --overwrite to run the dataset again") from None
@@ -125,6 +126,12 @@ def check_finished_rows(dataset: Path, out: Path, force: bool, options: InputOpt
     if len(changed) > _IDS_SHOWN:
         shown += f" and {len(changed) - _IDS_SHOWN} more"
     rows = f"{counted(len(changed), 'row')} of {out} changed in {dataset} or left it since it was made ({shown})"
+    # Other column options make other prompts from the same rows: say so, not only that the rows changed.
+    now = {INPUT_OPTIONS_KEY: json.dumps(asdict(options))}
+    if options_differ := _changed_fields(
+        INPUT_OPTIONS_KEY, {INPUT_OPTIONS_KEY: json.dumps(asdict(options_then))}, now, None
+    ):
+        rows += f", read with other column options ({'; '.join(options_differ)})"
     if not force:
         raise BatchgenError(
             f"cannot resume: the input of {rows}; --resume does not generate them again, which would discard their "

@@ -246,3 +246,22 @@ def test_a_template_from_a_config_file_in_either_yaml_quoting(model: Path, tmp_p
         config.write_text(line)
         rows = generate(tmp_path / "q.jsonl", tmp_path / "out.arrow", model, "--config", str(config), *GREEDY)
         assert {rid: row["text"] for rid, row in rows.items()} == want, line
+
+
+def test_resume_with_other_column_options_says_so(model: Path, tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    questions().select(range(3)).to_parquet(str(data / "part-0.parquet"))
+    out = tmp_path / "out.arrow"
+    generate(data, out, model, "--prompt-column", "question", *GREEDY)
+    # A finished output that holds every row is complete whatever the options (as with other sampling defaults);
+    # one that lacks rows is checked row by row, and the rows it has were made from other prompts.
+    questions().select(range(3, 5)).to_parquet(str(data / "part-1.parquet"))
+    args = run_args(data, out, model, "--prompt-template", "Q: {question}", *GREEDY)
+    code, output = run_cli([a for a in args if a != "--overwrite"] + ["--resume"])
+    assert code == 2, output
+    assert (
+        f"cannot resume: the input of 3 rows of {out} changed in {data} or left it since it was made ('0', '1', '2'), "
+        "read with other column options (prompt_column 'question' → not given; prompt_template not given → "
+        "'Q: {question}'); --resume does not generate them again"
+    ) in output
