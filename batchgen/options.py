@@ -8,11 +8,12 @@ from collections.abc import Collection, Mapping
 from dataclasses import Field, fields
 from typing import Any, TypeVar, get_origin, get_type_hints
 
+from batchgen.io.input_options import InputOptions
 from batchgen.job.options import JobOptions
 from batchgen.loop.options import EngineOptions
 from batchgen.sampling.sampling_params import SamplingParams
 
-OPTION_CLASSES: tuple[type, ...] = (EngineOptions, SamplingParams, JobOptions)
+OPTION_CLASSES: tuple[type, ...] = (EngineOptions, SamplingParams, JobOptions, InputOptions)
 
 T = TypeVar("T")
 

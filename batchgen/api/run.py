@@ -14,6 +14,7 @@ import torch
 
 from batchgen.api.checks import check_sampling_defaults
 from batchgen.environment import thread_count_chosen
+from batchgen.io.input_options import InputOptions
 from batchgen.io.partial_output import partial_dir
 from batchgen.job.interrupts import HANDLED_SIGNALS
 from batchgen.job.options import JobOptions
@@ -52,11 +53,12 @@ def run(dataset: str | os.PathLike[str], out: str | os.PathLike[str], **options:
     (``summary.line()`` gives it).
 
     Args:
-        dataset: a ``.jsonl`` or ``.parquet`` file of rows.
+        dataset: a ``.jsonl``, ``.parquet`` or ``.arrow`` file of rows, or a directory or glob of such shards.
         out: the output file, ``.arrow``, ``.parquet`` or ``.jsonl``.
         **options: ``batchgen run``'s options by their Python names: engine options (``model``, ``dtype``,
             ``device``...), sampling defaults (``max_new_tokens``, ``temperature``, ``stop``...) and job options
-            (``on_error``, ``overwrite``, ``resume``, ``progress``...).
+            (``on_error``, ``overwrite``, ``resume``, ``progress``...), input options (``prompt_column``,
+            ``prompt_template``...).
 
     Returns:
         What the run did (an empty summary when ``resume=True`` finds ``out`` complete).
@@ -70,9 +72,9 @@ def run(dataset: str | os.PathLike[str], out: str | os.PathLike[str], **options:
     check_option_names(options, OPTION_CLASSES, "run")
     job_options = options_of(JobOptions, options)
     handlers = {sig: signal.getsignal(sig) for sig in HANDLED_SIGNALS}
-    summary = run_dataset(
-        Path(dataset), Path(out), options_of(EngineOptions, options), options_of(SamplingParams, options), job_options
-    )
+    engine_options, defaults = options_of(EngineOptions, options), options_of(SamplingParams, options)
+    input_options = options_of(InputOptions, options)
+    summary = run_dataset(Path(dataset), Path(out), engine_options, defaults, job_options, input_options)
     if summary is None:
         return RunSummary()
     if summary.interrupted_by:
@@ -86,7 +88,12 @@ def run(dataset: str | os.PathLike[str], out: str | os.PathLike[str], **options:
 
 
 def run_dataset(
-    dataset: Path, out: Path, options: EngineOptions, defaults: SamplingParams, job_options: JobOptions
+    dataset: Path,
+    out: Path,
+    options: EngineOptions,
+    defaults: SamplingParams,
+    job_options: JobOptions,
+    input_options: InputOptions,
 ) -> RunSummary | None:
     """Check the options and the output path, then run the job: its summary (``interrupted_by`` set after a stop
     signal, ``errors`` counting bad rows), or ``None`` when ``--resume`` finds ``out`` already complete (said on
@@ -99,18 +106,19 @@ def run_dataset(
     from batchgen.job.run_job import RunJob
 
     job_options.validate()
+    input_options.validate()
     options.validate()  # before the output's checks: a mistyped flag is named first
     check_sampling_defaults(defaults, None)  # what needs no model, before loading it
     if check_output_path(dataset, out, job_options.overwrite, job_options.resuming):
         from batchgen.job.status import check_nothing_left
 
         # A finished output that lacks rows is reopened by the job, which adds them.
-        if check_nothing_left(dataset, out, job_options.resume_force):
+        if check_nothing_left(dataset, out, job_options.resume_force, input_options):
             print(f"batchgen: {out} is already complete; nothing to do", file=sys.stderr)
             return None
     if pick_device(options.device).type == "cpu":
         warn_if_cores_busy()
-    job = RunJob(dataset, out, options, defaults, job_options)
+    job = RunJob(dataset, out, options, defaults, job_options, input_options)
     check_sampling_defaults(defaults, job.engine)
     return job.run()
 

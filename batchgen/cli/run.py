@@ -12,6 +12,7 @@ import typer
 from batchgen.cli.config import load_config
 from batchgen.cli.options import with_options
 from batchgen.cli.user_errors import user_errors
+from batchgen.io.input_options import InputOptions
 from batchgen.job.options import JobOptions
 from batchgen.job.summary import peak_rss_mib
 from batchgen.loop.options import EngineOptions
@@ -22,7 +23,9 @@ from batchgen.sampling.sampling_params import SamplingParams
 def run(
     ctx: typer.Context,
     dataset: Path = typer.Argument(
-        ..., metavar="DATASET", help="Prompts: .jsonl (one JSON object per line) or .parquet."
+        ...,
+        metavar="DATASET",
+        help="Prompts: .jsonl (one JSON object per line), .parquet or .arrow; or a directory or quoted glob of shards.",
     ),
     out: Path = typer.Option(..., "--out", "-o", help="Results: .arrow (Arrow IPC file), .parquet or .jsonl."),
     config: Path | None = typer.Option(
@@ -32,6 +35,7 @@ def run(
     options: EngineOptions,
     defaults: SamplingParams,
     job_options: JobOptions,
+    input_options: InputOptions,
 ) -> None:
     """Generate a completion for every row of DATASET and write one result row per prompt to OUT."""
     from transformers.utils import logging as transformers_logging
@@ -44,7 +48,7 @@ def run(
     # batchgen reports problems with the input itself, one line each; transformers' notes would only add noise.
     transformers_logging.set_verbosity_error()
     with user_errors(ctx):
-        summary = run_dataset(dataset, out, options, defaults, job_options)
+        summary = run_dataset(dataset, out, options, defaults, job_options, input_options)
         if summary is None:  # already complete
             return
         if summary.interrupted_by:  # said first, so the summary below does not read as a finished run

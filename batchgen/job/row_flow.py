@@ -30,7 +30,7 @@ class RowFlow:
     Attributes:
         engine: the loaded engine; the flow owns its scheduler's requests while it runs.
         builder: builds a row's request (sampling defaults, run seed).
-        source: the input's name in row errors.
+        source: the input's name in row errors (of a row whose reader names no shard).
         parse: checks one input row (:func:`batchgen.io.rows.parse_row` with the input's pass-through schema).
         bad_passthrough: the pass-through fields a bad row's error row keeps.
         lookahead: rows read ahead for the scheduler: requests waiting in it are topped up to this many.
@@ -73,11 +73,11 @@ class RowFlow:
                 continue
             try:
                 if spec.id in self._seen_ids:
-                    raise RowError(self.source, item.line, "id", f"duplicate id '{spec.id}'")
+                    raise RowError(item.source or self.source, item.line, "id", f"duplicate id '{spec.id}'")
                 self._seen_ids.add(spec.id)
                 if is_done(spec):
                     continue
-                req = self.builder.build(spec, self.source)
+                req = self.builder.build(spec, item.source or self.source)
             except RowError as e:
                 on_bad_row(e, spec.id, spec.passthrough)
                 continue

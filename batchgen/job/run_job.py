@@ -24,6 +24,7 @@ from batchgen.io.input_digests import (
     encode_digests,
     row_digest,
 )
+from batchgen.io.input_options import INPUT_OPTIONS_KEY, InputOptions
 from batchgen.io.partial_output import PartialOutput, remove_partial_dir
 from batchgen.io.reader import InputRow, RowReader, count_input_rows
 from batchgen.io.rows import RowSpec, error_row_id, parse_row, passthrough_that_fits
@@ -65,8 +66,9 @@ class RunJob:
         engine_options: EngineOptions,
         defaults: SamplingParams,
         job: JobOptions,
+        input_options: InputOptions | None = None,
     ) -> None:
-        self.reader = RowReader(dataset)
+        self.reader = RowReader(dataset, options=input_options)
         self.out = out
         self.job = job
         self.defaults = defaults
@@ -99,7 +101,7 @@ class RunJob:
             self.reader.source,
             lambda row: parse_row(
                 row,
-                self.reader.source,
+                row.source or self.reader.source,
                 self.reader.passthrough_schema,
                 self.reader.passthrough_names,
                 block_rows=self.reader.block_rows,
@@ -122,6 +124,7 @@ class RunJob:
             "batchgen.deterministic": str(self.engine.deterministic).lower(),
             "batchgen.sampling_defaults": json.dumps(asdict(self.defaults)),
             "batchgen.engine_options": json.dumps(asdict(self.engine_options)),
+            INPUT_OPTIONS_KEY: json.dumps(asdict(self.reader.options)),
         }
 
     def run(self) -> RunSummary:
