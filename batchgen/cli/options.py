@@ -1,5 +1,6 @@
 """The commands' flags, derived from the options' declarations (:class:`~batchgen.loop.options.EngineOptions`,
-:class:`~batchgen.sampling.sampling_params.SamplingParams`' run defaults, :class:`~batchgen.job.options.JobOptions`).
+:class:`~batchgen.sampling.sampling_params.SamplingParams`' run defaults, :class:`~batchgen.job.options.JobOptions`,
+:class:`~batchgen.io.input_options.InputOptions`: the classes of :data:`batchgen.options.OPTION_CLASSES`).
 
 A command names an options object among its parameters (``options: EngineOptions``); :func:`with_options` puts
 one Typer option per declared field in its place (the ``help`` and ``flag`` of the field's metadata, its default,
@@ -12,23 +13,14 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Collection
-from dataclasses import MISSING, Field, fields
+from dataclasses import MISSING, Field
 from typing import Any, get_args, get_origin, get_type_hints
 
 import typer
 from typer._click.core import Context  # the click typer vendors: its commands take this Context
 from typer.core import TyperArgument, TyperCommand
 
-from batchgen.job.options import JobOptions
-from batchgen.loop.options import EngineOptions
-from batchgen.sampling.sampling_params import SamplingParams
-
-OPTION_CLASSES: tuple[type, ...] = (EngineOptions, SamplingParams, JobOptions)
-
-
-def declared_options(cls: type) -> list[Field[Any]]:
-    """The fields of ``cls`` that are command-line options: those whose metadata has a ``help``."""
-    return [f for f in fields(cls) if "help" in f.metadata]
+from batchgen.options import OPTION_CLASSES, declared_options
 
 
 def with_options(

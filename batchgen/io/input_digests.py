@@ -25,6 +25,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from batchgen.errors import RowError
+from batchgen.io.input_options import InputOptions
 from batchgen.io.reader import RowReader
 from batchgen.io.rows import error_row_id
 
@@ -54,10 +55,13 @@ def _as_array(digests: bytes) -> pa.Array:
     return pa.Array.from_buffers(pa.uint64(), len(digests) // DIGEST_BYTES, [None, pa.py_buffer(digests)])
 
 
-def compare_rows(dataset: Path, out_ids: list[str], recorded: str) -> tuple[list[str], int]:
+def compare_rows(
+    dataset: Path, out_ids: list[str], recorded: str, options: InputOptions | None = None
+) -> tuple[list[str], int]:
     """Compare an output with ids ``out_ids`` (in its order) and input digests ``recorded`` (:func:`encode_digests`'
-    text) with ``dataset`` as it is now: the output's ids whose input row is not one ``recorded`` holds, or is gone
-    (in dataset order, then output order), and the number of the dataset's ids the output lacks.
+    text) with ``dataset`` as it is now, read with the column ``options`` the run used: the output's ids whose input
+    row is not one ``recorded`` holds, or is gone (in dataset order, then output order), and the number of the
+    dataset's ids the output lacks.
 
     The first row with an id is the one its output row was made from (a later one is a duplicate, a bad row); a
     line that is not a JSON object takes its index as id, but has no digest to compare.
@@ -74,7 +78,7 @@ def compare_rows(dataset: Path, out_ids: list[str], recorded: str) -> tuple[list
         raise ValueError(f"not input digests: {len(stored)} bytes")
     have, seen = set(out_ids), set()
     ids, digests = [], bytearray()
-    for index, item in enumerate(RowReader(dataset)):
+    for index, item in enumerate(RowReader(dataset, options=options)):
         rid = str(index) if isinstance(item, RowError) else error_row_id(item)
         if rid in have and rid not in seen and not isinstance(item, RowError):
             ids.append(rid)
@@ -86,12 +90,12 @@ def compare_rows(dataset: Path, out_ids: list[str], recorded: str) -> tuple[list
     return changed, len(seen - have)
 
 
-def input_ids(dataset: Path) -> Iterator[str]:
-    """The id of each row of ``dataset``, in order, as a run gives it to its output row: the row's ``id``, else its
-    index (a line that is not a JSON object too).
+def input_ids(dataset: Path, options: InputOptions | None = None) -> Iterator[str]:
+    """The id of each row of ``dataset``, in order, as a run with the column ``options`` gives it to its output row:
+    the row's ``id`` (or its ``--id-column``'s value), else its index (a line that is not a JSON object too).
 
     Raises:
         BatchgenError: the dataset cannot be read.
     """
-    for index, item in enumerate(RowReader(dataset)):
+    for index, item in enumerate(RowReader(dataset, options=options)):
         yield str(index) if isinstance(item, RowError) else error_row_id(item)

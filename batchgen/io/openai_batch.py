@@ -70,15 +70,13 @@ class OpenAIBatchInput:
     """The OpenAI Batch side of one input file: its endpoint and the models its lines name.
 
     Attributes:
-        source: the input file's name, for messages.
         url: the file's endpoint: that of its first line with a supported one (``None`` until one is read); OpenAI
             runs one endpoint per batch, and so does batchgen, so a line with the other one is an error line.
-        models: each ``body.model`` value read → the first line naming it.
+        models: each ``body.model`` value read → where the first line naming it is (``file:line``).
     """
 
-    source: str
     url: str | None = None
-    models: dict[str, int] = field(default_factory=dict)
+    models: dict[str, str] = field(default_factory=dict)
     loaded_model: str | None = None  # set by :meth:`expect_model`
     _warned: bool = False
 
@@ -87,30 +85,31 @@ class OpenAIBatchInput:
         ``body.model`` names another: batchgen ignores it (a file written for vLLM names an HF repo id, one for
         OpenAI a model of theirs). The names agree when equal or when their last path parts are."""
         self.loaded_model = loaded
-        for model, line in self.models.items():
-            self._check_model(model, line)
+        for model, where in self.models.items():
+            self._check_model(model, where)
 
-    def _check_model(self, model: str, line: int) -> None:
+    def _check_model(self, model: str, where: str) -> None:
         loaded = self.loaded_model
         if self._warned or loaded is None or _last_part(model) == _last_part(loaded):
             return
         self._warned = True
         tqdm.write(
-            f"batchgen: warning: {self.source}:{line}: body.model '{model}' is not the loaded model '{loaded}'; "
+            f"batchgen: warning: {where}: body.model '{model}' is not the loaded model '{loaded}'; "
             f"batchgen ignores body.model and runs every line on '{loaded}' (said once for the file)",
             file=sys.stderr,
         )
 
-    def row(self, data: dict[str, Any], line: int) -> tuple[dict[str, Any], RowError | None]:
-        """The batchgen row of the request line ``data`` (line ``line``), and the error that makes it an error row
-        (``None`` for a good line); a bad line's row holds only its id, when its ``custom_id`` is good.
+    def row(self, data: dict[str, Any], line: int, source: str) -> tuple[dict[str, Any], RowError | None]:
+        """The batchgen row of the request line ``data`` (line ``line`` of the shard ``source``), and the error that
+        makes it an error row (``None`` for a good line); a bad line's row holds only its id, when its
+        ``custom_id`` is good.
 
         Raises:
             BatchgenError: the line is not an OpenAI Batch request line at all (a mixed file).
         """
         if not any(key in data for key in LINE_KEYS):
             raise BatchgenError(
-                f"{self.source}:{line}: not an OpenAI Batch request line, but the file's first line is one; "
+                f"{source}:{line}: not an OpenAI Batch request line, but the file's first line is one; "
                 "a file holds one kind of row (give every line custom_id, method, url and body)"
             )
         custom_id = data.get("custom_id")
@@ -118,13 +117,13 @@ class OpenAIBatchInput:
         if isinstance(custom_id, str) and custom_id.strip():
             row = {"id": custom_id, "custom_id": custom_id}
         try:
-            return {**row, **self._mapped(data, line)}, None
+            return {**row, **self._mapped(data, line, source)}, None
         except RowError as e:
             return row, e
 
-    def _mapped(self, data: dict[str, Any], line: int) -> dict[str, Any]:
+    def _mapped(self, data: dict[str, Any], line: int, source: str) -> dict[str, Any]:
         def fail(name: str, message: str) -> RowError:
-            return RowError(self.source, line, name, message)
+            return RowError(source, line, name, message)
 
         for key in data:
             if key not in LINE_KEYS:
@@ -150,8 +149,8 @@ class OpenAIBatchInput:
             if not isinstance(model, str):
                 raise fail("body.model", f"must be a string, got {shown_value(model)}")
             if model not in self.models:
-                self.models[model] = line
-                self._check_model(model, line)
+                self.models[model] = f"{source}:{line}"
+                self._check_model(model, self.models[model])
         for key, value in given.items():
             _check_body_field(key, value, url, given, fail)
         row = {_SAMPLING_NAMES[key]: value for key, value in given.items() if key in _SAMPLING_NAMES}

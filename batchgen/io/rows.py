@@ -11,8 +11,8 @@ import pyarrow as pa
 
 from batchgen.errors import NOT_UNICODE, RowError, is_unicode_text, shown_value
 from batchgen.io.arrow_fit import misfit
+from batchgen.io.input_row import InputRow
 from batchgen.io.passthrough import KNOWN_FIELDS, PROMPT_FIELDS, is_json_text, json_type_name
-from batchgen.io.reader import InputRow
 from batchgen.sampling.sampling_params import SAMPLING_FIELD_ALIASES, SAMPLING_FIELDS
 
 __all__ = ["PROMPT_FIELDS", "RowSpec", "parse_row"]
@@ -75,14 +75,16 @@ def parse_row(
         block_rows: the reader's ``block_rows``, only to make the "field not present" message exact.
 
     Raises:
-        RowError: naming the first offending field (see the messages below for what is checked); ``row.error``.
+        RowError: naming the first offending field (see the messages below for what is checked), or the column
+            the column options could not map (``row.problem``).
     """
 
     def fail(field: str, message: str) -> RowError:
-        return RowError(source, row.line, field, message)
+        # A field the column options set is named by its column, the name the user knows.
+        return RowError(source, row.line, row.columns.get(field, field), message)
 
-    if row.error is not None:
-        raise row.error
+    if row.problem is not None:
+        raise RowError(source, row.line, *row.problem)
     data = row.data
     present = [name for name in PROMPT_FIELDS if data.get(name) is not None]
     if not present:
@@ -109,8 +111,9 @@ def parse_row(
 
 
 def _no_prompt(data: dict[str, Any]) -> str:
-    """The message for a row with no prompt field: the fields it has instead, and the rename that would make one
-    of them its prompt (``text`` → ``prompt``) when one looks like a prompt under another tool's name."""
+    """The message for a row with no prompt field: the fields it has instead, and the rename (or the column option)
+    that would make one of them its prompt (``text`` → ``prompt``) when one looks like a prompt under another tool's
+    name."""
     found = [key for key, value in data.items() if key != "id" and value is not None]
     message = "row has no prompt: give one of " + ", ".join(PROMPT_FIELDS)
     if not found:
@@ -122,7 +125,9 @@ def _no_prompt(data: dict[str, Any]) -> str:
     if hint is None:
         return f"{message} (found {shown})"
     which = "it" if len(found) == 1 else f"'{hint}'"
-    return f"{message} (found {shown}; rename {which} to '{_PROMPT_FIELD_HINTS[hint.lower()]}')"
+    field = _PROMPT_FIELD_HINTS[hint.lower()]
+    flag = {"prompt": " or pass --prompt-column", "messages": " or pass --messages-column"}.get(field)
+    return f"{message} (found {shown}; rename {which} to '{field}'{f'{flag} {hint}' if flag else ''})"
 
 
 def _check_prompt(value: Any, fail: _Fail) -> str:

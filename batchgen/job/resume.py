@@ -8,6 +8,7 @@ import json
 import secrets
 import shlex
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pyarrow as pa
@@ -15,8 +16,10 @@ import pyarrow as pa
 from batchgen.errors import BatchgenError, counted
 from batchgen.io.fingerprint import DatasetFingerprint, fingerprint_dataset
 from batchgen.io.input_digests import INPUT_DIGESTS_KEY, compare_rows
+from batchgen.io.input_options import INPUT_OPTIONS_KEY, InputOptions, recorded_input_options
 from batchgen.io.partial_output import PartialOutput, PartialState, partial_dir, remove_partial_dir
 from batchgen.io.reopen import finished_batches, finished_ids, reopen_output
+from batchgen.io.shards import is_read_as_shard
 from batchgen.io.writer import check_output_format
 from batchgen.job.options import JobOptions
 
@@ -34,13 +37,15 @@ def check_output_path(dataset: Path, out: Path, overwrite: bool, resume: bool) -
     (only with ``resume``; a partial output left beside it is then removed).
 
     Raises:
-        BatchgenError: ``out`` is the dataset or a directory, has an unsupported format, its directory does not
-            exist, both ``overwrite`` and ``resume`` are given, or ``out`` or its partial output exists without
-            either.
+        BatchgenError: ``out`` is the dataset, a directory or a file the dataset's directory or glob takes in, has an
+            unsupported format, its directory does not exist, both ``overwrite`` and ``resume`` are given, or
+            ``out`` or its partial output exists without either.
     """
     if out.exists() and dataset.exists() and out.resolve() == dataset.resolve():
         raise BatchgenError(f"{out}: the output file is the input dataset; choose another --out")
     check_output_format(out)
+    if is_read_as_shard(dataset, out):
+        raise BatchgenError(f"{out}: a later run would read the output as a shard of {dataset}; write it elsewhere")
     if out.is_dir():
         raise BatchgenError(f"{out}: is a directory, expected an output file")
     if overwrite and resume:
@@ -93,10 +98,11 @@ def open_output(
     return output_schema(schema, dataset, seed, recorded, job.resume_force, output.dir), resumed
 
 
-def check_finished_rows(dataset: Path, out: Path, force: bool) -> int | None:
+def check_finished_rows(dataset: Path, out: Path, force: bool, options: InputOptions | None = None) -> int | None:
     """Before ``--resume`` reopens the finished Arrow IPC or Parquet output ``out`` to add the rows it lacks: check
-    that each of its rows was made from the row ``dataset`` holds under its id now (:mod:`batchgen.io.input_digests`),
-    and return how many of the dataset's ids it lacks; ``None`` when ``out`` records no digests (an older batchgen).
+    that each of its rows was made from the row ``dataset`` (read with the column ``options``; ``None``: those ``out``
+    records) holds under its id now (:mod:`batchgen.io.input_digests`), and return how many of the dataset's ids it
+    lacks; ``None`` when ``out`` records no digests (an older batchgen).
 
     Rows whose input changed (or is gone) are refused, not generated again: that would discard their results. With
     ``force`` they are kept as they are, with a warning, and only the missing rows are generated.
@@ -109,7 +115,9 @@ def check_finished_rows(dataset: Path, out: Path, force: bool) -> int | None:
         recorded = _metadata(schema).get(INPUT_DIGESTS_KEY)
         if recorded is None:
             return None
-        changed, missing = compare_rows(dataset, finished_ids(out), recorded)
+        options_then = recorded_input_options(schema.metadata or {})
+        options = options if options is not None else options_then
+        changed, missing = compare_rows(dataset, finished_ids(out), recorded, options)
     except (OSError, ValueError, pa.ArrowException) as e:
         raise BatchgenError(f"{out}: cannot read results ({e}); pass --overwrite to run the dataset again") from None
     if not changed:
@@ -118,6 +126,12 @@ def check_finished_rows(dataset: Path, out: Path, force: bool) -> int | None:
     if len(changed) > _IDS_SHOWN:
         shown += f" and {len(changed) - _IDS_SHOWN} more"
     rows = f"{counted(len(changed), 'row')} of {out} changed in {dataset} or left it since it was made ({shown})"
+    # Other column options make other prompts from the same rows: say so, not only that the rows changed.
+    now = {INPUT_OPTIONS_KEY: json.dumps(asdict(options))}
+    if options_differ := _changed_fields(
+        INPUT_OPTIONS_KEY, {INPUT_OPTIONS_KEY: json.dumps(asdict(options_then))}, now, None
+    ):
+        rows += f", read with other column options ({'; '.join(options_differ)})"
     if not force:
         raise BatchgenError(
             f"cannot resume: the input of {rows}; --resume does not generate them again, which would discard their "
@@ -216,6 +230,8 @@ def job_differences(recorded: dict[str, str], now: dict[str, str]) -> list[str]:
         differences.append(f"deterministic {old_mode} → {new_mode}")
     differences += _changed_fields("batchgen.sampling_defaults", recorded, now, None)
     differences += _changed_fields("batchgen.engine_options", recorded, now, _OUTPUT_ENGINE_OPTIONS)
+    # An output of a batchgen without column options reads as one made with none.
+    differences += _changed_fields(INPUT_OPTIONS_KEY, recorded, now, None)
     try:
         old_dataset = DatasetFingerprint.from_json(recorded.get(DATASET_KEY, ""))
     except ValueError:

@@ -7,7 +7,7 @@ import contextlib
 import json
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -17,18 +17,26 @@ from tqdm import tqdm
 from batchgen import __version__
 from batchgen.errors import BatchgenError, FieldError, RowError
 from batchgen.io.field_warnings import warn_about_json_text_fields, warn_about_passthrough_names
-from batchgen.io.input_digests import DIGEST_BYTES, INPUT_DIGESTS_KEY, MAX_DIGESTED_ROWS, encode_digests, row_digest
+from batchgen.io.input_digests import (
+    DIGEST_BYTES,
+    INPUT_DIGESTS_KEY,
+    MAX_DIGESTED_ROWS,
+    encode_digests,
+    row_digest,
+)
+from batchgen.io.input_options import INPUT_OPTIONS_KEY, InputOptions
 from batchgen.io.openai_output import openai_output, wants_openai_output
 from batchgen.io.partial_output import PartialOutput, remove_partial_dir
-from batchgen.io.reader import RowReader, count_input_rows
+from batchgen.io.reader import InputRow, RowReader, count_input_rows
 from batchgen.io.rows import RowSpec, error_row_id, parse_row, passthrough_that_fits
 from batchgen.io.writer import result_schema
 from batchgen.job.interrupts import StopRequest, graceful_stop
 from batchgen.job.options import JobOptions
 from batchgen.job.recent_rates import RecentRates
 from batchgen.job.request_builder import RequestBuilder
-from batchgen.job.result_rows import error_row, result_row
+from batchgen.job.result_rows import error_row
 from batchgen.job.resume import RUN_SEED_KEY, open_output
+from batchgen.job.row_flow import RowFlow
 from batchgen.job.summary import RunSummary
 from batchgen.loop.engine import Engine
 from batchgen.loop.options import EngineOptions
@@ -59,8 +67,9 @@ class RunJob:
         engine_options: EngineOptions,
         defaults: SamplingParams,
         job: JobOptions,
+        input_options: InputOptions | None = None,
     ) -> None:
-        self.reader = RowReader(dataset)
+        self.reader = RowReader(dataset, options=input_options)
         as_openai = wants_openai_output(job.output_format, self.reader.openai, out)
         self.out = out
         self.job = job
@@ -90,14 +99,23 @@ class RunJob:
         warn_about_passthrough_names(self.reader.path, self.reader.passthrough_schema.names)
         warn_about_json_text_fields(self.reader.path, self.reader.passthrough_schema, self.reader.block_rows)
         self.summary = RunSummary()
-        self._seen_ids: set[str] = set()
+        self.flow = RowFlow(
+            self.engine,
+            self.builder,
+            self.reader.source,
+            lambda row: parse_row(
+                row,
+                row.source or self.reader.source,
+                self.reader.passthrough_schema,
+                self.reader.passthrough_names,
+                block_rows=self.reader.block_rows,
+            ),
+            lambda row: passthrough_that_fits(row.data, self.reader.passthrough_schema, self.reader.passthrough_names),
+            max(job.schedule_lookahead, 2 * self.engine.max_running_requests),
+        )
         # Every input row's digest, for the output's metadata: a later --resume checks its rows against them.
         self._digests = bytearray()
         self._pending_rows: list[dict[str, Any]] = []
-        # Finished samples of rows whose other samples still run: a row's samples are flushed together.
-        self._samples: dict[str, list[dict[str, Any]]] = {}
-        # The pass-through fields of each row in flight, by id, until its last sample is written.
-        self._passthrough: dict[str, dict[str, Any]] = {}
 
     def metadata(self) -> dict[str, str]:
         return {
@@ -110,6 +128,7 @@ class RunJob:
             "batchgen.deterministic": str(self.engine.deterministic).lower(),
             "batchgen.sampling_defaults": json.dumps(asdict(self.defaults)),
             "batchgen.engine_options": json.dumps(asdict(self.engine_options)),
+            INPUT_OPTIONS_KEY: json.dumps(asdict(self.reader.options)),
         }
 
     def run(self) -> RunSummary:
@@ -170,19 +189,14 @@ class RunJob:
         flushing finished rows every ``flush_every`` rows or ``flush_every_seconds``."""
         last_flush = time.monotonic()
         rates = RecentRates(start)  # the engine is this job's: its token counts start at 0
-        rows = self._requests(bar)
-        lookahead = max(self.job.schedule_lookahead, 2 * self.engine.max_running_requests)
-        input_left = True
-        while (input_left or self.engine.has_work()) and stop.signum is None:
-            while input_left and len(self.engine.scheduler.waiting) < lookahead:
-                req = next(rows, None)
-                if req is None:
-                    input_left = False
-                elif req.finished:
-                    self._finish(req, bar)
-                else:
-                    self.engine.add(req)
-            for req in self.engine.step():
+        done = self.output.state.done
+        requests = self.flow.requests(
+            self._digested(self.reader),
+            lambda error, rid, passthrough: self._row_failed(error, rid, passthrough, bar),
+            lambda spec: spec.id in done.samples and done.is_done(spec.id, self._samples_of(spec)),
+        )
+        for finished in self.flow.rounds(requests):
+            for req in finished:
                 self._finish(req, bar)
             if self.job.progress:
                 stats = self.engine.stats
@@ -194,6 +208,8 @@ class RunJob:
             if len(self._pending_rows) >= self.job.flush_every or overdue:
                 self._flush()
                 last_flush = time.monotonic()
+            if stop.signum is not None:
+                break
 
     def _flush(self) -> None:
         self.output.write_part(self._pending_rows)
@@ -210,17 +226,8 @@ class RunJob:
             )
 
     def _finish(self, req: Req, bar: tqdm) -> None:
-        rows = [result_row(req, self._passthrough[req.rid])]
-        if req.params.n > 1:
-            # All samples of a row go into one part, so a part holds all of a row's samples or none of them.
-            rows = self._samples.setdefault(req.rid, []) + rows
-            self._samples[req.rid] = rows
-            if len(rows) == req.params.n:
-                del self._samples[req.rid], self._passthrough[req.rid]
-                self._pending_rows.extend(sorted(rows, key=lambda row: row["sample_index"]))
-                self.summary.rows += 1
-        else:
-            del self._passthrough[req.rid]
+        rows = self.flow.result_rows(req)
+        if rows:  # all samples of a row go into one part, so a part holds all of a row's samples or none of them
             self._pending_rows.extend(rows)
             self.summary.rows += 1
         self.summary.samples += 1
@@ -229,52 +236,12 @@ class RunJob:
             self.summary.prompt_tokens += len(req.prompt_ids)
             bar.update(1)
 
-    def _requests(self, bar: tqdm) -> Iterator[Req]:
-        """Requests for the good rows not done yet, in input order; bad rows go through the error policy."""
-        done = self.output.state.done
-        for order, item in enumerate(self.reader):
-            if isinstance(item, RowError):
-                # Its default id is taken: a later row giving the same id explicitly is a duplicate.
-                self._seen_ids.add(str(order))
-                self._row_failed(item, str(order), {}, bar)
-                continue
-            if len(self._digests) <= MAX_DIGESTED_ROWS * DIGEST_BYTES:  # past it, one more says "too many"
-                self._digests += row_digest(error_row_id(item), item.data)
-            source = self.reader.source
-            try:
-                spec = parse_row(
-                    item,
-                    source,
-                    self.reader.passthrough_schema,
-                    self.reader.passthrough_names,
-                    block_rows=self.reader.block_rows,
-                )
-            except RowError as e:
-                rid = error_row_id(item)
-                self._seen_ids.add(rid)
-                self._row_failed(
-                    e,
-                    rid,
-                    passthrough_that_fits(item.data, self.reader.passthrough_schema, self.reader.passthrough_names),
-                    bar,
-                )
-                continue
-            try:
-                if spec.id in self._seen_ids:
-                    raise RowError(source, item.line, "id", f"duplicate id '{spec.id}'")
-                self._seen_ids.add(spec.id)
-                if spec.id in done.samples and done.is_done(spec.id, self._samples_of(spec)):
-                    continue  # written by an earlier run
-                req = self.builder.build(spec, source)
-            except RowError as e:
-                self._row_failed(e, spec.id, spec.passthrough, bar)
-                continue
-            self._passthrough[spec.id] = spec.passthrough
-            if req.params.max_new_tokens == 0 and req.params.prompt_logprobs is None:
-                req.finish_reason, req.text = "length", ""
-                yield from [req.fork(i, None) for i in range(1, req.params.n)]
-                req.unforked_samples = 0
-            yield req
+    def _digested(self, items: Iterable[InputRow | RowError]) -> Iterator[InputRow | RowError]:
+        """``items``, recording each readable row's digest on its way."""
+        for item in items:
+            if isinstance(item, InputRow) and len(self._digests) <= MAX_DIGESTED_ROWS * DIGEST_BYTES:
+                self._digests += row_digest(error_row_id(item), item.data)  # past the limit, one more says "too many"
+            yield item
 
     def _samples_of(self, spec: RowSpec) -> int:
         """The row's ``n`` (0 for a row whose sampling fields are bad: it is never done by its samples)."""

@@ -17,6 +17,7 @@ import pyarrow.compute as pc
 from batchgen.errors import BatchgenError, counted
 from batchgen.io.fingerprint import DatasetFingerprint, fingerprint_dataset
 from batchgen.io.input_digests import input_ids
+from batchgen.io.input_options import InputOptions, recorded_input_options
 from batchgen.io.openai_output import result_fields
 from batchgen.io.partial_output import PartialOutput, partial_dir
 from batchgen.io.reader import count_input_rows
@@ -67,7 +68,8 @@ class OutputStatus:
 
 
 def output_status(dataset: Path, out: Path) -> list[str]:
-    """The lines ``batchgen status`` prints (:meth:`OutputStatus.lines`).
+    """The lines ``batchgen status`` prints (:meth:`OutputStatus.lines`), the dataset read with the column options
+    the output records.
 
     Raises:
         BatchgenError: the dataset or the output cannot be read.
@@ -75,9 +77,9 @@ def output_status(dataset: Path, out: Path) -> list[str]:
     return read_output_status(dataset, out).lines()
 
 
-def read_output_status(dataset: Path, out: Path) -> OutputStatus:
+def read_output_status(dataset: Path, out: Path, options: InputOptions | None = None) -> OutputStatus:
     """Rows done, remaining and errored of the run from ``dataset`` to ``out``, with notes on a changed dataset
-    and damaged part files.
+    and damaged part files; the dataset's ids read with the column ``options`` (``None``: those ``out`` records).
 
     Raises:
         BatchgenError: the dataset or the output cannot be read.
@@ -89,8 +91,9 @@ def read_output_status(dataset: Path, out: Path) -> OutputStatus:
     if out.exists():
         state = "complete"
         done, errored, metadata, ids = _final_counts(out)
+        options = options if options is not None else recorded_input_options(metadata)
         # By id, not by count: a row the output lacks can hide behind a row the dataset no longer has.
-        missing = sum(rid not in ids for rid in dict.fromkeys(input_ids(dataset)))
+        missing = sum(rid not in ids for rid in dict.fromkeys(input_ids(dataset, options)))
     elif partial_dir(out).is_dir():
         partial = PartialOutput(out).inspect()
         done, errored = partial.done.count, partial.done.error_rows
@@ -115,18 +118,18 @@ def read_output_status(dataset: Path, out: Path) -> OutputStatus:
     return OutputStatus(dataset, out, state, done, total, errored, notes, changes, missing)
 
 
-def check_nothing_left(dataset: Path, out: Path, force: bool) -> bool:
-    """Before ``--resume`` calls the finished output ``out`` complete: whether it holds every row of ``dataset`` as
-    the dataset is now (``True``), or lacks rows (bad rows that ``--on-error fail`` left out, fixed since; rows
-    added), which the run then adds (``False``). The rows it holds are checked one by one
-    (:func:`check_finished_rows`); for an output that records no digests of its inputs (an older batchgen's) only the
-    dataset file's fingerprint is, and ``force`` (``--resume-force``) takes it as it is.
+def check_nothing_left(dataset: Path, out: Path, force: bool, options: InputOptions | None = None) -> bool:
+    """Before ``--resume`` calls the finished output ``out`` complete: whether it holds every row of ``dataset`` as the
+    dataset is now, read with the column ``options`` of this run (``True``), or lacks rows (bad rows that
+    ``--on-error fail`` left out, fixed since; rows added), which the run then adds (``False``). The rows it holds
+    are checked one by one (:func:`check_finished_rows`); for an output that records no digests of its inputs (an
+    older batchgen's) only the dataset file's fingerprint is, and ``force`` (``--resume-force``) takes it as it is.
 
     Raises:
         BatchgenError: a JSON Lines output lacks rows (it records nothing to resume from); rows changed; or (no
             digests) the dataset changed or rows are missing, unless ``force``.
     """
-    status = read_output_status(dataset, out)
+    status = read_output_status(dataset, out, options)
     if not status.remaining and not status.dataset_changes:
         return True
     if out.suffix.lower() == ".jsonl":  # no metadata, so no dataset changes either: rows are missing
@@ -135,7 +138,7 @@ def check_nothing_left(dataset: Path, out: Path, force: bool) -> bool:
             "--resume cannot add the rows it lacks; pass --overwrite to run the whole dataset again (.arrow and "
             ".parquet outputs can be resumed)"
         )
-    missing = check_finished_rows(dataset, out, force)
+    missing = check_finished_rows(dataset, out, force, options)
     if missing is not None:
         return missing == 0
     if force:

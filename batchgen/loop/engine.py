@@ -193,6 +193,10 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    def drop_all(self) -> None:
+        """Drop every request added and not finished (a Python caller stopped reading its results)."""
+        self.scheduler.drop_all()
+
     def _graph_max_bs(self, options: EngineOptions) -> int:
         """The graph runner's largest batch, 0 for none (see ``EngineOptions.cuda_graph_max_bs``)."""
         if options.disable_cuda_graph:

@@ -86,6 +86,13 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(len(self.waiting) or self.running)
 
+    def drop_all(self) -> None:
+        """Drop every waiting and running request (their caller has gone), freeing their KV as a retraction does."""
+        for req in self.running:
+            self._release(req)
+        self.running = []
+        self.waiting = WaitingQueue(by_prefix=self.kv_cache.radix_cache is not None)
+
     def next_batch(self) -> ScheduleBatch | None:
         """The next round, or ``None`` when nothing is waiting or running."""
         while True:

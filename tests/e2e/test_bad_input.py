@@ -83,7 +83,8 @@ CASES: dict[str, Case] = {
     "text_instead_of_prompt": Case(
         _bad(text="x"),
         "prompt",
-        "row has no prompt: give one of prompt, messages, prompt_token_ids (found 'text'; rename it to 'prompt')",
+        "row has no prompt: give one of prompt, messages, prompt_token_ids (found 'text'; rename it to 'prompt' "
+        "or pass --prompt-column text)",
     ),
     "input_ids_instead_of_prompt_token_ids": Case(
         _bad(topic="t", input_ids=[0, 5]),
@@ -386,7 +387,8 @@ def test_every_row_bad_writes_no_output(models: dict[str, Path], tmp_path: Path)
     assert code == 2, lines
     assert [line for line in lines if line.startswith("batchgen: error: ")] == [
         *(f"batchgen: error: {dataset}:{i}: field 'prompt': row has no prompt: give one of prompt, messages, "
-          "prompt_token_ids (found 'text', 'max_new_tokens'; rename 'text' to 'prompt')" for i in (1, 2)),
+          "prompt_token_ids (found 'text', 'max_new_tokens'; rename 'text' to 'prompt' or pass --prompt-column text)"
+          for i in (1, 2)),
         "batchgen: error: 2 bad input rows left out (see above; --on-error skip writes them); no row was good, so "
         "no output file was written",
     ]  # fmt: skip

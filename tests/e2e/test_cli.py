@@ -32,6 +32,10 @@ SUMMARY = re.compile(
 # Every flag of `batchgen run`, as a user types it.
 RUN_FLAGS = {
     "--out",
+    "--prompt-column",
+    "--messages-column",
+    "--prompt-template",
+    "--id-column",
     "-o",
     "--model",
     "--config",

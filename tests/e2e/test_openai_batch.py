@@ -138,6 +138,18 @@ def test_a_completions_line_gives_hf_greedy_text(tmp_path: Path) -> None:
     assert completion.usage.completion_tokens == len(expected["new_ids"])
 
 
+def test_the_readme_example_file_runs(model: Path, tmp_path: Path) -> None:
+    """examples/requests.jsonl, the README tour's OpenAI Batch file (written for the default model)."""
+    dataset = Path(__file__).parents[2] / "examples" / "requests.jsonl"
+    run(dataset, tmp_path / "results.jsonl", model)
+    lines = output_lines(tmp_path / "results.jsonl")
+    assert [line["custom_id"] for line in lines] == ["request-1", "request-2"]
+    first, second = (validated(line) for line in lines)
+    assert first.choices[0].logprobs is None
+    assert second.choices[0].logprobs is not None and second.choices[0].logprobs.content is not None
+    assert all(len(entry.top_logprobs) == 2 for entry in second.choices[0].logprobs.content)
+
+
 def completions_file(tmp_path: Path) -> Path:
     """Completions requests: text and token-id prompts, logprobs N, the first one longest (it finishes last)."""
     lines = [

@@ -731,7 +731,7 @@ def test_a_row_fixed_by_renaming_its_field_is_added_by_resume(suffix: str, model
     out = tmp_path / f"out{suffix}"
     run = ["run", str(dataset), "--out", str(out), "--model", str(model), *COMMON, "--max-new-tokens", "3"]
     code, output = run_cli([*run, "--ignore-eos"])
-    assert code == 2 and "(found 'text'; rename it to 'prompt')" in output, output
+    assert code == 2 and "(found 'text'; rename it to 'prompt' or pass --prompt-column text)" in output, output
     before = {row["id"]: row for row in read_results(out).to_pylist()}
     assert sorted(before) == ["r0", "r1", "r2"] and all(row["input_text"] is None for row in before.values())
     rows[1] = {"id": "b", "prompt": "The quick brown fox"}

@@ -36,9 +36,9 @@ def test_jsonl_blank_lines_counted_in_line_numbers_not_indices(tmp_path: Path) -
     path = write_lines(tmp_path / "in.jsonl", ['{"prompt": "a"}', "", "   ", '{"prompt": "b"}', '{"prompt": "c"}'])
     rows = read_all(RowReader(path))
     assert rows == [
-        InputRow(index=0, line=1, data={"prompt": "a"}),
-        InputRow(index=1, line=4, data={"prompt": "b"}),
-        InputRow(index=2, line=5, data={"prompt": "c"}),
+        InputRow(index=0, line=1, data={"prompt": "a"}, source=str(path)),
+        InputRow(index=1, line=4, data={"prompt": "b"}, source=str(path)),
+        InputRow(index=2, line=5, data={"prompt": "c"}, source=str(path)),
     ]
 
 
@@ -61,7 +61,7 @@ def test_jsonl_invalid_json_yields_row_error_and_continues(tmp_path: Path) -> No
     assert rows[1].message.startswith("invalid JSON: Expecting property name enclosed in double quotes")
     assert str(rows[1]).startswith(f"{path}:3: invalid JSON:")
     # The bad line used index 1, so the next row keeps index 2.
-    assert rows[2] == InputRow(index=2, line=4, data={"prompt": "c"})
+    assert rows[2] == InputRow(index=2, line=4, data={"prompt": "c"}, source=str(path))
 
 
 def test_jsonl_non_object_line(tmp_path: Path) -> None:
@@ -73,7 +73,7 @@ def test_jsonl_non_object_line(tmp_path: Path) -> None:
         (3, "expected a JSON object, got string"),
         (4, "expected a JSON object, got null"),
     ]
-    assert rows[4] == InputRow(index=4, line=5, data={"prompt": "b"})
+    assert rows[4] == InputRow(index=4, line=5, data={"prompt": "b"}, source=str(path))
 
 
 def test_jsonl_invalid_utf8_is_row_error(tmp_path: Path) -> None:
@@ -113,7 +113,7 @@ def test_missing_file_and_directory(tmp_path: Path) -> None:
     assert str(info.value) == f"{tmp_path / 'nope.jsonl'}: no such file"
     with pytest.raises(BatchgenError) as info:
         RowReader(tmp_path)
-    assert str(info.value) == f"{tmp_path}: is a directory, expected an input file"
+    assert str(info.value) == f"{tmp_path}: the directory holds no .jsonl, .parquet or .arrow files"
 
 
 def test_unsupported_input_extension(tmp_path: Path) -> None:
@@ -121,7 +121,7 @@ def test_unsupported_input_extension(tmp_path: Path) -> None:
     path.write_text("prompt\nhello\n")
     with pytest.raises(BatchgenError) as info:
         RowReader(path)
-    assert str(info.value) == f"{path}: unsupported input format '.csv' (use .jsonl or .parquet)"
+    assert str(info.value) == f"{path}: unsupported input format '.csv' (use .jsonl, .parquet or .arrow)"
 
 
 def test_not_a_parquet_file(tmp_path: Path) -> None:
@@ -151,8 +151,10 @@ def test_parquet_read_in_small_blocks(tmp_path: Path) -> None:
     rows = read_all(reader)
     assert [(r.index, r.line) for r in rows if isinstance(r, InputRow)] == [(i, i + 1) for i in range(7)]
     # Nulls are dropped, so an unset sampling field is absent rather than an explicit null.
-    assert rows[0] == InputRow(index=0, line=1, data={"prompt": "p0", "text": "t", "score": 0})
-    assert rows[1] == InputRow(index=1, line=2, data={"prompt": "p1", "temperature": 0.5, "text": "t", "score": 1})
+    assert rows[0] == InputRow(index=0, line=1, data={"prompt": "p0", "text": "t", "score": 0}, source=str(path))
+    assert rows[1] == InputRow(
+        index=1, line=2, data={"prompt": "p1", "temperature": 0.5, "text": "t", "score": 1}, source=str(path)
+    )
 
 
 def test_renamed_fields_never_share_a_column(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from batchgen.errors import BatchgenError, RowError
+from batchgen.io.input_options import InputOptions
 from batchgen.io.openai_output import result_fields, wants_openai_output
 from batchgen.io.reader import InputRow, RowReader
 from batchgen.io.rows import parse_row
@@ -58,7 +59,7 @@ def test_the_vllm_docs_line_is_a_chat_row_with_its_custom_id(tmp_path: Path) -> 
     assert reader.openai is not None and reader.openai.url == CHAT
     assert reader.passthrough_schema.names == ["custom_id"]  # the one column an OpenAI file adds
     (row,) = items
-    assert isinstance(row, InputRow) and row.error is None
+    assert isinstance(row, InputRow) and row.problem is None
     assert row.data == {
         "id": "request-1",
         "custom_id": "request-1",
@@ -97,7 +98,7 @@ def test_sampling_fields_map_onto_batchgen_names(tmp_path: Path) -> None:
         tools=None,
     )
     (row,) = rows(tmp_path, [request("a", body)])
-    assert row.error is None
+    assert row.problem is None
     mapped = {k: v for k, v in row.data.items() if k not in ("id", "custom_id", "messages")}
     assert mapped == {
         "max_tokens": 7,
@@ -130,7 +131,7 @@ def test_completions_prompts_and_their_logprobs_count(tmp_path: Path) -> None:
     assert text.data["stop"] == ["\n", "."]
     assert ids.data["prompt_token_ids"] == [1, 2, 3] and (ids.data["logprobs"], ids.data["top_logprobs"]) == (True, 0)
     assert one.data["prompt"] == "Once" and one.data["logprobs"] is False
-    assert all(row.error is None for row in (text, ids, one))
+    assert all(row.problem is None for row in (text, ids, one))
 
 
 def test_response_formats_become_json_schema_constraints(tmp_path: Path) -> None:
@@ -187,11 +188,11 @@ def test_a_line_asking_for_what_batchgen_cannot_do_is_an_error_row(
 ) -> None:
     first = request("first", {"prompt": "x"}, COMPLETIONS) if line["url"] == COMPLETIONS else request("first", chat())
     reader, (_, item) = read(tmp_path, [first, line])
-    assert isinstance(item, InputRow) and item.error is not None
-    assert item.error.line == 2 and item.error.field == field and says in item.error.message
+    assert isinstance(item, InputRow) and item.problem is not None
+    assert item.line == 2 and item.problem[0] == field and says in item.problem[1]
     with pytest.raises(RowError) as raised:
         parse_row(item, reader.source, reader.passthrough_schema, reader.passthrough_names)
-    assert raised.value is item.error
+    assert (raised.value.line, raised.value.field, raised.value.message) == (2, *item.problem)
     # The error row keeps the request's custom_id, when it has a good one, for its output line.
     expected = {"id": "a", "custom_id": "a"} if isinstance(line["custom_id"], str) else {}
     assert item.data == expected
@@ -199,14 +200,14 @@ def test_a_line_asking_for_what_batchgen_cannot_do_is_an_error_row(
 
 def test_one_endpoint_per_file(tmp_path: Path) -> None:
     reader, (_, second) = read(tmp_path, [request("a", chat()), request("b", {"prompt": "x"}, COMPLETIONS)])
-    assert isinstance(second, InputRow) and second.error is not None and second.error.field == "url"
-    assert "one endpoint per file" in second.error.message
+    assert isinstance(second, InputRow) and second.problem is not None and second.problem[0] == "url"
+    assert "one endpoint per file" in second.problem[1]
 
 
 def test_the_first_bad_line_does_not_decide_the_endpoint(tmp_path: Path) -> None:
     reader, items = read(tmp_path, [request("a", {}, "/v1/embeddings"), request("b", {"prompt": "x"}, COMPLETIONS)])
     assert reader.openai is not None and reader.openai.url == COMPLETIONS
-    assert isinstance(items[1], InputRow) and items[1].error is None
+    assert isinstance(items[1], InputRow) and items[1].problem is None
 
 
 def test_a_batchgen_row_in_an_openai_file_is_a_one_line_error(tmp_path: Path) -> None:
@@ -222,6 +223,14 @@ def test_an_openai_line_in_a_batchgen_file_is_a_one_line_error(tmp_path: Path) -
 def test_bad_json_before_the_first_request_does_not_decide_the_kind(tmp_path: Path) -> None:
     reader, items = read(tmp_path, ["{not json", request("a", chat())])
     assert isinstance(items[0], RowError) and reader.openai is not None
+
+
+@pytest.mark.parametrize("option", [{"prompt_column": "body"}, {"messages_column": "messages"}, {"id_column": "url"}])
+def test_column_options_are_refused_for_an_openai_file(tmp_path: Path, option: dict[str, str]) -> None:
+    path = tmp_path / "requests.jsonl"
+    path.write_text(json.dumps(request("a", chat())) + "\n")
+    with pytest.raises(BatchgenError, match="column options do not apply to an OpenAI Batch file"):
+        RowReader(path, options=InputOptions(**option))
 
 
 def test_a_different_model_is_warned_about_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -17,9 +17,11 @@ from typer.testing import CliRunner
 from batchgen.cli.app import app
 from batchgen.cli.bench import BENCH_ENGINE_OPTIONS, ONE_BATCH_ENGINE_OPTIONS
 from batchgen.cli.config import load_config
-from batchgen.cli.options import OPTION_CLASSES, declared_options, with_options
+from batchgen.cli.options import with_options
+from batchgen.io.input_options import InputOptions
 from batchgen.job.options import JobOptions
 from batchgen.loop.options import EngineOptions
+from batchgen.options import OPTION_CLASSES, declared_options
 from batchgen.sampling.sampling_params import SamplingParams
 
 COMMANDS = typer.main.get_command(app).commands  # type: ignore[attr-defined]
@@ -80,7 +82,7 @@ def _other_value(field: Field[Any], annotation: Any) -> Any:
 
 
 def _probe_app(built: dict[str, Any]) -> typer.Typer:
-    """A command taking all three objects and a ``--config``, as ``run`` does; it keeps what it was given."""
+    """A command taking all four objects and a ``--config``, as ``run`` does; it keeps what it was given."""
 
     @with_options()
     def probe(
@@ -89,8 +91,9 @@ def _probe_app(built: dict[str, Any]) -> typer.Typer:
         options: EngineOptions,
         defaults: SamplingParams,
         job: JobOptions,
+        columns: InputOptions,
     ) -> None:
-        built.update({EngineOptions: options, SamplingParams: defaults, JobOptions: job})
+        built.update({EngineOptions: options, SamplingParams: defaults, JobOptions: job, InputOptions: columns})
 
     probe_app = typer.Typer()
     probe_app.command()(probe)

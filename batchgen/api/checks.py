@@ -1,0 +1,24 @@
+"""The checks of a run's sampling defaults that ``batchgen run`` and the Python API share."""
+
+from __future__ import annotations
+
+import sys
+
+from batchgen.errors import BatchgenError, FieldError
+from batchgen.loop.engine import Engine
+from batchgen.sampling.sampling_params import SamplingParams
+
+
+def check_sampling_defaults(defaults: SamplingParams, engine: Engine | None) -> None:
+    """Validate the sampling defaults: against ``engine``'s vocabulary and its ``max_running_requests`` (all samples
+    of a row decode together), or, before the engine is loaded (``None``), the checks that need no model.
+
+    Raises:
+        BatchgenError: naming the option by its flag (``--temperature``), as the command line shows it.
+    """
+    try:
+        defaults.validate(engine.vocab_size if engine is not None else sys.maxsize)
+    except FieldError as e:
+        raise BatchgenError(f"--{e.field.replace('_', '-')}: {e.message}") from None
+    if engine is not None and defaults.n > engine.max_running_requests:
+        raise BatchgenError(f"--n {defaults.n} exceeds --max-running-requests {engine.max_running_requests}")

@@ -1,0 +1,174 @@
+"""``batchgen.Generator``: a model loaded once, generating from rows held in Python (docs/python.md)."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from batchgen.api.checks import check_sampling_defaults
+from batchgen.api.python_rows import SOURCE, input_rows, parse_python_row, python_passthrough
+from batchgen.errors import RowError
+from batchgen.io.writer import OUTPUT_COLUMNS
+from batchgen.job.options import JobOptions
+from batchgen.job.request_builder import RequestBuilder
+from batchgen.job.result_rows import error_row
+from batchgen.job.row_flow import RowFlow
+from batchgen.loop.engine import Engine
+from batchgen.loop.options import EngineOptions
+from batchgen.options import check_option_names, options_of
+from batchgen.sampling.sampling_params import SamplingParams
+from batchgen.speculative import make_drafter
+
+# A row: a prompt, a message list ({"role", "content"} dicts), prompt token ids, or a row dict as in a JSONL file.
+Row = str | list[dict[str, Any]] | list[int] | dict[str, Any]
+
+
+class Generator:
+    """A model loaded once, and its engine, for :meth:`generate` and :meth:`stream` calls on rows held in Python.
+
+    One call runs at a time: a :meth:`stream` that has started must be read to its end or closed before the next
+    call.
+
+    Args:
+        model: what ``--model`` takes: a model directory, a ``.gguf`` file, a built-in name, a Hugging Face hub id
+            or ``random:PRESET``.
+        **options: the other engine options (``batchgen run``'s flags) by their Python names:
+            ``dtype="float32"``, ``device="cpu"``, ``max_running_requests=64``, ``seed=0`` (the run seed: with it,
+            equal calls give equal results; without it each call draws a run seed of its own)...; and
+            ``schedule_lookahead``, the rows :meth:`stream` reads ahead (at least twice ``max_running_requests``).
+
+    Raises:
+        TypeError: an option that is not an engine option, named.
+        BatchgenError: a bad option value (the command line's one-line message, naming the flag), or a model that
+            cannot be resolved or loaded.
+    """
+
+    def __init__(self, model: str, **options: Any) -> None:
+        check_option_names(options, (EngineOptions,), type(self).__name__, also=("schedule_lookahead",))
+        self.options = options_of(EngineOptions, options, model=model)
+        job = options_of(JobOptions, options)  # schedule_lookahead only: the other names were checked
+        job.validate()
+        self.engine = Engine(self.options, make_drafter)
+        self.lookahead = max(job.schedule_lookahead, 2 * self.engine.max_running_requests)
+        self._stream_open = False
+
+    def generate(self, rows: Iterable[Row], *, on_error: str = "fail", **sampling: Any) -> list[dict[str, Any]]:
+        """Generate for every row; the results in input order, one dict per sample (a row's ``n`` samples one
+        after another, in ``sample_index`` order), as a file row: the columns of
+        ``batchgen.io.writer.OUTPUT_COLUMNS`` (``id``, ``text``, ``output_token_ids``, ``finish_reason``...;
+        ``top_logprobs`` as ``(token id, logprob)`` pairs), then a dict row's pass-through fields, as given.
+
+        Every row is checked before any is generated.
+
+        Args:
+            rows: prompt strings, message lists, token-id lists or row dicts (``id``, ``prompt``/``messages``/
+                ``prompt_token_ids``, sampling fields such as ``temperature`` or ``max_tokens``, other fields
+                passed through); a row's default id is its 0-based index.
+            on_error: ``fail``: a bad row raises, before anything runs; ``skip``: a bad row gives one result with
+                ``finish_reason`` ``"error"`` and the message in ``error``, in its place.
+            **sampling: the sampling defaults of rows that do not set a field (``batchgen run``'s flags by Python
+                name: ``max_new_tokens``, ``temperature``, ``top_p``, ``stop``, ``n``...).
+
+        Raises:
+            TypeError: a sampling keyword that is no sampling default, named.
+            BatchgenError: a bad sampling default or ``on_error`` (the command line's message).
+            RowError: ``on_error="fail"`` and a bad row: the first one, as ``rows:LINE: field 'NAME': ...``
+                (``LINE`` counts rows from 1).
+            RuntimeError: a :meth:`stream` of this generator is still open.
+        """
+        flow = self._flow("generate", on_error, sampling)
+        results: list[list[dict[str, Any]]] = []  # per input row (a good row's: empty until it finishes)
+        slot_of: dict[str, int] = {}
+        bad: list[RowError] = []
+
+        def bad_row(error: RowError, rid: str, passthrough: dict[str, Any]) -> None:
+            bad.append(error)
+            results.append([_error_result(error, rid, passthrough)])
+
+        requests = []
+        for req in flow.requests(input_rows(rows), bad_row):
+            if req.sample_index == 0:
+                slot_of[req.rid] = len(results)
+                results.append([])
+            requests.append(req)
+        if bad and on_error == "fail":
+            raise bad[0]
+        try:
+            for finished in flow.rounds(iter(requests)):
+                for req in finished:
+                    results[slot_of[req.rid]] += flow.result_rows(req)
+        finally:
+            self.engine.drop_all()  # after an exception (Ctrl-C): nothing of this call stays in the engine
+        return [row for row_results in results for row in row_results]
+
+    def stream(self, rows: Iterable[Row], *, on_error: str = "fail", **sampling: Any) -> Iterator[dict[str, Any]]:
+        """Generate for every row, yielding each result as its row finishes (finishing order; a row's samples one
+        after another): the dicts of :meth:`generate`, matched to their rows by ``id``.
+
+        ``rows`` is read as the engine needs more work (a bounded lookahead: at least twice
+        ``max_running_requests``), so it may be a generator over more rows than fit in memory. Closing the stream
+        early (``break``, ``.close()``) drops the requests still running.
+
+        Args:
+            rows, on_error, sampling: as for :meth:`generate`; but with ``on_error="fail"`` a bad row raises
+                when it is read, after the results of the rows that finished before it.
+
+        Raises:
+            as :meth:`generate`.
+        """
+        flow = self._flow("stream", on_error, sampling)  # checked here, not at the first result
+        return self._results(flow, rows, on_error == "fail")
+
+    def _results(self, flow: RowFlow, rows: Iterable[Row], fail: bool) -> Iterator[dict[str, Any]]:
+        self._check_no_stream_open()  # another stream may have started since this one was made
+        self._stream_open = True
+        ready: list[dict[str, Any]] = []
+
+        def bad_row(error: RowError, rid: str, passthrough: dict[str, Any]) -> None:
+            if fail:
+                raise error
+            ready.append(_error_result(error, rid, passthrough))
+
+        try:
+            for finished in flow.rounds(flow.requests(input_rows(rows), bad_row)):
+                for req in finished:
+                    ready += flow.result_rows(req)
+                yield from ready
+                ready.clear()
+        finally:
+            self.engine.drop_all()
+            self._stream_open = False
+
+    def _flow(self, caller: str, on_error: str, sampling: dict[str, Any]) -> RowFlow:
+        """A flow of rows through this generator's engine, with ``sampling`` as the rows' defaults.
+
+        Raises:
+            TypeError, BatchgenError, RuntimeError: see :meth:`generate`.
+        """
+        check_option_names(sampling, (SamplingParams,), caller)
+        JobOptions(on_error=on_error).validate()
+        defaults = options_of(SamplingParams, sampling)
+        check_sampling_defaults(defaults, self.engine)
+        self._check_no_stream_open()
+        engine = self.engine
+        seed = self.options.seed if self.options.seed is not None else secrets.randbits(63)
+        builder = RequestBuilder(
+            engine.tokenizer,
+            engine.vocab_size,
+            engine.context_len,
+            engine.eos_token_ids,
+            defaults,
+            seed,
+            max_samples=engine.max_running_requests,
+        )
+        return RowFlow(engine, builder, SOURCE, parse_python_row, python_passthrough, self.lookahead)
+
+    def _check_no_stream_open(self) -> None:
+        if self._stream_open:
+            raise RuntimeError("a stream of this Generator is still open: read it to its end or close() it first")
+
+
+def _error_result(error: RowError, rid: str, passthrough: dict[str, Any]) -> dict[str, Any]:
+    """The result of a bad row under ``on_error="skip"``: every output column, null but its id and error."""
+    return {**dict.fromkeys(OUTPUT_COLUMNS.names), **error_row(error, rid, passthrough)}

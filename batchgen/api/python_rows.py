@@ -1,0 +1,61 @@
+"""Rows given in Python (a prompt string, a message list, a token-id list, or a row dict as in a JSONL file) as
+input rows, checked as a file's rows are, with their pass-through fields kept as given."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import replace
+from typing import Any
+
+import pyarrow as pa
+
+from batchgen.errors import RowError, shown_value
+from batchgen.io.passthrough import PROMPT_FIELDS, passthrough_names
+from batchgen.io.reader import InputRow
+from batchgen.io.rows import RowSpec, parse_row
+
+# The input's name in row errors: ``rows:3: field 'temperature': ...`` is the third row given (1-based, as a
+# file's lines are; its default id is its 0-based index, "2").
+SOURCE = "rows"
+
+_NO_PASSTHROUGH = pa.schema([])
+
+
+def input_rows(rows: Iterable[Any]) -> Iterator[InputRow | RowError]:
+    """Each of ``rows`` as an input row, read as it is reached: a ``str`` is a prompt, a list of integers
+    ``prompt_token_ids``, another list ``messages``, a dict the row's fields; anything else is a bad row."""
+    for index, row in enumerate(rows):
+        line = index + 1
+        if isinstance(row, str):
+            yield InputRow(index, line, {"prompt": row})
+        elif isinstance(row, list):
+            is_ids = bool(row) and all(isinstance(t, int) and not isinstance(t, bool) for t in row)
+            yield InputRow(index, line, {"prompt_token_ids" if is_ids else "messages": row})
+        elif isinstance(row, dict):
+            yield InputRow(index, line, dict(row))
+        else:
+            message = f"must be a prompt string, a message list, a token-id list or a dict, got {shown_value(row)}"
+            yield RowError(SOURCE, line, None, message)
+
+
+def parse_python_row(row: InputRow) -> RowSpec:
+    """:func:`batchgen.io.rows.parse_row` for a row given in Python: its pass-through fields (named as a file's
+    are: ``input_text`` for ``text``) are kept as they are, any Python value, rather than fitted to an Arrow schema.
+
+    Raises:
+        RowError: as ``parse_row`` does.
+    """
+    names = passthrough_names(row.data)
+    if not any(row.data.get(name) is not None for name in PROMPT_FIELDS):
+        # parse_row refuses the row before it reads any pass-through field; given them all, its message can say
+        # which one looks like the prompt under another name.
+        return parse_row(row, SOURCE, _NO_PASSTHROUGH, {})
+    known = InputRow(row.index, row.line, {key: value for key, value in row.data.items() if key not in names})
+    spec = parse_row(known, SOURCE, _NO_PASSTHROUGH, {})
+    return replace(spec, passthrough=python_passthrough(row))
+
+
+def python_passthrough(row: InputRow) -> dict[str, Any]:
+    """The pass-through fields of a row given in Python, under their output names, values as given."""
+    names = passthrough_names(row.data)
+    return {names[key]: value for key, value in row.data.items() if key in names}

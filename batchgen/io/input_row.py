@@ -1,0 +1,31 @@
+"""One row of a dataset, as its reader yields it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class InputRow:
+    """One input row, as read from the dataset.
+
+    Attributes:
+        index: 0-based row index in the dataset, counted across its shards (the default ``id``); blank JSONL lines
+            get none.
+        line: 1-based line number (JSONL, blank lines counted) or 1-based row number (Parquet, Arrow) in its shard.
+        data: the row's fields with their original names, and the fields the column options set from them
+            (:mod:`batchgen.io.columns`). Parquet nulls are left out, so a null and an absent field mean the same
+            thing ("not set").
+        source: the shard's name, for messages (``""``: the caller's ``source``).
+        columns: the dataset column each field the column options set came from (``{"prompt": "question"}``), so
+            that a message names the column the user knows.
+        problem: ``(column, message)`` when the column options could not map the row: it is a bad row.
+    """
+
+    index: int
+    line: int
+    data: dict[str, Any]
+    source: str = ""
+    columns: dict[str, str] = field(default_factory=dict)
+    problem: tuple[str, str] | None = None

@@ -1,0 +1,86 @@
+"""Decode JSON Lines shards line by line.
+
+stdlib json, not pyarrow.json: we need an exact error per line and must accept rows of differing shapes, neither of
+which pyarrow's block-based JSON reader can give.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+from batchgen.errors import BatchgenError, RowError
+from batchgen.io.input_row import InputRow
+from batchgen.io.passthrough import json_type_name
+
+
+def open_jsonl(path: Path) -> BinaryIO:
+    """Open a JSONL shard in binary mode: ``tell()`` works between ``readline()`` calls, and a bad byte is one
+    row's error, not a crash.
+
+    Raises:
+        BatchgenError: the file cannot be read.
+    """
+    try:
+        return path.open("rb")
+    except OSError as e:
+        raise BatchgenError(f"{path}: cannot read: {e.strerror or e}") from None
+
+
+def jsonl_rows(path: Path, source: str, index: int, offset: int = 0, line: int = 0) -> Iterator[InputRow | RowError]:
+    """The rows of the JSONL shard ``path`` from byte ``offset`` on (``line`` lines before it), the first one with
+    row index ``index``."""
+    with open_jsonl(path) as f:
+        f.seek(offset)
+        for raw in f:
+            line += 1
+            item = parse_line(raw, line, index, source)
+            if item is not None:
+                index += 1
+                yield item
+
+
+def parse_line(raw: bytes, line: int, index: int, source: str) -> InputRow | RowError | None:
+    """Decode one JSONL line; ``None`` for a blank line."""
+    try:
+        text = raw.decode("utf-8-sig" if line == 1 else "utf-8")
+    except UnicodeDecodeError as e:
+        return RowError(source, line, None, f"invalid UTF-8 at byte {e.start + 1}")
+    if blank(text):
+        return None
+    try:
+        # Without its line end, so that an error at the end of the line points there, not to a column 1 after.
+        value = json.loads(text.rstrip("\r\n"))
+    except json.JSONDecodeError as e:
+        return RowError(source, line, None, f"invalid JSON: {e.msg} (column {e.colno})")
+    except RecursionError:
+        return RowError(source, line, None, "invalid JSON: nested too deeply")
+    if not isinstance(value, dict):
+        return RowError(source, line, None, f"expected a JSON object, got {json_type_name(value)}")
+    return InputRow(index=index, line=line, data=value, source=source)
+
+
+def reject_json_document(first: InputRow | RowError, text: str, source: str) -> None:
+    """Fail fast on a pretty-printed JSON file, which would otherwise give one row error per line."""
+    if isinstance(first, RowError) and (text.startswith("[") or text == "{"):
+        raise BatchgenError(
+            f"{source}:{first.line}: not a JSON object; this looks like a JSON document, "
+            "but batchgen reads JSON Lines (one object per line)"
+        )
+
+
+def blank(text: str) -> bool:
+    """A JSONL line with nothing but whitespace (Unicode's too): skipped, not a row."""
+    return not text.strip()
+
+
+def count_jsonl_rows(path: Path) -> int:
+    """Non-blank lines of a JSONL shard, as the reader counts rows (Unicode whitespace is blank too), streaming.
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    with open(path, "rb") as f:
+        return sum(not blank(raw.decode("utf-8-sig" if i == 0 else "utf-8", "replace")) for i, raw in enumerate(f))

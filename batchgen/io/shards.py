@@ -1,0 +1,125 @@
+"""The files of a dataset: one file, a directory of shards, a glob of shards (expanded here, so a quoted pattern works
+on any shell), or a Hugging Face ``save_to_disk`` directory (Arrow shards listed in its ``state.json``)."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from fnmatch import fnmatch
+from pathlib import Path
+
+from batchgen.errors import BatchgenError
+
+# File suffix → shard format.
+SHARD_FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".arrow": "arrow"}
+_SUPPORTED = ".jsonl, .parquet or .arrow"
+_GLOB_CHARACTERS = "*?["
+
+
+@dataclass(frozen=True)
+class Shards:
+    """A dataset's files, in reading order.
+
+    Attributes:
+        paths: the shard files (a lone file: itself).
+        format: ``jsonl``, ``parquet`` or ``arrow`` (Arrow IPC, stream or file format).
+        root: the directory the shards' names are taken relative to, in fingerprints; ``None`` for a lone file.
+    """
+
+    paths: list[Path]
+    format: str
+    root: Path | None
+
+    def name(self, path: Path) -> str:
+        """``path``'s name relative to :attr:`root` (its full name for a lone file)."""
+        return str(path) if self.root is None else os.path.relpath(path, self.root)
+
+
+def list_shards(dataset: Path) -> Shards:
+    """The shards of ``dataset``: a file, a directory (its ``.jsonl``/``.json``/``.parquet``/``.arrow`` files in
+    sorted name order; other files, as a README, are not read), a Hugging Face ``save_to_disk`` directory (the
+    ``.arrow`` files its ``state.json`` lists, in that order), or a glob pattern (``data/*.parquet``, ``**``
+    crossing directories: its files in sorted name order).
+
+    Raises:
+        BatchgenError: (one line) no such file, a directory or glob with no shards, shards of two formats, a glob
+            matching a file of another format, a ``DatasetDict`` directory (naming its splits), an unreadable
+            ``state.json``, or a lone file of an unsupported format.
+    """
+    source = str(dataset)
+    try:
+        if dataset.is_dir():
+            return _directory_shards(dataset)
+        if dataset.exists():
+            return Shards([dataset], _format(dataset, source), None)
+    except OSError as e:
+        raise BatchgenError(f"{source}: cannot read: {e.strerror or e}") from None
+    if not any(c in source for c in _GLOB_CHARACTERS):
+        raise BatchgenError(f"{source}: no such file")
+    paths = sorted(Path(p) for p in glob.glob(source, recursive=True) if Path(p).is_file())
+    if not paths:
+        raise BatchgenError(f"{source}: the pattern matches no file")
+    formats = {path: SHARD_FORMATS.get(path.suffix.lower()) for path in paths}
+    unsupported = next((path for path, fmt in formats.items() if fmt is None), None)
+    if unsupported is not None:
+        raise BatchgenError(f"{source}: matches {unsupported}, which is not a {_SUPPORTED} file; narrow the pattern")
+    return Shards(paths, _one_format(formats, source), Path(os.path.commonpath([p.parent for p in paths])))
+
+
+def _directory_shards(directory: Path) -> Shards:
+    source = str(directory)
+    if (directory / "dataset_dict.json").is_file():
+        splits = sorted(p.name for p in directory.iterdir() if (p / "state.json").is_file())
+        example = directory / (splits[0] if splits else "train")
+        raise BatchgenError(
+            f"{source}: is a DatasetDict with splits {', '.join(splits) or '(none found)'}; pass one split's "
+            f"directory, as {example}"
+        )
+    state = directory / "state.json"
+    if state.is_file():
+        try:
+            names = [item["filename"] for item in json.loads(state.read_text())["_data_files"]]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise BatchgenError(f"{state}: not a Hugging Face dataset state ({e})") from None
+        if not names:
+            raise BatchgenError(f"{source}: dataset is empty (state.json lists no data files)")
+        return Shards([directory / name for name in names], "arrow", directory)
+    paths = sorted(p for p in directory.iterdir() if p.is_file() and p.suffix.lower() in SHARD_FORMATS)
+    if not paths:
+        raise BatchgenError(f"{source}: the directory holds no {_SUPPORTED} files")
+    formats = {path: SHARD_FORMATS[path.suffix.lower()] for path in paths}
+    return Shards(paths, _one_format(formats, source), directory)
+
+
+def _one_format(formats: Mapping[Path, str | None], source: str) -> str:
+    kinds = sorted({fmt for fmt in formats.values() if fmt is not None})
+    if len(kinds) > 1:
+        first, second = (next(p for p, fmt in formats.items() if fmt == kind) for kind in kinds[:2])
+        raise BatchgenError(
+            f"{source}: mixes {kinds[0]} and {kinds[1]} shards ({first.name}, {second.name}); pass a glob that picks "
+            "one kind, as DIR/*.parquet"
+        )
+    return kinds[0]
+
+
+def _format(path: Path, source: str) -> str:
+    fmt = SHARD_FORMATS.get(path.suffix.lower())
+    if fmt is None:
+        raise BatchgenError(f"{source}: unsupported input format '{path.suffix.lower()}' (use {_SUPPORTED})")
+    return fmt
+
+
+def is_read_as_shard(dataset: Path, out: Path) -> bool:
+    """Whether the output file ``out`` would be read as one of ``dataset``'s shards by a later run (an output
+    written into the dataset's directory, or matched by its glob)."""
+    if out.suffix.lower() not in SHARD_FORMATS:
+        return False
+    source = str(dataset)
+    if dataset.is_dir():
+        return out.parent.resolve() == dataset.resolve() and not (dataset / "state.json").exists()
+    if dataset.exists() or not any(c in source for c in _GLOB_CHARACTERS):
+        return False
+    return fnmatch(str(out), source)

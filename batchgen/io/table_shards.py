@@ -1,0 +1,103 @@
+"""Read Parquet and Arrow IPC shards with pyarrow: their schemas, row counts and record batches, and check that the
+shards of one dataset agree on their columns."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batchgen.errors import BatchgenError
+
+
+@contextmanager
+def _errors(path: Path, what: str) -> Iterator[None]:
+    try:
+        yield
+    except OSError as e:
+        raise BatchgenError(f"{path}: cannot read: {e.strerror or e}") from None
+    except pa.ArrowException as e:
+        raise BatchgenError(f"{path}: not a valid {what} file ({e})") from None
+
+
+def _arrow_batches(path: Path) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
+    """An Arrow IPC file's schema and batches: the stream format (Hugging Face's ``save_to_disk``) or the file
+    format (batchgen's ``.arrow`` outputs). Memory-mapped, so a batch costs no read until its values are used."""
+    source = pa.memory_map(str(path))
+    try:
+        stream = pa.ipc.open_stream(source)
+        return stream.schema, iter(stream)
+    except pa.ArrowInvalid:
+        reader = pa.ipc.open_file(source)
+        return reader.schema, (reader.get_batch(i) for i in range(reader.num_record_batches))
+
+
+def table_schema(path: Path, fmt: str) -> pa.Schema:
+    """The Arrow schema of a ``parquet`` or ``arrow`` shard.
+
+    Raises:
+        BatchgenError: the file cannot be read or is not of its format.
+    """
+    with _errors(path, fmt.capitalize()):
+        if fmt == "parquet":
+            with pq.ParquetFile(path) as pf:
+                return pf.schema_arrow
+        return _arrow_batches(path)[0]
+
+
+def table_num_rows(path: Path, fmt: str) -> int:
+    """The rows of a ``parquet`` (from its metadata) or ``arrow`` (counted batch by batch) shard.
+
+    Raises:
+        BatchgenError: the file cannot be read or is not of its format.
+    """
+    with _errors(path, fmt.capitalize()):
+        if fmt == "parquet":
+            with pq.ParquetFile(path) as pf:
+                return int(pf.metadata.num_rows)
+        return sum(batch.num_rows for batch in _arrow_batches(path)[1])
+
+
+def table_batches(path: Path, fmt: str, block_rows: int) -> Iterator[pa.RecordBatch]:
+    """The record batches of a ``parquet`` or ``arrow`` shard, at most ``block_rows`` rows each.
+
+    Raises:
+        BatchgenError: the file cannot be read or is not of its format.
+    """
+    with _errors(path, fmt.capitalize()):
+        if fmt == "parquet":
+            with pq.ParquetFile(path) as pf:
+                yield from pf.iter_batches(batch_size=block_rows)
+            return
+        for batch in _arrow_batches(path)[1]:
+            for start in range(0, batch.num_rows, block_rows):
+                yield batch.slice(start, block_rows)
+
+
+def unified_schema(schemas: list[tuple[str, pa.Schema]]) -> pa.Schema:
+    """One schema for shards ``(name, schema)``: every column of any of them (a column a shard lacks is null in its
+    rows), of the type all shards that have it agree on (a column of nulls takes the others' type).
+
+    Raises:
+        BatchgenError: naming the first column two shards give types that do not unify, and the two shards.
+    """
+    merged = schemas[0][1]
+    first_with: dict[str, str] = dict.fromkeys(merged.names, schemas[0][0])
+    for name, schema in schemas[1:]:
+        for field in schema:
+            if field.name not in first_with:
+                first_with[field.name] = name
+                continue
+            try:
+                pa.unify_schemas([pa.schema([merged.field(field.name)]), pa.schema([field])])
+            except (pa.ArrowException, KeyError):
+                other = merged.field(field.name).type if field.name in merged.names else "?"
+                raise BatchgenError(
+                    f"shards disagree on column '{field.name}': {other} in {first_with[field.name]}, {field.type} in "
+                    f"{name}"
+                ) from None
+        merged = pa.unify_schemas([merged, schema])
+    return merged

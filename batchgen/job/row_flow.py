@@ -1,0 +1,121 @@
+"""The core that ``batchgen run`` and the Python API share: input rows → checked requests (``Req``) → the engine,
+fed with a bounded lookahead → the result rows of finished requests, all samples of a row together."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from batchgen.errors import RowError
+from batchgen.io.reader import InputRow
+from batchgen.io.rows import RowSpec, error_row_id
+from batchgen.job.request_builder import RequestBuilder
+from batchgen.job.result_rows import result_row
+from batchgen.loop.engine import Engine
+from batchgen.loop.req import Req
+
+# Handles a bad row: its error, the id of its error row, and the pass-through fields that error row keeps.
+BadRowHandler = Callable[[RowError, str, dict[str, Any]], None]
+
+
+@dataclass
+class RowFlow:
+    """One pass of rows through an engine: each row checked once, its request built, fed to the engine, and its
+    finished samples turned into result rows.
+
+    Row ids are unique within one flow (a second row with an id is a bad row); the flow keeps each row's
+    pass-through fields until its last sample finishes.
+
+    Attributes:
+        engine: the loaded engine; the flow owns its scheduler's requests while it runs.
+        builder: builds a row's request (sampling defaults, run seed).
+        source: the input's name in row errors (of a row whose reader names no shard).
+        parse: checks one input row (:func:`batchgen.io.rows.parse_row` with the input's pass-through schema).
+        bad_passthrough: the pass-through fields a bad row's error row keeps.
+        lookahead: rows read ahead for the scheduler: requests waiting in it are topped up to this many.
+    """
+
+    engine: Engine
+    builder: RequestBuilder
+    source: str
+    parse: Callable[[InputRow], RowSpec]
+    bad_passthrough: Callable[[InputRow], dict[str, Any]]
+    lookahead: int
+    _seen_ids: set[str] = field(default_factory=set, init=False)
+    # Finished samples of rows whose other samples still run: a row's samples are handed out together.
+    _samples: dict[str, list[dict[str, Any]]] = field(default_factory=dict, init=False)
+    # The pass-through fields of each row in flight, by id, until its last sample is handed out.
+    _passthrough: dict[str, dict[str, Any]] = field(default_factory=dict, init=False)
+
+    def requests(
+        self,
+        items: Iterable[InputRow | RowError],
+        on_bad_row: BadRowHandler,
+        is_done: Callable[[RowSpec], bool] = lambda spec: False,
+    ) -> Iterator[Req]:
+        """Requests for the good rows of ``items`` not ``is_done`` (written by an earlier run), in input order;
+        each bad row (unreadable, failing its checks, a duplicate id) goes to ``on_bad_row`` when it is reached.
+        A row with nothing to generate (``max_new_tokens`` 0, no prompt logprobs) comes finished, with its other
+        samples."""
+        for order, item in enumerate(items):
+            if isinstance(item, RowError):
+                # Its default id is taken: a later row giving the same id explicitly is a duplicate.
+                self._seen_ids.add(str(order))
+                on_bad_row(item, str(order), {})
+                continue
+            try:
+                spec = self.parse(item)
+            except RowError as e:
+                rid = error_row_id(item)
+                self._seen_ids.add(rid)
+                on_bad_row(e, rid, self.bad_passthrough(item))
+                continue
+            try:
+                if spec.id in self._seen_ids:
+                    raise RowError(item.source or self.source, item.line, "id", f"duplicate id '{spec.id}'")
+                self._seen_ids.add(spec.id)
+                if is_done(spec):
+                    continue
+                req = self.builder.build(spec, item.source or self.source)
+            except RowError as e:
+                on_bad_row(e, spec.id, spec.passthrough)
+                continue
+            self._passthrough[spec.id] = spec.passthrough
+            if req.params.max_new_tokens == 0 and req.params.prompt_logprobs is None:
+                req.finish_reason, req.text = "length", ""
+                yield from [req.fork(i, None) for i in range(1, req.params.n)]
+                req.unforked_samples = 0
+            yield req
+
+    def rounds(self, requests: Iterator[Req]) -> Iterator[list[Req]]:
+        """Feed ``requests`` to the engine, keeping at most ``lookahead`` of them waiting, and run rounds until
+        both are done: yields the requests each round finished (those that came finished first). The caller may
+        stop between rounds; requests still in the engine then stay there."""
+        input_left = True
+        while input_left or self.engine.has_work():
+            finished = []
+            while input_left and len(self.engine.scheduler.waiting) < self.lookahead:
+                req = next(requests, None)
+                if req is None:
+                    input_left = False
+                elif req.finished:
+                    finished.append(req)
+                else:
+                    self.engine.add(req)
+            finished += self.engine.step()
+            yield finished
+
+    def result_rows(self, req: Req) -> list[dict[str, Any]]:
+        """The result rows (``batchgen.io.writer.OUTPUT_COLUMNS``, then the row's pass-through fields) that finished
+        ``req`` completes: all samples of its row in ``sample_index`` order once the last one finishes, else none."""
+        rows = [result_row(req, self._passthrough[req.rid])]
+        if req.params.n > 1:
+            rows = self._samples.setdefault(req.rid, []) + rows
+            self._samples[req.rid] = rows
+            if len(rows) < req.params.n:
+                return []
+            del self._samples[req.rid]
+            rows.sort(key=lambda row: row["sample_index"])
+        del self._passthrough[req.rid]
+        return rows

@@ -1,0 +1,271 @@
+"""The Python API through ``batchgen``'s public names: ``Generator.generate``/``stream`` give the rows that
+``batchgen run`` (the tested reference) writes for the same input, and ``batchgen.run`` writes the CLI's output."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from transformers import AutoTokenizer
+
+import batchgen
+from batchgen.errors import BatchgenError, RowError
+from batchgen.io.writer import OUTPUT_COLUMNS, read_results
+from tests.helpers.cli import generate, read_rows, write_jsonl
+
+# A minimal chat template: "<s>role: content\n..." then "assistant:".
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+ENGINE = {"dtype": "float32", "device": "cpu", "seed": 7, "max_running_requests": 4}
+ENGINE_FLAGS = ["--seed", "7", "--max-running-requests", "4"]
+
+
+@pytest.fixture(scope="module")
+def chat_model(random_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random llama with a chat template."""
+    path = tmp_path_factory.mktemp("api") / "chat_model"
+    shutil.copytree(random_models["llama"], path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def generator(chat_model: Path) -> batchgen.Generator:
+    # schedule_lookahead 1: stream reads 2 x max_running_requests = 8 rows ahead.
+    return batchgen.Generator(str(chat_model), schedule_lookahead=1, **ENGINE)
+
+
+def _comparable(row: dict[str, Any]) -> dict[str, Any]:
+    """A result row with top logprobs as (id, logprob) pairs, as the file's {id, logprob} structs read back."""
+    out = dict(row)
+    for key in ("top_logprobs", "prompt_top_logprobs"):
+        if out.get(key) is not None:
+            out[key] = [[(t["id"], t["logprob"]) if isinstance(t, dict) else tuple(t) for t in pos] for pos in out[key]]
+    return out
+
+
+def test_generate_gives_the_rows_batchgen_run_writes(
+    generator: batchgen.Generator, chat_model: Path, tmp_path: Path
+) -> None:
+    # One row of each kind; sampled (temperature 1) with seeds derived from --seed 7 and the ids, n = 2, logprobs.
+    dict_row = {"id": "p", "prompt": "Numbers like", "n": 2, "top_logprobs": 2, "text": "kept", "tags": ["a", "b"]}
+    python_rows: list[Any] = [
+        "Once upon a time",
+        [{"role": "user", "content": "The quick brown fox"}],
+        [5, 6, 7, 8],
+        dict_row,
+        {"prompt": "Café", "temperature": 0, "max_tokens": 3},
+    ]
+    file_rows = [
+        {"prompt": "Once upon a time"},
+        {"messages": [{"role": "user", "content": "The quick brown fox"}]},
+        {"prompt_token_ids": [5, 6, 7, 8]},
+        dict_row,
+        {"prompt": "Café", "temperature": 0, "max_tokens": 3},
+    ]
+    dataset = write_jsonl(tmp_path / "in.jsonl", file_rows)
+    expected = generate(dataset, tmp_path / "out.arrow", chat_model, "--max-new-tokens", "6", *ENGINE_FLAGS)
+
+    got = generator.generate(python_rows, max_new_tokens=6)
+
+    assert [(r["id"], r["sample_index"]) for r in got] == [("0", 0), ("1", 0), ("2", 0), ("p", 0), ("p", 1), ("4", 0)]
+    assert expected.keys() == {"0", "1", "2", "p", "4"}
+    file_samples = _samples(tmp_path / "out.arrow")
+    for row in got:
+        assert set(OUTPUT_COLUMNS.names) <= row.keys()
+        reference = _comparable(file_samples[row["id"], row["sample_index"]])
+        assert _comparable(row) == {key: reference[key] for key in row}, row["id"]
+    assert got[3]["input_text"] == "kept" and got[3]["tags"] == ["a", "b"]  # pass-through, renamed as in a file
+    assert "input_text" not in got[0]  # only a dict row's own fields pass through
+    assert expected["4"]["completion_tokens"] == 3
+
+
+def test_generate_keeps_input_order_and_stream_yields_finishing_order(generator: batchgen.Generator) -> None:
+    rows = [{"prompt": "a b c", "max_new_tokens": 8, "ignore_eos": True}, {"prompt": "d", "max_new_tokens": 1}]
+    in_order = generator.generate(rows)
+    streamed = list(generator.stream(rows))
+    assert [r["id"] for r in in_order] == ["0", "1"]
+    assert generator.generate([]) == [] and list(generator.stream(iter([]))) == []
+    # Row 1's one token comes from its prefill round; row 0 decodes 7 more.
+    assert [r["id"] for r in streamed] == ["1", "0"]
+    assert [r["completion_tokens"] for r in streamed] == [1, 8]
+    # The same seeds (--seed 7 and the ids); logprobs may differ in the last bits: the second call's prompts come
+    # from the prefix cache, which changes the shapes the model computes them in.
+    tokens = [(r["id"], r["output_token_ids"], r["text"]) for r in in_order]
+    assert sorted((r["id"], r["output_token_ids"], r["text"]) for r in streamed) == tokens
+
+
+def test_stream_reads_a_generator_lazily_and_yields_each_row_once(generator: batchgen.Generator) -> None:
+    read = 0
+
+    def rows() -> Iterator[str]:
+        nonlocal read
+        for i in range(40):
+            read += 1
+            yield f"row {i}"
+
+    results = generator.stream(rows(), max_new_tokens=2)
+    assert read == 0  # nothing is read before the first result is asked for
+    first = next(results)
+    # At most 8 rows wait (2 x max_running_requests) and 4 run, whatever the input holds.
+    assert read <= 8 + 4
+    ids = [first["id"], *(r["id"] for r in results)]
+    assert sorted(ids, key=int) == [str(i) for i in range(40)]
+
+
+def test_a_closed_stream_leaves_the_generator_ready(generator: batchgen.Generator) -> None:
+    results = generator.stream(["one", "two", "three"] * 4, max_new_tokens=4)
+    next(results)
+    with pytest.raises(RuntimeError, match="still open"):
+        generator.generate(["x"])
+    results.close()
+    assert [r["completion_tokens"] for r in generator.generate(["x"], max_new_tokens=2, ignore_eos=True)] == [2]
+
+
+def test_a_bad_row_raises_naming_the_row_and_field_before_anything_runs(generator: batchgen.Generator) -> None:
+    rounds = generator.engine.stats.rounds
+    with pytest.raises(RowError, match=r"^rows:2: field 'temperature': must be a number, got \"hot\"$") as error:
+        generator.generate(["fine", {"prompt": "x", "temperature": "hot"}, {"prompt": "y", "top_p": 0}])
+    assert (error.value.line, error.value.field) == (2, "temperature")
+    assert generator.engine.stats.rounds == rounds  # the good row did not run either
+    with pytest.raises(RowError, match=r"^rows:1: must be a prompt string, a message list, a token-id list or a dict"):
+        generator.generate([3.5])
+    with pytest.raises(RowError, match=r"^rows:2: field 'id': duplicate id 'a'$"):
+        list(generator.stream([{"id": "a", "prompt": "x"}, {"id": "a", "prompt": "y"}]))
+
+
+def test_a_stream_raises_at_a_bad_row_after_the_results_before_it(generator: batchgen.Generator) -> None:
+    rows: list[Any] = [f"row {i}" for i in range(30)]
+    rows[25] = {"prompt": "late", "n": "two"}
+    seen = []
+    with pytest.raises(RowError, match=r"^rows:26: field 'n': must be an integer, got \"two\"$"):
+        for result in generator.stream(rows, max_new_tokens=2):
+            seen.append(result["id"])
+    # Rows are read 8 ahead of those running: the first ones finished before row 26 was read.
+    assert seen and len(seen) == len(set(seen)) and set(seen) <= {str(i) for i in range(25)}
+
+
+def test_on_error_skip_gives_error_rows_in_their_place(generator: batchgen.Generator) -> None:
+    rows: list[Any] = ["fine", {"prompt": "x", "top_p": 0}, {"id": "k", "question": "What?", "source": 1}, 3.5]
+    got = generator.generate(rows, on_error="skip", max_new_tokens=2)
+    assert [r["id"] for r in got] == ["0", "1", "k", "3"]
+    assert [r["finish_reason"] for r in got][1:] == ["error"] * 3
+    assert got[0]["error"] is None and got[0]["completion_tokens"] >= 1
+    assert got[1]["error"] == "rows:2: field 'top_p': must be in (0, 1], got 0.0"
+    assert "rename 'question' to 'prompt'" in got[2]["error"] and got[2]["source"] == 1
+    assert got[3]["text"] is None and set(OUTPUT_COLUMNS.names) <= got[3].keys()
+    streamed = {r["id"]: r for r in generator.stream(rows, on_error="skip", max_new_tokens=2)}
+    assert streamed.keys() == {"0", "1", "k", "3"} and streamed["1"]["error"] == got[1]["error"]
+
+
+def test_unknown_option_is_a_type_error_and_a_bad_value_the_cli_message(
+    generator: batchgen.Generator, chat_model: Path, tmp_path: Path
+) -> None:
+    with pytest.raises(TypeError, match="Generator\\(\\) got an unexpected keyword argument 'dtyp'"):
+        batchgen.Generator(str(chat_model), dtyp="float32")
+    with pytest.raises(TypeError, match="'temperatur'"):
+        generator.generate(["x"], temperatur=0)
+    with pytest.raises(TypeError, match="'max_running_requests'"):  # an engine option, not a sampling default
+        generator.stream(["x"], max_running_requests=2)
+    with pytest.raises(TypeError, match="run\\(\\) got an unexpected keyword argument 'bogus'"):
+        batchgen.run(tmp_path / "in.jsonl", tmp_path / "out.jsonl", bogus=1)
+    with pytest.raises(BatchgenError, match=r"^--mem-fraction must be in \(0, 1\), got 2.0$"):
+        batchgen.Generator(str(chat_model), mem_fraction=2.0)
+    with pytest.raises(BatchgenError, match=r"^--temperature: must be a number in \[0, 10000\], got -1$"):
+        generator.generate(["x"], temperature=-1)
+    with pytest.raises(BatchgenError, match="^--on-error must be fail or skip, got 'ignore'$"):
+        generator.generate(["x"], on_error="ignore")
+    with pytest.raises(BatchgenError, match="^--n 5 exceeds --max-running-requests 4$"):
+        generator.generate(["x"], n=5)
+
+
+def test_run_writes_what_batchgen_run_writes_and_resumes(chat_model: Path, tmp_path: Path) -> None:
+    rows = [{"prompt": "Once upon a time"}, {"prompt": "The cat", "n": 2}, {"id": "t", "prompt_token_ids": [9, 8]}]
+    rows.append({"prompt": "Numbers", "max_tokens": 2})
+    options = {"model": str(chat_model), "max_new_tokens": 5, "progress": False, **ENGINE}
+    cli_out = tmp_path / "cli.arrow"
+    generate(write_jsonl(tmp_path / "all.jsonl", rows), cli_out, chat_model, "--max-new-tokens", "5", *ENGINE_FLAGS)
+    dataset = write_jsonl(tmp_path / "in.jsonl", rows[:3])
+    out = tmp_path / "api.arrow"
+
+    first = batchgen.run(dataset, out, **options)
+    write_jsonl(dataset, rows)  # a row more: the finished output lacks it
+    second = batchgen.run(str(dataset), str(out), resume=True, **options)
+    third = batchgen.run(dataset, out, resume=True, **options)
+
+    assert (first.rows, first.samples, second.rows, third.rows) == (3, 4, 1, 0)
+    got, expected = _samples(out), _samples(cli_out)
+    assert got.keys() == expected.keys() == {("0", 0), ("1", 0), ("1", 1), ("t", 0), ("3", 0)}
+    for key, row in got.items():
+        # Logprobs to float32 rounding: the resumed row ran alone, not in the CLI's batch of four.
+        assert row["output_logprobs"] == pytest.approx(expected[key]["output_logprobs"], rel=1e-5, abs=1e-5)
+        del row["output_logprobs"], expected[key]["output_logprobs"]
+        assert row == expected[key]
+
+
+def _samples(path: Path) -> dict[tuple[str, int], dict[str, Any]]:
+    """An output file's rows by (id, sample_index)."""
+    return {(r["id"], r["sample_index"]): r for r in read_results(path).to_pylist()}
+
+
+def test_run_with_bad_rows_raises_after_writing_the_good_ones(chat_model: Path, tmp_path: Path) -> None:
+    dataset = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "fine"}, {"prompt": "bad", "top_k": -5}])
+    out = tmp_path / "out.jsonl"
+    options = {"model": str(chat_model), "max_new_tokens": 2, "progress": False, **ENGINE}
+    with pytest.raises(BatchgenError, match="^1 bad input row left out"):
+        batchgen.run(dataset, out, **options)
+    assert read_rows(out).keys() == {"0"}
+    summary = batchgen.run(dataset, out, on_error="skip", overwrite=True, **options)
+    assert (summary.rows, summary.errors) == (1, 1)
+    assert read_rows(out)["1"]["finish_reason"] == "error"
+
+
+def test_a_stop_signal_raises_run_interrupted_and_resume_finishes(
+    chat_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from batchgen.loop.engine import Engine
+
+    rows = [{"prompt": f"row {i}", "max_new_tokens": 1 + i % 3, "ignore_eos": True} for i in range(12)]
+    dataset = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.arrow"
+    options = {"model": str(chat_model), "progress": False, "flush_every": 1, **ENGINE, "max_running_requests": 2}
+    step = Engine.step
+    rounds = 0
+
+    def step_then_interrupt(engine: Engine) -> list[Any]:
+        nonlocal rounds
+        rounds += 1
+        if rounds == 3:
+            os.kill(os.getpid(), signal.SIGINT)  # as Ctrl-C would, in the middle of the run
+        return step(engine)
+
+    monkeypatch.setattr(Engine, "step", step_then_interrupt)
+    caller_handler = signal.getsignal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt) as stopped:
+        batchgen.run(dataset, out, **options)
+    monkeypatch.undo()
+
+    assert isinstance(stopped.value, batchgen.RunInterrupted) and stopped.value.signal_name == "SIGINT"
+    assert signal.getsignal(signal.SIGINT) is caller_handler
+    done = stopped.value.summary.rows
+    assert 0 < done < 12 and stopped.value.partial_dir.is_dir() and not out.exists()
+    resumed = batchgen.run(dataset, out, resume=True, **options)
+    assert resumed.rows == 12 - done
+    assert sorted(read_rows(out), key=int) == [str(i) for i in range(12)]
+
+
+def test_import_batchgen_loads_no_torch() -> None:
+    code = "import sys, batchgen; print('torch' in sys.modules, batchgen.__version__)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.split() == ["False", batchgen.__version__]

@@ -1,0 +1,261 @@
+"""The dataset side of the reader: shards (directories, globs, Arrow files), the column options and their checks,
+ShareGPT conversations, and the fingerprint of a dataset of shards."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from batchgen.errors import BatchgenError, RowError
+from batchgen.io.columns import ColumnMapping, chat_messages
+from batchgen.io.fingerprint import DatasetFingerprint, fingerprint_dataset
+from batchgen.io.input_options import InputOptions
+from batchgen.io.passthrough import infer_schema, passthrough_names
+from batchgen.io.reader import InputRow, RowReader, count_input_rows
+from batchgen.io.rows import parse_row
+from batchgen.io.shards import is_read_as_shard, list_shards
+
+
+def write_jsonl(path: Path, lines: list[str]) -> Path:
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+def rows_of(reader: RowReader) -> list[InputRow]:
+    items = list(reader)
+    assert all(isinstance(item, InputRow) for item in items), items
+    return [item for item in items if isinstance(item, InputRow)]
+
+
+# --- shards -----------------------------------------------------------------------------------------------
+
+
+def test_jsonl_shards_continue_indices_and_read_ahead_across_shards(tmp_path: Path) -> None:
+    write_jsonl(tmp_path / "b.jsonl", ["", '{"prompt": "c", "k": 3}', '{"prompt": "d", "k": 4}'])
+    write_jsonl(tmp_path / "a.jsonl", ['{"prompt": "a", "k": 1}', '{"prompt": "b", "tag": "x"}'])
+    # Three rows read ahead: both of a.jsonl, the first of b.jsonl (its second line); `tag` is seen among them.
+    reader = RowReader(tmp_path, block_rows=3)
+    assert reader.passthrough_schema == pa.schema([pa.field("k", pa.int64()), pa.field("tag", pa.string())])
+    got = [(r.index, r.source, r.line, r.data["prompt"]) for r in rows_of(reader)]
+    a, b = str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")
+    assert got == [(0, a, 1, "a"), (1, a, 2, "b"), (2, b, 2, "c"), (3, b, 3, "d")]
+    assert [r.index for r in rows_of(reader)] == [0, 1, 2, 3]  # a second pass reads the same
+    assert count_input_rows(tmp_path) == 4
+
+
+def test_parquet_shards_unify_and_lack_columns(tmp_path: Path) -> None:
+    pq.write_table(
+        pa.table({"prompt": ["a", "b"], "score": pa.array([None, None], pa.int64())}), tmp_path / "0.parquet"
+    )
+    pq.write_table(pa.table({"prompt": ["c"], "score": [7], "note": ["n"]}), tmp_path / "1.parquet")
+    reader = RowReader(Path(str(tmp_path / "*.parquet")), block_rows=1)
+    assert reader.passthrough_schema.names == ["score", "note"]
+    got = [(r.index, Path(r.source).name, r.line, r.data) for r in rows_of(reader)]
+    assert got == [
+        (0, "0.parquet", 1, {"prompt": "a"}),
+        (1, "0.parquet", 2, {"prompt": "b"}),
+        (2, "1.parquet", 1, {"prompt": "c", "score": 7, "note": "n"}),
+    ]
+
+
+def test_arrow_files_of_both_ipc_formats(tmp_path: Path) -> None:
+    table = pa.table({"prompt": ["a", "b", "c"]})
+    with pa.ipc.new_stream(tmp_path / "0.arrow", table.schema) as writer:  # Hugging Face's save_to_disk
+        writer.write_table(table, max_chunksize=2)
+    with pa.ipc.new_file(tmp_path / "1.arrow", table.schema) as file_writer:  # batchgen's outputs
+        file_writer.write_table(table.slice(0, 1))
+    reader = RowReader(tmp_path, block_rows=1)
+    assert [(Path(r.source).name, r.line, r.data["prompt"]) for r in rows_of(reader)] == [
+        ("0.arrow", 1, "a"),
+        ("0.arrow", 2, "b"),
+        ("0.arrow", 3, "c"),
+        ("1.arrow", 1, "a"),
+    ]
+    assert count_input_rows(tmp_path) == 4
+
+
+def test_a_directory_reads_data_files_only_and_a_glob_refuses_others(tmp_path: Path) -> None:
+    write_jsonl(tmp_path / "a.jsonl", ['{"prompt": "a"}'])
+    (tmp_path / "README.md").write_text("# a dataset\n")
+    assert list_shards(tmp_path).paths == [tmp_path / "a.jsonl"]
+    with pytest.raises(BatchgenError) as info:
+        list_shards(Path(str(tmp_path / "*")))
+    assert str(info.value) == (
+        f"{tmp_path / '*'}: matches {tmp_path / 'README.md'}, which is not a .jsonl, .parquet or .arrow file; "
+        "narrow the pattern"
+    )
+
+
+def test_an_empty_dataset_of_shards(tmp_path: Path) -> None:
+    write_jsonl(tmp_path / "a.jsonl", [""])
+    write_jsonl(tmp_path / "b.jsonl", ["  "])
+    with pytest.raises(BatchgenError) as info:
+        RowReader(tmp_path)
+    assert str(info.value) == f"{tmp_path}: dataset is empty"
+
+
+def test_outputs_that_a_later_run_would_read_as_shards(tmp_path: Path) -> None:
+    assert is_read_as_shard(tmp_path, tmp_path / "out.parquet")
+    assert not is_read_as_shard(tmp_path, tmp_path / "sub" / "out.parquet")
+    assert is_read_as_shard(Path(str(tmp_path / "*.arrow")), tmp_path / "out.arrow")
+    assert not is_read_as_shard(Path(str(tmp_path / "*.arrow")), tmp_path / "out.parquet")
+    write_jsonl(tmp_path / "in.jsonl", ['{"prompt": "a"}'])
+    assert not is_read_as_shard(tmp_path / "in.jsonl", tmp_path / "out.jsonl")
+
+
+# --- column options ---------------------------------------------------------------------------------------
+
+
+def test_template_escapes_and_fields() -> None:
+    options = InputOptions(prompt_template="Q: {question}\\nA:\\t{n:03d} \\\\n {x!r}")
+    assert options.template() == "Q: {question}\nA:\t{n:03d} \\n {x!r}"
+    assert options.columns() == ["question", "n", "x"]
+    mapping = ColumnMapping(options, ["question", "n", "x"], "d")
+    data, _, problem = mapping.apply({"question": "why?", "n": 7, "x": "s"})
+    assert problem is None and data["prompt"] == "Q: why?\nA:\t007 \\n 's'"
+    # A non-string value is formatted as str() formats it; a null one is a row error naming its column.
+    data, _, problem = ColumnMapping(InputOptions(prompt_template="{a}|{b}"), ["a", "b"], "d").apply(
+        {"a": [1, 2], "b": 1.5}
+    )
+    assert problem is None and data["prompt"] == "[1, 2]|1.5"
+    _, _, problem = ColumnMapping(InputOptions(prompt_template="{a}|{b}"), ["a", "b"], "d").apply({"a": "x"})
+    assert problem == ("b", "null or missing; --prompt-template needs a value in every row")
+    _, _, problem = mapping.apply({"question": "q", "n": "seven", "x": 1})
+    assert problem == (
+        "n",
+        "--prompt-template cannot format it with '03d': Unknown format code 'd' for object of type 'str'",
+    )
+
+
+@pytest.mark.parametrize(
+    ("template", "message"),
+    [
+        ("Q: {q", "expected '}' before end of string (a literal brace is {{ or }})"),
+        ("Q: q}", "Single '}' encountered in format string (a literal brace is {{ or }})"),
+        ("Q: {0}", "name a column in each field, as {question}"),
+        ("Q: {!r}", "name a column in each field, as {question}"),
+        ("Q: {a.b}", "field {a.b} must be a plain column name"),
+        ("Q: {a[0]}", "field {a[0]} must be a plain column name"),
+        ("Q: {a:{w}}", "a format spec cannot hold a field"),
+        ("Q: {a!x}", "conversion !x is not !r, !s or !a"),
+        ("Q: {{literal}}", "names no column; put one in braces, as {question}"),
+    ],
+)
+def test_bad_templates_are_refused_before_any_row(template: str, message: str) -> None:
+    with pytest.raises(BatchgenError) as info:
+        InputOptions(prompt_template=template).validate()
+    assert str(info.value) == f"--prompt-template {template!r}: {message}"
+
+
+def test_options_exclude_each_other_and_name_columns() -> None:
+    with pytest.raises(BatchgenError, match="^--messages-column and --prompt-template exclude each other"):
+        InputOptions(messages_column="c", prompt_template="{q}").validate()
+    with pytest.raises(BatchgenError, match="^--id-column: give a column name$"):
+        InputOptions(id_column="").validate()
+
+
+def test_a_column_the_dataset_has_under_batchgen_name_is_not_hidden() -> None:
+    with pytest.raises(BatchgenError) as info:
+        ColumnMapping(InputOptions(prompt_column="question"), ["question", "messages"], "d.parquet")
+    assert str(info.value) == (
+        "d.parquet: the dataset has its own 'messages' column, which --prompt-column question would replace; "
+        "rename that column, or leave the option out to use it"
+    )
+    with pytest.raises(BatchgenError, match="own 'id' column, which --id-column qid would replace"):
+        ColumnMapping(InputOptions(id_column="qid"), ["prompt", "id", "qid"], "d.parquet")
+    # A template that uses the dataset's `prompt` column replaces it knowingly.
+    data, _, _ = ColumnMapping(InputOptions(prompt_template="Q: {prompt}"), ["prompt"], "d").apply({"prompt": "p"})
+    assert data["prompt"] == "Q: p"
+
+
+def test_sharegpt_conversations_become_messages() -> None:
+    conversation = [
+        {"from": "system", "value": "s"},
+        {"from": "human", "value": "h1"},
+        {"from": "gpt", "value": "g1"},
+        {"from": "human", "value": "h2"},
+        {"from": "gpt", "value": "g2"},
+        {"role": "assistant", "content": "g3"},
+    ]
+    assert chat_messages(conversation) == [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "h1"},
+        {"role": "assistant", "content": "g1"},
+        {"role": "user", "content": "h2"},
+    ]
+    assert chat_messages([{"from": "tool", "value": "t"}]) == [{"role": "tool", "content": "t"}]
+    assert chat_messages("not a list") == "not a list"
+
+
+def parse(data: dict[str, Any], options: InputOptions, columns: list[str]) -> Any:
+    mapped, fields, problem = ColumnMapping(options, columns, "d.jsonl").apply(data)
+    row = InputRow(index=3, line=4, data=mapped, columns=fields, problem=problem)
+    names = passthrough_names(columns)
+    return parse_row(row, "d.jsonl", infer_schema([data], names), names)
+
+
+def test_conversations_are_picked_up_only_without_a_prompt_field() -> None:
+    conversation = [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "ref"}]
+    spec = parse({"conversations": conversation}, InputOptions(), ["conversations"])
+    assert spec.messages == [{"role": "user", "content": "hi"}]
+    assert not ColumnMapping(InputOptions(), ["conversations", "prompt"], "d").active
+    with pytest.raises(RowError) as info:
+        parse({"topic": "t"}, InputOptions(), ["conversations", "topic"])
+    assert str(info.value) == (
+        "d.jsonl:4: field 'conversations': null or missing; reading 'conversations' as the chat messages (the dataset "
+        "has no prompt field) needs a value in every row"
+    )
+
+
+def test_row_errors_name_the_dataset_column() -> None:
+    with pytest.raises(RowError) as info:
+        parse({"question": 5}, InputOptions(prompt_column="question"), ["question"])
+    assert str(info.value) == "d.jsonl:4: field 'question': must be a string, got number"
+    with pytest.raises(RowError) as info:
+        parse({"c": [{"from": "gpt", "value": "only"}]}, InputOptions(messages_column="c"), ["c"])
+    assert str(info.value) == "d.jsonl:4: field 'c': holds only assistant turns: there is nothing to answer"
+    with pytest.raises(RowError) as info:
+        parse({"c": [{"from": "human"}]}, InputOptions(messages_column="c"), ["c"])
+    assert str(info.value) == "d.jsonl:4: field 'c': item 0: 'content' must be a string, got null"
+    spec = parse({"q": "a", "qid": 12}, InputOptions(prompt_column="q", id_column="qid"), ["q", "qid"])
+    assert (spec.id, spec.prompt) == ("12", "a")
+
+
+def test_a_missing_column_is_refused_with_the_columns_there(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "in.jsonl", ['{"question": "a", "answer": "b"}'])
+    with pytest.raises(BatchgenError) as info:
+        RowReader(path, options=InputOptions(prompt_column="query"))
+    assert str(info.value) == f"{path}: --prompt-column query: no column 'query' (it has 'question', 'answer')"
+
+
+# --- fingerprint ------------------------------------------------------------------------------------------
+
+
+def test_a_lone_file_fingerprint_keeps_its_format(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "in.jsonl", ['{"prompt": "a"}'])
+    recorded = json.loads(fingerprint_dataset(path).to_json())
+    assert sorted(recorded) == ["mtime_ns", "sample_sha256", "size"]
+    assert DatasetFingerprint.from_json(json.dumps(recorded)) == fingerprint_dataset(path)
+
+
+def test_the_fingerprint_of_shards_names_each_change(tmp_path: Path) -> None:
+    write_jsonl(tmp_path / "a.jsonl", ['{"prompt": "a"}'])
+    write_jsonl(tmp_path / "b.jsonl", ['{"prompt": "b"}'])
+    before = DatasetFingerprint.from_json(fingerprint_dataset(tmp_path).to_json())
+    assert before.differences(fingerprint_dataset(tmp_path)) == []
+    write_jsonl(tmp_path / "b.jsonl", ['{"prompt": "bb"}'])
+    write_jsonl(tmp_path / "c.jsonl", ['{"prompt": "c"}'])
+    (tmp_path / "a.jsonl").unlink()
+    assert before.differences(fingerprint_dataset(tmp_path)) == [
+        "shards added: c.jsonl",
+        "shards removed: a.jsonl",
+        "shard b.jsonl size 16 → 17 bytes",
+    ]
+    assert before.differences(fingerprint_dataset(tmp_path / "c.jsonl")) == [
+        "dataset layout (one file ↔ a directory or glob of shards)"
+    ]
