@@ -265,3 +265,26 @@ def test_resume_with_other_column_options_says_so(model: Path, tmp_path: Path) -
         "read with other column options (prompt_column 'question' → not given; prompt_template not given → "
         "'Q: {question}'); --resume does not generate them again"
     ) in output
+
+
+def test_batchgen_run_from_python_takes_the_column_options(model: Path, tmp_path: Path) -> None:
+    import batchgen
+
+    questions().save_to_disk(str(tmp_path / "hf"), num_shards=2)
+    out = tmp_path / "py.jsonl"
+    summary = batchgen.run(
+        tmp_path / "hf",
+        out,
+        model=str(model),
+        dtype="float32",
+        device="cpu",
+        prompt_template="Q: {question}\\nA:",
+        id_column="qid",
+        temperature=0.0,
+        ignore_eos=True,
+        max_new_tokens=4,
+        progress=False,
+    )
+    assert summary.rows == len(QUESTIONS)
+    want = plain_texts(tmp_path, model, [{"id": f"q{i}", "prompt": f"Q: {q}\nA:"} for i, q in enumerate(QUESTIONS)])
+    assert {rid: row["text"] for rid, row in read_rows(out).items()} == want
