@@ -15,6 +15,7 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from batchgen.errors import BatchgenError
 from batchgen.io import partial_output
 from batchgen.io.partial_output import partial_dir
 from batchgen.io.writer import OUTPUT_COLUMNS
@@ -148,6 +149,25 @@ def test_the_readme_example_file_runs(model: Path, tmp_path: Path) -> None:
     assert first.choices[0].logprobs is None
     assert second.choices[0].logprobs is not None and second.choices[0].logprobs.content is not None
     assert all(len(entry.top_logprobs) == 2 for entry in second.choices[0].logprobs.content)
+
+
+def test_batchgen_run_from_python_writes_the_same_lines(model: Path, tmp_path: Path) -> None:
+    import batchgen
+
+    dataset = completions_file(tmp_path)
+    run(dataset, tmp_path / "cli.jsonl", model, "--seed", "1")
+    options = {"model": str(model), "dtype": "float32", "device": "cpu", "progress": False, "seed": 1}
+    batchgen.run(dataset, tmp_path / "api.jsonl", output_format="openai", **options)
+    with pytest.raises(BatchgenError, match="give --out a .jsonl path"):
+        batchgen.run(dataset, tmp_path / "api.arrow", output_format="openai", **options)
+
+    def unstamped(path: Path) -> list[dict[str, Any]]:
+        lines = output_lines(path)
+        for line in lines:
+            line["response"]["body"].pop("created")
+        return lines
+
+    assert unstamped(tmp_path / "api.jsonl") == unstamped(tmp_path / "cli.jsonl")
 
 
 def completions_file(tmp_path: Path) -> Path:
