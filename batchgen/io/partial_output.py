@@ -26,6 +26,7 @@ import fcntl
 import hashlib
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,7 @@ import pyarrow as pa
 from batchgen.errors import BatchgenError
 from batchgen.io.assemble import assemble_output
 from batchgen.io.done_rows import DoneRows
-from batchgen.io.durable import fsync_dir, write_atomically
+from batchgen.io.durable import fsync_dir, fsync_file, write_atomically
 from batchgen.io.manifest import encode_manifest, read_manifest
 
 MANIFEST = "manifest.json"
@@ -188,11 +189,12 @@ class PartialOutput:
         self.state.parts.append((number, final))
         self.state.done.note_written(number, [row["id"] for row in rows if row.get("finish_reason") != "error"])
 
-    def finalize(self, metadata: dict[str, str]) -> int:
+    def finalize(self, metadata: dict[str, str], render: Callable[[Path, Path], None] | None = None) -> int:
         """Assemble ``out`` from the parts, with ``metadata`` added to the job's, put it in place atomically, and
-        remove the directory.
+        remove the directory. With ``render``, the rows are assembled as an Arrow IPC file, and ``render(that
+        file, path)`` writes ``out``'s content to ``path`` (OpenAI Batch lines: :mod:`batchgen.io.openai_output`).
 
-        Returns the number of rows in ``out``.
+        Returns the number of rows assembled.
 
         Raises:
             BatchgenError: ``out`` cannot be written (it is then absent, and the parts stay for ``--resume``).
@@ -201,7 +203,12 @@ class PartialOutput:
         temp = self.dir / f"final{self.out.suffix}"
         try:
             schema = self.state.schema.with_metadata({**(self.state.schema.metadata or {}), **metadata})
-            rows = assemble_output(self.state.parts, schema, self.state.done, temp)
+            assembled = self.dir / "final.assembled.arrow" if render is not None else temp
+            rows = assemble_output(self.state.parts, schema, self.state.done, assembled)
+            if render is not None:
+                render(assembled, temp)
+                fsync_file(temp)
+                assembled.unlink()
             os.replace(temp, self.out)
             fsync_dir(self.out.parent)
         except (OSError, BatchgenError, ValueError, pa.ArrowException) as e:

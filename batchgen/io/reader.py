@@ -14,6 +14,7 @@ from batchgen.io.columns import ColumnMapping
 from batchgen.io.input_options import InputOptions
 from batchgen.io.input_row import InputRow
 from batchgen.io.jsonl_rows import count_jsonl_rows, jsonl_rows, open_jsonl, parse_line, reject_json_document
+from batchgen.io.openai_batch import OpenAIBatchInput, is_openai_batch_line
 from batchgen.io.passthrough import JSON_TEXT_METADATA, KNOWN_FIELDS, infer_schema, passthrough_names
 from batchgen.io.shards import list_shards
 from batchgen.io.table_shards import table_batches, table_num_rows, table_schema, unified_schema
@@ -38,7 +39,9 @@ class RowReader:
     pyarrow from the first ``block_rows`` rows (read ahead and buffered here, across shards), in order of first
     appearance; a null type (a field null in all of them, or only empty lists) becomes ``string``
     (``list<string>``). When values disagree the first one's type wins, and rows that do not fit it fail in
-    ``parse_row``. The source columns of the column options stay pass-through fields.
+    ``parse_row``. The source columns of the column options stay pass-through fields. A JSONL dataset whose first
+    row is an OpenAI Batch request line is an OpenAI Batch file (``openai``): each line is read as the batchgen row
+    :mod:`batchgen.io.openai_batch` maps it to, before the schema is inferred.
 
     Args:
         path: the dataset; ``str(path)`` is its name in messages about the whole dataset.
@@ -50,7 +53,8 @@ class RowReader:
         BatchgenError: ``options`` break their rules (:meth:`InputOptions.validate`); :func:`list_shards`' errors; a
             shard is unreadable or not valid Parquet/Arrow; the dataset has no rows; (JSONL) it looks like a JSON
             document instead of JSON Lines; (Parquet/Arrow) a shard repeats a column, or two shards give a column
-            types that do not unify; :class:`ColumnMapping`'s errors.
+            types that do not unify; :class:`ColumnMapping`'s errors; column options for an OpenAI Batch file;
+            (while iterating too) a file mixing OpenAI Batch lines with batchgen rows.
         ValueError: ``block_rows`` < 1.
     """
 
@@ -58,6 +62,7 @@ class RowReader:
     options: InputOptions
     passthrough_schema: pa.Schema
     passthrough_names: dict[str, str]  # pass-through field → its column (:func:`passthrough_names`)
+    openai: OpenAIBatchInput | None = None  # set for an OpenAI Batch file (:mod:`batchgen.io.openai_batch`)
     _head: list[InputRow | RowError]  # JSONL: the rows read ahead, as read (mapped as they are yielded)
 
     def __init__(self, path: Path, block_rows: int = 1024, options: InputOptions | None = None) -> None:
@@ -74,6 +79,8 @@ class RowReader:
         jsonl = self.shards.format == "jsonl"
         columns = self._init_jsonl() if jsonl else self._init_table()
         # Named by the file whose columns were read: the first shard's schema, or the rows read ahead.
+        if self.openai is not None and (self.options.maps_prompt or self.options.id_column is not None):
+            raise BatchgenError(f"{self.source}: column options do not apply to an OpenAI Batch file; leave them out")
         self.mapping = ColumnMapping(self.options, columns, self.source if jsonl else self._names[0])
 
     def __iter__(self) -> Iterator[InputRow | RowError]:
@@ -92,6 +99,7 @@ class RowReader:
     def _init_jsonl(self) -> list[str]:
         """Read ahead up to ``block_rows`` rows, across shards; return the columns they have."""
         self._head = []
+        self._kind_known = False  # whether the first JSON object has said if this is an OpenAI Batch file
         # Where the read-ahead stopped: shard, byte offset after it, lines read in that shard.
         self._head_end = (0, 0, 0)
         first_text: str | None = None
@@ -109,7 +117,7 @@ class RowReader:
                     if first_text is None:
                         first_text = raw.decode("utf-8", "replace").strip()
                         reject_json_document(item, first_text, name)
-                    self._head.append(item)
+                    self._head.append(self._openai_row(item))
                 self._head_end = (shard, f.tell(), lines)
             if len(self._head) == self.block_rows:
                 break
@@ -127,8 +135,32 @@ class RowReader:
         for i in range(shard, len(self.shards.paths)):
             for item in jsonl_rows(self.shards.paths[i], self._names[i], index, offset, line):
                 index += 1
-                yield item
+                yield self._openai_row(item)
             offset = line = 0
+
+    def _openai_row(self, item: InputRow | RowError) -> InputRow | RowError:
+        """``item`` as batchgen reads it: unchanged, or an OpenAI Batch line mapped onto batchgen's fields (a line
+        asking for what batchgen cannot do gets the field and message as its ``problem``).
+
+        Raises:
+            BatchgenError: a file mixing OpenAI Batch lines with batchgen rows.
+        """
+        if isinstance(item, RowError):
+            return item
+        if not self._kind_known:
+            self._kind_known = True
+            if is_openai_batch_line(item.data):
+                self.openai = OpenAIBatchInput()
+        if self.openai is None:
+            if is_openai_batch_line(item.data):
+                raise BatchgenError(
+                    f"{item.source}:{item.line}: an OpenAI Batch request line, but the file's first row is not one; "
+                    "a file holds one kind of row"
+                )
+            return item
+        data, error = self.openai.row(item.data, item.line, item.source)
+        problem = (error.field or "", error.message) if error is not None else None
+        return InputRow(item.index, item.line, data, item.source, problem=problem)
 
     # --- Parquet and Arrow ------------------------------------------------------------------------------
 

@@ -168,7 +168,7 @@ class _JsonlWriter(ResultWriter):
 
     def _write(self, batch: pa.RecordBatch) -> None:
         # Going through Arrow gives JSONL the same type checks and struct-to-object conversion as the other formats.
-        lines = [_json_line(row) for row in batch.to_pylist()]
+        lines = [json_line(row) for row in batch.to_pylist()]
         self._file.write("".join(lines))
         self._file.flush()
 
@@ -176,7 +176,7 @@ class _JsonlWriter(ResultWriter):
         self._file.close()
 
 
-def _json_line(row: dict[str, Any]) -> str:
+def json_line(row: dict[str, Any]) -> str:
     """One row as a strict JSON line: JSON has no NaN or infinity, so such floats (from pass-through fields) are
     written as null."""
     try:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from batchgen.errors import BatchgenError
 
 ON_ERROR = ("fail", "skip")
+OUTPUT_FORMATS = ("auto", "batchgen", "openai")
 
 
 @dataclass(frozen=True)
@@ -16,6 +17,13 @@ class JobOptions:
 
     on_error: str = field(
         default="fail", metadata={"help": "fail: report bad rows and exit 2 at the end; skip: write them."}
+    )
+    output_format: str = field(
+        default="auto",
+        metadata={
+            "help": "batchgen: batchgen's columns; openai: OpenAI Batch output lines (.jsonl, OpenAI Batch input); "
+            "auto: openai for an OpenAI Batch input and a .jsonl output, else batchgen.",
+        },
     )
     overwrite: bool = field(
         default=False, metadata={"help": "Replace an existing output file (and discard a partial output)."}
@@ -55,6 +63,8 @@ class JobOptions:
         """
         if self.on_error not in ON_ERROR:
             raise BatchgenError(f"--on-error must be fail or skip, got '{self.on_error}'")
+        if self.output_format not in OUTPUT_FORMATS:
+            raise BatchgenError(f"--output-format must be auto, batchgen or openai, got '{self.output_format}'")
         if self.schedule_lookahead < 1:
             raise BatchgenError(f"--schedule-lookahead must be >= 1, got {self.schedule_lookahead}")
         if self.flush_every < 1:

@@ -25,6 +25,7 @@ from batchgen.io.input_digests import (
     row_digest,
 )
 from batchgen.io.input_options import INPUT_OPTIONS_KEY, InputOptions
+from batchgen.io.openai_output import openai_output, wants_openai_output
 from batchgen.io.partial_output import PartialOutput, remove_partial_dir
 from batchgen.io.reader import InputRow, RowReader, count_input_rows
 from batchgen.io.rows import RowSpec, error_row_id, parse_row, passthrough_that_fits
@@ -69,6 +70,7 @@ class RunJob:
         input_options: InputOptions | None = None,
     ) -> None:
         self.reader = RowReader(dataset, options=input_options)
+        as_openai = wants_openai_output(job.output_format, self.reader.openai, out)
         self.out = out
         self.job = job
         self.defaults = defaults
@@ -92,6 +94,8 @@ class RunJob:
             int(self.schema.metadata[RUN_SEED_KEY.encode()]),
             max_samples=self.engine.max_running_requests,
         )
+        model, tokenizer, seed = engine_options.model, self.engine.tokenizer, self.builder.run_seed
+        self.openai_output = openai_output(dataset, self.reader.openai, as_openai, model, tokenizer, seed)
         warn_about_passthrough_names(self.reader.path, self.reader.passthrough_schema.names)
         warn_about_json_text_fields(self.reader.path, self.reader.passthrough_schema, self.reader.block_rows)
         self.summary = RunSummary()
@@ -167,7 +171,8 @@ class RunJob:
             self.summary.interrupted_by = stop.name
         elif self.output.state.parts:
             digested = len(self._digests) <= MAX_DIGESTED_ROWS * DIGEST_BYTES
-            self.output.finalize({INPUT_DIGESTS_KEY: encode_digests(bytes(self._digests))} if digested else {})
+            metadata = {INPUT_DIGESTS_KEY: encode_digests(bytes(self._digests))} if digested else {}
+            self.output.finalize(metadata, self.openai_output.render if self.openai_output is not None else None)
         else:  # every row was bad (--on-error fail): no empty output file that the next try must --overwrite
             self.summary.output_written = False
             self.output.close()

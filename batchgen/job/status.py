@@ -18,6 +18,7 @@ from batchgen.errors import BatchgenError, counted
 from batchgen.io.fingerprint import DatasetFingerprint, fingerprint_dataset
 from batchgen.io.input_digests import input_ids
 from batchgen.io.input_options import InputOptions, recorded_input_options
+from batchgen.io.openai_output import result_fields
 from batchgen.io.partial_output import PartialOutput, partial_dir
 from batchgen.io.reader import count_input_rows
 from batchgen.io.reopen import finished_batches
@@ -168,7 +169,7 @@ def _final_counts(path: Path) -> tuple[int, int, dict[bytes, bytes], set[str]]:
             with path.open(encoding="utf-8") as f:
                 for line in f:
                     if line.strip():
-                        row = json.loads(line)
+                        row = result_fields(json.loads(line))
                         ids.add(str(row.get("id")))
                         errored += row.get("finish_reason") == "error"
                         done += row.get("sample_index") == 0 or row.get("finish_reason") == "error"

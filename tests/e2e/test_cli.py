@@ -86,6 +86,7 @@ RUN_FLAGS = {
     "--enable-mixed-chunk",
     "--disable-mixed-chunk",
     "--on-error",
+    "--output-format",
     "--overwrite",
     "--no-overwrite",
     "--resume",

@@ -1,0 +1,259 @@
+"""OpenAI Batch input lines (``{"custom_id", "method", "url", "body"}``) read as batchgen rows.
+
+A file is an OpenAI Batch file when its first JSON object has ``custom_id`` and ``body`` (and no prompt field);
+then every line must be one. Each line becomes the row batchgen would read: ``custom_id`` is its ``id`` (and passes
+through as the ``custom_id`` column), ``body.messages`` / ``body.prompt`` its prompt, and the body's sampling fields
+batchgen's (see docs/input-output.md for the map). A line that is OpenAI-shaped but asks for something batchgen
+cannot do (``tools``, ``stream: true``, an unknown body field, another endpoint) becomes an error row naming the
+field, never a success that ignored part of the request.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tqdm import tqdm
+
+from batchgen.errors import BatchgenError, RowError, shown_value
+from batchgen.io.passthrough import PROMPT_FIELDS, json_type_name
+
+CHAT_URL = "/v1/chat/completions"
+COMPLETIONS_URL = "/v1/completions"
+ENDPOINTS = (CHAT_URL, COMPLETIONS_URL)
+# Builds the RowError for one field of the line being mapped.
+_Fail = Callable[[str, str], RowError]
+# The keys of a request line; one of them on a line marks it as OpenAI-shaped.
+LINE_KEYS = ("custom_id", "method", "url", "body")
+
+# Body fields copied to the row under batchgen's name (OpenAI's and vLLM's extra sampling fields).
+_SAMPLING_NAMES = {
+    "max_tokens": "max_tokens",
+    "max_completion_tokens": "max_completion_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "n": "n",
+    "stop": "stop",
+    "seed": "seed",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "min_tokens": "min_new_tokens",
+    "ignore_eos": "ignore_eos",
+    "stop_token_ids": "stop_token_ids",
+    "skip_special_tokens": "skip_special_tokens",
+}
+# Body fields that change nothing batchgen writes, whatever their value.
+_HARMLESS = frozenset(("model", "user", "metadata", "store", "service_tier", "parallel_tool_calls"))
+# Body fields accepted only with the value that asks for nothing (null is always accepted: the default).
+_OFF_VALUES: dict[str, tuple[Any, ...]] = {
+    "stream": (False,),
+    "echo": (False,),
+    "suffix": ("",),
+    "logit_bias": ({},),
+    "tools": ([],),
+    "functions": ([],),
+    "tool_choice": ("none",),
+    "function_call": ("none",),
+    "modalities": (["text"],),
+}
+_CHAT_ONLY = frozenset(("messages", "max_completion_tokens", "top_logprobs", "response_format", "modalities"))
+_COMPLETIONS_ONLY = frozenset(("prompt", "echo", "suffix", "best_of"))
+
+
+@dataclass
+class OpenAIBatchInput:
+    """The OpenAI Batch side of one input file: its endpoint and the models its lines name.
+
+    Attributes:
+        url: the file's endpoint: that of its first line with a supported one (``None`` until one is read); OpenAI
+            runs one endpoint per batch, and so does batchgen, so a line with the other one is an error line.
+        models: each ``body.model`` value read → where the first line naming it is (``file:line``).
+    """
+
+    url: str | None = None
+    models: dict[str, str] = field(default_factory=dict)
+    loaded_model: str | None = None  # set by :meth:`expect_model`
+    _warned: bool = False
+
+    def expect_model(self, loaded: str) -> None:
+        """Note the model that runs every line (``--model`` as given), and warn, once for the file, when a line's
+        ``body.model`` names another: batchgen ignores it (a file written for vLLM names an HF repo id, one for
+        OpenAI a model of theirs). The names agree when equal or when their last path parts are."""
+        self.loaded_model = loaded
+        for model, where in self.models.items():
+            self._check_model(model, where)
+
+    def _check_model(self, model: str, where: str) -> None:
+        loaded = self.loaded_model
+        if self._warned or loaded is None or _last_part(model) == _last_part(loaded):
+            return
+        self._warned = True
+        tqdm.write(
+            f"batchgen: warning: {where}: body.model '{model}' is not the loaded model '{loaded}'; "
+            f"batchgen ignores body.model and runs every line on '{loaded}' (said once for the file)",
+            file=sys.stderr,
+        )
+
+    def row(self, data: dict[str, Any], line: int, source: str) -> tuple[dict[str, Any], RowError | None]:
+        """The batchgen row of the request line ``data`` (line ``line`` of the shard ``source``), and the error that
+        makes it an error row (``None`` for a good line); a bad line's row holds only its id, when its
+        ``custom_id`` is good.
+
+        Raises:
+            BatchgenError: the line is not an OpenAI Batch request line at all (a mixed file).
+        """
+        if not any(key in data for key in LINE_KEYS):
+            raise BatchgenError(
+                f"{source}:{line}: not an OpenAI Batch request line, but the file's first line is one; "
+                "a file holds one kind of row (give every line custom_id, method, url and body)"
+            )
+        custom_id = data.get("custom_id")
+        row: dict[str, Any] = {}
+        if isinstance(custom_id, str) and custom_id.strip():
+            row = {"id": custom_id, "custom_id": custom_id}
+        try:
+            return {**row, **self._mapped(data, line, source)}, None
+        except RowError as e:
+            return row, e
+
+    def _mapped(self, data: dict[str, Any], line: int, source: str) -> dict[str, Any]:
+        def fail(name: str, message: str) -> RowError:
+            return RowError(source, line, name, message)
+
+        for key in data:
+            if key not in LINE_KEYS:
+                raise fail(key, "is not a field of an OpenAI Batch request line (custom_id, method, url, body)")
+        custom_id = data.get("custom_id")
+        if not isinstance(custom_id, str) or not custom_id.strip():
+            raise fail("custom_id", f"must be a non-empty string, got {shown_value(custom_id)}")
+        if data.get("method") != "POST":
+            raise fail("method", f'must be "POST", got {shown_value(data.get("method"))}')
+        url = data.get("url")
+        if url not in ENDPOINTS:
+            raise fail("url", f"must be {CHAT_URL} or {COMPLETIONS_URL}, got {shown_value(url)}")
+        if self.url is None:
+            self.url = url
+        elif url != self.url:
+            raise fail("url", f"is {url}, but this file's requests go to {self.url} (one endpoint per file)")
+        body = data.get("body")
+        if not isinstance(body, dict):
+            raise fail("body", f"must be an object, got {json_type_name(body)}")
+        given = {key: value for key, value in body.items() if value is not None}
+        model = given.get("model")
+        if model is not None:
+            if not isinstance(model, str):
+                raise fail("body.model", f"must be a string, got {shown_value(model)}")
+            if model not in self.models:
+                self.models[model] = f"{source}:{line}"
+                self._check_model(model, self.models[model])
+        for key, value in given.items():
+            _check_body_field(key, value, url, given, fail)
+        row = {_SAMPLING_NAMES[key]: value for key, value in given.items() if key in _SAMPLING_NAMES}
+        row.update(_prompt(url, given, fail))
+        row.update(_logprobs(url, given, fail))
+        if "response_format" in given:
+            row.update(_response_format(given["response_format"], fail))
+        return row
+
+
+def is_openai_batch_line(data: dict[str, Any]) -> bool:
+    """Whether the first row of a file marks it as an OpenAI Batch file: a ``custom_id`` and a ``body``, and no
+    prompt field of batchgen's own."""
+    return "custom_id" in data and "body" in data and not any(name in data for name in PROMPT_FIELDS)
+
+
+def _check_body_field(key: str, value: Any, url: str, body: dict[str, Any], fail: _Fail) -> None:
+    """Refuse a body field batchgen cannot honour (``value`` is not null)."""
+    name = f"body.{key}"
+    chat = url == CHAT_URL
+    if (chat and key in _COMPLETIONS_ONLY) or (not chat and key in _CHAT_ONLY):
+        raise fail(name, f"is not a field of {url} requests")
+    if key in _OFF_VALUES:
+        if value not in _OFF_VALUES[key]:
+            raise fail(name, f"{shown_value(value)} is not supported by batchgen; leave it out")
+        return
+    if key == "best_of":
+        if value != body.get("n", 1):
+            raise fail(name, f"best_of {shown_value(value)} is not supported (only best_of equal to n)")
+        return
+    known = (*_SAMPLING_NAMES, "messages", "prompt", "logprobs", "top_logprobs", "response_format")
+    if key not in _HARMLESS and key not in known:
+        raise fail(name, "is not supported by batchgen; leave it out (the result would not be what it asks for)")
+
+
+def _prompt(url: str, body: dict[str, Any], fail: _Fail) -> dict[str, Any]:
+    if url == CHAT_URL:
+        if "messages" not in body:
+            raise fail("body.messages", "is required for /v1/chat/completions")
+        return {"messages": _messages(body["messages"], fail)}
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one prompt
+    if isinstance(prompt, str):
+        return {"prompt": prompt}
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return {"prompt_token_ids": prompt}
+    if isinstance(prompt, list) and len(prompt) > 1:
+        raise fail("body.prompt", f"holds {len(prompt)} prompts; batchgen takes one per line (split it into lines)")
+    raise fail("body.prompt", f"must be a string or an array of token ids, got {shown_value(prompt)}")
+
+
+def _messages(messages: Any, fail: _Fail) -> Any:
+    """The messages with OpenAI's text content parts joined into one string (``\\n`` between parts, as vLLM
+    does); other parts (images, audio) are refused. Other checks are the row's (:func:`batchgen.io.rows.parse_row`)."""
+    if not isinstance(messages, list):
+        return messages
+    joined = []
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                    kind = part.get("type") if isinstance(part, dict) else json_type_name(part)
+                    problem = f"item {i}: content part {shown_value(kind)} is not supported (text only)"
+                    raise fail("body.messages", problem)
+                texts.append(part["text"])
+            message = {**message, "content": "\n".join(texts)}
+        joined.append(message)
+    return joined
+
+
+def _logprobs(url: str, body: dict[str, Any], fail: _Fail) -> dict[str, Any]:
+    """batchgen's ``logprobs`` / ``top_logprobs`` for the body's: off unless the body asks (OpenAI's default)."""
+    value = body.get("logprobs")
+    if url == CHAT_URL:
+        if value is not None and not isinstance(value, bool):
+            raise fail("body.logprobs", f"must be true or false, got {shown_value(value)}")
+        return {"logprobs": bool(value), "top_logprobs": body.get("top_logprobs", 0)}
+    if value is None or value is False:
+        return {"logprobs": False, "top_logprobs": 0}
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise fail("body.logprobs", f"must be a count of top logprobs (an integer >= 0), got {shown_value(value)}")
+    return {"logprobs": True, "top_logprobs": value}
+
+
+def _response_format(value: Any, fail: _Fail) -> dict[str, Any]:
+    """``{"type": "text"}``: nothing; ``json_object``: any JSON object; ``json_schema``: its ``schema``."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return {}
+    if kind == "json_object":
+        return {"json_schema": {"type": "object"}}
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise fail("body.response_format", 'json_schema needs a "schema" object')
+        return {"json_schema": schema}
+    raise fail("body.response_format", f"type must be text, json_object or json_schema, got {shown_value(kind)}")
+
+
+def _last_part(model: str) -> str:
+    """``meta-llama/Llama-3.2-1B`` and ``/models/Llama-3.2-1B/`` → ``Llama-3.2-1B``."""
+    return model.rstrip("/").rsplit("/", 1)[-1]

@@ -1,0 +1,248 @@
+"""OpenAI Batch output lines from a job's result rows: ``{"id", "custom_id", "response": {"status_code",
+"request_id", "body"}, "error"}``, one a request, in input order, ``body`` a ``chat.completion`` or
+``text_completion`` object (an error object with status 400 for a bad line).
+
+The job keeps its resumable Arrow partial output as for any input; this renders the assembled rows when the
+finished output is put in place (:meth:`batchgen.io.partial_output.PartialOutput.finalize`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from batchgen.errors import BatchgenError
+from batchgen.io.input_digests import input_ids
+from batchgen.io.openai_batch import CHAT_URL, OpenAIBatchInput
+from batchgen.io.writer import json_line
+
+# Rows taken from the assembled output at a time, in input order.
+_TAKE_ROWS = 4096
+_FIELD = re.compile(r"field '([^']*)'")
+
+
+def wants_openai_output(output_format: str, openai: OpenAIBatchInput | None, out: Path) -> bool:
+    """Whether ``out`` gets OpenAI Batch output lines: ``openai``, or ``auto`` for an OpenAI Batch input and a
+    ``.jsonl`` output.
+
+    Raises:
+        BatchgenError: ``openai`` for an output that is not ``.jsonl``, or for an input that is not OpenAI Batch.
+    """
+    if output_format == "openai":
+        if out.suffix.lower() != ".jsonl":
+            raise BatchgenError(f"--output-format openai writes JSON Lines: give --out a .jsonl path, not {out}")
+        if openai is None:
+            raise BatchgenError("--output-format openai needs an OpenAI Batch input (lines of custom_id, url, body)")
+        return True
+    return output_format == "auto" and openai is not None and out.suffix.lower() == ".jsonl"
+
+
+def openai_output(
+    dataset: Path, openai: OpenAIBatchInput | None, lines: bool, model: str, tokenizer: Any, run_seed: int
+) -> OpenAIOutput | None:
+    """For an OpenAI Batch input: note the loaded ``model`` (:meth:`OpenAIBatchInput.expect_model`) and, when the
+    output gets OpenAI Batch ``lines`` (:func:`wants_openai_output`), the renderer of its lines; else ``None``."""
+    if openai is None:
+        return None
+    openai.expect_model(model)
+    return OpenAIOutput(dataset, openai, model, tokenizer, run_seed) if lines else None
+
+
+@dataclass
+class OpenAIOutput:
+    """Renders the assembled Arrow IPC output of an OpenAI Batch input as OpenAI Batch output lines.
+
+    Attributes:
+        dataset: the input file (read again for the input order of the ids).
+        openai: the input's OpenAI side (its endpoint).
+        model: the model name the bodies report (``--model`` as given: what ran, whatever ``body.model`` said).
+        tokenizer: the engine's tokenizer for token strings (``None``: ``token_id:N``, as vLLM writes ids).
+        run_seed: the run's seed; the line, request and completion ids are digests of it and the row's id, so a
+            resumed run writes the ids an uninterrupted one would.
+    """
+
+    dataset: Path
+    openai: OpenAIBatchInput
+    model: str
+    tokenizer: Any
+    run_seed: int
+    _tokens: dict[int, str] = field(default_factory=dict)
+    _anchor: tuple[int, str] | None = None
+
+    def render(self, assembled: Path, out: Path) -> None:
+        """Write the OpenAI Batch lines of the rows of ``assembled`` (an Arrow IPC file of result rows) to ``out``:
+        one line per input row (its ``n`` samples are its ``choices``), in input order; rows whose id the input
+        no longer has go last.
+
+        Raises:
+            OSError: ``out`` cannot be written.
+            pyarrow.ArrowException: ``assembled`` cannot be read.
+        """
+        table = pa.ipc.open_file(pa.memory_map(str(assembled))).read_all()
+        created = int(time.time())
+        seen: dict[str, int] = {}
+        with out.open("w", encoding="utf-8") as f:
+            for rows in _requests(table, _input_order(self.dataset)):
+                rid = rows[0]["id"]
+                seen[rid] = seen.get(rid, -1) + 1
+                f.write(json_line(self.line(rows, seen[rid], created)))
+
+    def line(self, rows: list[dict[str, Any]], ordinal: int, created: int) -> dict[str, Any]:
+        """The output line of one request: its result rows (its samples, by ``sample_index``, or one error row);
+        ``ordinal`` counts earlier lines with the same id (a duplicate id's error line)."""
+        first = rows[0]
+        digest = hashlib.sha256(f"{self.run_seed}\0{first['id']}\0{ordinal}".encode("utf-8", "surrogatepass"))
+        hexes = digest.hexdigest()
+        line: dict[str, Any] = {"id": f"batch_req_{hexes[:32]}", "custom_id": first.get("custom_id")}
+        if first["finish_reason"] == "error":
+            error = first["error"] or ""
+            param = _FIELD.search(error)
+            body: dict[str, Any] = {
+                "error": {
+                    "message": error,
+                    "type": "invalid_request_error",
+                    "param": param[1] if param else None,
+                    "code": None,
+                }
+            }
+            status = 400
+        else:
+            body, status = self.completion(rows, hexes[32:], created), 200
+        line["response"] = {"status_code": status, "request_id": f"req_{hexes[32:64]}", "body": body}
+        line["error"] = None
+        return line
+
+    def completion(self, rows: list[dict[str, Any]], hexes: str, created: int) -> dict[str, Any]:
+        """The ``chat.completion`` / ``text_completion`` object of a request's samples ``rows``."""
+        chat = self.openai.url == CHAT_URL
+        choices = []
+        for row in rows:
+            choice: dict[str, Any] = {"index": row["sample_index"]}
+            text = row["text"] if row["text"] is not None else ""
+            if chat:
+                choice["message"] = {"role": "assistant", "content": text}
+                choice["logprobs"] = self._chat_logprobs(row)
+            else:
+                choice["text"] = text
+                choice["logprobs"] = self._completion_logprobs(row)
+            choice["finish_reason"] = row["finish_reason"]
+            choices.append(choice)
+        prompt_tokens = rows[0]["prompt_tokens"]
+        completion_tokens = sum(row["completion_tokens"] for row in rows)
+        return {
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{hexes}",
+            "object": "chat.completion" if chat else "text_completion",
+            "created": created,
+            "model": self.model,
+            "choices": choices,
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+            },
+        }
+
+    def token(self, token_id: int) -> str:
+        """A token's text as OpenAI reports it, special tokens included: what it adds to a text after another token
+        (so a SentencePiece token keeps the leading space that decoding it alone drops, and the tokens of a reply
+        join to its text); a token holding part of a character reads U+FFFD, as in vLLM."""
+        text = self._tokens.get(token_id)
+        if text is None:
+            if self.tokenizer is None:
+                text = f"token_id:{token_id}"
+            else:
+                if self._anchor is None:  # the token decoded before each one: the last of "a"'s
+                    anchor_id = int(self.tokenizer.encode("a", add_special_tokens=False)[-1])
+                    self._anchor = (anchor_id, self._decode(anchor_id))
+                anchor_id, anchor = self._anchor
+                pair = self._decode(anchor_id, token_id)
+                text = pair[len(anchor) :] if pair.startswith(anchor) else self._decode(token_id)
+            self._tokens[token_id] = text
+        return text
+
+    def _decode(self, *ids: int) -> str:
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False))
+
+    def _chat_logprobs(self, row: dict[str, Any]) -> dict[str, Any] | None:
+        """``{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}`` (OpenAI's chat shape), or ``None``
+        when the request did not ask for logprobs."""
+        if row["output_logprobs"] is None:
+            return None
+        tops = row["top_logprobs"] or [[] for _ in row["output_token_ids"]]
+        content = []
+        for token_id, logprob, top in zip(row["output_token_ids"], row["output_logprobs"], tops):
+            entry = self._chat_token(token_id, logprob)
+            entry["top_logprobs"] = [self._chat_token(t["id"], t["logprob"]) for t in top]
+            content.append(entry)
+        return {"content": content}
+
+    def _chat_token(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text = self.token(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    def _completion_logprobs(self, row: dict[str, Any]) -> dict[str, Any] | None:
+        """``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`` (OpenAI's completions shape; offsets
+        in characters from the start of the completion text), or ``None`` when not asked for."""
+        if row["output_logprobs"] is None:
+            return None
+        tokens = [self.token(t) for t in row["output_token_ids"]]
+        offsets, offset = [], 0
+        for text in tokens:
+            offsets.append(offset)
+            offset += len(text)
+        tops = None
+        if row["top_logprobs"] is not None:
+            tops = [{self.token(t["id"]): t["logprob"] for t in top} for top in row["top_logprobs"]]
+        logprobs = row["output_logprobs"]
+        return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def result_fields(line: dict[str, Any]) -> dict[str, Any]:
+    """The ``id``, ``sample_index`` and ``finish_reason`` (``error`` or not) ``batchgen status`` counts a JSONL
+    output line by: an OpenAI Batch output line's (one request, by its ``custom_id``), else the line itself."""
+    response = line.get("response")
+    if "custom_id" not in line or not isinstance(response, dict):
+        return line
+    failed = response.get("status_code") != 200 or line.get("error") is not None
+    return {"id": line["custom_id"], "sample_index": 0, "finish_reason": "error" if failed else "done"}
+
+
+def _input_order(dataset: Path) -> dict[str, int]:
+    """Each id of ``dataset`` → the position of its first row."""
+    order: dict[str, int] = {}
+    for position, rid in enumerate(input_ids(dataset)):
+        order.setdefault(rid, position)
+    return order
+
+
+def _requests(table: pa.Table, order: dict[str, int]) -> Iterator[list[dict[str, Any]]]:
+    """The rows of ``table`` grouped by request (a row's samples together, each error row alone), in input order:
+    by the position of the id's first input row, its samples before its error rows, samples by index."""
+    if not table.num_rows:
+        return
+    positions = pc.index_in(table.column("id"), value_set=pa.array(list(order), pa.string()))
+    keys = pa.table(
+        {
+            "position": pc.fill_null(positions, len(order)),
+            "error": pc.fill_null(pc.equal(table.column("finish_reason"), "error"), False),
+            "sample": pc.fill_null(table.column("sample_index"), 0),
+        }
+    )
+    indices = pc.sort_indices(keys, sort_keys=[(name, "ascending") for name in keys.column_names])
+    group: list[dict[str, Any]] = []
+    for start in range(0, len(indices), _TAKE_ROWS):
+        for row in table.take(indices[start : start + _TAKE_ROWS]).to_pylist():
+            error = row["finish_reason"] == "error"
+            if group and (error or group[0]["finish_reason"] == "error" or row["id"] != group[0]["id"]):
+                yield group
+                group = []
+            group.append(row)
+    yield group

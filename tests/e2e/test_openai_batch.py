@@ -1,0 +1,395 @@
+"""OpenAI Batch files through ``batchgen run``: request lines in, OpenAI Batch output lines out, each body checked
+with the ``openai`` package's own types, and its values against a plain batchgen run of the same prompts."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pytest
+from openai.types import Completion
+from openai.types.chat import ChatCompletion
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from batchgen.errors import BatchgenError
+from batchgen.io import partial_output
+from batchgen.io.partial_output import partial_dir
+from batchgen.io.writer import OUTPUT_COLUMNS
+from tests.helpers.cli import read_rows, run_args, run_cli, write_jsonl
+from tests.helpers.crash_points import part_write_with_fault
+from tests.helpers.models import STORIES, needs_shared
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+VLLM_MODEL = "meta-llama/Meta-Llama-3-8B-Instruct"
+SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
+# The keys of an output line and of its response (OpenAI's Batch reference: the request output object).
+LINE_KEYS = {"id", "custom_id", "response", "error"}
+RESPONSE_KEYS = {"status_code", "request_id", "body"}
+
+
+@pytest.fixture(scope="module")
+def model(random_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random llama with a chat template (its byte-level BPE splits multi-byte characters)."""
+    directory = tmp_path_factory.mktemp("chat") / "llama"
+    tokenizer = AutoTokenizer.from_pretrained(random_models["llama"])
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(directory)
+    for path in random_models["llama"].iterdir():
+        if not (directory / path.name).exists():
+            (directory / path.name).symlink_to(path)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model: Path) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(model)
+
+
+def request(custom_id: str, body: dict[str, Any], url: str = CHAT) -> dict[str, Any]:
+    return {"custom_id": custom_id, "method": "POST", "url": url, "body": body}
+
+
+def run(dataset: Path, out: Path, model: Path, *extra: str) -> str:
+    code, output = run_cli(run_args(dataset, out, model, *extra))
+    assert code == 0, output
+    return output
+
+
+def output_lines(path: Path) -> list[dict[str, Any]]:
+    """The output lines, each checked for OpenAI's line shape; a 200 body validated as its endpoint's object."""
+    lines = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    for line in lines:
+        assert set(line) == LINE_KEYS and line["error"] is None and line["id"].startswith("batch_req_")
+        assert set(line["response"]) == RESPONSE_KEYS and line["response"]["request_id"].startswith("req_")
+    return lines
+
+
+def validated(line: dict[str, Any], url: str = CHAT) -> Any:
+    assert line["response"]["status_code"] == 200
+    body = line["response"]["body"]
+    return ChatCompletion.model_validate(body) if url == CHAT else Completion.model_validate(body)
+
+
+def test_a_vllm_run_batch_chat_file_runs_unchanged(model: Path, tmp_path: Path) -> None:
+    """The request lines of vLLM's run-batch docs; the replies equal a plain batchgen run of the same messages."""
+    greeting = [SYSTEM, {"role": "user", "content": "Hello world!"}]
+    riddle = [SYSTEM, {"role": "user", "content": "What is the capital of France?"}]
+    lines = [
+        request("request-1", {"model": VLLM_MODEL, "messages": greeting, "max_completion_tokens": 1000}),
+        request("request-2", {"model": VLLM_MODEL, "messages": riddle, "max_completion_tokens": 1000}),
+    ]
+    dataset = write_jsonl(tmp_path / "requests.jsonl", lines)
+    output = run(dataset, tmp_path / "results.jsonl", model, "--temperature", "0")
+    # body.model names another model: ignored, said once.
+    assert output.count("body.model 'meta-llama/Meta-Llama-3-8B-Instruct' is not the loaded model") == 1
+    plain = write_jsonl(
+        tmp_path / "plain.jsonl",
+        [{"id": "request-1", "messages": greeting, "max_new_tokens": 1000}, {"id": "request-2", "messages": riddle}],
+    )
+    run(plain, tmp_path / "plain.arrow", model, "--temperature", "0", "--max-new-tokens", "1000")
+    reference = read_rows(tmp_path / "plain.arrow")
+    got = output_lines(tmp_path / "results.jsonl")
+    assert [line["custom_id"] for line in got] == ["request-1", "request-2"]
+    for line in got:
+        completion = validated(line)
+        row = reference[line["custom_id"]]
+        assert completion.object == "chat.completion" and completion.model == str(model)
+        (choice,) = completion.choices
+        assert choice.index == 0 and choice.message.role == "assistant" and choice.logprobs is None
+        assert choice.message.content == row["text"] and choice.finish_reason == row["finish_reason"]
+        assert completion.usage is not None
+        assert (completion.usage.prompt_tokens, completion.usage.completion_tokens) == (
+            row["prompt_tokens"],
+            row["completion_tokens"],
+        )
+        assert completion.usage.total_tokens == row["prompt_tokens"] + row["completion_tokens"]
+
+
+GREEDY = {"model": "m", "temperature": 0}
+
+
+@needs_shared
+def test_a_completions_line_gives_hf_greedy_text(tmp_path: Path) -> None:
+    """stories260k's greedy continuation as HF transformers generates it (tests/data/greedy_reference.json)."""
+    expected = json.loads((Path(__file__).parents[1] / "data" / "greedy_reference.json").read_text())[
+        "stories260k|float32"
+    ]
+    body = {"model": "stories260k", "prompt": "Once upon a time", "max_tokens": 40, "temperature": 0, "logprobs": 1}
+    dataset = write_jsonl(tmp_path / "requests.jsonl", [request("story", body, COMPLETIONS)])
+    output = run(dataset, tmp_path / "out.jsonl", STORIES)
+    assert "body.model" not in output  # it names the loaded model by its last path part: no warning
+    (line,) = output_lines(tmp_path / "out.jsonl")
+    completion = validated(line, COMPLETIONS)
+    (choice,) = completion.choices
+    assert choice.text == expected["text"] and choice.finish_reason == "length"
+    # SentencePiece: each token keeps its leading space, so the tokens join to the text.
+    assert choice.logprobs is not None and choice.logprobs.tokens is not None
+    assert "".join(choice.logprobs.tokens) == expected["text"]
+    assert completion.usage is not None
+    assert completion.usage.prompt_tokens == len(expected["prompt_ids"])
+    assert completion.usage.completion_tokens == len(expected["new_ids"])
+
+
+def test_the_readme_example_file_runs(model: Path, tmp_path: Path) -> None:
+    """examples/requests.jsonl, the README tour's OpenAI Batch file (written for the default model)."""
+    dataset = Path(__file__).parents[2] / "examples" / "requests.jsonl"
+    run(dataset, tmp_path / "results.jsonl", model)
+    lines = output_lines(tmp_path / "results.jsonl")
+    assert [line["custom_id"] for line in lines] == ["request-1", "request-2"]
+    first, second = (validated(line) for line in lines)
+    assert first.choices[0].logprobs is None
+    assert second.choices[0].logprobs is not None and second.choices[0].logprobs.content is not None
+    assert all(len(entry.top_logprobs) == 2 for entry in second.choices[0].logprobs.content)
+
+
+def test_batchgen_run_from_python_writes_the_same_lines(model: Path, tmp_path: Path) -> None:
+    import batchgen
+
+    dataset = completions_file(tmp_path)
+    run(dataset, tmp_path / "cli.jsonl", model, "--seed", "1")
+    options = {"model": str(model), "dtype": "float32", "device": "cpu", "progress": False, "seed": 1}
+    batchgen.run(dataset, tmp_path / "api.jsonl", output_format="openai", **options)
+    with pytest.raises(BatchgenError, match="give --out a .jsonl path"):
+        batchgen.run(dataset, tmp_path / "api.arrow", output_format="openai", **options)
+
+    def unstamped(path: Path) -> list[dict[str, Any]]:
+        lines = output_lines(path)
+        for line in lines:
+            line["response"]["body"].pop("created")
+        return lines
+
+    assert unstamped(tmp_path / "api.jsonl") == unstamped(tmp_path / "cli.jsonl")
+
+
+def completions_file(tmp_path: Path) -> Path:
+    """Completions requests: text and token-id prompts, logprobs N, the first one longest (it finishes last)."""
+    lines = [
+        request("long", {**GREEDY, "prompt": "Once upon a time", "max_tokens": 12, "logprobs": 3}, COMPLETIONS),
+        request("ids", {**GREEDY, "prompt": [0, 40, 41, 42], "max_tokens": 2, "logprobs": 0}, COMPLETIONS),
+        request("plain", {**GREEDY, "prompt": "Café 日本語", "max_tokens": 3, "ignore_eos": True}, COMPLETIONS),
+    ]
+    return write_jsonl(tmp_path / "completions.jsonl", lines)
+
+
+def test_completions_lines_in_input_order_with_the_columns_logprobs(
+    model: Path, tokenizer: PreTrainedTokenizerBase, tmp_path: Path
+) -> None:
+    dataset = completions_file(tmp_path)
+    run(dataset, tmp_path / "out.jsonl", model)
+    run(dataset, tmp_path / "out.arrow", model)
+    table = pa.ipc.open_file(tmp_path / "out.arrow").read_all()
+    # The rows are written as they finish (the longest last); the OpenAI lines come in input order.
+    assert table.column("custom_id").to_pylist() == ["ids", "plain", "long"]
+    # An Arrow output keeps batchgen's columns, plus custom_id.
+    assert table.column_names == [*OUTPUT_COLUMNS.names, "custom_id"]
+    rows = {row["custom_id"]: row for row in table.to_pylist()}
+    got = output_lines(tmp_path / "out.jsonl")
+    assert [line["custom_id"] for line in got] == ["long", "ids", "plain"]  # input order, not finishing order
+    for line in got:
+        completion = validated(line, COMPLETIONS)
+        row = rows[line["custom_id"]]
+        assert completion.object == "text_completion"
+        (choice,) = completion.choices
+        assert choice.text == row["text"] and choice.finish_reason == row["finish_reason"]
+        if line["custom_id"] == "plain":
+            assert choice.logprobs is None  # not asked for
+            continue
+        assert choice.logprobs is not None
+        tokens = [tokenizer.decode([t]) for t in row["output_token_ids"]]  # byte-level BPE: each token alone
+        assert choice.logprobs.tokens == tokens
+        assert choice.logprobs.token_logprobs == row["output_logprobs"]
+        offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+        assert choice.logprobs.text_offset == offsets
+        if line["custom_id"] == "ids":
+            assert choice.logprobs.top_logprobs is None  # logprobs: 0 asks for the chosen token's only
+        else:
+            assert choice.logprobs.top_logprobs == [
+                {tokenizer.decode([t["id"]]): t["logprob"] for t in top} for top in row["top_logprobs"]
+            ]
+            assert all(len(top) == 3 for top in row["top_logprobs"])
+
+
+def test_chat_logprobs_carry_token_text_bytes_and_top_logprobs(
+    model: Path, tokenizer: PreTrainedTokenizerBase, tmp_path: Path
+) -> None:
+    messages = [{"role": "user", "content": "Café, naïve and 日本語 🙂"}]
+    body = {"model": "m", "messages": messages, "max_tokens": 8, "logprobs": True, "top_logprobs": 2, "temperature": 0}
+    dataset = write_jsonl(tmp_path / "chat.jsonl", [request("lp", body)])
+    run(dataset, tmp_path / "out.jsonl", model)
+    run(dataset, tmp_path / "out.arrow", model)
+    row = read_rows(tmp_path / "out.arrow")["lp"]
+    (line,) = output_lines(tmp_path / "out.jsonl")
+    (choice,) = validated(line).choices
+    assert choice.logprobs is not None and choice.logprobs.content is not None
+    content = choice.logprobs.content
+    assert [c.logprob for c in content] == row["output_logprobs"]
+    for entry, token_id, top in zip(content, row["output_token_ids"], row["top_logprobs"]):
+        assert entry.token == tokenizer.decode([token_id])
+        assert entry.bytes == list(entry.token.encode("utf-8"))
+        assert [(t.token, t.logprob) for t in entry.top_logprobs] == [
+            (tokenizer.decode([t["id"]]), t["logprob"]) for t in top
+        ]
+        assert all(t.bytes == list(t.token.encode("utf-8")) for t in entry.top_logprobs)
+        # Greedy: the chosen token is the most likely one.
+        assert entry.logprob == entry.top_logprobs[0].logprob
+
+
+def test_n_samples_are_the_choices_of_one_line(model: Path, tmp_path: Path) -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "Tell"}], "n": 3, "max_tokens": 5, "seed": 7}
+    dataset = write_jsonl(tmp_path / "n.jsonl", [request("n3", body), request("n1", {**body, "n": 1})])
+    run(dataset, tmp_path / "out.jsonl", model, "--temperature", "1")
+    run(dataset, tmp_path / "out.arrow", model, "--temperature", "1")
+    table = read_rows_all(tmp_path / "out.arrow")
+    first, second = output_lines(tmp_path / "out.jsonl")
+    completion = validated(first)
+    samples = sorted((r for r in table if r["id"] == "n3"), key=lambda r: r["sample_index"])
+    assert [c.index for c in completion.choices] == [0, 1, 2]
+    assert [c.message.content for c in completion.choices] == [r["text"] for r in samples]
+    assert completion.usage is not None
+    # The prompt counts once for its n samples.
+    assert completion.usage.prompt_tokens == samples[0]["prompt_tokens"]
+    assert completion.usage.completion_tokens == sum(r["completion_tokens"] for r in samples)
+    assert len(validated(second).choices) == 1
+
+
+def read_rows_all(path: Path) -> list[dict[str, Any]]:
+    return list(pa.ipc.open_file(path).read_all().to_pylist())
+
+
+def test_json_schema_response_format_constrains_the_reply(model: Path, tmp_path: Path) -> None:
+    pytest.importorskip("xgrammar")
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
+        "required": ["answer"],
+        "additionalProperties": False,
+    }
+    response_format = {"type": "json_schema", "json_schema": {"name": "verdict", "schema": schema, "strict": True}}
+    body = {"model": "m", "messages": [{"role": "user", "content": "Yes?"}], "response_format": response_format}
+    object_body = {**body, "response_format": {"type": "json_object"}, "max_tokens": 64}
+    dataset = write_jsonl(
+        tmp_path / "json.jsonl", [request("schema", {**body, "max_tokens": 64}), request("object", object_body)]
+    )
+    run(dataset, tmp_path / "out.jsonl", model, "--temperature", "0")
+    schema_line, object_line = output_lines(tmp_path / "out.jsonl")
+    (choice,) = validated(schema_line).choices
+    assert choice.finish_reason == "stop"
+    assert json.loads(choice.message.content or "") in ({"answer": "yes"}, {"answer": "no"})
+    (choice,) = validated(object_line).choices
+    if choice.finish_reason == "stop":  # a random model may spend its tokens inside the object
+        assert isinstance(json.loads(choice.message.content or ""), dict)
+    else:
+        assert (choice.message.content or "").startswith("{")
+
+
+def bad_file(tmp_path: Path) -> Path:
+    chat_body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "temperature": 0}
+    lines = [
+        request("good-1", chat_body),
+        request("tools", {**chat_body, "tools": [{"type": "function", "function": {"name": "f"}}]}),
+        {"custom_id": "embed", "method": "POST", "url": "/v1/embeddings", "body": {"model": "m", "input": "x"}},
+        request("hot", {**chat_body, "temperature": -1}),
+        request("good-2", chat_body),
+        request("good-1", chat_body),  # a duplicate custom_id
+    ]
+    return write_jsonl(tmp_path / "bad.jsonl", lines)
+
+
+def test_bad_lines_are_400_lines_in_place_under_on_error_skip(model: Path, tmp_path: Path) -> None:
+    dataset = bad_file(tmp_path)
+    output = run(dataset, tmp_path / "out.jsonl", model, "--on-error", "skip")
+    assert f"{dataset}:2: field 'body.tools'" in output
+    lines = output_lines(tmp_path / "out.jsonl")
+    # In input order; a duplicate's error line right after the request whose id it repeats.
+    assert [line["custom_id"] for line in lines] == ["good-1", "good-1", "tools", "embed", "hot", "good-2"]
+    assert len({line["id"] for line in lines}) == 6
+    for line, param in zip(lines[1:5], ["id", "body.tools", "url", "temperature"]):
+        assert line["response"]["status_code"] == 400
+        assert set(line["response"]["body"]) == {"error"}
+        error = line["response"]["body"]["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert error["type"] == "invalid_request_error" and error["param"] == param and error["code"] is None
+        assert f"field '{param}'" in error["message"]
+    assert "duplicate id 'good-1'" in lines[1]["response"]["body"]["error"]["message"]
+    validated(lines[0])
+    validated(lines[5])
+    code, status = run_cli(["status", str(dataset), str(tmp_path / "out.jsonl")])
+    assert code == 0
+    assert status.startswith(f"{tmp_path / 'out.jsonl'}: complete: 6 of 6 rows done, 0 remaining, 4 errored")
+
+
+def test_bad_lines_fail_the_run_and_are_left_out_under_on_error_fail(model: Path, tmp_path: Path) -> None:
+    dataset = bad_file(tmp_path)
+    code, output = run_cli(run_args(dataset, tmp_path / "out.jsonl", model))
+    assert code == 2
+    assert f"batchgen: error: {dataset}:3: field 'url': must be /v1/chat/completions or /v1/completions" in output
+    assert [line["custom_id"] for line in output_lines(tmp_path / "out.jsonl")] == ["good-1", "good-2"]
+
+
+def test_a_mixed_file_is_one_line_error(model: Path, tmp_path: Path) -> None:
+    lines = [request("a", {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}), {"prompt": "Hello"}]
+    dataset = write_jsonl(tmp_path / "mixed.jsonl", lines)
+    code, output = run_cli(run_args(dataset, tmp_path / "out.jsonl", model))
+    assert code == 2
+    assert output.splitlines() == [
+        f"batchgen: error: {dataset}:2: not an OpenAI Batch request line, but the file's first line is one; a file "
+        "holds one kind of row (give every line custom_id, method, url and body)"
+    ]
+
+
+def test_output_format_openai_needs_a_jsonl_output(model: Path, tmp_path: Path) -> None:
+    dataset = completions_file(tmp_path)
+    code, output = run_cli(run_args(dataset, tmp_path / "out.arrow", model, "--output-format", "openai"))
+    assert code == 2
+    assert output.strip().endswith(
+        "--output-format openai writes JSON Lines: give --out a .jsonl path, not " + str(tmp_path / "out.arrow")
+    )
+    run(dataset, tmp_path / "plain.jsonl", model, "--output-format", "batchgen")
+    rows = [json.loads(line) for line in (tmp_path / "plain.jsonl").read_text().splitlines()]
+    assert {row["custom_id"] for row in rows} == {"long", "ids", "plain"} and "text" in rows[0]
+
+
+def test_an_interrupted_openai_run_resumes_to_the_same_lines(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    body = {"model": "m", "max_tokens": 4, "temperature": 1}
+    lines = [request(f"r{i}", {**body, "messages": [{"role": "user", "content": f"Row {i}"}]}) for i in range(8)]
+    lines[3]["body"]["stream"] = True  # an error line, resumed too
+    dataset = write_jsonl(tmp_path / "requests.jsonl", lines)
+    flags = ("--seed", "3", "--flush-every", "1", "--max-running-requests", "2", "--on-error", "skip")
+    run(dataset, tmp_path / "reference.jsonl", model, *flags)
+    out = tmp_path / "out.jsonl"
+
+    def disk_full(*_: Any) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with monkeypatch.context() as patch:
+        patch.setattr(partial_output, "write_part_file", part_write_with_fault(3, disk_full))
+        code, output = run_cli(run_args(dataset, out, model, *flags))
+    assert code == 2 and "No space left on device" in output
+    assert partial_dir(out).is_dir() and not out.exists()
+    resume = ["run", str(dataset), "--out", str(out), "--model", str(model), "--dtype", "float32", "--device", "cpu"]
+    resume += ["--no-progress", *flags, "--resume"]
+    code, output = run_cli(resume)
+    assert code == 0, output
+    assert not partial_dir(out).exists()
+
+    def unstamped(path: Path) -> list[dict[str, Any]]:
+        got = output_lines(path)
+        for line in got:
+            line["response"]["body"].pop("created", None)  # the time the output was written
+        return got
+
+    assert unstamped(out) == unstamped(tmp_path / "reference.jsonl")
+    # The finished output accounts for every request: a further --resume has nothing to do.
+    code, output = run_cli(resume)
+    assert code == 0 and f"batchgen: {out} is already complete; nothing to do" in output

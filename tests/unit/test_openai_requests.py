@@ -1,0 +1,272 @@
+"""OpenAI Batch request lines read as batchgen rows: the field map (OpenAI's Batch and chat/completions API
+reference, vLLM's extra body fields), the lines refused, and the choice of output format."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from batchgen.errors import BatchgenError, RowError
+from batchgen.io.input_options import InputOptions
+from batchgen.io.openai_output import result_fields, wants_openai_output
+from batchgen.io.reader import InputRow, RowReader
+from batchgen.io.rows import parse_row
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+# As vLLM's run-batch documentation writes a request line.
+VLLM_DOCS_LINE = {
+    "custom_id": "request-1",
+    "method": "POST",
+    "url": CHAT,
+    "body": {
+        "model": "meta-llama/Meta-Llama-3-8B-Instruct",
+        "messages": [
+            {"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": "Hello world!"},
+        ],
+        "max_completion_tokens": 1000,
+    },
+}
+
+
+def request(custom_id: str, body: dict[str, Any], url: str = CHAT, **line: Any) -> dict[str, Any]:
+    return {"custom_id": custom_id, "method": "POST", "url": url, "body": body, **line}
+
+
+def chat(**body: Any) -> dict[str, Any]:
+    return {"model": "m", "messages": [{"role": "user", "content": "Hi"}], **body}
+
+
+def read(tmp_path: Path, lines: list[Any]) -> tuple[RowReader, list[InputRow | RowError]]:
+    path = tmp_path / "requests.jsonl"
+    path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+    reader = RowReader(path)
+    return reader, list(reader)
+
+
+def rows(tmp_path: Path, lines: list[Any]) -> list[InputRow]:
+    reader, items = read(tmp_path, lines)
+    assert all(isinstance(item, InputRow) for item in items)
+    return [item for item in items if isinstance(item, InputRow)]
+
+
+def test_the_vllm_docs_line_is_a_chat_row_with_its_custom_id(tmp_path: Path) -> None:
+    reader, items = read(tmp_path, [VLLM_DOCS_LINE])
+    assert reader.openai is not None and reader.openai.url == CHAT
+    assert reader.passthrough_schema.names == ["custom_id"]  # the one column an OpenAI file adds
+    (row,) = items
+    assert isinstance(row, InputRow) and row.problem is None
+    assert row.data == {
+        "id": "request-1",
+        "custom_id": "request-1",
+        "messages": VLLM_DOCS_LINE["body"]["messages"],
+        "max_completion_tokens": 1000,
+        "logprobs": False,  # OpenAI reports logprobs only when asked
+        "top_logprobs": 0,
+    }
+    spec = parse_row(row, reader.source, reader.passthrough_schema, reader.passthrough_names)
+    assert spec.id == "request-1" and spec.passthrough == {"custom_id": "request-1"}
+    assert spec.sampling_overrides["max_completion_tokens"] == 1000
+
+
+def test_sampling_fields_map_onto_batchgen_names(tmp_path: Path) -> None:
+    body = chat(
+        max_tokens=7,
+        temperature=0.5,
+        top_p=0.9,
+        n=3,
+        stop="END",
+        seed=11,
+        presence_penalty=0.1,
+        frequency_penalty=0.2,
+        logprobs=True,
+        top_logprobs=4,
+        top_k=5,
+        min_p=0.05,
+        repetition_penalty=1.1,
+        min_tokens=2,
+        ignore_eos=True,
+        stop_token_ids=[9],
+        user="u",
+        metadata={"k": "v"},
+        store=False,
+        stream=False,
+        tools=None,
+    )
+    (row,) = rows(tmp_path, [request("a", body)])
+    assert row.problem is None
+    mapped = {k: v for k, v in row.data.items() if k not in ("id", "custom_id", "messages")}
+    assert mapped == {
+        "max_tokens": 7,
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "n": 3,
+        "stop": "END",
+        "seed": 11,
+        "presence_penalty": 0.1,
+        "frequency_penalty": 0.2,
+        "logprobs": True,
+        "top_logprobs": 4,
+        "top_k": 5,
+        "min_p": 0.05,
+        "repetition_penalty": 1.1,
+        "min_new_tokens": 2,
+        "ignore_eos": True,
+        "stop_token_ids": [9],
+    }
+
+
+def test_completions_prompts_and_their_logprobs_count(tmp_path: Path) -> None:
+    lines = [
+        request("text", {"model": "m", "prompt": "Once upon", "logprobs": 3, "stop": ["\n", "."]}, COMPLETIONS),
+        request("ids", {"model": "m", "prompt": [1, 2, 3], "logprobs": 0, "echo": False}, COMPLETIONS),
+        request("one", {"model": "m", "prompt": ["Once"], "best_of": 1}, COMPLETIONS),
+    ]
+    text, ids, one = rows(tmp_path, lines)
+    assert text.data["prompt"] == "Once upon" and (text.data["logprobs"], text.data["top_logprobs"]) == (True, 3)
+    assert text.data["stop"] == ["\n", "."]
+    assert ids.data["prompt_token_ids"] == [1, 2, 3] and (ids.data["logprobs"], ids.data["top_logprobs"]) == (True, 0)
+    assert one.data["prompt"] == "Once" and one.data["logprobs"] is False
+    assert all(row.problem is None for row in (text, ids, one))
+
+
+def test_response_formats_become_json_schema_constraints(tmp_path: Path) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    lines = [
+        request("s", chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})),
+        request("o", chat(response_format={"type": "json_object"})),
+        request("t", chat(response_format={"type": "text"})),
+    ]
+    s, o, t = rows(tmp_path, lines)
+    assert s.data["json_schema"] == schema
+    assert o.data["json_schema"] == {"type": "object"}
+    assert "json_schema" not in t.data
+
+
+def test_text_content_parts_are_joined(tmp_path: Path) -> None:
+    parts = [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]
+    (row,) = rows(tmp_path, [request("a", chat(messages=[{"role": "user", "content": parts}]))])
+    assert row.data["messages"] == [{"role": "user", "content": "one\ntwo"}]
+
+
+@pytest.mark.parametrize(
+    ("line", "field", "says"),
+    [
+        (request("a", chat(tools=[{"type": "function", "function": {"name": "f"}}])), "body.tools", "not supported"),
+        (request("a", chat(tool_choice="auto")), "body.tool_choice", "not supported"),
+        (request("a", chat(stream=True)), "body.stream", "not supported"),
+        (request("a", chat(logit_bias={"5": 1})), "body.logit_bias", "not supported"),
+        (request("a", chat(audio={"voice": "x"})), "body.audio", "not supported"),
+        (request("a", chat(modalities=["text", "audio"])), "body.modalities", "not supported"),
+        (request("a", chat(reasoning_effort="low")), "body.reasoning_effort", "not supported"),
+        (request("a", chat(prompt="x")), "body.prompt", "not a field of /v1/chat/completions"),
+        (request("a", {"model": "m", "prompt": "x", "echo": True}, COMPLETIONS), "body.echo", "not supported"),
+        (request("a", {"model": "m", "prompt": "x", "suffix": "y"}, COMPLETIONS), "body.suffix", "not supported"),
+        (request("a", {"model": "m", "prompt": "x", "best_of": 3}, COMPLETIONS), "body.best_of", "equal to n"),
+        (request("a", {"model": "m", "prompt": ["x", "y"]}, COMPLETIONS), "body.prompt", "holds 2 prompts"),
+        (request("a", {"model": "m", "prompt": "x", "logprobs": True}, COMPLETIONS), "body.logprobs", "integer"),
+        (request("a", {"model": "m", "input": "x"}, "/v1/embeddings"), "url", "/v1/embeddings"),
+        (request("a", chat(), method="GET"), "method", '"GET"'),
+        (request("a", chat(), extra=1), "extra", "not a field of an OpenAI Batch request line"),
+        (request("a", chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}])), "body.messages", "image"),
+        (
+            request("a", chat(response_format={"type": "json_schema", "json_schema": {}})),
+            "body.response_format",
+            "schema",
+        ),
+        (request("a", {"model": "m"}), "body.messages", "required"),
+        (request("a", "text"), "body", "must be an object"),
+        ({"custom_id": 5, "method": "POST", "url": CHAT, "body": chat()}, "custom_id", "non-empty string"),
+    ],
+)
+def test_a_line_asking_for_what_batchgen_cannot_do_is_an_error_row(
+    tmp_path: Path, line: dict[str, Any], field: str, says: str
+) -> None:
+    first = request("first", {"prompt": "x"}, COMPLETIONS) if line["url"] == COMPLETIONS else request("first", chat())
+    reader, (_, item) = read(tmp_path, [first, line])
+    assert isinstance(item, InputRow) and item.problem is not None
+    assert item.line == 2 and item.problem[0] == field and says in item.problem[1]
+    with pytest.raises(RowError) as raised:
+        parse_row(item, reader.source, reader.passthrough_schema, reader.passthrough_names)
+    assert (raised.value.line, raised.value.field, raised.value.message) == (2, *item.problem)
+    # The error row keeps the request's custom_id, when it has a good one, for its output line.
+    expected = {"id": "a", "custom_id": "a"} if isinstance(line["custom_id"], str) else {}
+    assert item.data == expected
+
+
+def test_one_endpoint_per_file(tmp_path: Path) -> None:
+    reader, (_, second) = read(tmp_path, [request("a", chat()), request("b", {"prompt": "x"}, COMPLETIONS)])
+    assert isinstance(second, InputRow) and second.problem is not None and second.problem[0] == "url"
+    assert "one endpoint per file" in second.problem[1]
+
+
+def test_the_first_bad_line_does_not_decide_the_endpoint(tmp_path: Path) -> None:
+    reader, items = read(tmp_path, [request("a", {}, "/v1/embeddings"), request("b", {"prompt": "x"}, COMPLETIONS)])
+    assert reader.openai is not None and reader.openai.url == COMPLETIONS
+    assert isinstance(items[1], InputRow) and items[1].problem is None
+
+
+def test_a_batchgen_row_in_an_openai_file_is_a_one_line_error(tmp_path: Path) -> None:
+    with pytest.raises(BatchgenError, match=r"requests\.jsonl:2: not an OpenAI Batch request line"):
+        read(tmp_path, [request("a", chat()), {"prompt": "x"}])
+
+
+def test_an_openai_line_in_a_batchgen_file_is_a_one_line_error(tmp_path: Path) -> None:
+    with pytest.raises(BatchgenError, match=r"requests\.jsonl:3: an OpenAI Batch request line, but the file's first"):
+        read(tmp_path, [{"prompt": "x"}, {"prompt": "y"}, request("a", chat())])
+
+
+def test_bad_json_before_the_first_request_does_not_decide_the_kind(tmp_path: Path) -> None:
+    reader, items = read(tmp_path, ["{not json", request("a", chat())])
+    assert isinstance(items[0], RowError) and reader.openai is not None
+
+
+@pytest.mark.parametrize("option", [{"prompt_column": "body"}, {"messages_column": "messages"}, {"id_column": "url"}])
+def test_column_options_are_refused_for_an_openai_file(tmp_path: Path, option: dict[str, str]) -> None:
+    path = tmp_path / "requests.jsonl"
+    path.write_text(json.dumps(request("a", chat())) + "\n")
+    with pytest.raises(BatchgenError, match="column options do not apply to an OpenAI Batch file"):
+        RowReader(path, options=InputOptions(**option))
+
+
+def test_a_different_model_is_warned_about_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    lines = [request("a", chat(model="org/tiny")), request("b", chat(model="gpt-4o")), request("c", chat(model="o3"))]
+    reader, _ = read(tmp_path, lines)
+    assert reader.openai is not None
+    reader.openai.expect_model("/models/tiny/")  # org/tiny is the same model, by its last path part
+    reader.openai.expect_model("other")
+    err = capsys.readouterr().err
+    assert err.count("warning") == 1 and "requests.jsonl:2: body.model 'gpt-4o' is not the loaded model" in err
+
+
+def test_the_loaded_model_by_another_path_is_no_warning(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    reader, _ = read(tmp_path, [request("a", chat(model="org/tiny")), request("b", chat(model="tiny"))])
+    assert reader.openai is not None
+    reader.openai.expect_model("/models/tiny/")
+    assert capsys.readouterr().err == ""
+
+
+def test_output_format_choice(tmp_path: Path) -> None:
+    _, _ = read(tmp_path, [request("a", chat())])
+    openai = RowReader(tmp_path / "requests.jsonl").openai
+    assert wants_openai_output("auto", openai, Path("o.jsonl"))
+    assert not wants_openai_output("auto", openai, Path("o.arrow"))
+    assert not wants_openai_output("auto", None, Path("o.jsonl"))
+    assert not wants_openai_output("batchgen", openai, Path("o.jsonl"))
+    with pytest.raises(BatchgenError, match="give --out a .jsonl path"):
+        wants_openai_output("openai", openai, Path("o.parquet"))
+    with pytest.raises(BatchgenError, match="needs an OpenAI Batch input"):
+        wants_openai_output("openai", None, Path("o.jsonl"))
+
+
+def test_status_counts_an_openai_output_line_by_its_custom_id() -> None:
+    ok = {"id": "batch_req_1", "custom_id": "a", "response": {"status_code": 200, "body": {}}, "error": None}
+    bad = {"id": "batch_req_2", "custom_id": "b", "response": {"status_code": 400, "body": {}}, "error": None}
+    assert result_fields(ok) == {"id": "a", "sample_index": 0, "finish_reason": "done"}
+    assert result_fields(bad)["finish_reason"] == "error"
+    plain = {"id": "r", "sample_index": 1, "finish_reason": "stop"}
+    assert result_fields(plain) is plain
