@@ -7,6 +7,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from batchgen.api.checks import check_sampling_defaults
+from batchgen.api.options import check_option_names, options_of
 from batchgen.api.python_rows import SOURCE, input_rows, parse_python_row, python_passthrough
 from batchgen.errors import RowError
 from batchgen.io.writer import OUTPUT_COLUMNS
@@ -16,7 +17,6 @@ from batchgen.job.result_rows import error_row
 from batchgen.job.row_flow import RowFlow
 from batchgen.loop.engine import Engine
 from batchgen.loop.options import EngineOptions
-from batchgen.options import check_option_names, options_of
 from batchgen.sampling.sampling_params import SamplingParams
 from batchgen.speculative import make_drafter
 

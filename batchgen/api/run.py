@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from batchgen.api.checks import check_sampling_defaults
+from batchgen.api.options import OPTION_CLASSES, check_option_names, options_of
 from batchgen.environment import thread_count_chosen
 from batchgen.io.input_options import InputOptions
 from batchgen.io.partial_output import partial_dir
@@ -20,7 +21,6 @@ from batchgen.job.interrupts import HANDLED_SIGNALS
 from batchgen.job.options import JobOptions
 from batchgen.job.summary import RunSummary, raise_if_failed
 from batchgen.loop.options import EngineOptions, pick_device
-from batchgen.options import OPTION_CLASSES, check_option_names, options_of
 from batchgen.sampling.sampling_params import SamplingParams
 
 

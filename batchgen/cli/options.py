@@ -1,6 +1,6 @@
 """The commands' flags, derived from the options' declarations (:class:`~batchgen.loop.options.EngineOptions`,
 :class:`~batchgen.sampling.sampling_params.SamplingParams`' run defaults, :class:`~batchgen.job.options.JobOptions`,
-:class:`~batchgen.io.input_options.InputOptions`: the classes of :data:`batchgen.options.OPTION_CLASSES`).
+:class:`~batchgen.io.input_options.InputOptions`: the classes of :data:`batchgen.api.options.OPTION_CLASSES`).
 
 A command names an options object among its parameters (``options: EngineOptions``); :func:`with_options` puts
 one Typer option per declared field in its place (the ``help`` and ``flag`` of the field's metadata, its default,
@@ -20,7 +20,7 @@ import typer
 from typer._click.core import Context  # the click typer vendors: its commands take this Context
 from typer.core import TyperArgument, TyperCommand
 
-from batchgen.options import OPTION_CLASSES, declared_options
+from batchgen.api.options import OPTION_CLASSES, declared_options
 
 
 def with_options(

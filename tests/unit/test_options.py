@@ -14,6 +14,7 @@ import typer
 import yaml
 from typer.testing import CliRunner
 
+from batchgen.api.options import OPTION_CLASSES, declared_options
 from batchgen.cli.app import app
 from batchgen.cli.bench import BENCH_ENGINE_OPTIONS, ONE_BATCH_ENGINE_OPTIONS
 from batchgen.cli.config import load_config
@@ -21,7 +22,6 @@ from batchgen.cli.options import with_options
 from batchgen.io.input_options import InputOptions
 from batchgen.job.options import JobOptions
 from batchgen.loop.options import EngineOptions
-from batchgen.options import OPTION_CLASSES, declared_options
 from batchgen.sampling.sampling_params import SamplingParams
 
 COMMANDS = typer.main.get_command(app).commands  # type: ignore[attr-defined]
