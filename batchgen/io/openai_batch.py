@@ -83,7 +83,7 @@ class OpenAIBatchInput:
     def expect_model(self, loaded: str) -> None:
         """Note the model that runs every line (``--model`` as given), and warn, once for the file, when a line's
         ``body.model`` names another: batchgen ignores it (a file written for vLLM names an HF repo id, one for
-        OpenAI a model of theirs). The names agree when equal or when their last path parts are."""
+        OpenAI a model of theirs). The names agree when their last path parts do, ignoring case."""
         self.loaded_model = loaded
         for model, where in self.models.items():
             self._check_model(model, where)
@@ -255,5 +255,6 @@ def _response_format(value: Any, fail: _Fail) -> dict[str, Any]:
 
 
 def _last_part(model: str) -> str:
-    """``meta-llama/Llama-3.2-1B`` and ``/models/Llama-3.2-1B/`` → ``Llama-3.2-1B``."""
-    return model.rstrip("/").rsplit("/", 1)[-1]
+    """``meta-llama/Llama-3.2-1B`` and ``/models/llama-3.2-1b/`` → ``llama-3.2-1b``: case folded, since hub ids
+    keep their capitals and model directories and batchgen's built-in names often do not."""
+    return model.rstrip("/").rsplit("/", 1)[-1].casefold()

@@ -244,9 +244,14 @@ def test_a_different_model_is_warned_about_once(tmp_path: Path, capsys: pytest.C
 
 
 def test_the_loaded_model_by_another_path_is_no_warning(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    reader, _ = read(tmp_path, [request("a", chat(model="org/tiny")), request("b", chat(model="tiny"))])
+    lines = [
+        request("a", chat(model="org/tiny")),
+        request("b", chat(model="tiny")),
+        request("c", chat(model="Org/Tiny")),
+    ]
+    reader, _ = read(tmp_path, lines)
     assert reader.openai is not None
-    reader.openai.expect_model("/models/tiny/")
+    reader.openai.expect_model("/models/tiny/")  # hub ids keep capitals that model directories drop
     assert capsys.readouterr().err == ""
 
 
