@@ -48,7 +48,11 @@ def run(
     # batchgen reports problems with the input itself, one line each; transformers' notes would only add noise.
     transformers_logging.set_verbosity_error()
     with user_errors(ctx):
-        summary = run_dataset(dataset, out, options, defaults, job_options, input_options)
+        try:
+            summary = run_dataset(dataset, out, options, defaults, job_options, input_options)
+        except KeyboardInterrupt:  # before the job's own handlers are in place: loading the model, building kernels
+            print("batchgen: interrupted while starting, before any row ran", file=sys.stderr)
+            raise typer.Exit(128 + signal.SIGINT) from None
         if summary is None:  # already complete
             return
         if summary.interrupted_by:  # said first, so the summary below does not read as a finished run

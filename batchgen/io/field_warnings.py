@@ -16,7 +16,8 @@ _FOREIGN_SAMPLING_NAMES = {
     "min_tokens": "min_new_tokens",
     "stop_sequences": "stop",
     "best_of": None,
-    "response_format": None,
+    # OpenAI's {"type": "json_schema", "json_schema": {"schema": ...}}: a batchgen row gives the schema itself.
+    "response_format": "json_schema",
 }
 
 

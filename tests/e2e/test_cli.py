@@ -4,6 +4,7 @@ fields, chat rows, and the summary line."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -183,6 +184,32 @@ def test_ctrl_c_while_the_cli_imports_is_one_line_and_130() -> None:
         check=False,
     )
     assert (result.returncode, result.stderr, result.stdout) == (130, "batchgen: interrupted while starting\n", "")
+
+
+_CTRL_C_WHILE_LOADING = """
+import sys
+from batchgen.loop import engine
+def load(*args, **kwargs):  # loading a model takes seconds; a Ctrl-C lands there, before the job's handlers
+    raise KeyboardInterrupt
+engine.Engine.__init__ = load
+from batchgen.cli.entry import main
+main()
+"""
+
+
+def test_ctrl_c_while_the_model_loads_is_one_line_and_130(tmp_path: Path) -> None:
+    dataset = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "hi"}])
+    result = subprocess.run(
+        [sys.executable, "-c", _CTRL_C_WHILE_LOADING, "run", str(dataset), "--out", str(tmp_path / "o.arrow")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env={**os.environ, "OMP_NUM_THREADS": "2"},  # a chosen thread count: no busy-cores warning on a loaded CI
+    )
+    message = "batchgen: interrupted while starting, before any row ran\n"
+    assert (result.returncode, result.stderr, result.stdout) == (130, message, "")
+    assert not (tmp_path / "o.arrow").exists()
 
 
 def test_python_m_batchgen_help() -> None:

@@ -113,7 +113,10 @@ def test_top_logprobs_without_logprobs_is_rejected(random_models: dict[str, Path
 
 
 def test_foreign_sampling_field_names_are_warned_about(random_models: dict[str, Path], tmp_path: Path) -> None:
-    dataset = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi", "min_tokens": 2, "Temperature": 0, "best_of": 2}])
+    dataset = write_jsonl(
+        tmp_path / "p.jsonl",
+        [{"prompt": "hi", "min_tokens": 2, "Temperature": 0, "best_of": 2, "response_format": {"type": "json_object"}}],
+    )
     # Sampled ('Temperature' is not read): --ignore-eos and --seed, so that no early EOS ends the row.
     extra = ("--max-new-tokens", "3", "--ignore-eos", "--seed", "0")
     code, output = run_cli(run_args(dataset, tmp_path / "o.jsonl", random_models["llama"], *extra))
@@ -121,6 +124,7 @@ def test_foreign_sampling_field_names_are_warned_about(random_models: dict[str, 
     assert f"{dataset}: field 'min_tokens' is not a sampling field (did you mean 'min_new_tokens'?)" in output
     assert "field 'Temperature' is not a sampling field (did you mean 'temperature'?)" in output
     assert "field 'best_of' is not supported (yet)" in output
+    assert "field 'response_format' is not a sampling field (did you mean 'json_schema'?)" in output
     row = json.loads((tmp_path / "o.jsonl").read_text())
     assert row["completion_tokens"] == 3 and row["min_tokens"] == 2
 
