@@ -10,6 +10,8 @@ from batchgen.api.checks import check_sampling_defaults
 from batchgen.api.options import check_option_names, options_of
 from batchgen.api.python_rows import SOURCE, input_rows, parse_python_row, python_passthrough
 from batchgen.errors import RowError
+from batchgen.io.input_options import InputOptions
+from batchgen.io.reader import InputRow
 from batchgen.io.writer import OUTPUT_COLUMNS
 from batchgen.job.options import JobOptions
 from batchgen.job.request_builder import RequestBuilder
@@ -68,16 +70,19 @@ class Generator:
             on_error: ``fail``: a bad row raises, before anything runs; ``skip``: a bad row gives one result with
                 ``finish_reason`` ``"error"`` and the message in ``error``, in its place.
             **sampling: the sampling defaults of rows that do not set a field (``batchgen run``'s flags by Python
-                name: ``max_new_tokens``, ``temperature``, ``top_p``, ``stop``, ``n``...).
+                name: ``max_new_tokens``, ``temperature``, ``top_p``, ``stop``, ``n``...), and the column options
+                of dict rows (``prompt_column``, ``messages_column``, ``prompt_template``, ``id_column``: rows of
+                a Hugging Face ``Dataset`` iterate as such dicts).
 
         Raises:
-            TypeError: a sampling keyword that is no sampling default, named.
-            BatchgenError: a bad sampling default or ``on_error`` (the command line's message).
+            TypeError: a keyword that is no sampling default or column option, named.
+            BatchgenError: a bad sampling default, column option or ``on_error`` (the command line's message); a
+                column the options name that the first dict row lacks.
             RowError: ``on_error="fail"`` and a bad row: the first one, as ``rows:LINE: field 'NAME': ...``
                 (``LINE`` counts rows from 1).
             RuntimeError: a :meth:`stream` of this generator is still open.
         """
-        flow = self._flow("generate", on_error, sampling)
+        flow, columns = self._flow("generate", on_error, sampling)
         results: list[list[dict[str, Any]]] = []  # per input row (a good row's: empty until it finishes)
         slot_of: dict[str, int] = {}
         bad: list[RowError] = []
@@ -87,7 +92,7 @@ class Generator:
             results.append([_error_result(error, rid, passthrough)])
 
         requests = []
-        for req in flow.requests(input_rows(rows), bad_row):
+        for req in flow.requests(input_rows(rows, columns), bad_row):
             if req.sample_index == 0:
                 slot_of[req.rid] = len(results)
                 results.append([])
@@ -117,10 +122,10 @@ class Generator:
         Raises:
             as :meth:`generate`.
         """
-        flow = self._flow("stream", on_error, sampling)  # checked here, not at the first result
-        return self._results(flow, rows, on_error == "fail")
+        flow, columns = self._flow("stream", on_error, sampling)  # checked here, not at the first result
+        return self._results(flow, input_rows(rows, columns), on_error == "fail")
 
-    def _results(self, flow: RowFlow, rows: Iterable[Row], fail: bool) -> Iterator[dict[str, Any]]:
+    def _results(self, flow: RowFlow, rows: Iterator[InputRow | RowError], fail: bool) -> Iterator[dict[str, Any]]:
         self._check_no_stream_open()  # another stream may have started since this one was made
         self._stream_open = True
         ready: list[dict[str, Any]] = []
@@ -131,7 +136,7 @@ class Generator:
             ready.append(_error_result(error, rid, passthrough))
 
         try:
-            for finished in flow.rounds(flow.requests(input_rows(rows), bad_row)):
+            for finished in flow.rounds(flow.requests(rows, bad_row)):
                 for req in finished:
                     ready += flow.result_rows(req)
                 yield from ready
@@ -140,13 +145,16 @@ class Generator:
             self.engine.drop_all()
             self._stream_open = False
 
-    def _flow(self, caller: str, on_error: str, sampling: dict[str, Any]) -> RowFlow:
-        """A flow of rows through this generator's engine, with ``sampling`` as the rows' defaults.
+    def _flow(self, caller: str, on_error: str, sampling: dict[str, Any]) -> tuple[RowFlow, InputOptions]:
+        """A flow of rows through this generator's engine, with ``sampling``'s sampling defaults as the rows'
+        defaults; and ``sampling``'s column options.
 
         Raises:
             TypeError, BatchgenError, RuntimeError: see :meth:`generate`.
         """
-        check_option_names(sampling, (SamplingParams,), caller)
+        check_option_names(sampling, (SamplingParams, InputOptions), caller)
+        columns = options_of(InputOptions, sampling)
+        columns.validate()
         JobOptions(on_error=on_error).validate()
         defaults = options_of(SamplingParams, sampling)
         check_sampling_defaults(defaults, self.engine)
@@ -162,7 +170,7 @@ class Generator:
             seed,
             max_samples=engine.max_running_requests,
         )
-        return RowFlow(engine, builder, SOURCE, parse_python_row, python_passthrough, self.lookahead)
+        return RowFlow(engine, builder, SOURCE, parse_python_row, python_passthrough, self.lookahead), columns
 
     def _check_no_stream_open(self) -> None:
         if self._stream_open:

@@ -4,6 +4,7 @@ declarations (:mod:`batchgen.cli.options`)."""
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Collection, Mapping
 from dataclasses import Field, fields
 from typing import Any, TypeVar, get_origin, get_type_hints
@@ -11,7 +12,7 @@ from typing import Any, TypeVar, get_origin, get_type_hints
 from batchgen.io.input_options import InputOptions
 from batchgen.job.options import JobOptions
 from batchgen.loop.options import EngineOptions
-from batchgen.sampling.sampling_params import SamplingParams
+from batchgen.sampling.sampling_params import SAMPLING_FIELD_ALIASES, SamplingParams
 
 OPTION_CLASSES: tuple[type, ...] = (EngineOptions, SamplingParams, JobOptions, InputOptions)
 
@@ -35,12 +36,17 @@ def check_option_names(
     unknown keyword argument.
 
     Raises:
-        TypeError: ``{caller}() got an unexpected keyword argument 'name'``.
+        TypeError: ``{caller}() got an unexpected keyword argument 'name'``, with ``(did you mean 'other'?)`` for
+            a row field's alias (vLLM's ``max_tokens``) or a near spelling of a known option.
     """
     known = option_names(*classes) | set(also)
     unknown = next((name for name in given if name not in known), None)
-    if unknown is not None:
-        raise TypeError(f"{caller}() got an unexpected keyword argument '{unknown}'")
+    if unknown is None:
+        return
+    alias = SAMPLING_FIELD_ALIASES.get(unknown)
+    close = [alias] if alias in known else difflib.get_close_matches(unknown, sorted(known), n=1)
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    raise TypeError(f"{caller}() got an unexpected keyword argument '{unknown}'{hint}")
 
 
 def options_of(cls: type[T], given: Mapping[str, Any], **fixed: Any) -> T:

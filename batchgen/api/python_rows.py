@@ -3,13 +3,17 @@ input rows, checked as a file's rows are, with their pass-through fields kept as
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import warnings
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import replace
 from typing import Any
 
 import pyarrow as pa
 
 from batchgen.errors import RowError, shown_value
+from batchgen.io.columns import ColumnMapping
+from batchgen.io.field_warnings import foreign_field_warning
+from batchgen.io.input_options import InputOptions
 from batchgen.io.passthrough import PROMPT_FIELDS, passthrough_names
 from batchgen.io.reader import InputRow
 from batchgen.io.rows import RowSpec, parse_row
@@ -21,9 +25,15 @@ SOURCE = "rows"
 _NO_PASSTHROUGH = pa.schema([])
 
 
-def input_rows(rows: Iterable[Any]) -> Iterator[InputRow | RowError]:
+def input_rows(rows: Iterable[Any], options: InputOptions) -> Iterator[InputRow | RowError]:
     """Each of ``rows`` as an input row, read as it is reached: a ``str`` is a prompt, a list of integers
-    ``prompt_token_ids``, another list ``messages``, a dict the row's fields; anything else is a bad row."""
+    ``prompt_token_ids``, another list ``messages``, a dict the row's fields (mapped by the column ``options``,
+    checked against the first dict's keys as a file's against its first shard); anything else is a bad row.
+
+    Raises:
+        BatchgenError: a column the options name is not a key of the first dict row.
+    """
+    mapping: ColumnMapping | None = None
     for index, row in enumerate(rows):
         line = index + 1
         if isinstance(row, str):
@@ -31,8 +41,10 @@ def input_rows(rows: Iterable[Any]) -> Iterator[InputRow | RowError]:
         elif isinstance(row, list):
             is_ids = bool(row) and all(isinstance(t, int) and not isinstance(t, bool) for t in row)
             yield InputRow(index, line, {"prompt_token_ids" if is_ids else "messages": row})
-        elif isinstance(row, dict):
-            yield InputRow(index, line, dict(row))
+        elif isinstance(row, Mapping):
+            mapping = mapping or ColumnMapping(options, list(row), SOURCE)
+            data, columns, problem = mapping.apply(dict(row))
+            yield InputRow(index, line, data, columns=columns, problem=problem)
         else:
             message = f"must be a prompt string, a message list, a token-id list or a dict, got {shown_value(row)}"
             yield RowError(SOURCE, line, None, message)
@@ -50,12 +62,18 @@ def parse_python_row(row: InputRow) -> RowSpec:
         # parse_row refuses the row before it reads any pass-through field; given them all, its message can say
         # which one looks like the prompt under another name.
         return parse_row(row, SOURCE, _NO_PASSTHROUGH, {})
-    known = InputRow(row.index, row.line, {key: value for key, value in row.data.items() if key not in names})
+    known = replace(row, data={key: value for key, value in row.data.items() if key not in names})
     spec = parse_row(known, SOURCE, _NO_PASSTHROUGH, {})
     return replace(spec, passthrough=python_passthrough(row))
 
 
 def python_passthrough(row: InputRow) -> dict[str, Any]:
-    """The pass-through fields of a row given in Python, under their output names, values as given."""
+    """The pass-through fields of a row given in Python, under their output names, values as given; a field that
+    looks like a sampling field batchgen does not read (``Temperature``, vLLM's ``best_of``) is warned about
+    (a ``UserWarning``, shown once per field by Python's default filter), as the command line warns about a file's."""
     names = passthrough_names(row.data)
+    for key in names:
+        warning = foreign_field_warning(key)
+        if warning is not None:
+            warnings.warn(f"{SOURCE}: {warning}", UserWarning, stacklevel=2)
     return {names[key]: value for key, value in row.data.items() if key in names}

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from batchgen.io.input_options import InputOptions
 from batchgen.io.passthrough import is_json_text
 from batchgen.sampling.sampling_params import SAMPLING_FIELD_ALIASES, SAMPLING_FIELDS
 
@@ -21,24 +22,37 @@ _FOREIGN_SAMPLING_NAMES = {
 }
 
 
+def foreign_field_warning(name: str) -> str | None:
+    """Why pass-through field ``name`` is probably a mistake (``field 'Temperature' is not a sampling field (did you
+    mean 'temperature'?); it is passed through unused``), or ``None`` for a field that looks like none."""
+    known = {key.lower(): key for key in (*SAMPLING_FIELDS, *SAMPLING_FIELD_ALIASES)}
+    hint = known.get(name.lower())
+    if hint is None and name in _FOREIGN_SAMPLING_NAMES:
+        hint = _FOREIGN_SAMPLING_NAMES[name]
+        if hint is None:
+            return f"field '{name}' is not supported (yet); it is passed through unused"
+    if hint is None:
+        return None
+    return f"field '{name}' is not a sampling field (did you mean '{hint}'?); it is passed through unused"
+
+
 def warn_about_passthrough_names(path: Path, names: list[str]) -> None:
     """Print one warning per pass-through field of the input file ``path`` that looks like a sampling field
-    batchgen does not read."""
-    known = {name.lower(): name for name in (*SAMPLING_FIELDS, *SAMPLING_FIELD_ALIASES)}
+    batchgen does not read (:func:`foreign_field_warning`)."""
     for name in names:
-        hint = known.get(name.lower())
-        if hint is None and name in _FOREIGN_SAMPLING_NAMES:
-            hint = _FOREIGN_SAMPLING_NAMES[name]
-            if hint is None:
-                print(
-                    f"batchgen: warning: {path}: field '{name}' is not supported (yet); it is passed through unused",
-                    file=sys.stderr,
-                )
-                continue
-        if hint is not None:
+        warning = foreign_field_warning(name)
+        if warning is not None:
+            print(f"batchgen: warning: {path}: {warning}", file=sys.stderr)
+
+
+def warn_about_sampling_columns(path: Path, options: InputOptions) -> None:
+    """Print one warning per column the column ``options`` name that is also a sampling field (a ``seed`` or ``n``
+    column in a template): each row's value is then read as that field too, and does not pass through."""
+    for name in options.columns():
+        if name in SAMPLING_FIELDS or name in SAMPLING_FIELD_ALIASES:
             print(
-                f"batchgen: warning: {path}: field '{name}' is not a sampling field (did you mean '{hint}'?); it is "
-                "passed through unused",
+                f"batchgen: warning: {path}: column '{name}', named by the column options, is also the sampling field "
+                f"'{name}': each row's value sets it (and is not passed through); rename the column if it is only data",
                 file=sys.stderr,
             )
 

@@ -16,7 +16,11 @@ from tqdm import tqdm
 
 from batchgen import __version__
 from batchgen.errors import BatchgenError, FieldError, RowError
-from batchgen.io.field_warnings import warn_about_json_text_fields, warn_about_passthrough_names
+from batchgen.io.field_warnings import (
+    warn_about_json_text_fields,
+    warn_about_passthrough_names,
+    warn_about_sampling_columns,
+)
 from batchgen.io.input_digests import (
     DIGEST_BYTES,
     INPUT_DIGESTS_KEY,
@@ -97,6 +101,7 @@ class RunJob:
         model, tokenizer, seed = engine_options.model, self.engine.tokenizer, self.builder.run_seed
         self.openai_output = openai_output(dataset, self.reader.openai, as_openai, model, tokenizer, seed)
         warn_about_passthrough_names(self.reader.path, self.reader.passthrough_schema.names)
+        warn_about_sampling_columns(self.reader.path, self.reader.options)
         warn_about_json_text_fields(self.reader.path, self.reader.passthrough_schema, self.reader.block_rows)
         self.summary = RunSummary()
         self.flow = RowFlow(

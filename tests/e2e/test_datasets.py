@@ -15,6 +15,7 @@ import pytest
 from datasets import Dataset, DatasetDict
 from transformers import AutoTokenizer
 
+from batchgen.io.writer import read_results
 from tests.helpers.cli import generate, read_rows, run_args, run_cli, write_jsonl
 
 GREEDY = ["--temperature", "0", "--ignore-eos", "--max-new-tokens", "4"]
@@ -288,3 +289,13 @@ def test_batchgen_run_from_python_takes_the_column_options(model: Path, tmp_path
     assert summary.rows == len(QUESTIONS)
     want = plain_texts(tmp_path, model, [{"id": f"q{i}", "prompt": f"Q: {q}\nA:"} for i, q in enumerate(QUESTIONS)])
     assert {rid: row["text"] for rid, row in read_rows(out).items()} == want
+
+
+def test_a_template_column_named_like_a_sampling_field_is_warned_about(model: Path, tmp_path: Path) -> None:
+    Dataset.from_dict({"question": ["a?", "b?"], "n": [1, 2]}).to_json(str(tmp_path / "qs.jsonl"))
+    args = run_args(tmp_path / "qs.jsonl", tmp_path / "out.arrow", model, "--prompt-template", "{n}: {question}")
+    code, output = run_cli([*args, *GREEDY])
+    assert code == 0, output
+    assert "column 'n', named by the column options, is also the sampling field 'n'" in output
+    rows = read_results(tmp_path / "out.arrow").to_pylist()
+    assert sorted((r["id"], r["sample_index"]) for r in rows) == [("0", 0), ("1", 0), ("1", 1)]  # n read per row

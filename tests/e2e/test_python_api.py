@@ -169,13 +169,42 @@ def test_on_error_skip_gives_error_rows_in_their_place(generator: batchgen.Gener
     assert streamed.keys() == {"0", "1", "k", "3"} and streamed["1"]["error"] == got[1]["error"]
 
 
+def test_a_field_named_like_a_sampling_field_is_warned_about(generator: batchgen.Generator) -> None:
+    with pytest.warns(UserWarning) as caught:
+        got = generator.generate([{"prompt": "x", "Temperature": 0.5, "best_of": 2}], max_new_tokens=1)
+    messages = {str(w.message) for w in caught}
+    assert (
+        "rows: field 'Temperature' is not a sampling field (did you mean 'temperature'?); it is passed through unused"
+        in messages
+    )
+    assert "rows: field 'best_of' is not supported (yet); it is passed through unused" in messages
+    assert got[0]["Temperature"] == 0.5 and got[0]["best_of"] == 2  # passed through, as a file's fields are
+
+
+def test_a_datasets_dataset_with_column_options(generator: batchgen.Generator) -> None:
+    from datasets import Dataset
+
+    data = Dataset.from_dict({"qid": ["a", "b"], "question": ["Why?", "How?"], "answer": ["x", "y"]})
+    got = generator.generate(data, prompt_template="Q: {question}\\nA:", id_column="qid", max_new_tokens=3)
+    want = generator.generate(
+        [{"id": "a", "prompt": "Q: Why?\nA:"}, {"id": "b", "prompt": "Q: How?\nA:"}], max_new_tokens=3
+    )
+    assert [(r["id"], r["text"], r["answer"]) for r in got] == [(w["id"], w["text"], a) for w, a in zip(want, "xy")]
+    with pytest.raises(BatchgenError, match="rows: --prompt-column query: no column 'query'"):
+        generator.generate(data, prompt_column="query")
+    with pytest.raises(RowError, match="rows:2: field 'question': null or missing"):
+        generator.generate([{"question": "Why?"}, {"question": None}], prompt_column="question")
+
+
 def test_unknown_option_is_a_type_error_and_a_bad_value_the_cli_message(
     generator: batchgen.Generator, chat_model: Path, tmp_path: Path
 ) -> None:
     with pytest.raises(TypeError, match="Generator\\(\\) got an unexpected keyword argument 'dtyp'"):
         batchgen.Generator(str(chat_model), dtyp="float32")
-    with pytest.raises(TypeError, match="'temperatur'"):
+    with pytest.raises(TypeError, match="'temperatur' \\(did you mean 'temperature'\\?\\)$"):
         generator.generate(["x"], temperatur=0)
+    with pytest.raises(TypeError, match="'max_tokens' \\(did you mean 'max_new_tokens'\\?\\)$"):  # vLLM's name
+        generator.generate(["x"], max_tokens=4)
     with pytest.raises(TypeError, match="'max_running_requests'"):  # an engine option, not a sampling default
         generator.stream(["x"], max_running_requests=2)
     with pytest.raises(TypeError, match="run\\(\\) got an unexpected keyword argument 'bogus'"):
