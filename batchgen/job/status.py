@@ -51,7 +51,9 @@ class OutputStatus:
             counts = f"{self.done} rows done, more than the {self.total} of {self.dataset}"
         else:
             counts = f"{self.done} of {self.total} rows done"
-        line = f"{self.out}: {self.state}: {counts}, {self.remaining} remaining, {self.errored} errored"
+        # A finished output file that lacks rows is not "complete", though nothing is in progress.
+        state = "finished with rows missing" if self.state == "complete" and self.remaining else self.state
+        line = f"{self.out}: {state}: {counts}, {self.remaining} remaining, {self.errored} errored"
         if self.state == "complete" and self.remaining:
             line += (
                 " (bad rows that --on-error fail left out, or rows added since; --resume adds them to an .arrow or "

@@ -593,7 +593,8 @@ def test_status_of_an_output_from_another_dataset_says_so(
     other = write_jsonl(tmp_path / "other.jsonl", [{"id": f"z{i}", "prompt_token_ids": [0, 5]} for i in range(3)])
     lines = status(other, out).splitlines()
     # Remaining by id: none of the other dataset's 3 ids has a row in the output.
-    assert lines[0].startswith(f"{out}: complete: 40 rows done, more than the 3 of {other}, 3 remaining, 2 errored")
+    missing = "finished with rows missing"
+    assert lines[0].startswith(f"{out}: {missing}: 40 rows done, more than the 3 of {other}, 3 remaining, 2 errored")
     assert lines[-1].startswith(f"{out}: note: {out} was made from another version of {other}, or from another file")
     assert lines[-1].endswith(f"the rows counted as done are its own, not matched against {other}'s")
 
@@ -605,7 +606,8 @@ def test_a_finished_output_lacking_an_id_is_not_complete_whatever_its_row_count(
     out = tmp_path / "out.jsonl"
     assert run_cli(args(dataset, out, model))[0] == 0
     write_jsonl(dataset, [{"id": i, "prompt_token_ids": [0, 5]} for i in ("a", "c")])
-    assert status(dataset, out).splitlines()[0].startswith(f"{out}: complete: 2 of 2 rows done, 1 remaining")
+    first = status(dataset, out).splitlines()[0]
+    assert first.startswith(f"{out}: finished with rows missing: 2 of 2 rows done, 1 remaining")
     code, output = run_cli(args(dataset, out, model, "--resume"))
     assert code == 2 and "cannot add the rows it lacks" in output, output
 
@@ -696,8 +698,8 @@ def test_resume_adds_the_rows_a_finished_output_lacks(suffix: str, model: Path, 
     before = {row["id"]: row for row in read_results(out).to_pylist()}
     assert sorted(before) == ["r0", "r1", "r3"]
     assert output_status(dataset, out)[0] == (
-        f"{out}: complete: 3 of 4 rows done, 1 remaining, 0 errored (bad rows that --on-error fail left out, or rows "
-        "added since; --resume adds them to an .arrow or .parquet output once they are fixed)"
+        f"{out}: finished with rows missing: 3 of 4 rows done, 1 remaining, 0 errored (bad rows that --on-error fail "
+        "left out, or rows added since; --resume adds them to an .arrow or .parquet output once they are fixed)"
     )
     rows[2]["temperature"] = 0
     write_jsonl(dataset, rows)
@@ -887,6 +889,6 @@ def test_status_of_a_jsonl_output_says_it_cannot_check_the_dataset(tmp_path: Pat
     out = tmp_path / "out.jsonl"
     out.write_text(json.dumps({"id": "0", "sample_index": 0, "finish_reason": "length"}) + "\n")
     lines = output_status(dataset, out)
-    assert lines[0].startswith(f"{out}: complete: 1 of 3 rows done, 2 remaining, 0 errored")
+    assert lines[0].startswith(f"{out}: finished with rows missing: 1 of 3 rows done, 2 remaining, 0 errored")
     note = "records no dataset fingerprint (JSONL has no metadata): it may come from another file"
     assert lines[1] == f"{out}: note: {out} {note}"
