@@ -43,6 +43,12 @@ class RowError(BatchgenError):
         where = f"{source}:{line}"
         super().__init__(f"{where}: field '{field}': {message}" if field else f"{where}: {message}")
 
+    def named(self, columns: dict[str, str]) -> RowError:
+        """This error with its field named as the input named it: ``columns`` maps a field batchgen read to that
+        name (a ``--id-column``'s column, an OpenAI request's ``body.max_tokens``); itself when it has none."""
+        name = columns.get(self.field or "")
+        return self if name is None else RowError(self.source, self.line, name, self.message)
+
 
 class FieldError(ValueError):
     """A value of one named field is invalid; callers turn it into a :class:`RowError` or a CLI error."""

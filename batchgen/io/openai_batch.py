@@ -10,6 +10,7 @@ field, never a success that ignored part of the request.
 
 from __future__ import annotations
 
+import difflib
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,7 +19,9 @@ from typing import Any
 from tqdm import tqdm
 
 from batchgen.errors import BatchgenError, RowError, shown_value
+from batchgen.io.input_row import InputRow
 from batchgen.io.passthrough import PROMPT_FIELDS, json_type_name
+from batchgen.io.rows import error_row_id
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -47,8 +50,9 @@ _SAMPLING_NAMES = {
     "stop_token_ids": "stop_token_ids",
     "skip_special_tokens": "skip_special_tokens",
 }
-# Body fields that change nothing batchgen writes, whatever their value.
-_HARMLESS = frozenset(("model", "user", "metadata", "store", "service_tier", "parallel_tool_calls"))
+# Body fields that change nothing batchgen writes, whatever their value (stream_options applies only to
+# stream: true, which is refused; vLLM's files carry it without).
+_HARMLESS = frozenset(("model", "user", "metadata", "store", "service_tier", "parallel_tool_calls", "stream_options"))
 # Body fields accepted only with the value that asks for nothing (null is always accepted: the default).
 _OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "stream": (False,),
@@ -63,6 +67,22 @@ _OFF_VALUES: dict[str, tuple[Any, ...]] = {
 }
 _CHAT_ONLY = frozenset(("messages", "max_completion_tokens", "top_logprobs", "response_format", "modalities"))
 _COMPLETIONS_ONLY = frozenset(("prompt", "echo", "suffix", "best_of"))
+_READ = (*_SAMPLING_NAMES, "messages", "prompt", "logprobs", "top_logprobs", "response_format")
+# Each batchgen row field → the request field it was read from, so that a row error names the request's field.
+_CHAT_NAMES = {
+    "id": "custom_id",
+    **{name: f"body.{key}" for key, name in _SAMPLING_NAMES.items()},
+    "messages": "body.messages",
+    "logprobs": "body.logprobs",
+    "top_logprobs": "body.top_logprobs",
+    "json_schema": "body.response_format",
+}
+_COMPLETIONS_NAMES = {
+    **_CHAT_NAMES,
+    "prompt": "body.prompt",
+    "prompt_token_ids": "body.prompt",
+    "top_logprobs": "body.logprobs",
+}
 
 
 @dataclass
@@ -73,10 +93,13 @@ class OpenAIBatchInput:
         url: the file's endpoint: that of its first line with a supported one (``None`` until one is read); OpenAI
             runs one endpoint per batch, and so does batchgen, so a line with the other one is an error line.
         models: each ``body.model`` value read → where the first line naming it is (``file:line``).
+        given_ids: the error row id of each line whose ``custom_id`` is set but not a usable string → that
+            ``custom_id`` as given (``5``), so that its error line echoes it and a client can match it back.
     """
 
     url: str | None = None
     models: dict[str, str] = field(default_factory=dict)
+    given_ids: dict[str, Any] = field(default_factory=dict)
     loaded_model: str | None = None  # set by :meth:`expect_model`
     _warned: bool = False
 
@@ -99,27 +122,35 @@ class OpenAIBatchInput:
             file=sys.stderr,
         )
 
-    def row(self, data: dict[str, Any], line: int, source: str) -> tuple[dict[str, Any], RowError | None]:
-        """The batchgen row of the request line ``data`` (line ``line`` of the shard ``source``), and the error that
-        makes it an error row (``None`` for a good line); a bad line's row holds only its id, when its
-        ``custom_id`` is good.
+    def row(self, item: InputRow) -> InputRow:
+        """The batchgen row of the request line ``item``: its ``columns`` name the request field behind each row
+        field (``max_tokens`` → ``body.max_tokens``, ``id`` → ``custom_id``), and a line batchgen cannot run gets
+        its field and message as its ``problem``; a bad line's row holds only its id: its ``custom_id``, as given
+        when it is not a string (:func:`~batchgen.io.rows.error_row_id` makes it the error row's id).
 
         Raises:
             BatchgenError: the line is not an OpenAI Batch request line at all (a mixed file).
         """
+        data, source, line = item.data, item.source, item.line
         if not any(key in data for key in LINE_KEYS):
             raise BatchgenError(
                 f"{source}:{line}: not an OpenAI Batch request line, but the file's first line is one; "
                 "a file holds one kind of row (give every line custom_id, method, url and body)"
             )
         custom_id = data.get("custom_id")
+        names = _COMPLETIONS_NAMES if data.get("url") == COMPLETIONS_URL else _CHAT_NAMES
         row: dict[str, Any] = {}
         if isinstance(custom_id, str) and custom_id.strip():
             row = {"id": custom_id, "custom_id": custom_id}
+        elif custom_id is not None:
+            row = {"id": custom_id}  # its error row's id: 5 → "5", as batchgen status reads the echoed 5
         try:
-            return {**row, **self._mapped(data, line, source)}, None
+            return InputRow(item.index, line, {**row, **self._mapped(data, line, source)}, source, names)
         except RowError as e:
-            return row, e
+            mapped = InputRow(item.index, line, row, source, names, (e.field or "", e.message))
+            if "custom_id" not in row and custom_id is not None:
+                self.given_ids[error_row_id(mapped)] = custom_id
+            return mapped
 
     def _mapped(self, data: dict[str, Any], line: int, source: str) -> dict[str, Any]:
         def fail(name: str, message: str) -> RowError:
@@ -127,7 +158,7 @@ class OpenAIBatchInput:
 
         for key in data:
             if key not in LINE_KEYS:
-                raise fail(key, "is not a field of an OpenAI Batch request line (custom_id, method, url, body)")
+                raise fail(key, "not a field of an OpenAI Batch request line (custom_id, method, url, body)")
         custom_id = data.get("custom_id")
         if not isinstance(custom_id, str) or not custom_id.strip():
             raise fail("custom_id", f"must be a non-empty string, got {shown_value(custom_id)}")
@@ -139,7 +170,7 @@ class OpenAIBatchInput:
         if self.url is None:
             self.url = url
         elif url != self.url:
-            raise fail("url", f"is {url}, but this file's requests go to {self.url} (one endpoint per file)")
+            raise fail("url", f"{url}, but this file's requests go to {self.url} (one endpoint per file)")
         body = data.get("body")
         if not isinstance(body, dict):
             raise fail("body", f"must be an object, got {json_type_name(body)}")
@@ -172,7 +203,7 @@ def _check_body_field(key: str, value: Any, url: str, body: dict[str, Any], fail
     name = f"body.{key}"
     chat = url == CHAT_URL
     if (chat and key in _COMPLETIONS_ONLY) or (not chat and key in _CHAT_ONLY):
-        raise fail(name, f"is not a field of {url} requests")
+        raise fail(name, f"not a field of {url} requests")
     if key in _OFF_VALUES:
         if value not in _OFF_VALUES[key]:
             raise fail(name, f"{shown_value(value)} is not supported by batchgen; leave it out")
@@ -181,15 +212,21 @@ def _check_body_field(key: str, value: Any, url: str, body: dict[str, Any], fail
         if value != body.get("n", 1):
             raise fail(name, f"best_of {shown_value(value)} is not supported (only best_of equal to n)")
         return
-    known = (*_SAMPLING_NAMES, "messages", "prompt", "logprobs", "top_logprobs", "response_format")
-    if key not in _HARMLESS and key not in known:
-        raise fail(name, "is not supported by batchgen; leave it out (the result would not be what it asks for)")
+    if key in _HARMLESS or key in _READ:
+        return
+    other = _CHAT_ONLY if not chat else _COMPLETIONS_ONLY
+    known = [k for k in (*_READ, *_HARMLESS, *_OFF_VALUES, "best_of") if k not in other]
+    # 0.8: a typo (max_token, temprature, topp) and not another API's field (reasoning_effort ~ response_format).
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.8)
+    if close:
+        raise fail(name, f"not a field batchgen knows (did you mean '{close[0]}'?)")
+    raise fail(name, "not supported by batchgen; leave it out (the result would not be what it asks for)")
 
 
 def _prompt(url: str, body: dict[str, Any], fail: _Fail) -> dict[str, Any]:
     if url == CHAT_URL:
         if "messages" not in body:
-            raise fail("body.messages", "is required for /v1/chat/completions")
+            raise fail("body.messages", "required for /v1/chat/completions")
         return {"messages": _messages(body["messages"], fail)}
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):

@@ -9,6 +9,7 @@ finished output is put in place (:meth:`batchgen.io.partial_output.PartialOutput
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import time
 from collections.abc import Iterator
@@ -101,7 +102,10 @@ class OpenAIOutput:
         first = rows[0]
         digest = hashlib.sha256(f"{self.run_seed}\0{first['id']}\0{ordinal}".encode("utf-8", "surrogatepass"))
         hexes = digest.hexdigest()
-        line: dict[str, Any] = {"id": f"batch_req_{hexes[:32]}", "custom_id": first.get("custom_id")}
+        custom_id = first.get("custom_id")
+        if custom_id is None:  # a line whose custom_id is not a string: echoed as given
+            custom_id = self.openai.given_ids.get(first["id"])
+        line: dict[str, Any] = {"id": f"batch_req_{hexes[:32]}", "custom_id": custom_id}
         if first["finish_reason"] == "error":
             error = first["error"] or ""
             param = _FIELD.search(error)
@@ -212,7 +216,10 @@ def result_fields(line: dict[str, Any]) -> dict[str, Any]:
     if "custom_id" not in line or not isinstance(response, dict):
         return line
     failed = response.get("status_code") != 200 or line.get("error") is not None
-    return {"id": line["custom_id"], "sample_index": 0, "finish_reason": "error" if failed else "done"}
+    custom_id = line["custom_id"]
+    # A custom_id echoed as given (5) is the JSON text its error row's id is (error_row_id).
+    rid = custom_id if isinstance(custom_id, str) else json.dumps(custom_id)
+    return {"id": rid, "sample_index": 0, "finish_reason": "error" if failed else "done"}
 
 
 def _input_order(dataset: Path) -> dict[str, int]:

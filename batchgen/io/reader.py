@@ -158,9 +158,7 @@ class RowReader:
                     "a file holds one kind of row"
                 )
             return item
-        data, error = self.openai.row(item.data, item.line, item.source)
-        problem = (error.field or "", error.message) if error is not None else None
-        return InputRow(item.index, item.line, data, item.source, problem=problem)
+        return self.openai.row(item)
 
     # --- Parquet and Arrow ------------------------------------------------------------------------------
 

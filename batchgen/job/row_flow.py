@@ -79,7 +79,7 @@ class RowFlow:
                     continue
                 req = self.builder.build(spec, item.source or self.source)
             except RowError as e:
-                on_bad_row(e, spec.id, spec.passthrough)
+                on_bad_row(e.named(item.columns), spec.id, spec.passthrough)
                 continue
             self._passthrough[spec.id] = spec.passthrough
             if req.params.max_new_tokens == 0 and req.params.prompt_logprobs is None:

@@ -5,6 +5,7 @@ prompt given as a plain ``prompt`` (or ``messages``) row, the path the other tes
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -102,6 +103,18 @@ def test_jsonl_shards_name_the_shard_and_line_of_a_bad_row(model: Path, tmp_path
         "every row"
     ) in output
     assert sorted(read_rows(tmp_path / "out.arrow")) == ["0", "1", "2", "4"]
+
+
+def test_a_duplicate_id_names_the_id_column(model: Path, tmp_path: Path) -> None:
+    rows = [{"key": "a", "question": QUESTIONS[0]}, {"key": "a", "question": QUESTIONS[1]}]
+    dataset = write_jsonl(tmp_path / "data.jsonl", rows)
+    options = ["--prompt-column", "question", "--id-column", "key", "--on-error", "skip", *GREEDY]
+    code, output = run_cli(run_args(dataset, tmp_path / "out.jsonl", model, *options))
+    assert code == 0, output
+    # The row error names the column the id came from, as every row error of a mapped field does.
+    assert f"{dataset}:2: field 'key': duplicate id 'a'" in output
+    errors = [line["error"] for line in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())]
+    assert sorted(errors, key=str) == [f"{dataset}:2: field 'key': duplicate id 'a'", None]  # the first row is done
 
 
 def test_sharegpt_conversations_are_read_as_messages(chat_model: Path, tmp_path: Path) -> None:

@@ -328,6 +328,9 @@ def bad_file(tmp_path: Path) -> Path:
         request("hot", {**chat_body, "temperature": -1}),
         request("good-2", chat_body),
         request("good-1", chat_body),  # a duplicate custom_id
+        {**request("x", chat_body), "custom_id": 5},
+        request("neg", {**chat_body, "max_tokens": None, "max_completion_tokens": -1}),
+        request("tops", {**chat_body, "top_logprobs": 2}),
     ]
     return write_jsonl(tmp_path / "bad.jsonl", lines)
 
@@ -338,21 +341,26 @@ def test_bad_lines_are_400_lines_in_place_under_on_error_skip(model: Path, tmp_p
     assert f"{dataset}:2: field 'body.tools'" in output
     lines = output_lines(tmp_path / "out.jsonl")
     # In input order; a duplicate's error line right after the request whose id it repeats.
-    assert [line["custom_id"] for line in lines] == ["good-1", "good-1", "tools", "embed", "hot", "good-2"]
-    assert len({line["id"] for line in lines}) == 6
-    for line, param in zip(lines[1:5], ["id", "body.tools", "url", "temperature"]):
+    # A custom_id that is not a string is echoed as given, so that the client can match the error line.
+    custom_ids = ["good-1", "good-1", "tools", "embed", "hot", "good-2", 5, "neg", "tops"]
+    assert [line["custom_id"] for line in lines] == custom_ids
+    assert len({line["id"] for line in lines}) == 9
+    # Each param is the request's field, as the line spelled it (batchgen's checks of the row it was read as too).
+    params = ["custom_id", "body.tools", "url", "body.temperature", "custom_id", "body.max_completion_tokens"]
+    for line, param in zip(lines[1:5] + lines[6:], params + ["body.top_logprobs"]):
         assert line["response"]["status_code"] == 400
         assert set(line["response"]["body"]) == {"error"}
         error = line["response"]["body"]["error"]
         assert set(error) == {"message", "type", "param", "code"}
         assert error["type"] == "invalid_request_error" and error["param"] == param and error["code"] is None
         assert f"field '{param}'" in error["message"]
-    assert "duplicate id 'good-1'" in lines[1]["response"]["body"]["error"]["message"]
+    assert lines[1]["response"]["body"]["error"]["message"].endswith("field 'custom_id': duplicate id 'good-1'")
+    assert "must be a non-empty string, got 5" in lines[6]["response"]["body"]["error"]["message"]
     validated(lines[0])
     validated(lines[5])
     code, status = run_cli(["status", str(dataset), str(tmp_path / "out.jsonl")])
     assert code == 0
-    assert status.startswith(f"{tmp_path / 'out.jsonl'}: complete: 6 of 6 rows done, 0 remaining, 4 errored")
+    assert status.startswith(f"{tmp_path / 'out.jsonl'}: complete: 9 of 9 rows done, 0 remaining, 7 errored")
 
 
 def test_bad_lines_fail_the_run_and_are_left_out_under_on_error_fail(model: Path, tmp_path: Path) -> None:

@@ -193,9 +193,89 @@ def test_a_line_asking_for_what_batchgen_cannot_do_is_an_error_row(
     with pytest.raises(RowError) as raised:
         parse_row(item, reader.source, reader.passthrough_schema, reader.passthrough_names)
     assert (raised.value.line, raised.value.field, raised.value.message) == (2, *item.problem)
-    # The error row keeps the request's custom_id, when it has a good one, for its output line.
-    expected = {"id": "a", "custom_id": "a"} if isinstance(line["custom_id"], str) else {}
+    # The error row keeps the request's custom_id for its output line (a bad one as its id only).
+    custom_id = line["custom_id"]
+    expected = {"id": custom_id, "custom_id": custom_id} if isinstance(custom_id, str) else {"id": custom_id}
     assert item.data == expected
+
+
+@pytest.mark.parametrize(
+    ("body", "url", "message"),
+    [
+        # A typo gets the body field it most likely meant, among those of its endpoint.
+        (chat(max_token=8), CHAT, "field 'body.max_token': not a field batchgen knows (did you mean 'max_tokens'?)"),
+        (
+            chat(top_log_probs=2),
+            CHAT,
+            "field 'body.top_log_probs': not a field batchgen knows (did you mean 'top_logprobs'?)",
+        ),
+        (
+            {"prompt": "x", "temprature": 0},
+            COMPLETIONS,
+            "field 'body.temprature': not a field batchgen knows (did you mean 'temperature'?)",
+        ),
+        # Another API's field is not taken for a typo of one batchgen reads.
+        (
+            chat(reasoning_effort="low"),
+            CHAT,
+            "field 'body.reasoning_effort': not supported by batchgen; leave it out (the result would not be what it "
+            "asks for)",
+        ),
+        (chat(prompt="x"), CHAT, "field 'body.prompt': not a field of /v1/chat/completions requests"),
+    ],
+)
+def test_an_unknown_body_field_reads_as_one_clean_sentence(
+    tmp_path: Path, body: dict[str, Any], url: str, message: str
+) -> None:
+    reader, (item,) = read(tmp_path, [request("a", body, url)])
+    assert isinstance(item, InputRow)
+    with pytest.raises(RowError) as raised:
+        parse_row(item, reader.source, reader.passthrough_schema, reader.passthrough_names)
+    assert str(raised.value) == f"{reader.source}:1: {message}"
+
+
+@pytest.mark.parametrize("stream", [None, False])
+def test_stream_options_without_stream_ask_for_nothing(tmp_path: Path, stream: bool | None) -> None:
+    # As vLLM writes it; it applies only to stream: true.
+    (row,) = rows(tmp_path, [request("a", chat(stream=stream, stream_options={"include_usage": True}))])
+    assert row.problem is None and "stream_options" not in row.data
+
+
+def test_stream_options_with_stream_names_stream(tmp_path: Path) -> None:
+    _, (item,) = read(tmp_path, [request("a", chat(stream_options={"include_usage": True}, stream=True))])
+    assert isinstance(item, InputRow) and item.problem == (
+        "body.stream",
+        "true is not supported by batchgen; leave it out",
+    )
+
+
+def test_row_fields_are_named_by_the_request_fields_they_came_from(tmp_path: Path) -> None:
+    (chat_row,) = rows(tmp_path, [request("a", chat(max_tokens=3, min_tokens=1, top_logprobs=2))])
+    assert chat_row.columns["id"] == "custom_id"
+    assert [chat_row.columns[name] for name in ("max_tokens", "min_new_tokens", "top_logprobs", "messages", "n")] == [
+        "body.max_tokens",
+        "body.min_tokens",
+        "body.top_logprobs",
+        "body.messages",
+        "body.n",
+    ]
+    (completion,) = rows(tmp_path, [request("a", {"prompt": [1, 2], "logprobs": 2}, COMPLETIONS)])
+    assert [completion.columns[name] for name in ("prompt_token_ids", "logprobs", "top_logprobs")] == [
+        "body.prompt",
+        "body.logprobs",
+        "body.logprobs",  # a completions request's logprobs count is batchgen's top_logprobs
+    ]
+    assert chat_row.columns["json_schema"] == "body.response_format"
+
+
+def test_a_custom_id_that_is_not_a_string_is_kept_as_given(tmp_path: Path) -> None:
+    lines = [request("a", chat()), {**request("x", chat()), "custom_id": 5}, {**request("y", chat()), "custom_id": ""}]
+    reader, (_, number, blank) = read(tmp_path, lines)
+    assert isinstance(number, InputRow) and number.problem == ("custom_id", "must be a non-empty string, got 5")
+    assert isinstance(blank, InputRow) and blank.problem is not None
+    assert number.data == {"id": 5} and blank.data == {"id": ""}
+    # Keyed by the id of its error row: the custom_id as JSON text, as for a batchgen row with a bad id.
+    assert reader.openai is not None and reader.openai.given_ids == {"5": 5, '""': ""}
 
 
 def test_one_endpoint_per_file(tmp_path: Path) -> None:
