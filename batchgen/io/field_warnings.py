@@ -22,11 +22,14 @@ _FOREIGN_SAMPLING_NAMES = {
 }
 
 
+# Every sampling field and alias by its lower-cased name: 'Temperature' is a misspelt 'temperature'.
+_SAMPLING_NAMES_FOLDED = {key.lower(): key for key in (*SAMPLING_FIELDS, *SAMPLING_FIELD_ALIASES)}
+
+
 def foreign_field_warning(name: str) -> str | None:
     """Why pass-through field ``name`` is probably a mistake (``field 'Temperature' is not a sampling field (did you
     mean 'temperature'?); it is passed through unused``), or ``None`` for a field that looks like none."""
-    known = {key.lower(): key for key in (*SAMPLING_FIELDS, *SAMPLING_FIELD_ALIASES)}
-    hint = known.get(name.lower())
+    hint = _SAMPLING_NAMES_FOLDED.get(name.lower())
     if hint is None and name in _FOREIGN_SAMPLING_NAMES:
         hint = _FOREIGN_SAMPLING_NAMES[name]
         if hint is None:

@@ -294,7 +294,7 @@ def read_rows_all(path: Path) -> list[dict[str, Any]]:
 
 
 def test_json_schema_response_format_constrains_the_reply(model: Path, tmp_path: Path) -> None:
-    pytest.importorskip("xgrammar")
+    pytest.importorskip("xgrammar", reason='grammars need xgrammar (pip install -e ".[structured]")')
     schema = {
         "type": "object",
         "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},

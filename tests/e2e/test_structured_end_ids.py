@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.helpers.cli import generate, write_jsonl
 
-xgrammar = pytest.importorskip("xgrammar")
+xgrammar = pytest.importorskip("xgrammar", reason='grammars need xgrammar (pip install -e ".[structured]")')
 
 REGEX = r"[a-c]{2,4}-\d{3}"
 EBNF = 'root ::= "yes" | "no" | "maybe " ("so" | "not")'

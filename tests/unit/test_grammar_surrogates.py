@@ -10,7 +10,7 @@ import pytest
 from batchgen.sampling.grammar import GrammarCompiler, grammar_bitmask
 from tests.helpers.models import build_tokenizer
 
-xgrammar = pytest.importorskip("xgrammar")
+xgrammar = pytest.importorskip("xgrammar", reason='grammars need xgrammar (pip install -e ".[structured]")')
 
 
 def _allowed(state: object, vocab: int) -> list[bool]:

@@ -18,7 +18,7 @@ from batchgen.errors import FieldError
 from batchgen.sampling.grammar import normalize_constraint
 from batchgen.sampling.json_schema_support import check_enforceable
 
-xgrammar = pytest.importorskip("xgrammar")
+xgrammar = pytest.importorskip("xgrammar", reason='grammars need xgrammar (pip install -e ".[structured]")')
 from xgrammar.testing import _is_grammar_accept_string  # noqa: E402
 
 INTS = {"type": "array", "items": {"type": "integer"}}
