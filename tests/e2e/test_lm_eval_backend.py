@@ -6,6 +6,7 @@ choice after a shared 3-shot context, rolling log-likelihood, greedy generation 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -15,9 +16,10 @@ from typing import Any
 import lm_eval
 import pytest
 import yaml
+from lm_eval.api.instance import Instance
 from lm_eval.tasks import TaskManager
 
-import batchgen.eval  # noqa: F401  (registers --model batchgen)
+from batchgen.eval import BatchgenLM  # the import registers --model batchgen
 from tests.helpers.models import REPO, STORIES, build_random_model, needs_shared
 
 TASK_DATA = REPO / "tests" / "data" / "lm_eval_tasks"
@@ -148,3 +150,47 @@ def test_command_line(task_dir: Path, llama_dir: Path, tmp_path: Path) -> None:
     generated = {row["doc_id"]: row["filtered_resps"][0] for row in rows}
     hf = evaluate(task_dir, "hf", args, tasks=["batchgen_generate"])
     assert generated == {s["doc_id"]: s["filtered_resps"][0] for s in hf["samples"]["batchgen_generate"]}
+
+
+def request(kind: str, doc_id: int, *arguments: Any) -> Instance:
+    return Instance(request_type=kind, doc={}, arguments=arguments, idx=0, metadata=("overlong", doc_id, 1))
+
+
+def test_requests_truncation_cannot_fix_do_not_stop_the_evaluation(
+    llama_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Where HF asserts (a continuation longer than max_length, max_gen_toks >= max_length), each request still
+    gets a result, and a warning names it; the scored part is the last max_length + 1 tokens, as HF reads them."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    lm = BatchgenLM(pretrained=str(llama_dir), dtype="float32", max_length=16)
+    context, continuation = "The cat", " sat on the mat while the dog slept by the fire"
+    with caplog.at_level(logging.WARNING):
+        (score, short) = lm.loglikelihood(
+            [request("loglikelihood", 3, context, continuation), request("loglikelihood", 4, "The cat", " sat")]
+        )
+        (text,) = lm.generate_until([request("generate_until", 5, "Once upon a time", {"max_gen_toks": 40})])
+    assert "only its last 16 tokens are scored" in caplog.text
+    assert "generate_until request of task overlong, doc 5: max_gen_toks 40 >= max_length 16" in caplog.text
+    assert isinstance(text, str) and text
+    whole = lm.tok_encode(context + continuation)[-17:]
+    hf = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logprobs = torch.log_softmax(hf(torch.tensor([whole[:-1]])).logits[0], dim=-1)
+    assert abs(score[0] - sum(logprobs[i, whole[i + 1]].item() for i in range(16))) < 1e-4
+    assert short[0] < 0
+
+
+def test_bad_model_args_are_one_line(
+    task_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from batchgen.eval.__main__ import main
+
+    argv = ["batchgen.eval", "--model", "batchgen", "--model_args", "pretrained=/no/such/model", "--tasks"]
+    monkeypatch.setattr(sys, "argv", [*argv, "batchgen_generate", "--include_path", str(task_dir)])
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[-1].startswith("batchgen: error: unknown model '/no/such/model'"), lines
