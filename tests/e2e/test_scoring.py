@@ -39,8 +39,13 @@ def greedy_chain(model_dir: Path, ids: list[int], count: int) -> list[int]:
     return out[len(ids) :]
 
 
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"chunked_prefill_size": 16, "max_total_tokens": 100}, {"prefix_cache": False, "chunked_prefill_size": 32}],
+    ids=["default", "chunked-tight-pool", "no-prefix-cache"],
+)
 def test_continuations_equal_hf_with_lm_head_only_where_asked(
-    random_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+    random_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch, options: dict[str, Any]
 ) -> None:
     import batchgen
     from batchgen.models.logits_processor import LogitsProcessor
@@ -63,8 +68,20 @@ def test_continuations_equal_hf_with_lm_head_only_where_asked(
         return logits
 
     monkeypatch.setattr(LogitsProcessor, "_logits", staticmethod(spy))
-    generator = batchgen.Generator(str(model_dir), dtype="float32", seed=0)
-    results = generator.generate(rows)
+    # In the tight pool, rows that generate make the scheduler retract requests, scoring ones among them.
+    generating = [
+        {
+            "id": f"g{i}",
+            "prompt_token_ids": [0, *rng.sample(range(2, 300), 20)],
+            "max_new_tokens": 40,
+            "ignore_eos": True,
+        }
+        for i in range(3 if "max_total_tokens" in options else 0)
+    ]
+    generator = batchgen.Generator(str(model_dir), dtype="float32", seed=0, **options)
+    results = generator.generate(generating[:2] + rows[:2] + generating[2:] + rows[2:])
+    results = [r for r in results if not r["id"].startswith("g")]
+    assert generator.engine.scheduler.num_retracted >= bool(generating)
     for row, result in zip(rows, results):
         expected, greedy = hf_scores(model_dir, row["prompt_token_ids"], len(context))
         got = result["prompt_logprobs"]
@@ -74,10 +91,12 @@ def test_continuations_equal_hf_with_lm_head_only_where_asked(
         assert result["prompt_is_greedy"] is greedy
         assert result["output_token_ids"] == [] and result["finish_reason"] == "length"
     assert results[-1]["prompt_is_greedy"] is True and not all(r["prompt_is_greedy"] for r in results)
-    # The LM head ran on the scored positions alone (no row of a sampled next token), and the context's K/V
-    # came from the prefix cache for every row after the first.
-    assert sum(projected) == sum(len(c) for c in continuations)
-    assert generator.engine.stats.cached_tokens >= (len(context) - 1) * (len(rows) - 1)
+    # The LM head ran on the scored positions alone (no row of a sampled next token), each once however the
+    # prefill was chunked or retracted, and the context's K/V came from the prefix cache for every row after the
+    # first (a pool this tight may evict it).
+    assert sum(projected) == sum(len(c) for c in continuations) + 40 * len(generating)
+    if not options:
+        assert generator.engine.stats.cached_tokens >= (len(context) - 1) * (len(rows) - 1)
 
 
 def test_one_token_prompt_and_samples(random_models: dict[str, Path]) -> None:
