@@ -13,8 +13,12 @@ from batchgen.io.writer import OUTPUT_COLUMNS
 from batchgen.sampling.sampling_params import SAMPLING_FIELD_ALIASES, SAMPLING_FIELDS
 
 PROMPT_FIELDS: tuple[str, ...] = ("prompt", "messages", "prompt_token_ids")
+# Text scored after a prompt or messages (batchgen.job.continuation).
+CONTINUATION_FIELD = "continuation"
 # Fields batchgen interprets itself; every other input field is copied to the output unchanged.
-KNOWN_FIELDS: frozenset[str] = frozenset(("id", *PROMPT_FIELDS, *SAMPLING_FIELDS, *SAMPLING_FIELD_ALIASES))
+KNOWN_FIELDS: frozenset[str] = frozenset(
+    ("id", *PROMPT_FIELDS, CONTINUATION_FIELD, *SAMPLING_FIELDS, *SAMPLING_FIELD_ALIASES)
+)
 # `id` is both known and an output column; it is never a pass-through field, so it never collides.
 _COLLIDING: frozenset[str] = frozenset(OUTPUT_COLUMNS.names) - {"id"}
 

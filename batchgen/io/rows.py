@@ -12,7 +12,7 @@ import pyarrow as pa
 from batchgen.errors import NOT_UNICODE, RowError, is_unicode_text, shown_value
 from batchgen.io.arrow_fit import misfit
 from batchgen.io.input_row import InputRow
-from batchgen.io.passthrough import KNOWN_FIELDS, PROMPT_FIELDS, is_json_text, json_type_name
+from batchgen.io.passthrough import CONTINUATION_FIELD, KNOWN_FIELDS, PROMPT_FIELDS, is_json_text, json_type_name
 from batchgen.sampling.sampling_params import SAMPLING_FIELD_ALIASES, SAMPLING_FIELDS
 
 __all__ = ["PROMPT_FIELDS", "RowSpec", "parse_row"]
@@ -42,6 +42,7 @@ class RowSpec:
         prompt: raw text prompt.
         messages: chat messages, each with string ``role`` and ``content`` (and any other string keys given).
         prompt_token_ids: token ids (their vocabulary range is checked later, by the engine).
+        continuation: text to score after ``prompt`` or ``messages`` (see ``batchgen.job.continuation``), or ``None``.
         sampling_overrides: the row's sampling fields with their raw values, under the names the row gave them
             (``max_tokens`` too: see ``SAMPLING_FIELD_ALIASES``), for ``make_sampling_params``.
         passthrough: every field of the pass-through schema (``None`` where absent), under its schema name.
@@ -52,6 +53,7 @@ class RowSpec:
     prompt: str | None
     messages: list[dict[str, str]] | None
     prompt_token_ids: list[int] | None
+    continuation: str | None
     sampling_overrides: dict[str, Any]
     passthrough: dict[str, Any]
 
@@ -105,6 +107,7 @@ def parse_row(
         prompt=prompt,
         messages=messages,
         prompt_token_ids=token_ids,
+        continuation=_check_continuation(data, kind, fail),
         sampling_overrides={name: data[name] for name in (*SAMPLING_FIELDS, *SAMPLING_FIELD_ALIASES) if name in data},
         passthrough=_passthrough(data, passthrough_schema, passthrough_names, block_rows, fail),
     )
@@ -128,6 +131,22 @@ def _no_prompt(data: dict[str, Any]) -> str:
     field = _PROMPT_FIELD_HINTS[hint.lower()]
     flag = {"prompt": " or pass --prompt-column", "messages": " or pass --messages-column"}.get(field)
     return f"{message} (found {shown}; rename {which} to '{field}'{f'{flag} {hint}' if flag else ''})"
+
+
+def _check_continuation(data: dict[str, Any], prompt_field: str, fail: _Fail) -> str | None:
+    value = data.get(CONTINUATION_FIELD)
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        got = "an empty string" if value == "" else json_type_name(value)
+        raise fail(CONTINUATION_FIELD, f"must be a non-empty string, got {got}")
+    if not is_unicode_text(value):
+        raise fail(CONTINUATION_FIELD, NOT_UNICODE)
+    if prompt_field == "prompt_token_ids":
+        raise fail(CONTINUATION_FIELD, "needs a text prompt or messages (with prompt_token_ids: prompt_logprobs_from)")
+    if data.get("prompt_logprobs_from") is not None:
+        raise fail("prompt_logprobs_from", "give either continuation or prompt_logprobs_from, not both")
+    return value
 
 
 def _check_prompt(value: Any, fail: _Fail) -> str:

@@ -32,6 +32,8 @@ OUTPUT_COLUMNS: pa.Schema = pa.schema(
         pa.field("prompt_tokens", pa.int32()),
         pa.field("completion_tokens", pa.int32()),
         pa.field("prompt_logprobs", pa.list_(pa.float32())),
+        pa.field("prompt_logprob_sum", pa.float64()),
+        pa.field("prompt_is_greedy", pa.bool_()),
         pa.field("prompt_top_logprobs", pa.list_(pa.list_(_TOKEN_LOGPROB))),
         pa.field("spec_accept_length", pa.float32()),
     ]

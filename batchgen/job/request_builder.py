@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import Any
 
 from batchgen.errors import FieldError, RowError
 from batchgen.io.rows import RowSpec
+from batchgen.job.continuation import split_continuation
 from batchgen.loop.detokenizer import IncrementalDetokenizer
 from batchgen.loop.req import Req
 from batchgen.sampling.grammar import GrammarCompiler
 from batchgen.sampling.penalties import TokenHistory, needs_history
 from batchgen.sampling.random import derive_seed
-from batchgen.sampling.sampling_params import SamplingParams, make_sampling_params
+from batchgen.sampling.sampling_params import MAX_NEW_TOKENS_NAMES, SamplingParams, make_sampling_params
 
 
 class RequestBuilder:
@@ -58,8 +60,11 @@ class RequestBuilder:
         def error(field: str, message: str) -> RowError:
             return RowError(source, spec.line, field, message)
 
+        overrides = spec.sampling_overrides
+        if spec.continuation is not None and all(overrides.get(name) is None for name in MAX_NEW_TOKENS_NAMES):
+            overrides = {**overrides, "max_new_tokens": 0}  # a row that scores generates only when it says so
         try:
-            params = make_sampling_params(self.defaults, spec.sampling_overrides, self.vocab_size)
+            params = make_sampling_params(self.defaults, overrides, self.vocab_size)
         except FieldError as e:
             raise error(e.field, e.message) from None
         if params.n > self.max_samples:
@@ -68,7 +73,7 @@ class RequestBuilder:
             field = "stop" if spec.prompt_token_ids is not None else "prompt"
             raise error(field, "this model has no tokenizer: give prompt_token_ids and no stop strings")
         try:
-            prompt_field, prompt_ids = self._tokenize(spec, error)
+            prompt_field, prompt_ids, scored_from = self._tokenize(spec, error)
         except RowError:
             raise
         except Exception as e:  # the tokenizer rejects the text itself (e.g. a lone UTF-16 surrogate)
@@ -78,6 +83,13 @@ class RequestBuilder:
             raise error(prompt_field, "prompt is empty after tokenization")
         if len(prompt_ids) >= self.context_len:
             raise error(prompt_field, f"prompt has {len(prompt_ids)} tokens, >= context length {self.context_len}")
+        if scored_from is not None:
+            params = replace(params, prompt_logprobs_from=scored_from, prompt_logprobs=params.prompt_logprobs or 0)
+        elif params.prompt_logprobs_from is not None and params.prompt_logprobs_from >= len(prompt_ids):
+            raise error(
+                "prompt_logprobs_from",
+                f"must be less than the prompt's {len(prompt_ids)} tokens, got {params.prompt_logprobs_from}",
+            )
         grammar = None
         if params.constraint is not None:
             # Every EOS id closes the grammar, ignore_eos or not (the grammar must end on one of them, and an EOS
@@ -104,20 +116,38 @@ class RequestBuilder:
             unforked_samples=params.n - 1,
         )
 
-    def _tokenize(self, spec: RowSpec, error: Any) -> tuple[str, list[int]]:
+    def _tokenize(self, spec: RowSpec, error: Any) -> tuple[str, list[int], int | None]:
+        """The prompt's field, its token ids (with the continuation's, when the row has one) and where the
+        continuation's begin (``None`` without one)."""
         if spec.prompt_token_ids is not None:
             bad = next((t for t in spec.prompt_token_ids if not 0 <= t < self.vocab_size), None)
             if bad is not None:
                 raise error("prompt_token_ids", f"id {bad} is outside the vocabulary [0, {self.vocab_size})")
-            return "prompt_token_ids", list(spec.prompt_token_ids)
+            return "prompt_token_ids", list(spec.prompt_token_ids), None
         if spec.messages is not None:
             if not getattr(self.tokenizer, "chat_template", None):
                 raise error("messages", "the model's tokenizer has no chat template; give a plain prompt instead")
             try:
-                rendered = self.tokenizer.apply_chat_template(spec.messages, add_generation_prompt=True, tokenize=False)
+                text = self.tokenizer.apply_chat_template(spec.messages, add_generation_prompt=True, tokenize=False)
             except Exception as e:  # template errors are the row's fault (e.g. a role the template rejects)
                 raise error("messages", f"chat template failed: {e}") from None
             # The template already contains the special tokens (BOS included) it wants.
-            return "messages", list(self.tokenizer(rendered, add_special_tokens=False)["input_ids"])
-        assert spec.prompt is not None
-        return "prompt", list(self.tokenizer(spec.prompt)["input_ids"])
+            field, special = "messages", False
+        else:
+            assert spec.prompt is not None
+            field, text, special = "prompt", spec.prompt, True
+
+        def encode(piece: str) -> list[int]:
+            return list(self.tokenizer(piece, add_special_tokens=special)["input_ids"])
+
+        if spec.continuation is None:
+            return field, encode(text), None
+        # lm-eval conditions a continuation with no context on BOS (else EOS), unless the encoding brings its own.
+        bos = self.tokenizer.bos_token_id
+        prefix = None if encode("") else (bos if bos is not None else self.tokenizer.eos_token_id)
+        context, continuation = split_continuation(encode, text, spec.continuation, prefix)
+        if not context:
+            raise error(field, "is empty, and the model has no BOS or EOS token to score the continuation after")
+        if not continuation:
+            raise error("continuation", "is empty after tokenization")
+        return field, context + continuation, len(context)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from batchgen.errors import RowError
@@ -13,6 +14,7 @@ def result_row(req: Req, passthrough: dict[str, Any]) -> dict[str, Any]:
     """The output row of a finished request (columns as in ``batchgen.io.writer.OUTPUT_COLUMNS``), then its input
     row's ``passthrough`` fields."""
     params = req.params
+    scored = params.prompt_logprobs is not None
     return {
         "id": req.rid,
         "sample_index": req.sample_index,
@@ -25,7 +27,9 @@ def result_row(req: Req, passthrough: dict[str, Any]) -> dict[str, Any]:
         "error": None,
         "prompt_tokens": len(req.prompt_ids),
         "completion_tokens": len(req.output_ids),
-        "prompt_logprobs": req.prompt_logprobs if params.prompt_logprobs is not None else None,
+        "prompt_logprobs": req.prompt_logprobs if scored else None,
+        "prompt_logprob_sum": math.fsum(req.prompt_logprobs) if scored else None,
+        "prompt_is_greedy": all(req.prompt_argmax) if scored else None,
         "prompt_top_logprobs": req.prompt_top_logprobs if params.prompt_logprobs else None,
         "spec_accept_length": spec_accept_length(req),
         **passthrough,

@@ -82,7 +82,8 @@ class RowFlow:
                 on_bad_row(e.named(item.columns), spec.id, spec.passthrough)
                 continue
             self._passthrough[spec.id] = spec.passthrough
-            if req.params.max_new_tokens == 0 and req.params.prompt_logprobs is None:
+            if req.params.max_new_tokens == 0 and (req.params.prompt_logprobs is None or req.num_pending == 0):
+                # Nothing to generate, and no prompt logprob to compute (none asked, or a one-token prompt).
                 req.finish_reason, req.text = "length", ""
                 yield from [req.fork(i, None) for i in range(1, req.params.n)]
                 req.unforked_samples = 0

@@ -44,8 +44,10 @@ class Req:
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    # Raw logprob of prompt token i + 1 given tokens 0..i, filled chunk by chunk during prefill.
+    # Raw logprob of prompt token prompt_logprob_start + i given the tokens before it, filled chunk by chunk during
+    # prefill; whether that token is the argmax there; the most likely tokens there.
     prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_argmax: list[bool] = field(default_factory=list)
     prompt_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     req_pool_idx: int | None = None
     kv_len: int = 0
@@ -65,8 +67,29 @@ class Req:
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
+    def scores_only(self) -> bool:
+        """Prefilled for its prompt logprobs alone (``max_new_tokens`` 0): no token follows its last prompt token,
+        so that token needs no forward (its K/V and logits would serve nothing)."""
+        return self.params.max_new_tokens == 0 and self.params.prompt_logprobs is not None
+
+    @property
+    def kv_target(self) -> int:
+        """The tokens that need K/V before the request finishes or samples its next token."""
+        return self.fill_len - 1 if self.scores_only else self.fill_len
+
+    @property
     def num_pending(self) -> int:
-        return self.fill_len - self.kv_len
+        return self.kv_target - self.kv_len
+
+    @property
+    def prompt_logprob_start(self) -> int:
+        """The first prompt token whose logprob is reported (its logits come from the position before it)."""
+        return self.params.prompt_logprobs_from or 1
+
+    @property
+    def next_prompt_logprob_pos(self) -> int:
+        """The first position whose logits give a prompt logprob not reported yet."""
+        return self.prompt_logprob_start - 1 + len(self.prompt_logprobs)
 
     @property
     def is_decoding(self) -> bool:
@@ -84,11 +107,11 @@ class Req:
     @property
     def match_limit(self) -> int:
         """The most leading tokens a cached prefix may give this request at admission: all but the last
-        pending one, whose logits give the next token; no further than its prompt logprobs reach, when it asks
-        for them, since a cached position yields no logits."""
-        limit = self.fill_len - 1
+        pending one, whose logits give the next token; none from the first position whose prompt logprob it still
+        needs, since a cached position yields no logits."""
+        limit = self.kv_target - 1
         if self.params.prompt_logprobs is not None:
-            limit = min(limit, len(self.prompt_logprobs))
+            limit = min(limit, self.next_prompt_logprob_pos)
         return limit
 
     def pending_ids(self, count: int) -> list[int]:
@@ -125,6 +148,7 @@ class Req:
             output_logprobs=[],
             output_top_logprobs=[],
             prompt_logprobs=[],
+            prompt_argmax=[],
             prompt_top_logprobs=[],
             req_pool_idx=req_pool_idx,
             kv_len=0,

@@ -35,9 +35,6 @@ class RoundTokens:
     def emit(self, req: Req, first: int, count: int) -> int:
         """Append draws ``first..first + count - 1`` (``count`` >= 1) to ``req`` until one finishes it; return how
         many were appended."""
-        if req.params.max_new_tokens == 0:  # prefilled only for its prompt logprobs
-            req.finish_reason = "length"
-            return 0
         want_logprobs = req.params.logprobs
         k = req.params.top_logprobs if want_logprobs else 0
         for j in range(first, first + count):
@@ -55,13 +52,15 @@ class RoundTokens:
 def record_prompt_logprobs(batch: ScheduleBatch, out: LogitsProcessorOutput) -> None:
     """Hand each row its slice of the round's prompt logprobs (rows in ``batch.prompt_logprob_rows`` order)."""
     assert out.prompt_logprobs is not None
-    values = out.prompt_logprobs.tolist()
+    assert out.prompt_is_argmax is not None
+    values, argmax = out.prompt_logprobs.tolist(), out.prompt_is_argmax.tolist()
     top_ids = out.prompt_top_ids.tolist() if out.prompt_top_ids is not None else None
     top_values = out.prompt_top_logprobs.tolist() if out.prompt_top_logprobs is not None else None
     start = 0
     for row, count in batch.prompt_logprob_rows:
         req = batch.reqs[row]
         req.prompt_logprobs.extend(values[start : start + count])
+        req.prompt_argmax.extend(argmax[start : start + count])
         k = req.params.prompt_logprobs or 0
         if k and top_ids is not None and top_values is not None:
             req.prompt_top_logprobs.extend(

@@ -58,10 +58,11 @@ _Draw = tuple[int, Req, int, RoundDrafts | None]
 class ScheduleBatch:
     """The requests of one round and how many pending tokens each processes (``extend_lens``).
 
-    A row whose ``extend_len`` covers all its pending tokens samples a token this round; the others are
-    non-final chunks of a chunked prefill. The last ``num_decode_rows`` rows are decodes. ``sampled`` lists
-    (row, request) per token drawn: the row's own request, and, in the round that completes an ``n > 1``
-    prompt, its other samples too, all drawn from that row's logits.
+    A row whose ``extend_len`` covers all its pending tokens samples a token this round (or, scoring its prompt
+    only, finishes: ``scored``); the others are non-final chunks of a chunked prefill. The last
+    ``num_decode_rows`` rows are decodes. ``sampled`` lists (row, request) per token drawn: the row's own
+    request, and, in the round that completes an ``n > 1`` prompt, its other samples too, all drawn from that
+    row's logits.
 
     TARGET_VERIFY rounds (speculative decoding): row ``i`` processes its pending token followed by
     ``drafts[i].ids``, and samples at every one of those positions, as if each draft before it had been accepted.
@@ -74,7 +75,10 @@ class ScheduleBatch:
     drafts: list[RoundDrafts] | None = None
 
     def __post_init__(self) -> None:
-        self.sampled = [(i, r) for i, (r, n) in enumerate(zip(self.reqs, self.extend_lens)) if n == r.num_pending]
+        complete = [(i, r) for i, (r, n) in enumerate(zip(self.reqs, self.extend_lens)) if n == r.num_pending]
+        self.sampled = [(i, r) for i, r in complete if not r.scores_only]
+        # Requests that only score their prompt and whose last chunk this is: they finish, drawing nothing.
+        self.scored = [r for _, r in complete if r.scores_only]
         # (row, count): how many prompt logprobs each row gets from this round, filled by prepare().
         # Of the requests admitted for the first time this round: the prompt tokens the prefix cache gave them,
         # and all their prompt tokens (set by the scheduler).
@@ -135,7 +139,7 @@ class ScheduleBatch:
         plan = _PromptLogprobPlan([], [])
         start = 0  # the row's first token in the token axis
         for row, (req, n) in enumerate(zip(self.reqs, self.extend_lens)):
-            first = max(req.kv_len, len(req.prompt_logprobs))
+            first = max(req.kv_len, req.next_prompt_logprob_pos)
             last = min(req.kv_len + n, len(req.prompt_ids) - 1)
             if req.params.prompt_logprobs is not None and first < last:
                 plan.indices.extend(range(start + first - req.kv_len, start + last - req.kv_len))

@@ -135,8 +135,8 @@ class Scheduler:
             record_prompt_logprobs(batch, logits_output)
         self._cache_prefills(batch)
         self._share_prompt_kv(batch)
+        finished = [sample for req in batch.scored for sample in self._finish_scored(req)]
         tokens = RoundTokens.from_sample(result)
-        finished = []
         for req, first, count, drafts, decoding in _draw_plan(batch):
             emit = accepted_length(tokens.ids[first : first + count], drafts.ids if drafts is not None else [])
             appended = tokens.emit(req, first, emit)
@@ -156,6 +156,18 @@ class Scheduler:
         if drafts is not None and drafts.proposed:
             self.accept_histogram[emitted] += 1
         self.drafter.on_verified(req, drafts, accepted, emitted)
+
+    def _finish_scored(self, req: Req) -> list[Req]:
+        """Finish a request that only scored its prompt, and its other samples (the same scores, no tokens)."""
+        samples = [req.fork(i, None) for i in range(1, 1 + req.unforked_samples)]
+        req.unforked_samples = 0
+        req.finish_reason = "length"
+        self._finish(req)
+        for sample in samples:
+            sample.finish_reason, sample.text = "length", ""
+            sample.prompt_logprobs, sample.prompt_argmax = req.prompt_logprobs, req.prompt_argmax
+            sample.prompt_top_logprobs = req.prompt_top_logprobs
+        return [req, *samples]
 
     def _finish(self, req: Req) -> None:
         finalize_text(req, self.tokenizer)
@@ -213,6 +225,7 @@ class Scheduler:
             self.kv_cache.fork(parent.req_pool_idx, parent.kv_len, req.req_pool_idx)
             req.kv_len = parent.kv_len
             req.prompt_logprobs = list(parent.prompt_logprobs)
+            req.prompt_argmax = list(parent.prompt_argmax)
             req.prompt_top_logprobs = list(parent.prompt_top_logprobs)
             self.running.append(req)
 

@@ -22,12 +22,15 @@ class LogitsProcessorOutput:
     """``next_token_logits``: float32 ``[num_sampled, vocab_size]``, one row per request that samples.
 
     ``prompt_logprobs`` float32 ``[m]``: raw logprob of each requested prompt token given what precedes it;
-    ``prompt_top_ids`` int64 / ``prompt_top_logprobs`` float32 ``[m, k]``: the k most likely tokens there
+    ``prompt_is_argmax`` bool ``[m]``: whether that token is the argmax of its position's logits (the lowest id
+    among ties, as ``torch.argmax`` and lm-eval's ``is_greedy``); ``prompt_top_ids`` int64 /
+    ``prompt_top_logprobs`` float32 ``[m, k]``: the k most likely tokens there
     (``None`` when nothing was requested).
     """
 
     next_token_logits: torch.Tensor
     prompt_logprobs: torch.Tensor | None = None
+    prompt_is_argmax: torch.Tensor | None = None
     prompt_top_ids: torch.Tensor | None = None
     prompt_top_logprobs: torch.Tensor | None = None
 
@@ -55,16 +58,17 @@ class LogitsProcessor:
     def _prompt_logprobs(
         self, hidden: torch.Tensor, lm_head: LMHead, fb: ForwardBatch, out: LogitsProcessorOutput
     ) -> None:
-        chosen, top_ids, top_values = [], [], []
+        chosen, argmax, top_ids, top_values = [], [], [], []
         for start in range(0, fb.prompt_logprob_indices.numel(), PROMPT_LOGPROB_BLOCK):
             rows = fb.prompt_logprob_indices[start : start + PROMPT_LOGPROB_BLOCK]
             targets = fb.prompt_logprob_targets[start : start + PROMPT_LOGPROB_BLOCK]
             logprobs = torch.log_softmax(self._logits(hidden, lm_head, rows, fb), dim=-1)
             chosen.append(logprobs.gather(1, targets[:, None]).squeeze(1))
+            argmax.append(logprobs.argmax(dim=-1) == targets)
             if fb.prompt_top_k:
                 values, ids = logprobs.topk(fb.prompt_top_k, dim=-1)
                 top_ids.append(ids)
                 top_values.append(values)
-        out.prompt_logprobs = torch.cat(chosen)
+        out.prompt_logprobs, out.prompt_is_argmax = torch.cat(chosen), torch.cat(argmax)
         if top_ids:
             out.prompt_top_ids, out.prompt_top_logprobs = torch.cat(top_ids), torch.cat(top_values)

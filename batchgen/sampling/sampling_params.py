@@ -31,6 +31,7 @@ SAMPLING_FIELDS: tuple[str, ...] = (
     "regex",
     "ebnf",
     "prompt_logprobs",
+    "prompt_logprobs_from",
     "n",
 )
 
@@ -90,6 +91,9 @@ class SamplingParams:
             "help": "Default per row: report prompt logprobs with the N most likely tokens (0 = just the token's)."
         },
     )
+    # The first prompt token whose logprob is reported (SGLang's logprob_start_len; None: token 1, the first that
+    # has one); giving it asks for prompt logprobs. A row's ``continuation`` sets it to where the continuation starts.
+    prompt_logprobs_from: int | None = None
     # Independent samples of the prompt: they share its prefill and prompt KV, each decodes on its own.
     n: int = field(default=1, metadata={"help": "Default per row: samples per prompt (one row each).", "flag": "--n"})
 
@@ -158,6 +162,10 @@ class SamplingParams:
             )
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= vocab_size:
             raise FieldError("prompt_logprobs", f"must be true, false or a count in [0, {vocab_size}]")
+        if self.prompt_logprobs_from is not None and self.prompt_logprobs_from < 1:
+            raise FieldError(
+                "prompt_logprobs_from", f"must be >= 1 (token 0 has no logprob), got {self.prompt_logprobs_from}"
+            )
         if self.top_logprobs and not self.logprobs:
             raise FieldError("top_logprobs", "needs logprobs: true")
         if self.seed is not None and not 0 <= self.seed < 2**63:
@@ -192,7 +200,7 @@ def _coerce(name: str, value: Any) -> Any:
         if not isinstance(value, bool):
             raise FieldError(name, f"must be true or false, got {shown_value(value)}")
         return value
-    if name == "seed":
+    if name in ("seed", "prompt_logprobs_from"):
         value = _whole(value)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise FieldError(name, f"must be an integer or null, got {shown_value(value)}")
@@ -265,6 +273,8 @@ def make_sampling_params(defaults: SamplingParams, overrides: dict[str, Any], vo
                 continue
             field = SAMPLING_FIELD_ALIASES.get(name, name)
             values[field] = _coerce(field, value)
+        if values["prompt_logprobs_from"] is not None and values["prompt_logprobs"] is None:
+            values["prompt_logprobs"] = 0
         params = SamplingParams(**values)
         params.validate(vocab_size)
     except FieldError as e:

@@ -387,6 +387,7 @@ def test_parse_row_prompt_and_defaults() -> None:
         prompt="hi",
         messages=None,
         prompt_token_ids=None,
+        continuation=None,
         sampling_overrides={"temperature": 0, "stop": ["x"]},
         passthrough={"topic": "t", "count": None, "input_text": "renamed"},
     )
