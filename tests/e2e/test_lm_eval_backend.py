@@ -19,6 +19,7 @@ import yaml
 from lm_eval.api.instance import Instance
 from lm_eval.tasks import TaskManager
 
+from batchgen.errors import BatchgenError
 from batchgen.eval import BatchgenLM  # the import registers --model batchgen
 from tests.helpers.models import REPO, STORIES, build_random_model, needs_shared
 
@@ -56,12 +57,25 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return model_dir
 
 
-def evaluate(task_dir: Path, model: str, model_args: str, **options: Any) -> dict[str, Any]:
+@pytest.fixture(scope="module")
+def tasks(task_dir: Path) -> TaskManager:
+    """The test's tasks alone: indexing lm-eval's thousands of built-in ones takes ~10 s per TaskManager."""
+    return TaskManager(include_path=str(task_dir), include_defaults=False)
+
+
+@pytest.fixture(scope="module")
+def llama_results(tasks: TaskManager, llama_dir: Path) -> dict[str, dict[str, Any]]:
+    """The three tasks on the random Llama at its whole context (max_length's default, 256), through each backend."""
+    args = f"pretrained={llama_dir},dtype=float32"
+    return {model: evaluate(tasks, model, args) for model in ("hf", "batchgen")}
+
+
+def evaluate(manager: TaskManager, model: str | BatchgenLM, model_args: str, **options: Any) -> dict[str, Any]:
     results = lm_eval.simple_evaluate(
         model=model,
         model_args=model_args,
         tasks=options.pop("tasks", TASKS),
-        task_manager=TaskManager(include_path=str(task_dir)),
+        task_manager=manager,
         log_samples=True,
         bootstrap_iters=0,
         device="cpu",
@@ -99,39 +113,42 @@ def samples_seen(results: dict[str, Any]) -> int:
 
 
 @needs_shared
-def test_stories260k_same_as_hf(task_dir: Path) -> None:
-    """max_length 48: every 3-shot context is cut (HF's left truncation), each story spans several rolling
-    windows, and each generation reads the last 24 tokens of its prompt."""
-    args = f"pretrained={STORIES},dtype=float32,max_length=48"
-    hf = evaluate(task_dir, "hf", args)
-    ours = evaluate(task_dir, "batchgen", args)
+def test_stories260k_same_as_hf(tasks: TaskManager) -> None:
+    """At the model's whole context (512 positions) every request fits: the 3-shot context every question starts
+    with, and each question's context before its 4 choices, come from the prefix cache after their first request."""
+    args = f"pretrained={STORIES},dtype=float32"
+    hf = evaluate(tasks, "hf", args)
+    lm = BatchgenLM(pretrained=str(STORIES), dtype="float32")
+    ours = evaluate(tasks, lm, "")
     assert samples_seen(ours) == 40 + 8 + 10
     assert_same_results(hf, ours)
     assert ours["results"]["batchgen_generate"]["exact_match,none"] > 0  # the comparison is not of empty texts
+    stats = lm.generator.engine.stats
+    assert stats.cached_tokens > 0.8 * stats.admitted_prompt_tokens, (stats.cached_tokens, stats.admitted_prompt_tokens)
 
 
-def test_random_llama_same_as_hf(task_dir: Path, llama_dir: Path) -> None:
-    """The model's whole context (256 positions, max_length's default): the 3-shot contexts fit, the longer
-    stories fill whole rolling windows of 257 tokens."""
-    args = f"pretrained={llama_dir},dtype=float32"
-    hf = evaluate(task_dir, "hf", args)
-    ours = evaluate(task_dir, "batchgen", args)
-    assert samples_seen(ours) == 40 + 8 + 10
-    assert_same_results(hf, ours)
+def test_random_llama_same_as_hf(llama_results: dict[str, dict[str, Any]]) -> None:
+    """The 3-shot contexts (~300 tokens) are cut to the model's 256 positions; the longer stories fill whole
+    rolling windows of 257 tokens, the last one only a target."""
+    assert samples_seen(llama_results["batchgen"]) == 40 + 8 + 10
+    assert_same_results(llama_results["hf"], llama_results["batchgen"])
 
 
-def test_chat_template_same_as_hf(task_dir: Path, llama_dir: Path) -> None:
-    """``--apply_chat_template``: the shots as turns of a conversation, rendered by the tokenizer's template."""
-    args = f"pretrained={llama_dir},dtype=float32"
+def test_chat_template_same_as_hf(tasks: TaskManager, llama_dir: Path) -> None:
+    """``--apply_chat_template``: the shots as turns of a conversation, rendered by the tokenizer's template; at
+    max_length 48 the contexts are cut, those of generations (~35 tokens) to their last 48 - 24."""
+    args = f"pretrained={llama_dir},dtype=float32,max_length=48"
     options = dict(tasks=["batchgen_choice", "batchgen_generate"], apply_chat_template=True, limit=10)
-    hf = evaluate(task_dir, "hf", args, **options)
-    ours = evaluate(task_dir, "batchgen", args, **options)
-    context = ours["samples"]["batchgen_generate"][0]["arguments"]["gen_args_0"]["arg_0"]
+    hf = evaluate(tasks, "hf", args, **options)
+    ours = evaluate(tasks, "batchgen", args, **options)
+    ((context, _),) = ours["samples"]["batchgen_generate"][0]["arguments"]
     assert context.startswith("<|user|>") and context.endswith("<|assistant|>"), context
     assert_same_results(hf, ours)
 
 
-def test_command_line(task_dir: Path, llama_dir: Path, tmp_path: Path) -> None:
+def test_command_line(
+    task_dir: Path, llama_dir: Path, llama_results: dict[str, dict[str, Any]], tmp_path: Path
+) -> None:
     """``python -m batchgen.eval`` is lm-eval's command line with batchgen registered: ``--output_path`` and
     ``--log_samples`` write lm-eval's files, with HF's generations."""
     args = f"pretrained={llama_dir},dtype=float32"
@@ -148,7 +165,7 @@ def test_command_line(task_dir: Path, llama_dir: Path, tmp_path: Path) -> None:
     # Lines split at "\n" only: the random model's texts hold characters str.splitlines() also breaks at.
     rows = [json.loads(line) for line in samples_file.read_text().split("\n") if line]
     generated = {row["doc_id"]: row["filtered_resps"][0] for row in rows}
-    hf = evaluate(task_dir, "hf", args, tasks=["batchgen_generate"])
+    hf = llama_results["hf"]
     assert generated == {s["doc_id"]: s["filtered_resps"][0] for s in hf["samples"]["batchgen_generate"]}
 
 
@@ -156,15 +173,21 @@ def request(kind: str, doc_id: int, *arguments: Any) -> Instance:
     return Instance(request_type=kind, doc={}, arguments=arguments, idx=0, metadata=("overlong", doc_id, 1))
 
 
+@pytest.fixture(scope="module")
+def short_lm(llama_dir: Path) -> BatchgenLM:
+    """The random Llama read 16 tokens at a time (its engine's context stays 256)."""
+    return BatchgenLM(pretrained=str(llama_dir), dtype="float32", max_length=16)
+
+
 def test_requests_truncation_cannot_fix_do_not_stop_the_evaluation(
-    llama_dir: Path, caplog: pytest.LogCaptureFixture
+    short_lm: BatchgenLM, llama_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Where HF asserts (a continuation longer than max_length, max_gen_toks >= max_length), each request still
     gets a result, and a warning names it; the scored part is the last max_length + 1 tokens, as HF reads them."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    lm = BatchgenLM(pretrained=str(llama_dir), dtype="float32", max_length=16)
+    lm = short_lm
     context, continuation = "The cat", " sat on the mat while the dog slept by the fire"
     with caplog.at_level(logging.WARNING):
         (score, short) = lm.loglikelihood(
@@ -194,3 +217,27 @@ def test_bad_model_args_are_one_line(
     assert exit_info.value.code == 2
     lines = capsys.readouterr().err.splitlines()
     assert lines[-1].startswith("batchgen: error: unknown model '/no/such/model'"), lines
+
+
+def test_a_scoring_row_holds_one_token_more_than_the_context(short_lm: BatchgenLM) -> None:
+    """lm-eval's windows are max_length + 1 tokens, the last only a target: at max_length = the context length
+    (256) they fit because a row that only scores never runs its last token; one more token does not fit, and a
+    row that generates gets the usual limit."""
+    tokens = [0, *([5, 9, 13] * 90)]
+    rows = [
+        {"prompt_token_ids": tokens[:257], "prompt_logprobs_from": 200, "max_new_tokens": 0},
+        {"prompt_token_ids": tokens[:258], "prompt_logprobs_from": 200, "max_new_tokens": 0},
+        {"prompt_token_ids": tokens[:256], "max_new_tokens": 1},
+    ]
+    fits, too_long, generates = short_lm.generator.generate(rows, on_error="skip")
+    assert fits["error"] is None and len(fits["prompt_logprobs"]) == 57
+    assert too_long["error"] == (
+        "rows:2: field 'prompt_token_ids': prompt has 258 tokens, > context length 256 + 1 (a row that only scores "
+        "its prompt)"
+    )
+    assert generates["error"] == "rows:3: field 'prompt_token_ids': prompt has 256 tokens, >= context length 256"
+
+
+def test_max_length_beyond_the_context_is_refused(llama_dir: Path) -> None:
+    with pytest.raises(BatchgenError, match="^max_length 300 exceeds the context length 256$"):
+        BatchgenLM.create_from_arg_string(f"pretrained={llama_dir},dtype=float32,max_length=300")
