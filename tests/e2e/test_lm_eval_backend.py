@@ -241,3 +241,20 @@ def test_a_scoring_row_holds_one_token_more_than_the_context(short_lm: BatchgenL
 def test_max_length_beyond_the_context_is_refused(llama_dir: Path) -> None:
     with pytest.raises(BatchgenError, match="^max_length 300 exceeds the context length 256$"):
         BatchgenLM.create_from_arg_string(f"pretrained={llama_dir},dtype=float32,max_length=300")
+
+
+@pytest.mark.parametrize("add_bos_token", [None, False, True])
+def test_tokens_as_hf_makes_them(llama_dir: Path, add_bos_token: bool | None) -> None:
+    """The same ids as HF's backend for each ``add_bos_token``: strings, a string that starts with the BOS text,
+    context/continuation pairs (a context's trailing space moves to the continuation), an empty context's
+    continuation (``TemplateLM.loglikelihood`` encodes it without special tokens, after the prefix token)."""
+    from lm_eval.models.huggingface import HFLM
+
+    args = {"pretrained": str(llama_dir), "dtype": "float32", "add_bos_token": add_bos_token}
+    hf, ours = HFLM(device="cpu", **args), BatchgenLM(**args)
+    for text in ("Once upon a time", "<s>Once upon a time", " leading space"):
+        assert ours.tok_encode(text) == hf.tok_encode(text), text
+        assert ours.tok_encode(text, add_special_tokens=False) == hf.tok_encode(text, add_special_tokens=False)
+    assert ours.prefix_token_id == hf.prefix_token_id and ours.eot_token_id == hf.eot_token_id
+    for context, continuation in (("Question: 2 + 2?\nAnswer: ", "4"), ("The cat", " sat")):
+        assert ours._encode_pair(context, continuation) == hf._encode_pair(context, continuation)
