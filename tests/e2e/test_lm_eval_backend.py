@@ -79,6 +79,7 @@ def evaluate(manager: TaskManager, model: str | BatchgenLM, model_args: str, **o
         log_samples=True,
         bootstrap_iters=0,
         device="cpu",
+        batch_size=16,  # HF's; batchgen ignores it
         **options,
     )
     assert results is not None
@@ -258,3 +259,13 @@ def test_tokens_as_hf_makes_them(llama_dir: Path, add_bos_token: bool | None) ->
     assert ours.prefix_token_id == hf.prefix_token_id and ours.eot_token_id == hf.eot_token_id
     for context, continuation in (("Question: 2 + 2?\nAnswer: ", "4"), ("The cat", " sat")):
         assert ours._encode_pair(context, continuation) == hf._encode_pair(context, continuation)
+
+
+def test_sampling_arguments_reach_the_sampler(short_lm: BatchgenLM) -> None:
+    """``do_sample`` with ``top_k`` 1 samples the argmax: the greedy text; with a high temperature, other texts."""
+    base = {"until": ["\n"], "max_gen_toks": 8}
+    sampled = [{**base, "do_sample": True, "temperature": 5.0, "seed": seed} for seed in range(4)]
+    kwargs = [{**base, "do_sample": False}, {**base, "do_sample": True, "temperature": 1.0, "top_k": 1}, *sampled]
+    texts = short_lm.generate_until([request("generate_until", i, "Once upon a time", k) for i, k in enumerate(kwargs)])
+    assert texts[1] == texts[0]
+    assert any(text != texts[0] for text in texts[2:])
