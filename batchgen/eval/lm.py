@@ -45,7 +45,7 @@ class BatchgenLM(TemplateLM):
         max_gen_toks: generated tokens of a request that gives no ``max_gen_toks``; default 256, as HF.
         add_bos_token: as HF's: ``true``/``false`` decides whether the tokenizer adds BOS; default the tokenizer's
             own behaviour.
-        prefix_token_id: the context of an empty context; default BOS, else EOS, as HF.
+        prefix_token_id: the token that stands for an empty context; default BOS, else EOS, as HF.
         batch_size, max_batch_size: lm-eval's batching flags; ignored: batchgen's scheduler batches every request
             of a call (``max_running_requests`` bounds a round).
         device: lm-eval's ``--device``: batchgen's ``device`` (``auto``, ``cpu``, ``cuda``, ``cuda:N``); a CUDA
