@@ -23,7 +23,8 @@ class RequestBuilder:
     Args:
         tokenizer: a transformers tokenizer, or ``None`` (``random:`` models: token ids in, no text out).
         vocab_size: the model's vocabulary size (may exceed the tokenizer's: padded embeddings).
-        context_len: prompt + output never exceed it; a prompt of this length or more is an error.
+        context_len: prompt + output never exceed it; a prompt of this length or more is an error, but for a row
+            that only scores its prompt (``max_new_tokens`` 0), whose last token is never run: context_len + 1.
         eos_token_ids: ids that end a request unless it sets ``ignore_eos``.
         defaults: sampling parameters for fields a row does not set.
         run_seed: seeds the rows that carry no ``seed``.
@@ -81,10 +82,16 @@ class RequestBuilder:
             raise error(field, f"cannot tokenize: {' '.join(str(e).split())[:200]}") from None
         if not prompt_ids:
             raise error(prompt_field, "prompt is empty after tokenization")
-        if len(prompt_ids) >= self.context_len:
-            raise error(prompt_field, f"prompt has {len(prompt_ids)} tokens, >= context length {self.context_len}")
         if scored_from is not None:
             params = replace(params, prompt_logprobs_from=scored_from, prompt_logprobs=params.prompt_logprobs or 0)
+        if params.max_new_tokens == 0 and params.prompt_logprobs is not None:
+            # Only scored: the last token is a target, never run (Req.kv_target), so the positions run fit the
+            # context with one token more; lm-eval's HF backend scores such windows of max_length + 1 tokens.
+            if len(prompt_ids) > self.context_len + 1:
+                message = f"prompt has {len(prompt_ids)} tokens, > context length {self.context_len} + 1"
+                raise error(prompt_field, message + " (a row that only scores its prompt)")
+        elif len(prompt_ids) >= self.context_len:
+            raise error(prompt_field, f"prompt has {len(prompt_ids)} tokens, >= context length {self.context_len}")
         elif params.prompt_logprobs_from is not None and params.prompt_logprobs_from >= len(prompt_ids):
             raise error(
                 "prompt_logprobs_from",

@@ -1,0 +1,271 @@
+"""lm-evaluation-harness itself as the client: local tasks of each request type (tests/data/lm_eval_tasks: multiple
+choice after a shared 3-shot context, rolling log-likelihood, greedy generation until stop strings) run through
+``--model hf`` and ``--model batchgen`` in float32 give the same metrics, per-request log-likelihoods within 1e-4
+(lm-eval's logged samples) and the same generations."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import lm_eval
+import pytest
+import yaml
+from lm_eval.api.instance import Instance
+from lm_eval.tasks import TaskManager
+
+from batchgen.errors import BatchgenError
+from batchgen.eval import BatchgenLM  # the import registers --model batchgen
+from tests.helpers.models import REPO, STORIES, build_random_model, needs_shared
+
+TASK_DATA = REPO / "tests" / "data" / "lm_eval_tasks"
+TASKS = ["batchgen_choice", "batchgen_rolling", "batchgen_generate"]
+# A chat template of the test's own: the random model's tokenizer has none.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def task_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The task YAMLs with their data files as absolute paths: ``datasets`` reads a relative one from the current
+    directory, not from the YAML's."""
+    out = tmp_path_factory.mktemp("lm_eval_tasks")
+    for path in TASK_DATA.glob("*.yaml"):
+        config = yaml.safe_load(path.read_text())
+        files = config["dataset_kwargs"]["data_files"]
+        config["dataset_kwargs"]["data_files"] = {split: str(TASK_DATA / name) for split, name in files.items()}
+        (out / path.name).write_text(yaml.safe_dump(config))
+    return out
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random Llama (tests/helpers/models.py) whose tokenizer has a chat template."""
+    from transformers import AutoTokenizer
+
+    model_dir = build_random_model(tmp_path_factory.mktemp("models") / "llama", "llama")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(model_dir)
+    return model_dir
+
+
+@pytest.fixture(scope="module")
+def tasks(task_dir: Path) -> TaskManager:
+    """The test's tasks alone: indexing lm-eval's thousands of built-in ones takes ~10 s per TaskManager."""
+    return TaskManager(include_path=str(task_dir), include_defaults=False)
+
+
+@pytest.fixture(scope="module")
+def llama_results(tasks: TaskManager, llama_dir: Path) -> dict[str, dict[str, Any]]:
+    """The three tasks on the random Llama at its whole context (max_length's default, 256), through each backend."""
+    args = f"pretrained={llama_dir},dtype=float32"
+    return {model: evaluate(tasks, model, args) for model in ("hf", "batchgen")}
+
+
+def evaluate(manager: TaskManager, model: str | BatchgenLM, model_args: str, **options: Any) -> dict[str, Any]:
+    results = lm_eval.simple_evaluate(
+        model=model,
+        model_args=model_args,
+        tasks=options.pop("tasks", TASKS),
+        task_manager=manager,
+        log_samples=True,
+        bootstrap_iters=0,
+        device="cpu",
+        batch_size=16,  # HF's; batchgen ignores it
+        **options,
+    )
+    assert results is not None
+    return results
+
+
+def assert_same_results(hf: dict[str, Any], ours: dict[str, Any]) -> None:
+    """The same metrics; per request, log-likelihoods within 1e-4, the same is-greedy flags and generations."""
+    assert hf["results"].keys() == ours["results"].keys()
+    for task, metrics in hf["results"].items():
+        for name, value in metrics.items():
+            if isinstance(value, float):
+                assert ours["results"][task][name] == pytest.approx(value, rel=1e-5, abs=1e-9), (task, name)
+        hf_samples = sorted(hf["samples"][task], key=lambda s: s["doc_id"])
+        our_samples = sorted(ours["samples"][task], key=lambda s: s["doc_id"])
+        assert [s["arguments"] for s in hf_samples] == [s["arguments"] for s in our_samples]
+        for hf_sample, our_sample in zip(hf_samples, our_samples):
+            where = (task, hf_sample["doc_id"])
+            assert len(our_sample["resps"]) == len(hf_sample["resps"]), where
+            for (expected,), (got,) in zip(hf_sample["resps"], our_sample["resps"]):
+                if isinstance(expected, str):  # generate_until
+                    assert got == expected, where
+                elif isinstance(expected, float):  # loglikelihood_rolling
+                    assert abs(got - expected) < 1e-4, where
+                else:  # loglikelihood: (logprob, is_greedy)
+                    assert abs(got[0] - expected[0]) < 1e-4, where
+                    assert got[1] == expected[1], where
+
+
+def samples_seen(results: dict[str, Any]) -> int:
+    return sum(len(samples) for samples in results["samples"].values())
+
+
+@needs_shared
+def test_stories260k_same_as_hf(tasks: TaskManager) -> None:
+    """At the model's whole context (512 positions) every request fits: the 3-shot context every question starts
+    with, and each question's context before its 4 choices, come from the prefix cache after their first request."""
+    args = f"pretrained={STORIES},dtype=float32"
+    hf = evaluate(tasks, "hf", args)
+    lm = BatchgenLM(pretrained=str(STORIES), dtype="float32")
+    ours = evaluate(tasks, lm, "")
+    assert samples_seen(ours) == 40 + 8 + 10
+    assert_same_results(hf, ours)
+    assert ours["results"]["batchgen_generate"]["exact_match,none"] > 0  # the comparison is not of empty texts
+    stats = lm.generator.engine.stats
+    assert stats.cached_tokens > 0.8 * stats.admitted_prompt_tokens, (stats.cached_tokens, stats.admitted_prompt_tokens)
+
+
+def test_random_llama_same_as_hf(llama_results: dict[str, dict[str, Any]]) -> None:
+    """The 3-shot contexts (~300 tokens) are cut to the model's 256 positions; the longer stories fill whole
+    rolling windows of 257 tokens, the last one only a target."""
+    assert samples_seen(llama_results["batchgen"]) == 40 + 8 + 10
+    assert_same_results(llama_results["hf"], llama_results["batchgen"])
+
+
+def test_chat_template_same_as_hf(tasks: TaskManager, llama_dir: Path) -> None:
+    """``--apply_chat_template``: the shots as turns of a conversation, rendered by the tokenizer's template; at
+    max_length 48 the contexts are cut, those of generations (~35 tokens) to their last 48 - 24."""
+    args = f"pretrained={llama_dir},dtype=float32,max_length=48"
+    options = dict(tasks=["batchgen_choice", "batchgen_generate"], apply_chat_template=True, limit=10)
+    hf = evaluate(tasks, "hf", args, **options)
+    ours = evaluate(tasks, "batchgen", args, **options)
+    ((context, _),) = ours["samples"]["batchgen_generate"][0]["arguments"]
+    assert context.startswith("<|user|>") and context.endswith("<|assistant|>"), context
+    assert_same_results(hf, ours)
+
+
+def test_command_line(
+    task_dir: Path, llama_dir: Path, llama_results: dict[str, dict[str, Any]], tmp_path: Path
+) -> None:
+    """``python -m batchgen.eval`` is lm-eval's command line with batchgen registered: ``--output_path`` and
+    ``--log_samples`` write lm-eval's files, with HF's generations."""
+    args = f"pretrained={llama_dir},dtype=float32"
+    command = [sys.executable, "-m", "batchgen.eval", "--model", "batchgen", "--model_args", args]
+    command += ["--tasks", "batchgen_generate", "--include_path", str(task_dir), "--output_path", str(tmp_path)]
+    command += ["--log_samples"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    result = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "|batchgen_generate|" in result.stdout
+    (samples_file,) = tmp_path.rglob("samples_batchgen_generate_*.jsonl")
+    (results_file,) = tmp_path.rglob("results_*.json")
+    assert json.loads(results_file.read_text())["config"]["model"] == "batchgen"
+    # Lines split at "\n" only: the random model's texts hold characters str.splitlines() also breaks at.
+    rows = [json.loads(line) for line in samples_file.read_text().split("\n") if line]
+    generated = {row["doc_id"]: row["filtered_resps"][0] for row in rows}
+    hf = llama_results["hf"]
+    assert generated == {s["doc_id"]: s["filtered_resps"][0] for s in hf["samples"]["batchgen_generate"]}
+
+
+def request(kind: str, doc_id: int, *arguments: Any) -> Instance:
+    return Instance(request_type=kind, doc={}, arguments=arguments, idx=0, metadata=("overlong", doc_id, 1))
+
+
+@pytest.fixture(scope="module")
+def short_lm(llama_dir: Path) -> BatchgenLM:
+    """The random Llama read 16 tokens at a time (its engine's context stays 256)."""
+    return BatchgenLM(pretrained=str(llama_dir), dtype="float32", max_length=16)
+
+
+def test_requests_truncation_cannot_fix_do_not_stop_the_evaluation(
+    short_lm: BatchgenLM, llama_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Where HF asserts (a continuation longer than max_length, max_gen_toks >= max_length), each request still
+    gets a result, and a warning names it; the scored part is the last max_length + 1 tokens, as HF reads them."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    lm = short_lm
+    context, continuation = "The cat", " sat on the mat while the dog slept by the fire"
+    with caplog.at_level(logging.WARNING):
+        (score, short) = lm.loglikelihood(
+            [request("loglikelihood", 3, context, continuation), request("loglikelihood", 4, "The cat", " sat")]
+        )
+        (text,) = lm.generate_until([request("generate_until", 5, "Once upon a time", {"max_gen_toks": 40})])
+    assert "only its last 16 tokens are scored" in caplog.text
+    assert "generate_until request of task overlong, doc 5: max_gen_toks 40 >= max_length 16" in caplog.text
+    assert isinstance(text, str) and text
+    whole = lm.tok_encode(context + continuation)[-17:]
+    hf = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logprobs = torch.log_softmax(hf(torch.tensor([whole[:-1]])).logits[0], dim=-1)
+    assert abs(score[0] - sum(logprobs[i, whole[i + 1]].item() for i in range(16))) < 1e-4
+    assert short[0] < 0
+
+
+def test_bad_model_args_are_one_line(
+    task_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from batchgen.eval.__main__ import main
+
+    argv = ["batchgen.eval", "--model", "batchgen", "--model_args", "pretrained=/no/such/model", "--tasks"]
+    monkeypatch.setattr(sys, "argv", [*argv, "batchgen_generate", "--include_path", str(task_dir)])
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[-1].startswith("batchgen: error: unknown model '/no/such/model'"), lines
+
+
+def test_a_scoring_row_holds_one_token_more_than_the_context(short_lm: BatchgenLM) -> None:
+    """lm-eval's windows are max_length + 1 tokens, the last only a target: at max_length = the context length
+    (256) they fit because a row that only scores never runs its last token; one more token does not fit, and a
+    row that generates gets the usual limit."""
+    tokens = [0, *([5, 9, 13] * 90)]
+    rows = [
+        {"prompt_token_ids": tokens[:257], "prompt_logprobs_from": 200, "max_new_tokens": 0},
+        {"prompt_token_ids": tokens[:258], "prompt_logprobs_from": 200, "max_new_tokens": 0},
+        {"prompt_token_ids": tokens[:256], "max_new_tokens": 1},
+    ]
+    fits, too_long, generates = short_lm.generator.generate(rows, on_error="skip")
+    assert fits["error"] is None and len(fits["prompt_logprobs"]) == 57
+    assert too_long["error"] == (
+        "rows:2: field 'prompt_token_ids': prompt has 258 tokens, > context length 256 + 1 (a row that only scores "
+        "its prompt)"
+    )
+    assert generates["error"] == "rows:3: field 'prompt_token_ids': prompt has 256 tokens, >= context length 256"
+
+
+def test_max_length_beyond_the_context_is_refused(llama_dir: Path) -> None:
+    with pytest.raises(BatchgenError, match="^max_length 300 exceeds the context length 256$"):
+        BatchgenLM.create_from_arg_string(f"pretrained={llama_dir},dtype=float32,max_length=300")
+
+
+@pytest.mark.parametrize("add_bos_token", [None, False, True])
+def test_tokens_as_hf_makes_them(llama_dir: Path, add_bos_token: bool | None) -> None:
+    """The same ids as HF's backend for each ``add_bos_token``: strings, a string that starts with the BOS text,
+    context/continuation pairs (a context's trailing space moves to the continuation), an empty context's
+    continuation (``TemplateLM.loglikelihood`` encodes it without special tokens, after the prefix token)."""
+    from lm_eval.models.huggingface import HFLM
+
+    args = {"pretrained": str(llama_dir), "dtype": "float32", "add_bos_token": add_bos_token}
+    hf, ours = HFLM(device="cpu", **args), BatchgenLM(**args)
+    for text in ("Once upon a time", "<s>Once upon a time", " leading space"):
+        assert ours.tok_encode(text) == hf.tok_encode(text), text
+        assert ours.tok_encode(text, add_special_tokens=False) == hf.tok_encode(text, add_special_tokens=False)
+    assert ours.prefix_token_id == hf.prefix_token_id and ours.eot_token_id == hf.eot_token_id
+    for context, continuation in (("Question: 2 + 2?\nAnswer: ", "4"), ("The cat", " sat")):
+        assert ours._encode_pair(context, continuation) == hf._encode_pair(context, continuation)
+
+
+def test_sampling_arguments_reach_the_sampler(short_lm: BatchgenLM) -> None:
+    """``do_sample`` with ``top_k`` 1 samples the argmax: the greedy text; with a high temperature, other texts."""
+    base = {"until": ["\n"], "max_gen_toks": 8}
+    sampled = [{**base, "do_sample": True, "temperature": 5.0, "seed": seed} for seed in range(4)]
+    kwargs = [{**base, "do_sample": False}, {**base, "do_sample": True, "temperature": 1.0, "top_k": 1}, *sampled]
+    texts = short_lm.generate_until([request("generate_until", i, "Once upon a time", k) for i, k in enumerate(kwargs)])
+    assert texts[1] == texts[0]
+    assert any(text != texts[0] for text in texts[2:])
