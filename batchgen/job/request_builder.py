@@ -92,7 +92,7 @@ class RequestBuilder:
                 raise error(prompt_field, message + " (a row that only scores its prompt)")
         elif len(prompt_ids) >= self.context_len:
             raise error(prompt_field, f"prompt has {len(prompt_ids)} tokens, >= context length {self.context_len}")
-        elif params.prompt_logprobs_from is not None and params.prompt_logprobs_from >= len(prompt_ids):
+        if params.prompt_logprobs_from is not None and params.prompt_logprobs_from >= len(prompt_ids):
             raise error(
                 "prompt_logprobs_from",
                 f"must be less than the prompt's {len(prompt_ids)} tokens, got {params.prompt_logprobs_from}",

@@ -170,6 +170,7 @@ def test_continuation_rows_through_the_cli(random_models: dict[str, Path], tmp_p
         {"id": "both", "prompt": "a", "continuation": "b", "prompt_logprobs_from": 1},
         {"id": "ids", "prompt_token_ids": [0, 5], "continuation": "b"},
         {"id": "far", "prompt_token_ids": [0, 5], "prompt_logprobs_from": 2},
+        {"id": "far-scored", "prompt_token_ids": [0, 5], "prompt_logprobs_from": 2, "max_new_tokens": 0},
     ]
     code, output = run_cli(
         run_args(write_jsonl(tmp_path / "in.jsonl", rows), tmp_path / "o.arrow", model_dir, "--dtype", "float32")
@@ -194,4 +195,5 @@ def test_continuation_rows_through_the_cli(random_models: dict[str, Path], tmp_p
     assert out["gen"]["completion_tokens"] == 2 and len(out["gen"]["prompt_logprobs"]) >= 1
     assert "give either continuation or prompt_logprobs_from" in out["both"]["error"]
     assert "continuation" in out["ids"]["error"] and "prompt_token_ids" in out["ids"]["error"]
-    assert "must be less than the prompt's 2 tokens, got 2" in out["far"]["error"]
+    for rid in ("far", "far-scored"):
+        assert "must be less than the prompt's 2 tokens, got 2" in out[rid]["error"]
