@@ -45,7 +45,7 @@ def _seconds(clock: str) -> int:
 def run_backend(name: str, model: str, out: Path, limit: int | None, hf_batch_size: str) -> dict[str, object]:
     """Run one backend on bench_mc5; return its result row (``error`` set when lm_eval failed)."""
     prefix, model_type, args, batch_size = BACKENDS[name]
-    cmd = [*prefix, "run", "--model", model_type, "--model_args", f"pretrained={model},{args}"]
+    cmd = [*prefix, "--model", model_type, "--model_args", f"pretrained={model},{args}"]
     cmd += ["--include_path", str(out / "task"), "--tasks", "bench_mc5", "--output_path", str(out / "runs" / name)]
     cmd += ["--batch_size", batch_size or hf_batch_size] + (["--limit", str(limit)] if limit else [])
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
