@@ -466,6 +466,7 @@ def test_arrow_and_parquet_schema_metadata(formats: dict[str, Path], model: Path
         "regex": None,
         "ebnf": None,
         "prompt_logprobs": None,
+        "prompt_logprobs_from": None,
         "n": 1,
     }
     for schema in (pa.ipc.open_file(formats["arrow"]).schema, pq.read_schema(formats["parquet"])):
