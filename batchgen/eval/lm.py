@@ -13,6 +13,7 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.models.utils import _add_special_kwargs, has_bos_prefix, postprocess_generated_text
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from tqdm import tqdm
 
 from batchgen.api.generator import Generator
 from batchgen.errors import BatchgenError
@@ -149,7 +150,7 @@ class BatchgenLM(TemplateLM):
         """``(logprob, is_greedy)`` of each continuation given its context (``TemplateLM.loglikelihood`` has
         tokenized them), in request order; ``(0.0, True)`` for a continuation of no tokens."""
         names = [f"loglikelihood request (continuation {continuation[:40]!r})" for (_, continuation), _, _ in requests]
-        answers = self._score([(context, cont) for _, context, cont in requests], names)
+        answers = self._score([(context, cont) for _, context, cont in requests], names, "loglikelihood", disable_tqdm)
         for (pair, _, _), answer in zip(requests, answers):
             self.cache_hook.add_partial("loglikelihood", pair, answer)
         return answers
@@ -168,7 +169,7 @@ class BatchgenLM(TemplateLM):
             windows += mine
             names += [_name(request)] * len(mine)
             counts.append(len(mine))
-        scores = iter(self._score(windows, names))
+        scores = iter(self._score(windows, names, "loglikelihood_rolling", disable_tqdm))
         totals = []
         for request, count in zip(requests, counts):
             total = math.fsum(logprob for logprob, _ in (next(scores) for _ in range(count)))
@@ -191,7 +192,7 @@ class BatchgenLM(TemplateLM):
             rows.append(row)
             stops.append(until)
         texts = []
-        for request, until, result in zip(requests, stops, self.generator.generate(rows, on_error="skip")):
+        for request, until, result in zip(requests, stops, self._run(rows, "generate_until", disable_tqdm)):
             if _failed(result, _name(request)):
                 text = ""
             else:
@@ -203,8 +204,10 @@ class BatchgenLM(TemplateLM):
             texts.append(text)
         return texts
 
-    def _score(self, pairs: list[tuple[list[int], list[int]]], names: list[str]) -> list[tuple[float, bool]]:
-        """``(logprob, is_greedy)`` of each (context ids, continuation ids), all scored in one generate call."""
+    def _score(
+        self, pairs: list[tuple[list[int], list[int]]], names: list[str], kind: str, disable_tqdm: bool
+    ) -> list[tuple[float, bool]]:
+        """``(logprob, is_greedy)`` of each (context ids, continuation ids), all scored in one engine call."""
         answers: list[tuple[float, bool] | None] = [None] * len(pairs)
         rows, slots = [], []
         for slot, ((context, continuation), name) in enumerate(zip(pairs, names)):
@@ -213,10 +216,23 @@ class BatchgenLM(TemplateLM):
                 slots.append(slot)
             else:
                 answers[slot] = (0.0, True)
-        for slot, result in zip(slots, self.generator.generate(rows, on_error="skip")):
+        for slot, result in zip(slots, self._run(rows, kind, disable_tqdm)):
             failed = _failed(result, names[slot])
             answers[slot] = (-math.inf, False) if failed else (result["prompt_logprob_sum"], result["prompt_is_greedy"])
         return [answer for answer in answers if answer is not None]
+
+    def _run(self, rows: list[dict[str, Any]], kind: str, disable_tqdm: bool) -> list[dict[str, Any]]:
+        """Every row's result, in ``rows``' order. The rows reach the engine sorted by their token ids, so rows
+        that share a prefix (few-shot examples, one question's choices) sit side by side in the engine's bounded
+        lookahead whatever the task's order; a progress bar counts them as they finish, as HF's backend shows
+        one (``Running {kind} requests``)."""
+        order = sorted(range(len(rows)), key=lambda i: rows[i]["prompt_token_ids"])
+        results: list[dict[str, Any]] = [{}] * len(rows)
+        with tqdm(total=len(rows), desc=f"Running {kind} requests", disable=disable_tqdm) as bar:
+            for result in self.generator.stream(({**rows[i], "id": str(i)} for i in order), on_error="skip"):
+                results[int(result["id"])] = result
+                bar.update(1)
+        return results
 
 
 def _name(request: Instance) -> str:
