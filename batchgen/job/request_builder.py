@@ -156,5 +156,6 @@ class RequestBuilder:
         if not context:
             raise error(field, "is empty, and the model has no BOS or EOS token to score the continuation after")
         if not continuation:
-            raise error("continuation", "is empty after tokenization")
+            # lm-eval's split: the continuation's tokens are those after the prompt's own count of them.
+            raise error("continuation", "has no token of its own: it merges into the prompt's last token")
         return field, context + continuation, len(context)

@@ -274,6 +274,9 @@ def make_sampling_params(defaults: SamplingParams, overrides: dict[str, Any], vo
             field = SAMPLING_FIELD_ALIASES.get(name, name)
             values[field] = _coerce(field, value)
         if values["prompt_logprobs_from"] is not None and values["prompt_logprobs"] is None:
+            if overrides.get("prompt_logprobs") is False:
+                message = "asks for prompt logprobs, which prompt_logprobs: false turns off"
+                raise FieldError("prompt_logprobs_from", message)
             values["prompt_logprobs"] = 0
         params = SamplingParams(**values)
         params.validate(vocab_size)

@@ -171,6 +171,8 @@ def test_continuation_rows_through_the_cli(random_models: dict[str, Path], tmp_p
         {"id": "ids", "prompt_token_ids": [0, 5], "continuation": "b"},
         {"id": "far", "prompt_token_ids": [0, 5], "prompt_logprobs_from": 2},
         {"id": "far-scored", "prompt_token_ids": [0, 5], "prompt_logprobs_from": 2, "max_new_tokens": 0},
+        {"id": "off", "prompt_token_ids": [0, 5, 7], "prompt_logprobs_from": 1, "prompt_logprobs": False},
+        {"id": "merged", "prompt": "the lazy d", "continuation": "og"},  # "d" + "og": one token, the prompt's
     ]
     code, output = run_cli(
         run_args(write_jsonl(tmp_path / "in.jsonl", rows), tmp_path / "o.arrow", model_dir, "--dtype", "float32")
@@ -195,5 +197,8 @@ def test_continuation_rows_through_the_cli(random_models: dict[str, Path], tmp_p
     assert out["gen"]["completion_tokens"] == 2 and len(out["gen"]["prompt_logprobs"]) >= 1
     assert "give either continuation or prompt_logprobs_from" in out["both"]["error"]
     assert "continuation" in out["ids"]["error"] and "prompt_token_ids" in out["ids"]["error"]
+    assert "prompt_logprobs_from': asks for prompt logprobs, which prompt_logprobs: false" in out["off"]["error"]
+    assert len(with_bos("the lazy dog")) == len(with_bos("the lazy d"))
+    assert "continuation': has no token of its own" in out["merged"]["error"]
     for rid in ("far", "far-scored"):
         assert "must be less than the prompt's 2 tokens, got 2" in out[rid]["error"]
