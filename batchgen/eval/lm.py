@@ -56,14 +56,14 @@ class BatchgenLM(TemplateLM):
             ``max_running_requests``, ``prefix_cache``, ``context_length``...).
 
     Raises:
-        TypeError: an option that is no engine option, named (the Generator's).
-        BatchgenError: a bad option value, a model that cannot be loaded or has no tokenizer, a ``max_length``
-            beyond the engine's context length.
+        BatchgenError: no ``pretrained``; an option that is no engine option (named, with a did-you-mean); a bad
+            option value (``max_length``, ``max_gen_toks``, ``prefix_token_id`` not a whole number); a model that
+            cannot be loaded or has no tokenizer; a ``max_length`` beyond the engine's context length.
     """
 
     def __init__(
         self,
-        pretrained: str,
+        pretrained: str | None = None,
         max_length: int | None = None,
         max_gen_toks: int = _MAX_GEN_TOKS,
         add_bos_token: bool | None = None,
@@ -74,13 +74,23 @@ class BatchgenLM(TemplateLM):
         **options: Any,
     ) -> None:
         super().__init__()
+        if pretrained is None:
+            raise BatchgenError(
+                "--model_args needs pretrained=MODEL (a directory, .gguf file, built-in name or hub id)"
+            )
+        max_length = _count("max_length", max_length)
+        max_gen_toks = _count("max_gen_toks", max_gen_toks) or _MAX_GEN_TOKS
+        prefix_token_id = _count("prefix_token_id", prefix_token_id, least=0)
         if device is not None and (device.startswith("cpu") or torch.cuda.is_available()):
             options["device"] = device
         elif device is not None:
             # lm-eval's command line says cuda:0 when --device is not given; HF falls back to the CPU then, and so
             # does batchgen's own default (auto).
             logger.info("--device %s: no CUDA on this machine, batchgen picks the device itself (auto)", device)
-        self.generator = Generator(pretrained, **options)
+        try:
+            self.generator = Generator(pretrained, **options)
+        except TypeError as e:  # a name that is no engine option: lm-eval's users see --model_args, one line
+            raise BatchgenError(f"--model_args: {e}") from None
         engine = self.generator.engine
         if engine.tokenizer is None:
             raise BatchgenError(f"{pretrained}: lm-eval's requests are text, and this model has no tokenizer")
@@ -135,6 +145,8 @@ class BatchgenLM(TemplateLM):
         """``chat_history`` rendered with the tokenizer's chat template, as HF renders it: the assistant's turn
         opened (``add_generation_prompt``) or the last message continued; a template that refuses a system
         message gets the history without it, with a warning."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise BatchgenError("--apply_chat_template: the model's tokenizer has no chat template")
         render = dict(tokenize=False, add_generation_prompt=add_generation_prompt)
         render["continue_final_message"] = not add_generation_prompt
         try:
@@ -233,6 +245,19 @@ class BatchgenLM(TemplateLM):
                 results[int(result["id"])] = result
                 bar.update(1)
         return results
+
+
+def _count(name: str, value: Any, least: int = 1) -> int | None:
+    """A ``--model_args`` integer (lm-eval passes ``-5`` on as text), checked; ``None`` stays ``None``."""
+    if value is None:
+        return None
+    try:
+        number = int(value) if not isinstance(value, (bool, float)) else None
+    except ValueError:
+        number = None
+    if number is None or number < least:
+        raise BatchgenError(f"--model_args {name}: must be an integer >= {least}, got {value!r}")
+    return number
 
 
 def _name(request: Instance) -> str:

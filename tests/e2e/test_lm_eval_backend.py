@@ -206,18 +206,39 @@ def test_requests_truncation_cannot_fix_do_not_stop_the_evaluation(
     assert short[0] < 0
 
 
+@pytest.mark.parametrize(
+    ("model_args", "message"),
+    [
+        ("pretrained=/no/such/model", "unknown model '/no/such/model'"),
+        ("dtype=float32", "--model_args needs pretrained=MODEL"),
+        ("pretrained={model},max_length=abc", "--model_args max_length: must be an integer >= 1, got 'abc'"),
+        ("pretrained={model},max_length=-5", "--model_args max_length: must be an integer >= 1, got '-5'"),
+        ("pretrained={model},max_running_request=4", "did you mean 'max_running_requests'?"),
+        (
+            "pretrained={model} --apply_chat_template",
+            "--apply_chat_template: the model's tokenizer has no chat template",
+        ),
+    ],
+)
 def test_bad_model_args_are_one_line(
-    task_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    task_dir: Path,
+    random_models: dict[str, Path],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    model_args: str,
+    message: str,
 ) -> None:
     from batchgen.eval.__main__ import main
 
-    argv = ["batchgen.eval", "--model", "batchgen", "--model_args", "pretrained=/no/such/model", "--tasks"]
+    model_args = model_args.format(model=random_models["llama"])
+    argv = ["batchgen.eval", "--model", "batchgen", "--model_args", *model_args.split(), "--tasks"]
     monkeypatch.setattr(sys, "argv", [*argv, "batchgen_generate", "--include_path", str(task_dir)])
     with pytest.raises(SystemExit) as exit_info:
         main()
     assert exit_info.value.code == 2
     lines = capsys.readouterr().err.splitlines()
-    assert lines[-1].startswith("batchgen: error: unknown model '/no/such/model'"), lines
+    assert lines[-1].startswith("batchgen: error: ") and message in lines[-1], lines
+    assert not any(line.startswith("Traceback") for line in lines), lines
 
 
 def test_a_scoring_row_holds_one_token_more_than_the_context(short_lm: BatchgenLM) -> None:
