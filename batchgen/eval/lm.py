@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from typing import Any
@@ -248,13 +249,16 @@ class BatchgenLM(TemplateLM):
 
 
 def _count(name: str, value: Any, least: int = 1) -> int | None:
-    """A ``--model_args`` integer (lm-eval passes ``-5`` on as text), checked; ``None`` stays ``None``."""
+    """A ``--model_args`` integer, checked (lm-eval hands ``8`` on as 8, ``-5`` as -5.0, ``abc`` as text); ``None``
+    stays ``None``."""
     if value is None:
         return None
-    try:
-        number = int(value) if not isinstance(value, (bool, float)) else None
-    except ValueError:
-        number = None
+    number = None
+    if isinstance(value, float) and value.is_integer():
+        number = int(value)
+    elif isinstance(value, int | str) and not isinstance(value, bool):
+        with contextlib.suppress(ValueError):  # text that is no number
+            number = int(value)
     if number is None or number < least:
         raise BatchgenError(f"--model_args {name}: must be an integer >= {least}, got {value!r}")
     return number
