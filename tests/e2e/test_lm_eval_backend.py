@@ -13,15 +13,18 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import lm_eval
 import pytest
 import yaml
-from lm_eval.api.instance import Instance
-from lm_eval.tasks import TaskManager
 
-from batchgen.errors import BatchgenError
-from batchgen.eval import BatchgenLM  # the import registers --model batchgen
-from tests.helpers.models import REPO, STORIES, build_random_model, needs_shared
+pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install -e '.[eval]'; '.[dev]' has it too)")
+
+import lm_eval  # noqa: E402
+from lm_eval.api.instance import Instance  # noqa: E402
+from lm_eval.tasks import TaskManager  # noqa: E402
+
+from batchgen.errors import BatchgenError  # noqa: E402
+from batchgen.eval import BatchgenLM  # noqa: E402  (the import registers --model batchgen)
+from tests.helpers.models import REPO, STORIES, build_random_model, needs_shared  # noqa: E402
 
 TASK_DATA = REPO / "tests" / "data" / "lm_eval_tasks"
 TASKS = ["batchgen_choice", "batchgen_rolling", "batchgen_generate"]

@@ -6,7 +6,9 @@ import logging
 
 import pytest
 
-from batchgen.eval.requests import generation_row, scoring_row
+pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install -e '.[eval]'; '.[dev]' has it too)")
+
+from batchgen.eval.requests import generation_row, scoring_row  # noqa: E402
 
 
 def test_a_request_that_fits_is_scored_whole() -> None:
