@@ -18,11 +18,12 @@ from batchgen.errors import BatchgenError
 from batchgen.kernels.attention import deterministic_backend
 from batchgen.kernels.cpu import fused_elementwise as cpu_ops
 from batchgen.kernels.switches import KernelSwitches
-from batchgen.models.llama import LlamaForCausalLM
+from batchgen.models.llama import DecoderLayer, LlamaForCausalLM
 from batchgen.models.loader import load_model, random_model
 from batchgen.models.packed_linear import cpu_gemm_dtype
 from batchgen.models.random_presets import is_random_spec, random_preset_config
 from batchgen.models.resolve import resolve_model
+from batchgen.models.row_invariant import silu_and_mul_by_rows
 
 FUSED_OPS_SWITCH = "BATCHGEN_TRITON_FUSED_OPS"
 
@@ -146,4 +147,8 @@ class ModelSource:
             model.store_kv_in_rope(cpu_ops.rotary_embedding_kv)
             if gemm_dtype == torch.float32 and switches.cpu_float32_carrier:
                 model.carry_float32(cpu_ops)
+        elif deterministic:
+            for layer in model.model.layers:  # PyTorch's SiLU, split by rows (batchgen.models.row_invariant)
+                assert isinstance(layer, DecoderLayer)
+                layer.mlp.silu_and_mul = silu_and_mul_by_rows
         return model
