@@ -6,10 +6,10 @@ import os
 import platform
 from pathlib import Path
 
-# Triton's CPU interpreter computes tl.dot with numpy's OpenBLAS. Its Haswell kernel (what it picks on AMD Zen 5, and
-# what OPENBLAS_CORETYPE=Haswell in some CI environments forces) makes a row's float32 sums depend on the row's place
-# in the matrix, so interpreted batch-invariant kernels would look batch-dependent; its Sandybridge kernel (AVX, on
-# every x86-64 CPU in use) sums each row on its own. Set before numpy loads OpenBLAS, overriding the environment's.
+# Triton's CPU interpreter computes tl.dot with numpy's OpenBLAS. Its Haswell kernel (which OPENBLAS_CORETYPE=Haswell
+# forces, as this workplace's machines set it) makes a row's float32 sums depend on the row's place in the matrix, so
+# interpreted batch-invariant kernels would look batch-dependent; its Sandybridge kernel (AVX, on every x86-64 CPU in
+# use) sums each row on its own. Set before numpy loads OpenBLAS, overriding the environment's.
 if platform.machine().lower() in ("x86_64", "amd64"):
     os.environ["OPENBLAS_CORETYPE"] = "Sandybridge"
 
