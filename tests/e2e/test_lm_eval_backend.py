@@ -106,7 +106,9 @@ def assert_same_results(hf: dict[str, Any], ours: dict[str, Any]) -> None:
                 if isinstance(expected, str):  # generate_until
                     assert got == expected, where
                 elif isinstance(expected, float):  # loglikelihood_rolling
-                    assert abs(got - expected) < 1e-4, where
+                    # A whole document's sum: float32 rounding of two engines' kernels adds up with its length
+                    # (1.5e-4 on a 1,641-nat document on an AVX2-only Zen 1), hence a bound that grows with it.
+                    assert abs(got - expected) < 1e-4 + 1e-6 * abs(expected), where
                 else:  # loglikelihood: (logprob, is_greedy)
                     assert abs(got[0] - expected[0]) < 1e-4, where
                     assert got[1] == expected[1], where
