@@ -36,6 +36,12 @@ def hub_offline() -> bool:
     )
 
 
+def replica_environment() -> dict[str, str]:
+    """The variables of this process that an engine started elsewhere for it (a Ray replica, maybe on another node)
+    must see too: batchgen's (kernel switches, cache) and the Hugging Face hub's (offline, cache)."""
+    return {k: v for k, v in os.environ.items() if k.startswith(("BATCHGEN_", "HF_", "TRANSFORMERS_"))}
+
+
 def malloc_tuned_by_user() -> bool:
     """Whether ``$GLIBC_TUNABLES`` sets a ``glibc.malloc`` value (the user's choice then wins over batchgen's)."""
     return "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", "")

@@ -5,11 +5,11 @@ from __future__ import annotations
 import sys
 
 from batchgen.errors import BatchgenError, FieldError
-from batchgen.loop.engine import Engine
+from batchgen.loop.engine import EngineFacts
 from batchgen.sampling.sampling_params import SamplingParams
 
 
-def check_sampling_defaults(defaults: SamplingParams, engine: Engine | None) -> None:
+def check_sampling_defaults(defaults: SamplingParams, engine: EngineFacts | None) -> None:
     """Validate the sampling defaults: against ``engine``'s vocabulary and its ``max_running_requests`` (all samples
     of a row decode together), or, before the engine is loaded (``None``), the checks that need no model.
 

@@ -16,7 +16,7 @@ from batchgen.io.writer import OUTPUT_COLUMNS
 from batchgen.job.options import JobOptions
 from batchgen.job.request_builder import RequestBuilder
 from batchgen.job.result_rows import error_row
-from batchgen.job.row_flow import RowFlow
+from batchgen.job.row_flow import RowChecks, RowFlow
 from batchgen.loop.engine import Engine
 from batchgen.loop.options import EngineOptions
 from batchgen.sampling.sampling_params import SamplingParams
@@ -82,7 +82,7 @@ class Generator:
                 (``LINE`` counts rows from 1).
             RuntimeError: a :meth:`stream` of this generator is still open.
         """
-        flow, columns = self._flow("generate", on_error, sampling)
+        flow, checks, columns = self._flow("generate", on_error, sampling)
         results: list[list[dict[str, Any]]] = []  # per input row (a good row's: empty until it finishes)
         slot_of: dict[str, int] = {}
         bad: list[RowError] = []
@@ -92,7 +92,7 @@ class Generator:
             results.append([_error_result(error, rid, passthrough)])
 
         requests = []
-        for req in flow.requests(input_rows(rows, columns), bad_row):
+        for req in flow.requests(checks.checked(input_rows(rows, columns), bad_row), bad_row):
             if req.sample_index == 0:
                 slot_of[req.rid] = len(results)
                 results.append([])
@@ -122,10 +122,12 @@ class Generator:
         Raises:
             as :meth:`generate`.
         """
-        flow, columns = self._flow("stream", on_error, sampling)  # checked here, not at the first result
-        return self._results(flow, input_rows(rows, columns), on_error == "fail")
+        flow, checks, columns = self._flow("stream", on_error, sampling)  # checked here, not at the first result
+        return self._results(flow, checks, input_rows(rows, columns), on_error == "fail")
 
-    def _results(self, flow: RowFlow, rows: Iterator[InputRow | RowError], fail: bool) -> Iterator[dict[str, Any]]:
+    def _results(
+        self, flow: RowFlow, checks: RowChecks, rows: Iterator[InputRow | RowError], fail: bool
+    ) -> Iterator[dict[str, Any]]:
         self._check_no_stream_open()  # another stream may have started since this one was made
         self._stream_open = True
         ready: list[dict[str, Any]] = []
@@ -136,7 +138,7 @@ class Generator:
             ready.append(_error_result(error, rid, passthrough))
 
         try:
-            for finished in flow.rounds(flow.requests(rows, bad_row)):
+            for finished in flow.rounds(flow.requests(checks.checked(rows, bad_row), bad_row)):
                 for req in finished:
                     ready += flow.result_rows(req)
                 yield from ready
@@ -145,9 +147,9 @@ class Generator:
             self.engine.drop_all()
             self._stream_open = False
 
-    def _flow(self, caller: str, on_error: str, sampling: dict[str, Any]) -> tuple[RowFlow, InputOptions]:
+    def _flow(self, caller: str, on_error: str, sampling: dict[str, Any]) -> tuple[RowFlow, RowChecks, InputOptions]:
         """A flow of rows through this generator's engine, with ``sampling``'s sampling defaults as the rows'
-        defaults; and ``sampling``'s column options.
+        defaults; the checks of Python rows; and ``sampling``'s column options.
 
         Raises:
             TypeError, BatchgenError, RuntimeError: see :meth:`generate`.
@@ -157,20 +159,13 @@ class Generator:
         columns.validate()
         JobOptions(on_error=on_error).validate()
         defaults = options_of(SamplingParams, sampling)
-        check_sampling_defaults(defaults, self.engine)
+        check_sampling_defaults(defaults, self.engine.facts())
         self._check_no_stream_open()
         engine = self.engine
         seed = self.options.seed if self.options.seed is not None else secrets.randbits(63)
-        builder = RequestBuilder(
-            engine.tokenizer,
-            engine.vocab_size,
-            engine.context_len,
-            engine.eos_token_ids,
-            defaults,
-            seed,
-            max_samples=engine.max_running_requests,
-        )
-        return RowFlow(engine, builder, SOURCE, parse_python_row, python_passthrough, self.lookahead), columns
+        builder = RequestBuilder.for_engine(engine.facts(), defaults, seed)
+        checks = RowChecks(SOURCE, parse_python_row, python_passthrough)
+        return RowFlow(engine, builder, self.lookahead), checks, columns
 
     def _check_no_stream_open(self) -> None:
         if self._stream_open:

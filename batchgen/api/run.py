@@ -116,10 +116,10 @@ def run_dataset(
         if check_nothing_left(dataset, out, job_options.resume_force, input_options):
             print(f"batchgen: {out} is already complete; nothing to do", file=sys.stderr)
             return None
-    if pick_device(options.device).type == "cpu":
+    if pick_device(options.device).type == "cpu" and not job_options.ray:
         warn_if_cores_busy()
     job = RunJob(dataset, out, options, defaults, job_options, input_options)
-    check_sampling_defaults(defaults, job.engine)
+    check_sampling_defaults(defaults, job.facts)
     return job.run()
 
 

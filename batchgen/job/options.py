@@ -3,7 +3,7 @@ are (:mod:`batchgen.loop.options`): default, ``help`` (and ``flag``) per field, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from batchgen.errors import BatchgenError
 
@@ -54,6 +54,29 @@ class JobOptions:
     flush_every_seconds: float = field(default=5.0, metadata={"help": "...and at least every S seconds."})
     progress: bool = field(default=True, metadata={"help": "Show a progress bar on stderr."})
     report_memory: bool = field(default=False, metadata={"help": "Print the peak resident memory (RSS) at the end."})
+    ray: bool = field(
+        default=False,
+        metadata={
+            "help": "Run on a Ray cluster: --replicas engines, one Ray actor each, share the rows (docs/scale-out.md; "
+            "needs batchgen[ray]).",
+            "flag": "--ray",
+        },
+    )
+    ray_address: str = field(
+        default="auto",
+        metadata={
+            "help": "With --ray: the cluster to join; auto: the one 'ray start' runs on this machine, else a new "
+            "local one.",
+        },
+    )
+    replicas: int = field(default=1, metadata={"help": "With --ray: engines, each holding the model."})
+    gpus_per_replica: float = field(default=0.0, metadata={"help": "With --ray: GPUs each replica holds."})
+    cpus_per_replica: float = field(
+        default=1.0, metadata={"help": "With --ray: CPU cores each replica holds (its torch threads)."}
+    )
+    ray_batch_rows: int = field(
+        default=512, metadata={"help": "With --ray: rows per batch a replica runs (what Ray retries on a failure)."}
+    )
 
     def validate(self) -> None:
         """Every rule of these options.
@@ -71,8 +94,25 @@ class JobOptions:
             raise BatchgenError(f"--flush-every must be >= 1, got {self.flush_every}")
         if not self.flush_every_seconds > 0:
             raise BatchgenError(f"--flush-every-seconds must be > 0, got {self.flush_every_seconds}")
+        if self.replicas < 1:
+            raise BatchgenError(f"--replicas must be >= 1, got {self.replicas}")
+        if self.gpus_per_replica < 0:
+            raise BatchgenError(f"--gpus-per-replica must be >= 0, got {self.gpus_per_replica}")
+        if not self.cpus_per_replica > 0:
+            raise BatchgenError(f"--cpus-per-replica must be > 0, got {self.cpus_per_replica}")
+        if self.ray_batch_rows < 1:
+            raise BatchgenError(f"--ray-batch-rows must be >= 1, got {self.ray_batch_rows}")
+        if not self.ray:
+            given = [name for name in _RAY_ONLY if getattr(self, name) != _DEFAULTS[name]]
+            if given:
+                raise BatchgenError(f"--{given[0].replace('_', '-')} needs --ray")
 
     @property
     def resuming(self) -> bool:
         """Whether the run continues what is there: ``--resume``, or ``--resume-force``, which implies it."""
         return self.resume or self.resume_force
+
+
+# The options that only --ray reads, and every option's default.
+_RAY_ONLY = ("ray_address", "replicas", "gpus_per_replica", "cpus_per_replica", "ray_batch_rows")
+_DEFAULTS = {f.name: f.default for f in fields(JobOptions)}

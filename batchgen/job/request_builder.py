@@ -10,6 +10,7 @@ from batchgen.errors import FieldError, RowError
 from batchgen.io.rows import RowSpec
 from batchgen.job.continuation import split_continuation
 from batchgen.loop.detokenizer import IncrementalDetokenizer
+from batchgen.loop.engine import EngineFacts
 from batchgen.loop.req import Req
 from batchgen.sampling.grammar import GrammarCompiler
 from batchgen.sampling.penalties import TokenHistory, needs_history
@@ -49,6 +50,20 @@ class RequestBuilder:
         self.run_seed = run_seed
         self.max_samples = max_samples
         self.grammars = GrammarCompiler(tokenizer, vocab_size)
+
+    @classmethod
+    def for_engine(cls, engine: EngineFacts, defaults: SamplingParams, run_seed: int) -> RequestBuilder:
+        """A builder for the engine ``engine`` describes: its tokenizer, vocabulary, context length and EOS ids, and
+        ``n`` up to its ``max_running_requests``."""
+        return cls(
+            engine.tokenizer,
+            engine.vocab_size,
+            engine.context_len,
+            engine.eos_token_ids,
+            defaults,
+            run_seed,
+            max_samples=engine.max_running_requests,
+        )
 
     def build(self, spec: RowSpec, source: str) -> Req:
         """The request for one row (its pass-through fields stay with the job: ``spec.passthrough``).

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from batchgen.errors import RowError
 from batchgen.io.reader import InputRow
@@ -19,45 +19,44 @@ from batchgen.loop.req import Req
 BadRowHandler = Callable[[RowError, str, dict[str, Any]], None]
 
 
-@dataclass
-class RowFlow:
-    """One pass of rows through an engine: each row checked once, its request built, fed to the engine, and its
-    finished samples turned into result rows.
-
-    Row ids are unique within one flow (a second row with an id is a bad row); the flow keeps each row's
-    pass-through fields until its last sample finishes.
+class CheckedRow(NamedTuple):
+    """A row that passed :class:`RowChecks`, as its request is built from it (on this machine or a Ray replica).
 
     Attributes:
-        engine: the loaded engine; the flow owns its scheduler's requests while it runs.
-        builder: builds a row's request (sampling defaults, run seed).
+        spec: the row's fields.
+        source: the file it came from, for row errors.
+        columns: the input's names of fields batchgen read under other names (``InputRow.columns``).
+    """
+
+    spec: RowSpec
+    source: str
+    columns: dict[str, str]
+
+
+@dataclass
+class RowChecks:
+    """The checks every input row passes once before its request is built: parsed, its id unique within the run
+    (a second row with an id is a bad row), and left out when an earlier run wrote it.
+
+    Attributes:
         source: the input's name in row errors (of a row whose reader names no shard).
         parse: checks one input row (:func:`batchgen.io.rows.parse_row` with the input's pass-through schema).
         bad_passthrough: the pass-through fields a bad row's error row keeps.
-        lookahead: rows read ahead for the scheduler: requests waiting in it are topped up to this many.
     """
 
-    engine: Engine
-    builder: RequestBuilder
     source: str
     parse: Callable[[InputRow], RowSpec]
     bad_passthrough: Callable[[InputRow], dict[str, Any]]
-    lookahead: int
     _seen_ids: set[str] = field(default_factory=set, init=False)
-    # Finished samples of rows whose other samples still run: a row's samples are handed out together.
-    _samples: dict[str, list[dict[str, Any]]] = field(default_factory=dict, init=False)
-    # The pass-through fields of each row in flight, by id, until its last sample is handed out.
-    _passthrough: dict[str, dict[str, Any]] = field(default_factory=dict, init=False)
 
-    def requests(
+    def checked(
         self,
         items: Iterable[InputRow | RowError],
         on_bad_row: BadRowHandler,
         is_done: Callable[[RowSpec], bool] = lambda spec: False,
-    ) -> Iterator[Req]:
-        """Requests for the good rows of ``items`` not ``is_done`` (written by an earlier run), in input order;
-        each bad row (unreadable, failing its checks, a duplicate id) goes to ``on_bad_row`` when it is reached.
-        A row with nothing to generate (``max_new_tokens`` 0, no prompt logprobs) comes finished, with its other
-        samples."""
+    ) -> Iterator[CheckedRow]:
+        """The good rows of ``items`` not ``is_done`` (written by an earlier run), in input order; each bad row
+        (unreadable, failing its checks, a duplicate id) goes to ``on_bad_row`` when it is reached."""
         for order, item in enumerate(items):
             if isinstance(item, RowError):
                 # Its default id is taken: a later row giving the same id explicitly is a duplicate.
@@ -71,15 +70,45 @@ class RowFlow:
                 self._seen_ids.add(rid)
                 on_bad_row(e, rid, self.bad_passthrough(item))
                 continue
+            if spec.id in self._seen_ids:
+                error = RowError(item.source or self.source, item.line, "id", f"duplicate id '{spec.id}'")
+                on_bad_row(error.named(item.columns), spec.id, spec.passthrough)
+                continue
+            self._seen_ids.add(spec.id)
+            if not is_done(spec):
+                yield CheckedRow(spec, item.source or self.source, item.columns)
+
+
+@dataclass
+class RowFlow:
+    """One pass of checked rows (:class:`RowChecks`) through an engine: each row's request built, fed to the
+    engine, and its finished samples turned into result rows.
+
+    The flow keeps each row's pass-through fields until its last sample finishes.
+
+    Attributes:
+        engine: the loaded engine; the flow owns its scheduler's requests while it runs.
+        builder: builds a row's request (sampling defaults, run seed).
+        lookahead: rows read ahead for the scheduler: requests waiting in it are topped up to this many.
+    """
+
+    engine: Engine
+    builder: RequestBuilder
+    lookahead: int
+    # Finished samples of rows whose other samples still run: a row's samples are handed out together.
+    _samples: dict[str, list[dict[str, Any]]] = field(default_factory=dict, init=False)
+    # The pass-through fields of each row in flight, by id, until its last sample is handed out.
+    _passthrough: dict[str, dict[str, Any]] = field(default_factory=dict, init=False)
+
+    def requests(self, rows: Iterable[CheckedRow], on_bad_row: BadRowHandler) -> Iterator[Req]:
+        """The requests of ``rows``, in their order: one per row, or a row's ``n`` samples when it has nothing to
+        generate (``max_new_tokens`` 0, no prompt logprobs: it comes finished, with its other samples); a row whose
+        request cannot be built goes to ``on_bad_row`` (its field named as the input names it)."""
+        for spec, source, columns in rows:
             try:
-                if spec.id in self._seen_ids:
-                    raise RowError(item.source or self.source, item.line, "id", f"duplicate id '{spec.id}'")
-                self._seen_ids.add(spec.id)
-                if is_done(spec):
-                    continue
-                req = self.builder.build(spec, item.source or self.source)
+                req = self.builder.build(spec, source)
             except RowError as e:
-                on_bad_row(e.named(item.columns), spec.id, spec.passthrough)
+                on_bad_row(e.named(columns), spec.id, spec.passthrough)
                 continue
             self._passthrough[spec.id] = spec.passthrough
             if req.params.max_new_tokens == 0 and (req.params.prompt_logprobs is None or req.num_pending == 0):

@@ -40,20 +40,19 @@ from batchgen.job.recent_rates import RecentRates
 from batchgen.job.request_builder import RequestBuilder
 from batchgen.job.result_rows import error_row
 from batchgen.job.resume import RUN_SEED_KEY, open_output
-from batchgen.job.row_flow import RowFlow
+from batchgen.job.rounds import LocalRounds, Rounds, RowResults
+from batchgen.job.row_flow import RowChecks
 from batchgen.job.summary import RunSummary
-from batchgen.loop.engine import Engine
 from batchgen.loop.options import EngineOptions
-from batchgen.loop.req import Req
 from batchgen.sampling.sampling_params import SamplingParams, make_sampling_params
-from batchgen.speculative import make_drafter
 
 # At most this many row errors are printed in full; the rest are counted.
 MAX_PRINTED_ERRORS = 20
 
 
 class RunJob:
-    """One ``batchgen run``: reader → RequestBuilder → Engine → part files → output file, with the error policy.
+    """One ``batchgen run``: reader → checks → RequestBuilder → engine (here, or replicas on a Ray cluster with
+    ``job.ray``) → part files → output file, with the error policy.
 
     Args:
         job: the job's options: ``on_error`` ``fail`` (bad rows are reported on stderr, left out of the output, and
@@ -79,7 +78,14 @@ class RunJob:
         self.job = job
         self.defaults = defaults
         self.engine_options = engine_options
-        self.engine = Engine(engine_options, make_drafter)
+        self.rounds: Rounds
+        if job.ray:
+            from batchgen.job.ray_rounds import RayRounds  # imports Ray, an optional extra
+
+            self.rounds = RayRounds(engine_options, job)
+        else:
+            self.rounds = LocalRounds(engine_options)
+        self.facts = self.rounds.facts
         self.output = PartialOutput(out)
         # Before the request builder exists: a resumed run reuses the recorded run seed.
         self.schema, self.resumed = open_output(
@@ -89,24 +95,14 @@ class RunJob:
             engine_options.seed,
             job,
         )
-        self.builder = RequestBuilder(
-            self.engine.tokenizer,
-            self.engine.vocab_size,
-            self.engine.context_len,
-            self.engine.eos_token_ids,
-            defaults,
-            int(self.schema.metadata[RUN_SEED_KEY.encode()]),
-            max_samples=self.engine.max_running_requests,
-        )
-        model, tokenizer, seed = engine_options.model, self.engine.tokenizer, self.builder.run_seed
+        self.builder = RequestBuilder.for_engine(self.facts, defaults, int(self.schema.metadata[RUN_SEED_KEY.encode()]))
+        model, tokenizer, seed = engine_options.model, self.facts.tokenizer, self.builder.run_seed
         self.openai_output = openai_output(dataset, self.reader.openai, as_openai, model, tokenizer, seed)
         warn_about_passthrough_names(self.reader.path, self.reader.passthrough_schema.names)
         warn_about_sampling_columns(self.reader.path, self.reader.options)
         warn_about_json_text_fields(self.reader.path, self.reader.passthrough_schema, self.reader.block_rows)
         self.summary = RunSummary()
-        self.flow = RowFlow(
-            self.engine,
-            self.builder,
+        self.checks = RowChecks(
             self.reader.source,
             lambda row: parse_row(
                 row,
@@ -116,7 +112,6 @@ class RunJob:
                 block_rows=self.reader.block_rows,
             ),
             lambda row: passthrough_that_fits(row.data, self.reader.passthrough_schema, self.reader.passthrough_names),
-            max(job.schedule_lookahead, 2 * self.engine.max_running_requests),
         )
         # Every input row's digest, for the output's metadata: a later --resume checks its rows against them.
         self._digests = bytearray()
@@ -126,11 +121,11 @@ class RunJob:
         return {
             "batchgen.version": __version__,
             "batchgen.model": self.engine_options.model,
-            "batchgen.model_dir": str(self.engine.model_dir),
-            "batchgen.dtype": str(self.engine.dtype).removeprefix("torch."),
-            "batchgen.kernel_switches": json.dumps(self.engine.switches.as_metadata()),
+            "batchgen.model_dir": str(self.facts.model_dir),
+            "batchgen.dtype": str(self.facts.dtype).removeprefix("torch."),
+            "batchgen.kernel_switches": json.dumps(self.facts.kernel_switches),
             "batchgen.logprobs_mode": self.engine_options.logprobs_mode,
-            "batchgen.deterministic": str(self.engine.deterministic).lower(),
+            "batchgen.deterministic": str(self.facts.deterministic).lower(),
             "batchgen.sampling_defaults": json.dumps(asdict(self.defaults)),
             "batchgen.engine_options": json.dumps(asdict(self.engine_options)),
             INPUT_OPTIONS_KEY: json.dumps(asdict(self.reader.options)),
@@ -145,6 +140,7 @@ class RunJob:
                 self._run(stop)
             finally:
                 self.output.close()
+                self.rounds.close()
         return self.summary
 
     def _run(self, stop: StopRequest) -> None:
@@ -184,10 +180,10 @@ class RunJob:
             with contextlib.suppress(OSError):  # it holds no rows; a directory left behind only asks for --resume
                 remove_partial_dir(self.output.dir)
         self.summary.seconds = time.perf_counter() - start
-        self.summary.preemptions = self.engine.scheduler.num_retracted
-        if self.engine.options.prefix_cache:
-            self.summary.cached_share = self.engine.stats.cached_share or 0.0
-        self.summary.accept_histogram = dict(self.engine.scheduler.accept_histogram)
+        self.summary.preemptions = self.rounds.preemptions
+        if self.engine_options.prefix_cache:
+            self.summary.cached_share = self.rounds.stats.cached_share or 0.0
+        self.summary.accept_histogram = dict(self.rounds.accept_histogram)
 
     def _generate(self, stop: StopRequest, bar: tqdm, start: float) -> None:
         """Feed the engine from the input and collect finished requests until both are done or a stop arrives,
@@ -195,18 +191,23 @@ class RunJob:
         last_flush = time.monotonic()
         rates = RecentRates(start)  # the engine is this job's: its token counts start at 0
         done = self.output.state.done
-        requests = self.flow.requests(
+
+        def on_bad_row(error: RowError, rid: str, passthrough: dict[str, Any]) -> None:
+            self._row_failed(error, rid, passthrough, bar)
+
+        rows = self.checks.checked(
             self._digested(self.reader),
-            lambda error, rid, passthrough: self._row_failed(error, rid, passthrough, bar),
+            on_bad_row,
             lambda spec: spec.id in done.samples and done.is_done(spec.id, self._samples_of(spec)),
         )
-        for finished in self.flow.rounds(requests):
-            for req in finished:
-                self._finish(req, bar)
+        lookahead = max(self.job.schedule_lookahead, 2 * self.facts.max_running_requests)
+        for finished in self.rounds.results(rows, self.builder, on_bad_row, lookahead):
+            for results in finished:
+                self._finish(results, bar)
             if self.job.progress:
-                stats = self.engine.stats
+                stats = self.rounds.stats
                 prefill, decode = rates.update(time.perf_counter(), stats.prefill_tokens, stats.decode_tokens)
-                share = self.engine.stats.cached_share if self.engine.options.prefix_cache else None
+                share = stats.cached_share if self.engine_options.prefix_cache else None
                 cached = f", cache {100 * share:.0f} %" if share is not None else ""
                 bar.set_postfix_str(f"prefill {prefill:.0f} tok/s, decode {decode:.0f} tok/s{cached}", refresh=False)
             overdue = time.monotonic() - last_flush >= self.job.flush_every_seconds
@@ -230,16 +231,14 @@ class RunJob:
                 file=sys.stderr,
             )
 
-    def _finish(self, req: Req, bar: tqdm) -> None:
-        rows = self.flow.result_rows(req)
-        if rows:  # all samples of a row go into one part, so a part holds all of a row's samples or none of them
-            self._pending_rows.extend(rows)
-            self.summary.rows += 1
-        self.summary.samples += 1
-        self.summary.output_tokens += len(req.output_ids)
-        if req.sample_index == 0:  # the samples of a row share one prompt, and count as one input row
-            self.summary.prompt_tokens += len(req.prompt_ids)
-            bar.update(1)
+    def _finish(self, results: RowResults, bar: tqdm) -> None:
+        # All samples of a row go into one part, so a part holds all of a row's samples or none of them.
+        self._pending_rows.extend(results)
+        self.summary.rows += 1
+        self.summary.samples += len(results)
+        self.summary.output_tokens += sum(row["completion_tokens"] for row in results)
+        self.summary.prompt_tokens += results[0]["prompt_tokens"]  # the samples of a row share one prompt
+        bar.update(1)
 
     def _digested(self, items: Iterable[InputRow | RowError]) -> Iterator[InputRow | RowError]:
         """``items``, recording each readable row's digest on its way."""
@@ -251,7 +250,7 @@ class RunJob:
     def _samples_of(self, spec: RowSpec) -> int:
         """The row's ``n`` (0 for a row whose sampling fields are bad: it is never done by its samples)."""
         try:
-            return make_sampling_params(self.defaults, spec.sampling_overrides, self.engine.vocab_size).n
+            return make_sampling_params(self.defaults, spec.sampling_overrides, self.facts.vocab_size).n
         except FieldError:
             return 0
 

@@ -58,6 +58,34 @@ class RoundStats:
         return self.cached_tokens / total if total else None
 
 
+@dataclass(frozen=True)
+class EngineFacts:
+    """What a job records of an engine and builds requests with, apart from running it; picklable, so a driver
+    learns them from an engine loaded elsewhere (a Ray replica: ``batchgen.job.ray_replica``).
+
+    Attributes:
+        model_dir: the model's directory (``None`` for ``random:`` models).
+        dtype: what it computes in.
+        kernel_switches: its kernel switches as the output's metadata records them (``KernelSwitches.as_metadata``).
+        deterministic: whether ``--deterministic`` holds.
+        tokenizer: the Hugging Face tokenizer (``None`` for ``random:`` models).
+        vocab_size: logits per position.
+        context_len: the most tokens a row may hold (prompt and output).
+        max_running_requests: the most requests decoding together.
+        eos_token_ids: the ids that end a row.
+    """
+
+    model_dir: Path | None
+    dtype: torch.dtype
+    kernel_switches: dict[str, bool | None]
+    deterministic: bool
+    tokenizer: Any
+    vocab_size: int
+    context_len: int
+    max_running_requests: int
+    eos_token_ids: list[int]
+
+
 def pick_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtype:
     """Resolve ``--dtype``; ``auto`` is the checkpoint's dtype, float32 if it names none or names float16 on CPU.
 
@@ -186,6 +214,20 @@ class Engine:
     @property
     def vocab_size(self) -> int:
         return self.runner.vocab_size
+
+    def facts(self) -> EngineFacts:
+        """This engine's :class:`EngineFacts`."""
+        return EngineFacts(
+            self.model_dir,
+            self.dtype,
+            self.switches.as_metadata(),
+            self.deterministic,
+            self.tokenizer,
+            self.vocab_size,
+            self.context_len,
+            self.max_running_requests,
+            self.eos_token_ids,
+        )
 
     def add(self, req: Req) -> None:
         self.scheduler.add(req)

@@ -98,6 +98,12 @@ RUN_FLAGS = {
     "--no-progress",
     "--report-memory",
     "--no-report-memory",
+    "--ray",
+    "--ray-address",
+    "--replicas",
+    "--gpus-per-replica",
+    "--cpus-per-replica",
+    "--ray-batch-rows",
     "--help",
 }
 
@@ -275,6 +281,12 @@ def test_config_unknown_key_names_it(model: Path, tmp_path: Path) -> None:
         (["--speculative-algorithm", "eagle"], "--speculative-algorithm must be one of ngram, draft, got 'eagle'"),
         (["--dtype", "foo"], "unknown --dtype 'foo'; choose auto, "),
         (["--attention-backend", "foo"], "unknown attention backend 'foo'; choose one of "),
+        (["--ray", "--replicas", "0"], "--replicas must be >= 1, got 0"),
+        (["--ray", "--cpus-per-replica", "0"], "--cpus-per-replica must be > 0, got 0.0"),
+        (["--ray", "--gpus-per-replica", "-1"], "--gpus-per-replica must be >= 0, got -1.0"),
+        (["--ray", "--ray-batch-rows", "0"], "--ray-batch-rows must be >= 1, got 0"),
+        (["--replicas", "2"], "--replicas needs --ray"),
+        (["--ray-address", "10.0.0.1:6379"], "--ray-address needs --ray"),
     ],
 )
 def test_a_bad_flag_is_named_before_the_existing_output(

@@ -4,8 +4,8 @@
 before it starts ``batchgen``), so the product carries no hooks. The process ends with ``os._exit(137)``: no
 ``finally`` block, no flush, no cleanup runs, as after a SIGKILL.
 
-- ``(AFTER_ROWS, N)``: it dies once it has finished N rows (samples, counted one per ``RunJob._finish``) since
-  it started, right after the N-th one is handed over to the pending part.
+- ``(AFTER_ROWS, N)``: it dies once it has finished N rows (all of a row's samples, counted one per
+  ``RunJob._finish``) since it started, right after the N-th one is handed over to the pending part.
 - ``(IN_FLUSH, N)``: it dies while writing its N-th part file, with the first half of the part's bytes in the
   temporary file (``part-NNNNNN.tmp``), as a kill in the middle of the write leaves it.
 
@@ -23,8 +23,8 @@ import pyarrow as pa
 from tqdm import tqdm
 
 from batchgen.io import partial_output
+from batchgen.job.rounds import RowResults
 from batchgen.job.run_job import RunJob
-from batchgen.loop.req import Req
 
 AFTER_ROWS = "after_rows"
 IN_FLUSH = "in_flush"
@@ -54,9 +54,9 @@ def _die_after_rows(count: int) -> None:
     finish = RunJob._finish
     finished = 0
 
-    def finish_then_maybe_die(self: RunJob, req: Req, bar: tqdm) -> None:
+    def finish_then_maybe_die(self: RunJob, results: RowResults, bar: tqdm) -> None:
         nonlocal finished
-        finish(self, req, bar)
+        finish(self, results, bar)
         finished += 1
         if finished == count:
             os._exit(KILLED)

@@ -1,0 +1,204 @@
+"""``batchgen run --ray``'s driver: joins (or starts) a Ray cluster, learns the engine's facts from a replica-sized
+task, hands the checked rows to Ray Data in batches, mapped by ``--replicas`` :class:`RunReplica` actors, and
+yields their result rows as batches finish.
+
+Exactly once: the rows are read, checked and filtered against the output's finished rows here, on the driver,
+which alone writes the partial output (the same part files as a local run: no shared file system across nodes
+needed). Ray restarts a dead replica and retries its batch, and only a finished batch's results reach the driver;
+a row id that comes back twice all the same is written once (docs/scale-out.md)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import pickle
+import queue
+import threading
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from dataclasses import fields
+from typing import Any, TypeVar
+
+from batchgen.environment import replica_environment
+from batchgen.errors import BatchgenError, RowError
+from batchgen.job.options import JobOptions
+from batchgen.job.ray_replica import RESULT_COLUMN, ROW_COLUMN, RunReplica, describe_engine
+from batchgen.job.request_builder import RequestBuilder
+from batchgen.job.rounds import RowResults
+from batchgen.job.row_flow import BadRowHandler, CheckedRow
+from batchgen.loop.engine import RoundStats
+from batchgen.loop.options import EngineOptions
+
+# How often the results yield while no batch finishes.
+_POLL_SECONDS = 0.5
+T = TypeVar("T")
+
+
+def import_ray() -> Any:
+    """The ``ray`` module.
+
+    Raises:
+        BatchgenError: Ray is not installed.
+    """
+    try:
+        import ray
+        import ray.data
+    except ImportError:
+        raise BatchgenError("--ray needs Ray Data: pip install 'batchgen[ray]'") from None
+    return ray
+
+
+class RayRounds:
+    """The rounds of a job on a Ray cluster (see the module).
+
+    Raises (from the constructor):
+        BatchgenError: Ray is not installed; ``--ray-address`` names no cluster that answers; the model cannot be
+            loaded on the cluster, or the options do not fit it.
+    """
+
+    def __init__(self, options: EngineOptions, job: JobOptions) -> None:
+        self.ray = import_ray()
+        self.options, self.job = options, job
+        self._disconnect = self._join(job.ray_address)
+        env = replica_environment()
+        self._remote_args: dict[str, Any] = {
+            "num_cpus": job.cpus_per_replica,
+            "num_gpus": job.gpus_per_replica,
+            "runtime_env": {"env_vars": env},
+        }
+        # max_calls=1: the process that loaded the model exits with the task, rather than keep its memory (a GPU's
+        # too) while idle in Ray's pool of workers.
+        describe = self.ray.remote(max_calls=1, **self._remote_args)(describe_engine)
+        try:
+            self.facts = self.ray.get(describe.remote(options))
+        except BaseException as e:
+            self.close()
+            if isinstance(e, self.ray.exceptions.RayTaskError) and isinstance(e.cause, BatchgenError):
+                raise e.cause from None
+            raise
+        self.stats = RoundStats()
+        self.preemptions = 0
+        self.accept_histogram: Counter[int] = Counter()
+
+    def _join(self, address: str) -> bool:
+        """Connect this process to the cluster at ``address`` (``auto``: the one running on this machine, else a
+        new local one); whether :meth:`close` disconnects it (not when the caller had connected already)."""
+        ray = self.ray
+        context = ray.data.DataContext.get_current()
+        context.enable_progress_bars = False  # batchgen's own bar counts rows across replicas
+        logging.getLogger("ray.data").setLevel(logging.WARNING)  # not a line per dataset run
+        logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)  # "progress bars disabled"
+        if ray.is_initialized():
+            return False
+        quiet: dict[str, Any] = {"logging_level": logging.ERROR}
+        try:
+            ray.init(address=address, **quiet)
+        except ConnectionError as e:
+            if address != "auto":
+                raise BatchgenError(f"--ray-address {address}: no Ray cluster answers there ({e})") from None
+            ray.init(address="local", include_dashboard=False, **quiet)
+        return True
+
+    def results(
+        self, rows: Iterable[CheckedRow], builder: RequestBuilder, on_bad_row: BadRowHandler, lookahead: int
+    ) -> Iterator[list[RowResults]]:
+        """See :meth:`batchgen.job.rounds.Rounds.results`: all of ``rows`` are read (and put in the cluster's
+        object store) before the first batch runs; a yield per batch finished, and an empty one every half second
+        without."""
+        ray, job = self.ray, self.job
+        pending = [{ROW_COLUMN: pickle.dumps(row)} for row in rows]
+        if not pending:
+            return
+        # At least two batches per replica where the rows allow: every replica gets work, and the last batches
+        # are short, so the replicas finish close together. (from_items, not from_arrow: no metadata tasks.)
+        batches = max(math.ceil(len(pending) / job.ray_batch_rows), min(len(pending), 2 * job.replicas))
+        dataset = ray.data.from_items(pending, override_num_blocks=batches)
+        del pending
+        replica_args = {
+            "options": self.options,
+            "defaults": builder.defaults,
+            "run_seed": builder.run_seed,
+            "lookahead": lookahead,
+            "threads": max(1, round(job.cpus_per_replica)),
+        }
+        dataset = dataset.map_batches(
+            RunReplica,
+            fn_constructor_kwargs=replica_args,
+            batch_size=None,  # a block is a batch: the unit a replica runs, and Ray retries
+            batch_format="pyarrow",
+            # One batch at a time per replica: a free replica takes the next batch, none queues behind a busy one.
+            compute=ray.data.ActorPoolStrategy(size=job.replicas, max_tasks_in_flight_per_actor=1),
+            **self._remote_args,
+        )
+        seen: set[str] = set()
+        for out in poll_every(_POLL_SECONDS, dataset.iter_batches(batch_size=None, batch_format="pyarrow")):
+            finished = []
+            for blob in out.column(RESULT_COLUMN).to_pylist() if out is not None else []:
+                kind, *payload = pickle.loads(blob)
+                if kind == "rows":
+                    results: RowResults = payload[0]
+                    if results[0]["id"] not in seen:
+                        seen.add(results[0]["id"])
+                        finished.append(results)
+                elif kind == "error":
+                    (source, line, field, message), rid, passthrough = payload
+                    if rid not in seen:
+                        seen.add(rid)
+                        on_bad_row(RowError(source, line, field, message), rid, passthrough)
+                else:
+                    self._add_counts(*payload)
+            yield finished
+
+    def _add_counts(self, stats: RoundStats, preemptions: int, accepted: Counter[int]) -> None:
+        for f in fields(stats):
+            setattr(self.stats, f.name, getattr(self.stats, f.name) + getattr(stats, f.name))
+        self.preemptions += preemptions
+        self.accept_histogram += accepted
+
+    def close(self) -> None:
+        """Disconnect from the cluster (a local one this run started stops); the replicas end with the job."""
+        if self._disconnect:
+            self.ray.shutdown()
+            self._disconnect = False
+
+
+def poll_every(seconds: float, items: Iterator[T]) -> Iterator[T | None]:
+    """``items``, read on a thread of their own, with ``None`` between them whenever ``seconds`` pass without one:
+    the job flushes finished rows and sees a stop signal on time while a replica runs a long batch. Closing the
+    iterator stops the reading after the item being waited for."""
+    ready: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=1)
+    closed = threading.Event()
+
+    def hand(kind: str, value: Any) -> bool:
+        """Queue one entry unless the reading side closed first; whether it did not."""
+        while not closed.is_set():
+            with contextlib.suppress(queue.Full):
+                ready.put((kind, value), timeout=seconds)
+                return True
+        return False
+
+    def read() -> None:
+        try:
+            for item in items:
+                if not hand("item", item):
+                    return
+            hand("end", None)
+        except BaseException as e:  # handed to the reading side, which raises it there
+            hand("error", e)
+
+    threading.Thread(target=read, name="batchgen-ray-results", daemon=True).start()
+    try:
+        while True:
+            try:
+                kind, value = ready.get(timeout=seconds)
+            except queue.Empty:
+                yield None
+                continue
+            if kind == "end":
+                return
+            if kind == "error":
+                raise value
+            yield value
+    finally:
+        closed.set()

@@ -1,0 +1,196 @@
+"""``batchgen run --ray`` and ``batchgen.ray.Predictor`` on a local Ray cluster (2 CPUs, no dashboard) started by
+this module: the same greedy outputs and bad-row handling as a run in one process, every input id exactly once
+after a replica dies mid-run and after the driver is SIGKILLed and resumed. Select with ``-m ray``."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("ray.data", reason="Ray Data is not installed (pip install -e '.[ray]'; '.[dev]' has it too)")
+
+import ray  # noqa: E402
+
+from tests.helpers.cli import read_rows, run_args, run_cli  # noqa: E402
+from tests.helpers.models import REPO, STORIES, needs_shared  # noqa: E402
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow, needs_shared]
+
+ROWS = 96
+# Out of vocabulary: a row the driver's checks pass and a replica refuses when it builds the request.
+OOV_ROW = {"id": "oov", "prompt_token_ids": [1, 99999]}
+BAD_LINE = '{"id": "broken", "prompt": '  # not JSON: the reader's error, on the driver
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[str]:
+    """A local cluster of 2 CPUs and no dashboard, started in this process; its address."""
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level=logging.ERROR)
+    try:
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    words = ["cat", "dog", "king", "tree", "boat", "bird", "girl", "star"]
+    lines = [
+        json.dumps({"id": f"r{i}", "prompt": f"Once upon a time there was a {words[i % 8]}", "max_tokens": 24 + i % 9})
+        for i in range(ROWS)
+    ]
+    lines[7] = BAD_LINE
+    lines[60] = json.dumps(OOV_ROW)
+    path = tmp_path_factory.mktemp("ray") / "rows.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _args(dataset: Path, out: Path, *extra: str) -> list[str]:
+    return run_args(dataset, out, STORIES, "--temperature", "0", "--on-error", "skip", *extra)
+
+
+@pytest.fixture(scope="module")
+def local(dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """The rows of a run in this process, without Ray: the reference."""
+    out = tmp_path_factory.mktemp("local") / "out.arrow"
+    code, output = run_cli(_args(dataset, out))
+    assert code == 0, output
+    return read_rows(out)
+
+
+def _ray_args(dataset: Path, out: Path, address: str, *extra: str) -> list[str]:
+    return [
+        *_args(dataset, out, "--ray", "--ray-address", address, "--replicas", "2", "--ray-batch-rows", "16"),
+        *extra,
+    ]
+
+
+def _start(args: list[str], log: Path) -> subprocess.Popen[bytes]:
+    with log.open("wb") as f:
+        return subprocess.Popen([sys.executable, "-m", "batchgen", *args], stdout=f, stderr=subprocess.STDOUT, cwd=REPO)
+
+
+def _wait_for(condition: Any, what: str, proc: subprocess.Popen[bytes], log: Path, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert proc.poll() is None, f"the run ended before {what}:\n{log.read_text()}"
+        assert time.monotonic() < deadline, f"no {what} after {timeout} s:\n{log.read_text()}"
+        time.sleep(0.2)
+
+
+def _parts(out: Path) -> list[Path]:
+    return sorted(out.with_name(out.name + ".partial").glob("part-*.arrow"))
+
+
+def _assert_same_rows(rows: dict[str, dict[str, Any]], local: dict[str, dict[str, Any]]) -> None:
+    """Every id once (read_rows keys by id: the count says none came twice), each row as the local run's."""
+    assert sorted(rows) == sorted(local)
+    for rid, row in local.items():
+        for column in ("output_token_ids", "text", "finish_reason", "error", "prompt_tokens"):
+            assert rows[rid][column] == row[column], (rid, column)
+
+
+def _row_count(out: Path) -> int:
+    from batchgen.io.writer import read_results
+
+    return read_results(out).num_rows
+
+
+def test_same_greedy_rows_and_bad_rows_as_one_process(
+    cluster: str, dataset: Path, local: dict[str, dict[str, Any]], tmp_path: Path
+) -> None:
+    out = tmp_path / "out.arrow"
+    code, output = run_cli(_ray_args(dataset, out, cluster))
+    assert code == 0, output
+    rows = read_rows(out)
+    assert _row_count(out) == ROWS
+    _assert_same_rows(rows, local)
+    assert rows["7"]["error"] == local["7"]["error"] and rows["7"]["error"].startswith(f"{dataset}:8: ")
+    assert "outside the vocabulary" in rows["oov"]["error"] and f"{dataset}:61:" in rows["oov"]["error"]
+    assert f"batchgen: {ROWS - 2} rows done, 2 bad rows" in output
+    # Reported as a local run reports them, one line each (--on-error fail leaves them out: the same code).
+    assert f"batchgen: warning: {rows['oov']['error']} (written as an error row)" in output
+
+
+def _replicas() -> list[dict[str, Any]]:
+    """The live replica actors of the cluster, from its actor table (Ray Data hands out no handle to them)."""
+    from ray._private.state import actors
+
+    return [a for a in actors().values() if "RunReplica" in a["ActorClassName"] and a["State"] == "ALIVE"]
+
+
+def test_exactly_once_after_a_replica_is_killed_mid_run(
+    cluster: str, dataset: Path, local: dict[str, dict[str, Any]], tmp_path: Path
+) -> None:
+    """A replica killed while the run holds work, as ``ray.kill(replica, no_restart=False)`` kills one: its worker
+    process, by SIGKILL (Ray Data hands out no actor handle, and Ray takes none by id from another job). Ray
+    restarts it and runs its batch again, and the output holds each id once."""
+    out, log = tmp_path / "out.arrow", tmp_path / "run.log"
+    proc = _start(_ray_args(dataset, out, cluster, "--flush-every", "1"), log)
+    _wait_for(lambda: len(_parts(out)) >= 2 and len(_replicas()) == 2, "finished rows", proc, log)
+    victim = _replicas()[0]
+    os.kill(victim["Pid"], signal.SIGKILL)
+    assert proc.poll() is None and not out.exists(), "the run had ended: the kill was not mid-run"
+    assert proc.wait(timeout=600) == 0, log.read_text()
+    from ray._private.state import actors
+
+    assert actors()[victim["ActorID"]]["NumRestarts"] >= 1  # Ray restarted the replica
+    assert _row_count(out) == ROWS
+    _assert_same_rows(read_rows(out), local)
+
+
+def test_exactly_once_after_the_driver_is_killed_and_resumed(
+    cluster: str, dataset: Path, local: dict[str, dict[str, Any]], tmp_path: Path
+) -> None:
+    out, log = tmp_path / "out.arrow", tmp_path / "run.log"
+    proc = _start(_ray_args(dataset, out, cluster, "--flush-every", "1"), log)
+    _wait_for(lambda: len(_parts(out)) >= 3, "three parts", proc, log)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not out.exists()
+    resumed = [a for a in _ray_args(dataset, out, cluster) if a != "--overwrite"] + ["--resume"]
+    code, output = run_cli(resumed)
+    assert code == 0, output
+    before = re.search(r"(\d+) rows were done before", output)
+    now = re.search(r"batchgen: (\d+) rows done, (\d+) bad rows?", output)
+    assert before and now, output
+    assert 0 < int(before[1]) < ROWS
+    assert int(before[1]) + int(now[1]) + int(now[2]) == ROWS  # bad rows written before count as done
+    assert _row_count(out) == ROWS
+    _assert_same_rows(read_rows(out), local)
+
+
+def test_predictor_in_a_ray_data_pipeline(cluster: str, local: dict[str, dict[str, Any]], tmp_path: Path) -> None:
+    """``map_batches(Predictor)`` keeps the input columns and adds batchgen's, rows as a local run gives them."""
+    import pyarrow.parquet as pq
+
+    from batchgen.ray import Predictor
+
+    prompts = {f"r{i}": f"Once upon a time there was a {w}" for i, w in enumerate(["cat", "dog", "king", "tree"])}
+    rows = [
+        {"id": rid, "prompt": p, "max_tokens": 24 + i, "text": "kept"} for i, (rid, p) in enumerate(prompts.items())
+    ]
+    options = {"model": str(STORIES), "dtype": "float32", "device": "cpu", "temperature": 0.0}
+    out_dir = tmp_path / "out"
+    dataset = ray.data.from_items(rows).map_batches(
+        Predictor, fn_constructor_kwargs=options, compute=ray.data.ActorPoolStrategy(size=1), num_cpus=1
+    )
+    dataset.write_parquet(str(out_dir))
+    table = pq.read_table(out_dir)
+    by_id = {r["id"]: r for r in table.to_pylist()}
+    assert sorted(by_id) == sorted(prompts)
+    for rid in prompts:
+        assert by_id[rid]["output_token_ids"] == local[rid]["output_token_ids"]
+        assert by_id[rid]["prompt"] == prompts[rid] and by_id[rid]["input_text"] == "kept"
