@@ -38,8 +38,13 @@ def hub_offline() -> bool:
 
 def replica_environment() -> dict[str, str]:
     """The variables of this process that an engine started elsewhere for it (a Ray replica, maybe on another node)
-    must see too: batchgen's (kernel switches, cache) and the Hugging Face hub's (offline, cache)."""
-    return {k: v for k, v in os.environ.items() if k.startswith(("BATCHGEN_", "HF_", "TRANSFORMERS_"))}
+    must see too: batchgen's (kernel switches, cache), the Hugging Face hub's (offline, cache; not its token, which
+    Ray would show on its dashboard) and ``$OMP_WAIT_POLICY`` (:func:`keep_openmp_threads_spinning`)."""
+    return {
+        k: v
+        for k, v in os.environ.items()
+        if k.startswith(("BATCHGEN_", "HF_", "TRANSFORMERS_")) and "TOKEN" not in k or k == "OMP_WAIT_POLICY"
+    }
 
 
 def malloc_tuned_by_user() -> bool:

@@ -43,6 +43,10 @@ class RowError(BatchgenError):
         where = f"{source}:{line}"
         super().__init__(f"{where}: field '{field}': {message}" if field else f"{where}: {message}")
 
+    def __reduce__(self) -> tuple[type[RowError], tuple[str, int, str | None, str]]:
+        # Rebuilt from its parts (a Ray replica's error reaches the driver pickled): args holds only the message.
+        return type(self), (self.source, self.line, self.field, self.message)
+
     def named(self, columns: dict[str, str]) -> RowError:
         """This error with its field named as the input named it: ``columns`` maps a field batchgen read to that
         name (a ``--id-column``'s column, an OpenAI request's ``body.max_tokens``); itself when it has none."""

@@ -23,7 +23,7 @@ with open(out, "w") as f:
 PY
 for replicas in $order; do
   start=$(date +%s.%N)
-  batchgen run "$dir/prompts.jsonl" --out "$dir/out$replicas.arrow" --model "$model" --dtype "$dtype" \
+  batchgen run "$dir/prompts.jsonl" --out "$dir/out$replicas.arrow" --overwrite --model "$model" --dtype "$dtype" \
     --temperature 0 --no-progress --ray --replicas "$replicas" --cpus-per-replica 1 2>&1 | grep '^batchgen: [0-9]'
   echo "replicas $replicas: wall $(python -c "import time; print(f'{time.time() - $start:.1f}')") s"
 done

@@ -9,16 +9,17 @@ from batchgen.loop.engine import EngineFacts
 from batchgen.sampling.sampling_params import SamplingParams
 
 
-def check_sampling_defaults(defaults: SamplingParams, engine: EngineFacts | None) -> None:
-    """Validate the sampling defaults: against ``engine``'s vocabulary and its ``max_running_requests`` (all samples
-    of a row decode together), or, before the engine is loaded (``None``), the checks that need no model.
+def check_sampling_defaults(defaults: SamplingParams, facts: EngineFacts | None) -> None:
+    """Validate the sampling defaults: against the engine's vocabulary and its ``max_running_requests`` (all samples
+    of a row decode together), as ``facts`` gives them, or, before the engine is loaded (``None``), the checks that
+    need no model.
 
     Raises:
         BatchgenError: naming the option by its flag (``--temperature``), as the command line shows it.
     """
     try:
-        defaults.validate(engine.vocab_size if engine is not None else sys.maxsize)
+        defaults.validate(facts.vocab_size if facts is not None else sys.maxsize)
     except FieldError as e:
         raise BatchgenError(f"--{e.field.replace('_', '-')}: {e.message}") from None
-    if engine is not None and defaults.n > engine.max_running_requests:
-        raise BatchgenError(f"--n {defaults.n} exceeds --max-running-requests {engine.max_running_requests}")
+    if facts is not None and defaults.n > facts.max_running_requests:
+        raise BatchgenError(f"--n {defaults.n} exceeds --max-running-requests {facts.max_running_requests}")

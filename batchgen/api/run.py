@@ -107,7 +107,7 @@ def run_dataset(
 
     job_options.validate()
     input_options.validate()
-    options.validate()  # before the output's checks: a mistyped flag is named first
+    options.validate(here=not job_options.ray)  # before the output's checks: a mistyped flag is named first
     check_sampling_defaults(defaults, None)  # what needs no model, before loading it
     if check_output_path(dataset, out, job_options.overwrite, job_options.resuming):
         from batchgen.job.status import check_nothing_left
@@ -119,7 +119,11 @@ def run_dataset(
     if pick_device(options.device).type == "cpu" and not job_options.ray:
         warn_if_cores_busy()
     job = RunJob(dataset, out, options, defaults, job_options, input_options)
-    check_sampling_defaults(defaults, job.facts)
+    try:
+        check_sampling_defaults(defaults, job.facts)
+    except BaseException:
+        job.rounds.close()
+        raise
     return job.run()
 
 

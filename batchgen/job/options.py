@@ -58,24 +58,34 @@ class JobOptions:
         default=False,
         metadata={
             "help": "Run on a Ray cluster: --replicas engines, one Ray actor each, share the rows (docs/scale-out.md; "
-            "needs batchgen[ray]).",
+            "needs the ray extra).",
             "flag": "--ray",
         },
     )
     ray_address: str = field(
         default="auto",
         metadata={
+            "needs_ray": True,
             "help": "With --ray: the cluster to join; auto: the one 'ray start' runs on this machine, else a new "
             "local one.",
         },
     )
-    replicas: int = field(default=1, metadata={"help": "With --ray: engines, each holding the model."})
-    gpus_per_replica: float = field(default=0.0, metadata={"help": "With --ray: GPUs each replica holds."})
+    replicas: int = field(
+        default=1, metadata={"needs_ray": True, "help": "With --ray: engines, each holding the model."}
+    )
+    gpus_per_replica: float = field(
+        default=0.0, metadata={"needs_ray": True, "help": "With --ray: GPUs each replica holds."}
+    )
     cpus_per_replica: float = field(
-        default=1.0, metadata={"help": "With --ray: CPU cores each replica holds (its torch threads)."}
+        default=1.0,
+        metadata={"needs_ray": True, "help": "With --ray: CPU cores each replica holds (its torch threads)."},
     )
     ray_batch_rows: int = field(
-        default=512, metadata={"help": "With --ray: rows per batch a replica runs (what Ray retries on a failure)."}
+        default=512,
+        metadata={
+            "needs_ray": True,
+            "help": "With --ray: rows per batch a replica runs (what Ray retries on a failure).",
+        },
     )
 
     def validate(self) -> None:
@@ -103,7 +113,7 @@ class JobOptions:
         if self.ray_batch_rows < 1:
             raise BatchgenError(f"--ray-batch-rows must be >= 1, got {self.ray_batch_rows}")
         if not self.ray:
-            given = [name for name in _RAY_ONLY if getattr(self, name) != _DEFAULTS[name]]
+            given = [f.name for f in fields(self) if f.metadata.get("needs_ray") and getattr(self, f.name) != f.default]
             if given:
                 raise BatchgenError(f"--{given[0].replace('_', '-')} needs --ray")
 
@@ -111,8 +121,3 @@ class JobOptions:
     def resuming(self) -> bool:
         """Whether the run continues what is there: ``--resume``, or ``--resume-force``, which implies it."""
         return self.resume or self.resume_force
-
-
-# The options that only --ray reads, and every option's default.
-_RAY_ONLY = ("ray_address", "replicas", "gpus_per_replica", "cpus_per_replica", "ray_batch_rows")
-_DEFAULTS = {f.name: f.default for f in fields(JobOptions)}

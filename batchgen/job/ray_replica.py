@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pickle
 from collections import Counter
-from dataclasses import asdict, fields
+from dataclasses import replace
 from typing import Any
 
 import pyarrow as pa
@@ -16,7 +16,7 @@ from batchgen.errors import RowError
 from batchgen.job.request_builder import RequestBuilder
 from batchgen.job.rounds import LocalRounds
 from batchgen.job.row_flow import CheckedRow
-from batchgen.loop.engine import EngineFacts, RoundStats
+from batchgen.loop.engine import EngineFacts
 from batchgen.loop.options import EngineOptions
 from batchgen.sampling.sampling_params import SamplingParams
 
@@ -74,12 +74,11 @@ class RunReplica:
             where = (error.source, error.line, error.field, error.message)
             out.append(pickle.dumps(("error", where, rid, passthrough)))
 
-        stats, preemptions = asdict(self.rounds.stats), self.rounds.preemptions
+        stats, preemptions = replace(self.rounds.stats), self.rounds.preemptions
         accepted = Counter(self.rounds.accept_histogram)
         for finished in self.rounds.results(rows, self.builder, on_bad_row, self.lookahead):
             out += [pickle.dumps(("rows", results)) for results in finished]
-        now = self.rounds.stats
-        added = RoundStats(**{f.name: getattr(now, f.name) - stats[f.name] for f in fields(now)})
+        added = self.rounds.stats - stats
         counts = ("counts", added, self.rounds.preemptions - preemptions, self.rounds.accept_histogram - accepted)
         out.append(pickle.dumps(counts))
         return pa.table({RESULT_COLUMN: pa.array(out, pa.binary())})

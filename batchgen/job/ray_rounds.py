@@ -12,12 +12,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import pickle
 import queue
+import sys
 import threading
 from collections import Counter
 from collections.abc import Iterable, Iterator
-from dataclasses import fields
 from typing import Any, TypeVar
 
 from batchgen.environment import replica_environment
@@ -32,6 +33,8 @@ from batchgen.loop.options import EngineOptions
 
 # How often the results yield while no batch finishes.
 _POLL_SECONDS = 0.5
+# Restarts of a dead replica, and reruns of a batch whose replica died, before the job fails.
+_RETRIES = 3
 T = TypeVar("T")
 
 
@@ -45,7 +48,7 @@ def import_ray() -> Any:
         import ray
         import ray.data
     except ImportError:
-        raise BatchgenError("--ray needs Ray Data: pip install 'batchgen[ray]'") from None
+        raise BatchgenError("--ray needs Ray Data: install batchgen's ray extra (pip install -e '.[ray]')") from None
     return ray
 
 
@@ -61,6 +64,11 @@ class RayRounds:
         self.ray = import_ray()
         self.options, self.job = options, job
         self._disconnect = self._join(job.ray_address)
+        try:
+            self._check_resources()
+        except BaseException:
+            self.close()
+            raise
         env = replica_environment()
         self._remote_args: dict[str, Any] = {
             "num_cpus": job.cpus_per_replica,
@@ -74,8 +82,7 @@ class RayRounds:
             self.facts = self.ray.get(describe.remote(options))
         except BaseException as e:
             self.close()
-            if isinstance(e, self.ray.exceptions.RayTaskError) and isinstance(e.cause, BatchgenError):
-                raise e.cause from None
+            _raise_user_error(e)
             raise
         self.stats = RoundStats()
         self.preemptions = 0
@@ -94,11 +101,33 @@ class RayRounds:
         quiet: dict[str, Any] = {"logging_level": logging.ERROR}
         try:
             ray.init(address=address, **quiet)
+            joined = f"joined the Ray cluster at {ray.get_runtime_context().gcs_address}"
         except ConnectionError as e:
-            if address != "auto":
-                raise BatchgenError(f"--ray-address {address}: no Ray cluster answers there ({e})") from None
+            # Only where no cluster runs here: a cluster that exists but does not answer is the user's to fix, not
+            # one to skip silently for a local one.
+            if address != "auto" or "Could not find any running Ray instance" not in str(e):
+                raise BatchgenError(f"--ray-address {address}: cannot join the Ray cluster: {e}") from None
             ray.init(address="local", include_dashboard=False, **quiet)
+            joined = f"no Ray cluster runs here: started a local one of {os.cpu_count()} cores"
+        print(f"batchgen: {joined}", file=sys.stderr)
         return True
+
+    def _check_resources(self) -> None:
+        """Refuse replicas the cluster cannot hold all at once (Ray would wait for them without a word).
+
+        Raises:
+            BatchgenError: naming what the replicas need and what the cluster has.
+        """
+        job, total = self.job, self.ray.cluster_resources()
+        for name, flag, each in (
+            ("CPU", "--cpus-per-replica", job.cpus_per_replica),
+            ("GPU", "--gpus-per-replica", job.gpus_per_replica),
+        ):
+            need, have = job.replicas * each, total.get(name, 0.0)
+            if need > have:
+                raise BatchgenError(
+                    f"--replicas {job.replicas} x {flag} {each:g} need {need:g} {name}s; the Ray cluster has {have:g}"
+                )
 
     def results(
         self, rows: Iterable[CheckedRow], builder: RequestBuilder, on_bad_row: BadRowHandler, lookahead: int
@@ -129,10 +158,15 @@ class RayRounds:
             batch_format="pyarrow",
             # One batch at a time per replica: a free replica takes the next batch, none queues behind a busy one.
             compute=ray.data.ActorPoolStrategy(size=job.replicas, max_tasks_in_flight_per_actor=1),
+            # Ray Data's default is to restart and retry without end: a batch that kills every replica it meets (out
+            # of memory) would then run forever; the job fails instead, and --resume takes it up.
+            max_restarts=_RETRIES,
+            max_task_retries=_RETRIES,
             **self._remote_args,
         )
         seen: set[str] = set()
-        for out in poll_every(_POLL_SECONDS, dataset.iter_batches(batch_size=None, batch_format="pyarrow")):
+        outputs = poll_every(_POLL_SECONDS, dataset.iter_batches(batch_size=None, batch_format="pyarrow"))
+        for out in _user_errors_raised(outputs):
             finished = []
             for blob in out.column(RESULT_COLUMN).to_pylist() if out is not None else []:
                 kind, *payload = pickle.loads(blob)
@@ -151,8 +185,7 @@ class RayRounds:
             yield finished
 
     def _add_counts(self, stats: RoundStats, preemptions: int, accepted: Counter[int]) -> None:
-        for f in fields(stats):
-            setattr(self.stats, f.name, getattr(self.stats, f.name) + getattr(stats, f.name))
+        self.stats += stats
         self.preemptions += preemptions
         self.accept_histogram += accepted
 
@@ -166,7 +199,11 @@ class RayRounds:
 def poll_every(seconds: float, items: Iterator[T]) -> Iterator[T | None]:
     """``items``, read on a thread of their own, with ``None`` between them whenever ``seconds`` pass without one:
     the job flushes finished rows and sees a stop signal on time while a replica runs a long batch. Closing the
-    iterator stops the reading after the item being waited for."""
+    iterator stops the reading after the item being waited for.
+
+    Raises:
+        what reading ``items`` raised, where it was raised, after the items before it.
+    """
     ready: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=1)
     closed = threading.Event()
 
@@ -202,3 +239,23 @@ def poll_every(seconds: float, items: Iterator[T]) -> Iterator[T | None]:
             yield value
     finally:
         closed.set()
+
+
+def _raise_user_error(error: BaseException) -> None:
+    """Raise the :class:`BatchgenError` a replica raised (a model missing on its node), if ``error`` wraps one, as
+    the one line it is (Ray wraps it in its own exceptions, with the remote traceback)."""
+    seen: BaseException | None = error
+    while seen is not None:
+        # Ray raises a class of its own that derives from the cause's too: the cause itself is batchgen's.
+        if isinstance(seen, BatchgenError) and type(seen).__module__ == BatchgenError.__module__:
+            raise seen from None
+        seen = getattr(seen, "cause", None) or seen.__cause__
+
+
+def _user_errors_raised(items: Iterator[T]) -> Iterator[T]:
+    """``items``, with a replica's :class:`BatchgenError` raised as itself (:func:`_raise_user_error`)."""
+    try:
+        yield from items
+    except Exception as e:
+        _raise_user_error(e)
+        raise

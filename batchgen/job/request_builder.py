@@ -52,17 +52,17 @@ class RequestBuilder:
         self.grammars = GrammarCompiler(tokenizer, vocab_size)
 
     @classmethod
-    def for_engine(cls, engine: EngineFacts, defaults: SamplingParams, run_seed: int) -> RequestBuilder:
-        """A builder for the engine ``engine`` describes: its tokenizer, vocabulary, context length and EOS ids, and
+    def for_engine(cls, facts: EngineFacts, defaults: SamplingParams, run_seed: int) -> RequestBuilder:
+        """A builder for the engine ``facts`` describes: its tokenizer, vocabulary, context length and EOS ids, and
         ``n`` up to its ``max_running_requests``."""
         return cls(
-            engine.tokenizer,
-            engine.vocab_size,
-            engine.context_len,
-            engine.eos_token_ids,
+            facts.tokenizer,
+            facts.vocab_size,
+            facts.context_len,
+            facts.eos_token_ids,
             defaults,
             run_seed,
-            max_samples=engine.max_running_requests,
+            max_samples=facts.max_running_requests,
         )
 
     def build(self, spec: RowSpec, source: str) -> Req:

@@ -6,7 +6,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +42,8 @@ class RoundStats:
 
     ``prefill_tokens`` were computed (recomputes after a preemption too). Of the requests admitted (for the first
     time: not a retracted one coming back), ``admitted_prompt_tokens`` is their prompt tokens and
-    ``cached_tokens`` those whose K/V the prefix cache gave them.
+    ``cached_tokens`` those whose K/V the prefix cache gave them. Counts add and subtract field by field (a Ray
+    replica reports a batch's as after − before; the driver sums them).
     """
 
     prefill_tokens: int = 0
@@ -50,6 +51,12 @@ class RoundStats:
     rounds: int = 0
     cached_tokens: int = 0
     admitted_prompt_tokens: int = 0
+
+    def __add__(self, other: RoundStats) -> RoundStats:
+        return RoundStats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
+
+    def __sub__(self, other: RoundStats) -> RoundStats:
+        return RoundStats(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)})
 
     @property
     def cached_share(self) -> float | None:

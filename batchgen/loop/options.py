@@ -146,8 +146,9 @@ class EngineOptions:
         },
     )
 
-    def validate(self) -> None:
-        """Every rule of these options that needs no model (the device's: that it exists here).
+    def validate(self, here: bool = True) -> None:
+        """Every rule of these options that needs no model; with ``here``, the device's too (that it exists on this
+        machine): ``False`` where the engine runs elsewhere (``--ray``: its replicas check it where they load).
 
         Raises:
             BatchgenError: one line naming the first bad flag and its value.
@@ -165,7 +166,8 @@ class EngineOptions:
         if not 0.0 < self.mem_fraction < 1.0:
             raise BatchgenError(f"--mem-fraction must be in (0, 1), got {self.mem_fraction}")
         self._validate_speculative()
-        pick_device(self.device)
+        if here:
+            pick_device(self.device)
         if self.dtype != "auto" and self.dtype not in DTYPE_NAMES:
             raise BatchgenError(f"unknown --dtype '{self.dtype}'; choose auto, {', '.join(DTYPE_NAMES)}")
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -174,7 +176,7 @@ class EngineOptions:
             )
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise BatchgenError(f"--logprobs-mode must be raw or processed, got '{self.logprobs_mode}'")
-        if self.deterministic:
+        if self.deterministic and here:
             deterministic_backend(self.attention_backend, pick_device(self.device))
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             raise BatchgenError(f"--cuda-graph-max-bs must be >= 1, got {self.cuda_graph_max_bs}")

@@ -11,6 +11,7 @@ from batchgen.api.generator import Generator
 from batchgen.api.options import check_option_names, option_names
 from batchgen.io.input_options import InputOptions
 from batchgen.io.writer import OUTPUT_COLUMNS
+from batchgen.job.options import JobOptions
 from batchgen.loop.options import EngineOptions
 from batchgen.sampling.sampling_params import SamplingParams
 
@@ -37,11 +38,12 @@ class Predictor:
 
     Raises (from the constructor):
         TypeError: an option ``batchgen run`` does not have, named.
-        BatchgenError: a bad option value, or a model that cannot be loaded.
+        BatchgenError: a bad option value (``on_error`` too), or a model that cannot be loaded.
     """
 
     def __init__(self, model: str, *, on_error: str = "skip", **options: Any) -> None:
         check_option_names(options, (EngineOptions, SamplingParams, InputOptions), type(self).__name__)
+        JobOptions(on_error=on_error).validate()
         per_call = option_names(SamplingParams, InputOptions)
         self.generator = Generator(model, **{k: v for k, v in options.items() if k not in per_call})
         self.on_error = on_error
@@ -76,5 +78,6 @@ def _as_table(batch: Any) -> pa.Table:
     if isinstance(batch, pa.Table):
         return batch
     if isinstance(batch, dict):
-        return pa.table({name: pa.array(list(values)) for name, values in batch.items()})
+        # from_pandas: Ray's NumPy batches hold a missing value as NaN, which Arrow then reads as null.
+        return pa.table({name: pa.array(list(values), from_pandas=True) for name, values in batch.items()})
     return pa.Table.from_pandas(batch, preserve_index=False)

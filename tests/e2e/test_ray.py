@@ -1,6 +1,7 @@
 """``batchgen run --ray`` and ``batchgen.ray.Predictor`` on a local Ray cluster (2 CPUs, no dashboard) started by
-this module: the same greedy outputs and bad-row handling as a run in one process, every input id exactly once
-after a replica dies mid-run and after the driver is SIGKILLed and resumed. Select with ``-m ray``."""
+this module, with 2 replicas of a random-weight Llama (and of stories260k where ``../shared`` has it): the same
+greedy outputs and bad-row handling as a run in one process, every input id exactly once after a replica dies
+mid-run and after the driver is SIGKILLed and resumed. Select with ``-m ray``."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import ray  # noqa: E402
 from tests.helpers.cli import read_rows, run_args, run_cli  # noqa: E402
 from tests.helpers.models import REPO, STORIES, needs_shared  # noqa: E402
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow, needs_shared]
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 ROWS = 96
 # Out of vocabulary: a row the driver's checks pass and a replica refuses when it builds the request.
@@ -44,6 +45,11 @@ def cluster() -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
+def model(random_models: dict[str, Path]) -> Path:
+    return random_models["llama"]
+
+
+@pytest.fixture(scope="module")
 def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     words = ["cat", "dog", "king", "tree", "boat", "bird", "girl", "star"]
     lines = [
@@ -57,24 +63,25 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def _args(dataset: Path, out: Path, *extra: str) -> list[str]:
-    return run_args(dataset, out, STORIES, "--temperature", "0", "--on-error", "skip", *extra)
+def _args(dataset: Path, out: Path, model: Path, *extra: str) -> list[str]:
+    return run_args(dataset, out, model, "--temperature", "0", "--on-error", "skip", *extra)
 
 
-@pytest.fixture(scope="module")
-def local(dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+def _local_rows(dataset: Path, out: Path, model: Path) -> dict[str, dict[str, Any]]:
     """The rows of a run in this process, without Ray: the reference."""
-    out = tmp_path_factory.mktemp("local") / "out.arrow"
-    code, output = run_cli(_args(dataset, out))
+    code, output = run_cli(_args(dataset, out, model))
     assert code == 0, output
     return read_rows(out)
 
 
-def _ray_args(dataset: Path, out: Path, address: str, *extra: str) -> list[str]:
-    return [
-        *_args(dataset, out, "--ray", "--ray-address", address, "--replicas", "2", "--ray-batch-rows", "16"),
-        *extra,
-    ]
+@pytest.fixture(scope="module")
+def local(dataset: Path, model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    return _local_rows(dataset, tmp_path_factory.mktemp("local") / "out.arrow", model)
+
+
+def _ray_args(dataset: Path, out: Path, model: Path, address: str, *extra: str) -> list[str]:
+    ray_args = ("--ray", "--ray-address", address, "--replicas", "2", "--ray-batch-rows", "16")
+    return [*_args(dataset, out, model, *ray_args), *extra]
 
 
 def _start(args: list[str], log: Path) -> subprocess.Popen[bytes]:
@@ -109,10 +116,10 @@ def _row_count(out: Path) -> int:
 
 
 def test_same_greedy_rows_and_bad_rows_as_one_process(
-    cluster: str, dataset: Path, local: dict[str, dict[str, Any]], tmp_path: Path
+    cluster: str, dataset: Path, model: Path, local: dict[str, dict[str, Any]], tmp_path: Path
 ) -> None:
     out = tmp_path / "out.arrow"
-    code, output = run_cli(_ray_args(dataset, out, cluster))
+    code, output = run_cli(_ray_args(dataset, out, model, cluster))
     assert code == 0, output
     rows = read_rows(out)
     assert _row_count(out) == ROWS
@@ -124,6 +131,15 @@ def test_same_greedy_rows_and_bad_rows_as_one_process(
     assert f"batchgen: warning: {rows['oov']['error']} (written as an error row)" in output
 
 
+@needs_shared
+def test_same_greedy_rows_on_stories260k(cluster: str, dataset: Path, tmp_path: Path) -> None:
+    local = _local_rows(dataset, tmp_path / "local.arrow", STORIES)
+    out = tmp_path / "out.arrow"
+    code, output = run_cli(_ray_args(dataset, out, STORIES, cluster))
+    assert code == 0, output
+    _assert_same_rows(read_rows(out), local)
+
+
 def _replicas() -> list[dict[str, Any]]:
     """The live replica actors of the cluster, from its actor table (Ray Data hands out no handle to them)."""
     from ray._private.state import actors
@@ -132,13 +148,13 @@ def _replicas() -> list[dict[str, Any]]:
 
 
 def test_exactly_once_after_a_replica_is_killed_mid_run(
-    cluster: str, dataset: Path, local: dict[str, dict[str, Any]], tmp_path: Path
+    cluster: str, dataset: Path, model: Path, local: dict[str, dict[str, Any]], tmp_path: Path
 ) -> None:
     """A replica killed while the run holds work, as ``ray.kill(replica, no_restart=False)`` kills one: its worker
     process, by SIGKILL (Ray Data hands out no actor handle, and Ray takes none by id from another job). Ray
     restarts it and runs its batch again, and the output holds each id once."""
     out, log = tmp_path / "out.arrow", tmp_path / "run.log"
-    proc = _start(_ray_args(dataset, out, cluster, "--flush-every", "1"), log)
+    proc = _start(_ray_args(dataset, out, model, cluster, "--flush-every", "1"), log)
     _wait_for(lambda: len(_parts(out)) >= 2 and len(_replicas()) == 2, "finished rows", proc, log)
     victim = _replicas()[0]
     os.kill(victim["Pid"], signal.SIGKILL)
@@ -152,15 +168,15 @@ def test_exactly_once_after_a_replica_is_killed_mid_run(
 
 
 def test_exactly_once_after_the_driver_is_killed_and_resumed(
-    cluster: str, dataset: Path, local: dict[str, dict[str, Any]], tmp_path: Path
+    cluster: str, dataset: Path, model: Path, local: dict[str, dict[str, Any]], tmp_path: Path
 ) -> None:
     out, log = tmp_path / "out.arrow", tmp_path / "run.log"
-    proc = _start(_ray_args(dataset, out, cluster, "--flush-every", "1"), log)
+    proc = _start(_ray_args(dataset, out, model, cluster, "--flush-every", "1"), log)
     _wait_for(lambda: len(_parts(out)) >= 3, "three parts", proc, log)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert not out.exists()
-    resumed = [a for a in _ray_args(dataset, out, cluster) if a != "--overwrite"] + ["--resume"]
+    resumed = [a for a in _ray_args(dataset, out, model, cluster) if a != "--overwrite"] + ["--resume"]
     code, output = run_cli(resumed)
     assert code == 0, output
     before = re.search(r"(\d+) rows were done before", output)
@@ -172,7 +188,9 @@ def test_exactly_once_after_the_driver_is_killed_and_resumed(
     _assert_same_rows(read_rows(out), local)
 
 
-def test_predictor_in_a_ray_data_pipeline(cluster: str, local: dict[str, dict[str, Any]], tmp_path: Path) -> None:
+def test_predictor_in_a_ray_data_pipeline(
+    cluster: str, model: Path, local: dict[str, dict[str, Any]], tmp_path: Path
+) -> None:
     """``map_batches(Predictor)`` keeps the input columns and adds batchgen's, rows as a local run gives them."""
     import pyarrow.parquet as pq
 
@@ -182,7 +200,7 @@ def test_predictor_in_a_ray_data_pipeline(cluster: str, local: dict[str, dict[st
     rows = [
         {"id": rid, "prompt": p, "max_tokens": 24 + i, "text": "kept"} for i, (rid, p) in enumerate(prompts.items())
     ]
-    options = {"model": str(STORIES), "dtype": "float32", "device": "cpu", "temperature": 0.0}
+    options = {"model": str(model), "dtype": "float32", "device": "cpu", "temperature": 0.0}
     out_dir = tmp_path / "out"
     dataset = ray.data.from_items(rows).map_batches(
         Predictor, fn_constructor_kwargs=options, compute=ray.data.ActorPoolStrategy(size=1), num_cpus=1
