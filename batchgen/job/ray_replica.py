@@ -38,8 +38,7 @@ def describe_engine(options: EngineOptions) -> EngineFacts:
 class RunReplica:
     """One engine of ``batchgen run --ray``, a callable class for ``Dataset.map_batches``: each batch (a table
     of one column, ``row``, of pickled :class:`CheckedRow`) is run to its end on the engine, and answered with a
-    table of one column,
-    ``result``, whose values are pickled tuples:
+    table of one column, ``result``, whose values are pickled tuples:
 
     - ``("rows", results)``: a finished row's result rows (its ``n`` samples);
     - ``("error", (source, line, field, message), rid, passthrough)``: a row whose request could not be built;
