@@ -41,7 +41,7 @@ class RunReplica:
     table of one column, ``result``, whose values are pickled tuples:
 
     - ``("rows", results)``: a finished row's result rows (its ``n`` samples);
-    - ``("error", (source, line, field, message), rid, passthrough)``: a row whose request could not be built;
+    - ``("error", row_error, rid, passthrough)``: a row whose request could not be built;
     - ``("counts", round_stats, preemptions, accept_histogram)``: what the batch's rounds added (last).
 
     Args:
@@ -70,8 +70,7 @@ class RunReplica:
         out: list[bytes] = []
 
         def on_bad_row(error: RowError, rid: str, passthrough: dict[str, Any]) -> None:
-            where = (error.source, error.line, error.field, error.message)
-            out.append(pickle.dumps(("error", where, rid, passthrough)))
+            out.append(pickle.dumps(("error", error, rid, passthrough)))
 
         stats, preemptions = replace(self.rounds.stats), self.rounds.preemptions
         accepted = Counter(self.rounds.accept_histogram)

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any, TypeVar
 
 from batchgen.environment import replica_environment
-from batchgen.errors import BatchgenError, RowError
+from batchgen.errors import BatchgenError
 from batchgen.job.options import JobOptions
 from batchgen.job.ray_replica import RESULT_COLUMN, ROW_COLUMN, RunReplica, describe_engine
 from batchgen.job.request_builder import RequestBuilder
@@ -176,10 +176,10 @@ class RayRounds:
                         seen.add(results[0]["id"])
                         finished.append(results)
                 elif kind == "error":
-                    (source, line, field, message), rid, passthrough = payload
+                    error, rid, passthrough = payload
                     if rid not in seen:
                         seen.add(rid)
-                        on_bad_row(RowError(source, line, field, message), rid, passthrough)
+                        on_bad_row(error, rid, passthrough)
                 else:
                     self._add_counts(*payload)
             yield finished
