@@ -6,7 +6,7 @@
 # Usage: scripts/ray_scaling.sh [ROWS] [MODEL] [DTYPE] [ORDER]   (ORDER: replica counts in turn, "1 2" by default;
 # "1 2 2 1" measures each twice, A B B A, so that a drift of the machine's speed shows)
 set -euo pipefail
-rows="${1:-512}"
+rows="${1:-1024}"
 model="${2:-random:llama-58m}"
 dtype="${3:-bfloat16}"
 order="${4:-1 2}"

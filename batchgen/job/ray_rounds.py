@@ -17,6 +17,7 @@ import pickle
 import queue
 import sys
 import threading
+import warnings
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from typing import Any, TypeVar
@@ -151,19 +152,11 @@ class RayRounds:
             "lookahead": lookahead,
             "threads": max(1, round(job.cpus_per_replica)),
         }
-        dataset = dataset.map_batches(
-            RunReplica,
-            fn_constructor_kwargs=replica_args,
-            batch_size=None,  # a block is a batch: the unit a replica runs, and Ray retries
-            batch_format="pyarrow",
-            # One batch at a time per replica: a free replica takes the next batch, none queues behind a busy one.
-            compute=ray.data.ActorPoolStrategy(size=job.replicas, max_tasks_in_flight_per_actor=1),
-            # Ray Data's default is to restart and retry without end: a batch that kills every replica it meets (out
-            # of memory) would then run forever; the job fails instead, and --resume takes it up.
-            max_restarts=_RETRIES,
-            max_task_retries=_RETRIES,
-            **self._remote_args,
-        )
+        with warnings.catch_warnings():
+            # max_restarts and max_task_retries have no named parameter in Ray 2.60 (the pinned range): they pass
+            # as ray_remote_args, which warns that the form goes in Ray 2.64.
+            warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated")
+            dataset = self._mapped(dataset, replica_args)
         seen: set[str] = set()
         outputs = poll_every(_POLL_SECONDS, dataset.iter_batches(batch_size=None, batch_format="pyarrow"))
         for out in _user_errors_raised(outputs):
@@ -183,6 +176,22 @@ class RayRounds:
                 else:
                     self._add_counts(*payload)
             yield finished
+
+    def _mapped(self, dataset: Any, replica_args: dict[str, Any]) -> Any:
+        """``dataset`` mapped by ``--replicas`` :class:`RunReplica` actors made with ``replica_args``."""
+        return dataset.map_batches(
+            RunReplica,
+            fn_constructor_kwargs=replica_args,
+            batch_size=None,  # a block is a batch: the unit a replica runs, and Ray retries
+            batch_format="pyarrow",
+            # One batch at a time per replica: a free replica takes the next batch, none queues behind a busy one.
+            compute=self.ray.data.ActorPoolStrategy(size=self.job.replicas, max_tasks_in_flight_per_actor=1),
+            # Ray Data's default is to restart and retry without end: a batch that kills every replica it meets (out
+            # of memory) would then run forever; the job fails instead, and --resume takes it up.
+            max_restarts=_RETRIES,
+            max_task_retries=_RETRIES,
+            **self._remote_args,
+        )
 
     def _add_counts(self, stats: RoundStats, preemptions: int, accepted: Counter[int]) -> None:
         self.stats += stats
