@@ -1,5 +1,7 @@
 """Job options: how ``batchgen run`` treats bad rows, its output file and its terminal; declared as the engine's
-are (:mod:`batchgen.loop.options`): default, ``help`` (and ``flag``) per field, the rules in :meth:`validate`."""
+are (:mod:`batchgen.loop.options`): default, ``help`` (and ``flag``) per field, a numeric field's bound as
+``at_least`` (>=) or ``above`` (>), ``needs_ray`` where the flag means something only with ``--ray``; the rules in
+:meth:`validate`."""
 
 from __future__ import annotations
 
@@ -46,12 +48,15 @@ class JobOptions:
     schedule_lookahead: int = field(
         default=4096,
         metadata={
+            "at_least": 1,
             "help": "Rows read ahead for the scheduler (at least 2x --max-running-requests): with the prefix cache "
             "it runs the rows among them that share a prompt prefix together, however the file interleaves them.",
         },
     )
-    flush_every: int = field(default=256, metadata={"help": "Make finished rows durable at least every N rows..."})
-    flush_every_seconds: float = field(default=5.0, metadata={"help": "...and at least every S seconds."})
+    flush_every: int = field(
+        default=256, metadata={"at_least": 1, "help": "Make finished rows durable at least every N rows..."}
+    )
+    flush_every_seconds: float = field(default=5.0, metadata={"above": 0, "help": "...and at least every S seconds."})
     progress: bool = field(default=True, metadata={"help": "Show a progress bar on stderr."})
     report_memory: bool = field(default=False, metadata={"help": "Print the peak resident memory (RSS) at the end."})
     ray: bool = field(
@@ -71,18 +76,23 @@ class JobOptions:
         },
     )
     replicas: int = field(
-        default=1, metadata={"needs_ray": True, "help": "With --ray: engines, each holding the model."}
+        default=1, metadata={"at_least": 1, "needs_ray": True, "help": "With --ray: engines, each holding the model."}
     )
     gpus_per_replica: float = field(
-        default=0.0, metadata={"needs_ray": True, "help": "With --ray: GPUs each replica holds."}
+        default=0.0, metadata={"at_least": 0, "needs_ray": True, "help": "With --ray: GPUs each replica holds."}
     )
     cpus_per_replica: float = field(
         default=1.0,
-        metadata={"needs_ray": True, "help": "With --ray: CPU cores each replica holds (its torch threads)."},
+        metadata={
+            "above": 0,
+            "needs_ray": True,
+            "help": "With --ray: CPU cores each replica holds (its torch threads).",
+        },
     )
     ray_batch_rows: int = field(
         default=512,
         metadata={
+            "at_least": 1,
             "needs_ray": True,
             "help": "With --ray: rows per batch a replica runs (what Ray retries on a failure).",
         },
@@ -98,26 +108,23 @@ class JobOptions:
             raise BatchgenError(f"--on-error must be fail or skip, got '{self.on_error}'")
         if self.output_format not in OUTPUT_FORMATS:
             raise BatchgenError(f"--output-format must be auto, batchgen or openai, got '{self.output_format}'")
-        if self.schedule_lookahead < 1:
-            raise BatchgenError(f"--schedule-lookahead must be >= 1, got {self.schedule_lookahead}")
-        if self.flush_every < 1:
-            raise BatchgenError(f"--flush-every must be >= 1, got {self.flush_every}")
-        if not self.flush_every_seconds > 0:
-            raise BatchgenError(f"--flush-every-seconds must be > 0, got {self.flush_every_seconds}")
-        if self.replicas < 1:
-            raise BatchgenError(f"--replicas must be >= 1, got {self.replicas}")
-        if self.gpus_per_replica < 0:
-            raise BatchgenError(f"--gpus-per-replica must be >= 0, got {self.gpus_per_replica}")
-        if not self.cpus_per_replica > 0:
-            raise BatchgenError(f"--cpus-per-replica must be > 0, got {self.cpus_per_replica}")
-        if self.ray_batch_rows < 1:
-            raise BatchgenError(f"--ray-batch-rows must be >= 1, got {self.ray_batch_rows}")
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if "at_least" in f.metadata and not value >= f.metadata["at_least"]:
+                raise BatchgenError(f"--{_flag(f.name)} must be >= {f.metadata['at_least']}, got {value}")
+            if "above" in f.metadata and not value > f.metadata["above"]:
+                raise BatchgenError(f"--{_flag(f.name)} must be > {f.metadata['above']}, got {value}")
         if not self.ray:
             given = [f.name for f in fields(self) if f.metadata.get("needs_ray") and getattr(self, f.name) != f.default]
             if given:
-                raise BatchgenError(f"--{given[0].replace('_', '-')} needs --ray")
+                raise BatchgenError(f"--{_flag(given[0])} needs --ray")
 
     @property
     def resuming(self) -> bool:
         """Whether the run continues what is there: ``--resume``, or ``--resume-force``, which implies it."""
         return self.resume or self.resume_force
+
+
+def _flag(name: str) -> str:
+    """The CLI flag of field ``name``, without its dashes (``ray_batch_rows`` → ``ray-batch-rows``)."""
+    return name.replace("_", "-")
