@@ -38,8 +38,7 @@ job() {
     tail -n 20 "$dir/log" >&2
     return 1
   fi
-  grep '^batchgen: [0-9]' "$dir/log" >&2
-  grep '^batchgen: [0-9]' "$dir/log" | sed -nE 's/.* ([0-9]+) output tokens in ([0-9.]+) s.*/\1 \2/p'
+  grep '^batchgen: [0-9]' "$dir/log" | tee /dev/stderr | sed -nE 's/.* ([0-9]+) output tokens in ([0-9.]+) s.*/\1 \2/p'
 }
 for replicas in $order; do
   start_line=$(job "$dir/start.jsonl" "$replicas")
