@@ -25,7 +25,7 @@ from batchgen.loop.forward_batch import ForwardBatch
 from batchgen.loop.forward_mode import ForwardMode
 from batchgen.loop.req import Req
 from batchgen.loop.schedule_batch import ScheduleBatch
-from batchgen.models.packed_linear import cpu_gemm_dtype
+from batchgen.models.packed_linear import PackedLinear, cpu_gemm_dtype
 from batchgen.sampling.sampler import SampleOutput
 from batchgen.sampling.sampling_params import SamplingParams
 
@@ -135,10 +135,11 @@ class OneBatchRunner:
     """Runs static batches on an :class:`Engine`'s ModelRunner and pools, bypassing its scheduler."""
 
     def __init__(self, engine: Engine, seed: int = 0) -> None:
-        self.engine = engine
-        self.rng = random.Random(seed)
-        # The linear layers' weights as the GEMMs read them (float32 copies where they run as float32 GEMMs).
+        self.engine, self.rng = engine, random.Random(seed)
+        # What the GEMMs read: float32 weights where they run in float32, the model's in rounds of few_rows or less.
         self.weight_dtype = cpu_gemm_dtype(engine.dtype, engine.device, engine.switches.cpu_prepack) or engine.dtype
+        packed = [m.few_rows for m in engine.runner.model.modules() if isinstance(m, PackedLinear)]
+        self.few_rows = max(packed, default=0)
         self.attention_seconds = 0.0  # in the attention backends during the timed calls
 
     def make_reqs(self, batch_size: int, input_len: int, output_len: int) -> list[Req]:
@@ -186,13 +187,18 @@ class OneBatchRunner:
         self.attention_seconds += attention.seconds
         return elapsed, out
 
+    def _round_bytes(self, rows: int, kv_lens: list[int]) -> float:
+        """Bytes a decode round of ``rows`` rows over requests of ``kv_lens`` cached tokens reads (decode_bytes)."""
+        weights = self.engine.dtype if rows <= self.few_rows else self.weight_dtype
+        return decode_bytes(self.engine.runner.model.config, self.engine.dtype, weights, kv_lens)
+
     def _decode_plain(self, reqs: list[Req], output_len: int) -> tuple[list[float], float]:
         """``output_len - 1`` DECODE rounds of the whole batch; their times and the bytes they read."""
-        config, batch_size = self.engine.runner.model.config, len(reqs)
+        batch_size = len(reqs)
         decode_times: list[float] = []
         decode_bytes_total = 0.0
         for _ in range(output_len - 1):
-            decode_bytes_total += decode_bytes(config, self.engine.dtype, self.weight_dtype, [r.kv_len for r in reqs])
+            decode_bytes_total += self._round_bytes(batch_size, [r.kv_len for r in reqs])
             step = ScheduleBatch(ForwardMode.DECODE, reqs, [1] * batch_size, batch_size)
             elapsed, out = self._timed(lambda step=step: self.run_round(step)[1])  # type: ignore[misc]
             decode_times.append(elapsed)
@@ -203,16 +209,15 @@ class OneBatchRunner:
     def _decode_speculative(self, reqs: list[Req], output_len: int) -> tuple[list[float], float]:
         """The engine's rounds until every request has ``output_len`` tokens (the scheduler then frees it); their
         times and the bytes the target read (weights and the KV of each round's requests)."""
-        scheduler, config = self.engine.scheduler, self.engine.runner.model.config
+        scheduler = self.engine.scheduler
         scheduler.accept_histogram.clear()
         if output_len > 1:
             scheduler.running.extend(reqs)
         decode_times: list[float] = []
         decode_bytes_total = 0.0
         while scheduler.running:
-            decode_bytes_total += decode_bytes(
-                config, self.engine.dtype, self.weight_dtype, [r.kv_len for r in scheduler.running]
-            )
+            verify_rows = len(scheduler.running) * (1 + self.engine.options.speculative_num_draft_tokens)
+            decode_bytes_total += self._round_bytes(verify_rows, [r.kv_len for r in scheduler.running])
             elapsed, _ = self._timed(self.engine.step)
             decode_times.append(elapsed)
         return decode_times, decode_bytes_total
@@ -249,14 +254,13 @@ class OneBatchRunner:
         total = prefill_time + sum(decode_times)
         median = decode_throughput = bandwidth = decode_attention = None
         if decode_times:
+            steps = sum(decode_times)
             if not graphs_hide_attention(self.engine):
-                decode_attention = (self.attention_seconds - prefill_attention) / sum(decode_times)
+                decode_attention = (self.attention_seconds - prefill_attention) / steps
             median = statistics.median(decode_times)
             # A verify round emits a varying number of tokens: its throughput is all tokens over all rounds' time.
-            decode_throughput = (
-                batch_size * (output_len - 1) / sum(decode_times) if speculative else batch_size / median
-            )
-            bandwidth = decode_bytes_total / sum(decode_times)
+            decode_throughput = batch_size * (output_len - 1) / steps if speculative else batch_size / median
+            bandwidth = decode_bytes_total / steps
         prefill_flops = forward_flops(config, [input_len] * batch_size, [prefix_len] * batch_size, batch_size)
         return OneBatchResult(
             batch_size=batch_size,

@@ -30,6 +30,8 @@ class KernelSwitches:
     cpu_float32_carrier: bool = field(default=True, metadata={"env": "BATCHGEN_CPU_FLOAT32_CARRIER"})
     # oneDNN-prepacked linear weights for bfloat16 and float16 models on the CPU.
     cpu_prepack: bool = field(default=True, metadata={"env": "BATCHGEN_CPU_PREPACK"})
+    # Rounds of a few rows on the half-precision weights where those GEMMs run in float32 (AVX2 CPUs).
+    cpu_half_weight_linear: bool = field(default=True, metadata={"env": "BATCHGEN_CPU_HALF_WEIGHT_LINEAR"})
     # Triton's fused elementwise kernels; None: on a CUDA device where triton imports.
     triton_fused_ops: bool | None = field(default=None, metadata={"env": "BATCHGEN_TRITON_FUSED_OPS"})
     # Triton's interpreter, the only way its kernels run on CPU tensors (tests).

@@ -229,13 +229,13 @@ class LlamaForCausalLM(nn.Module):
             return self.tied_lm_head(hidden)
         return F.linear(hidden, self.model.embed_tokens.weight)
 
-    def prepack_for_cpu(self, gemm_dtype: torch.dtype, deterministic: bool = False) -> None:
-        """Pack every linear weight for oneDNN GEMMs in ``gemm_dtype``, batch invariant with ``deterministic`` (see
-        :mod:`batchgen.models.packed_linear`); a tied output projection is packed from a copy, since the embedding
-        keeps its own weight for lookups."""
-        prepack_linears(self, gemm_dtype, deterministic)
+    def prepack_for_cpu(self, gemm_dtype: torch.dtype, deterministic: bool = False, few_rows: int = 0) -> None:
+        """Pack every linear weight for oneDNN GEMMs in ``gemm_dtype``, batch invariant with ``deterministic``,
+        calls of up to ``few_rows`` rows on the half-precision weights (see :mod:`batchgen.models.packed_linear`);
+        a tied output projection is packed from a copy, since the embedding keeps its own weight for lookups."""
+        prepack_linears(self, gemm_dtype, deterministic, few_rows)
         if self.lm_head is None:
-            self.tied_lm_head = tied = PackedLinear(self.model.embed_tokens.weight, None, gemm_dtype)
+            self.tied_lm_head = tied = PackedLinear(self.model.embed_tokens.weight, None, gemm_dtype, few_rows)
             if deterministic:
                 make_batch_invariant(tied)
 

@@ -16,7 +16,9 @@ Two cases, chosen per machine by :func:`cpu_gemm_dtype`:
   bfloat16 GEMM that accumulates in float32, as oneDNN's and PyTorch's own do: exact products, float32 sums, one
   rounding at the end; only the order of the sums differs, so an output can differ from ``F.linear``'s by one
   step of the model's dtype where its float32 sum lies next to a rounding boundary. The cost is memory: the
-  packed weights take twice the model dtype's bytes.
+  packed weights take twice the model dtype's bytes. Calls of a few rows (``few_rows``, :func:`half_weight_rows`)
+  are bound by reading those bytes, so they run :mod:`batchgen.kernels.cpu.half_linear` on the model's own
+  weights, kept beside the packed copy, with the same arithmetic in another order.
 
 One packed weight serves every row count, but not with one reduction order: which kernel and blocking oneDNN
 picks depends on the row count, so a row's output can change in its last bits with the rows beside it. Measured
@@ -33,6 +35,9 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+
+from batchgen.kernels.cpu import build_problem
+from batchgen.kernels.cpu.half_linear import FEW_ROWS, half_weight_linear
 
 _ROWS_HINT = 64  # oneDNN picks its blocking for this many rows; any row count runs on the packed weight
 
@@ -67,6 +72,18 @@ def cpu_gemm_dtype(
     return dtype if native_gemm_supported(dtype) else torch.float32
 
 
+def half_weight_rows(dtype: torch.dtype, gemm_dtype: torch.dtype | None, enabled: bool, deterministic: bool) -> int:
+    """Rows up to which a linear layer of a ``dtype`` model packed for ``gemm_dtype`` GEMMs runs on its own
+    half-precision weights (``PackedLinear``'s ``few_rows``): :data:`~batchgen.kernels.cpu.half_linear.FEW_ROWS`
+    for a bfloat16 or float16 model whose GEMMs run in float32, where ``enabled``
+    (``KernelSwitches.cpu_half_weight_linear``) and the kernel builds; 0 otherwise, and under ``deterministic``,
+    where a row would take one kernel or the other by the size of its round, and without packing (``gemm_dtype``
+    ``None``)."""
+    if not enabled or deterministic or gemm_dtype != torch.float32 or dtype not in (torch.bfloat16, torch.float16):
+        return 0
+    return FEW_ROWS if build_problem() is None else 0
+
+
 class PackedLinear(nn.Module):
     """``y = x W^T + b`` over a oneDNN-packed ``W``, computed in ``gemm_dtype``.
 
@@ -75,6 +92,9 @@ class PackedLinear(nn.Module):
         bias: ``[out_features]`` in the model's dtype, or ``None``.
         gemm_dtype: the dtype the GEMM runs in: the weight's own, or float32 (see the module docstring);
             default the weight's.
+        few_rows: with a float32 ``gemm_dtype`` and a bfloat16 or float16 weight, calls of up to that many rows run
+            :func:`batchgen.kernels.cpu.half_linear.half_weight_linear` on the weight itself, kept (not copied)
+            beside the packed copy; their ``x`` must then be float32 or the weight's dtype. 0: never.
 
     ``forward(x [T, in_features]) → [T, out_features]`` in the weight's dtype; in float32, unrounded, where
     ``round_output`` is set False (the float32 carrier of :meth:`batchgen.models.llama.LlamaForCausalLM.carry_float32`,
@@ -82,7 +102,9 @@ class PackedLinear(nn.Module):
     to that many; ``call_rows``: when set, every GEMM call gets exactly that many rows (see the module docstring).
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, gemm_dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, gemm_dtype: torch.dtype | None = None, few_rows: int = 0
+    ) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.out_dtype = weight.dtype
@@ -92,12 +114,20 @@ class PackedLinear(nn.Module):
         self.round_output = True
         self.min_rows = 1
         self.call_rows = 0
+        self.few_rows = few_rows
+        self.half_weight: torch.Tensor | None = None
+        if few_rows:
+            assert self.gemm_dtype == torch.float32 and weight.dtype in (torch.bfloat16, torch.float16)
+            self.half_weight = weight.detach().contiguous()
 
     def _gemm(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x.to(self.gemm_dtype), self.packed, self.bias, "none", [], "")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
+        if self.half_weight is not None and rows <= self.few_rows:
+            out = half_weight_linear(x.contiguous(), self.half_weight, self.bias)
+            return out.to(self.out_dtype) if self.round_output else out
         padded = max(self.min_rows, -(-rows // self.call_rows) * self.call_rows if self.call_rows else rows)
         if padded > rows:
             x = torch.cat([x, x.new_zeros(padded - rows, x.shape[1])])
@@ -120,13 +150,16 @@ def replace_linears(module: nn.Module, make: Callable[[nn.Linear], nn.Module]) -
     return count
 
 
-def prepack_linears(module: nn.Module, gemm_dtype: torch.dtype | None = None, deterministic: bool = False) -> int:
+def prepack_linears(
+    module: nn.Module, gemm_dtype: torch.dtype | None = None, deterministic: bool = False, few_rows: int = 0
+) -> int:
     """Replace every ``nn.Linear`` under ``module`` by a :class:`PackedLinear` of its weights computing in
     ``gemm_dtype`` (default: each weight's own dtype), batch invariant with ``deterministic``
-    (:func:`make_batch_invariant`); return how many."""
+    (:func:`make_batch_invariant`), running calls of up to ``few_rows`` rows on the half-precision weights
+    (:class:`PackedLinear`); return how many."""
 
     def pack(linear: nn.Linear) -> PackedLinear:
-        packed = PackedLinear(linear.weight, linear.bias, gemm_dtype)
+        packed = PackedLinear(linear.weight, linear.bias, gemm_dtype, few_rows)
         if deterministic:
             make_batch_invariant(packed)
         return packed
@@ -142,6 +175,7 @@ DETERMINISTIC_CALL_ROWS = 64
 def make_batch_invariant(linear: PackedLinear) -> None:
     """Set ``linear`` up so that a row's output depends on that row only: float32 GEMMs pad a lone row to two,
     half-precision ones run :data:`DETERMINISTIC_CALL_ROWS` rows a call (see the module docstring)."""
+    linear.few_rows, linear.half_weight = 0, None  # one kernel for every round: the float32 GEMM
     if linear.gemm_dtype == torch.float32:
         linear.min_rows = 2
     else:

@@ -274,8 +274,8 @@ def test_build_failure_is_one_line(monkeypatch: pytest.MonkeyPatch, capsys: Any,
     assert problem is not None and problem.startswith(f"the CPU kernels did not build ({reason}")
     err = capsys.readouterr().err
     assert (
-        err == f"batchgen: {problem}; using the slower PyTorch code (BATCHGEN_CPU_ATTENTION_KERNEL=0 and "
-        "BATCHGEN_CPU_FUSED_OPS=0 hide this)\n"
+        err == f"batchgen: {problem}; using the slower PyTorch code (BATCHGEN_CPU_ATTENTION_KERNEL=0, "
+        "BATCHGEN_CPU_FUSED_OPS=0 and BATCHGEN_CPU_HALF_WEIGHT_LINEAR=0 hide this)\n"
     )
 
 

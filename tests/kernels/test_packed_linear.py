@@ -12,7 +12,10 @@ import torch
 from torch.nn import functional as F
 
 from batchgen.environment import kernel_switches
+from batchgen.kernels import cpu as cpu_kernels
+from batchgen.kernels.cpu.half_linear import FEW_ROWS
 from batchgen.models import source
+from batchgen.models.llama import LlamaForCausalLM
 from batchgen.models.packed_linear import PackedLinear, cpu_gemm_dtype, make_batch_invariant, prepack_linears
 from tests.helpers.cli import generate, write_jsonl
 from tests.helpers.models import build_random_model
@@ -200,3 +203,32 @@ def test_half_precision_cpu_models_load_packed(
     assert {layer.gemm_dtype for layer in layers} == {cpu_gemm_dtype(dtype, CPU)}
     monkeypatch.setenv("BATCHGEN_CPU_PREPACK", "0")
     assert packed_layers() == []
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_float32_gemm_models_read_their_half_weights_in_small_rounds(
+    dtype: torch.dtype, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where a half-precision model's GEMMs run in float32 (forced here on any CPU), every linear layer, the tied
+    output projection too, runs rounds of up to ``FEW_ROWS`` rows on its own half-precision weights (the
+    embedding's, for the tied one: no copy); not with ``BATCHGEN_CPU_HALF_WEIGHT_LINEAR=0`` nor under
+    ``--deterministic``."""
+    if cpu_kernels.build_problem() is not None:
+        pytest.skip(f"the C++ kernels cannot be built on this machine: {cpu_kernels.build_problem()}")
+    tied = build_random_model(tmp_path / "tied", "llama", tie_word_embeddings=True)
+    monkeypatch.setattr(source, "cpu_gemm_dtype", lambda d, device, prepack, deterministic=False: torch.float32)
+
+    def load(deterministic: bool = False) -> LlamaForCausalLM:
+        return source.ModelSource.open(str(tied)).load(dtype, CPU, 64, kernel_switches(), deterministic)
+
+    model = load()
+    layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    assert len(layers) == 2 * 4 + 1 and model.tied_lm_head in layers
+    assert {layer.few_rows for layer in layers} == {FEW_ROWS}
+    assert all(layer.half_weight is not None and layer.half_weight.dtype == dtype for layer in layers)
+    assert isinstance(model.tied_lm_head, PackedLinear)
+    half_weight = model.tied_lm_head.half_weight
+    assert half_weight is not None and half_weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert {m.few_rows for m in load(deterministic=True).modules() if isinstance(m, PackedLinear)} == {0}
+    monkeypatch.setenv("BATCHGEN_CPU_HALF_WEIGHT_LINEAR", "0")
+    assert {m.few_rows for m in load().modules() if isinstance(m, PackedLinear)} == {0}

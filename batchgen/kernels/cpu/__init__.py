@@ -7,7 +7,8 @@ and for prefill rows too in bfloat16 on a CPU with AMX (on the matrix unit, ``at
 AVX512-BF16 (``torch.ops.batchgen.has_bf16_dot_product()``).
 ``elementwise.cpp`` registers the fused RMSNorm, SiLU-and-multiply and RoPE of bfloat16 models
 (:mod:`batchgen.kernels.cpu.fused_elementwise`), ``sampling.cpp`` greedy sampling's argmax
-and the exponential race of random sampling (:mod:`batchgen.kernels.cpu.sampling_ops`); ``vec16.h`` holds the
+and the exponential race of random sampling (:mod:`batchgen.kernels.cpu.sampling_ops`), ``half_linear.cpp`` linear
+layers of a few rows on half-precision weights (:mod:`batchgen.kernels.cpu.half_linear`); ``vec16.h`` holds the
 vector helpers they share.
 
 The build needs a C++ compiler and ninja; it compiles once per machine with ``-O3 -march=native`` (about 10 s
@@ -16,8 +17,8 @@ in a folder named by a hash of the sources, the flags, the torch and Python vers
 instruction-set flags, so a cache shared between machines never loads code built for another CPU; later
 processes load it in ~0.1 s (a build says so on stderr, before and after). If it cannot build, batchgen says why in
 one line on stderr and runs plain PyTorch instead. ``BATCHGEN_CPU_ATTENTION_KERNEL=0`` turns the attention kernel
-off, ``BATCHGEN_CPU_FUSED_OPS=0`` the fused ops (:class:`batchgen.kernels.switches.KernelSwitches`); with both off
-nothing is built.
+off, ``BATCHGEN_CPU_FUSED_OPS=0`` the fused ops, ``BATCHGEN_CPU_HALF_WEIGHT_LINEAR=0`` the small-round linear
+layers (:class:`batchgen.kernels.switches.KernelSwitches`); with all three off nothing is built.
 """
 
 from __future__ import annotations
@@ -37,7 +38,10 @@ from pathlib import Path
 
 import torch
 
-_SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "elementwise.cpp", "sampling.cpp")]
+_SOURCES = [
+    Path(__file__).with_name(name)
+    for name in ("paged_attention.cpp", "elementwise.cpp", "sampling.cpp", "half_linear.cpp")
+]
 _HEADERS = sorted(Path(__file__).parent.glob("*.h"))  # included by the sources: part of the build's key
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
@@ -176,8 +180,8 @@ def build_problem() -> str | None:
     except Exception as e:  # compiler or ninja missing, compile errors (RuntimeError with the whole log), dlopen
         problem = f"the CPU kernels did not build ({_one_line(e)})"
         print(
-            f"batchgen: {problem}; using the slower PyTorch code (BATCHGEN_CPU_ATTENTION_KERNEL=0 and "
-            "BATCHGEN_CPU_FUSED_OPS=0 hide this)",
+            f"batchgen: {problem}; using the slower PyTorch code (BATCHGEN_CPU_ATTENTION_KERNEL=0, "
+            "BATCHGEN_CPU_FUSED_OPS=0 and BATCHGEN_CPU_HALF_WEIGHT_LINEAR=0 hide this)",
             file=sys.stderr,
         )
         return problem
