@@ -7,16 +7,17 @@ sequence lengths from 1 to 300, rows adding 1 to 5 tokens (causal among them) an
 generic head-size loop and its partial last chunk, or on AVX2 the 8-lane step's shorter last register block),
 K/V slots scattered over the pool in random order, and every slot the kernel must not read filled with NaN.
 Then: a row's output is bit-identical in any batch, under any thread count and whether its tokens come as one
-row or one per row; bad inputs and failed builds give one clear line; the
-torch_native backend agrees with itself with the kernel on and off (``BATCHGEN_CPU_ATTENTION_KERNEL=0``) in
-DECODE, TARGET_VERIFY and MIXED rounds; and the engine generates the same greedy tokens both ways, through
-chunked prefill, MIXED, DECODE and TARGET_VERIFY rounds.
+row or one per row; a query's output is the same alone as beside the other query heads of its GQA group; bad
+inputs and failed builds give one clear line; the torch_native backend agrees with itself with the kernel on and
+off (``BATCHGEN_CPU_ATTENTION_KERNEL=0``) in DECODE, TARGET_VERIFY and MIXED rounds; and the engine generates the
+same greedy tokens both ways, through chunked prefill, MIXED, DECODE and TARGET_VERIFY rounds.
 
 Everything here skips, saying why, when the extension cannot be built on this machine (no compiler or ninja).
 """
 
 from __future__ import annotations
 
+import copy
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -163,6 +164,32 @@ def test_row_is_bit_identical_in_any_batch(dtype: torch.dtype) -> None:
     assert torch.equal(one_thread, alone)
     assert torch.equal(batch[7:11], alone)
     assert torch.equal(as_decodes, alone)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("group", "head_dim"), [(2, 64), (3, 48), (4, 96), (7, 40), (3, 56)])
+def test_query_gives_the_same_bits_alone_as_in_its_gqa_group(dtype: torch.dtype, group: int, head_dim: int) -> None:
+    """The query heads of a KV head's group share its K/V reads (on AVX2 up to three at a time, also across the
+    tokens of a row while they see the same keys): each query's output equals the one it gives as the only query of
+    a one-head pool, one token at a time. Rows: decodes of 17 and 129 keys, and rows adding 4 and 2 tokens; heads
+    of 64, 48, 96, 40 and 56 dims (AVX2: 0 to 3 registers of 8 dims after the last whole 32-dim block)."""
+    gen = torch.Generator().manual_seed(group)
+    pool = _Pool([n for n, _ in ROWS], dtype, 2, head_dim, gen)
+    rows, lens, new = [2, 5, 6, 7], [17, 130, 300, 129], [1, 4, 2, 1]
+    q = torch.randn(sum(new), 2 * group, head_dim, generator=gen).to(dtype)
+    together = kernel_attention(pool, q, rows, lens, new)
+    token = 0
+    for row, seq_len, added in zip(rows, lens, new):
+        for position in range(seq_len - added, seq_len):
+            for head in range(2 * group):
+                one_head = copy.copy(pool)
+                one_head.k, one_head.v = (
+                    pool.k[head // group : head // group + 1],
+                    pool.v[head // group : head // group + 1],
+                )
+                alone = kernel_attention(one_head, q[token : token + 1, head : head + 1], [row], [position + 1], [1])
+                assert torch.equal(alone[0, 0], together[token, head]), f"row {row}, position {position}, head {head}"
+            token += 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -7,7 +7,8 @@ NaN in the keys after a query; a row's output is the same bits alone, among othe
 split into rows of other sizes that still take the matrix unit. Tests of it skip, saying so, on a CPU without AMX.
 
 Shared prefixes: rows whose first slots are the same (as the prefix cache hands them out) give the bits they give
-alone, on each path this CPU has, with prefixes shared by two to five rows over 1 to 4 whole blocks of keys.
+alone, on each path this CPU has (the dot-product, matrix-unit and vector paths, float32, bfloat16 and float16),
+with prefixes shared by two to five rows over 1 to 4 whole blocks of keys, on one thread or two.
 """
 
 from __future__ import annotations
@@ -117,22 +118,41 @@ def test_matrix_unit_refused_where_it_cannot_run() -> None:
         kernel_attention(pool, torch.zeros(2, 4, 64), [0], [10], [2], matrix_unit=True)
 
 
+# (dtype, head size, matrix unit): bfloat16 takes the dot-product path where the CPU has AVX512-BF16 and the vector
+# path elsewhere; float32 and float16 always the vector path, a head of 36 dims its generic block step on AVX2 too.
+_SHARING_PATHS = [
+    (torch.bfloat16, 64, False),
+    (torch.bfloat16, 64, True),
+    (torch.float32, 64, False),
+    (torch.float16, 64, False),
+    (torch.float32, 36, False),
+]
+
+
+@pytest.mark.usefixtures("_threads")
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("group", [1, 3])
-@pytest.mark.parametrize("matrix_unit", [False, True], ids=["vector", "matrix-unit"])
-def test_rows_sharing_a_prefix_give_the_bits_they_give_alone(group: int, matrix_unit: bool) -> None:
+@pytest.mark.parametrize(
+    ("dtype", "head_dim", "matrix_unit"), _SHARING_PATHS, ids=["bf16", "bf16-matrix-unit", "f32", "f16", "f32-dim36"]
+)
+def test_rows_sharing_a_prefix_give_the_bits_they_give_alone(
+    dtype: torch.dtype, head_dim: int, matrix_unit: bool, group: int, threads: int
+) -> None:
     """Ten rows over one pool: rows 1-4 share row 0's first 256 slots (4 blocks of 64 keys), rows 5-6 its first 64,
     rows 7-8 one another's first 200; row 9 shares nothing. Each decodes one token, except row 3 (two: six queries
     with a group of 3, still on the vector path); row 8 adds 30 (the matrix unit where asked). Every row's output
-    equals the one it gives alone, and matches float64."""
+    equals the one it gives alone, and matches float64. With two threads the kernel caps the queries of a group of
+    sharing rows (to leave each thread two work items), with one it does not: the bits are the same either way."""
     if matrix_unit:
         skip_without_matrix_unit()
+    torch.set_num_threads(threads)
     gen = torch.Generator().manual_seed(group)
     seq_lens = [300, 280, 257, 320, 300, 65, 128, 210, 230, 150]
-    pool = _pool(seq_lens, 2, 64, gen)
+    pool = PagedPool(seq_lens, dtype, 2, head_dim, gen, 4000, 400)
     shares = {1: (0, 256), 2: (0, 256), 3: (0, 256), 4: (0, 256), 5: (0, 64), 6: (0, 64), 8: (7, 200)}
     share_prefix(pool, shares)
     new = [1, 1, 1, 2, 1, 1, 1, 1, 30, 1]
-    q = torch.randn(sum(new), 2 * group, 64, generator=gen).to(torch.bfloat16)
+    q = torch.randn(sum(new), 2 * group, head_dim, generator=gen).to(dtype)
     together = kernel_attention(pool, q, list(range(10)), seq_lens, new, matrix_unit=matrix_unit)
     start = 0
     for row, (n, t) in enumerate(zip(seq_lens, new)):

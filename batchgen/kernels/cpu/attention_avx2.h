@@ -9,9 +9,14 @@
 // Here everything is 8 lanes wide: K/V rows are widened to float32 8 at a time, eight keys' dot products
 // accumulate in eight registers and meet in one fixed tree of horizontal adds, the online-softmax step and the
 // rounding of the probabilities run on 8 lanes, and the weighted sum of V keeps 64 dims (eight registers) at a
-// time. The inputs and the result are attend_block's: probabilities rounded to T before they weight V, the
-// same recurrence. Sums run in one fixed order set by key positions alone, so a query's output stays
-// bit-identical in any batch; it differs from the generic path only in the order of its float32 additions.
+// time. Two or three queries that see the same keys of a block (the query heads of one KV head's GQA group; also
+// the next token's or, over a shared prefix, the next row's) run together:
+// each K and V chunk loaded from the converted block then feeds all of them (four keys' dot products and 32 dims
+// of V per query in registers), where one query alone needs a load per multiply-add. The inputs and the result
+// are attend_block's: probabilities rounded to T before they weight V, the same recurrence. Sums run in one fixed
+// order set by key positions alone, so a query's output stays bit-identical in any batch, alone or beside other
+// queries of its group (each of its sums is the same sequence of operations either way); it differs from the
+// generic path only in the order of its float32 additions.
 #pragma once
 
 #include "attention_common.h"
@@ -34,7 +39,6 @@ namespace {
 
 constexpr int64_t kAvx2Lanes = kNativeLanes;  // 8 float32 lanes: vnf is one AVX2 register here
 static_assert(kAvx2Lanes == 8);
-constexpr int64_t kAvx2DimBlock = 64;  // dims of V accumulated in registers at once (eight of 8 lanes)
 
 // dst[0 .. n) = src[0 .. n) as float32, n a multiple of 8: load_row for whole heads, without the generic
 // 16-lane vectors, which the compiler moves through the stack 16 bytes at a time on AVX2.
@@ -58,6 +62,30 @@ inline __m256 dot8(const float* q, const float* keys, int64_t dims, int64_t stri
   const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
   const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);  // [keys 0-3 | 0-3], [4-7 | 4-7]
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// Lanes 0..3 of out[m] = q[m][0 .. dims) · keys[j][0 .. dims) for the four keys keys[0..3] and each of M queries;
+// every sum is formed as in dot8 (the same multiply-adds per lane, its lanes summed by the same tree), so the
+// scores are the bits dot8 gives.
+template <int M>
+inline void dot4(const float* const* q, const float* keys, int64_t dims, int64_t stride, float* const* out) {
+  __m256 a[M][4];
+  for (int m = 0; m < M; ++m) {
+    for (int j = 0; j < 4; ++j) a[m][j] = _mm256_setzero_ps();
+  }
+  for (int64_t c = 0; c < dims; c += kAvx2Lanes) {
+    __m256 qc[M];
+    for (int m = 0; m < M; ++m) qc[m] = _mm256_loadu_ps(q[m] + c);
+    for (int j = 0; j < 4; ++j) {
+      const __m256 kj = _mm256_loadu_ps(keys + j * stride + c);
+      for (int m = 0; m < M; ++m) a[m][j] = _mm256_fmadd_ps(qc[m], kj, a[m][j]);
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    // [keys 0-3 over lanes 0-3 | keys 0-3 over lanes 4-7], then the two halves: dot8's tree.
+    const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(a[m][0], a[m][1]), _mm256_hadd_ps(a[m][2], a[m][3]));
+    _mm_storeu_ps(out[m], _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1)));
+  }
 }
 
 // softmax_step over `used` x 16 scores at the machine's width (the 16-lane one spills on AVX2): the scores of
@@ -100,50 +128,100 @@ inline void round_probabilities(float* p, int64_t n) {
   }
 }
 
-// acc[0 .. 8 NC) = alpha acc + sum over keys j < seen of p[j] v_j[0 .. 8 NC), the V rows `stride` floats apart:
-// NC registers of 8 dims stay in registers over all keys.
-template <int NC>
-inline void weigh_values(const float* p, const float* v, int64_t seen, int64_t stride, float alpha, float* acc) {
-  __m256 a[NC];
-  for (int c = 0; c < NC; ++c) a[c] = _mm256_mul_ps(_mm256_loadu_ps(acc + c * kAvx2Lanes), _mm256_set1_ps(alpha));
-  for (int64_t j = 0; j < seen; ++j) {
-    const __m256 pj = _mm256_set1_ps(p[j]);
-    for (int c = 0; c < NC; ++c) a[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + j * stride + c * kAvx2Lanes), a[c]);
+// acc[m][d0 .. d0 + 8 NC) = alpha[m] acc[m] + sum over keys j < seen of p[m][j] v_j[d0 .. d0 + 8 NC) for M queries,
+// the V rows `stride` floats apart: M x NC registers of 8 dims stay in registers over all keys, and each V chunk is
+// loaded once for the M queries. A query's sums run in the same order for any M.
+template <int M, int NC>
+inline void weigh_values(const float* const* p, const float* v, int64_t seen, int64_t stride, const float* alpha,
+                         float* const* acc, int64_t d0) {
+  __m256 a[M][NC];
+  for (int m = 0; m < M; ++m) {
+    for (int c = 0; c < NC; ++c) {
+      a[m][c] = _mm256_mul_ps(_mm256_loadu_ps(acc[m] + d0 + c * kAvx2Lanes), _mm256_set1_ps(alpha[m]));
+    }
   }
-  for (int c = 0; c < NC; ++c) _mm256_storeu_ps(acc + c * kAvx2Lanes, a[c]);
+  for (int64_t j = 0; j < seen; ++j) {
+    __m256 pj[M];
+    for (int m = 0; m < M; ++m) pj[m] = _mm256_set1_ps(p[m][j]);
+    for (int c = 0; c < NC; ++c) {
+      const __m256 vc = _mm256_loadu_ps(v + j * stride + d0 + c * kAvx2Lanes);
+      for (int m = 0; m < M; ++m) a[m][c] = _mm256_fmadd_ps(pj[m], vc, a[m][c]);
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    for (int c = 0; c < NC; ++c) _mm256_storeu_ps(acc[m] + d0 + c * kAvx2Lanes, a[m][c]);
+  }
 }
 
-// attend_block for heads of `dims` dims, a multiple of 8, held in scratch rows of `chunks` x 16 floats: one query
-// against a converted block of `seen` keys; scores, the online-softmax update of (row_max, row_sum), weighted
-// values into acc. Nothing past a row's `dims` floats is read (the rows' padding may hold stale values).
-template <typename T>
-void attend_block_avx2(const v16f* q, const v16f* keys, const v16f* values, int64_t seen, int64_t dims,
-                       int64_t chunks, v16f* acc, float& row_max, float& row_sum, v16f* scores) {
-  const int64_t stride = chunks * kLanes, used = (seen + kLanes - 1) / kLanes;
-  const float* qf = reinterpret_cast<const float*>(q);
-  const float* kf = reinterpret_cast<const float*>(keys);
-  float* flat = reinterpret_cast<float*>(scores);
-  // Keys past `seen` (scratch rows of an earlier block) are scored too; softmax_step sets them to -inf.
-  for (int64_t j = 0; j < used * kLanes; j += kAvx2Lanes) {
-    _mm256_storeu_ps(flat + j, dot8(qf, kf + j * stride, dims, stride));
-  }
-  const float alpha = softmax_step_avx2(flat, seen, used, row_max, row_sum);
-  round_probabilities<T>(flat, used * kLanes);
-  const float* vf = reinterpret_cast<const float*>(values);
-  float* accf = reinterpret_cast<float*>(acc);
+// weigh_values over all `dims` (a multiple of 8) in blocks that fit the 16 registers: 64 dims for one query, 32 for
+// two or three.
+template <int M>
+inline void weigh_all_values(const float* const* p, const float* v, int64_t seen, int64_t dims, int64_t stride,
+                             const float* alpha, float* const* acc) {
+  constexpr int kBlock = M == 1 ? 8 : 4;
   int64_t d0 = 0;
-  for (; d0 + kAvx2DimBlock <= dims; d0 += kAvx2DimBlock) {
-    weigh_values<kAvx2DimBlock / kAvx2Lanes>(flat, vf + d0, seen, stride, alpha, accf + d0);
+  for (; d0 + kBlock * kAvx2Lanes <= dims; d0 += kBlock * kAvx2Lanes) {
+    weigh_values<M, kBlock>(p, v, seen, stride, alpha, acc, d0);
   }
-  switch ((dims - d0) / kAvx2Lanes) {  // the last dims of a head that is not a multiple of 64 (96, 80, 40, ...)
-    case 1: return weigh_values<1>(flat, vf + d0, seen, stride, alpha, accf + d0);
-    case 2: return weigh_values<2>(flat, vf + d0, seen, stride, alpha, accf + d0);
-    case 3: return weigh_values<3>(flat, vf + d0, seen, stride, alpha, accf + d0);
-    case 4: return weigh_values<4>(flat, vf + d0, seen, stride, alpha, accf + d0);
-    case 5: return weigh_values<5>(flat, vf + d0, seen, stride, alpha, accf + d0);
-    case 6: return weigh_values<6>(flat, vf + d0, seen, stride, alpha, accf + d0);
-    case 7: return weigh_values<7>(flat, vf + d0, seen, stride, alpha, accf + d0);
+  switch ((dims - d0) / kAvx2Lanes) {  // the last dims of a head that is not a multiple of the block (96, 80, 40, ...)
+    case 1: return weigh_values<M, 1>(p, v, seen, stride, alpha, acc, d0);
+    case 2: return weigh_values<M, 2>(p, v, seen, stride, alpha, acc, d0);
+    case 3: return weigh_values<M, 3>(p, v, seen, stride, alpha, acc, d0);
+    case 4: return weigh_values<M, 4>(p, v, seen, stride, alpha, acc, d0);
+    case 5: return weigh_values<M, 5>(p, v, seen, stride, alpha, acc, d0);
+    case 6: return weigh_values<M, 6>(p, v, seen, stride, alpha, acc, d0);
+    case 7: return weigh_values<M, 7>(p, v, seen, stride, alpha, acc, d0);
     default: return;
+  }
+}
+
+// attend_block for M queries (consecutive in scratch: q + m * chunks, acc + m * chunks, row_max[m], row_sum[m]) that
+// all see the first `seen` keys of a converted block, heads of `dims` dims (a multiple of 8) held in scratch rows of
+// `chunks` x 16 floats: scores, the online-softmax update of (row_max, row_sum), weighted values into acc. `scores`
+// holds M x 64 floats. Nothing past a row's `dims` floats is read (the rows' padding may hold stale values).
+template <typename T, int M>
+void attend_block_avx2(const v16f* q, const v16f* keys, const v16f* values, int64_t seen, int64_t dims,
+                       int64_t chunks, v16f* acc, float* row_max, float* row_sum, v16f* scores) {
+  static_assert(M * kKeyBlock <= kTileKeyBlock, "the scratch's scores hold M blocks of keys");
+  const int64_t stride = chunks * kLanes, used = (seen + kLanes - 1) / kLanes, n = used * kLanes;
+  const float* kf = reinterpret_cast<const float*>(keys);
+  const float *qm[M], *pm[M];
+  float *flat[M], *accm[M], alpha[M];
+  for (int m = 0; m < M; ++m) {
+    qm[m] = reinterpret_cast<const float*>(q + m * chunks);
+    flat[m] = reinterpret_cast<float*>(scores) + m * kKeyBlock;
+    pm[m] = flat[m];
+    accm[m] = reinterpret_cast<float*>(acc + m * chunks);
+  }
+  // Keys past `seen` (scratch rows of an earlier block) are scored too; softmax_step sets them to -inf.
+  for (int64_t j = 0; j < n; j += M == 1 ? kAvx2Lanes : 4) {
+    if constexpr (M == 1) {
+      _mm256_storeu_ps(flat[0] + j, dot8(qm[0], kf + j * stride, dims, stride));
+    } else {
+      float* out[M];
+      for (int m = 0; m < M; ++m) out[m] = flat[m] + j;
+      dot4<M>(qm, kf + j * stride, dims, stride, out);
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    alpha[m] = softmax_step_avx2(flat[m], seen, used, row_max[m], row_sum[m]);
+    round_probabilities<T>(flat[m], n);
+  }
+  weigh_all_values<M>(pm, reinterpret_cast<const float*>(values), seen, dims, stride, alpha, accm);
+}
+
+// attend_block_avx2 for the `count` (1 to 3) queries from query i of the scratch.
+template <typename T>
+void attend_queries_avx2(int64_t count, int64_t i, const v16f* keys, const v16f* values, int64_t seen, int64_t dims,
+                         int64_t chunks, v16f* q, v16f* acc, float* row_max, float* row_sum, v16f* scores) {
+  auto run = [&](auto m) {
+    attend_block_avx2<T, decltype(m)::value>(q + i * chunks, keys, values, seen, dims, chunks, acc + i * chunks,
+                                             row_max + i, row_sum + i, scores);
+  };
+  switch (count) {
+    case 3: return run(std::integral_constant<int, 3>{});
+    case 2: return run(std::integral_constant<int, 2>{});
+    default: return run(std::integral_constant<int, 1>{});
   }
 }
 

@@ -114,7 +114,7 @@ struct Rows {
 // Per-thread scratch, sized once per call.
 struct Scratch {
   std::vector<v16f> q, acc, keys, values;  // [queries][chunks] x 2, [kKeyBlock][chunks] x 2
-  std::vector<v16f> scores;                // one query's scores for the block, [kTileKeyBlock / 16]
+  std::vector<v16f> scores;                // a block's scores: one query's, or the AVX2 step's 2-3 queries'
   std::vector<v16f> odd;                   // [chunks]: a running sum when the head size is not fixed
   std::vector<float> row_max, row_sum;
   std::vector<int64_t> limit, slots;

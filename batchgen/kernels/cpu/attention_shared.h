@@ -1,7 +1,8 @@
 // Rows of a round that share a prefix of KV slots (the prefix cache hands requests with a common prompt prefix the
-// same slots): found here so that the paged-attention kernel reads and packs that prefix's K/V once for all of
-// them (attend_bf16_shared), as cascade attention does (FlashInfer's "cascade", SGLang's and vLLM's shared-prefix
-// decoding). A query's arithmetic is unchanged, so its output is bit-identical with or without the sharing.
+// same slots): found here so that the paged-attention kernel reads and converts that prefix's K/V once for all of
+// them (attend_bf16_shared, attend_shared), as cascade attention does (FlashInfer's "cascade", SGLang's and vLLM's
+// shared-prefix decoding). A query's arithmetic is unchanged, so its output is bit-identical with or without the
+// sharing.
 #pragma once
 
 #include "attention_common.h"
@@ -20,12 +21,13 @@ struct SharedPrefix {
   int64_t depth;
 };
 
-// Groups of the `candidates` rows (each adding `queries_of(r)` queries, at most kSharedQueries in a group) that share
-// whole leading blocks. Rows are sorted by their slots, so rows with a common prefix sit side by side; a run grows
-// while the blocks it saves reading (depth x (members - 1)) do not shrink. Cost: a sort and a comparison of slot
-// lists, small beside reading the K/V they name.
+// Groups of the `candidates` rows (each adding `queries_of(r)` queries, at most max_queries <= kSharedQueries in a
+// group) that share whole leading blocks. Rows are sorted by their slots, so rows with a common prefix sit side by
+// side; a run grows while the blocks it saves reading (depth x (members - 1)) do not shrink. Cost: a sort and a
+// comparison of slot lists, small beside reading the K/V they name.
 template <typename QueriesOf>
-std::vector<SharedPrefix> shared_prefixes(const Rows& rows, std::vector<int64_t> candidates, QueriesOf queries_of) {
+std::vector<SharedPrefix> shared_prefixes(const Rows& rows, std::vector<int64_t> candidates, QueriesOf queries_of,
+                                          int64_t max_queries) {
   // Whole blocks every query of row r sees: its first new token sees seq_len - q_len + 1 keys.
   auto whole_blocks = [&](int64_t r) { return (rows.seq_lens[r] - rows.q_lens[r] + 1) / kKeyBlock; };
   std::erase_if(candidates, [&](int64_t r) { return whole_blocks(r) == 0; });
@@ -38,10 +40,11 @@ std::vector<SharedPrefix> shared_prefixes(const Rows& rows, std::vector<int64_t>
     }
     return n;
   };
+  // By their whole blocks' slots (a row's a prefix of a longer one's sorts first): a strict weak order, as the
+  // sort needs, under which rows with a common prefix still sit side by side.
   std::stable_sort(candidates.begin(), candidates.end(), [&](int64_t a, int64_t b) {
-    const int64_t n = std::min(whole_blocks(a), whole_blocks(b)) * kKeyBlock;
-    return std::lexicographical_compare(rows.slots_of(a), rows.slots_of(a) + n, rows.slots_of(b),
-                                        rows.slots_of(b) + n);
+    return std::lexicographical_compare(rows.slots_of(a), rows.slots_of(a) + whole_blocks(a) * kKeyBlock,
+                                        rows.slots_of(b), rows.slots_of(b) + whole_blocks(b) * kKeyBlock);
   });
   std::vector<SharedPrefix> groups;
   for (size_t i = 0; i < candidates.size();) {
@@ -51,7 +54,7 @@ std::vector<SharedPrefix> shared_prefixes(const Rows& rows, std::vector<int64_t>
     for (; j < candidates.size(); ++j) {
       const int64_t depth = std::min(g.depth, common_blocks(candidates[j - 1], candidates[j]));
       const int64_t members = static_cast<int64_t>(g.members.size());
-      const bool fits = queries + queries_of(candidates[j]) <= kSharedQueries;
+      const bool fits = queries + queries_of(candidates[j]) <= max_queries;
       if (depth == 0 || !fits || depth * members < g.depth * (members - 1)) break;
       g.depth = depth;
       g.members.push_back(candidates[j]);

@@ -18,9 +18,10 @@
 // rows as well. Where the caller asks for the matrix unit (matrix_unit: a CPU with AMX), rows of kTileMinQueries
 // queries or more run as two GEMMs per block of keys on the AMX tiles instead (attend_amx, attention_amx.h). Rows
 // of a few queries (decodes) whose leading KV slots are the same, as the prefix cache hands them out, read and
-// pack that prefix once for all of them (attention_shared.h, attend_bf16_shared). The generic path's block step is attend_block (attention_generic.h); on AVX2 without AVX-512 it
-// is attend_block_avx2 (attention_avx2.h), written for that machine's 16 registers of 8 lanes; attention_vector.h
-// holds the work item (attend) that runs either.
+// convert that prefix once for all of them (attention_shared.h finds them; attend_bf16_shared, and attend_shared on
+// the vector paths, run them). The generic path's block step is attend_block (attention_generic.h); on AVX2
+// without AVX-512 it is attend_block_avx2 (attention_avx2.h), written for that machine's 16 registers of 8 lanes;
+// attention_vector.h holds the work items (attend, attend_shared) that run either.
 // attention_common.h holds what the paths share.
 //
 // Built JIT by batchgen/kernels/cpu/__init__.py with -O3 -march=native -fopenmp. The float32 math is
@@ -79,25 +80,38 @@ void run(const Shape& s, const at::Tensor& q, const at::Tensor& k, const at::Ten
   const int64_t* q_lens = rows.q_lens;
   using Attend = bool (*)(const Shape&, const T*, const T*, const T*, T*, const int64_t*, int64_t, int64_t,
                           int64_t, int64_t, int64_t, int64_t, Scratch&);
+  using AttendShared = bool (*)(const Shape&, const T*, const T*, const T*, T*, const Rows&, const int64_t*, int64_t,
+                                int64_t, int64_t, Scratch&);
   Attend attend_item = &attend<T, DC>, attend_tiles = nullptr;
+  AttendShared attend_group = &attend_shared<T, DC>;
   // A row's path is its own: the matrix unit for rows of kTileMinQueries queries or more (where two GEMMs per
   // block beat packing K for the vector path's few queries), the vector path for the others (decodes).
   auto on_tiles = [&](int64_t r) { return attend_tiles != nullptr && q_lens[r] * group >= kTileMinQueries; };
-  std::vector<SharedPrefix> shared;
 #ifdef BATCHGEN_BF16_DOT
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     if (bf16_dot_fits(s.head_dim)) {
       attend_item = &attend_bf16<DC>;
+      attend_group = &attend_bf16_shared<DC>;
       if (matrix_unit) attend_tiles = &attend_amx<DC>;
-      // Rows of a few queries on the vector path (decodes) that share a cached prefix read it once together.
-      std::vector<int64_t> few;
-      for (int64_t r = 0; r < num_rows; ++r) {
-        if (q_lens[r] > 0 && !on_tiles(r) && q_lens[r] * group < kTileMinQueries) few.push_back(r);
-      }
-      if (few.size() > 1) shared = shared_prefixes(rows, std::move(few), [&](int64_t r) { return q_lens[r] * group; });
     }
   }
 #endif
+  // Rows of a few queries on the vector path (decodes) that share a cached prefix read it once together.
+  std::vector<int64_t> few;
+  for (int64_t r = 0; r < num_rows; ++r) {
+    if (q_lens[r] > 0 && !on_tiles(r) && q_lens[r] * group < kTileMinQueries) few.push_back(r);
+  }
+  // A group is one work item per KV head: its queries are capped so that the rows make at least two items per
+  // thread (one group of all the rows would leave a thread idle beside a few long items); rows of fewer queries
+  // than that are not grouped.
+  int64_t few_queries = 0;
+  for (int64_t r : few) few_queries += q_lens[r] * group;
+  const int64_t groups_wanted = (2 * at::get_num_threads() + s.num_kv_heads - 1) / s.num_kv_heads;
+  const int64_t max_queries = std::min(kSharedQueries, few_queries / groups_wanted);
+  std::vector<SharedPrefix> shared;
+  if (few.size() > 1) {
+    shared = shared_prefixes(rows, std::move(few), [&](int64_t r) { return q_lens[r] * group; }, max_queries);
+  }
   // Work items, each for every KV head: a shared prefix's rows, or (row, first query of a block of kQueryBlock, or
   // of kTileQueryBlock on the matrix unit) for the other rows, so that a long prefill row spreads over threads too
   // (the blocks depend on the row alone).
@@ -116,8 +130,8 @@ void run(const Shape& s, const at::Tensor& q, const at::Tensor& k, const at::Ten
     }
     work.push_back({-1, 0, keys + shared[g].depth * kKeyBlock, static_cast<int64_t>(g)});
   }
-  // The most queries an item holds (a shared prefix's rows hold up to kSharedQueries together): the scratch's size.
-  int64_t block_queries = shared.empty() ? 1 : kSharedQueries;
+  // The most queries an item holds (a shared prefix's rows hold up to max_queries together): the scratch's size.
+  int64_t block_queries = shared.empty() ? 1 : max_queries;
   for (int64_t r = 0; r < num_rows; ++r) {
     block_queries = std::max(block_queries, std::min(q_lens[r] * group, item_queries(r)));
     if (in_shared[r]) continue;
@@ -144,13 +158,9 @@ void run(const Shape& s, const at::Tensor& q, const at::Tensor& k, const at::Ten
       const int64_t kv_head = item % s.num_kv_heads;
       bool ok = true;
       if (it.shared >= 0) {
-#ifdef BATCHGEN_BF16_DOT
-        if constexpr (std::is_same_v<T, c10::BFloat16>) {
-          const SharedPrefix& g = shared[it.shared];
-          ok = attend_bf16_shared<DC>(s, q_ptr, k_ptr, v_ptr, out_ptr, rows, g.members.data(),
-                                      static_cast<int64_t>(g.members.size()), g.depth, kv_head, scratch);
-        }
-#endif
+        const SharedPrefix& g = shared[it.shared];
+        ok = attend_group(s, q_ptr, k_ptr, v_ptr, out_ptr, rows, g.members.data(),
+                          static_cast<int64_t>(g.members.size()), g.depth, kv_head, scratch);
       } else {
         const int64_t r = it.row, last = std::min(q_lens[r] * group, it.first + item_queries(r));
         const bool tiles = on_tiles(r);
