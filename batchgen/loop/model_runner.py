@@ -9,6 +9,7 @@ from batchgen.kernels.switches import KernelSwitches
 from batchgen.loop.cuda_graph_runner import CudaGraphRunner
 from batchgen.loop.forward_batch import ForwardBatch
 from batchgen.loop.kv_pool import ReqToTokenPool, TokenToKVPool
+from batchgen.models.few_row_decode import FewRowDecode
 from batchgen.models.llama import LlamaForCausalLM
 from batchgen.models.logits_processor import LogitsProcessor, LogitsProcessorOutput
 from batchgen.sampling.sampler import SampleOutput, sample
@@ -60,6 +61,7 @@ class ModelRunner:
         )
         self.attn_backend = create_attention_backend(attention_backend, device, dtype, config, switches, deterministic)
         self.logits_processor = LogitsProcessor()
+        self.few_row_decode = FewRowDecode.from_model(model, self.attn_backend)
         self.graph_runner: CudaGraphRunner | None = None
         if cuda_graph_max_bs > 0:
             use_graphs = device.type == "cuda" and self.attn_backend.supports_cuda_graph
@@ -74,11 +76,16 @@ class ModelRunner:
     def forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
         """Run the model over the round's tokens; logits only for ``forward_batch.sample_indices``.
 
-        DECODE and uniform TARGET_VERIFY rounds the graph runner can serve go through it; the rest plan their
-        attention and run eagerly.
+        DECODE and uniform TARGET_VERIFY rounds the graph runner can serve go through it (on a CPU only with
+        ``--cuda-graph-max-bs``); on a CPU whose rounds of a few rows run on the half-precision weights, such DECODE
+        rounds run their layers in one C++ call (:class:`FewRowDecode`); the rest plan their attention and run
+        eagerly.
         """
         if self.graph_runner is not None and self.graph_runner.can_run(forward_batch):
             return self.graph_runner.run(forward_batch)
+        if self.few_row_decode is not None and self.few_row_decode.can_run(forward_batch):
+            hidden = self.few_row_decode(forward_batch)
+            return self.logits_processor(hidden, self.model.compute_logits, forward_batch)
         self.attn_backend.init_forward_metadata(forward_batch)
         return self.forward_model(forward_batch)
 

@@ -1,0 +1,173 @@
+"""A few-row DECODE round's layers in one C++ call (``batchgen.models.few_row_decode``,
+``batchgen/kernels/cpu/decode_layers.cpp``) must give the bits the Python layers give on the same round: the final
+hidden states and the K/V it writes into the pool, for every row count it serves, with and without the q/k/v and
+o projections' biases, on requests of different lengths; and the model runner's rounds the logits they get
+without it. Where it must not run (another setup of the layers, other rounds) it does not. The GEMMs are packed
+as float32 on any CPU, as on one without AVX-512, so that the path runs wherever the extension builds; skips,
+saying why, where it cannot be built.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from batchgen.bench.attention_time import timing_attention
+from batchgen.bench.one_batch import OneBatchRunner
+from batchgen.kernels import cpu as cpu_kernels
+from batchgen.kernels.cpu.half_linear import FEW_ROWS
+from batchgen.loop.engine import Engine
+from batchgen.loop.forward_batch import ForwardBatch
+from batchgen.loop.forward_mode import ForwardMode
+from batchgen.loop.options import EngineOptions
+from batchgen.loop.req import Req
+from batchgen.loop.schedule_batch import ScheduleBatch
+from batchgen.models import source
+from batchgen.models.few_row_decode import FewRowDecode
+from batchgen.models.packed_linear import PackedLinear
+from tests.helpers.models import build_random_model
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _kernels_built() -> None:
+    problem = cpu_kernels.build_problem()
+    if problem is not None:
+        pytest.skip(f"the C++ kernels cannot be built on this machine: {problem}")
+
+
+@pytest.fixture
+def float32_gemms(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pack GEMMs as float32, as on a CPU whose oneDNN has no bfloat16 GEMM, so few rows run on half weights."""
+    monkeypatch.setattr(source, "cpu_gemm_dtype", lambda dtype, device, prepack, deterministic=False: torch.float32)
+
+
+def _same_bits(got: torch.Tensor, expected: torch.Tensor) -> bool:
+    as_int = {torch.bfloat16: torch.int16, torch.float32: torch.int32}[expected.dtype]
+    return got.dtype == expected.dtype and torch.equal(got.view(as_int), expected.view(as_int))
+
+
+def _engine(model_dir: Path, **options: Any) -> Engine:
+    return Engine(EngineOptions(model=str(model_dir), dtype="bfloat16", device="cpu", **options))
+
+
+def _decode_round(engine: Engine, rows: int) -> tuple[ForwardBatch, list[Req]]:
+    """``rows`` requests with prompts of 5, 12, 19, ... tokens, prefilled, and the DECODE round that follows (the
+    caller gives the requests' rows and slots back with ``OneBatchRunner.release``)."""
+    runner = OneBatchRunner(engine, seed=rows)
+    reqs = runner.make_reqs(rows, 5 + 7 * (rows - 1), 4)
+    for i, req in enumerate(reqs):
+        req.prompt_ids = req.prompt_ids[: 5 + 7 * i]
+    _, _, first = runner.prefill(reqs)
+    for req, token in zip(reqs, first.next_token_ids.tolist()):
+        req.output_ids.append(token)
+    worker = ScheduleBatch(ForwardMode.DECODE, reqs, [1] * rows, rows).prepare(
+        engine.kv_cache, engine.vocab_size, engine.device
+    )
+    return ForwardBatch.init_new(worker, engine.runner), reqs
+
+
+@pytest.mark.parametrize(
+    ("arch", "overrides", "num_biases"),
+    [("llama", {}, 0), ("llama", {"attention_bias": True, "num_hidden_layers": 3}, 6), ("qwen2", {}, 2)],
+    ids=["llama", "qkv-and-o-biases-3-layers", "qwen2-qkv-biases"],
+)
+def test_the_call_gives_the_python_layers_bits(
+    arch: str, overrides: dict[str, Any], num_biases: int, tmp_path: Path, float32_gemms: None
+) -> None:
+    """Each row count up to FEW_ROWS: the hidden states, and the new tokens' K/V in every layer of the pool (set
+    to NaN between the two runs, so the call must write them itself)."""
+    engine = _engine(build_random_model(tmp_path / "m", arch, **overrides), max_running_requests=FEW_ROWS)
+    runner = engine.runner
+    few_row = runner.few_row_decode
+    assert few_row is not None and few_row.max_rows == FEW_ROWS
+    biases = [m.bias for m in runner.model.modules() if isinstance(m, PackedLinear) and m.bias is not None]
+    assert len(biases) == num_biases
+    gen = torch.Generator().manual_seed(3)
+    for bias in biases:  # transformers initialises biases to zero, which would hide a lost one
+        bias.copy_(torch.randn(bias.shape, generator=gen))
+    pool = runner.token_to_kv_pool
+    for rows in range(1, FEW_ROWS + 1):
+        fb, reqs = _decode_round(engine, rows)
+        assert few_row.can_run(fb)
+        with torch.inference_mode():
+            runner.attn_backend.init_forward_metadata(fb)
+            plain = runner.model(fb.input_ids, fb.positions, fb)
+            k_plain, v_plain = (
+                pool.k_buffer[:, :, fb.out_cache_loc].clone(),
+                pool.v_buffer[:, :, fb.out_cache_loc].clone(),
+            )
+            pool.k_buffer[:, :, fb.out_cache_loc] = float("nan")
+            pool.v_buffer[:, :, fb.out_cache_loc] = float("nan")
+            got = few_row(fb)
+        assert _same_bits(got, plain), f"{rows} rows"
+        assert _same_bits(pool.k_buffer[:, :, fb.out_cache_loc], k_plain), f"{rows} rows: K"
+        assert _same_bits(pool.v_buffer[:, :, fb.out_cache_loc], v_plain), f"{rows} rows: V"
+        OneBatchRunner(engine).release(reqs)
+
+
+def test_the_runner_sends_its_few_row_decode_rounds_through_it(tmp_path: Path, float32_gemms: None) -> None:
+    """``ModelRunner.forward`` on a round of 3 decode rows: the one call (and no Python attention) gives the
+    logits the Python layers give on the same round."""
+    engine = _engine(build_random_model(tmp_path / "m", "llama"))
+    runner = engine.runner
+    few_row = runner.few_row_decode
+    assert few_row is not None
+    fb, reqs = _decode_round(engine, 3)
+    with timing_attention(engine) as clock:  # the Python backend's calls are timed apart from the call's own
+        assert few_row.attention_seconds is not None
+        got = runner.forward(fb).next_token_logits.clone()
+        in_call = float(few_row.attention_seconds)
+    assert in_call > 0 and clock.seconds == in_call
+    runner.few_row_decode = None
+    expected = runner.forward(fb).next_token_logits
+    assert _same_bits(got, expected)
+    OneBatchRunner(engine).release(reqs)
+
+
+def test_it_serves_only_few_row_decode_rounds(tmp_path: Path, float32_gemms: None) -> None:
+    engine = _engine(build_random_model(tmp_path / "m", "llama"), max_running_requests=FEW_ROWS + 1)
+    few_row = engine.runner.few_row_decode
+    assert few_row is not None
+    fb, reqs = _decode_round(engine, FEW_ROWS + 1)
+    assert not few_row.can_run(fb)
+    runner = OneBatchRunner(engine, seed=0)
+    runner.release(reqs)
+    reqs = runner.make_reqs(2, 6, 4)
+    worker = ScheduleBatch(ForwardMode.EXTEND, reqs, [6, 6]).prepare(engine.kv_cache, engine.vocab_size, engine.device)
+    assert not few_row.can_run(ForwardBatch.init_new(worker, engine.runner))
+
+
+@pytest.mark.parametrize(
+    ("arch", "env", "options"),
+    [
+        ("qwen3", {}, {}),  # q/k norms run in torch between the projection and RoPE
+        ("llama", {"BATCHGEN_CPU_FLOAT32_CARRIER": "0"}, {}),  # each GEMM's output rounded in Python
+        ("llama", {"BATCHGEN_CPU_HALF_WEIGHT_LINEAR": "0"}, {}),
+        ("llama", {"BATCHGEN_CPU_ATTENTION_KERNEL": "0"}, {}),
+        ("llama", {}, {"deterministic": True}),
+    ],
+    ids=["qwen3-qk-norm", "no-carrier", "no-half-weights", "no-attention-kernel", "deterministic"],
+)
+def test_other_setups_keep_the_python_layers(
+    arch: str,
+    env: dict[str, str],
+    options: dict[str, Any],
+    tmp_path: Path,
+    float32_gemms: None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    engine = _engine(build_random_model(tmp_path / "m", arch), **options)
+    assert engine.runner.few_row_decode is None
+
+
+def test_a_float32_model_keeps_the_python_layers(tmp_path: Path) -> None:
+    engine = Engine(
+        EngineOptions(model=str(build_random_model(tmp_path / "m", "llama")), dtype="float32", device="cpu")
+    )
+    assert engine.runner.few_row_decode is None
+    assert FewRowDecode.from_model(engine.runner.model, engine.runner.attn_backend) is None
