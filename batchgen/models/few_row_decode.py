@@ -2,8 +2,8 @@
 half-precision weights.
 
 On a CPU without AVX-512 a bfloat16 model's rounds of up to ``few_rows`` rows run their linear layers on the
-model's own weights (:mod:`batchgen.kernels.cpu.half_linear`), and a batch-1 step of a small model is then
-short enough (~30 ms for SmolLM2-135M on 2 cores) that the Python between its ~300 ops is a quarter of it.
+model's own weights (:mod:`batchgen.kernels.cpu.half_linear`), and a small batch's step is then short enough
+that the Python between its ten ops a layer is a large part of it (measured in docs/performance.md).
 :class:`FewRowDecode` hands such a round's layers to :func:`batchgen.kernels.cpu.decode_layers.decode_layers`,
 which calls the same ops in the same order from C++: the same bits, in less time. The embedding lookup before
 and the logits after stay in Python, as do every other round and every other model setup.

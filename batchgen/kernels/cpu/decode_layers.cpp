@@ -1,11 +1,11 @@
-// The decoder layers of a Llama-family bfloat16 model for a round of a few decode rows, in one call. A batch-1
-// decode step runs ~300 small ops (30 layers of SmolLM2-135M); called one by one from Python, each pays the
-// interpreter, the module calls and the dispatcher's Python entry, a quarter of the step on a 2-core CPU
-// (docs/performance.md). Here the same ops run in the same order on the same inputs through the dispatcher's C++
-// entry, so every output bit is the Python path's (tests/kernels/test_cpu_decode_layers.py): this is that path's
-// call sequence, not another kernel. The sequence is the float32 carrier's (LlamaForCausalLM.carry_float32):
-// linear layers on the half-precision weights (half_weight_linear) hand float32 outputs on unrounded, the norms
-// and SiLU-and-multiply write float32 holding bfloat16 values, the residual stream and the KV cache are bfloat16.
+// The decoder layers of a Llama-family bfloat16 model for a round of a few decode rows, in one call. A small
+// batch's decode step runs ten short ops a layer; called one by one from Python, each pays the interpreter, the
+// module calls and the dispatcher's Python entry, a large part of the step (docs/performance.md). Here the same
+// ops run in the same order on the same inputs through the dispatcher's C++ entry, so every output bit is the
+// Python path's (tests/kernels/test_cpu_decode_layers.py): this is that path's call sequence, not another kernel.
+// The sequence is the float32 carrier's (LlamaForCausalLM.carry_float32): linear layers on the half-precision
+// weights (half_weight_linear) hand float32 outputs on unrounded, the norms and SiLU-and-multiply write float32
+// holding bfloat16 values, the residual stream and the KV cache are bfloat16.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>

@@ -2,8 +2,8 @@
 models on CPUs whose linear layers of a few rows run on the half-precision weights
 (:mod:`batchgen.kernels.cpu.half_linear`, AVX2 CPUs without AVX-512).
 
-A batch-1 decode step of a 30-layer model is ~300 short ops; run from Python, the interpreter and the
-dispatcher's Python entry between them cost about a quarter of the step on a 2-core CPU. The C++ op runs the
+A small batch's decode step is ten short ops a layer; run from Python, the interpreter and the dispatcher's
+Python entry between them are a large part of the step (docs/performance.md). The C++ op runs the
 same ops (:mod:`batchgen.kernels.cpu.fused_elementwise`, :func:`batchgen.kernels.cpu.half_linear.half_weight_linear`,
 :func:`batchgen.kernels.cpu.paged_attention`) in the same order on the same inputs through the dispatcher's C++
 entry: the same bits as the Python layers with the float32 carrier
