@@ -1,5 +1,6 @@
-// bfloat16 rounding for the fused elementwise ops (elementwise.cpp, rope.h), how they split rows over threads, and the loads and stores of "the float32
-// carrier": values that are bfloat16 in meaning, held in float32 between a GEMM and these ops.
+// bfloat16 rounding for the fused elementwise ops (elementwise.cpp, rope.h), how they split rows over threads,
+// and the loads and stores of "the float32 carrier": values that are bfloat16 in meaning, held in float32 between
+// a GEMM and these ops.
 #pragma once
 
 #include "vec16.h"
@@ -28,25 +29,21 @@ void dispatch_value_types(at::ScalarType in, at::ScalarType out, F&& f) {
   if (!in_bf16 && !out_bf16) f(float{}, float{});
 }
 
-// float32 lanes rounded to bfloat16 (to nearest even, NaN kept a quiet NaN), as c10::BFloat16 rounds.
-inline vnh to_bf16(vnf x) {
-  const vnu bits = reinterpret_cast<vnu>(x);
-  const vnu rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-  const vnu out = x == x ? rounded : vnu{} + 0x7fc0u;
-  return __builtin_convertvector(out, vnh);
-}
-
-inline void storen(BFloat16* p, vnf x) {
-  const vnh h = to_bf16(x);
-  std::memcpy(p, &h, sizeof(h));
-}
-
-// x rounded to bfloat16 and back: the value a bfloat16 PyTorch op hands to the next one. to_bf16's rounding, kept in
-// the float32 lanes (narrowing to 16 bits and widening again costs shuffles where AVX2 has no narrowing move).
+// x rounded to bfloat16 and back: the value a bfloat16 PyTorch op hands to the next one. Rounded to nearest even,
+// NaN kept a quiet NaN, as c10::BFloat16 rounds; kept in the float32 lanes (narrowing to 16 bits and widening
+// again costs shuffles where AVX2 has no narrowing move).
 inline vnf round_bf16(vnf x) {
   const vnu bits = reinterpret_cast<vnu>(x);
   const vnu rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
   return reinterpret_cast<vnf>(x == x ? rounded : vnu{} + 0x7fc00000u);
+}
+
+// float32 lanes rounded to bfloat16: round_bf16's upper halves.
+inline vnh to_bf16(vnf x) { return __builtin_convertvector(reinterpret_cast<vnu>(round_bf16(x)) >> 16, vnh); }
+
+inline void storen(BFloat16* p, vnf x) {
+  const vnh h = to_bf16(x);
+  std::memcpy(p, &h, sizeof(h));
 }
 
 inline float round_bf16(float x) { return static_cast<float>(static_cast<BFloat16>(x)); }
