@@ -211,20 +211,30 @@ def test_requests_truncation_cannot_fix_do_not_stop_the_evaluation(
     assert short[0] < 0
 
 
-@pytest.mark.parametrize(
-    ("model_args", "message"),
-    [
-        ("pretrained=/no/such/model", "unknown model '/no/such/model'"),
-        ("dtype=float32", "--model_args needs pretrained=MODEL"),
-        ("pretrained={model},max_length=abc", "--model_args max_length: must be an integer >= 1, got 'abc'"),
-        ("pretrained={model},max_length=-5", "--model_args max_length: must be an integer >= 1, got -5"),
-        ("pretrained={model},max_running_request=4", "did you mean 'max_running_requests'?"),
-        (
-            "pretrained={model} --apply_chat_template",
-            "--apply_chat_template: the model's tokenizer has no chat template",
-        ),
-    ],
-)
+BAD_MODEL_ARGS = [
+    ("pretrained=/no/such/model", "unknown model '/no/such/model'"),
+    ("dtype=float32", "--model_args needs pretrained=MODEL"),
+    ("pretrained={model},max_length=abc", "--model_args max_length: must be an integer >= 1, got 'abc'"),
+    ("pretrained={model},max_length=-5", "--model_args max_length: must be an integer >= 1, got -5"),
+    ("pretrained={model},max_running_request=4", "did you mean 'max_running_requests'?"),
+    ("pretrained={model} --apply_chat_template", "--apply_chat_template: the model's tokenizer has no chat template"),
+]
+
+
+@pytest.mark.parametrize(("model_args", "message"), BAD_MODEL_ARGS)
+def test_bad_model_args_raise_batchgens_error(
+    tasks: TaskManager, random_models: dict[str, Path], model_args: str, message: str
+) -> None:
+    """Through lm-eval's Python API, which parses ``model_args`` as its command line does."""
+    model_args, *flags = model_args.format(model=random_models["llama"]).split()
+    options = {"apply_chat_template": True} if flags == ["--apply_chat_template"] else {}
+    with pytest.raises(BatchgenError) as error:
+        evaluate(tasks, "batchgen", model_args, tasks=["batchgen_generate"], **options)
+    assert message in str(error.value)
+
+
+# One error raised while the model is built, one while the requests are made: the command line's handler sees both.
+@pytest.mark.parametrize(("model_args", "message"), [BAD_MODEL_ARGS[0], BAD_MODEL_ARGS[-1]])
 def test_bad_model_args_are_one_line(
     task_dir: Path,
     random_models: dict[str, Path],
@@ -233,6 +243,7 @@ def test_bad_model_args_are_one_line(
     model_args: str,
     message: str,
 ) -> None:
+    """On the command line (each run indexes lm-eval's built-in tasks, ~15 s, hence two cases, not all)."""
     from batchgen.eval.__main__ import main
 
     model_args = model_args.format(model=random_models["llama"])
