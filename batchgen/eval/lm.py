@@ -260,7 +260,8 @@ def _count(name: str, value: Any, least: int = 1) -> int | None:
         with contextlib.suppress(ValueError):  # text that is no number
             number = int(value)
     if number is None or number < least:
-        raise BatchgenError(f"--model_args {name}: must be an integer >= {least}, got {value!r}")
+        shown = repr(value) if number is None else number  # as typed: lm-eval's command line turns -5 into -5.0
+        raise BatchgenError(f"--model_args {name}: must be an integer >= {least}, got {shown}")
     return number
 
 

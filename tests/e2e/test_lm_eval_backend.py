@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -73,7 +74,9 @@ def llama_results(tasks: TaskManager, llama_dir: Path) -> dict[str, dict[str, An
     return {model: evaluate(tasks, model, args) for model in ("hf", "batchgen")}
 
 
-def evaluate(manager: TaskManager, model: str | BatchgenLM, model_args: str, **options: Any) -> dict[str, Any]:
+def evaluate(
+    manager: TaskManager, model: str | BatchgenLM, model_args: str | dict[str, Any], **options: Any
+) -> dict[str, Any]:
     results = lm_eval.simple_evaluate(
         model=model,
         model_args=model_args,
@@ -225,12 +228,15 @@ BAD_MODEL_ARGS = [
 def test_bad_model_args_raise_batchgens_error(
     tasks: TaskManager, random_models: dict[str, Path], model_args: str, message: str
 ) -> None:
-    """Through lm-eval's Python API, which parses ``model_args`` as its command line does."""
+    """Through lm-eval's Python API, given ``model_args`` as its command line parses them (-5 becomes -5.0)."""
+    from lm_eval._cli.utils import key_val_to_dict
+
     model_args, *flags = model_args.format(model=random_models["llama"]).split()
     options = {"apply_chat_template": True} if flags == ["--apply_chat_template"] else {}
     with pytest.raises(BatchgenError) as error:
-        evaluate(tasks, "batchgen", model_args, tasks=["batchgen_generate"], **options)
-    assert message in str(error.value)
+        evaluate(tasks, "batchgen", key_val_to_dict(model_args), tasks=["batchgen_generate"], **options)
+    # Not followed by more of a number or a word: "got -5" must not be "got -5.0".
+    assert re.search(re.escape(message) + r"(?![\w.])", str(error.value)), str(error.value)
 
 
 # One error raised while the model is built, one while the requests are made: the command line's handler sees both.
@@ -243,7 +249,7 @@ def test_bad_model_args_are_one_line(
     model_args: str,
     message: str,
 ) -> None:
-    """On the command line (each run indexes lm-eval's built-in tasks, ~15 s, hence two cases, not all)."""
+    """On the command line (each run indexes lm-eval's built-in tasks, see ``tasks``: two cases, not all)."""
     from batchgen.eval.__main__ import main
 
     model_args = model_args.format(model=random_models["llama"])
