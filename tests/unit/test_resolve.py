@@ -221,7 +221,8 @@ def test_gguf_file_converts_like_builtin(tmp_path: Path) -> None:
     assert model_dir == tmp_path / "models" / f"gguf-{builtin.BUILTIN_MODELS[DEFAULT_MODEL].gguf_sha256[:16]}"
     # Equal but for the version of transformers that wrote each (the built-in one may be cached from an older one).
     ours_config, theirs_config = (json.loads((d / "config.json").read_text()) for d in (model_dir, builtin_dir))
-    ours_config.pop("transformers_version"), theirs_config.pop("transformers_version")
+    for config in (ours_config, theirs_config):
+        config.pop("transformers_version")
     assert ours_config == theirs_config
     ours, theirs = load_file(model_dir / "model.safetensors"), load_file(builtin_dir / "model.safetensors")
     assert ours.keys() == theirs.keys()
