@@ -97,7 +97,7 @@ def test_refuses_what_it_cannot_run() -> None:
 def test_packed_linear_runs_few_rows_on_the_half_weights(dtype: torch.dtype, round_output: bool) -> None:
     """With ``few_rows``, calls of up to that many rows give the kernel's result (rounded to the layer's dtype unless
     ``round_output`` is off), larger ones the float32 GEMM's, bit for bit."""
-    weight, b, x = _layer(dtype, 20, 576, 192, 7)
+    weight, b, x = _layer(dtype, FEW_ROWS + 12, 576, 192, 7)
     bias = b.to(dtype)
     gemm = PackedLinear(weight, bias, torch.float32)
     few = PackedLinear(weight, bias, torch.float32, few_rows=FEW_ROWS)
@@ -107,7 +107,7 @@ def test_packed_linear_runs_few_rows_on_the_half_weights(dtype: torch.dtype, rou
         kernel = half_weight_linear(x[:rows], weight, bias.float()).to(want_dtype)
         assert torch.equal(few(x[:rows]), kernel), rows
         assert torch.equal(few(x[:rows].float()), kernel), rows  # the float32 carrier's input
-    for rows in (FEW_ROWS + 1, 20):
+    for rows in (FEW_ROWS + 1, FEW_ROWS + 12):
         assert torch.equal(few(x[:rows]), gemm(x[:rows])), rows
 
 

@@ -7,7 +7,8 @@ rows through the LM head) is bound by reading the weights, and this kernel reads
 weights, half the bytes, widening them to float32 in registers: products and sums in float32 as in the float32
 GEMM, in another order, so a result can differ from it in its last float32 bits. A row's result never depends on
 the other rows of the call. Past :data:`FEW_ROWS` rows the GEMM is bound by arithmetic, not bytes, and oneDNN's
-float32 GEMM is as fast or faster (the crossover measured in docs/performance.md).
+float32 GEMM, whose tiles reuse each weight over more rows, is as fast or faster (the crossover, in the engine,
+measured in docs/performance.md).
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ import torch
 
 from batchgen.kernels.cpu import build_problem
 
-# Rows up to which the kernel runs a linear layer instead of the float32 GEMM.
-FEW_ROWS = 8
+# Rows up to which the kernel runs a linear layer instead of the float32 GEMM. In the engine such a DECODE round
+# also runs its layers in one C++ call (batchgen.models.few_row_decode), so the crossover in the engine lies past the
+# kernel's own (docs/performance.md: AMD Zen 1 and Zen 3, where this path runs).
+FEW_ROWS = 24
 
 
 def half_weight_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
