@@ -6,9 +6,9 @@ There a half-precision model's linear layers run as float32 GEMMs on float32 cop
 rows through the LM head) is bound by reading the weights, and this kernel reads the model's own half-precision
 weights, half the bytes, widening them to float32 in registers: products and sums in float32 as in the float32
 GEMM, in another order, so a result can differ from it in its last float32 bits. A row's result never depends on
-the other rows of the call. Past :data:`FEW_ROWS` rows the GEMM is bound by arithmetic, not bytes, and oneDNN's
-float32 GEMM, whose tiles reuse each weight over more rows, is as fast or faster (the crossover, in the engine,
-measured in docs/performance.md).
+the other rows of the call. The more rows, the more each weight is reused and the less halving its bytes pays,
+while oneDNN's float32 GEMM blocks registers better than this kernel's tiles of at most 4 rows: past some row count
+it is faster (the crossover, alone and in the engine, is measured in docs/performance.md).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import torch
 
 from batchgen.kernels.cpu import build_problem
 
-# Rows up to which the kernel runs a linear layer instead of the float32 GEMM. In the engine such a DECODE round
-# also runs its layers in one C++ call (batchgen.models.few_row_decode), so the crossover in the engine lies past the
-# kernel's own (docs/performance.md: AMD Zen 1 and Zen 3, where this path runs).
+# Rows up to which the kernel runs a linear layer instead of the float32 GEMM: below the kernel's own crossover on
+# the AVX2 CPUs measured (docs/performance.md), where a DECODE round of that many rows also runs its layers in one
+# C++ call (batchgen.models.few_row_decode).
 FEW_ROWS = 24
 
 
