@@ -4,6 +4,12 @@ Partly prefilled requests go first, then waiting requests are admitted in the ``
 there is a free request row, prefill token budget and KV room. An admitted request first takes the longest
 cached prefix of its tokens from the prefix cache (``KVCache.match``) and prefills only the rest.
 
+KV room: a request is admitted only if its pending tokens fit beside the room kept for the running requests'
+decodes. For requests that may stop early that room is SGLang's estimate (``new_token_ratio`` of their remaining
+tokens), and when it proves short the scheduler retracts; for requests that always run to their length
+(``ignore_eos`` and no stop ids, strings or grammar: benchmarks, fixed-length generation) it is exact, so those are
+never retracted and never computed twice.
+
 In-batch prefix sharing: a waiting request whose prompt shares at least ``SHARED_PREFIX_MIN`` more tokens with
 a request still prefilling than the cache holds waits for that request to finish its prefill (its K/V then
 joins the cache) instead of computing the same prefix beside it (SGLang's in-batch prefix caching).
@@ -101,7 +107,7 @@ class PrefillAdder:
         fit; else undo and return False."""
         pool_rows = self.kv_cache.allocate_rows(rows)
         req.req_pool_idx, req.fork_rows = pool_rows[0], pool_rows[1:]
-        req.kv_len = self.kv_cache.match(pool_rows[0], req.fill_ids(req.match_limit))
+        req.kv_len = req.matched_len = self.kv_cache.match(pool_rows[0], req.fill_ids(req.match_limit))
         need = req.num_pending
         room = self.kv_cache.available() - self.used
         # Keep room for the decodes of everything already running and of this request, unless it would run
@@ -132,8 +138,24 @@ class PrefillAdder:
         return len(self.running) + rows <= self.max_running_requests and self.kv_cache.available_rows() >= rows
 
     def _decode_reserve(self, reqs: list[Req]) -> int:
-        remaining = sum(max(0, r.params.max_new_tokens - len(r.output_ids)) * (1 + r.unforked_samples) for r in reqs)
-        return math.ceil(remaining * self.new_token_ratio)
+        """KV slots to keep free for the decodes of ``reqs``. A request that may stop early (EOS, stop ids or
+        strings, a grammar) is expected to use ``new_token_ratio`` of its remaining tokens (SGLang's estimate).
+        One that always runs to its length (``ignore_eos`` and nothing else stops it) takes exactly its remaining
+        tokens, and a decoding one then gives back those and its own slots: together they need the peak of
+        :func:`peak_growth`, room they are sure to need and no more, so they are never retracted for it."""
+        estimated = 0
+        certain: list[tuple[int, int]] = []
+        for r in reqs:
+            remaining = _remaining(r)
+            if r.stop_token_ids or r.params.stop or r.grammar is not None:
+                estimated += remaining * (1 + r.unforked_samples)
+                continue
+            # A decoding request ends after `remaining` rounds and frees those slots and its own (not the matched
+            # ones, which others may hold). Counted as freeing nothing: one still prefilling (its decoding, so its
+            # end, may start rounds later) and the samples of an n > 1 row (their prompt goes with the last one).
+            freed = remaining + r.kv_len - r.matched_len if r.is_decoding and r.params.n == 1 else 0
+            certain.extend([(remaining, freed)] + [(remaining, 0)] * r.unforked_samples)
+        return math.ceil(estimated * self.new_token_ratio) + peak_growth(certain)
 
 
 def _waits_for_shared_prefix(req: Req, cached: int, prefilling: Sequence[Req]) -> bool:
@@ -144,3 +166,25 @@ def _waits_for_shared_prefix(req: Req, cached: int, prefilling: Sequence[Req]) -
         return False
     head = req.prompt_ids[:want]
     return any(p.prompt_ids[:want] == head for p in prefilling)
+
+
+def _remaining(req: Req) -> int:
+    """Output tokens ``req`` may still add: up to ``max_new_tokens``, within its context length."""
+    return max(0, min(req.params.max_new_tokens - len(req.output_ids), req.max_total_len - req.fill_len))
+
+
+def peak_growth(requests: Sequence[tuple[int, int]]) -> int:
+    """The most KV slots that requests taking one slot a round need beyond what they hold now, given for each
+    ``(a, freed)``: it takes ``a`` more slots, then finishes and gives back ``freed`` slots (its ``a`` and those
+    only it held; 0 for one assumed to keep everything). After ``t`` rounds that is
+    ``t * #{a >= t} + sum of (a - freed) over a < t``; its maximum over ``t >= 0`` is returned.
+
+    Between finishes the sum only grows, so the maximum is at one of the ``a``: one pass over them sorted. E.g.
+    ``[(2, 12), (5, 15)]``: 2 after 1 round, 4 after 2; then the first gives back 12 and the sum stays below 4.
+    """
+    peak = after = 0  # after: the sum of a - freed over those finished before the current a
+    ordered = sorted(requests)
+    for i, (a, freed) in enumerate(ordered):
+        peak = max(peak, a * (len(ordered) - i) + after)
+        after += a - freed
+    return peak

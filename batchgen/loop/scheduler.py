@@ -30,8 +30,10 @@ class SchedulerOptions:
         max_prefill_tokens: prompt tokens per round (a single longer prompt still runs alone).
         chunked_prefill_size: longest prefill chunk per round; 0 disables chunking (prompts prefill whole).
         enable_mixed_chunk: let a prefill chunk and the running decodes share one forward (MIXED).
-        new_token_ratio: fraction of each running request's remaining ``max_new_tokens`` kept free when
-            admitting new requests, so admission rarely forces a retraction later.
+        new_token_ratio: fraction of the remaining ``max_new_tokens`` of each running request that may stop
+            early (EOS, stop ids or strings, a grammar) kept free when admitting new requests, so admission
+            rarely forces a retraction later. Requests that always run to their length get exactly the room
+            their growth needs (``PrefillAdder``).
     """
 
     max_running_requests: int

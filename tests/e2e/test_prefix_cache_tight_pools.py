@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers.engine import enqueue_rows
+from tests.helpers.engine import UNMATCHED_STOP, enqueue_rows
 
 rng = random.Random(1)
 P6 = [0] + [rng.randrange(2, 390) for _ in range(5)]
@@ -116,14 +116,18 @@ def test_summary_share_counts_no_recomputed_outputs_as_prompt_tokens(
 ) -> None:
     """16 prompts that share no token (each starts with its own id) cannot give each other a single prompt token,
     so "prefix cache N % of prompt tokens" must say 0 %. A 200-token pool retracts requests that have 60 outputs
-    to grow; each comes back with a hit on its own prompt and outputs, which the share must not count: it is of
-    the prompt tokens of requests admitted for the first time.
+    to grow (their stop string makes the scheduler estimate that growth); each comes back with a hit on its own
+    prompt and outputs, which the share must not count: it is of the prompt tokens of requests admitted for the
+    first time.
     """
     from tests.helpers.cli import run_args, run_cli, write_jsonl
 
     local = random.Random(4)
     rows = [
-        _greedy(f"r{i}", [10 + i, *[local.randrange(2, 390) for _ in range(7)]], 60, ignore_eos=True) for i in range(16)
+        _greedy(
+            f"r{i}", [10 + i, *[local.randrange(2, 390) for _ in range(7)]], 60, ignore_eos=True, stop=[UNMATCHED_STOP]
+        )
+        for i in range(16)
     ]
     dataset = write_jsonl(tmp_path / "rows.jsonl", rows)
     args = run_args(dataset, tmp_path / "out.arrow", random_models["llama"], "--max-total-tokens", "200")

@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from batchgen.job.continuation import split_continuation
 from tests.helpers.cli import read_rows, run_args, run_cli, write_jsonl
+from tests.helpers.engine import UNMATCHED_STOP
 
 CHAT_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}<assistant>"
 
@@ -68,13 +69,15 @@ def test_continuations_equal_hf_with_lm_head_only_where_asked(
         return logits
 
     monkeypatch.setattr(LogitsProcessor, "_logits", staticmethod(spy))
-    # In the tight pool, rows that generate make the scheduler retract requests, scoring ones among them.
+    # In the tight pool, rows that generate make the scheduler retract requests, scoring ones among them (their
+    # stop string makes it estimate their growth, and over-admit).
     generating = [
         {
             "id": f"g{i}",
             "prompt_token_ids": [0, *rng.sample(range(2, 300), 20)],
             "max_new_tokens": 40,
             "ignore_eos": True,
+            "stop": [UNMATCHED_STOP],
         }
         for i in range(3 if "max_total_tokens" in options else 0)
     ]

@@ -19,7 +19,13 @@ from batchgen.loop.req import Req
 from batchgen.speculative import make_drafter
 from batchgen.speculative.draft_model import DraftModelDrafter
 from tests.helpers.cli import generate, run_args, run_cli, write_jsonl
-from tests.helpers.engine import FIRST_TOKENS_PROMPT, assert_first_two_tokens_follow_top5, enqueue_rows, spy_graph_runs
+from tests.helpers.engine import (
+    FIRST_TOKENS_PROMPT,
+    UNMATCHED_STOP,
+    assert_first_two_tokens_follow_top5,
+    enqueue_rows,
+    spy_graph_runs,
+)
 from tests.helpers.models import build_random_model, perturbed_copy
 
 # Tests here count accepted drafts: the timed draft budget must not hold any back (see the fixture).
@@ -260,9 +266,10 @@ def test_retraction_frees_draft_rows_and_keeps_outputs(
     random_models: dict[str, Path], perturbed_draft: Path, tmp_path: Path
 ) -> None:
     """A KV pool so small that requests are retracted: they give back their draft rows and KV, catch up from
-    scratch later, and the outputs stay those of plain decoding."""
+    scratch later, and the outputs stay those of plain decoding. The rows' stop string makes the scheduler estimate
+    their growth, and over-admit."""
     model = random_models["llama"]
-    rows = _rows(10, sampled=False)
+    rows = [row | {"stop": [UNMATCHED_STOP]} for row in _rows(10, sampled=False)]
     plain = _run(model, rows, tmp_path, max_running_requests=8).reqs
     # Whether a pool size retracts depends on the order of admission (the prefix cache's, or first come, first
     # served without it): each draft runs with a few small pools, every run must equal plain decoding, and some

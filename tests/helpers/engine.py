@@ -13,6 +13,12 @@ from transformers import (
 
 from tests.helpers.cli import write_jsonl
 
+# A stop string the test models' outputs never contain (four control bytes in a row): a row with it runs to its
+# max_new_tokens all the same, but the scheduler cannot know that, so it estimates the row's growth and may admit
+# more than the pool later holds. Tests of retraction give their rows this stop; rows that nothing can stop early
+# are admitted only where their whole growth fits and are never retracted.
+UNMATCHED_STOP = "\x00\x07\x1b\x7f"
+
 
 def enqueue_rows(engine: Any, rows: list[dict[str, Any]], path: Path, *, eos: bool = True) -> None:
     """Add ``rows`` to ``engine`` as requests built the way ``batchgen run`` builds them (written to ``path`` as

@@ -14,7 +14,7 @@ from batchgen.loop.forward_batch import ForwardBatch
 from batchgen.loop.forward_mode import ForwardMode
 from batchgen.loop.kv_pool import KVSlotAllocator, TokenToKVPool
 from batchgen.loop.options import EngineOptions
-from tests.helpers.engine import enqueue_rows
+from tests.helpers.engine import UNMATCHED_STOP, enqueue_rows
 
 
 def test_freed_slots_are_copied_not_aliased() -> None:
@@ -54,7 +54,7 @@ def test_forward_mode_predicates() -> None:
     assert ForwardMode.TARGET_VERIFY.is_target_verify() and not ForwardMode.DECODE.is_target_verify()
 
 
-def _engine_with_requests(model_dir: Path, tmp_path: Path, **options: object) -> tuple[Engine, int]:
+def _engine_with_requests(model_dir: Path, tmp_path: Path, stops: bool, **options: object) -> tuple[Engine, int]:
     engine = Engine(EngineOptions(model=str(model_dir), dtype="float32", device="cpu", **options))  # type: ignore[arg-type]
     rng = random.Random(3)
     rows = [
@@ -65,15 +65,24 @@ def _engine_with_requests(model_dir: Path, tmp_path: Path, **options: object) ->
             "temperature": 0,
             "ignore_eos": True,
         }
+        | ({"stop": [UNMATCHED_STOP]} if stops else {})
         for i in range(24)
     ]
     enqueue_rows(engine, rows, tmp_path / "p.jsonl")
     return engine, len(rows)
 
 
-def test_every_kv_slot_is_free_after_a_run_with_preemption(random_models: dict[str, Path], tmp_path: Path) -> None:
+@pytest.mark.parametrize("stops", [True, False], ids=["may-stop-early", "runs-to-length"])
+def test_every_kv_slot_is_free_after_a_run_in_a_tight_pool(
+    stops: bool, random_models: dict[str, Path], tmp_path: Path
+) -> None:
+    """24 rows through a 120-slot pool. Rows with a stop string may end early as far as the scheduler knows: it
+    keeps room for part of their growth only (``new_token_ratio``), so it admits more than the pool later holds
+    and retracts. Rows that nothing can stop early grow by exactly their remaining tokens: admitted only where
+    that growth fits (less what the ones that finish first give back), they are never retracted. Either way every
+    row gets all its tokens and every slot and request row is free at the end."""
     engine, num_rows = _engine_with_requests(
-        random_models["llama"], tmp_path, max_total_tokens=120, chunked_prefill_size=16, max_running_requests=8
+        random_models["llama"], tmp_path, stops, max_total_tokens=120, chunked_prefill_size=16, max_running_requests=8
     )
     modes: set[ForwardMode] = set()
     finished = []
@@ -87,7 +96,7 @@ def test_every_kv_slot_is_free_after_a_run_with_preemption(random_models: dict[s
         logits = engine.runner.forward(ForwardBatch.init_new(worker, engine.runner))
         finished += engine.scheduler.process_result(batch, engine.runner.sample(logits, worker.sampling_info))
     assert len(finished) == num_rows
-    assert engine.scheduler.num_retracted > 0
+    assert (engine.scheduler.num_retracted > 0) == stops
     assert {ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED} <= modes
     assert engine.kv_cache.available() == 120
     assert engine.runner.req_to_token_pool.available() == 8
@@ -133,3 +142,41 @@ def test_tiny_pool_with_small_chunks_always_makes_progress(
     assert len(finished) == 5, "the scheduler stopped making progress"
     assert all(len(r.output_ids) == 40 for r in finished)
     assert engine.kv_cache.available() == 90
+
+
+def _simulated_peak(requests: list[tuple[int, int]]) -> int:
+    """Round by round: a request that has taken its ``a`` slots finishes and gives back ``freed``; every other
+    takes one more slot. The most slots taken beyond the start, at the end of any round."""
+    grown = [0] * len(requests)
+    done = [False] * len(requests)
+    extra = peak = 0
+    while not all(done):
+        for i, (a, freed) in enumerate(requests):
+            if not done[i] and grown[i] == a:
+                done[i] = True
+                extra -= freed
+        for i in range(len(requests)):
+            if not done[i]:
+                grown[i] += 1
+                extra += 1
+        peak = max(peak, extra)
+    return peak
+
+
+def test_peak_growth_is_the_most_slots_taken_in_any_round() -> None:
+    from batchgen.loop.prefill_adder import peak_growth
+
+    # By hand: two rows of 3 tokens left that free nothing: 6. One row ending after 1 token frees 51, more than
+    # the other's 10 tokens ever take: the peak is the first round's 2. Rows that keep what they took: their sum.
+    assert peak_growth([(3, 0), (3, 0)]) == 6
+    assert peak_growth([(1, 51), (10, 10)]) == 2
+    assert peak_growth([(2, 12), (5, 15)]) == 4
+    assert peak_growth([(2, 0), (5, 0)]) == 7
+    assert peak_growth([]) == 0
+    rng = random.Random(0)
+    for _ in range(300):
+        requests = []
+        for _ in range(rng.randrange(1, 9)):
+            a = rng.randrange(0, 12)
+            requests.append((a, rng.choice([0, a + rng.randrange(0, 30)])))
+        assert peak_growth(requests) == _simulated_peak(requests), requests
