@@ -140,6 +140,17 @@ class KVCache:
         self._unlock(row)
         self.req_to_token_pool.free(row)
 
+    def shared_len(self, row: int) -> int:
+        """Tokens of the path ``row`` has locked in the prefix cache that another request locks too: on the row's
+        release these stay held, while the rest of its positions become free or evictable (0 without a cache)."""
+        node = self._locks.get(row)
+        shared = 0
+        while node is not None and node.parent is not None:
+            if node.lock_ref > 1:
+                shared += len(node.key)
+            node = node.parent
+        return shared
+
     def _lock(self, row: int, node: TreeNode) -> None:
         """Make ``node`` the one tree node ``row`` locks (lock first: the old path may share nodes with it)."""
         assert self.radix_cache is not None

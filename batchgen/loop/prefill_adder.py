@@ -6,9 +6,10 @@ cached prefix of its tokens from the prefix cache (``KVCache.match``) and prefil
 
 KV room: a request is admitted only if its pending tokens fit beside the room kept for the running requests'
 decodes. For requests that may stop early that room is SGLang's estimate (``new_token_ratio`` of their remaining
-tokens), and when it proves short the scheduler retracts; for requests that always run to their length
-(``ignore_eos`` and no stop ids, strings or grammar: benchmarks, fixed-length generation) it is exact, so those are
-never retracted and never computed twice.
+tokens), and when it proves short the scheduler retracts the newest request. For requests that always run to their
+length (``ignore_eos`` and no stop ids, strings or grammar: benchmarks, fixed-length generation) it is what their
+growth will need, so a job of only such rows is never retracted and computes no token twice. Under speculative
+decoding, where a round adds a varying number of tokens, every request takes the estimate.
 
 In-batch prefix sharing: a waiting request whose prompt shares at least ``SHARED_PREFIX_MIN`` more tokens with
 a request still prefilling than the cache holds waits for that request to finish its prefill (its K/V then
@@ -42,6 +43,8 @@ class PrefillAdder:
         budget: prompt tokens this round may prefill; chunk: longest chunk per request, 0 for whole prompts.
         reserved: KV slots already promised to this round's decodes.
         new_token_ratio: see ``SchedulerOptions``.
+        exact_growth: keep exact room for requests that always run to their length (one token a round: not under
+            speculative decoding).
     """
 
     def __init__(
@@ -54,6 +57,7 @@ class PrefillAdder:
         chunk: int,
         reserved: int,
         new_token_ratio: float,
+        exact_growth: bool,
     ) -> None:
         self.kv_cache = kv_cache
         self.running = running
@@ -63,6 +67,7 @@ class PrefillAdder:
         self.chunk = chunk
         self.used = reserved  # slots promised this round (decodes, and whole pending tokens of each prefill)
         self.new_token_ratio = new_token_ratio
+        self.exact_growth = exact_growth
         self.reqs: list[Req] = []
         self.lens: list[int] = []
         self.cached_tokens = 0
@@ -107,7 +112,7 @@ class PrefillAdder:
         fit; else undo and return False."""
         pool_rows = self.kv_cache.allocate_rows(rows)
         req.req_pool_idx, req.fork_rows = pool_rows[0], pool_rows[1:]
-        req.kv_len = req.matched_len = self.kv_cache.match(pool_rows[0], req.fill_ids(req.match_limit))
+        req.kv_len = self.kv_cache.match(pool_rows[0], req.fill_ids(req.match_limit))
         need = req.num_pending
         room = self.kv_cache.available() - self.used
         # Keep room for the decodes of everything already running and of this request, unless it would run
@@ -138,24 +143,29 @@ class PrefillAdder:
         return len(self.running) + rows <= self.max_running_requests and self.kv_cache.available_rows() >= rows
 
     def _decode_reserve(self, reqs: list[Req]) -> int:
-        """KV slots to keep free for the decodes of ``reqs``. A request that may stop early (EOS, stop ids or
-        strings, a grammar) is expected to use ``new_token_ratio`` of its remaining tokens (SGLang's estimate).
-        One that always runs to its length (``ignore_eos`` and nothing else stops it) takes exactly its remaining
-        tokens, and a decoding one then gives back those and its own slots: together they need the peak of
-        :func:`peak_growth`, room they are sure to need and no more, so they are never retracted for it."""
+        """KV slots to keep free for the decodes of ``reqs`` beyond this round's (already in ``used``). A request
+        that may stop early (EOS, stop ids or strings, a grammar) is expected to use ``new_token_ratio`` of its
+        remaining tokens (SGLang's estimate). One that always runs to its length (``ignore_eos`` and nothing else
+        stops it) takes exactly its remaining tokens, one a round, and a decoding one then gives back those and
+        the slots no other request holds: together they need the peak of :func:`peak_growth`."""
         estimated = 0
         certain: list[tuple[int, int]] = []
+        decoding = 0
         for r in reqs:
             remaining = _remaining(r)
-            if r.stop_token_ids or r.params.stop or r.grammar is not None:
+            if not self.exact_growth or r.stop_token_ids or r.params.stop or r.grammar is not None:
                 estimated += remaining * (1 + r.unforked_samples)
                 continue
-            # A decoding request ends after `remaining` rounds and frees those slots and its own (not the matched
-            # ones, which others may hold). Counted as freeing nothing: one still prefilling (its decoding, so its
-            # end, may start rounds later) and the samples of an n > 1 row (their prompt goes with the last one).
-            freed = remaining + r.kv_len - r.matched_len if r.is_decoding and r.params.n == 1 else 0
+            # Counted as freeing nothing: one still prefilling (its decoding, so its end, may start rounds later)
+            # and the samples of an n > 1 row (their prompt goes with the last one).
+            freed = 0
+            if r.is_decoding and r.params.n == 1:
+                assert r.req_pool_idx is not None
+                freed = remaining + r.kv_len - self.kv_cache.shared_len(r.req_pool_idx)
+                decoding += 1
             certain.extend([(remaining, freed)] + [(remaining, 0)] * r.unforked_samples)
-        return math.ceil(estimated * self.new_token_ratio) + peak_growth(certain)
+        # A decoding request's slot of this round is in `used` already.
+        return math.ceil(estimated * self.new_token_ratio) + max(0, peak_growth(certain) - decoding)
 
 
 def _waits_for_shared_prefix(req: Req, cached: int, prefilling: Sequence[Req]) -> bool:

@@ -30,8 +30,6 @@ class Req:
         fork_rows: ``req_to_token`` rows reserved at admission for those samples.
         draft_state: speculative decoding's bookkeeping for this request (``speculative.draft_state.DraftState``;
             opaque to the loop), ``None`` without a drafter.
-        matched_len: of its first tokens, how many had their slots from the prefix cache when it was admitted
-            (slots other requests may hold too); 0 without a match.
     """
 
     rid: str
@@ -62,7 +60,6 @@ class Req:
     unforked_samples: int = 0
     fork_rows: list[int] = field(default_factory=list)
     draft_state: Any = None
-    matched_len: int = 0
 
     @property
     def fill_len(self) -> int:

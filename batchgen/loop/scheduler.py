@@ -32,8 +32,8 @@ class SchedulerOptions:
         enable_mixed_chunk: let a prefill chunk and the running decodes share one forward (MIXED).
         new_token_ratio: fraction of the remaining ``max_new_tokens`` of each running request that may stop
             early (EOS, stop ids or strings, a grammar) kept free when admitting new requests, so admission
-            rarely forces a retraction later. Requests that always run to their length get exactly the room
-            their growth needs (``PrefillAdder``).
+            rarely forces a retraction later. Without speculative decoding, requests that always run to their
+            length get the room their growth needs instead (``PrefillAdder``).
     """
 
     max_running_requests: int
@@ -272,6 +272,7 @@ class Scheduler:
             chunk=chunk,
             reserved=reserved,
             new_token_ratio=opts.new_token_ratio,
+            exact_growth=self.drafter is None,
         )
         adder.add_chunked()
         adder.add_waiting()

@@ -54,13 +54,16 @@ def test_forward_mode_predicates() -> None:
     assert ForwardMode.TARGET_VERIFY.is_target_verify() and not ForwardMode.DECODE.is_target_verify()
 
 
-def _engine_with_requests(model_dir: Path, tmp_path: Path, stops: bool, **options: object) -> tuple[Engine, int]:
+def _engine_with_requests(
+    model_dir: Path, tmp_path: Path, stops: bool, shared: int, **options: object
+) -> tuple[Engine, int]:
     engine = Engine(EngineOptions(model=str(model_dir), dtype="float32", device="cpu", **options))  # type: ignore[arg-type]
     rng = random.Random(3)
+    head = [0] + [rng.randrange(2, 300) for _ in range(shared)]
     rows = [
         {
             "id": str(i),
-            "prompt_token_ids": [0] + [rng.randrange(2, 300) for _ in range(rng.randrange(1, 60))],
+            "prompt_token_ids": head + [rng.randrange(2, 300) for _ in range(rng.randrange(1, 60 - shared))],
             "max_new_tokens": rng.randrange(1, 20),
             "temperature": 0,
             "ignore_eos": True,
@@ -72,17 +75,28 @@ def _engine_with_requests(model_dir: Path, tmp_path: Path, stops: bool, **option
     return engine, len(rows)
 
 
-@pytest.mark.parametrize("stops", [True, False], ids=["may-stop-early", "runs-to-length"])
+@pytest.mark.parametrize(
+    ("stops", "shared"),
+    [(True, 0), (False, 0), (False, 40)],
+    ids=["may-stop-early", "runs-to-length", "runs-to-length-shared-prefix"],
+)
 def test_every_kv_slot_is_free_after_a_run_in_a_tight_pool(
-    stops: bool, random_models: dict[str, Path], tmp_path: Path
+    stops: bool, shared: int, random_models: dict[str, Path], tmp_path: Path
 ) -> None:
     """24 rows through a 120-slot pool. Rows with a stop string may end early as far as the scheduler knows: it
     keeps room for part of their growth only (``new_token_ratio``), so it admits more than the pool later holds
     and retracts. Rows that nothing can stop early grow by exactly their remaining tokens: admitted only where
-    that growth fits (less what the ones that finish first give back), they are never retracted. Either way every
-    row gets all its tokens and every slot and request row is free at the end."""
+    that growth fits (less what the ones that finish first give back, which excludes prompt slots that later rows
+    matched in the prefix cache and still hold), they are never retracted, also where they share a 41-token prefix.
+    Either way every row gets all its tokens and every slot and request row is free at the end."""
     engine, num_rows = _engine_with_requests(
-        random_models["llama"], tmp_path, stops, max_total_tokens=120, chunked_prefill_size=16, max_running_requests=8
+        random_models["llama"],
+        tmp_path,
+        stops,
+        shared,
+        max_total_tokens=120,
+        chunked_prefill_size=16,
+        max_running_requests=8,
     )
     modes: set[ForwardMode] = set()
     finished = []
@@ -180,3 +194,42 @@ def test_peak_growth_is_the_most_slots_taken_in_any_round() -> None:
             a = rng.randrange(0, 12)
             requests.append((a, rng.choice([0, a + rng.randrange(0, 30)])))
         assert peak_growth(requests) == _simulated_peak(requests), requests
+
+
+def test_rows_of_a_known_length_sharing_prefixes_are_never_retracted() -> None:
+    """The scheduler alone (every sampled token 7, no model) over 150 small jobs of rows that always run to their
+    length, most sharing a prompt prefix, each in a pool barely larger than its longest row. A row whose cached
+    prompt later rows matched keeps those slots held when it ends; counting them as given back (a case a reviewer
+    found) admits rows into room that is not there, and one is retracted."""
+    from batchgen.loop.kv_cache import KVCache
+    from batchgen.loop.kv_pool import ReqToTokenPool
+    from batchgen.loop.radix_cache import RadixCache
+    from batchgen.loop.req import Req
+    from batchgen.loop.scheduler import Scheduler, SchedulerOptions
+    from batchgen.sampling.sampler import SampleOutput
+    from batchgen.sampling.sampling_params import SamplingParams
+
+    rng = random.Random(0)
+    for _ in range(150):
+        shared = [rng.randrange(10, 300) for _ in range(rng.randrange(1, 40))]
+        rows = [
+            (shared + [rng.randrange(10, 300) for _ in range(rng.randrange(1, 12))], rng.randrange(1, 30))
+            for _ in range(rng.randrange(2, 10))
+        ]
+        pool = max(len(prompt) + new for prompt, new in rows) + rng.randrange(0, 80)
+        allocator = KVSlotAllocator(pool)
+        kv_cache = KVCache(ReqToTokenPool(8, 512, torch.device("cpu")), allocator, RadixCache(allocator))
+        scheduler = Scheduler(SchedulerOptions(8, 10**6, 16), kv_cache, None)
+        for i, (prompt, new) in enumerate(rows):
+            params = SamplingParams(max_new_tokens=new, ignore_eos=True, logprobs=False)
+            scheduler.add(Req(str(i), prompt, params, 0, frozenset(), 512))
+        finished = 0
+        while scheduler.has_work():
+            batch = scheduler.next_batch()
+            assert batch is not None, scheduler.stuck_message()
+            batch.prepare(kv_cache, 400, torch.device("cpu"))
+            tokens = torch.full((len(batch.sampled),), 7, dtype=torch.int64)
+            finished += len(scheduler.process_result(batch, SampleOutput(tokens, None, None, None)))
+        assert finished == len(rows)
+        assert scheduler.num_retracted == 0, (pool, [(len(p), n) for p, n in rows])
+        assert kv_cache.available() == pool
