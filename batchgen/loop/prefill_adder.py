@@ -152,8 +152,8 @@ class PrefillAdder:
         certain: list[tuple[int, int]] = []
         decoding = 0
         for r in reqs:
-            remaining = _remaining(r)
-            if not self.exact_growth or r.stop_token_ids or r.params.stop or r.grammar is not None:
+            remaining = r.remaining_tokens
+            if not (self.exact_growth and r.runs_to_length):
                 estimated += remaining * (1 + r.unforked_samples)
                 continue
             # Counted as freeing nothing: one still prefilling (its decoding, so its end, may start rounds later)
@@ -176,11 +176,6 @@ def _waits_for_shared_prefix(req: Req, cached: int, prefilling: Sequence[Req]) -
         return False
     head = req.prompt_ids[:want]
     return any(p.prompt_ids[:want] == head for p in prefilling)
-
-
-def _remaining(req: Req) -> int:
-    """Output tokens ``req`` may still add: up to ``max_new_tokens``, within its context length."""
-    return max(0, min(req.params.max_new_tokens - len(req.output_ids), req.max_total_len - req.fill_len))
 
 
 def peak_growth(requests: Sequence[tuple[int, int]]) -> int:

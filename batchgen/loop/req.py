@@ -67,6 +67,16 @@ class Req:
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
+    def remaining_tokens(self) -> int:
+        """Output tokens it may still add: up to ``max_new_tokens``, within its context length."""
+        return max(0, min(self.params.max_new_tokens - len(self.output_ids), self.max_total_len - self.fill_len))
+
+    @property
+    def runs_to_length(self) -> bool:
+        """Nothing can end it before :attr:`remaining_tokens`: no EOS or stop ids, stop strings or grammar."""
+        return not self.stop_token_ids and not self.params.stop and self.grammar is None
+
+    @property
     def scores_only(self) -> bool:
         """Prefilled for its prompt logprobs alone (``max_new_tokens`` 0): no token follows its last prompt token,
         so that token needs no forward (its K/V and logits would serve nothing)."""

@@ -86,9 +86,9 @@ def test_every_kv_slot_is_free_after_a_run_in_a_tight_pool(
     """24 rows through a 120-slot pool. Rows with a stop string may end early as far as the scheduler knows: it
     keeps room for part of their growth only (``new_token_ratio``), so it admits more than the pool later holds
     and retracts. Rows that nothing can stop early grow by exactly their remaining tokens: admitted only where
-    that growth fits (less what the ones that finish first give back, which excludes prompt slots that later rows
-    matched in the prefix cache and still hold), they are never retracted, also where they share a 41-token prefix.
-    Either way every row gets all its tokens and every slot and request row is free at the end."""
+    that growth fits (less what the ones that finish first give back), they are never retracted, also where they
+    share a 41-token prefix. Either way every row gets all its tokens and every slot and request row is free at the
+    end."""
     engine, num_rows = _engine_with_requests(
         random_models["llama"],
         tmp_path,
