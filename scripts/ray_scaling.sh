@@ -38,7 +38,12 @@ job() {
     tail -n 20 "$dir/log" >&2
     return 1
   fi
-  grep '^batchgen: [0-9]' "$dir/log" | tee /dev/stderr | sed -nE 's/.* ([0-9]+) output tokens in ([0-9.]+) s.*/\1 \2/p'
+  # The summary line to stderr too (echo, not tee /dev/stderr: tee would reopen, and so truncate, a log file that
+  # stderr is redirected to).
+  local summary
+  summary=$(grep '^batchgen: [0-9]' "$dir/log")
+  echo "$summary" >&2
+  sed -nE 's/.* ([0-9]+) output tokens in ([0-9.]+) s.*/\1 \2/p' <<< "$summary"
 }
 for replicas in $order; do
   start_line=$(job "$dir/start.jsonl" "$replicas")
