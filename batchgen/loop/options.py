@@ -125,7 +125,8 @@ class EngineOptions:
             "or coupled (outputs identical to plain decoding with the same seeds)."
         },
     )
-    # Opt-in: its cost on the CPU's bfloat16 GEMMs is over the 10 % line (docs/performance.md).
+    # Opt-in until its cost on an AMX CPU is measured again: it was over the 10 % line there before the
+    # brgemm GEMM (docs/performance.md).
     deterministic: bool = field(
         default=False,
         metadata={

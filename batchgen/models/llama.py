@@ -22,7 +22,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from batchgen.models.config import ModelConfig
-from batchgen.models.packed_linear import PackedLinear, make_batch_invariant, prepack_linears, replace_linears
+from batchgen.models.packed_linear import PackedLinear, prepack_linears, replace_linears
 from batchgen.models.rotary import RotaryEmbedding
 
 if TYPE_CHECKING:
@@ -235,9 +235,8 @@ class LlamaForCausalLM(nn.Module):
         a tied output projection is packed from a copy, since the embedding keeps its own weight for lookups."""
         prepack_linears(self, gemm_dtype, deterministic, few_rows)
         if self.lm_head is None:
-            self.tied_lm_head = tied = PackedLinear(self.model.embed_tokens.weight, None, gemm_dtype, few_rows)
-            if deterministic:
-                make_batch_invariant(tied)
+            weight = self.model.embed_tokens.weight
+            self.tied_lm_head = PackedLinear(weight, None, gemm_dtype, few_rows, deterministic)
 
     def use_linears(self, make: Callable[[torch.Tensor, torch.Tensor | None], nn.Module]) -> None:
         """Run every linear layer and the output projection (a tied one sharing the embedding's weight) as

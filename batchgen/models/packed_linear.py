@@ -25,8 +25,9 @@ picks depends on the row count, so a row's output can change in its last bits wi
 on an AMX CPU (tests/kernels/test_packed_linear.py checks it on each machine the suite runs on): float32 GEMMs
 give a row the same bits for every row count from 2 up (one row alone may take another kernel: ``min_rows = 2``
 pads it); bfloat16 ones change with the row count in no simple pattern (33-130 rows of 576 inputs, for one), but
-never with a row's place among a fixed number of rows, so ``--deterministic`` runs them ``call_rows`` rows at a
-time, the last call padded with zero rows.
+never with a row's place among a fixed number of rows. So ``deterministic`` runs bfloat16 layers on
+:mod:`batchgen.kernels.cpu.brgemm_linear` (one summation order per output whatever the rows) where brgemm has
+bfloat16 (AMX or AVX512-BF16), and elsewhere ``call_rows`` rows a oneDNN call, the last call padded with zero rows.
 """
 
 from __future__ import annotations
@@ -37,9 +38,13 @@ import torch
 from torch import nn
 
 from batchgen.kernels.cpu import build_problem
+from batchgen.kernels.cpu.brgemm_linear import brgemm_linear, brgemm_linear_supported, pack_for_brgemm
 from batchgen.kernels.cpu.half_linear import FEW_ROWS, half_weight_linear
 
 _ROWS_HINT = 64  # oneDNN picks its blocking for this many rows; any row count runs on the packed weight
+# Rows per oneDNN call of a half-precision GEMM under --deterministic where brgemm has no bfloat16 (float16 models):
+# a decode round of up to 64 rows is one call; larger ones take a call per 64 rows, each reading the weights again.
+DETERMINISTIC_CALL_ROWS = 64
 
 
 def native_gemm_supported(dtype: torch.dtype) -> bool:
@@ -95,6 +100,9 @@ class PackedLinear(nn.Module):
         few_rows: with a float32 ``gemm_dtype`` and a bfloat16 or float16 weight, calls of up to that many rows run
             :func:`batchgen.kernels.cpu.half_linear.half_weight_linear` on the weight itself, kept (not copied)
             beside the packed copy; their ``x`` must then be float32 or the weight's dtype. 0: never.
+        deterministic: a row's output depends on that row only, whatever the rows beside it (see the module
+            docstring); ``few_rows`` is then ignored, since a row would take one kernel or the other by the size of
+            its round.
 
     ``forward(x [T, in_features]) → [T, out_features]`` in the weight's dtype; in float32, unrounded, where
     ``round_output`` is set False (the float32 carrier of :meth:`batchgen.models.llama.LlamaForCausalLM.carry_float32`,
@@ -103,38 +111,58 @@ class PackedLinear(nn.Module):
     """
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, gemm_dtype: torch.dtype | None = None, few_rows: int = 0
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        gemm_dtype: torch.dtype | None = None,
+        few_rows: int = 0,
+        deterministic: bool = False,
     ) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.out_dtype = weight.dtype
         self.gemm_dtype = gemm_dtype or weight.dtype
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(self.gemm_dtype), _ROWS_HINT)
-        self.bias = None if bias is None else bias.detach().to(self.gemm_dtype)
         self.round_output = True
         self.min_rows = 1
         self.call_rows = 0
-        self.few_rows = few_rows
+        self.few_rows = 0 if deterministic else few_rows
         self.half_weight: torch.Tensor | None = None
-        if few_rows:
+        self.brgemm_weight: torch.Tensor | None = None
+        if deterministic and self._brgemm_runs(weight):
+            self.brgemm_weight = pack_for_brgemm(weight.detach().to(torch.bfloat16))
+            self.bias = None if bias is None else bias.detach().float()
+            return
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(self.gemm_dtype), _ROWS_HINT)
+        self.bias = None if bias is None else bias.detach().to(self.gemm_dtype)
+        if deterministic and self.gemm_dtype == torch.float32:
+            self.min_rows = 2
+        elif deterministic:
+            self.call_rows = DETERMINISTIC_CALL_ROWS
+        if self.few_rows:
             assert self.gemm_dtype == torch.float32 and weight.dtype in (torch.bfloat16, torch.float16)
             self.half_weight = weight.detach().contiguous()
+
+    def _brgemm_runs(self, weight: torch.Tensor) -> bool:
+        """Whether this layer's batch-invariant GEMM is :mod:`batchgen.kernels.cpu.brgemm_linear`'s."""
+        return self.gemm_dtype == torch.bfloat16 and weight.shape[1] % 2 == 0 and brgemm_linear_supported()
 
     def _gemm(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x.to(self.gemm_dtype), self.packed, self.bias, "none", [], "")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
-        if self.half_weight is not None and rows <= self.few_rows:
+        if self.brgemm_weight is not None:
+            out = brgemm_linear(x.to(torch.bfloat16).contiguous(), self.brgemm_weight, self.out_features, self.bias)
+        elif self.half_weight is not None and rows <= self.few_rows:
             out = half_weight_linear(x.contiguous(), self.half_weight, self.bias)
-            return out.to(self.out_dtype) if self.round_output else out
-        padded = max(self.min_rows, -(-rows // self.call_rows) * self.call_rows if self.call_rows else rows)
-        if padded > rows:
-            x = torch.cat([x, x.new_zeros(padded - rows, x.shape[1])])
-        if self.call_rows and padded > self.call_rows:
-            out = torch.cat([self._gemm(part) for part in x.split(self.call_rows)])[:rows]
         else:
-            out = self._gemm(x)[:rows]
+            padded = max(self.min_rows, -(-rows // self.call_rows) * self.call_rows if self.call_rows else rows)
+            if padded > rows:
+                x = torch.cat([x, x.new_zeros(padded - rows, x.shape[1])])
+            if self.call_rows and padded > self.call_rows:
+                out = torch.cat([self._gemm(part) for part in x.split(self.call_rows)])[:rows]
+            else:
+                out = self._gemm(x)[:rows]
         return out.to(self.out_dtype) if self.round_output else out
 
 
@@ -154,29 +182,8 @@ def prepack_linears(
     module: nn.Module, gemm_dtype: torch.dtype | None = None, deterministic: bool = False, few_rows: int = 0
 ) -> int:
     """Replace every ``nn.Linear`` under ``module`` by a :class:`PackedLinear` of its weights computing in
-    ``gemm_dtype`` (default: each weight's own dtype), batch invariant with ``deterministic``
-    (:func:`make_batch_invariant`), running calls of up to ``few_rows`` rows on the half-precision weights
-    (:class:`PackedLinear`); return how many."""
-
-    def pack(linear: nn.Linear) -> PackedLinear:
-        packed = PackedLinear(linear.weight, linear.bias, gemm_dtype, few_rows)
-        if deterministic:
-            make_batch_invariant(packed)
-        return packed
-
-    return replace_linears(module, pack)
-
-
-# Rows per GEMM call of a half-precision GEMM under --deterministic: a decode round of up to 64 rows is one call;
-# larger ones take a call per 64 rows, each reading the weights again (the mode's cost, docs/performance.md).
-DETERMINISTIC_CALL_ROWS = 64
-
-
-def make_batch_invariant(linear: PackedLinear) -> None:
-    """Set ``linear`` up so that a row's output depends on that row only: float32 GEMMs pad a lone row to two,
-    half-precision ones run :data:`DETERMINISTIC_CALL_ROWS` rows a call (see the module docstring)."""
-    linear.few_rows, linear.half_weight = 0, None  # one kernel for every round: the float32 GEMM
-    if linear.gemm_dtype == torch.float32:
-        linear.min_rows = 2
-    else:
-        linear.call_rows = DETERMINISTIC_CALL_ROWS
+    ``gemm_dtype`` (default: each weight's own dtype), batch invariant with ``deterministic``, running calls of up
+    to ``few_rows`` rows on the half-precision weights (:class:`PackedLinear`); return how many."""
+    return replace_linears(
+        module, lambda linear: PackedLinear(linear.weight, linear.bias, gemm_dtype, few_rows, deterministic)
+    )

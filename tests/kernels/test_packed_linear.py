@@ -13,10 +13,11 @@ from torch.nn import functional as F
 
 from batchgen.environment import kernel_switches
 from batchgen.kernels import cpu as cpu_kernels
+from batchgen.kernels.cpu.brgemm_linear import brgemm_linear_supported
 from batchgen.kernels.cpu.half_linear import FEW_ROWS
-from batchgen.models import source
+from batchgen.models import packed_linear, source
 from batchgen.models.llama import LlamaForCausalLM
-from batchgen.models.packed_linear import PackedLinear, cpu_gemm_dtype, make_batch_invariant, prepack_linears
+from batchgen.models.packed_linear import PackedLinear, cpu_gemm_dtype, prepack_linears
 from tests.helpers.cli import generate, write_jsonl
 from tests.helpers.models import build_random_model
 from tests.helpers.reference import assert_within_rounding_noise, deviation, greedy_rows, hf_float32_rows
@@ -58,18 +59,33 @@ def test_gemm_dtype_choice(monkeypatch: pytest.MonkeyPatch) -> None:
 GEMM_DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=needs_native_bf16)]
 
 
-@pytest.mark.parametrize("gemm_dtype", GEMM_DTYPES)
+# The batch-invariant GEMMs: oneDNN's float32 one; for bfloat16 brgemm (where it has bfloat16) and oneDNN's calls of
+# a fixed row count (where it has none, and for float16 models), the second forced here where brgemm would run.
+INVARIANT_PATHS = [
+    pytest.param(torch.float32, "onednn", id="float32"),
+    pytest.param(torch.bfloat16, "onednn", marks=needs_native_bf16, id="bfloat16-onednn-calls"),
+    pytest.param(torch.bfloat16, "brgemm", id="bfloat16-brgemm"),
+]
+
+
+@pytest.mark.parametrize(("gemm_dtype", "path"), INVARIANT_PATHS)
 @pytest.mark.parametrize(("in_features", "out_features"), [(64, 192), (576, 960), (1536, 576), (576, 8192)])
-def test_a_rows_output_depends_on_that_row_only(gemm_dtype: torch.dtype, in_features: int, out_features: int) -> None:
-    """What ``--deterministic`` rests on: set up by ``make_batch_invariant``, a row's output is the same bits in
-    every window of 1 to 300 rows (at three offsets) as in one call of 1,000 rows. (Plain calls are not: MKL's
-    float32 ``F.linear`` gives other bits for 1, 2-15 and 16+ rows, oneDNN's bfloat16 kernels for 33-130 rows of
-    576 inputs among others, on an AMX CPU.)"""
+def test_a_rows_output_depends_on_that_row_only(
+    gemm_dtype: torch.dtype, path: str, in_features: int, out_features: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What ``--deterministic`` rests on: built with ``deterministic``, a row's output is the same bits in every
+    window of 1 to 300 rows (at three offsets) as in one call of 1,000 rows. (Plain calls are not: MKL's float32
+    ``F.linear`` gives other bits for 1, 2-15 and 16+ rows, oneDNN's bfloat16 kernels for 33-130 rows of 576 inputs
+    among others, on an AMX CPU.)"""
+    if path == "brgemm" and not brgemm_linear_supported():
+        pytest.skip("PyTorch's brgemm has no bfloat16 on this CPU (it needs AVX512-BF16 or AMX), or no C++ kernels")
+    if path == "onednn":
+        monkeypatch.setattr(packed_linear, "brgemm_linear_supported", lambda: False)
     gen = torch.Generator().manual_seed(in_features + out_features)
     weight = torch.randn(out_features, in_features, generator=gen).to(gemm_dtype)
     x = torch.randn(1000, in_features, generator=gen).to(gemm_dtype)
-    linear = PackedLinear(weight, None)
-    make_batch_invariant(linear)
+    linear = PackedLinear(weight, None, deterministic=True)
+    assert (linear.brgemm_weight is not None) == (path == "brgemm")
     reference = linear(x)
     for rows in [*range(1, 131), 255, 300]:
         for start in (0, 3, 50):

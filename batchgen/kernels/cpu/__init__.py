@@ -9,8 +9,9 @@ AVX512-BF16 (``torch.ops.batchgen.has_bf16_dot_product()``).
 (:mod:`batchgen.kernels.cpu.fused_elementwise`), ``sampling.cpp`` greedy sampling's argmax
 and the exponential race of random sampling (:mod:`batchgen.kernels.cpu.sampling_ops`), ``half_linear.cpp`` linear
 layers of a few rows on half-precision weights (:mod:`batchgen.kernels.cpu.half_linear`), ``decode_layers.cpp``
-the decoder layers of a few-row decode round in one call (:mod:`batchgen.kernels.cpu.decode_layers`); ``vec16.h``
-holds the vector helpers they share.
+the decoder layers of a few-row decode round in one call (:mod:`batchgen.kernels.cpu.decode_layers`),
+``brgemm_linear.cpp`` bfloat16 linear layers whose rows do not depend on each other, for ``--deterministic``
+(:mod:`batchgen.kernels.cpu.brgemm_linear`); ``vec16.h`` holds the vector helpers they share.
 
 The build needs a C++ compiler and ninja; it compiles once per machine with ``-O3 -march=native`` (about 10 s
 on 2 cores) into torch's extension cache (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``),
@@ -41,7 +42,14 @@ import torch
 
 _SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("paged_attention.cpp", "elementwise.cpp", "sampling.cpp", "half_linear.cpp", "decode_layers.cpp")
+    for name in (
+        "paged_attention.cpp",
+        "elementwise.cpp",
+        "sampling.cpp",
+        "half_linear.cpp",
+        "decode_layers.cpp",
+        "brgemm_linear.cpp",
+    )
 ]
 _HEADERS = sorted(Path(__file__).parent.glob("*.h"))  # included by the sources: part of the build's key
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]

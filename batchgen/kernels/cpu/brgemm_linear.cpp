@@ -1,0 +1,102 @@
+// y = x W^T + b for bfloat16 x and W, float32 out, with every output's reduction order fixed whatever the other
+// rows: the linear layers of a bfloat16 model under --deterministic, on CPUs where PyTorch's brgemm (oneDNN's
+// batch-reduce GEMM ukernel) runs bfloat16: tdpbf16ps on AMX tiles, vdpbf16ps with AVX512-BF16.
+//
+// oneDNN's full GEMM picks its kernel and blocking by the row count, so a row's bits change with the rows beside it;
+// a brgemm call of m rows x n columns x K walks K in one fixed order for each output, whatever m (the same property
+// the attention kernel's matrix-unit path rests on, attention_amx.h). So: W is packed once into blocks of n columns
+// in the VNNI layout brgemm takes for B ([K/2][n][2]: the pairs (k 2p, k 2p + 1) of a column side by side), and a
+// call computes kRowBlock rows of x (fewer in the last) against one block, the whole of K at once.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/native/CPUBlas.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+// Rows of x per brgemm call: a block of x ([128 x K] bfloat16, 144 KiB at K = 576) stays in L2 while a thread
+// passes the weight blocks over it. The result does not depend on it (tests/kernels/test_cpu_brgemm_linear.py).
+constexpr int64_t kRowBlock = 128;
+
+at::Tensor brgemm_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                         const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16,
+              "batchgen::brgemm_linear: x and packed must be bfloat16, got ", x.scalar_type(), " and ",
+              packed.scalar_type());
+  TORCH_CHECK(x.dim() == 2 && packed.dim() == 4 && packed.size(3) == 2 && packed.size(1) * 2 == x.size(1),
+              "batchgen::brgemm_linear: x [rows, K] and packed [blocks, K / 2, columns, 2] must agree on K, got ",
+              x.sizes(), " and ", packed.sizes());
+  const int64_t M = x.size(0), K = x.size(1), blocks = packed.size(0), cols = packed.size(2), N = out_features;
+  TORCH_CHECK(N > (blocks - 1) * cols && N <= blocks * cols, "batchgen::brgemm_linear: ", blocks, " blocks of ",
+              cols, " columns cannot hold out_features ", N);
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu() && x.is_contiguous() && packed.is_contiguous(),
+              "batchgen::brgemm_linear: x and packed must be contiguous CPU tensors");
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous(),
+                "batchgen::brgemm_linear: bias must be float32 [out_features], got ", bias->scalar_type(), " ",
+                bias->sizes());
+    b = bias->const_data_ptr<float>();
+  }
+  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
+  const auto* xp = reinterpret_cast<const c10::BFloat16*>(x.const_data_ptr());
+  const auto* wp = reinterpret_cast<const c10::BFloat16*>(packed.const_data_ptr());
+  float* op = out.mutable_data_ptr<float>();
+  const int64_t row_blocks = (M + kRowBlock - 1) / kRowBlock;
+  // A task is one row block against one column block, row blocks outermost: a thread's run of tasks passes the
+  // weight blocks over one block of x at a time.
+  at::parallel_for(0, row_blocks * blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> tail;  // the last column block, where it is narrower than the packed one
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t m0 = t / blocks * kRowBlock, n0 = t % blocks * cols;
+      const int64_t rows = std::min(kRowBlock, M - m0), width = std::min(cols, N - n0);
+      const c10::BFloat16* w = wp + n0 * K;
+      float* o = op + m0 * N + n0;
+      if (width == cols) {
+        at::native::cpublas::brgemm(rows, cols, K, K, cols, N, false, xp + m0 * K, w, o);
+      } else {
+        tail.resize(rows * cols);
+        at::native::cpublas::brgemm(rows, cols, K, K, cols, cols, false, xp + m0 * K, w, tail.data());
+        for (int64_t i = 0; i < rows; ++i) std::copy_n(tail.data() + i * cols, width, o + i * N);
+      }
+      if (b != nullptr) {
+        for (int64_t i = 0; i < rows; ++i) {
+          for (int64_t j = 0; j < width; ++j) o[i * N + j] += b[n0 + j];
+        }
+      }
+    }
+    at::native::cpublas::brgemm_release();  // hands an AMX tile configuration back; nothing elsewhere
+  });
+  return out;
+}
+
+// Whether brgemm runs bfloat16 on this CPU: PyTorch raises where its oneDNN ukernel lacks it (no AVX512-BF16 or
+// AMX, or a build without the ukernel), so try one tiny call.
+bool brgemm_linear_runs() {
+  const std::vector<c10::BFloat16> a(2, c10::BFloat16(1.0f)), w(32, c10::BFloat16(1.0f));
+  std::vector<float> c(16);
+  try {
+    at::native::cpublas::brgemm(1, 16, 2, 2, 16, 16, false, a.data(), w.data(), c.data());
+    at::native::cpublas::brgemm_release();
+  } catch (const c10::Error&) {
+    return false;
+  }
+  return c[0] == 2.0f;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(batchgen, m) {
+  m.def("brgemm_linear(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
+  m.def("brgemm_linear_runs() -> bool", &brgemm_linear_runs);
+}
+
+TORCH_LIBRARY_IMPL(batchgen, CPU, m) { m.impl("brgemm_linear", &brgemm_linear); }

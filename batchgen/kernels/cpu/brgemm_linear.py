@@ -1,0 +1,60 @@
+"""Linear layers of bfloat16 models whose every output sums in one fixed order (``brgemm_linear.cpp``): what
+``--deterministic`` runs on CPUs where PyTorch's brgemm (oneDNN's batch-reduce GEMM ukernel) has bfloat16, that is
+AMX or AVX512-BF16 (:func:`brgemm_linear_supported`).
+
+oneDNN's bfloat16 GEMM picks its kernel by the row count, so a row's output changes in its last bits with the
+rows beside it; a brgemm call sums each output over the inner dimension in one order whatever the number of rows,
+so a row's output is the same alone and in any round. Products are exact and sums float32, as in oneDNN's GEMM,
+in another order: results can differ from ``F.linear``'s in their last float32 bits.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from batchgen.kernels.cpu import build_problem
+
+# Columns (rows of W) per packed block: one brgemm call's width.
+COLUMN_BLOCK = 64
+
+
+@functools.cache
+def brgemm_linear_supported() -> bool:
+    """Whether :func:`brgemm_linear` runs here: the kernels built and brgemm runs bfloat16 on this CPU."""
+    return build_problem() is None and bool(torch.ops.batchgen.brgemm_linear_runs())
+
+
+def pack_for_brgemm(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` ``[out, in]`` bfloat16 (``in`` even) as blocks of :data:`COLUMN_BLOCK` output columns in brgemm's
+    VNNI layout: ``[ceil(out / COLUMN_BLOCK), in / 2, COLUMN_BLOCK, 2]``, the last block padded with zero columns.
+
+    Raises:
+        ValueError: ``weight`` is not 2-D bfloat16 with an even ``in``.
+    """
+    if weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.shape[1] % 2:
+        raise ValueError(
+            f"pack_for_brgemm needs a 2-D bfloat16 weight of even width, got {weight.dtype} {weight.shape}"
+        )
+    out_features, in_features = weight.shape
+    blocks = -(-out_features // COLUMN_BLOCK)
+    padded = weight.detach().new_zeros(blocks * COLUMN_BLOCK, in_features)
+    padded[:out_features] = weight.detach()
+    return padded.view(blocks, COLUMN_BLOCK, in_features // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def brgemm_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x W^T + b``: ``x`` ``[rows, in]`` bfloat16, ``packed`` from :func:`pack_for_brgemm`, ``bias``
+    ``[out_features]`` float32 or ``None``; returns ``[rows, out_features]`` float32, unrounded. A row's result
+    depends on that row only.
+
+    Raises:
+        RuntimeError: (``batchgen::brgemm_linear: ...``) other dtypes, shapes that disagree, tensors off the CPU or
+            not contiguous; the extension's build problem when it did not build.
+    """
+    problem = build_problem()
+    if problem is not None:
+        raise RuntimeError(problem)
+    out: torch.Tensor = torch.ops.batchgen.brgemm_linear(x, packed, out_features, bias)
+    return out

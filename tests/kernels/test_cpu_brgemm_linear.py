@@ -1,0 +1,87 @@
+"""bfloat16 linear layers on PyTorch's brgemm (``batchgen.kernels.cpu.brgemm_linear``, ``--deterministic``'s GEMM
+where brgemm has bfloat16): the float64 product within float32 summation's error bound, and a row's bits
+independent of the other rows of a call, of its place among them and of the call's size."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batchgen.kernels.cpu.brgemm_linear import COLUMN_BLOCK, brgemm_linear, brgemm_linear_supported, pack_for_brgemm
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _brgemm_runs() -> None:
+    if not brgemm_linear_supported():
+        pytest.skip("PyTorch's brgemm has no bfloat16 on this CPU (it needs AVX512-BF16 or AMX), or no C++ kernels")
+
+
+def _layer(rows: int, in_features: int, out_features: int, seed: int) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(out_features, in_features, generator=gen) / in_features**0.5).bfloat16()
+    bias = torch.randn(out_features, generator=gen)
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    return weight, bias, x
+
+
+# Row blocks of 128 and column blocks of 64 with and without remainders; an inner dimension of one pair; the shapes
+# of a small Llama's layers and of an LM head.
+SHAPES = [(1, 2, 1), (3, 10, 64), (5, 64, 65), (130, 576, 192), (129, 1536, 576), (257, 576, 1000), (2, 576, 8192)]
+
+
+@pytest.mark.parametrize(("rows", "in_features", "out_features"), SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_float64_product_within_float32_summation_error(
+    rows: int, in_features: int, out_features: int, bias: bool
+) -> None:
+    """Each output is the float64 ``x W^T + b`` within float32 summation's bound ``(K + 1) u Σ|x_i w_i| + u|b|``
+    (u = 2^-24; Higham, "Accuracy and Stability of Numerical Algorithms", §3.1): products of bfloat16 values are
+    exact in float32, so the sums are the only error."""
+    weight, b, x = _layer(rows, in_features, out_features, rows * 1000 + in_features)
+    out = brgemm_linear(x, pack_for_brgemm(weight), out_features, b if bias else None)
+    assert out.dtype == torch.float32 and out.shape == (rows, out_features)
+    exact = x.double() @ weight.double().T
+    magnitude = x.double().abs() @ weight.double().abs().T
+    if bias:
+        exact += b.double()
+    u = 2.0**-24
+    bound = (in_features + 1) * u * magnitude + (u * b.double().abs() if bias else 0.0)
+    assert bool(((out.double() - exact).abs() <= bound).all())
+
+
+@pytest.mark.parametrize(("in_features", "out_features"), [(64, 192), (576, 960), (1536, 576), (576, 8192)])
+def test_a_rows_bits_do_not_depend_on_the_other_rows(in_features: int, out_features: int) -> None:
+    """A row's output is the same bits in every window of 1 to 300 rows (at three offsets, so across the
+    128-row blocks of a call at every place) as in one call of 600 rows."""
+    weight, b, x = _layer(600, in_features, out_features, in_features + out_features)
+    packed = pack_for_brgemm(weight)
+    reference = brgemm_linear(x, packed, out_features, b)
+    for rows in [*range(1, 140), 255, 256, 257, 300]:
+        for start in (0, 3, 127):
+            window = brgemm_linear(x[start : start + rows], packed, out_features, b)
+            assert torch.equal(window, reference[start : start + rows]), (rows, start)
+
+
+def test_the_packed_layout_is_brgemms_vnni_blocks() -> None:
+    """Block ``j``, pair ``p``, column ``c``, lane ``l`` holds ``W[j * 64 + c, 2p + l]``; columns past ``out`` are
+    zero; an odd inner dimension is refused."""
+    weight = torch.arange(130 * 6, dtype=torch.float32).view(130, 6).bfloat16()
+    packed = pack_for_brgemm(weight)
+    assert packed.shape == (3, 3, COLUMN_BLOCK, 2)
+    assert packed[2, 1, 1, 0] == weight[129, 2] and packed[0, 2, 5, 1] == weight[5, 5]
+    assert bool((packed[2, :, 2:] == 0).all())
+    with pytest.raises(ValueError, match="even width"):
+        pack_for_brgemm(torch.zeros(4, 5, dtype=torch.bfloat16))
+
+
+def test_mismatched_inputs_are_refused_in_one_line() -> None:
+    weight, _, x = _layer(4, 64, 96, 0)
+    packed = pack_for_brgemm(weight)
+    with pytest.raises(RuntimeError, match="batchgen::brgemm_linear: x and packed must be bfloat16"):
+        brgemm_linear(x.float(), packed, 96, None)
+    with pytest.raises(RuntimeError, match="must agree on K"):
+        brgemm_linear(x[:, :32].contiguous(), packed, 96, None)
+    with pytest.raises(RuntimeError, match="cannot hold out_features 200"):
+        brgemm_linear(x, packed, 200, None)
+    with pytest.raises(RuntimeError, match="bias must be float32"):
+        brgemm_linear(x, packed, 96, torch.zeros(96, dtype=torch.bfloat16))
