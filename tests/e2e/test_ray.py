@@ -30,6 +30,7 @@ from tests.helpers.models import REPO, STORIES, needs_shared  # noqa: E402
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 ROWS = 96
+LONG_ROWS = 4 * ROWS
 # Out of vocabulary: a row the driver's checks pass and a replica refuses when it builds the request.
 OOV_ROW = {"id": "oov", "prompt_token_ids": [1, 99999]}
 BAD_LINE = '{"id": "broken", "prompt": '  # not JSON: the reader's error, on the driver
@@ -50,18 +51,27 @@ def model(random_models: dict[str, Path]) -> Path:
     return random_models["llama"]
 
 
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def _write_rows(path: Path, count: int) -> Path:
     words = ["cat", "dog", "king", "tree", "boat", "bird", "girl", "star"]
     lines = [
         json.dumps({"id": f"r{i}", "prompt": f"Once upon a time there was a {words[i % 8]}", "max_tokens": 24 + i % 9})
-        for i in range(ROWS)
+        for i in range(count)
     ]
     lines[7] = BAD_LINE
     lines[60] = json.dumps(OOV_ROW)
-    path = tmp_path_factory.mktemp("ray") / "rows.jsonl"
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _write_rows(tmp_path_factory.mktemp("ray") / "rows.jsonl", ROWS)
+
+
+@pytest.fixture(scope="module")
+def long_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """For the runs killed midway: with ROWS rows a fast machine finished the job before the test could kill it."""
+    return _write_rows(tmp_path_factory.mktemp("ray") / "long.jsonl", LONG_ROWS)
 
 
 def _args(dataset: Path, out: Path, model: Path, *extra: str) -> list[str]:
@@ -78,6 +88,11 @@ def _local_rows(dataset: Path, out: Path, model: Path) -> dict[str, dict[str, An
 @pytest.fixture(scope="module")
 def local(dataset: Path, model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     return _local_rows(dataset, tmp_path_factory.mktemp("local") / "out.arrow", model)
+
+
+@pytest.fixture(scope="module")
+def long_local(long_dataset: Path, model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    return _local_rows(long_dataset, tmp_path_factory.mktemp("local") / "long.arrow", model)
 
 
 def _ray_args(dataset: Path, out: Path, model: Path, address: str, *extra: str) -> list[str]:
@@ -153,14 +168,16 @@ def _replicas() -> list[dict[str, Any]]:
 
 
 def test_exactly_once_after_a_replica_is_killed_mid_run(
-    cluster: str, dataset: Path, model: Path, local: dict[str, dict[str, Any]], tmp_path: Path
+    cluster: str, long_dataset: Path, model: Path, long_local: dict[str, dict[str, Any]], tmp_path: Path
 ) -> None:
     """A replica killed while the run holds work, as ``ray.kill(replica, no_restart=False)`` kills one: its worker
     process, by SIGKILL (Ray Data hands out no actor handle, and Ray takes none by id from another job). Ray
     restarts it and runs its batch again, and the output holds each id once."""
     out, log = tmp_path / "out.arrow", tmp_path / "run.log"
-    proc = _start(_ray_args(dataset, out, model, cluster, "--flush-every", "1"), log)
-    _wait_for(lambda: len(_parts(out)) >= 2 and len(_replicas()) == 2, "finished rows", proc, log)
+    proc = _start(_ray_args(long_dataset, out, model, cluster, "--flush-every", "1"), log)
+    # Any live replica: waiting for both lost the race on a loaded machine, where the second was still starting when
+    # the first had finished every batch.
+    _wait_for(lambda: len(_parts(out)) >= 2 and len(_replicas()) >= 1, "finished rows", proc, log)
     victim = _replicas()[0]
     os.kill(victim["Pid"], signal.SIGKILL)
     assert proc.poll() is None and not out.exists(), "the run had ended: the kill was not mid-run"
@@ -168,29 +185,29 @@ def test_exactly_once_after_a_replica_is_killed_mid_run(
     from ray._private.state import actors
 
     assert actors()[victim["ActorID"]]["NumRestarts"] >= 1  # Ray restarted the replica
-    assert _row_count(out) == ROWS
-    _assert_same_rows(read_rows(out), local)
+    assert _row_count(out) == LONG_ROWS
+    _assert_same_rows(read_rows(out), long_local)
 
 
 def test_exactly_once_after_the_driver_is_killed_and_resumed(
-    cluster: str, dataset: Path, model: Path, local: dict[str, dict[str, Any]], tmp_path: Path
+    cluster: str, long_dataset: Path, model: Path, long_local: dict[str, dict[str, Any]], tmp_path: Path
 ) -> None:
     out, log = tmp_path / "out.arrow", tmp_path / "run.log"
-    proc = _start(_ray_args(dataset, out, model, cluster, "--flush-every", "1"), log)
+    proc = _start(_ray_args(long_dataset, out, model, cluster, "--flush-every", "1"), log)
     _wait_for(lambda: len(_parts(out)) >= 3, "three parts", proc, log)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert not out.exists()
-    resumed = [a for a in _ray_args(dataset, out, model, cluster) if a != "--overwrite"] + ["--resume"]
+    resumed = [a for a in _ray_args(long_dataset, out, model, cluster) if a != "--overwrite"] + ["--resume"]
     code, output = run_cli(resumed)
     assert code == 0, output
     before = re.search(r"(\d+) rows were done before", output)
     now = re.search(r"batchgen: (\d+) rows done, (\d+) bad rows?", output)
     assert before and now, output
-    assert 0 < int(before[1]) < ROWS
-    assert int(before[1]) + int(now[1]) + int(now[2]) == ROWS  # bad rows written before count as done
-    assert _row_count(out) == ROWS
-    _assert_same_rows(read_rows(out), local)
+    assert 0 < int(before[1]) < LONG_ROWS
+    assert int(before[1]) + int(now[1]) + int(now[2]) == LONG_ROWS  # bad rows written before count as done
+    assert _row_count(out) == LONG_ROWS
+    _assert_same_rows(read_rows(out), long_local)
 
 
 def test_predictor_in_a_ray_data_pipeline(
