@@ -90,7 +90,8 @@ def half_weight_rows(dtype: torch.dtype, gemm_dtype: torch.dtype | None, enabled
 
 
 class PackedLinear(nn.Module):
-    """``y = x W^T + b`` over a oneDNN-packed ``W``, computed in ``gemm_dtype``.
+    """``y = x W^T + b`` over ``W`` packed once, for oneDNN (or for brgemm under ``deterministic``), computed in
+    ``gemm_dtype``.
 
     Args:
         weight: ``[out_features, in_features]`` on the CPU, in the model's dtype (copied into the packed layout).

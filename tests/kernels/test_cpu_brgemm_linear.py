@@ -63,13 +63,18 @@ def test_a_rows_bits_do_not_depend_on_the_other_rows(in_features: int, out_featu
 
 
 def test_the_packed_layout_is_brgemms_vnni_blocks() -> None:
-    """Block ``j``, pair ``p``, column ``c``, lane ``l`` holds ``W[j * 64 + c, 2p + l]``; columns past ``out`` are
-    zero; an odd inner dimension is refused."""
-    weight = torch.arange(130 * 6, dtype=torch.float32).view(130, 6).bfloat16()
-    packed = pack_for_brgemm(weight)
-    assert packed.shape == (3, 3, COLUMN_BLOCK, 2)
-    assert packed[2, 1, 1, 0] == weight[129, 2] and packed[0, 2, 5, 1] == weight[5, 5]
-    assert bool((packed[2, :, 2:] == 0).all())
+    """Block ``j``, pair ``p``, column ``c``, lane ``l`` holds ``W[j * 64 + c, 2p + l]``, every element checked on
+    weights of distinct bit patterns; columns past ``out`` are zero; an odd inner dimension is refused."""
+    out_features, in_features = 130, 6
+    weight = torch.arange(1, out_features * in_features + 1, dtype=torch.int16).view(torch.bfloat16)
+    weight = weight.view(out_features, in_features)
+    packed = pack_for_brgemm(weight).view(torch.int16)
+    bits = weight.view(torch.int16)
+    assert packed.shape == (3, in_features // 2, COLUMN_BLOCK, 2)
+    for j, p, c, lane in torch.cartesian_prod(*(torch.arange(n) for n in packed.shape)).tolist():
+        row = j * COLUMN_BLOCK + c
+        expected = int(bits[row, 2 * p + lane]) if row < out_features else 0
+        assert int(packed[j, p, c, lane]) == expected, (j, p, c, lane)
     with pytest.raises(ValueError, match="even width"):
         pack_for_brgemm(torch.zeros(4, 5, dtype=torch.bfloat16))
 
@@ -85,3 +90,11 @@ def test_mismatched_inputs_are_refused_in_one_line() -> None:
         brgemm_linear(x, packed, 200, None)
     with pytest.raises(RuntimeError, match="bias must be float32"):
         brgemm_linear(x, packed, 96, torch.zeros(96, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="x has no columns"):
+        brgemm_linear(x[:, :0].contiguous(), packed[:, :0].contiguous(), 96, None)
+
+
+def test_no_rows_give_an_empty_output() -> None:
+    weight, b, _ = _layer(1, 64, 96, 0)
+    out = brgemm_linear(torch.zeros(0, 64, dtype=torch.bfloat16), pack_for_brgemm(weight), 96, b)
+    assert out.shape == (0, 96)

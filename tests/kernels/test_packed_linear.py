@@ -4,7 +4,10 @@ order of the float32 sums), and the engine stays within bfloat16 rounding noise 
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +22,7 @@ from batchgen.models import packed_linear, source
 from batchgen.models.llama import LlamaForCausalLM
 from batchgen.models.packed_linear import PackedLinear, cpu_gemm_dtype, prepack_linears
 from tests.helpers.cli import generate, write_jsonl
-from tests.helpers.models import build_random_model
+from tests.helpers.models import REPO, build_random_model
 from tests.helpers.reference import assert_within_rounding_noise, deviation, greedy_rows, hf_float32_rows
 
 CPU = torch.device("cpu")
@@ -90,6 +93,34 @@ def test_a_rows_output_depends_on_that_row_only(
     for rows in [*range(1, 131), 255, 300]:
         for start in (0, 3, 50):
             assert torch.equal(linear(x[start : start + rows]), reference[start : start + rows]), (rows, start)
+
+
+_FALLBACK_PROBE = """
+import torch
+from batchgen.kernels.cpu.brgemm_linear import brgemm_linear_supported
+from batchgen.models.packed_linear import PackedLinear, cpu_gemm_dtype
+gemm = cpu_gemm_dtype(torch.bfloat16, torch.device("cpu"))
+linear = PackedLinear(torch.randn(96, 64).bfloat16(), None, gemm, deterministic=True)
+x = torch.randn(5, 64).bfloat16()
+assert torch.equal(linear(x)[2:3], linear(x[2:3]))
+print(brgemm_linear_supported(), gemm, linear.brgemm_weight is None, linear.call_rows, linear.min_rows)
+"""
+
+
+def test_without_bfloat16_in_brgemm_the_layers_fall_back_to_onednn_calls() -> None:
+    """On a CPU with AVX-512 but no BF16 (Skylake to Ice Lake Xeons), imitated by capping oneDNN's instruction set,
+    brgemm cannot generate a bfloat16 kernel (oneDNN raises its own error, not PyTorch's): the probe says so, and
+    ``--deterministic``'s bfloat16 layers run oneDNN calls of 64 rows (or float32 GEMMs where oneDNN has no
+    bfloat16 at all), still row-invariant."""
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX512_CORE"}
+    done = subprocess.run([sys.executable, "-c", _FALLBACK_PROBE], env=env, capture_output=True, text=True, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    supported, gemm, no_brgemm, call_rows, min_rows = done.stdout.split()
+    assert (supported, no_brgemm) == ("False", "True")
+    if gemm == "torch.bfloat16":
+        assert (call_rows, min_rows) == (str(packed_linear.DETERMINISTIC_CALL_ROWS), "1")
+    else:
+        assert (gemm, call_rows, min_rows) == ("torch.float32", "0", "2")
 
 
 @needs_native_bf16

@@ -20,7 +20,8 @@ instruction-set flags, so a cache shared between machines never loads code built
 processes load it in ~0.1 s (a build says so on stderr, before and after). If it cannot build, batchgen says why in
 one line on stderr and runs plain PyTorch instead. ``BATCHGEN_CPU_ATTENTION_KERNEL=0`` turns the attention kernel
 off, ``BATCHGEN_CPU_FUSED_OPS=0`` the fused ops, ``BATCHGEN_CPU_HALF_WEIGHT_LINEAR=0`` the small-round linear
-layers (:class:`batchgen.kernels.switches.KernelSwitches`); with all three off nothing is built.
+layers (:class:`batchgen.kernels.switches.KernelSwitches`); with all three off nothing is built, unless
+``--deterministic`` runs a bfloat16 model's linear layers on ``brgemm_linear.cpp``.
 """
 
 from __future__ import annotations

@@ -13,11 +13,11 @@
 #include <ATen/native/CPUBlas.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
-#include <c10/util/Exception.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <exception>
 #include <vector>
 
 namespace {
@@ -25,6 +25,11 @@ namespace {
 // Rows of x per brgemm call: a block of x ([128 x K] bfloat16, 144 KiB at K = 576) stays in L2 while a thread
 // passes the weight blocks over it. The result does not depend on it (tests/kernels/test_cpu_brgemm_linear.py).
 constexpr int64_t kRowBlock = 128;
+
+// Hands an AMX tile configuration back when a thread's tasks end, an exception included (nothing elsewhere).
+struct ReleaseOnExit {
+  ~ReleaseOnExit() { at::native::cpublas::brgemm_release(); }
+};
 
 at::Tensor brgemm_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                          const c10::optional<at::Tensor>& bias) {
@@ -35,6 +40,7 @@ at::Tensor brgemm_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
               "batchgen::brgemm_linear: x [rows, K] and packed [blocks, K / 2, columns, 2] must agree on K, got ",
               x.sizes(), " and ", packed.sizes());
   const int64_t M = x.size(0), K = x.size(1), blocks = packed.size(0), cols = packed.size(2), N = out_features;
+  TORCH_CHECK(K > 0, "batchgen::brgemm_linear: x has no columns");
   TORCH_CHECK(N > (blocks - 1) * cols && N <= blocks * cols, "batchgen::brgemm_linear: ", blocks, " blocks of ",
               cols, " columns cannot hold out_features ", N);
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu() && x.is_contiguous() && packed.is_contiguous(),
@@ -54,39 +60,33 @@ at::Tensor brgemm_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   // A task is one row block against one column block, row blocks outermost: a thread's run of tasks passes the
   // weight blocks over one block of x at a time.
   at::parallel_for(0, row_blocks * blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> tail;  // the last column block, where it is narrower than the packed one
+    const ReleaseOnExit release;
     for (int64_t t = begin; t < end; ++t) {
       const int64_t m0 = t / blocks * kRowBlock, n0 = t % blocks * cols;
       const int64_t rows = std::min(kRowBlock, M - m0), width = std::min(cols, N - n0);
-      const c10::BFloat16* w = wp + n0 * K;
       float* o = op + m0 * N + n0;
-      if (width == cols) {
-        at::native::cpublas::brgemm(rows, cols, K, K, cols, N, false, xp + m0 * K, w, o);
-      } else {
-        tail.resize(rows * cols);
-        at::native::cpublas::brgemm(rows, cols, K, K, cols, cols, false, xp + m0 * K, w, tail.data());
-        for (int64_t i = 0; i < rows; ++i) std::copy_n(tail.data() + i * cols, width, o + i * N);
-      }
+      // The last block is narrower where N is not a multiple of cols: a call of that width, for every row alike.
+      at::native::cpublas::brgemm(rows, width, K, K, cols, N, false, xp + m0 * K, wp + n0 * K, o);
       if (b != nullptr) {
         for (int64_t i = 0; i < rows; ++i) {
           for (int64_t j = 0; j < width; ++j) o[i * N + j] += b[n0 + j];
         }
       }
     }
-    at::native::cpublas::brgemm_release();  // hands an AMX tile configuration back; nothing elsewhere
   });
   return out;
 }
 
-// Whether brgemm runs bfloat16 on this CPU: PyTorch raises where its oneDNN ukernel lacks it (no AVX512-BF16 or
-// AMX, or a build without the ukernel), so try one tiny call.
+// Whether brgemm runs bfloat16 on this CPU, tried with one tiny call: PyTorch raises a c10::Error without AVX-512
+// or without the ukernel, and oneDNN a dnnl::error (a std::exception) on AVX-512 without BF16, where it cannot
+// generate the kernel.
 bool brgemm_linear_runs() {
   const std::vector<c10::BFloat16> a(2, c10::BFloat16(1.0f)), w(32, c10::BFloat16(1.0f));
   std::vector<float> c(16);
   try {
     at::native::cpublas::brgemm(1, 16, 2, 2, 16, 16, false, a.data(), w.data(), c.data());
     at::native::cpublas::brgemm_release();
-  } catch (const c10::Error&) {
+  } catch (const std::exception&) {
     return false;
   }
   return c[0] == 2.0f;
