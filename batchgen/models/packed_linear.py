@@ -153,7 +153,9 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
         if self.brgemm_weight is not None:
-            out = brgemm_linear(x.to(torch.bfloat16).contiguous(), self.brgemm_weight, self.out_features, self.bias)
+            rounded = self.round_output and self.out_dtype == torch.bfloat16
+            x = x.to(torch.bfloat16).contiguous()
+            out = brgemm_linear(x, self.brgemm_weight, self.out_features, self.bias, rounded)
         elif self.half_weight is not None and rows <= self.few_rows:
             out = half_weight_linear(x.contiguous(), self.half_weight, self.bias)
         else:

@@ -15,8 +15,11 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "bf16_round.h"
+
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <exception>
 #include <vector>
 
@@ -31,8 +34,26 @@ struct ReleaseOnExit {
   ~ReleaseOnExit() { at::native::cpublas::brgemm_release(); }
 };
 
+inline void store_lanes(float* p, vnf v) { std::memcpy(p, &v, sizeof(v)); }
+inline void store_lanes(c10::BFloat16* p, vnf v) { storen(p, v); }  // rounded to nearest even, as c10 rounds
+
+// Adds the bias to one block of brgemm's float32 results and stores it as float32 or rounded to bfloat16.
+template <typename Out>
+void store_block(const float* acc, int64_t ld_acc, const float* bias, Out* out, int64_t ld_out, int64_t rows,
+                 int64_t width) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const float* a = acc + i * ld_acc;
+    Out* o = out + i * ld_out;
+    int64_t j = 0;
+    for (; j + kNativeLanes <= width; j += kNativeLanes) {
+      store_lanes(o + j, bias != nullptr ? loadn(a + j) + loadn(bias + j) : loadn(a + j));
+    }
+    for (; j < width; ++j) o[j] = static_cast<Out>(bias != nullptr ? a[j] + bias[j] : a[j]);
+  }
+}
+
 at::Tensor brgemm_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
-                         const c10::optional<at::Tensor>& bias) {
+                         const c10::optional<at::Tensor>& bias, bool round_to_bf16) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16,
               "batchgen::brgemm_linear: x and packed must be bfloat16, got ", x.scalar_type(), " and ",
               packed.scalar_type());
@@ -52,25 +73,26 @@ at::Tensor brgemm_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
                 bias->sizes());
     b = bias->const_data_ptr<float>();
   }
-  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
+  at::Tensor out = at::empty({M, N}, x.options().dtype(round_to_bf16 ? at::kBFloat16 : at::kFloat));
   const auto* xp = reinterpret_cast<const c10::BFloat16*>(x.const_data_ptr());
   const auto* wp = reinterpret_cast<const c10::BFloat16*>(packed.const_data_ptr());
-  float* op = out.mutable_data_ptr<float>();
   const int64_t row_blocks = (M + kRowBlock - 1) / kRowBlock;
   // A task is one row block against one column block, row blocks outermost: a thread's run of tasks passes the
   // weight blocks over one block of x at a time.
   at::parallel_for(0, row_blocks * blocks, 1, [&](int64_t begin, int64_t end) {
     const ReleaseOnExit release;
+    std::vector<float> acc(kRowBlock * cols);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t m0 = t / blocks * kRowBlock, n0 = t % blocks * cols;
       const int64_t rows = std::min(kRowBlock, M - m0), width = std::min(cols, N - n0);
-      float* o = op + m0 * N + n0;
       // The last block is narrower where N is not a multiple of cols: a call of that width, for every row alike.
-      at::native::cpublas::brgemm(rows, width, K, K, cols, N, false, xp + m0 * K, wp + n0 * K, o);
-      if (b != nullptr) {
-        for (int64_t i = 0; i < rows; ++i) {
-          for (int64_t j = 0; j < width; ++j) o[i * N + j] += b[n0 + j];
-        }
+      at::native::cpublas::brgemm(rows, width, K, K, cols, cols, false, xp + m0 * K, wp + n0 * K, acc.data());
+      const float* block_bias = b != nullptr ? b + n0 : nullptr;
+      if (round_to_bf16) {
+        auto* o = reinterpret_cast<c10::BFloat16*>(out.mutable_data_ptr()) + m0 * N + n0;
+        store_block(acc.data(), cols, block_bias, o, N, rows, width);
+      } else {
+        store_block(acc.data(), cols, block_bias, out.mutable_data_ptr<float>() + m0 * N + n0, N, rows, width);
       }
     }
   });
@@ -95,7 +117,8 @@ bool brgemm_linear_runs() {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(batchgen, m) {
-  m.def("brgemm_linear(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
+  m.def(
+      "brgemm_linear(Tensor x, Tensor packed, int out_features, Tensor? bias, bool round_to_bf16) -> Tensor");
   m.def("brgemm_linear_runs() -> bool", &brgemm_linear_runs);
 }
 

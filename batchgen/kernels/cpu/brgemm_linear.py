@@ -44,10 +44,13 @@ def pack_for_brgemm(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(blocks, COLUMN_BLOCK, in_features // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
-def brgemm_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+def brgemm_linear(
+    x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None, round_to_bf16: bool = False
+) -> torch.Tensor:
     """``x W^T + b``: ``x`` ``[rows, in]`` bfloat16, ``packed`` from :func:`pack_for_brgemm`, ``bias``
-    ``[out_features]`` float32 or ``None``; returns ``[rows, out_features]`` float32, unrounded. A row's result
-    depends on that row only.
+    ``[out_features]`` float32 or ``None``; returns ``[rows, out_features]`` float32, unrounded, or with
+    ``round_to_bf16`` each float32 sum rounded once to bfloat16 (to nearest even). A row's result depends on that
+    row only.
 
     Raises:
         RuntimeError: (``batchgen::brgemm_linear: ...``) other dtypes, shapes that disagree, tensors off the CPU or
@@ -56,5 +59,5 @@ def brgemm_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias
     problem = build_problem()
     if problem is not None:
         raise RuntimeError(problem)
-    out: torch.Tensor = torch.ops.batchgen.brgemm_linear(x, packed, out_features, bias)
+    out: torch.Tensor = torch.ops.batchgen.brgemm_linear(x, packed, out_features, bias, round_to_bf16)
     return out
