@@ -42,8 +42,9 @@ from batchgen.kernels.cpu.brgemm_linear import brgemm_linear, brgemm_linear_supp
 from batchgen.kernels.cpu.half_linear import FEW_ROWS, half_weight_linear
 
 _ROWS_HINT = 64  # oneDNN picks its blocking for this many rows; any row count runs on the packed weight
-# Rows per oneDNN call of a half-precision GEMM under --deterministic where brgemm has no bfloat16 (float16 models):
-# a decode round of up to 64 rows is one call; larger ones take a call per 64 rows, each reading the weights again.
+# Rows per oneDNN call of a half-precision GEMM under --deterministic where brgemm does not run it (float16 models,
+# AVX-512 without BF16, odd widths): a decode round of up to 64 rows is one call; larger ones take a call per 64
+# rows, each reading the weights again.
 DETERMINISTIC_CALL_ROWS = 64
 
 
