@@ -28,7 +28,7 @@ class KernelSwitches:
     cpu_fused_ops: bool = field(default=True, metadata={"env": "BATCHGEN_CPU_FUSED_OPS"})
     # Float32 GEMM outputs handed to the fused ops unrounded (bfloat16 models whose GEMMs run in float32).
     cpu_float32_carrier: bool = field(default=True, metadata={"env": "BATCHGEN_CPU_FLOAT32_CARRIER"})
-    # oneDNN-prepacked linear weights for bfloat16 and float16 models on the CPU.
+    # oneDNN-prepacked linear weights on the CPU.
     cpu_prepack: bool = field(default=True, metadata={"env": "BATCHGEN_CPU_PREPACK"})
     # Rounds of a few rows on the half-precision weights where those GEMMs run in float32 (AVX2 CPUs).
     cpu_half_weight_linear: bool = field(default=True, metadata={"env": "BATCHGEN_CPU_HALF_WEIGHT_LINEAR"})

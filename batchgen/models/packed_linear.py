@@ -1,6 +1,9 @@
-"""Linear layers with oneDNN-prepacked weights, for bfloat16 and float16 models on the CPU.
+"""Linear layers with oneDNN-prepacked weights, for the CPU.
 
-Two cases, chosen per machine by :func:`cpu_gemm_dtype`:
+float32 models pack their weights as they are: PyTorch's ``F.linear`` in float32 runs MKL, which on AMD CPUs
+takes a slower code path (measured 2-3.6x slower than oneDNN's packed GEMM on an AMD Zen 5, 16-30 % on a Zen 1:
+docs/performance.md); an output then differs from ``F.linear``'s in its last float32 bits, by the order of the
+sums. For bfloat16 and float16 models, two cases, chosen per machine by :func:`cpu_gemm_dtype`:
 
 - **oneDNN has kernels for the model's dtype** (bfloat16 on CPUs with AVX-512 or AMX: natively with AVX512-BF16
   or AMX, by conversion on other AVX-512 parts): a ``F.linear`` there reorders the weight into oneDNN's blocked
@@ -64,15 +67,14 @@ def cpu_gemm_dtype(
     """The dtype in which a ``dtype`` model's linear layers run packed on ``device``, or ``None`` for plain
     ``F.linear``.
 
-    ``dtype`` itself where oneDNN has kernels for it, float32 for a bfloat16 or float16 model where it has none;
-    ``None`` off the CPU, without oneDNN, for float32 models (MKL's ``F.linear``, the reference path, whose
-    reduction order changes with the row count) unless ``deterministic``, or without ``prepack``
-    (``KernelSwitches.cpu_prepack``, ``$BATCHGEN_CPU_PREPACK``) unless ``deterministic``.
+    ``dtype`` itself where oneDNN has kernels for it (float32 always), float32 for a bfloat16 or float16 model where
+    it has none; ``None`` off the CPU, without oneDNN, or without ``prepack`` (``KernelSwitches.cpu_prepack``,
+    ``$BATCHGEN_CPU_PREPACK``: then MKL's ``F.linear``) unless ``deterministic``.
     """
     if device.type != "cpu" or not torch.backends.mkldnn.is_available() or not (prepack or deterministic):
         return None
     if dtype == torch.float32:
-        return dtype if deterministic else None
+        return dtype
     if dtype not in (torch.bfloat16, torch.float16):
         return None
     return dtype if native_gemm_supported(dtype) else torch.float32

@@ -100,9 +100,9 @@ class ModelSource:
         attention_backend: str = "auto",
     ) -> LlamaForCausalLM:
         """The decoder on ``device`` in ``dtype``, with RoPE tables for ``max_positions`` positions: the
-        checkpoint's weights, or random ones (seed 0) for a ``random:`` preset; bfloat16 and float16 linear weights
-        on the CPU prepacked for oneDNN (:mod:`batchgen.models.packed_linear`; as float32 where oneDNN has no kernels
-        for the dtype); bfloat16 models run with the CPU's fused elementwise kernels
+        checkpoint's weights, or random ones (seed 0) for a ``random:`` preset; linear weights on the CPU prepacked
+        for oneDNN (:mod:`batchgen.models.packed_linear`; bfloat16 and float16 ones as float32 where oneDNN has no
+        kernels for the dtype); bfloat16 models run with the CPU's fused elementwise kernels
         (:mod:`batchgen.kernels.cpu.fused_elementwise`, where they build; RoPE stores the new K/V); Triton's fused
         kernels on CUDA (:func:`triton_fused_ops_requested`); each unless ``switches`` turns it off.
 

@@ -41,9 +41,10 @@ def _cpu_flags() -> set[str]:
 
 
 def test_gemm_dtype_choice(monkeypatch: pytest.MonkeyPatch) -> None:
-    """float32 models, other devices and the switch keep ``F.linear``; bfloat16 packs as itself on a CPU with
-    AVX512-BF16 and as float32 on one with no AVX-512 at all (oneDNN's bfloat16 kernels need one or the other)."""
-    assert cpu_gemm_dtype(torch.float32, CPU) is None
+    """Other devices and the switch keep ``F.linear``; float32 packs as itself (MKL's ``F.linear`` is the slower
+    on AMD CPUs); bfloat16 packs as itself on a CPU with AVX512-BF16 and as float32 on one with no AVX-512 at all
+    (oneDNN's bfloat16 kernels need one or the other)."""
+    assert cpu_gemm_dtype(torch.float32, CPU) == torch.float32
     assert cpu_gemm_dtype(torch.bfloat16, torch.device("cuda")) is None
     flags = _cpu_flags()
     if "avx512_bf16" in flags:
@@ -53,6 +54,7 @@ def test_gemm_dtype_choice(monkeypatch: pytest.MonkeyPatch) -> None:
         assert cpu_gemm_dtype(torch.float16, CPU) == torch.float32
     monkeypatch.setenv("BATCHGEN_CPU_PREPACK", "0")
     assert cpu_gemm_dtype(torch.bfloat16, CPU, kernel_switches().cpu_prepack) is None
+    assert cpu_gemm_dtype(torch.float32, CPU, kernel_switches().cpu_prepack) is None
     # --deterministic packs every dtype, the switch notwithstanding.
     assert cpu_gemm_dtype(torch.float32, CPU, False, deterministic=True) == torch.float32
     assert cpu_gemm_dtype(torch.bfloat16, CPU, False, deterministic=True) in (torch.bfloat16, torch.float32)
