@@ -206,8 +206,8 @@ class LlamaForCausalLM(nn.Module):
     ``[T, hidden_size]`` in the model dtype; logits are computed by the ``LogitsProcessor`` for the rows that
     sample only, through :meth:`compute_logits`.
 
-    :meth:`prepack_for_cpu` swaps the linear layers (and the output projection) for oneDNN-packed ones on a
-    bfloat16 or float16 CPU model, after the weights are loaded; :meth:`use_linears` for others (Triton's).
+    :meth:`prepack_for_cpu` swaps the linear layers (and the output projection) for oneDNN-packed ones on a CPU
+    model, after the weights are loaded; :meth:`use_linears` for others (Triton's).
     """
 
     def __init__(self, config: ModelConfig, max_positions: int, rotary_device: torch.device) -> None:

@@ -1,9 +1,8 @@
 """Linear layers with oneDNN-prepacked weights, for the CPU.
 
-float32 models pack their weights as they are: PyTorch's ``F.linear`` in float32 runs MKL, which on AMD CPUs
-takes a slower code path (measured 2-3.6x slower than oneDNN's packed GEMM on an AMD Zen 5, 16-30 % on a Zen 1:
-docs/performance.md); an output then differs from ``F.linear``'s in its last float32 bits, by the order of the
-sums. For bfloat16 and float16 models, two cases, chosen per machine by :func:`cpu_gemm_dtype`:
+float32 models pack their weights as they are: PyTorch's ``F.linear`` in float32 runs MKL, which takes a slower
+code path on AMD CPUs than oneDNN's packed GEMM (docs/performance.md); an output then differs from ``F.linear``'s
+in its last float32 bits, by the order of the sums. For bfloat16 and float16 models, two cases, chosen per machine by :func:`cpu_gemm_dtype`:
 
 - **oneDNN has kernels for the model's dtype** (bfloat16 on CPUs with AVX-512 or AMX: natively with AVX512-BF16
   or AMX, by conversion on other AVX-512 parts): a ``F.linear`` there reorders the weight into oneDNN's blocked

@@ -239,8 +239,8 @@ def test_float32_gemm_engine_within_rounding_noise_of_hf_float32(
     assert_within_rounding_noise(packed, noise, f"{dtype} through float32 GEMMs")
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_cpu_models_load_packed(
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_cpu_models_load_packed(
     dtype: torch.dtype, random_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     def packed_layers() -> list[PackedLinear]:
