@@ -2,7 +2,8 @@
 
 float32 models pack their weights as they are: PyTorch's ``F.linear`` in float32 runs MKL, which takes a slower
 code path on AMD CPUs than oneDNN's packed GEMM (docs/performance.md); an output then differs from ``F.linear``'s
-in its last float32 bits, by the order of the sums. For bfloat16 and float16 models, two cases, chosen per machine by :func:`cpu_gemm_dtype`:
+in its last float32 bits, by the order of the sums. For bfloat16 and float16 models, two cases, chosen per machine
+by :func:`cpu_gemm_dtype`:
 
 - **oneDNN has kernels for the model's dtype** (bfloat16 on CPUs with AVX-512 or AMX: natively with AVX512-BF16
   or AMX, by conversion on other AVX-512 parts): a ``F.linear`` there reorders the weight into oneDNN's blocked
