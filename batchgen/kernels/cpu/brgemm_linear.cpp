@@ -1,6 +1,7 @@
-// y = x W^T + b for bfloat16 x and W, float32 out, with every output's reduction order fixed whatever the other
-// rows: the linear layers of a bfloat16 model under --deterministic, on CPUs where PyTorch's brgemm (oneDNN's
-// batch-reduce GEMM ukernel) runs bfloat16: tdpbf16ps on AMX tiles, vdpbf16ps with AVX512-BF16.
+// y = x W^T + b for bfloat16 x and W, out in float32 or rounded to bfloat16, with every output's reduction order
+// fixed whatever the other rows: the linear layers of a bfloat16 model under --deterministic, on CPUs where
+// PyTorch's brgemm (oneDNN's batch-reduce GEMM ukernel) runs bfloat16: tdpbf16ps on AMX tiles, vdpbf16ps with
+// AVX512-BF16.
 //
 // oneDNN's full GEMM picks its kernel and blocking by the row count, so a row's bits change with the rows beside it;
 // a brgemm call of m rows x n columns x K walks K in one fixed order for each output, whatever m (the same property
@@ -76,6 +77,8 @@ at::Tensor brgemm_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   at::Tensor out = at::empty({M, N}, x.options().dtype(round_to_bf16 ? at::kBFloat16 : at::kFloat));
   const auto* xp = reinterpret_cast<const c10::BFloat16*>(x.const_data_ptr());
   const auto* wp = reinterpret_cast<const c10::BFloat16*>(packed.const_data_ptr());
+  auto* out_bf16 = reinterpret_cast<c10::BFloat16*>(out.mutable_data_ptr());
+  auto* out_f32 = reinterpret_cast<float*>(out.mutable_data_ptr());
   const int64_t row_blocks = (M + kRowBlock - 1) / kRowBlock;
   // A task is one row block against one column block, row blocks outermost: a thread's run of tasks passes the
   // weight blocks over one block of x at a time.
@@ -89,10 +92,9 @@ at::Tensor brgemm_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
       at::native::cpublas::brgemm(rows, width, K, K, cols, cols, false, xp + m0 * K, wp + n0 * K, acc.data());
       const float* block_bias = b != nullptr ? b + n0 : nullptr;
       if (round_to_bf16) {
-        auto* o = reinterpret_cast<c10::BFloat16*>(out.mutable_data_ptr()) + m0 * N + n0;
-        store_block(acc.data(), cols, block_bias, o, N, rows, width);
+        store_block(acc.data(), cols, block_bias, out_bf16 + m0 * N + n0, N, rows, width);
       } else {
-        store_block(acc.data(), cols, block_bias, out.mutable_data_ptr<float>() + m0 * N + n0, N, rows, width);
+        store_block(acc.data(), cols, block_bias, out_f32 + m0 * N + n0, N, rows, width);
       }
     }
   });
