@@ -19,7 +19,7 @@ from torch import nn
 
 from batchgen.kernels.attention.base import AttentionBackend
 from batchgen.kernels.attention.torch_native import TorchNativeAttnBackend
-from batchgen.kernels.cpu import matrix_unit_supported, paged_attention_available
+from batchgen.kernels.cpu import brgemm_attention_supported, paged_attention_available
 from batchgen.kernels.cpu.decode_layers import decode_layers
 from batchgen.models.llama import DecoderLayer, LlamaForCausalLM
 from batchgen.models.packed_linear import PackedLinear
@@ -71,6 +71,8 @@ class FewRowDecode:
         self.num_heads = config.num_heads
         self.eps = config.rms_norm_eps
         self.scale = config.head_dim**-0.5
+        # from_model asks for bfloat16; the torch_native backend (not deterministic) makes the same choice
+        self.brgemm = brgemm_attention_supported(torch.bfloat16, config.head_dim)
         self.norms = [w for layer in layers for w in layer.norms] + [model.model.norm.weight]
         self.weights = [w for layer in layers for w in layer.half_weights]
         self.biases = [b for layer in layers for b in layer.biases]
@@ -83,9 +85,9 @@ class FewRowDecode:
     def from_model(cls, model: LlamaForCausalLM, attn_backend: AttentionBackend) -> FewRowDecode | None:
         """A runner for ``model``'s few-row decode rounds, or ``None`` unless every step of its layers is the C++
         op's: bfloat16 on the CPU with the fused ops and their KV store in RoPE, no q/k norms, every linear layer
-        running few rows on its half-precision weights with the float32 carrier, and attention in the CPU kernel's
-        vector path (the torch_native backend, not ``--deterministic``, no matrix unit)."""
-        dtype, head_dim = model.model.embed_tokens.weight.dtype, model.config.head_dim
+        running few rows on its half-precision weights with the float32 carrier, and attention in the CPU kernel (the
+        torch_native backend, not ``--deterministic``; through brgemm as the backend runs it)."""
+        dtype = model.model.embed_tokens.weight.dtype
         if not (
             model.rotary.cos_table.device.type == "cpu"
             and dtype == torch.bfloat16
@@ -94,7 +96,6 @@ class FewRowDecode:
             and not attn_backend.deterministic
             and model.rotary.kv_store_kernel is not None
             and paged_attention_available()
-            and not matrix_unit_supported(dtype, head_dim)
         ):
             return None
         layers = [_layer_weights(layer) for layer in model.model.layers]
@@ -130,5 +131,6 @@ class FewRowDecode:
             fb.req_to_token_pool.req_to_token,
             (fb.req_pool_indices, fb.seq_lens, self.q_starts[:n], self.q_lens[:n]),
             self.scale,
+            self.brgemm,
             self.attention_seconds,
         )

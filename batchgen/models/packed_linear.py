@@ -40,8 +40,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from batchgen.kernels.cpu import build_problem
-from batchgen.kernels.cpu.brgemm_linear import brgemm_linear, brgemm_linear_supported, pack_for_brgemm
+from batchgen.kernels.cpu import brgemm_bf16_supported, build_problem
+from batchgen.kernels.cpu.brgemm_linear import brgemm_linear, pack_for_brgemm
 from batchgen.kernels.cpu.half_linear import FEW_ROWS, half_weight_linear
 
 _ROWS_HINT = 64  # oneDNN picks its blocking for this many rows; any row count runs on the packed weight
@@ -148,7 +148,7 @@ class PackedLinear(nn.Module):
 
     def _brgemm_runs(self, weight: torch.Tensor) -> bool:
         """Whether this layer's batch-invariant GEMM is :mod:`batchgen.kernels.cpu.brgemm_linear`'s."""
-        return self.gemm_dtype == torch.bfloat16 and weight.shape[1] % 2 == 0 and brgemm_linear_supported()
+        return self.gemm_dtype == torch.bfloat16 and weight.shape[1] % 2 == 0 and brgemm_bf16_supported()
 
     def _gemm(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x.to(self.gemm_dtype), self.packed, self.bias, "none", [], "")

@@ -109,10 +109,10 @@ def pool_reference(q: torch.Tensor, pool: PagedPool, i: int, first_pos: int) -> 
 
 
 def kernel_attention(
-    pool: PagedPool, q: torch.Tensor, rows: list[int], seq_lens: list[int], q_lens: list[int], matrix_unit: bool = False
+    pool: PagedPool, q: torch.Tensor, rows: list[int], seq_lens: list[int], q_lens: list[int], brgemm: bool = False
 ) -> torch.Tensor:
     """batchgen's C++ kernel over ``rows`` (indices into the pool's sequences), their new tokens packed in order in
-    q; on the matrix unit if asked."""
+    q; rows of many queries through brgemm if asked."""
     from batchgen.kernels.cpu import paged_attention
 
     starts = [sum(q_lens[:i]) for i in range(len(q_lens))]
@@ -126,7 +126,7 @@ def kernel_attention(
         index(starts),
         index(q_lens),
         q.shape[-1] ** -0.5,
-        matrix_unit=matrix_unit,
+        brgemm=brgemm,
     )
 
 
@@ -150,11 +150,11 @@ def skip_without_cpu_kernel() -> None:
         pytest.skip(f"the C++ kernel cannot be built on this machine: {problem}")
 
 
-def skip_without_matrix_unit(head_dim: int = 64) -> None:
-    """Skip the test, saying why, where the kernel has no matrix-unit path for bfloat16 heads of ``head_dim``."""
+def skip_without_brgemm(head_dim: int = 64) -> None:
+    """Skip the test, saying why, where the kernel has no brgemm path for bfloat16 heads of ``head_dim``."""
     import pytest
 
-    from batchgen.kernels.cpu import matrix_unit_supported
+    from batchgen.kernels.cpu import brgemm_attention_supported
 
-    if not matrix_unit_supported(torch.bfloat16, head_dim):
-        pytest.skip("this CPU has no AMX-BF16 (or PyTorch's brgemm cannot run bfloat16 here): no matrix-unit path")
+    if not brgemm_attention_supported(torch.bfloat16, head_dim):
+        pytest.skip("PyTorch's brgemm cannot run bfloat16 here (it needs AVX512-BF16 or AMX): no brgemm path")

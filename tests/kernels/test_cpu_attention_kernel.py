@@ -393,18 +393,18 @@ def test_backend_same_with_kernel_on_and_off(
 
 def test_prefill_rows_go_to_the_kernel_with_amx_or_avx512_bf16() -> None:
     """Prefill rows go to the kernel exactly where it beats SDPA: in bfloat16 with head sizes a multiple of 32 up to
-    256, on a CPU whose flags (``/proc/cpuinfo``) include avx512_bf16 (vdpbf16ps) or amx_bf16 (the matrix unit,
-    also asked of the kernel's ``matrix_unit`` path)."""
+    256, on a CPU whose flags (``/proc/cpuinfo``) include avx512_bf16 (vdpbf16ps, and brgemm's bfloat16 kernels
+    on it or on AMX tiles, which the kernel's ``brgemm`` path asks for)."""
     has_dot = " avx512_bf16" in _FLAGS and " avx512bw" in _FLAGS
-    has_amx = " amx_bf16" in _FLAGS and " amx_tile" in _FLAGS
     assert bool(torch.ops.batchgen.has_bf16_dot_product()) == has_dot
-    assert cpu_kernels.matrix_unit_supported(torch.bfloat16, 64) == (has_amx and has_dot)
+    assert cpu_kernels.brgemm_bf16_supported() == has_dot
+    assert cpu_kernels.brgemm_attention_supported(torch.bfloat16, 64) == has_dot
     to_kernel = has_dot
     assert cpu_kernels.prefill_rows_supported(torch.bfloat16, 64) == to_kernel
     assert cpu_kernels.prefill_rows_supported(torch.bfloat16, 256) == to_kernel
     for dtype, head_dim in [(torch.bfloat16, 80), (torch.bfloat16, 512), (torch.float32, 64), (torch.float16, 64)]:
         assert not cpu_kernels.prefill_rows_supported(dtype, head_dim)
-        assert not cpu_kernels.matrix_unit_supported(dtype, head_dim)
+        assert not cpu_kernels.brgemm_attention_supported(dtype, head_dim)
 
 
 # Run in a child process: the kernel built for a lesser CPU (the flag in argv[1]), on the inputs the parent saved.

@@ -1,13 +1,13 @@
-"""The C++ paged-attention kernel's matrix-unit path (AMX through PyTorch's brgemm, ``matrix_unit=True``) and its
-reading of a prefix shared by several rows once for all of them.
+"""The C++ paged-attention kernel's brgemm path (PyTorch's brgemm on AMX tiles or AVX512-BF16, ``brgemm=True``)
+and its reading of a prefix shared by several rows once for all of them.
 
-Matrix unit: against the float64 reference in bfloat16 (head sizes 64, 128 and 256, GQA groups 1, 3 and 4, rows
+brgemm: against the float64 reference in bfloat16 (head sizes 64, 128 and 256, GQA groups 1, 3 and 4, rows
 from 2 to 300 keys adding 2 to 70 tokens, decodes beside them), with NaN in every slot it must not read and inf or
 NaN in the keys after a query; a row's output is the same bits alone, among other rows, on one thread or two, and
-split into rows of other sizes that still take the matrix unit. Tests of it skip, saying so, on a CPU without AMX.
+split into rows of other sizes that still take brgemm. Tests of it skip, saying so, where brgemm has no bfloat16.
 
 Shared prefixes: rows whose first slots are the same (as the prefix cache hands them out) give the bits they give
-alone, on each path this CPU has (the dot-product, matrix-unit and vector paths, float32, bfloat16 and float16),
+alone, on each path this CPU has (the dot-product, brgemm and vector paths, float32, bfloat16 and float16),
 with prefixes shared by two to five rows over 1 to 4 whole blocks of keys, on one thread or two.
 """
 
@@ -25,8 +25,8 @@ from tests.helpers.paged_pool import (
     pool_reference,
     relative_error,
     share_prefix,
+    skip_without_brgemm,
     skip_without_cpu_kernel,
-    skip_without_matrix_unit,
 )
 
 _FLAGS = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
@@ -64,99 +64,119 @@ MATRIX_ROWS = [(2, 2), (70, 70), (300, 40), (257, 9), (256, 3), (129, 5), (90, 1
 
 
 @pytest.mark.parametrize(("head_dim", "group"), [(64, 1), (64, 3), (64, 4), (128, 3), (256, 2)])
-def test_matrix_unit_matches_float64(head_dim: int, group: int) -> None:
-    skip_without_matrix_unit(head_dim)
+def test_brgemm_matches_float64(head_dim: int, group: int) -> None:
+    skip_without_brgemm(head_dim)
     gen = torch.Generator().manual_seed(head_dim + group)
     pool = _pool([n for n, _ in MATRIX_ROWS], 2, head_dim, gen)
     q = torch.randn(sum(t for _, t in MATRIX_ROWS), 2 * group, head_dim, generator=gen).to(torch.bfloat16)
-    out = kernel_attention(pool, q, list(range(len(MATRIX_ROWS))), *map(list, zip(*MATRIX_ROWS)), matrix_unit=True)
+    out = kernel_attention(pool, q, list(range(len(MATRIX_ROWS))), *map(list, zip(*MATRIX_ROWS)), brgemm=True)
     _check(out, q, pool, MATRIX_ROWS)
 
 
 @pytest.mark.usefixtures("_threads")
-def test_matrix_unit_row_is_bit_identical_in_any_batch() -> None:
+def test_brgemm_row_is_bit_identical_in_any_batch() -> None:
     """A 40-token row (4 query heads per KV head: 160 queries, three work items) alone, on one thread, among other
-    rows, and as rows of 2 and 5 tokens (8 and 20 queries, still on the matrix unit) gives the same bits."""
-    skip_without_matrix_unit()
+    rows, and as rows of 2 and 5 tokens (8 and 20 queries, still on brgemm) gives the same bits."""
+    skip_without_brgemm()
     gen = torch.Generator().manual_seed(2)
     pool = _pool([300, 200, 64], 2, 64, gen)
     q_row = torch.randn(40, 8, 64, generator=gen).to(torch.bfloat16)
-    alone = kernel_attention(pool, q_row, [0], [300], [40], matrix_unit=True)
+    alone = kernel_attention(pool, q_row, [0], [300], [40], brgemm=True)
     torch.set_num_threads(1)
-    one_thread = kernel_attention(pool, q_row, [0], [300], [40], matrix_unit=True)
+    one_thread = kernel_attention(pool, q_row, [0], [300], [40], brgemm=True)
     torch.set_num_threads(2)
     others = torch.randn(13, 8, 64, generator=gen).to(torch.bfloat16)
     mixed = torch.cat([others[:12], q_row, others[12:]])
-    batch = kernel_attention(pool, mixed, [1, 2, 0, 1], [200, 64, 300, 150], [9, 3, 40, 1], matrix_unit=True)
-    pairs = kernel_attention(pool, q_row, [0] * 20, [262 + 2 * i for i in range(20)], [2] * 20, matrix_unit=True)
-    fives = kernel_attention(pool, q_row, [0] * 8, [265 + 5 * i for i in range(8)], [5] * 8, matrix_unit=True)
+    batch = kernel_attention(pool, mixed, [1, 2, 0, 1], [200, 64, 300, 150], [9, 3, 40, 1], brgemm=True)
+    pairs = kernel_attention(pool, q_row, [0] * 20, [262 + 2 * i for i in range(20)], [2] * 20, brgemm=True)
+    fives = kernel_attention(pool, q_row, [0] * 8, [265 + 5 * i for i in range(8)], [5] * 8, brgemm=True)
     for other in (one_thread, batch[12:52], pairs, fives):
         assert torch.equal(other, alone)
 
 
-def test_matrix_unit_keys_after_a_query_never_reach_it() -> None:
+def test_brgemm_keys_after_a_query_never_reach_it() -> None:
     """Keys after a query's position holding inf (V) and NaN (K), as a broken model could write them: the tokens
     before give the bits they give without them."""
-    skip_without_matrix_unit()
+    skip_without_brgemm()
     gen = torch.Generator().manual_seed(8)
     pool = _pool([300], 2, 64, gen)
     q = torch.randn(20, 4, 64, generator=gen).to(torch.bfloat16)
-    clean = kernel_attention(pool, q, [0], [300], [20], matrix_unit=True)
+    clean = kernel_attention(pool, q, [0], [300], [20], brgemm=True)
     k, v = pool.k.clone(), pool.v.clone()
     for bad in (290, 291):  # the 20 tokens sit at positions 280..299
         pool.v[:, pool.slots[0][bad]] = float("inf")
         pool.k[:, pool.slots[0][bad + 1 :]] = float("nan")
-        dirty = kernel_attention(pool, q, [0], [300], [20], matrix_unit=True)
+        dirty = kernel_attention(pool, q, [0], [300], [20], brgemm=True)
         assert torch.equal(dirty[: bad - 280], clean[: bad - 280])
         assert bool(dirty[: bad - 280].isfinite().all())
         pool.k, pool.v = k.clone(), v.clone()
 
 
-def test_matrix_unit_refused_where_it_cannot_run() -> None:
+def test_brgemm_refused_where_it_cannot_run() -> None:
     pool = PagedPool([10], torch.float32, 2, 64, torch.Generator().manual_seed(1), 50, 20)
-    with pytest.raises(RuntimeError, match="matrix_unit needs bfloat16"):
-        kernel_attention(pool, torch.zeros(2, 4, 64), [0], [10], [2], matrix_unit=True)
+    with pytest.raises(RuntimeError, match="brgemm needs bfloat16"):
+        kernel_attention(pool, torch.zeros(2, 4, 64), [0], [10], [2], brgemm=True)
 
 
-# (dtype, head size, matrix unit): bfloat16 takes the dot-product path where the CPU has AVX512-BF16 and the vector
-# path elsewhere; float32 and float16 always the vector path, a head of 36 dims its generic block step on AVX2 too.
-_SHARING_PATHS = [
-    (torch.bfloat16, 64, False),
-    (torch.bfloat16, 64, True),
-    (torch.float32, 64, False),
-    (torch.float16, 64, False),
-    (torch.float32, 36, False),
-]
+# (dtype, head size): bfloat16 takes the dot-product path where the CPU has AVX512-BF16 and the vector path
+# elsewhere; float32 and float16 always the vector path, a head of 36 dims its generic block step on AVX2 too.
+_SHARING_PATHS = [(torch.bfloat16, 64), (torch.float32, 64), (torch.float16, 64), (torch.float32, 36)]
+
+# Ten rows over one pool: rows 1-4 share row 0's first 300 slots (4 blocks of 64 keys, 1 of 256), rows 5-6 its
+# first 64, rows 7-8 one another's first 200; row 9 shares nothing. Each decodes one token, except row 3 (two: six
+# queries with a group of 3) and row 8 (30).
+_SHARING_LENS = [300, 280, 257, 320, 300, 65, 128, 210, 230, 150]
+_SHARES = {1: (0, 300), 2: (0, 300), 3: (0, 300), 4: (0, 300), 5: (0, 64), 6: (0, 64), 8: (7, 200)}
+_SHARING_NEW = [1, 1, 1, 2, 1, 1, 1, 1, 30, 1]
 
 
 @pytest.mark.usefixtures("_threads")
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("group", [1, 3])
-@pytest.mark.parametrize(
-    ("dtype", "head_dim", "matrix_unit"), _SHARING_PATHS, ids=["bf16", "bf16-matrix-unit", "f32", "f16", "f32-dim36"]
-)
+@pytest.mark.parametrize(("dtype", "head_dim"), _SHARING_PATHS, ids=["bf16", "f32", "f16", "f32-dim36"])
 def test_rows_sharing_a_prefix_give_the_bits_they_give_alone(
-    dtype: torch.dtype, head_dim: int, matrix_unit: bool, group: int, threads: int
+    dtype: torch.dtype, head_dim: int, group: int, threads: int
 ) -> None:
-    """Ten rows over one pool: rows 1-4 share row 0's first 256 slots (4 blocks of 64 keys), rows 5-6 its first 64,
-    rows 7-8 one another's first 200; row 9 shares nothing. Each decodes one token, except row 3 (two: six queries
-    with a group of 3, still on the vector path); row 8 adds 30 (the matrix unit where asked). Every row's output
-    equals the one it gives alone, and matches float64. With two threads the kernel caps the queries of a group of
-    sharing rows (to leave each thread two work items), with one it does not: the bits are the same either way."""
-    if matrix_unit:
-        skip_without_matrix_unit()
+    """The rows of _SHARES without brgemm: every row's output equals the one it gives alone, and matches float64.
+    With two threads the kernel caps the queries of a group of sharing rows (to leave each thread two work items),
+    with one it does not: the bits are the same either way."""
     torch.set_num_threads(threads)
     gen = torch.Generator().manual_seed(group)
-    seq_lens = [300, 280, 257, 320, 300, 65, 128, 210, 230, 150]
-    pool = PagedPool(seq_lens, dtype, 2, head_dim, gen, 4000, 400)
-    shares = {1: (0, 256), 2: (0, 256), 3: (0, 256), 4: (0, 256), 5: (0, 64), 6: (0, 64), 8: (7, 200)}
-    share_prefix(pool, shares)
-    new = [1, 1, 1, 2, 1, 1, 1, 1, 30, 1]
-    q = torch.randn(sum(new), 2 * group, head_dim, generator=gen).to(dtype)
-    together = kernel_attention(pool, q, list(range(10)), seq_lens, new, matrix_unit=matrix_unit)
+    pool = PagedPool(_SHARING_LENS, dtype, 2, head_dim, gen, 4000, 400)
+    share_prefix(pool, _SHARES)
+    q = torch.randn(sum(_SHARING_NEW), 2 * group, head_dim, generator=gen).to(dtype)
+    together = kernel_attention(pool, q, list(range(10)), _SHARING_LENS, _SHARING_NEW)
     start = 0
-    for row, (n, t) in enumerate(zip(seq_lens, new)):
-        alone = kernel_attention(pool, q[start : start + t], [row], [n], [t], matrix_unit=matrix_unit)
+    for row, (n, t) in enumerate(zip(_SHARING_LENS, _SHARING_NEW)):
+        alone = kernel_attention(pool, q[start : start + t], [row], [n], [t])
         assert torch.equal(together[start : start + t], alone), f"row {row}"
         start += t
-    _check(together, q, pool, list(zip(seq_lens, new)))
+    _check(together, q, pool, list(zip(_SHARING_LENS, _SHARING_NEW)))
+
+
+@pytest.mark.usefixtures("_threads")
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("group", [1, 3])
+def test_brgemm_runs_rows_sharing_a_prefix_as_gemms(group: int, threads: int) -> None:
+    """The rows of _SHARES with brgemm, in bfloat16: rows 0-4 share a whole block of 256 keys, which runs as GEMMs
+    over all their queries, then each goes on alone. Every row matches float64; on one thread rows 0-4 differ from
+    the vector path's bits somewhere (they took the GEMMs); the other rows of a few queries equal them, and rows of
+    8 queries or more give the bits they give alone."""
+    skip_without_brgemm()
+    torch.set_num_threads(threads)
+    gen = torch.Generator().manual_seed(group)
+    pool = PagedPool(_SHARING_LENS, torch.bfloat16, 2, 64, gen, 4000, 400)
+    share_prefix(pool, _SHARES)
+    q = torch.randn(sum(_SHARING_NEW), 2 * group, 64, generator=gen).to(torch.bfloat16)
+    rows = list(range(10))
+    together = kernel_attention(pool, q, rows, _SHARING_LENS, _SHARING_NEW, brgemm=True)
+    vector = kernel_attention(pool, q, rows, _SHARING_LENS, _SHARING_NEW)
+    _check(together, q, pool, list(zip(_SHARING_LENS, _SHARING_NEW)))
+    start = 0
+    for row, (n, t) in enumerate(zip(_SHARING_LENS, _SHARING_NEW)):
+        got = together[start : start + t]
+        if t * group >= 8:
+            assert torch.equal(got, kernel_attention(pool, q[start : start + t], [row], [n], [t], brgemm=True))
+        elif row > 4 or threads == 1:  # two threads cap a group's queries, so a row of 0-4 may be left alone
+            assert torch.equal(got, vector[start : start + t]) == (row > 4), f"row {row}"
+        start += t

@@ -7,12 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchgen.kernels.cpu.brgemm_linear import COLUMN_BLOCK, brgemm_linear, brgemm_linear_supported, pack_for_brgemm
+from batchgen.kernels.cpu import brgemm_bf16_supported
+from batchgen.kernels.cpu.brgemm_linear import COLUMN_BLOCK, brgemm_linear, pack_for_brgemm
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _brgemm_runs() -> None:
-    if not brgemm_linear_supported():
+    if not brgemm_bf16_supported():
         pytest.skip("PyTorch's brgemm has no bfloat16 on this CPU (it needs AVX512-BF16 or AMX), or no C++ kernels")
 
 

@@ -16,7 +16,7 @@ from torch.nn import functional as F
 
 from batchgen.environment import kernel_switches
 from batchgen.kernels import cpu as cpu_kernels
-from batchgen.kernels.cpu.brgemm_linear import brgemm_linear_supported
+from batchgen.kernels.cpu import brgemm_bf16_supported
 from batchgen.kernels.cpu.half_linear import FEW_ROWS
 from batchgen.models import packed_linear, source
 from batchgen.models.llama import LlamaForCausalLM
@@ -82,10 +82,10 @@ def test_a_rows_output_depends_on_that_row_only(
     window of 1 to 300 rows (at three offsets) as in one call of 1,000 rows. (Plain calls are not: MKL's float32
     ``F.linear`` gives other bits for 1, 2-15 and 16+ rows, oneDNN's bfloat16 kernels for 33-130 rows of 576 inputs
     among others, on an AMX CPU.)"""
-    if path == "brgemm" and not brgemm_linear_supported():
+    if path == "brgemm" and not brgemm_bf16_supported():
         pytest.skip("PyTorch's brgemm has no bfloat16 on this CPU (it needs AVX512-BF16 or AMX), or no C++ kernels")
     if path == "onednn":
-        monkeypatch.setattr(packed_linear, "brgemm_linear_supported", lambda: False)
+        monkeypatch.setattr(packed_linear, "brgemm_bf16_supported", lambda: False)
     gen = torch.Generator().manual_seed(in_features + out_features)
     weight = torch.randn(out_features, in_features, generator=gen).to(gemm_dtype)
     x = torch.randn(1000, in_features, generator=gen).to(gemm_dtype)
@@ -99,13 +99,13 @@ def test_a_rows_output_depends_on_that_row_only(
 
 _FALLBACK_PROBE = """
 import torch
-from batchgen.kernels.cpu.brgemm_linear import brgemm_linear_supported
+from batchgen.kernels.cpu import brgemm_bf16_supported
 from batchgen.models.packed_linear import PackedLinear, cpu_gemm_dtype
 gemm = cpu_gemm_dtype(torch.bfloat16, torch.device("cpu"))
 linear = PackedLinear(torch.randn(96, 64).bfloat16(), None, gemm, deterministic=True)
 x = torch.randn(5, 64).bfloat16()
 assert torch.equal(linear(x)[2:3], linear(x[2:3]))
-print(brgemm_linear_supported(), gemm, linear.brgemm_weight is None, linear.call_rows, linear.min_rows)
+print(brgemm_bf16_supported(), gemm, linear.brgemm_weight is None, linear.call_rows, linear.min_rows)
 """
 
 

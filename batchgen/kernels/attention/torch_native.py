@@ -3,8 +3,8 @@
 On CPU tensors, rows that add a few tokens (decodes, verify rounds) go to batchgen's C++ paged-attention kernel
 when it builds here (:mod:`batchgen.kernels.cpu`): it reads K/V in place, where gathering them copied every
 row's whole cache per layer per round. In bfloat16 on a CPU with AMX or AVX512-BF16 prefill rows go there too
-(:func:`~batchgen.kernels.cpu.prefill_rows_supported`), and with AMX every row runs on the matrix unit
-(:func:`~batchgen.kernels.cpu.matrix_unit_supported`).
+(:func:`~batchgen.kernels.cpu.prefill_rows_supported`), and where brgemm runs bfloat16 rows of many queries run as
+GEMMs through it (:func:`~batchgen.kernels.cpu.brgemm_attention_supported`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from torch.nn import functional as F
 
 from batchgen.kernels.attention.base import AttentionBackend
 from batchgen.kernels.cpu import (
-    matrix_unit_supported,
+    brgemm_attention_supported,
     paged_attention,
     paged_attention_available,
     prefill_rows_supported,
@@ -53,7 +53,7 @@ class _ShortRows:
     q_starts: torch.Tensor
     q_lens: torch.Tensor
     padded: _PaddedRows | None  # None when the CPU kernel attends: it needs no padded copies of the indices
-    matrix_unit: bool = False  # the CPU kernel runs them on the matrix unit
+    brgemm: bool = False  # the CPU kernel runs rows of many queries through brgemm
 
 
 @dataclass
@@ -80,13 +80,13 @@ def _short_rows(
     q_lens: torch.Tensor,
     max_len: int | None,
     q_len: int,
-    matrix_unit: bool = False,
+    brgemm: bool = False,
 ) -> _ShortRows:
     """Metadata for rows whose ``q_lens`` new tokens start at ``q_starts`` in q (all int64 ``[n]`` tensors);
-    ``max_len`` (the longest ``seq_lens``) only for the gather path, ``None`` for the CPU kernel, which runs them
-    on the matrix unit when ``matrix_unit``."""
+    ``max_len`` (the longest ``seq_lens``) only for the gather path, ``None`` for the CPU kernel, which runs rows of
+    many queries through brgemm when ``brgemm``."""
     if max_len is None:
-        return _ShortRows(req_pool_indices, seq_lens, q_starts, q_lens, None, matrix_unit)
+        return _ShortRows(req_pool_indices, seq_lens, q_starts, q_lens, None, brgemm)
     device = seq_lens.device
     slot = torch.arange(q_len, device=device)
     valid = slot[None, :] < q_lens[:, None]
@@ -108,7 +108,7 @@ class TorchNativeAttnBackend(AttentionBackend):
     rows that extend several tokens run one SDPA each, since their shapes differ. On CPU tensors, short rows
     use the C++ kernel instead when ``cpu_kernel`` and it is available (``BATCHGEN_CPU_ATTENTION_KERNEL=0``
     turns it off), and so do the long ones where :func:`~batchgen.kernels.cpu.prefill_rows_supported` says it is
-    the faster. With ``deterministic`` every row goes to the kernel's vector path (never the matrix unit, whose
+    the faster. With ``deterministic`` every row goes to the kernel's vector path (never brgemm, whose
     rounding differs), so a query's result is the same in a prefill chunk of any size as in a decode.
     """
 
@@ -123,12 +123,12 @@ class TorchNativeAttnBackend(AttentionBackend):
         # A lookup once built; asked here so that a CUDA run never builds the CPU kernel.
         gather = req_to_token.device.type != "cpu" or not (self.cpu_kernel and paged_attention_available())
         pool = fb.token_to_kv_pool.k_buffer
-        matrix_unit = not gather and not self.deterministic and matrix_unit_supported(pool.dtype, pool.shape[-1])
+        brgemm = not gather and not self.deterministic and brgemm_attention_supported(pool.dtype, pool.shape[-1])
         if fb.forward_mode.is_decode():
             ones = torch.ones_like(fb.seq_lens)
             max_len = fb.max_seq_len if gather else None
             decodes = _short_rows(
-                req_to_token, fb.req_pool_indices, fb.seq_lens, ones.cumsum(0) - 1, ones, max_len, 1, matrix_unit
+                req_to_token, fb.req_pool_indices, fb.seq_lens, ones.cumsum(0) - 1, ones, max_len, 1, brgemm
             )
             self.metadata = _Metadata(decodes, [])
             return
@@ -165,7 +165,7 @@ class TorchNativeAttnBackend(AttentionBackend):
                 torch.tensor(lens, device=device),
                 max_len if gather else None,
                 max(lens),
-                matrix_unit,
+                brgemm,
             )
         self.metadata = _Metadata(short, multi)
 
@@ -203,7 +203,7 @@ class TorchNativeAttnBackend(AttentionBackend):
     ) -> torch.Tensor:
         """Writes the short rows' tokens of ``out`` ``[T, num_heads, head_dim]`` with the CPU kernel, which reads
         each row's K/V where they lie in the pool: float32 accumulation (in half precision, the probabilities
-        rounded to it before weighting V, as SDPA does), each row computed alike in any batch; on the matrix unit
+        rounded to it before weighting V, as SDPA does), each row computed alike in any batch; through brgemm
         where the rows say so. Returns ``out``."""
         pool = forward_batch.token_to_kv_pool
         return paged_attention(
@@ -217,7 +217,7 @@ class TorchNativeAttnBackend(AttentionBackend):
             rows.q_lens,
             q.shape[-1] ** -0.5,
             out,
-            rows.matrix_unit,
+            rows.brgemm,
         )
 
     @staticmethod

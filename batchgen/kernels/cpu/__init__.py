@@ -3,8 +3,8 @@
 ``paged_attention.cpp`` registers ``torch.ops.batchgen.paged_attention``: attention that reads each request's
 K/V in place from the paged pool through ``req_to_token`` (no gathered copy), as SGLang's and vLLM's CPU
 backends do. The torch_native backend uses it for decode and verify rows on CPU tensors when it builds here,
-and for prefill rows too in bfloat16 on a CPU with AMX (on the matrix unit, ``attention_amx.h``) or with
-AVX512-BF16 (``torch.ops.batchgen.has_bf16_dot_product()``).
+and for prefill rows too in bfloat16 on a CPU with AVX512-BF16 (``torch.ops.batchgen.has_bf16_dot_product()``),
+where they run as GEMMs through PyTorch's brgemm (``attention_brgemm.h``: AMX tiles or ``vdpbf16ps``).
 ``elementwise.cpp`` registers the fused RMSNorm, SiLU-and-multiply and RoPE of bfloat16 models
 (:mod:`batchgen.kernels.cpu.fused_elementwise`), ``sampling.cpp`` greedy sampling's argmax
 and the exponential race of random sampling (:mod:`batchgen.kernels.cpu.sampling_ops`), ``half_linear.cpp`` linear
@@ -64,11 +64,11 @@ def paged_attention_available() -> bool:
 
 def prefill_rows_supported(dtype: torch.dtype, head_dim: int) -> bool:
     """Whether rows of many new tokens (prefill chunks) should go to the kernel too, rather than to SDPA over
-    gathered K/V: where the kernel runs them on the matrix unit (:func:`matrix_unit_supported`), or in bfloat16 on
+    gathered K/V: where the kernel runs them through brgemm (:func:`brgemm_attention_supported`), or in bfloat16 on
     a CPU with AVX512-BF16 and no AMX, where it scores and weights V with ``vdpbf16ps`` (head sizes a multiple of
     32, up to 256). Both beat SDPA there (figures in docs/performance.md); elsewhere SDPA is as fast as the
     kernel's float32 loops and keeps them."""
-    if matrix_unit_supported(dtype, head_dim):
+    if brgemm_attention_supported(dtype, head_dim):
         return True
     return (
         dtype == torch.bfloat16
@@ -81,16 +81,25 @@ def prefill_rows_supported(dtype: torch.dtype, head_dim: int) -> bool:
 
 
 @functools.cache
-def matrix_unit_supported(dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether :func:`paged_attention` can run on the CPU's matrix unit (``matrix_unit=True``): bfloat16, head
-    sizes a multiple of 32 up to 256, a CPU with AMX tiles, and PyTorch's brgemm (oneDNN) running bfloat16 here."""
+def brgemm_bf16_supported() -> bool:
+    """Whether PyTorch's brgemm (oneDNN's batch-reduce GEMM ukernel) runs bfloat16 here, tried once with a tiny
+    call: AMX tiles or AVX512-BF16, and the kernels built. :mod:`batchgen.kernels.cpu.brgemm_linear` and the
+    attention kernel's brgemm path need it."""
+    return build_problem() is None and bool(torch.ops.batchgen.brgemm_bf16_runs())
+
+
+@functools.cache
+def brgemm_attention_supported(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether :func:`paged_attention` can run rows of many queries as GEMMs through brgemm (``brgemm=True``):
+    bfloat16, head sizes a multiple of 32 up to 256, the kernel built with AVX512-BF16, and brgemm running
+    bfloat16 here (:func:`brgemm_bf16_supported`)."""
     return (
         dtype == torch.bfloat16
         and head_dim % 32 == 0
         and head_dim <= 256
-        and _has_amx()
         and paged_attention_available()
-        and bool(torch.ops.batchgen.has_brgemm_bf16())
+        and bool(torch.ops.batchgen.has_bf16_dot_product())
+        and brgemm_bf16_supported()
     )
 
 
@@ -214,7 +223,7 @@ def paged_attention(
     q_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
-    matrix_unit: bool = False,
+    brgemm: bool = False,
 ) -> torch.Tensor:
     """Causal attention of each row's new tokens over its whole sequence, read in place from the paged pool.
 
@@ -227,9 +236,11 @@ def paged_attention(
     float16 the probabilities are rounded to that dtype before weighting V, as PyTorch's SDPA (which HF
     transformers runs) and FlashAttention do, so greedy tokens follow HF's. The output is cast to q's dtype.
     A query's result does not depend on the other rows, on its row's ``q_lens`` or on threading (it is
-    bit-identical in any batch). With ``matrix_unit`` (where :func:`matrix_unit_supported`) the scores and the
-    weighting of V run as GEMMs on the AMX tiles through PyTorch's ``at::native::cpublas::brgemm``: same inputs,
-    same guarantees, rounding that differs from the vector path's by the order in which products are summed.
+    bit-identical in any batch). With ``brgemm`` (where :func:`brgemm_attention_supported`) a row of 8 queries or
+    more (new tokens times the GQA group) runs its scores and its weighting of V as GEMMs through PyTorch's
+    ``at::native::cpublas::brgemm`` (AMX tiles, or ``vdpbf16ps``): the same guarantees within that path, rounding
+    that differs from the vector path's by the order in which products are summed, so a query's bits then depend on
+    which path its row's ``q_lens`` picks.
 
     Args:
         q: ``[num_tokens, num_heads, head_dim]``, float32, bfloat16 or float16, head_dim contiguous.
@@ -239,14 +250,14 @@ def paged_attention(
         scale: the score scale, usually ``head_dim ** -0.5``.
         out: ``[num_tokens, num_heads, head_dim]`` in q's dtype to write into (head_dim contiguous); only the
             rows' tokens are written, the others keep their values. ``None``: a new, uninitialised tensor.
-        matrix_unit: run on the matrix unit; only where :func:`matrix_unit_supported` says so.
+        brgemm: run rows of 8 queries or more through brgemm; only where :func:`brgemm_attention_supported`.
 
     Returns:
         ``out``.
 
     Raises:
         RuntimeError: with a ``batchgen::paged_attention:`` message for tensors not on the CPU, mismatched
-            shapes or dtypes, indices outside their tensors (including slots outside the pool), or ``matrix_unit``
+            shapes or dtypes, indices outside their tensors (including slots outside the pool), or ``brgemm``
             where it cannot run; or when the extension is not available (check :func:`paged_attention_available`
             first).
     """
@@ -256,6 +267,6 @@ def paged_attention(
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     torch.ops.batchgen.paged_attention(
-        q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, q_starts, q_lens, scale, out, matrix_unit
+        q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, q_starts, q_lens, scale, out, brgemm
     )
     return out

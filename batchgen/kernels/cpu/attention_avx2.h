@@ -182,7 +182,7 @@ inline void weigh_all_values(const float* const* p, const float* v, int64_t seen
 template <typename T, int M>
 void attend_block_avx2(const v16f* q, const v16f* keys, const v16f* values, int64_t seen, int64_t dims,
                        int64_t chunks, v16f* acc, float* row_max, float* row_sum, v16f* scores) {
-  static_assert(M * kKeyBlock <= kTileKeyBlock, "the scratch's scores hold M blocks of keys");
+  static_assert(M * kKeyBlock <= kGemmKeyBlock, "the scratch's scores hold M blocks of keys");
   const int64_t stride = chunks * kLanes, used = (seen + kLanes - 1) / kLanes, n = used * kLanes;
   const float* kf = reinterpret_cast<const float*>(keys);
   const float *qm[M], *pm[M];

@@ -171,6 +171,21 @@ inline int64_t start_bf16_queries(const Shape& s, const c10::BFloat16* q, int64_
   return keys;
 }
 
+// Queries [first, last) held in w against the block of `block_len` keys at position `block` (their slots in
+// w.slots), packed here, through attend_block_bf16.
+template <int DC>
+void attend_queries_bf16(const Shape& s, const uint16_t* k16, const uint16_t* v16, int64_t first, int64_t last,
+                         int64_t block, int64_t block_len, Scratch& w) {
+  const int64_t dc = s.chunks, pairs = s.head_dim / 2;
+  pack_block(k16, v16, w.slots.data(), block_len, pairs, s.kv_stride_slot, w.k_pairs.data(), w.v_pairs.data());
+  for (int64_t i = first; i < last; ++i) {
+    const int64_t seen = std::min(block_len, w.limit[i] - block);
+    if (seen <= 0) continue;
+    attend_block_bf16<DC>(&w.q_pairs[i * pairs], w.k_pairs.data(), w.v_pairs.data(), seen, dc, s.scale,
+                          &w.acc[i * dc], w.row_max[i], w.row_sum[i], w.scores.data(), w.prob_pairs.data());
+  }
+}
+
 // attend() for bfloat16 through the dot-product instructions; the same work item, inputs and result.
 template <int DC>
 bool attend_bf16(const Shape& s, const c10::BFloat16* q, const c10::BFloat16* k, const c10::BFloat16* v,
@@ -191,13 +206,7 @@ bool attend_bf16(const Shape& s, const c10::BFloat16* q, const c10::BFloat16* k,
         prefetch_row(v16 + ahead * s.kv_stride_slot, s.head_dim);
       }
     }
-    pack_block(k16, v16, w.slots.data(), block_len, pairs, s.kv_stride_slot, w.k_pairs.data(), w.v_pairs.data());
-    for (int64_t i = 0; i < nq; ++i) {
-      const int64_t seen = std::min(block_len, w.limit[i] - block);
-      if (seen <= 0) continue;
-      attend_block_bf16<DC>(&w.q_pairs[i * pairs], w.k_pairs.data(), w.v_pairs.data(), seen, dc, s.scale,
-                            &w.acc[i * dc], w.row_max[i], w.row_sum[i], w.scores.data(), w.prob_pairs.data());
-    }
+    attend_queries_bf16<DC>(s, k16, v16, 0, nq, block, block_len, w);
   }
   for (int64_t i = 0; i < nq; ++i) {
     const int64_t t = (first + i) / group, head = kv_head * group + (first + i) % group;
@@ -207,59 +216,70 @@ bool attend_bf16(const Shape& s, const c10::BFloat16* q, const c10::BFloat16* k,
 }
 
 
-// attend_bf16 for the rows of a shared prefix (attention_shared.h): rows `members` (indices into the round's rows,
-// each with all its queries) whose first `depth` blocks of keys are the same pool slots. Those blocks are packed
-// once and run for every member's queries; then each member goes on over its own blocks. A query meets the same
-// packed blocks in the same order, through the same attend_block_bf16 calls, as attend_bf16 gives it alone, so
-// its output is the same bits; only the reads of the shared K/V and their packing are not repeated.
-template <int DC>
-bool attend_bf16_shared(const Shape& s, const c10::BFloat16* q, const c10::BFloat16* k, const c10::BFloat16* v,
-                        c10::BFloat16* out, const Rows& rows, const int64_t* members, int64_t num_members,
-                        int64_t depth, int64_t kv_head, Scratch& w) {
-  const int64_t group = s.num_heads / s.num_kv_heads, dc = s.chunks, pairs = s.head_dim / 2;
-  const auto* k16 = reinterpret_cast<const uint16_t*>(k + kv_head * s.kv_stride_head);
-  const auto* v16 = reinterpret_cast<const uint16_t*>(v + kv_head * s.kv_stride_head);
+// The queries of a shared prefix's rows `members` (indices into the round's rows, each with all its queries) copied
+// as bfloat16 rows into w.q_pairs, in member order, and started; returns how many.
+inline int64_t start_shared_queries(const Shape& s, const c10::BFloat16* q, const Rows& rows, const int64_t* members,
+                                    int64_t num_members, int64_t kv_head, Scratch& w) {
+  const int64_t group = s.num_heads / s.num_kv_heads;
   int64_t nq = 0;
   for (int64_t m = 0; m < num_members; ++m) {
     const int64_t r = members[m];
     for (int64_t i = 0; i < rows.q_lens[r] * group; ++i, ++nq) {
       const int64_t t = i / group, head = kv_head * group + i % group;
-      std::memcpy(&w.q_pairs[nq * pairs], q + (rows.q_starts[r] + t) * s.q_stride_token + head * s.q_stride_head,
+      std::memcpy(&w.q_pairs[nq * s.head_dim / 2],
+                  q + (rows.q_starts[r] + t) * s.q_stride_token + head * s.q_stride_head,
                   s.head_dim * sizeof(c10::BFloat16));
-      w.start_query(nq, rows.seq_lens[r] - rows.q_lens[r] + t + 1, dc);
+      w.start_query(nq, rows.seq_lens[r] - rows.q_lens[r] + t + 1, s.chunks);
     }
   }
-  auto attend_queries = [&](int64_t first, int64_t last, int64_t block, int64_t block_len) {
-    pack_block(k16, v16, w.slots.data(), block_len, pairs, s.kv_stride_slot, w.k_pairs.data(), w.v_pairs.data());
-    for (int64_t i = first; i < last; ++i) {
-      const int64_t seen = std::min(block_len, w.limit[i] - block);
-      if (seen <= 0) continue;
-      attend_block_bf16<DC>(&w.q_pairs[i * pairs], w.k_pairs.data(), w.v_pairs.data(), seen, dc, s.scale,
-                            &w.acc[i * dc], w.row_max[i], w.row_sum[i], w.scores.data(), w.prob_pairs.data());
-    }
-  };
-  const int64_t* shared_slots = rows.slots_of(members[0]);
-  for (int64_t block = 0; block < depth * kKeyBlock; block += kKeyBlock) {
-    if (!w.take_slots(shared_slots, block, kKeyBlock, s.num_slots)) return false;
-    attend_queries(0, nq, block, kKeyBlock);
-  }
+  return nq;
+}
+
+// The end of a shared prefix's work item: each member's queries (held in w in member order, as
+// start_shared_queries put them) go on from key `from` (a multiple of kKeyBlock) over the member's own blocks, then
+// are written out. False where a slot lies outside the pool.
+template <int DC>
+bool finish_shared_members(const Shape& s, const uint16_t* k16, const uint16_t* v16, c10::BFloat16* out,
+                           const Rows& rows, const int64_t* members, int64_t num_members, int64_t from,
+                           int64_t kv_head, Scratch& w) {
+  const int64_t group = s.num_heads / s.num_kv_heads;
   int64_t first = 0;
   for (int64_t m = 0; m < num_members; ++m) {
     const int64_t r = members[m], last = first + rows.q_lens[r] * group;
     const int64_t keys = rows.seq_lens[r];  // what the member's last query sees
-    for (int64_t block = depth * kKeyBlock; block < keys; block += kKeyBlock) {
+    for (int64_t block = from; block < keys; block += kKeyBlock) {
       const int64_t block_len = std::min(kKeyBlock, keys - block);
       if (!w.take_slots(rows.slots_of(r), block, block_len, s.num_slots)) return false;
-      attend_queries(first, last, block, block_len);
+      attend_queries_bf16<DC>(s, k16, v16, first, last, block, block_len, w);
     }
     for (int64_t i = first; i < last; ++i) {
       const int64_t t = (i - first) / group, head = kv_head * group + (i - first) % group;
-      w.finish_query(i, dc, s.head_dim,
+      w.finish_query(i, s.chunks, s.head_dim,
                      out + (rows.q_starts[r] + t) * s.out_stride_token + head * s.out_stride_head);
     }
     first = last;
   }
   return true;
+}
+
+// attend_bf16 for the rows of a shared prefix (attention_shared.h): rows `members` (indices into the round's rows,
+// each with all its queries) whose first `depth` blocks of kKeyBlock keys are the same pool slots. Those blocks are
+// packed once and run for every member's queries; then each member goes on over its own blocks. A query meets the
+// same packed blocks in the same order, through the same attend_block_bf16 calls, as attend_bf16 gives it alone,
+// so its output is the same bits; only the reads of the shared K/V and their packing are not repeated.
+template <int DC>
+bool attend_bf16_shared(const Shape& s, const c10::BFloat16* q, const c10::BFloat16* k, const c10::BFloat16* v,
+                        c10::BFloat16* out, const Rows& rows, const int64_t* members, int64_t num_members,
+                        int64_t depth, int64_t kv_head, Scratch& w) {
+  const auto* k16 = reinterpret_cast<const uint16_t*>(k + kv_head * s.kv_stride_head);
+  const auto* v16 = reinterpret_cast<const uint16_t*>(v + kv_head * s.kv_stride_head);
+  const int64_t nq = start_shared_queries(s, q, rows, members, num_members, kv_head, w);
+  const int64_t* shared_slots = rows.slots_of(members[0]);
+  for (int64_t block = 0; block < depth * kKeyBlock; block += kKeyBlock) {
+    if (!w.take_slots(shared_slots, block, kKeyBlock, s.num_slots)) return false;
+    attend_queries_bf16<DC>(s, k16, v16, 0, nq, block, kKeyBlock, w);
+  }
+  return finish_shared_members<DC>(s, k16, v16, out, rows, members, num_members, depth * kKeyBlock, kv_head, w);
 }
 
 }  // namespace

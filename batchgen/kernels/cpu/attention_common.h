@@ -19,13 +19,14 @@
 namespace {
 
 constexpr int64_t kKeyBlock = 64;      // keys per online-softmax step (a multiple of kLanes)
-// The matrix-unit path's step (attention_amx.h): longer, so that each GEMM call does more work.
-constexpr int64_t kTileKeyBlock = 256;
-// Rows with fewer queries (new tokens x GQA group) than this stay on the vector path even where the matrix unit is
-// asked for: with a handful of queries the GEMM calls cost more than they save (docs/performance.md).
-constexpr int64_t kTileMinQueries = 8;
-// Queries of a matrix-unit work item: the GEMMs' rows; more of them pack each block of K/V for more queries.
-constexpr int64_t kTileQueryBlock = 192;
+// The brgemm path's step (attention_brgemm.h): longer, so that each GEMM call does more work.
+constexpr int64_t kGemmKeyBlock = 256;
+// Rows with fewer queries (new tokens x GQA group) than this stay on the vector path even where brgemm is asked
+// for, unless they share a prefix with others: with a handful of queries the GEMM calls cost more than they save
+// (docs/performance.md).
+constexpr int64_t kGemmMinQueries = 8;
+// Queries of a brgemm work item: the GEMMs' rows; more of them pack each block of K/V for more queries.
+constexpr int64_t kGemmQueryBlock = 192;
 // Queries of the rows that read one shared prefix together (attention_shared.h): more rows per pass read the prefix
 // fewer times, fewer leave the threads more passes to share.
 constexpr int64_t kSharedQueries = 192;
@@ -119,25 +120,25 @@ struct Scratch {
   std::vector<float> row_max, row_sum;
   std::vector<int64_t> limit, slots;
   std::vector<uint32_t> q_pairs, k_pairs, v_pairs, prob_pairs;  // the bfloat16 dot-product path's packed operands
-  std::vector<float> block_scores;     // the matrix-unit path's S, [queries][kTileKeyBlock]
-  std::vector<uint16_t> block_probs;   // and its P in bfloat16, [queries][kTileKeyBlock]
+  std::vector<float> block_scores;     // the brgemm path's S, [queries][kGemmKeyBlock]
+  std::vector<uint16_t> block_probs;   // and its P in bfloat16, [queries][kGemmKeyBlock]
   Scratch(int64_t queries, int64_t chunks)
       : q(queries * chunks),
         acc(queries * chunks),
         keys(kKeyBlock * chunks),
         values(kKeyBlock * chunks),
-        scores(kTileKeyBlock / kLanes),
+        scores(kGemmKeyBlock / kLanes),
         odd(chunks),
         row_max(queries),
         row_sum(queries),
         limit(queries),
-        slots(kTileKeyBlock),
+        slots(kGemmKeyBlock),
         q_pairs(queries * chunks * kLanes / 2),
-        k_pairs(chunks * kLanes / 2 * kTileKeyBlock),
-        v_pairs(kTileKeyBlock / 2 * chunks * kLanes),
+        k_pairs(chunks * kLanes / 2 * kGemmKeyBlock),
+        v_pairs(kGemmKeyBlock / 2 * chunks * kLanes),
         prob_pairs(kKeyBlock / 2),
-        block_scores(queries * kTileKeyBlock),
-        block_probs(queries * kTileKeyBlock) {}
+        block_scores(queries * kGemmKeyBlock),
+        block_probs(queries * kGemmKeyBlock) {}
 
   // Query i of a work item starts over: it sees `visible` keys (positions 0 .. visible - 1), has no scores yet.
   void start_query(int64_t i, int64_t visible, int64_t chunks) {

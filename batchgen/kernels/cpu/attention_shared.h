@@ -14,28 +14,28 @@
 
 namespace {
 
-// Rows (their indices in the call) whose first `depth` blocks of kKeyBlock keys are the same slots, every one of
-// them seen whole by all their queries.
+// Rows (their indices in the call) whose first `depth` blocks of keys (kKeyBlock, or kGemmKeyBlock where they run
+// through brgemm) are the same slots, every one of them seen whole by all their queries.
 struct SharedPrefix {
   std::vector<int64_t> members;
   int64_t depth;
 };
 
 // Groups of the `candidates` rows (each adding `queries_of(r)` queries, at most max_queries <= kSharedQueries in a
-// group) that share whole leading blocks. Rows are sorted by their slots, so rows with a common prefix sit side by
+// group) that share whole leading blocks of `block` keys. Rows are sorted by their slots, so rows with a common prefix sit side by
 // side; a run grows while the blocks it saves reading (depth x (members - 1)) do not shrink. Cost: a sort and a
 // comparison of slot lists, small beside reading the K/V they name.
 template <typename QueriesOf>
 std::vector<SharedPrefix> shared_prefixes(const Rows& rows, std::vector<int64_t> candidates, QueriesOf queries_of,
-                                          int64_t max_queries) {
+                                          int64_t max_queries, int64_t block) {
   // Whole blocks every query of row r sees: its first new token sees seq_len - q_len + 1 keys.
-  auto whole_blocks = [&](int64_t r) { return (rows.seq_lens[r] - rows.q_lens[r] + 1) / kKeyBlock; };
+  auto whole_blocks = [&](int64_t r) { return (rows.seq_lens[r] - rows.q_lens[r] + 1) / block; };
   std::erase_if(candidates, [&](int64_t r) { return whole_blocks(r) == 0; });
   auto common_blocks = [&](int64_t a, int64_t b) {
     const int64_t limit = std::min(whole_blocks(a), whole_blocks(b));
     int64_t n = 0;
-    while (n < limit && std::memcmp(rows.slots_of(a) + n * kKeyBlock, rows.slots_of(b) + n * kKeyBlock,
-                                    kKeyBlock * sizeof(int64_t)) == 0) {
+    while (n < limit && std::memcmp(rows.slots_of(a) + n * block, rows.slots_of(b) + n * block,
+                                    block * sizeof(int64_t)) == 0) {
       ++n;
     }
     return n;
@@ -43,8 +43,8 @@ std::vector<SharedPrefix> shared_prefixes(const Rows& rows, std::vector<int64_t>
   // By their whole blocks' slots (a row's a prefix of a longer one's sorts first): a strict weak order, as the
   // sort needs, under which rows with a common prefix still sit side by side.
   std::stable_sort(candidates.begin(), candidates.end(), [&](int64_t a, int64_t b) {
-    return std::lexicographical_compare(rows.slots_of(a), rows.slots_of(a) + whole_blocks(a) * kKeyBlock,
-                                        rows.slots_of(b), rows.slots_of(b) + whole_blocks(b) * kKeyBlock);
+    return std::lexicographical_compare(rows.slots_of(a), rows.slots_of(a) + whole_blocks(a) * block,
+                                        rows.slots_of(b), rows.slots_of(b) + whole_blocks(b) * block);
   });
   std::vector<SharedPrefix> groups;
   for (size_t i = 0; i < candidates.size();) {

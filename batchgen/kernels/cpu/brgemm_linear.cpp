@@ -5,7 +5,7 @@
 //
 // oneDNN's full GEMM picks its kernel and blocking by the row count, so a row's bits change with the rows beside it;
 // a brgemm call of m rows x n columns x K walks K in one fixed order for each output, whatever m (the same property
-// the attention kernel's matrix-unit path rests on, attention_amx.h). So: W is packed once into blocks of n columns
+// the attention kernel's brgemm path rests on, attention_brgemm.h). So: W is packed once into blocks of n columns
 // in the VNNI layout brgemm takes for B ([K/2][n][2]: the pairs (k 2p, k 2p + 1) of a column side by side), and a
 // call computes kRowBlock rows of x (fewer in the last) against one block, the whole of K at once.
 
@@ -17,11 +17,11 @@
 #include <torch/library.h>
 
 #include "bf16_round.h"
+#include "brgemm_bf16.h"
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <exception>
 #include <vector>
 
 namespace {
@@ -29,11 +29,6 @@ namespace {
 // Rows of x per brgemm call: a block of x ([128 x K] bfloat16, 144 KiB at K = 576) stays in L2 while a thread
 // passes the weight blocks over it. The result does not depend on it (tests/kernels/test_cpu_brgemm_linear.py).
 constexpr int64_t kRowBlock = 128;
-
-// Hands an AMX tile configuration back when a thread's tasks end, an exception included (nothing elsewhere).
-struct ReleaseOnExit {
-  ~ReleaseOnExit() { at::native::cpublas::brgemm_release(); }
-};
 
 inline void store_lanes(float* p, vnf v) { std::memcpy(p, &v, sizeof(v)); }
 inline void store_lanes(c10::BFloat16* p, vnf v) { storen(p, v); }  // rounded to nearest even, as c10 rounds
@@ -101,27 +96,13 @@ at::Tensor brgemm_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   return out;
 }
 
-// Whether brgemm runs bfloat16 on this CPU, tried with one tiny call: PyTorch raises a c10::Error without AVX-512
-// or without the ukernel, and oneDNN a dnnl::error (a std::exception) on AVX-512 without BF16, where it cannot
-// generate the kernel.
-bool brgemm_linear_runs() {
-  const std::vector<c10::BFloat16> a(2, c10::BFloat16(1.0f)), w(32, c10::BFloat16(1.0f));
-  std::vector<float> c(16);
-  try {
-    at::native::cpublas::brgemm(1, 16, 2, 2, 16, 16, false, a.data(), w.data(), c.data());
-    at::native::cpublas::brgemm_release();
-  } catch (const std::exception&) {
-    return false;
-  }
-  return c[0] == 2.0f;
-}
-
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(batchgen, m) {
   m.def(
       "brgemm_linear(Tensor x, Tensor packed, int out_features, Tensor? bias, bool round_to_bf16) -> Tensor");
-  m.def("brgemm_linear_runs() -> bool", &brgemm_linear_runs);
+  // Whether brgemm runs bfloat16 here: brgemm_linear and the attention kernel's brgemm path need it.
+  m.def("brgemm_bf16_runs() -> bool", &brgemm_bf16_runs);
 }
 
 TORCH_LIBRARY_IMPL(batchgen, CPU, m) { m.impl("brgemm_linear", &brgemm_linear); }

@@ -1,6 +1,6 @@
 """Linear layers of bfloat16 models whose every output sums in one fixed order (``brgemm_linear.cpp``): what
 ``--deterministic`` runs on CPUs where PyTorch's brgemm (oneDNN's batch-reduce GEMM ukernel) has bfloat16, that is
-AMX or AVX512-BF16 (:func:`brgemm_linear_supported`).
+AMX or AVX512-BF16 (:func:`~batchgen.kernels.cpu.brgemm_bf16_supported`).
 
 oneDNN's bfloat16 GEMM picks its kernel by the row count, so a row's output changes in its last bits with the
 rows beside it; a brgemm call sums each output over the inner dimension in one order whatever the number of rows,
@@ -10,20 +10,12 @@ in another order: results can differ from ``F.linear``'s in their last float32 b
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from batchgen.kernels.cpu import build_problem
 
 # Columns (rows of W) per packed block: one brgemm call's width.
 COLUMN_BLOCK = 64
-
-
-@functools.cache
-def brgemm_linear_supported() -> bool:
-    """Whether :func:`brgemm_linear` runs here: the kernels built and brgemm runs bfloat16 on this CPU."""
-    return build_problem() is None and bool(torch.ops.batchgen.brgemm_linear_runs())
 
 
 def pack_for_brgemm(weight: torch.Tensor) -> torch.Tensor:

@@ -56,7 +56,7 @@ const Ops& ops() {
 
 // Layer l's tensors: norms[2l], norms[2l + 1] (input and post-attention RMSNorm weights, bfloat16), weights[4l ..
 // 4l + 3] (the qkv, o, gate/up and down projections' half-precision weights), biases[2l], biases[2l + 1] (qkv's and
-// o's float32 biases or None); norms[2L] is the final norm's weight. Returns the final norm's bfloat16 output. With
+// o's float32 biases or None); norms[2L] is the final norm's weight; brgemm as paged_attention takes it. Returns the final norm's bfloat16 output. With
 // attention_seconds (float64 [1]), adds the wall time of the attention calls to it: the benchmarks' attention
 // clock, which cannot see into this call otherwise.
 at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& positions, at::TensorList norms,
@@ -65,7 +65,7 @@ at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& positions, 
                          const at::Tensor& k_buffer, const at::Tensor& v_buffer, const at::Tensor& loc,
                          const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
                          const at::Tensor& seq_lens, const at::Tensor& q_starts, const at::Tensor& q_lens,
-                         double scale, const OptionalTensor& attention_seconds) {
+                         double scale, bool brgemm, const OptionalTensor& attention_seconds) {
   constexpr const char* op = "batchgen::decode_layers: ";
   const int64_t layers = k_buffer.size(0);
   TORCH_CHECK(k_buffer.dim() == 4 && v_buffer.sizes() == k_buffer.sizes(), op,
@@ -100,7 +100,7 @@ at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& positions, 
     const at::Tensor attended = at::empty_like(rotated);
     const auto start = std::chrono::steady_clock::now();
     o.attention.call(rotated, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, q_starts, q_lens, scale,
-                     attended, false);
+                     attended, brgemm);
     if (clock != nullptr) *clock += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     const at::Tensor projected = o.linear.call(attended.view({tokens, q_size}), weights[4 * l + 1],
                                                biases.get(2 * l + 1));
@@ -119,7 +119,7 @@ TORCH_LIBRARY_FRAGMENT(batchgen, m) {
       "decode_layers(Tensor hidden, Tensor positions, Tensor[] norms, Tensor[] weights, Tensor?[] biases, float eps, "
       "int num_heads, Tensor cos_table, Tensor sin_table, Tensor(a!) k_buffer, Tensor(b!) v_buffer, Tensor loc, "
       "Tensor req_to_token, Tensor req_pool_indices, Tensor seq_lens, Tensor q_starts, Tensor q_lens, float scale, "
-      "Tensor(c!)? attention_seconds=None) -> Tensor");
+      "bool brgemm, Tensor(c!)? attention_seconds=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(batchgen, CPU, m) { m.impl("decode_layers", &decode_layers); }

@@ -33,6 +33,7 @@ def decode_layers(
     req_to_token: torch.Tensor,
     rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     scale: float,
+    brgemm: bool = False,
     attention_seconds: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Every decoder layer and the final RMSNorm over ``T`` new tokens, each layer RMSNorm (with the residual
@@ -55,6 +56,8 @@ def decode_layers(
         rows: int64 ``[n]`` ``(req_pool_indices, seq_lens, q_starts, q_lens)`` of the round's rows, as
             :func:`batchgen.kernels.cpu.paged_attention` takes them.
         scale: the attention's score scale, ``head_dim ** -0.5``.
+        brgemm: :func:`batchgen.kernels.cpu.paged_attention`'s choice for rows of many queries, as the round's
+            attention backend makes it.
         attention_seconds: a float64 ``[1]`` tensor to which the call adds the wall seconds of its attention (the
             benchmarks' attention clock, :mod:`batchgen.bench.attention_time`); ``None``: not timed.
 
@@ -82,6 +85,7 @@ def decode_layers(
         req_to_token,
         *rows,
         scale,
+        brgemm,
         attention_seconds,
     )
     return out

@@ -11,18 +11,21 @@
 // Determinism: a query's arithmetic depends only on its own inputs. Key blocks start at fixed positions
 // (multiples of kKeyBlock from position 0), reductions run in a fixed order, and a query stops at its own
 // last visible key, so its output is bit-identical whatever else is in the batch, however many new tokens
-// its row has, and whichever thread runs it.
+// its row has, and whichever thread runs it. With brgemm (below) that holds within each path, and a row's path
+// depends on its own queries' count, except that decode rows sharing a prefix with others in the call take the
+// GEMMs: the torch_native backend asks for brgemm only where it need not be batch-invariant (not --deterministic).
 //
 // bfloat16 on a machine with AVX512-BF16 takes its own path (attend_bf16 in attention_bf16.h): K/V pairs go
 // straight into vdpbf16ps, the same accumulation in float32 with fewer instructions, fast enough for prefill
-// rows as well. Where the caller asks for the matrix unit (matrix_unit: a CPU with AMX), rows of kTileMinQueries
-// queries or more run as two GEMMs per block of keys on the AMX tiles instead (attend_amx, attention_amx.h). Rows
-// of a few queries (decodes) whose leading KV slots are the same, as the prefix cache hands them out, read and
-// convert that prefix once for all of them (attention_shared.h finds them; attend_bf16_shared, and attend_shared on
-// the vector paths, run them). The generic path's block step is attend_block (attention_generic.h); on AVX2
-// without AVX-512 it is attend_block_avx2 (attention_avx2.h), written for that machine's 16 registers of 8 lanes;
-// attention_vector.h holds the work items (attend, attend_shared) that run either.
-// attention_common.h holds what the paths share.
+// rows as well. Where the caller asks for brgemm (where it runs bfloat16: AMX tiles or AVX512-BF16), rows of
+// kGemmMinQueries queries or more run as two GEMMs per block of keys through PyTorch's brgemm instead
+// (attend_brgemm, attention_brgemm.h). Rows of a few queries (decodes) whose leading KV slots are the same, as the
+// prefix cache hands them out, read and convert that prefix once for all of them (attention_shared.h finds them;
+// attend_bf16_shared, and attend_shared on the vector paths, run them; with brgemm, attend_brgemm_shared runs the
+// whole shared blocks of kGemmKeyBlock keys as GEMMs over all their queries). The generic path's block step is
+// attend_block (attention_generic.h); on AVX2 without AVX-512 it is attend_block_avx2 (attention_avx2.h), written
+// for that machine's 16 registers of 8 lanes; attention_vector.h holds the work items (attend, attend_shared) that
+// run either. attention_common.h holds what the paths share.
 //
 // Built JIT by batchgen/kernels/cpu/__init__.py with -O3 -march=native -fopenmp. The float32 math is
 // written with GCC/Clang vector extensions (16 floats), which the compiler maps onto the machine's SIMD
@@ -35,8 +38,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
-#include "attention_amx.h"
 #include "attention_bf16.h"
+#include "attention_brgemm.h"
 #include "attention_common.h"
 #include "attention_shared.h"
 #include "attention_vector.h"
@@ -64,42 +67,42 @@ bool has_bf16_dot_product() {
 #endif
 }
 
-bool has_brgemm_bf16() {
-#ifdef BATCHGEN_BF16_DOT
-  return brgemm_bf16_available();
-#else
-  return false;
-#endif
-}
-
+// The brgemm path needs the vdpbf16ps path's packing (BATCHGEN_BF16_DOT) and brgemm in bfloat16 at run time.
+bool brgemm_path_runs() { return has_bf16_dot_product() && brgemm_bf16_runs(); }
 
 template <typename T, int DC>
 void run(const Shape& s, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-         const Rows& rows, int64_t num_rows, bool matrix_unit) {
+         const Rows& rows, int64_t num_rows, bool brgemm) {
   const int64_t group = s.num_heads / s.num_kv_heads;
   const int64_t* q_lens = rows.q_lens;
   using Attend = bool (*)(const Shape&, const T*, const T*, const T*, T*, const int64_t*, int64_t, int64_t,
                           int64_t, int64_t, int64_t, int64_t, Scratch&);
   using AttendShared = bool (*)(const Shape&, const T*, const T*, const T*, T*, const Rows&, const int64_t*, int64_t,
                                 int64_t, int64_t, Scratch&);
-  Attend attend_item = &attend<T, DC>, attend_tiles = nullptr;
+  Attend attend_item = &attend<T, DC>, attend_gemm = nullptr;
   AttendShared attend_group = &attend_shared<T, DC>;
-  // A row's path is its own: the matrix unit for rows of kTileMinQueries queries or more (where two GEMMs per
-  // block beat packing K for the vector path's few queries), the vector path for the others (decodes).
-  auto on_tiles = [&](int64_t r) { return attend_tiles != nullptr && q_lens[r] * group >= kTileMinQueries; };
+  // A row's path is its own: brgemm for rows of kGemmMinQueries queries or more (where two GEMMs per block beat
+  // packing K for the vector path's few queries), the vector path for the others (decodes).
+  auto on_gemm = [&](int64_t r) { return attend_gemm != nullptr && q_lens[r] * group >= kGemmMinQueries; };
+  int64_t shared_block = kKeyBlock;  // the blocks a shared prefix is counted in: the group path's key block
 #ifdef BATCHGEN_BF16_DOT
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     if (bf16_dot_fits(s.head_dim)) {
       attend_item = &attend_bf16<DC>;
       attend_group = &attend_bf16_shared<DC>;
-      if (matrix_unit) attend_tiles = &attend_amx<DC>;
+      if (brgemm) {
+        attend_gemm = &attend_brgemm<DC>;
+        attend_group = &attend_brgemm_shared<DC>;
+        shared_block = kGemmKeyBlock;
+      }
     }
   }
 #endif
-  // Rows of a few queries on the vector path (decodes) that share a cached prefix read it once together.
+  // Rows of a few queries on the vector path (decodes) that share a cached prefix read it once together (through
+  // brgemm where it runs, as GEMMs over all their queries).
   std::vector<int64_t> few;
   for (int64_t r = 0; r < num_rows; ++r) {
-    if (q_lens[r] > 0 && !on_tiles(r) && q_lens[r] * group < kTileMinQueries) few.push_back(r);
+    if (q_lens[r] > 0 && !on_gemm(r) && q_lens[r] * group < kGemmMinQueries) few.push_back(r);
   }
   // A group is one work item per KV head: its queries are capped so that the rows make at least two items per
   // thread (one group of all the rows would leave a thread idle beside a few long items); rows of fewer queries
@@ -110,12 +113,13 @@ void run(const Shape& s, const at::Tensor& q, const at::Tensor& k, const at::Ten
   const int64_t max_queries = std::min(kSharedQueries, few_queries / groups_wanted);
   std::vector<SharedPrefix> shared;
   if (few.size() > 1) {
-    shared = shared_prefixes(rows, std::move(few), [&](int64_t r) { return q_lens[r] * group; }, max_queries);
+    shared = shared_prefixes(rows, std::move(few), [&](int64_t r) { return q_lens[r] * group; }, max_queries,
+                             shared_block);
   }
   // Work items, each for every KV head: a shared prefix's rows, or (row, first query of a block of kQueryBlock, or
-  // of kTileQueryBlock on the matrix unit) for the other rows, so that a long prefill row spreads over threads too
+  // of kGemmQueryBlock on brgemm) for the other rows, so that a long prefill row spreads over threads too
   // (the blocks depend on the row alone).
-  auto item_queries = [&](int64_t r) { return on_tiles(r) ? kTileQueryBlock : kQueryBlock; };
+  auto item_queries = [&](int64_t r) { return on_gemm(r) ? kGemmQueryBlock : kQueryBlock; };
   // Largest first (keys the item's queries see), so no thread is left with a long one at the end.
   struct Work {
     int64_t row, first, keys, shared;  // shared: index into `shared`, or -1
@@ -126,9 +130,9 @@ void run(const Shape& s, const at::Tensor& q, const at::Tensor& k, const at::Ten
     int64_t keys = 0;
     for (int64_t r : shared[g].members) {
       in_shared[r] = true;
-      keys += rows.seq_lens[r] - shared[g].depth * kKeyBlock;
+      keys += rows.seq_lens[r] - shared[g].depth * shared_block;
     }
-    work.push_back({-1, 0, keys + shared[g].depth * kKeyBlock, static_cast<int64_t>(g)});
+    work.push_back({-1, 0, keys + shared[g].depth * shared_block, static_cast<int64_t>(g)});
   }
   // The most queries an item holds (a shared prefix's rows hold up to max_queries together): the scratch's size.
   int64_t block_queries = shared.empty() ? 1 : max_queries;
@@ -152,7 +156,6 @@ void run(const Shape& s, const at::Tensor& q, const at::Tensor& k, const at::Ten
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     Scratch scratch(block_queries, s.chunks);
-    bool used_tiles = false;
     for (int64_t item = next++; item < items; item = next++) {
       const Work& it = work[item / s.num_kv_heads];
       const int64_t kv_head = item % s.num_kv_heads;
@@ -163,15 +166,13 @@ void run(const Shape& s, const at::Tensor& q, const at::Tensor& k, const at::Ten
                           static_cast<int64_t>(g.members.size()), g.depth, kv_head, scratch);
       } else {
         const int64_t r = it.row, last = std::min(q_lens[r] * group, it.first + item_queries(r));
-        const bool tiles = on_tiles(r);
-        used_tiles |= tiles;
-        ok = (tiles ? attend_tiles : attend_item)(s, q_ptr, k_ptr, v_ptr, out_ptr, rows.slots_of(r),
+        ok = (on_gemm(r) ? attend_gemm : attend_item)(s, q_ptr, k_ptr, v_ptr, out_ptr, rows.slots_of(r),
                                                   rows.seq_lens[r], rows.q_starts[r], q_lens[r], kv_head, it.first,
                                                   last, scratch);
       }
       if (!ok) bad_slot = true;
     }
-    if (used_tiles) at::native::cpublas::brgemm_release();  // hands the tile configuration back
+    if (attend_gemm != nullptr) at::native::cpublas::brgemm_release();  // hands an AMX tile configuration back
   });
   TORCH_CHECK(!bad_slot, "batchgen::paged_attention: req_to_token names a KV slot outside [0, ", s.num_slots,
               ") within a row's first seq_len positions");
@@ -179,17 +180,17 @@ void run(const Shape& s, const at::Tensor& q, const at::Tensor& k, const at::Ten
 
 template <typename T>
 void run_any_dim(const Shape& s, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                 const at::Tensor& out, const Rows& rows, int64_t num_rows, bool matrix_unit) {
+                 const at::Tensor& out, const Rows& rows, int64_t num_rows, bool brgemm) {
   // The common head sizes 64, 128, 256 get code with the loops over a head unrolled; others a generic loop.
   switch (s.chunks) {
     case 4:
-      return run<T, 4>(s, q, k, v, out, rows, num_rows, matrix_unit);
+      return run<T, 4>(s, q, k, v, out, rows, num_rows, brgemm);
     case 8:
-      return run<T, 8>(s, q, k, v, out, rows, num_rows, matrix_unit);
+      return run<T, 8>(s, q, k, v, out, rows, num_rows, brgemm);
     case 16:
-      return run<T, 16>(s, q, k, v, out, rows, num_rows, matrix_unit);
+      return run<T, 16>(s, q, k, v, out, rows, num_rows, brgemm);
     default:
-      return run<T, 0>(s, q, k, v, out, rows, num_rows, matrix_unit);
+      return run<T, 0>(s, q, k, v, out, rows, num_rows, brgemm);
   }
 }
 
@@ -205,7 +206,7 @@ at::Tensor contiguous_index(const at::Tensor& t, const char* name, int64_t n) {
 void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& req_to_token, const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
                      const at::Tensor& q_starts, const at::Tensor& q_lens, double scale, const at::Tensor& out,
-                     bool matrix_unit) {
+                     bool brgemm) {
   constexpr const char* op = "batchgen::paged_attention: ";
   TORCH_CHECK(q.dim() == 3, op, "q must be [num_tokens, num_heads, head_dim], got shape ", q.sizes());
   TORCH_CHECK(k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes(), op,
@@ -221,9 +222,9 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   for (const at::Tensor* t : {&q, &k_cache, &v_cache, &out, &req_to_token}) {
     TORCH_CHECK(t->device().is_cpu(), op, "all tensors must be on the CPU, got one on ", t->device());
   }
-  TORCH_CHECK(!matrix_unit || (dtype == at::kBFloat16 && bf16_dot_fits(q.size(2)) && has_brgemm_bf16()), op,
-              "matrix_unit needs bfloat16, a head size that is a multiple of 32 up to 256, and brgemm in bfloat16 "
-              "on this CPU (has_brgemm_bf16)");
+  TORCH_CHECK(!brgemm || (dtype == at::kBFloat16 && bf16_dot_fits(q.size(2)) && brgemm_path_runs()), op,
+              "brgemm needs bfloat16, a head size that is a multiple of 32 up to 256, and brgemm in bfloat16 on "
+              "this CPU with AVX512-BF16 (brgemm_bf16_runs)");
   const int64_t num_heads = q.size(1), head_dim = q.size(2), num_kv_heads = k_cache.size(0);
   TORCH_CHECK(k_cache.size(2) == head_dim, op, "k_cache's head_dim ", k_cache.size(2), " differs from q's ",
               head_dim);
@@ -271,11 +272,11 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   const Rows rows{req_to_token.const_data_ptr<int64_t>(), row_p, len_p, start_p, new_p, req_to_token.stride(0)};
   switch (dtype) {
     case at::kFloat:
-      return run_any_dim<float>(s, q, k_cache, v_cache, out, rows, n, matrix_unit);
+      return run_any_dim<float>(s, q, k_cache, v_cache, out, rows, n, brgemm);
     case at::kBFloat16:
-      return run_any_dim<c10::BFloat16>(s, q, k_cache, v_cache, out, rows, n, matrix_unit);
+      return run_any_dim<c10::BFloat16>(s, q, k_cache, v_cache, out, rows, n, brgemm);
     default:
-      return run_any_dim<c10::Half>(s, q, k_cache, v_cache, out, rows, n, matrix_unit);
+      return run_any_dim<c10::Half>(s, q, k_cache, v_cache, out, rows, n, brgemm);
   }
 }
 
@@ -284,12 +285,10 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
 TORCH_LIBRARY(batchgen, m) {
   m.def(
       "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor req_to_token, Tensor req_pool_indices, "
-      "Tensor seq_lens, Tensor q_starts, Tensor q_lens, float scale, Tensor(a!) out, bool matrix_unit=False) -> ()");
+      "Tensor seq_lens, Tensor q_starts, Tensor q_lens, float scale, Tensor(a!) out, bool brgemm=False) -> ()");
   // Whether bfloat16 attention runs on vdpbf16ps here (built for a CPU with AVX512-BF16): fast enough for
   // prefill rows too, which otherwise go to SDPA.
   m.def("has_bf16_dot_product() -> bool", &has_bf16_dot_product);
-  // Whether brgemm (oneDNN's ukernel) runs bfloat16 here, which the matrix_unit path needs, besides AMX tiles.
-  m.def("has_brgemm_bf16() -> bool", &has_brgemm_bf16);
 }
 
 TORCH_LIBRARY_IMPL(batchgen, CPU, m) { m.impl("paged_attention", &paged_attention); }

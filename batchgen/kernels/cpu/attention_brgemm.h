@@ -1,0 +1,176 @@
+// The paged-attention kernel's bfloat16 path through PyTorch's brgemm (oneDNN's batch-reduce GEMM ukernel:
+// tdpbf16ps on AMX tiles, vdpbf16ps on AVX512-BF16), included by paged_attention.cpp where the machine has
+// AVX512-BF16 (BATCHGEN_BF16_DOT, attention_common.h); the caller picks it at run time, where brgemm runs bfloat16
+// (brgemm_bf16.h).
+//
+// A work item's queries (up to kGemmQueryBlock: the row's new tokens times the GQA group, all on one KV head) form the
+// rows of two GEMMs per block of kGemmKeyBlock (256) keys:
+//   S [queries x 256 keys] = Q [queries x head_dim] . K^T        (K^T packed as (dim 2p, dim 2p + 1) pairs)
+//   acc [queries x head_dim] = alpha * acc + P [queries x 256] . V   (V packed as (key 2j, key 2j + 1) pairs)
+// with the online softmax (attention_common.h's softmax_step) between them, per query, in float32; P is rounded to
+// bfloat16 as on the other paths. The packed layouts are the VNNI layouts brgemm takes for B, the same ones the
+// vdpbf16ps path builds (pack_block), so a block is packed once for all its queries. Against the vdpbf16ps path's
+// per-query loops, oneDNN's kernel holds a block of queries' accumulators in registers (or tiles) and reuses each
+// load of K and V across them.
+//
+// Determinism: a query's result depends on its own inputs only. Keys are blocked at fixed positions, every GEMM
+// has the same K (head_dim, then kGemmKeyBlock: keys past a query's last visible one get probability 0), a query that
+// sees none of a block skips the softmax step and adds exact zeros, and items hold fixed blocks of a row's own
+// queries, so neither the other rows of the round nor the thread that runs an item change its arithmetic. (brgemm's
+// result for one element of C does not depend on M: tests/kernels/test_cpu_attention_paths.py checks it.) Keys
+// after a query never reach it, even where a broken model wrote inf or NaN into them (weigh_values_per_query).
+#pragma once
+
+#include "attention_bf16.h"
+#include "attention_common.h"
+#include "brgemm_bf16.h"
+
+#include <ATen/native/CPUBlas.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#ifdef BATCHGEN_BF16_DOT
+
+namespace {
+
+// Whether all of bf16[0 .. n) (n a multiple of 32) are finite: an exponent of all ones is inf or NaN.
+inline bool all_finite(const uint16_t* bf16, int64_t n) {
+  const __m512i exponent = _mm512_set1_epi16(0x7f80);
+  for (int64_t i = 0; i < n; i += 32) {
+    const __m512i x = _mm512_and_si512(_mm512_loadu_si512(bf16 + i), exponent);
+    if (_mm512_cmpeq_epi16_mask(x, exponent)) return false;
+  }
+  return true;
+}
+
+// acc[i] += P[i] . V for each query alone, V's keys from the query's `seen` on cleared: for a block whose V holds
+// inf or NaN (a broken model's) at keys some queries must not see, where one GEMM would give them 0 x inf = NaN.
+inline void weigh_values_per_query(const Scratch& w, const c10::BFloat16* probs, float* acc, int64_t nq,
+                                   int64_t head_dim, int64_t block, int64_t block_len) {
+  std::vector<uint16_t> masked(w.v_pairs.size() * 2);
+  for (int64_t i = 0; i < nq; ++i) {
+    const int64_t seen = std::min(block_len, w.limit[i] - block);
+    if (seen <= 0) continue;
+    std::memcpy(masked.data(), w.v_pairs.data(), masked.size() * sizeof(uint16_t));
+    // Key j's dim d sits at [(j / 2) * head_dim + d] * 2 + j % 2.
+    for (int64_t j = seen; j < kGemmKeyBlock; ++j) {
+      for (int64_t d = 0; d < head_dim; ++d) masked[((j / 2) * head_dim + d) * 2 + j % 2] = 0;
+    }
+    at::native::cpublas::brgemm(1, head_dim, kGemmKeyBlock, kGemmKeyBlock, head_dim, head_dim, true,
+                                probs + i * kGemmKeyBlock, reinterpret_cast<const c10::BFloat16*>(masked.data()),
+                                acc + i * head_dim);
+  }
+}
+
+// The queries held in w (q rows in w.q_pairs, started) against the block of `block_len` keys at position `block`
+// (their slots in w.slots): K and V packed, S = Q . K^T, the online-softmax step per query, acc = alpha * acc + P . V.
+// `fewest`: the keys the query that sees fewest sees, so a block past it may hold keys some queries must not see.
+inline void attend_gemm_block(const Shape& s, const uint16_t* k16, const uint16_t* v16, int64_t nq, int64_t block,
+                              int64_t block_len, int64_t fewest, Scratch& w) {
+  const int64_t dc = s.chunks, head_dim = s.head_dim, pairs = head_dim / 2;
+  auto* q_rows = reinterpret_cast<c10::BFloat16*>(w.q_pairs.data());     // [nq][head_dim]
+  auto* probs = reinterpret_cast<c10::BFloat16*>(w.block_probs.data());  // [nq][kGemmKeyBlock]
+  auto* acc = reinterpret_cast<float*>(w.acc.data());                    // [nq][head_dim]: dc * 16 == head_dim
+  const auto* kp = reinterpret_cast<const c10::BFloat16*>(w.k_pairs.data());
+  const auto* vp = reinterpret_cast<const c10::BFloat16*>(w.v_pairs.data());
+  pack_block(k16, v16, w.slots.data(), block_len, pairs, s.kv_stride_slot, w.k_pairs.data(), w.v_pairs.data(),
+             kGemmKeyBlock);
+  if (block_len < kGemmKeyBlock) {
+    // The GEMMs always run over kGemmKeyBlock keys. Past the block's keys P is 0, but 0 x NaN is NaN, so the V
+    // pairs there (pack_block leaves them as they were) are cleared; the scores there are computed, never read.
+    const int64_t written = (block_len + 1) / 2;
+    std::fill(w.v_pairs.begin() + written * head_dim, w.v_pairs.begin() + kGemmKeyBlock / 2 * head_dim, 0u);
+  }
+  at::native::cpublas::brgemm(nq, kGemmKeyBlock, head_dim, head_dim, kGemmKeyBlock, kGemmKeyBlock, false, q_rows, kp,
+                              w.block_scores.data());
+  for (int64_t i = 0; i < nq; ++i) {
+    c10::BFloat16* p = probs + i * kGemmKeyBlock;
+    const int64_t seen = std::min(block_len, w.limit[i] - block);
+    if (seen <= 0) {  // none of this block is visible: P . V adds zeros, the running max and sum stay
+      std::fill_n(reinterpret_cast<uint16_t*>(p), kGemmKeyBlock, uint16_t{0});
+      continue;
+    }
+    v16f* scores = w.scores.data();
+    const int64_t used = (seen + kLanes - 1) / kLanes;
+    const float* row_scores = w.block_scores.data() + i * kGemmKeyBlock;
+    for (int64_t g = 0; g < used; ++g) scores[g] = load16(row_scores + g * kLanes) * s.scale;
+    const float alpha = softmax_step(scores, seen, used, w.row_max[i], w.row_sum[i]);
+    for (int64_t g = 0; g < kGemmKeyBlock / kLanes; g += 2) {
+      const __m512 lo = g < used ? reinterpret_cast<__m512>(scores[g]) : _mm512_setzero_ps();
+      const __m512 hi = g + 1 < used ? reinterpret_cast<__m512>(scores[g + 1]) : _mm512_setzero_ps();
+      // Rounded to nearest even, as the other paths round P.
+      _mm512_storeu_si512(p + g * kLanes, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+    }
+    v16f* row = &w.acc[i * dc];
+    for (int64_t c = 0; c < dc; ++c) row[c] *= alpha;
+  }
+  // One GEMM weighs every query's values, unless some query must not see part of this block and V holds inf or
+  // NaN there: then 0 x inf would reach it, so each query weighs its own visible keys.
+  const auto* v_bits = reinterpret_cast<const uint16_t*>(vp);
+  if (block + block_len > fewest && !all_finite(v_bits, (block_len + 1) / 2 * 2 * head_dim)) {
+    weigh_values_per_query(w, probs, acc, nq, head_dim, block, block_len);
+  } else {
+    at::native::cpublas::brgemm(nq, head_dim, kGemmKeyBlock, kGemmKeyBlock, head_dim, head_dim, true, probs, vp, acc);
+  }
+}
+
+// attend() for bfloat16 through brgemm: the same work item, inputs and result. Call
+// at::native::cpublas::brgemm_release() on the thread when its items are done.
+template <int DC>
+bool attend_brgemm(const Shape& s, const c10::BFloat16* q, const c10::BFloat16* k, const c10::BFloat16* v,
+                   c10::BFloat16* out, const int64_t* slot_of_position, int64_t seq_len, int64_t q_start,
+                   int64_t q_len, int64_t kv_head, int64_t first, int64_t last, Scratch& w) {
+  const int64_t group = s.num_heads / s.num_kv_heads, nq = last - first;
+  const auto* k16 = reinterpret_cast<const uint16_t*>(k + kv_head * s.kv_stride_head);
+  const auto* v16 = reinterpret_cast<const uint16_t*>(v + kv_head * s.kv_stride_head);
+  const int64_t keys = start_bf16_queries(s, q, seq_len, q_start, q_len, kv_head, first, last, w);
+  const int64_t fewest = *std::min_element(w.limit.begin(), w.limit.begin() + nq);  // keys the first query sees
+  for (int64_t block = 0; block < keys; block += kGemmKeyBlock) {
+    const int64_t block_len = std::min(kGemmKeyBlock, keys - block);
+    if (!w.take_slots(slot_of_position, block, block_len, s.num_slots)) return false;
+    for (int64_t j = block + kGemmKeyBlock; j < std::min(keys, block + 2 * kGemmKeyBlock); ++j) {
+      const int64_t ahead = slot_of_position[j];
+      if (ahead >= 0 && ahead < s.num_slots) {
+        prefetch_row(k16 + ahead * s.kv_stride_slot, s.head_dim);
+        prefetch_row(v16 + ahead * s.kv_stride_slot, s.head_dim);
+      }
+    }
+    attend_gemm_block(s, k16, v16, nq, block, block_len, fewest, w);
+  }
+  for (int64_t i = 0; i < nq; ++i) {
+    const int64_t t = (first + i) / group, head = kv_head * group + (first + i) % group;
+    w.finish_query(i, s.chunks, s.head_dim, out + (q_start + t) * s.out_stride_token + head * s.out_stride_head);
+  }
+  return true;
+}
+
+// The rows of a shared prefix (attention_shared.h) whose first `depth` blocks of kGemmKeyBlock keys are the same
+// pool slots: those blocks run as GEMMs over all the members' queries at once (every query sees them whole), then
+// each member goes on over its own keys on the vdpbf16ps path (finish_shared_members). Rows of a few queries
+// (decodes) gain most: alone they stay on that path, whose per-query loops reuse no load of K or V across queries.
+// A query's bits then differ from those it gets alone, as any brgemm row's differ from the vector path's; the
+// caller groups rows this way only where it runs brgemm (not under --deterministic).
+template <int DC>
+bool attend_brgemm_shared(const Shape& s, const c10::BFloat16* q, const c10::BFloat16* k, const c10::BFloat16* v,
+                          c10::BFloat16* out, const Rows& rows, const int64_t* members, int64_t num_members,
+                          int64_t depth, int64_t kv_head, Scratch& w) {
+  const auto* k16 = reinterpret_cast<const uint16_t*>(k + kv_head * s.kv_stride_head);
+  const auto* v16 = reinterpret_cast<const uint16_t*>(v + kv_head * s.kv_stride_head);
+  const int64_t nq = start_shared_queries(s, q, rows, members, num_members, kv_head, w);
+  const int64_t* shared_slots = rows.slots_of(members[0]);
+  const int64_t shared_keys = depth * kGemmKeyBlock;
+  for (int64_t block = 0; block < shared_keys; block += kGemmKeyBlock) {
+    if (!w.take_slots(shared_slots, block, kGemmKeyBlock, s.num_slots)) return false;
+    attend_gemm_block(s, k16, v16, nq, block, kGemmKeyBlock, shared_keys, w);
+  }
+  return finish_shared_members<DC>(s, k16, v16, out, rows, members, num_members, shared_keys, kv_head, w);
+}
+
+}  // namespace
+
+#endif  // BATCHGEN_BF16_DOT
