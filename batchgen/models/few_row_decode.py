@@ -19,7 +19,7 @@ from torch import nn
 
 from batchgen.kernels.attention.base import AttentionBackend
 from batchgen.kernels.attention.torch_native import TorchNativeAttnBackend
-from batchgen.kernels.cpu import brgemm_attention_supported, paged_attention_available
+from batchgen.kernels.cpu import brgemm_rows, paged_attention_available
 from batchgen.kernels.cpu.decode_layers import decode_layers
 from batchgen.models.llama import DecoderLayer, LlamaForCausalLM
 from batchgen.models.packed_linear import PackedLinear
@@ -72,7 +72,7 @@ class FewRowDecode:
         self.eps = config.rms_norm_eps
         self.scale = config.head_dim**-0.5
         # from_model asks for bfloat16; the torch_native backend (not deterministic) makes the same choice
-        self.brgemm = brgemm_attention_supported(torch.bfloat16, config.head_dim)
+        self.brgemm = brgemm_rows(torch.bfloat16, config.head_dim, batch_invariant=False)
         self.norms = [w for layer in layers for w in layer.norms] + [model.model.norm.weight]
         self.weights = [w for layer in layers for w in layer.half_weights]
         self.biases = [b for layer in layers for b in layer.biases]

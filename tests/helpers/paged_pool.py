@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from batchgen.kernels.cpu import BrgemmRows
+
 
 class PagedPool:
     """One layer of a paged pool holding random K/V for sequences of the given lengths.
@@ -109,10 +111,15 @@ def pool_reference(q: torch.Tensor, pool: PagedPool, i: int, first_pos: int) -> 
 
 
 def kernel_attention(
-    pool: PagedPool, q: torch.Tensor, rows: list[int], seq_lens: list[int], q_lens: list[int], brgemm: bool = False
+    pool: PagedPool,
+    q: torch.Tensor,
+    rows: list[int],
+    seq_lens: list[int],
+    q_lens: list[int],
+    brgemm: BrgemmRows = BrgemmRows.NEVER,
 ) -> torch.Tensor:
     """batchgen's C++ kernel over ``rows`` (indices into the pool's sequences), their new tokens packed in order in
-    q; rows of many queries through brgemm if asked."""
+    q; the rows ``brgemm`` names through brgemm."""
     from batchgen.kernels.cpu import paged_attention
 
     starts = [sum(q_lens[:i]) for i in range(len(q_lens))]

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from batchgen.kernels import cpu as cpu_kernels
+from batchgen.kernels.cpu import BrgemmRows
 from tests.helpers.paged_pool import (
     PagedPool,
     index,
@@ -40,12 +41,12 @@ def _check_rows(
     rows: list[int],
     seq_lens: list[int],
     q_lens: list[int],
-    brgemm: bool,
+    brgemm: BrgemmRows,
     every: int = 1,
 ) -> None:
     """All rows in one call: each ``every``-th matches float64 over the first ``seq_len`` keys of its sequence, and
-    gives the bits it gives alone, except a row of fewer than 8 queries with ``brgemm``: those sharing a prefix with
-    others run it as GEMMs over all their queries, which round otherwise than the vector path they take alone."""
+    gives the bits it gives alone, except a row of fewer than 8 queries with ``MANY_QUERIES``: those sharing a prefix
+    with others run it as GEMMs over all their queries, which round otherwise than the vector path they take alone."""
     group = q.shape[1] // pool.k.shape[0]
     together = kernel_attention(pool, q, rows, seq_lens, q_lens, brgemm=brgemm)
     start = 0
@@ -58,14 +59,15 @@ def _check_rows(
         ref = reference_attention(q[start : start + t], pool.k[:, slots], pool.v[:, slots], n - t)
         err = relative_error(got, ref)
         assert err <= TOLERANCE, f"row {i} (sequence {row}, {n} keys, {t} new): {err}"
-        if not (brgemm and t * group < 8):
+        if not (brgemm == BrgemmRows.MANY_QUERIES and t * group < 8):
             alone = kernel_attention(pool, q[start : start + t], [row], [n], [t], brgemm=brgemm)
             assert torch.equal(got, alone), f"row {i} (sequence {row}, {n} keys, {t} new) differs from itself alone"
         start += t
 
 
+@pytest.mark.parametrize("brgemm", [BrgemmRows.MANY_QUERIES, BrgemmRows.EVERY_ROW], ids=["many", "every"])
 @pytest.mark.parametrize(("head_dim", "group"), [(32, 7), (96, 5), (160, 2), (192, 7)])
-def test_brgemm_head_sizes_and_block_edges(head_dim: int, group: int) -> None:
+def test_brgemm_head_sizes_and_block_edges(head_dim: int, group: int, brgemm: BrgemmRows) -> None:
     """Rows of exactly 256, 257, 512 and 513 keys: a whole 256-token prompt, 9 and 70 new tokens after a cached
     prefix, 130 new tokens (several 64-query items), and a decode beside them."""
     skip_without_brgemm(head_dim)
@@ -73,12 +75,12 @@ def test_brgemm_head_sizes_and_block_edges(head_dim: int, group: int) -> None:
     seq_lens, q_lens = [256, 257, 512, 513, 300], [256, 9, 70, 130, 1]
     pool = PagedPool(seq_lens, torch.bfloat16, 2, head_dim, gen, 2000, 600)
     q = torch.randn(sum(q_lens), 2 * group, head_dim, generator=gen).to(torch.bfloat16)
-    _check_rows(pool, q, list(range(5)), seq_lens, q_lens, brgemm=True)
+    _check_rows(pool, q, list(range(5)), seq_lens, q_lens, brgemm)
 
 
 @pytest.mark.parametrize(("group", "new"), [(7, 1), (1, 7), (8, 1), (4, 2), (1, 8), (9, 1), (3, 3)])
-@pytest.mark.parametrize("brgemm", [False, True], ids=["vector", "brgemm"])
-def test_rows_of_seven_eight_and_nine_queries(group: int, new: int, brgemm: bool) -> None:
+@pytest.mark.parametrize("brgemm", list(BrgemmRows), ids=["vector", "many", "every"])
+def test_rows_of_seven_eight_and_nine_queries(group: int, new: int, brgemm: BrgemmRows) -> None:
     """``q_len * group`` of 7, 8 and 9 (brgemm takes rows of at least 8 queries), one KV head."""
     if brgemm:
         skip_without_brgemm()
@@ -88,8 +90,8 @@ def test_rows_of_seven_eight_and_nine_queries(group: int, new: int, brgemm: bool
     _check_rows(pool, q, [0, 1], [300, 64], [new, new], brgemm)
 
 
-@pytest.mark.parametrize("brgemm", [False, True], ids=["vector", "brgemm"])
-def test_one_request_row_passed_several_times(brgemm: bool) -> None:
+@pytest.mark.parametrize("brgemm", list(BrgemmRows), ids=["vector", "many", "every"])
+def test_one_request_row_passed_several_times(brgemm: BrgemmRows) -> None:
     """Sequence 0 as eight rows of one call, 1 to 400 keys long (every row's slots a prefix of the longest's),
     decodes and one 30-token chunk, a group of 3."""
     if brgemm:
@@ -101,8 +103,8 @@ def test_one_request_row_passed_several_times(brgemm: bool) -> None:
     _check_rows(pool, q, [0] * 8, seq_lens, q_lens, brgemm)
 
 
-@pytest.mark.parametrize("brgemm", [False, True], ids=["vector", "brgemm"])
-def test_prefixes_that_end_inside_a_block(brgemm: bool) -> None:
+@pytest.mark.parametrize("brgemm", list(BrgemmRows), ids=["vector", "many", "every"])
+def test_prefixes_that_end_inside_a_block(brgemm: BrgemmRows) -> None:
     """Rows sharing 1, 63, 64, 65, 70, 100, 130 and 299 of sequence 0's slots, some sequences only 63 to 65
     long; decodes, 2-token rows (6 queries, vector path) and prefill chunks mixed."""
     if brgemm:
@@ -117,8 +119,8 @@ def test_prefixes_that_end_inside_a_block(brgemm: bool) -> None:
     _check_rows(pool, q, list(range(10)), seq_lens, q_lens, brgemm)
 
 
-@pytest.mark.parametrize("brgemm", [False, True], ids=["vector", "brgemm"])
-def test_a_hundred_decode_rows_over_one_prefix(brgemm: bool) -> None:
+@pytest.mark.parametrize("brgemm", list(BrgemmRows), ids=["vector", "many", "every"])
+def test_a_hundred_decode_rows_over_one_prefix(brgemm: BrgemmRows) -> None:
     """100 decode rows of a GQA group of 3 (300 queries, more than one shared pass holds) over sequence 0's first
     256 slots, each with 2 to 31 keys of its own; every 9th row checked (the last one among them)."""
     if brgemm:
@@ -131,8 +133,8 @@ def test_a_hundred_decode_rows_over_one_prefix(brgemm: bool) -> None:
     _check_rows(pool, q, list(range(100)), seq_lens, [1] * 100, brgemm, every=9)
 
 
-@pytest.mark.parametrize("brgemm", [False, True], ids=["vector", "brgemm"])
-def test_out_covering_part_of_q(brgemm: bool) -> None:
+@pytest.mark.parametrize("brgemm", list(BrgemmRows), ids=["vector", "many", "every"])
+def test_out_covering_part_of_q(brgemm: BrgemmRows) -> None:
     """``out`` given, a strided view, and rows over tokens 200 and 202..210 of q only: those get the bits a full
     call gives them, every other element of the buffer keeps its 7."""
     if brgemm:
@@ -158,8 +160,8 @@ def test_out_covering_part_of_q(brgemm: bool) -> None:
     assert bool((buffer[untouched] == 7).all())
 
 
-@pytest.mark.parametrize("brgemm", [False, True], ids=["vector", "brgemm"])
-def test_one_kv_head_of_sixteen_queries_with_large_scores(brgemm: bool) -> None:
+@pytest.mark.parametrize("brgemm", list(BrgemmRows), ids=["vector", "many", "every"])
+def test_one_kv_head_of_sixteen_queries_with_large_scores(brgemm: BrgemmRows) -> None:
     """One KV head for 16 query heads (decodes of 16 queries), queries 30 times unit scale (scores in the
     hundreds: the online softmax rescales often), a decode sharing 256 slots with a 100-token chunk's row."""
     if brgemm:

@@ -1,4 +1,4 @@
-"""The C++ paged-attention kernel's brgemm path (PyTorch's brgemm on AMX tiles or AVX512-BF16, ``brgemm=True``)
+"""The C++ paged-attention kernel's brgemm path (PyTorch's brgemm on AMX tiles or AVX512-BF16, ``brgemm=MANY``)
 and its reading of a prefix shared by several rows once for all of them.
 
 brgemm: against the float64 reference in bfloat16 (head sizes 64, 128 and 256, GQA groups 1, 3 and 4, rows
@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from batchgen.kernels.cpu import BrgemmRows
 from tests.helpers.paged_pool import (
     PagedPool,
     kernel_attention,
@@ -29,6 +30,7 @@ from tests.helpers.paged_pool import (
     skip_without_cpu_kernel,
 )
 
+MANY, EVERY = BrgemmRows.MANY_QUERIES, BrgemmRows.EVERY_ROW
 _FLAGS = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
 TOLERANCE = 2e-2  # bfloat16 inputs, probabilities rounded to bfloat16
 
@@ -63,34 +65,40 @@ def _check(out: torch.Tensor, q: torch.Tensor, pool: PagedPool, rows: list[tuple
 MATRIX_ROWS = [(2, 2), (70, 70), (300, 40), (257, 9), (256, 3), (129, 5), (90, 1), (300, 1)]
 
 
+@pytest.mark.parametrize("brgemm", [MANY, EVERY], ids=["many", "every"])
 @pytest.mark.parametrize(("head_dim", "group"), [(64, 1), (64, 3), (64, 4), (128, 3), (256, 2)])
-def test_brgemm_matches_float64(head_dim: int, group: int) -> None:
+def test_brgemm_matches_float64(head_dim: int, group: int, brgemm: BrgemmRows) -> None:
     skip_without_brgemm(head_dim)
     gen = torch.Generator().manual_seed(head_dim + group)
     pool = _pool([n for n, _ in MATRIX_ROWS], 2, head_dim, gen)
     q = torch.randn(sum(t for _, t in MATRIX_ROWS), 2 * group, head_dim, generator=gen).to(torch.bfloat16)
-    out = kernel_attention(pool, q, list(range(len(MATRIX_ROWS))), *map(list, zip(*MATRIX_ROWS)), brgemm=True)
+    out = kernel_attention(pool, q, list(range(len(MATRIX_ROWS))), *map(list, zip(*MATRIX_ROWS)), brgemm=brgemm)
     _check(out, q, pool, MATRIX_ROWS)
 
 
 @pytest.mark.usefixtures("_threads")
-def test_brgemm_row_is_bit_identical_in_any_batch() -> None:
+@pytest.mark.parametrize("brgemm", [MANY, EVERY], ids=["many", "every"])
+def test_brgemm_row_is_bit_identical_in_any_batch(brgemm: BrgemmRows) -> None:
     """A 40-token row (4 query heads per KV head: 160 queries, three work items) alone, on one thread, among other
-    rows, and as rows of 2 and 5 tokens (8 and 20 queries, still on brgemm) gives the same bits."""
+    rows, and as rows of 2 and 5 tokens (8 and 20 queries, still on brgemm) gives the same bits; with every row
+    through brgemm also as 40 rows of 1 token (4 queries) beside others sharing its cache."""
     skip_without_brgemm()
     gen = torch.Generator().manual_seed(2)
     pool = _pool([300, 200, 64], 2, 64, gen)
     q_row = torch.randn(40, 8, 64, generator=gen).to(torch.bfloat16)
-    alone = kernel_attention(pool, q_row, [0], [300], [40], brgemm=True)
+    alone = kernel_attention(pool, q_row, [0], [300], [40], brgemm=brgemm)
     torch.set_num_threads(1)
-    one_thread = kernel_attention(pool, q_row, [0], [300], [40], brgemm=True)
+    one_thread = kernel_attention(pool, q_row, [0], [300], [40], brgemm=brgemm)
     torch.set_num_threads(2)
     others = torch.randn(13, 8, 64, generator=gen).to(torch.bfloat16)
     mixed = torch.cat([others[:12], q_row, others[12:]])
-    batch = kernel_attention(pool, mixed, [1, 2, 0, 1], [200, 64, 300, 150], [9, 3, 40, 1], brgemm=True)
-    pairs = kernel_attention(pool, q_row, [0] * 20, [262 + 2 * i for i in range(20)], [2] * 20, brgemm=True)
-    fives = kernel_attention(pool, q_row, [0] * 8, [265 + 5 * i for i in range(8)], [5] * 8, brgemm=True)
-    for other in (one_thread, batch[12:52], pairs, fives):
+    batch = kernel_attention(pool, mixed, [1, 2, 0, 1], [200, 64, 300, 150], [9, 3, 40, 1], brgemm=brgemm)
+    pairs = kernel_attention(pool, q_row, [0] * 20, [262 + 2 * i for i in range(20)], [2] * 20, brgemm=brgemm)
+    fives = kernel_attention(pool, q_row, [0] * 8, [265 + 5 * i for i in range(8)], [5] * 8, brgemm=brgemm)
+    splits = [one_thread, batch[12:52], pairs, fives]
+    if brgemm == EVERY:
+        splits.append(kernel_attention(pool, q_row, [0] * 40, [261 + i for i in range(40)], [1] * 40, brgemm=brgemm))
+    for other in splits:
         assert torch.equal(other, alone)
 
 
@@ -101,12 +109,12 @@ def test_brgemm_keys_after_a_query_never_reach_it() -> None:
     gen = torch.Generator().manual_seed(8)
     pool = _pool([300], 2, 64, gen)
     q = torch.randn(20, 4, 64, generator=gen).to(torch.bfloat16)
-    clean = kernel_attention(pool, q, [0], [300], [20], brgemm=True)
+    clean = kernel_attention(pool, q, [0], [300], [20], brgemm=MANY)
     k, v = pool.k.clone(), pool.v.clone()
     for bad in (290, 291):  # the 20 tokens sit at positions 280..299
         pool.v[:, pool.slots[0][bad]] = float("inf")
         pool.k[:, pool.slots[0][bad + 1 :]] = float("nan")
-        dirty = kernel_attention(pool, q, [0], [300], [20], brgemm=True)
+        dirty = kernel_attention(pool, q, [0], [300], [20], brgemm=MANY)
         assert torch.equal(dirty[: bad - 280], clean[: bad - 280])
         assert bool(dirty[: bad - 280].isfinite().all())
         pool.k, pool.v = k.clone(), v.clone()
@@ -114,8 +122,11 @@ def test_brgemm_keys_after_a_query_never_reach_it() -> None:
 
 def test_brgemm_refused_where_it_cannot_run() -> None:
     pool = PagedPool([10], torch.float32, 2, 64, torch.Generator().manual_seed(1), 50, 20)
-    with pytest.raises(RuntimeError, match="brgemm needs bfloat16"):
-        kernel_attention(pool, torch.zeros(2, 4, 64), [0], [10], [2], brgemm=True)
+    for brgemm in (MANY, EVERY):
+        with pytest.raises(RuntimeError, match="brgemm must be 0, 1 or 2, and 1 and 2 need bfloat16"):
+            kernel_attention(pool, torch.zeros(2, 4, 64), [0], [10], [2], brgemm=brgemm)
+    with pytest.raises(RuntimeError, match="brgemm must be 0, 1 or 2"):
+        kernel_attention(pool, torch.zeros(2, 4, 64), [0], [10], [2], brgemm=3)  # type: ignore[arg-type]
 
 
 # (dtype, head size): bfloat16 takes the dot-product path where the CPU has AVX512-BF16 and the vector path
@@ -169,14 +180,36 @@ def test_brgemm_runs_rows_sharing_a_prefix_as_gemms(group: int, threads: int) ->
     share_prefix(pool, _SHARES)
     q = torch.randn(sum(_SHARING_NEW), 2 * group, 64, generator=gen).to(torch.bfloat16)
     rows = list(range(10))
-    together = kernel_attention(pool, q, rows, _SHARING_LENS, _SHARING_NEW, brgemm=True)
+    together = kernel_attention(pool, q, rows, _SHARING_LENS, _SHARING_NEW, brgemm=MANY)
     vector = kernel_attention(pool, q, rows, _SHARING_LENS, _SHARING_NEW)
     _check(together, q, pool, list(zip(_SHARING_LENS, _SHARING_NEW)))
     start = 0
     for row, (n, t) in enumerate(zip(_SHARING_LENS, _SHARING_NEW)):
         got = together[start : start + t]
         if t * group >= 8:
-            assert torch.equal(got, kernel_attention(pool, q[start : start + t], [row], [n], [t], brgemm=True))
+            assert torch.equal(got, kernel_attention(pool, q[start : start + t], [row], [n], [t], brgemm=MANY))
         elif row > 4 or threads == 1:  # two threads cap a group's queries, so a row of 0-4 may be left alone
             assert torch.equal(got, vector[start : start + t]) == (row > 4), f"row {row}"
+        start += t
+
+
+@pytest.mark.usefixtures("_threads")
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("group", [1, 3])
+def test_every_row_through_brgemm_gives_the_bits_it_gives_alone(group: int, threads: int) -> None:
+    """The rows of _SHARES with every row through brgemm (``--deterministic``), in bfloat16: rows 0-4 share a whole
+    block of 256 keys as GEMMs over all their queries and go on through the GEMMs alone; every row, grouped or not,
+    of one query or thirty, gives the bits it gives alone, and matches float64."""
+    skip_without_brgemm()
+    torch.set_num_threads(threads)
+    gen = torch.Generator().manual_seed(group)
+    pool = PagedPool(_SHARING_LENS, torch.bfloat16, 2, 64, gen, 4000, 400)
+    share_prefix(pool, _SHARES)
+    q = torch.randn(sum(_SHARING_NEW), 2 * group, 64, generator=gen).to(torch.bfloat16)
+    together = kernel_attention(pool, q, list(range(10)), _SHARING_LENS, _SHARING_NEW, brgemm=EVERY)
+    _check(together, q, pool, list(zip(_SHARING_LENS, _SHARING_NEW)))
+    start = 0
+    for row, (n, t) in enumerate(zip(_SHARING_LENS, _SHARING_NEW)):
+        alone = kernel_attention(pool, q[start : start + t], [row], [n], [t], brgemm=EVERY)
+        assert torch.equal(together[start : start + t], alone), f"row {row}"
         start += t

@@ -3,8 +3,8 @@
 On CPU tensors, rows that add a few tokens (decodes, verify rounds) go to batchgen's C++ paged-attention kernel
 when it builds here (:mod:`batchgen.kernels.cpu`): it reads K/V in place, where gathering them copied every
 row's whole cache per layer per round. In bfloat16 on a CPU with AMX or AVX512-BF16 prefill rows go there too
-(:func:`~batchgen.kernels.cpu.prefill_rows_supported`), and where brgemm runs bfloat16 rows of many queries run as
-GEMMs through it (:func:`~batchgen.kernels.cpu.brgemm_attention_supported`).
+(:func:`~batchgen.kernels.cpu.prefill_rows_supported`), and where brgemm runs bfloat16 rows run as GEMMs through it
+(:func:`~batchgen.kernels.cpu.brgemm_rows`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from torch.nn import functional as F
 
 from batchgen.kernels.attention.base import AttentionBackend
 from batchgen.kernels.cpu import (
-    brgemm_attention_supported,
+    BrgemmRows,
+    brgemm_rows,
     paged_attention,
     paged_attention_available,
     prefill_rows_supported,
@@ -53,7 +54,7 @@ class _ShortRows:
     q_starts: torch.Tensor
     q_lens: torch.Tensor
     padded: _PaddedRows | None  # None when the CPU kernel attends: it needs no padded copies of the indices
-    brgemm: bool = False  # the CPU kernel runs rows of many queries through brgemm
+    brgemm: BrgemmRows = BrgemmRows.NEVER  # which rows the CPU kernel runs through brgemm
 
 
 @dataclass
@@ -80,11 +81,11 @@ def _short_rows(
     q_lens: torch.Tensor,
     max_len: int | None,
     q_len: int,
-    brgemm: bool = False,
+    brgemm: BrgemmRows = BrgemmRows.NEVER,
 ) -> _ShortRows:
     """Metadata for rows whose ``q_lens`` new tokens start at ``q_starts`` in q (all int64 ``[n]`` tensors);
-    ``max_len`` (the longest ``seq_lens``) only for the gather path, ``None`` for the CPU kernel, which runs rows of
-    many queries through brgemm when ``brgemm``."""
+    ``max_len`` (the longest ``seq_lens``) only for the gather path, ``None`` for the CPU kernel, which runs the rows
+    ``brgemm`` names through brgemm."""
     if max_len is None:
         return _ShortRows(req_pool_indices, seq_lens, q_starts, q_lens, None, brgemm)
     device = seq_lens.device
@@ -108,8 +109,9 @@ class TorchNativeAttnBackend(AttentionBackend):
     rows that extend several tokens run one SDPA each, since their shapes differ. On CPU tensors, short rows
     use the C++ kernel instead when ``cpu_kernel`` and it is available (``BATCHGEN_CPU_ATTENTION_KERNEL=0``
     turns it off), and so do the long ones where :func:`~batchgen.kernels.cpu.prefill_rows_supported` says it is
-    the faster. With ``deterministic`` every row goes to the kernel's vector path (never brgemm, whose
-    rounding differs), so a query's result is the same in a prefill chunk of any size as in a decode.
+    the faster. With ``deterministic`` every row goes to the kernel, through brgemm for every row where it
+    runs (:class:`~batchgen.kernels.cpu.BrgemmRows`), else on its vector path, so a query's result is the same in a
+    prefill chunk of any size as in a decode.
     """
 
     def __init__(self, cpu_kernel: bool = True, deterministic: bool = False) -> None:
@@ -123,7 +125,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         # A lookup once built; asked here so that a CUDA run never builds the CPU kernel.
         gather = req_to_token.device.type != "cpu" or not (self.cpu_kernel and paged_attention_available())
         pool = fb.token_to_kv_pool.k_buffer
-        brgemm = not gather and not self.deterministic and brgemm_attention_supported(pool.dtype, pool.shape[-1])
+        brgemm = BrgemmRows.NEVER if gather else brgemm_rows(pool.dtype, pool.shape[-1], self.deterministic)
         if fb.forward_mode.is_decode():
             ones = torch.ones_like(fb.seq_lens)
             max_len = fb.max_seq_len if gather else None
@@ -203,8 +205,8 @@ class TorchNativeAttnBackend(AttentionBackend):
     ) -> torch.Tensor:
         """Writes the short rows' tokens of ``out`` ``[T, num_heads, head_dim]`` with the CPU kernel, which reads
         each row's K/V where they lie in the pool: float32 accumulation (in half precision, the probabilities
-        rounded to it before weighting V, as SDPA does), each row computed alike in any batch; through brgemm
-        where the rows say so. Returns ``out``."""
+        rounded to it before weighting V, as SDPA does), each row computed alike in any batch on its path; through
+        brgemm where the rows say so. Returns ``out``."""
         pool = forward_batch.token_to_kv_pool
         return paged_attention(
             q,

@@ -27,6 +27,7 @@ layers (:class:`batchgen.kernels.switches.KernelSwitches`); with all three off n
 from __future__ import annotations
 
 import contextlib
+import enum
 import fcntl
 import functools
 import hashlib
@@ -54,6 +55,24 @@ _SOURCES = [
 ]
 _HEADERS = sorted(Path(__file__).parent.glob("*.h"))  # included by the sources: part of the build's key
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+
+
+class BrgemmRows(enum.IntEnum):
+    """Which rows :func:`paged_attention` runs as GEMMs through brgemm (where
+    :func:`brgemm_attention_supported`); the others run on the vector path. Within a path a query's bits never
+    depend on the other rows; across paths they differ in the last bits (the order of the sums).
+
+    - ``NEVER``: none.
+    - ``MANY_QUERIES``: rows of 8 queries or more (new tokens times the GQA group: prefill chunks, verify rows), and
+      the whole 256-key blocks that decode rows sharing a cached prefix share: a decode's bits then depend on
+      whether rows sharing its prefix run beside it. The fastest.
+    - ``EVERY_ROW``: every row, each in the same 256-key blocks whatever its size or company, so a query's bits
+      depend on its own inputs alone, as on the vector path (what ``--deterministic`` runs).
+    """
+
+    NEVER = 0
+    MANY_QUERIES = 1
+    EVERY_ROW = 2
 
 
 def paged_attention_available() -> bool:
@@ -101,6 +120,15 @@ def brgemm_attention_supported(dtype: torch.dtype, head_dim: int) -> bool:
         and bool(torch.ops.batchgen.has_bf16_dot_product())
         and brgemm_bf16_supported()
     )
+
+
+def brgemm_rows(dtype: torch.dtype, head_dim: int, batch_invariant: bool) -> BrgemmRows:
+    """Which rows :func:`paged_attention` should run through brgemm for a pool of ``dtype`` and ``head_dim``:
+    none where it cannot (:func:`brgemm_attention_supported`); every row where a row's results must not depend on
+    the batch (``batch_invariant``); else the rows of many queries and shared prefixes, the fastest."""
+    if not brgemm_attention_supported(dtype, head_dim):
+        return BrgemmRows.NEVER
+    return BrgemmRows.EVERY_ROW if batch_invariant else BrgemmRows.MANY_QUERIES
 
 
 def _has_amx() -> bool:
@@ -223,7 +251,7 @@ def paged_attention(
     q_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
-    brgemm: bool = False,
+    brgemm: BrgemmRows = BrgemmRows.NEVER,
 ) -> torch.Tensor:
     """Causal attention of each row's new tokens over its whole sequence, read in place from the paged pool.
 
@@ -236,11 +264,9 @@ def paged_attention(
     float16 the probabilities are rounded to that dtype before weighting V, as PyTorch's SDPA (which HF
     transformers runs) and FlashAttention do, so greedy tokens follow HF's. The output is cast to q's dtype.
     A query's result does not depend on the other rows, on its row's ``q_lens`` or on threading (it is
-    bit-identical in any batch). With ``brgemm`` (where :func:`brgemm_attention_supported`) a row of 8 queries or
-    more (new tokens times the GQA group) runs its scores and its weighting of V as GEMMs through PyTorch's
-    ``at::native::cpublas::brgemm`` (AMX tiles, or ``vdpbf16ps``): the same guarantees within that path, rounding
-    that differs from the vector path's by the order in which products are summed, so a query's bits then depend on
-    which path its row's ``q_lens`` picks.
+    bit-identical in any batch). ``brgemm`` (where :func:`brgemm_attention_supported`) sends rows to two GEMMs
+    per block of 256 keys through PyTorch's ``at::native::cpublas::brgemm`` (AMX tiles, or ``vdpbf16ps``) instead:
+    which rows, and what that does to their bits, :class:`BrgemmRows` says.
 
     Args:
         q: ``[num_tokens, num_heads, head_dim]``, float32, bfloat16 or float16, head_dim contiguous.
@@ -250,7 +276,7 @@ def paged_attention(
         scale: the score scale, usually ``head_dim ** -0.5``.
         out: ``[num_tokens, num_heads, head_dim]`` in q's dtype to write into (head_dim contiguous); only the
             rows' tokens are written, the others keep their values. ``None``: a new, uninitialised tensor.
-        brgemm: run rows of 8 queries or more through brgemm; only where :func:`brgemm_attention_supported`.
+        brgemm: which rows run through brgemm; other than ``NEVER`` only where :func:`brgemm_attention_supported`.
 
     Returns:
         ``out``.
@@ -267,6 +293,6 @@ def paged_attention(
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     torch.ops.batchgen.paged_attention(
-        q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, q_starts, q_lens, scale, out, brgemm
+        q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, q_starts, q_lens, scale, out, int(brgemm)
     )
     return out

@@ -236,21 +236,22 @@ inline int64_t start_shared_queries(const Shape& s, const c10::BFloat16* q, cons
 }
 
 // The end of a shared prefix's work item: each member's queries (held in w in member order, as
-// start_shared_queries put them) go on from key `from` (a multiple of kKeyBlock) over the member's own blocks, then
-// are written out. False where a slot lies outside the pool.
-template <int DC>
-bool finish_shared_members(const Shape& s, const uint16_t* k16, const uint16_t* v16, c10::BFloat16* out,
-                           const Rows& rows, const int64_t* members, int64_t num_members, int64_t from,
-                           int64_t kv_head, Scratch& w) {
+// start_shared_queries put them) go on from key `from` over the member's own blocks of `block` keys, through
+// attend(first, last, block position, block length) for the member's queries [first, last), then are written out.
+// False where a slot lies outside the pool.
+template <typename Attend>
+bool finish_shared_members(const Shape& s, c10::BFloat16* out, const Rows& rows, const int64_t* members,
+                           int64_t num_members, int64_t from, int64_t block, int64_t kv_head, Scratch& w,
+                           Attend attend) {
   const int64_t group = s.num_heads / s.num_kv_heads;
   int64_t first = 0;
   for (int64_t m = 0; m < num_members; ++m) {
     const int64_t r = members[m], last = first + rows.q_lens[r] * group;
     const int64_t keys = rows.seq_lens[r];  // what the member's last query sees
-    for (int64_t block = from; block < keys; block += kKeyBlock) {
-      const int64_t block_len = std::min(kKeyBlock, keys - block);
-      if (!w.take_slots(rows.slots_of(r), block, block_len, s.num_slots)) return false;
-      attend_queries_bf16<DC>(s, k16, v16, first, last, block, block_len, w);
+    for (int64_t at = from; at < keys; at += block) {
+      const int64_t block_len = std::min(block, keys - at);
+      if (!w.take_slots(rows.slots_of(r), at, block_len, s.num_slots)) return false;
+      attend(first, last, at, block_len);
     }
     for (int64_t i = first; i < last; ++i) {
       const int64_t t = (i - first) / group, head = kv_head * group + (i - first) % group;
@@ -279,7 +280,10 @@ bool attend_bf16_shared(const Shape& s, const c10::BFloat16* q, const c10::BFloa
     if (!w.take_slots(shared_slots, block, kKeyBlock, s.num_slots)) return false;
     attend_queries_bf16<DC>(s, k16, v16, 0, nq, block, kKeyBlock, w);
   }
-  return finish_shared_members<DC>(s, k16, v16, out, rows, members, num_members, depth * kKeyBlock, kv_head, w);
+  return finish_shared_members(s, out, rows, members, num_members, depth * kKeyBlock, kKeyBlock, kv_head, w,
+                               [&](int64_t first, int64_t last, int64_t block, int64_t block_len) {
+                                 attend_queries_bf16<DC>(s, k16, v16, first, last, block, block_len, w);
+                               });
 }
 
 }  // namespace

@@ -48,12 +48,13 @@ inline bool all_finite(const uint16_t* bf16, int64_t n) {
   return true;
 }
 
-// acc[i] += P[i] . V for each query alone, V's keys from the query's `seen` on cleared: for a block whose V holds
-// inf or NaN (a broken model's) at keys some queries must not see, where one GEMM would give them 0 x inf = NaN.
-inline void weigh_values_per_query(const Scratch& w, const c10::BFloat16* probs, float* acc, int64_t nq,
-                                   int64_t head_dim, int64_t block, int64_t block_len) {
+// acc[i] += P[i] . V for each query i in [first, last) alone, V's keys from the query's `seen` on cleared: for a
+// block whose V holds inf or NaN (a broken model's) at keys some queries must not see, where one GEMM would give
+// them 0 x inf = NaN.
+inline void weigh_values_per_query(const Scratch& w, const c10::BFloat16* probs, float* acc, int64_t first,
+                                   int64_t last, int64_t head_dim, int64_t block, int64_t block_len) {
   std::vector<uint16_t> masked(w.v_pairs.size() * 2);
-  for (int64_t i = 0; i < nq; ++i) {
+  for (int64_t i = first; i < last; ++i) {
     const int64_t seen = std::min(block_len, w.limit[i] - block);
     if (seen <= 0) continue;
     std::memcpy(masked.data(), w.v_pairs.data(), masked.size() * sizeof(uint16_t));
@@ -67,15 +68,17 @@ inline void weigh_values_per_query(const Scratch& w, const c10::BFloat16* probs,
   }
 }
 
-// The queries held in w (q rows in w.q_pairs, started) against the block of `block_len` keys at position `block`
-// (their slots in w.slots): K and V packed, S = Q . K^T, the online-softmax step per query, acc = alpha * acc + P . V.
-// `fewest`: the keys the query that sees fewest sees, so a block past it may hold keys some queries must not see.
-inline void attend_gemm_block(const Shape& s, const uint16_t* k16, const uint16_t* v16, int64_t nq, int64_t block,
-                              int64_t block_len, int64_t fewest, Scratch& w) {
-  const int64_t dc = s.chunks, head_dim = s.head_dim, pairs = head_dim / 2;
-  auto* q_rows = reinterpret_cast<c10::BFloat16*>(w.q_pairs.data());     // [nq][head_dim]
-  auto* probs = reinterpret_cast<c10::BFloat16*>(w.block_probs.data());  // [nq][kGemmKeyBlock]
-  auto* acc = reinterpret_cast<float*>(w.acc.data());                    // [nq][head_dim]: dc * 16 == head_dim
+// Queries [first, last) held in w (q rows in w.q_pairs, started) against the block of `block_len` keys at position
+// `block` (their slots in w.slots): K and V packed, S = Q . K^T, the online-softmax step per query,
+// acc = alpha * acc + P . V. Every GEMM has the same shape whatever block_len (keys past it get probability 0), and
+// brgemm's result for one element does not depend on the rows beside it, so a query's bits do not depend on which
+// other queries share the call.
+inline void attend_gemm_block(const Shape& s, const uint16_t* k16, const uint16_t* v16, int64_t first, int64_t last,
+                              int64_t block, int64_t block_len, Scratch& w) {
+  const int64_t dc = s.chunks, head_dim = s.head_dim, pairs = head_dim / 2, nq = last - first;
+  auto* q_rows = reinterpret_cast<c10::BFloat16*>(w.q_pairs.data());     // [queries][head_dim]
+  auto* probs = reinterpret_cast<c10::BFloat16*>(w.block_probs.data());  // [queries][kGemmKeyBlock]
+  auto* acc = reinterpret_cast<float*>(w.acc.data());                    // [queries][head_dim]: dc * 16 == head_dim
   const auto* kp = reinterpret_cast<const c10::BFloat16*>(w.k_pairs.data());
   const auto* vp = reinterpret_cast<const c10::BFloat16*>(w.v_pairs.data());
   pack_block(k16, v16, w.slots.data(), block_len, pairs, s.kv_stride_slot, w.k_pairs.data(), w.v_pairs.data(),
@@ -86,11 +89,13 @@ inline void attend_gemm_block(const Shape& s, const uint16_t* k16, const uint16_
     const int64_t written = (block_len + 1) / 2;
     std::fill(w.v_pairs.begin() + written * head_dim, w.v_pairs.begin() + kGemmKeyBlock / 2 * head_dim, 0u);
   }
-  at::native::cpublas::brgemm(nq, kGemmKeyBlock, head_dim, head_dim, kGemmKeyBlock, kGemmKeyBlock, false, q_rows, kp,
-                              w.block_scores.data());
-  for (int64_t i = 0; i < nq; ++i) {
+  at::native::cpublas::brgemm(nq, kGemmKeyBlock, head_dim, head_dim, kGemmKeyBlock, kGemmKeyBlock, false,
+                              q_rows + first * head_dim, kp, w.block_scores.data() + first * kGemmKeyBlock);
+  int64_t fewest = block + block_len;  // the fewest keys a query here sees, up to the block's end
+  for (int64_t i = first; i < last; ++i) {
     c10::BFloat16* p = probs + i * kGemmKeyBlock;
     const int64_t seen = std::min(block_len, w.limit[i] - block);
+    fewest = std::min(fewest, w.limit[i]);
     if (seen <= 0) {  // none of this block is visible: P . V adds zeros, the running max and sum stay
       std::fill_n(reinterpret_cast<uint16_t*>(p), kGemmKeyBlock, uint16_t{0});
       continue;
@@ -113,9 +118,10 @@ inline void attend_gemm_block(const Shape& s, const uint16_t* k16, const uint16_
   // NaN there: then 0 x inf would reach it, so each query weighs its own visible keys.
   const auto* v_bits = reinterpret_cast<const uint16_t*>(vp);
   if (block + block_len > fewest && !all_finite(v_bits, (block_len + 1) / 2 * 2 * head_dim)) {
-    weigh_values_per_query(w, probs, acc, nq, head_dim, block, block_len);
+    weigh_values_per_query(w, probs, acc, first, last, head_dim, block, block_len);
   } else {
-    at::native::cpublas::brgemm(nq, head_dim, kGemmKeyBlock, kGemmKeyBlock, head_dim, head_dim, true, probs, vp, acc);
+    at::native::cpublas::brgemm(nq, head_dim, kGemmKeyBlock, kGemmKeyBlock, head_dim, head_dim, true,
+                                probs + first * kGemmKeyBlock, vp, acc + first * head_dim);
   }
 }
 
@@ -129,7 +135,6 @@ bool attend_brgemm(const Shape& s, const c10::BFloat16* q, const c10::BFloat16* 
   const auto* k16 = reinterpret_cast<const uint16_t*>(k + kv_head * s.kv_stride_head);
   const auto* v16 = reinterpret_cast<const uint16_t*>(v + kv_head * s.kv_stride_head);
   const int64_t keys = start_bf16_queries(s, q, seq_len, q_start, q_len, kv_head, first, last, w);
-  const int64_t fewest = *std::min_element(w.limit.begin(), w.limit.begin() + nq);  // keys the first query sees
   for (int64_t block = 0; block < keys; block += kGemmKeyBlock) {
     const int64_t block_len = std::min(kGemmKeyBlock, keys - block);
     if (!w.take_slots(slot_of_position, block, block_len, s.num_slots)) return false;
@@ -140,7 +145,7 @@ bool attend_brgemm(const Shape& s, const c10::BFloat16* q, const c10::BFloat16* 
         prefetch_row(v16 + ahead * s.kv_stride_slot, s.head_dim);
       }
     }
-    attend_gemm_block(s, k16, v16, nq, block, block_len, fewest, w);
+    attend_gemm_block(s, k16, v16, 0, nq, block, block_len, w);
   }
   for (int64_t i = 0; i < nq; ++i) {
     const int64_t t = (first + i) / group, head = kv_head * group + (first + i) % group;
@@ -151,11 +156,12 @@ bool attend_brgemm(const Shape& s, const c10::BFloat16* q, const c10::BFloat16* 
 
 // The rows of a shared prefix (attention_shared.h) whose first `depth` blocks of kGemmKeyBlock keys are the same
 // pool slots: those blocks run as GEMMs over all the members' queries at once (every query sees them whole), then
-// each member goes on over its own keys on the vdpbf16ps path (finish_shared_members). Rows of a few queries
-// (decodes) gain most: alone they stay on that path, whose per-query loops reuse no load of K or V across queries.
-// A query's bits then differ from those it gets alone, as any brgemm row's differ from the vector path's; the
-// caller groups rows this way only where it runs brgemm (not under --deterministic).
-template <int DC>
+// each member goes on over its own keys: with kGemmTails through the GEMMs too, in blocks of kGemmKeyBlock, so that
+// each query gets the bits attend_brgemm gives its row alone (brgemm's rows do not depend on one another); without,
+// on the vdpbf16ps path (finish_shared_members' blocks of kKeyBlock), whose per-query loops cost less for the few
+// keys a decode row has of its own, but whose rounding differs from the GEMMs', so a row's bits then depend on
+// whether it was grouped. Rows of a few queries (decodes) gain most: their per-query loops reuse no load of K or V.
+template <int DC, bool kGemmTails>
 bool attend_brgemm_shared(const Shape& s, const c10::BFloat16* q, const c10::BFloat16* k, const c10::BFloat16* v,
                           c10::BFloat16* out, const Rows& rows, const int64_t* members, int64_t num_members,
                           int64_t depth, int64_t kv_head, Scratch& w) {
@@ -166,9 +172,19 @@ bool attend_brgemm_shared(const Shape& s, const c10::BFloat16* q, const c10::BFl
   const int64_t shared_keys = depth * kGemmKeyBlock;
   for (int64_t block = 0; block < shared_keys; block += kGemmKeyBlock) {
     if (!w.take_slots(shared_slots, block, kGemmKeyBlock, s.num_slots)) return false;
-    attend_gemm_block(s, k16, v16, nq, block, kGemmKeyBlock, shared_keys, w);
+    attend_gemm_block(s, k16, v16, 0, nq, block, kGemmKeyBlock, w);
   }
-  return finish_shared_members<DC>(s, k16, v16, out, rows, members, num_members, shared_keys, kv_head, w);
+  if constexpr (kGemmTails) {
+    return finish_shared_members(s, out, rows, members, num_members, shared_keys, kGemmKeyBlock, kv_head, w,
+                                 [&](int64_t first, int64_t last, int64_t block, int64_t block_len) {
+                                   attend_gemm_block(s, k16, v16, first, last, block, block_len, w);
+                                 });
+  } else {
+    return finish_shared_members(s, out, rows, members, num_members, shared_keys, kKeyBlock, kv_head, w,
+                                 [&](int64_t first, int64_t last, int64_t block, int64_t block_len) {
+                                   attend_queries_bf16<DC>(s, k16, v16, first, last, block, block_len, w);
+                                 });
+  }
 }
 
 }  // namespace

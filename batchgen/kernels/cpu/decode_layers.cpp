@@ -29,7 +29,7 @@ using RopeKv = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor
                           const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                           const at::Tensor&);
 using Attention = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                       const at::Tensor&, const at::Tensor&, const at::Tensor&, double, const at::Tensor&, bool);
+                       const at::Tensor&, const at::Tensor&, const at::Tensor&, double, const at::Tensor&, int64_t);
 using SiluAndMul = at::Tensor(const at::Tensor&, std::optional<at::ScalarType>);
 
 struct Ops {
@@ -56,16 +56,16 @@ const Ops& ops() {
 
 // Layer l's tensors: norms[2l], norms[2l + 1] (input and post-attention RMSNorm weights, bfloat16), weights[4l ..
 // 4l + 3] (the qkv, o, gate/up and down projections' half-precision weights), biases[2l], biases[2l + 1] (qkv's and
-// o's float32 biases or None); norms[2L] is the final norm's weight; brgemm as paged_attention takes it. Returns the final norm's bfloat16 output. With
-// attention_seconds (float64 [1]), adds the wall time of the attention calls to it: the benchmarks' attention
-// clock, which cannot see into this call otherwise.
+// o's float32 biases or None); norms[2L] is the final norm's weight; brgemm as paged_attention takes it. Returns the
+// final norm's bfloat16 output. With attention_seconds (float64 [1]), adds the wall time of the attention calls to
+// it: the benchmarks' attention clock, which cannot see into this call otherwise.
 at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& positions, at::TensorList norms,
                          at::TensorList weights, const c10::List<OptionalTensor>& biases, double eps,
                          int64_t num_heads, const at::Tensor& cos_table, const at::Tensor& sin_table,
                          const at::Tensor& k_buffer, const at::Tensor& v_buffer, const at::Tensor& loc,
                          const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
                          const at::Tensor& seq_lens, const at::Tensor& q_starts, const at::Tensor& q_lens,
-                         double scale, bool brgemm, const OptionalTensor& attention_seconds) {
+                         double scale, int64_t brgemm, const OptionalTensor& attention_seconds) {
   constexpr const char* op = "batchgen::decode_layers: ";
   const int64_t layers = k_buffer.size(0);
   TORCH_CHECK(k_buffer.dim() == 4 && v_buffer.sizes() == k_buffer.sizes(), op,
@@ -119,7 +119,7 @@ TORCH_LIBRARY_FRAGMENT(batchgen, m) {
       "decode_layers(Tensor hidden, Tensor positions, Tensor[] norms, Tensor[] weights, Tensor?[] biases, float eps, "
       "int num_heads, Tensor cos_table, Tensor sin_table, Tensor(a!) k_buffer, Tensor(b!) v_buffer, Tensor loc, "
       "Tensor req_to_token, Tensor req_pool_indices, Tensor seq_lens, Tensor q_starts, Tensor q_lens, float scale, "
-      "bool brgemm, Tensor(c!)? attention_seconds=None) -> Tensor");
+      "int brgemm, Tensor(c!)? attention_seconds=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(batchgen, CPU, m) { m.impl("decode_layers", &decode_layers); }

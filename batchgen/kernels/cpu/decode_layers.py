@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from batchgen.kernels.cpu import build_problem
+from batchgen.kernels.cpu import BrgemmRows, build_problem
 
 
 def decode_layers(
@@ -33,7 +33,7 @@ def decode_layers(
     req_to_token: torch.Tensor,
     rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     scale: float,
-    brgemm: bool = False,
+    brgemm: BrgemmRows = BrgemmRows.NEVER,
     attention_seconds: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Every decoder layer and the final RMSNorm over ``T`` new tokens, each layer RMSNorm (with the residual
@@ -56,8 +56,8 @@ def decode_layers(
         rows: int64 ``[n]`` ``(req_pool_indices, seq_lens, q_starts, q_lens)`` of the round's rows, as
             :func:`batchgen.kernels.cpu.paged_attention` takes them.
         scale: the attention's score scale, ``head_dim ** -0.5``.
-        brgemm: :func:`batchgen.kernels.cpu.paged_attention`'s choice for rows of many queries, as the round's
-            attention backend makes it.
+        brgemm: the rows :func:`batchgen.kernels.cpu.paged_attention` runs through brgemm, as the round's
+            attention backend chooses them.
         attention_seconds: a float64 ``[1]`` tensor to which the call adds the wall seconds of its attention (the
             benchmarks' attention clock, :mod:`batchgen.bench.attention_time`); ``None``: not timed.
 
@@ -85,7 +85,7 @@ def decode_layers(
         req_to_token,
         *rows,
         scale,
-        brgemm,
+        int(brgemm),
         attention_seconds,
     )
     return out

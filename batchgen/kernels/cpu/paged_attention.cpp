@@ -11,21 +11,19 @@
 // Determinism: a query's arithmetic depends only on its own inputs. Key blocks start at fixed positions
 // (multiples of kKeyBlock from position 0), reductions run in a fixed order, and a query stops at its own
 // last visible key, so its output is bit-identical whatever else is in the batch, however many new tokens
-// its row has, and whichever thread runs it. With brgemm (below) that holds within each path, and a row's path
-// depends on its own queries' count, except that decode rows sharing a prefix with others in the call take the
-// GEMMs: the torch_native backend asks for brgemm only where it need not be batch-invariant (not --deterministic).
+// its row has, and whichever thread runs it. That holds within each path; which path a row takes is the caller's
+// `brgemm` (kNever, kManyQueries, kEveryRow below).
 //
 // bfloat16 on a machine with AVX512-BF16 takes its own path (attend_bf16 in attention_bf16.h): K/V pairs go
 // straight into vdpbf16ps, the same accumulation in float32 with fewer instructions, fast enough for prefill
-// rows as well. Where the caller asks for brgemm (where it runs bfloat16: AMX tiles or AVX512-BF16), rows of
-// kGemmMinQueries queries or more run as two GEMMs per block of keys through PyTorch's brgemm instead
-// (attend_brgemm, attention_brgemm.h). Rows of a few queries (decodes) whose leading KV slots are the same, as the
-// prefix cache hands them out, read and convert that prefix once for all of them (attention_shared.h finds them;
-// attend_bf16_shared, and attend_shared on the vector paths, run them; with brgemm, attend_brgemm_shared runs the
-// whole shared blocks of kGemmKeyBlock keys as GEMMs over all their queries). The generic path's block step is
-// attend_block (attention_generic.h); on AVX2 without AVX-512 it is attend_block_avx2 (attention_avx2.h), written
-// for that machine's 16 registers of 8 lanes; attention_vector.h holds the work items (attend, attend_shared) that
-// run either. attention_common.h holds what the paths share.
+// rows as well. Where the caller asks for brgemm (where it runs bfloat16: AMX tiles or AVX512-BF16), rows run as
+// two GEMMs per block of keys through PyTorch's brgemm instead (attend_brgemm, attention_brgemm.h): every row, or
+// those of kGemmMinQueries queries or more. Rows of a few queries (decodes) whose leading KV slots are the same, as
+// the prefix cache hands them out, read and convert that prefix once for all of them (attention_shared.h finds
+// them; attend_bf16_shared, attend_shared on the vector paths, and attend_brgemm_shared run them). The generic
+// path's block step is attend_block (attention_generic.h); on AVX2 without AVX-512 it is attend_block_avx2
+// (attention_avx2.h), written for that machine's 16 registers of 8 lanes; attention_vector.h holds the work items
+// (attend, attend_shared) that run either. attention_common.h holds what the paths share.
 //
 // Built JIT by batchgen/kernels/cpu/__init__.py with -O3 -march=native -fopenmp. The float32 math is
 // written with GCC/Clang vector extensions (16 floats), which the compiler maps onto the machine's SIMD
@@ -59,20 +57,23 @@ namespace {
 // Head sizes the dot-product path packs: pairs of dims in groups of 16, at most 16 chunks held per query.
 constexpr bool bf16_dot_fits(int64_t head_dim) { return head_dim % 32 == 0 && head_dim <= 256; }
 
-bool has_bf16_dot_product() {
 #ifdef BATCHGEN_BF16_DOT
-  return true;
+bool has_bf16_dot_product() { return true; }
 #else
-  return false;
+bool has_bf16_dot_product() { return false; }
 #endif
-}
+
+// Which rows run through brgemm (the op's `brgemm`): none; rows of kGemmMinQueries queries or more, and the shared
+// blocks of rows sharing a prefix (a decode's bits then depend on whether it was grouped); every row, so that a
+// query's bits depend on nothing else (the torch_native backend's choice under --deterministic).
+constexpr int64_t kNever = 0, kManyQueries = 1, kEveryRow = 2;
 
 // The brgemm path needs the vdpbf16ps path's packing (BATCHGEN_BF16_DOT) and brgemm in bfloat16 at run time.
 bool brgemm_path_runs() { return has_bf16_dot_product() && brgemm_bf16_runs(); }
 
 template <typename T, int DC>
 void run(const Shape& s, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-         const Rows& rows, int64_t num_rows, bool brgemm) {
+         const Rows& rows, int64_t num_rows, int64_t brgemm) {
   const int64_t group = s.num_heads / s.num_kv_heads;
   const int64_t* q_lens = rows.q_lens;
   using Attend = bool (*)(const Shape&, const T*, const T*, const T*, T*, const int64_t*, int64_t, int64_t,
@@ -81,28 +82,30 @@ void run(const Shape& s, const at::Tensor& q, const at::Tensor& k, const at::Ten
                                 int64_t, int64_t, Scratch&);
   Attend attend_item = &attend<T, DC>, attend_gemm = nullptr;
   AttendShared attend_group = &attend_shared<T, DC>;
-  // A row's path is its own: brgemm for rows of kGemmMinQueries queries or more (where two GEMMs per block beat
-  // packing K for the vector path's few queries), the vector path for the others (decodes).
-  auto on_gemm = [&](int64_t r) { return attend_gemm != nullptr && q_lens[r] * group >= kGemmMinQueries; };
+  // A row's path is its own: brgemm for every row with kEveryRow, else for rows of kGemmMinQueries queries or more
+  // (where two GEMMs per block beat packing K for the vector path's few queries), the vector path for the others.
+  auto on_gemm = [&](int64_t r) {
+    return attend_gemm != nullptr && (brgemm == kEveryRow || q_lens[r] * group >= kGemmMinQueries);
+  };
   int64_t shared_block = kKeyBlock;  // the blocks a shared prefix is counted in: the group path's key block
 #ifdef BATCHGEN_BF16_DOT
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     if (bf16_dot_fits(s.head_dim)) {
       attend_item = &attend_bf16<DC>;
       attend_group = &attend_bf16_shared<DC>;
-      if (brgemm) {
+      if (brgemm != kNever) {
         attend_gemm = &attend_brgemm<DC>;
-        attend_group = &attend_brgemm_shared<DC>;
+        attend_group = brgemm == kEveryRow ? &attend_brgemm_shared<DC, true> : &attend_brgemm_shared<DC, false>;
         shared_block = kGemmKeyBlock;
       }
     }
   }
 #endif
-  // Rows of a few queries on the vector path (decodes) that share a cached prefix read it once together (through
-  // brgemm where it runs, as GEMMs over all their queries).
+  // Rows of a few queries (decodes) that share a cached prefix read it once together (through brgemm where asked,
+  // as GEMMs over all their queries).
   std::vector<int64_t> few;
   for (int64_t r = 0; r < num_rows; ++r) {
-    if (q_lens[r] > 0 && !on_gemm(r) && q_lens[r] * group < kGemmMinQueries) few.push_back(r);
+    if (q_lens[r] > 0 && q_lens[r] * group < kGemmMinQueries) few.push_back(r);
   }
   // A group is one work item per KV head: its queries are capped so that the rows make at least two items per
   // thread (one group of all the rows would leave a thread idle beside a few long items); rows of fewer queries
@@ -180,7 +183,7 @@ void run(const Shape& s, const at::Tensor& q, const at::Tensor& k, const at::Ten
 
 template <typename T>
 void run_any_dim(const Shape& s, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                 const at::Tensor& out, const Rows& rows, int64_t num_rows, bool brgemm) {
+                 const at::Tensor& out, const Rows& rows, int64_t num_rows, int64_t brgemm) {
   // The common head sizes 64, 128, 256 get code with the loops over a head unrolled; others a generic loop.
   switch (s.chunks) {
     case 4:
@@ -206,7 +209,7 @@ at::Tensor contiguous_index(const at::Tensor& t, const char* name, int64_t n) {
 void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& req_to_token, const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
                      const at::Tensor& q_starts, const at::Tensor& q_lens, double scale, const at::Tensor& out,
-                     bool brgemm) {
+                     int64_t brgemm) {
   constexpr const char* op = "batchgen::paged_attention: ";
   TORCH_CHECK(q.dim() == 3, op, "q must be [num_tokens, num_heads, head_dim], got shape ", q.sizes());
   TORCH_CHECK(k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes(), op,
@@ -222,9 +225,11 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   for (const at::Tensor* t : {&q, &k_cache, &v_cache, &out, &req_to_token}) {
     TORCH_CHECK(t->device().is_cpu(), op, "all tensors must be on the CPU, got one on ", t->device());
   }
-  TORCH_CHECK(!brgemm || (dtype == at::kBFloat16 && bf16_dot_fits(q.size(2)) && brgemm_path_runs()), op,
-              "brgemm needs bfloat16, a head size that is a multiple of 32 up to 256, and brgemm in bfloat16 on "
-              "this CPU with AVX512-BF16 (brgemm_bf16_runs)");
+  const bool brgemm_ok = brgemm == kNever || ((brgemm == kManyQueries || brgemm == kEveryRow) &&
+                                                dtype == at::kBFloat16 && bf16_dot_fits(q.size(2)) && brgemm_path_runs());
+  TORCH_CHECK(brgemm_ok, op,
+              "brgemm must be 0, 1 or 2, and 1 and 2 need bfloat16, a head size that is a multiple of 32 up to 256, "
+              "and brgemm in bfloat16 on this CPU with AVX512-BF16 (brgemm_bf16_runs); got ", brgemm);
   const int64_t num_heads = q.size(1), head_dim = q.size(2), num_kv_heads = k_cache.size(0);
   TORCH_CHECK(k_cache.size(2) == head_dim, op, "k_cache's head_dim ", k_cache.size(2), " differs from q's ",
               head_dim);
@@ -285,7 +290,7 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
 TORCH_LIBRARY(batchgen, m) {
   m.def(
       "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor req_to_token, Tensor req_pool_indices, "
-      "Tensor seq_lens, Tensor q_starts, Tensor q_lens, float scale, Tensor(a!) out, bool brgemm=False) -> ()");
+      "Tensor seq_lens, Tensor q_starts, Tensor q_lens, float scale, Tensor(a!) out, int brgemm=0) -> ()");
   // Whether bfloat16 attention runs on vdpbf16ps here (built for a CPU with AVX512-BF16): fast enough for
   // prefill rows too, which otherwise go to SDPA.
   m.def("has_bf16_dot_product() -> bool", &has_bf16_dot_product);
