@@ -1,6 +1,6 @@
 """Edge cases of the C++ paged-attention kernel's brgemm and shared-prefix paths (a review of issue 21).
 
-Matrix unit: head sizes 32, 96, 160 and 192 (the other tests take 64, 128 and 256) with GQA groups 5 and 7,
+brgemm: head sizes 32, 96, 160 and 192 (the other tests take 64, 128 and 256) with GQA groups 5 and 7,
 sequences of exactly 256, 257, 512 and 513 keys around the 256-key blocks, a whole prompt with no cached prefix,
 and rows whose queries (``q_len * group``) number 7, 8, 9 and 16 (one KV head, scores in the hundreds). Shared
 prefixes:

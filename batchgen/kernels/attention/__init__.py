@@ -36,8 +36,9 @@ def create_attention_backend(
     without them ``auto`` does not consider it. ``switches``: whether torch_native may use the CPU kernel, and
     whether Triton runs interpreted (the only way it runs on the CPU). ``deterministic``: the backend
     :func:`deterministic_backend` names, in its batch-invariant mode: torch_native with every row in the C++
-    kernel's vector path, or triton decoding with its extend kernel; either way a query's result depends only on
-    its row.
+    kernel, through brgemm where it runs bfloat16 and on the vector path elsewhere
+    (:class:`~batchgen.kernels.cpu.BrgemmRows`), or triton decoding with its extend kernel; either way a query's
+    result depends only on its row.
 
     Raises:
         BatchgenError: ``flashinfer`` / ``triton`` when it cannot run here (one line saying why), ``deterministic``

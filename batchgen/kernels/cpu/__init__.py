@@ -65,7 +65,8 @@ class BrgemmRows(enum.IntEnum):
     - ``NEVER``: none.
     - ``MANY_QUERIES``: rows of 8 queries or more (new tokens times the GQA group: prefill chunks, verify rows), and
       the whole 256-key blocks that decode rows sharing a cached prefix share: a decode's bits then depend on
-      whether rows sharing its prefix run beside it. The fastest.
+      whether rows sharing its prefix run beside it, and how many of them a group takes (which the thread count
+      caps). The fastest.
     - ``EVERY_ROW``: every row, each in the same 256-key blocks whatever its size or company, so a query's bits
       depend on its own inputs alone, as on the vector path (what ``--deterministic`` runs).
     """
@@ -109,7 +110,7 @@ def brgemm_bf16_supported() -> bool:
 
 @functools.cache
 def brgemm_attention_supported(dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether :func:`paged_attention` can run rows of many queries as GEMMs through brgemm (``brgemm=True``):
+    """Whether :func:`paged_attention` can run rows as GEMMs through brgemm (``brgemm`` other than ``NEVER``):
     bfloat16, head sizes a multiple of 32 up to 256, the kernel built with AVX512-BF16, and brgemm running
     bfloat16 here (:func:`brgemm_bf16_supported`)."""
     return (
@@ -263,10 +264,11 @@ def paged_attention(
     computed with an online softmax (Milakov & Gimelshein 2018) that accumulates in float32; in bfloat16 and
     float16 the probabilities are rounded to that dtype before weighting V, as PyTorch's SDPA (which HF
     transformers runs) and FlashAttention do, so greedy tokens follow HF's. The output is cast to q's dtype.
-    A query's result does not depend on the other rows, on its row's ``q_lens`` or on threading (it is
-    bit-identical in any batch). ``brgemm`` (where :func:`brgemm_attention_supported`) sends rows to two GEMMs
-    per block of 256 keys through PyTorch's ``at::native::cpublas::brgemm`` (AMX tiles, or ``vdpbf16ps``) instead:
-    which rows, and what that does to their bits, :class:`BrgemmRows` says.
+    On the vector path (and with ``brgemm=EVERY_ROW``) a query's result does not depend on the other rows, on its
+    row's ``q_lens`` or on threading (it is bit-identical in any batch). ``brgemm`` (where
+    :func:`brgemm_attention_supported`) sends rows to two GEMMs per block of 256 keys through PyTorch's
+    ``at::native::cpublas::brgemm`` (AMX tiles, or ``vdpbf16ps``) instead: which rows, and what that does to their
+    bits, :class:`BrgemmRows` says.
 
     Args:
         q: ``[num_tokens, num_heads, head_dim]``, float32, bfloat16 or float16, head_dim contiguous.

@@ -21,9 +21,9 @@ namespace {
 constexpr int64_t kKeyBlock = 64;      // keys per online-softmax step (a multiple of kLanes)
 // The brgemm path's step (attention_brgemm.h): longer, so that each GEMM call does more work.
 constexpr int64_t kGemmKeyBlock = 256;
-// Rows with fewer queries (new tokens x GQA group) than this stay on the vector path even where brgemm is asked
-// for, unless they share a prefix with others: with a handful of queries the GEMM calls cost more than they save
-// (docs/performance.md).
+// Rows with fewer queries (new tokens x GQA group) than this stay on the vector path where brgemm is asked for rows
+// of many queries (BrgemmRows::MANY_QUERIES), unless they share a prefix with others: with a handful of queries the
+// GEMM calls cost more than they save (docs/performance.md). They are also the rows grouped by shared prefix.
 constexpr int64_t kGemmMinQueries = 8;
 // Queries of a brgemm work item: the GEMMs' rows; more of them pack each block of K/V for more queries.
 constexpr int64_t kGemmQueryBlock = 192;

@@ -9,7 +9,7 @@
 // float32 once per block of kKeyBlock keys; the queries then run over the converted block, in L1/L2.
 //
 // Determinism: a query's arithmetic depends only on its own inputs. Key blocks start at fixed positions
-// (multiples of kKeyBlock from position 0), reductions run in a fixed order, and a query stops at its own
+// (multiples of kKeyBlock from position 0, of kGemmKeyBlock on the brgemm path), reductions run in a fixed order, and a query stops at its own
 // last visible key, so its output is bit-identical whatever else is in the batch, however many new tokens
 // its row has, and whichever thread runs it. That holds within each path; which path a row takes is the caller's
 // `brgemm` (kNever, kManyQueries, kEveryRow below).
@@ -81,7 +81,7 @@ void run(const Shape& s, const at::Tensor& q, const at::Tensor& k, const at::Ten
   using AttendShared = bool (*)(const Shape&, const T*, const T*, const T*, T*, const Rows&, const int64_t*, int64_t,
                                 int64_t, int64_t, Scratch&);
   Attend attend_item = &attend<T, DC>, attend_gemm = nullptr;
-  AttendShared attend_group = &attend_shared<T, DC>;
+  AttendShared attend_group = &attend_shared<T, DC>, attend_vector_group = nullptr;
   // A row's path is its own: brgemm for every row with kEveryRow, else for rows of kGemmMinQueries queries or more
   // (where two GEMMs per block beat packing K for the vector path's few queries), the vector path for the others.
   auto on_gemm = [&](int64_t r) {
@@ -94,6 +94,9 @@ void run(const Shape& s, const at::Tensor& q, const at::Tensor& k, const at::Ten
       attend_item = &attend_bf16<DC>;
       attend_group = &attend_bf16_shared<DC>;
       if (brgemm != kNever) {
+        // Rows whose shared prefix holds no whole block of kGemmKeyBlock keys may still share kKeyBlock ones on
+        // the vector path, except where every row must take the GEMMs.
+        if (brgemm == kManyQueries) attend_vector_group = attend_group;
         attend_gemm = &attend_brgemm<DC>;
         attend_group = brgemm == kEveryRow ? &attend_brgemm_shared<DC, true> : &attend_brgemm_shared<DC, false>;
         shared_block = kGemmKeyBlock;
@@ -103,22 +106,10 @@ void run(const Shape& s, const at::Tensor& q, const at::Tensor& k, const at::Ten
 #endif
   // Rows of a few queries (decodes) that share a cached prefix read it once together (through brgemm where asked,
   // as GEMMs over all their queries).
-  std::vector<int64_t> few;
-  for (int64_t r = 0; r < num_rows; ++r) {
-    if (q_lens[r] > 0 && q_lens[r] * group < kGemmMinQueries) few.push_back(r);
-  }
-  // A group is one work item per KV head: its queries are capped so that the rows make at least two items per
-  // thread (one group of all the rows would leave a thread idle beside a few long items); rows of fewer queries
-  // than that are not grouped.
-  int64_t few_queries = 0;
-  for (int64_t r : few) few_queries += q_lens[r] * group;
-  const int64_t groups_wanted = (2 * at::get_num_threads() + s.num_kv_heads - 1) / s.num_kv_heads;
-  const int64_t max_queries = std::min(kSharedQueries, few_queries / groups_wanted);
-  std::vector<SharedPrefix> shared;
-  if (few.size() > 1) {
-    shared = shared_prefixes(rows, std::move(few), [&](int64_t r) { return q_lens[r] * group; }, max_queries,
-                             shared_block);
-  }
+  int64_t max_queries = 0;
+  const bool then_key_blocks = attend_vector_group != nullptr;
+  const std::vector<SharedPrefix> shared =
+      group_shared_rows(rows, num_rows, group, s.num_kv_heads, shared_block, then_key_blocks, max_queries);
   // Work items, each for every KV head: a shared prefix's rows, or (row, first query of a block of kQueryBlock, or
   // of kGemmQueryBlock on brgemm) for the other rows, so that a long prefill row spreads over threads too
   // (the blocks depend on the row alone).
@@ -133,9 +124,9 @@ void run(const Shape& s, const at::Tensor& q, const at::Tensor& k, const at::Ten
     int64_t keys = 0;
     for (int64_t r : shared[g].members) {
       in_shared[r] = true;
-      keys += rows.seq_lens[r] - shared[g].depth * shared_block;
+      keys += rows.seq_lens[r] - shared[g].depth * shared[g].block;
     }
-    work.push_back({-1, 0, keys + shared[g].depth * shared_block, static_cast<int64_t>(g)});
+    work.push_back({-1, 0, keys + shared[g].depth * shared[g].block, static_cast<int64_t>(g)});
   }
   // The most queries an item holds (a shared prefix's rows hold up to max_queries together): the scratch's size.
   int64_t block_queries = shared.empty() ? 1 : max_queries;
@@ -165,8 +156,9 @@ void run(const Shape& s, const at::Tensor& q, const at::Tensor& k, const at::Ten
       bool ok = true;
       if (it.shared >= 0) {
         const SharedPrefix& g = shared[it.shared];
-        ok = attend_group(s, q_ptr, k_ptr, v_ptr, out_ptr, rows, g.members.data(),
-                          static_cast<int64_t>(g.members.size()), g.depth, kv_head, scratch);
+        ok = (g.block == shared_block ? attend_group : attend_vector_group)(
+            s, q_ptr, k_ptr, v_ptr, out_ptr, rows, g.members.data(), static_cast<int64_t>(g.members.size()), g.depth,
+            kv_head, scratch);
       } else {
         const int64_t r = it.row, last = std::min(q_lens[r] * group, it.first + item_queries(r));
         ok = (on_gemm(r) ? attend_gemm : attend_item)(s, q_ptr, k_ptr, v_ptr, out_ptr, rows.slots_of(r),
