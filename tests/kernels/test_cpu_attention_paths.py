@@ -141,6 +141,24 @@ _SHARES = {1: (0, 300), 2: (0, 300), 3: (0, 300), 4: (0, 300), 5: (0, 64), 6: (0
 _SHARING_NEW = [1, 1, 1, 2, 1, 1, 1, 1, 30, 1]
 
 
+def _sharing_pool(dtype: torch.dtype, head_dim: int, group: int) -> tuple[PagedPool, torch.Tensor]:
+    """The sequences of _SHARING_LENS sharing as _SHARES says, and random queries of a GQA group of ``group`` for
+    their new tokens (_SHARING_NEW)."""
+    gen = torch.Generator().manual_seed(group)
+    pool = PagedPool(_SHARING_LENS, dtype, 2, head_dim, gen, 4000, 400)
+    share_prefix(pool, _SHARES)
+    return pool, torch.randn(sum(_SHARING_NEW), 2 * group, head_dim, generator=gen).to(dtype)
+
+
+def _assert_rows_alone(together: torch.Tensor, pool: PagedPool, q: torch.Tensor, brgemm: BrgemmRows) -> None:
+    """Each row of the _SHARING_LENS call gives the bits it gives alone."""
+    start = 0
+    for row, (n, t) in enumerate(zip(_SHARING_LENS, _SHARING_NEW)):
+        alone = kernel_attention(pool, q[start : start + t], [row], [n], [t], brgemm=brgemm)
+        assert torch.equal(together[start : start + t], alone), f"row {row}"
+        start += t
+
+
 @pytest.mark.usefixtures("_threads")
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("group", [1, 3])
@@ -152,16 +170,9 @@ def test_rows_sharing_a_prefix_give_the_bits_they_give_alone(
     With two threads the kernel caps the queries of a group of sharing rows (to leave each thread two work items),
     with one it does not: the bits are the same either way."""
     torch.set_num_threads(threads)
-    gen = torch.Generator().manual_seed(group)
-    pool = PagedPool(_SHARING_LENS, dtype, 2, head_dim, gen, 4000, 400)
-    share_prefix(pool, _SHARES)
-    q = torch.randn(sum(_SHARING_NEW), 2 * group, head_dim, generator=gen).to(dtype)
+    pool, q = _sharing_pool(dtype, head_dim, group)
     together = kernel_attention(pool, q, list(range(10)), _SHARING_LENS, _SHARING_NEW)
-    start = 0
-    for row, (n, t) in enumerate(zip(_SHARING_LENS, _SHARING_NEW)):
-        alone = kernel_attention(pool, q[start : start + t], [row], [n], [t])
-        assert torch.equal(together[start : start + t], alone), f"row {row}"
-        start += t
+    _assert_rows_alone(together, pool, q, BrgemmRows.NEVER)
     _check(together, q, pool, list(zip(_SHARING_LENS, _SHARING_NEW)))
 
 
@@ -175,10 +186,7 @@ def test_brgemm_runs_rows_sharing_a_prefix_as_gemms(group: int, threads: int) ->
     8 queries or more give the bits they give alone."""
     skip_without_brgemm()
     torch.set_num_threads(threads)
-    gen = torch.Generator().manual_seed(group)
-    pool = PagedPool(_SHARING_LENS, torch.bfloat16, 2, 64, gen, 4000, 400)
-    share_prefix(pool, _SHARES)
-    q = torch.randn(sum(_SHARING_NEW), 2 * group, 64, generator=gen).to(torch.bfloat16)
+    pool, q = _sharing_pool(torch.bfloat16, 64, group)
     rows = list(range(10))
     together = kernel_attention(pool, q, rows, _SHARING_LENS, _SHARING_NEW, brgemm=MANY)
     vector = kernel_attention(pool, q, rows, _SHARING_LENS, _SHARING_NEW)
@@ -202,14 +210,7 @@ def test_every_row_through_brgemm_gives_the_bits_it_gives_alone(group: int, thre
     of one query or thirty, gives the bits it gives alone, and matches float64."""
     skip_without_brgemm()
     torch.set_num_threads(threads)
-    gen = torch.Generator().manual_seed(group)
-    pool = PagedPool(_SHARING_LENS, torch.bfloat16, 2, 64, gen, 4000, 400)
-    share_prefix(pool, _SHARES)
-    q = torch.randn(sum(_SHARING_NEW), 2 * group, 64, generator=gen).to(torch.bfloat16)
+    pool, q = _sharing_pool(torch.bfloat16, 64, group)
     together = kernel_attention(pool, q, list(range(10)), _SHARING_LENS, _SHARING_NEW, brgemm=EVERY)
     _check(together, q, pool, list(zip(_SHARING_LENS, _SHARING_NEW)))
-    start = 0
-    for row, (n, t) in enumerate(zip(_SHARING_LENS, _SHARING_NEW)):
-        alone = kernel_attention(pool, q[start : start + t], [row], [n], [t], brgemm=EVERY)
-        assert torch.equal(together[start : start + t], alone), f"row {row}"
-        start += t
+    _assert_rows_alone(together, pool, q, EVERY)

@@ -195,19 +195,10 @@ bool attend_bf16(const Shape& s, const c10::BFloat16* q, const c10::BFloat16* k,
   const auto* k16 = reinterpret_cast<const uint16_t*>(k + kv_head * s.kv_stride_head);
   const auto* v16 = reinterpret_cast<const uint16_t*>(v + kv_head * s.kv_stride_head);
   const int64_t keys = start_bf16_queries(s, q, seq_len, q_start, q_len, kv_head, first, last, w);
-  for (int64_t block = 0; block < keys; block += kKeyBlock) {
-    const int64_t block_len = std::min(kKeyBlock, keys - block);
-    if (!w.take_slots(slot_of_position, block, block_len, s.num_slots)) return false;
-    // The next block's rows, requested now: its slots may be anywhere in the pool.
-    for (int64_t j = block + kKeyBlock; j < std::min(keys, block + 2 * kKeyBlock); ++j) {
-      const int64_t ahead = slot_of_position[j];
-      if (ahead >= 0 && ahead < s.num_slots) {
-        prefetch_row(k16 + ahead * s.kv_stride_slot, s.head_dim);
-        prefetch_row(v16 + ahead * s.kv_stride_slot, s.head_dim);
-      }
-    }
+  auto attend = [&](int64_t block, int64_t block_len) {
     attend_queries_bf16<DC>(s, k16, v16, 0, nq, block, block_len, w);
-  }
+  };
+  if (!over_key_blocks(s, k16, v16, slot_of_position, 0, keys, kKeyBlock, w, attend)) return false;
   for (int64_t i = 0; i < nq; ++i) {
     const int64_t t = (first + i) / group, head = kv_head * group + (first + i) % group;
     w.finish_query(i, dc, s.head_dim, out + (q_start + t) * s.out_stride_token + head * s.out_stride_head);
@@ -240,19 +231,16 @@ inline int64_t start_shared_queries(const Shape& s, const c10::BFloat16* q, cons
 // attend(first, last, block position, block length) for the member's queries [first, last), then are written out.
 // False where a slot lies outside the pool.
 template <typename Attend>
-bool finish_shared_members(const Shape& s, c10::BFloat16* out, const Rows& rows, const int64_t* members,
-                           int64_t num_members, int64_t from, int64_t block, int64_t kv_head, Scratch& w,
-                           Attend attend) {
+bool finish_shared_members(const Shape& s, const uint16_t* k16, const uint16_t* v16, c10::BFloat16* out,
+                           const Rows& rows, const int64_t* members, int64_t num_members, int64_t from, int64_t block,
+                           int64_t kv_head, Scratch& w, Attend attend) {
   const int64_t group = s.num_heads / s.num_kv_heads;
   int64_t first = 0;
   for (int64_t m = 0; m < num_members; ++m) {
     const int64_t r = members[m], last = first + rows.q_lens[r] * group;
     const int64_t keys = rows.seq_lens[r];  // what the member's last query sees
-    for (int64_t at = from; at < keys; at += block) {
-      const int64_t block_len = std::min(block, keys - at);
-      if (!w.take_slots(rows.slots_of(r), at, block_len, s.num_slots)) return false;
-      attend(first, last, at, block_len);
-    }
+    auto attend_member = [&](int64_t at, int64_t block_len) { attend(first, last, at, block_len); };
+    if (!over_key_blocks(s, k16, v16, rows.slots_of(r), from, keys, block, w, attend_member)) return false;
     for (int64_t i = first; i < last; ++i) {
       const int64_t t = (i - first) / group, head = kv_head * group + (i - first) % group;
       w.finish_query(i, s.chunks, s.head_dim,
@@ -275,15 +263,16 @@ bool attend_bf16_shared(const Shape& s, const c10::BFloat16* q, const c10::BFloa
   const auto* k16 = reinterpret_cast<const uint16_t*>(k + kv_head * s.kv_stride_head);
   const auto* v16 = reinterpret_cast<const uint16_t*>(v + kv_head * s.kv_stride_head);
   const int64_t nq = start_shared_queries(s, q, rows, members, num_members, kv_head, w);
-  const int64_t* shared_slots = rows.slots_of(members[0]);
-  for (int64_t block = 0; block < depth * kKeyBlock; block += kKeyBlock) {
-    if (!w.take_slots(shared_slots, block, kKeyBlock, s.num_slots)) return false;
-    attend_queries_bf16<DC>(s, k16, v16, 0, nq, block, kKeyBlock, w);
+  auto attend = [&](int64_t first, int64_t last, int64_t block, int64_t block_len) {
+    attend_queries_bf16<DC>(s, k16, v16, first, last, block, block_len, w);
+  };
+  auto attend_all = [&](int64_t block, int64_t block_len) { attend(0, nq, block, block_len); };
+  const int64_t shared_keys = depth * kKeyBlock;
+  if (!over_key_blocks(s, k16, v16, rows.slots_of(members[0]), 0, shared_keys, kKeyBlock, w, attend_all)) {
+    return false;
   }
-  return finish_shared_members(s, out, rows, members, num_members, depth * kKeyBlock, kKeyBlock, kv_head, w,
-                               [&](int64_t first, int64_t last, int64_t block, int64_t block_len) {
-                                 attend_queries_bf16<DC>(s, k16, v16, first, last, block, block_len, w);
-                               });
+  return finish_shared_members(s, k16, v16, out, rows, members, num_members, shared_keys, kKeyBlock, kv_head, w,
+                               attend);
 }
 
 }  // namespace

@@ -135,18 +135,8 @@ bool attend_brgemm(const Shape& s, const c10::BFloat16* q, const c10::BFloat16* 
   const auto* k16 = reinterpret_cast<const uint16_t*>(k + kv_head * s.kv_stride_head);
   const auto* v16 = reinterpret_cast<const uint16_t*>(v + kv_head * s.kv_stride_head);
   const int64_t keys = start_bf16_queries(s, q, seq_len, q_start, q_len, kv_head, first, last, w);
-  for (int64_t block = 0; block < keys; block += kGemmKeyBlock) {
-    const int64_t block_len = std::min(kGemmKeyBlock, keys - block);
-    if (!w.take_slots(slot_of_position, block, block_len, s.num_slots)) return false;
-    for (int64_t j = block + kGemmKeyBlock; j < std::min(keys, block + 2 * kGemmKeyBlock); ++j) {
-      const int64_t ahead = slot_of_position[j];
-      if (ahead >= 0 && ahead < s.num_slots) {
-        prefetch_row(k16 + ahead * s.kv_stride_slot, s.head_dim);
-        prefetch_row(v16 + ahead * s.kv_stride_slot, s.head_dim);
-      }
-    }
-    attend_gemm_block(s, k16, v16, 0, nq, block, block_len, w);
-  }
+  auto attend = [&](int64_t block, int64_t block_len) { attend_gemm_block(s, k16, v16, 0, nq, block, block_len, w); };
+  if (!over_key_blocks(s, k16, v16, slot_of_position, 0, keys, kGemmKeyBlock, w, attend)) return false;
   for (int64_t i = 0; i < nq; ++i) {
     const int64_t t = (first + i) / group, head = kv_head * group + (first + i) % group;
     w.finish_query(i, s.chunks, s.head_dim, out + (q_start + t) * s.out_stride_token + head * s.out_stride_head);
@@ -168,22 +158,23 @@ bool attend_brgemm_shared(const Shape& s, const c10::BFloat16* q, const c10::BFl
   const auto* k16 = reinterpret_cast<const uint16_t*>(k + kv_head * s.kv_stride_head);
   const auto* v16 = reinterpret_cast<const uint16_t*>(v + kv_head * s.kv_stride_head);
   const int64_t nq = start_shared_queries(s, q, rows, members, num_members, kv_head, w);
-  const int64_t* shared_slots = rows.slots_of(members[0]);
+  auto gemm = [&](int64_t first, int64_t last, int64_t block, int64_t block_len) {
+    attend_gemm_block(s, k16, v16, first, last, block, block_len, w);
+  };
+  auto gemm_all = [&](int64_t block, int64_t block_len) { gemm(0, nq, block, block_len); };
   const int64_t shared_keys = depth * kGemmKeyBlock;
-  for (int64_t block = 0; block < shared_keys; block += kGemmKeyBlock) {
-    if (!w.take_slots(shared_slots, block, kGemmKeyBlock, s.num_slots)) return false;
-    attend_gemm_block(s, k16, v16, 0, nq, block, kGemmKeyBlock, w);
+  if (!over_key_blocks(s, k16, v16, rows.slots_of(members[0]), 0, shared_keys, kGemmKeyBlock, w, gemm_all)) {
+    return false;
   }
   if constexpr (kGemmTails) {
-    return finish_shared_members(s, out, rows, members, num_members, shared_keys, kGemmKeyBlock, kv_head, w,
-                                 [&](int64_t first, int64_t last, int64_t block, int64_t block_len) {
-                                   attend_gemm_block(s, k16, v16, first, last, block, block_len, w);
-                                 });
+    return finish_shared_members(s, k16, v16, out, rows, members, num_members, shared_keys, kGemmKeyBlock, kv_head,
+                                 w, gemm);
   } else {
-    return finish_shared_members(s, out, rows, members, num_members, shared_keys, kKeyBlock, kv_head, w,
-                                 [&](int64_t first, int64_t last, int64_t block, int64_t block_len) {
-                                   attend_queries_bf16<DC>(s, k16, v16, first, last, block, block_len, w);
-                                 });
+    auto vector = [&](int64_t first, int64_t last, int64_t block, int64_t block_len) {
+      attend_queries_bf16<DC>(s, k16, v16, first, last, block, block_len, w);
+    };
+    return finish_shared_members(s, k16, v16, out, rows, members, num_members, shared_keys, kKeyBlock, kv_head, w,
+                                 vector);
   }
 }
 

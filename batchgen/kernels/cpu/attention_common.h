@@ -112,6 +112,21 @@ struct Rows {
   const int64_t* slots_of(int64_t r) const { return req_to_token + pool_rows[r] * table_stride; }
 };
 
+// The K and V rows (of the head at k, v) of positions [from, min(to, keys)) requested ahead of their block: their
+// slots may be anywhere in the pool, so the hardware prefetcher cannot guess them. Slots outside the pool are
+// skipped (the block's own check reports them).
+template <typename T>
+inline void prefetch_positions(const Shape& s, const T* k, const T* v, const int64_t* slot_of_position, int64_t from,
+                               int64_t to, int64_t keys) {
+  for (int64_t j = from; j < std::min(to, keys); ++j) {
+    const int64_t slot = slot_of_position[j];
+    if (slot >= 0 && slot < s.num_slots) {
+      prefetch_row(k + slot * s.kv_stride_slot, s.head_dim);
+      prefetch_row(v + slot * s.kv_stride_slot, s.head_dim);
+    }
+  }
+}
+
 // Per-thread scratch, sized once per call.
 struct Scratch {
   std::vector<v16f> q, acc, keys, values;  // [queries][chunks] x 2, [kKeyBlock][chunks] x 2
@@ -166,6 +181,21 @@ struct Scratch {
     for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(sums[d] / row_sum[i]);
   }
 };
+
+// Runs attend(position, length) over the blocks of `block` keys in positions [from, keys) of slot_of_position, each
+// block's slots taken into w.slots first and the next block's K/V rows (of the head at k, v) requested ahead. False
+// where a slot lies outside the pool (nothing is read there).
+template <typename T, typename Attend>
+bool over_key_blocks(const Shape& s, const T* k, const T* v, const int64_t* slot_of_position, int64_t from,
+                     int64_t keys, int64_t block, Scratch& w, Attend attend) {
+  for (int64_t at = from; at < keys; at += block) {
+    const int64_t len = std::min(block, keys - at);
+    if (!w.take_slots(slot_of_position, at, len, s.num_slots)) return false;
+    prefetch_positions(s, k, v, slot_of_position, at + block, at + 2 * block, keys);
+    attend(at, len);
+  }
+  return true;
+}
 
 // x rounded to T's precision (to nearest even) and back: probabilities in half precision, as SDPA and
 // FlashAttention weight V with. Only for x in [0, 1], as here (no NaN, no overflow).

@@ -25,9 +25,9 @@ struct SharedPrefix {
 };
 
 // Groups of the `candidates` rows (each adding `queries_of(r)` queries, at most max_queries <= kSharedQueries in a
-// group) that share whole leading blocks of `block` keys. Rows are sorted by their slots, so rows with a common prefix sit side by
-// side; a run grows while the blocks it saves reading (depth x (members - 1)) do not shrink. Cost: a sort and a
-// comparison of slot lists, small beside reading the K/V they name.
+// group) that share whole leading blocks of `block` keys. Rows are sorted by their slots, so rows with a common
+// prefix sit side by side; a run grows while the blocks it saves reading (depth x (members - 1)) do not shrink.
+// Cost: a sort and a comparison of slot lists, small beside reading the K/V they name.
 template <typename QueriesOf>
 std::vector<SharedPrefix> shared_prefixes(const Rows& rows, std::vector<int64_t> candidates, QueriesOf queries_of,
                                           int64_t max_queries, int64_t block) {

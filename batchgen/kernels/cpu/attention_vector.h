@@ -41,14 +41,8 @@ void load_block(const Shape& s, const T* k, const T* v, int64_t kv_offset, const
   const int64_t dc = s.chunks;
   const bool avx2 = avx2_block_fits(s.head_dim);
   for (int64_t j = 0; j < block_len; ++j) {
-    // Slots may be anywhere in the pool, so the hardware prefetcher cannot guess the next rows: ask for them.
-    if (block + j + kPrefetchKeys < keys) {
-      const int64_t ahead = slot_of_position[block + j + kPrefetchKeys];
-      if (ahead >= 0 && ahead < s.num_slots) {
-        prefetch_row(k + kv_offset + ahead * s.kv_stride_slot, s.head_dim);
-        prefetch_row(v + kv_offset + ahead * s.kv_stride_slot, s.head_dim);
-      }
-    }
+    const int64_t ahead = block + j + kPrefetchKeys;
+    prefetch_positions(s, k + kv_offset, v + kv_offset, slot_of_position, ahead, ahead + 1, keys);
     const T* k_row = k + kv_offset + w.slots[j] * s.kv_stride_slot;
     const T* v_row = v + kv_offset + w.slots[j] * s.kv_stride_slot;
 #ifdef BATCHGEN_AVX2_BLOCK

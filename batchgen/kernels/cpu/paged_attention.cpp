@@ -9,10 +9,10 @@
 // float32 once per block of kKeyBlock keys; the queries then run over the converted block, in L1/L2.
 //
 // Determinism: a query's arithmetic depends only on its own inputs. Key blocks start at fixed positions
-// (multiples of kKeyBlock from position 0, of kGemmKeyBlock on the brgemm path), reductions run in a fixed order, and a query stops at its own
-// last visible key, so its output is bit-identical whatever else is in the batch, however many new tokens
-// its row has, and whichever thread runs it. That holds within each path; which path a row takes is the caller's
-// `brgemm` (kNever, kManyQueries, kEveryRow below).
+// (multiples of kKeyBlock from position 0, of kGemmKeyBlock on the brgemm path), reductions run in a fixed order,
+// and a query stops at its own last visible key, so its output is bit-identical whatever else is in the batch,
+// however many new tokens its row has, and whichever thread runs it. That holds within each path; which path a row
+// takes is the caller's `brgemm` (kNever, kManyQueries, kEveryRow below).
 //
 // bfloat16 on a machine with AVX512-BF16 takes its own path (attend_bf16 in attention_bf16.h): K/V pairs go
 // straight into vdpbf16ps, the same accumulation in float32 with fewer instructions, fast enough for prefill
@@ -218,7 +218,8 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
     TORCH_CHECK(t->device().is_cpu(), op, "all tensors must be on the CPU, got one on ", t->device());
   }
   const bool brgemm_ok = brgemm == kNever || ((brgemm == kManyQueries || brgemm == kEveryRow) &&
-                                                dtype == at::kBFloat16 && bf16_dot_fits(q.size(2)) && brgemm_path_runs());
+                                                dtype == at::kBFloat16 && bf16_dot_fits(q.size(2)) &&
+                                                brgemm_path_runs());
   TORCH_CHECK(brgemm_ok, op,
               "brgemm must be 0, 1 or 2, and 1 and 2 need bfloat16, a head size that is a multiple of 32 up to 256, "
               "and brgemm in bfloat16 on this CPU with AVX512-BF16 (brgemm_bf16_runs); got ", brgemm);
