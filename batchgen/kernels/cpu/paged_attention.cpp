@@ -81,35 +81,32 @@ void run(const Shape& s, const at::Tensor& q, const at::Tensor& k, const at::Ten
   using AttendShared = bool (*)(const Shape&, const T*, const T*, const T*, T*, const Rows&, const int64_t*, int64_t,
                                 int64_t, int64_t, Scratch&);
   Attend attend_item = &attend<T, DC>, attend_gemm = nullptr;
-  AttendShared attend_group = &attend_shared<T, DC>, attend_vector_group = nullptr;
+  // Rows sharing a prefix: by blocks of kKeyBlock on the vector path, of kGemmKeyBlock through brgemm.
+  AttendShared attend_group = &attend_shared<T, DC>, attend_gemm_group = nullptr;
   // A row's path is its own: brgemm for every row with kEveryRow, else for rows of kGemmMinQueries queries or more
   // (where two GEMMs per block beat packing K for the vector path's few queries), the vector path for the others.
   auto on_gemm = [&](int64_t r) {
     return attend_gemm != nullptr && (brgemm == kEveryRow || q_lens[r] * group >= kGemmMinQueries);
   };
-  int64_t shared_block = kKeyBlock;  // the blocks a shared prefix is counted in: the group path's key block
 #ifdef BATCHGEN_BF16_DOT
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     if (bf16_dot_fits(s.head_dim)) {
       attend_item = &attend_bf16<DC>;
       attend_group = &attend_bf16_shared<DC>;
       if (brgemm != kNever) {
-        // Rows whose shared prefix holds no whole block of kGemmKeyBlock keys may still share kKeyBlock ones on
-        // the vector path, except where every row must take the GEMMs.
-        if (brgemm == kManyQueries) attend_vector_group = attend_group;
         attend_gemm = &attend_brgemm<DC>;
-        attend_group = brgemm == kEveryRow ? &attend_brgemm_shared<DC, true> : &attend_brgemm_shared<DC, false>;
-        shared_block = kGemmKeyBlock;
+        attend_gemm_group = brgemm == kEveryRow ? &attend_brgemm_shared<DC, true> : &attend_brgemm_shared<DC, false>;
       }
     }
   }
 #endif
-  // Rows of a few queries (decodes) that share a cached prefix read it once together (through brgemm where asked,
-  // as GEMMs over all their queries).
+  // Rows of a few queries (decodes) that share a cached prefix read it once together: through brgemm where asked, as
+  // GEMMs over all their queries, then (unless every row must take the GEMMs) the rows whose shared prefix holds no
+  // whole block of kGemmKeyBlock keys by kKeyBlock ones on the vector path.
   int64_t max_queries = 0;
-  const bool then_key_blocks = attend_vector_group != nullptr;
+  const int64_t shared_block = attend_gemm_group != nullptr ? kGemmKeyBlock : kKeyBlock;
   const std::vector<SharedPrefix> shared =
-      group_shared_rows(rows, num_rows, group, s.num_kv_heads, shared_block, then_key_blocks, max_queries);
+      group_shared_rows(rows, num_rows, group, s.num_kv_heads, shared_block, brgemm != kEveryRow, max_queries);
   // Work items, each for every KV head: a shared prefix's rows, or (row, first query of a block of kQueryBlock, or
   // of kGemmQueryBlock on brgemm) for the other rows, so that a long prefill row spreads over threads too
   // (the blocks depend on the row alone).
@@ -156,7 +153,7 @@ void run(const Shape& s, const at::Tensor& q, const at::Tensor& k, const at::Ten
       bool ok = true;
       if (it.shared >= 0) {
         const SharedPrefix& g = shared[it.shared];
-        ok = (g.block == shared_block ? attend_group : attend_vector_group)(
+        ok = (g.block == kGemmKeyBlock ? attend_gemm_group : attend_group)(
             s, q_ptr, k_ptr, v_ptr, out_ptr, rows, g.members.data(), static_cast<int64_t>(g.members.size()), g.depth,
             kv_head, scratch);
       } else {
