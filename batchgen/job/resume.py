@@ -227,7 +227,8 @@ def job_differences(recorded: dict[str, str], now: dict[str, str]) -> list[str]:
         differences += _changed_fields("batchgen.kernel_switches", recorded, now, None)
     old_mode, new_mode = recorded.get("batchgen.deterministic"), now.get("batchgen.deterministic")
     if old_mode is not None and old_mode != new_mode:  # not recorded before batchgen had the mode: not compared
-        differences.append(f"deterministic {old_mode} → {new_mode}")
+        flag = "--deterministic" if old_mode == "true" else "--no-deterministic"
+        differences.append(f"deterministic {old_mode} → {new_mode} ({flag} resumes in the written rows' mode)")
     differences += _changed_fields("batchgen.sampling_defaults", recorded, now, None)
     differences += _changed_fields("batchgen.engine_options", recorded, now, _OUTPUT_ENGINE_OPTIONS)
     # An output of a batchgen without column options reads as one made with none.

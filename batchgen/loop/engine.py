@@ -15,6 +15,7 @@ from transformers import GenerationConfig
 
 from batchgen.environment import kernel_switches
 from batchgen.errors import BatchgenError
+from batchgen.kernels.attention import deterministic_by_default
 from batchgen.kernels.switches import KernelSwitches
 from batchgen.loop.cpu_malloc import keep_freed_memory
 from batchgen.loop.drafter import Drafter
@@ -164,7 +165,11 @@ class Engine:
         self.eos_token_ids = eos_token_ids(self.model_dir, self.hf_config)
         self.device = pick_device(options.device)
         self.dtype = pick_dtype(options.dtype, self.hf_config, self.device)
-        self.deterministic = options.deterministic
+        self.deterministic = (
+            options.deterministic
+            if options.deterministic is not None
+            else deterministic_by_default(options.attention_backend, self.device, self.switches)
+        )
         if self.device.type == "cpu":
             keep_freed_memory()
         self.max_running_requests: int = options.max_running_requests or (128 if self.device.type == "cpu" else 256)

@@ -125,14 +125,14 @@ class EngineOptions:
             "or coupled (outputs identical to plain decoding with the same seeds)."
         },
     )
-    # Opt-in until its cost on an AMX CPU is measured again: it was over the 10 % line there before the
-    # brgemm GEMM (docs/performance.md).
-    deterministic: bool = field(
-        default=False,
+    # None: the engine decides, by deterministic_by_default (on only where it was measured to cost nothing).
+    deterministic: bool | None = field(
+        default=None,
         metadata={
             "help": "Bitwise batch invariance (CPU, or CUDA with the triton backend): a row's logits, hence its "
             "tokens, logprobs and text, do not depend on the rows it runs with, its prompt's chunking or the prefix "
-            "cache (docs/input-output.md).",
+            "cache (docs/input-output.md). Default: on for CPUs with AVX512-BF16 and no AMX, where it costs "
+            "nothing; off elsewhere.",
             "flag": "--deterministic/--no-deterministic",
         },
     )

@@ -17,9 +17,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from batchgen.io.partial_output import partial_dir
 from batchgen.io.writer import read_results
+from batchgen.kernels.attention import deterministic_by_default
+from batchgen.kernels.cpu import build_problem
+from batchgen.kernels.switches import KernelSwitches
 from tests.helpers.cli import generate, run_args, run_cli, write_jsonl
 from tests.helpers.crash_points import AFTER_ROWS
 from tests.helpers.fork_runner import Zygote
@@ -140,7 +144,7 @@ def test_killed_and_interrupted_runs_resume_to_identical_rows(random_models: dic
         a for a in _resumable_args(dataset, out, model, "--resume", "--no-deterministic") if a != "--deterministic"
     ]
     code, output = run_cli(no_mode)
-    assert code != 0 and "deterministic true → false" in output, output
+    assert code != 0 and "deterministic true → false (--deterministic resumes" in output, output
     slow = ["--resume", "--max-running-requests", "2", "--flush-every", "1"]
     proc = subprocess.Popen(
         [sys.executable, "-m", "batchgen", *_resumable_args(dataset, out, model, *slow)],
@@ -159,3 +163,35 @@ def test_killed_and_interrupted_runs_resume_to_identical_rows(random_models: dic
     code, output = run_cli(_resumable_args(dataset, out, model, "--resume", "--max-running-requests", "5"))
     assert code == 0, output
     assert columns({r["id"]: r for r in read_results(out).to_pylist()}) == reference
+
+
+def _cpu_flags() -> set[str]:
+    """This CPU's instruction-set extensions as Linux lists them."""
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
+    flags = next((line.partition(":")[2].split() for line in lines if line.startswith("flags")), None)
+    if flags is None:
+        pytest.skip("needs /proc/cpuinfo's flags (Linux) to know this CPU's extensions")
+    return set(flags)
+
+
+def test_the_mode_is_the_default_on_cpus_with_avx512_bf16_and_no_amx(
+    random_models: dict[str, Path], tmp_path: Path
+) -> None:
+    """Neither flag: on where the batch-invariant path costs nothing measurable (docs/performance.md), which the
+    CPU's extensions say (AVX512-BF16, no AMX tiles), for the CPU kernel's backend only; the output records it."""
+    if build_problem() is not None:
+        pytest.skip(f"needs batchgen's CPU kernels ({build_problem()})")
+    flags = _cpu_flags()
+    expected = "avx512_bf16" in flags and "amx_tile" not in flags
+    cpu, switches = torch.device("cpu"), KernelSwitches()
+    assert deterministic_by_default("auto", cpu, switches) is expected
+    assert deterministic_by_default("torch_native", cpu, switches) is expected
+    assert deterministic_by_default("triton", cpu, switches) is False
+    assert deterministic_by_default("auto", torch.device("cuda"), switches) is False
+    assert deterministic_by_default("auto", cpu, KernelSwitches(cpu_attention_kernel=False)) is False
+    dataset = write_jsonl(tmp_path / "in.jsonl", rows(2, 2))
+    for flag, recorded in (((), expected), (("--no-deterministic",), False), (("--deterministic",), True)):
+        generate(dataset, tmp_path / "out.arrow", random_models["llama"], "--dtype", "bfloat16", *flag)
+        metadata = read_results(tmp_path / "out.arrow").schema.metadata
+        assert metadata[b"batchgen.deterministic"] == str(recorded).lower().encode(), flag

@@ -10,7 +10,7 @@ import torch
 from batchgen.errors import BatchgenError
 from batchgen.kernels.attention.base import AttentionBackend
 from batchgen.kernels.attention.torch_native import TorchNativeAttnBackend
-from batchgen.kernels.cpu import build_problem, paged_attention_available
+from batchgen.kernels.cpu import brgemm_bf16_supported, build_problem, has_amx, paged_attention_available
 from batchgen.kernels.switches import KernelSwitches
 
 if TYPE_CHECKING:
@@ -97,6 +97,22 @@ def deterministic_backend(name: str, device: torch.device) -> str:
     if name == "torch_native" and device.type != "cpu":
         raise BatchgenError(f"--deterministic on {device.type} needs --attention-backend triton, not torch_native")
     return name
+
+
+def deterministic_by_default(name: str, device: torch.device, switches: KernelSwitches) -> bool:
+    """Whether ``--deterministic`` holds when neither it nor ``--no-deterministic`` is given: where the
+    batch-invariant run was measured to cost nothing beyond the runs' spread (docs/performance.md). That is the
+    CPU kernel's path (``name`` auto or torch_native, the kernel switched on) on a CPU where brgemm runs bfloat16
+    without AMX (AVX512-BF16): a bfloat16 model's linear layers and attention then run through brgemm either
+    way. Elsewhere the mode costs more or was not measured since its last change: AMX, AVX-512 without BF16
+    (64-row oneDNN calls), AVX2 alone (it turns off the few-row decode on the model's own weights), GPUs."""
+    return (
+        device.type == "cpu"
+        and name in ("auto", "torch_native")
+        and switches.cpu_attention_kernel
+        and brgemm_bf16_supported()
+        and not has_amx()
+    )
 
 
 def _create_flashinfer(device: torch.device, dtype: torch.dtype | None, config: ModelConfig | None) -> AttentionBackend:

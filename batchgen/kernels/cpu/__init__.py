@@ -94,7 +94,7 @@ def prefill_rows_supported(dtype: torch.dtype, head_dim: int) -> bool:
         dtype == torch.bfloat16
         and head_dim % 32 == 0
         and head_dim <= 256
-        and not _has_amx()
+        and not has_amx()
         and paged_attention_available()
         and bool(torch.ops.batchgen.has_bf16_dot_product())
     )
@@ -132,7 +132,7 @@ def brgemm_rows(dtype: torch.dtype, head_dim: int, batch_invariant: bool) -> Brg
     return BrgemmRows.EVERY_ROW if batch_invariant else BrgemmRows.MANY_QUERIES
 
 
-def _has_amx() -> bool:
+def has_amx() -> bool:
     """Whether this CPU has AMX tiles that PyTorch's CPU kernels use (``torch.cpu``'s own probe)."""
     probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
     return bool(probe()) if probe is not None else False
