@@ -25,7 +25,7 @@ _Out = TypeVar("_Out")
 @dataclass
 class AttentionClock:
     """Seconds (wall clock, ``time.perf_counter``) spent in the timed attention backends; those a
-    :class:`~batchgen.models.few_row_decode.FewRowDecode` call spends in attention are added when the
+    :class:`~batchgen.models.one_call_decode.OneCallDecode` call spends in attention are added when the
     :func:`timing_attention` block ends, so read it after the block."""
 
     seconds: float = 0.0
@@ -108,22 +108,22 @@ def timing_attention(engine: Engine) -> Iterator[AttentionClock]:
     :class:`TimedAttentionBackend` sharing one :class:`AttentionClock` (at 0 seconds), which the block gets; the
     backends are put back after it. A round builds its ``ForwardBatch`` from its runner's backend, so the rounds
     run inside the block are timed (but see :func:`graphs_hide_attention`); so are the rounds a runner's
-    :class:`~batchgen.models.few_row_decode.FewRowDecode` serves, whose C++ call times its own attention."""
+    :class:`~batchgen.models.one_call_decode.OneCallDecode` serves, whose C++ call times its own attention."""
     runners = _runners(engine)
     clock = AttentionClock()
     originals = [r.attn_backend for r in runners]
     for runner, backend in zip(runners, originals):
         runner.attn_backend = TimedAttentionBackend(backend, runner.device, clock)
-    # Few-row CPU decode rounds run their attention inside one C++ call, which times it itself.
-    few_row = [r.few_row_decode for r in runners if r.few_row_decode is not None]
-    for decode in few_row:
+    # CPU decode rounds of one C++ call run their attention inside it, which times it itself.
+    one_call = [r.one_call_decode for r in runners if r.one_call_decode is not None]
+    for decode in one_call:
         decode.attention_seconds = torch.zeros(1, dtype=torch.float64)
     try:
         yield clock
     finally:
         for runner, backend in zip(runners, originals):
             runner.attn_backend = backend
-        for decode in few_row:
+        for decode in one_call:
             assert decode.attention_seconds is not None
             clock.seconds += float(decode.attention_seconds)
             decode.attention_seconds = None

@@ -9,9 +9,9 @@ from batchgen.kernels.switches import KernelSwitches
 from batchgen.loop.cuda_graph_runner import CudaGraphRunner
 from batchgen.loop.forward_batch import ForwardBatch
 from batchgen.loop.kv_pool import ReqToTokenPool, TokenToKVPool
-from batchgen.models.few_row_decode import FewRowDecode
 from batchgen.models.llama import LlamaForCausalLM
 from batchgen.models.logits_processor import LogitsProcessor, LogitsProcessorOutput
+from batchgen.models.one_call_decode import OneCallDecode
 from batchgen.sampling.sampler import SampleOutput, sample
 from batchgen.sampling.sampling_batch_info import SamplingBatchInfo
 
@@ -61,7 +61,7 @@ class ModelRunner:
         )
         self.attn_backend = create_attention_backend(attention_backend, device, dtype, config, switches, deterministic)
         self.logits_processor = LogitsProcessor()
-        self.few_row_decode = FewRowDecode.from_model(model, self.attn_backend)
+        self.one_call_decode = OneCallDecode.from_model(model, self.attn_backend, max_running_requests)
         self.graph_runner: CudaGraphRunner | None = None
         if cuda_graph_max_bs > 0:
             use_graphs = device.type == "cuda" and self.attn_backend.supports_cuda_graph
@@ -77,14 +77,14 @@ class ModelRunner:
         """Run the model over the round's tokens; logits only for ``forward_batch.sample_indices``.
 
         DECODE and uniform TARGET_VERIFY rounds the graph runner can serve go through it (on a CPU only with
-        ``--cuda-graph-max-bs``); on a CPU whose rounds of a few rows run on the half-precision weights, such DECODE
-        rounds run their layers in one C++ call (:class:`FewRowDecode`); the rest plan their attention and run
-        eagerly.
+        ``--cuda-graph-max-bs``); on a CPU, DECODE rounds whose layers are the ops of :class:`OneCallDecode` (a few
+        rows on the half-precision weights, or any number on ``--deterministic``'s brgemm) run them in one C++
+        call; the rest plan their attention and run eagerly.
         """
         if self.graph_runner is not None and self.graph_runner.can_run(forward_batch):
             return self.graph_runner.run(forward_batch)
-        if self.few_row_decode is not None and self.few_row_decode.can_run(forward_batch):
-            hidden = self.few_row_decode(forward_batch)
+        if self.one_call_decode is not None and self.one_call_decode.can_run(forward_batch):
+            hidden = self.one_call_decode(forward_batch)
             return self.logits_processor(hidden, self.model.compute_logits, forward_batch)
         self.attn_backend.init_forward_metadata(forward_batch)
         return self.forward_model(forward_batch)

@@ -1,10 +1,11 @@
-"""A few-row DECODE round's layers in one C++ call (``batchgen.models.few_row_decode``,
+"""A DECODE round's layers in one C++ call (``batchgen.models.one_call_decode``,
 ``batchgen/kernels/cpu/decode_layers.cpp``) must give the bits the Python layers give on the same round: the final
 hidden states and the K/V it writes into the pool, for every row count it serves, with and without the q/k/v and
 o projections' biases, on requests of different lengths; and the model runner's rounds the logits they get
-without it. Where it must not run (another setup of the layers, other rounds) it does not. The GEMMs are packed
-as float32 on any CPU, as on one without AVX-512, so that the path runs wherever the extension builds; skips,
-saying why, where it cannot be built.
+without it. Where it must not run (another setup of the layers, other rounds) it does not. Two setups of the
+layers: few rows on the half-precision weights, with the GEMMs packed as float32 on any CPU, as on one without
+AVX-512, so that the path runs wherever the extension builds; and ``--deterministic``'s brgemm-packed layers, where
+brgemm runs bfloat16 (skipped elsewhere, saying so). Skips, saying why, where the extension cannot be built.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from batchgen.loop.options import EngineOptions
 from batchgen.loop.req import Req
 from batchgen.loop.schedule_batch import ScheduleBatch
 from batchgen.models import source
-from batchgen.models.few_row_decode import FewRowDecode
+from batchgen.models.one_call_decode import OneCallDecode
 from batchgen.models.packed_linear import PackedLinear
 from tests.helpers.models import build_random_model
 
@@ -50,7 +51,23 @@ def _same_bits(got: torch.Tensor, expected: torch.Tensor) -> bool:
 
 
 def _engine(model_dir: Path, **options: Any) -> Engine:
-    return Engine(EngineOptions(model=str(model_dir), dtype="bfloat16", device="cpu", **options))
+    """The model's engine, in bfloat16 on the CPU; not ``--deterministic`` unless ``options`` say so."""
+    return Engine(
+        EngineOptions(model=str(model_dir), dtype="bfloat16", device="cpu", **{"deterministic": False, **options})
+    )
+
+
+@pytest.fixture(params=["half-weights", "brgemm"])
+def layers_setup(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """The engine options of a setup whose decode rounds run as one call, and the most rows the call then serves:
+    few rows on the half-precision weights (GEMMs packed as float32, as :func:`float32_gemms`), or any number of
+    rows on ``--deterministic``'s brgemm-packed layers (checked up to ``FEW_ROWS + 3``)."""
+    if request.param == "half-weights":
+        monkeypatch.setattr(source, "cpu_gemm_dtype", lambda dtype, device, prepack, deterministic=False: torch.float32)
+        return {"options": {}, "max_rows": FEW_ROWS, "rows": FEW_ROWS}
+    if not cpu_kernels.brgemm_bf16_supported():
+        pytest.skip("needs PyTorch's brgemm with bfloat16 (AMX or AVX512-BF16), which this CPU lacks")
+    return {"options": {"deterministic": True}, "max_rows": None, "rows": FEW_ROWS + 3}
 
 
 def _decode_round(engine: Engine, rows: int) -> tuple[ForwardBatch, list[Req]]:
@@ -75,23 +92,25 @@ def _decode_round(engine: Engine, rows: int) -> tuple[ForwardBatch, list[Req]]:
     ids=["llama", "qkv-and-o-biases-3-layers", "qwen2-qkv-biases"],
 )
 def test_the_call_gives_the_python_layers_bits(
-    arch: str, overrides: dict[str, Any], num_biases: int, tmp_path: Path, float32_gemms: None
+    arch: str, overrides: dict[str, Any], num_biases: int, tmp_path: Path, layers_setup: dict[str, Any]
 ) -> None:
-    """Each row count up to FEW_ROWS: the hidden states, and the new tokens' K/V in every layer of the pool (set
-    to NaN between the two runs, so the call must write them itself)."""
-    engine = _engine(build_random_model(tmp_path / "m", arch, **overrides), max_running_requests=FEW_ROWS)
+    """Each row count the setup serves: the hidden states, and the new tokens' K/V in every layer of the pool
+    (set to NaN between the two runs, so the call must write them itself)."""
+    most = layers_setup["rows"]
+    model_dir = build_random_model(tmp_path / "m", arch, **overrides)
+    engine = _engine(model_dir, max_running_requests=most, **layers_setup["options"])
     runner = engine.runner
-    few_row = runner.few_row_decode
-    assert few_row is not None and few_row.max_rows == FEW_ROWS
+    one_call = runner.one_call_decode
+    assert one_call is not None and one_call.max_rows == (layers_setup["max_rows"] or most)
     biases = [m.bias for m in runner.model.modules() if isinstance(m, PackedLinear) and m.bias is not None]
     assert len(biases) == num_biases
     gen = torch.Generator().manual_seed(3)
     for bias in biases:  # transformers initialises biases to zero, which would hide a lost one
         bias.copy_(torch.randn(bias.shape, generator=gen))
     pool = runner.token_to_kv_pool
-    for rows in range(1, FEW_ROWS + 1):
+    for rows in range(1, most + 1):
         fb, reqs = _decode_round(engine, rows)
-        assert few_row.can_run(fb)
+        assert one_call.can_run(fb)
         with torch.inference_mode():
             runner.attn_backend.init_forward_metadata(fb)
             plain = runner.model(fb.input_ids, fb.positions, fb)
@@ -101,43 +120,43 @@ def test_the_call_gives_the_python_layers_bits(
             )
             pool.k_buffer[:, :, fb.out_cache_loc] = float("nan")
             pool.v_buffer[:, :, fb.out_cache_loc] = float("nan")
-            got = few_row(fb)
+            got = one_call(fb)
         assert _same_bits(got, plain), f"{rows} rows"
         assert _same_bits(pool.k_buffer[:, :, fb.out_cache_loc], k_plain), f"{rows} rows: K"
         assert _same_bits(pool.v_buffer[:, :, fb.out_cache_loc], v_plain), f"{rows} rows: V"
         OneBatchRunner(engine).release(reqs)
 
 
-def test_the_runner_sends_its_few_row_decode_rounds_through_it(tmp_path: Path, float32_gemms: None) -> None:
+def test_the_runner_sends_its_decode_rounds_through_it(tmp_path: Path, float32_gemms: None) -> None:
     """``ModelRunner.forward`` on a round of 3 decode rows: the one call (and no Python attention) gives the
     logits the Python layers give on the same round."""
     engine = _engine(build_random_model(tmp_path / "m", "llama"))
     runner = engine.runner
-    few_row = runner.few_row_decode
-    assert few_row is not None
+    one_call = runner.one_call_decode
+    assert one_call is not None
     fb, reqs = _decode_round(engine, 3)
     with timing_attention(engine) as clock:  # the Python backend's calls are timed apart from the call's own
-        assert few_row.attention_seconds is not None
+        assert one_call.attention_seconds is not None
         got = runner.forward(fb).next_token_logits.clone()
-        in_call = float(few_row.attention_seconds)
+        in_call = float(one_call.attention_seconds)
     assert in_call > 0 and clock.seconds == in_call
-    runner.few_row_decode = None
+    runner.one_call_decode = None
     expected = runner.forward(fb).next_token_logits
     assert _same_bits(got, expected)
     OneBatchRunner(engine).release(reqs)
 
 
-def test_it_serves_only_few_row_decode_rounds(tmp_path: Path, float32_gemms: None) -> None:
+def test_it_serves_only_the_decode_rounds_of_its_setup(tmp_path: Path, float32_gemms: None) -> None:
     engine = _engine(build_random_model(tmp_path / "m", "llama"), max_running_requests=FEW_ROWS + 1)
-    few_row = engine.runner.few_row_decode
-    assert few_row is not None
+    one_call = engine.runner.one_call_decode
+    assert one_call is not None
     fb, reqs = _decode_round(engine, FEW_ROWS + 1)
-    assert not few_row.can_run(fb)
+    assert not one_call.can_run(fb)
     runner = OneBatchRunner(engine, seed=0)
     runner.release(reqs)
     reqs = runner.make_reqs(2, 6, 4)
     worker = ScheduleBatch(ForwardMode.EXTEND, reqs, [6, 6]).prepare(engine.kv_cache, engine.vocab_size, engine.device)
-    assert not few_row.can_run(ForwardBatch.init_new(worker, engine.runner))
+    assert not one_call.can_run(ForwardBatch.init_new(worker, engine.runner))
 
 
 @pytest.mark.parametrize(
@@ -162,12 +181,12 @@ def test_other_setups_keep_the_python_layers(
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     engine = _engine(build_random_model(tmp_path / "m", arch), **options)
-    assert engine.runner.few_row_decode is None
+    assert engine.runner.one_call_decode is None
 
 
 def test_a_float32_model_keeps_the_python_layers(tmp_path: Path) -> None:
     engine = Engine(
         EngineOptions(model=str(build_random_model(tmp_path / "m", "llama")), dtype="float32", device="cpu")
     )
-    assert engine.runner.few_row_decode is None
-    assert FewRowDecode.from_model(engine.runner.model, engine.runner.attn_backend) is None
+    assert engine.runner.one_call_decode is None
+    assert OneCallDecode.from_model(engine.runner.model, engine.runner.attn_backend, 8) is None

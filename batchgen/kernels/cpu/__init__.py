@@ -9,7 +9,7 @@ where they run as GEMMs through PyTorch's brgemm (``attention_brgemm.h``: AMX ti
 (:mod:`batchgen.kernels.cpu.fused_elementwise`), ``sampling.cpp`` greedy sampling's argmax
 and the exponential race of random sampling (:mod:`batchgen.kernels.cpu.sampling_ops`), ``half_linear.cpp`` linear
 layers of a few rows on half-precision weights (:mod:`batchgen.kernels.cpu.half_linear`), ``decode_layers.cpp``
-the decoder layers of a few-row decode round in one call (:mod:`batchgen.kernels.cpu.decode_layers`),
+the decoder layers of a decode round in one call (:mod:`batchgen.kernels.cpu.decode_layers`),
 ``brgemm_linear.cpp`` bfloat16 linear layers whose rows do not depend on each other, for ``--deterministic``
 (:mod:`batchgen.kernels.cpu.brgemm_linear`); ``vec16.h`` holds the vector helpers they share.
 

@@ -3,9 +3,11 @@
 // module calls and the dispatcher's Python entry, a large part of the step (docs/performance.md). Here the same
 // ops run in the same order on the same inputs through the dispatcher's C++ entry, so every output bit is the
 // Python path's (tests/kernels/test_cpu_decode_layers.py): this is that path's call sequence, not another kernel.
-// The sequence is the float32 carrier's (LlamaForCausalLM.carry_float32): linear layers on the half-precision
-// weights (half_weight_linear) hand float32 outputs on unrounded, the norms and SiLU-and-multiply write float32
-// holding bfloat16 values, the residual stream and the KV cache are bfloat16.
+// Two sequences, as the model's linear layers run: with half-precision weights, the float32 carrier's
+// (LlamaForCausalLM.carry_float32): linear layers on those weights (half_weight_linear) hand float32 outputs on
+// unrounded, the norms and SiLU-and-multiply write float32 holding bfloat16 values; with brgemm-packed weights
+// (brgemm_linear, given their out_features), every op's output is bfloat16. The residual stream and the KV cache
+// are bfloat16 in both.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -25,6 +27,7 @@ using OptionalTensor = std::optional<at::Tensor>;
 using RmsNorm = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, double, const OptionalTensor&,
                                                    std::optional<at::ScalarType>);
 using Linear = at::Tensor(const at::Tensor&, const at::Tensor&, const OptionalTensor&);
+using BrgemmLinear = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const OptionalTensor&, bool);
 using RopeKv = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                           const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                           const at::Tensor&);
@@ -35,6 +38,7 @@ using SiluAndMul = at::Tensor(const at::Tensor&, std::optional<at::ScalarType>);
 struct Ops {
   c10::TypedOperatorHandle<RmsNorm> rms_norm;
   c10::TypedOperatorHandle<Linear> linear;
+  c10::TypedOperatorHandle<BrgemmLinear> brgemm_linear;
   c10::TypedOperatorHandle<RopeKv> rope_kv;
   c10::TypedOperatorHandle<Attention> attention;
   c10::TypedOperatorHandle<SiluAndMul> silu_and_mul;
@@ -46,6 +50,7 @@ const Ops& ops() {
     return Ops{
         d.findSchemaOrThrow("batchgen::rms_norm", "").typed<RmsNorm>(),
         d.findSchemaOrThrow("batchgen::half_weight_linear", "").typed<Linear>(),
+        d.findSchemaOrThrow("batchgen::brgemm_linear", "").typed<BrgemmLinear>(),
         d.findSchemaOrThrow("batchgen::rotary_embedding_kv", "").typed<RopeKv>(),
         d.findSchemaOrThrow("batchgen::paged_attention", "").typed<Attention>(),
         d.findSchemaOrThrow("batchgen::silu_and_mul", "").typed<SiluAndMul>(),
@@ -55,8 +60,9 @@ const Ops& ops() {
 }
 
 // Layer l's tensors: norms[2l], norms[2l + 1] (input and post-attention RMSNorm weights, bfloat16), weights[4l ..
-// 4l + 3] (the qkv, o, gate/up and down projections' half-precision weights), biases[2l], biases[2l + 1] (qkv's and
-// o's float32 biases or None); norms[2L] is the final norm's weight; brgemm as paged_attention takes it. Returns the
+// 4l + 3] (the qkv, o, gate/up and down projections' weights: half-precision [out, in], or brgemm-packed where
+// out_features lists each one's output width), biases[2l], biases[2l + 1] (qkv's and o's float32 biases or None);
+// norms[2L] is the final norm's weight; brgemm as paged_attention takes it. Returns the
 // final norm's bfloat16 output. With attention_seconds (float64 [1]), adds the wall time of the attention calls to
 // it: the benchmarks' attention clock, which cannot see into this call otherwise.
 at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& positions, at::TensorList norms,
@@ -65,7 +71,8 @@ at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& positions, 
                          const at::Tensor& k_buffer, const at::Tensor& v_buffer, const at::Tensor& loc,
                          const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
                          const at::Tensor& seq_lens, const at::Tensor& q_starts, const at::Tensor& q_lens,
-                         double scale, int64_t brgemm, const OptionalTensor& attention_seconds) {
+                         double scale, int64_t brgemm, at::IntArrayRef out_features,
+                         const OptionalTensor& attention_seconds) {
   constexpr const char* op = "batchgen::decode_layers: ";
   const int64_t layers = k_buffer.size(0);
   TORCH_CHECK(k_buffer.dim() == 4 && v_buffer.sizes() == k_buffer.sizes(), op,
@@ -77,6 +84,9 @@ at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& positions, 
               op, "the pool has ", layers, " layers: expected ", 2 * layers + 1, " norms, ", 4 * layers,
               " weights and ", 2 * layers, " biases, got ", norms.size(), ", ", weights.size(), " and ",
               biases.size());
+  const bool packed = !out_features.empty();
+  TORCH_CHECK(!packed || out_features.size() == weights.size(), op, "out_features must list one width for each of ",
+              weights.size(), " weights, got ", out_features.size());
   TORCH_CHECK(hidden.dim() == 2, op, "hidden must be [tokens, hidden_size], got ", hidden.sizes());
   TORCH_CHECK(!attention_seconds || (attention_seconds->scalar_type() == at::kDouble &&
                                      attention_seconds->numel() == 1 && attention_seconds->device().is_cpu()),
@@ -85,13 +95,17 @@ at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& positions, 
   const Ops& o = ops();
   const int64_t tokens = hidden.size(0), num_kv_heads = k_buffer.size(1), head_dim = k_buffer.size(3);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
-  const std::optional<at::ScalarType> carrier = at::kFloat;
+  const std::optional<at::ScalarType> carrier = packed ? std::nullopt : std::optional<at::ScalarType>(at::kFloat);
+  const auto linear = [&](const at::Tensor& x_in, int64_t w, const OptionalTensor& bias) {
+    return packed ? o.brgemm_linear.call(x_in, weights[w], out_features[w], bias, true)
+                  : o.linear.call(x_in, weights[w], bias);
+  };
   at::Tensor x = hidden;
   OptionalTensor residual;
   for (int64_t l = 0; l < layers; ++l) {
     auto [normed, summed] = o.rms_norm.call(x, norms[2 * l], eps, residual, carrier);
     residual = summed;
-    const at::Tensor qkv = o.linear.call(normed, weights[4 * l], biases.get(2 * l));
+    const at::Tensor qkv = linear(normed, 4 * l, biases.get(2 * l));
     const at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, num_heads, head_dim});
     const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, num_kv_heads, head_dim});
     const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads, head_dim});
@@ -102,12 +116,11 @@ at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& positions, 
     o.attention.call(rotated, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, q_starts, q_lens, scale,
                      attended, brgemm);
     if (clock != nullptr) *clock += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    const at::Tensor projected = o.linear.call(attended.view({tokens, q_size}), weights[4 * l + 1],
-                                               biases.get(2 * l + 1));
+    const at::Tensor projected = linear(attended.view({tokens, q_size}), 4 * l + 1, biases.get(2 * l + 1));
     auto [mlp_in, mlp_residual] = o.rms_norm.call(projected, norms[2 * l + 1], eps, residual, carrier);
     residual = mlp_residual;
-    const at::Tensor gate_up = o.linear.call(mlp_in, weights[4 * l + 2], std::nullopt);
-    x = o.linear.call(o.silu_and_mul.call(gate_up, carrier), weights[4 * l + 3], std::nullopt);
+    const at::Tensor gate_up = linear(mlp_in, 4 * l + 2, std::nullopt);
+    x = linear(o.silu_and_mul.call(gate_up, carrier), 4 * l + 3, std::nullopt);
   }
   return std::get<0>(o.rms_norm.call(x, norms[2 * layers], eps, residual, std::nullopt));
 }
@@ -119,7 +132,7 @@ TORCH_LIBRARY_FRAGMENT(batchgen, m) {
       "decode_layers(Tensor hidden, Tensor positions, Tensor[] norms, Tensor[] weights, Tensor?[] biases, float eps, "
       "int num_heads, Tensor cos_table, Tensor sin_table, Tensor(a!) k_buffer, Tensor(b!) v_buffer, Tensor loc, "
       "Tensor req_to_token, Tensor req_pool_indices, Tensor seq_lens, Tensor q_starts, Tensor q_lens, float scale, "
-      "int brgemm, Tensor(c!)? attention_seconds=None) -> Tensor");
+      "int brgemm, int[] out_features, Tensor(c!)? attention_seconds=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(batchgen, CPU, m) { m.impl("decode_layers", &decode_layers); }

@@ -1,13 +1,15 @@
-"""A few-row decode round's decoder layers in one C++ call (``decode_layers.cpp``), for bfloat16 Llama-family
-models on CPUs whose linear layers of a few rows run on the half-precision weights
-(:mod:`batchgen.kernels.cpu.half_linear`, AVX2 CPUs without AVX-512).
+"""A decode round's decoder layers in one C++ call (``decode_layers.cpp``), for bfloat16 Llama-family models
+whose linear layers run on the half-precision weights (:mod:`batchgen.kernels.cpu.half_linear`: rounds of a few
+rows on AVX2 CPUs without AVX-512) or on brgemm (:mod:`batchgen.kernels.cpu.brgemm_linear`: ``--deterministic``
+where brgemm runs bfloat16).
 
 A small batch's decode step is ten short ops a layer; run from Python, the interpreter and the dispatcher's
 Python entry between them are a large part of the step (docs/performance.md). The C++ op runs the
-same ops (:mod:`batchgen.kernels.cpu.fused_elementwise`, :func:`batchgen.kernels.cpu.half_linear.half_weight_linear`,
-:func:`batchgen.kernels.cpu.paged_attention`) in the same order on the same inputs through the dispatcher's C++
-entry: the same bits as the Python layers with the float32 carrier
-(:meth:`batchgen.models.llama.LlamaForCausalLM.carry_float32`), in less time.
+same ops (:mod:`batchgen.kernels.cpu.fused_elementwise`, :func:`batchgen.kernels.cpu.half_linear.half_weight_linear`
+or :func:`batchgen.kernels.cpu.brgemm_linear.brgemm_linear`, :func:`batchgen.kernels.cpu.paged_attention`) in the
+same order on the same inputs through the dispatcher's C++ entry: the same bits as the Python layers (with the
+float32 carrier, :meth:`batchgen.models.llama.LlamaForCausalLM.carry_float32`, on the half-precision weights), in
+less time.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ def decode_layers(
     rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     scale: float,
     brgemm: BrgemmRows = BrgemmRows.NEVER,
+    out_features: Sequence[int] = (),
     attention_seconds: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Every decoder layer and the final RMSNorm over ``T`` new tokens, each layer RMSNorm (with the residual
@@ -45,8 +48,10 @@ def decode_layers(
         positions, loc: int64 ``[T]``: the tokens' positions and the KV slots they write.
         norms: ``2L + 1`` bfloat16 ``[hidden_size]`` RMSNorm weights: each layer's input and post-attention norm,
             then the final norm.
-        weights: ``4L`` bfloat16 or float16 ``[out, in]`` weights, each layer's qkv (q, then k, then v rows), o,
-            gate/up (gate rows, then up rows) and down projections.
+        weights: ``4L`` weights of each layer's qkv (q, then k, then v rows), o, gate/up (gate rows, then up rows)
+            and down projections: bfloat16 or float16 ``[out, in]`` (run on the float32 carrier), or with
+            ``out_features`` as :func:`~batchgen.kernels.cpu.brgemm_linear.pack_for_brgemm` packs them (every
+            activation then bfloat16).
         biases: ``2L`` float32 biases of each layer's qkv and o projections, ``None`` for none.
         eps: the norms' epsilon. num_heads: query heads (the KV heads are the pool's).
         rope_tables: float32 ``(cos, sin)`` ``[max_positions, head_dim]``.
@@ -58,6 +63,7 @@ def decode_layers(
         scale: the attention's score scale, ``head_dim ** -0.5``.
         brgemm: the rows :func:`batchgen.kernels.cpu.paged_attention` runs through brgemm, as the round's
             attention backend chooses them.
+        out_features: empty for half-precision weights; else each packed weight's output width (``4L`` ints).
         attention_seconds: a float64 ``[1]`` tensor to which the call adds the wall seconds of its attention (the
             benchmarks' attention clock, :mod:`batchgen.bench.attention_time`); ``None``: not timed.
 
@@ -86,6 +92,7 @@ def decode_layers(
         *rows,
         scale,
         int(brgemm),
+        list(out_features),
         attention_seconds,
     )
     return out

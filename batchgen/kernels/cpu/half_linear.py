@@ -19,7 +19,7 @@ from batchgen.kernels.cpu import build_problem
 
 # Rows up to which the kernel runs a linear layer instead of the float32 GEMM: below the kernel's own crossover on
 # the AVX2 CPUs measured (docs/performance.md), where a DECODE round of that many rows also runs its layers in one
-# C++ call (batchgen.models.few_row_decode).
+# C++ call (batchgen.models.one_call_decode).
 FEW_ROWS = 24
 
 

@@ -1,12 +1,13 @@
-"""DECODE rounds of a few rows through the decoder layers in one C++ call, on CPUs where such rounds run on the
-half-precision weights.
+"""DECODE rounds through the decoder layers in one C++ call, where a bfloat16 model's layers are that call's ops.
 
-On a CPU without AVX-512 a bfloat16 model's rounds of up to ``few_rows`` rows run their linear layers on the
-model's own weights (:mod:`batchgen.kernels.cpu.half_linear`), and a small batch's step is then short enough
-that the Python between its ten ops a layer is a large part of it (measured in docs/performance.md).
-:class:`FewRowDecode` hands such a round's layers to :func:`batchgen.kernels.cpu.decode_layers.decode_layers`,
-which calls the same ops in the same order from C++: the same bits, in less time. The embedding lookup before
-and the logits after stay in Python, as do every other round and every other model setup.
+A small batch's decode step is short enough that the Python between its ten ops a layer is a large part of it
+(measured in docs/performance.md). Two setups of the layers run as the call's ops: on a CPU without AVX-512,
+rounds of up to ``few_rows`` rows run their linear layers on the model's own weights
+(:mod:`batchgen.kernels.cpu.half_linear`); under ``--deterministic`` where brgemm runs bfloat16, rounds of any
+size run them on brgemm (:mod:`batchgen.kernels.cpu.brgemm_linear`). :class:`OneCallDecode` hands such a round's
+layers to :func:`batchgen.kernels.cpu.decode_layers.decode_layers`, which calls the same ops in the same order
+from C++: the same bits, in less time. The embedding lookup before and the logits after stay in Python, as do
+every other round and every other model setup.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from torch import nn
 
 from batchgen.kernels.attention.base import AttentionBackend
 from batchgen.kernels.attention.torch_native import TorchNativeAttnBackend
-from batchgen.kernels.cpu import brgemm_rows, paged_attention_available
+from batchgen.kernels.cpu import BrgemmRows, brgemm_rows, paged_attention_available
 from batchgen.kernels.cpu.decode_layers import decode_layers
 from batchgen.models.llama import DecoderLayer, LlamaForCausalLM
 from batchgen.models.packed_linear import PackedLinear
@@ -33,28 +34,39 @@ class _LayerWeights:
     """What :func:`~batchgen.kernels.cpu.decode_layers.decode_layers` reads of one layer."""
 
     norms: tuple[torch.Tensor, torch.Tensor]  # input and post-attention RMSNorm weights
-    half_weights: tuple[torch.Tensor, ...]  # the qkv, o, gate/up and down projections' own weights
+    weights: tuple[torch.Tensor, ...]  # the qkv, o, gate/up and down projections' own or brgemm-packed weights
+    out_features: tuple[int, ...]  # the projections' widths where brgemm-packed; empty for their own weights
     biases: tuple[torch.Tensor | None, torch.Tensor | None]  # qkv's and o's float32 biases
-    few_rows: int  # the most rows a call of its linear layers runs on the half-precision weights
+    max_rows: int | None  # the most rows a call of its linear layers runs on those weights; None: any
 
 
 def _layer_weights(layer: nn.Module) -> _LayerWeights | None:
-    """``layer``'s weights if it runs as the C++ op does (no q/k norms; each projection runs few rows on its
-    half-precision weights and hands a float32 output on, the float32 carrier), else ``None``."""
+    """``layer``'s weights if it runs as the C++ op does (no q/k norms; either each projection runs few rows on its
+    half-precision weights and hands a float32 output on, the float32 carrier, or each runs every row on brgemm
+    and rounds its output to bfloat16), else ``None``."""
     if not isinstance(layer, DecoderLayer) or layer.self_attn.q_norm is not None:
         return None
     packed: list[PackedLinear] = []
-    half: list[torch.Tensor] = []
+    own: list[torch.Tensor] = []
+    brgemm: list[torch.Tensor] = []
     for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-        if not isinstance(linear, PackedLinear) or linear.half_weight is None or linear.round_output:
+        if not isinstance(linear, PackedLinear):
             return None
         packed.append(linear)
-        half.append(linear.half_weight)
+        if linear.half_weight is not None and not linear.round_output:
+            own.append(linear.half_weight)
+        elif linear.brgemm_weight is not None and linear.round_output:
+            brgemm.append(linear.brgemm_weight)
     norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-    return _LayerWeights(norms, tuple(half), (packed[0].bias, packed[1].bias), min(p.few_rows for p in packed))
+    biases = (packed[0].bias, packed[1].bias)
+    if len(own) == len(packed):
+        return _LayerWeights(norms, tuple(own), (), biases, min(p.few_rows for p in packed))
+    if len(brgemm) == len(packed):
+        return _LayerWeights(norms, tuple(brgemm), tuple(p.out_features for p in packed), biases, None)
+    return None
 
 
-class FewRowDecode:
+class OneCallDecode:
     """Runs the decoder layers of DECODE rounds of up to ``max_rows`` rows as one
     :func:`~batchgen.kernels.cpu.decode_layers.decode_layers` call.
 
@@ -64,17 +76,17 @@ class FewRowDecode:
     benchmarks' attention clock, :func:`batchgen.bench.attention_time.timing_attention`).
     """
 
-    def __init__(self, model: LlamaForCausalLM, layers: list[_LayerWeights], max_rows: int) -> None:
+    def __init__(self, model: LlamaForCausalLM, layers: list[_LayerWeights], max_rows: int, brgemm: BrgemmRows) -> None:
         config = model.config
         self.model = model
         self.max_rows = max_rows
         self.num_heads = config.num_heads
         self.eps = config.rms_norm_eps
         self.scale = config.head_dim**-0.5
-        # from_model asks for bfloat16; the torch_native backend (not deterministic) makes the same choice
-        self.brgemm = brgemm_rows(torch.bfloat16, config.head_dim, batch_invariant=False)
+        self.brgemm = brgemm
         self.norms = [w for layer in layers for w in layer.norms] + [model.model.norm.weight]
-        self.weights = [w for layer in layers for w in layer.half_weights]
+        self.weights = [w for layer in layers for w in layer.weights]
+        self.out_features = [n for layer in layers for n in layer.out_features]
         self.biases = [b for layer in layers for b in layer.biases]
         device = model.rotary.cos_table.device
         self.q_starts = torch.arange(max_rows, dtype=torch.int64, device=device)  # a decode row's token is its index
@@ -82,18 +94,20 @@ class FewRowDecode:
         self.attention_seconds: torch.Tensor | None = None
 
     @classmethod
-    def from_model(cls, model: LlamaForCausalLM, attn_backend: AttentionBackend) -> FewRowDecode | None:
-        """A runner for ``model``'s few-row decode rounds, or ``None`` unless every step of its layers is the C++
-        op's: bfloat16 on the CPU with the fused ops and their KV store in RoPE, no q/k norms, every linear layer
-        running few rows on its half-precision weights with the float32 carrier, and attention in the CPU kernel (the
-        torch_native backend, not ``--deterministic``; through brgemm as the backend runs it)."""
+    def from_model(
+        cls, model: LlamaForCausalLM, attn_backend: AttentionBackend, max_batch: int
+    ) -> OneCallDecode | None:
+        """A runner for ``model``'s decode rounds of up to ``max_batch`` rows (fewer on half-precision weights), or
+        ``None`` unless every step of its layers is the C++ op's: bfloat16 on the CPU with the fused ops and their KV
+        store in RoPE, no q/k norms, every linear layer running few rows on its half-precision weights with the
+        float32 carrier or every row on brgemm, and attention in the CPU kernel (the torch_native backend; through
+        brgemm for the rows the backend runs there)."""
         dtype = model.model.embed_tokens.weight.dtype
         if not (
             model.rotary.cos_table.device.type == "cpu"
             and dtype == torch.bfloat16
             and isinstance(attn_backend, TorchNativeAttnBackend)
             and attn_backend.cpu_kernel
-            and not attn_backend.deterministic
             and model.rotary.kv_store_kernel is not None
             and paged_attention_available()
         ):
@@ -102,8 +116,12 @@ class FewRowDecode:
         found = [layer for layer in layers if layer is not None]
         if len(found) < len(layers):
             return None
-        max_rows = min((layer.few_rows for layer in found), default=0)
-        return cls(model, found, max_rows) if max_rows > 0 else None
+        max_rows = min([max_batch] + [layer.max_rows for layer in found if layer.max_rows is not None])
+        if max_rows == 0 or len({layer.out_features == () for layer in found}) > 1:
+            return None
+        # The backend's choice for a bfloat16 pool of this head size (TorchNativeAttnBackend makes it per round).
+        brgemm = brgemm_rows(torch.bfloat16, model.config.head_dim, attn_backend.deterministic)
+        return cls(model, found, max_rows, brgemm)
 
     def can_run(self, forward_batch: ForwardBatch) -> bool:
         """Whether the round is a DECODE round of at most ``max_rows`` rows."""
@@ -132,5 +150,6 @@ class FewRowDecode:
             (fb.req_pool_indices, fb.seq_lens, self.q_starts[:n], self.q_lens[:n]),
             self.scale,
             self.brgemm,
+            self.out_features,
             self.attention_seconds,
         )
