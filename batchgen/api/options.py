@@ -52,7 +52,12 @@ def check_option_names(
 def options_of(cls: type[T], given: Mapping[str, Any], **fixed: Any) -> T:
     """An object of options class ``cls`` from the values ``given`` by Python name (those not declared by ``cls``
     are left out: they belong to another class) and ``fixed`` (set whether declared or not, e.g. ``model``). A
-    tuple option takes a list or tuple, or one value alone (``stop="\\n"``), as ``--config`` takes it."""
+    tuple option takes a list or tuple, or one value alone (``stop="\\n"``), as ``--config`` takes it.
+
+    Raises:
+        TypeError: a switch (a ``bool`` option) given anything but ``True`` or ``False`` (or ``None`` where that
+            means its default is decided later): ``"false"`` or ``0`` would otherwise reach the run unchecked.
+    """
     hints = get_type_hints(cls)
     values = dict(fixed)
     for f in declared_options(cls):
@@ -60,5 +65,9 @@ def options_of(cls: type[T], given: Mapping[str, Any], **fixed: Any) -> T:
             value = given[f.name]
             if get_origin(hints[f.name]) is tuple:
                 value = tuple(value) if isinstance(value, (list, tuple)) else (value,)
+            elif hints[f.name] in (bool, bool | None) and not isinstance(value, bool):
+                optional = hints[f.name] is not bool
+                if value is not None or not optional:
+                    raise TypeError(f"option '{f.name}' must be True or False{' or None' * optional}, got {value!r}")
             values[f.name] = value
     return cls(**values)

@@ -207,7 +207,8 @@ def bench(
                 workload = shared_prefix_workload(num_prompts, *shared, low, high, output_len, engine.vocab_size, seed)
         print(
             f"workload: {_shape(workload, shared)}, {workload.input_tokens} input tokens, {output_len} new tokens "
-            f"each, {options.model} in {dtype_name(engine.dtype)} on {engine.device}",
+            f"each, {options.model} in {dtype_name(engine.dtype)} on {engine.device}"
+            f"{', --deterministic' if engine.deterministic else ''}",
             file=sys.stderr,
         )
         probe_before = measure_ceilings(engine.dtype, engine.device, engine.switches.cpu_prepack) if roofline else None
@@ -257,7 +258,7 @@ def bench(
                 for result in results:
                     record = {"model": options.model, "dtype": dtype_name(engine.dtype), **result.as_dict()}
                     if result is results[0]:  # batchgen itself; the baselines ran without speculation
-                        record.update(speculative_record(engine.options, histogram))
+                        record.update(speculative_record(engine.options, histogram), deterministic=engine.deterministic)
                     else:
                         record["batchgen_ratio"] = results[0].output_throughput / result.output_throughput
                     if bound is not None:

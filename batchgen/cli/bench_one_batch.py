@@ -81,7 +81,8 @@ def bench_one_batch(
             if verdict == "FAIL":
                 raise typer.Exit(1)
         ceilings = measure_ceilings(engine.dtype, engine.device, engine.switches.cpu_prepack)
-        print(f"machine: {engine.device}, {ceilings.line(engine.dtype)}")
+        mode = ", --deterministic" if engine.deterministic else ""
+        print(f"machine: {engine.device}, {ceilings.line(engine.dtype)}{mode}")
         if warmup:
             runner.run_case(min(batch_size), min(16, min(input_len)), 2, ceilings, min(16, prefix_len))
         probed_again = False

@@ -20,6 +20,7 @@ import threading
 import warnings
 from collections import Counter
 from collections.abc import Iterable, Iterator
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from batchgen.environment import replica_environment
@@ -85,6 +86,9 @@ class RayRounds:
             self.close()
             _raise_user_error(e)
             raise
+        # The mode the output records, decided where the describing replica loaded; every replica then runs it,
+        # whatever its own CPU would choose by default (deterministic_by_default).
+        self.options = replace(options, deterministic=self.facts.deterministic)
         self.stats = RoundStats()
         self.preemptions = 0
         self.accept_histogram: Counter[int] = Counter()

@@ -20,7 +20,7 @@ from torch import nn
 
 from batchgen.kernels.attention.base import AttentionBackend
 from batchgen.kernels.attention.torch_native import TorchNativeAttnBackend
-from batchgen.kernels.cpu import BrgemmRows, brgemm_rows, paged_attention_available
+from batchgen.kernels.cpu import BrgemmRows, paged_attention_available
 from batchgen.kernels.cpu.decode_layers import decode_layers
 from batchgen.models.llama import DecoderLayer, LlamaForCausalLM
 from batchgen.models.packed_linear import PackedLinear
@@ -119,9 +119,7 @@ class OneCallDecode:
         max_rows = min([max_batch] + [layer.max_rows for layer in found if layer.max_rows is not None])
         if max_rows == 0 or len({layer.out_features == () for layer in found}) > 1:
             return None
-        # The backend's choice for a bfloat16 pool of this head size (TorchNativeAttnBackend makes it per round).
-        brgemm = brgemm_rows(torch.bfloat16, model.config.head_dim, attn_backend.deterministic)
-        return cls(model, found, max_rows, brgemm)
+        return cls(model, found, max_rows, attn_backend.kernel_brgemm(torch.bfloat16, model.config.head_dim))
 
     def can_run(self, forward_batch: ForwardBatch) -> bool:
         """Whether the round is a DECODE round of at most ``max_rows`` rows."""

@@ -238,12 +238,14 @@ def test_bench_with_hf_baseline_fields(random_models: dict[str, Path], tmp_path:
             "--hf-batch-size",
             "2",
             "--report-memory",
+            "--deterministic",
             "--result-file",
             str(result_file),
         ]
     )
     assert code == 0, output
     assert "batchgen / hf generate =" in output and "batchgen / hf generate_batch =" in output
+    assert "in float32 on cpu, --deterministic\n" in output  # the mode is said, as the default varies by CPU
     for system in ("batchgen", "hf generate", "hf generate_batch"):
         assert f"peak RSS of the process after {system}: " in output
     # transformers' progress bars and notes stay out of the benchmark's lines.
@@ -259,6 +261,7 @@ def test_bench_with_hf_baseline_fields(random_models: dict[str, Path], tmp_path:
         assert row["request_throughput"] == pytest.approx(5 / seconds, rel=1e-9)
         assert row["input_throughput"] == pytest.approx(row["input_tokens"] / seconds, rel=1e-9)
         assert row["total_throughput"] == pytest.approx((row["input_tokens"] + 30) / seconds, rel=1e-9)
+    assert rows[0]["deterministic"] is True and "deterministic" not in rows[1]
     for row in rows[1:]:
         ratio = rows[0]["output_throughput"] / row["output_throughput"]
         assert row["batchgen_ratio"] == pytest.approx(ratio, rel=1e-9)

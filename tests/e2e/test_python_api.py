@@ -209,6 +209,11 @@ def test_unknown_option_is_a_type_error_and_a_bad_value_the_cli_message(
         generator.stream(["x"], max_running_requests=2)
     with pytest.raises(TypeError, match="run\\(\\) got an unexpected keyword argument 'bogus'"):
         batchgen.run(tmp_path / "in.jsonl", tmp_path / "out.jsonl", bogus=1)
+    # A switch takes booleans only (None where its default is decided at load): "false" is a true string.
+    with pytest.raises(TypeError, match="^option 'deterministic' must be True or False or None, got 'false'$"):
+        batchgen.Generator(str(chat_model), deterministic="false")
+    with pytest.raises(TypeError, match="^option 'prefix_cache' must be True or False, got 0$"):
+        batchgen.run(tmp_path / "in.jsonl", tmp_path / "out.jsonl", prefix_cache=0)
     with pytest.raises(BatchgenError, match=r"^--mem-fraction must be in \(0, 1\), got 2.0$"):
         batchgen.Generator(str(chat_model), mem_fraction=2.0)
     with pytest.raises(BatchgenError, match=r"^--temperature: must be a number in \[0, 10000\], got -1$"):

@@ -151,6 +151,27 @@ def test_same_greedy_rows_and_bad_rows_as_one_process(
     assert f"batchgen: warning: {rows['oov']['error']} (written as an error row)" in output
 
 
+def test_every_replica_runs_the_mode_the_output_records(cluster: str, model: Path) -> None:
+    """``--deterministic`` left to its default is decided once, where the describing replica loads (the facts the
+    output records), and handed to every replica as given, so that no replica on another kind of CPU picks another
+    mode for itself."""
+    import torch
+
+    from batchgen.job.options import JobOptions
+    from batchgen.job.ray_rounds import RayRounds
+    from batchgen.kernels.attention import deterministic_by_default
+    from batchgen.kernels.switches import KernelSwitches
+    from batchgen.loop.options import EngineOptions
+
+    rounds = RayRounds(EngineOptions(model=str(model), device="cpu"), JobOptions(ray=True, ray_address=cluster))
+    try:
+        expected = deterministic_by_default("auto", torch.device("cpu"), KernelSwitches())
+        assert rounds.facts.deterministic is expected
+        assert rounds.options.deterministic is expected
+    finally:
+        rounds.close()
+
+
 @needs_shared
 def test_same_greedy_rows_on_stories260k(cluster: str, dataset: Path, tmp_path: Path) -> None:
     local = _local_rows(dataset, tmp_path / "local.arrow", STORIES)

@@ -119,13 +119,18 @@ class TorchNativeAttnBackend(AttentionBackend):
         self.deterministic = deterministic
         self.metadata = _Metadata(None, [])
 
+    def kernel_brgemm(self, dtype: torch.dtype, head_dim: int) -> BrgemmRows:
+        """The rows the C++ kernel runs through brgemm for a pool of ``dtype`` and ``head_dim``, as this backend
+        asks it (:func:`~batchgen.kernels.cpu.brgemm_rows`; every row under ``deterministic``)."""
+        return brgemm_rows(dtype, head_dim, self.deterministic)
+
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         fb = forward_batch
         req_to_token = fb.req_to_token_pool.req_to_token
         # A lookup once built; asked here so that a CUDA run never builds the CPU kernel.
         gather = req_to_token.device.type != "cpu" or not (self.cpu_kernel and paged_attention_available())
         pool = fb.token_to_kv_pool.k_buffer
-        brgemm = BrgemmRows.NEVER if gather else brgemm_rows(pool.dtype, pool.shape[-1], self.deterministic)
+        brgemm = BrgemmRows.NEVER if gather else self.kernel_brgemm(pool.dtype, pool.shape[-1])
         if fb.forward_mode.is_decode():
             ones = torch.ones_like(fb.seq_lens)
             max_len = fb.max_seq_len if gather else None
