@@ -16,6 +16,20 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
 }
 
 
+def sliding_window(hf_config: Any) -> int | None:
+    """The sliding attention window of a model whose layers (some or all) attend only to their last ``W`` positions,
+    as transformers reads the config: ``layer_types`` naming ``sliding_attention`` layers (Qwen2, Qwen3 with
+    ``use_sliding_window``), or Mistral's ``sliding_window``; ``None`` for full attention. A query at position ``q``
+    sees keys ``q - W < k <= q`` (transformers' ``sliding_window_causal_mask``), so up to ``W`` positions the window
+    is full causal attention, which is what batchgen computes."""
+    window = getattr(hf_config, "sliding_window", None)
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is not None:
+        return int(window) if window and "sliding_attention" in layer_types else None
+    archs = getattr(hf_config, "architectures", None) or []
+    return int(window) if window and "MistralForCausalLM" in archs else None
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Shapes and options of a Llama-family decoder.

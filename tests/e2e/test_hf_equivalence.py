@@ -126,3 +126,35 @@ def test_unsupported_architecture_is_one_line_error(random_models: dict[str, Pat
         "Qwen2ForCausalLM, Qwen3ForCausalLM" in output
     )
     assert "Traceback" not in output
+
+
+@pytest.mark.parametrize(
+    ("arch", "overrides"),
+    [
+        ("mistral", {"sliding_window": 80}),
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 80, "max_window_layers": 1}),
+    ],
+)
+def test_a_sliding_window_caps_the_context_where_full_attention_is_the_same(
+    arch: str, overrides: dict[str, Any], tmp_path: Path
+) -> None:
+    """batchgen computes full causal attention; transformers masks keys 80 or more positions back. Up to 80 positions
+    they agree (greedy rows of up to 73 tokens equal HF's), so the context is capped at the window: a longer prompt
+    is a row error, and a longer --context-length is refused in one line."""
+    from tests.helpers.cli import read_rows, run_cli
+    from tests.helpers.models import build_random_model
+
+    model_dir = build_random_model(tmp_path / "m", arch, **overrides)
+    rows = greedy_prompts(vocab=300)
+    long_row = {"id": "long", "prompt_token_ids": [0] + [5] * 84, "max_new_tokens": 2, "temperature": 0}
+    dataset = write_jsonl(tmp_path / "prompts.jsonl", [*rows, long_row])
+    code, output = run_cli(run_args(dataset, tmp_path / "a.arrow", model_dir, "--on-error", "skip"))
+    assert code == 0, output
+    assert "sliding window of 80 tokens; context length set to 80" in output
+    results = read_rows(tmp_path / "a.arrow")
+    assert "context" in results.pop("long")["error"]
+    check_against_hf(model_dir, rows, results)
+    code, output = run_cli(run_args(dataset, tmp_path / "b.arrow", model_dir, "--context-length", "100"))
+    assert (
+        code != 0 and output.strip() == "batchgen: error: --context-length 100 exceeds the model's sliding window of 80"
+    )
