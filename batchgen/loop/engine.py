@@ -14,7 +14,6 @@ import torch
 from transformers import GenerationConfig
 
 from batchgen.environment import kernel_switches
-from batchgen.errors import BatchgenError
 from batchgen.kernels.attention import deterministic_by_default
 from batchgen.kernels.switches import KernelSwitches
 from batchgen.loop.cpu_malloc import keep_freed_memory
@@ -28,7 +27,7 @@ from batchgen.loop.radix_cache import RadixCache
 from batchgen.loop.req import Req
 from batchgen.loop.schedule_batch import ScheduleBatch
 from batchgen.loop.scheduler import Scheduler, SchedulerOptions
-from batchgen.models.config import sliding_window
+from batchgen.models.config import context_limit
 from batchgen.models.source import ModelSource
 
 # Makes the drafter ``EngineOptions`` asks for (``None``: plain decoding) for the target's runner and its graph
@@ -174,21 +173,9 @@ class Engine:
         if self.device.type == "cpu":
             keep_freed_memory()
         self.max_running_requests: int = options.max_running_requests or (128 if self.device.type == "cpu" else 256)
-        max_positions = int(self.hf_config.max_position_embeddings)
-        window = sliding_window(self.hf_config)
-        if window is not None and window < max_positions:
-            # batchgen computes full causal attention: the same as the window's over the window's first positions.
-            if options.context_length is None:
-                print(
-                    f"batchgen: the model attends over a sliding window of {window} tokens; context length set to "
-                    f"{window}, where full attention is the same",
-                    file=sys.stderr,
-                )
-            max_positions = window
-        context_len = options.context_length or max_positions
-        if context_len > max_positions:
-            what = f"sliding window of {window}" if max_positions == window else f"{max_positions} positions"
-            raise BatchgenError(f"--context-length {context_len} exceeds the model's {what}")
+        context_len, note = context_limit(self.hf_config, options.context_length)
+        if note is not None:
+            print(f"batchgen: {note}", file=sys.stderr)
         model = source.load(
             self.dtype, self.device, context_len, self.switches, self.deterministic, options.attention_backend
         )

@@ -30,6 +30,28 @@ def sliding_window(hf_config: Any) -> int | None:
     return int(window) if window and "MistralForCausalLM" in archs else None
 
 
+def context_limit(hf_config: Any, asked: int | None) -> tuple[int, str | None]:
+    """A run's context length: ``asked`` (``--context-length``), else the most positions the model holds, its
+    ``max_position_embeddings`` or, below it, its sliding window (:func:`sliding_window`), up to which batchgen's
+    full causal attention is the window's; and a note saying so when the window set it, else ``None``.
+
+    Raises:
+        BatchgenError: ``asked`` exceeds that limit (one line naming it).
+    """
+    positions = int(hf_config.max_position_embeddings)
+    window = sliding_window(hf_config)
+    if window is not None and window < positions:
+        limit, what = window, f"sliding window of {window}"
+    else:
+        limit, what = positions, f"{positions} positions"
+    if asked is not None and asked > limit:
+        raise BatchgenError(f"--context-length {asked} exceeds the model's {what}")
+    if asked is None and limit == window:
+        note = f"the model attends over a sliding window of {window} tokens; context length set to {window}, where "
+        return limit, note + "full attention is the same"
+    return asked or limit, None
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Shapes and options of a Llama-family decoder.
