@@ -40,16 +40,14 @@ def context_limit(hf_config: Any, asked: int | None) -> tuple[int, str | None]:
     """
     positions = int(hf_config.max_position_embeddings)
     window = sliding_window(hf_config)
-    if window is not None and window < positions:
-        limit, what = window, f"sliding window of {window}"
-    else:
-        limit, what = positions, f"{positions} positions"
-    if asked is not None and asked > limit:
-        raise BatchgenError(f"--context-length {asked} exceeds the model's {what}")
-    if asked is None and limit == window:
-        note = f"the model attends over a sliding window of {window} tokens; context length set to {window}, where "
-        return limit, note + "full attention is the same"
-    return asked or limit, None
+    if window is None or window >= positions:
+        if asked is not None and asked > positions:
+            raise BatchgenError(f"--context-length {asked} exceeds the model's {positions} positions")
+        return asked or positions, None
+    if asked is not None and asked > window:
+        raise BatchgenError(f"--context-length {asked} exceeds the model's sliding window of {window}")
+    note = f"the model attends over a sliding window of {window} tokens; context length set to {window}, where full "
+    return (asked, None) if asked is not None else (window, note + "attention is the same")
 
 
 @dataclass(frozen=True)

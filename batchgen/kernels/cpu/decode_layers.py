@@ -92,7 +92,7 @@ def decode_layers(
         *rows,
         scale,
         int(brgemm),
-        list(out_features),
+        out_features,
         attention_seconds,
     )
     return out
