@@ -102,6 +102,26 @@ def test_brgemm_row_is_bit_identical_in_any_batch(brgemm: BrgemmRows) -> None:
         assert torch.equal(other, alone)
 
 
+@pytest.mark.usefixtures("_threads")
+@pytest.mark.parametrize(("seq_len", "new"), [(96, 96), (380, 124), (260, 40)], ids=["block0", "block1", "across"])
+def test_a_query_gives_its_bits_whatever_keys_its_row_has_after_it(seq_len: int, new: int) -> None:
+    """The GEMMs of a block run over its keys rounded up to 32: a prefill row's query (whose block runs to the
+    row's last key) and the same query as a decode row of its own (whose block ends at the query) run over
+    different key counts. With every row through brgemm each query of the row gives the same bits either way, at
+    every position of the sweep (both sides of each 32-key step, in the first block, the second, and across them)."""
+    skip_without_brgemm()
+    gen = torch.Generator().manual_seed(seq_len)
+    pool = _pool([seq_len], 2, 64, gen)
+    q = torch.randn(new, 6, 64, generator=gen).to(torch.bfloat16)
+    together = kernel_attention(pool, q, [0], [seq_len], [new], brgemm=EVERY)
+    first = seq_len - new
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        one_each = kernel_attention(pool, q, [0] * new, [first + i + 1 for i in range(new)], [1] * new, brgemm=EVERY)
+        assert torch.equal(one_each, together)
+    _check(together, q, pool, [(seq_len, new)])
+
+
 def test_brgemm_keys_after_a_query_never_reach_it() -> None:
     """Keys after a query's position holding inf (V) and NaN (K), as a broken model could write them: the tokens
     before give the bits they give without them."""

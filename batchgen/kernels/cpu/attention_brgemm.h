@@ -13,12 +13,13 @@
 // per-query loops, oneDNN's kernel holds a block of queries' accumulators in registers (or tiles) and reuses each
 // load of K and V across them.
 //
-// Determinism: a query's result depends on its own inputs only. Keys are blocked at fixed positions, every GEMM
-// has the same K (head_dim, then kGemmKeyBlock: keys past a query's last visible one get probability 0), a query that
-// sees none of a block skips the softmax step and adds exact zeros, and items hold fixed blocks of a row's own
-// queries, so neither the other rows of the round nor the thread that runs an item change its arithmetic. (brgemm's
-// result for one element of C does not depend on M: tests/kernels/test_cpu_attention_paths.py checks it.) Keys
-// after a query never reach it, even where a broken model wrote inf or NaN into them (weigh_values_per_query).
+// Determinism: a query's result depends on its own inputs only. Keys are blocked at fixed positions; the GEMMs of a
+// block run over its keys rounded up to kGemmKeyStep (gemm_keys), and the keys past a query's last visible one add
+// exact zeros to its sum, however many the row has; a query that sees none of a block skips the softmax step and
+// adds exact zeros, and items hold fixed blocks of a row's own queries, so neither the other rows of the round nor
+// the thread that runs an item change its arithmetic. (brgemm's result for one element of C does not depend on M,
+// nor on how many zero terms follow: tests/kernels/test_cpu_attention_paths.py checks both.) Keys after a query
+// never reach it, even where a broken model wrote inf or NaN into them (weigh_values_per_query).
 #pragma once
 
 #include "attention_bf16.h"
@@ -38,6 +39,12 @@
 
 namespace {
 
+// The keys a block's GEMMs run over: its block_len keys rounded up to kGemmKeyStep. A query's result does not
+// depend on it: S's columns are independent, and the keys past the query's last visible one add exact zeros to
+// P . V (P is 0 there, V finite or cleared), whose sum over keys brgemm walks in one order from key 0 whatever K
+// (tests/kernels/test_cpu_attention_paths.py checks both against every extent).
+constexpr int64_t gemm_keys(int64_t block_len) { return (block_len + kGemmKeyStep - 1) / kGemmKeyStep * kGemmKeyStep; }
+
 // Whether all of bf16[0 .. n) (n a multiple of 32) are finite: an exponent of all ones is inf or NaN.
 inline bool all_finite(const uint16_t* bf16, int64_t n) {
   const __m512i exponent = _mm512_set1_epi16(0x7f80);
@@ -52,17 +59,17 @@ inline bool all_finite(const uint16_t* bf16, int64_t n) {
 // block whose V holds inf or NaN (a broken model's) at keys some queries must not see, where one GEMM would give
 // them 0 x inf = NaN.
 inline void weigh_values_per_query(const Scratch& w, const c10::BFloat16* probs, float* acc, int64_t first,
-                                   int64_t last, int64_t head_dim, int64_t block, int64_t block_len) {
+                                   int64_t last, int64_t head_dim, int64_t block, int64_t block_len, int64_t extent) {
   std::vector<uint16_t> masked(w.v_pairs.size() * 2);
   for (int64_t i = first; i < last; ++i) {
     const int64_t seen = std::min(block_len, w.limit[i] - block);
     if (seen <= 0) continue;
     std::memcpy(masked.data(), w.v_pairs.data(), masked.size() * sizeof(uint16_t));
     // Key j's dim d sits at [(j / 2) * head_dim + d] * 2 + j % 2.
-    for (int64_t j = seen; j < kGemmKeyBlock; ++j) {
+    for (int64_t j = seen; j < extent; ++j) {
       for (int64_t d = 0; d < head_dim; ++d) masked[((j / 2) * head_dim + d) * 2 + j % 2] = 0;
     }
-    at::native::cpublas::brgemm(1, head_dim, kGemmKeyBlock, kGemmKeyBlock, head_dim, head_dim, true,
+    at::native::cpublas::brgemm(1, head_dim, extent, kGemmKeyBlock, head_dim, head_dim, true,
                                 probs + i * kGemmKeyBlock, reinterpret_cast<const c10::BFloat16*>(masked.data()),
                                 acc + i * head_dim);
   }
@@ -70,9 +77,9 @@ inline void weigh_values_per_query(const Scratch& w, const c10::BFloat16* probs,
 
 // Queries [first, last) held in w (q rows in w.q_pairs, started) against the block of `block_len` keys at position
 // `block` (their slots in w.slots): K and V packed, S = Q . K^T, the online-softmax step per query,
-// acc = alpha * acc + P . V. Every GEMM has the same shape whatever block_len (keys past it get probability 0), and
-// brgemm's result for one element does not depend on the rows beside it, so a query's bits do not depend on which
-// other queries share the call.
+// acc = alpha * acc + P . V, the GEMMs over gemm_keys(block_len) keys (those past a query's last visible one get
+// probability 0). brgemm's result for one element does not depend on the rows beside it, so a query's bits do not
+// depend on which other queries share the call.
 inline void attend_gemm_block(const Shape& s, const uint16_t* k16, const uint16_t* v16, int64_t first, int64_t last,
                               int64_t block, int64_t block_len, Scratch& w) {
   const int64_t dc = s.chunks, head_dim = s.head_dim, pairs = head_dim / 2, nq = last - first;
@@ -83,13 +90,12 @@ inline void attend_gemm_block(const Shape& s, const uint16_t* k16, const uint16_
   const auto* vp = reinterpret_cast<const c10::BFloat16*>(w.v_pairs.data());
   pack_block(k16, v16, w.slots.data(), block_len, pairs, s.kv_stride_slot, w.k_pairs.data(), w.v_pairs.data(),
              kGemmKeyBlock);
-  if (block_len < kGemmKeyBlock) {
-    // The GEMMs always run over kGemmKeyBlock keys. Past the block's keys P is 0, but 0 x NaN is NaN, so the V
-    // pairs there (pack_block leaves them as they were) are cleared; the scores there are computed, never read.
-    const int64_t written = (block_len + 1) / 2;
-    std::fill(w.v_pairs.begin() + written * head_dim, w.v_pairs.begin() + kGemmKeyBlock / 2 * head_dim, 0u);
-  }
-  at::native::cpublas::brgemm(nq, kGemmKeyBlock, head_dim, head_dim, kGemmKeyBlock, kGemmKeyBlock, false,
+  const int64_t extent = gemm_keys(block_len);
+  // Past the block's keys P is 0, but 0 x NaN is NaN, so the V pairs there up to the GEMMs' extent (pack_block
+  // leaves them as they were) are cleared; the scores there are computed, never read.
+  const int64_t written = (block_len + 1) / 2;
+  std::fill(w.v_pairs.begin() + written * head_dim, w.v_pairs.begin() + extent / 2 * head_dim, 0u);
+  at::native::cpublas::brgemm(nq, extent, head_dim, head_dim, kGemmKeyBlock, kGemmKeyBlock, false,
                               q_rows + first * head_dim, kp, w.block_scores.data() + first * kGemmKeyBlock);
   int64_t fewest = block + block_len;  // the fewest keys a query here sees, up to the block's end
   for (int64_t i = first; i < last; ++i) {
@@ -97,7 +103,7 @@ inline void attend_gemm_block(const Shape& s, const uint16_t* k16, const uint16_
     const int64_t seen = std::min(block_len, w.limit[i] - block);
     fewest = std::min(fewest, w.limit[i]);
     if (seen <= 0) {  // none of this block is visible: P . V adds zeros, the running max and sum stay
-      std::fill_n(reinterpret_cast<uint16_t*>(p), kGemmKeyBlock, uint16_t{0});
+      std::fill_n(reinterpret_cast<uint16_t*>(p), extent, uint16_t{0});
       continue;
     }
     v16f* scores = w.scores.data();
@@ -105,7 +111,7 @@ inline void attend_gemm_block(const Shape& s, const uint16_t* k16, const uint16_
     const float* row_scores = w.block_scores.data() + i * kGemmKeyBlock;
     for (int64_t g = 0; g < used; ++g) scores[g] = load16(row_scores + g * kLanes) * s.scale;
     const float alpha = softmax_step(scores, seen, used, w.row_max[i], w.row_sum[i]);
-    for (int64_t g = 0; g < kGemmKeyBlock / kLanes; g += 2) {
+    for (int64_t g = 0; g < extent / kLanes; g += 2) {
       const __m512 lo = g < used ? reinterpret_cast<__m512>(scores[g]) : _mm512_setzero_ps();
       const __m512 hi = g + 1 < used ? reinterpret_cast<__m512>(scores[g + 1]) : _mm512_setzero_ps();
       // Rounded to nearest even, as the other paths round P.
@@ -118,9 +124,9 @@ inline void attend_gemm_block(const Shape& s, const uint16_t* k16, const uint16_
   // NaN there: then 0 x inf would reach it, so each query weighs its own visible keys.
   const auto* v_bits = reinterpret_cast<const uint16_t*>(vp);
   if (block + block_len > fewest && !all_finite(v_bits, (block_len + 1) / 2 * 2 * head_dim)) {
-    weigh_values_per_query(w, probs, acc, first, last, head_dim, block, block_len);
+    weigh_values_per_query(w, probs, acc, first, last, head_dim, block, block_len, extent);
   } else {
-    at::native::cpublas::brgemm(nq, head_dim, kGemmKeyBlock, kGemmKeyBlock, head_dim, head_dim, true,
+    at::native::cpublas::brgemm(nq, head_dim, extent, kGemmKeyBlock, head_dim, head_dim, true,
                                 probs + first * kGemmKeyBlock, vp, acc + first * head_dim);
   }
 }

@@ -21,6 +21,8 @@ namespace {
 constexpr int64_t kKeyBlock = 64;      // keys per online-softmax step (a multiple of kLanes)
 // The brgemm path's step (attention_brgemm.h): longer, so that each GEMM call does more work.
 constexpr int64_t kGemmKeyBlock = 256;
+// The granularity of the keys its GEMMs run over in a block's last keys (gemm_keys): two VNNI vectors of P.
+constexpr int64_t kGemmKeyStep = 32;
 // Rows with fewer queries (new tokens x GQA group) than this stay on the vector path where brgemm is asked for rows
 // of many queries (BrgemmRows::MANY_QUERIES), unless they share a prefix with others: with a handful of queries the
 // GEMM calls cost more than they save (docs/performance.md). They are also the rows grouped by shared prefix.
