@@ -103,7 +103,7 @@ def test_brgemm_row_is_bit_identical_in_any_batch(brgemm: BrgemmRows) -> None:
 
 
 @pytest.mark.usefixtures("_threads")
-@pytest.mark.parametrize(("seq_len", "new"), [(96, 96), (380, 124), (260, 40)], ids=["block0", "block1", "across"])
+@pytest.mark.parametrize(("seq_len", "new"), [(224, 224), (380, 124), (260, 40)], ids=["block0", "block1", "across"])
 def test_a_query_gives_its_bits_whatever_keys_its_row_has_after_it(seq_len: int, new: int) -> None:
     """The GEMMs of a block run over its keys rounded up to 32: a prefill row's query (whose block runs to the
     row's last key) and the same query as a decode row of its own (whose block ends at the query) run over
@@ -118,8 +118,35 @@ def test_a_query_gives_its_bits_whatever_keys_its_row_has_after_it(seq_len: int,
     for threads in (1, 2):
         torch.set_num_threads(threads)
         one_each = kernel_attention(pool, q, [0] * new, [first + i + 1 for i in range(new)], [1] * new, brgemm=EVERY)
-        assert torch.equal(one_each, together)
+        assert torch.equal(one_each.view(torch.int16), together.view(torch.int16))
     _check(together, q, pool, [(seq_len, new)])
+
+
+@pytest.mark.parametrize("position", [287, 511], ids=["mid-block", "block-end"])
+def test_a_zero_output_has_one_sign_whatever_keys_its_row_has_after_it(position: int) -> None:
+    """A query whose first output dim sums to zero: its earlier block's weight underflows to 0 (its scores 160 below
+    the next block's), so that block's negative values leave -0, and its own block's values there are a zero and
+    two tiny ones whose products flush to -0 (vdpbf16ps flushes denormals). As its own decode row nothing follows
+    them; in a prefill row 32 more keys add 0 x V = +0, and -0 + +0 = +0. The output is +0 (IEEE 754 bits 0x0000)
+    both ways."""
+    skip_without_brgemm()
+    seq_len = position + 33
+    pool = PagedPool([seq_len], torch.bfloat16, 1, 64, torch.Generator().manual_seed(0), 800, 600)
+    slots = pool.slots[0]
+    block = position // 256 * 256
+    pool.k[:, slots] = 0.0
+    pool.k[:, slots[block:]] = 20.0  # q . k = 20 x 64 x 1/8 = 160 above the earlier block's 0
+    pool.v[:, slots] = 1.0
+    pool.v[:, slots[:block], 0] = -1.0
+    pool.v[:, slots[block : position + 1], 0] = 0.0
+    pool.v[:, slots[position - 1], 0] = -(2.0**-125)
+    pool.v[:, slots[position], 0] = 1.5 * 2.0**-126
+    q = torch.ones(seq_len, 1, 64, dtype=torch.bfloat16)
+    alone = kernel_attention(pool, q[position : position + 1], [0], [position + 1], [1], brgemm=EVERY)
+    in_row = kernel_attention(pool, q[position:], [0], [seq_len], [33], brgemm=EVERY)[:1]
+    assert alone[0, 0, 0].view(torch.int16).item() == 0
+    assert in_row[0, 0, 0].view(torch.int16).item() == 0
+    assert torch.equal(alone.view(torch.int16), in_row.view(torch.int16))
 
 
 def test_brgemm_keys_after_a_query_never_reach_it() -> None:

@@ -4,9 +4,9 @@
 // (brgemm_bf16.h).
 //
 // A work item's queries (up to kGemmQueryBlock: the row's new tokens times the GQA group, all on one KV head) form the
-// rows of two GEMMs per block of kGemmKeyBlock (256) keys:
-//   S [queries x 256 keys] = Q [queries x head_dim] . K^T        (K^T packed as (dim 2p, dim 2p + 1) pairs)
-//   acc [queries x head_dim] = alpha * acc + P [queries x 256] . V   (V packed as (key 2j, key 2j + 1) pairs)
+// rows of two GEMMs per block of kGemmKeyBlock (256) keys, over n = gemm_keys(the block's keys) of them:
+//   S [queries x n keys] = Q [queries x head_dim] . K^T        (K^T packed as (dim 2p, dim 2p + 1) pairs)
+//   acc [queries x head_dim] = alpha * acc + P [queries x n] . V   (V packed as (key 2j, key 2j + 1) pairs)
 // with the online softmax (attention_common.h's softmax_step) between them, per query, in float32; P is rounded to
 // bfloat16 as on the other paths. The packed layouts are the VNNI layouts brgemm takes for B, the same ones the
 // vdpbf16ps path builds (pack_block), so a block is packed once for all its queries. Against the vdpbf16ps path's
@@ -18,8 +18,9 @@
 // exact zeros to its sum, however many the row has; a query that sees none of a block skips the softmax step and
 // adds exact zeros, and items hold fixed blocks of a row's own queries, so neither the other rows of the round nor
 // the thread that runs an item change its arithmetic. (brgemm's result for one element of C does not depend on M,
-// nor on how many zero terms follow: tests/kernels/test_cpu_attention_paths.py checks both.) Keys after a query
-// never reach it, even where a broken model wrote inf or NaN into them (weigh_values_per_query).
+// nor, but for the sign of a zero, on how many zero terms follow: tests/kernels/test_cpu_attention_paths.py checks
+// both.) Keys after a query never reach it, even where a broken model wrote inf or NaN into them
+// (weigh_values_per_query).
 #pragma once
 
 #include "attention_bf16.h"
@@ -41,8 +42,9 @@ namespace {
 
 // The keys a block's GEMMs run over: its block_len keys rounded up to kGemmKeyStep. A query's result does not
 // depend on it: S's columns are independent, and the keys past the query's last visible one add exact zeros to
-// P . V (P is 0 there, V finite or cleared), whose sum over keys brgemm walks in one order from key 0 whatever K
-// (tests/kernels/test_cpu_attention_paths.py checks both against every extent).
+// P . V (P is 0 there, V finite or cleared), whose sum over keys brgemm walks in one order from key 0 whatever K;
+// those zeros can only turn a -0 sum into +0, which finish_query makes +0 anyway
+// (tests/kernels/test_cpu_attention_paths.py checks every extent, and a zero output).
 constexpr int64_t gemm_keys(int64_t block_len) { return (block_len + kGemmKeyStep - 1) / kGemmKeyStep * kGemmKeyStep; }
 
 // Whether all of bf16[0 .. n) (n a multiple of 32) are finite: an exponent of all ones is inf or NaN.

@@ -21,7 +21,8 @@ namespace {
 constexpr int64_t kKeyBlock = 64;      // keys per online-softmax step (a multiple of kLanes)
 // The brgemm path's step (attention_brgemm.h): longer, so that each GEMM call does more work.
 constexpr int64_t kGemmKeyBlock = 256;
-// The granularity of the keys its GEMMs run over in a block's last keys (gemm_keys): two VNNI vectors of P.
+// The keys its GEMMs run over in a block are the block's rounded up to this (gemm_keys): P is written 32
+// bfloat16s (two float32 vectors) at a time, and it is one AMX tile's depth in bfloat16.
 constexpr int64_t kGemmKeyStep = 32;
 // Rows with fewer queries (new tokens x GQA group) than this stay on the vector path where brgemm is asked for rows
 // of many queries (BrgemmRows::MANY_QUERIES), unless they share a prefix with others: with a handful of queries the
@@ -176,11 +177,13 @@ struct Scratch {
     return true;
   }
 
-  // Query i's output, acc / row_sum rounded to T (c10 rounds to nearest even), into dst[0 .. head_dim).
+  // Query i's output, acc / row_sum rounded to T (c10 rounds to nearest even), into dst[0 .. head_dim). Adding 0
+  // turns a -0 into +0 and changes nothing else: a sum that came to zero has the sign of its last terms, and the
+  // brgemm path's sums end in as many exact zeros (keys past the query) as its row has keys after it in the block.
   template <typename T>
   void finish_query(int64_t i, int64_t chunks, int64_t head_dim, T* dst) const {
     const float* sums = reinterpret_cast<const float*>(&acc[i * chunks]);
-    for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(sums[d] / row_sum[i]);
+    for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(sums[d] / row_sum[i] + 0.f);
   }
 };
 
