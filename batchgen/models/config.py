@@ -46,8 +46,13 @@ def context_limit(hf_config: Any, asked: int | None) -> tuple[int, str | None]:
         return asked or positions, None
     if asked is not None and asked > window:
         raise BatchgenError(f"--context-length {asked} exceeds the model's sliding window of {window}")
-    note = f"the model attends over a sliding window of {window} tokens; context length set to {window}, where full "
-    return (asked, None) if asked is not None else (window, note + "attention is the same")
+    if asked is not None:
+        return asked, None
+    return (
+        window,
+        f"the model attends over a sliding window of {window} tokens; context length set to {window}, "
+        "where full attention is the same",
+    )
 
 
 @dataclass(frozen=True)

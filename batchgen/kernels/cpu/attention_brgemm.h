@@ -61,7 +61,8 @@ inline bool all_finite(const uint16_t* bf16, int64_t n) {
 // block whose V holds inf or NaN (a broken model's) at keys some queries must not see, where one GEMM would give
 // them 0 x inf = NaN.
 inline void weigh_values_per_query(const Scratch& w, const c10::BFloat16* probs, float* acc, int64_t first,
-                                   int64_t last, int64_t head_dim, int64_t block, int64_t block_len, int64_t extent) {
+                                   int64_t last, int64_t head_dim, int64_t block, int64_t block_len) {
+  const int64_t extent = gemm_keys(block_len);
   std::vector<uint16_t> masked(w.v_pairs.size() * 2);
   for (int64_t i = first; i < last; ++i) {
     const int64_t seen = std::min(block_len, w.limit[i] - block);
@@ -126,7 +127,7 @@ inline void attend_gemm_block(const Shape& s, const uint16_t* k16, const uint16_
   // NaN there: then 0 x inf would reach it, so each query weighs its own visible keys.
   const auto* v_bits = reinterpret_cast<const uint16_t*>(vp);
   if (block + block_len > fewest && !all_finite(v_bits, (block_len + 1) / 2 * 2 * head_dim)) {
-    weigh_values_per_query(w, probs, acc, first, last, head_dim, block, block_len, extent);
+    weigh_values_per_query(w, probs, acc, first, last, head_dim, block, block_len);
   } else {
     at::native::cpublas::brgemm(nq, head_dim, extent, kGemmKeyBlock, head_dim, head_dim, true,
                                 probs + first * kGemmKeyBlock, vp, acc + first * head_dim);
