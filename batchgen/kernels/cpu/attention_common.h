@@ -140,6 +140,12 @@ struct Scratch {
   std::vector<uint32_t> q_pairs, k_pairs, v_pairs, prob_pairs;  // the bfloat16 dot-product path's packed operands
   std::vector<float> block_scores;     // the brgemm path's S, [queries][kGemmKeyBlock]
   std::vector<uint16_t> block_probs;   // and its P in bfloat16, [queries][kGemmKeyBlock]
+  // The K/V rows of the first block of the item this thread takes next (run() claims it one ahead): the brgemm
+  // path requests them into L2 once it has packed its own block, so that they arrive while its GEMMs and softmax
+  // run (a decode row's keys fit one block and come from DRAM, where packing them costs more than computing).
+  const char *next_k = nullptr, *next_v = nullptr;  // the next item's KV head
+  const int64_t* next_slots = nullptr;
+  int64_t next_keys = 0, slot_bytes = 0, row_bytes = 0;
   Scratch(int64_t queries, int64_t chunks)
       : q(queries * chunks),
         acc(queries * chunks),
@@ -164,6 +170,19 @@ struct Scratch {
     row_max[i] = -kInf;
     row_sum[i] = 0.f;
     std::fill_n(&acc[i * chunks], chunks, v16f{});
+  }
+
+  // Requests the next item's rows (set by run()) into L2, once: prefetcht1, since L1 holds this item's packed block.
+  void request_next_rows(int64_t num_slots) {
+    for (int64_t j = 0; j < next_keys; ++j) {
+      const int64_t slot = next_slots[j];
+      if (slot < 0 || slot >= num_slots) continue;
+      for (int64_t b = 0; b < row_bytes; b += 64) {
+        __builtin_prefetch(next_k + slot * slot_bytes + b, 0, 2);
+        __builtin_prefetch(next_v + slot * slot_bytes + b, 0, 2);
+      }
+    }
+    next_keys = 0;
   }
 
   // slots[0 .. block_len) = the KV slots of positions block .. block + block_len - 1; false when one lies outside
