@@ -120,18 +120,9 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if rotary.kv_store_kernel is not None:  # RoPE writes the new K/V into the pool itself
-            pool = forward_batch.token_to_kv_pool
-            q = rotary.kv_store_kernel(
-                positions,
-                q,
-                k,
-                v,
-                rotary.cos_table,
-                rotary.sin_table,
-                pool.k_buffer[self.layer_id],
-                pool.v_buffer[self.layer_id],
-                forward_batch.out_cache_loc,
-            )
+            pool, tables = forward_batch.token_to_kv_pool, (rotary.cos_table, rotary.sin_table)
+            kv = (pool.k_buffer[self.layer_id], pool.v_buffer[self.layer_id])
+            q = rotary.kv_store_kernel(positions, q, k, v, *tables, *kv, forward_batch.out_cache_loc)
             out = forward_batch.attn_backend.forward(q, None, None, self.layer_id, forward_batch)
         else:
             q, k = rotary(positions, q, k)
@@ -148,8 +139,11 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.silu_and_mul: Callable[[torch.Tensor], torch.Tensor] | None = None  # a fused kernel, when set
+        self.gate_up_silu: Callable[[torch.Tensor], torch.Tensor] | None = None  # projection and activation, fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_silu is not None:
+            return self.down_proj(self.gate_up_silu(x))
         gate_up = self.gate_up_proj(x)
         if self.silu_and_mul is not None:
             return self.down_proj(self.silu_and_mul(gate_up))

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from batchgen.kernels.cpu import brgemm_bf16_supported, build_problem
-from batchgen.kernels.cpu.brgemm_linear import brgemm_linear, pack_for_brgemm
+from batchgen.kernels.cpu.brgemm_linear import COLUMN_BLOCK, brgemm_linear, brgemm_linear_silu_and_mul, pack_for_brgemm
 from batchgen.kernels.cpu.half_linear import FEW_ROWS, half_weight_linear
 
 _ROWS_HINT = 64  # oneDNN picks its blocking for this many rows; any row count runs on the packed weight
@@ -149,6 +149,27 @@ class PackedLinear(nn.Module):
     def _brgemm_runs(self, weight: torch.Tensor) -> bool:
         """Whether this layer's batch-invariant GEMM is :mod:`batchgen.kernels.cpu.brgemm_linear`'s."""
         return self.gemm_dtype == torch.bfloat16 and weight.shape[1] % 2 == 0 and brgemm_bf16_supported()
+
+    def fuses_silu_and_mul(self) -> bool:
+        """Whether :meth:`silu_and_mul` runs: a bfloat16 gate/up projection on brgemm, without bias, whose halves
+        are whole blocks of :data:`~batchgen.kernels.cpu.brgemm_linear.COLUMN_BLOCK` columns."""
+        return (
+            self.brgemm_weight is not None
+            and self.bias is None
+            and self.round_output
+            and self.out_dtype == torch.bfloat16
+            and self.out_features % (2 * COLUMN_BLOCK) == 0
+        )
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """This layer as a SwiGLU gate/up projection (gate rows, then up rows) with its activation:
+        ``x`` ``[T, in_features]`` → ``bf16(bf16(silu(gate)) * up)`` ``[T, out_features / 2]`` bfloat16, the bits of
+        ``forward`` then :func:`batchgen.kernels.cpu.fused_elementwise.silu_and_mul`
+        (:func:`~batchgen.kernels.cpu.brgemm_linear.brgemm_linear_silu_and_mul`). Only where
+        :meth:`fuses_silu_and_mul`."""
+        assert self.brgemm_weight is not None
+        x = x.to(torch.bfloat16).contiguous()
+        return brgemm_linear_silu_and_mul(x, self.brgemm_weight, self.out_features // 2)
 
     def _gemm(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x.to(self.gemm_dtype), self.packed, self.bias, "none", [], "")

@@ -20,7 +20,7 @@ from batchgen.kernels.cpu import fused_elementwise as cpu_ops
 from batchgen.kernels.switches import KernelSwitches
 from batchgen.models.llama import DecoderLayer, LlamaForCausalLM
 from batchgen.models.loader import load_model, random_model
-from batchgen.models.packed_linear import cpu_gemm_dtype, half_weight_rows
+from batchgen.models.packed_linear import PackedLinear, cpu_gemm_dtype, half_weight_rows
 from batchgen.models.random_presets import is_random_spec, random_preset_config
 from batchgen.models.resolve import resolve_model
 from batchgen.models.row_invariant import silu_and_mul_by_rows
@@ -145,6 +145,7 @@ class ModelSource:
             model.use_fused_ops(triton_ops)
         elif switches.cpu_fused_ops and cpu_ops.fused_ops_supported(dtype, device):
             model.use_fused_ops(cpu_ops)
+            _fuse_silu_into_gate_up(model)
             model.store_kv_in_rope(cpu_ops.rotary_embedding_kv)
             if gemm_dtype == torch.float32 and switches.cpu_float32_carrier:
                 model.carry_float32(cpu_ops)
@@ -153,3 +154,14 @@ class ModelSource:
                 assert isinstance(layer, DecoderLayer)
                 layer.mlp.silu_and_mul = silu_and_mul_by_rows
         return model
+
+
+def _fuse_silu_into_gate_up(model: LlamaForCausalLM) -> None:
+    """Run each layer's gate/up projection and SiLU-and-multiply as one kernel where the projection runs on brgemm
+    (:meth:`batchgen.models.packed_linear.PackedLinear.silu_and_mul`): the bits of the projection then the CPU's
+    SiLU-and-multiply, which ``use_fused_ops`` installed, without the projection's output passing through memory."""
+    for layer in model.model.layers:
+        assert isinstance(layer, DecoderLayer)
+        gate_up = layer.mlp.gate_up_proj
+        if isinstance(gate_up, PackedLinear) and gate_up.fuses_silu_and_mul():
+            layer.mlp.gate_up_silu = gate_up.silu_and_mul

@@ -1,6 +1,7 @@
 """bfloat16 linear layers on PyTorch's brgemm (``batchgen.kernels.cpu.brgemm_linear``, ``--deterministic``'s GEMM
 where brgemm has bfloat16): the float64 product within float32 summation's error bound, and a row's bits
-independent of the other rows of a call, of its place among them and of the call's size."""
+independent of the other rows of a call, of its place among them and of the call's size; the gate/up projection
+with SwiGLU's activation in one pass, bit for bit the two ops it replaces."""
 
 from __future__ import annotations
 
@@ -8,7 +9,13 @@ import pytest
 import torch
 
 from batchgen.kernels.cpu import brgemm_bf16_supported
-from batchgen.kernels.cpu.brgemm_linear import COLUMN_BLOCK, brgemm_linear, pack_for_brgemm
+from batchgen.kernels.cpu.brgemm_linear import (
+    COLUMN_BLOCK,
+    brgemm_linear,
+    brgemm_linear_silu_and_mul,
+    pack_for_brgemm,
+)
+from batchgen.kernels.cpu.fused_elementwise import silu_and_mul
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -102,3 +109,37 @@ def test_no_rows_give_an_empty_output() -> None:
     weight, b, _ = _layer(1, 64, 96, 0)
     out = brgemm_linear(torch.zeros(0, 64, dtype=torch.bfloat16), pack_for_brgemm(weight), 96, b)
     assert out.shape == (0, 96)
+
+
+@pytest.mark.parametrize(("rows", "in_features", "intermediate"), [(1, 64, 64), (3, 576, 1536), (300, 576, 192)])
+def test_the_gate_up_projection_with_its_activation_gives_the_two_ops_bits(
+    rows: int, in_features: int, intermediate: int
+) -> None:
+    """Every row's output is bit for bit ``silu_and_mul(brgemm_linear(x, W, rounded))`` (row blocks of 128 with and
+    without remainders, large gates where SiLU saturates, negative ones deep in its tail), and ``silu(g) * up`` of
+    the float64 products within what its four roundings to bfloat16 (unit roundoff u = 2^-8) can move it: g's, by
+    as much as SiLU moves between g (1 - u) and g (1 + u), then SiLU's, up's and the product's."""
+    weight, _, x = _layer(rows, in_features, 2 * intermediate, rows + intermediate)
+    weight[: intermediate // 4] *= 40  # gates from about -200 to 200
+    packed = pack_for_brgemm(weight)
+    fused = brgemm_linear_silu_and_mul(x, packed, intermediate)
+    two_ops = silu_and_mul(brgemm_linear(x, packed, 2 * intermediate, None, round_to_bf16=True))
+    assert fused.dtype == torch.bfloat16 and fused.shape == (rows, intermediate)
+    assert torch.equal(fused.view(torch.int16), two_ops.view(torch.int16))
+    gate_up = x.double() @ weight.double().T
+    gate, up = gate_up[:, :intermediate], gate_up[:, intermediate:]
+    # Below -88.72 float32's exp(-g) overflows and PyTorch's float32 SiLU, g / (1 + exp(-g)), is 0: so is the kernel's.
+    exact = torch.where(gate < -88.72283935546875, 0.0, torch.nn.functional.silu(gate)) * up
+    u = 2.0**-8
+    silu = torch.nn.functional.silu
+    moved = torch.maximum((silu(gate * (1 + u)) - silu(gate)).abs(), (silu(gate * (1 - u)) - silu(gate)).abs())
+    bound = 1.01 * (moved * up.abs() * (1 + u) ** 2 + 3 * u * exact.abs())
+    assert bool(((fused.double() - exact).abs() <= bound + 1e-40).all())
+
+
+def test_the_activation_pass_refuses_a_weight_without_two_whole_halves() -> None:
+    weight, _, x = _layer(2, 64, 2 * COLUMN_BLOCK + 2, 0)
+    with pytest.raises(RuntimeError, match="must hold gate and up halves of intermediate 65, each a whole number"):
+        brgemm_linear_silu_and_mul(x, pack_for_brgemm(weight), COLUMN_BLOCK + 1)
+    with pytest.raises(RuntimeError, match="batchgen::brgemm_linear_silu_and_mul: x and packed must be bfloat16"):
+        brgemm_linear_silu_and_mul(x.float(), pack_for_brgemm(weight[: 2 * COLUMN_BLOCK]), COLUMN_BLOCK)

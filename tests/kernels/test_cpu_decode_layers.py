@@ -19,6 +19,7 @@ import torch
 from batchgen.bench.attention_time import timing_attention
 from batchgen.bench.one_batch import OneBatchRunner
 from batchgen.kernels import cpu as cpu_kernels
+from batchgen.kernels.cpu.brgemm_linear import COLUMN_BLOCK
 from batchgen.kernels.cpu.half_linear import FEW_ROWS
 from batchgen.loop.engine import Engine
 from batchgen.loop.forward_batch import ForwardBatch
@@ -88,20 +89,29 @@ def _decode_round(engine: Engine, rows: int) -> tuple[ForwardBatch, list[Req]]:
 
 @pytest.mark.parametrize(
     ("arch", "overrides", "num_biases"),
-    [("llama", {}, 0), ("llama", {"attention_bias": True, "num_hidden_layers": 3}, 6), ("qwen2", {}, 2)],
-    ids=["llama", "qkv-and-o-biases-3-layers", "qwen2-qkv-biases"],
+    [
+        ("llama", {}, 0),
+        ("llama", {"attention_bias": True, "num_hidden_layers": 3}, 6),
+        ("qwen2", {}, 2),
+        ("llama", {"intermediate_size": 96}, 0),
+    ],
+    ids=["llama", "qkv-and-o-biases-3-layers", "qwen2-qkv-biases", "gate-up-halves-not-whole-brgemm-blocks"],
 )
 def test_the_call_gives_the_python_layers_bits(
     arch: str, overrides: dict[str, Any], num_biases: int, tmp_path: Path, layers_setup: dict[str, Any]
 ) -> None:
     """Each row count the setup serves: the hidden states, and the new tokens' K/V in every layer of the pool
-    (set to NaN between the two runs, so the call must write them itself)."""
+    (set to NaN between the two runs, so the call must write them itself). On brgemm, gate/up halves of whole
+    column blocks run with SiLU-and-multiply as one op in both, others as two."""
     most = layers_setup["rows"]
     model_dir = build_random_model(tmp_path / "m", arch, **overrides)
     engine = _engine(model_dir, max_running_requests=most, **layers_setup["options"])
     runner = engine.runner
     one_call = runner.one_call_decode
     assert one_call is not None and one_call.max_rows == (layers_setup["max_rows"] or most)
+    fused = [layer.mlp.gate_up_silu is not None for layer in runner.model.model.layers]
+    whole_blocks = overrides.get("intermediate_size", 128) % COLUMN_BLOCK == 0
+    assert fused == [whole_blocks and layers_setup["options"].get("deterministic", False)] * len(fused)
     biases = [m.bias for m in runner.model.modules() if isinstance(m, PackedLinear) and m.bias is not None]
     assert len(biases) == num_biases
     gen = torch.Generator().manual_seed(3)

@@ -172,7 +172,18 @@ struct Scratch {
     std::fill_n(&acc[i * chunks], chunks, v16f{});
   }
 
-  // Requests the next item's rows (set by run()) into L2, once: prefetcht1, since L1 holds this item's packed block.
+  // The next item's KV head at k, v, its first `keys` positions' slots.
+  template <typename T>
+  void note_next(const Shape& s, const T* k, const T* v, const int64_t* slot_of_position, int64_t keys) {
+    next_k = reinterpret_cast<const char*>(k);
+    next_v = reinterpret_cast<const char*>(v);
+    next_slots = slot_of_position;
+    next_keys = keys;
+    slot_bytes = s.kv_stride_slot * static_cast<int64_t>(sizeof(T));
+    row_bytes = s.head_dim * static_cast<int64_t>(sizeof(T));
+  }
+
+  // Requests the next item's rows (note_next) into L2, once: prefetcht1, since L1 holds this item's packed block.
   void request_next_rows(int64_t num_slots) {
     for (int64_t j = 0; j < next_keys; ++j) {
       const int64_t slot = next_slots[j];

@@ -8,6 +8,7 @@
 // the attention kernel's brgemm path rests on, attention_brgemm.h). So: W is packed once into blocks of n columns
 // in the VNNI layout brgemm takes for B ([K/2][n][2]: the pairs (k 2p, k 2p + 1) of a column side by side), and a
 // call computes kRowBlock rows of x (fewer in the last) against one block, the whole of K at once.
+// brgemm_linear_silu_and_mul runs a SwiGLU MLP's gate/up projection with its activation in the same pass.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -18,6 +19,7 @@
 
 #include "bf16_round.h"
 #include "brgemm_bf16.h"
+#include "silu.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -48,20 +50,24 @@ void store_block(const float* acc, int64_t ld_acc, const float* bias, Out* out, 
   }
 }
 
+// The checks both ops make of x [rows, K] and the packed weight [blocks, K / 2, columns, 2].
+void check_operands(const at::Tensor& x, const at::Tensor& packed, const char* op) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16, op,
+              ": x and packed must be bfloat16, got ", x.scalar_type(), " and ", packed.scalar_type());
+  TORCH_CHECK(x.dim() == 2 && packed.dim() == 4 && packed.size(3) == 2 && packed.size(1) * 2 == x.size(1), op,
+              ": x [rows, K] and packed [blocks, K / 2, columns, 2] must agree on K, got ", x.sizes(), " and ",
+              packed.sizes());
+  TORCH_CHECK(x.size(1) > 0, op, ": x has no columns");
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu() && x.is_contiguous() && packed.is_contiguous(), op,
+              ": x and packed must be contiguous CPU tensors");
+}
+
 at::Tensor brgemm_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                          const c10::optional<at::Tensor>& bias, bool round_to_bf16) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16,
-              "batchgen::brgemm_linear: x and packed must be bfloat16, got ", x.scalar_type(), " and ",
-              packed.scalar_type());
-  TORCH_CHECK(x.dim() == 2 && packed.dim() == 4 && packed.size(3) == 2 && packed.size(1) * 2 == x.size(1),
-              "batchgen::brgemm_linear: x [rows, K] and packed [blocks, K / 2, columns, 2] must agree on K, got ",
-              x.sizes(), " and ", packed.sizes());
+  check_operands(x, packed, "batchgen::brgemm_linear");
   const int64_t M = x.size(0), K = x.size(1), blocks = packed.size(0), cols = packed.size(2), N = out_features;
-  TORCH_CHECK(K > 0, "batchgen::brgemm_linear: x has no columns");
   TORCH_CHECK(N > (blocks - 1) * cols && N <= blocks * cols, "batchgen::brgemm_linear: ", blocks, " blocks of ",
               cols, " columns cannot hold out_features ", N);
-  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu() && x.is_contiguous() && packed.is_contiguous(),
-              "batchgen::brgemm_linear: x and packed must be contiguous CPU tensors");
   const float* b = nullptr;
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous(),
@@ -96,13 +102,55 @@ at::Tensor brgemm_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   return out;
 }
 
+// SwiGLU's activation over the gate/up projection: bf16(bf16(silu(g)) * u) for g and u the bfloat16-rounded
+// outputs of x's gate and up halves, the bits of brgemm_linear (rounded) then silu_and_mul (elementwise.cpp) in one
+// pass: each task computes a row block's gate and up column blocks j and j + blocks / 2 (the packed gate rows come
+// first, and each half is a whole number of blocks) and writes their product, so the [rows, 2 x intermediate]
+// projection never reaches memory.
+at::Tensor brgemm_linear_silu_and_mul(const at::Tensor& x, const at::Tensor& packed, int64_t intermediate) {
+  constexpr const char* op = "batchgen::brgemm_linear_silu_and_mul";
+  check_operands(x, packed, op);
+  const int64_t M = x.size(0), K = x.size(1), blocks = packed.size(0), cols = packed.size(2);
+  TORCH_CHECK(intermediate > 0 && intermediate % cols == 0 && blocks * cols == 2 * intermediate &&
+                  cols % kNativeLanes == 0,
+              op, ": ", blocks, " blocks of ", cols, " columns must hold gate and up halves of intermediate ",
+              intermediate, ", each a whole number of blocks (of a multiple of ", kNativeLanes, " columns)");
+  at::Tensor out = at::empty({M, intermediate}, x.options());
+  const auto* xp = reinterpret_cast<const c10::BFloat16*>(x.const_data_ptr());
+  const auto* wp = reinterpret_cast<const c10::BFloat16*>(packed.const_data_ptr());
+  auto* op_out = reinterpret_cast<c10::BFloat16*>(out.mutable_data_ptr());
+  const int64_t row_blocks = (M + kRowBlock - 1) / kRowBlock, half = blocks / 2;
+  at::parallel_for(0, row_blocks * half, 1, [&](int64_t begin, int64_t end) {
+    const ReleaseOnExit release;
+    std::vector<float> gate(kRowBlock * cols), up(kRowBlock * cols);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t m0 = t / half * kRowBlock, j = t % half, rows = std::min(kRowBlock, M - m0);
+      at::native::cpublas::brgemm(rows, cols, K, K, cols, cols, false, xp + m0 * K, wp + j * cols * K, gate.data());
+      at::native::cpublas::brgemm(rows, cols, K, K, cols, cols, false, xp + m0 * K, wp + (j + half) * cols * K,
+                                  up.data());
+      for (int64_t i = 0; i < rows; ++i) {
+        c10::BFloat16* o = op_out + (m0 + i) * intermediate + j * cols;
+        for (int64_t c = 0; c < cols; c += kNativeLanes) {
+          const vnf g = round_bf16(loadn(gate.data() + i * cols + c)), u = round_bf16(loadn(up.data() + i * cols + c));
+          storen(o + c, round_bf16(silu(g)) * u);
+        }
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(batchgen, m) {
   m.def(
       "brgemm_linear(Tensor x, Tensor packed, int out_features, Tensor? bias, bool round_to_bf16) -> Tensor");
+  m.def("brgemm_linear_silu_and_mul(Tensor x, Tensor packed, int intermediate) -> Tensor");
   // Whether brgemm runs bfloat16 here: brgemm_linear and the attention kernel's brgemm path need it.
   m.def("brgemm_bf16_runs() -> bool", &brgemm_bf16_runs);
 }
 
-TORCH_LIBRARY_IMPL(batchgen, CPU, m) { m.impl("brgemm_linear", &brgemm_linear); }
+TORCH_LIBRARY_IMPL(batchgen, CPU, m) {
+  m.impl("brgemm_linear", &brgemm_linear);
+  m.impl("brgemm_linear_silu_and_mul", &brgemm_linear_silu_and_mul);
+}

@@ -53,3 +53,25 @@ def brgemm_linear(
         raise RuntimeError(problem)
     out: torch.Tensor = torch.ops.batchgen.brgemm_linear(x, packed, out_features, bias, round_to_bf16)
     return out
+
+
+def brgemm_linear_silu_and_mul(x: torch.Tensor, packed: torch.Tensor, intermediate: int) -> torch.Tensor:
+    """SwiGLU's activation over its gate/up projection in one pass: ``bf16(bf16(silu(g)) * u)`` for ``g`` and
+    ``u`` the bfloat16-rounded gate and up halves of ``x W^T``, where ``W`` ``[2 * intermediate, in]`` holds the gate
+    rows then the up rows and ``packed`` is :func:`pack_for_brgemm`'s. The bits of :func:`brgemm_linear` with
+    ``round_to_bf16`` followed by :func:`batchgen.kernels.cpu.fused_elementwise.silu_and_mul`, without writing the
+    ``[rows, 2 * intermediate]`` projection to memory and reading it back.
+
+    ``x`` ``[rows, in]`` bfloat16 → ``[rows, intermediate]`` bfloat16; ``intermediate`` a multiple of
+    :data:`COLUMN_BLOCK`. A row's result depends on that row only.
+
+    Raises:
+        RuntimeError: (``batchgen::brgemm_linear_silu_and_mul: ...``) as :func:`brgemm_linear`, or an
+            ``intermediate`` that ``packed`` does not hold as two whole halves of blocks; the extension's build
+            problem when it did not build.
+    """
+    problem = build_problem()
+    if problem is not None:
+        raise RuntimeError(problem)
+    out: torch.Tensor = torch.ops.batchgen.brgemm_linear_silu_and_mul(x, packed, intermediate)
+    return out

@@ -34,6 +34,7 @@ using RopeKv = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor
 using Attention = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                        const at::Tensor&, const at::Tensor&, const at::Tensor&, double, const at::Tensor&, int64_t);
 using SiluAndMul = at::Tensor(const at::Tensor&, std::optional<at::ScalarType>);
+using GateUpSilu = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t);
 
 struct Ops {
   c10::TypedOperatorHandle<RmsNorm> rms_norm;
@@ -42,6 +43,7 @@ struct Ops {
   c10::TypedOperatorHandle<RopeKv> rope_kv;
   c10::TypedOperatorHandle<Attention> attention;
   c10::TypedOperatorHandle<SiluAndMul> silu_and_mul;
+  c10::TypedOperatorHandle<GateUpSilu> gate_up_silu;
 };
 
 const Ops& ops() {
@@ -54,6 +56,7 @@ const Ops& ops() {
         d.findSchemaOrThrow("batchgen::rotary_embedding_kv", "").typed<RopeKv>(),
         d.findSchemaOrThrow("batchgen::paged_attention", "").typed<Attention>(),
         d.findSchemaOrThrow("batchgen::silu_and_mul", "").typed<SiluAndMul>(),
+        d.findSchemaOrThrow("batchgen::brgemm_linear_silu_and_mul", "").typed<GateUpSilu>(),
     };
   }();
   return found;
@@ -119,8 +122,13 @@ at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& positions, 
     const at::Tensor projected = linear(attended.view({tokens, q_size}), 4 * l + 1, biases.get(2 * l + 1));
     auto [mlp_in, mlp_residual] = o.rms_norm.call(projected, norms[2 * l + 1], eps, residual, carrier);
     residual = mlp_residual;
-    const at::Tensor gate_up = linear(mlp_in, 4 * l + 2, std::nullopt);
-    x = linear(o.silu_and_mul.call(gate_up, carrier), 4 * l + 3, std::nullopt);
+    // Where the gate/up halves are whole blocks of brgemm's packed columns, the projection and SiLU-and-multiply run
+    // as one op (brgemm_linear.cpp), with the bits of the two, as PackedLinear.fuses_silu_and_mul picks it.
+    const int64_t gate_up_width = packed ? out_features[4 * l + 2] : 0;
+    const at::Tensor activated = packed && gate_up_width % (2 * weights[4 * l + 2].size(2)) == 0
+                                     ? o.gate_up_silu.call(mlp_in, weights[4 * l + 2], gate_up_width / 2)
+                                     : o.silu_and_mul.call(linear(mlp_in, 4 * l + 2, std::nullopt), carrier);
+    x = linear(activated, 4 * l + 3, std::nullopt);
   }
   return std::get<0>(o.rms_norm.call(x, norms[2 * layers], eps, residual, std::nullopt));
 }

@@ -147,21 +147,14 @@ void run(const Shape& s, const at::Tensor& q, const at::Tensor& k, const at::Ten
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     Scratch scratch(block_queries, s.chunks);
-    scratch.slot_bytes = s.kv_stride_slot * static_cast<int64_t>(sizeof(T));
-    scratch.row_bytes = s.head_dim * static_cast<int64_t>(sizeof(T));
-    // Each thread claims its next item before it runs the current one, to request that item's first block ahead.
-    auto claim = [&]() {
+    auto claim = [&]() {  // a thread claims its next item before it runs the current one, to request its rows ahead
       const int64_t item = next++;
-      if (item < items) {
-        const Work& it = work[item / s.num_kv_heads];
-        const int64_t first_row = it.shared >= 0 ? shared[it.shared].members[0] : it.row;
-        scratch.next_k = reinterpret_cast<const char*>(k_ptr + item % s.num_kv_heads * s.kv_stride_head);
-        scratch.next_v = reinterpret_cast<const char*>(v_ptr + item % s.num_kv_heads * s.kv_stride_head);
-        scratch.next_slots = rows.slots_of(first_row);
-        scratch.next_keys = std::min(kGemmKeyBlock, rows.seq_lens[first_row]);
-      } else {
-        scratch.next_keys = 0;
-      }
+      scratch.next_keys = 0;
+      if (item >= items) return item;
+      const Work& it = work[item / s.num_kv_heads];
+      const int64_t r = it.shared >= 0 ? shared[it.shared].members[0] : it.row, head = item % s.num_kv_heads;
+      scratch.note_next(s, k_ptr + head * s.kv_stride_head, v_ptr + head * s.kv_stride_head, rows.slots_of(r),
+                        std::min(kGemmKeyBlock, rows.seq_lens[r]));
       return item;
     };
     for (int64_t item = claim(), following = 0; item < items; item = following) {
