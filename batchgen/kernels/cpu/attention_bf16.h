@@ -53,11 +53,14 @@ inline void transpose16(v16u rows[16]) {
 
 // Block packing for `block_len` keys at `slots` (keys past block_len read as zeros): kp[p * key_block + j] holds
 // key j's dims (2p, 2p + 1) for the 16-key groups the block reaches; vp[(j / 2) * head_dim + d] holds dim d of keys
-// j and j + 1 (even j). `pairs` = head_dim / 2, a multiple of 16.
+// j and j + 1 (even j). `pairs` = head_dim / 2, a multiple of 16. With `ahead`, requests kAheadKeys of the next
+// item's keys at each step of 16 keys (Scratch::request_next).
 inline void pack_block(const uint16_t* k, const uint16_t* v, const int64_t* slots, int64_t block_len, int64_t pairs,
-                       int64_t slot_stride, uint32_t* kp, uint32_t* vp, int64_t key_block = kKeyBlock) {
+                       int64_t slot_stride, uint32_t* kp, uint32_t* vp, int64_t key_block = kKeyBlock,
+                       Scratch* ahead = nullptr) {
   const int64_t head_dim = 2 * pairs;
   for (int64_t g = 0; g * kLanes < block_len; ++g) {
+    if (ahead != nullptr) ahead->request_next(kAheadKeys);
     for (int64_t pg = 0; pg < pairs; pg += kLanes) {
       v16u rows[16];
       for (int64_t jj = 0; jj < kLanes; ++jj) {
@@ -77,6 +80,7 @@ inline void pack_block(const uint16_t* k, const uint16_t* v, const int64_t* slot
                                          6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
   const __m512i last = _mm512_add_epi16(first, _mm512_set1_epi16(16));
   for (int64_t j = 0; j < block_len; j += 2) {
+    if (ahead != nullptr && j % kLanes == 0) ahead->request_next(kAheadKeys);
     const uint16_t* a = v + slots[j] * slot_stride;
     const uint16_t* b = j + 1 < block_len ? v + slots[j + 1] * slot_stride : nullptr;
     uint32_t* dst = vp + (j / 2) * head_dim;

@@ -92,8 +92,8 @@ inline void attend_gemm_block(const Shape& s, const uint16_t* k16, const uint16_
   const auto* kp = reinterpret_cast<const c10::BFloat16*>(w.k_pairs.data());
   const auto* vp = reinterpret_cast<const c10::BFloat16*>(w.v_pairs.data());
   pack_block(k16, v16, w.slots.data(), block_len, pairs, s.kv_stride_slot, w.k_pairs.data(), w.v_pairs.data(),
-             kGemmKeyBlock);
-  w.request_next_rows(s.num_slots);
+             kGemmKeyBlock, &w);
+  w.request_next(w.ahead.keys);  // what the packing left of the next block
   const int64_t extent = gemm_keys(block_len);
   // Past the block's keys P is 0, but 0 x NaN is NaN, so the V pairs there up to the GEMMs' extent (pack_block
   // leaves them as they were) are cleared; the scores there are computed, never read.

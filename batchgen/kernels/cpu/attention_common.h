@@ -35,6 +35,9 @@ constexpr int64_t kGemmQueryBlock = 192;
 constexpr int64_t kSharedQueries = 192;
 constexpr int64_t kQueryBlock = 64;    // queries sharing one pass over K/V (bounds the scratch per thread)
 constexpr int64_t kPrefetchKeys = 16;  // how far ahead the K/V rows are requested
+// The next item's keys requested at each step of 16 keys of pack_block's K and V loops: one of its keys for each
+// key packed, so the memory reads run at one pace rather than in a burst the core stalls on (docs/performance.md).
+constexpr int64_t kAheadKeys = 8;
 
 // ---- loading a row of q or of the cache as float32 chunks ----
 
@@ -140,12 +143,16 @@ struct Scratch {
   std::vector<uint32_t> q_pairs, k_pairs, v_pairs, prob_pairs;  // the bfloat16 dot-product path's packed operands
   std::vector<float> block_scores;     // the brgemm path's S, [queries][kGemmKeyBlock]
   std::vector<uint16_t> block_probs;   // and its P in bfloat16, [queries][kGemmKeyBlock]
-  // The K/V rows of the first block of the item this thread takes next (run() claims it one ahead): the brgemm
-  // path requests them into L2 once it has packed its own block, so that they arrive while its GEMMs and softmax
-  // run (a decode row's keys fit one block and come from DRAM, where packing them costs more than computing).
-  const char *next_k = nullptr, *next_v = nullptr;  // the next item's KV head
-  const int64_t* next_slots = nullptr;
-  int64_t next_keys = 0, slot_bytes = 0, row_bytes = 0;
+  // K/V rows the brgemm path requests into L2 as it packs a block (request_next): the next block of its row, or
+  // after a row's last block the first block of the item this thread takes next (run() claims it one ahead). A
+  // decode row's keys fit one block and come from DRAM, where the prefetchers alone leave the packing waiting.
+  struct AheadRows {
+    const char *k = nullptr, *v = nullptr;  // the KV head's K and V
+    const int64_t* slots = nullptr;         // the slots of its positions
+    int64_t keys = 0, requested = 0;
+  };
+  AheadRows ahead, next_item;
+  int64_t num_slots = 0, slot_bytes = 0, row_bytes = 0;
   Scratch(int64_t queries, int64_t chunks)
       : q(queries * chunks),
         acc(queries * chunks),
@@ -172,28 +179,27 @@ struct Scratch {
     std::fill_n(&acc[i * chunks], chunks, v16f{});
   }
 
-  // The next item's KV head at k, v, its first `keys` positions' slots.
+  // Rows `keys` positions from slot_of_position of the KV head at k, v, none requested yet.
   template <typename T>
-  void note_next(const Shape& s, const T* k, const T* v, const int64_t* slot_of_position, int64_t keys) {
-    next_k = reinterpret_cast<const char*>(k);
-    next_v = reinterpret_cast<const char*>(v);
-    next_slots = slot_of_position;
-    next_keys = keys;
+  AheadRows rows_at(const Shape& s, const T* k, const T* v, const int64_t* slot_of_position, int64_t keys) {
+    num_slots = s.num_slots;
     slot_bytes = s.kv_stride_slot * static_cast<int64_t>(sizeof(T));
     row_bytes = s.head_dim * static_cast<int64_t>(sizeof(T));
+    return {reinterpret_cast<const char*>(k), reinterpret_cast<const char*>(v), slot_of_position, keys, 0};
   }
 
-  // Requests the next item's rows (note_next) into L2, once: prefetcht1, since L1 holds this item's packed block.
-  void request_next_rows(int64_t num_slots) {
-    for (int64_t j = 0; j < next_keys; ++j) {
-      const int64_t slot = next_slots[j];
+  // Requests the next n of `ahead`'s rows not yet requested into L2 (prefetcht1: L1 holds the block being packed).
+  void request_next(int64_t n) {
+    const int64_t end = std::min(ahead.keys, ahead.requested + n);
+    for (int64_t j = ahead.requested; j < end; ++j) {
+      const int64_t slot = ahead.slots[j];
       if (slot < 0 || slot >= num_slots) continue;
       for (int64_t b = 0; b < row_bytes; b += 64) {
-        __builtin_prefetch(next_k + slot * slot_bytes + b, 0, 2);
-        __builtin_prefetch(next_v + slot * slot_bytes + b, 0, 2);
+        __builtin_prefetch(ahead.k + slot * slot_bytes + b, 0, 2);
+        __builtin_prefetch(ahead.v + slot * slot_bytes + b, 0, 2);
       }
     }
-    next_keys = 0;
+    ahead.requested = end;
   }
 
   // slots[0 .. block_len) = the KV slots of positions block .. block + block_len - 1; false when one lies outside
@@ -218,15 +224,21 @@ struct Scratch {
 };
 
 // Runs attend(position, length) over the blocks of `block` keys in positions [from, keys) of slot_of_position, each
-// block's slots taken into w.slots first and the next block's K/V rows (of the head at k, v) requested ahead. False
-// where a slot lies outside the pool (nothing is read there).
+// block's slots taken into w.slots first and the next block's K/V rows (of the head at k, v) requested ahead: all at
+// once, or on the brgemm path (blocks of kGemmKeyBlock) by its packing, as w.ahead, and after the last block the
+// next item's. False where a slot lies outside the pool (nothing is read there).
 template <typename T, typename Attend>
 bool over_key_blocks(const Shape& s, const T* k, const T* v, const int64_t* slot_of_position, int64_t from,
                      int64_t keys, int64_t block, Scratch& w, Attend attend) {
   for (int64_t at = from; at < keys; at += block) {
     const int64_t len = std::min(block, keys - at);
     if (!w.take_slots(slot_of_position, at, len, s.num_slots)) return false;
-    prefetch_positions(s, k, v, slot_of_position, at + block, at + 2 * block, keys);
+    if (block == kGemmKeyBlock) {  // the brgemm path, whose packing requests w.ahead as it goes
+      const int64_t rest = keys - at - block;
+      w.ahead = rest > 0 ? w.rows_at(s, k, v, slot_of_position + at + block, std::min(block, rest)) : w.next_item;
+    } else {
+      prefetch_positions(s, k, v, slot_of_position, at + block, at + 2 * block, keys);
+    }
     attend(at, len);
   }
   return true;

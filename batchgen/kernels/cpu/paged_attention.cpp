@@ -149,12 +149,12 @@ void run(const Shape& s, const at::Tensor& q, const at::Tensor& k, const at::Ten
     Scratch scratch(block_queries, s.chunks);
     auto claim = [&]() {  // a thread claims its next item before it runs the current one, to request its rows ahead
       const int64_t item = next++;
-      scratch.next_keys = 0;
+      scratch.next_item = {};
       if (item >= items) return item;
       const Work& it = work[item / s.num_kv_heads];
       const int64_t r = it.shared >= 0 ? shared[it.shared].members[0] : it.row, head = item % s.num_kv_heads;
-      scratch.note_next(s, k_ptr + head * s.kv_stride_head, v_ptr + head * s.kv_stride_head, rows.slots_of(r),
-                        std::min(kGemmKeyBlock, rows.seq_lens[r]));
+      scratch.next_item = scratch.rows_at(s, k_ptr + head * s.kv_stride_head, v_ptr + head * s.kv_stride_head,
+                                          rows.slots_of(r), std::min(kGemmKeyBlock, rows.seq_lens[r]));
       return item;
     };
     for (int64_t item = claim(), following = 0; item < items; item = following) {
