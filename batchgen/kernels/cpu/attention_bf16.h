@@ -181,7 +181,9 @@ template <int DC>
 void attend_queries_bf16(const Shape& s, const uint16_t* k16, const uint16_t* v16, int64_t first, int64_t last,
                          int64_t block, int64_t block_len, Scratch& w) {
   const int64_t dc = s.chunks, pairs = s.head_dim / 2;
-  pack_block(k16, v16, w.slots.data(), block_len, pairs, s.kv_stride_slot, w.k_pairs.data(), w.v_pairs.data());
+  pack_block(k16, v16, w.slots.data(), block_len, pairs, s.kv_stride_slot, w.k_pairs.data(), w.v_pairs.data(),
+             kKeyBlock, &w);
+  w.request_next(w.ahead.keys);  // what the packing left of the next block
   for (int64_t i = first; i < last; ++i) {
     const int64_t seen = std::min(block_len, w.limit[i] - block);
     if (seen <= 0) continue;

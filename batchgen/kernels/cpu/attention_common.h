@@ -143,9 +143,9 @@ struct Scratch {
   std::vector<uint32_t> q_pairs, k_pairs, v_pairs, prob_pairs;  // the bfloat16 dot-product path's packed operands
   std::vector<float> block_scores;     // the brgemm path's S, [queries][kGemmKeyBlock]
   std::vector<uint16_t> block_probs;   // and its P in bfloat16, [queries][kGemmKeyBlock]
-  // K/V rows the brgemm path requests into L2 as it packs a block (request_next): the next block of its row, or
+  // K/V rows the bfloat16 paths request into L2 as they pack a block (request_next): the next block of its row, or
   // after a row's last block the first block of the item this thread takes next (run() claims it one ahead). A
-  // decode row's keys fit one block and come from DRAM, where the prefetchers alone leave the packing waiting.
+  // decode row's keys come from DRAM, where the prefetchers alone leave the packing waiting.
   struct AheadRows {
     const char *k = nullptr, *v = nullptr;  // the KV head's K and V
     const int64_t* slots = nullptr;         // the slots of its positions
@@ -224,21 +224,17 @@ struct Scratch {
 };
 
 // Runs attend(position, length) over the blocks of `block` keys in positions [from, keys) of slot_of_position, each
-// block's slots taken into w.slots first and the next block's K/V rows (of the head at k, v) requested ahead: all at
-// once, or on the brgemm path (blocks of kGemmKeyBlock) by its packing, as w.ahead, and after the last block the
-// next item's. False where a slot lies outside the pool (nothing is read there).
+// block's slots taken into w.slots first and w.ahead aimed at the next block's K/V rows (of the head at k, v), or
+// after the last block at the next item's, for attend's packing to request as it goes. False where a slot lies
+// outside the pool (nothing is read there).
 template <typename T, typename Attend>
 bool over_key_blocks(const Shape& s, const T* k, const T* v, const int64_t* slot_of_position, int64_t from,
                      int64_t keys, int64_t block, Scratch& w, Attend attend) {
   for (int64_t at = from; at < keys; at += block) {
     const int64_t len = std::min(block, keys - at);
     if (!w.take_slots(slot_of_position, at, len, s.num_slots)) return false;
-    if (block == kGemmKeyBlock) {  // the brgemm path, whose packing requests w.ahead as it goes
-      const int64_t rest = keys - at - block;
-      w.ahead = rest > 0 ? w.rows_at(s, k, v, slot_of_position + at + block, std::min(block, rest)) : w.next_item;
-    } else {
-      prefetch_positions(s, k, v, slot_of_position, at + block, at + 2 * block, keys);
-    }
+    const int64_t rest = keys - at - block;  // attend's packing requests w.ahead as it goes (pack_block)
+    w.ahead = rest > 0 ? w.rows_at(s, k, v, slot_of_position + at + block, std::min(block, rest)) : w.next_item;
     attend(at, len);
   }
   return true;
