@@ -73,6 +73,27 @@ def test_a_rows_bits_do_not_depend_on_the_other_rows(in_features: int, out_featu
             assert torch.equal(window.float(), reference[start : start + rows].to(window.dtype).float()), (rows, start)
 
 
+@pytest.mark.parametrize("threads", [1, 3, 4])
+@pytest.mark.parametrize(("rows", "in_features", "out_features"), [(1, 576, 576), (64, 1536, 576), (300, 64, 65)])
+def test_a_rows_bits_do_not_depend_on_the_threads(rows: int, in_features: int, out_features: int, threads: int) -> None:
+    """The same bits on 1, 3 or 4 threads as on 2, where tiles that do not divide among the threads are split by
+    columns into a part per thread (9 blocks of 576 columns; 3 row blocks of 65 columns, whose last block of one
+    column leaves some parts empty); and for the gate/up pass's 3 blocks of each half."""
+    weight, b, x = _layer(rows, in_features, out_features, rows + threads)
+    packed = pack_for_brgemm(weight)
+    gate_up = pack_for_brgemm(_layer(1, in_features, 2 * 192, threads)[0])
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        reference = brgemm_linear(x, packed, out_features, b), brgemm_linear_silu_and_mul(x, gate_up, 192)
+        torch.set_num_threads(threads)
+        got = brgemm_linear(x, packed, out_features, b), brgemm_linear_silu_and_mul(x, gate_up, 192)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(got[0].view(torch.int32), reference[0].view(torch.int32))
+    assert torch.equal(got[1].view(torch.int16), reference[1].view(torch.int16))
+
+
 def test_the_packed_layout_is_brgemms_vnni_blocks() -> None:
     """Block ``j``, pair ``p``, column ``c``, lane ``l`` holds ``W[j * 64 + c, 2p + l]``, every element checked on
     weights of distinct bit patterns; columns past ``out`` are zero; an odd inner dimension is refused."""

@@ -7,7 +7,8 @@
 // a brgemm call of m rows x n columns x K walks K in one fixed order for each output, whatever m (the same property
 // the attention kernel's brgemm path rests on, attention_brgemm.h). So: W is packed once into blocks of n columns
 // in the VNNI layout brgemm takes for B ([K/2][n][2]: the pairs (k 2p, k 2p + 1) of a column side by side), and a
-// call computes kRowBlock rows of x (fewer in the last) against one block, the whole of K at once.
+// call computes kRowBlock rows of x (fewer in the last) against one block (or a part of one, for_each_tile), the
+// whole of K at once.
 // brgemm_linear_silu_and_mul runs a SwiGLU MLP's gate/up projection with its activation in the same pass.
 
 #include <ATen/Parallel.h>
@@ -50,6 +51,42 @@ void store_block(const float* acc, int64_t ld_acc, const float* bias, Out* out, 
   }
 }
 
+// Rows [m0, m0 + rows) of x against columns [offset, offset + width) of packed block `block`.
+struct Tile {
+  int64_t m0, rows, block, offset, width;
+};
+
+// Runs run(tile, scratch) over the tiles of kRowBlock rows x `cols` columns that cover M rows and N columns (the last
+// block narrower where N is not a multiple of cols), each thread a contiguous run of them (row blocks outermost: a
+// thread passes the weight blocks over one block of x at a time) with `scratch_floats` floats of its own. Where the
+// tiles do not divide among the threads (a decode round's 9 blocks of a 576-wide layer on 2 threads), the last few
+// are split by columns into one part per thread, so that no thread waits on another's extra block; the part of a
+// block a call computes changes nothing: brgemm's result for one element depends on neither the rows nor the
+// columns beside it in the call (tests/kernels/test_cpu_brgemm_linear.py).
+template <typename Run>
+void for_each_tile(int64_t M, int64_t N, int64_t blocks, int64_t cols, int64_t scratch_floats, Run run) {
+  const int64_t tiles = (M + kRowBlock - 1) / kRowBlock * blocks;
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tiles));
+  const int64_t part = cols / threads;
+  const bool split = tiles % threads != 0 && cols % threads == 0 && part % kNativeLanes == 0;
+  const int64_t whole = split ? tiles - tiles % threads : tiles;
+  auto tile = [&](int64_t t, int64_t offset, int64_t width) {
+    const int64_t m0 = t / blocks * kRowBlock, block = t % blocks;
+    return Tile{m0, std::min(kRowBlock, M - m0), block, offset, std::min(width, N - block * cols - offset)};
+  };
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    const ReleaseOnExit release;
+    std::vector<float> scratch(scratch_floats);
+    for (int64_t th = begin; th < end; ++th) {
+      for (int64_t t = whole * th / threads; t < whole * (th + 1) / threads; ++t) run(tile(t, 0, cols), scratch.data());
+      for (int64_t t = whole; split && t < tiles; ++t) {
+        const Tile piece = tile(t, th * part, part);
+        if (piece.width > 0) run(piece, scratch.data());
+      }
+    }
+  });
+}
+
 // The checks both ops make of x [rows, K] and the packed weight [blocks, K / 2, columns, 2].
 void check_operands(const at::Tensor& x, const at::Tensor& packed, const char* op) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16, op,
@@ -80,23 +117,15 @@ at::Tensor brgemm_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   const auto* wp = reinterpret_cast<const c10::BFloat16*>(packed.const_data_ptr());
   auto* out_bf16 = reinterpret_cast<c10::BFloat16*>(out.mutable_data_ptr());
   auto* out_f32 = reinterpret_cast<float*>(out.mutable_data_ptr());
-  const int64_t row_blocks = (M + kRowBlock - 1) / kRowBlock;
-  // A task is one row block against one column block, row blocks outermost: a thread's run of tasks passes the
-  // weight blocks over one block of x at a time.
-  at::parallel_for(0, row_blocks * blocks, 1, [&](int64_t begin, int64_t end) {
-    const ReleaseOnExit release;
-    std::vector<float> acc(kRowBlock * cols);
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t m0 = t / blocks * kRowBlock, n0 = t % blocks * cols;
-      const int64_t rows = std::min(kRowBlock, M - m0), width = std::min(cols, N - n0);
-      // The last block is narrower where N is not a multiple of cols: a call of that width, for every row alike.
-      at::native::cpublas::brgemm(rows, width, K, K, cols, cols, false, xp + m0 * K, wp + n0 * K, acc.data());
-      const float* block_bias = b != nullptr ? b + n0 : nullptr;
-      if (round_to_bf16) {
-        store_block(acc.data(), cols, block_bias, out_bf16 + m0 * N + n0, N, rows, width);
-      } else {
-        store_block(acc.data(), cols, block_bias, out_f32 + m0 * N + n0, N, rows, width);
-      }
+  for_each_tile(M, N, blocks, cols, kRowBlock * cols, [&](const Tile& t, float* acc) {
+    const int64_t n0 = t.block * cols + t.offset;
+    at::native::cpublas::brgemm(t.rows, t.width, K, K, cols, cols, false, xp + t.m0 * K,
+                                wp + t.block * cols * K + t.offset * 2, acc);
+    const float* tile_bias = b != nullptr ? b + n0 : nullptr;
+    if (round_to_bf16) {
+      store_block(acc, cols, tile_bias, out_bf16 + t.m0 * N + n0, N, t.rows, t.width);
+    } else {
+      store_block(acc, cols, tile_bias, out_f32 + t.m0 * N + n0, N, t.rows, t.width);
     }
   });
   return out;
@@ -119,21 +148,19 @@ at::Tensor brgemm_linear_silu_and_mul(const at::Tensor& x, const at::Tensor& pac
   const auto* xp = reinterpret_cast<const c10::BFloat16*>(x.const_data_ptr());
   const auto* wp = reinterpret_cast<const c10::BFloat16*>(packed.const_data_ptr());
   auto* op_out = reinterpret_cast<c10::BFloat16*>(out.mutable_data_ptr());
-  const int64_t row_blocks = (M + kRowBlock - 1) / kRowBlock, half = blocks / 2;
-  at::parallel_for(0, row_blocks * half, 1, [&](int64_t begin, int64_t end) {
-    const ReleaseOnExit release;
-    std::vector<float> gate(kRowBlock * cols), up(kRowBlock * cols);
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t m0 = t / half * kRowBlock, j = t % half, rows = std::min(kRowBlock, M - m0);
-      at::native::cpublas::brgemm(rows, cols, K, K, cols, cols, false, xp + m0 * K, wp + j * cols * K, gate.data());
-      at::native::cpublas::brgemm(rows, cols, K, K, cols, cols, false, xp + m0 * K, wp + (j + half) * cols * K,
-                                  up.data());
-      for (int64_t i = 0; i < rows; ++i) {
-        c10::BFloat16* o = op_out + (m0 + i) * intermediate + j * cols;
-        for (int64_t c = 0; c < cols; c += kNativeLanes) {
-          const vnf g = round_bf16(loadn(gate.data() + i * cols + c)), u = round_bf16(loadn(up.data() + i * cols + c));
-          storen(o + c, round_bf16(silu(g)) * u);
-        }
+  const int64_t half = blocks / 2;
+  for_each_tile(M, intermediate, half, cols, 2 * kRowBlock * cols, [&](const Tile& t, float* gate) {
+    float* up = gate + kRowBlock * cols;
+    const c10::BFloat16* a = xp + t.m0 * K;
+    at::native::cpublas::brgemm(t.rows, t.width, K, K, cols, cols, false, a, wp + t.block * cols * K + t.offset * 2,
+                                gate);
+    at::native::cpublas::brgemm(t.rows, t.width, K, K, cols, cols, false, a,
+                                wp + (t.block + half) * cols * K + t.offset * 2, up);
+    for (int64_t i = 0; i < t.rows; ++i) {
+      c10::BFloat16* o = op_out + (t.m0 + i) * intermediate + t.block * cols + t.offset;
+      for (int64_t c = 0; c < t.width; c += kNativeLanes) {
+        const vnf g = round_bf16(loadn(gate + i * cols + c)), u = round_bf16(loadn(up + i * cols + c));
+        storen(o + c, round_bf16(silu(g)) * u);
       }
     }
   });
