@@ -167,7 +167,7 @@ class PackedLinear(nn.Module):
         ``forward`` then :func:`batchgen.kernels.cpu.fused_elementwise.silu_and_mul`
         (:func:`~batchgen.kernels.cpu.brgemm_linear.brgemm_linear_silu_and_mul`). Only where
         :meth:`fuses_silu_and_mul`."""
-        assert self.brgemm_weight is not None
+        assert self.brgemm_weight is not None and self.fuses_silu_and_mul()
         x = x.to(torch.bfloat16).contiguous()
         return brgemm_linear_silu_and_mul(x, self.brgemm_weight, self.out_features // 2)
 

@@ -132,7 +132,9 @@ def test_no_rows_give_an_empty_output() -> None:
     assert out.shape == (0, 96)
 
 
-@pytest.mark.parametrize(("rows", "in_features", "intermediate"), [(1, 64, 64), (3, 576, 1536), (300, 576, 192)])
+@pytest.mark.parametrize(
+    ("rows", "in_features", "intermediate"), [(0, 64, 64), (1, 64, 64), (3, 576, 1536), (300, 576, 192)]
+)
 def test_the_gate_up_projection_with_its_activation_gives_the_two_ops_bits(
     rows: int, in_features: int, intermediate: int
 ) -> None:
@@ -156,6 +158,18 @@ def test_the_gate_up_projection_with_its_activation_gives_the_two_ops_bits(
     moved = torch.maximum((silu(gate * (1 + u)) - silu(gate)).abs(), (silu(gate * (1 - u)) - silu(gate)).abs())
     bound = 1.01 * (moved * up.abs() * (1 + u) ** 2 + 3 * u * exact.abs())
     assert bool(((fused.double() - exact).abs() <= bound + 1e-40).all())
+
+
+def test_the_activation_pass_keeps_the_two_ops_bits_for_inf_and_nan() -> None:
+    """Rows holding inf, -inf, NaN and float32-overflowing values give the two ops' bits, NaN included (one quiet
+    NaN, as c10 rounds)."""
+    weight, _, x = _layer(6, 64, 128, 5)
+    x[1, 3], x[2, 7], x[3, 0], x[4] = float("inf"), float("-inf"), float("nan"), 3e38
+    packed = pack_for_brgemm(weight)
+    fused = brgemm_linear_silu_and_mul(x, packed, 64)
+    two_ops = silu_and_mul(brgemm_linear(x, packed, 128, None, round_to_bf16=True))
+    assert torch.equal(fused.view(torch.int16), two_ops.view(torch.int16))
+    assert bool(fused[1:5].isnan().any()) and not bool(fused[[0, 5]].isnan().any())
 
 
 def test_the_activation_pass_refuses_a_weight_without_two_whole_halves() -> None:

@@ -232,6 +232,14 @@ inline int64_t start_shared_queries(const Shape& s, const c10::BFloat16* q, cons
   return nq;
 }
 
+// Member m's first block of its own keys (from position `from`, blocks of `block`) in a shared prefix's item: where
+// the packing before it requests ahead.
+inline Scratch::AheadRows member_tail(const uint16_t* k16, const uint16_t* v16, const Rows& rows,
+                                      const int64_t* members, int64_t m, int64_t from, int64_t block) {
+  const int64_t r = members[m];
+  return Scratch::rows_at(k16, v16, rows.slots_of(r) + from, std::min(block, rows.seq_lens[r] - from));
+}
+
 // The end of a shared prefix's work item: each member's queries (held in w in member order, as
 // start_shared_queries put them) go on from key `from` over the member's own blocks of `block` keys, through
 // attend(first, last, block position, block length) for the member's queries [first, last), then are written out.
@@ -246,7 +254,9 @@ bool finish_shared_members(const Shape& s, const uint16_t* k16, const uint16_t* 
     const int64_t r = members[m], last = first + rows.q_lens[r] * group;
     const int64_t keys = rows.seq_lens[r];  // what the member's last query sees
     auto attend_member = [&](int64_t at, int64_t block_len) { attend(first, last, at, block_len); };
-    if (!over_key_blocks(s, k16, v16, rows.slots_of(r), from, keys, block, w, attend_member)) return false;
+    const Scratch::AheadRows then =
+        m + 1 < num_members ? member_tail(k16, v16, rows, members, m + 1, from, block) : w.next_item;
+    if (!over_key_blocks(s, k16, v16, rows.slots_of(r), from, keys, block, w, attend_member, &then)) return false;
     for (int64_t i = first; i < last; ++i) {
       const int64_t t = (i - first) / group, head = kv_head * group + (i - first) % group;
       w.finish_query(i, s.chunks, s.head_dim,
@@ -274,7 +284,8 @@ bool attend_bf16_shared(const Shape& s, const c10::BFloat16* q, const c10::BFloa
   };
   auto attend_all = [&](int64_t block, int64_t block_len) { attend(0, nq, block, block_len); };
   const int64_t shared_keys = depth * kKeyBlock;
-  if (!over_key_blocks(s, k16, v16, rows.slots_of(members[0]), 0, shared_keys, kKeyBlock, w, attend_all)) {
+  const Scratch::AheadRows tail = member_tail(k16, v16, rows, members, 0, shared_keys, kKeyBlock);
+  if (!over_key_blocks(s, k16, v16, rows.slots_of(members[0]), 0, shared_keys, kKeyBlock, w, attend_all, &tail)) {
     return false;
   }
   return finish_shared_members(s, k16, v16, out, rows, members, num_members, shared_keys, kKeyBlock, kv_head, w,

@@ -93,7 +93,7 @@ inline void attend_gemm_block(const Shape& s, const uint16_t* k16, const uint16_
   const auto* vp = reinterpret_cast<const c10::BFloat16*>(w.v_pairs.data());
   pack_block(k16, v16, w.slots.data(), block_len, pairs, s.kv_stride_slot, w.k_pairs.data(), w.v_pairs.data(),
              kGemmKeyBlock, &w);
-  w.request_next(w.ahead.keys);  // what the packing left of the next block
+  w.request_next(w.ahead.keys);  // what the packing left of the next block (all but a short block's share)
   const int64_t extent = gemm_keys(block_len);
   // Past the block's keys P is 0, but 0 x NaN is NaN, so the V pairs there up to the GEMMs' extent (pack_block
   // leaves them as they were) are cleared; the scores there are computed, never read.
@@ -173,7 +173,9 @@ bool attend_brgemm_shared(const Shape& s, const c10::BFloat16* q, const c10::BFl
   };
   auto gemm_all = [&](int64_t block, int64_t block_len) { gemm(0, nq, block, block_len); };
   const int64_t shared_keys = depth * kGemmKeyBlock;
-  if (!over_key_blocks(s, k16, v16, rows.slots_of(members[0]), 0, shared_keys, kGemmKeyBlock, w, gemm_all)) {
+  const Scratch::AheadRows tail =
+      member_tail(k16, v16, rows, members, 0, shared_keys, kGemmTails ? kGemmKeyBlock : kKeyBlock);
+  if (!over_key_blocks(s, k16, v16, rows.slots_of(members[0]), 0, shared_keys, kGemmKeyBlock, w, gemm_all, &tail)) {
     return false;
   }
   if constexpr (kGemmTails) {

@@ -35,7 +35,7 @@ constexpr int64_t kGemmQueryBlock = 192;
 constexpr int64_t kSharedQueries = 192;
 constexpr int64_t kQueryBlock = 64;    // queries sharing one pass over K/V (bounds the scratch per thread)
 constexpr int64_t kPrefetchKeys = 16;  // how far ahead the K/V rows are requested
-// The next item's keys requested at each step of 16 keys of pack_block's K and V loops: one of its keys for each
+// The next block's keys requested at each step of 16 keys of pack_block's K and V loops: one of its keys for each
 // key packed, so the memory reads run at one pace rather than in a burst the core stalls on (docs/performance.md).
 constexpr int64_t kAheadKeys = 8;
 
@@ -143,9 +143,10 @@ struct Scratch {
   std::vector<uint32_t> q_pairs, k_pairs, v_pairs, prob_pairs;  // the bfloat16 dot-product path's packed operands
   std::vector<float> block_scores;     // the brgemm path's S, [queries][kGemmKeyBlock]
   std::vector<uint16_t> block_probs;   // and its P in bfloat16, [queries][kGemmKeyBlock]
-  // K/V rows the bfloat16 paths request into L2 as they pack a block (request_next): the next block of its row, or
-  // after a row's last block the first block of the item this thread takes next (run() claims it one ahead). A
-  // decode row's keys come from DRAM, where the prefetchers alone leave the packing waiting.
+  // K/V rows the bfloat16 paths request into L2 as they pack a block (request_next): the next block of its row; after
+  // a row's last block, the next member's first own block in a shared prefix's item, or the first block of the item
+  // this thread takes next (run() claims it one ahead). A decode row's keys come from DRAM, where the prefetchers
+  // alone leave the packing waiting.
   struct AheadRows {
     const char *k = nullptr, *v = nullptr;  // the KV head's K and V
     const int64_t* slots = nullptr;         // the slots of its positions
@@ -179,12 +180,17 @@ struct Scratch {
     std::fill_n(&acc[i * chunks], chunks, v16f{});
   }
 
-  // Rows `keys` positions from slot_of_position of the KV head at k, v, none requested yet.
+  // The pool's geometry for request_next, once a call (k: the pool's K, of the call's element type).
   template <typename T>
-  AheadRows rows_at(const Shape& s, const T* k, const T* v, const int64_t* slot_of_position, int64_t keys) {
+  void use_pool(const Shape& s, const T*) {
     num_slots = s.num_slots;
     slot_bytes = s.kv_stride_slot * static_cast<int64_t>(sizeof(T));
     row_bytes = s.head_dim * static_cast<int64_t>(sizeof(T));
+  }
+
+  // Rows `keys` positions from slot_of_position of the KV head at k, v, none requested yet.
+  template <typename T>
+  static AheadRows rows_at(const T* k, const T* v, const int64_t* slot_of_position, int64_t keys) {
     return {reinterpret_cast<const char*>(k), reinterpret_cast<const char*>(v), slot_of_position, keys, 0};
   }
 
@@ -225,16 +231,21 @@ struct Scratch {
 
 // Runs attend(position, length) over the blocks of `block` keys in positions [from, keys) of slot_of_position, each
 // block's slots taken into w.slots first and w.ahead aimed at the next block's K/V rows (of the head at k, v), or
-// after the last block at the next item's, for attend's packing to request as it goes. False where a slot lies
-// outside the pool (nothing is read there).
+// after the last block at `then` (default: the thread's next item), for attend's packing to request as it goes.
+// False where a slot lies outside the pool (nothing is read there).
 template <typename T, typename Attend>
 bool over_key_blocks(const Shape& s, const T* k, const T* v, const int64_t* slot_of_position, int64_t from,
-                     int64_t keys, int64_t block, Scratch& w, Attend attend) {
+                     int64_t keys, int64_t block, Scratch& w, Attend attend,
+                     const Scratch::AheadRows* then = nullptr) {
   for (int64_t at = from; at < keys; at += block) {
     const int64_t len = std::min(block, keys - at);
     if (!w.take_slots(slot_of_position, at, len, s.num_slots)) return false;
     const int64_t rest = keys - at - block;  // attend's packing requests w.ahead as it goes (pack_block)
-    w.ahead = rest > 0 ? w.rows_at(s, k, v, slot_of_position + at + block, std::min(block, rest)) : w.next_item;
+    if (rest > 0) {
+      w.ahead = Scratch::rows_at(k, v, slot_of_position + at + block, std::min(block, rest));
+    } else {
+      w.ahead = then != nullptr ? *then : w.next_item;
+    }
     attend(at, len);
   }
   return true;

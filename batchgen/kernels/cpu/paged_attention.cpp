@@ -147,18 +147,24 @@ void run(const Shape& s, const at::Tensor& q, const at::Tensor& k, const at::Ten
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     Scratch scratch(block_queries, s.chunks);
-    auto claim = [&]() {  // a thread claims its next item before it runs the current one, to request its rows ahead
-      const int64_t item = next++;
+    scratch.use_pool(s, k_ptr);
+    // A thread claims its following item before it runs the current one, to request that item's first block of keys
+    // meanwhile; only while `threads` items or more are unclaimed, so that a call of few items still uses every thread.
+    auto claim_following = [&]() -> int64_t {
       scratch.next_item = {};
+      if (items - next.load() < threads) return -1;
+      const int64_t item = next++;
       if (item >= items) return item;
       const Work& it = work[item / s.num_kv_heads];
-      const int64_t r = it.shared >= 0 ? shared[it.shared].members[0] : it.row, head = item % s.num_kv_heads;
-      scratch.next_item = scratch.rows_at(s, k_ptr + head * s.kv_stride_head, v_ptr + head * s.kv_stride_head,
-                                          rows.slots_of(r), std::min(kGemmKeyBlock, rows.seq_lens[r]));
+      const int64_t r = it.shared >= 0 ? shared[it.shared].members[0] : it.row;
+      const int64_t block = it.shared >= 0 ? shared[it.shared].block : on_gemm(r) ? kGemmKeyBlock : kKeyBlock;
+      const int64_t head = item % s.num_kv_heads * s.kv_stride_head;
+      scratch.next_item =
+          Scratch::rows_at(k_ptr + head, v_ptr + head, rows.slots_of(r), std::min(block, rows.seq_lens[r]));
       return item;
     };
-    for (int64_t item = claim(), following = 0; item < items; item = following) {
-      following = claim();
+    for (int64_t item = next++; item < items;) {
+      const int64_t following = claim_following();
       const Work& it = work[item / s.num_kv_heads];
       const int64_t kv_head = item % s.num_kv_heads;
       bool ok = true;
@@ -174,6 +180,7 @@ void run(const Shape& s, const at::Tensor& q, const at::Tensor& k, const at::Ten
                                                   last, scratch);
       }
       if (!ok) bad_slot = true;
+      item = following >= 0 ? following : next++;
     }
     if (attend_gemm != nullptr) at::native::cpublas::brgemm_release();  // hands an AMX tile configuration back
   });
@@ -263,17 +270,8 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
     TORCH_CHECK(start_p[r] >= 0 && start_p[r] + new_p[r] <= num_tokens, op, "row ", r, ": its tokens [",
                 start_p[r], ", ", start_p[r] + new_p[r], ") are outside q's ", num_tokens, " tokens");
   }
-  const Shape s{num_heads,
-                num_kv_heads,
-                head_dim,
-                (head_dim + kLanes - 1) / kLanes,
-                k_cache.size(1),
-                q.stride(0),
-                q.stride(1),
-                out.stride(0),
-                out.stride(1),
-                k_cache.stride(0),
-                k_cache.stride(1),
+  const Shape s{num_heads,   num_kv_heads, head_dim,      (head_dim + kLanes - 1) / kLanes, k_cache.size(1),
+                q.stride(0), q.stride(1),  out.stride(0), out.stride(1), k_cache.stride(0),     k_cache.stride(1),
                 static_cast<float>(scale)};
   const Rows rows{req_to_token.const_data_ptr<int64_t>(), row_p, len_p, start_p, new_p, req_to_token.stride(0)};
   switch (dtype) {
