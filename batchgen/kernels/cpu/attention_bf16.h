@@ -53,8 +53,8 @@ inline void transpose16(v16u rows[16]) {
 
 // Block packing for `block_len` keys at `slots` (keys past block_len read as zeros): kp[p * key_block + j] holds
 // key j's dims (2p, 2p + 1) for the 16-key groups the block reaches; vp[(j / 2) * head_dim + d] holds dim d of keys
-// j and j + 1 (even j). `pairs` = head_dim / 2, a multiple of 16. With `ahead`, requests kAheadKeys of the next
-// item's keys at each step of 16 keys (Scratch::request_next).
+// j and j + 1 (even j). `pairs` = head_dim / 2, a multiple of 16. With `ahead`, requests kAheadKeys of the rows it
+// aims at (the next block's, Scratch::request_next) at each step of 16 keys.
 inline void pack_block(const uint16_t* k, const uint16_t* v, const int64_t* slots, int64_t block_len, int64_t pairs,
                        int64_t slot_stride, uint32_t* kp, uint32_t* vp, int64_t key_block = kKeyBlock,
                        Scratch* ahead = nullptr) {

@@ -60,7 +60,9 @@ void norm_row(const S* s, const BFloat16* w, int64_t cols, float eps, O* o) {
   float tail = 0.f;
   for (int64_t c = full; c < cols; ++c) tail += value(s[c]) * value(s[c]);
   const float scale = 1.f / std::sqrt((hsumn(squares) + tail) / static_cast<float>(cols) + eps);
-  for (int64_t c = 0; c < full; c += kNativeLanes) store_value(o + c, loadn(w + c) * round_bf16(load_value(s + c) * scale));
+  for (int64_t c = 0; c < full; c += kNativeLanes) {
+    store_value(o + c, loadn(w + c) * round_bf16(load_value(s + c) * scale));
+  }
   for (int64_t c = full; c < cols; ++c) store_value(o + c, to_float(w[c]) * round_bf16(value(s[c]) * scale));
 }
 
@@ -142,7 +144,9 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up, std::optional<at::ScalarType>
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(batchgen, m) {
-  m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor? residual, ScalarType? out_dtype=None) -> (Tensor, Tensor)");
+  m.def(
+      "rms_norm(Tensor x, Tensor weight, float eps, Tensor? residual, ScalarType? out_dtype=None) -> (Tensor, "
+      "Tensor)");
   m.def("silu_and_mul(Tensor gate_up, ScalarType? out_dtype=None) -> Tensor");
   m.def(
       "rotary_embedding(Tensor positions, Tensor q, Tensor k, Tensor cos_table, Tensor sin_table) -> (Tensor, "

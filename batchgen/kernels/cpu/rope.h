@@ -48,8 +48,9 @@ inline void rotate_heads(const at::Tensor& x, int64_t t, const float* cos, const
 }
 
 void check_heads(const at::Tensor& t, const char* name, int64_t tokens, int64_t head_dim) {
-  TORCH_CHECK(t.dim() == 3 && t.size(0) == tokens && t.size(2) == head_dim && t.stride(2) == 1, "batchgen::rotary_embedding: ",
-              name, " must be [", tokens, ", heads, ", head_dim, "] with a contiguous last dimension, got ", t.sizes());
+  TORCH_CHECK(t.dim() == 3 && t.size(0) == tokens && t.size(2) == head_dim && t.stride(2) == 1,
+              "batchgen::rotary_embedding: ", name, " must be [", tokens, ", heads, ", head_dim,
+              "] with a contiguous last dimension, got ", t.sizes());
   TORCH_CHECK((t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kFloat) && t.device().is_cpu(),
               "batchgen::rotary_embedding: ", name, " must be a bfloat16 or float32 CPU tensor, got ", t.scalar_type(),
               " on ", t.device());

@@ -44,8 +44,9 @@ int64_t argmax_row(const float* x, int64_t n) {
 }
 
 at::Tensor argmax_rows(const at::Tensor& logits) {
-  TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0 && logits.stride(1) == 1, "batchgen::argmax_rows: logits must be ",
-              "[rows, vocab] with vocab > 0 and a contiguous last dimension, got ", logits.sizes());
+  TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0 && logits.stride(1) == 1,
+              "batchgen::argmax_rows: logits must be [rows, vocab] with vocab > 0 and a contiguous last dimension, ",
+              "got ", logits.sizes());
   TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.device().is_cpu(),
               "batchgen::argmax_rows: logits must be a float32 CPU tensor, got ", logits.scalar_type(), " on ",
               logits.device());
