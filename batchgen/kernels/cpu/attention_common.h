@@ -180,9 +180,9 @@ struct Scratch {
     std::fill_n(&acc[i * chunks], chunks, v16f{});
   }
 
-  // The pool's geometry for request_next, once a call (k: the pool's K, of the call's element type).
+  // The pool's geometry for request_next, once a call (T: the pool's element type).
   template <typename T>
-  void use_pool(const Shape& s, const T*) {
+  void use_pool(const Shape& s) {
     num_slots = s.num_slots;
     slot_bytes = s.kv_stride_slot * static_cast<int64_t>(sizeof(T));
     row_bytes = s.head_dim * static_cast<int64_t>(sizeof(T));

@@ -147,7 +147,7 @@ void run(const Shape& s, const at::Tensor& q, const at::Tensor& k, const at::Ten
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     Scratch scratch(block_queries, s.chunks);
-    scratch.use_pool(s, k_ptr);
+    scratch.use_pool<T>(s);
     // A thread claims its following item before it runs the current one, to request that item's first block of keys
     // meanwhile; only while `threads` items or more are unclaimed, so that a call of few items still uses every thread.
     auto claim_following = [&]() -> int64_t {
