@@ -36,6 +36,7 @@ class _LayerWeights:
     norms: tuple[torch.Tensor, torch.Tensor]  # input and post-attention RMSNorm weights
     weights: tuple[torch.Tensor, ...]  # the qkv, o, gate/up and down projections' own or brgemm-packed weights
     out_features: tuple[int, ...]  # the projections' widths where brgemm-packed; empty for their own weights
+    gate_up_silu: bool  # the gate/up projection runs with SiLU-and-multiply in its pass (MLP.gate_up_silu)
     biases: tuple[torch.Tensor | None, torch.Tensor | None]  # qkv's and o's float32 biases
     max_rows: int | None  # the most rows a call of its linear layers runs on those weights; None: any
 
@@ -59,10 +60,11 @@ def _layer_weights(layer: nn.Module) -> _LayerWeights | None:
             brgemm.append(linear.brgemm_weight)
     norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
     biases = (packed[0].bias, packed[1].bias)
-    if len(own) == len(packed):
-        return _LayerWeights(norms, tuple(own), (), biases, min(p.few_rows for p in packed))
+    fused = layer.mlp.gate_up_silu is not None
+    if len(own) == len(packed) and not fused:
+        return _LayerWeights(norms, tuple(own), (), fused, biases, min(p.few_rows for p in packed))
     if len(brgemm) == len(packed):
-        return _LayerWeights(norms, tuple(brgemm), tuple(p.out_features for p in packed), biases, None)
+        return _LayerWeights(norms, tuple(brgemm), tuple(p.out_features for p in packed), fused, biases, None)
     return None
 
 
@@ -87,6 +89,7 @@ class OneCallDecode:
         self.norms = [w for layer in layers for w in layer.norms] + [model.model.norm.weight]
         self.weights = [w for layer in layers for w in layer.weights]
         self.out_features = [n for layer in layers for n in layer.out_features]
+        self.gate_up_silu = [layer.gate_up_silu for layer in layers]
         self.biases = [b for layer in layers for b in layer.biases]
         device = model.rotary.cos_table.device
         self.q_starts = torch.arange(max_rows, dtype=torch.int64, device=device)  # a decode row's token is its index
@@ -149,5 +152,6 @@ class OneCallDecode:
             self.scale,
             self.brgemm,
             self.out_features,
+            self.gate_up_silu,
             self.attention_seconds,
         )

@@ -112,6 +112,7 @@ def test_the_call_gives_the_python_layers_bits(
     fused = [layer.mlp.gate_up_silu is not None for layer in runner.model.model.layers]
     whole_blocks = overrides.get("intermediate_size", 128) % COLUMN_BLOCK == 0
     assert fused == [whole_blocks and layers_setup["options"].get("deterministic", False)] * len(fused)
+    assert one_call.gate_up_silu == fused  # the call fuses where the model does, told rather than guessing
     biases = [m.bias for m in runner.model.modules() if isinstance(m, PackedLinear) and m.bias is not None]
     assert len(biases) == num_biases
     gen = torch.Generator().manual_seed(3)

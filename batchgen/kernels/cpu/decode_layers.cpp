@@ -65,7 +65,8 @@ const Ops& ops() {
 // Layer l's tensors: norms[2l], norms[2l + 1] (input and post-attention RMSNorm weights, bfloat16), weights[4l ..
 // 4l + 3] (the qkv, o, gate/up and down projections' weights: half-precision [out, in], or brgemm-packed where
 // out_features lists each one's output width), biases[2l], biases[2l + 1] (qkv's and o's float32 biases or None);
-// norms[2L] is the final norm's weight; brgemm as paged_attention takes it. Returns the final norm's bfloat16
+// norms[2L] is the final norm's weight; brgemm as paged_attention takes it; gate_up_silu: empty, or a flag a layer
+// for the projection and SiLU-and-multiply as one op. Returns the final norm's bfloat16
 // output. With attention_seconds (float64 [1]), adds the wall time of the attention calls to it: the benchmarks'
 // attention clock, which cannot see into this call otherwise.
 at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& positions, at::TensorList norms,
@@ -75,7 +76,7 @@ at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& positions, 
                          const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
                          const at::Tensor& seq_lens, const at::Tensor& q_starts, const at::Tensor& q_lens,
                          double scale, int64_t brgemm, at::IntArrayRef out_features,
-                         const OptionalTensor& attention_seconds) {
+                         const c10::List<bool>& gate_up_silu, const OptionalTensor& attention_seconds) {
   constexpr const char* op = "batchgen::decode_layers: ";
   const int64_t layers = k_buffer.size(0);
   TORCH_CHECK(k_buffer.dim() == 4 && v_buffer.sizes() == k_buffer.sizes(), op,
@@ -90,6 +91,9 @@ at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& positions, 
   const bool packed = !out_features.empty();
   TORCH_CHECK(!packed || out_features.size() == weights.size(), op, "out_features must list one width for each of ",
               weights.size(), " weights, got ", out_features.size());
+  TORCH_CHECK(gate_up_silu.empty() || static_cast<int64_t>(gate_up_silu.size()) == layers, op,
+              "gate_up_silu must be empty or hold one flag for each of ", layers, " layers, got ", gate_up_silu.size());
+  for (const bool fused : gate_up_silu) TORCH_CHECK(packed || !fused, op, "gate_up_silu needs brgemm-packed weights");
   TORCH_CHECK(hidden.dim() == 2, op, "hidden must be [tokens, hidden_size], got ", hidden.sizes());
   TORCH_CHECK(!attention_seconds || (attention_seconds->scalar_type() == at::kDouble &&
                                      attention_seconds->numel() == 1 && attention_seconds->device().is_cpu()),
@@ -122,11 +126,10 @@ at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& positions, 
     const at::Tensor projected = linear(attended.view({tokens, q_size}), 4 * l + 1, biases.get(2 * l + 1));
     auto [mlp_in, mlp_residual] = o.rms_norm.call(projected, norms[2 * l + 1], eps, residual, carrier);
     residual = mlp_residual;
-    // Where the gate/up halves are whole blocks of brgemm's packed columns, the projection and SiLU-and-multiply run
-    // as one op (brgemm_linear.cpp), with the bits of the two, as PackedLinear.fuses_silu_and_mul picks it.
-    const int64_t gate_up_width = packed ? out_features[4 * l + 2] : 0;
-    const at::Tensor activated = packed && gate_up_width % (2 * weights[4 * l + 2].size(2)) == 0
-                                     ? o.gate_up_silu.call(mlp_in, weights[4 * l + 2], gate_up_width / 2)
+    // The projection and SiLU-and-multiply as one op (brgemm_linear.cpp, the bits of the two) where the model fuses
+    // them (MLP.gate_up_silu).
+    const at::Tensor activated = !gate_up_silu.empty() && gate_up_silu.get(l)
+                                     ? o.gate_up_silu.call(mlp_in, weights[4 * l + 2], out_features[4 * l + 2] / 2)
                                      : o.silu_and_mul.call(linear(mlp_in, 4 * l + 2, std::nullopt), carrier);
     x = linear(activated, 4 * l + 3, std::nullopt);
   }
@@ -140,7 +143,7 @@ TORCH_LIBRARY_FRAGMENT(batchgen, m) {
       "decode_layers(Tensor hidden, Tensor positions, Tensor[] norms, Tensor[] weights, Tensor?[] biases, float eps, "
       "int num_heads, Tensor cos_table, Tensor sin_table, Tensor(a!) k_buffer, Tensor(b!) v_buffer, Tensor loc, "
       "Tensor req_to_token, Tensor req_pool_indices, Tensor seq_lens, Tensor q_starts, Tensor q_lens, float scale, "
-      "int brgemm, int[] out_features, Tensor(c!)? attention_seconds=None) -> Tensor");
+      "int brgemm, int[] out_features, bool[] gate_up_silu, Tensor(c!)? attention_seconds=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(batchgen, CPU, m) { m.impl("decode_layers", &decode_layers); }

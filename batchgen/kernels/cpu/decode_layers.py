@@ -37,6 +37,7 @@ def decode_layers(
     scale: float,
     brgemm: BrgemmRows = BrgemmRows.NEVER,
     out_features: Sequence[int] = (),
+    gate_up_silu: Sequence[bool] = (),
     attention_seconds: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Every decoder layer and the final RMSNorm over ``T`` new tokens, each layer RMSNorm (with the residual
@@ -64,6 +65,9 @@ def decode_layers(
         brgemm: the rows :func:`batchgen.kernels.cpu.paged_attention` runs through brgemm, as the round's
             attention backend chooses them.
         out_features: empty for half-precision weights; else each packed weight's output width (``4L`` ints).
+        gate_up_silu: empty, or ``L`` flags: where set, the layer's gate/up projection and SiLU-and-multiply run as
+            one op (:func:`~batchgen.kernels.cpu.brgemm_linear.brgemm_linear_silu_and_mul`, the same bits), as the
+            model's :class:`batchgen.models.llama.MLP` runs them; only with brgemm-packed weights.
         attention_seconds: a float64 ``[1]`` tensor to which the call adds the wall seconds of its attention (the
             benchmarks' attention clock, :mod:`batchgen.bench.attention_time`); ``None``: not timed.
 
@@ -93,6 +97,7 @@ def decode_layers(
         scale,
         int(brgemm),
         out_features,
+        gate_up_silu,
         attention_seconds,
     )
     return out
