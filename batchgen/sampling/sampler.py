@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from batchgen.kernels.cpu.sampling_ops import argmax_rows
+from batchgen.kernels.cpu.sampling_ops import argmax_rows, log_softmax_at
 from batchgen.sampling.grammar import apply_bitmask
 from batchgen.sampling.random import exponential_race, token_noise_keys
 from batchgen.sampling.rejection import rejection_sample
@@ -79,11 +79,21 @@ def sample(logits: torch.Tensor, info: SamplingBatchInfo, cpu_kernel: bool = Tru
                 drawn_from = torch.where(info.greedy[:, None], drawn_from, normalised)
     logprobs = top_ids = top_logprobs = None
     if info.need_logprobs:
-        source = processed if processed is not None else torch.log_softmax(raw, dim=-1)
-        logprobs = source.gather(1, next_ids[:, None]).squeeze(1)
         k = max(info.top_logprobs)
-        if k:
-            top_logprobs, top_ids = top_k_by_value_then_id(source, k)
+        if processed is not None:
+            logprobs = processed.gather(1, next_ids[:, None]).squeeze(1)
+            if k:
+                top_logprobs, top_ids = top_k_by_value_then_id(processed, k)
+        else:
+            # Raw logprobs at the ids read only (log_softmax keeps the logits' order), every row's by one formula
+            # whether or not another row asks for a top list, so that its bits do not depend on its company.
+            wanted = next_ids[:, None]
+            if k:
+                top_ids = top_k_by_value_then_id(raw, k)[1]
+                wanted = torch.cat([wanted, top_ids], dim=1)
+            values = log_softmax_at(raw, wanted, cpu_kernel)
+            logprobs = values[:, 0]
+            top_logprobs = values[:, 1:] if k else None
     return SampleOutput(next_ids, logprobs, top_ids, top_logprobs, drawn_from)
 
 

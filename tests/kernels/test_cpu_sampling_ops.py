@@ -3,6 +3,8 @@ runs its op).
 
 - ``argmax_rows``: torch.argmax's answer, the first index of each row's maximum or of its first NaN, for every row
   the C++ op gets and those it leaves to torch.
+- ``log_softmax_at``: log_softmax at given ids, within float32 rounding of float64's exact value, NaN where torch
+  gives NaN, the same bits for a row whatever the other rows.
 - ``exponential_race``: the C++ op, which computes the noise only where a token could still win, picks what the
   whole race written in torch picks (``argmax w / E`` over every token, float64), and its winners follow the
   weights (χ², the exponential race's theorem).
@@ -15,7 +17,7 @@ import torch
 from scipy.stats import chisquare
 
 from batchgen.kernels import cpu as cpu_kernels
-from batchgen.kernels.cpu.sampling_ops import argmax_rows
+from batchgen.kernels.cpu.sampling_ops import argmax_rows, log_softmax_at
 from batchgen.sampling.random import exponential_noise, exponential_race, token_noise_keys
 
 
@@ -60,6 +62,44 @@ def test_strided_rows_and_other_inputs() -> None:
     for other in (rows.half(), rows.double(), wide.t()):
         assert argmax_rows(other).tolist() == torch.argmax(other, dim=-1).tolist()
     assert argmax_rows(torch.empty(0, 5)).shape == (0,)
+
+
+@pytest.mark.parametrize("vocab", [1, 15, 16, 17, 1000, 49152])
+def test_log_softmax_at_is_log_softmax_at_those_ids(vocab: int) -> None:
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(12, vocab, generator=gen) * 8
+    logits[1] = 3.0  # all equal: -log(vocab) everywhere
+    logits[2, vocab // 2] = 100.0  # one token takes nearly all the mass: the others far below
+    logits[3, vocab - 1] = float("-inf")  # -inf in the tail past the vector loop: its logprob is -inf
+    logits[4, vocab // 3] = float("nan")  # rows torch makes NaN: a NaN, all -inf, a +inf
+    logits[5] = float("-inf")
+    logits[6, vocab - 1] = float("inf")
+    logits[7] = logits[7] + 1e4  # a large offset: the maximum is subtracted before exp
+    ids = torch.randint(0, vocab, (12, 4), generator=gen)
+    ids[:, 0] = vocab - 1
+    got = log_softmax_at(logits, ids)
+    exact = torch.log_softmax(logits.double(), dim=-1).gather(1, ids)
+    assert got.dtype == torch.float32 and got.shape == (12, 4)
+    nan = exact.isnan()
+    assert torch.equal(got.isnan(), nan) and torch.equal(
+        got.isnan(), torch.log_softmax(logits, -1).gather(1, ids).isnan()
+    )
+    torch.testing.assert_close(got[~nan].double(), exact[~nan], rtol=2e-6, atol=2e-6)
+    # A row's values are the same bits alone and beside others, in any position, and from a strided view.
+    for r in (0, 2, 7, 11):
+        assert torch.equal(log_softmax_at(logits[r : r + 1], ids[r : r + 1]), got[r : r + 1])
+    wide = torch.full((12, vocab + 9), 7.0)
+    wide[:, 5 : 5 + vocab] = logits
+    assert torch.equal(log_softmax_at(wide[:, 5 : 5 + vocab], ids).view(torch.int32), got.view(torch.int32))
+
+
+def test_log_softmax_at_refuses_ids_outside_the_vocabulary() -> None:
+    with pytest.raises(RuntimeError, match="outside"):
+        log_softmax_at(torch.zeros(2, 10), torch.tensor([[3], [10]]))
+    # Other inputs go to torch, which gives its own answer.
+    logits = torch.randn(3, 50, dtype=torch.float64)
+    ids = torch.tensor([[1], [2], [3]])
+    assert torch.equal(log_softmax_at(logits, ids), torch.log_softmax(logits, -1).gather(1, ids))
 
 
 def _keys(n: int, step: int = 3) -> torch.Tensor:

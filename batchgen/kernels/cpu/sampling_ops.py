@@ -34,6 +34,22 @@ def argmax_rows(logits: torch.Tensor, use_kernel: bool = True) -> torch.Tensor:
     return torch.argmax(logits, dim=-1)
 
 
+def log_softmax_at(logits: torch.Tensor, ids: torch.Tensor, use_kernel: bool = True) -> torch.Tensor:
+    """``torch.log_softmax(logits, dim=-1).gather(1, ids)``: float32 ``[rows, vocab]`` logits, int64 ``[rows, k]``
+    ids → ``[rows, k]`` in the logits' dtype; by the C++ op where :func:`kernel_takes` the logits (then float32),
+    which computes each row's maximum and log-sum-exp in two passes over it and never writes the
+    ``[rows, vocab]`` log_softmax, by torch elsewhere. The two agree to float32 rounding (the sums' order and the
+    exponential's last bits); NaN where torch gives NaN (a row with a NaN or without a finite maximum).
+
+    Raises:
+        RuntimeError: (``batchgen::log_softmax_at: ...``) ids outside ``[0, vocab)`` or of another shape.
+    """
+    if kernel_takes(logits, use_kernel):
+        out: torch.Tensor = torch.ops.batchgen.log_softmax_at(logits, ids)
+        return out
+    return torch.log_softmax(logits, dim=-1).gather(1, ids)
+
+
 def exponential_race_kernel(weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """The C++ op of :func:`batchgen.sampling.random.exponential_race` (check :func:`kernel_takes` first): the same
     winners, computing the noise only for tokens that could still win, in float64 as the torch code does."""
