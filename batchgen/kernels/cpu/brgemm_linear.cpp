@@ -20,6 +20,7 @@
 
 #include "bf16_round.h"
 #include "brgemm_bf16.h"
+#include "dot_tiles.h"
 #include "silu.h"
 
 #include <algorithm>
@@ -55,6 +56,19 @@ void store_block(const float* acc, int64_t ld_acc, const float* bias, Out* out, 
 struct Tile {
   int64_t m0, rows, block, offset, width;
 };
+
+// brgemm's result for tile t of x [M, K] against packed blocks w of `cols` columns, into acc (ld cols), while the
+// block at `next` (`next_bytes`) is requested, by dot_tile where it gives brgemm's bits here and has rows to overlap.
+inline void tile_product(const Tile& t, const c10::BFloat16* x, int64_t K, const c10::BFloat16* w, int64_t cols,
+                         float* acc, const c10::BFloat16* next, int64_t next_bytes) {
+  const c10::BFloat16* block = w + t.block * cols * K;
+  if (t.rows >= kDotTileMinRows && t.width % 16 == 0 && cols <= 64 && dot_tiles_match_brgemm()) {
+    dot_tile(t.rows, x + t.m0 * K, K, block, cols, t.offset, t.width, acc, cols,
+             reinterpret_cast<const char*>(next), next_bytes);
+  } else {
+    at::native::cpublas::brgemm(t.rows, t.width, K, K, cols, cols, false, x + t.m0 * K, block + t.offset * 2, acc);
+  }
+}
 
 // Runs run(tile, scratch) over the tiles of kRowBlock rows x `cols` columns that cover M rows and N columns (the last
 // block narrower where N is not a multiple of cols), each thread a contiguous run of them (row blocks outermost: a
@@ -119,8 +133,7 @@ at::Tensor brgemm_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   auto* out_f32 = reinterpret_cast<float*>(out.mutable_data_ptr());
   for_each_tile(M, N, blocks, cols, kRowBlock * cols, [&](const Tile& t, float* acc) {
     const int64_t n0 = t.block * cols + t.offset;
-    at::native::cpublas::brgemm(t.rows, t.width, K, K, cols, cols, false, xp + t.m0 * K,
-                                wp + t.block * cols * K + t.offset * 2, acc);
+    tile_product(t, xp, K, wp, cols, acc, wp + (t.block + 1) * cols * K, t.block + 1 < blocks ? cols * K * 2 : 0);
     const float* tile_bias = b != nullptr ? b + n0 : nullptr;
     if (round_to_bf16) {
       store_block(acc, cols, tile_bias, out_bf16 + t.m0 * N + n0, N, t.rows, t.width);
@@ -151,11 +164,11 @@ at::Tensor brgemm_linear_silu_and_mul(const at::Tensor& x, const at::Tensor& pac
   const int64_t half = blocks / 2;
   for_each_tile(M, intermediate, half, cols, 2 * kRowBlock * cols, [&](const Tile& t, float* gate) {
     float* up = gate + kRowBlock * cols;
-    const c10::BFloat16* a = xp + t.m0 * K;
-    at::native::cpublas::brgemm(t.rows, t.width, K, K, cols, cols, false, a, wp + t.block * cols * K + t.offset * 2,
-                                gate);
-    at::native::cpublas::brgemm(t.rows, t.width, K, K, cols, cols, false, a,
-                                wp + (t.block + half) * cols * K + t.offset * 2, up);
+    // The up block is what the gate's pass requests, the next gate block what the up block's does.
+    const int64_t block_bytes = cols * K * 2;
+    tile_product(t, xp, K, wp, cols, gate, wp + (t.block + half) * cols * K, block_bytes);
+    const Tile up_tile{t.m0, t.rows, t.block + half, t.offset, t.width};
+    tile_product(up_tile, xp, K, wp, cols, up, wp + (t.block + 1) * cols * K, t.block + 1 < half ? block_bytes : 0);
     for (int64_t i = 0; i < t.rows; ++i) {
       c10::BFloat16* o = op_out + (t.m0 + i) * intermediate + t.block * cols + t.offset;
       for (int64_t c = 0; c < t.width; c += kNativeLanes) {

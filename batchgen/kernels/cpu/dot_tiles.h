@@ -1,0 +1,135 @@
+// brgemm_linear's tiles of many rows on vdpbf16ps directly, with the weights' next block requested while a tile
+// computes: the same bits as brgemm's tile (checked at run time, dot_tiles_match_brgemm), faster where the weights
+// come from DRAM. brgemm passes a tile's block of W (K/2 pairs x 64 columns, 74 KB at K = 576) once per group of
+// rows, the first time from DRAM with its compute waiting on the reads; here the later groups' passes request the
+// block that comes next, so its reads overlap their compute (docs/performance.md has the figures).
+#pragma once
+
+#include <ATen/native/CPUBlas.h>
+#include <c10/util/BFloat16.h>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// Tiles of fewer rows stay on brgemm: one or two groups leave no pass to overlap with (measured, not required).
+constexpr int64_t kDotTileMinRows = 32;
+constexpr int64_t kDotGroupRows = 6;  // 6 rows x 4 vectors of 16 columns: 24 accumulators of the 32 registers
+constexpr int64_t kDotAheadPairs = 8;  // the first pass requests its own block this many pairs ahead
+
+#if defined(__AVX512BF16__)
+
+// acc[r][c * 16 ..] = sum over pairs p of x[r] pair p . W pair p of columns c * 16 .. c * 16 + 15, in p order from
+// zero in one float32 accumulator per output, as brgemm's vdpbf16ps kernel sums; at pair p < `count`, the line at
+// `ahead` + p * step is requested into L1.
+template <int R, int C>
+void dot_group(const int32_t* x, int64_t pairs, const char* w, int64_t w_row_bytes, float* acc, int64_t ld_acc,
+               const char* ahead, int64_t step, int64_t count) {
+  __m512 a[R][C];
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < C; ++c) a[r][c] = _mm512_setzero_ps();
+  }
+  for (int64_t p = 0; p < pairs; ++p) {
+    if (p < count) _mm_prefetch(ahead + p * step, _MM_HINT_T0);
+    __m512i wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = _mm512_loadu_si512(w + p * w_row_bytes + 64 * c);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xr = reinterpret_cast<__m512bh>(_mm512_set1_epi32(x[r * pairs + p]));
+      for (int c = 0; c < C; ++c) a[r][c] = _mm512_dpbf16_ps(a[r][c], xr, reinterpret_cast<__m512bh>(wv[c]));
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + r * ld_acc + 16 * c, a[r][c]);
+  }
+}
+
+using DotGroup = void (*)(const int32_t*, int64_t, const char*, int64_t, float*, int64_t, const char*, int64_t,
+                          int64_t);
+
+template <int R>
+constexpr std::array<DotGroup, 4> dot_groups_of() {
+  return {&dot_group<R, 1>, &dot_group<R, 2>, &dot_group<R, 3>, &dot_group<R, 4>};
+}
+
+// [rows in a group - 1][vectors of 16 columns - 1]
+constexpr std::array<std::array<DotGroup, 4>, kDotGroupRows> kDotGroups = {
+    dot_groups_of<1>(), dot_groups_of<2>(), dot_groups_of<3>(),
+    dot_groups_of<4>(), dot_groups_of<5>(), dot_groups_of<6>()};
+
+// Whether dot_tile runs here: the instruction is compiled in; dot_tiles_match_brgemm says whether it may replace
+// brgemm.
+constexpr bool kDotTilesBuilt = true;
+
+#else
+constexpr bool kDotTilesBuilt = false;
+#endif
+
+// brgemm(rows, width, K, K, cols, cols, false, x, w_block + offset pairs, acc) for rows x [rows, K] bfloat16
+// (row-major), columns [offset, offset + width) of a packed block ([K / 2][cols][2]), width a multiple of 16 up to 64;
+// `next` (up to `next_bytes`) is requested while the groups after the first run, spread evenly over their pairs.
+inline void dot_tile(int64_t rows, const c10::BFloat16* x, int64_t K, const c10::BFloat16* w_block, int64_t cols,
+                     int64_t offset, int64_t width, float* acc, int64_t ld_acc, const char* next,
+                     int64_t next_bytes) {
+#if defined(__AVX512BF16__)
+  const int64_t pairs = K / 2, w_row_bytes = cols * 4;
+  const auto* xp = reinterpret_cast<const int32_t*>(x);
+  const char* w = reinterpret_cast<const char*>(w_block) + offset * 4;
+  const int64_t groups = (rows + kDotGroupRows - 1) / kDotGroupRows;
+  // The later groups' share of `next`, a line every `step` bytes at each pair.
+  const int64_t share = groups > 1 ? (next_bytes + groups - 2) / (groups - 1) : 0;
+  const int64_t step = std::max<int64_t>(64, ((share + pairs - 1) / pairs + 63) / 64 * 64);
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t r0 = g * kDotGroupRows, n = std::min(kDotGroupRows, rows - r0);
+    const DotGroup run = kDotGroups[n - 1][width / 16 - 1];
+    if (g == 0) {
+      run(xp, pairs, w, w_row_bytes, acc, ld_acc, w + kDotAheadPairs * w_row_bytes, w_row_bytes,
+          pairs - kDotAheadPairs);
+    } else {
+      const int64_t from = (g - 1) * share;
+      const int64_t count = std::min(pairs, (std::min(share, next_bytes - from) + step - 1) / step);
+      run(xp + r0 * pairs, pairs, w, w_row_bytes, acc + r0 * ld_acc, ld_acc, next + from, step, count);
+    }
+  }
+#else
+  (void)rows, (void)x, (void)K, (void)w_block, (void)cols, (void)offset, (void)width, (void)acc, (void)ld_acc,
+      (void)next, (void)next_bytes;
+#endif
+}
+
+// Whether dot_tile may stand in for brgemm: built, and the same bits as brgemm on a probe of 40 rows x 64 columns x
+// K = 1,154 (whole groups and a part one; subnormal, huge and infinite inputs among the random ones). Where brgemm
+// sums in another order (AMX tiles), or flushes otherwise, the bits differ and brgemm keeps every tile.
+inline bool dot_tiles_match_brgemm() {
+  static const bool match = [] {
+    if (!kDotTilesBuilt) return false;
+    constexpr int64_t rows = 40, cols = 64, K = 1154;
+    std::vector<c10::BFloat16> x(rows * K), w(K * cols);
+    uint32_t state = 12345;
+    auto next_value = [&] {
+      state = state * 1664525u + 1013904223u;
+      return c10::BFloat16(static_cast<float>(static_cast<int32_t>(state >> 8) - (1 << 23)) * 0x1p-22f);
+    };
+    for (auto& v : x) v = next_value();
+    for (auto& v : w) v = next_value();
+    const float specials[] = {1e-39f, -1e-39f, 3e38f, -3e38f, 1e-30f, 65504.f};
+    for (int i = 0; i < 6; ++i) x[7 * K + 3 * i] = c10::BFloat16(specials[i]);
+    x[11 * K + 5] = c10::BFloat16(std::numeric_limits<float>::infinity());
+    std::vector<float> by_brgemm(rows * cols), by_dot(rows * cols);
+    at::native::cpublas::brgemm(rows, cols, K, K, cols, cols, false, x.data(), w.data(), by_brgemm.data());
+    at::native::cpublas::brgemm_release();
+    dot_tile(rows, x.data(), K, w.data(), cols, 0, cols, by_dot.data(), cols, nullptr, 0);
+    return std::memcmp(by_brgemm.data(), by_dot.data(), by_dot.size() * sizeof(float)) == 0;
+  }();
+  return match;
+}
+
+}  // namespace
