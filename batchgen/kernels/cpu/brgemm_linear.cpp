@@ -8,7 +8,8 @@
 // the attention kernel's brgemm path rests on, attention_brgemm.h). So: W is packed once into blocks of n columns
 // in the VNNI layout brgemm takes for B ([K/2][n][2]: the pairs (k 2p, k 2p + 1) of a column side by side), and a
 // call computes kRowBlock rows of x (fewer in the last) against one block (or a part of one, for_each_tile), the
-// whole of K at once.
+// whole of K at once. Tiles of many rows run on vdpbf16ps directly where that gives brgemm's bits (dot_tiles.h),
+// requesting the next weight block as they go.
 // brgemm_linear_silu_and_mul runs a SwiGLU MLP's gate/up projection with its activation in the same pass.
 
 #include <ATen/Parallel.h>

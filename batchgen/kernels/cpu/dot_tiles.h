@@ -21,9 +21,9 @@
 
 namespace {
 
-// Tiles of fewer rows stay on brgemm: one or two groups leave no pass to overlap with (measured, not required).
+// Tiles of fewer rows stay on brgemm, which streams the weights faster where there is little to compute beside them.
 constexpr int64_t kDotTileMinRows = 32;
-constexpr int64_t kDotGroupRows = 6;  // 6 rows x 4 vectors of 16 columns: 24 accumulators of the 32 registers
+constexpr int64_t kDotGroupRows = 6;  // at most 6 rows x 4 vectors of 16 columns: 24 accumulators of 32 registers
 constexpr int64_t kDotAheadPairs = 8;  // the first pass requests its own block this many pairs ahead
 
 #if defined(__AVX512BF16__)
@@ -88,7 +88,8 @@ inline void dot_tile(int64_t rows, const c10::BFloat16* x, int64_t K, const c10:
   const int64_t share = groups > 1 ? (next_bytes + groups - 2) / (groups - 1) : 0;
   const int64_t step = std::max<int64_t>(64, ((share + pairs - 1) / pairs + 63) / 64 * 64);
   for (int64_t g = 0; g < groups; ++g) {
-    const int64_t r0 = g * kDotGroupRows, n = std::min(kDotGroupRows, rows - r0);
+    // Rows spread evenly over the groups: a last group of one or two rows would wait on its few accumulators.
+    const int64_t r0 = rows * g / groups, n = rows * (g + 1) / groups - r0;
     const DotGroup run = kDotGroups[n - 1][width / 16 - 1];
     if (g == 0) {
       run(xp, pairs, w, w_row_bytes, acc, ld_acc, w + kDotAheadPairs * w_row_bytes, w_row_bytes,
@@ -105,12 +106,13 @@ inline void dot_tile(int64_t rows, const c10::BFloat16* x, int64_t K, const c10:
 #endif
 }
 
-// Whether dot_tile may stand in for brgemm: built, and the same bits as brgemm on a probe of 40 rows x 64 columns x
-// K = 1,154 (whole groups and a part one; subnormal, huge and infinite inputs among the random ones). Where brgemm
-// sums in another order (AMX tiles), or flushes otherwise, the bits differ and brgemm keeps every tile.
+// Whether dot_tile may stand in for brgemm: built, brgemm without AMX tiles (PyTorch's could_pack asks for them;
+// there brgemm is the faster), and the same bits as brgemm on a probe of 40 rows x 64 columns x K = 1,154
+// (subnormal, huge and infinite inputs among the random ones). Where brgemm sums in another order, or flushes
+// otherwise, the bits differ and brgemm keeps every tile.
 inline bool dot_tiles_match_brgemm() {
   static const bool match = [] {
-    if (!kDotTilesBuilt) return false;
+    if (!kDotTilesBuilt || at::native::cpublas::could_pack(at::kBFloat16)) return false;
     constexpr int64_t rows = 40, cols = 64, K = 1154;
     std::vector<c10::BFloat16> x(rows * K), w(K * cols);
     uint32_t state = 12345;
