@@ -6,12 +6,13 @@ backends do. The torch_native backend uses it for decode and verify rows on CPU 
 and for prefill rows too in bfloat16 on a CPU with AVX512-BF16 (``torch.ops.batchgen.has_bf16_dot_product()``),
 where they run as GEMMs through PyTorch's brgemm (``attention_brgemm.h``: AMX tiles or ``vdpbf16ps``).
 ``elementwise.cpp`` registers the fused RMSNorm, SiLU-and-multiply and RoPE of bfloat16 models
-(:mod:`batchgen.kernels.cpu.fused_elementwise`), ``sampling.cpp`` greedy sampling's argmax
-and the exponential race of random sampling (:mod:`batchgen.kernels.cpu.sampling_ops`), ``half_linear.cpp`` linear
-layers of a few rows on half-precision weights (:mod:`batchgen.kernels.cpu.half_linear`), ``decode_layers.cpp``
+(:mod:`batchgen.kernels.cpu.fused_elementwise`), ``sampling.cpp`` greedy sampling's argmax, the exponential race
+of random sampling and log_softmax at the ids read (:mod:`batchgen.kernels.cpu.sampling_ops`), ``half_linear.cpp``
+linear layers of a few rows on half-precision weights (:mod:`batchgen.kernels.cpu.half_linear`), ``decode_layers.cpp``
 the decoder layers of a decode round in one call (:mod:`batchgen.kernels.cpu.decode_layers`),
 ``brgemm_linear.cpp`` bfloat16 linear layers whose rows do not depend on each other, for ``--deterministic``
-(:mod:`batchgen.kernels.cpu.brgemm_linear`); ``vec16.h`` holds the vector helpers they share.
+(:mod:`batchgen.kernels.cpu.brgemm_linear`; ``dot_tiles.h`` runs its tiles of many rows where that gives brgemm's
+bits); ``vec16.h`` holds the vector helpers they share.
 
 The build needs a C++ compiler and ninja; it compiles once per machine with ``-O3 -march=native`` (about 10 s
 on 2 cores) into torch's extension cache (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``),
