@@ -20,8 +20,9 @@ class SampleOutput:
 
     ``logprobs`` float32 ``[n]`` is the chosen token's raw logprob (log_softmax of the unprocessed logits, as
     vLLM's default and the OpenAI API); ``top_ids`` int64 / ``top_logprobs`` float32 ``[n, k]`` the ``k`` most
-    likely tokens under the same distribution, ``k`` the largest count any row asked for. ``None`` when no
-    row asked. ``probs`` float32 ``[n, vocab]``, with ``info.return_probs``: the normalised distribution each row
+    likely tokens under the same distribution (ranked by their logits, whose order the rounding of the logprobs
+    could merge; equal logits by ascending id), ``k`` the largest count any row asked for. ``None`` when no row
+    asked. ``probs`` float32 ``[n, vocab]``, with ``info.return_probs``: the normalised distribution each row
     drew from (one-hot at the argmax for greedy rows); else ``None``.
     """
 

@@ -138,6 +138,28 @@ def test_the_call_gives_the_python_layers_bits(
         OneBatchRunner(engine).release(reqs)
 
 
+def test_a_layer_the_model_leaves_unfused_runs_unfused_in_the_call(tmp_path: Path) -> None:
+    """Shapes that could fuse, one layer left unfused by the model: the call follows the model's flags (and gives
+    its bits) rather than the shapes; a flag list of the wrong length is refused."""
+    if not cpu_kernels.brgemm_bf16_supported():
+        pytest.skip("needs PyTorch's brgemm with bfloat16 (AMX or AVX512-BF16), which this CPU lacks")
+    engine = _engine(build_random_model(tmp_path / "m", "llama"), max_running_requests=3, deterministic=True)
+    runner = engine.runner
+    runner.model.model.layers[1].mlp.gate_up_silu = None
+    one_call = OneCallDecode.from_model(runner.model, runner.attn_backend, 3)
+    assert one_call is not None and one_call.gate_up_silu == [True, False]
+    fb, reqs = _decode_round(engine, 3)
+    with torch.inference_mode():
+        runner.attn_backend.init_forward_metadata(fb)
+        plain = runner.model(fb.input_ids, fb.positions, fb)
+        got = one_call(fb)
+        assert _same_bits(got, plain)
+        one_call.gate_up_silu = [True]
+        with pytest.raises(RuntimeError, match="gate_up_silu must be empty or hold one flag for each of 2 layers"):
+            one_call(fb)
+    OneBatchRunner(engine).release(reqs)
+
+
 def test_the_runner_sends_its_decode_rounds_through_it(tmp_path: Path, float32_gemms: None) -> None:
     """``ModelRunner.forward`` on a round of 3 decode rows: the one call (and no Python attention) gives the
     logits the Python layers give on the same round."""

@@ -121,6 +121,32 @@ def test_processed_logprobs_follow_temperature() -> None:
     assert out.top_ids[0].tolist() == [0, 1] and torch.allclose(out.top_logprobs[0], expected[[0, 1]], atol=1e-6)
 
 
+@pytest.mark.parametrize("cpu_kernel", [True, False])
+def test_raw_top_logprobs_rank_by_logit_then_id(cpu_kernel: bool) -> None:
+    """Raw top lists against numpy: ids by descending logit, equal logits by ascending id (bfloat16-rounded logits
+    hold exact ties), values log_softmax of the unprocessed logits in float64; a grammar-masked or biased token keeps
+    its raw value, and a row that asks for fewer still gets the batch's k."""
+    generator = torch.Generator().manual_seed(3)
+    logits = (torch.randn(3, 300, generator=generator) * 3).bfloat16().float()
+    logits[0, [5, 9, 200]] = logits[0].max() + 1.0  # a three-way tie at the top
+    logits[2, :] = 0.0  # every token tied
+    params = [SamplingParams(temperature=0.0, top_logprobs=4, logit_bias=((9, -100.0),)), SamplingParams(top_logprobs=1)]
+    params.append(SamplingParams(temperature=0.0, top_logprobs=4))
+    info = SamplingBatchInfo.from_params(params, [0, 1, 2], [0, 0, 0], [[]] * 3, 300, torch.device("cpu"))
+    out = sample(logits.clone(), info, cpu_kernel)
+    values = logits.double().numpy()
+    expected_lp = values - values.max(1, keepdims=True)
+    expected_lp -= np.log(np.exp(expected_lp).sum(1, keepdims=True))
+    for row in range(3):
+        order = sorted(range(300), key=lambda i: (-values[row, i], i))[:4]
+        assert out.top_ids[row].tolist() == order
+        assert np.allclose(out.top_logprobs[row].numpy(), expected_lp[row, order], atol=1e-5)
+        chosen = int(out.next_token_ids[row])
+        assert abs(float(out.logprobs[row]) - expected_lp[row, chosen]) < 1e-5
+    assert out.top_ids[0].tolist()[:3] == [5, 9, 200] and int(out.next_token_ids[0]) == 5  # bias moves the draw only
+    assert out.top_ids[2].tolist() == [0, 1, 2, 3] and int(out.next_token_ids[2]) == 0
+
+
 # --- end to end on stories260k: cases B19, B24, B25, B26 ------------------------------------------------------
 
 PARK = "Lily and Ben went to the park."

@@ -107,29 +107,36 @@ inline void dot_tile(int64_t rows, const c10::BFloat16* x, int64_t K, const c10:
 }
 
 // Whether dot_tile may stand in for brgemm: built, brgemm without AMX tiles (PyTorch's could_pack asks for them;
-// there brgemm is the faster), and the same bits as brgemm on a probe of 40 rows x 64 columns x K = 1,154
-// (subnormal, huge and infinite inputs among the random ones). Where brgemm sums in another order, or flushes
-// otherwise, the bits differ and brgemm keeps every tile.
+// there brgemm is the faster), and the same bits as brgemm on probes of 40 rows x each width the tiles take (16 to 64
+// columns, at the far end of a 64-column block) x K = 1,154 and 8,962 (subnormal, huge and infinite inputs among the
+// random ones). Where brgemm sums in another order, or flushes otherwise, the bits differ and brgemm keeps every tile.
 inline bool dot_tiles_match_brgemm() {
   static const bool match = [] {
     if (!kDotTilesBuilt || at::native::cpublas::could_pack(at::kBFloat16)) return false;
-    constexpr int64_t rows = 40, cols = 64, K = 1154;
-    std::vector<c10::BFloat16> x(rows * K), w(K * cols);
+    constexpr int64_t rows = 40, cols = 64;
     uint32_t state = 12345;
     auto next_value = [&] {
       state = state * 1664525u + 1013904223u;
       return c10::BFloat16(static_cast<float>(static_cast<int32_t>(state >> 8) - (1 << 23)) * 0x1p-22f);
     };
-    for (auto& v : x) v = next_value();
-    for (auto& v : w) v = next_value();
-    const float specials[] = {1e-39f, -1e-39f, 3e38f, -3e38f, 1e-30f, 65504.f};
-    for (int i = 0; i < 6; ++i) x[7 * K + 3 * i] = c10::BFloat16(specials[i]);
-    x[11 * K + 5] = c10::BFloat16(std::numeric_limits<float>::infinity());
-    std::vector<float> by_brgemm(rows * cols), by_dot(rows * cols);
-    at::native::cpublas::brgemm(rows, cols, K, K, cols, cols, false, x.data(), w.data(), by_brgemm.data());
-    at::native::cpublas::brgemm_release();
-    dot_tile(rows, x.data(), K, w.data(), cols, 0, cols, by_dot.data(), cols, nullptr, 0);
-    return std::memcmp(by_brgemm.data(), by_dot.data(), by_dot.size() * sizeof(float)) == 0;
+    for (const int64_t K : {1154, 8962}) {
+      std::vector<c10::BFloat16> x(rows * K), w(K * cols);
+      for (auto& v : x) v = next_value();
+      for (auto& v : w) v = next_value();
+      const float specials[] = {1e-39f, -1e-39f, 3e38f, -3e38f, 1e-30f, 65504.f};
+      for (int i = 0; i < 6; ++i) x[7 * K + 3 * i] = c10::BFloat16(specials[i]);
+      x[11 * K + 5] = c10::BFloat16(std::numeric_limits<float>::infinity());
+      for (int64_t width = 16; width <= cols; width += 16) {
+        const int64_t offset = cols - width;
+        std::vector<float> by_brgemm(rows * cols), by_dot(rows * cols);
+        at::native::cpublas::brgemm(rows, width, K, K, cols, cols, false, x.data(), w.data() + offset * 2,
+                                    by_brgemm.data());
+        at::native::cpublas::brgemm_release();
+        dot_tile(rows, x.data(), K, w.data(), cols, offset, width, by_dot.data(), cols, nullptr, 0);
+        if (std::memcmp(by_brgemm.data(), by_dot.data(), by_dot.size() * sizeof(float)) != 0) return false;
+      }
+    }
+    return true;
   }();
   return match;
 }
