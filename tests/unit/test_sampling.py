@@ -130,8 +130,11 @@ def test_raw_top_logprobs_rank_by_logit_then_id(cpu_kernel: bool) -> None:
     logits = (torch.randn(3, 300, generator=generator) * 3).bfloat16().float()
     logits[0, [5, 9, 200]] = logits[0].max() + 1.0  # a three-way tie at the top
     logits[2, :] = 0.0  # every token tied
-    params = [SamplingParams(temperature=0.0, top_logprobs=4, logit_bias=((9, -100.0),)), SamplingParams(top_logprobs=1)]
-    params.append(SamplingParams(temperature=0.0, top_logprobs=4))
+    params = [
+        SamplingParams(temperature=0.0, top_logprobs=4, logit_bias=((9, -100.0),)),
+        SamplingParams(top_logprobs=1),
+        SamplingParams(temperature=0.0, top_logprobs=4),
+    ]
     info = SamplingBatchInfo.from_params(params, [0, 1, 2], [0, 0, 0], [[]] * 3, 300, torch.device("cpu"))
     out = sample(logits.clone(), info, cpu_kernel)
     values = logits.double().numpy()
