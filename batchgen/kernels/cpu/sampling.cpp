@@ -21,7 +21,13 @@
 
 namespace {
 
-int64_t argmax_row(const float* x, int64_t n) {
+// The largest of x[0 .. n) (NaNs aside) and whether any is NaN: one pass, in the vector's lanes then across them.
+struct RowMax {
+  float max;
+  bool has_nan;
+};
+
+RowMax row_max(const float* x, int64_t n) {
   const int64_t full = n / kNativeLanes * kNativeLanes;
   vnf best = vnf{} - kInf;
   vni nan = {};
@@ -40,6 +46,11 @@ int64_t argmax_row(const float* x, int64_t n) {
     has_nan = has_nan || std::isnan(x[i]);
     m = std::max(m, x[i]);
   }
+  return {m, has_nan};
+}
+
+int64_t argmax_row(const float* x, int64_t n) {
+  const auto [m, has_nan] = row_max(x, n);
   for (int64_t i = 0; i < n; ++i) {
     if (has_nan ? std::isnan(x[i]) : x[i] == m) return i;
   }
@@ -138,34 +149,17 @@ at::Tensor exponential_race(const at::Tensor& weights, const at::Tensor& keys) {
   return out;
 }
 
-
 // log_softmax(x)[id] = (x[id] - m) - log(sum_j exp(x_j - m)), m the row's maximum (the form PyTorch's log_softmax
 // computes), at the k ids of one row: two passes over x (the maximum, then the sum: the row, under 1 MiB for common
 // vocabularies, stays in L2 between them), each sum in the vector's lanes then across them. NaN for every id where
 // the row holds a NaN or has no finite maximum (all -inf, or a +inf), as PyTorch gives.
 void log_softmax_row(const float* x, int64_t n, const int64_t* ids, int64_t k, float* out) {
-  const int64_t full = n / kNativeLanes * kNativeLanes;
-  vnf best = vnf{} - kInf;
-  vni nan = {};
-  for (int64_t i = 0; i < full; i += kNativeLanes) {
-    const vnf v = loadn(x + i);
-    nan |= v != v;
-    best = v > best ? v : best;
-  }
-  float m = -kInf;
-  bool has_nan = false;
-  for (int64_t l = 0; l < kNativeLanes; ++l) {
-    m = std::max(m, best[l]);
-    has_nan = has_nan || nan[l] != 0;
-  }
-  for (int64_t i = full; i < n; ++i) {
-    has_nan = has_nan || std::isnan(x[i]);
-    m = std::max(m, x[i]);
-  }
+  const auto [m, has_nan] = row_max(x, n);
   if (has_nan || !std::isfinite(m)) {
     std::fill_n(out, k, std::numeric_limits<float>::quiet_NaN());
     return;
   }
+  const int64_t full = n / kNativeLanes * kNativeLanes;
   vnf sums = {};
   for (int64_t i = 0; i < full; i += kNativeLanes) sums += exp_nonpositive(loadn(x + i) - m);
   float sum = 0.f;
