@@ -10,9 +10,8 @@ where they run as GEMMs through PyTorch's brgemm (``attention_brgemm.h``: AMX ti
 of random sampling and log_softmax at the ids read (:mod:`batchgen.kernels.cpu.sampling_ops`), ``half_linear.cpp``
 linear layers of a few rows on half-precision weights (:mod:`batchgen.kernels.cpu.half_linear`), ``decode_layers.cpp``
 the decoder layers of a decode round in one call (:mod:`batchgen.kernels.cpu.decode_layers`),
-``brgemm_linear.cpp`` bfloat16 linear layers whose rows do not depend on each other, for ``--deterministic``
-(:mod:`batchgen.kernels.cpu.brgemm_linear`; ``dot_tiles.h`` runs its tiles of many rows where that gives brgemm's
-bits); ``vec16.h`` holds the vector helpers they share.
+``brgemm_linear.cpp`` bfloat16 linear layers whose rows do not depend on each other (``--deterministic``;
+:mod:`~batchgen.kernels.cpu.brgemm_linear`, ``dot_tiles.h``); ``vec16.h`` holds the vector helpers they share.
 
 The build needs a C++ compiler and ninja; it compiles once per machine with ``-O3 -march=native`` (about 10 s
 on 2 cores) into torch's extension cache (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``),
