@@ -3,17 +3,17 @@
 Before anything imports torch it keeps PyTorch's OpenMP threads spinning between ops
 (:func:`batchgen.environment.keep_openmp_threads_spinning`).
 
-Importing the CLI imports torch and transformers, which takes seconds; a Ctrl-C in that time would otherwise end
-in a KeyboardInterrupt traceback from deep inside an import. Here it ends the process quietly, as a stop does
-(128 + SIGINT). Once the command runs, its own handlers take over (:mod:`batchgen.job.interrupts`).
+Importing the CLI imports torch and transformers, which takes seconds, and Typer then reads the command line; a
+Ctrl-C in that time would otherwise end in a KeyboardInterrupt traceback from deep inside an import, or in no word
+at all. Here it ends the process with one line, as a stop does (128 + SIGINT); once a command starts, its own
+handling takes over (:func:`batchgen.cli.release_startup_interrupts`, :mod:`batchgen.job.interrupts`).
 """
 
 from __future__ import annotations
 
-import signal
 import sys
 
-from batchgen.cli import version_line
+from batchgen.cli import hold_startup_interrupts, version_line
 from batchgen.environment import keep_openmp_threads_spinning
 
 
@@ -23,9 +23,7 @@ def main() -> None:
         print(version_line())
         return
     keep_openmp_threads_spinning()  # before the CLI imports torch
-    try:
-        from batchgen.cli.app import main as run_cli
-    except KeyboardInterrupt:
-        print("batchgen: interrupted while starting", file=sys.stderr)
-        raise SystemExit(128 + signal.SIGINT) from None
+    hold_startup_interrupts()
+    from batchgen.cli.app import main as run_cli
+
     run_cli()

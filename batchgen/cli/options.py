@@ -21,6 +21,7 @@ from typer._click.core import Context  # the click typer vendors: its commands t
 from typer.core import TyperArgument, TyperCommand
 
 from batchgen.api.options import OPTION_CLASSES, declared_options
+from batchgen.cli import release_startup_interrupts
 
 
 def with_options(
@@ -49,6 +50,7 @@ def with_options(
 
         @functools.wraps(func)
         def command(**values: Any) -> None:
+            release_startup_interrupts()
             for name, (cls, names) in groups.items():
                 given = {n: values.pop(n) for n in names}
                 values[name] = cls(**{n: tuple(v) if isinstance(v, list) else v for n, v in given.items()})

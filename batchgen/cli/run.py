@@ -38,17 +38,19 @@ def run(
     input_options: InputOptions,
 ) -> None:
     """Generate a completion for every row of DATASET and write one result row per prompt to OUT."""
-    from transformers.utils import logging as transformers_logging
-
-    from batchgen.api.run import run_dataset
-    from batchgen.io.partial_output import partial_dir
-    from batchgen.job.resume import resume_command
-    from batchgen.job.summary import raise_if_failed
-
-    # batchgen reports problems with the input itself, one line each; transformers' notes would only add noise.
-    transformers_logging.set_verbosity_error()
     with user_errors(ctx):
         try:
+            # Imported within the Ctrl-C's reach too: they take seconds, and Typer would end a KeyboardInterrupt
+            # raised outside this block with no word.
+            from transformers.utils import logging as transformers_logging
+
+            from batchgen.api.run import run_dataset
+            from batchgen.io.partial_output import partial_dir
+            from batchgen.job.resume import resume_command
+            from batchgen.job.summary import raise_if_failed
+
+            # batchgen reports problems with the input itself, one line each; transformers' notes would only add noise.
+            transformers_logging.set_verbosity_error()
             summary = run_dataset(dataset, out, options, defaults, job_options, input_options)
         except KeyboardInterrupt:  # before the job's own handlers are in place: loading the model, building kernels
             print("batchgen: interrupted while starting, before any row ran", file=sys.stderr)

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import typer
 
+from batchgen.cli import release_startup_interrupts
 from batchgen.cli.user_errors import user_errors
 
 
@@ -16,6 +17,7 @@ def status(
     """Show how far the run from DATASET to OUT has got: rows done, remaining and errored."""
     from batchgen.job.status import output_status
 
+    release_startup_interrupts()
     with user_errors():
         for line in output_status(dataset, out):
             print(line)

@@ -3,6 +3,7 @@ silently half-understood, and about fields that pass through as JSON text, so th
 
 from __future__ import annotations
 
+import difflib
 import sys
 from pathlib import Path
 
@@ -27,15 +28,20 @@ _SAMPLING_NAMES_FOLDED = {key.lower(): key for key in (*SAMPLING_FIELDS, *SAMPLI
 
 
 def foreign_field_warning(name: str) -> str | None:
-    """Why pass-through field ``name`` is probably a mistake (``field 'Temperature' is not a sampling field (did you
-    mean 'temperature'?); it is passed through unused``), or ``None`` for a field that looks like none."""
+    """Why pass-through field ``name`` is probably a mistake (``field 'temprature' is not a sampling field (did you
+    mean 'temperature'?); it is passed through unused``), or ``None`` for a field that looks like none: a sampling
+    field's name in other letter case, another engine's name for one, or a near miss of one (difflib's similarity
+    ratio of 0.8 or more, as the OpenAI Batch reader and the Python API judge misspellings)."""
     hint = _SAMPLING_NAMES_FOLDED.get(name.lower())
     if hint is None and name in _FOREIGN_SAMPLING_NAMES:
         hint = _FOREIGN_SAMPLING_NAMES[name]
         if hint is None:
             return f"field '{name}' is not supported (yet); it is passed through unused"
     if hint is None:
-        return None
+        close = difflib.get_close_matches(name.lower(), sorted(_SAMPLING_NAMES_FOLDED), n=1, cutoff=0.8)
+        if not close:
+            return None
+        hint = _SAMPLING_NAMES_FOLDED[close[0]]
     return f"field '{name}' is not a sampling field (did you mean '{hint}'?); it is passed through unused"
 
 

@@ -170,20 +170,28 @@ def test_version() -> None:
 
 
 _CTRL_C_WHILE_IMPORTING = """
-import importlib.abc, sys
+import importlib.abc, os, signal, sys
+MODULE = sys.argv.pop(1)
 class CtrlC(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name == "transformers":  # the CLI's imports take seconds; a Ctrl-C lands in one of them
-            raise KeyboardInterrupt
+        if name == MODULE:  # a real SIGINT, as a Ctrl-C sends it, while this module is imported
+            os.kill(os.getpid(), signal.SIGINT)
 sys.meta_path.insert(0, CtrlC())
 from batchgen.cli.entry import main
 main()
 """
 
 
-def test_ctrl_c_while_the_cli_imports_is_one_line_and_130() -> None:
+@pytest.mark.parametrize(
+    "module",
+    [
+        "transformers",  # the CLI's imports take seconds
+        "typer._adapters",  # Typer reading the command line imports pydantic, and ends a KeyboardInterrupt silently
+    ],
+)
+def test_ctrl_c_while_the_cli_starts_is_one_line_and_130(module: str) -> None:
     result = subprocess.run(
-        [sys.executable, "-c", _CTRL_C_WHILE_IMPORTING, "run", "in.jsonl", "--out", "o.arrow"],
+        [sys.executable, "-c", _CTRL_C_WHILE_IMPORTING, module, "run", "in.jsonl", "--out", "o.arrow"],
         capture_output=True,
         text=True,
         timeout=300,

@@ -220,6 +220,13 @@ def test_unknown_option_is_a_type_error_and_a_bad_value_the_cli_message(
         generator.generate(["x"], temperature=-1)
     with pytest.raises(BatchgenError, match="^--on-error must be fail or skip, got 'ignore'$"):
         generator.generate(["x"], on_error="ignore")
+    # A value of the wrong type: the message a row's field gets, not a TypeError from deep in a check.
+    with pytest.raises(BatchgenError, match='^--max-new-tokens: must be an integer, got "ten"$'):
+        generator.generate(["x"], max_new_tokens="ten")
+    with pytest.raises(BatchgenError, match='^--temperature: must be a number, got "hot"$'):
+        batchgen.run(tmp_path / "in.jsonl", tmp_path / "out.jsonl", temperature="hot")
+    with pytest.raises(BatchgenError, match=r"^--stop: must be a string or a list of strings, got \[5\]$"):
+        generator.generate(["x"], stop=5)
     with pytest.raises(BatchgenError, match="^--n 5 exceeds --max-running-requests 4$"):
         generator.generate(["x"], n=5)
 

@@ -115,7 +115,17 @@ def test_top_logprobs_without_logprobs_is_rejected(random_models: dict[str, Path
 def test_foreign_sampling_field_names_are_warned_about(random_models: dict[str, Path], tmp_path: Path) -> None:
     dataset = write_jsonl(
         tmp_path / "p.jsonl",
-        [{"prompt": "hi", "min_tokens": 2, "Temperature": 0, "best_of": 2, "response_format": {"type": "json_object"}}],
+        [
+            {
+                "prompt": "hi",
+                "min_tokens": 2,
+                "Temperature": 0,
+                "best_of": 2,
+                "response_format": {"type": "json_object"},
+                "max_new_token": 9,
+                "category": "greeting",  # data, like none of the sampling fields: no warning
+            }
+        ],
     )
     # Sampled ('Temperature' is not read): --ignore-eos and --seed, so that no early EOS ends the row.
     extra = ("--max-new-tokens", "3", "--ignore-eos", "--seed", "0")
@@ -125,6 +135,8 @@ def test_foreign_sampling_field_names_are_warned_about(random_models: dict[str, 
     assert "field 'Temperature' is not a sampling field (did you mean 'temperature'?)" in output
     assert "field 'best_of' is not supported (yet)" in output
     assert "field 'response_format' is not a sampling field (did you mean 'json_schema'?)" in output
+    assert "field 'max_new_token' is not a sampling field (did you mean 'max_new_tokens'?)" in output  # a near miss
+    assert "'category'" not in output
     row = json.loads((tmp_path / "o.jsonl").read_text())
     assert row["completion_tokens"] == 3 and row["min_tokens"] == 2
 
