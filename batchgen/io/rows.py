@@ -167,8 +167,10 @@ def _check_messages(value: Any, fail: _Fail) -> list[dict[str, str]]:
             raise fail("messages", f"item {i} must be an object, got {json_type_name(item)}")
         message: dict[str, str] = {}
         for key in ("role", "content"):
-            if not isinstance(item.get(key), str):
-                raise fail("messages", f"item {i}: '{key}' must be a string, got {json_type_name(item.get(key))}")
+            if key not in item:
+                raise fail("messages", f"item {i}: '{key}' is missing")
+            if not isinstance(item[key], str):
+                raise fail("messages", f"item {i}: '{key}' must be a string, got {json_type_name(item[key])}")
         for key, part in item.items():
             # Parquet stores messages as structs, which fill keys absent in this message with nulls.
             if part is None:

@@ -88,6 +88,8 @@ def resolve_model(spec: str, cache_dir: Path | None = None) -> Path:
         return _resolve_builtin(BUILTIN_MODELS[spec], cache_root(cache_dir) / "models")
     if not path.exists() and _HUB_ID.fullmatch(spec):
         return _resolve_hub(spec)
+    if not path.exists() and (path.is_absolute() or spec.startswith((".", "~"))):
+        raise BatchgenError(f"{spec}: no such model directory")
     raise BatchgenError(
         f"unknown model '{spec}': expected a model directory, a .gguf file, "
         f"a built-in name ({', '.join(BUILTIN_MODEL_NAMES)}) or a Hugging Face hub id"

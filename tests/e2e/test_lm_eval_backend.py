@@ -215,7 +215,7 @@ def test_requests_truncation_cannot_fix_do_not_stop_the_evaluation(
 
 
 BAD_MODEL_ARGS = [
-    ("pretrained=/no/such/model", "unknown model '/no/such/model'"),
+    ("pretrained=/no/such/model", "/no/such/model: no such model directory"),
     ("dtype=float32", "--model_args needs pretrained=MODEL"),
     ("pretrained={model},max_length=abc", "--model_args max_length: must be an integer >= 1, got 'abc'"),
     ("pretrained={model},max_length=-5", "--model_args max_length: must be an integer >= 1, got -5"),

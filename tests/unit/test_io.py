@@ -424,7 +424,7 @@ def test_parse_row_two_prompts() -> None:
         ({"messages": "hi"}, "messages", "must be a non-empty array of {role, content} objects, got string"),
         ({"messages": []}, "messages", "must be a non-empty array of {role, content} objects, got an empty array"),
         ({"messages": [{"role": "user", "content": "a"}, "x"]}, "messages", "item 1 must be an object, got string"),
-        ({"messages": [{"role": "user"}]}, "messages", "item 0: 'content' must be a string, got null"),
+        ({"messages": [{"role": "user"}]}, "messages", "item 0: 'content' is missing"),
         ({"messages": [{"role": 1, "content": "a"}]}, "messages", "item 0: 'role' must be a string, got number"),
         ({"messages": [{"role": "u", "content": "a", "x": 1}]}, "messages", "item 0: 'x' must be a string, got number"),
         ({"prompt_token_ids": "1 2"}, "prompt_token_ids", "must be a non-empty array of integers, got string"),
