@@ -142,9 +142,7 @@ CASES: dict[str, Case] = {
         _bad(messages=[]), "messages", "must be a non-empty array of {role, content} objects, got an empty array"
     ),
     "messages_item_not_object": Case(_bad(messages=["hi"]), "messages", "item 0 must be an object, got string"),
-    "messages_item_no_content": Case(
-        _bad(messages=[{"role": "user"}]), "messages", "item 0: 'content' is missing"
-    ),
+    "messages_item_no_content": Case(_bad(messages=[{"role": "user"}]), "messages", "item 0: 'content' is missing"),
     "prompt_token_ids_string_item": Case(
         _bad(prompt_token_ids=[0, "a"]), "prompt_token_ids", 'item 1 must be an integer, got "a"'
     ),
