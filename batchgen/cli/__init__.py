@@ -3,6 +3,7 @@
 Importing this package imports nothing heavy; ``batchgen.cli.app`` pulls in torch and transformers.
 """
 
+import os
 import signal
 import sys
 from types import FrameType
@@ -16,8 +17,10 @@ def version_line() -> str:
 
 
 def _interrupted_while_starting(signum: int, frame: FrameType | None) -> None:
-    print("batchgen: interrupted while starting", file=sys.stderr)
-    raise SystemExit(128 + signal.SIGINT)
+    print("batchgen: interrupted while starting", file=sys.stderr, flush=True)
+    # Not SystemExit: torch's C++ imports swallow an exception raised inside them and start-up would go on. Nothing
+    # needs closing yet: no command has started.
+    os._exit(128 + signal.SIGINT)
 
 
 def hold_startup_interrupts() -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+import sys
 from pathlib import Path
 
 import typer
@@ -19,5 +21,9 @@ def status(
 
     release_startup_interrupts()
     with user_errors():
-        for line in output_status(dataset, out):
-            print(line)
+        try:
+            for line in output_status(dataset, out):
+                print(line)
+        except KeyboardInterrupt:  # Typer would end it with no word; status only reads, nothing to flush
+            print("batchgen: interrupted", file=sys.stderr)
+            raise typer.Exit(128 + signal.SIGINT) from None

@@ -4,6 +4,7 @@ silently half-understood, and about fields that pass through as JSON text, so th
 from __future__ import annotations
 
 import difflib
+import functools
 import sys
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pyarrow as pa
 
 from batchgen.io.input_options import InputOptions
 from batchgen.io.passthrough import is_json_text
+from batchgen.io.writer import OUTPUT_COLUMNS
 from batchgen.sampling.sampling_params import SAMPLING_FIELD_ALIASES, SAMPLING_FIELDS
 
 # Names other engines use for sampling fields → batchgen's name (None: batchgen has no such field).
@@ -25,20 +27,26 @@ _FOREIGN_SAMPLING_NAMES = {
 
 # Every sampling field and alias by its lower-cased name: 'Temperature' is a misspelt 'temperature'.
 _SAMPLING_NAMES_FOLDED = {key.lower(): key for key in (*SAMPLING_FIELDS, *SAMPLING_FIELD_ALIASES)}
+# The similarity (difflib's ratio) from which a field's name is a misspelt sampling field's: 'temprature' and
+# 'topk' are (0.95, 0.89); data such as 'top', 'num_tokens' or 'seeded' (0.8 to 0.86) is not.
+_NEAR_MISS = 0.88
 
 
+@functools.cache  # asked for every field of every row the Python API is given
 def foreign_field_warning(name: str) -> str | None:
     """Why pass-through field ``name`` is probably a mistake (``field 'temprature' is not a sampling field (did you
     mean 'temperature'?); it is passed through unused``), or ``None`` for a field that looks like none: a sampling
-    field's name in other letter case, another engine's name for one, or a near miss of one (difflib's similarity
-    ratio of 0.8 or more, as the OpenAI Batch reader and the Python API judge misspellings)."""
+    field's name in other letter case, another engine's name for one, or a near miss of one (``_NEAR_MISS``; not
+    batchgen's own output columns, as in an output read back)."""
     hint = _SAMPLING_NAMES_FOLDED.get(name.lower())
     if hint is None and name in _FOREIGN_SAMPLING_NAMES:
         hint = _FOREIGN_SAMPLING_NAMES[name]
         if hint is None:
             return f"field '{name}' is not supported (yet); it is passed through unused"
     if hint is None:
-        close = difflib.get_close_matches(name.lower(), sorted(_SAMPLING_NAMES_FOLDED), n=1, cutoff=0.8)
+        if name in OUTPUT_COLUMNS.names:
+            return None
+        close = difflib.get_close_matches(name.lower(), sorted(_SAMPLING_NAMES_FOLDED), n=1, cutoff=_NEAR_MISS)
         if not close:
             return None
         hint = _SAMPLING_NAMES_FOLDED[close[0]]

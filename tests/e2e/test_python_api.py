@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
@@ -227,6 +228,11 @@ def test_unknown_option_is_a_type_error_and_a_bad_value_the_cli_message(
         batchgen.run(tmp_path / "in.jsonl", tmp_path / "out.jsonl", temperature="hot")
     with pytest.raises(BatchgenError, match=r"^--stop: must be a string or a list of strings, got \[5\]$"):
         generator.generate(["x"], stop=5)
+    with pytest.raises(BatchgenError, match="^--n: must be an integer, got 2.0$"):
+        generator.generate(["x"], n=2.0)
+    # numpy's numbers are numbers (a value read from a DataFrame or computed with numpy).
+    rows = generator.generate(["x"], max_new_tokens=np.int64(2), temperature=np.float32(0.5), top_k=np.int32(3))
+    assert len(rows[0]["output_token_ids"]) <= 2
     with pytest.raises(BatchgenError, match="^--n 5 exceeds --max-running-requests 4$"):
         generator.generate(["x"], n=5)
 
