@@ -76,7 +76,10 @@ def resolve_model(spec: str, cache_dir: Path | None = None) -> Path:
         BatchgenError: when the spec matches nothing, the directory is not a usable model, a download or
             checksum fails, or GGUF conversion is impossible (e.g. ``gguf``/``accelerate`` not installed).
     """
-    path = Path(spec).expanduser()
+    try:
+        path = Path(spec).expanduser()
+    except RuntimeError:  # ~user of no such user
+        raise BatchgenError(f"{spec}: no such model directory") from None
     if path.is_dir():
         check_model_dir(path)
         return path

@@ -61,7 +61,7 @@ def test_unknown_spec(spec: str) -> None:
     )
 
 
-@pytest.mark.parametrize("spec", ["./no/such/dir", "/abs/missing/dir", "~/no/such/dir"])
+@pytest.mark.parametrize("spec", ["./no/such/dir", "/abs/missing/dir", "~/no/such/dir", "~no_such_user_x/m"])
 def test_a_missing_path_is_named_as_one(spec: str) -> None:
     """A spec written as a path (absolute, ./ or ~/) that does not exist is a missing directory, not a hub id."""
     with pytest.raises(BatchgenError) as info:
