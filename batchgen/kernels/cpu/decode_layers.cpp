@@ -66,9 +66,9 @@ const Ops& ops() {
 // 4l + 3] (the qkv, o, gate/up and down projections' weights: half-precision [out, in], or brgemm-packed where
 // out_features lists each one's output width), biases[2l], biases[2l + 1] (qkv's and o's float32 biases or None);
 // norms[2L] is the final norm's weight; brgemm as paged_attention takes it; gate_up_silu: empty, or a flag a layer
-// for the projection and SiLU-and-multiply as one op. Returns the final norm's bfloat16
-// output. With attention_seconds (float64 [1]), adds the wall time of the attention calls to it: the benchmarks'
-// attention clock, which cannot see into this call otherwise.
+// for the projection and SiLU-and-multiply as one op. Returns the final norm's bfloat16 output. With
+// attention_seconds (float64 [1]), adds the wall time of the attention calls to it: the benchmarks' attention clock,
+// which cannot see into this call otherwise.
 at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& positions, at::TensorList norms,
                          at::TensorList weights, const c10::List<OptionalTensor>& biases, double eps,
                          int64_t num_heads, const at::Tensor& cos_table, const at::Tensor& sin_table,
