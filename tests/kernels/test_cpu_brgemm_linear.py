@@ -74,10 +74,11 @@ def test_a_rows_bits_do_not_depend_on_the_other_rows(in_features: int, out_featu
 
 
 def test_a_rows_bits_with_extreme_values_do_not_depend_on_the_other_rows() -> None:
-    """Rows holding subnormal, huge, infinite and NaN inputs give the same bits alone (a tile of one row) as among
-    64 or 200 (tiles of many rows, which run on another code path where the CPU allows, with brgemm's bits), in the
-    float32 output and the gate/up pass."""
-    weight, b, x = _layer(200, 576, 192, 11)
+    """Rows holding subnormal, huge, infinite and NaN inputs give the same bits alone and among 6 (tiles of one group
+    of rows), among 12 (brgemm's tiles) and among 64 or 200 (tiles of many rows): tiles of one group and of many
+    run on another code path than brgemm where the CPU allows, with brgemm's bits; in the float32 output and the
+    gate/up pass."""
+    weight, b, x = _layer(212, 576, 192, 11)
     specials = torch.tensor([1e-39, -1e-39, 3e38, -3e38, 1e-30, float("inf"), float("-inf"), float("nan")])
     for i, value in enumerate(specials):
         x[5 + 7 * i, 3 * i : 3 * i + 40 : 5] = value
@@ -85,12 +86,19 @@ def test_a_rows_bits_with_extreme_values_do_not_depend_on_the_other_rows() -> No
     weight[7, :] = -1e-38  # a column of subnormal products
     packed = pack_for_brgemm(weight)
     gate_up = pack_for_brgemm(_layer(1, 576, 2 * 192, 12)[0])
+
+    def both(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return brgemm_linear(rows, packed, 192, b).view(torch.int32), brgemm_linear_silu_and_mul(
+            rows, gate_up, 192
+        ).view(torch.int16)
+
     for rows in (64, 200):
-        many = brgemm_linear(x[:rows], packed, 192, b), brgemm_linear_silu_and_mul(x[:rows], gate_up, 192)
+        many = both(x[:rows])
         for r in [*range(5, 5 + 7 * len(specials), 7), 60, rows - 1]:
-            alone = brgemm_linear(x[r : r + 1], packed, 192, b), brgemm_linear_silu_and_mul(x[r : r + 1], gate_up, 192)
-            assert torch.equal(alone[0].view(torch.int32), many[0][r : r + 1].view(torch.int32)), (rows, r)
-            assert torch.equal(alone[1].view(torch.int16), many[1][r : r + 1].view(torch.int16)), (rows, r)
+            for window in (1, 6, 12):
+                alone = both(x[r : r + window])
+                assert torch.equal(alone[0][:1], many[0][r : r + 1]), (rows, r, window)
+                assert torch.equal(alone[1][:1], many[1][r : r + 1]), (rows, r, window)
 
 
 @pytest.mark.parametrize("threads", [1, 3, 4])

@@ -8,8 +8,8 @@
 // the attention kernel's brgemm path rests on, attention_brgemm.h). So: W is packed once into blocks of n columns
 // in the VNNI layout brgemm takes for B ([K/2][n][2]: the pairs (k 2p, k 2p + 1) of a column side by side), and a
 // call computes kRowBlock rows of x (fewer in the last) against one block (or a part of one, for_each_tile), the
-// whole of K at once. Tiles of many rows run on vdpbf16ps directly where that gives brgemm's bits (dot_tiles.h),
-// requesting the next weight block as they go.
+// whole of K at once. Tiles of many rows, and of one group of few rows, run on vdpbf16ps directly where that gives
+// brgemm's bits (dot_tiles.h), requesting weights ahead of their use as they go.
 // brgemm_linear_silu_and_mul runs a SwiGLU MLP's gate/up projection with its activation in the same pass.
 
 #include <ATen/Parallel.h>
@@ -63,7 +63,7 @@ struct Tile {
 inline void tile_product(const Tile& t, const c10::BFloat16* x, int64_t K, const c10::BFloat16* w, int64_t cols,
                          float* acc, const c10::BFloat16* next, int64_t next_bytes) {
   const c10::BFloat16* block = w + t.block * cols * K;
-  if (t.rows >= kDotTileMinRows && t.width % 16 == 0 && cols <= 64 && dot_tiles_match_brgemm()) {
+  if (dot_tile_takes(t.rows) && t.width % 16 == 0 && cols <= 64 && dot_tiles_match_brgemm()) {
     dot_tile(t.rows, x + t.m0 * K, K, block, cols, t.offset, t.width, acc, cols,
              reinterpret_cast<const char*>(next), next_bytes);
   } else {

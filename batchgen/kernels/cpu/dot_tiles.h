@@ -1,8 +1,11 @@
-// brgemm_linear's tiles of many rows on vdpbf16ps directly, with the weights' next block requested while a tile
-// computes: the same bits as brgemm's tile (checked at run time, dot_tiles_match_brgemm), faster where the weights
-// come from DRAM. brgemm passes a tile's block of W (K/2 pairs x 64 columns, 74 KB at K = 576) once per group of
-// rows, the first time from DRAM with its compute waiting on the reads; here the later groups' passes request the
-// block that comes next, so its reads overlap their compute (docs/performance.md has the figures).
+// brgemm_linear's tiles of many rows, and of very few, on vdpbf16ps directly, with weights requested ahead of their
+// use: the same bits as brgemm's tile (checked at run time, dot_tiles_match_brgemm), faster where the weights come
+// from DRAM. brgemm passes a tile's block of W (K/2 pairs x 64 columns, 74 KB at K = 576) once per group of rows,
+// the first time from DRAM with its compute waiting on the reads. Here, in a tile of many rows, the later groups'
+// passes request the block that comes next, so its reads overlap their compute; a tile of one group (a decode
+// round of a few rows) has no compute to hide reads behind and is all stream, so its pass requests every line it
+// will read a fixed distance ahead into L2, keeping more reads in flight than the hardware prefetcher alone
+// (docs/performance.md has the figures).
 #pragma once
 
 #include <ATen/native/CPUBlas.h>
@@ -21,25 +24,33 @@
 
 namespace {
 
-// Tiles of fewer rows stay on brgemm, which streams the weights faster where there is little to compute beside them.
-constexpr int64_t kDotTileMinRows = 32;
 constexpr int64_t kDotGroupRows = 6;  // at most 6 rows x 4 vectors of 16 columns: 24 accumulators of 32 registers
-constexpr int64_t kDotAheadPairs = 8;  // the first pass requests its own block this many pairs ahead
+// Tiles of more than one group and fewer than this many rows stay on brgemm, faster there (the figures in docs).
+constexpr int64_t kDotTileMinRows = 32;
+constexpr int64_t kDotAheadPairs = 8;  // the first of several passes requests its own block this many pairs ahead
+constexpr int64_t kDotStreamAhead = 8192;  // how far ahead (bytes) a one-group tile requests its lines
+
+// Whether a tile of `rows` rows runs on dot tiles (where dot_tiles_match_brgemm allows).
+constexpr bool dot_tile_takes(int64_t rows) { return rows <= kDotGroupRows || rows >= kDotTileMinRows; }
 
 #if defined(__AVX512BF16__)
 
 // acc[r][c * 16 ..] = sum over pairs p of x[r] pair p . W pair p of columns c * 16 .. c * 16 + 15, in p order from
-// zero in one float32 accumulator per output, as brgemm's vdpbf16ps kernel sums; at pair p < `count`, the line at
-// `ahead` + p * step is requested into L1.
+// zero in one float32 accumulator per output, as brgemm's vdpbf16ps kernel sums. At pair p < `count`, the line at
+// `ahead` + p * step is requested into L1 or, with `stream`, the C lines from there into L2.
 template <int R, int C>
 void dot_group(const int32_t* x, int64_t pairs, const char* w, int64_t w_row_bytes, float* acc, int64_t ld_acc,
-               const char* ahead, int64_t step, int64_t count) {
+               const char* ahead, int64_t step, int64_t count, bool stream) {
   __m512 a[R][C];
   for (int r = 0; r < R; ++r) {
     for (int c = 0; c < C; ++c) a[r][c] = _mm512_setzero_ps();
   }
   for (int64_t p = 0; p < pairs; ++p) {
-    if (p < count) _mm_prefetch(ahead + p * step, _MM_HINT_T0);
+    if (stream) {
+      for (int c = 0; c < C; ++c) _mm_prefetch(ahead + p * step + 64 * c, _MM_HINT_T1);
+    } else if (p < count) {
+      _mm_prefetch(ahead + p * step, _MM_HINT_T0);
+    }
     __m512i wv[C];
     for (int c = 0; c < C; ++c) wv[c] = _mm512_loadu_si512(w + p * w_row_bytes + 64 * c);
     for (int r = 0; r < R; ++r) {
@@ -53,7 +64,7 @@ void dot_group(const int32_t* x, int64_t pairs, const char* w, int64_t w_row_byt
 }
 
 using DotGroup = void (*)(const int32_t*, int64_t, const char*, int64_t, float*, int64_t, const char*, int64_t,
-                          int64_t);
+                          int64_t, bool);
 
 template <int R>
 constexpr std::array<DotGroup, 4> dot_groups_of() {
@@ -75,7 +86,9 @@ constexpr bool kDotTilesBuilt = false;
 
 // brgemm(rows, width, K, K, cols, cols, false, x, w_block + offset pairs, acc) for rows x [rows, K] bfloat16
 // (row-major), columns [offset, offset + width) of a packed block ([K / 2][cols][2]), width a multiple of 16 up to 64;
-// `next` (up to `next_bytes`) is requested while the groups after the first run, spread evenly over their pairs.
+// `next` (up to `next_bytes`) is requested while the groups after the first run, spread evenly over their pairs; a
+// tile of one group requests its own lines kDotStreamAhead bytes ahead instead (past its block's end: the block that
+// follows it in memory, the next a thread's run of tiles takes; a request past the tensor's end cannot fault).
 inline void dot_tile(int64_t rows, const c10::BFloat16* x, int64_t K, const c10::BFloat16* w_block, int64_t cols,
                      int64_t offset, int64_t width, float* acc, int64_t ld_acc, const char* next,
                      int64_t next_bytes) {
@@ -91,13 +104,15 @@ inline void dot_tile(int64_t rows, const c10::BFloat16* x, int64_t K, const c10:
     // Rows spread evenly over the groups: a last group of one or two rows would wait on its few accumulators.
     const int64_t r0 = rows * g / groups, n = rows * (g + 1) / groups - r0;
     const DotGroup run = kDotGroups[n - 1][width / 16 - 1];
-    if (g == 0) {
+    if (groups == 1) {
+      run(xp, pairs, w, w_row_bytes, acc, ld_acc, w + kDotStreamAhead, w_row_bytes, pairs, true);
+    } else if (g == 0) {
       run(xp, pairs, w, w_row_bytes, acc, ld_acc, w + kDotAheadPairs * w_row_bytes, w_row_bytes,
-          pairs - kDotAheadPairs);
+          pairs - kDotAheadPairs, false);
     } else {
       const int64_t from = (g - 1) * share;
       const int64_t count = std::min(pairs, (std::min(share, next_bytes - from) + step - 1) / step);
-      run(xp + r0 * pairs, pairs, w, w_row_bytes, acc + r0 * ld_acc, ld_acc, next + from, step, count);
+      run(xp + r0 * pairs, pairs, w, w_row_bytes, acc + r0 * ld_acc, ld_acc, next + from, step, count, false);
     }
   }
 #else
@@ -107,9 +122,10 @@ inline void dot_tile(int64_t rows, const c10::BFloat16* x, int64_t K, const c10:
 }
 
 // Whether dot_tile may stand in for brgemm: built, brgemm without AMX tiles (PyTorch's could_pack asks for them;
-// there brgemm is the faster), and the same bits as brgemm on probes of 40 rows x each width the tiles take (16 to 64
-// columns, at the far end of a 64-column block) x K = 1,154 and 8,962 (subnormal, huge and infinite inputs among the
-// random ones). Where brgemm sums in another order, or flushes otherwise, the bits differ and brgemm keeps every tile.
+// there brgemm is the faster), and the same bits as brgemm on probes of 40, 6 and 1 rows x each width the tiles take
+// (16 to 64 columns, at the far end of a 64-column block) x K = 1,154 and 8,962 (subnormal, huge and infinite inputs
+// among the random ones, in the rows of every probe). Where brgemm sums in another order, or flushes otherwise, the
+// bits differ and brgemm keeps every tile.
 inline bool dot_tiles_match_brgemm() {
   static const bool match = [] {
     if (!kDotTilesBuilt || at::native::cpublas::could_pack(at::kBFloat16)) return false;
@@ -127,13 +143,15 @@ inline bool dot_tiles_match_brgemm() {
       for (int i = 0; i < 6; ++i) x[7 * K + 3 * i] = c10::BFloat16(specials[i]);
       x[11 * K + 5] = c10::BFloat16(std::numeric_limits<float>::infinity());
       for (int64_t width = 16; width <= cols; width += 16) {
-        const int64_t offset = cols - width;
-        std::vector<float> by_brgemm(rows * cols), by_dot(rows * cols);
-        at::native::cpublas::brgemm(rows, width, K, K, cols, cols, false, x.data(), w.data() + offset * 2,
-                                    by_brgemm.data());
-        at::native::cpublas::brgemm_release();
-        dot_tile(rows, x.data(), K, w.data(), cols, offset, width, by_dot.data(), cols, nullptr, 0);
-        if (std::memcmp(by_brgemm.data(), by_dot.data(), by_dot.size() * sizeof(float)) != 0) return false;
+        for (const int64_t m : {rows, kDotGroupRows, int64_t{1}}) {
+          const int64_t offset = cols - width;
+          const c10::BFloat16* xm = x.data() + (m == rows ? 0 : 7 * K);  // rows 7 and 11 hold the special values
+          std::vector<float> by_brgemm(m * cols), by_dot(m * cols);
+          at::native::cpublas::brgemm(m, width, K, K, cols, cols, false, xm, w.data() + offset * 2, by_brgemm.data());
+          at::native::cpublas::brgemm_release();
+          dot_tile(m, xm, K, w.data(), cols, offset, width, by_dot.data(), cols, nullptr, 0);
+          if (std::memcmp(by_brgemm.data(), by_dot.data(), by_dot.size() * sizeof(float)) != 0) return false;
+        }
       }
     }
     return true;
