@@ -60,7 +60,9 @@ def test_the_float64_product_within_float32_summation_error(
     assert rounded.dtype == torch.bfloat16 and torch.equal(rounded, out.bfloat16())
 
 
-@pytest.mark.parametrize(("in_features", "out_features"), [(64, 192), (576, 960), (1536, 576), (576, 8192)])
+@pytest.mark.parametrize(
+    ("in_features", "out_features"), [(64, 192), (576, 960), (1536, 576), (576, 8192), (66, 130), (578, 136)]
+)
 def test_a_rows_bits_do_not_depend_on_the_other_rows(in_features: int, out_features: int) -> None:
     """A row's output is the same bits in every window of 1 to 300 rows (at three offsets, so across the
     128-row blocks of a call at every place) as in one call of 600 rows."""

@@ -59,7 +59,7 @@ struct Tile {
 };
 
 // brgemm's result for tile t of x [M, K] against packed blocks w of `cols` columns, into acc (ld cols), while the
-// block at `next` (`next_bytes`) is requested, by dot_tile where it gives brgemm's bits here and has rows to overlap.
+// block at `next` (`next_bytes`) is requested, by dot_tile where it gives brgemm's bits here.
 inline void tile_product(const Tile& t, const c10::BFloat16* x, int64_t K, const c10::BFloat16* w, int64_t cols,
                          float* acc, const c10::BFloat16* next, int64_t next_bytes) {
   const c10::BFloat16* block = w + t.block * cols * K;

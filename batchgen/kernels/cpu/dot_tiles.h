@@ -37,17 +37,21 @@ constexpr bool dot_tile_takes(int64_t rows) { return rows <= kDotGroupRows || ro
 
 // acc[r][c * 16 ..] = sum over pairs p of x[r] pair p . W pair p of columns c * 16 .. c * 16 + 15, in p order from
 // zero in one float32 accumulator per output, as brgemm's vdpbf16ps kernel sums. At pair p < `count`, the line at
-// `ahead` + p * step is requested into L1 or, with `stream`, the C lines from there into L2.
+// `ahead` + p * step is requested into L1; with `stream`, the C lines from there into L2 instead, and at the pairs
+// after `count` the C lines at `then` + (p - count) * step (none where `then` is null).
 template <int R, int C>
 void dot_group(const int32_t* x, int64_t pairs, const char* w, int64_t w_row_bytes, float* acc, int64_t ld_acc,
-               const char* ahead, int64_t step, int64_t count, bool stream) {
+               const char* ahead, int64_t step, int64_t count, bool stream, const char* then) {
   __m512 a[R][C];
   for (int r = 0; r < R; ++r) {
     for (int c = 0; c < C; ++c) a[r][c] = _mm512_setzero_ps();
   }
   for (int64_t p = 0; p < pairs; ++p) {
     if (stream) {
-      for (int c = 0; c < C; ++c) _mm_prefetch(ahead + p * step + 64 * c, _MM_HINT_T1);
+      const char* line = p < count ? ahead + p * step : then != nullptr ? then + (p - count) * step : nullptr;
+      if (line != nullptr) {
+        for (int c = 0; c < C; ++c) _mm_prefetch(line + 64 * c, _MM_HINT_T1);
+      }
     } else if (p < count) {
       _mm_prefetch(ahead + p * step, _MM_HINT_T0);
     }
@@ -64,7 +68,7 @@ void dot_group(const int32_t* x, int64_t pairs, const char* w, int64_t w_row_byt
 }
 
 using DotGroup = void (*)(const int32_t*, int64_t, const char*, int64_t, float*, int64_t, const char*, int64_t,
-                          int64_t, bool);
+                          int64_t, bool, const char*);
 
 template <int R>
 constexpr std::array<DotGroup, 4> dot_groups_of() {
@@ -86,9 +90,9 @@ constexpr bool kDotTilesBuilt = false;
 
 // brgemm(rows, width, K, K, cols, cols, false, x, w_block + offset pairs, acc) for rows x [rows, K] bfloat16
 // (row-major), columns [offset, offset + width) of a packed block ([K / 2][cols][2]), width a multiple of 16 up to 64;
-// `next` (up to `next_bytes`) is requested while the groups after the first run, spread evenly over their pairs; a
-// tile of one group requests its own lines kDotStreamAhead bytes ahead instead (past its block's end: the block that
-// follows it in memory, the next a thread's run of tiles takes; a request past the tensor's end cannot fault).
+// `next` (up to `next_bytes`; the block the thread runs next) is requested while the groups after the first run,
+// spread evenly over their pairs. A tile of one group requests the lines of its columns kDotStreamAhead bytes ahead
+// instead: its own block's, then, for its last pairs, the first ones of `next`.
 inline void dot_tile(int64_t rows, const c10::BFloat16* x, int64_t K, const c10::BFloat16* w_block, int64_t cols,
                      int64_t offset, int64_t width, float* acc, int64_t ld_acc, const char* next,
                      int64_t next_bytes) {
@@ -105,14 +109,17 @@ inline void dot_tile(int64_t rows, const c10::BFloat16* x, int64_t K, const c10:
     const int64_t r0 = rows * g / groups, n = rows * (g + 1) / groups - r0;
     const DotGroup run = kDotGroups[n - 1][width / 16 - 1];
     if (groups == 1) {
-      run(xp, pairs, w, w_row_bytes, acc, ld_acc, w + kDotStreamAhead, w_row_bytes, pairs, true);
+      // The pairs whose lines kDotStreamAhead bytes ahead are in this block; the rest request `next`'s first lines.
+      const int64_t own = std::max<int64_t>(0, pairs - kDotStreamAhead / w_row_bytes);
+      const char* then = next_bytes > 0 ? next + offset * 4 : nullptr;
+      run(xp, pairs, w, w_row_bytes, acc, ld_acc, w + kDotStreamAhead, w_row_bytes, own, true, then);
     } else if (g == 0) {
       run(xp, pairs, w, w_row_bytes, acc, ld_acc, w + kDotAheadPairs * w_row_bytes, w_row_bytes,
-          pairs - kDotAheadPairs, false);
+          pairs - kDotAheadPairs, false, nullptr);
     } else {
       const int64_t from = (g - 1) * share;
       const int64_t count = std::min(pairs, (std::min(share, next_bytes - from) + step - 1) / step);
-      run(xp + r0 * pairs, pairs, w, w_row_bytes, acc + r0 * ld_acc, ld_acc, next + from, step, count, false);
+      run(xp + r0 * pairs, pairs, w, w_row_bytes, acc + r0 * ld_acc, ld_acc, next + from, step, count, false, nullptr);
     }
   }
 #else
