@@ -116,8 +116,8 @@ class Generator:
         early (``break``, ``.close()``) drops the requests still running.
 
         Args:
-            rows, on_error, sampling: as for :meth:`generate`; but with ``on_error="fail"`` a bad row raises
-                when it is read, after the results of the rows that finished before it.
+            rows, on_error, sampling: as for :meth:`generate`; but with ``on_error="fail"`` rows are not
+                read past a bad row, and it raises after the results of every row before it.
 
         Raises:
             as :meth:`generate`.

@@ -9,6 +9,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import Field, fields
 from typing import Any, TypeVar, get_origin, get_type_hints
 
+from batchgen.errors import BatchgenError
 from batchgen.io.input_options import InputOptions
 from batchgen.job.options import JobOptions
 from batchgen.loop.options import EngineOptions
@@ -55,8 +56,9 @@ def options_of(cls: type[T], given: Mapping[str, Any], **fixed: Any) -> T:
     tuple option takes a list or tuple, or one value alone (``stop="\\n"``), as ``--config`` takes it.
 
     Raises:
-        TypeError: a switch (a ``bool`` option) given anything but ``True`` or ``False`` (or ``None`` where that
-            means its default is decided later): ``"false"`` or ``0`` would otherwise reach the run unchecked.
+        BatchgenError: a switch (a ``bool`` option) given anything but ``True`` or ``False`` (or ``None`` where that
+            means its default is decided later): ``"false"`` or ``0`` would otherwise reach the run unchecked. Named
+            by its flag, as any other bad value is (``--prefix-cache: must be True or False, got 0``).
     """
     hints = get_type_hints(cls)
     values = dict(fixed)
@@ -68,6 +70,7 @@ def options_of(cls: type[T], given: Mapping[str, Any], **fixed: Any) -> T:
             elif hints[f.name] in (bool, bool | None) and not isinstance(value, bool):
                 optional = hints[f.name] is not bool
                 if value is not None or not optional:
-                    raise TypeError(f"option '{f.name}' must be True or False{' or None' * optional}, got {value!r}")
+                    flag = f.name.replace("_", "-")
+                    raise BatchgenError(f"--{flag}: must be True or False{' or None' * optional}, got {value!r}")
             values[f.name] = value
     return cls(**values)

@@ -10,7 +10,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from batchgen.errors import RowError, shown_value
+from batchgen.errors import BatchgenError, RowError, shown_value
 from batchgen.io.columns import ColumnMapping
 from batchgen.io.field_warnings import foreign_field_warning
 from batchgen.io.input_options import InputOptions
@@ -31,8 +31,11 @@ def input_rows(rows: Iterable[Any], options: InputOptions) -> Iterator[InputRow 
     checked against the first dict's keys as a file's against its first shard); anything else is a bad row.
 
     Raises:
-        BatchgenError: a column the options name is not a key of the first dict row.
+        BatchgenError: a column the options name is not a key of the first dict row; ``rows`` is a DataFrame.
     """
+    if hasattr(rows, "columns") and hasattr(rows, "to_dict"):
+        # A pandas DataFrame iterates its column names, which would each become a prompt (found by a new user).
+        raise BatchgenError("rows: a DataFrame iterates its column names, not its rows: pass df.to_dict('records')")
     mapping: ColumnMapping | None = None
     for index, row in enumerate(rows):
         line = index + 1

@@ -15,13 +15,44 @@ from batchgen.io.passthrough import is_json_text
 from batchgen.io.writer import OUTPUT_COLUMNS
 from batchgen.sampling.sampling_params import SAMPLING_FIELD_ALIASES, SAMPLING_FIELDS
 
-# Names other engines use for sampling fields → batchgen's name (None: batchgen has no such field).
-_FOREIGN_SAMPLING_NAMES = {
+# Names other engines (HF generate, vLLM, SGLang, OpenAI, TGI) use for sampling fields → batchgen's field, or None
+# where batchgen has none; a row written for another engine is then told what it lost rather than run differently.
+_FOREIGN_SAMPLING_NAMES: dict[str, str | None] = {
     "min_tokens": "min_new_tokens",
     "stop_sequences": "stop",
-    "best_of": None,
     # OpenAI's {"type": "json_schema", "json_schema": {"schema": ...}}: a batchgen row gives the schema itself.
     "response_format": "json_schema",
+    "num_return_sequences": "n",
+    "guided_json": "json_schema",
+    "guided_regex": "regex",
+    "guided_grammar": "ebnf",
+    "return_logprob": "logprobs",
+    "top_logprobs_num": "top_logprobs",
+    **dict.fromkeys(
+        (
+            "best_of",
+            "use_beam_search",
+            "num_beams",
+            "length_penalty",
+            "early_stopping",
+            "typical_p",
+            "epsilon_cutoff",
+            "eta_cutoff",
+            "no_repeat_ngram_size",
+            "bad_words",
+            "allowed_token_ids",
+            "include_stop_str_in_output",
+            "truncate_prompt_tokens",
+            "guided_choice",
+        )
+    ),
+}
+# Names whose meaning batchgen gives another way: what to write instead.
+_FOREIGN_SAMPLING_NOTES = {
+    "do_sample": "batchgen samples unless 'temperature' is 0: give temperature 0 for HF's do_sample false",
+    "max_length": "HF's max_length counts the prompt too: give 'max_new_tokens', the tokens to generate",
+    "sampling_params": "batchgen reads each sampling field at the top level of a row, not nested",
+    "structured_outputs": "give 'json_schema', 'regex' or 'ebnf' at the top level of a row",
 }
 
 
@@ -38,6 +69,8 @@ def foreign_field_warning(name: str) -> str | None:
     mean 'temperature'?); it is passed through unused``), or ``None`` for a field that looks like none: a sampling
     field's name in other letter case, another engine's name for one, or a near miss of one (``_NEAR_MISS``; not
     batchgen's own output columns, as in an output read back)."""
+    if name in _FOREIGN_SAMPLING_NOTES:
+        return f"field '{name}' is not read ({_FOREIGN_SAMPLING_NOTES[name]}); it is passed through unused"
     hint = _SAMPLING_NAMES_FOLDED.get(name.lower())
     if hint is None and name in _FOREIGN_SAMPLING_NAMES:
         hint = _FOREIGN_SAMPLING_NAMES[name]

@@ -86,7 +86,8 @@ class RequestBuilder:
         if params.n > self.max_samples:
             raise error("n", f"{params.n} samples exceed --max-running-requests {self.max_samples}")
         if self.tokenizer is None and (spec.prompt_token_ids is None or params.stop):
-            field = "stop" if spec.prompt_token_ids is not None else "prompt"
+            text_field = "messages" if spec.messages is not None else "prompt"
+            field = "stop" if spec.prompt_token_ids is not None else text_field
             raise error(field, "this model has no tokenizer: give prompt_token_ids and no stop strings")
         try:
             prompt_field, prompt_ids, scored_from = self._tokenize(spec, error)

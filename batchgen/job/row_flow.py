@@ -121,12 +121,21 @@ class RowFlow:
     def rounds(self, requests: Iterator[Req]) -> Iterator[list[Req]]:
         """Feed ``requests`` to the engine, keeping at most ``lookahead`` of them waiting, and run rounds until
         both are done: yields the requests each round finished (those that came finished first). The caller may
-        stop between rounds; requests still in the engine then stay there."""
+        stop between rounds; requests still in the engine then stay there.
+
+        Raises:
+            RowError: the one ``requests`` raised (a bad row that ends the input, ``on_error="fail"``), once the
+                requests read before it have finished: the work done on the rows before a bad row is not lost.
+        """
         input_left = True
+        stopped_by: RowError | None = None
         while input_left or self.engine.has_work():
             finished = []
             while input_left and len(self.engine.scheduler.waiting) < self.lookahead:
-                req = next(requests, None)
+                try:
+                    req = next(requests, None)
+                except RowError as e:
+                    stopped_by, req = e, None
                 if req is None:
                     input_left = False
                 elif req.finished:
@@ -135,6 +144,8 @@ class RowFlow:
                     self.engine.add(req)
             finished += self.engine.step()
             yield finished
+        if stopped_by is not None:
+            raise stopped_by
 
     def result_rows(self, req: Req) -> list[dict[str, Any]]:
         """The result rows (``batchgen.io.writer.OUTPUT_COLUMNS``, then the row's pass-through fields) that finished

@@ -177,9 +177,19 @@ _FLOAT_FIELDS = {"temperature", "top_p", "min_p", "repetition_penalty", "frequen
 _BOOL_FIELDS = {"ignore_eos", "skip_special_tokens", "logprobs"}
 
 
+def python_scalar(value: Any) -> Any:
+    """A numpy scalar (``np.int64(3)``, ``np.float32(0.5)``, ``np.bool_(True)``: what rows taken from a DataFrame or
+    an array hold, in the Python API) as the Python number or bool it is; every other value unchanged."""
+    if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:
+        return value.item()
+    return value
+
+
 def _whole(value: Any) -> Any:
     """A float with no fraction as an int (4.0 → 4): what pandas writes for an integer column with nulls, and
-    what JSON writers give for numbers they hold as floats; every other value unchanged."""
+    what JSON writers give for numbers they hold as floats; every other value unchanged (numpy's scalars as
+    Python's)."""
+    value = python_scalar(value)
     if isinstance(value, float) and value.is_integer():
         return int(value)
     return value
@@ -187,6 +197,7 @@ def _whole(value: Any) -> Any:
 
 def _coerce(name: str, value: Any) -> Any:
     """Check the JSON type of one sampling field and convert it to the dataclass's type."""
+    value = python_scalar(value)
     if name in _INT_FIELDS:
         value = _whole(value)
         if isinstance(value, bool) or not isinstance(value, int):
@@ -198,7 +209,9 @@ def _coerce(name: str, value: Any) -> Any:
         return float(value)
     if name in _BOOL_FIELDS:
         if not isinstance(value, bool):
-            raise FieldError(name, f"must be true or false, got {shown_value(value)}")
+            # vLLM's logprobs is a count: say what gives it here.
+            count = " (vLLM's logprobs=N is logprobs: true with top_logprobs: N)" if name == "logprobs" else ""
+            raise FieldError(name, f"must be true or false, got {shown_value(value)}{count}")
         return value
     if name in ("seed", "prompt_logprobs_from"):
         value = _whole(value)

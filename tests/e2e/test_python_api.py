@@ -146,15 +146,48 @@ def test_a_bad_row_raises_naming_the_row_and_field_before_anything_runs(generato
         list(generator.stream([{"id": "a", "prompt": "x"}, {"id": "a", "prompt": "y"}]))
 
 
-def test_a_stream_raises_at_a_bad_row_after_the_results_before_it(generator: batchgen.Generator) -> None:
+def test_a_stream_raises_at_a_bad_row_after_the_results_of_every_row_before_it(
+    generator: batchgen.Generator,
+) -> None:
     rows: list[Any] = [f"row {i}" for i in range(30)]
     rows[25] = {"prompt": "late", "n": "two"}
+    read: list[int] = []
+
+    def reading() -> Iterator[Any]:
+        for i, row in enumerate(rows):
+            read.append(i)
+            yield row
+
     seen = []
     with pytest.raises(RowError, match=r"^rows:26: field 'n': must be an integer, got \"two\"$"):
-        for result in generator.stream(rows, max_new_tokens=2):
+        for result in generator.stream(reading(), max_new_tokens=2):
             seen.append(result["id"])
-    # Rows are read 8 ahead of those running: the first ones finished before row 26 was read.
-    assert seen and len(seen) == len(set(seen)) and set(seen) <= {str(i) for i in range(25)}
+    # Row 26 is read while the first rows run (8 ahead of them), yet every row before it finishes and is yielded
+    # first (found by a new user: with the default lookahead of 4,096 rows, all work before a bad row was lost);
+    # nothing after it is read.
+    assert sorted(seen, key=int) == [str(i) for i in range(25)]
+    assert read == list(range(26))
+    assert not generator.engine.has_work()
+
+
+class _FrameLike:
+    """What the Python API sees of a pandas DataFrame (pandas is not installed here): iterating it gives its column
+    labels (pandas' documented ``DataFrame.__iter__``), ``to_dict("records")`` its rows."""
+
+    columns = ("prompt", "max_new_tokens")
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.columns)
+
+    def to_dict(self, orient: str) -> list[dict[str, Any]]:
+        return [{"prompt": "a", "max_new_tokens": 2}]
+
+
+def test_a_dataframe_is_refused_not_read_as_its_column_names(generator: batchgen.Generator) -> None:
+    """Found by a new user: generate(df) generated for each column name."""
+    with pytest.raises(BatchgenError, match=r"^rows: a DataFrame iterates its column names.*df.to_dict\('records'\)$"):
+        generator.generate(_FrameLike())
+    assert len(generator.generate(_FrameLike().to_dict("records"))) == 1
 
 
 def test_on_error_skip_gives_error_rows_in_their_place(generator: batchgen.Generator) -> None:
@@ -210,11 +243,15 @@ def test_unknown_option_is_a_type_error_and_a_bad_value_the_cli_message(
         generator.stream(["x"], max_running_requests=2)
     with pytest.raises(TypeError, match="run\\(\\) got an unexpected keyword argument 'bogus'"):
         batchgen.run(tmp_path / "in.jsonl", tmp_path / "out.jsonl", bogus=1)
-    # A switch takes booleans only (None where its default is decided at load): "false" is a true string.
-    with pytest.raises(TypeError, match="^option 'deterministic' must be True or False or None, got 'false'$"):
+    # A switch takes booleans only (None where its default is decided at load): "false" is a true string. A bad
+    # value, so a BatchgenError named by its flag, as other bad values (a new user met a TypeError for logprobs=1
+    # beside a BatchgenError for top_k=1.5).
+    with pytest.raises(BatchgenError, match="^--deterministic: must be True or False or None, got 'false'$"):
         batchgen.Generator(str(chat_model), deterministic="false")
-    with pytest.raises(TypeError, match="^option 'prefix_cache' must be True or False, got 0$"):
+    with pytest.raises(BatchgenError, match="^--prefix-cache: must be True or False, got 0$"):
         batchgen.run(tmp_path / "in.jsonl", tmp_path / "out.jsonl", prefix_cache=0)
+    with pytest.raises(BatchgenError, match="^--logprobs: must be True or False, got 1$"):
+        generator.generate(["x"], logprobs=1)
     with pytest.raises(BatchgenError, match=r"^--mem-fraction must be in \(0, 1\), got 2.0$"):
         batchgen.Generator(str(chat_model), mem_fraction=2.0)
     with pytest.raises(BatchgenError, match=r"^--temperature: must be a number in \[0, 10000\], got -1$"):
@@ -235,6 +272,13 @@ def test_unknown_option_is_a_type_error_and_a_bad_value_the_cli_message(
     assert len(rows[0]["output_token_ids"]) <= 2
     with pytest.raises(BatchgenError, match="^--n 5 exceeds --max-running-requests 4$"):
         generator.generate(["x"], n=5)
+    # ... in rows too, and a numpy array of token ids is a list of them (found by a new user: np.int64(3) as a row's
+    # max_new_tokens was refused, and an array of prompt_token_ids ended in a numpy broadcasting error).
+    plain = {"id": 7, "prompt_token_ids": [9, 8, 7], "max_new_tokens": 3, "temperature": 0.5, "seed": 1}
+    numpy_row = {"id": np.int64(7), "prompt_token_ids": np.array([9, 8, 7]), "max_new_tokens": np.int64(3)}
+    numpy_row |= {"temperature": np.float32(0.5), "seed": np.int32(1), "logprobs": np.bool_(True)}
+    got, want = generator.generate([numpy_row]), generator.generate([plain | {"logprobs": True}])
+    assert got == want and got[0]["id"] == "7" and len(got[0]["output_token_ids"]) == 3
 
 
 def test_run_writes_what_batchgen_run_writes_and_resumes(chat_model: Path, tmp_path: Path) -> None:

@@ -123,6 +123,10 @@ def test_foreign_sampling_field_names_are_warned_about(random_models: dict[str, 
                 "best_of": 2,
                 "response_format": {"type": "json_object"},
                 "max_new_token": 9,
+                "do_sample": False,
+                "guided_json": {"type": "object"},
+                "sampling_params": {"temperature": 0},
+                "num_beams": 2,
                 "category": "greeting",  # data, like none of the sampling fields: no warning
             }
         ],
@@ -136,6 +140,12 @@ def test_foreign_sampling_field_names_are_warned_about(random_models: dict[str, 
     assert "field 'best_of' is not supported (yet)" in output
     assert "field 'response_format' is not a sampling field (did you mean 'json_schema'?)" in output
     assert "field 'max_new_token' is not a sampling field (did you mean 'max_new_tokens'?)" in output  # a near miss
+    # Other engines' fields that a new user's rows carried with no word (HF's do_sample false, vLLM's guided_json,
+    # SGLang's nested sampling_params): each row then ran sampled or unconstrained.
+    assert "field 'do_sample' is not read (batchgen samples unless 'temperature' is 0: give temperature 0" in output
+    assert "field 'guided_json' is not a sampling field (did you mean 'json_schema'?)" in output
+    assert "field 'sampling_params' is not read (batchgen reads each sampling field at the top level" in output
+    assert "field 'num_beams' is not supported (yet)" in output
     assert "'category'" not in output
     row = json.loads((tmp_path / "o.jsonl").read_text())
     assert row["completion_tokens"] == 3 and row["min_tokens"] == 2
