@@ -15,6 +15,7 @@ import torch
 from batchgen.api.checks import check_sampling_defaults
 from batchgen.api.options import OPTION_CLASSES, check_option_names, options_of
 from batchgen.environment import thread_count_chosen
+from batchgen.errors import counted
 from batchgen.io.input_options import InputOptions
 from batchgen.io.partial_output import partial_dir
 from batchgen.job.interrupts import HANDLED_SIGNALS
@@ -40,7 +41,8 @@ class RunInterrupted(KeyboardInterrupt):
         self.summary = summary
         self.partial_dir = partial_dir
         super().__init__(
-            f"stopped by {signal_name}: {summary.rows} rows finished in this run are flushed to {partial_dir}; "
+            f"stopped by {signal_name}: {counted(summary.rows, 'row')} finished in this run "
+            f"{'is' if summary.rows == 1 else 'are'} flushed to {partial_dir}; "
             "rerun with resume=True"
         )
 

@@ -12,6 +12,7 @@ import typer
 from batchgen.cli.config import load_config
 from batchgen.cli.options import with_options
 from batchgen.cli.user_errors import user_errors
+from batchgen.errors import counted
 from batchgen.io.input_options import InputOptions
 from batchgen.job.options import JobOptions
 from batchgen.job.summary import peak_rss_mib
@@ -59,10 +60,12 @@ def run(
             return
         if summary.interrupted_by:  # said first, so the summary below does not read as a finished run
             # --on-error skip writes error rows too; they are flushed with the rest.
-            also = f" and {summary.errors} error rows" if job_options.on_error == "skip" and summary.errors else ""
+            skipped = job_options.on_error == "skip" and summary.errors
+            also = f" and {counted(summary.errors, 'error row')}" if skipped else ""
+            verb = "is" if summary.rows == 1 and not also else "are"
             print(
-                f"batchgen: stopped by {summary.interrupted_by}: the {summary.rows} rows finished in this run{also} "
-                f"are flushed to {partial_dir(out)}; requests still running were dropped",
+                f"batchgen: stopped by {summary.interrupted_by}: the {counted(summary.rows, 'row')} finished in this "
+                f"run{also} {verb} flushed to {partial_dir(out)}; requests still running were dropped",
                 file=sys.stderr,
             )
         print(summary.line(), file=sys.stderr)

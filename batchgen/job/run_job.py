@@ -15,7 +15,7 @@ from typing import Any
 from tqdm import tqdm
 
 from batchgen import __version__
-from batchgen.errors import BatchgenError, FieldError, RowError
+from batchgen.errors import BatchgenError, FieldError, RowError, counted
 from batchgen.io.field_warnings import (
     warn_about_json_text_fields,
     warn_about_passthrough_names,
@@ -145,12 +145,15 @@ class RunJob:
 
     def _run(self, stop: StopRequest) -> None:
         start = time.perf_counter()
-        if self.job.overwrite:
-            self.out.unlink(missing_ok=True)
         self.output.start(self.schema, self.resumed)
         done = self.output.state.done
         if self.job.resuming:
-            before = f"{done.count} rows were done before" if self.resumed else "no partial output, starting at the top"
+            were = "was" if done.count == 1 else "were"
+            before = (
+                f"{counted(done.count, 'row')} {were} done before"
+                if self.resumed
+                else "no partial output, starting at the top"
+            )
             print(f"batchgen: resuming {self.out}: {before}", file=sys.stderr)
         total = count_input_rows(self.reader.path) if self.job.progress else None
         try:
@@ -218,6 +221,11 @@ class RunJob:
                 break
 
     def _flush(self) -> None:
+        if self._pending_rows and self.job.overwrite:
+            # --overwrite replaces OUT once this run has rows to keep: a run that makes none (every row bad, a stop
+            # before any finished) leaves it as it was. Removed before the part is written: after a crash between
+            # the two, --resume goes on with this run, not with the old output.
+            self.out.unlink(missing_ok=True)
         self.output.write_part(self._pending_rows)
         self._pending_rows = []
 

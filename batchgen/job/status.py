@@ -24,6 +24,9 @@ from batchgen.io.reader import count_input_rows
 from batchgen.io.reopen import finished_batches
 from batchgen.job.resume import DATASET_KEY, check_finished_rows
 
+# What every row of a batchgen output has (an OpenAI Batch output line's, as result_fields reads it).
+_RESULT_FIELDS = ("id", "sample_index", "finish_reason")
+
 
 @dataclass(frozen=True)
 class OutputStatus:
@@ -162,21 +165,33 @@ def check_nothing_left(dataset: Path, out: Path, force: bool, options: InputOpti
 
 
 def _final_counts(path: Path) -> tuple[int, int, dict[bytes, bytes], set[str]]:
-    """(rows done, error rows, schema metadata, the rows' ids) of a finished output file, read batch by batch."""
+    """(rows done, error rows, schema metadata, the rows' ids) of a finished output file, read batch by batch.
+
+    Raises:
+        BatchgenError: the file cannot be read, or it is no batchgen output: it lacks the ``id``, ``sample_index`` and
+            ``finish_reason`` every output row has (another file given as ``--out``, found by a new user: a copy of
+            the input was taken for a finished output, "already complete").
+    """
     suffix = path.suffix.lower()
     done = errored = 0
     ids: set[str] = set()
     try:
         if suffix == ".jsonl":
             with path.open(encoding="utf-8") as f:
-                for line in f:
+                for number, line in enumerate(f, 1):
                     if line.strip():
-                        row = result_fields(json.loads(line))
+                        parsed = json.loads(line)
+                        row = result_fields(parsed) if isinstance(parsed, dict) else {}
+                        if lacking := [name for name in _RESULT_FIELDS if name not in row]:
+                            raise BatchgenError(_not_an_output(f"{path}:{number}", lacking))
                         ids.add(str(row.get("id")))
                         errored += row.get("finish_reason") == "error"
                         done += row.get("sample_index") == 0 or row.get("finish_reason") == "error"
             return done, errored, {}, ids
-        schema, batches = finished_batches(path, ["id", "sample_index", "finish_reason"])
+        schema, batches = finished_batches(path)
+        if lacking := [name for name in _RESULT_FIELDS if name not in schema.names]:
+            raise BatchgenError(_not_an_output(str(path), lacking))
+        schema, batches = finished_batches(path, list(_RESULT_FIELDS))
         metadata = schema.metadata or {}
         for batch in batches:
             first = pc.sum(pc.equal(batch.column("sample_index"), 0)).as_py() or 0
@@ -186,3 +201,8 @@ def _final_counts(path: Path) -> tuple[int, int, dict[bytes, bytes], set[str]]:
     except (OSError, ValueError, KeyError, pa.ArrowException) as e:
         raise BatchgenError(f"{path}: cannot read results ({e})") from None
     return done, errored, metadata, ids
+
+
+def _not_an_output(where: str, lacking: list[str]) -> str:
+    names = " or ".join(f"'{name}'" for name in lacking)
+    return f"{where}: not a batchgen output (it has no {names}): is --out the file a run of this dataset wrote?"

@@ -74,7 +74,8 @@ class TokenToKVPool:
             need = 2 * math.prod(shape) * torch.empty((), dtype=dtype).element_size()
             raise BatchgenError(
                 f"cannot allocate a KV cache of {size} tokens ({need / 2**30:.1f} GiB on {device}); ask for fewer "
-                "tokens: a smaller batch, shorter prompts or outputs, or a lower --max-total-tokens"
+                "tokens: a lower --max-total-tokens (run, bench), or a smaller batch or shorter prompts or outputs "
+                "(bench-one-batch)"
             ) from None
         self.k_buffer[:, :, 0].zero_()
         self.v_buffer[:, :, 0].zero_()

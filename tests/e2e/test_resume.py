@@ -612,6 +612,28 @@ def test_a_finished_output_lacking_an_id_is_not_complete_whatever_its_row_count(
     assert code == 2 and "cannot add the rows it lacks" in output, output
 
 
+def test_a_file_that_no_run_wrote_is_not_taken_for_a_finished_output(model: Path, tmp_path: Path) -> None:
+    """Found by a new user: --resume with --out naming a copy of the input, or a JSONL of ids only, said "already
+    complete; nothing to do" (exit 0), and status "complete: 0 of 2 rows done, 0 remaining"."""
+    rows = [{"id": i, "prompt_token_ids": [0, 5], "max_new_tokens": 2} for i in ("a", "b")]
+    dataset = write_jsonl(tmp_path / "in.jsonl", rows)
+    for name, lines in [("copy.jsonl", rows), ("ids.jsonl", [{"id": "a"}, {"id": "b"}])]:
+        out = write_jsonl(tmp_path / name, lines)
+        code, output = run_cli(args(dataset, out, model, "--resume"))
+        assert (code, output) == (
+            2,
+            f"batchgen: error: {out}:1: not a batchgen output (it has no 'sample_index' or 'finish_reason'): is --out "
+            "the file a run of this dataset wrote?\n",
+        )
+        assert out.read_text().count("\n") == 2  # left as it was
+    out = tmp_path / "other.parquet"
+    pq.write_table(pa.table({"id": ["a", "b"], "text": ["x", "y"]}), out)
+    code, output = run_cli(args(dataset, out, model, "--resume"))
+    assert code == 2 and f"{out}: not a batchgen output (it has no 'sample_index' or 'finish_reason')" in output
+    code, output = run_cli(["status", str(dataset), str(out)])
+    assert code == 2 and "not a batchgen output" in output
+
+
 def test_overwrite_and_a_finished_job(
     small_job: tuple[Path, dict[Key, dict[str, Any]]], model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

