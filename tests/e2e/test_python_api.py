@@ -279,6 +279,10 @@ def test_unknown_option_is_a_type_error_and_a_bad_value_the_cli_message(
     numpy_row |= {"temperature": np.float32(0.5), "seed": np.int32(1), "logprobs": np.bool_(True)}
     got, want = generator.generate([numpy_row]), generator.generate([plain | {"logprobs": True}])
     assert got == want and got[0]["id"] == "7" and len(got[0]["output_token_ids"]) == 3
+    greedy = {"max_new_tokens": 2, "temperature": 0.0}
+    bare = generator.generate([np.array([9, 8, 7]), [np.int64(9), np.int64(8), np.int64(7)]], **greedy)
+    [plain_ids] = generator.generate([[9, 8, 7]], **greedy)
+    assert bare[0]["output_token_ids"] == bare[1]["output_token_ids"] == plain_ids["output_token_ids"]
 
 
 def test_run_writes_what_batchgen_run_writes_and_resumes(chat_model: Path, tmp_path: Path) -> None:
