@@ -13,7 +13,7 @@ from batchgen.errors import BatchgenError
 from batchgen.io.input_options import InputOptions
 from batchgen.job.options import JobOptions
 from batchgen.loop.options import EngineOptions
-from batchgen.sampling.sampling_params import SAMPLING_FIELD_ALIASES, SamplingParams
+from batchgen.sampling.sampling_params import SAMPLING_FIELD_ALIASES, SamplingParams, python_value
 
 OPTION_CLASSES: tuple[type, ...] = (EngineOptions, SamplingParams, JobOptions, InputOptions)
 
@@ -64,7 +64,7 @@ def options_of(cls: type[T], given: Mapping[str, Any], **fixed: Any) -> T:
     values = dict(fixed)
     for f in declared_options(cls):
         if f.name in given:
-            value = given[f.name]
+            value = python_value(given[f.name])  # numpy's values are values
             if get_origin(hints[f.name]) is tuple:
                 value = tuple(value) if isinstance(value, (list, tuple)) else (value,)
             elif hints[f.name] in (bool, bool | None) and not isinstance(value, bool):

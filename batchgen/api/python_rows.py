@@ -17,7 +17,7 @@ from batchgen.io.input_options import InputOptions
 from batchgen.io.passthrough import PROMPT_FIELDS, passthrough_names
 from batchgen.io.reader import InputRow
 from batchgen.io.rows import RowSpec, parse_row
-from batchgen.sampling.sampling_params import python_scalar
+from batchgen.sampling.sampling_params import python_value
 
 # The input's name in row errors: ``rows:3: field 'temperature': ...`` is the third row given (1-based, as a
 # file's lines are; its default id is its 0-based index, "2").
@@ -40,12 +40,11 @@ def input_rows(rows: Iterable[Any], options: InputOptions) -> Iterator[InputRow 
     mapping: ColumnMapping | None = None
     for index, row in enumerate(rows):
         line = index + 1
-        if type(row).__module__ == "numpy" and hasattr(row, "tolist"):  # an array of token ids, or a numpy string
-            row = row.tolist()
+        row = python_value(row)  # an array of token ids, a numpy string
         if isinstance(row, str):
             yield InputRow(index, line, {"prompt": row})
         elif isinstance(row, list):
-            values = [python_scalar(t) for t in row]
+            values = [python_value(t) for t in row]
             is_ids = bool(row) and all(isinstance(t, int) and not isinstance(t, bool) for t in values)
             yield InputRow(index, line, {"prompt_token_ids" if is_ids else "messages": row})
         elif isinstance(row, Mapping):

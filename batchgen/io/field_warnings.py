@@ -28,6 +28,8 @@ _FOREIGN_SAMPLING_NAMES: dict[str, str | None] = {
     "guided_grammar": "ebnf",
     "return_logprob": "logprobs",
     "top_logprobs_num": "top_logprobs",
+    "top_n_tokens": "top_logprobs",
+    "stop_strings": "stop",
     **dict.fromkeys(
         (
             "best_of",
@@ -39,7 +41,6 @@ _FOREIGN_SAMPLING_NAMES: dict[str, str | None] = {
             "epsilon_cutoff",
             "eta_cutoff",
             "no_repeat_ngram_size",
-            "bad_words",
             "allowed_token_ids",
             "include_stop_str_in_output",
             "truncate_prompt_tokens",
@@ -51,8 +52,10 @@ _FOREIGN_SAMPLING_NAMES: dict[str, str | None] = {
 _FOREIGN_SAMPLING_NOTES = {
     "do_sample": "batchgen samples unless 'temperature' is 0: give temperature 0 for HF's do_sample false",
     "max_length": "HF's max_length counts the prompt too: give 'max_new_tokens', the tokens to generate",
+    "min_length": "HF's min_length counts the prompt too: give 'min_new_tokens', the fewest tokens to generate",
     "sampling_params": "batchgen reads each sampling field at the top level of a row, not nested",
     "structured_outputs": "give 'json_schema', 'regex' or 'ebnf' at the top level of a row",
+    "guided_decoding": "give 'json_schema', 'regex' or 'ebnf' at the top level of a row",
 }
 
 
@@ -75,7 +78,7 @@ def foreign_field_warning(name: str) -> str | None:
     if hint is None and name in _FOREIGN_SAMPLING_NAMES:
         hint = _FOREIGN_SAMPLING_NAMES[name]
         if hint is None:
-            return f"field '{name}' is not supported (yet); it is passed through unused"
+            return f"field '{name}' is not supported: batchgen has no such option; it is passed through unused"
     if hint is None:
         if name in OUTPUT_COLUMNS.names:
             return None

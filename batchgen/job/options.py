@@ -28,10 +28,7 @@ class JobOptions:
         },
     )
     overwrite: bool = field(
-        default=False,
-        metadata={
-            "help": "Replace an existing output file, once the run has a row to write (and discard a partial output)."
-        },
+        default=False, metadata={"help": "Replace an existing output file (and discard a partial output)."}
     )
     resume: bool = field(
         default=False,

@@ -85,10 +85,13 @@ class RequestBuilder:
             raise error(e.field, e.message) from None
         if params.n > self.max_samples:
             raise error("n", f"{params.n} samples exceed --max-running-requests {self.max_samples}")
-        if self.tokenizer is None and (spec.prompt_token_ids is None or params.stop):
+        if self.tokenizer is None:
             text_field = "messages" if spec.messages is not None else "prompt"
-            field = "stop" if spec.prompt_token_ids is not None else text_field
-            raise error(field, "this model has no tokenizer: give prompt_token_ids and no stop strings")
+            if spec.prompt_token_ids is None or params.stop:
+                field = "stop" if spec.prompt_token_ids is not None else text_field
+                raise error(field, "this model has no tokenizer: give prompt_token_ids and no stop strings")
+            if params.constraint is not None:  # a grammar constrains text, which needs the tokenizer's vocabulary
+                raise error(params.constraint[0], "this model has no tokenizer, which a grammar needs")
         try:
             prompt_field, prompt_ids, scored_from = self._tokenize(spec, error)
         except RowError:

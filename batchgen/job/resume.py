@@ -18,7 +18,7 @@ from batchgen.io.fingerprint import DatasetFingerprint, fingerprint_dataset
 from batchgen.io.input_digests import INPUT_DIGESTS_KEY, compare_rows
 from batchgen.io.input_options import INPUT_OPTIONS_KEY, InputOptions, recorded_input_options
 from batchgen.io.partial_output import PartialOutput, PartialState, partial_dir, remove_partial_dir
-from batchgen.io.reopen import finished_batches, finished_ids, reopen_output
+from batchgen.io.reopen import check_finished_output, finished_batches, finished_ids, reopen_output
 from batchgen.io.shards import is_read_as_shard
 from batchgen.io.writer import check_output_format
 from batchgen.job.options import JobOptions
@@ -64,6 +64,8 @@ def check_output_path(dataset: Path, out: Path, overwrite: bool, resume: bool) -
         return False
     # OUT is only ever put in place finished, and removed only once reopened; a partial output beside it is what a
     # crash between putting OUT in place and removing the directory leaves, or one while OUT was being reopened.
+    # Unless OUT is no output at all (another file given as --out): then the directory is a run's, and kept.
+    check_finished_output(out)
     with contextlib.suppress(OSError):
         remove_partial_dir(partial)
     return True

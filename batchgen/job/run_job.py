@@ -145,6 +145,8 @@ class RunJob:
 
     def _run(self, stop: StopRequest) -> None:
         start = time.perf_counter()
+        if self.job.overwrite:
+            self.out.unlink(missing_ok=True)
         self.output.start(self.schema, self.resumed)
         done = self.output.state.done
         if self.job.resuming:
@@ -221,11 +223,6 @@ class RunJob:
                 break
 
     def _flush(self) -> None:
-        if self._pending_rows and self.job.overwrite:
-            # --overwrite replaces OUT once this run has rows to keep: a run that makes none (every row bad, a stop
-            # before any finished) leaves it as it was. Removed before the part is written: after a crash between
-            # the two, --resume goes on with this run, not with the old output.
-            self.out.unlink(missing_ok=True)
         self.output.write_part(self._pending_rows)
         self._pending_rows = []
 

@@ -6,7 +6,6 @@ an error row (``--on-error skip``). Nothing is changed on disk, so it is safe ne
 
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,14 +17,10 @@ from batchgen.errors import BatchgenError, counted
 from batchgen.io.fingerprint import DatasetFingerprint, fingerprint_dataset
 from batchgen.io.input_digests import input_ids
 from batchgen.io.input_options import InputOptions, recorded_input_options
-from batchgen.io.openai_output import result_fields
 from batchgen.io.partial_output import PartialOutput, partial_dir
 from batchgen.io.reader import count_input_rows
-from batchgen.io.reopen import finished_batches
+from batchgen.io.reopen import RESULT_FIELDS, check_finished_output, finished_batches, not_an_output, result_line
 from batchgen.job.resume import DATASET_KEY, check_finished_rows
-
-# What every row of a batchgen output has (an OpenAI Batch output line's, as result_fields reads it).
-_RESULT_FIELDS = ("id", "sample_index", "finish_reason")
 
 
 @dataclass(frozen=True)
@@ -115,7 +110,8 @@ def read_output_status(dataset: Path, out: Path, options: InputOptions | None = 
     if state == "complete" and DATASET_KEY.encode() not in metadata:
         # JSON Lines has no schema to carry the run's metadata (found by a new user: a finished output of another
         # dataset looked like this one's, "complete" with rows remaining).
-        notes.append(f"{out} records no dataset fingerprint (JSONL has no metadata): it may come from another file")
+        why = "JSONL has no metadata" if out.suffix.lower() == ".jsonl" else "its metadata lacks it"
+        notes.append(f"{out} records no dataset fingerprint ({why}): it may come from another file")
     changes: list[str] = []
     if DATASET_KEY.encode() in metadata:
         recorded = DatasetFingerprint.from_json(metadata[DATASET_KEY.encode()].decode())
@@ -180,18 +176,15 @@ def _final_counts(path: Path) -> tuple[int, int, dict[bytes, bytes], set[str]]:
             with path.open(encoding="utf-8") as f:
                 for number, line in enumerate(f, 1):
                     if line.strip():
-                        parsed = json.loads(line)
-                        row = result_fields(parsed) if isinstance(parsed, dict) else {}
-                        if lacking := [name for name in _RESULT_FIELDS if name not in row]:
-                            raise BatchgenError(_not_an_output(f"{path}:{number}", lacking))
+                        row = result_line(path, number, line)
                         ids.add(str(row.get("id")))
                         errored += row.get("finish_reason") == "error"
                         done += row.get("sample_index") == 0 or row.get("finish_reason") == "error"
+            if not ids:  # batchgen writes no output of no rows
+                raise not_an_output(str(path), [])
             return done, errored, {}, ids
-        schema, batches = finished_batches(path)
-        if lacking := [name for name in _RESULT_FIELDS if name not in schema.names]:
-            raise BatchgenError(_not_an_output(str(path), lacking))
-        schema, batches = finished_batches(path, list(_RESULT_FIELDS))
+        check_finished_output(path)
+        schema, batches = finished_batches(path, list(RESULT_FIELDS))
         metadata = schema.metadata or {}
         for batch in batches:
             first = pc.sum(pc.equal(batch.column("sample_index"), 0)).as_py() or 0
@@ -201,8 +194,3 @@ def _final_counts(path: Path) -> tuple[int, int, dict[bytes, bytes], set[str]]:
     except (OSError, ValueError, KeyError, pa.ArrowException) as e:
         raise BatchgenError(f"{path}: cannot read results ({e})") from None
     return done, errored, metadata, ids
-
-
-def _not_an_output(where: str, lacking: list[str]) -> str:
-    names = " or ".join(f"'{name}'" for name in lacking)
-    return f"{where}: not a batchgen output (it has no {names}): is --out the file a run of this dataset wrote?"

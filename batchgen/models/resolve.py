@@ -214,14 +214,14 @@ def _resolve_hub(spec: str) -> Path:
 
 
 def _builtin_hint(spec: str) -> str:
-    """Where hub id ``spec`` names a model batchgen has built in (the same last part, ignoring case), what to pass
-    instead (found by a new user, offline, whose lm-eval command named the default model by its hub id); not
-    swapped in silently: a built-in model comes from a quantized GGUF, not the hub's weights."""
+    """Where hub id ``spec`` may name a model batchgen has built in (the same last part, ignoring case: another
+    owner's may be a fine-tune), what to pass instead (found by a new user without the hub, whose lm-eval command
+    named the default model by its hub id); not swapped in silently: a built-in model comes from a quantized GGUF."""
     name = spec.rsplit("/", 1)[-1].lower()
     if name not in BUILTIN_MODELS:
         return ""
     gguf = BUILTIN_MODELS[name].member.rsplit("/", 1)[-1]
-    return f"; the built-in '{name}' is this model, from a GGUF on PyPI ({gguf}): pass that name to use it"
+    return f"; batchgen has a built-in '{name}' (from {gguf}, on PyPI): if this is that model, pass that name"
 
 
 def _hub_reason(exc: Exception) -> str:

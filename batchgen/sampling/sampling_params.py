@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -177,19 +178,16 @@ _FLOAT_FIELDS = {"temperature", "top_p", "min_p", "repetition_penalty", "frequen
 _BOOL_FIELDS = {"ignore_eos", "skip_special_tokens", "logprobs"}
 
 
-def python_scalar(value: Any) -> Any:
-    """A numpy scalar (``np.int64(3)``, ``np.float32(0.5)``, ``np.bool_(True)``: what rows taken from a DataFrame or
-    an array hold, in the Python API) as the Python number or bool it is; every other value unchanged."""
-    if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:
-        return value.item()
-    return value
+def python_value(value: Any) -> Any:
+    """A numpy scalar or array (what rows from pandas, numpy or a numpy-format dataset hold, in the Python API) as
+    the Python value it holds (arrays as lists); every other value unchanged."""
+    return value.tolist() if type(value).__module__ == "numpy" and hasattr(value, "tolist") else value
 
 
 def _whole(value: Any) -> Any:
     """A float with no fraction as an int (4.0 → 4): what pandas writes for an integer column with nulls, and
-    what JSON writers give for numbers they hold as floats; every other value unchanged (numpy's scalars as
-    Python's)."""
-    value = python_scalar(value)
+    what JSON writers give for numbers they hold as floats; numpy's as Python's; every other value unchanged."""
+    value = python_value(value)
     if isinstance(value, float) and value.is_integer():
         return int(value)
     return value
@@ -197,14 +195,14 @@ def _whole(value: Any) -> Any:
 
 def _coerce(name: str, value: Any) -> Any:
     """Check the JSON type of one sampling field and convert it to the dataclass's type."""
-    value = python_scalar(value)
+    value = python_value(value)
     if name in _INT_FIELDS:
         value = _whole(value)
         if isinstance(value, bool) or not isinstance(value, int):
             raise FieldError(name, f"must be an integer, got {shown_value(value)}")
         return value
     if name in _FLOAT_FIELDS:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):  # numbers.Real: numpy's long double too
             raise FieldError(name, f"must be a number, got {shown_value(value)}")
         return float(value)
     if name in _BOOL_FIELDS:
@@ -253,7 +251,8 @@ def _coerce_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
     if not isinstance(value, dict):
         raise FieldError("logit_bias", f"must be an object of token id → bias, got {shown_value(value)}")
     pairs: dict[int, float] = {}
-    for key, bias in value.items():
+    for key, given in value.items():
+        bias = python_value(given)
         if not (isinstance(key, str) and key.isascii() and key.isdigit()):
             raise FieldError("logit_bias", f"key {key!r} is not a token id")
         token_id = int(key)

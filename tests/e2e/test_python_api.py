@@ -211,7 +211,9 @@ def test_a_field_named_like_a_sampling_field_is_warned_about(generator: batchgen
         "rows: field 'Temperature' is not a sampling field (did you mean 'temperature'?); it is passed through unused"
         in messages
     )
-    assert "rows: field 'best_of' is not supported (yet); it is passed through unused" in messages
+    assert (
+        "rows: field 'best_of' is not supported: batchgen has no such option; it is passed through unused" in messages
+    )
     assert got[0]["Temperature"] == 0.5 and got[0]["best_of"] == 2  # passed through, as a file's fields are
 
 
@@ -283,6 +285,12 @@ def test_unknown_option_is_a_type_error_and_a_bad_value_the_cli_message(
     bare = generator.generate([np.array([9, 8, 7]), [np.int64(9), np.int64(8), np.int64(7)]], **greedy)
     [plain_ids] = generator.generate([[9, 8, 7]], **greedy)
     assert bare[0]["output_token_ids"] == bare[1]["output_token_ids"] == plain_ids["output_token_ids"]
+    # A DataFrame's messages column holds numpy object arrays (pandas' read_parquet, a numpy-format dataset); stop
+    # strings and switches may be numpy values too.
+    chat = [{"role": "user", "content": "Hi"}]
+    as_array = {"messages": np.array(chat, dtype=object), "stop": np.array(["\n\n"])}
+    got = generator.generate([as_array], logprobs=np.bool_(True), **greedy)
+    assert got == generator.generate([{"messages": chat, "stop": ["\n\n"]}], logprobs=True, **greedy)
 
 
 def test_run_writes_what_batchgen_run_writes_and_resumes(chat_model: Path, tmp_path: Path) -> None:

