@@ -66,7 +66,7 @@ def options_of(cls: type[T], given: Mapping[str, Any], **fixed: Any) -> T:
         if f.name in given:
             value = python_value(given[f.name])  # numpy's values are values
             if get_origin(hints[f.name]) is tuple:
-                value = tuple(value) if isinstance(value, (list, tuple)) else (value,)
+                value = tuple(map(python_value, value)) if isinstance(value, (list, tuple)) else (value,)
             elif hints[f.name] in (bool, bool | None) and not isinstance(value, bool):
                 optional = hints[f.name] is not bool
                 if value is not None or not optional:

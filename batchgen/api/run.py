@@ -104,7 +104,7 @@ def run_dataset(
     Raises:
         BatchgenError: a bad option, input or output path; an error of the job that stops it.
     """
-    from batchgen.job.resume import check_output_path
+    from batchgen.job.resume import check_output_path, discard_partial_beside
     from batchgen.job.run_job import RunJob
 
     job_options.validate()
@@ -115,7 +115,9 @@ def run_dataset(
         from batchgen.job.status import check_nothing_left
 
         # A finished output that lacks rows is reopened by the job, which adds them.
-        if check_nothing_left(dataset, out, job_options.resume_force, input_options):
+        complete = check_nothing_left(dataset, out, job_options.resume_force, input_options)
+        discard_partial_beside(out)
+        if complete:
             print(f"batchgen: {out} is already complete; nothing to do", file=sys.stderr)
             return None
     if pick_device(options.device).type == "cpu" and not job_options.ray:

@@ -83,17 +83,21 @@ def foreign_field_warning(name: str) -> str | None:
         if name in OUTPUT_COLUMNS.names:
             return None
         close = difflib.get_close_matches(name.lower(), sorted(_SAMPLING_NAMES_FOLDED), n=1, cutoff=_NEAR_MISS)
-        if not close:
+        # A plural or a suffixed name of one is data ('seeds', 'top_ks', 'temperature_c'), not a misspelling.
+        rest = name.lower()[len(close[0]) :] if close and name.lower().startswith(close[0]) else None
+        if not close or rest == "s" or (rest or "").startswith("_"):
             return None
         hint = _SAMPLING_NAMES_FOLDED[close[0]]
     return f"field '{name}' is not a sampling field (did you mean '{hint}'?); it is passed through unused"
 
 
-def warn_about_passthrough_names(path: Path, names: list[str]) -> None:
+def warn_about_passthrough_names(path: Path, names: list[str], options: InputOptions) -> None:
     """Print one warning per pass-through field of the input file ``path`` that looks like a sampling field
-    batchgen does not read (:func:`foreign_field_warning`)."""
+    batchgen does not read (:func:`foreign_field_warning`), but for the columns the column ``options`` read (a
+    template's ``{max_length}`` is used, not unused)."""
+    used = set(options.columns())
     for name in names:
-        warning = foreign_field_warning(name)
+        warning = foreign_field_warning(name) if name not in used else None
         if warning is not None:
             print(f"batchgen: warning: {path}: {warning}", file=sys.stderr)
 

@@ -213,7 +213,8 @@ def result_fields(line: dict[str, Any]) -> dict[str, Any]:
     """The ``id``, ``sample_index`` and ``finish_reason`` (``error`` or not) ``batchgen status`` counts a JSONL
     output line by: an OpenAI Batch output line's (one request, by its ``custom_id``), else the line itself."""
     response = line.get("response")
-    if "custom_id" not in line or not isinstance(response, dict):
+    # A batchgen row has its own finish_reason, and may pass a custom_id and a response of its input through.
+    if "custom_id" not in line or not isinstance(response, dict) or "finish_reason" in line:
         return line
     failed = response.get("status_code") != 200 or line.get("error") is not None
     custom_id = line["custom_id"]

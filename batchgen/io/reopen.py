@@ -3,7 +3,6 @@ that ``--resume`` can add the rows it lacks (see ``batchgen/io/partial_output.py
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,7 +12,6 @@ import pyarrow.parquet as pq
 
 from batchgen.errors import BatchgenError
 from batchgen.io.durable import fsync_dir
-from batchgen.io.openai_output import result_fields
 from batchgen.io.partial_output import PartialOutput
 
 # Rows per part of a reopened output (whole rows: a row's samples are never split across parts).
@@ -35,55 +33,6 @@ def finished_batches(path: Path, columns: list[str] | None = None) -> tuple[pa.S
     if columns is None:
         return reader.schema, batches
     return reader.schema, (batch.select(columns) for batch in batches)
-
-
-# What every row of a batchgen output has (an OpenAI Batch output line's, as result_fields reads it).
-RESULT_FIELDS = ("id", "sample_index", "finish_reason")
-
-
-def not_an_output(where: str, lacking: list[str]) -> BatchgenError:
-    """The error for a file given as ``--out`` that no run wrote: ``where`` (the file, or its line) lacks the
-    ``lacking`` fields of a result row."""
-    missing = " or ".join(f"'{name}'" for name in lacking) if lacking else "rows"
-    return BatchgenError(
-        f"{where}: not a batchgen output (it has no {missing}): is --out the file a run of this dataset wrote?"
-    )
-
-
-def result_line(path: Path, number: int, line: str) -> dict[str, Any]:
-    """Line ``number`` of the JSONL output ``path`` as ``batchgen status`` counts it (:func:`result_fields`).
-
-    Raises:
-        BatchgenError: it is no result row (found by a new user: a copy of the input, given as ``--out``, was taken
-            for a finished output, "already complete"); ``ValueError``: it is no JSON.
-    """
-    parsed = json.loads(line)
-    row = result_fields(parsed) if isinstance(parsed, dict) else {}
-    if lacking := [name for name in RESULT_FIELDS if name not in row]:
-        raise not_an_output(f"{path}:{number}", lacking)
-    return row
-
-
-def check_finished_output(path: Path) -> None:
-    """Check that the finished output ``path`` is a batchgen output before anything beside it is removed: an Arrow
-    IPC or Parquet file with the result columns, or JSON Lines whose first row is a result row.
-
-    Raises:
-        BatchgenError: it is not, or it cannot be read.
-    """
-    try:
-        if path.suffix.lower() == ".jsonl":
-            with path.open(encoding="utf-8") as f:
-                first = next(((n, line) for n, line in enumerate(f, 1) if line.strip()), None)
-            if first is None:
-                raise not_an_output(str(path), [])
-            result_line(path, *first)
-            return
-        schema, _ = finished_batches(path)
-    except (OSError, ValueError, pa.ArrowException) as e:
-        raise BatchgenError(f"{path}: cannot read results ({e})") from None
-    if lacking := [name for name in RESULT_FIELDS if name not in schema.names]:
-        raise not_an_output(str(path), lacking)
 
 
 def finished_ids(path: Path) -> list[str]:

@@ -18,7 +18,7 @@ from batchgen.io.fingerprint import DatasetFingerprint, fingerprint_dataset
 from batchgen.io.input_digests import INPUT_DIGESTS_KEY, compare_rows
 from batchgen.io.input_options import INPUT_OPTIONS_KEY, InputOptions, recorded_input_options
 from batchgen.io.partial_output import PartialOutput, PartialState, partial_dir, remove_partial_dir
-from batchgen.io.reopen import check_finished_output, finished_batches, finished_ids, reopen_output
+from batchgen.io.reopen import finished_batches, finished_ids, reopen_output
 from batchgen.io.shards import is_read_as_shard
 from batchgen.io.writer import check_output_format
 from batchgen.job.options import JobOptions
@@ -34,7 +34,7 @@ _IDS_SHOWN = 3
 
 def check_output_path(dataset: Path, out: Path, overwrite: bool, resume: bool) -> bool:
     """Check the output path before any work; return whether ``out`` is a finished output to check for missing rows
-    (only with ``resume``; a partial output left beside it is then removed).
+    (only with ``resume``; once it passes, :func:`discard_partial_beside` removes a partial output left beside it).
 
     Raises:
         BatchgenError: ``out`` is the dataset, a directory or a file the dataset's directory or glob takes in, has an
@@ -60,15 +60,16 @@ def check_output_path(dataset: Path, out: Path, overwrite: bool, resume: bool) -
         )
     if not out.parent.exists():
         raise BatchgenError(f"{out}: directory {out.parent} does not exist")
-    if not (resume and out.exists()):
-        return False
-    # OUT is only ever put in place finished, and removed only once reopened; a partial output beside it is what a
-    # crash between putting OUT in place and removing the directory leaves, or one while OUT was being reopened.
-    # Unless OUT is no output at all (another file given as --out): then the directory is a run's, and kept.
-    check_finished_output(out)
+    return resume and out.exists()
+
+
+def discard_partial_beside(out: Path) -> None:
+    """Remove the partial output beside the finished output ``out``, once ``--resume`` has checked ``out`` (a file no
+    run wrote, or one of another dataset, is refused first, and a run's partial output beside it kept). ``out`` is
+    only ever put in place finished, and removed only once reopened; a partial output beside it is what a crash
+    between putting it in place and removing the directory leaves, or one while it was being reopened."""
     with contextlib.suppress(OSError):
-        remove_partial_dir(partial)
-    return True
+        remove_partial_dir(partial_dir(out))
 
 
 def open_output(

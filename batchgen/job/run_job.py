@@ -98,7 +98,7 @@ class RunJob:
         self.builder = RequestBuilder.for_engine(self.facts, defaults, int(self.schema.metadata[RUN_SEED_KEY.encode()]))
         model, tokenizer, seed = engine_options.model, self.facts.tokenizer, self.builder.run_seed
         self.openai_output = openai_output(dataset, self.reader.openai, as_openai, model, tokenizer, seed)
-        warn_about_passthrough_names(self.reader.path, self.reader.passthrough_schema.names)
+        warn_about_passthrough_names(self.reader.path, self.reader.passthrough_schema.names, self.reader.options)
         warn_about_sampling_columns(self.reader.path, self.reader.options)
         warn_about_json_text_fields(self.reader.path, self.reader.passthrough_schema, self.reader.block_rows)
         self.summary = RunSummary()

@@ -6,9 +6,11 @@ an error row (``--on-error skip``). Nothing is changed on disk, so it is safe ne
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -17,10 +19,14 @@ from batchgen.errors import BatchgenError, counted
 from batchgen.io.fingerprint import DatasetFingerprint, fingerprint_dataset
 from batchgen.io.input_digests import input_ids
 from batchgen.io.input_options import InputOptions, recorded_input_options
+from batchgen.io.openai_output import result_fields
 from batchgen.io.partial_output import PartialOutput, partial_dir
 from batchgen.io.reader import count_input_rows
-from batchgen.io.reopen import RESULT_FIELDS, check_finished_output, finished_batches, not_an_output, result_line
+from batchgen.io.reopen import finished_batches
 from batchgen.job.resume import DATASET_KEY, check_finished_rows
+
+# What every row of a batchgen output has (an OpenAI Batch output line's, as result_fields reads it).
+_RESULT_FIELDS = ("id", "sample_index", "finish_reason")
 
 
 @dataclass(frozen=True)
@@ -176,15 +182,17 @@ def _final_counts(path: Path) -> tuple[int, int, dict[bytes, bytes], set[str]]:
             with path.open(encoding="utf-8") as f:
                 for number, line in enumerate(f, 1):
                     if line.strip():
-                        row = result_line(path, number, line)
+                        row = _result_line(path, number, line)
                         ids.add(str(row.get("id")))
                         errored += row.get("finish_reason") == "error"
                         done += row.get("sample_index") == 0 or row.get("finish_reason") == "error"
             if not ids:  # batchgen writes no output of no rows
-                raise not_an_output(str(path), [])
+                raise _not_an_output(str(path), [])
             return done, errored, {}, ids
-        check_finished_output(path)
-        schema, batches = finished_batches(path, list(RESULT_FIELDS))
+        schema, _ = finished_batches(path)
+        if lacking := [name for name in _RESULT_FIELDS if name not in schema.names]:
+            raise _not_an_output(str(path), lacking)
+        schema, batches = finished_batches(path, list(_RESULT_FIELDS))
         metadata = schema.metadata or {}
         for batch in batches:
             first = pc.sum(pc.equal(batch.column("sample_index"), 0)).as_py() or 0
@@ -194,3 +202,26 @@ def _final_counts(path: Path) -> tuple[int, int, dict[bytes, bytes], set[str]]:
     except (OSError, ValueError, KeyError, pa.ArrowException) as e:
         raise BatchgenError(f"{path}: cannot read results ({e})") from None
     return done, errored, metadata, ids
+
+
+def _not_an_output(where: str, lacking: list[str]) -> BatchgenError:
+    """The error for a file given as ``--out`` that no run wrote: ``where`` (the file, or its line) lacks the
+    ``lacking`` fields of a result row."""
+    missing = " or ".join(f"'{name}'" for name in lacking) if lacking else "rows"
+    return BatchgenError(
+        f"{where}: not a batchgen output (it has no {missing}): is --out the file a run of this dataset wrote?"
+    )
+
+
+def _result_line(path: Path, number: int, line: str) -> dict[str, Any]:
+    """Line ``number`` of the JSONL output ``path`` as ``batchgen status`` counts it (:func:`result_fields`).
+
+    Raises:
+        BatchgenError: it is no result row (found by a new user: a copy of the input, given as ``--out``, was taken
+            for a finished output, "already complete"); ``ValueError``: it is no JSON.
+    """
+    parsed = json.loads(line)
+    row = result_fields(parsed) if isinstance(parsed, dict) else {}
+    if lacking := [name for name in _RESULT_FIELDS if name not in row]:
+        raise _not_an_output(f"{path}:{number}", lacking)
+    return row

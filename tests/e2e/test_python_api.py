@@ -291,6 +291,11 @@ def test_unknown_option_is_a_type_error_and_a_bad_value_the_cli_message(
     as_array = {"messages": np.array(chat, dtype=object), "stop": np.array(["\n\n"])}
     got = generator.generate([as_array], logprobs=np.bool_(True), **greedy)
     assert got == generator.generate([{"messages": chat, "stop": ["\n\n"]}], logprobs=True, **greedy)
+    # A list option's items too: the run's metadata records them as JSON.
+    args = (tmp_path / "in.jsonl", tmp_path / "out.jsonl")
+    write_jsonl(args[0], [{"prompt_token_ids": [9, 8, 7]}])
+    batchgen.run(*args, model=str(chat_model), max_new_tokens=2, stop_token_ids=[np.int64(3)], progress=False, **ENGINE)
+    assert len(read_rows(args[1])) == 1
 
 
 def test_run_writes_what_batchgen_run_writes_and_resumes(chat_model: Path, tmp_path: Path) -> None:

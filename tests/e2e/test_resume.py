@@ -630,6 +630,11 @@ def test_a_file_that_no_run_wrote_is_not_taken_for_a_finished_output(model: Path
         )
         assert out.read_text().count("\n") == 2  # left as it was
         assert (partial_dir(out) / "part-00000.arrow").read_bytes() == b"a run's rows"
+    # Every line is read before anything beside OUT is removed, not the first alone.
+    out = write_jsonl(tmp_path / "mixed.jsonl", [{"id": "a", "sample_index": 0, "finish_reason": "length"}, rows[1]])
+    partial_dir(out).mkdir()
+    code, output = run_cli(args(dataset, out, model, "--resume"))
+    assert code == 2 and f"{out}:2: not a batchgen output" in output and partial_dir(out).is_dir()
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
     code, output = run_cli(["status", str(dataset), str(empty)])

@@ -355,3 +355,7 @@ def test_status_counts_an_openai_output_line_by_its_custom_id() -> None:
     assert result_fields(bad)["finish_reason"] == "error"
     plain = {"id": "r", "sample_index": 1, "finish_reason": "stop"}
     assert result_fields(plain) is plain
+    # A batchgen row that passes its input's custom_id and response through is still a batchgen row (found by a
+    # helper: its status counted it as an OpenAI line, "finished with rows missing").
+    passed = {**plain, "custom_id": "old-1", "response": {"status_code": 500}}
+    assert result_fields(passed) is passed
