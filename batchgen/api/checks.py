@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import numbers
 import sys
-from typing import Any, get_args, get_type_hints
+from typing import get_type_hints
 
-from batchgen.api.options import declared_options
+from batchgen.api.options import declared_options, type_problem
 from batchgen.errors import BatchgenError, FieldError, shown_value
 from batchgen.loop.engine import EngineFacts
 from batchgen.sampling.sampling_params import SamplingParams
@@ -29,25 +28,6 @@ def check_sampling_defaults(defaults: SamplingParams, facts: EngineFacts | None)
         raise BatchgenError(f"--n {defaults.n} exceeds --max-running-requests {facts.max_running_requests}")
 
 
-def _type_problem(value: Any, annotation: Any) -> str | None:
-    """What ``value`` should be for a field declared ``annotation`` (``"an integer"``), or ``None`` if it is that:
-    numpy's numbers count as numbers, a bool as no number, a float as no integer."""
-    if type(None) in get_args(annotation):
-        return None if value is None else _type_problem(value, int)
-    if annotation is int:
-        return None if isinstance(value, numbers.Integral) and not isinstance(value, bool) else "an integer"
-    if annotation is float:
-        return None if isinstance(value, numbers.Real) and not isinstance(value, bool) else "a number"
-    if annotation is bool:
-        return None if isinstance(value, bool) else "true or false"
-    if annotation is str:
-        return None if isinstance(value, str) else "a string"
-    item = get_args(annotation)[0]
-    if isinstance(value, tuple) and all(_type_problem(v, item) is None for v in value):
-        return None
-    return "a string or a list of strings" if item is str else "a list of integers"
-
-
 def _check_types(defaults: SamplingParams) -> None:
     """Refuse a sampling default of the wrong type, which only the Python API can give (a row's fields are checked
     as it is read, the flags by Typer): ``max_new_tokens="ten"`` would otherwise fail deep in a check.
@@ -58,7 +38,7 @@ def _check_types(defaults: SamplingParams) -> None:
     hints = get_type_hints(SamplingParams)
     for field in declared_options(SamplingParams):
         value = getattr(defaults, field.name)
-        problem = _type_problem(value, hints[field.name])
+        problem = type_problem(value, hints[field.name])
         if problem is not None:
             shown = shown_value(list(value) if isinstance(value, tuple) else value)
             raise BatchgenError(f"--{field.name.replace('_', '-')}: must be {problem}, got {shown}")

@@ -5,11 +5,12 @@ declarations (:mod:`batchgen.cli.options`)."""
 from __future__ import annotations
 
 import difflib
+import numbers
 from collections.abc import Collection, Mapping
 from dataclasses import Field, fields
-from typing import Any, TypeVar, get_origin, get_type_hints
+from typing import Any, TypeVar, get_args, get_origin, get_type_hints
 
-from batchgen.errors import BatchgenError
+from batchgen.errors import BatchgenError, shown_value
 from batchgen.io.input_options import InputOptions
 from batchgen.job.options import JobOptions
 from batchgen.loop.options import EngineOptions
@@ -53,24 +54,48 @@ def check_option_names(
 def options_of(cls: type[T], given: Mapping[str, Any], **fixed: Any) -> T:
     """An object of options class ``cls`` from the values ``given`` by Python name (those not declared by ``cls``
     are left out: they belong to another class) and ``fixed`` (set whether declared or not, e.g. ``model``). A
-    tuple option takes a list or tuple, or one value alone (``stop="\\n"``), as ``--config`` takes it.
+    tuple option takes a list or tuple, or one value alone (``stop="\\n"``), as ``--config`` takes it; numpy's values
+    are the values they hold.
 
     Raises:
-        BatchgenError: a switch (a ``bool`` option) given anything but ``True`` or ``False`` (or ``None`` where that
-            means its default is decided later): ``"false"`` or ``0`` would otherwise reach the run unchecked. Named
-            by its flag, as any other bad value is (``--prefix-cache: must be True or False, got 0``).
+        BatchgenError: a value of the wrong type, named by its flag as the command line names a bad value
+            (``--max-running-requests: must be an integer, got "4"``; a switch given anything but ``True`` or
+            ``False``, or ``None`` where that means its default is decided later: ``--prefix-cache: must be True or
+            False, got 0``), rather than a ``TypeError`` from deep inside the run.
     """
     hints = get_type_hints(cls)
     values = dict(fixed)
     for f in declared_options(cls):
         if f.name in given:
-            value = python_value(given[f.name])  # numpy's values are values
-            if get_origin(hints[f.name]) is tuple:
+            value, hint, flag = python_value(given[f.name]), hints[f.name], f.name.replace("_", "-")
+            if get_origin(hint) is tuple:
                 value = tuple(map(python_value, value)) if isinstance(value, (list, tuple)) else (value,)
-            elif hints[f.name] in (bool, bool | None) and not isinstance(value, bool):
-                optional = hints[f.name] is not bool
+            if hint in (bool, bool | None) and not isinstance(value, bool):
+                optional = hint is not bool
                 if value is not None or not optional:
-                    flag = f.name.replace("_", "-")
                     raise BatchgenError(f"--{flag}: must be True or False{' or None' * optional}, got {value!r}")
+            elif (problem := type_problem(value, hint)) is not None:
+                shown = shown_value(list(value) if isinstance(value, tuple) else value)
+                raise BatchgenError(f"--{flag}: must be {problem}, got {shown}")
             values[f.name] = value
     return cls(**values)
+
+
+def type_problem(value: Any, annotation: Any) -> str | None:
+    """What ``value`` should be for an option declared ``annotation`` (``"an integer"``), or ``None`` if it is that:
+    numpy's numbers count as numbers, a bool as no number, a float as no integer; ``X | None`` takes ``None``."""
+    optional = [arg for arg in get_args(annotation) if arg is not type(None)]
+    if len(optional) < len(get_args(annotation)):
+        return None if value is None else type_problem(value, optional[0])
+    if annotation is int:
+        return None if isinstance(value, numbers.Integral) and not isinstance(value, bool) else "an integer"
+    if annotation is float:
+        return None if isinstance(value, numbers.Real) and not isinstance(value, bool) else "a number"
+    if annotation is bool:
+        return None if isinstance(value, bool) else "true or false"
+    if annotation is str:
+        return None if isinstance(value, str) else "a string"
+    item = get_args(annotation)[0]
+    if isinstance(value, tuple) and all(type_problem(v, item) is None for v in value):
+        return None
+    return "a string or a list of strings" if item is str else "a list of integers"

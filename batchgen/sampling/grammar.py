@@ -25,6 +25,7 @@ import torch
 
 from batchgen.errors import FieldError
 from batchgen.sampling.json_schema_support import check_enforceable
+from batchgen.sampling.sampling_params import python_value
 
 GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")
 # A surrogate's UTF-8 form starts with this lead byte and a second byte in this range.
@@ -232,7 +233,10 @@ def normalize_constraint(name: str, value: Any) -> str:
     if name == "json_schema":
         if isinstance(value, dict):
             check_enforceable(value)
-            return json.dumps(value)  # key order kept: it is the order the model writes the properties in
+            try:  # numpy's values (a schema built in Python) as the values they hold
+                return json.dumps(value, default=_plain)  # key order kept: the order the model writes them in
+            except (TypeError, ValueError) as e:
+                raise FieldError(name, f"is not JSON: {e}") from None
         if isinstance(value, str):
             try:
                 schema = json.loads(value)
@@ -244,6 +248,14 @@ def normalize_constraint(name: str, value: Any) -> str:
     if not isinstance(value, str) or not value:
         raise FieldError(name, f"must be a non-empty string, got {value!r}")
     return value
+
+
+def _plain(value: Any) -> Any:
+    """``json.dumps``'s fallback: a numpy value as the Python value it holds; anything else cannot be JSON."""
+    plain = python_value(value)
+    if plain is value:
+        raise TypeError(f"{type(value).__name__} {value!r} is not a JSON value")
+    return plain
 
 
 def _compile_message(error: Exception) -> str:

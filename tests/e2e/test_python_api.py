@@ -254,6 +254,13 @@ def test_unknown_option_is_a_type_error_and_a_bad_value_the_cli_message(
         batchgen.run(tmp_path / "in.jsonl", tmp_path / "out.jsonl", prefix_cache=0)
     with pytest.raises(BatchgenError, match="^--logprobs: must be True or False, got 1$"):
         generator.generate(["x"], logprobs=1)
+    # Every option's type is checked where it is given (found by a helper: these ended in TypeErrors deep in a check).
+    with pytest.raises(BatchgenError, match='^--max-running-requests: must be an integer, got "4"$'):
+        batchgen.Generator(str(chat_model), max_running_requests="4")
+    with pytest.raises(BatchgenError, match=r'^--prompt-column: must be a string, got \["q"\]$'):
+        generator.generate([{"q": "x"}], prompt_column=["q"])
+    with pytest.raises(BatchgenError, match=r"^--flush-every: must be an integer, got \[1\]$"):
+        batchgen.run(tmp_path / "in.jsonl", tmp_path / "out.jsonl", flush_every=np.array([1]))
     with pytest.raises(BatchgenError, match=r"^--mem-fraction must be in \(0, 1\), got 2.0$"):
         batchgen.Generator(str(chat_model), mem_fraction=2.0)
     with pytest.raises(BatchgenError, match=r"^--temperature: must be a number in \[0, 10000\], got -1$"):

@@ -12,6 +12,7 @@ import re
 from typing import Any
 
 import jsonschema
+import numpy as np
 import pytest
 
 from batchgen.errors import FieldError
@@ -130,3 +131,13 @@ def test_keyword_names_as_data_or_property_names_are_not_keywords() -> None:
     }
     check_enforceable(schema)
     check_enforceable({"type": "array", "items": True, "additionalProperties": False})  # boolean subschemas
+
+
+def test_a_schema_built_with_numpy_values_is_the_schema_they_hold() -> None:
+    """Found by a helper: np.int64 in a schema dict ended in json's TypeError, even under --on-error skip."""
+    schema = {"type": "array", "maxItems": np.int64(3), "items": {"enum": np.array(["a", "b"])}}
+    assert (
+        normalize_constraint("json_schema", schema) == '{"type": "array", "maxItems": 3, "items": {"enum": ["a", "b"]}}'
+    )
+    with pytest.raises(FieldError, match=r"^field 'json_schema': is not JSON: set \{1\} is not a JSON value$"):
+        normalize_constraint("json_schema", {"enum": {1}})
