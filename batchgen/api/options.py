@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import difflib
 import numbers
+import os
 from collections.abc import Collection, Mapping
 from dataclasses import Field, fields
 from typing import Any, TypeVar, get_args, get_origin, get_type_hints
+
+import torch
 
 from batchgen.errors import BatchgenError, shown_value
 from batchgen.io.input_options import InputOptions
@@ -53,9 +56,10 @@ def check_option_names(
 
 def options_of(cls: type[T], given: Mapping[str, Any], **fixed: Any) -> T:
     """An object of options class ``cls`` from the values ``given`` by Python name (those not declared by ``cls``
-    are left out: they belong to another class) and ``fixed`` (set whether declared or not, e.g. ``model``). A
-    tuple option takes a list or tuple, or one value alone (``stop="\\n"``), as ``--config`` takes it; numpy's values
-    are the values they hold.
+    are left out: they belong to another class) and ``fixed`` (set whether declared or not, e.g. ``model``). As
+    ``--config`` takes them, a tuple option takes a list or tuple, or one value alone (``stop="\\n"``), and ``None``
+    is the default of an option that takes no ``None``; numpy's values are the values they hold, a path or a
+    ``torch.device`` is its text, and a number given for a float option is that float.
 
     Raises:
         BatchgenError: a value of the wrong type, named by its flag as the command line names a bad value
@@ -66,19 +70,38 @@ def options_of(cls: type[T], given: Mapping[str, Any], **fixed: Any) -> T:
     hints = get_type_hints(cls)
     values = dict(fixed)
     for f in declared_options(cls):
-        if f.name in given:
-            value, hint, flag = python_value(given[f.name]), hints[f.name], f.name.replace("_", "-")
-            if get_origin(hint) is tuple:
-                value = tuple(map(python_value, value)) if isinstance(value, (list, tuple)) else (value,)
-            if hint in (bool, bool | None) and not isinstance(value, bool):
-                optional = hint is not bool
-                if value is not None or not optional:
-                    raise BatchgenError(f"--{flag}: must be True or False{' or None' * optional}, got {value!r}")
-            elif (problem := type_problem(value, hint)) is not None:
-                shown = shown_value(list(value) if isinstance(value, tuple) else value)
-                raise BatchgenError(f"--{flag}: must be {problem}, got {shown}")
-            values[f.name] = value
+        if f.name in fixed or f.name in given:
+            value = fixed[f.name] if f.name in fixed else given[f.name]
+            if value is None and type(None) not in get_args(hints[f.name]):
+                values.pop(f.name, None)
+            else:
+                values[f.name] = _checked(f.name, python_value(value), hints[f.name])
     return cls(**values)
+
+
+def _checked(name: str, value: Any, hint: Any) -> Any:
+    """Option ``name``'s ``value`` as its declared type ``hint`` takes it (see :func:`options_of`)."""
+    flag = name.replace("_", "-")
+    if get_origin(hint) is tuple:
+        value = tuple(map(python_value, value)) if isinstance(value, (list, tuple)) else (value,)
+    elif hint in (str, str | None) and isinstance(value, (os.PathLike, torch.device)):
+        value = os.fspath(value) if isinstance(value, os.PathLike) else str(value)
+    if hint in (bool, bool | None) and not isinstance(value, bool):
+        optional = hint is not bool
+        if value is not None or not optional:
+            raise BatchgenError(f"--{flag}: must be True or False{' or None' * optional}, got {value!r}")
+    elif (problem := type_problem(value, hint)) is not None:
+        raise BatchgenError(
+            f"--{flag}: must be {problem}, got {shown_value(list(value) if isinstance(value, tuple) else value)}"
+        )
+    if hint in (float, float | None) and value is not None:
+        try:
+            as_float = float(value)
+        except OverflowError:
+            raise BatchgenError(f"--{flag}: must be a finite number, got {shown_value(value)}") from None
+        # numpy's long double, a Fraction: the float the run records (an int stays as given, for its messages)
+        return value if isinstance(value, (int, float)) else as_float
+    return value
 
 
 def type_problem(value: Any, annotation: Any) -> str | None:

@@ -232,11 +232,12 @@ def normalize_constraint(name: str, value: Any) -> str:
     """
     if name == "json_schema":
         if isinstance(value, dict):
-            check_enforceable(value)
-            try:  # numpy's values (a schema built in Python) as the values they hold
-                return json.dumps(value, default=_plain)  # key order kept: the order the model writes them in
+            try:  # as JSON first (numpy's values, tuples: a schema built in Python), then checked as the JSON
+                text = json.dumps(value, default=_plain)  # key order kept: the order the model writes them in
             except (TypeError, ValueError) as e:
                 raise FieldError(name, f"is not JSON: {e}") from None
+            check_enforceable(json.loads(text))
+            return text
         if isinstance(value, str):
             try:
                 schema = json.loads(value)

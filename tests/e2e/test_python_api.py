@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 import batchgen
@@ -261,6 +262,10 @@ def test_unknown_option_is_a_type_error_and_a_bad_value_the_cli_message(
         generator.generate([{"q": "x"}], prompt_column=["q"])
     with pytest.raises(BatchgenError, match=r"^--flush-every: must be an integer, got \[1\]$"):
         batchgen.run(tmp_path / "in.jsonl", tmp_path / "out.jsonl", flush_every=np.array([1]))
+    with pytest.raises(BatchgenError, match="^--model: must be a string, got 123$"):
+        batchgen.Generator(123)  # type: ignore[arg-type]
+    with pytest.raises(BatchgenError, match=r"^--temperature: must be a finite number, got 1000"):
+        generator.generate(["x"], temperature=10**400)
     with pytest.raises(BatchgenError, match=r"^--mem-fraction must be in \(0, 1\), got 2.0$"):
         batchgen.Generator(str(chat_model), mem_fraction=2.0)
     with pytest.raises(BatchgenError, match=r"^--temperature: must be a number in \[0, 10000\], got -1$"):
@@ -301,7 +306,11 @@ def test_unknown_option_is_a_type_error_and_a_bad_value_the_cli_message(
     # A list option's items too: the run's metadata records them as JSON.
     args = (tmp_path / "in.jsonl", tmp_path / "out.jsonl")
     write_jsonl(args[0], [{"prompt_token_ids": [9, 8, 7]}])
-    batchgen.run(*args, model=str(chat_model), max_new_tokens=2, stop_token_ids=[np.int64(3)], progress=False, **ENGINE)
+    run_options = {"max_new_tokens": 2, "progress": False, "overwrite": True, **ENGINE}
+    batchgen.run(*args, model=str(chat_model), stop_token_ids=[np.int64(3)], **run_options)
+    # A path or a torch.device is its text, a long double its float, None an option's default (a config's null).
+    engine = {**ENGINE, "device": torch.device("cpu")}
+    batchgen.run(*args, model=chat_model, temperature=np.longdouble(0.5), stop=None, **run_options | engine)
     assert len(read_rows(args[1])) == 1
 
 

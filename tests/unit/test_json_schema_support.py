@@ -141,3 +141,11 @@ def test_a_schema_built_with_numpy_values_is_the_schema_they_hold() -> None:
     )
     with pytest.raises(FieldError, match=r"^field 'json_schema': is not JSON: set \{1\} is not a JSON value$"):
         normalize_constraint("json_schema", {"enum": {1}})
+    # Checked as the JSON it is: numpy's values and tuples are what they hold (found by a helper: multipleOf
+    # np.int64(2) was refused, an allOf given as a numpy array or a tuple passed unchecked).
+    assert normalize_constraint("json_schema", {"type": "integer", "multipleOf": np.int64(2)})
+    assert normalize_constraint("json_schema", {"type": "array", "uniqueItems": np.False_})
+    both = [{"type": "integer", "minimum": 0}, {"type": "integer", "maximum": 5}]
+    for given in (np.array(both, dtype=object), tuple(both)):
+        with pytest.raises(FieldError, match="allOf"):
+            normalize_constraint("json_schema", {"allOf": given})
