@@ -83,14 +83,14 @@ def _checked(name: str, value: Any, hint: Any) -> Any:
     """Option ``name``'s ``value`` as its declared type ``hint`` takes it (see :func:`options_of`)."""
     flag = name.replace("_", "-")
     if get_origin(hint) is tuple:
-        value = tuple(map(python_value, value)) if isinstance(value, (list, tuple)) else (value,)
+        value = tuple(value) if isinstance(value, (list, tuple)) else (value,)
     elif hint in (str, str | None) and isinstance(value, (os.PathLike, torch.device)):
         value = os.fspath(value) if isinstance(value, os.PathLike) else str(value)
     if hint in (bool, bool | None) and not isinstance(value, bool):
         optional = hint is not bool
         if value is not None or not optional:
             raise BatchgenError(f"--{flag}: must be True or False{' or None' * optional}, got {value!r}")
-    elif (problem := type_problem(value, hint)) is not None:
+    elif (problem := _type_problem(value, hint)) is not None:
         raise BatchgenError(
             f"--{flag}: must be {problem}, got {shown_value(list(value) if isinstance(value, tuple) else value)}"
         )
@@ -104,12 +104,12 @@ def _checked(name: str, value: Any, hint: Any) -> Any:
     return value
 
 
-def type_problem(value: Any, annotation: Any) -> str | None:
+def _type_problem(value: Any, annotation: Any) -> str | None:
     """What ``value`` should be for an option declared ``annotation`` (``"an integer"``), or ``None`` if it is that:
     numpy's numbers count as numbers, a bool as no number, a float as no integer; ``X | None`` takes ``None``."""
     optional = [arg for arg in get_args(annotation) if arg is not type(None)]
     if len(optional) < len(get_args(annotation)):
-        return None if value is None else type_problem(value, optional[0])
+        return None if value is None else _type_problem(value, optional[0])
     if annotation is int:
         return None if isinstance(value, numbers.Integral) and not isinstance(value, bool) else "an integer"
     if annotation is float:
@@ -119,6 +119,6 @@ def type_problem(value: Any, annotation: Any) -> str | None:
     if annotation is str:
         return None if isinstance(value, str) else "a string"
     item = get_args(annotation)[0]
-    if isinstance(value, tuple) and all(type_problem(v, item) is None for v in value):
+    if isinstance(value, tuple) and all(_type_problem(v, item) is None for v in value):
         return None
     return "a string or a list of strings" if item is str else "a list of integers"

@@ -14,7 +14,7 @@ from batchgen.errors import BatchgenError, RowError, shown_value
 from batchgen.io.columns import ColumnMapping
 from batchgen.io.field_warnings import foreign_field_warning
 from batchgen.io.input_options import InputOptions
-from batchgen.io.passthrough import PROMPT_FIELDS, passthrough_names
+from batchgen.io.passthrough import KNOWN_FIELDS, PROMPT_FIELDS, passthrough_names
 from batchgen.io.reader import InputRow
 from batchgen.io.rows import RowSpec, parse_row
 from batchgen.sampling.sampling_params import python_value
@@ -38,18 +38,18 @@ def input_rows(rows: Iterable[Any], options: InputOptions) -> Iterator[InputRow 
         # A pandas DataFrame iterates its column names, which would each become a prompt (found by a new user).
         raise BatchgenError("rows: a DataFrame iterates its column names, not its rows: pass df.to_dict('records')")
     mapping: ColumnMapping | None = None
+    read = KNOWN_FIELDS | set(options.columns())  # what batchgen reads: numpy's values as Python's; the rest as given
     for index, row in enumerate(rows):
         line = index + 1
-        row = python_value(row)  # an array of token ids, a numpy string
+        row = python_value(row) if not isinstance(row, Mapping) else row  # an array of token ids, a numpy string
         if isinstance(row, str):
             yield InputRow(index, line, {"prompt": row})
         elif isinstance(row, list):
-            values = [python_value(t) for t in row]
-            is_ids = bool(row) and all(isinstance(t, int) and not isinstance(t, bool) for t in values)
+            is_ids = bool(row) and all(isinstance(t, int) and not isinstance(t, bool) for t in row)
             yield InputRow(index, line, {"prompt_token_ids" if is_ids else "messages": row})
         elif isinstance(row, Mapping):
             mapping = mapping or ColumnMapping(options, list(row), SOURCE)
-            data, columns, problem = mapping.apply(dict(row))
+            data, columns, problem = mapping.apply({k: python_value(v) if k in read else v for k, v in row.items()})
             yield InputRow(index, line, data, columns=columns, problem=problem)
         else:
             message = f"must be a prompt string, a message list, a token-id list or a dict, got {shown_value(row)}"

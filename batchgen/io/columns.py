@@ -10,7 +10,6 @@ from typing import Any
 from batchgen.errors import BatchgenError
 from batchgen.io.input_options import InputOptions
 from batchgen.io.passthrough import PROMPT_FIELDS
-from batchgen.sampling.sampling_params import python_value
 
 # ShareGPT's speakers → chat roles; another "from" is taken as the role itself.
 _SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
@@ -89,7 +88,7 @@ class ColumnMapping:
         for column, target in ((o.id_column, "id"), (o.prompt_column, "prompt"), (self.messages_column, "messages")):
             if column is None:
                 continue
-            value = python_value(data.get(column))  # a numpy array of messages, given in Python
+            value = data.get(column)
             if value is None:
                 return data, fields, (column, f"null or missing; {self._flag_of(column)} needs a value in every row")
             data[target], fields[target] = value, column

@@ -13,7 +13,7 @@ from batchgen.errors import NOT_UNICODE, RowError, is_unicode_text, shown_value
 from batchgen.io.arrow_fit import misfit
 from batchgen.io.input_row import InputRow
 from batchgen.io.passthrough import CONTINUATION_FIELD, KNOWN_FIELDS, PROMPT_FIELDS, is_json_text, json_type_name
-from batchgen.sampling.sampling_params import SAMPLING_FIELD_ALIASES, SAMPLING_FIELDS, python_value
+from batchgen.sampling.sampling_params import SAMPLING_FIELD_ALIASES, SAMPLING_FIELDS
 
 __all__ = ["PROMPT_FIELDS", "RowSpec", "parse_row"]
 
@@ -158,7 +158,6 @@ def _check_prompt(value: Any, fail: _Fail) -> str:
 
 
 def _check_messages(value: Any, fail: _Fail) -> list[dict[str, str]]:
-    value = python_value(value)
     if not isinstance(value, list) or not value:
         got = "an empty array" if isinstance(value, list) else json_type_name(value)
         raise fail("messages", f"must be a non-empty array of {{role, content}} objects, got {got}")
@@ -186,11 +185,9 @@ def _check_messages(value: Any, fail: _Fail) -> list[dict[str, str]]:
 
 
 def _check_token_ids(value: Any, fail: _Fail) -> list[int]:
-    value = python_value(value)
     if not isinstance(value, list) or not value:
         got = "an empty array" if isinstance(value, list) else json_type_name(value)
         raise fail("prompt_token_ids", f"must be a non-empty array of integers, got {got}")
-    value = [python_value(token) for token in value]
     for i, token in enumerate(value):
         if isinstance(token, bool) or not isinstance(token, int):
             raise fail("prompt_token_ids", f"item {i} must be an integer, got {shown_value(token)}")
@@ -213,7 +210,6 @@ def error_row_id(row: InputRow) -> str:
 def _check_id(value: Any, index: int, fail: _Fail) -> str:
     if value is None:
         return str(index)
-    value = python_value(value)
     problem = _id_problem(value)
     if problem is not None:
         raise fail("id", problem)

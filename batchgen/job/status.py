@@ -189,10 +189,9 @@ def _final_counts(path: Path) -> tuple[int, int, dict[bytes, bytes], set[str]]:
             if not ids:  # batchgen writes no output of no rows
                 raise _not_an_output(str(path), [])
             return done, errored, {}, ids
-        schema, _ = finished_batches(path)
+        schema, batches = finished_batches(path, list(_RESULT_FIELDS))  # the columns are selected as batches come
         if lacking := [name for name in _RESULT_FIELDS if name not in schema.names]:
             raise _not_an_output(str(path), lacking)
-        schema, batches = finished_batches(path, list(_RESULT_FIELDS))
         metadata = schema.metadata or {}
         for batch in batches:
             first = pc.sum(pc.equal(batch.column("sample_index"), 0)).as_py() or 0

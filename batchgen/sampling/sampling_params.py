@@ -179,15 +179,18 @@ _BOOL_FIELDS = {"ignore_eos", "skip_special_tokens", "logprobs"}
 
 
 def python_value(value: Any) -> Any:
-    """A numpy scalar or array (what rows from pandas, numpy or a numpy-format dataset hold, in the Python API) as
-    the Python value it holds (arrays as lists); every other value unchanged."""
-    return value.tolist() if type(value).__module__ == "numpy" and hasattr(value, "tolist") else value
+    """numpy's scalars and arrays (what rows from pandas or numpy hold) as the Python values they hold, arrays as
+    lists, inside lists, tuples and dicts too: the Python API's values as the checks, written for JSON's, take them."""
+    if type(value).__module__ == "numpy" and hasattr(value, "tolist"):
+        return value.tolist()
+    if isinstance(value, dict):
+        return {key: python_value(item) for key, item in value.items()}
+    return type(value)(map(python_value, value)) if isinstance(value, (list, tuple)) else value
 
 
 def _whole(value: Any) -> Any:
     """A float with no fraction as an int (4.0 → 4): what pandas writes for an integer column with nulls, and
-    what JSON writers give for numbers they hold as floats; numpy's as Python's; every other value unchanged."""
-    value = python_value(value)
+    what JSON writers give for numbers they hold as floats; every other value unchanged."""
     if isinstance(value, float) and value.is_integer():
         return int(value)
     return value
@@ -195,7 +198,6 @@ def _whole(value: Any) -> Any:
 
 def _coerce(name: str, value: Any) -> Any:
     """Check the JSON type of one sampling field and convert it to the dataclass's type."""
-    value = python_value(value)
     if name in _INT_FIELDS:
         value = _whole(value)
         if isinstance(value, bool) or not isinstance(value, int):
@@ -251,8 +253,7 @@ def _coerce_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
     if not isinstance(value, dict):
         raise FieldError("logit_bias", f"must be an object of token id → bias, got {shown_value(value)}")
     pairs: dict[int, float] = {}
-    for key, given in value.items():
-        bias = python_value(given)
+    for key, bias in value.items():
         if not (isinstance(key, str) and key.isascii() and key.isdigit()):
             raise FieldError("logit_bias", f"key {key!r} is not a token id")
         token_id = int(key)
