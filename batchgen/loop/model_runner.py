@@ -8,6 +8,7 @@ from batchgen.kernels.attention import create_attention_backend
 from batchgen.kernels.switches import KernelSwitches
 from batchgen.loop.cuda_graph_runner import CudaGraphRunner
 from batchgen.loop.forward_batch import ForwardBatch
+from batchgen.loop.huge_pages import move_to_huge_pages
 from batchgen.loop.kv_pool import ReqToTokenPool, TokenToKVPool
 from batchgen.models.llama import LlamaForCausalLM
 from batchgen.models.logits_processor import LogitsProcessor, LogitsProcessorOutput
@@ -51,6 +52,8 @@ class ModelRunner:
         config = model.config
         self.switches = switches
         self.deterministic = deterministic
+        if device.type == "cpu":
+            move_to_huge_pages(model)  # a decode step reads every weight: fewer TLB misses (huge_pages.py)
         self.model = model
         self.device = device
         self.dtype = dtype
