@@ -7,10 +7,25 @@ row 0 are reserved dummies, so padded tokens can write somewhere harmless and pa
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
 from batchgen.errors import BatchgenError
+
+_T = TypeVar("_T")
+
+
+def _allocate(make: Callable[[], _T], what: str) -> _T:
+    """``make()``, its allocation failure turned into one line: "cannot allocate ``what``" (CPU allocators raise a
+    plain RuntimeError, CUDA's torch.OutOfMemoryError, one of its subclasses)."""
+    try:
+        return make()
+    except RuntimeError as e:
+        if "alloc" not in str(e):
+            raise
+        raise BatchgenError(f"cannot allocate {what}") from None
 
 
 class ReqToTokenPool:
@@ -19,13 +34,20 @@ class ReqToTokenPool:
     ``req_to_token``: int64 ``[max_reqs + 1, max_context_len]`` on ``device``; row 0 is the dummy row.
 
     Raises:
+        BatchgenError: the device cannot allocate the table (naming its size).
         RuntimeError: from :meth:`alloc` when no row is free (the scheduler checks :meth:`available` first).
     """
 
     def __init__(self, max_reqs: int, max_context_len: int, device: torch.device) -> None:
         self.max_reqs = max_reqs
         self.max_context_len = max_context_len
-        self.req_to_token = torch.zeros((max_reqs + 1, max_context_len), dtype=torch.int64, device=device)
+        need = (max_reqs + 1) * max_context_len * 8
+        self.req_to_token = _allocate(
+            lambda: torch.zeros((max_reqs + 1, max_context_len), dtype=torch.int64, device=device),
+            f"the table of {max_reqs} running requests of up to {max_context_len} tokens ({need / 2**30:.1f} GiB on "
+            f"{device}); ask for fewer: a lower --max-running-requests (run, bench) or --context-length (run), or a "
+            "smaller --batch-size (bench-one-batch)",
+        )
         self._free_rows = list(range(max_reqs, 0, -1))
 
     def available(self) -> int:
@@ -65,18 +87,12 @@ class TokenToKVPool:
     ) -> None:
         self.size = size
         shape = (num_layers, num_kv_heads, size + 1, head_dim)
-        try:
-            self.k_buffer = torch.empty(shape, dtype=dtype, device=device)
-            self.v_buffer = torch.empty(shape, dtype=dtype, device=device)
-        except RuntimeError as e:  # CPU allocators raise a plain RuntimeError, CUDA's torch.OutOfMemoryError
-            if "alloc" not in str(e):
-                raise
-            need = 2 * math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-            raise BatchgenError(
-                f"cannot allocate a KV cache of {size} tokens ({need / 2**30:.1f} GiB on {device}); ask for fewer "
-                "tokens: a lower --max-total-tokens (run, bench), or a smaller batch or shorter prompts or outputs "
-                "(bench-one-batch)"
-            ) from None
+        need = 2 * math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        self.k_buffer, self.v_buffer = _allocate(
+            lambda: (torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device)),
+            f"a KV cache of {size} tokens ({need / 2**30:.1f} GiB on {device}); ask for fewer tokens: a lower "
+            "--max-total-tokens (run, bench), or a smaller batch or shorter prompts or outputs (bench-one-batch)",
+        )
         self.k_buffer[:, :, 0].zero_()
         self.v_buffer[:, :, 0].zero_()
 

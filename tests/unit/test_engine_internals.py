@@ -12,7 +12,7 @@ from batchgen.errors import BatchgenError
 from batchgen.loop.engine import Engine
 from batchgen.loop.forward_batch import ForwardBatch
 from batchgen.loop.forward_mode import ForwardMode
-from batchgen.loop.kv_pool import KVSlotAllocator, TokenToKVPool
+from batchgen.loop.kv_pool import KVSlotAllocator, ReqToTokenPool, TokenToKVPool
 from batchgen.loop.options import EngineOptions
 from tests.helpers.engine import UNMATCHED_STOP, enqueue_rows
 
@@ -45,6 +45,16 @@ def test_a_kv_cache_too_large_to_allocate_is_one_line_naming_its_size() -> None:
         TokenToKVPool(2**40 - 1, 1, 1, 64, torch.float32, torch.device("cpu"))
     assert str(info.value).startswith(
         f"cannot allocate a KV cache of {2**40 - 1} tokens (524288.0 GiB on cpu); ask for fewer tokens"
+    )
+
+
+def test_a_request_table_too_large_to_allocate_is_one_line_naming_its_flag() -> None:
+    # (2**40 + 1) rows x 64 positions x 8 bytes: just over 2**49 bytes, 512 TiB.
+    with pytest.raises(BatchgenError) as info:
+        ReqToTokenPool(2**40, 64, torch.device("cpu"))
+    assert str(info.value).startswith(
+        f"cannot allocate the table of {2**40} running requests of up to 64 tokens (524288.0 GiB on cpu); ask for "
+        "fewer: a lower --max-running-requests"
     )
 
 
