@@ -3,6 +3,8 @@ input rows, checked as a file's rows are, with their pass-through fields kept as
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import replace
@@ -73,6 +75,16 @@ def parse_python_row(row: InputRow) -> RowSpec:
     return replace(spec, passthrough=python_passthrough(row))
 
 
+def _caller_level() -> int:
+    """The ``stacklevel`` at which a warning raised by this module's caller points at the first frame outside the
+    batchgen package: the line that gave the rows (Python 3.12's ``skip_file_prefixes``, on every version)."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def python_passthrough(row: InputRow) -> dict[str, Any]:
     """The pass-through fields of a row given in Python, under their output names, values as given; a field that
     looks like a sampling field batchgen does not read (``Temperature``, vLLM's ``best_of``) is warned about
@@ -81,5 +93,5 @@ def python_passthrough(row: InputRow) -> dict[str, Any]:
     for key in names:
         warning = foreign_field_warning(key)
         if warning is not None:
-            warnings.warn(f"{SOURCE}: {warning}", UserWarning, stacklevel=2)
+            warnings.warn(f"{SOURCE}: {warning}", UserWarning, stacklevel=_caller_level())
     return {names[key]: value for key, value in row.data.items() if key in names}

@@ -216,6 +216,7 @@ def test_a_field_named_like_a_sampling_field_is_warned_about(generator: batchgen
         "rows: field 'best_of' is not supported: batchgen has no such option; it is passed through unused" in messages
     )
     assert got[0]["Temperature"] == 0.5 and got[0]["best_of"] == 2  # passed through, as a file's fields are
+    assert {w.filename for w in caught} == {__file__}  # the line that gave the rows, not one inside batchgen
 
 
 def test_a_datasets_dataset_with_column_options(generator: batchgen.Generator) -> None:
