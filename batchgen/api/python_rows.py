@@ -3,10 +3,11 @@ input rows, checked as a file's rows are, with their pass-through fields kept as
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -31,7 +32,8 @@ _NO_PASSTHROUGH = pa.schema([])
 def input_rows(rows: Iterable[Any], options: InputOptions) -> Iterator[InputRow | RowError]:
     """Each of ``rows`` as an input row, read as it is reached: a ``str`` is a prompt, a list of integers
     ``prompt_token_ids``, another list ``messages``, a dict the row's fields (mapped by the column ``options``,
-    checked against the first dict's keys as a file's against its first shard); anything else is a bad row.
+    checked against the first dict's keys as a file's against its first shard); anything else is a bad row. In a
+    dict, a float NaN in a field batchgen reads is a missing value, as pandas writes one in ``to_dict('records')``.
 
     Raises:
         BatchgenError: a column the options name is not a key of the first dict row; ``rows`` is a DataFrame.
@@ -51,7 +53,7 @@ def input_rows(rows: Iterable[Any], options: InputOptions) -> Iterator[InputRow 
             yield InputRow(index, line, {"prompt_token_ids" if is_ids else "messages": row})
         elif isinstance(row, Mapping):
             mapping = mapping or ColumnMapping(options, list(row), SOURCE)
-            data, columns, problem = mapping.apply({k: python_value(v) if k in read else v for k, v in row.items()})
+            data, columns, problem = mapping.apply(_read_values(row, read))
             yield InputRow(index, line, data, columns=columns, problem=problem)
         else:
             message = f"must be a prompt string, a message list, a token-id list or a dict, got {shown_value(row)}"
@@ -73,6 +75,18 @@ def parse_python_row(row: InputRow) -> RowSpec:
     known = replace(row, data={key: value for key, value in row.data.items() if key not in names})
     spec = parse_row(known, SOURCE, _NO_PASSTHROUGH, {})
     return replace(spec, passthrough=python_passthrough(row))
+
+
+def _read_values(row: Mapping[str, Any], read: Collection[str]) -> dict[str, Any]:
+    """``row`` with the fields in ``read`` as Python values (numpy's converted), those that are NaN left out."""
+    values: dict[str, Any] = {}
+    for key, value in row.items():
+        if key in read:
+            value = python_value(value)
+            if isinstance(value, float) and math.isnan(value):
+                continue
+        values[key] = value
+    return values
 
 
 def _caller_level() -> int:

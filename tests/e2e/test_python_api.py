@@ -191,6 +191,20 @@ def test_a_dataframe_is_refused_not_read_as_its_column_names(generator: batchgen
     assert len(generator.generate(_FrameLike().to_dict("records"))) == 1
 
 
+def test_a_nan_in_a_field_batchgen_reads_is_a_missing_value(generator: batchgen.Generator) -> None:
+    """pandas' ``to_dict("records")`` writes a missing number as NaN, and an integer column with one as floats
+    (pandas' missing-data documentation): such a row takes the call's defaults, as one without the fields does."""
+    nan = float("nan")
+    records = [
+        {"prompt": "Hello", "temperature": 0.0, "seed": 7.0, "max_new_tokens": 3.0},
+        {"prompt": "Hello", "temperature": nan, "seed": nan, "max_new_tokens": nan},
+    ]
+    got = generator.generate(records, temperature=0.0, max_new_tokens=3)
+    alone = generator.generate([{"prompt": "Hello"}], temperature=0.0, max_new_tokens=3)
+    assert got[1]["output_token_ids"] == alone[0]["output_token_ids"] == got[0]["output_token_ids"]
+    assert len(got[1]["output_token_ids"]) == 3
+
+
 def test_on_error_skip_gives_error_rows_in_their_place(generator: batchgen.Generator) -> None:
     rows: list[Any] = ["fine", {"prompt": "x", "top_p": 0}, {"id": "k", "question": "What?", "source": 1}, 3.5]
     got = generator.generate(rows, on_error="skip", max_new_tokens=2)
