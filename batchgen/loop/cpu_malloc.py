@@ -37,3 +37,12 @@ def keep_freed_memory() -> bool:
     mmap_set = process.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
     trim_set = process.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)
     return bool(mmap_set) and bool(trim_set)
+
+
+def release_freed_memory() -> None:
+    """Hand the memory glibc's malloc holds free back to the kernel now (``malloc_trim(0)``): once, after start-up
+    freed what it will not allocate again (weights moved elsewhere), which the 1 GiB trim threshold of
+    :func:`keep_freed_memory` would otherwise keep resident. Nothing happens where malloc is not glibc's."""
+    process = ctypes.CDLL(None)
+    if hasattr(process, "gnu_get_libc_version") and hasattr(process, "malloc_trim"):
+        process.malloc_trim(0)

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from batchgen.loop import huge_pages
 from batchgen.loop.huge_pages import HUGE_PAGE, move_to_huge_pages
 
 _THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -39,6 +40,7 @@ def _huge_kib_at(address: int) -> int:
     raise AssertionError(f"no mapping holds {address:#x}")
 
 
+@needs_thp
 def test_a_moved_model_computes_the_same_logits_and_keeps_shared_and_viewed_weights() -> None:
     config = LlamaConfig(
         vocab_size=8192,
@@ -78,6 +80,21 @@ def test_a_model_smaller_than_one_huge_page_stays_where_it_is() -> None:
     old = layer.weight.data_ptr()
     assert move_to_huge_pages(layer) == 0
     assert layer.weight.data_ptr() == old
+
+
+@needs_thp
+def test_arenas_hold_at_most_their_size_unless_one_storage_is_larger(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(huge_pages, "_ARENA_BYTES", 4 << 20)
+    mib = 1 << 20
+    sizes = [mib, mib, mib, 3 * mib, 5 * mib, mib]  # float32 elements below: bytes / 4
+    model = nn.ParameterList(
+        [nn.Parameter(torch.full((n // 4,), float(i)), requires_grad=False) for i, n in enumerate(sizes)]
+    )
+    assert move_to_huge_pages(model) == sum(sizes)
+    arenas = [p.untyped_storage().data_ptr() for p in model]
+    # 1 + 1 + 1 MiB fill the first arena, 3 MiB would overflow it; 5 MiB is alone; the last 1 MiB opens a new one.
+    assert arenas[0] == arenas[1] == arenas[2] != arenas[3] != arenas[4] != arenas[5] != arenas[3]
+    assert all(torch.equal(p, torch.full_like(p, float(i))) for i, p in enumerate(model))
 
 
 @needs_thp
