@@ -105,7 +105,7 @@ def move_to_huge_pages(model: nn.Module) -> int:
         if arena and sum(s.nbytes() for s in arena) + storage.nbytes() > _ARENA_BYTES:
             _move_arena(arena, views)
         arena.append(storage)
-        del storage
+        del storage  # once moved, nothing but its arena may hold an old storage: it is freed there
     _move_arena(arena, views)
     release_freed_memory()
     return total
