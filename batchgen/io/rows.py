@@ -198,7 +198,7 @@ def error_row_id(row: InputRow) -> str:
     """The id of the error row a bad ``row`` becomes: its id as :func:`parse_row` gives it (the row index when it
     has none), or, when the id itself is bad, that value as JSON (``true``, ``1.5``, ``""``: as the input wrote
     it; a lone surrogate as its ``\\u`` escape, since the id column holds text)."""
-    value = row.data.get("id")
+    value = _integral_id(row.data.get("id"))
     if value is None:
         return str(row.index)
     if _id_problem(value) is None:
@@ -207,7 +207,14 @@ def error_row_id(row: InputRow) -> str:
     return text if is_unicode_text(text) else json.dumps(value, default=repr)
 
 
+def _integral_id(value: Any) -> Any:
+    """``value``, or the integer a float with no fraction holds (pandas writes an integer column with nulls as
+    floats: an id 4.0 is the id 4)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
 def _check_id(value: Any, index: int, fail: _Fail) -> str:
+    value = _integral_id(value)
     if value is None:
         return str(index)
     problem = _id_problem(value)

@@ -393,6 +393,11 @@ def test_parse_row_prompt_and_defaults() -> None:
     )
 
 
+def test_an_id_with_no_fraction_is_that_integer() -> None:
+    # pandas writes an integer column with nulls as float64 (its missing-data documentation): 4.0 is the id 4.
+    assert parse({"prompt": "hi", "id": 4.0}).id == parse({"prompt": "hi", "id": 4}).id == "4"
+
+
 def test_parse_row_messages_and_token_ids() -> None:
     messages = [{"role": "system", "content": "be brief", "name": None}, {"role": "user", "content": "hi", "name": "u"}]
     spec = parse({"id": "a-1", "messages": messages, "prompt": None})
