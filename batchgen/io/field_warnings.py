@@ -45,6 +45,10 @@ _FOREIGN_SAMPLING_NAMES: dict[str, str | None] = {
             "include_stop_str_in_output",
             "truncate_prompt_tokens",
             "guided_choice",
+            "detokenize",
+            "spaces_between_special_tokens",
+            "bad_words",
+            "logits_processors",
         )
     ),
 }

@@ -20,6 +20,14 @@ def test_a_misspelt_sampling_field_is_named(name: str, meant: str) -> None:
     )
 
 
+# vLLM's SamplingParams fields (its documented list) that batchgen has no option for; a new user's rows held them.
+@pytest.mark.parametrize("name", ["detokenize", "spaces_between_special_tokens", "include_stop_str_in_output"])
+def test_other_engines_sampling_fields_are_named_unsupported(name: str) -> None:
+    assert foreign_field_warning(name) == (
+        f"field '{name}' is not supported: batchgen has no such option; it is passed through unused"
+    )
+
+
 # Data that a helper's dataset held: a plural or a unit suffix of a sampling field's name is no misspelling.
 @pytest.mark.parametrize("name", ["temperature_c", "seeds", "top_ks", "temperatures", "stops", "category", "answer"])
 def test_data_columns_are_not_warned_about(name: str) -> None:
