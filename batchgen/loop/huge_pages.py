@@ -57,20 +57,24 @@ def _module_tensors(model: nn.Module) -> Iterator[torch.Tensor]:
                 yield value
 
 
-def _move_arena(storages: list[torch.UntypedStorage], views: dict[int, list[torch.Tensor]]) -> None:
-    """Copy ``storages`` into one huge-page arena and point every tensor of ``views`` (keyed by its old storage's
-    address) at its storage's copy, with the same offset, shape and strides; then drop them from both."""
-    sizes = [-(-s.nbytes() // 64) * 64 for s in storages]  # 64: every dtype's size divides it, a cache line
+def _move_arena(keys: list[int], views: dict[int, list[torch.Tensor]]) -> None:
+    """Copy the storages of ``views[key]`` for each of ``keys`` (their old storage's address) into one huge-page arena
+    and point each of those tensors at its storage's copy, with the same offset, shape and strides; the old storage
+    is freed once its last tensor moves (nothing else here holds it)."""
+    # 64 bytes: a cache line, and every dtype's size divides it.
+    sizes = [-(-views[key][0].untyped_storage().nbytes() // 64) * 64 for key in keys]
     arena = _huge_page_arena(sum(sizes))
     target, offset = arena.untyped_storage(), arena.storage_offset()
-    for storage, size in zip(storages, sizes, strict=True):
+    for key, size in zip(keys, sizes, strict=True):
+        tensors = views.pop(key)
+        old = torch.empty(0, dtype=torch.uint8).set_(tensors[0].untyped_storage())
         arena_at = offset - arena.storage_offset()
-        arena[arena_at : arena_at + storage.nbytes()].copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
-        for tensor in views.pop(storage.data_ptr()):
+        arena[arena_at : arena_at + old.numel()].copy_(old)
+        del old
+        for tensor in tensors:
             item = tensor.element_size()
             tensor.set_(target, offset // item + tensor.storage_offset(), tensor.size(), tensor.stride())
         offset += size
-    storages.clear()
 
 
 @torch.no_grad()
@@ -87,25 +91,24 @@ def move_to_huge_pages(model: nn.Module) -> int:
     """
     if not huge_pages_offered():
         return 0
-    views: dict[int, list[torch.Tensor]] = {}
-    storages: dict[int, torch.UntypedStorage] = {}
+    views: dict[int, list[torch.Tensor]] = {}  # by storage address: every tensor viewing that storage
+    nbytes: dict[int, int] = {}
     for tensor in _module_tensors(model):
         if tensor.device.type != "cpu" or tensor.layout != torch.strided or tensor.untyped_storage().nbytes() == 0:
             continue
         key = tensor.untyped_storage().data_ptr()
-        storages.setdefault(key, tensor.untyped_storage())
+        nbytes[key] = tensor.untyped_storage().nbytes()
         if all(seen is not tensor for seen in views.setdefault(key, [])):
             views[key].append(tensor)
-    total = sum(s.nbytes() for s in storages.values())
+    total = sum(nbytes.values())
     if total < HUGE_PAGE:
         return 0
-    arena: list[torch.UntypedStorage] = []
-    for key in list(storages):
-        storage = storages.pop(key)
-        if arena and sum(s.nbytes() for s in arena) + storage.nbytes() > _ARENA_BYTES:
+    arena: list[int] = []
+    for key, size in nbytes.items():
+        if arena and sum(nbytes[k] for k in arena) + size > _ARENA_BYTES:
             _move_arena(arena, views)
-        arena.append(storage)
-        del storage  # once moved, nothing but its arena may hold an old storage: it is freed there
+            arena = []
+        arena.append(key)
     _move_arena(arena, views)
     release_freed_memory()
     return total
