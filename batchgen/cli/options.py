@@ -22,6 +22,7 @@ from typer.core import TyperArgument, TyperCommand
 
 from batchgen.api.options import OPTION_CLASSES, declared_options
 from batchgen.cli import release_startup_interrupts
+from batchgen.io.input_options import apply_escapes
 
 
 def with_options(
@@ -70,8 +71,14 @@ def _typer_parameter(field: Field[Any], annotation: Any, required: bool) -> insp
         annotation = list[get_args(annotation)[0]]  # type: ignore[misc]
         default = list(default) if default is not ... else ...
     flags = [field.metadata["flag"]] if "flag" in field.metadata else []
-    option = typer.Option(... if required else default, *flags, help=field.metadata["help"])
+    callback = _apply_escapes if field.metadata.get("escapes") else None
+    option = typer.Option(... if required else default, *flags, help=field.metadata["help"], callback=callback)
     return inspect.Parameter(field.name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=annotation)
+
+
+def _apply_escapes(values: list[str] | None) -> list[str] | None:
+    """A repeatable text option's values with their escapes applied (a field whose metadata sets ``escapes``)."""
+    return None if values is None else [apply_escapes(value) for value in values]
 
 
 class UsageShowsRequiredOptions(TyperCommand):

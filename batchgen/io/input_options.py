@@ -13,9 +13,15 @@ from batchgen.errors import BatchgenError
 
 # Output metadata key of the input options a run used: a resumed run compares them, status reads ids with them.
 INPUT_OPTIONS_KEY = "batchgen.input_options"
-# The escapes --prompt-template understands: a shell passes "\n" in double quotes as a backslash and an n.
+# The escapes --prompt-template and --stop understand: a shell passes "\n" in double quotes as a backslash and an n.
 _ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}
 _ESCAPE = re.compile(r"\\([nt\\])")
+
+
+def apply_escapes(text: str) -> str:
+    """``text`` with the escapes a command line cannot type otherwise (``\\n``, ``\\t``, ``\\\\``) turned into the
+    characters they name; any other backslash stays."""
+    return _ESCAPE.sub(lambda m: _ESCAPES[m.group(1)], text)
 
 
 @dataclass(frozen=True)
@@ -68,7 +74,7 @@ class InputOptions:
     def template(self) -> str:
         """``prompt_template`` with its escapes (``\\n``, ``\\t``, ``\\\\``) turned into the characters they name."""
         assert self.prompt_template is not None
-        return _ESCAPE.sub(lambda m: _ESCAPES[m.group(1)], self.prompt_template)
+        return apply_escapes(self.prompt_template)
 
     def template_fields(self) -> list[tuple[str, str | None, str, str]]:
         """The template's parts, as :meth:`string.Formatter.parse` gives them: ``(literal, column, spec, conversion)``

@@ -67,10 +67,11 @@ class SamplingParams:
     top_p: float = field(default=1.0, metadata={"help": "Default per row, in (0, 1]."})
     top_k: int = field(default=-1, metadata={"help": "Default per row; -1 or 0 = off."})
     min_p: float = field(default=0.0, metadata={"help": "Default per row, in [0, 1]."})
-    stop: tuple[str, ...] = field(default=(), metadata={"help": "Default stop string (repeat for several)."})
-    stop_token_ids: tuple[int, ...] = field(
-        default=(), metadata={"help": "Default stop token id (repeat for several)."}
+    # The command line applies --prompt-template's escapes ("escapes"): a shell passes "\n" as a backslash and an n.
+    stop: tuple[str, ...] = field(
+        default=(), metadata={"help": "Default stop string (repeat; \\n, \\t, \\\\ are escapes).", "escapes": True}
     )
+    stop_token_ids: tuple[int, ...] = field(default=(), metadata={"help": "Default stop token id (repeat)."})
     ignore_eos: bool = field(default=False, metadata={"help": "Default per row."})
     seed: int | None = None
     skip_special_tokens: bool = field(default=True, metadata={"help": "Default per row."})
@@ -87,10 +88,7 @@ class SamplingParams:
     ebnf: str | None = None
     # None: off; N >= 0: report each prompt token's raw logprob (after the first) and the N most likely tokens.
     prompt_logprobs: int | None = field(
-        default=None,
-        metadata={
-            "help": "Default per row: report prompt logprobs with the N most likely tokens (0 = just the token's)."
-        },
+        default=None, metadata={"help": "Default per row: report prompt logprobs and the N most likely (0: no others)."}
     )
     # The first prompt token whose logprob is reported (SGLang's logprob_start_len; None: token 1, the first that
     # has one); giving it asks for prompt logprobs. A row's ``continuation`` sets it to where the continuation starts.

@@ -23,6 +23,7 @@ from typer.testing import CliRunner
 
 import batchgen
 from batchgen.cli.app import app
+from batchgen.io.writer import read_results
 from tests.helpers.cli import run_cli, write_jsonl
 
 COMMON = ["--dtype", "float32", "--device", "cpu", "--no-progress"]
@@ -349,6 +350,41 @@ def test_config_true_or_false_is_not_a_number_or_a_string(
     code, output = run_cli(["run", str(dataset), "--out", str(out), "--model", str(model), "--config", str(config)])
     assert code == 2 and not out.exists()
     assert output == f"batchgen: error: {config}: option '{option}': takes no true/false value, got {shown}\n"
+
+
+@pytest.mark.parametrize(("line", "shown"), [("stop: 5", "5"), ("stop: [x, 2.5]", '["x", 2.5]')])
+def test_config_number_is_not_text(line: str, shown: str, model: Path, tmp_path: Path) -> None:
+    """A YAML number where an option takes text (click would read 5 as the stop string "5"; a row's stop of 5 is a
+    bad row); quoted, it is the text."""
+    dataset = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "x"}])
+    config = tmp_path / "c.yaml"
+    config.write_text(line + "\n")
+    out = tmp_path / "o.jsonl"
+    run = ["run", str(dataset), "--out", str(out), "--model", str(model), "--config", str(config)]
+    code, output = run_cli(run)
+    assert code == 2 and not out.exists()
+    assert output == (
+        f"batchgen: error: {config}: option 'stop': takes text, got {shown} (quote a number meant as text)\n"
+    )
+    config.write_text("stop: '5'\nmax-new-tokens: 1\ndevice: cpu\n")
+    assert run_cli(run)[0] == 0
+
+
+def test_stop_flag_escapes(model: Path, tmp_path: Path) -> None:
+    """--stop '\\n' on a command line is a newline (a shell passes the backslash and the n), as in --prompt-template;
+    '\\\\n' is the backslash and the n; a config file's single-quoted '\\n' too. The recorded defaults show it."""
+    dataset = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "x"}])
+    config = tmp_path / "c.yaml"
+    config.write_text("stop: ['\\n', 'a\\tb']\n")
+    for extra, want in [
+        (["--stop", "\\n", "--stop", "\\\\n"], ["\n", "\\n"]),
+        (["--config", str(config)], ["\n", "a\tb"]),
+    ]:
+        out = tmp_path / f"o{len(extra)}.arrow"
+        run = ["run", str(dataset), "--out", str(out), "--model", str(model), "--device", "cpu"]
+        assert run_cli([*run, "--max-new-tokens", "1", *extra])[0] == 0
+        metadata = read_results(out).schema.metadata or {}
+        assert json.loads(metadata[b"batchgen.sampling_defaults"])["stop"] == want
 
 
 @pytest.mark.parametrize(
