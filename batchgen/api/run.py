@@ -118,6 +118,9 @@ def run_dataset(
         complete = check_nothing_left(dataset, out, job_options.resume_force, input_options)
         discard_partial_beside(out)
         if complete:
+            from batchgen.job.run_metadata import check_finished_settings
+
+            check_finished_settings(dataset, out, options, defaults, input_options, job_options.resume_force)
             print(f"batchgen: {out} is already complete; nothing to do", file=sys.stderr)
             return None
     if pick_device(options.device).type == "cpu" and not job_options.ray:

@@ -30,6 +30,9 @@ class DoneRows:
         self.error_rows = 0
         # id → the part whose samples count, only for ids with sample rows in more than one part.
         self.latest_part: dict[str, int] = {}
+        # Ids with error rows that got samples in this run: an error row this run did not meet again (its input row
+        # was fixed since) is then left out (superseded_in).
+        self.fixed: set[str] = set()
 
     def add_part(self, part: int, table: pa.Table) -> None:
         """Count the rows of part number ``part`` (``id``, ``sample_index`` and ``finish_reason`` are read)."""
@@ -50,6 +53,8 @@ class DoneRows:
         for rid in sample_ids:
             if rid in self.samples:
                 self.latest_part[rid] = part
+            if self.errors[rid] > 0:
+                self.fixed.add(rid)
 
     def is_done(self, rid: str, n: int) -> bool:
         """Whether the row ``rid`` with ``n`` samples has all of them."""
@@ -72,12 +77,23 @@ class DoneRows:
         return len(self.samples) + self.error_rows
 
     def superseded_in(self, part: int, table: pa.Table) -> pa.Array | None:
-        """A mask of the rows of part ``part`` to leave out (superseded samples), or ``None`` when there are none."""
+        """A mask of the rows of part ``part`` to leave out, or ``None`` when there are none: superseded samples, and
+        the error rows of a fixed input row (an id in ``fixed`` whose error rows this run did not all meet again:
+        the first ones unmet are left out). Called once per part, in order, as the output is assembled: it counts
+        the unmet error rows down."""
         stale = [rid for rid, latest in self.latest_part.items() if latest != part]
-        if not stale:
-            return None
-        mask = pc.and_(
-            pc.is_in(table.column("id"), value_set=pa.array(stale, pa.string())),
-            pc.not_equal(pc.fill_null(table.column("finish_reason"), ""), "error"),
-        )
-        return mask if pc.any(mask).as_py() else None
+        mask = None
+        if stale:
+            mask = pc.and_(
+                pc.is_in(table.column("id"), value_set=pa.array(stale, pa.string())),
+                pc.not_equal(pc.fill_null(table.column("finish_reason"), ""), "error"),
+            )
+        if self.fixed:
+            fixed = []
+            for rid, reason in zip(table.column("id").to_pylist(), table.column("finish_reason").to_pylist()):
+                left_out = reason == "error" and rid in self.fixed and self.errors[rid] > 0
+                if left_out:
+                    self.errors[rid] -= 1
+                fixed.append(left_out)
+            mask = pa.array(fixed) if mask is None else pc.or_(mask, pa.array(fixed))
+        return mask if mask is not None and pc.any(mask).as_py() else None

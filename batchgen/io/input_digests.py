@@ -57,11 +57,11 @@ def _as_array(digests: bytes) -> pa.Array:
 
 def compare_rows(
     dataset: Path, out_ids: list[str], recorded: str, options: InputOptions | None = None
-) -> tuple[list[str], int]:
+) -> tuple[list[str], list[str], int]:
     """Compare an output with ids ``out_ids`` (in its order) and input digests ``recorded`` (:func:`encode_digests`'
     text) with ``dataset`` as it is now, read with the column ``options`` the run used: the output's ids whose input
-    row is not one ``recorded`` holds, or is gone (in dataset order, then output order), and the number of the
-    dataset's ids the output lacks.
+    row is not one ``recorded`` holds (in dataset order), those whose input row is gone (in output order), and the
+    number of the dataset's ids the output lacks.
 
     The first row with an id is the one its output row was made from (a later one is a duplicate, a bad row); a
     line that is not a JSON object takes its index as id, but has no digest to compare.
@@ -86,8 +86,8 @@ def compare_rows(
         seen.add(rid)
     found = pc.is_in(_as_array(bytes(digests)), value_set=_as_array(stored)).to_pylist()
     changed = [rid for rid, same in zip(ids, found) if not same]
-    changed += dict.fromkeys(rid for rid in out_ids if rid not in seen)
-    return changed, len(seen - have)
+    gone = list(dict.fromkeys(rid for rid in out_ids if rid not in seen))
+    return changed, gone, len(seen - have)
 
 
 def input_ids(dataset: Path, options: InputOptions | None = None) -> Iterator[str]:

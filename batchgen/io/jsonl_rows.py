@@ -62,9 +62,24 @@ def parse_line(raw: bytes, line: int, index: int, source: str) -> InputRow | Row
     return InputRow(index=index, line=line, data=value, source=source)
 
 
-def reject_json_document(first: InputRow | RowError, text: str, source: str) -> None:
-    """Fail fast on a pretty-printed JSON file, which would otherwise give one row error per line."""
-    if isinstance(first, RowError) and (text.startswith("[") or text == "{"):
+# Files a JSONL name can hide, by the bytes they start with.
+_OTHER_FORMATS = {b"PAR1": "a Parquet file: name it .parquet", b"ARROW1": "an Arrow IPC file: name it .arrow",
+                  b"\x1f\x8b": "gzip-compressed: decompress it first"}  # fmt: skip
+
+
+def reject_non_jsonl(first: InputRow | RowError, raw: bytes, source: str) -> None:
+    """Fail fast, in one line, on a file whose first line says it is no JSON Lines (a pretty-printed JSON document,
+    Parquet, Arrow or gzip under a ``.jsonl`` name), which would otherwise give one row error per line.
+
+    Raises:
+        BatchgenError: naming what the file looks like.
+    """
+    if not isinstance(first, RowError):
+        return
+    if kind := next((kind for magic, kind in _OTHER_FORMATS.items() if raw.startswith(magic)), None):
+        raise BatchgenError(f"{source}: not JSON Lines; this is {kind}")
+    text = raw.decode("utf-8", "replace").strip()
+    if text.startswith("[") or text == "{":
         raise BatchgenError(
             f"{source}:{first.line}: not a JSON object; this looks like a JSON document, "
             "but batchgen reads JSON Lines (one object per line)"

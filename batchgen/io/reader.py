@@ -13,7 +13,7 @@ from batchgen.errors import BatchgenError, RowError
 from batchgen.io.columns import ColumnMapping
 from batchgen.io.input_options import InputOptions
 from batchgen.io.input_row import InputRow
-from batchgen.io.jsonl_rows import count_jsonl_rows, jsonl_rows, open_jsonl, parse_line, reject_json_document
+from batchgen.io.jsonl_rows import count_jsonl_rows, jsonl_rows, open_jsonl, parse_line, reject_non_jsonl
 from batchgen.io.openai_batch import OpenAIBatchInput, is_openai_batch_line
 from batchgen.io.passthrough import JSON_TEXT_METADATA, KNOWN_FIELDS, infer_schema, passthrough_names
 from batchgen.io.shards import list_shards
@@ -102,7 +102,7 @@ class RowReader:
         self._kind_known = False  # whether the first JSON object has said if this is an OpenAI Batch file
         # Where the read-ahead stopped: shard, byte offset after it, lines read in that shard.
         self._head_end = (0, 0, 0)
-        first_text: str | None = None
+        first_seen = False
         for shard, (path, name) in enumerate(zip(self.shards.paths, self._names)):
             lines = 0
             with open_jsonl(path) as f:
@@ -114,9 +114,9 @@ class RowReader:
                     item = parse_line(raw, lines, len(self._head), name)
                     if item is None:
                         continue
-                    if first_text is None:
-                        first_text = raw.decode("utf-8", "replace").strip()
-                        reject_json_document(item, first_text, name)
+                    if not first_seen:
+                        first_seen = True
+                        reject_non_jsonl(item, raw, name)
                     self._head.append(self._openai_row(item))
                 self._head_end = (shard, f.tell(), lines)
             if len(self._head) == self.block_rows:

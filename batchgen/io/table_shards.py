@@ -14,13 +14,19 @@ from batchgen.errors import BatchgenError
 
 
 @contextmanager
-def _errors(path: Path, what: str) -> Iterator[None]:
+def _errors(path: Path, what: str, rows_read: list[int] | None = None) -> Iterator[None]:
+    """Raise pyarrow's errors reading ``path`` as one-line BatchgenErrors (its messages span lines), naming the row
+    where reading stopped when ``rows_read`` (``[rows read so far]``, kept up to date by the reader) is given and
+    rows were read: a file damaged part way."""
     try:
         yield
-    except OSError as e:
-        raise BatchgenError(f"{path}: cannot read: {e.strerror or e}") from None
-    except pa.ArrowException as e:
-        raise BatchgenError(f"{path}: not a valid {what} file ({e})") from None
+    except (OSError, pa.ArrowException) as e:
+        message = str(e.strerror if isinstance(e, OSError) and e.strerror else e)
+        detail = " ".join("".join(c if c.isprintable() else " " for c in message).split())  # the damaged bytes too
+        at = f" from row {rows_read[0] + 1} on" if rows_read and rows_read[0] else ""
+        if isinstance(e, OSError):
+            raise BatchgenError(f"{path}: cannot read{at}: {detail}") from None
+        raise BatchgenError(f"{path}: not a valid {what} file{at} ({detail})") from None
 
 
 def _arrow_batches(path: Path) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
@@ -67,13 +73,18 @@ def table_batches(path: Path, fmt: str, block_rows: int) -> Iterator[pa.RecordBa
     Raises:
         BatchgenError: the file cannot be read or is not of its format.
     """
-    with _errors(path, fmt.capitalize()):
+    rows_read = [0]
+    with _errors(path, fmt.capitalize(), rows_read):
         if fmt == "parquet":
             with pq.ParquetFile(path) as pf:
-                yield from pf.iter_batches(batch_size=block_rows)
+                for group in range(pf.num_row_groups):  # one at a time, so that a damaged one is named by its rows
+                    for batch in pf.iter_batches(batch_size=block_rows, row_groups=[group]):
+                        rows_read[0] += batch.num_rows
+                        yield batch
             return
         for batch in _arrow_batches(path)[1]:
             for start in range(0, batch.num_rows, block_rows):
+                rows_read[0] += min(block_rows, batch.num_rows - start)
                 yield batch.slice(start, block_rows)
 
 

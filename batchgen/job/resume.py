@@ -105,10 +105,11 @@ def check_finished_rows(dataset: Path, out: Path, force: bool, options: InputOpt
     """Before ``--resume`` reopens the finished Arrow IPC or Parquet output ``out`` to add the rows it lacks: check
     that each of its rows was made from the row ``dataset`` (read with the column ``options``; ``None``: those ``out``
     records) holds under its id now (:mod:`batchgen.io.input_digests`), and return how many of the dataset's ids it
-    lacks; ``None`` when ``out`` records no digests (an older batchgen).
+    lacks, or holds only as error rows whose input changed (bad rows fixed since: generated now, their error rows
+    left out); ``None`` when ``out`` records no digests (an older batchgen).
 
-    Rows whose input changed (or is gone) are refused, not generated again: that would discard their results. With
-    ``force`` they are kept as they are, with a warning, and only the missing rows are generated.
+    Other rows whose input changed (or is gone) are refused, not generated again: that would discard their results.
+    With ``force`` they are kept as they are, with a warning, and only the missing rows are generated.
 
     Raises:
         BatchgenError: ``out`` cannot be read, or rows changed (one line naming a few of their ids), unless ``force``.
@@ -120,9 +121,12 @@ def check_finished_rows(dataset: Path, out: Path, force: bool, options: InputOpt
             return None
         options_then = recorded_input_options(schema.metadata or {})
         options = options if options is not None else options_then
-        changed, missing = compare_rows(dataset, finished_ids(out), recorded, options)
+        ids, errors_only = finished_ids(out)
+        changed, gone, missing = compare_rows(dataset, ids, recorded, options)
     except (OSError, ValueError, pa.ArrowException) as e:
         raise BatchgenError(f"{out}: cannot read results ({e}); pass --overwrite to run the dataset again") from None
+    missing += sum(rid in errors_only for rid in changed)
+    changed = [rid for rid in changed if rid not in errors_only] + gone
     if not changed:
         return missing
     shown = ", ".join(f"'{rid}'" for rid in changed[:_IDS_SHOWN])
@@ -212,7 +216,7 @@ def check_same_job(where: Path, recorded: pa.Schema, now: pa.Schema, force: bool
     differences = job_differences(_metadata(recorded), _metadata(now))
     if differences and not force:
         raise BatchgenError(
-            f"{where}: cannot resume: this run differs from the interrupted one: {'; '.join(differences)} "
+            f"{where}: cannot resume: this run differs from the one that wrote it: {'; '.join(differences)} "
             "(pass --resume-force to resume anyway, or --overwrite to start over)"
         )
     if differences:  # forced: the finished file will mix rows of both settings, so say which

@@ -4,17 +4,14 @@ finished output file in place (see ``batchgen/io/partial_output.py`` for the fil
 from __future__ import annotations
 
 import contextlib
-import json
 import sys
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
-from batchgen import __version__
 from batchgen.errors import BatchgenError, FieldError, RowError, counted
 from batchgen.io.field_warnings import (
     warn_about_json_text_fields,
@@ -28,7 +25,7 @@ from batchgen.io.input_digests import (
     encode_digests,
     row_digest,
 )
-from batchgen.io.input_options import INPUT_OPTIONS_KEY, InputOptions
+from batchgen.io.input_options import InputOptions
 from batchgen.io.openai_output import openai_output, wants_openai_output
 from batchgen.io.partial_output import PartialOutput, remove_partial_dir
 from batchgen.io.reader import InputRow, RowReader, count_input_rows
@@ -42,6 +39,7 @@ from batchgen.job.result_rows import error_row
 from batchgen.job.resume import RUN_SEED_KEY, open_output
 from batchgen.job.rounds import LocalRounds, Rounds, RowResults
 from batchgen.job.row_flow import RowChecks
+from batchgen.job.run_metadata import run_metadata
 from batchgen.job.summary import RunSummary
 from batchgen.loop.options import EngineOptions
 from batchgen.sampling.sampling_params import SamplingParams, make_sampling_params
@@ -118,18 +116,7 @@ class RunJob:
         self._pending_rows: list[dict[str, Any]] = []
 
     def metadata(self) -> dict[str, str]:
-        return {
-            "batchgen.version": __version__,
-            "batchgen.model": self.engine_options.model,
-            "batchgen.model_dir": str(self.facts.model_dir),
-            "batchgen.dtype": str(self.facts.dtype).removeprefix("torch."),
-            "batchgen.kernel_switches": json.dumps(self.facts.kernel_switches),
-            "batchgen.logprobs_mode": self.engine_options.logprobs_mode,
-            "batchgen.deterministic": str(self.facts.deterministic).lower(),
-            "batchgen.sampling_defaults": json.dumps(asdict(self.defaults)),
-            "batchgen.engine_options": json.dumps(asdict(self.engine_options)),
-            INPUT_OPTIONS_KEY: json.dumps(asdict(self.reader.options)),
-        }
+        return run_metadata(self.engine_options, self.defaults, self.reader.options, self.facts)
 
     def run(self) -> RunSummary:
         """Generate every row not yet done; when all are, put the output file in place. After a stop signal
@@ -230,7 +217,13 @@ class RunJob:
         """Keep what finished before ``error``; a flush that fails now is not reported, ``error`` is."""
         with contextlib.suppress(Exception):  # the original error is the one the user needs to see
             self._flush()
-        if not isinstance(error, BatchgenError):  # a BatchgenError says how to go on itself, in one line
+        if not self.output.state.parts:
+            # Nothing finished (an input file unreadable at its first rows): no partial output for the rerun, once
+            # the input is fixed, to --resume or --overwrite.
+            self.output.close()
+            with contextlib.suppress(OSError):
+                remove_partial_dir(self.output.dir)
+        elif not isinstance(error, BatchgenError):  # a BatchgenError says how to go on itself, in one line
             print(
                 f"batchgen: the rows finished so far are kept in {self.output.dir}; rerun with --resume",
                 file=sys.stderr,

@@ -5,6 +5,7 @@ with one line; no traceback anywhere."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import re
@@ -19,6 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from batchgen.io.partial_output import partial_dir
 from batchgen.io.writer import read_results
 from tests.helpers.cli import run_cli, write_jsonl
 
@@ -370,6 +372,30 @@ def test_bad_parquet_row_names_its_row_number(models: dict[str, Path], reference
     assert rows["g3"]["completion_tokens"] == 3
 
 
+def test_parquet_damaged_part_way_is_one_line_naming_the_row(models: dict[str, Path], tmp_path: Path) -> None:
+    """A Parquet file whose fourth row group's pages are garbled (pyarrow's error spans lines): one line naming the
+    file and the first row not read, exit 2, and no partial output left when no row had finished, so that the rerun
+    on the mended file needs neither --resume nor --overwrite."""
+    rows = [{"id": f"r{i}", "prompt": "The quick", "max_new_tokens": 1} for i in range(200)]
+    good = tmp_path / "good.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), good, row_group_size=50)
+    column = pq.ParquetFile(good).metadata.row_group(3).column(0)  # the ids of rows 151-200
+    data = bytearray(good.read_bytes())
+    start = column.dictionary_page_offset if column.has_dictionary_page else column.data_page_offset
+    for i in range(start, start + column.total_compressed_size):
+        data[i] ^= 0x5A
+    dataset = tmp_path / "in.parquet"
+    dataset.write_bytes(bytes(data))
+    out = tmp_path / "out.arrow"
+    code, lines = _run(dataset, out, models["llama"])
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith(f"batchgen: error: {dataset}: cannot read from row 151 on: ")
+    assert not out.exists() and not partial_dir(out).exists()
+    dataset.write_bytes(good.read_bytes())
+    assert _run(dataset, out, models["llama"])[0] == 0
+    assert len(read_results(out)) == 200
+
+
 def test_prompt_one_token_below_context_is_generated(models: dict[str, Path], tmp_path: Path) -> None:
     # The boundary next to "prompt_token_ids_at_context": 15 tokens fit a 16-token context, leaving room for one.
     row = {"id": "edge", "prompt_token_ids": [0] + [5] * 14, "max_new_tokens": 8, "temperature": 0}
@@ -483,6 +509,8 @@ FILE_LEVEL = [
     "empty_dataset",
     "blank_lines_dataset",
     "json_document_dataset",
+    "parquet_named_jsonl",
+    "gzip_named_jsonl",
     "unknown_model",
     "model_dir_without_config",
     "output_dir_missing",
@@ -515,6 +543,12 @@ def _file_level_case(name: str, tmp: Path, model: Path) -> tuple[list[str], str,
             "(one object per line)",
             True,
         )
+    if name == "parquet_named_jsonl":  # every line would be a row error: invalid UTF-8
+        pq.write_table(pa.table({"prompt": ["a", "b"] * 40}), dataset, row_group_size=4)
+        return args, f"{dataset}: not JSON Lines; this is a Parquet file: name it .parquet", True
+    if name == "gzip_named_jsonl":
+        dataset.write_bytes(gzip.compress(dataset.read_bytes() * 50))
+        return args, f"{dataset}: not JSON Lines; this is gzip-compressed: decompress it first", True
     if name == "unknown_model":
         args[5] = "no-such-model"
         return args, "unknown model 'no-such-model': expected a model directory, a .gguf file, a built-in name (", False

@@ -27,6 +27,7 @@ from batchgen.io import partial_output
 from batchgen.io.fingerprint import DatasetFingerprint, fingerprint_dataset
 from batchgen.io.manifest import decode_manifest, encode_manifest
 from batchgen.io.partial_output import PartialOutput, partial_dir
+from batchgen.io.reopen import reopen_output
 from batchgen.io.writer import read_results
 from batchgen.job.status import output_status
 from tests.helpers.cli import run_cli, write_jsonl
@@ -500,7 +501,7 @@ def test_resume_refuses_another_job_in_one_line_unless_forced(
     with monkeypatch.context() as patch:
         fail_part_write(patch, at=2)
         assert run_cli(args(copy, out, model))[0] == 2
-    where = f"batchgen: error: {partial_dir(out)}: cannot resume: this run differs from the interrupted one:"
+    where = f"batchgen: error: {partial_dir(out)}: cannot resume: this run differs from the one that wrote it:"
     force = "(pass --resume-force to resume anyway, or --overwrite to start over)"
     other = random_models["qwen2"]
     cases = [
@@ -571,7 +572,7 @@ def test_resume_refuses_other_kernel_switches_as_it_refuses_another_dtype(
     with monkeypatch.context() as patch:
         fail_part_write(patch, at=2)
         assert run_cli(args(dataset, out, model, *SLOW_FLAGS))[0] == 2
-    where = f"batchgen: error: {partial_dir(out)}: cannot resume: this run differs from the interrupted one:"
+    where = f"batchgen: error: {partial_dir(out)}: cannot resume: this run differs from the one that wrote it:"
     force = "(pass --resume-force to resume anyway, or --overwrite to start over)"
     code, output = run_cli([*args(dataset, out, model, "--resume"), "--dtype", "bfloat16"])
     assert (code, output.splitlines()) == (2, [f"{where} dtype 'float32' → 'bfloat16' {force}"])
@@ -867,6 +868,73 @@ def test_resume_of_a_finished_output_with_all_rows_checks_the_dataset(model: Pat
     assert "pass --resume-force to keep it as it is, or --overwrite" in output
     code, output = run_cli([*run, "--resume-force"])
     assert code == 0 and "--resume-force keeps it" in output and "already complete" in output
+
+
+def test_resume_of_a_complete_output_checks_the_settings(model: Path, tmp_path: Path) -> None:
+    """--resume on a complete output made with other settings (found by a new user: a nightly job's changed seed and
+    temperature were "already complete; nothing to do") is refused, naming each difference, without loading the
+    model; the same settings, spelled as they were or left to the recorded ones (--dtype auto, --seed given again),
+    still do nothing; --resume-force keeps the output as it is."""
+    dataset = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt_token_ids": [0, 5]}])
+    out = tmp_path / "out.parquet"
+    run = ["run", str(dataset), "--out", str(out), "--model", str(model), "--device", "cpu", "--no-progress"]
+    first = [*run, "--dtype", "float32", "--seed", "7", "--temperature", "0.5", "--max-new-tokens", "2"]
+    assert run_cli(first)[0] == 0
+    before = out.read_bytes()
+    complete = f"batchgen: {out} is already complete; nothing to do\n"
+    assert run_cli([*first, "--resume"]) == (0, complete)
+    same = [*run, "--dtype", "auto", "--seed", "7", "--temperature", "0.5", "--max-new-tokens", "2", "--resume"]
+    assert run_cli(same) == (0, complete)
+    changed = [*run, "--dtype", "bfloat16", "--seed", "8", "--temperature", "0.7", "--max-new-tokens", "2"]
+    start = time.monotonic()
+    code, output = run_cli([*changed, "--resume"])
+    assert time.monotonic() - start < 5  # the model was not loaded
+    assert (code, output) == (
+        2,
+        f"batchgen: error: {out} is complete, but this run differs from the one that wrote it: dtype 'float32' → "
+        "'bfloat16'; temperature 0.5 → 0.7; seed 7 → 8; --resume keeps a finished output as it is: pass --overwrite "
+        "to run the dataset again with these settings, or --resume-force to keep it\n",
+    )
+    code, output = run_cli([*changed, "--resume-force"])
+    assert code == 0 and output.startswith(f"batchgen: warning: {out} was written with other settings (dtype")
+    assert output.endswith(f"--resume-force keeps it as it is\n{complete}") and out.read_bytes() == before
+
+
+@pytest.mark.parametrize("where", ["finished", "partial"])
+def test_a_bad_row_fixed_since_is_generated_in_place_of_its_error_row(where: str, model: Path, tmp_path: Path) -> None:
+    """--on-error skip wrote a bad row (and a duplicate id) as error rows; the bad row fixed in the dataset, --resume
+    (a finished output) or --resume-force (a partial output, whose dataset fingerprint changed) generates it, and the
+    output holds each id once more as an uninterrupted run of the fixed dataset gives it: no error row of the fixed
+    row beside its samples (found by a new user: only --overwrite regenerated it, and a partial output gave both)."""
+    rows = [
+        {"id": "a", "prompt_token_ids": [0, 5]},
+        {"id": "b", "prompt_token_ids": [0, 6], "temperature": -1},
+        {"id": "c", "prompt_token_ids": [0, 7]},
+        {"id": "a", "prompt_token_ids": [0, 9]},  # a duplicate id: an error row, in both runs
+    ]
+    dataset = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.arrow"
+    flags = [*COMMON, "--max-new-tokens", "2", "--on-error", "skip", "--seed", "3"]
+    run = ["run", str(dataset), "--model", str(model), *flags, "--out"]
+    assert run_cli([*run, str(out)])[0] == 0
+    assert [(r["id"], r["finish_reason"]) for r in read_results(out).to_pylist()].count(("b", "error")) == 1
+    if where == "partial":  # the finished output's rows as the parts of a run stopped after them
+        reopen_output(out, read_results(out).schema)
+    del rows[1]["temperature"]
+    write_jsonl(dataset, rows)
+    code, output = run_cli([*run, str(out), "--resume" if where == "finished" else "--resume-force"])
+    assert code == 0 and "1 row done, 0 bad rows" in output, output
+    reference = tmp_path / "reference.arrow"
+    assert run_cli([*run, str(reference)])[0] == 0
+
+    def key(row: dict[str, Any]) -> tuple[str, str]:
+        return row["id"], row["finish_reason"]
+
+    got, want = read_results(out).to_pylist(), read_results(reference).to_pylist()
+    assert sorted(map(key, got)) == sorted(map(key, want)) == [("a", "error"), ("a", "length"), ("b", "length"),
+                                                                ("c", "length")]  # fmt: skip
+    assert sorted(got, key=key) == sorted(want, key=key)
+    assert run_cli([*run, str(out), "--resume"])[1] == f"batchgen: {out} is already complete; nothing to do\n"
 
 
 def test_resume_of_an_output_without_input_digests_needs_force_to_add_rows(model: Path, tmp_path: Path) -> None:
