@@ -17,7 +17,8 @@ import pyarrow.compute as pc
 
 
 class DoneRows:
-    """The done rows of a partial output: sample counts and error rows by id, and the superseded samples.
+    """The done rows of a partial output: sample counts and error rows by id, and the rows superseded since (samples
+    generated again, error rows of bad rows fixed since).
 
     Memory: one dict entry per done id (the ids a resumed run skips), plus one per error row.
     """
@@ -30,9 +31,8 @@ class DoneRows:
         self.error_rows = 0
         # id → the part whose samples count, only for ids with sample rows in more than one part.
         self.latest_part: dict[str, int] = {}
-        # Ids with error rows that got samples in this run: an error row this run did not meet again (its input row
-        # was fixed since) is then left out (superseded_in).
-        self.fixed: set[str] = set()
+        # Ids with error rows that this run wrote samples of (``samples`` holds only those of earlier runs).
+        self.errors_with_samples: set[str] = set()
 
     def add_part(self, part: int, table: pa.Table) -> None:
         """Count the rows of part number ``part`` (``id``, ``sample_index`` and ``finish_reason`` are read)."""
@@ -54,7 +54,7 @@ class DoneRows:
             if rid in self.samples:
                 self.latest_part[rid] = part
             if self.errors[rid] > 0:
-                self.fixed.add(rid)
+                self.errors_with_samples.add(rid)
 
     def is_done(self, rid: str, n: int) -> bool:
         """Whether the row ``rid`` with ``n`` samples has all of them."""
@@ -78,9 +78,10 @@ class DoneRows:
 
     def superseded_in(self, part: int, table: pa.Table) -> pa.Array | None:
         """A mask of the rows of part ``part`` to leave out, or ``None`` when there are none: superseded samples, and
-        the error rows of a fixed input row (an id in ``fixed`` whose error rows this run did not all meet again:
-        the first ones unmet are left out). Called once per part, in order, as the output is assembled: it counts
-        the unmet error rows down."""
+        error rows that the finished run did not meet again (:meth:`take_error`) of ids that have samples: the row
+        was bad, was fixed since and is generated (this run or an earlier resumed one), or a duplicate of the id
+        has left the dataset. Called once per part, in order, when every input row has been read: it counts those
+        error rows down."""
         stale = [rid for rid, latest in self.latest_part.items() if latest != part]
         mask = None
         if stale:
@@ -88,12 +89,14 @@ class DoneRows:
                 pc.is_in(table.column("id"), value_set=pa.array(stale, pa.string())),
                 pc.not_equal(pc.fill_null(table.column("finish_reason"), ""), "error"),
             )
-        if self.fixed:
-            fixed = []
+        unmet_ids = {rid for rid, count in self.errors.items() if count > 0}
+        unmet_ids = {rid for rid in unmet_ids if rid in self.samples or rid in self.errors_with_samples}
+        if unmet_ids:
+            unmet = []
             for rid, reason in zip(table.column("id").to_pylist(), table.column("finish_reason").to_pylist()):
-                left_out = reason == "error" and rid in self.fixed and self.errors[rid] > 0
+                left_out = reason == "error" and rid in unmet_ids and self.errors[rid] > 0
                 if left_out:
                     self.errors[rid] -= 1
-                fixed.append(left_out)
-            mask = pa.array(fixed) if mask is None else pc.or_(mask, pa.array(fixed))
+                unmet.append(left_out)
+            mask = pa.array(unmet) if mask is None else pc.or_(mask, pa.array(unmet))
         return mask if mask is not None and pc.any(mask).as_py() else None

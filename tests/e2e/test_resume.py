@@ -900,12 +900,13 @@ def test_resume_of_a_complete_output_checks_the_settings(model: Path, tmp_path: 
     assert output.endswith(f"--resume-force keeps it as it is\n{complete}") and out.read_bytes() == before
 
 
-@pytest.mark.parametrize("where", ["finished", "partial"])
+@pytest.mark.parametrize("where", ["finished", "partial", "partial with the fixed row"])
 def test_a_bad_row_fixed_since_is_generated_in_place_of_its_error_row(where: str, model: Path, tmp_path: Path) -> None:
     """--on-error skip wrote a bad row (and a duplicate id) as error rows; the bad row fixed in the dataset, --resume
-    (a finished output) or --resume-force (a partial output, whose dataset fingerprint changed) generates it, and the
-    output holds each id once more as an uninterrupted run of the fixed dataset gives it: no error row of the fixed
-    row beside its samples (found by a new user: only --overwrite regenerated it, and a partial output gave both)."""
+    (a finished output) or --resume-force (a partial output, whose dataset fingerprint changed; or one whose resumed
+    run had generated the fixed row when it stopped) generates it, and the output holds each id as an uninterrupted
+    run of the fixed dataset gives it: no error row of the fixed row beside its samples (found by a new user: only
+    --overwrite regenerated it, and a partial output gave both)."""
     rows = [
         {"id": "a", "prompt_token_ids": [0, 5]},
         {"id": "b", "prompt_token_ids": [0, 6], "temperature": -1},
@@ -913,24 +914,31 @@ def test_a_bad_row_fixed_since_is_generated_in_place_of_its_error_row(where: str
         {"id": "a", "prompt_token_ids": [0, 9]},  # a duplicate id: an error row, in both runs
     ]
     dataset = write_jsonl(tmp_path / "in.jsonl", rows)
-    out = tmp_path / "out.arrow"
+    out, reference = tmp_path / "out.arrow", tmp_path / "reference.arrow"
     flags = [*COMMON, "--max-new-tokens", "2", "--on-error", "skip", "--seed", "3"]
     run = ["run", str(dataset), "--model", str(model), *flags, "--out"]
     assert run_cli([*run, str(out)])[0] == 0
     assert [(r["id"], r["finish_reason"]) for r in read_results(out).to_pylist()].count(("b", "error")) == 1
-    if where == "partial":  # the finished output's rows as the parts of a run stopped after them
-        reopen_output(out, read_results(out).schema)
     del rows[1]["temperature"]
     write_jsonl(dataset, rows)
-    code, output = run_cli([*run, str(out), "--resume" if where == "finished" else "--resume-force"])
-    assert code == 0 and "1 row done, 0 bad rows" in output, output
-    reference = tmp_path / "reference.arrow"
     assert run_cli([*run, str(reference)])[0] == 0
+    want = read_results(reference).to_pylist()
+    if where != "finished":  # the finished output's rows as the parts of a run stopped after them
+        table = read_results(out)
+        if where == "partial with the fixed row":
+            fixed = [row for row in want if row["id"] == "b"]
+            table = pa.concat_tables([table, pa.Table.from_pylist(fixed, table.schema)])
+        with pa.ipc.new_file(out, table.schema) as writer:
+            writer.write_table(table)
+        reopen_output(out, table.schema)
+    code, output = run_cli([*run, str(out), "--resume" if where == "finished" else "--resume-force"])
+    generated = "0 rows done" if where == "partial with the fixed row" else "1 row done"
+    assert code == 0 and f"{generated}, 0 bad rows" in output, output
 
     def key(row: dict[str, Any]) -> tuple[str, str]:
         return row["id"], row["finish_reason"]
 
-    got, want = read_results(out).to_pylist(), read_results(reference).to_pylist()
+    got = read_results(out).to_pylist()
     assert sorted(map(key, got)) == sorted(map(key, want)) == [("a", "error"), ("a", "length"), ("b", "length"),
                                                                 ("c", "length")]  # fmt: skip
     assert sorted(got, key=key) == sorted(want, key=key)
