@@ -34,13 +34,13 @@ def load_config(ctx: typer.Context, _param: typer.CallbackParam, value: Path | N
             if name in _TEXT_OPTIONS and not all(isinstance(v, (str, bool)) for v in _values(item)):
                 # `stop: 5`: a row's stop must be a string, and so must this; YAML reads 5 as a number.
                 raise BatchgenError(
-                    f"{value}: option '{option}': takes text, got {shown_value(given)} (quote a number meant as text)"
+                    f"{value}: option '{option}': takes text, got {shown_value(given)} (quote a value meant as text)"
                 )
             if any(isinstance(v, bool) for v in _values(item)) and not all(
                 isinstance(v, bool) for v in _values(converted)
             ):
                 # click takes YAML's true as 1 (int(True)) or "True": a slip, not a value of this option.
-                raise BatchgenError(f"{value}: option '{option}': takes no true/false value, got {shown_value(item)}")
+                raise BatchgenError(f"{value}: option '{option}': takes no true/false value, got {shown_value(given)}")
         ctx.default_map = {**(ctx.default_map or {}), **defaults}
     return value
 

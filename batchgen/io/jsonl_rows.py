@@ -15,6 +15,11 @@ from batchgen.errors import BatchgenError, RowError
 from batchgen.io.input_row import InputRow
 from batchgen.io.passthrough import json_type_name
 
+# Files a JSONL name can hide, by the bytes they start with (an Arrow IPC stream: its continuation marker).
+_OTHER_FORMATS = {b"PAR1": "a Parquet file: name it .parquet", b"ARROW1": "an Arrow IPC file: name it .arrow",
+                  b"\xff\xff\xff\xff": "an Arrow IPC stream: name it .arrow",
+                  b"\x1f\x8b": "gzip-compressed: decompress it first"}  # fmt: skip
+
 
 def open_jsonl(path: Path) -> BinaryIO:
     """Open a JSONL shard in binary mode: ``tell()`` works between ``readline()`` calls, and a bad byte is one
@@ -43,7 +48,14 @@ def jsonl_rows(path: Path, source: str, index: int, offset: int = 0, line: int =
 
 
 def parse_line(raw: bytes, line: int, index: int, source: str) -> InputRow | RowError | None:
-    """Decode one JSONL line; ``None`` for a blank line."""
+    """Decode one JSONL line; ``None`` for a blank line.
+
+    Raises:
+        BatchgenError: the first line of a shard starts as a Parquet, Arrow or gzip file does (every line would
+            otherwise be a row error).
+    """
+    if line == 1 and (kind := next((kind for magic, kind in _OTHER_FORMATS.items() if raw.startswith(magic)), None)):
+        raise BatchgenError(f"{source}: not JSON Lines; this is {kind}")
     try:
         text = raw.decode("utf-8-sig" if line == 1 else "utf-8")
     except UnicodeDecodeError as e:
@@ -62,24 +74,15 @@ def parse_line(raw: bytes, line: int, index: int, source: str) -> InputRow | Row
     return InputRow(index=index, line=line, data=value, source=source)
 
 
-# Files a JSONL name can hide, by the bytes they start with.
-_OTHER_FORMATS = {b"PAR1": "a Parquet file: name it .parquet", b"ARROW1": "an Arrow IPC file: name it .arrow",
-                  b"\x1f\x8b": "gzip-compressed: decompress it first"}  # fmt: skip
-
-
-def reject_non_jsonl(first: InputRow | RowError, raw: bytes, source: str) -> None:
-    """Fail fast, in one line, on a file whose first line says it is no JSON Lines (a pretty-printed JSON document,
-    Parquet, Arrow or gzip under a ``.jsonl`` name), which would otherwise give one row error per line.
+def reject_json_document(first: InputRow | RowError, raw: bytes, source: str) -> None:
+    """Fail fast on a pretty-printed JSON file (its first row ``first`` read from the line ``raw``), which would
+    otherwise give one row error per line.
 
     Raises:
-        BatchgenError: naming what the file looks like.
+        BatchgenError: saying so.
     """
-    if not isinstance(first, RowError):
-        return
-    if kind := next((kind for magic, kind in _OTHER_FORMATS.items() if raw.startswith(magic)), None):
-        raise BatchgenError(f"{source}: not JSON Lines; this is {kind}")
     text = raw.decode("utf-8", "replace").strip()
-    if text.startswith("[") or text == "{":
+    if isinstance(first, RowError) and (text.startswith("[") or text == "{"):
         raise BatchgenError(
             f"{source}:{first.line}: not a JSON object; this looks like a JSON document, "
             "but batchgen reads JSON Lines (one object per line)"

@@ -13,7 +13,7 @@ from batchgen.errors import BatchgenError, RowError
 from batchgen.io.columns import ColumnMapping
 from batchgen.io.input_options import InputOptions
 from batchgen.io.input_row import InputRow
-from batchgen.io.jsonl_rows import count_jsonl_rows, jsonl_rows, open_jsonl, parse_line, reject_non_jsonl
+from batchgen.io.jsonl_rows import count_jsonl_rows, jsonl_rows, open_jsonl, parse_line, reject_json_document
 from batchgen.io.openai_batch import OpenAIBatchInput, is_openai_batch_line
 from batchgen.io.passthrough import JSON_TEXT_METADATA, KNOWN_FIELDS, infer_schema, passthrough_names
 from batchgen.io.shards import list_shards
@@ -116,7 +116,7 @@ class RowReader:
                         continue
                     if not first_seen:
                         first_seen = True
-                        reject_non_jsonl(item, raw, name)
+                        reject_json_document(item, raw, name)
                     self._head.append(self._openai_row(item))
                 self._head_end = (shard, f.tell(), lines)
             if len(self._head) == self.block_rows:

@@ -35,25 +35,27 @@ def finished_batches(path: Path, columns: list[str] | None = None) -> tuple[pa.S
     return reader.schema, (batch.select(columns) for batch in batches)
 
 
-def finished_ids(path: Path) -> tuple[list[str], set[str]]:
+def finished_ids(path: Path) -> tuple[list[str], set[str], set[str]]:
     """The ``id`` of every row of the finished Arrow IPC or Parquet output ``path``, in its order (a row with n
-    samples or a duplicate id's error row appears more than once), and the ids whose rows are all error rows (bad
-    input rows that ``--on-error skip`` wrote).
+    samples or a duplicate id's error row appears more than once), the ids of its error rows, and the ids of its
+    samples.
 
     Raises:
         BatchgenError: the file cannot be read.
     """
     ids: list[str] = []
-    with_samples: set[str] = set()
+    errored: set[str] = set()
+    sampled: set[str] = set()
     try:
         _, batches = finished_batches(path, ["id", "finish_reason"])
         for batch in batches:
             rows = batch.column(0).to_pylist()
             ids += rows
-            with_samples.update(rid for rid, why in zip(rows, batch.column(1).to_pylist()) if why != "error")
+            for rid, why in zip(rows, batch.column(1).to_pylist()):
+                (errored if why == "error" else sampled).add(rid)
     except (OSError, pa.ArrowException) as e:
         raise BatchgenError(f"{path}: cannot read results ({e})") from None
-    return ids, set(ids) - with_samples
+    return ids, errored, sampled
 
 
 def reopen_output(out: Path, schema: pa.Schema) -> None:

@@ -83,6 +83,7 @@ def table_batches(path: Path, fmt: str, block_rows: int) -> Iterator[pa.RecordBa
                         yield batch
             return
         for batch in _arrow_batches(path)[1]:
+            batch.validate(full=True)  # damaged values would fail in to_pylist, far from this file's name
             for start in range(0, batch.num_rows, block_rows):
                 rows_read[0] += min(block_rows, batch.num_rows - start)
                 yield batch.slice(start, block_rows)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from batchgen.errors import BatchgenError, counted
-from batchgen.io.fingerprint import DatasetFingerprint, fingerprint_dataset
+from batchgen.io.fingerprint import fingerprint_dataset
 from batchgen.io.input_digests import INPUT_DIGESTS_KEY, compare_rows
 from batchgen.io.input_options import INPUT_OPTIONS_KEY, InputOptions, recorded_input_options
 from batchgen.io.partial_output import PartialOutput, PartialState, partial_dir, remove_partial_dir
@@ -22,12 +22,8 @@ from batchgen.io.reopen import finished_batches, finished_ids, reopen_output
 from batchgen.io.shards import is_read_as_shard
 from batchgen.io.writer import check_output_format
 from batchgen.job.options import JobOptions
+from batchgen.job.run_metadata import DATASET_KEY, RUN_SEED_KEY, changed_fields, job_differences
 
-# Metadata keys a resumed run adds to ``RunJob.metadata``: the dataset's fingerprint and the run seed.
-DATASET_KEY = "batchgen.dataset"
-RUN_SEED_KEY = "batchgen.run_seed"
-# Engine options that change what a row's output is; the others (batch sizes, memory) only change speed.
-_OUTPUT_ENGINE_OPTIONS = ("seed", "context_length")
 # A message names at most this many row ids.
 _IDS_SHOWN = 3
 
@@ -101,15 +97,16 @@ def open_output(
     return output_schema(schema, dataset, seed, recorded, job.resume_force, output.dir), resumed
 
 
-def check_finished_rows(dataset: Path, out: Path, force: bool, options: InputOptions | None = None) -> int | None:
-    """Before ``--resume`` reopens the finished Arrow IPC or Parquet output ``out`` to add the rows it lacks: check
-    that each of its rows was made from the row ``dataset`` (read with the column ``options``; ``None``: those ``out``
-    records) holds under its id now (:mod:`batchgen.io.input_digests`), and return how many of the dataset's ids it
-    lacks, or holds only as error rows whose input changed (bad rows fixed since: generated now, their error rows
-    left out); ``None`` when ``out`` records no digests (an older batchgen).
+def check_finished_rows(dataset: Path, out: Path, force: bool, options: InputOptions | None = None) -> bool | None:
+    """Before ``--resume`` reopens the finished Arrow IPC or Parquet output ``out`` to add the rows it lacks (called
+    when it lacks rows or ``dataset`` changed since): check that each of its rows was made from the row ``dataset``
+    (read with the column ``options``; ``None``: those ``out`` records) holds under its id now
+    (:mod:`batchgen.io.input_digests`), and return whether ``out`` is complete; ``None`` when ``out`` records no
+    digests (an older batchgen). An output with error rows is not complete: only a run that reads the whole dataset
+    tells which of them still stand (:class:`batchgen.io.done_rows.DoneRows`; a bad row fixed since is generated).
 
-    Other rows whose input changed (or is gone) are refused, not generated again: that would discard their results.
-    With ``force`` they are kept as they are, with a warning, and only the missing rows are generated.
+    Rows with samples whose input changed (or is gone) are refused, not generated again: that would discard their
+    results. With ``force`` they are kept as they are, with a warning, and only the missing rows are generated.
 
     Raises:
         BatchgenError: ``out`` cannot be read, or rows changed (one line naming a few of their ids), unless ``force``.
@@ -121,21 +118,21 @@ def check_finished_rows(dataset: Path, out: Path, force: bool, options: InputOpt
             return None
         options_then = recorded_input_options(schema.metadata or {})
         options = options if options is not None else options_then
-        ids, errors_only = finished_ids(out)
+        ids, errored, sampled = finished_ids(out)
         changed, gone, missing = compare_rows(dataset, ids, recorded, options)
     except (OSError, ValueError, pa.ArrowException) as e:
         raise BatchgenError(f"{out}: cannot read results ({e}); pass --overwrite to run the dataset again") from None
-    missing += sum(rid in errors_only for rid in changed)
-    changed = [rid for rid in changed if rid not in errors_only] + gone
+    complete = missing == 0 and not errored
+    changed = [rid for rid in changed + gone if rid in sampled]
     if not changed:
-        return missing
+        return complete
     shown = ", ".join(f"'{rid}'" for rid in changed[:_IDS_SHOWN])
     if len(changed) > _IDS_SHOWN:
         shown += f" and {len(changed) - _IDS_SHOWN} more"
     rows = f"{counted(len(changed), 'row')} of {out} changed in {dataset} or left it since it was made ({shown})"
     # Other column options make other prompts from the same rows: say so, not only that the rows changed.
     now = {INPUT_OPTIONS_KEY: json.dumps(asdict(options))}
-    if options_differ := _changed_fields(
+    if options_differ := changed_fields(
         INPUT_OPTIONS_KEY, {INPUT_OPTIONS_KEY: json.dumps(asdict(options_then))}, now, None
     ):
         rows += f", read with other column options ({'; '.join(options_differ)})"
@@ -146,7 +143,7 @@ def check_finished_rows(dataset: Path, out: Path, force: bool, options: InputOpt
             "the whole dataset again"
         )
     print(f"batchgen: warning: the input of {rows}; --resume-force keeps their results", file=sys.stderr)
-    return missing
+    return complete
 
 
 def output_schema(
@@ -223,32 +220,6 @@ def check_same_job(where: Path, recorded: pa.Schema, now: pa.Schema, force: bool
         print(f"batchgen: warning: {where}: resuming despite: {'; '.join(differences)}", file=sys.stderr)
 
 
-def job_differences(recorded: dict[str, str], now: dict[str, str]) -> list[str]:
-    """What differs between two runs' output metadata, as ``what old → new`` phrases; empty when nothing does."""
-    differences = []
-    for key, label in (("model", "model"), ("dtype", "dtype"), ("logprobs_mode", "logprobs mode")):
-        old, new = recorded.get(f"batchgen.{key}"), now.get(f"batchgen.{key}")
-        if old != new:
-            differences.append(f"{label} {old!r} → {new!r}")
-    if "batchgen.kernel_switches" in recorded:  # an output of a batchgen that did not record them: not compared
-        differences += _changed_fields("batchgen.kernel_switches", recorded, now, None)
-    old_mode, new_mode = recorded.get("batchgen.deterministic"), now.get("batchgen.deterministic")
-    if old_mode is not None and old_mode != new_mode:  # not recorded before batchgen had the mode: not compared
-        flag = "--deterministic" if old_mode == "true" else "--no-deterministic"
-        differences.append(f"deterministic {old_mode} → {new_mode} ({flag} resumes in the written rows' mode)")
-    differences += _changed_fields("batchgen.sampling_defaults", recorded, now, None)
-    differences += _changed_fields("batchgen.engine_options", recorded, now, _OUTPUT_ENGINE_OPTIONS)
-    # An output of a batchgen without column options reads as one made with none.
-    differences += _changed_fields(INPUT_OPTIONS_KEY, recorded, now, None)
-    try:
-        old_dataset = DatasetFingerprint.from_json(recorded.get(DATASET_KEY, ""))
-    except ValueError:
-        differences.append("dataset (no fingerprint recorded)")
-    else:
-        differences += old_dataset.differences(DatasetFingerprint.from_json(now[DATASET_KEY]))
-    return differences
-
-
 def resume_command(dataset: Path, out: Path) -> str:
     """The command that resumes this run: the command line as typed, without ``--overwrite``/``--resume-force``,
     with ``--resume``; a generic form when the process was not started from the command line."""
@@ -264,23 +235,6 @@ def resume_command(dataset: Path, out: Path) -> str:
 
 def _metadata(schema: pa.Schema) -> dict[str, str]:
     return {k.decode(): v.decode() for k, v in (schema.metadata or {}).items()}
-
-
-def _changed_fields(key: str, recorded: dict[str, str], now: dict[str, str], only: tuple[str, ...] | None) -> list[str]:
-    """``name old → new`` for each field of the JSON object under ``key`` that differs (only those in ``only``)."""
-    try:
-        old, new = json.loads(recorded.get(key, "{}")), json.loads(now.get(key, "{}"))
-    except json.JSONDecodeError:
-        return [f"{key} (unreadable)"]
-    names = only if only is not None else sorted(set(old) | set(new))
-    return [
-        f"{name} {_shown(old.get(name))} → {_shown(new.get(name))}" for name in names if old.get(name) != new.get(name)
-    ]
-
-
-def _shown(value: object) -> str:
-    """A recorded option value as a user reads it: ``None`` is an option that was not given."""
-    return "not given" if value is None else repr(value)
 
 
 def report_damage(directory: Path, state: PartialState | None) -> None:

@@ -36,10 +36,10 @@ from batchgen.job.options import JobOptions
 from batchgen.job.recent_rates import RecentRates
 from batchgen.job.request_builder import RequestBuilder
 from batchgen.job.result_rows import error_row
-from batchgen.job.resume import RUN_SEED_KEY, open_output
+from batchgen.job.resume import open_output
 from batchgen.job.rounds import LocalRounds, Rounds, RowResults
 from batchgen.job.row_flow import RowChecks
-from batchgen.job.run_metadata import run_metadata
+from batchgen.job.run_metadata import RUN_SEED_KEY, run_metadata
 from batchgen.job.summary import RunSummary
 from batchgen.loop.options import EngineOptions
 from batchgen.sampling.sampling_params import SamplingParams, make_sampling_params
@@ -132,6 +132,8 @@ class RunJob:
 
     def _run(self, stop: StopRequest) -> None:
         start = time.perf_counter()
+        # Before the partial output exists: a dataset unreadable part way leaves nothing behind to --resume.
+        total = count_input_rows(self.reader.path) if self.job.progress else None
         if self.job.overwrite:
             self.out.unlink(missing_ok=True)
         self.output.start(self.schema, self.resumed)
@@ -144,7 +146,6 @@ class RunJob:
                 else "no partial output, starting at the top"
             )
             print(f"batchgen: resuming {self.out}: {before}", file=sys.stderr)
-        total = count_input_rows(self.reader.path) if self.job.progress else None
         try:
             # Closed before anything below prints, so that no message shares the bar's line.
             with tqdm(
@@ -223,9 +224,11 @@ class RunJob:
             self.output.close()
             with contextlib.suppress(OSError):
                 remove_partial_dir(self.output.dir)
-        elif not isinstance(error, BatchgenError):  # a BatchgenError says how to go on itself, in one line
+        elif not isinstance(error, BatchgenError) or "--resume" not in str(error):
+            # The output's own errors say how to go on; an input file damaged part way does not.
             print(
-                f"batchgen: the rows finished so far are kept in {self.output.dir}; rerun with --resume",
+                f"batchgen: the rows finished so far are kept in {self.output.dir}; rerun with --resume once that is "
+                "mended (--resume-force if the dataset changed)",
                 file=sys.stderr,
             )
 
@@ -253,7 +256,7 @@ class RunJob:
             return 0
 
     def _row_failed(self, error: RowError, rid: str, passthrough: dict[str, Any], bar: tqdm) -> None:
-        if self.output.state.done.take_error(rid):
+        if self.output.state.done.take_error(rid, str(error)):
             return  # an earlier run wrote this error row (--on-error skip)
         self.summary.errors += 1
         bar.update(1)  # a bad row is one of the input's rows too: the bar ends at its total

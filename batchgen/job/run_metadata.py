@@ -1,6 +1,6 @@
-"""What a run records of itself in its output's metadata (the settings ``--resume`` compares:
-:mod:`batchgen.job.resume`), and the check that a finished output which ``--resume`` leaves as it is was made with
-this run's settings."""
+"""What a run records of itself in its output's metadata, what differs between two runs' records (what ``--resume``
+compares: :mod:`batchgen.job.resume`), and the check that a finished output which ``--resume`` leaves as it is was
+made with this run's settings."""
 
 from __future__ import annotations
 
@@ -12,17 +12,22 @@ from pathlib import Path
 import pyarrow as pa
 
 from batchgen import __version__
+from batchgen.environment import kernel_switches
 from batchgen.errors import BatchgenError
-from batchgen.io.fingerprint import fingerprint_dataset
-from batchgen.io.input_options import INPUT_OPTIONS_KEY, InputOptions
+from batchgen.io.fingerprint import DatasetFingerprint, fingerprint_dataset
+from batchgen.io.input_options import INPUT_OPTIONS_KEY, InputOptions, apply_escapes
 from batchgen.io.reopen import finished_batches
-from batchgen.job.resume import DATASET_KEY, job_differences
 from batchgen.loop.engine import EngineFacts, dtype_name
 from batchgen.loop.options import EngineOptions
 from batchgen.sampling.sampling_params import SamplingParams
 
-# Entries the loaded model decides (a resolved ``--dtype auto``, the default of ``--deterministic``, the kernel
-# switches the device takes): before the model is loaded, the recorded ones stand in for them.
+# Metadata keys a resumed run adds to ``RunJob.metadata``: the dataset's fingerprint and the run seed.
+DATASET_KEY = "batchgen.dataset"
+RUN_SEED_KEY = "batchgen.run_seed"
+# Engine options that change what a row's output is; the others (batch sizes, memory) only change speed.
+_OUTPUT_ENGINE_OPTIONS = ("seed", "context_length")
+# Entries the loaded engine records: before the model is loaded, the recorded ones stand in for what only the model
+# decides (its directory, a resolved ``--dtype auto``, the default of ``--deterministic``).
 _MODEL_FACTS = ("batchgen.model_dir", "batchgen.dtype", "batchgen.kernel_switches", "batchgen.deterministic")
 
 
@@ -64,6 +69,7 @@ def check_finished_settings(
         raise BatchgenError(f"{out}: cannot read results ({e})") from None
     recorded = {k.decode(): v.decode() for k, v in (schema.metadata or {}).items()}
     model_facts = {key: recorded[key] for key in _MODEL_FACTS if key in recorded}
+    model_facts["batchgen.kernel_switches"] = json.dumps(kernel_switches().as_metadata())  # the environment's
     if options.dtype != "auto":
         model_facts["batchgen.dtype"] = options.dtype
     if options.deterministic is not None:
@@ -98,3 +104,70 @@ def _settings(
         "batchgen.engine_options": json.dumps(asdict(options)),
         INPUT_OPTIONS_KEY: json.dumps(asdict(input_options)),
     }
+
+
+def job_differences(recorded: dict[str, str], now: dict[str, str]) -> list[str]:
+    """What differs between two runs' output metadata, as ``what old → new`` phrases; empty when nothing does."""
+    differences = []
+    for key, label in (("model", "model"), ("dtype", "dtype"), ("logprobs_mode", "logprobs mode")):
+        old, new = recorded.get(f"batchgen.{key}"), now.get(f"batchgen.{key}")
+        if old != new:
+            differences.append(f"{label} {old!r} → {new!r}")
+    if "batchgen.kernel_switches" in recorded:  # an output of a batchgen that did not record them: not compared
+        differences += changed_fields("batchgen.kernel_switches", recorded, now, None)
+    old_mode, new_mode = recorded.get("batchgen.deterministic"), now.get("batchgen.deterministic")
+    if old_mode is not None and old_mode != new_mode:  # not recorded before batchgen had the mode: not compared
+        flag = "--deterministic" if old_mode == "true" else "--no-deterministic"
+        differences.append(f"deterministic {old_mode} → {new_mode} ({flag} resumes in the written rows' mode)")
+    differences += changed_fields("batchgen.sampling_defaults", recorded, now, None)
+    engine_now = _seed_given(recorded, now)
+    differences += changed_fields("batchgen.engine_options", recorded, engine_now, _OUTPUT_ENGINE_OPTIONS)
+    # An output of a batchgen without column options reads as one made with none.
+    differences += changed_fields(INPUT_OPTIONS_KEY, _escaped(recorded), _escaped(now), None)
+    try:
+        old_dataset = DatasetFingerprint.from_json(recorded.get(DATASET_KEY, ""))
+    except ValueError:
+        differences.append("dataset (no fingerprint recorded)")
+    else:
+        differences += old_dataset.differences(DatasetFingerprint.from_json(now[DATASET_KEY]))
+    return differences
+
+
+def _seed_given(recorded: dict[str, str], now: dict[str, str]) -> dict[str, str]:
+    """``now`` with an omitted ``--seed`` taken as the recorded one, which the run reuses (``output_schema``)."""
+    try:
+        options = json.loads(now.get("batchgen.engine_options", "{}"))
+        if options.get("seed") is None:
+            options["seed"] = json.loads(recorded.get("batchgen.engine_options", "{}")).get("seed")
+    except (json.JSONDecodeError, AttributeError):
+        return now  # unreadable: changed_fields says so
+    return now | {"batchgen.engine_options": json.dumps(options)}
+
+
+def _escaped(metadata: dict[str, str]) -> dict[str, str]:
+    """``metadata`` with the recorded ``--prompt-template`` as it reads with its escapes applied: ``'\\n'`` typed on a
+    command line and a newline from a config file are one template."""
+    try:
+        options = json.loads(metadata.get(INPUT_OPTIONS_KEY, "{}"))
+        if isinstance(options.get("prompt_template"), str):
+            options["prompt_template"] = apply_escapes(options["prompt_template"])
+    except (json.JSONDecodeError, AttributeError):
+        return metadata
+    return metadata | {INPUT_OPTIONS_KEY: json.dumps(options)}
+
+
+def changed_fields(key: str, recorded: dict[str, str], now: dict[str, str], only: tuple[str, ...] | None) -> list[str]:
+    """``name old → new`` for each field of the JSON object under ``key`` that differs (only those in ``only``)."""
+    try:
+        old, new = json.loads(recorded.get(key, "{}")), json.loads(now.get(key, "{}"))
+    except json.JSONDecodeError:
+        return [f"{key} (unreadable)"]
+    names = only if only is not None else sorted(set(old) | set(new))
+    return [
+        f"{name} {_shown(old.get(name))} → {_shown(new.get(name))}" for name in names if old.get(name) != new.get(name)
+    ]
+
+
+def _shown(value: object) -> str:
+    """A recorded option value as a user reads it: ``None`` is an option that was not given."""
+    return "not given" if value is None else repr(value)

@@ -23,7 +23,8 @@ from batchgen.io.openai_output import result_fields
 from batchgen.io.partial_output import PartialOutput, partial_dir
 from batchgen.io.reader import count_input_rows
 from batchgen.io.reopen import finished_batches
-from batchgen.job.resume import DATASET_KEY, check_finished_rows
+from batchgen.job.resume import check_finished_rows
+from batchgen.job.run_metadata import DATASET_KEY
 
 # What every row of a batchgen output has (an OpenAI Batch output line's, as result_fields reads it).
 _RESULT_FIELDS = ("id", "sample_index", "finish_reason")
@@ -145,9 +146,9 @@ def check_nothing_left(dataset: Path, out: Path, force: bool, options: InputOpti
             "--resume cannot add the rows it lacks; pass --overwrite to run the whole dataset again (.arrow and "
             ".parquet outputs can be resumed)"
         )
-    missing = check_finished_rows(dataset, out, force, options)
-    if missing is not None:
-        return missing == 0
+    complete = check_finished_rows(dataset, out, force, options)
+    if complete is not None:
+        return complete
     if force:
         if status.dataset_changes:
             changes = "; ".join(status.dataset_changes)

@@ -396,6 +396,28 @@ def test_parquet_damaged_part_way_is_one_line_naming_the_row(models: dict[str, P
     assert len(read_results(out)) == 200
 
 
+def test_arrow_with_damaged_values_is_one_line_naming_the_row(models: dict[str, Path], tmp_path: Path) -> None:
+    """An Arrow IPC file whose second batch holds a string column with a damaged offset (pyarrow failed in
+    ``to_pylist``, a traceback): one line naming the file and the batch's first row, with progress on too; no partial
+    output left."""
+    prompts = pa.array(["The quick"] * 300)
+    offsets = list(range(0, 9 * 301, 9))
+    offsets[250] = -5
+    damaged = pa.Array.from_buffers(pa.string(), 300, [None, pa.py_buffer(pa.array(offsets, pa.int32()).buffers()[1]),
+                                                       prompts.buffers()[2]])  # fmt: skip
+    ids = pa.array([f"r{i}" for i in range(300)])
+    dataset = tmp_path / "in.arrow"
+    with pa.ipc.new_file(dataset, pa.schema([("id", pa.string()), ("prompt", pa.string())])) as writer:
+        writer.write_batch(pa.record_batch([ids[:200], prompts[:200]], names=["id", "prompt"]))
+        writer.write_batch(pa.record_batch([ids[200:], damaged[200:]], names=["id", "prompt"]))
+    out = tmp_path / "out.arrow"
+    for progress in ("--no-progress", "--progress"):
+        code, lines = _run(dataset, out, models["llama"], progress)
+        assert code == 2 and [line for line in lines if "error" in line] == lines[-1:], lines
+        assert lines[-1].startswith(f"batchgen: error: {dataset}: not a valid Arrow file from row 201 on (")
+        assert not out.exists() and not partial_dir(out).exists()
+
+
 def test_prompt_one_token_below_context_is_generated(models: dict[str, Path], tmp_path: Path) -> None:
     # The boundary next to "prompt_token_ids_at_context": 15 tokens fit a 16-token context, leaving room for one.
     row = {"id": "edge", "prompt_token_ids": [0] + [5] * 14, "max_new_tokens": 8, "temperature": 0}
@@ -511,6 +533,8 @@ FILE_LEVEL = [
     "json_document_dataset",
     "parquet_named_jsonl",
     "gzip_named_jsonl",
+    "arrow_stream_named_jsonl",
+    "parquet_as_second_jsonl_shard",
     "unknown_model",
     "model_dir_without_config",
     "output_dir_missing",
@@ -549,6 +573,17 @@ def _file_level_case(name: str, tmp: Path, model: Path) -> tuple[list[str], str,
     if name == "gzip_named_jsonl":
         dataset.write_bytes(gzip.compress(dataset.read_bytes() * 50))
         return args, f"{dataset}: not JSON Lines; this is gzip-compressed: decompress it first", True
+    if name == "arrow_stream_named_jsonl":
+        with pa.ipc.new_stream(dataset, pa.schema([("prompt", pa.string())])) as stream:
+            stream.write_table(pa.table({"prompt": ["a", "b"] * 40}))
+        return args, f"{dataset}: not JSON Lines; this is an Arrow IPC stream: name it .arrow", True
+    if name == "parquet_as_second_jsonl_shard":
+        shards = tmp / "shards"
+        shards.mkdir()
+        write_jsonl(shards / "a-0.jsonl", [GOOD_1])
+        pq.write_table(pa.table({"prompt": ["a", "b"] * 40}), shards / "a-1.jsonl", row_group_size=4)
+        args[1] = str(shards)
+        return args, "a-1.jsonl: not JSON Lines; this is a Parquet file: name it .parquet", False
     if name == "unknown_model":
         args[5] = "no-such-model"
         return args, "unknown model 'no-such-model': expected a model directory, a .gguf file, a built-in name (", False

@@ -337,6 +337,7 @@ def test_config_bad_value_names_the_file(model: Path, tmp_path: Path) -> None:
         ("temperature: false", "temperature", "false"),
         ("model: true", "model", "true"),
         ("stop: [x, true]", "stop", '["x", true]'),
+        ("stop: true", "stop", "true"),
     ],
 )
 def test_config_true_or_false_is_not_a_number_or_a_string(
@@ -364,7 +365,7 @@ def test_config_number_is_not_text(line: str, shown: str, model: Path, tmp_path:
     code, output = run_cli(run)
     assert code == 2 and not out.exists()
     assert output == (
-        f"batchgen: error: {config}: option 'stop': takes text, got {shown} (quote a number meant as text)\n"
+        f"batchgen: error: {config}: option 'stop': takes text, got {shown} (quote a value meant as text)\n"
     )
     config.write_text("stop: '5'\nmax-new-tokens: 1\ndevice: cpu\n")
     assert run_cli(run)[0] == 0

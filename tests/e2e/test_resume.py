@@ -550,7 +550,7 @@ def test_resume_names_the_pass_through_columns_that_changed(
 def test_an_output_that_records_no_kernel_switches_is_not_refused_over_them() -> None:
     """Outputs written before the switches were recorded resume as before: nothing to compare them with. An output
     that records them is compared (the test above)."""
-    from batchgen.job.resume import job_differences
+    from batchgen.job.run_metadata import job_differences
 
     fingerprint = json.dumps({"size": 1, "mtime_ns": 1, "sample_sha256": "0" * 64})
     older = {"batchgen.model": "m", "batchgen.dtype": "float32", "batchgen.dataset": fingerprint}
@@ -870,11 +870,13 @@ def test_resume_of_a_finished_output_with_all_rows_checks_the_dataset(model: Pat
     assert code == 0 and "--resume-force keeps it" in output and "already complete" in output
 
 
-def test_resume_of_a_complete_output_checks_the_settings(model: Path, tmp_path: Path) -> None:
+def test_resume_of_a_complete_output_checks_the_settings(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """--resume on a complete output made with other settings (found by a new user: a nightly job's changed seed and
     temperature were "already complete; nothing to do") is refused, naming each difference, without loading the
-    model; the same settings, spelled as they were or left to the recorded ones (--dtype auto, --seed given again),
-    still do nothing; --resume-force keeps the output as it is."""
+    model; the same settings, spelled as they were or left to the recorded ones (--dtype auto, no --seed, a template's
+    escapes from a config file), still do nothing; --resume-force keeps the output as it is."""
     dataset = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt_token_ids": [0, 5]}])
     out = tmp_path / "out.parquet"
     run = ["run", str(dataset), "--out", str(out), "--model", str(model), "--device", "cpu", "--no-progress"]
@@ -883,8 +885,12 @@ def test_resume_of_a_complete_output_checks_the_settings(model: Path, tmp_path: 
     before = out.read_bytes()
     complete = f"batchgen: {out} is already complete; nothing to do\n"
     assert run_cli([*first, "--resume"]) == (0, complete)
-    same = [*run, "--dtype", "auto", "--seed", "7", "--temperature", "0.5", "--max-new-tokens", "2", "--resume"]
+    same = [*run, "--dtype", "auto", "--temperature", "0.5", "--max-new-tokens", "2", "--resume"]
     assert run_cli(same) == (0, complete)
+    with monkeypatch.context() as patch:
+        patch.setenv("BATCHGEN_CPU_PREPACK", "0")
+        code, output = run_cli([*first, "--resume"])
+        assert code == 2 and "differs from the one that wrote it: BATCHGEN_CPU_PREPACK True → False; --resume" in output
     changed = [*run, "--dtype", "bfloat16", "--seed", "8", "--temperature", "0.7", "--max-new-tokens", "2"]
     start = time.monotonic()
     code, output = run_cli([*changed, "--resume"])
@@ -898,6 +904,14 @@ def test_resume_of_a_complete_output_checks_the_settings(model: Path, tmp_path: 
     code, output = run_cli([*changed, "--resume-force"])
     assert code == 0 and output.startswith(f"batchgen: warning: {out} was written with other settings (dtype")
     assert output.endswith(f"--resume-force keeps it as it is\n{complete}") and out.read_bytes() == before
+    templated = tmp_path / "t.parquet"
+    template = ["--prompt-template", "Q: {q}\\nA:", "--max-new-tokens", "1"]
+    write_jsonl(dataset, [{"id": "a", "q": "x"}])
+    assert run_cli([*run[:3], str(templated), *run[4:], *template])[0] == 0
+    config = tmp_path / "c.yaml"
+    config.write_text('prompt-template: "Q: {q}\\nA:"\nmax-new-tokens: 1\n')  # YAML's escape: a newline
+    code, output = run_cli([*run[:3], str(templated), *run[4:], "--config", str(config), "--resume"])
+    assert (code, output) == (0, f"batchgen: {templated} is already complete; nothing to do\n")
 
 
 @pytest.mark.parametrize("where", ["finished", "partial", "partial with the fixed row"])
@@ -943,6 +957,55 @@ def test_a_bad_row_fixed_since_is_generated_in_place_of_its_error_row(where: str
                                                                 ("c", "length")]  # fmt: skip
     assert sorted(got, key=key) == sorted(want, key=key)
     assert run_cli([*run, str(out), "--resume"])[1] == f"batchgen: {out} is already complete; nothing to do\n"
+
+
+GOOD = {"prompt_token_ids": [0, 5]}
+
+
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [
+        # b fixed, and a new duplicate of b: its error row is the duplicate's, with its own message
+        ([{"id": "a", **GOOD}, {"id": "b", **GOOD, "temperature": -1}],
+         [{"id": "a", **GOOD}, {"id": "b", **GOOD}, {"id": "c", **GOOD}, {"id": "b", **GOOD}]),
+        # b still bad, otherwise: the new error row, not the old one
+        ([{"id": "a", **GOOD}, {"id": "b", **GOOD, "temperature": -1}],
+         [{"id": "a", **GOOD}, {"id": "b", **GOOD, "top_p": 7}]),
+        # a duplicate removed: its error row goes
+        ([{"id": "a", **GOOD}, {"id": "b", **GOOD}, {"id": "a", **GOOD}], [{"id": "a", **GOOD}, {"id": "b", **GOOD}]),
+        # an unreadable line (its error row's id is its index) mended
+        ([{"id": "a", **GOOD}, '{"id": "b", "prompt_token_ids": [0, 5]', {"id": "c", **GOOD}],
+         [{"id": "a", **GOOD}, {"id": "b", **GOOD}, {"id": "c", **GOOD}]),
+    ],
+)  # fmt: skip
+def test_resume_after_error_rows_changed_gives_the_run_of_the_dataset_as_it_is(
+    before: list[Any], after: list[Any], model: Path, tmp_path: Path
+) -> None:
+    """Error rows stand only while their row fails with the same message: after the dataset changed, --resume of
+    the finished output gives what an uninterrupted run of the dataset as it is gives (found by a reviewer: a fixed
+    row kept another row's error message, a row failing otherwise kept its old error, a removed duplicate's error row
+    stayed, and a mended unreadable line was refused as a changed row)."""
+    dataset, out, reference = tmp_path / "in.jsonl", tmp_path / "out.arrow", tmp_path / "reference.arrow"
+    flags = [*COMMON, "--max-new-tokens", "2", "--on-error", "skip", "--seed", "3"]
+    run = ["run", str(dataset), "--model", str(model), *flags, "--out"]
+
+    def write(rows: list[Any]) -> None:
+        dataset.write_text("".join((row if isinstance(row, str) else json.dumps(row)) + "\n" for row in rows))
+
+    write(before)
+    assert run_cli([*run, str(out)])[0] == 0
+    write(after)
+    code, output = run_cli([*run, str(out), "--resume"])
+    assert code == 0, output
+    code, reference_output = run_cli([*run, str(reference)])
+    assert code == 0
+    assert reference_output.count("(written as an error row)") == output.count("(written as an error row)")
+
+    def key(row: dict[str, Any]) -> tuple[str, str, str]:
+        return row["id"], row["finish_reason"], row["error"] or ""
+
+    got, want = read_results(out).to_pylist(), read_results(reference).to_pylist()
+    assert sorted(got, key=key) == sorted(want, key=key)
 
 
 def test_resume_of_an_output_without_input_digests_needs_force_to_add_rows(model: Path, tmp_path: Path) -> None:
