@@ -7,7 +7,7 @@
 // a brgemm call of m rows x n columns x K walks K in one fixed order for each output, whatever m (the same property
 // the attention kernel's brgemm path rests on, attention_brgemm.h). So: W is packed once into blocks of n columns
 // in the VNNI layout brgemm takes for B ([K/2][n][2]: the pairs (k 2p, k 2p + 1) of a column side by side), and a
-// call computes kRowBlock rows of x (fewer in the last) against one block (or a part of one, for_each_tile), the
+// call computes up to kRowBlock rows of x against one block (or a part of one, for_each_tile), the
 // whole of K at once. Tiles of many rows, and of one group of few rows, run on vdpbf16ps directly where that gives
 // brgemm's bits (dot_tiles.h), requesting weights ahead of their use as they go.
 // brgemm_linear_silu_and_mul runs a SwiGLU MLP's gate/up projection with its activation in the same pass.
@@ -71,23 +71,26 @@ inline void tile_product(const Tile& t, const c10::BFloat16* x, int64_t K, const
   }
 }
 
-// Runs run(tile, scratch) over the tiles of kRowBlock rows x `cols` columns that cover M rows and N columns (the last
-// block narrower where N is not a multiple of cols), each thread a contiguous run of them (row blocks outermost: a
-// thread passes the weight blocks over one block of x at a time) with `scratch_floats` floats of its own. Where the
+// Runs run(tile, scratch) over the tiles of up to kRowBlock rows x `cols` columns that cover M rows and N columns (the
+// last block narrower where N is not a multiple of cols), each thread a contiguous run of them (row blocks outermost:
+// a thread passes the weight blocks over one block of x at a time) with `scratch_floats` floats of its own. The rows
+// are spread evenly over the fewest row blocks that hold them: blocks of 128 rows and one of the rest left the
+// threads unequal work (a round of 2,063 rows: 16 blocks of 128 and one of 15, the last on brgemm's slower path). Where the
 // tiles do not divide among the threads (a decode round's 9 blocks of a 576-wide layer on 2 threads), the last few
 // are split by columns into one part per thread, so that no thread waits on another's extra block; the part of a
 // block a call computes changes nothing: brgemm's result for one element depends on neither the rows nor the
 // columns beside it in the call (tests/kernels/test_cpu_brgemm_linear.py).
 template <typename Run>
 void for_each_tile(int64_t M, int64_t N, int64_t blocks, int64_t cols, int64_t scratch_floats, Run run) {
-  const int64_t tiles = (M + kRowBlock - 1) / kRowBlock * blocks;
+  const int64_t row_tiles = (M + kRowBlock - 1) / kRowBlock;
+  const int64_t tiles = row_tiles * blocks;
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tiles));
   const int64_t part = cols / threads;
   const bool split = tiles % threads != 0 && cols % threads == 0 && part % kNativeLanes == 0;
   const int64_t whole = split ? tiles - tiles % threads : tiles;
   auto tile = [&](int64_t t, int64_t offset, int64_t width) {
-    const int64_t m0 = t / blocks * kRowBlock, block = t % blocks;
-    return Tile{m0, std::min(kRowBlock, M - m0), block, offset, std::min(width, N - block * cols - offset)};
+    const int64_t r = t / blocks, block = t % blocks, m0 = M * r / row_tiles;
+    return Tile{m0, M * (r + 1) / row_tiles - m0, block, offset, std::min(width, N - block * cols - offset)};
   };
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     const ReleaseOnExit release;
