@@ -47,7 +47,9 @@ def check_output_path(dataset: Path, out: Path, overwrite: bool, resume: bool) -
     if overwrite and resume:
         raise BatchgenError("--overwrite and --resume exclude each other: --overwrite starts over, --resume continues")
     if out.exists() and not (overwrite or resume):
-        raise BatchgenError(f"{out}: output file exists; pass --overwrite to replace it")
+        raise BatchgenError(
+            f"{out}: output file exists; pass --resume to finish or keep it, or --overwrite to replace it"
+        )
     partial = partial_dir(out)
     if partial.exists() and not (overwrite or resume or out.exists()):
         raise BatchgenError(

@@ -56,12 +56,18 @@ def check_finished_settings(
     those of the run that wrote it (model, dtype, seed, sampling defaults...: :func:`job_differences`), since the user
     asked for rows this output does not hold; with ``force``, warn and keep it. Compared without loading the model:
     a ``--dtype`` or ``--deterministic`` this run leaves to the model is taken to be the recorded one. JSON Lines
-    outputs record no settings and pass.
+    outputs record no settings: they pass, with a warning that they cannot be checked.
 
     Raises:
         BatchgenError: ``out`` cannot be read, or settings differ (one line naming each), unless ``force``.
     """
     if out.suffix.lower() == ".jsonl":
+        warning = (
+            f"batchgen: warning: {out} is JSON Lines, which records nothing of the run that wrote it: --resume cannot "
+            "check its settings against this run's, nor its error rows against the dataset (an .arrow or .parquet "
+            "output can be checked); it is left as it is"
+        )
+        print(warning, file=sys.stderr)
         return
     try:
         schema, _ = finished_batches(out, ["id"])

@@ -598,7 +598,11 @@ def _file_level_case(name: str, tmp: Path, model: Path) -> tuple[list[str], str,
         return args, f"{missing_out}: directory {missing_out.parent} does not exist", True
     if name == "output_exists":
         out.write_text("keep me")
-        return args, f"{out}: output file exists; pass --overwrite to replace it", True
+        return (
+            args,
+            f"{out}: output file exists; pass --resume to finish or keep it, or --overwrite to replace it",
+            True,
+        )
     if name == "unsupported_output_format":
         csv = tmp / "out.csv"
         args[3] = str(csv)

@@ -656,13 +656,16 @@ def test_overwrite_and_a_finished_job(
     out = tmp_path / "out.jsonl"
     assert run_cli(args(dataset, out, model))[0] == 0
     before = out.read_bytes()
-    # Finished: --resume does nothing (the model is not even loaded) and says so.
+    # Finished: --resume does nothing (the model is not even loaded) and says so, and that a JSON Lines output
+    # records nothing to check it by.
     start = time.monotonic()
     code, output = run_cli(args(dataset, out, model, "--resume"))
-    assert (code, output) == (0, f"batchgen: {out} is already complete; nothing to do\n")
+    assert code == 0 and output.endswith(f"it is left as it is\nbatchgen: {out} is already complete; nothing to do\n")
+    assert output.startswith(f"batchgen: warning: {out} is JSON Lines, which records nothing of the run that wrote it")
     assert time.monotonic() - start < 5 and out.read_bytes() == before
     code, output = run_cli(args(dataset, out, model))
-    assert code == 2 and output == f"batchgen: error: {out}: output file exists; pass --overwrite to replace it\n"
+    exists = "output file exists; pass --resume to finish or keep it, or --overwrite to replace it"
+    assert code == 2 and output == f"batchgen: error: {out}: {exists}\n"
     code, output = run_cli(args(dataset, out, model, "--overwrite", "--resume"))
     assert code == 2 and "--overwrite and --resume exclude each other" in output
     # A crash between putting OUT in place and removing OUT.partial/ leaves both: OUT is the complete one.
