@@ -169,9 +169,7 @@ class RunJob:
             self.output.finalize(metadata, self.openai_output.render if self.openai_output is not None else None)
         else:  # every row was bad (--on-error fail): no empty output file that the next try must --overwrite
             self.summary.output_written = False
-            self.output.close()
-            with contextlib.suppress(OSError):  # it holds no rows; a directory left behind only asks for --resume
-                remove_partial_dir(self.output.dir)
+            self._discard_empty_partial()
         self.summary.seconds = time.perf_counter() - start
         self.summary.preemptions = self.rounds.preemptions
         if self.engine_options.prefix_cache:
@@ -214,16 +212,19 @@ class RunJob:
         self.output.write_part(self._pending_rows)
         self._pending_rows = []
 
+    def _discard_empty_partial(self) -> None:
+        """Remove a partial output that holds no rows: left behind, it would only ask the rerun for --resume or
+        --overwrite."""
+        self.output.close()
+        with contextlib.suppress(OSError):
+            remove_partial_dir(self.output.dir)
+
     def _flush_after_failure(self, error: BaseException) -> None:
         """Keep what finished before ``error``; a flush that fails now is not reported, ``error`` is."""
         with contextlib.suppress(Exception):  # the original error is the one the user needs to see
             self._flush()
-        if not self.output.state.parts:
-            # Nothing finished (an input file unreadable at its first rows): no partial output for the rerun, once
-            # the input is fixed, to --resume or --overwrite.
-            self.output.close()
-            with contextlib.suppress(OSError):
-                remove_partial_dir(self.output.dir)
+        if not self.output.state.parts:  # nothing finished (an input file unreadable at its first rows)
+            self._discard_empty_partial()
         elif not isinstance(error, BatchgenError) or "--resume" not in str(error):
             # The output's own errors say how to go on; an input file damaged part way does not.
             print(
