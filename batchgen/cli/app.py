@@ -9,7 +9,7 @@ import typer
 from batchgen.cli import version_line
 from batchgen.cli.bench import bench
 from batchgen.cli.bench_one_batch import bench_one_batch
-from batchgen.cli.options import UsageShowsRequiredOptions
+from batchgen.cli.options import BatchgenCommand
 from batchgen.cli.run import run
 from batchgen.cli.status import status
 
@@ -38,10 +38,10 @@ def _root(
     """Offline batch generation for Hugging Face-format causal LMs."""
 
 
-app.command(cls=UsageShowsRequiredOptions)(run)
-app.command(cls=UsageShowsRequiredOptions)(status)
-app.command("bench-one-batch", cls=UsageShowsRequiredOptions)(bench_one_batch)
-app.command("bench", cls=UsageShowsRequiredOptions)(bench)
+app.command(cls=BatchgenCommand)(run)
+app.command(cls=BatchgenCommand)(status)
+app.command("bench-one-batch", cls=BatchgenCommand)(bench_one_batch)
+app.command("bench", cls=BatchgenCommand)(bench)
 
 # Options that take several values after one flag, SGLang style (``--batch-size 1 8 32``).
 MULTI_VALUE_OPTIONS = ("--batch-size", "--input-len", "--output-len", "--baseline")

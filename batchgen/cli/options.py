@@ -18,7 +18,8 @@ from typing import Any, get_args, get_origin, get_type_hints
 
 import typer
 from typer._click.core import Context  # the click typer vendors: its commands take this Context
-from typer.core import TyperArgument, TyperCommand
+from typer._click.exceptions import UsageError
+from typer.core import TyperArgument, TyperCommand, TyperOption
 
 from batchgen.api.options import OPTION_CLASSES, declared_options
 from batchgen.cli import release_startup_interrupts
@@ -81,9 +82,34 @@ def _apply_escapes(values: list[str] | None) -> list[str] | None:
     return None if values is None else [apply_escapes(value) for value in values]
 
 
-class UsageShowsRequiredOptions(TyperCommand):
+class BatchgenCommand(TyperCommand):
     """A command whose usage line names its required options too: ``batchgen run [OPTIONS] DATASET --out OUT``
-    (click's lists only the arguments, so a required ``--out`` surfaced only as an error)."""
+    (click's lists only the arguments, so a required ``--out`` surfaced only as an error), and which refuses
+    another of its flags as an option's value, as argparse does (click took ``--stop --no-progress`` as the stop
+    string ``"--no-progress"``; ``--stop=--no-progress`` still means that text)."""
+
+    def parse_args(self, ctx: Context, args: list[str]) -> list[str]:
+        """Parse ``args`` as click does, after refusing a value-taking flag followed by another flag.
+
+        Raises:
+            UsageError: ``Option '--stop' requires an argument, got the flag '--no-progress' (...)``.
+        """
+        takes_value, flags = set(), set()
+        for param in self.get_params(ctx):
+            if isinstance(param, TyperOption):
+                flags.update(param.opts + param.secondary_opts)
+                if not param.is_flag and not param.count:
+                    takes_value.update(param.opts)
+        for flag, value in zip(args, args[1:], strict=False):
+            if flag == "--":
+                break
+            if flag in takes_value and value.split("=", 1)[0] in flags:
+                raise UsageError(
+                    f"Option '{flag}' requires an argument, got the flag '{value}' "
+                    f"(write {flag}={value} if that is the text meant)",
+                    ctx,
+                )
+        return super().parse_args(ctx, args)
 
     def collect_usage_pieces(self, ctx: Context) -> list[str]:
         """The usage line after the command's name: ``[OPTIONS]``, the arguments, then each required option."""

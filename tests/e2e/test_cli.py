@@ -380,12 +380,29 @@ def test_stop_flag_escapes(model: Path, tmp_path: Path) -> None:
     for extra, want in [
         (["--stop", "\\n", "--stop", "\\\\n"], ["\n", "\\n"]),
         (["--config", str(config)], ["\n", "a\tb"]),
+        (["--stop=--no-progress"], ["--no-progress"]),
     ]:
-        out = tmp_path / f"o{len(extra)}.arrow"
+        out = tmp_path / f"o{len(extra)}{extra[0][:3]}.arrow"
         run = ["run", str(dataset), "--out", str(out), "--model", str(model), "--device", "cpu"]
         assert run_cli([*run, "--max-new-tokens", "1", *extra])[0] == 0
         metadata = read_results(out).schema.metadata or {}
         assert json.loads(metadata[b"batchgen.sampling_defaults"])["stop"] == want
+
+
+@pytest.mark.parametrize(
+    ("command", "flag", "value"),
+    [("run", "--stop", "--no-progress"), ("run", "--out", "--overwrite"), ("bench", "--dataset", "--baseline=hf")],
+)
+def test_a_flag_is_no_value_of_the_flag_before_it(tmp_path: Path, command: str, flag: str, value: str) -> None:
+    """As argparse refuses it (vLLM's commands): a flag that takes a value followed by another of the command's flags
+    is a usage error, not the value (click took ``--stop --no-progress`` as the stop string)."""
+    dataset = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "x"}])
+    out = [] if command == "bench" or flag == "--out" else ["--out", str(tmp_path / "o.arrow")]
+    head = ["run", str(dataset), *out] if command == "run" else ["bench", "--model", "m"]
+    code, output = run_cli([*head, flag, value])
+    assert code == 2
+    assert f"Option '{flag}' requires an argument, got the flag '{value}'" in output
+    assert not (tmp_path / "o.arrow").exists()
 
 
 @pytest.mark.parametrize(
