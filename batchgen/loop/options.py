@@ -160,8 +160,8 @@ class EngineOptions:
                 raise BatchgenError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
         if self.chunked_prefill_size < 0:
             raise BatchgenError(f"--chunked-prefill-size must be >= 0, got {self.chunked_prefill_size}")
-        if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise BatchgenError(f"--seed must be in [0, 2**63), got {self.seed}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
+            raise BatchgenError(f"--seed must be a 64-bit signed integer, in [-2**63, 2**63), got {self.seed}")
         if self.context_length is not None and self.context_length < 2:
             raise BatchgenError(f"--context-length must be >= 2, got {self.context_length}")
         if not 0.0 < self.mem_fraction < 1.0:

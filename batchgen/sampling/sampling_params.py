@@ -167,8 +167,9 @@ class SamplingParams:
             )
         if self.top_logprobs and not self.logprobs:
             raise FieldError("top_logprobs", "needs logprobs: true")
-        if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise FieldError("seed", f"must be in [0, 2**63), got {self.seed}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
+            # vLLM's range (its OpenAI server's is int64's too): a negative seed is a seed like any other.
+            raise FieldError("seed", f"must be a 64-bit signed integer, in [-2**63, 2**63), got {self.seed}")
 
 
 _INT_FIELDS = {"max_new_tokens", "min_new_tokens", "top_k", "top_logprobs", "n"}

@@ -175,7 +175,9 @@ CASES: dict[str, Case] = {
     "min_new_tokens_above_max": Case(
         _bad(prompt="x", max_new_tokens=3, min_new_tokens=9), "min_new_tokens", "must be <= max_new_tokens (3), got 9"
     ),
-    "seed_negative": Case(_bad(prompt="x", seed=-1), "seed", "must be in [0, 2**63), got -1"),
+    "seed_past_int64": Case(
+        _bad(prompt="x", seed=2**63), "seed", f"must be a 64-bit signed integer, in [-2**63, 2**63), got {2**63}"
+    ),
     "top_logprobs_above_vocab": Case(
         _bad(prompt="x", top_logprobs=VOCAB + 1), "top_logprobs", f"must be in [0, vocab size {VOCAB}], got {VOCAB + 1}"
     ),

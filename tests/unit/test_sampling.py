@@ -325,20 +325,23 @@ def test_b19_seeded_row_is_reproducible_in_any_company(tmp_path: Path) -> None:
         {"id": f"o{i}", "prompt": "The sun was hot." * (1 + i % 3), "temperature": 1.0, "max_new_tokens": 10 + i}
         for i in range(30)
     ]
+    negative = dict(seeded, id="negative", seed=-42)  # vLLM takes any int64 seed
     runs = [
-        ([seeded, unseeded], []),
+        ([seeded, unseeded, negative], []),
         ([unseeded, seeded], []),
         ([seeded], []),
-        ([*others[:15], seeded, *others[15:]], ["--max-running-requests", "8"]),
+        ([*others[:15], seeded, *others[15:], negative], ["--max-running-requests", "8"]),
         ([dict(seeded, id="twin"), seeded], []),
     ]
-    results = []
+    results, negatives = [], []
     for k, (rows, flags) in enumerate(runs):
         out = generate(write_jsonl(tmp_path / f"{k}.jsonl", rows), tmp_path / f"{k}.arrow", STORIES, *flags)
         results.append(out["seeded"]["output_token_ids"])
+        negatives += [out["negative"]["output_token_ids"]] if "negative" in out else []
         if "twin" in out:
             assert out["twin"]["output_token_ids"] == out["seeded"]["output_token_ids"]
     assert all(r == results[0] for r in results) and len(results[0]) == 16
+    assert negatives[0] == negatives[1] != results[0]
 
 
 # --- findings of an adversarial review ------------------------------------------------------------------------

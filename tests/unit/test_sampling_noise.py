@@ -17,9 +17,13 @@ def test_token_noise_is_standard_exponential_across_tokens_seeds_steps_and_strea
     zero = torch.zeros_like(ids)
     across_tokens = exponential_noise(token_noise_keys(zero[:1], zero[:1]), 4096)[0]
     across_seeds = exponential_noise(token_noise_keys(ids, zero), 3)[:, 2]
+    across_negative_seeds = exponential_noise(token_noise_keys(-1 - ids, zero), 3)[:, 2]  # int64 seeds, as vLLM's
     across_steps = exponential_noise(token_noise_keys(zero + 2**40, ids), 1)[:, 0]
-    for noise in (across_tokens, across_seeds, across_steps):
+    for noise in (across_tokens, across_seeds, across_negative_seeds, across_steps):
         assert kstest(noise.numpy(), "expon").pvalue > 1e-3
+    # A negative seed is its own seed: none of -1..-4096 shares its row keys with one of 0..4095.
+    positive, negative = token_noise_keys(ids, zero), token_noise_keys(-1 - ids, zero)
+    assert not set(map(tuple, positive.tolist())) & set(map(tuple, negative.tolist()))
     # Streams give unrelated noise for the same (seed, step): their correlation is that of independent draws.
     streams = [
         exponential_noise(token_noise_keys(ids[:64], zero[:64], s), 64).flatten() for s in (DRAW, ACCEPT, RESIDUAL)
