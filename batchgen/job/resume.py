@@ -219,7 +219,10 @@ def check_same_job(where: Path, recorded: pa.Schema, now: pa.Schema, force: bool
             "(pass --resume-force to resume anyway, or --overwrite to start over)"
         )
     if differences:  # forced: the finished file will mix rows of both settings, so say which
-        print(f"batchgen: warning: {where}: resuming despite: {'; '.join(differences)}", file=sys.stderr)
+        old_n, new_n = (_default_n(_metadata(schema)) for schema in (recorded, now))
+        # A row is done when it has all of its n samples (DoneRows.is_done): so not those written with the old n.
+        again = f" (rows written with n {old_n} are generated again with n {new_n})" if old_n != new_n else ""
+        print(f"batchgen: warning: {where}: resuming despite: {'; '.join(differences)}{again}", file=sys.stderr)
 
 
 def resume_command(dataset: Path, out: Path) -> str:
@@ -237,6 +240,13 @@ def resume_command(dataset: Path, out: Path) -> str:
 
 def _metadata(schema: pa.Schema) -> dict[str, str]:
     return {k.decode(): v.decode() for k, v in (schema.metadata or {}).items()}
+
+
+def _default_n(metadata: dict[str, str]) -> int:
+    """The run's default ``n`` as its output metadata records it (1 where it records no sampling defaults)."""
+    with contextlib.suppress(ValueError, AttributeError):
+        return int(json.loads(metadata.get("batchgen.sampling_defaults", "{}")).get("n", 1))
+    return 1
 
 
 def report_damage(directory: Path, state: PartialState | None) -> None:

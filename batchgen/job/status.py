@@ -1,13 +1,17 @@
 """``batchgen status DATASET OUT``: how far a run has got, from its partial output or its finished file.
 
 Rows done are input rows the output accounts for: a row with its samples (counted once, whatever its ``n``), or
-an error row (``--on-error skip``). Nothing is changed on disk, so it is safe next to a running job.
+an error row (``--on-error skip``). When the dataset is the file the output records (its fingerprint unchanged),
+the output's rows are counted; a finished output, or one made from another version of the dataset, is matched to
+the dataset's rows by id. Nothing is changed on disk, so it is safe next to a running job.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,22 +47,22 @@ class OutputStatus:
     notes: list[str]
     # What differs in the dataset since the run started (size, modification time, ...); empty when unchanged.
     dataset_changes: list[str]
-    # A finished output: how many of the dataset's ids it holds no row of (None: counted as total - done).
-    missing: int | None = None
 
     @property
     def remaining(self) -> int:
-        return self.missing if self.missing is not None else max(self.total - self.done, 0)
+        return max(self.total - self.done, 0)
+
+    @property
+    def complete(self) -> bool:
+        """Whether ``out`` is a finished output that holds a row for every row of the dataset."""
+        return self.state == "complete" and not self.remaining
 
     def lines(self) -> list[str]:
         """``OUT: STATE: D of T rows done, R remaining, E errored``, then one line per note."""
-        if self.done > self.total:  # made from another (longer) file: "1096 of 2 rows" would read as a bug
-            counts = f"{self.done} rows done, more than the {self.total} of {self.dataset}"
-        else:
-            counts = f"{self.done} of {self.total} rows done"
         # A finished output file that lacks rows is not "complete", though nothing is in progress.
         state = "finished with rows missing" if self.state == "complete" and self.remaining else self.state
-        line = f"{self.out}: {state}: {counts}, {self.remaining} remaining, {self.errored} errored"
+        line = f"{self.out}: {state}: {self.done} of {self.total} rows done, {self.remaining} remaining, "
+        line += f"{self.errored} errored"
         if self.state == "complete" and self.remaining:
             line += (
                 " (bad rows that --on-error fail left out, or rows added since; --resume adds them to an .arrow or "
@@ -68,20 +72,9 @@ class OutputStatus:
         if self.dataset_changes:
             notes.append(
                 f"{self.out} was made from another version of {self.dataset}, or from another file "
-                f"({'; '.join(self.dataset_changes)}): the rows counted as done are its own, not matched against "
-                f"{self.dataset}'s"
+                f"({'; '.join(self.dataset_changes)}): its rows are matched to {self.dataset}'s by id"
             )
         return [line, *(f"{self.out}: note: {note}" for note in notes)]
-
-
-def output_status(dataset: Path, out: Path) -> list[str]:
-    """The lines ``batchgen status`` prints (:meth:`OutputStatus.lines`), the dataset read with the column options
-    the output records.
-
-    Raises:
-        BatchgenError: the dataset or the output cannot be read.
-    """
-    return read_output_status(dataset, out).lines()
 
 
 def read_output_status(dataset: Path, out: Path, options: InputOptions | None = None) -> OutputStatus:
@@ -94,16 +87,15 @@ def read_output_status(dataset: Path, out: Path, options: InputOptions | None = 
     total = count_input_rows(dataset)
     notes = []
     metadata: dict[bytes, bytes] = {}
-    missing = None
+    sample_ids: Iterable[str] = ()
+    error_ids: Counter[str] = Counter()
     if out.exists():
         state = "complete"
-        done, errored, metadata, ids = _final_counts(out)
-        options = options if options is not None else recorded_input_options(metadata)
-        # By id, not by count: a row the output lacks can hide behind a row the dataset no longer has.
-        missing = sum(rid not in ids for rid in dict.fromkeys(input_ids(dataset, options)))
+        sample_ids, error_ids, metadata = _final_rows(out)
     elif partial_dir(out).is_dir():
         partial = PartialOutput(out).inspect()
-        done, errored = partial.done.count, partial.done.error_rows
+        sample_ids = partial.done.samples
+        error_ids = Counter({rid: count for (rid, _), count in partial.done.errors.items()})
         state = f"in progress ({counted(len(partial.parts), 'part file')} in {partial_dir(out)})"
         metadata = (partial.schema.metadata or {}) if partial.schema is not None else {}
         if partial.damaged:
@@ -113,7 +105,7 @@ def read_output_status(dataset: Path, out: Path, options: InputOptions | None = 
         if partial.manifest_damaged:
             notes.append("the manifest is damaged (rebuilt from the part files on resume)")
     else:
-        state, done, errored = "not started", 0, 0
+        state = "not started"
     if state == "complete" and DATASET_KEY.encode() not in metadata:
         # JSON Lines has no schema to carry the run's metadata (found by a new user: a finished output of another
         # dataset looked like this one's, "complete" with rows remaining).
@@ -123,7 +115,31 @@ def read_output_status(dataset: Path, out: Path, options: InputOptions | None = 
     if DATASET_KEY.encode() in metadata:
         recorded = DatasetFingerprint.from_json(metadata[DATASET_KEY.encode()].decode())
         changes = recorded.differences(fingerprint_dataset(dataset))
-    return OutputStatus(dataset, out, state, done, total, errored, notes, changes, missing)
+    if state == "complete" or changes:
+        # By id, not by count: a row the output lacks can hide behind a row the dataset no longer has.
+        options = options if options is not None else recorded_input_options(metadata)
+        done, errored, foreign = _matched(input_ids(dataset, options), set(sample_ids), error_ids)
+        if foreign:
+            verb = "has" if foreign == 1 else "have"
+            notes.append(f"{counted(foreign, 'row')} of {out} {verb} an id {dataset} lacks")
+    else:  # the output's rows are this dataset's: counted without reading the dataset
+        done, errored = len(set(sample_ids)) + error_ids.total(), error_ids.total()
+    return OutputStatus(dataset, out, state, done, total, errored, notes, changes)
+
+
+def _matched(dataset_ids: Iterable[str], sample_ids: set[str], error_ids: Counter[str]) -> tuple[int, int, int]:
+    """(rows done, of them errored, output rows matching no row): each dataset row, in order, takes its id's
+    samples (once) or else one of its id's error rows (a duplicate id is an error row beside the real row)."""
+    done = errored = 0
+    unmatched, errors = set(sample_ids), Counter(error_ids)
+    for rid in dataset_ids:
+        if rid in unmatched:
+            unmatched.discard(rid)
+            done += 1
+        elif errors[rid] > 0:
+            errors[rid] -= 1
+            done, errored = done + 1, errored + 1
+    return done, errored, len(unmatched) + errors.total()
 
 
 def check_nothing_left(dataset: Path, out: Path, force: bool, options: InputOptions | None = None) -> bool:
@@ -167,41 +183,37 @@ def check_nothing_left(dataset: Path, out: Path, force: bool, options: InputOpti
     )
 
 
-def _final_counts(path: Path) -> tuple[int, int, dict[bytes, bytes], set[str]]:
-    """(rows done, error rows, schema metadata, the rows' ids) of a finished output file, read batch by batch.
+def _final_rows(path: Path) -> tuple[set[str], Counter[str], dict[bytes, bytes]]:
+    """(ids with samples, error rows by id, schema metadata) of a finished output file, read batch by batch.
 
     Raises:
         BatchgenError: the file cannot be read, or it is no batchgen output: it lacks the ``id``, ``sample_index`` and
             ``finish_reason`` every output row has (another file given as ``--out``, found by a new user: a copy of
             the input was taken for a finished output, "already complete").
     """
-    suffix = path.suffix.lower()
-    done = errored = 0
-    ids: set[str] = set()
+    sample_ids: set[str] = set()
+    error_ids: Counter[str] = Counter()
     try:
-        if suffix == ".jsonl":
+        if path.suffix.lower() == ".jsonl":
             with path.open(encoding="utf-8") as f:
                 for number, line in enumerate(f, 1):
                     if line.strip():
                         row = _result_line(path, number, line)
-                        ids.add(str(row.get("id")))
-                        errored += row.get("finish_reason") == "error"
-                        done += row.get("sample_index") == 0 or row.get("finish_reason") == "error"
-            if not ids:  # batchgen writes no output of no rows
+                        is_error = row.get("finish_reason") == "error"
+                        (error_ids.update if is_error else sample_ids.update)([str(row.get("id"))])
+            if not sample_ids and not error_ids:  # batchgen writes no output of no rows
                 raise _not_an_output(str(path), [])
-            return done, errored, {}, ids
+            return sample_ids, error_ids, {}
         schema, batches = finished_batches(path, list(_RESULT_FIELDS))  # the columns are selected as batches come
         if lacking := [name for name in _RESULT_FIELDS if name not in schema.names]:
             raise _not_an_output(str(path), lacking)
-        metadata = schema.metadata or {}
         for batch in batches:
-            first = pc.sum(pc.equal(batch.column("sample_index"), 0)).as_py() or 0
-            errors = pc.sum(pc.equal(batch.column("finish_reason"), "error")).as_py() or 0
-            done, errored = done + first + errors, errored + errors
-            ids.update(batch.column("id").to_pylist())
+            is_error = pc.equal(batch.column("finish_reason"), "error").fill_null(False)
+            error_ids.update(batch.column("id").filter(is_error).to_pylist())
+            sample_ids.update(batch.column("id").filter(pc.invert(is_error)).to_pylist())
     except (OSError, ValueError, KeyError, pa.ArrowException) as e:
         raise BatchgenError(f"{path}: cannot read results ({e})") from None
-    return done, errored, metadata, ids
+    return sample_ids, error_ids, schema.metadata or {}
 
 
 def _not_an_output(where: str, lacking: list[str]) -> BatchgenError:

@@ -147,7 +147,7 @@ def test_resume_adds_the_rows_of_an_added_shard(model: Path, tmp_path: Path) -> 
     assert sorted(first) == ["q0", "q1", "q2"]
     questions().select(range(3, 5)).to_parquet(str(data / "part-1.parquet"))
     code, output = run_cli(["status", str(data), str(out)])
-    assert code == 0, output
+    assert code == 1, output  # rows remain
     assert f"{out}: finished with rows missing: 3 of 5 rows done, 2 remaining, 0 errored" in output
     assert "shards added: part-1.parquet" in output
     args = run_args(data, out, model, "--prompt-column", "question", "--id-column", "qid", *GREEDY)

@@ -29,7 +29,7 @@ from batchgen.io.manifest import decode_manifest, encode_manifest
 from batchgen.io.partial_output import PartialOutput, partial_dir
 from batchgen.io.reopen import reopen_output
 from batchgen.io.writer import read_results
-from batchgen.job.status import output_status
+from batchgen.job.status import read_output_status
 from tests.helpers.cli import run_cli, write_jsonl
 from tests.helpers.crash_points import AFTER_ROWS, IN_FLUSH, part_write_with_fault
 from tests.helpers.fork_runner import Zygote
@@ -333,8 +333,9 @@ def fail_part_write(monkeypatch: pytest.MonkeyPatch, at: int) -> None:
 
 
 def status(dataset: Path, out: Path) -> str:
+    """``batchgen status``'s lines; its exit status is 0 for a complete output and 1 while rows remain."""
     code, output = run_cli(["status", str(dataset), str(out)])
-    assert code == 0, output
+    assert code == (0 if output.startswith(f"{out}: complete:") else 1), output
     return output
 
 
@@ -528,6 +529,25 @@ def test_resume_refuses_another_job_in_one_line_unless_forced(
     assert_same_rows(by_key(read_results(out).to_pylist()), reference)  # every row sets its own max_new_tokens
 
 
+def test_resume_force_with_another_n_says_its_rows_are_generated_again(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a new user: after --n 2 --resume-force, the rows reported "done before" were generated again (a row
+    is done with all its n samples), unsaid. The output equals an uninterrupted run with --n 2."""
+    rows = [{"id": f"r{i}", "prompt_token_ids": [0, 5 + i], "max_new_tokens": 3} for i in range(30)]
+    dataset = write_jsonl(tmp_path / "in.jsonl", rows)
+    out, whole = tmp_path / "out.arrow", tmp_path / "whole.arrow"
+    sampled = ["--temperature", "1.0", "--seed", "5"]
+    with monkeypatch.context() as patch:
+        fail_part_write(patch, at=2)
+        assert run_cli(args(dataset, out, model, *sampled))[0] == 2
+    code, output = run_cli(args(dataset, out, model, "--resume-force", "--n", "2", *sampled))
+    assert code == 0, output
+    assert "resuming despite: n 1 → 2 (rows written with n 1 are generated again with n 2)" in output
+    assert run_cli(args(dataset, whole, model, "--n", "2", *sampled))[0] == 0
+    assert_same_rows(by_key(read_results(out).to_pylist()), by_key(read_results(whole).to_pylist()))
+
+
 def test_resume_names_the_pass_through_columns_that_changed(
     model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -586,18 +606,34 @@ def test_resume_refuses_other_kernel_switches_as_it_refuses_another_dtype(
 
 
 def test_status_of_an_output_from_another_dataset_says_so(
-    small_job: tuple[Path, dict[Key, dict[str, Any]]], model: Path, tmp_path: Path
+    small_job: tuple[Path, dict[Key, dict[str, Any]]], model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Found by a new user: status counted a finished output's own 40 rows as done for a 3-row dataset, and exited 0."""
     dataset, _ = small_job
     out = tmp_path / "out.arrow"
     assert run_cli(args(dataset, out, model))[0] == 0
     other = write_jsonl(tmp_path / "other.jsonl", [{"id": f"z{i}", "prompt_token_ids": [0, 5]} for i in range(3)])
     lines = status(other, out).splitlines()
-    # Remaining by id: none of the other dataset's 3 ids has a row in the output.
+    # By id: none of the other dataset's 3 ids has a row in the output, whose 40 rows match none of its rows.
     missing = "finished with rows missing"
-    assert lines[0].startswith(f"{out}: {missing}: 40 rows done, more than the 3 of {other}, 3 remaining, 2 errored")
+    assert lines[0].startswith(f"{out}: {missing}: 0 of 3 rows done, 3 remaining, 0 errored")
+    assert lines[1] == f"{out}: note: 40 rows of {out} have an id {other} lacks"
     assert lines[-1].startswith(f"{out}: note: {out} was made from another version of {other}, or from another file")
-    assert lines[-1].endswith(f"the rows counted as done are its own, not matched against {other}'s")
+    assert lines[-1].endswith(f"its rows are matched to {other}'s by id")
+    # A partial output, matched to a dataset that keeps one of its rows and adds another: 1 of 2 done.
+    partial_out = tmp_path / "partial.arrow"
+    with monkeypatch.context() as patch:
+        fail_part_write(patch, at=3)
+        assert run_cli(args(dataset, partial_out, model))[0] == 2
+    flushed = partial_rows(partial_out)
+    sampled = {rid for rid, index in flushed if index is not None}
+    kept = min(sampled)
+    foreign = len(sampled - {kept}) + sum(index is None for _, index in flushed)
+    rows = [{"id": rid, "prompt_token_ids": [0, 5]} for rid in (kept, "new")]
+    changed = write_jsonl(tmp_path / "changed.jsonl", rows)
+    lines = status(changed, partial_out).splitlines()
+    assert lines[0].endswith(": 1 of 2 rows done, 1 remaining, 0 errored") and "in progress" in lines[0]
+    assert lines[1] == f"{partial_out}: note: {foreign} rows of {partial_out} have an id {changed} lacks"
 
 
 def test_a_finished_output_lacking_an_id_is_not_complete_whatever_its_row_count(model: Path, tmp_path: Path) -> None:
@@ -607,8 +643,9 @@ def test_a_finished_output_lacking_an_id_is_not_complete_whatever_its_row_count(
     out = tmp_path / "out.jsonl"
     assert run_cli(args(dataset, out, model))[0] == 0
     write_jsonl(dataset, [{"id": i, "prompt_token_ids": [0, 5]} for i in ("a", "c")])
-    first = status(dataset, out).splitlines()[0]
-    assert first.startswith(f"{out}: finished with rows missing: 2 of 2 rows done, 1 remaining")
+    lines = status(dataset, out).splitlines()
+    assert lines[0].startswith(f"{out}: finished with rows missing: 1 of 2 rows done, 1 remaining")
+    assert f"{out}: note: 1 row of {out} has an id {dataset} lacks" in lines
     code, output = run_cli(args(dataset, out, model, "--resume"))
     assert code == 2 and "cannot add the rows it lacks" in output, output
 
@@ -737,7 +774,7 @@ def test_resume_adds_the_rows_a_finished_output_lacks(suffix: str, model: Path, 
     assert code == 2 and "batchgen: error: 1 bad input row left out" in output, output
     before = {row["id"]: row for row in read_results(out).to_pylist()}
     assert sorted(before) == ["r0", "r1", "r3"]
-    assert output_status(dataset, out)[0] == (
+    assert read_output_status(dataset, out).lines()[0] == (
         f"{out}: finished with rows missing: 3 of 4 rows done, 1 remaining, 0 errored (bad rows that --on-error fail "
         "left out, or rows added since; --resume adds them to an .arrow or .parquet output once they are fixed)"
     )
@@ -759,7 +796,7 @@ def test_resume_adds_the_rows_a_finished_output_lacks(suffix: str, model: Path, 
     code, output = run_cli(["run", str(alone_dataset), "--out", str(alone), *run[4:], "--ignore-eos"])
     assert code == 0, output
     assert read_results(alone).to_pylist()[0]["output_token_ids"] == after["r2"]["output_token_ids"]
-    assert output_status(dataset, out)[0].startswith(f"{out}: complete: 4 of 4 rows done, 0 remaining")
+    assert read_output_status(dataset, out).lines()[0].startswith(f"{out}: complete: 4 of 4 rows done, 0 remaining")
 
 
 @pytest.mark.parametrize("suffix", [".arrow", ".parquet"])
@@ -1066,7 +1103,7 @@ def test_status_of_a_jsonl_output_says_it_cannot_check_the_dataset(tmp_path: Pat
     dataset.write_text("".join(json.dumps({"prompt": f"p{i}"}) + "\n" for i in range(3)))
     out = tmp_path / "out.jsonl"
     out.write_text(json.dumps({"id": "0", "sample_index": 0, "finish_reason": "length"}) + "\n")
-    lines = output_status(dataset, out)
+    lines = read_output_status(dataset, out).lines()
     assert lines[0].startswith(f"{out}: finished with rows missing: 1 of 3 rows done, 2 remaining, 0 errored")
     note = "records no dataset fingerprint (JSONL has no metadata): it may come from another file"
     assert lines[1] == f"{out}: note: {out} {note}"
