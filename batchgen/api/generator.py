@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import secrets
+import weakref
+from collections.abc import Generator as PyGenerator
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -24,6 +27,16 @@ from batchgen.speculative import make_drafter
 
 # A row: a prompt, a message list ({"role", "content"} dicts), prompt token ids, or a row dict as in a JSONL file.
 Row = str | list[dict[str, Any]] | list[int] | dict[str, Any]
+
+# Streams not read to their end nor closed: closed at exit, while the modules their cleanup uses are still whole
+# (a script ending with a stream open printed "Exception ignored in: <generator object ...>" from the collector).
+_OPEN_STREAMS: weakref.WeakSet[PyGenerator[dict[str, Any], None, None]] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_streams() -> None:
+    for stream in list(_OPEN_STREAMS):
+        stream.close()
 
 
 class Generator:
@@ -123,11 +136,13 @@ class Generator:
             as :meth:`generate`.
         """
         flow, checks, columns = self._flow("stream", on_error, sampling)  # checked here, not at the first result
-        return self._results(flow, checks, input_rows(rows, columns), on_error == "fail")
+        results = self._results(flow, checks, input_rows(rows, columns), on_error == "fail")
+        _OPEN_STREAMS.add(results)
+        return results
 
     def _results(
         self, flow: RowFlow, checks: RowChecks, rows: Iterator[InputRow | RowError], fail: bool
-    ) -> Iterator[dict[str, Any]]:
+    ) -> PyGenerator[dict[str, Any], None, None]:
         self._check_no_stream_open()  # another stream may have started since this one was made
         self._stream_open = True
         ready: list[dict[str, Any]] = []

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from batchgen.api.checks import check_sampling_defaults
-from batchgen.api.options import OPTION_CLASSES, check_option_names, options_of
+from batchgen.api.options import OPTION_CLASSES, check_option_names, config_options, options_of
 from batchgen.environment import thread_count_chosen
 from batchgen.errors import counted
 from batchgen.io.input_options import InputOptions
@@ -47,7 +47,12 @@ class RunInterrupted(KeyboardInterrupt):
         )
 
 
-def run(dataset: str | os.PathLike[str], out: str | os.PathLike[str], **options: Any) -> RunSummary:
+def run(
+    dataset: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    config: str | os.PathLike[str] | None = None,
+    **options: Any,
+) -> RunSummary:
     """Generate a completion for every row of ``dataset`` and write one result row per sample to ``out``, as
     ``batchgen run DATASET --out OUT`` does (formats, resume, error rows, the partial output: docs/input-output.md).
 
@@ -57,6 +62,8 @@ def run(dataset: str | os.PathLike[str], out: str | os.PathLike[str], **options:
     Args:
         dataset: a ``.jsonl``, ``.parquet`` or ``.arrow`` file of rows, or a directory or glob of such shards.
         out: the output file, ``.arrow``, ``.parquet`` or ``.jsonl``.
+        config: a YAML file of options, as ``--config`` takes it (long flag names as keys); the keyword
+            ``options`` override its values, as flags do.
         **options: ``batchgen run``'s options by their Python names: engine options (``model``, ``dtype``,
             ``device``...), sampling defaults (``max_new_tokens``, ``temperature``, ``stop``...) and job options
             (``on_error``, ``overwrite``, ``resume``, ``progress``...), input options (``prompt_column``,
@@ -67,11 +74,13 @@ def run(dataset: str | os.PathLike[str], out: str | os.PathLike[str], **options:
 
     Raises:
         TypeError: an option that ``batchgen run`` does not have, named.
-        BatchgenError: a bad option, input or output path (the command line's one-line message, naming the flag);
-            under ``on_error="fail"``, bad rows, after every good row is written.
+        BatchgenError: a bad option, config file, input or output path (the command line's one-line message, naming
+            the flag); under ``on_error="fail"``, bad rows, after every good row is written.
         RunInterrupted: a stop signal (a ``KeyboardInterrupt``), after the finished rows are flushed.
     """
     check_option_names(options, OPTION_CLASSES, "run")
+    if config is not None:
+        options = {**config_options(Path(config)), **options}
     job_options = options_of(JobOptions, options)
     handlers = {sig: signal.getsignal(sig) for sig in HANDLED_SIGNALS}
     engine_options, defaults = options_of(EngineOptions, options), options_of(SamplingParams, options)

@@ -6,9 +6,8 @@ from pathlib import Path
 from typing import Any, get_args, get_type_hints
 
 import typer
-import yaml
 
-from batchgen.api.options import OPTION_CLASSES, declared_options
+from batchgen.api.options import OPTION_CLASSES, declared_options, read_config
 from batchgen.cli.user_errors import user_errors
 from batchgen.errors import BatchgenError, shown_value
 
@@ -19,7 +18,7 @@ def load_config(ctx: typer.Context, _param: typer.CallbackParam, value: Path | N
         return None
     with user_errors():
         params = {p.name: p for p in ctx.command.params if p.name is not None}
-        defaults = _read_config(value, set(params))
+        defaults = read_config(value, set(params))
         for name, item in defaults.items():
             if item is None:
                 continue  # null: the option's own default
@@ -60,26 +59,3 @@ _TEXT_OPTIONS = _text_options()
 def _values(item: Any) -> list[Any]:
     """A config value as a list: itself, or its elements for a multi-value option."""
     return list(item) if isinstance(item, (list, tuple)) else [item]
-
-
-def _read_config(path: Path, known: set[str]) -> dict[str, Any]:
-    """Option defaults from a YAML mapping whose keys are long flag names (``max-new-tokens`` or ``max_new_tokens``).
-
-    Raises:
-        BatchgenError: unreadable file, invalid YAML, not a mapping, or an unknown option.
-    """
-    try:
-        data = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as e:
-        raise BatchgenError(f"{path}: cannot read config: {' '.join(str(e).split())}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise BatchgenError(f"{path}: expected a mapping of option names to values")
-    defaults: dict[str, Any] = {}
-    for key, item in data.items():
-        name = str(key).replace("-", "_")
-        if name not in known or name == "config":
-            raise BatchgenError(f"{path}: unknown option '{key}'")
-        defaults[name] = item
-    return defaults

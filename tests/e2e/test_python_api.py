@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -133,6 +134,19 @@ def test_a_closed_stream_leaves_the_generator_ready(generator: batchgen.Generato
         generator.generate(["x"])
     results.close()
     assert [r["completion_tokens"] for r in generator.generate(["x"], max_new_tokens=2, ignore_eos=True)] == [2]
+
+
+def test_a_script_that_ends_with_a_stream_open_ends_quietly(chat_model: Path) -> None:
+    """Found by a new user: the stream's cleanup ran from the collector after the modules it uses were torn down,
+    printing ``Exception ignored in: <generator object ...>`` and a TypeError traceback."""
+    code = (
+        "import batchgen\n"
+        f"g = batchgen.Generator({str(chat_model)!r}, dtype='float32', device='cpu', max_running_requests=2)\n"
+        "results = g.stream(['one', 'two', 'three', 'four'], max_new_tokens=4, ignore_eos=True)\n"
+        "print(next(results)['completion_tokens'])\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert (result.returncode, result.stdout, result.stderr) == (0, "4\n", "")
 
 
 def test_a_bad_row_raises_naming_the_row_and_field_before_anything_runs(generator: batchgen.Generator) -> None:
@@ -351,6 +365,28 @@ def test_run_writes_what_batchgen_run_writes_and_resumes(chat_model: Path, tmp_p
         assert row["output_logprobs"] == pytest.approx(expected[key]["output_logprobs"], rel=1e-5, abs=1e-5)
         del row["output_logprobs"], expected[key]["output_logprobs"]
         assert row == expected[key]
+
+
+def test_run_takes_a_config_file_as_the_command_line_does(chat_model: Path, tmp_path: Path) -> None:
+    """``config=`` reads the YAML that ``--config`` reads, keywords overriding it as flags do (found by a new user:
+    a scheduled job's YAML had no way into ``batchgen.run``). The outputs and their recorded defaults agree."""
+    dataset = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "Once upon a time"}, {"prompt": "The cat"}])
+    config = tmp_path / "job.yaml"
+    config.write_text("max-new-tokens: 6\ntemperature: 0.9\nstop: ['\\n']\nseed: 3\nignore_eos: true\n")
+    cli_out, api_out = tmp_path / "cli.arrow", tmp_path / "api.arrow"
+    flags = ["--config", str(config), "--temperature", "0.7", *ENGINE_FLAGS]
+    generate(dataset, cli_out, chat_model, *flags)
+    batchgen.run(dataset, api_out, config=config, temperature=0.7, model=str(chat_model), progress=False, **ENGINE)
+    assert _samples(api_out) == _samples(cli_out)
+    recorded = [read_results(path).schema.metadata[b"batchgen.sampling_defaults"] for path in (api_out, cli_out)]
+    assert recorded[0] == recorded[1]
+    assert json.loads(recorded[0])["stop"] == ["\n"] and json.loads(recorded[0])["temperature"] == 0.7
+    config.write_text("stop: 5\n")
+    with pytest.raises(BatchgenError, match=f"^{config}: --stop: must be a string or a list of strings, got \\[5\\]$"):
+        batchgen.run(dataset, api_out, config=config, model=str(chat_model), overwrite=True)
+    config.write_text("max-new-tokns: 5\n")
+    with pytest.raises(BatchgenError, match=f"^{config}: unknown option 'max-new-tokns'$"):
+        batchgen.run(dataset, api_out, config=config, model=str(chat_model), overwrite=True)
 
 
 def _samples(path: Path) -> dict[tuple[str, int], dict[str, Any]]:
