@@ -16,14 +16,14 @@ from batchgen.errors import BatchgenError
 @contextmanager
 def _errors(path: Path, what: str, rows_read: list[int] | None = None) -> Iterator[None]:
     """Raise pyarrow's errors reading ``path`` as one-line BatchgenErrors (its messages span lines), naming the row
-    where reading stopped when ``rows_read`` (``[rows read so far]``, kept up to date by the reader) is given and
-    rows were read: a file damaged part way."""
+    where reading stopped when ``rows_read`` (``[rows read so far]``, kept up to date by the reader) is given: a file
+    whose data is damaged (from row 1 on where its first row group is)."""
     try:
         yield
     except (OSError, pa.ArrowException) as e:
         message = str(e.strerror if isinstance(e, OSError) and e.strerror else e)
         detail = " ".join("".join(c if c.isprintable() else " " for c in message).split())  # the damaged bytes too
-        at = f" from row {rows_read[0] + 1} on" if rows_read and rows_read[0] else ""
+        at = f" from row {rows_read[0] + 1} on" if rows_read is not None else ""
         if isinstance(e, OSError):
             raise BatchgenError(f"{path}: cannot read{at}: {detail}") from None
         raise BatchgenError(f"{path}: not a valid {what} file{at} ({detail})") from None

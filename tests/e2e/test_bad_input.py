@@ -374,6 +374,16 @@ def test_bad_parquet_row_names_its_row_number(models: dict[str, Path], reference
     assert rows["g3"]["completion_tokens"] == 3
 
 
+def _garbled_ids(path: Path, group: int) -> bytes:
+    """The bytes of the Parquet file ``path`` with the pages of row group ``group``'s first column garbled."""
+    column = pq.ParquetFile(path).metadata.row_group(group).column(0)
+    data = bytearray(path.read_bytes())
+    start = column.dictionary_page_offset if column.has_dictionary_page else column.data_page_offset
+    for i in range(start, start + column.total_compressed_size):
+        data[i] ^= 0x5A
+    return bytes(data)
+
+
 def test_parquet_damaged_part_way_is_one_line_naming_the_row(models: dict[str, Path], tmp_path: Path) -> None:
     """A Parquet file whose fourth row group's pages are garbled (pyarrow's error spans lines): one line naming the
     file and the first row not read, exit 2, and no partial output left when no row had finished, so that the rerun
@@ -381,13 +391,8 @@ def test_parquet_damaged_part_way_is_one_line_naming_the_row(models: dict[str, P
     rows = [{"id": f"r{i}", "prompt": "The quick", "max_new_tokens": 1} for i in range(200)]
     good = tmp_path / "good.parquet"
     pq.write_table(pa.Table.from_pylist(rows), good, row_group_size=50)
-    column = pq.ParquetFile(good).metadata.row_group(3).column(0)  # the ids of rows 151-200
-    data = bytearray(good.read_bytes())
-    start = column.dictionary_page_offset if column.has_dictionary_page else column.data_page_offset
-    for i in range(start, start + column.total_compressed_size):
-        data[i] ^= 0x5A
     dataset = tmp_path / "in.parquet"
-    dataset.write_bytes(bytes(data))
+    dataset.write_bytes(_garbled_ids(good, group=3))  # rows 151-200
     out = tmp_path / "out.arrow"
     code, lines = _run(dataset, out, models["llama"])
     assert code == 2 and len(lines) == 1, lines
@@ -396,6 +401,12 @@ def test_parquet_damaged_part_way_is_one_line_naming_the_row(models: dict[str, P
     dataset.write_bytes(good.read_bytes())
     assert _run(dataset, out, models["llama"])[0] == 0
     assert len(read_results(out)) == 200
+    # One row group, damaged (found by a review: its message named no row).
+    one = tmp_path / "one.parquet"
+    pq.write_table(pa.Table.from_pylist(rows[:50]), one)
+    one.write_bytes(_garbled_ids(one, group=0))
+    code, lines = _run(one, tmp_path / "one.arrow", models["llama"])
+    assert code == 2 and lines[0].startswith(f"batchgen: error: {one}: cannot read from row 1 on: "), lines
 
 
 def test_arrow_with_damaged_values_is_one_line_naming_the_row(models: dict[str, Path], tmp_path: Path) -> None:
