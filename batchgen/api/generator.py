@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import secrets
 import weakref
 from collections.abc import Generator as PyGenerator
@@ -36,7 +37,10 @@ _OPEN_STREAMS: weakref.WeakSet[PyGenerator[dict[str, Any], None, None]] = weakre
 @atexit.register
 def _close_open_streams() -> None:
     for stream in list(_OPEN_STREAMS):
-        stream.close()
+        # ValueError: another thread is inside it ("generator already executing"), a daemon thread the interpreter
+        # stops without ending; its requests end with the process.
+        with contextlib.suppress(ValueError):
+            stream.close()
 
 
 class Generator:

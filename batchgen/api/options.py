@@ -9,14 +9,12 @@ import numbers
 import os
 from collections.abc import Collection, Mapping
 from dataclasses import Field, fields
-from pathlib import Path
 from typing import Any, TypeVar, get_args, get_origin, get_type_hints
 
 import torch
-import yaml
 
 from batchgen.errors import BatchgenError, shown_value
-from batchgen.io.input_options import InputOptions, apply_escapes
+from batchgen.io.input_options import InputOptions
 from batchgen.job.options import JobOptions
 from batchgen.loop.options import EngineOptions
 from batchgen.sampling.sampling_params import SAMPLING_FIELD_ALIASES, SamplingParams, python_value
@@ -124,49 +122,3 @@ def _type_problem(value: Any, annotation: Any) -> str | None:
     if isinstance(value, tuple) and all(_type_problem(v, item) is None for v in value):
         return None
     return "a string or a list of strings" if item is str else "a list of integers"
-
-
-def read_config(path: Path, known: set[str]) -> dict[str, Any]:
-    """Option values by Python name from a ``--config`` file: a YAML mapping whose keys are long flag names
-    (``max-new-tokens`` or ``max_new_tokens``), each one of ``known``.
-
-    Raises:
-        BatchgenError: unreadable file, invalid YAML, not a mapping, or an unknown option.
-    """
-    try:
-        data = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as e:
-        raise BatchgenError(f"{path}: cannot read config: {' '.join(str(e).split())}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise BatchgenError(f"{path}: expected a mapping of option names to values")
-    defaults: dict[str, Any] = {}
-    for key, item in data.items():
-        name = str(key).replace("-", "_")
-        if name not in known or name == "config":
-            raise BatchgenError(f"{path}: unknown option '{key}'")
-        defaults[name] = item
-    return defaults
-
-
-def config_options(path: Path) -> dict[str, Any]:
-    """The options of the ``--config`` file ``path`` by Python name, as ``batchgen.run(config=...)`` takes them: the
-    values as the command line reads the same file (the escapes of ``--stop``'s text applied), checked.
-
-    Raises:
-        BatchgenError: the file cannot be read, is no mapping, names an unknown option, or gives one a value of the
-            wrong type (``FILE: --stop: must be a string or a list of strings, got 5``).
-    """
-    values = read_config(path, option_names(*OPTION_CLASSES))
-    for cls in OPTION_CLASSES:
-        for f in declared_options(cls):
-            if f.metadata.get("escapes") and isinstance(values.get(f.name), (str, list)):
-                value = values[f.name]
-                texts = [value] if isinstance(value, str) else value
-                values[f.name] = [apply_escapes(text) if isinstance(text, str) else text for text in texts]
-        try:
-            options_of(cls, values)
-        except BatchgenError as e:
-            raise BatchgenError(f"{path}: {e}") from None
-    return values

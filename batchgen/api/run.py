@@ -13,7 +13,8 @@ from typing import Any
 import torch
 
 from batchgen.api.checks import check_sampling_defaults
-from batchgen.api.options import OPTION_CLASSES, check_option_names, config_options, options_of
+from batchgen.api.config_file import config_options
+from batchgen.api.options import OPTION_CLASSES, check_option_names, options_of
 from batchgen.environment import thread_count_chosen
 from batchgen.errors import counted
 from batchgen.io.input_options import InputOptions
@@ -48,8 +49,8 @@ class RunInterrupted(KeyboardInterrupt):
 
 
 def run(
-    dataset: str | os.PathLike[str],
-    out: str | os.PathLike[str],
+    dataset: str | os.PathLike[str] | None = None,
+    out: str | os.PathLike[str] | None = None,
     config: str | os.PathLike[str] | None = None,
     **options: Any,
 ) -> RunSummary:
@@ -62,8 +63,8 @@ def run(
     Args:
         dataset: a ``.jsonl``, ``.parquet`` or ``.arrow`` file of rows, or a directory or glob of such shards.
         out: the output file, ``.arrow``, ``.parquet`` or ``.jsonl``.
-        config: a YAML file of options, as ``--config`` takes it (long flag names as keys); the keyword
-            ``options`` override its values, as flags do.
+        config: a YAML file of options, as ``--config`` takes it (long flag names as keys; ``dataset`` and ``out``
+            may be among them); the arguments and keywords given (not ``None``) override its values, as flags do.
         **options: ``batchgen run``'s options by their Python names: engine options (``model``, ``dtype``,
             ``device``...), sampling defaults (``max_new_tokens``, ``temperature``, ``stop``...) and job options
             (``on_error``, ``overwrite``, ``resume``, ``progress``...), input options (``prompt_column``,
@@ -79,8 +80,15 @@ def run(
         RunInterrupted: a stop signal (a ``KeyboardInterrupt``), after the finished rows are flushed.
     """
     check_option_names(options, OPTION_CLASSES, "run")
-    if config is not None:
-        options = {**config_options(Path(config)), **options}
+    given = {"dataset": dataset, "out": out, **options}
+    # None is "not given": a wrapper passing its own unset arguments keeps the file's values.
+    options = {
+        **(config_options(Path(config)) if config is not None else {}),
+        **{k: v for k, v in given.items() if v is not None},
+    }
+    dataset, out = options.pop("dataset", None), options.pop("out", None)
+    if dataset is None or out is None:
+        raise TypeError(f"run() needs {'dataset' if dataset is None else 'out'}, as an argument or a config file's key")
     job_options = options_of(JobOptions, options)
     handlers = {sig: signal.getsignal(sig) for sig in HANDLED_SIGNALS}
     engine_options, defaults = options_of(EngineOptions, options), options_of(SamplingParams, options)

@@ -94,21 +94,26 @@ class BatchgenCommand(TyperCommand):
         Raises:
             UsageError: ``Option '--stop' requires an argument, got the flag '--no-progress' (...)``.
         """
-        takes_value, flags = set(), set()
+        long_flag: dict[str, str] = {}  # a value-taking flag → its long spelling, where `--flag=value` works
+        flags: set[str] = set()
         for param in self.get_params(ctx):
             if isinstance(param, TyperOption):
                 flags.update(param.opts + param.secondary_opts)
                 if not param.is_flag and not param.count:
-                    takes_value.update(param.opts)
-        for flag, value in zip(args, args[1:], strict=False):
-            if flag == "--":
-                break
-            if flag in takes_value and value.split("=", 1)[0] in flags:
-                raise UsageError(
-                    f"Option '{flag}' requires an argument, got the flag '{value}' "
-                    f"(write {flag}={value} if that is the text meant)",
-                    ctx,
-                )
+                    long_flag.update(dict.fromkeys(param.opts, max(param.opts, key=len)))
+        at = 0
+        while at < len(args) and args[at] != "--":  # a lone -- ends the options, unless it is an option's value
+            flag = args[at]
+            if flag in long_flag and at + 1 < len(args):
+                value = args[at + 1]
+                if value.split("=", 1)[0] in flags:
+                    raise UsageError(
+                        f"Option '{flag}' requires an argument, got the flag '{value}' "
+                        f"(write {long_flag[flag]}={value} if that is the text meant)",
+                        ctx,
+                    )
+                at += 1
+            at += 1
         return super().parse_args(ctx, args)
 
     def collect_usage_pieces(self, ctx: Context) -> list[str]:

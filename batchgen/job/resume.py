@@ -220,8 +220,9 @@ def check_same_job(where: Path, recorded: pa.Schema, now: pa.Schema, force: bool
         )
     if differences:  # forced: the finished file will mix rows of both settings, so say which
         old_n, new_n = (_default_n(_metadata(schema)) for schema in (recorded, now))
-        # A row is done when it has all of its n samples (DoneRows.is_done): so not those written with the old n.
-        again = f" (rows written with n {old_n} are generated again with n {new_n})" if old_n != new_n else ""
+        # A row is done when it has all of its n samples (DoneRows.is_done): rows that set no n of their own have
+        # the old default's count, so they run again; rows that set one keep their samples.
+        again = f" (rows that take the default n are generated again with n {new_n})" if old_n != new_n else ""
         print(f"batchgen: warning: {where}: resuming despite: {'; '.join(differences)}{again}", file=sys.stderr)
 
 

@@ -21,7 +21,7 @@ import pyarrow.compute as pc
 
 from batchgen.errors import BatchgenError, counted
 from batchgen.io.fingerprint import DatasetFingerprint, fingerprint_dataset
-from batchgen.io.input_digests import input_ids
+from batchgen.io.input_digests import INPUT_DIGESTS_KEY, compare_rows, input_ids
 from batchgen.io.input_options import InputOptions, recorded_input_options
 from batchgen.io.openai_output import result_fields
 from batchgen.io.partial_output import PartialOutput, partial_dir
@@ -47,6 +47,9 @@ class OutputStatus:
     notes: list[str]
     # What differs in the dataset since the run started (size, modification time, ...); empty when unchanged.
     dataset_changes: list[str]
+    # A finished output's rows that --resume would not keep as they are: rows whose input row changed since, and
+    # error rows of a dataset that changed (their rows may be fixed).
+    stale: int = 0
 
     @property
     def remaining(self) -> int:
@@ -54,13 +57,15 @@ class OutputStatus:
 
     @property
     def complete(self) -> bool:
-        """Whether ``out`` is a finished output that holds a row for every row of the dataset."""
-        return self.state == "complete" and not self.remaining
+        """Whether ``out`` is a finished output that holds a row for every row of the dataset as it is now."""
+        return self.state == "complete" and not self.remaining and not self.stale
 
     def lines(self) -> list[str]:
         """``OUT: STATE: D of T rows done, R remaining, E errored``, then one line per note."""
         # A finished output file that lacks rows is not "complete", though nothing is in progress.
         state = "finished with rows missing" if self.state == "complete" and self.remaining else self.state
+        if self.state == "complete" and not self.remaining and self.stale:
+            state = "finished from rows changed since"
         line = f"{self.out}: {state}: {self.done} of {self.total} rows done, {self.remaining} remaining, "
         line += f"{self.errored} errored"
         if self.state == "complete" and self.remaining:
@@ -95,7 +100,8 @@ def read_output_status(dataset: Path, out: Path, options: InputOptions | None = 
     elif partial_dir(out).is_dir():
         partial = PartialOutput(out).inspect()
         sample_ids = partial.done.samples
-        error_ids = Counter({rid: count for (rid, _), count in partial.done.errors.items()})
+        for (rid, _), count in partial.done.errors.items():  # several error rows of an id differ by message
+            error_ids[rid] += count
         state = f"in progress ({counted(len(partial.parts), 'part file')} in {partial_dir(out)})"
         metadata = (partial.schema.metadata or {}) if partial.schema is not None else {}
         if partial.damaged:
@@ -124,7 +130,30 @@ def read_output_status(dataset: Path, out: Path, options: InputOptions | None = 
             notes.append(f"{counted(foreign, 'row')} of {out} {verb} an id {dataset} lacks")
     else:  # the output's rows are this dataset's: counted without reading the dataset
         done, errored = len(set(sample_ids)) + error_ids.total(), error_ids.total()
-    return OutputStatus(dataset, out, state, done, total, errored, notes, changes)
+    stale = 0
+    if state == "complete" and changes and (digests := metadata.get(INPUT_DIGESTS_KEY.encode())) is not None:
+        stale = _changed_rows(dataset, out, list(sample_ids), digests.decode(), options, notes) + errored
+        if errored:
+            notes.append(f"the dataset changed: --resume checks {out}'s {counted(errored, 'error row')} again")
+    return OutputStatus(dataset, out, state, done, total, errored, notes, changes, stale)
+
+
+def _changed_rows(
+    dataset: Path, out: Path, sample_ids: list[str], digests: str, options: InputOptions | None, notes: list[str]
+) -> int:
+    """How many of ``sample_ids`` (rows of the finished output ``out``) were made from an input row that
+    ``dataset`` no longer holds under their id (:func:`compare_rows`), noted in ``notes``."""
+    try:
+        changed = compare_rows(dataset, sample_ids, digests, options)[0]
+    except ValueError:
+        notes.append(f"{out}'s input digests are unreadable: its rows cannot be checked against {dataset}")
+        return 0
+    if changed:
+        notes.append(
+            f"{counted(len(changed), 'row')} of {out} changed in {dataset} since it was made (--resume refuses "
+            f"{'it' if len(changed) == 1 else 'them'}; --overwrite runs the dataset again)"
+        )
+    return len(changed)
 
 
 def _matched(dataset_ids: Iterable[str], sample_ids: set[str], error_ids: Counter[str]) -> tuple[int, int, int]:

@@ -390,18 +390,25 @@ def test_stop_flag_escapes(model: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("command", "flag", "value"),
-    [("run", "--stop", "--no-progress"), ("run", "--out", "--overwrite"), ("bench", "--dataset", "--baseline=hf")],
+    ("command", "given", "flag", "value", "long"),
+    [
+        ("run", [], "--stop", "--no-progress", "--stop"),
+        ("run", [], "-o", "--overwrite", "--out"),  # `-o=X` would be the value "=X": the hint names --out
+        ("run", ["--stop", "--"], "--prompt-column", "--no-progress", "--prompt-column"),  # `--` as a value
+        ("bench", [], "--dataset", "--baseline=hf", "--dataset"),
+    ],
 )
-def test_a_flag_is_no_value_of_the_flag_before_it(tmp_path: Path, command: str, flag: str, value: str) -> None:
+def test_a_flag_is_no_value_of_the_flag_before_it(
+    tmp_path: Path, command: str, given: list[str], flag: str, value: str, long: str
+) -> None:
     """As argparse refuses it (vLLM's commands): a flag that takes a value followed by another of the command's flags
     is a usage error, not the value (click took ``--stop --no-progress`` as the stop string)."""
     dataset = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "x"}])
-    out = [] if command == "bench" or flag == "--out" else ["--out", str(tmp_path / "o.arrow")]
+    out = [] if command == "bench" or long == "--out" else ["--out", str(tmp_path / "o.arrow")]
     head = ["run", str(dataset), *out] if command == "run" else ["bench", "--model", "m"]
-    code, output = run_cli([*head, flag, value])
+    code, output = run_cli([*head, *given, flag, value])
     assert code == 2
-    assert f"Option '{flag}' requires an argument, got the flag '{value}'" in output
+    assert f"Option '{flag}' requires an argument, got the flag '{value}' (write {long}={value} if" in output
     assert not (tmp_path / "o.arrow").exists()
 
 

@@ -21,7 +21,7 @@ from transformers import AutoTokenizer
 import batchgen
 from batchgen.errors import BatchgenError, RowError
 from batchgen.io.writer import OUTPUT_COLUMNS, read_results
-from tests.helpers.cli import generate, read_rows, write_jsonl
+from tests.helpers.cli import generate, read_rows, run_cli, write_jsonl
 
 # A minimal chat template: "<s>role: content\n..." then "assistant:".
 CHAT_TEMPLATE = (
@@ -381,12 +381,46 @@ def test_run_takes_a_config_file_as_the_command_line_does(chat_model: Path, tmp_
     recorded = [read_results(path).schema.metadata[b"batchgen.sampling_defaults"] for path in (api_out, cli_out)]
     assert recorded[0] == recorded[1]
     assert json.loads(recorded[0])["stop"] == ["\n"] and json.loads(recorded[0])["temperature"] == 0.7
-    config.write_text("stop: 5\n")
-    with pytest.raises(BatchgenError, match=f"^{config}: --stop: must be a string or a list of strings, got \\[5\\]$"):
-        batchgen.run(dataset, api_out, config=config, model=str(chat_model), overwrite=True)
     config.write_text("max-new-tokns: 5\n")
     with pytest.raises(BatchgenError, match=f"^{config}: unknown option 'max-new-tokns'$"):
         batchgen.run(dataset, api_out, config=config, model=str(chat_model), overwrite=True)
+
+
+@pytest.mark.parametrize(
+    "lines",
+    [
+        "temperature: 1e-3\nmem-fraction: 5e-1",  # YAML reads 1e-3 (no dot) as text; click as a number
+        "n: '2'\nmax-new-tokens: '3'\nseed: 5.0",
+        "ignore-eos: 'true'\nprefix-cache: 0\ntop-p: '0.5'",
+        "stop: ['a\\tb', x]\nstop-token-ids: 7",
+        "stop: 5",
+        "max-new-tokens: 2.5",
+        "max-new-tokens: true",
+        "seed: null\ntemperature: hot",
+    ],
+)
+def test_a_config_file_means_the_same_to_run_and_to_the_command_line(
+    chat_model: Path, tmp_path: Path, lines: str
+) -> None:
+    """Found by a review: YAML that ``--config`` took (``1e-3``, ``'2'``, ``5.0``, ``'true'``) was refused by
+    ``config=``. Either both run with the same recorded settings, or both refuse the file, naming it; the file's
+    dataset and out keys stand in for run's arguments, and a keyword of None leaves the file's value."""
+    dataset = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "Once upon a time", "max_new_tokens": 2}])
+    config = tmp_path / "job.yaml"
+    cli_out, api_out = tmp_path / "cli.arrow", tmp_path / "api.arrow"
+    config.write_text(f"{lines}\nmodel: {chat_model}\ndevice: cpu\ndtype: float32\nout: {api_out}\nprogress: false\n")
+    # The seed given beside the file (a run without one draws its own): the samples must agree too.
+    code, output = run_cli(["run", str(dataset), "--out", str(cli_out), "--config", str(config), "--seed", "3"])
+    if code != 0:
+        assert code == 2 and output.startswith(f"batchgen: error: {config}: option '"), output
+        with pytest.raises(BatchgenError, match=f"^{config}: "):
+            batchgen.run(dataset, config=config)
+        return
+    batchgen.run(dataset, config=config, seed=3, temperature=None)
+    for key in (b"batchgen.sampling_defaults", b"batchgen.engine_options"):
+        recorded = [read_results(path).schema.metadata.get(key) for path in (api_out, cli_out)]
+        assert recorded[0] == recorded[1], key
+    assert _samples(api_out) == _samples(cli_out)
 
 
 def _samples(path: Path) -> dict[tuple[str, int], dict[str, Any]]:

@@ -543,7 +543,7 @@ def test_resume_force_with_another_n_says_its_rows_are_generated_again(
         assert run_cli(args(dataset, out, model, *sampled))[0] == 2
     code, output = run_cli(args(dataset, out, model, "--resume-force", "--n", "2", *sampled))
     assert code == 0, output
-    assert "resuming despite: n 1 → 2 (rows written with n 1 are generated again with n 2)" in output
+    assert "resuming despite: n 1 → 2 (rows that take the default n are generated again with n 2)" in output
     assert run_cli(args(dataset, whole, model, "--n", "2", *sampled))[0] == 0
     assert_same_rows(by_key(read_results(out).to_pylist()), by_key(read_results(whole).to_pylist()))
 
@@ -634,6 +634,40 @@ def test_status_of_an_output_from_another_dataset_says_so(
     lines = status(changed, partial_out).splitlines()
     assert lines[0].endswith(": 1 of 2 rows done, 1 remaining, 0 errored") and "in progress" in lines[0]
     assert lines[1] == f"{partial_out}: note: {foreign} rows of {partial_out} have an id {changed} lacks"
+
+
+def test_status_counts_every_error_row_of_an_id_and_a_finished_output_of_changed_rows_is_not_complete(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a review: an interrupted run's error rows of one id (a duplicate twice, a bad row and its duplicate)
+    counted once; and a finished output whose rows' prompts changed since was "complete", exit 0, which --resume
+    refuses."""
+    rows = [{"id": "a", "prompt_token_ids": [0, 5]}] * 3 + [{"id": "c", "prompt_token_ids": [0, 5], "top_p": 0}]
+    rows += [{"id": "c", "prompt_token_ids": [0, 6]}] + [{"id": f"g{i}", "prompt_token_ids": [0, 7]} for i in range(30)]
+    dataset = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.arrow"
+    with monkeypatch.context() as patch:
+        fail_part_write(patch, at=3)
+        assert run_cli(args(dataset, out, model))[0] == 2
+    state = PartialOutput(out).inspect()
+    written = [r for _, path in state.parts for r in pa.ipc.open_file(pa.memory_map(str(path))).read_all().to_pylist()]
+    errors = sum(r["finish_reason"] == "error" for r in written)
+    done = len({r["id"] for r in written if r["finish_reason"] != "error"}) + errors
+    assert errors >= 3  # a's two duplicates, c's bad row, c's duplicate: in the first part
+    assert (
+        status(dataset, out)
+        .splitlines()[0]
+        .endswith(f": {done} of 35 rows done, {35 - done} remaining, {errors} errored")
+    )
+    assert run_cli(args(dataset, out, model, "--resume"))[0] == 0
+    assert status(dataset, out).startswith(f"{out}: complete: 35 of 35 rows done, 0 remaining, 4 errored\n")
+    write_jsonl(dataset, [*rows[:5], {"id": "g0", "prompt_token_ids": [0, 8]}, *rows[6:]])  # g0's prompt changed
+    lines = status(dataset, out).splitlines()
+    assert lines[0] == f"{out}: finished from rows changed since: 35 of 35 rows done, 0 remaining, 4 errored"
+    note = f"1 row of {out} changed in {dataset} since it was made (--resume refuses it; --overwrite runs the dataset"
+    assert f"{out}: note: {note} again)" in lines
+    code, output = run_cli(args(dataset, out, model, "--resume"))
+    assert code == 2 and "1 row of" in output and "changed in" in output
 
 
 def test_a_finished_output_lacking_an_id_is_not_complete_whatever_its_row_count(model: Path, tmp_path: Path) -> None:

@@ -1,0 +1,118 @@
+"""``--config FILE.yaml`` and ``batchgen.run(config=...)``: a YAML mapping of long flag names to option values.
+
+The command line hands the values to click as its defaults (:mod:`batchgen.cli.config`), which converts them as it
+converts a flag's text; :func:`config_options` converts them the same way for Python, so that one file means the
+same run from either.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, get_args, get_origin, get_type_hints
+
+import yaml
+
+from batchgen.api.options import OPTION_CLASSES, declared_options, options_of
+from batchgen.errors import BatchgenError, shown_value
+from batchgen.io.input_options import apply_escapes
+
+# What click's boolean type reads as true or false (a flag's text, a config file's quoted value).
+_TRUE, _FALSE = {"1", "true", "t", "yes", "y", "on"}, {"0", "false", "f", "no", "n", "off"}
+
+
+def read_config(path: Path, known: set[str]) -> dict[str, Any]:
+    """Option values by Python name from a ``--config`` file: a YAML mapping whose keys are long flag names
+    (``max-new-tokens`` or ``max_new_tokens``), each one of ``known``.
+
+    Raises:
+        BatchgenError: unreadable file, invalid YAML, not a mapping, or an unknown option.
+    """
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise BatchgenError(f"{path}: cannot read config: {' '.join(str(e).split())}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise BatchgenError(f"{path}: expected a mapping of option names to values")
+    defaults: dict[str, Any] = {}
+    for key, item in data.items():
+        name = str(key).replace("-", "_")
+        if name not in known or name == "config":
+            raise BatchgenError(f"{path}: unknown option '{key}'")
+        defaults[name] = item
+    return defaults
+
+
+def check_config_value(path: Path, name: str, value: Any, hint: Any) -> None:
+    """Refuse a YAML value that click would convert to something else than was meant, for option ``name`` declared
+    ``hint``: a number or mapping where it takes text (``stop: 5``; quoted, it is the text), ``true``/``false``
+    where it takes no switch (click reads ``true`` as 1 or ``"True"``).
+
+    Raises:
+        BatchgenError: ``FILE: option 'stop': takes text, got 5 (quote a value meant as text)``.
+    """
+    option, items = name.replace("_", "-"), value if isinstance(value, list) else [value]
+    base = _base(hint)
+    if base is str and not all(isinstance(v, str) for v in items):
+        what = "no true/false value" if any(isinstance(v, bool) for v in items) else "text"
+        quote = "" if what != "text" else " (quote a value meant as text)"
+        raise BatchgenError(f"{path}: option '{option}': takes {what}, got {shown_value(value)}{quote}")
+    if base is not bool and any(isinstance(v, bool) for v in items):
+        raise BatchgenError(f"{path}: option '{option}': takes no true/false value, got {shown_value(value)}")
+
+
+def config_options(path: Path) -> dict[str, Any]:
+    """The options of the ``--config`` file ``path`` by Python name, as ``batchgen.run(config=...)`` takes them,
+    converted as the command line converts them: text of a number where one is taken (``"4"``, YAML's ``1e-3``,
+    which it reads as text), a whole float where an integer is (``5.0``), click's words for true and false, one
+    value where a list is; ``--stop``'s escapes applied; ``null`` left out (the option's default). The keys
+    ``dataset`` and ``out`` are ``batchgen run``'s arguments.
+
+    Raises:
+        BatchgenError: the file cannot be read, is no mapping, names an unknown option, or gives one a value it
+            does not take (naming the file).
+    """
+    hints = {f.name: get_type_hints(cls)[f.name] for cls in OPTION_CLASSES for f in declared_options(cls)}
+    escapes = {f.name for cls in OPTION_CLASSES for f in declared_options(cls) if f.metadata.get("escapes")}
+    values = read_config(path, {*hints, "dataset", "out"})
+    options: dict[str, Any] = {}
+    for name, value in values.items():
+        if value is None or name in ("dataset", "out"):
+            options.update({} if value is None else {name: value})
+            continue
+        check_config_value(path, name, value, hints[name])
+        if get_origin(hints[name]) is tuple:
+            value = [_converted(item, _base(hints[name])) for item in (value if isinstance(value, list) else [value])]
+            value = [apply_escapes(item) for item in value] if name in escapes else value
+        else:
+            value = _converted(value, _base(hints[name]))
+        options[name] = value
+    for cls in OPTION_CLASSES:
+        try:
+            options_of(cls, options)
+        except BatchgenError as e:
+            raise BatchgenError(f"{path}: {e}") from None
+    return options
+
+
+def _base(hint: Any) -> Any:
+    """The type of one value of an option declared ``hint``: ``int`` for ``int | None`` and ``tuple[int, ...]``."""
+    args = [arg for arg in get_args(hint) if arg is not type(None) and arg is not Ellipsis]
+    return args[0] if args else hint
+
+
+def _converted(value: Any, base: Any) -> Any:
+    """One YAML ``value`` as click converts it to ``base``; left as it is where it does not convert (the options'
+    checks then name it)."""
+    if base is bool and isinstance(value, (str, int)) and not isinstance(value, bool):
+        word = str(value).strip().lower()
+        return True if word in _TRUE else False if word in _FALSE else value
+    if base is int and isinstance(value, float) and value.is_integer():
+        return int(value)
+    if base in (int, float) and isinstance(value, str):
+        try:
+            return base(value.strip())
+        except ValueError:
+            return value
+    return value
