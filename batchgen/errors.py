@@ -25,6 +25,11 @@ class BatchgenError(Exception):
     """
 
 
+class OutputError(BatchgenError):
+    """Writing the output failed after rows were kept in its partial output, and the message says how to go on
+    (``--resume``), so the run adds no word of its own about the rows kept."""
+
+
 class RowError(BatchgenError):
     """One input row is invalid.
 

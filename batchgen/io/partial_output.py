@@ -33,7 +33,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from batchgen.errors import BatchgenError
+from batchgen.errors import BatchgenError, OutputError
 from batchgen.io.assemble import assemble_output
 from batchgen.io.done_rows import DoneRows
 from batchgen.io.durable import fsync_dir, fsync_file, write_atomically
@@ -127,7 +127,8 @@ class PartialOutput:
         or continuing ``state`` from :meth:`inspect` (its damaged files are deleted).
 
         Raises:
-            BatchgenError: the directory or manifest cannot be written, or another run holds the lock.
+            BatchgenError: the directory or manifest cannot be written, or another run holds the lock; OutputError:
+                another run changed the partial output since it was inspected.
         """
         try:
             if not self.dir.exists():
@@ -135,9 +136,7 @@ class PartialOutput:
                 fsync_dir(self.dir.parent)
             self._lock()
             if state is not None and _listing(self.dir) != state.listing:
-                raise BatchgenError(
-                    f"{self.dir}: another run changed the partial output meanwhile; rerun with --resume"
-                )
+                raise OutputError(f"{self.dir}: another run changed the partial output meanwhile; rerun with --resume")
             if state is None:
                 _remove_contents(self.dir)
                 state = PartialState()
@@ -157,8 +156,8 @@ class PartialOutput:
         samples of a row in one call.
 
         Raises:
-            BatchgenError: the file system failed (disk full, no permission); every part written before stays
-                valid, and this output takes no more parts.
+            OutputError: the file system failed (disk full, no permission); every part written before stays
+                valid, and this output takes no more parts. BatchgenError: an earlier part failed.
             pyarrow.ArrowInvalid, pyarrow.ArrowTypeError: a value does not fit its column.
         """
         if self._broken:
@@ -181,7 +180,7 @@ class PartialOutput:
             self._broken = True  # the rename may have happened: writing the same rows again could duplicate them
             with contextlib.suppress(OSError):  # a stray temporary file is dropped on resume anyway
                 temp.unlink(missing_ok=True)
-            raise BatchgenError(
+            raise OutputError(
                 f"{self.dir}: cannot write part {number}: {e.strerror or e}; the rows flushed before are kept "
                 "(fix that, then rerun with --resume)"
             ) from None
@@ -197,7 +196,7 @@ class PartialOutput:
         Returns the number of rows assembled.
 
         Raises:
-            BatchgenError: ``out`` cannot be written (it is then absent, and the parts stay for ``--resume``).
+            OutputError: ``out`` cannot be written (it is then absent, and the parts stay for ``--resume``).
         """
         assert self.state.schema is not None, "start() first"
         temp = self.dir / f"final{self.out.suffix}"
@@ -215,7 +214,7 @@ class PartialOutput:
             with contextlib.suppress(OSError):
                 temp.unlink(missing_ok=True)
             reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-            raise BatchgenError(
+            raise OutputError(
                 f"{self.out}: cannot write the output: {reason}; every row is kept in {self.dir} "
                 "(fix that, then rerun with --resume)"
             ) from None

@@ -12,7 +12,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from batchgen.errors import BatchgenError, FieldError, RowError, counted
+from batchgen.errors import FieldError, OutputError, RowError, counted
 from batchgen.io.field_warnings import (
     warn_about_json_text_fields,
     warn_about_passthrough_names,
@@ -225,7 +225,7 @@ class RunJob:
             self._flush()
         if not self.output.state.parts:  # nothing finished (an input file unreadable at its first rows)
             self._discard_empty_partial()
-        elif not isinstance(error, BatchgenError) or "--resume" not in str(error):
+        elif not isinstance(error, OutputError):
             # The output's own errors say how to go on; an input file damaged part way does not.
             print(
                 f"batchgen: the rows finished so far are kept in {self.output.dir}; rerun with --resume once that is "
