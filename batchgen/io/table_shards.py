@@ -77,16 +77,49 @@ def table_batches(path: Path, fmt: str, block_rows: int) -> Iterator[pa.RecordBa
     with _errors(path, fmt.capitalize(), rows_read):
         if fmt == "parquet":
             with pq.ParquetFile(path) as pf:
-                for group in range(pf.num_row_groups):  # one at a time, so that a damaged one is named by its rows
-                    for batch in pf.iter_batches(batch_size=block_rows, row_groups=[group]):
-                        rows_read[0] += batch.num_rows
-                        yield batch
+                yield from _parquet_batches(pf, block_rows, rows_read)
             return
         for batch in _arrow_batches(path)[1]:
             batch.validate(full=True)  # damaged values would fail in to_pylist, far from this file's name
             for start in range(0, batch.num_rows, block_rows):
                 rows_read[0] += min(block_rows, batch.num_rows - start)
                 yield batch.slice(start, block_rows)
+
+
+def _parquet_batches(pf: pq.ParquetFile, block_rows: int, rows_read: list[int]) -> Iterator[pa.RecordBatch]:
+    """The batches of a Parquet file, read a run of row groups of about ``block_rows`` rows at a time (each read has
+    a fixed cost, which a file of many small groups, such as a run's output, paid per group). Where a run fails to
+    read, its groups are read again one at a time past the rows already given, so that the error names the first row
+    of the damaged group (``rows_read``, kept up to date).
+
+    Raises:
+        OSError, pyarrow.ArrowException: a group cannot be read.
+    """
+    runs: list[list[int]] = [[]]
+    rows = 0
+    for group in range(pf.num_row_groups):
+        if rows >= block_rows:
+            runs.append([])
+            rows = 0
+        runs[-1].append(group)
+        rows += pf.metadata.row_group(group).num_rows
+    for run in runs:
+        start = rows_read[0]
+        try:
+            for batch in pf.iter_batches(batch_size=block_rows, row_groups=run):
+                rows_read[0] += batch.num_rows
+                yield batch
+        except (OSError, pa.ArrowException):
+            if len(run) == 1:
+                raise
+            skip = rows_read[0] - start
+            for group in run:
+                for batch in pf.iter_batches(batch_size=block_rows, row_groups=[group]):
+                    kept = batch.slice(min(skip, batch.num_rows))
+                    skip -= batch.num_rows - kept.num_rows
+                    if kept.num_rows:
+                        rows_read[0] += kept.num_rows
+                        yield kept
 
 
 def unified_schema(schemas: list[tuple[str, pa.Schema]]) -> pa.Schema:

@@ -197,6 +197,32 @@ def test_a_field_seen_only_after_the_inferred_rows_is_a_bad_row_not_a_merge(tmp_
     assert info.value.field == "input_text" and "field not present in the first 1 rows" in info.value.message
 
 
+def test_parquet_of_many_small_groups_reads_every_row_once_and_names_a_damaged_group(tmp_path: Path) -> None:
+    """Runs of row groups are read together (a read per group cost a fixed overhead each); a damaged group in the
+    middle of a run, after rows of that run were given, still names its own first row, and no row comes twice."""
+    from batchgen.io.table_shards import table_batches
+
+    path = tmp_path / "in.parquet"
+    ids = [f"r{i}" for i in range(70)]
+    pq.write_table(pa.table({"id": ids, "prompt": ["x"] * 70}), path, row_group_size=7)
+    assert pq.ParquetFile(path).num_row_groups == 10
+    for block in (1, 5, 16, 1024):
+        got = [i for batch in table_batches(path, "parquet", block) for i in batch.column("id").to_pylist()]
+        assert got == ids, block
+    column = pq.ParquetFile(path).metadata.row_group(5).column(0)  # rows 36-42 (1-based)
+    data = bytearray(path.read_bytes())
+    start = column.dictionary_page_offset if column.has_dictionary_page else column.data_page_offset
+    for i in range(start, start + column.total_compressed_size):
+        data[i] ^= 0x5A
+    path.write_bytes(bytes(data))
+    for block in (5, 16, 30, 1024):
+        got = []
+        with pytest.raises(BatchgenError, match=r"from row 36 on"):
+            for batch in table_batches(path, "parquet", block):
+                got += batch.column("id").to_pylist()
+        assert got == ids[:35], block
+
+
 def test_a_repeated_parquet_column_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "in.parquet"
     table = pa.Table.from_arrays([pa.array(["a"]), pa.array(["x1"]), pa.array(["x2"])], names=["prompt", "x", "x"])
