@@ -16,24 +16,37 @@ def version_line() -> str:
     return f"batchgen {__version__}"
 
 
-def _interrupted_while_starting(signum: int, frame: FrameType | None) -> None:
-    print("batchgen: interrupted while starting", file=sys.stderr, flush=True)
+_starting = True  # until a command starts (release_startup_interrupts)
+
+
+def _stopped_while_starting(signum: int, frame: FrameType | None) -> None:
+    what = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+    print(f"batchgen: {what}{' while starting' if _starting else ''}", file=sys.stderr, flush=True)
     # Not SystemExit: torch's C++ imports swallow an exception raised inside them and start-up would go on. Nothing
-    # needs closing yet: no command has started.
-    os._exit(128 + signal.SIGINT)
+    # needs closing yet: no row has run.
+    os._exit(128 + signum)
 
 
 def hold_startup_interrupts() -> None:
-    """Until :func:`release_startup_interrupts`, a Ctrl-C ends the process with one line on stderr and exit code
-    130. Importing the CLI takes seconds, and Typer turns a KeyboardInterrupt raised while it reads the command
-    line (its parameter types import pydantic) into a silent exit 130. Only where Python's own handler is in place:
-    a shell's background job, which ignores SIGINT, keeps ignoring it."""
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-        signal.signal(signal.SIGINT, _interrupted_while_starting)
+    """Until a command takes them over, a Ctrl-C, SIGTERM or SIGHUP ends the process with one line on stderr and
+    exit code 128 + the signal. Importing the CLI takes seconds, and Typer turns a KeyboardInterrupt raised while it
+    reads the command line (its parameter types import pydantic) into a silent exit 130; a scheduler's SIGTERM ended
+    it with no word at all. Only where the default handlers are in place: a signal the caller ignores (a shell's
+    background job ignores SIGINT, nohup SIGHUP) stays ignored."""
+    defaults = {
+        signal.SIGINT: signal.default_int_handler,
+        signal.SIGTERM: signal.SIG_DFL,
+        signal.SIGHUP: signal.SIG_DFL,
+    }
+    for sig, default in defaults.items():
+        if signal.getsignal(sig) is default:
+            signal.signal(sig, _stopped_while_starting)
 
 
 def release_startup_interrupts() -> None:
     """From here a Ctrl-C raises KeyboardInterrupt again, for the command's own handling: called as a command
-    starts."""
-    if signal.getsignal(signal.SIGINT) is _interrupted_while_starting:
+    starts. SIGTERM and SIGHUP still end it with one line until a run installs its own handlers."""
+    global _starting
+    _starting = False
+    if signal.getsignal(signal.SIGINT) is _stopped_while_starting:
         signal.signal(signal.SIGINT, signal.default_int_handler)

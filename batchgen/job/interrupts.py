@@ -35,14 +35,17 @@ class StopRequest:
 
 @contextmanager
 def graceful_stop() -> Iterator[StopRequest]:
-    """Install the handlers for the duration of a run (main thread only) and restore the previous ones, unless a
-    signal asked the run to stop: the process is then on its way out, and a second signal during the rest of
-    that way (summary, resume hint, interpreter shutdown) must still end it at once, without a traceback."""
+    """Install the handlers for the duration of a run (main thread only; not for a signal the process ignores) and
+    restore the previous ones, unless a signal asked the run to stop: the process is then on its way out, and a
+    second signal during the rest of that way (summary, resume hint, interpreter shutdown) must still end it at
+    once, without a traceback."""
     request = StopRequest()
     previous = {}
     try:
         for sig in HANDLED_SIGNALS:
-            previous[sig] = signal.signal(sig, request.handle)
+            # A signal the caller ignores stays ignored: nohup's SIGHUP, a shell's background job's SIGINT.
+            if signal.getsignal(sig) is not signal.SIG_IGN:
+                previous[sig] = signal.signal(sig, request.handle)
     except ValueError:  # not the main thread (e.g. an embedding application): leave signals alone
         pass
     try:

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from importlib.metadata import version
@@ -172,11 +173,11 @@ def test_version() -> None:
 
 _CTRL_C_WHILE_IMPORTING = """
 import importlib.abc, os, signal, sys
-MODULE = sys.argv.pop(1)
+MODULE, SIGNAL = sys.argv.pop(1), signal.Signals[sys.argv.pop(1)]
 class CtrlC(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name == MODULE:  # a real SIGINT, as a Ctrl-C sends it, while this module is imported
-            os.kill(os.getpid(), signal.SIGINT)
+        if name == MODULE:  # a real signal, as a Ctrl-C or a scheduler sends it, while this module is imported
+            os.kill(os.getpid(), SIGNAL)
 sys.meta_path.insert(0, CtrlC())
 from batchgen.cli.entry import main
 main()
@@ -190,15 +191,26 @@ main()
         "typer._adapters",  # Typer reading the command line imports pydantic, and ends a KeyboardInterrupt silently
     ],
 )
-def test_ctrl_c_while_the_cli_starts_is_one_line_and_130(module: str) -> None:
+@pytest.mark.parametrize(
+    ("sig", "line"),
+    [
+        (signal.SIGINT, "batchgen: interrupted while starting\n"),
+        # Found by a new user: a scheduler's SIGTERM during start-up ended the process with no word.
+        (signal.SIGTERM, "batchgen: stopped by SIGTERM while starting\n"),
+    ],
+    ids=["SIGINT", "SIGTERM"],
+)
+def test_a_signal_while_the_cli_starts_is_one_line_and_its_exit_status(
+    module: str, sig: signal.Signals, line: str
+) -> None:
     result = subprocess.run(
-        [sys.executable, "-c", _CTRL_C_WHILE_IMPORTING, module, "run", "in.jsonl", "--out", "o.arrow"],
+        [sys.executable, "-c", _CTRL_C_WHILE_IMPORTING, module, sig.name, "run", "in.jsonl", "--out", "o.arrow"],
         capture_output=True,
         text=True,
         timeout=300,
         check=False,
     )
-    assert (result.returncode, result.stderr, result.stdout) == (130, "batchgen: interrupted while starting\n", "")
+    assert (result.returncode, result.stderr, result.stdout) == (128 + sig.value, line, "")
 
 
 _CTRL_C_WHILE_LOADING = """

@@ -258,6 +258,32 @@ def test_stop_signal_flushes_prints_the_resume_command_and_resumes(
     assert_same_rows(by_key(read_results(out).to_pylist()), reference)
 
 
+def test_a_signal_the_caller_ignores_stays_ignored(
+    slow_job: tuple[Path, dict[Key, dict[str, Any]]], model: Path, tmp_path: Path
+) -> None:
+    """Found by a new user: under nohup (SIGHUP ignored) a SIGHUP stopped the run, which had put its own handler in
+    place; a shell's background job ignores SIGINT the same way."""
+    dataset, reference = slow_job
+    out = tmp_path / "out.arrow"
+
+    def ignore_hangups() -> None:
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "batchgen", *args(dataset, out, model, *SLOW_FLAGS)],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **ONE_THREAD},
+        preexec_fn=ignore_hangups,
+    )
+    wait_for_parts(out, 0, proc)
+    proc.send_signal(signal.SIGHUP)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr
+    assert_same_rows(by_key(read_results(out).to_pylist()), reference)
+
+
 def test_stop_message_counts_rows_not_samples(model: Path, zygote: Zygote, tmp_path: Path) -> None:
     """With n = 3 a row is three requests: the stop message counts the rows that were flushed."""
     rows = [{"id": f"m{i}", "prompt_token_ids": [0, 5 + i, 9], "max_new_tokens": 24, "n": 3} for i in range(8)]
