@@ -7,14 +7,16 @@ same run from either.
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 from typing import Any, get_args, get_origin, get_type_hints
 
 import yaml
 
-from batchgen.api.options import OPTION_CLASSES, declared_options, options_of
+from batchgen.api.options import OPTION_CLASSES, declared_options, options_of, type_problem
 from batchgen.errors import BatchgenError, shown_value
 from batchgen.io.input_options import apply_escapes
+from batchgen.sampling.sampling_params import SAMPLING_FIELD_ALIASES
 
 # What click's boolean type reads as true or false (a flag's text, a config file's quoted value).
 _TRUE, _FALSE = {"1", "true", "t", "yes", "y", "on"}, {"0", "false", "f", "no", "n", "off"}
@@ -39,18 +41,22 @@ def read_config(path: Path, known: set[str]) -> dict[str, Any]:
     for key, item in data.items():
         name = str(key).replace("-", "_")
         if name not in known or name == "config":
-            raise BatchgenError(f"{path}: unknown option '{key}'")
+            flags = sorted(option.replace("_", "-") for option in known - {"config"})
+            alias = SAMPLING_FIELD_ALIASES.get(name, "").replace("_", "-")  # vLLM's max_tokens
+            close = [alias] if alias in flags else difflib.get_close_matches(str(key).replace("_", "-"), flags, n=1)
+            raise BatchgenError(f"{path}: unknown option '{key}'" + (f" (did you mean '{close[0]}'?)" if close else ""))
         defaults[name] = item
     return defaults
 
 
 def check_config_value(path: Path, name: str, value: Any, hint: Any) -> None:
-    """Refuse a YAML value that click would convert to something else than was meant, for option ``name`` declared
-    ``hint``: a number or mapping where it takes text (``stop: 5``; quoted, it is the text), ``true``/``false``
-    where it takes no switch (click reads ``true`` as 1 or ``"True"``).
+    """Refuse a YAML value of option ``name`` (declared ``hint``) that is not one: a number or mapping where it takes
+    text (``stop: 5``; quoted, it is the text; click would read it as ``"5"``), ``true``/``false`` where it takes no
+    switch (click reads ``true`` as 1 or ``"True"``), a value that converts to no number where one is taken.
 
     Raises:
-        BatchgenError: ``FILE: option 'stop': takes text, got 5 (quote a value meant as text)``.
+        BatchgenError: ``FILE: option 'stop': takes text, got 5 (quote a value meant as text)``,
+            ``FILE: option 'temperature': must be a number, got "hot"``.
     """
     option, items = name.replace("_", "-"), value if isinstance(value, list) else [value]
     base = _base(hint)
@@ -60,6 +66,8 @@ def check_config_value(path: Path, name: str, value: Any, hint: Any) -> None:
         raise BatchgenError(f"{path}: option '{option}': takes {what}, got {shown_value(value)}{quote}")
     if base is not bool and any(isinstance(v, bool) for v in items):
         raise BatchgenError(f"{path}: option '{option}': takes no true/false value, got {shown_value(value)}")
+    if any((problem := type_problem(_converted(v, base), base)) is not None for v in items):
+        raise BatchgenError(f"{path}: option '{option}': must be {problem}, got {shown_value(value)}")
 
 
 def config_options(path: Path) -> dict[str, Any]:

@@ -90,7 +90,7 @@ def _checked(name: str, value: Any, hint: Any) -> Any:
         optional = hint is not bool
         if value is not None or not optional:
             raise BatchgenError(f"--{flag}: must be True or False{' or None' * optional}, got {value!r}")
-    elif (problem := _type_problem(value, hint)) is not None:
+    elif (problem := type_problem(value, hint)) is not None:
         raise BatchgenError(
             f"--{flag}: must be {problem}, got {shown_value(list(value) if isinstance(value, tuple) else value)}"
         )
@@ -104,12 +104,12 @@ def _checked(name: str, value: Any, hint: Any) -> Any:
     return value
 
 
-def _type_problem(value: Any, annotation: Any) -> str | None:
+def type_problem(value: Any, annotation: Any) -> str | None:
     """What ``value`` should be for an option declared ``annotation`` (``"an integer"``), or ``None`` if it is that:
     numpy's numbers count as numbers, a bool as no number, a float as no integer; ``X | None`` takes ``None``."""
     optional = [arg for arg in get_args(annotation) if arg is not type(None)]
     if len(optional) < len(get_args(annotation)):
-        return None if value is None else _type_problem(value, optional[0])
+        return None if value is None else type_problem(value, optional[0])
     if annotation is int:
         return None if isinstance(value, numbers.Integral) and not isinstance(value, bool) else "an integer"
     if annotation is float:
@@ -119,6 +119,6 @@ def _type_problem(value: Any, annotation: Any) -> str | None:
     if annotation is str:
         return None if isinstance(value, str) else "a string"
     item = get_args(annotation)[0]
-    if isinstance(value, tuple) and all(_type_problem(v, item) is None for v in value):
+    if isinstance(value, tuple) and all(type_problem(v, item) is None for v in value):
         return None
     return "a string or a list of strings" if item is str else "a list of integers"

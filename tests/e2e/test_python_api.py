@@ -382,7 +382,9 @@ def test_run_takes_a_config_file_as_the_command_line_does(chat_model: Path, tmp_
     assert recorded[0] == recorded[1]
     assert json.loads(recorded[0])["stop"] == ["\n"] and json.loads(recorded[0])["temperature"] == 0.7
     config.write_text("max-new-tokns: 5\n")
-    with pytest.raises(BatchgenError, match=f"^{config}: unknown option 'max-new-tokns'$"):
+    with pytest.raises(
+        BatchgenError, match=rf"^{config}: unknown option 'max-new-tokns' \(did you mean 'max-new-tokens'\?\)$"
+    ):
         batchgen.run(dataset, api_out, config=config, model=str(chat_model), overwrite=True)
 
 
