@@ -122,7 +122,8 @@ class BatchgenCommand(TyperCommand):
         for param in self.get_params(ctx):
             name = (param.name or "").upper()
             if isinstance(param, TyperArgument):
-                pieces.append(f"{name}..." if param.nargs == -1 else name)
+                piece = f"{name}..." if param.nargs == -1 else name
+                pieces.append(piece if param.required else f"[{piece}]")
             elif param.required:
                 flag = max(param.opts, key=len)
                 pieces.append(flag if getattr(param, "is_flag", False) else f"{flag} {name}")

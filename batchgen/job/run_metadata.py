@@ -44,31 +44,20 @@ def run_metadata(
     return {"batchgen.version": __version__} | _settings(options, defaults, input_options, model_facts)
 
 
-def check_finished_settings(
-    dataset: Path,
-    out: Path,
-    options: EngineOptions,
-    defaults: SamplingParams,
-    input_options: InputOptions,
-    force: bool,
-) -> None:
-    """Before ``--resume`` leaves the complete output ``out`` as it is: refuse when this run's settings differ from
-    those of the run that wrote it (model, dtype, seed, sampling defaults...: :func:`job_differences`), since the user
-    asked for rows this output does not hold; with ``force``, warn and keep it. Compared without loading the model:
-    a ``--dtype`` or ``--deterministic`` this run leaves to the model is taken to be the recorded one. JSON Lines
-    outputs record no settings: they pass, with a warning that they cannot be checked.
+def settings_differences(
+    dataset: Path, out: Path, options: EngineOptions, defaults: SamplingParams, input_options: InputOptions
+) -> list[str] | None:
+    """How the settings of a run with ``options``, ``defaults`` and ``input_options`` differ from those the
+    finished output ``out`` records (model, dtype, seed, sampling defaults...: :func:`job_differences`), as
+    ``what old → new`` phrases; ``None`` for a JSON Lines output, which records none. Compared without loading the
+    model: a ``--dtype`` or ``--deterministic`` left to the model is taken to be the recorded one; the dataset is
+    not compared (its rows are checked by id and digest).
 
     Raises:
-        BatchgenError: ``out`` cannot be read, or settings differ (one line naming each), unless ``force``.
+        BatchgenError: ``out`` cannot be read.
     """
     if out.suffix.lower() == ".jsonl":
-        warning = (
-            f"batchgen: warning: {out} is JSON Lines, which records nothing of the run that wrote it: --resume cannot "
-            "check its settings against this run's, nor its error rows against the dataset (an .arrow or .parquet "
-            "output can be checked); it is left as it is"
-        )
-        print(warning, file=sys.stderr)
-        return
+        return None
     try:
         schema, _ = finished_batches(out, ["id"])
     except (OSError, pa.ArrowException) as e:
@@ -80,10 +69,36 @@ def check_finished_settings(
         model_facts["batchgen.dtype"] = options.dtype
     if options.deterministic is not None:
         model_facts["batchgen.deterministic"] = str(options.deterministic).lower()
-    # The rows were checked against the dataset as it is now (check_nothing_left): it is not compared again.
     same_dataset = {DATASET_KEY: fingerprint_dataset(dataset).to_json()}
     now = _settings(options, defaults, input_options, model_facts)
-    differences = job_differences(recorded | same_dataset, now | same_dataset)
+    return job_differences(recorded | same_dataset, now | same_dataset)
+
+
+def check_finished_settings(
+    dataset: Path,
+    out: Path,
+    options: EngineOptions,
+    defaults: SamplingParams,
+    input_options: InputOptions,
+    force: bool,
+) -> None:
+    """Before ``--resume`` leaves the complete output ``out`` as it is: refuse when this run's settings differ from
+    those of the run that wrote it (:func:`settings_differences`), since the user asked for rows this output does not
+    hold; with ``force``, warn and keep it. JSON Lines outputs record no settings: they pass, with a warning that they
+    cannot be checked.
+
+    Raises:
+        BatchgenError: ``out`` cannot be read, or settings differ (one line naming each), unless ``force``.
+    """
+    differences = settings_differences(dataset, out, options, defaults, input_options)
+    if differences is None:
+        warning = (
+            f"batchgen: warning: {out} is JSON Lines, which records nothing of the run that wrote it: --resume cannot "
+            "check its settings against this run's, nor its error rows against the dataset (an .arrow or .parquet "
+            "output can be checked); it is left as it is"
+        )
+        print(warning, file=sys.stderr)
+        return
     if not differences:
         return
     if not force:

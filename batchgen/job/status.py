@@ -28,7 +28,9 @@ from batchgen.io.partial_output import PartialOutput, partial_dir
 from batchgen.io.reader import count_input_rows
 from batchgen.io.reopen import finished_batches
 from batchgen.job.resume import check_finished_rows
-from batchgen.job.run_metadata import DATASET_KEY
+from batchgen.job.run_metadata import DATASET_KEY, settings_differences
+from batchgen.loop.options import EngineOptions
+from batchgen.sampling.sampling_params import SamplingParams
 
 # What every row of a batchgen output has (an OpenAI Batch output line's, as result_fields reads it).
 _RESULT_FIELDS = ("id", "sample_index", "finish_reason")
@@ -50,6 +52,9 @@ class OutputStatus:
     # A finished output's rows that --resume would not keep as they are: rows whose input row changed since, and
     # error rows of a dataset that changed (their rows may be fixed).
     stale: int = 0
+    # How the run's settings (a --config's) differ from those the finished output records; empty when the same or
+    # not compared.
+    other_settings: tuple[str, ...] = ()
 
     @property
     def remaining(self) -> int:
@@ -58,7 +63,7 @@ class OutputStatus:
     @property
     def complete(self) -> bool:
         """Whether ``out`` is a finished output that holds a row for every row of the dataset as it is now."""
-        return self.state == "complete" and not self.remaining and not self.stale
+        return self.state == "complete" and not self.remaining and not self.stale and not self.other_settings
 
     def lines(self) -> list[str]:
         """``OUT: STATE: D of T rows done, R remaining, E errored``, then one line per note."""
@@ -66,6 +71,8 @@ class OutputStatus:
         state = "finished with rows missing" if self.state == "complete" and self.remaining else self.state
         if self.state == "complete" and not self.remaining and self.stale:
             state = "finished from rows changed since"
+        elif self.state == "complete" and not self.remaining and self.other_settings:
+            state = "finished with other settings"
         line = f"{self.out}: {state}: {self.done} of {self.total} rows done, {self.remaining} remaining, "
         line += f"{self.errored} errored"
         if self.state == "complete" and self.remaining:
@@ -82,9 +89,16 @@ class OutputStatus:
         return [line, *(f"{self.out}: note: {note}" for note in notes)]
 
 
-def read_output_status(dataset: Path, out: Path, options: InputOptions | None = None) -> OutputStatus:
+def read_output_status(
+    dataset: Path,
+    out: Path,
+    options: InputOptions | None = None,
+    settings: tuple[EngineOptions, SamplingParams] | None = None,
+) -> OutputStatus:
     """Rows done, remaining and errored of the run from ``dataset`` to ``out``, with notes on a changed dataset
     and damaged part files; the dataset's ids read with the column ``options`` (``None``: those ``out`` records).
+    With a run's ``settings`` (engine options and sampling defaults, with ``options``: a ``--config``'s), a
+    finished output is compared with them as ``--resume`` compares it (:func:`settings_differences`).
 
     Raises:
         BatchgenError: the dataset or the output cannot be read.
@@ -135,7 +149,18 @@ def read_output_status(dataset: Path, out: Path, options: InputOptions | None = 
         stale = _changed_rows(dataset, out, list(sample_ids), digests.decode(), options, notes) + errored
         if errored:
             notes.append(f"the dataset changed: --resume checks {out}'s {counted(errored, 'error row')} again")
-    return OutputStatus(dataset, out, state, done, total, errored, notes, changes, stale)
+    other: list[str] = []
+    if state == "complete" and settings is not None:
+        found = settings_differences(dataset, out, *settings, options or InputOptions())
+        if found is None:
+            notes.append(f"{out} is JSON Lines, which records no settings: not compared with the run's")
+        elif found:
+            other = found
+            notes.append(
+                f"{out} was made with other settings than the run's ({'; '.join(found)}): --resume refuses it "
+                "(--overwrite runs the dataset again, --resume-force keeps it)"
+            )
+    return OutputStatus(dataset, out, state, done, total, errored, notes, changes, stale, tuple(other))
 
 
 def _changed_rows(

@@ -151,7 +151,7 @@ def test_run_help_lists_every_option(columns: int, monkeypatch: pytest.MonkeyPat
         ("run", "[OPTIONS] DATASET --out OUT"),
         ("bench", "[OPTIONS] --model MODEL"),
         ("bench-one-batch", "[OPTIONS] --model MODEL"),
-        ("status", "[OPTIONS] DATASET OUT"),
+        ("status", "[OPTIONS] [DATASET] [OUT]"),  # or --config's dataset and out
     ],
 )
 def test_usage_line_names_the_required_options(command: str, usage: str) -> None:

@@ -696,6 +696,35 @@ def test_status_counts_every_error_row_of_an_id_and_a_finished_output_of_changed
     assert code == 2 and "1 row of" in output and "changed in" in output
 
 
+def test_status_with_the_run_s_config_compares_its_settings(model: Path, tmp_path: Path) -> None:
+    """Found by a new user: a nightly script asked status whether to run, but status took no --config and looked at
+    rows only, so after the config's max-new-tokens changed it said "complete" (exit 0) and the job was skipped,
+    where --resume refuses the output. With --config its dataset and out are the defaults, and its settings are
+    compared as --resume compares them."""
+    dataset = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "prompt_token_ids": [0, 5]} for i in ("a", "b")])
+    out = tmp_path / "out.arrow"
+    config = tmp_path / "job.yaml"
+    config.write_text(f"dataset: {dataset}\nout: {out}\nmodel: {model}\ndevice: cpu\nmax-new-tokens: 3\n")
+    assert run_cli(["run", "--config", str(config), "--no-progress"])[0] == 0
+    code, output = run_cli(["status", "--config", str(config)])
+    assert (code, output) == (0, f"{out}: complete: 2 of 2 rows done, 0 remaining, 0 errored\n")
+    config.write_text(config.read_text().replace("max-new-tokens: 3", "max-new-tokens: 2"))
+    code, output = run_cli(["status", "--config", str(config)])
+    assert code == 1 and output.splitlines() == [
+        f"{out}: finished with other settings: 2 of 2 rows done, 0 remaining, 0 errored",
+        f"{out}: note: {out} was made with other settings than the run's (max_new_tokens 3 → 2): --resume refuses it "
+        "(--overwrite runs the dataset again, --resume-force keeps it)",
+    ]
+    code, output = run_cli(["run", "--config", str(config), "--no-progress", "--resume"])
+    assert code == 2 and "max_new_tokens 3 → 2" in output
+    assert run_cli(["status", str(dataset), str(out)])[0] == 0  # without the config: rows only
+    code, output = run_cli(["status"])
+    assert (code, output) == (
+        2,
+        "batchgen: error: status needs DATASET and OUT, as arguments or as the keys of its --config\n",
+    )
+
+
 def test_a_finished_output_lacking_an_id_is_not_complete_whatever_its_row_count(model: Path, tmp_path: Path) -> None:
     """Remaining rows are counted by id (found by a new user: with row b replaced by c, a finished JSONL output of
     a and b counted 2 of 2 rows done, and --resume said it was complete, c never generated)."""
