@@ -26,8 +26,8 @@ class BatchgenError(Exception):
 
 
 class OutputError(BatchgenError):
-    """Writing the output failed after rows were kept in its partial output, and the message says how to go on
-    (``--resume``), so the run adds no word of its own about the rows kept."""
+    """The partial output cannot take this run's rows (a write failed, another run changed it), and the message says
+    how to go on (``--resume``), so the run adds no word of its own about the rows kept."""
 
 
 class RowError(BatchgenError):

@@ -7,16 +7,14 @@ same run from either.
 
 from __future__ import annotations
 
-import difflib
 from pathlib import Path
 from typing import Any, get_args, get_origin, get_type_hints
 
 import yaml
 
-from batchgen.api.options import OPTION_CLASSES, declared_options, options_of, type_problem
+from batchgen.api.options import OPTION_CLASSES, declared_options, near_name, options_of, type_problem
 from batchgen.errors import BatchgenError, shown_value
 from batchgen.io.input_options import apply_escapes
-from batchgen.sampling.sampling_params import SAMPLING_FIELD_ALIASES
 
 # What click's boolean type reads as true or false (a flag's text, a config file's quoted value).
 _TRUE, _FALSE = {"1", "true", "t", "yes", "y", "on"}, {"0", "false", "f", "no", "n", "off"}
@@ -41,24 +39,27 @@ def read_config(path: Path, known: set[str]) -> dict[str, Any]:
     for key, item in data.items():
         name = str(key).replace("-", "_")
         if name not in known or name == "config":
-            flags = sorted(option.replace("_", "-") for option in known - {"config"})
-            alias = SAMPLING_FIELD_ALIASES.get(name, "").replace("_", "-")  # vLLM's max_tokens
-            close = [alias] if alias in flags else difflib.get_close_matches(str(key).replace("_", "-"), flags, n=1)
-            raise BatchgenError(f"{path}: unknown option '{key}'" + (f" (did you mean '{close[0]}'?)" if close else ""))
+            near = near_name(name, known - {"config"})
+            hint = f" (did you mean '{near.replace('_', '-')}'?)" if near else ""
+            raise BatchgenError(f"{path}: unknown option '{key}'{hint}")
         defaults[name] = item
     return defaults
 
 
 def check_config_value(path: Path, name: str, value: Any, hint: Any) -> None:
-    """Refuse a YAML value of option ``name`` (declared ``hint``) that is not one: a number or mapping where it takes
-    text (``stop: 5``; quoted, it is the text; click would read it as ``"5"``), ``true``/``false`` where it takes no
-    switch (click reads ``true`` as 1 or ``"True"``), a value that converts to no number where one is taken.
+    """Refuse a YAML value of option ``name`` (declared ``hint``; ``str`` for the ``dataset`` and ``out`` paths) that
+    is not one: a list where it takes one value (click would read ``["{prompt}"]`` as the text ``"['{prompt}']"``),
+    a number or mapping where it takes text (``stop: 5``; quoted, it is the text), ``true``/``false`` where it takes
+    no switch (click reads ``true`` as 1 or ``"True"``), a value that converts to no number where one is taken.
 
     Raises:
         BatchgenError: ``FILE: option 'stop': takes text, got 5 (quote a value meant as text)``,
-            ``FILE: option 'temperature': must be a number, got "hot"``.
+            ``FILE: option 'temperature': must be a number, got "hot"``, ``FILE: option 'n': takes one value, got
+            [2]``.
     """
     option, items = name.replace("_", "-"), value if isinstance(value, list) else [value]
+    if isinstance(value, list) and get_origin(hint) is not tuple:
+        raise BatchgenError(f"{path}: option '{option}': takes one value, got {shown_value(value)}")
     base = _base(hint)
     if base is str and not all(isinstance(v, str) for v in items):
         what = "no true/false value" if any(isinstance(v, bool) for v in items) else "text"
@@ -86,10 +87,12 @@ def config_options(path: Path) -> dict[str, Any]:
     values = read_config(path, {*hints, "dataset", "out"})
     options: dict[str, Any] = {}
     for name, value in values.items():
-        if value is None or name in ("dataset", "out"):
-            options.update({} if value is None else {name: value})
+        if value is None:
             continue
-        check_config_value(path, name, value, hints[name])
+        check_config_value(path, name, value, hints.get(name, str))
+        if name in ("dataset", "out"):
+            options[name] = value
+            continue
         if get_origin(hints[name]) is tuple:
             value = [_converted(item, _base(hints[name])) for item in (value if isinstance(value, list) else [value])]
             value = [apply_escapes(item) for item in value] if name in escapes else value

@@ -48,10 +48,17 @@ def check_option_names(
     unknown = next((name for name in given if name not in known), None)
     if unknown is None:
         return
-    alias = SAMPLING_FIELD_ALIASES.get(unknown)
-    close = [alias] if alias in known else difflib.get_close_matches(unknown, sorted(known), n=1)
-    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    near = near_name(unknown, known)
+    hint = f" (did you mean '{near}'?)" if near else ""
     raise TypeError(f"{caller}() got an unexpected keyword argument '{unknown}'{hint}")
+
+
+def near_name(name: str, known: Collection[str]) -> str | None:
+    """The option of ``known`` (Python names) that ``name`` was probably meant to be: the one a row field's alias
+    stands for (vLLM's ``max_tokens``), else a near spelling; ``None`` for neither."""
+    alias = SAMPLING_FIELD_ALIASES.get(name)
+    close = [alias] if alias in known else difflib.get_close_matches(name, sorted(known), n=1)
+    return close[0] if close else None
 
 
 def options_of(cls: type[T], given: Mapping[str, Any], **fixed: Any) -> T:

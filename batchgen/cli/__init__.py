@@ -43,10 +43,11 @@ def hold_startup_interrupts() -> None:
             signal.signal(sig, _stopped_while_starting)
 
 
-def release_startup_interrupts() -> None:
+def release_startup_interrupts(still_starting: bool = False) -> None:
     """From here a Ctrl-C raises KeyboardInterrupt again, for the command's own handling: called as a command
-    starts. SIGTERM and SIGHUP still end it with one line until a run installs its own handlers."""
+    starts. SIGTERM and SIGHUP still end it with one line until a run installs its own handlers, saying "while
+    starting" where ``still_starting`` (the command's start-up goes on: a run's model load)."""
     global _starting
-    _starting = False
+    _starting = still_starting
     if signal.getsignal(signal.SIGINT) is _stopped_while_starting:
         signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -26,8 +26,8 @@ def load_config(ctx: typer.Context, _param: typer.CallbackParam, value: Path | N
         for name, item in defaults.items():
             if item is None:
                 continue  # null: the option's own default
-            if name in _HINTS:
-                check_config_value(value, name, item, _HINTS[name])
+            if name in _HINTS or name in ("dataset", "out"):
+                check_config_value(value, name, item, _HINTS.get(name, str))
             if params[name].multiple and not isinstance(item, list):
                 item = defaults[name] = [item]  # `stop: "."`: one value of a repeatable option, as on a row
             # Converted here, so that a bad value names the file; click would name only the option.

@@ -27,12 +27,13 @@ from batchgen.io.input_options import apply_escapes
 
 
 def with_options(
-    only: Collection[str] | None = None, required: Collection[str] = ()
+    only: Collection[str] | None = None, required: Collection[str] = (), starts_until_its_handlers: bool = False
 ) -> Callable[[Callable[..., None]], Callable[..., None]]:
     """Decorate a Typer command whose parameters include options objects (annotated with one of
     :data:`OPTION_CLASSES`): each such parameter becomes the flags of its class's declared fields (only those named
     in ``only``, when given; the others keep their defaults), and the command receives the built object.
-    ``required`` names fields that become required flags (no default)."""
+    ``required`` names fields that become required flags (no default). ``starts_until_its_handlers``: a SIGTERM
+    before the command puts its own handlers in place is one "while starting" (``run``: until rows run)."""
 
     def decorate(func: Callable[..., None]) -> Callable[..., None]:
         hints = get_type_hints(func)
@@ -52,7 +53,7 @@ def with_options(
 
         @functools.wraps(func)
         def command(**values: Any) -> None:
-            release_startup_interrupts()
+            release_startup_interrupts(still_starting=starts_until_its_handlers)
             for name, (cls, names) in groups.items():
                 given = {n: values.pop(n) for n in names}
                 values[name] = cls(**{n: tuple(v) if isinstance(v, list) else v for n, v in given.items()})

@@ -20,7 +20,7 @@ from batchgen.loop.options import EngineOptions
 from batchgen.sampling.sampling_params import SamplingParams
 
 
-@with_options()
+@with_options(starts_until_its_handlers=True)
 def run(
     ctx: typer.Context,
     dataset: Path = typer.Argument(

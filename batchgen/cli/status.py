@@ -29,6 +29,7 @@ def status(
     from batchgen.api.config_file import config_options
     from batchgen.api.options import options_of
     from batchgen.io.input_options import InputOptions
+    from batchgen.job.options import JobOptions
     from batchgen.job.status import read_output_status
     from batchgen.loop.options import EngineOptions
     from batchgen.sampling.sampling_params import SamplingParams
@@ -44,8 +45,8 @@ def status(
                 found = read_output_status(Path(dataset), Path(out))
             else:
                 settings = options_of(EngineOptions, values), options_of(SamplingParams, values)
-                columns = options_of(InputOptions, values)
-                found = read_output_status(Path(dataset), Path(out), columns, settings)
+                columns, force = options_of(InputOptions, values), options_of(JobOptions, values).resume_force
+                found = read_output_status(Path(dataset), Path(out), columns, settings, force)
         except KeyboardInterrupt:  # Typer would end it with no word; status only reads, nothing to flush
             print("batchgen: interrupted", file=sys.stderr)
             raise typer.Exit(128 + signal.SIGINT) from None

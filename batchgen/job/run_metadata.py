@@ -44,14 +44,8 @@ def run_metadata(
     return {"batchgen.version": __version__} | _settings(options, defaults, input_options, model_facts)
 
 
-def settings_differences(
-    dataset: Path, out: Path, options: EngineOptions, defaults: SamplingParams, input_options: InputOptions
-) -> list[str] | None:
-    """How the settings of a run with ``options``, ``defaults`` and ``input_options`` differ from those the
-    finished output ``out`` records (model, dtype, seed, sampling defaults...: :func:`job_differences`), as
-    ``what old → new`` phrases; ``None`` for a JSON Lines output, which records none. Compared without loading the
-    model: a ``--dtype`` or ``--deterministic`` left to the model is taken to be the recorded one; the dataset is
-    not compared (its rows are checked by id and digest).
+def recorded_settings(out: Path) -> dict[str, str] | None:
+    """The metadata the finished output ``out`` records, by key; ``None`` for JSON Lines, which records none.
 
     Raises:
         BatchgenError: ``out`` cannot be read.
@@ -62,7 +56,20 @@ def settings_differences(
         schema, _ = finished_batches(out, ["id"])
     except (OSError, pa.ArrowException) as e:
         raise BatchgenError(f"{out}: cannot read results ({e})") from None
-    recorded = {k.decode(): v.decode() for k, v in (schema.metadata or {}).items()}
+    return {k.decode(): v.decode() for k, v in (schema.metadata or {}).items()}
+
+
+def settings_differences(
+    dataset: Path,
+    recorded: dict[str, str],
+    options: EngineOptions,
+    defaults: SamplingParams,
+    input_options: InputOptions,
+) -> list[str]:
+    """How the settings of a run with ``options``, ``defaults`` and ``input_options`` differ from those an output
+    ``recorded`` (model, dtype, seed, sampling defaults...: :func:`job_differences`), as ``what old → new``
+    phrases. Compared without loading the model: a ``--dtype`` or ``--deterministic`` left to the model is taken to
+    be the recorded one; the dataset is not compared (its rows are checked by id and digest)."""
     model_facts = {key: recorded[key] for key in _MODEL_FACTS if key in recorded}
     model_facts["batchgen.kernel_switches"] = json.dumps(kernel_switches().as_metadata())  # the environment's
     if options.dtype != "auto":
@@ -90,8 +97,8 @@ def check_finished_settings(
     Raises:
         BatchgenError: ``out`` cannot be read, or settings differ (one line naming each), unless ``force``.
     """
-    differences = settings_differences(dataset, out, options, defaults, input_options)
-    if differences is None:
+    recorded = recorded_settings(out)
+    if recorded is None:
         warning = (
             f"batchgen: warning: {out} is JSON Lines, which records nothing of the run that wrote it: --resume cannot "
             "check its settings against this run's, nor its error rows against the dataset (an .arrow or .parquet "
@@ -99,6 +106,7 @@ def check_finished_settings(
         )
         print(warning, file=sys.stderr)
         return
+    differences = settings_differences(dataset, recorded, options, defaults, input_options)
     if not differences:
         return
     if not force:

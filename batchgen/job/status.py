@@ -52,9 +52,9 @@ class OutputStatus:
     # A finished output's rows that --resume would not keep as they are: rows whose input row changed since, and
     # error rows of a dataset that changed (their rows may be fixed).
     stale: int = 0
-    # How the run's settings (a --config's) differ from those the finished output records; empty when the same or
-    # not compared.
+    # How the run's settings (a --config's) differ from those the output records; empty when the same or not compared.
     other_settings: tuple[str, ...] = ()
+    force: bool = False  # the run's --resume-force keeps what is there, whatever changed
 
     @property
     def remaining(self) -> int:
@@ -63,16 +63,17 @@ class OutputStatus:
     @property
     def complete(self) -> bool:
         """Whether ``out`` is a finished output that holds a row for every row of the dataset as it is now."""
-        return self.state == "complete" and not self.remaining and not self.stale and not self.other_settings
+        return (
+            self.state == "complete" and not self.remaining and (self.force or not (self.stale or self.other_settings))
+        )
 
     def lines(self) -> list[str]:
         """``OUT: STATE: D of T rows done, R remaining, E errored``, then one line per note."""
         # A finished output file that lacks rows is not "complete", though nothing is in progress.
         state = "finished with rows missing" if self.state == "complete" and self.remaining else self.state
-        if self.state == "complete" and not self.remaining and self.stale:
-            state = "finished from rows changed since"
-        elif self.state == "complete" and not self.remaining and self.other_settings:
-            state = "finished with other settings"
+        if self.state == "complete" and not self.remaining and not self.force:
+            state = "finished from rows changed since" if self.stale else state
+            state = "finished with other settings" if self.other_settings and not self.stale else state
         line = f"{self.out}: {state}: {self.done} of {self.total} rows done, {self.remaining} remaining, "
         line += f"{self.errored} errored"
         if self.state == "complete" and self.remaining:
@@ -94,11 +95,13 @@ def read_output_status(
     out: Path,
     options: InputOptions | None = None,
     settings: tuple[EngineOptions, SamplingParams] | None = None,
+    force: bool = False,
 ) -> OutputStatus:
     """Rows done, remaining and errored of the run from ``dataset`` to ``out``, with notes on a changed dataset
     and damaged part files; the dataset's ids read with the column ``options`` (``None``: those ``out`` records).
-    With a run's ``settings`` (engine options and sampling defaults, with ``options``: a ``--config``'s), a
-    finished output is compared with them as ``--resume`` compares it (:func:`settings_differences`).
+    With a run's ``settings`` (engine options and sampling defaults, with ``options``: a ``--config``'s), the
+    output is compared with them as ``--resume`` compares it (:func:`settings_differences`); with ``force``
+    (``--resume-force``) what differs is noted but counts as kept, as ``--resume-force`` keeps it.
 
     Raises:
         BatchgenError: the dataset or the output cannot be read.
@@ -150,17 +153,15 @@ def read_output_status(
         if errored:
             notes.append(f"the dataset changed: --resume checks {out}'s {counted(errored, 'error row')} again")
     other: list[str] = []
-    if state == "complete" and settings is not None:
-        found = settings_differences(dataset, out, *settings, options or InputOptions())
-        if found is None:
-            notes.append(f"{out} is JSON Lines, which records no settings: not compared with the run's")
-        elif found:
-            other = found
-            notes.append(
-                f"{out} was made with other settings than the run's ({'; '.join(found)}): --resume refuses it "
-                "(--overwrite runs the dataset again, --resume-force keeps it)"
-            )
-    return OutputStatus(dataset, out, state, done, total, errored, notes, changes, stale, tuple(other))
+    if settings is not None and state != "not started":
+        if not metadata:
+            notes.append(f"{out} records no settings (JSON Lines): not compared with the run's")
+        written = {k.decode(): v.decode() for k, v in metadata.items()}
+        other = settings_differences(dataset, written, *settings, options or InputOptions()) if metadata else []
+        if other:
+            then = "--resume-force keeps it" if force else "--resume refuses it unless --resume-force"
+            notes.append(f"{out} was made with other settings than the run's ({'; '.join(other)}): {then}")
+    return OutputStatus(dataset, out, state, done, total, errored, notes, changes, stale, tuple(other), force)
 
 
 def _changed_rows(

@@ -239,6 +239,35 @@ def test_ctrl_c_while_the_model_loads_is_one_line_and_130(tmp_path: Path) -> Non
     assert not (tmp_path / "o.arrow").exists()
 
 
+_SIGTERM_WHILE_LOADING = """
+import os, signal, sys, time
+from batchgen.loop import engine
+def load(*args, **kwargs):  # a scheduler's SIGTERM while the model loads, before the job's handlers
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(60)
+engine.Engine.__init__ = load
+from batchgen.cli.entry import main
+main()
+"""
+
+
+def test_sigterm_while_the_model_loads_is_one_line_and_143(tmp_path: Path) -> None:
+    dataset = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "hi"}])
+    result = subprocess.run(
+        [sys.executable, "-c", _SIGTERM_WHILE_LOADING, "run", str(dataset), "--out", str(tmp_path / "o.arrow")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env={**os.environ, "OMP_NUM_THREADS": "2"},
+    )
+    assert (result.returncode, result.stderr, result.stdout) == (
+        143,
+        "batchgen: stopped by SIGTERM while starting\n",
+        "",
+    )
+
+
 def test_python_m_batchgen_help() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "batchgen", "--help"], capture_output=True, text=True, timeout=300, check=False

@@ -696,7 +696,9 @@ def test_status_counts_every_error_row_of_an_id_and_a_finished_output_of_changed
     assert code == 2 and "1 row of" in output and "changed in" in output
 
 
-def test_status_with_the_run_s_config_compares_its_settings(model: Path, tmp_path: Path) -> None:
+def test_status_with_the_run_s_config_compares_its_settings(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Found by a new user: a nightly script asked status whether to run, but status took no --config and looked at
     rows only, so after the config's max-new-tokens changed it said "complete" (exit 0) and the job was skipped,
     where --resume refuses the output. With --config its dataset and out are the defaults, and its settings are
@@ -710,18 +712,50 @@ def test_status_with_the_run_s_config_compares_its_settings(model: Path, tmp_pat
     assert (code, output) == (0, f"{out}: complete: 2 of 2 rows done, 0 remaining, 0 errored\n")
     config.write_text(config.read_text().replace("max-new-tokens: 3", "max-new-tokens: 2"))
     code, output = run_cli(["status", "--config", str(config)])
+    note = f"{out}: note: {out} was made with other settings than the run's (max_new_tokens 3 → 2): --resume"
     assert code == 1 and output.splitlines() == [
         f"{out}: finished with other settings: 2 of 2 rows done, 0 remaining, 0 errored",
-        f"{out}: note: {out} was made with other settings than the run's (max_new_tokens 3 → 2): --resume refuses it "
-        "(--overwrite runs the dataset again, --resume-force keeps it)",
+        f"{note} refuses it unless --resume-force",
     ]
     code, output = run_cli(["run", "--config", str(config), "--no-progress", "--resume"])
     assert code == 2 and "max_new_tokens 3 → 2" in output
+    # With resume-force in the config, --resume keeps it: so does status (found by a review).
+    forced = tmp_path / "forced.yaml"
+    forced.write_text(config.read_text() + "resume-force: true\n")
+    code, output = run_cli(["status", "--config", str(forced)])
+    assert (code, output.splitlines()) == (
+        0,
+        [f"{out}: complete: 2 of 2 rows done, 0 remaining, 0 errored", f"{note}-force keeps it"],
+    )
+    assert run_cli(["run", "--config", str(forced), "--no-progress", "--resume"])[0] == 0
+    # A config value that is no path is one line, exit 2 (it was a traceback and exit 1).
+    forced.write_text("dataset: 5\nout: x.arrow\n")
+    code, output = run_cli(["status", "--config", str(forced)])
+    assert (code, output) == (
+        2,
+        f"batchgen: error: {forced}: option 'dataset': takes text, got 5 (quote a value meant as text)\n",
+    )
     assert run_cli(["status", str(dataset), str(out)])[0] == 0  # without the config: rows only
     code, output = run_cli(["status"])
     assert (code, output) == (
         2,
         "batchgen: error: status needs DATASET and OUT, as arguments or as the keys of its --config\n",
+    )
+    # An interrupted run's partial output is compared too: --resume would refuse to continue it.
+    write_jsonl(dataset, [{"id": f"r{i}", "prompt_token_ids": [0, 5 + i]} for i in range(30)])
+    partial_out = tmp_path / "partial.arrow"
+    config.write_text(
+        config.read_text().replace(str(out), str(partial_out)) + "flush-every: 10\nmax-running-requests: 8\n"
+    )
+    with monkeypatch.context() as patch:
+        fail_part_write(patch, at=2)
+        assert run_cli(["run", "--config", str(config), "--no-progress"])[0] == 2
+    config.write_text(config.read_text().replace("max-new-tokens: 2", "max-new-tokens: 1"))
+    code, output = run_cli(["status", "--config", str(config)])
+    assert code == 1 and "in progress" in output.splitlines()[0]
+    assert output.splitlines()[-1] == (
+        f"{partial_out}: note: {partial_out} was made with other settings than the run's (max_new_tokens 2 → 1): "
+        "--resume refuses it unless --resume-force"
     )
 
 
