@@ -284,6 +284,25 @@ def test_a_signal_the_caller_ignores_stays_ignored(
     assert_same_rows(by_key(read_results(out).to_pylist()), reference)
 
 
+@pytest.mark.parametrize(
+    ("argv", "overwrite", "command"),
+    [
+        (["run", "--config", "job.yaml"], True, "batchgen run --config job.yaml --no-overwrite --resume"),
+        (["run", "d.jsonl", "-o", "o.arrow", "--overwrite"], True, "batchgen run d.jsonl -o o.arrow --resume"),
+        (["run", "--config", "job.yaml", "--resume"], False, "batchgen run --config job.yaml --resume"),
+    ],
+)
+def test_the_resume_command_runs_where_the_config_sets_overwrite(
+    argv: list[str], overwrite: bool, command: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a review: with overwrite: true in the config, the printed `batchgen run --config job.yaml --resume`
+    failed: --overwrite and --resume exclude each other."""
+    from batchgen.job.resume import resume_command
+
+    monkeypatch.setattr(sys, "argv", ["/usr/bin/batchgen", *argv])
+    assert resume_command(Path("d.jsonl"), Path("o.arrow"), overwrite) == command
+
+
 def test_stop_message_counts_rows_not_samples(model: Path, zygote: Zygote, tmp_path: Path) -> None:
     """With n = 3 a row is three requests: the stop message counts the rows that were flushed."""
     rows = [{"id": f"m{i}", "prompt_token_ids": [0, 5 + i, 9], "max_new_tokens": 24, "n": 3} for i in range(8)]
