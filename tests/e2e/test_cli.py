@@ -213,37 +213,12 @@ def test_a_signal_while_the_cli_starts_is_one_line_and_its_exit_status(
     assert (result.returncode, result.stderr, result.stdout) == (128 + sig.value, line, "")
 
 
-_CTRL_C_WHILE_LOADING = """
-import sys
-from batchgen.loop import engine
-def load(*args, **kwargs):  # loading a model takes seconds; a Ctrl-C lands there, before the job's handlers
-    raise KeyboardInterrupt
-engine.Engine.__init__ = load
-from batchgen.cli.entry import main
-main()
-"""
-
-
-def test_ctrl_c_while_the_model_loads_is_one_line_and_130(tmp_path: Path) -> None:
-    dataset = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "hi"}])
-    result = subprocess.run(
-        [sys.executable, "-c", _CTRL_C_WHILE_LOADING, "run", str(dataset), "--out", str(tmp_path / "o.arrow")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-        env={**os.environ, "OMP_NUM_THREADS": "2"},  # a chosen thread count: no busy-cores warning on a loaded CI
-    )
-    message = "batchgen: interrupted while starting, before any row ran\n"
-    assert (result.returncode, result.stderr, result.stdout) == (130, message, "")
-    assert not (tmp_path / "o.arrow").exists()
-
-
-_SIGTERM_WHILE_LOADING = """
+_SIGNAL_WHILE_LOADING = """
 import os, signal, sys, time
 from batchgen.loop import engine
-def load(*args, **kwargs):  # a scheduler's SIGTERM while the model loads, before the job's handlers
-    os.kill(os.getpid(), signal.SIGTERM)
+SIGNAL = signal.Signals[sys.argv.pop(1)]
+def load(*args, **kwargs):  # loading a model takes seconds; a Ctrl-C or SIGTERM lands there, before the job's handlers
+    os.kill(os.getpid(), SIGNAL)
     time.sleep(60)
 engine.Engine.__init__ = load
 from batchgen.cli.entry import main
@@ -251,21 +226,37 @@ main()
 """
 
 
-def test_sigterm_while_the_model_loads_is_one_line_and_143(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("sig", "line"),
+    [
+        (signal.SIGINT, "batchgen: interrupted while starting, before any row ran\n"),
+        (signal.SIGTERM, "batchgen: stopped by SIGTERM while starting\n"),  # a scheduler's: it said no more
+    ],
+    ids=["SIGINT", "SIGTERM"],
+)
+def test_a_signal_while_the_model_loads_is_one_line_and_its_exit_status(
+    tmp_path: Path, sig: signal.Signals, line: str
+) -> None:
     dataset = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "hi"}])
     result = subprocess.run(
-        [sys.executable, "-c", _SIGTERM_WHILE_LOADING, "run", str(dataset), "--out", str(tmp_path / "o.arrow")],
+        [
+            sys.executable,
+            "-c",
+            _SIGNAL_WHILE_LOADING,
+            sig.name,
+            "run",
+            str(dataset),
+            "--out",
+            str(tmp_path / "o.arrow"),
+        ],
         capture_output=True,
         text=True,
         timeout=300,
         check=False,
-        env={**os.environ, "OMP_NUM_THREADS": "2"},
+        env={**os.environ, "OMP_NUM_THREADS": "2"},  # a chosen thread count: no busy-cores warning on a loaded CI
     )
-    assert (result.returncode, result.stderr, result.stdout) == (
-        143,
-        "batchgen: stopped by SIGTERM while starting\n",
-        "",
-    )
+    assert (result.returncode, result.stderr, result.stdout) == (128 + sig.value, line, "")
+    assert not (tmp_path / "o.arrow").exists()
 
 
 def test_python_m_batchgen_help() -> None:

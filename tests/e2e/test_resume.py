@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -227,19 +227,27 @@ def slow_job(model: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Pat
     return dataset, by_key(read_results(work / "reference.arrow").to_pylist())
 
 
+def _start_slow_run(
+    dataset: Path, out: Path, model: Path, preexec_fn: Callable[[], None] | None = None
+) -> subprocess.Popen[str]:
+    """``python -m batchgen run`` of the slow job in a process of its own (stderr piped), ``preexec_fn`` run in it."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "batchgen", *args(dataset, out, model, *SLOW_FLAGS)],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **ONE_THREAD},
+        preexec_fn=preexec_fn,
+    )
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_stop_signal_flushes_prints_the_resume_command_and_resumes(
     sig: signal.Signals, slow_job: tuple[Path, dict[Key, dict[str, Any]]], model: Path, tmp_path: Path
 ) -> None:
     dataset, reference = slow_job
     out = tmp_path / "out.parquet"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "batchgen", *args(dataset, out, model, *SLOW_FLAGS)],
-        stderr=subprocess.PIPE,
-        stdout=subprocess.DEVNULL,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", **ONE_THREAD},
-    )
+    proc = _start_slow_run(dataset, out, model)
     wait_for_parts(out, 0, proc)
     proc.send_signal(sig)
     _, stderr = proc.communicate(timeout=120)
@@ -269,14 +277,7 @@ def test_a_signal_the_caller_ignores_stays_ignored(
     def ignore_hangups() -> None:
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "batchgen", *args(dataset, out, model, *SLOW_FLAGS)],
-        stderr=subprocess.PIPE,
-        stdout=subprocess.DEVNULL,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", **ONE_THREAD},
-        preexec_fn=ignore_hangups,
-    )
+    proc = _start_slow_run(dataset, out, model, ignore_hangups)
     wait_for_parts(out, 0, proc)
     proc.send_signal(signal.SIGHUP)
     _, stderr = proc.communicate(timeout=300)
