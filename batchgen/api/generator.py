@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import inspect
 import secrets
+import threading
+import time
 import weakref
 from collections.abc import Generator as PyGenerator
 from collections.abc import Iterable, Iterator
@@ -23,6 +26,7 @@ from batchgen.job.result_rows import error_row
 from batchgen.job.row_flow import RowChecks, RowFlow
 from batchgen.loop.engine import Engine
 from batchgen.loop.options import EngineOptions
+from batchgen.loop.req import Req
 from batchgen.sampling.sampling_params import SamplingParams
 from batchgen.speculative import make_drafter
 
@@ -32,15 +36,50 @@ Row = str | list[dict[str, Any]] | list[int] | dict[str, Any]
 # Streams not read to their end nor closed: closed at exit, while the modules their cleanup uses are still whole
 # (a script ending with a stream open printed "Exception ignored in: <generator object ...>" from the collector).
 _OPEN_STREAMS: weakref.WeakSet[PyGenerator[dict[str, Any], None, None]] = weakref.WeakSet()
+# At exit, calls running in other threads stop at their next round, and exit waits for them to end: a daemon thread
+# the interpreter stopped inside a round's C++ code aborted the process ("terminate called without an active
+# exception"). A stream is waited for through its frame; a generate call through this count. At most
+# _EXIT_WAIT_SECONDS in all: a stream may be waiting on its caller's rows rather than in a round.
+_EXIT_WAIT_SECONDS = 10.0
+_EXITING = threading.Event()
+_GENERATING = threading.Condition()
+_generate_calls = 0
+
+
+def _until_exit(rounds: Iterator[list[Req]]) -> Iterator[list[Req]]:
+    """``rounds``, ended before the next one once the interpreter is exiting."""
+    for finished in rounds:
+        yield finished
+        if _EXITING.is_set():
+            return
+
+
+@contextlib.contextmanager
+def _generate_call() -> Iterator[None]:
+    """Counts a :meth:`Generator.generate` call while it runs."""
+    global _generate_calls
+    with _GENERATING:
+        _generate_calls += 1
+    try:
+        yield
+    finally:
+        with _GENERATING:
+            _generate_calls -= 1
+            _GENERATING.notify_all()
 
 
 @atexit.register
-def _close_open_streams() -> None:
+def _stop_at_exit() -> None:
+    _EXITING.set()
+    deadline = time.monotonic() + _EXIT_WAIT_SECONDS
+    with _GENERATING:
+        _GENERATING.wait_for(lambda: _generate_calls == 0, timeout=_EXIT_WAIT_SECONDS)
     for stream in list(_OPEN_STREAMS):
-        # ValueError: another thread is inside it ("generator already executing"), a daemon thread the interpreter
-        # stops without ending; its requests end with the process.
-        with contextlib.suppress(ValueError):
+        try:
             stream.close()
+        except ValueError:  # another thread is inside it: it ends there after this round (its cleanup included)
+            while inspect.getgeneratorstate(stream) != inspect.GEN_CLOSED and time.monotonic() < deadline:
+                time.sleep(0.01)
 
 
 class Generator:
@@ -116,12 +155,13 @@ class Generator:
             requests.append(req)
         if bad and on_error == "fail":
             raise bad[0]
-        try:
-            for finished in flow.rounds(iter(requests)):
-                for req in finished:
-                    results[slot_of[req.rid]] += flow.result_rows(req)
-        finally:
-            self.engine.drop_all()  # after an exception (Ctrl-C): nothing of this call stays in the engine
+        with _generate_call():
+            try:
+                for finished in _until_exit(flow.rounds(iter(requests))):
+                    for req in finished:
+                        results[slot_of[req.rid]] += flow.result_rows(req)
+            finally:
+                self.engine.drop_all()  # after an exception (Ctrl-C): nothing of this call stays in the engine
         return [row for row_results in results for row in row_results]
 
     def stream(self, rows: Iterable[Row], *, on_error: str = "fail", **sampling: Any) -> Iterator[dict[str, Any]]:
@@ -157,7 +197,7 @@ class Generator:
             ready.append(_error_result(error, rid, passthrough))
 
         try:
-            for finished in flow.rounds(flow.requests(checks.checked(rows, bad_row), bad_row)):
+            for finished in _until_exit(flow.rounds(flow.requests(checks.checked(rows, bad_row), bad_row))):
                 for req in finished:
                     ready += flow.result_rows(req)
                 yield from ready
