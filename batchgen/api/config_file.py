@@ -16,6 +16,8 @@ from batchgen.api.options import OPTION_CLASSES, declared_options, near_name, op
 from batchgen.errors import BatchgenError, shown_value
 from batchgen.io.input_options import apply_escapes
 
+# The declared options' types by Python name.
+OPTION_HINTS = {f.name: get_type_hints(cls)[f.name] for cls in OPTION_CLASSES for f in declared_options(cls)}
 # What click's boolean type reads as true or false (a flag's text, a config file's quoted value).
 _TRUE, _FALSE = {"1", "true", "t", "yes", "y", "on"}, {"0", "false", "f", "no", "n", "off"}
 
@@ -82,22 +84,22 @@ def config_options(path: Path) -> dict[str, Any]:
         BatchgenError: the file cannot be read, is no mapping, names an unknown option, or gives one a value it
             does not take (naming the file).
     """
-    hints = {f.name: get_type_hints(cls)[f.name] for cls in OPTION_CLASSES for f in declared_options(cls)}
     escapes = {f.name for cls in OPTION_CLASSES for f in declared_options(cls) if f.metadata.get("escapes")}
-    values = read_config(path, {*hints, "dataset", "out"})
+    values = read_config(path, {*OPTION_HINTS, "dataset", "out"})
     options: dict[str, Any] = {}
     for name, value in values.items():
         if value is None:
             continue
-        check_config_value(path, name, value, hints.get(name, str))
+        check_config_value(path, name, value, OPTION_HINTS.get(name, str))
         if name in ("dataset", "out"):
             options[name] = value
             continue
-        if get_origin(hints[name]) is tuple:
-            value = [_converted(item, _base(hints[name])) for item in (value if isinstance(value, list) else [value])]
+        base = _base(OPTION_HINTS[name])
+        if get_origin(OPTION_HINTS[name]) is tuple:
+            value = [_converted(item, base) for item in (value if isinstance(value, list) else [value])]
             value = [apply_escapes(item) for item in value] if name in escapes else value
         else:
-            value = _converted(value, _base(hints[name]))
+            value = _converted(value, base)
         options[name] = value
     for cls in OPTION_CLASSES:
         try:

@@ -3,17 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import get_type_hints
 
 import typer
 
-from batchgen.api.config_file import check_config_value, read_config
-from batchgen.api.options import OPTION_CLASSES, declared_options
+from batchgen.api.config_file import OPTION_HINTS, check_config_value, read_config
 from batchgen.cli.user_errors import user_errors
 from batchgen.errors import BatchgenError
-
-# The declared options' types, for the checks click's conversion does not make.
-_HINTS = {f.name: get_type_hints(cls)[f.name] for cls in OPTION_CLASSES for f in declared_options(cls)}
 
 
 def load_config(ctx: typer.Context, _param: typer.CallbackParam, value: Path | None) -> Path | None:
@@ -26,8 +21,8 @@ def load_config(ctx: typer.Context, _param: typer.CallbackParam, value: Path | N
         for name, item in defaults.items():
             if item is None:
                 continue  # null: the option's own default
-            if name in _HINTS or name in ("dataset", "out"):
-                check_config_value(value, name, item, _HINTS.get(name, str))
+            if name in OPTION_HINTS or name in ("dataset", "out"):  # what click's conversion does not check
+                check_config_value(value, name, item, OPTION_HINTS.get(name, str))
             if params[name].multiple and not isinstance(item, list):
                 item = defaults[name] = [item]  # `stop: "."`: one value of a repeatable option, as on a row
             # Converted here, so that a bad value names the file; click would name only the option.
