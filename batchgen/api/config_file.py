@@ -7,6 +7,7 @@ same run from either.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, get_args, get_origin, get_type_hints
 
@@ -107,6 +108,18 @@ def config_options(path: Path) -> dict[str, Any]:
         except BatchgenError as e:
             raise BatchgenError(f"{path}: {e}") from None
     return options
+
+
+def with_config(config: str | os.PathLike[str] | None, given: dict[str, Any]) -> dict[str, Any]:
+    """The options of the config file ``config`` (none without one, :func:`config_options`) with those ``given``
+    over them, as flags over a ``--config``; a value given as ``None`` counts as not given (a wrapper passing its
+    own unset arguments keeps the file's values).
+
+    Raises:
+        BatchgenError: as :func:`config_options`.
+    """
+    from_file = config_options(Path(config)) if config is not None else {}
+    return from_file | {name: value for name, value in given.items() if value is not None}
 
 
 def _base(hint: Any) -> Any:

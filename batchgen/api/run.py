@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from batchgen.api.checks import check_sampling_defaults
-from batchgen.api.config_file import config_options
+from batchgen.api.config_file import with_config
 from batchgen.api.options import OPTION_CLASSES, check_option_names, options_of
 from batchgen.environment import thread_count_chosen
 from batchgen.errors import counted
@@ -80,12 +80,7 @@ def run(
         RunInterrupted: a stop signal (a ``KeyboardInterrupt``), after the finished rows are flushed.
     """
     check_option_names(options, OPTION_CLASSES, "run")
-    given = {"dataset": dataset, "out": out, **options}
-    # None is "not given": a wrapper passing its own unset arguments keeps the file's values.
-    options = {
-        **(config_options(Path(config)) if config is not None else {}),
-        **{k: v for k, v in given.items() if v is not None},
-    }
+    options = with_config(config, {"dataset": dataset, "out": out, **options})
     dataset, out = options.pop("dataset", None), options.pop("out", None)
     if dataset is None or out is None:
         raise TypeError(f"run() needs {'dataset' if dataset is None else 'out'}, as an argument or a config file's key")

@@ -26,7 +26,7 @@ def status(
     a finished output with a row for every row of DATASET (and, with --config, made with its settings), 1 when rows
     remain or it was made otherwise (not started, in progress, finished with rows missing or changed since, or with
     other settings), 2 when DATASET, OUT or the config cannot be read."""
-    from batchgen.api.config_file import config_options
+    from batchgen.api.config_file import with_config
     from batchgen.api.options import options_of
     from batchgen.io.input_options import InputOptions
     from batchgen.job.options import JobOptions
@@ -37,8 +37,8 @@ def status(
     release_startup_interrupts()
     with user_errors():
         try:
-            values = config_options(config) if config is not None else {}
-            dataset, out = dataset or values.pop("dataset", None), out or values.pop("out", None)
+            values = with_config(config, {"dataset": dataset, "out": out})
+            dataset, out = values.pop("dataset", None), values.pop("out", None)
             if dataset is None or out is None:
                 raise BatchgenError("status needs DATASET and OUT, as arguments or as the keys of its --config")
             if config is None:

@@ -96,12 +96,15 @@ def read_output_status(
     options: InputOptions | None = None,
     settings: tuple[EngineOptions, SamplingParams] | None = None,
     force: bool = False,
+    check_rows: bool = True,
 ) -> OutputStatus:
     """Rows done, remaining and errored of the run from ``dataset`` to ``out``, with notes on a changed dataset
     and damaged part files; the dataset's ids read with the column ``options`` (``None``: those ``out`` records).
     With a run's ``settings`` (engine options and sampling defaults, with ``options``: a ``--config``'s), the
     output is compared with them as ``--resume`` compares it (:func:`settings_differences`); with ``force``
-    (``--resume-force``) what differs is noted but counts as kept, as ``--resume-force`` keeps it.
+    (``--resume-force``) what differs is noted but counts as kept, as ``--resume-force`` keeps it. Without
+    ``check_rows``, a finished output's rows are not checked against a changed dataset (``stale`` stays 0: the
+    caller checks them itself, as ``--resume`` does).
 
     Raises:
         BatchgenError: the dataset or the output cannot be read.
@@ -148,7 +151,8 @@ def read_output_status(
     else:  # the output's rows are this dataset's: counted without reading the dataset
         done, errored = len(set(sample_ids)) + error_ids.total(), error_ids.total()
     stale = 0
-    if state == "complete" and changes and (digests := metadata.get(INPUT_DIGESTS_KEY.encode())) is not None:
+    digests = metadata.get(INPUT_DIGESTS_KEY.encode())
+    if check_rows and state == "complete" and changes and digests is not None:
         stale = _changed_rows(dataset, out, list(sample_ids), digests.decode(), options, notes) + errored
         if errored:
             notes.append(f"the dataset changed: --resume checks {out}'s {counted(errored, 'error row')} again")
@@ -208,7 +212,7 @@ def check_nothing_left(dataset: Path, out: Path, force: bool, options: InputOpti
         BatchgenError: a JSON Lines output lacks rows (it records nothing to resume from); rows changed; or (no
             digests) the dataset changed or rows are missing, unless ``force``.
     """
-    status = read_output_status(dataset, out, options)
+    status = read_output_status(dataset, out, options, check_rows=False)  # check_finished_rows checks them below
     if not status.remaining and not status.dataset_changes:
         return True
     if out.suffix.lower() == ".jsonl":  # no metadata, so no dataset changes either: rows are missing
