@@ -10,6 +10,9 @@ from batchgen.api.config_file import OPTION_HINTS, check_config_value, read_conf
 from batchgen.cli.user_errors import user_errors
 from batchgen.errors import BatchgenError
 
+# The keys that are no option: the dataset and the output.
+_PATHS = ("dataset", "out")
+
 
 def load_config(ctx: typer.Context, _param: typer.CallbackParam, value: Path | None) -> Path | None:
     """Eager ``--config`` callback: the YAML's keys become the command's defaults (flags still override)."""
@@ -17,11 +20,12 @@ def load_config(ctx: typer.Context, _param: typer.CallbackParam, value: Path | N
         return None
     with user_errors():
         params = {p.name: p for p in ctx.command.params if p.name is not None}
-        defaults = read_config(value, set(params))
+        # The options and the paths are keys; another of a command's parameters (status's --out) is none.
+        defaults = read_config(value, {name for name in params if name in OPTION_HINTS or name in _PATHS})
         for name, item in defaults.items():
             if item is None:
                 continue  # null: the option's own default
-            if name in OPTION_HINTS or name in ("dataset", "out"):  # what click's conversion does not check
+            if name in OPTION_HINTS or name in _PATHS:  # what click's conversion does not check
                 check_config_value(value, name, item, OPTION_HINTS.get(name, str))
             if params[name].multiple and not isinstance(item, list):
                 item = defaults[name] = [item]  # `stop: "."`: one value of a repeatable option, as on a row

@@ -27,13 +27,17 @@ from batchgen.io.input_options import apply_escapes
 
 
 def with_options(
-    only: Collection[str] | None = None, required: Collection[str] = (), starts_until_its_handlers: bool = False
+    only: Collection[str] | None = None,
+    required: Collection[str] = (),
+    starts_until_its_handlers: bool = False,
+    hidden: bool = False,
 ) -> Callable[[Callable[..., None]], Callable[..., None]]:
     """Decorate a Typer command whose parameters include options objects (annotated with one of
     :data:`OPTION_CLASSES`): each such parameter becomes the flags of its class's declared fields (only those named
     in ``only``, when given; the others keep their defaults), and the command receives the built object.
     ``required`` names fields that become required flags (no default). ``starts_until_its_handlers``: a SIGTERM
-    before the command puts its own handlers in place is one "while starting" (``run``: until rows run)."""
+    before the command puts its own handlers in place is one "while starting" (``run``: until rows run).
+    ``hidden``: the flags work but stay out of ``--help`` (``status`` takes ``run``'s, which its help names)."""
 
     def decorate(func: Callable[..., None]) -> Callable[..., None]:
         hints = get_type_hints(func)
@@ -49,7 +53,7 @@ def with_options(
             declared = [f for f in declared_options(cls) if only is None or f.name in only]
             groups[parameter.name] = (cls, [f.name for f in declared])
             field_hints = get_type_hints(cls)
-            parameters += [_typer_parameter(f, field_hints[f.name], f.name in required) for f in declared]
+            parameters += [_typer_parameter(f, field_hints[f.name], f.name in required, hidden) for f in declared]
 
         @functools.wraps(func)
         def command(**values: Any) -> None:
@@ -66,7 +70,7 @@ def with_options(
     return decorate
 
 
-def _typer_parameter(field: Field[Any], annotation: Any, required: bool) -> inspect.Parameter:
+def _typer_parameter(field: Field[Any], annotation: Any, required: bool, hidden: bool) -> inspect.Parameter:
     """The Typer option of one declared field (a ``tuple[X, ...]`` field: a repeatable ``list[X]`` option)."""
     default = field.default if field.default is not MISSING else ...
     if get_origin(annotation) is tuple:
@@ -74,7 +78,9 @@ def _typer_parameter(field: Field[Any], annotation: Any, required: bool) -> insp
         default = list(default) if default is not ... else ...
     flags = [field.metadata["flag"]] if "flag" in field.metadata else []
     callback = _apply_escapes if field.metadata.get("escapes") else None
-    option = typer.Option(... if required else default, *flags, help=field.metadata["help"], callback=callback)
+    option = typer.Option(
+        ... if required else default, *flags, help=field.metadata["help"], callback=callback, hidden=hidden
+    )
     return inspect.Parameter(field.name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=annotation)
 
 

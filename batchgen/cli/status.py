@@ -8,45 +8,58 @@ from pathlib import Path
 
 import typer
 
-from batchgen.cli import release_startup_interrupts
-from batchgen.cli.user_errors import user_errors
+from batchgen.api.config_file import OPTION_HINTS
+from batchgen.cli.config import load_config
+from batchgen.cli.options import with_options
+from batchgen.cli.user_errors import given, user_errors
 from batchgen.errors import BatchgenError
+from batchgen.io.input_options import InputOptions
+from batchgen.job.options import JobOptions
+from batchgen.loop.options import EngineOptions
+from batchgen.sampling.sampling_params import SamplingParams
 
 
+@with_options(hidden=True)
 def status(
+    ctx: typer.Context,
     dataset: Path | None = typer.Argument(None, metavar="[DATASET]", help="The dataset the run reads."),
     out: Path | None = typer.Argument(None, metavar="[OUT]", help="The run's --out."),
+    out_flag: Path | None = typer.Option(None, "--out", "-o", help="OUT as the run's flag, in place of the argument."),
     config: Path | None = typer.Option(
         None,
-        help="The run's --config file: its dataset and out keys where not given, and its settings, compared with "
-        "those a finished OUT records as --resume compares them.",
+        help="The run's --config file: its dataset and out keys where not given, and its settings.",
+        is_eager=True,
+        callback=load_config,
     ),
+    *,
+    options: EngineOptions,
+    defaults: SamplingParams,
+    job_options: JobOptions,
+    input_options: InputOptions,
 ) -> None:
-    """Show how far the run from DATASET to OUT has got: rows done, remaining and errored. Exit status 0 when OUT is
-    a finished output with a row for every row of DATASET (and, with --config, made with its settings), 1 when rows
-    remain or it was made otherwise (not started, in progress, finished with rows missing or changed since, or with
-    other settings), 2 when DATASET, OUT or the config cannot be read."""
-    from batchgen.api.config_file import with_config
-    from batchgen.api.options import options_of
-    from batchgen.io.input_options import InputOptions
-    from batchgen.job.options import JobOptions
+    """Show how far the run from DATASET to OUT has got: rows done, remaining and errored. Given the run's --config
+    or any of `batchgen run`'s flags (the run's command line with `status` for `run`), the settings a finished or
+    partial OUT records are compared with the run's as --resume compares them. Exit status 0 when OUT is a finished
+    output with a row for every row of DATASET (and, with settings, made with them), 1 when rows remain or it was
+    made otherwise (not started, in progress, finished with rows missing or changed since, or with other settings),
+    2 when DATASET, OUT or the config cannot be read."""
     from batchgen.job.status import read_output_status
-    from batchgen.loop.options import EngineOptions
-    from batchgen.sampling.sampling_params import SamplingParams
 
-    release_startup_interrupts()
-    with user_errors():
+    with user_errors(ctx):
         try:
-            values = with_config(config, {"dataset": dataset, "out": out})
-            dataset, out = values.pop("dataset", None), values.pop("out", None)
+            if out_flag is not None:  # over the config's out, as the argument is
+                if given(ctx, "out") and out_flag != out:
+                    raise BatchgenError(f"OUT is given twice: {out} and --out {out_flag}")
+                out = out_flag
             if dataset is None or out is None:
                 raise BatchgenError("status needs DATASET and OUT, as arguments or as the keys of its --config")
-            if config is None:
-                found = read_output_status(Path(dataset), Path(out))
+            # Settings are compared where the run's are given: its --config, or a flag of its own on the command line.
+            if config is None and not any(given(ctx, name) for name in OPTION_HINTS):
+                found = read_output_status(dataset, out)
             else:
-                settings = options_of(EngineOptions, values), options_of(SamplingParams, values)
-                columns, force = options_of(InputOptions, values), options_of(JobOptions, values).resume_force
-                found = read_output_status(Path(dataset), Path(out), columns, settings, force)
+                found = read_output_status(
+                    dataset, out, input_options, (options, defaults), force=job_options.resume_force
+                )
         except KeyboardInterrupt:  # Typer would end it with no word; status only reads, nothing to flush
             print("batchgen: interrupted", file=sys.stderr)
             raise typer.Exit(128 + signal.SIGINT) from None

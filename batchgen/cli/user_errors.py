@@ -35,7 +35,17 @@ def _name_config_source(message: str, ctx: typer.Context) -> str:
         return message
     for option in re.findall(r"--([a-z][a-z0-9-]*)", message):
         name = option.replace("-", "_")
-        # Compared by name: ParameterSource lives in the click that typer vendors, not a public module.
-        if name in ctx.params and getattr(ctx.get_parameter_source(name), "name", "") == "DEFAULT_MAP":
+        if name in ctx.params and _source(ctx, name) == "DEFAULT_MAP":
             return f"{config}: option '{option}': {message.removeprefix(f'--{option}: ')}"
     return message
+
+
+def given(ctx: typer.Context, name: str) -> bool:
+    """Whether the command's parameter ``name`` was given on the command line (not a default, nor a config's)."""
+    return _source(ctx, name) == "COMMANDLINE"
+
+
+def _source(ctx: typer.Context, name: str) -> str:
+    """Where parameter ``name``'s value came from, by the name of click's ``ParameterSource`` (compared by name: it
+    lives in the click that typer vendors, not a public module)."""
+    return getattr(ctx.get_parameter_source(name), "name", "")

@@ -15,10 +15,11 @@ import pyarrow as pa
 
 from batchgen.errors import BatchgenError, counted
 from batchgen.io.fingerprint import fingerprint_dataset
+from batchgen.io.finished_output import finished_batches, finished_ids
 from batchgen.io.input_digests import INPUT_DIGESTS_KEY, compare_rows
 from batchgen.io.input_options import INPUT_OPTIONS_KEY, InputOptions, recorded_input_options
 from batchgen.io.partial_output import PartialOutput, PartialState, partial_dir, remove_partial_dir
-from batchgen.io.reopen import finished_batches, finished_ids, reopen_output
+from batchgen.io.reopen import reopen_output
 from batchgen.io.shards import is_read_as_shard
 from batchgen.io.writer import check_output_format
 from batchgen.job.options import JobOptions

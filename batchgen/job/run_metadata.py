@@ -15,8 +15,8 @@ from batchgen import __version__
 from batchgen.environment import kernel_switches
 from batchgen.errors import BatchgenError
 from batchgen.io.fingerprint import DatasetFingerprint, fingerprint_dataset
+from batchgen.io.finished_output import finished_batches
 from batchgen.io.input_options import INPUT_OPTIONS_KEY, InputOptions, apply_escapes
-from batchgen.io.reopen import finished_batches
 from batchgen.loop.engine import EngineFacts, dtype_name
 from batchgen.loop.options import EngineOptions
 from batchgen.sampling.sampling_params import SamplingParams

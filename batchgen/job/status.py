@@ -8,32 +8,23 @@ the dataset's rows by id. Nothing is changed on disk, so it is safe next to a ru
 
 from __future__ import annotations
 
-import json
 import sys
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import pyarrow as pa
-import pyarrow.compute as pc
 
 from batchgen.errors import BatchgenError, counted
 from batchgen.io.fingerprint import DatasetFingerprint, fingerprint_dataset
+from batchgen.io.finished_output import finished_rows
 from batchgen.io.input_digests import INPUT_DIGESTS_KEY, compare_rows, input_ids
 from batchgen.io.input_options import InputOptions, recorded_input_options
-from batchgen.io.openai_output import result_fields
 from batchgen.io.partial_output import PartialOutput, partial_dir
 from batchgen.io.reader import count_input_rows
-from batchgen.io.reopen import finished_batches
 from batchgen.job.resume import check_finished_rows
 from batchgen.job.run_metadata import DATASET_KEY, settings_differences
 from batchgen.loop.options import EngineOptions
 from batchgen.sampling.sampling_params import SamplingParams
-
-# What every row of a batchgen output has (an OpenAI Batch output line's, as result_fields reads it).
-_RESULT_FIELDS = ("id", "sample_index", "finish_reason")
 
 
 @dataclass(frozen=True)
@@ -49,9 +40,11 @@ class OutputStatus:
     notes: list[str]
     # What differs in the dataset since the run started (size, modification time, ...); empty when unchanged.
     dataset_changes: list[str]
-    # A finished output's rows that --resume would not keep as they are: rows whose input row changed since, and
-    # error rows of a dataset that changed (their rows may be fixed).
+    # A finished output's rows whose input row changed since (--resume refuses them unless --resume-force).
     stale: int = 0
+    # A finished output's error rows when the dataset changed: their rows may be fixed, so --resume (with
+    # --resume-force too) reads the dataset again to check them.
+    recheck: int = 0
     # How the run's settings (a --config's) differ from those the output records; empty when the same or not compared.
     other_settings: tuple[str, ...] = ()
     force: bool = False  # the run's --resume-force keeps what is there, whatever changed
@@ -63,17 +56,18 @@ class OutputStatus:
     @property
     def complete(self) -> bool:
         """Whether ``out`` is a finished output that holds a row for every row of the dataset as it is now."""
-        return (
-            self.state == "complete" and not self.remaining and (self.force or not (self.stale or self.other_settings))
-        )
+        kept = self.force or not (self.stale or self.other_settings)
+        return self.state == "complete" and not self.remaining and not self.recheck and kept
 
     def lines(self) -> list[str]:
         """``OUT: STATE: D of T rows done, R remaining, E errored``, then one line per note."""
         # A finished output file that lacks rows is not "complete", though nothing is in progress.
         state = "finished with rows missing" if self.state == "complete" and self.remaining else self.state
-        if self.state == "complete" and not self.remaining and not self.force:
-            state = "finished from rows changed since" if self.stale else state
-            state = "finished with other settings" if self.other_settings and not self.stale else state
+        if self.state == "complete" and not self.remaining:
+            if self.recheck or (self.stale and not self.force):
+                state = "finished from rows changed since"
+            elif self.other_settings and not self.force:
+                state = "finished with other settings"
         line = f"{self.out}: {state}: {self.done} of {self.total} rows done, {self.remaining} remaining, "
         line += f"{self.errored} errored"
         if self.state == "complete" and self.remaining:
@@ -116,7 +110,7 @@ def read_output_status(
     error_ids: Counter[str] = Counter()
     if out.exists():
         state = "complete"
-        sample_ids, error_ids, metadata = _final_rows(out)
+        sample_ids, error_ids, metadata = finished_rows(out)
     elif partial_dir(out).is_dir():
         partial = PartialOutput(out).inspect()
         sample_ids = partial.done.samples
@@ -150,10 +144,10 @@ def read_output_status(
             notes.append(f"{counted(foreign, 'row')} of {out} {verb} an id {dataset} lacks")
     else:  # the output's rows are this dataset's: counted without reading the dataset
         done, errored = len(set(sample_ids)) + error_ids.total(), error_ids.total()
-    stale = 0
+    stale = recheck = 0
     digests = metadata.get(INPUT_DIGESTS_KEY.encode())
     if check_rows and state == "complete" and changes and digests is not None:
-        stale = _changed_rows(dataset, out, list(sample_ids), digests.decode(), options, notes) + errored
+        stale, recheck = _changed_rows(dataset, out, list(sample_ids), digests.decode(), options, notes), errored
         if errored:
             notes.append(f"the dataset changed: --resume checks {out}'s {counted(errored, 'error row')} again")
     other: list[str] = []
@@ -165,7 +159,7 @@ def read_output_status(
         if other:
             then = "--resume-force keeps it" if force else "--resume refuses it unless --resume-force"
             notes.append(f"{out} was made with other settings than the run's ({'; '.join(other)}): {then}")
-    return OutputStatus(dataset, out, state, done, total, errored, notes, changes, stale, tuple(other), force)
+    return OutputStatus(dataset, out, state, done, total, errored, notes, changes, stale, recheck, tuple(other), force)
 
 
 def _changed_rows(
@@ -240,59 +234,3 @@ def check_nothing_left(dataset: Path, out: Path, force: bool, options: InputOpti
         f"{out} is a finished output made from {dataset} before it changed ({'; '.join(status.dataset_changes)});"
         " pass --resume-force to keep it as it is, or --overwrite to run the whole dataset again"
     )
-
-
-def _final_rows(path: Path) -> tuple[set[str], Counter[str], dict[bytes, bytes]]:
-    """(ids with samples, error rows by id, schema metadata) of a finished output file, read batch by batch.
-
-    Raises:
-        BatchgenError: the file cannot be read, or it is no batchgen output: it lacks the ``id``, ``sample_index`` and
-            ``finish_reason`` every output row has (another file given as ``--out``, found by a new user: a copy of
-            the input was taken for a finished output, "already complete").
-    """
-    sample_ids: set[str] = set()
-    error_ids: Counter[str] = Counter()
-    try:
-        if path.suffix.lower() == ".jsonl":
-            with path.open(encoding="utf-8") as f:
-                for number, line in enumerate(f, 1):
-                    if line.strip():
-                        row = _result_line(path, number, line)
-                        is_error = row.get("finish_reason") == "error"
-                        (error_ids.update if is_error else sample_ids.update)([str(row.get("id"))])
-            if not sample_ids and not error_ids:  # batchgen writes no output of no rows
-                raise _not_an_output(str(path), [])
-            return sample_ids, error_ids, {}
-        schema, batches = finished_batches(path, list(_RESULT_FIELDS))  # the columns are selected as batches come
-        if lacking := [name for name in _RESULT_FIELDS if name not in schema.names]:
-            raise _not_an_output(str(path), lacking)
-        for batch in batches:
-            is_error = pc.equal(batch.column("finish_reason"), "error").fill_null(False)
-            error_ids.update(batch.column("id").filter(is_error).to_pylist())
-            sample_ids.update(batch.column("id").filter(pc.invert(is_error)).to_pylist())
-    except (OSError, ValueError, KeyError, pa.ArrowException) as e:
-        raise BatchgenError(f"{path}: cannot read results ({e})") from None
-    return sample_ids, error_ids, schema.metadata or {}
-
-
-def _not_an_output(where: str, lacking: list[str]) -> BatchgenError:
-    """The error for a file given as ``--out`` that no run wrote: ``where`` (the file, or its line) lacks the
-    ``lacking`` fields of a result row."""
-    missing = " or ".join(f"'{name}'" for name in lacking) if lacking else "rows"
-    return BatchgenError(
-        f"{where}: not a batchgen output (it has no {missing}): is --out the file a run of this dataset wrote?"
-    )
-
-
-def _result_line(path: Path, number: int, line: str) -> dict[str, Any]:
-    """Line ``number`` of the JSONL output ``path`` as ``batchgen status`` counts it (:func:`result_fields`).
-
-    Raises:
-        BatchgenError: it is no result row (found by a new user: a copy of the input, given as ``--out``, was taken
-            for a finished output, "already complete"); ``ValueError``: it is no JSON.
-    """
-    parsed = json.loads(line)
-    row = result_fields(parsed) if isinstance(parsed, dict) else {}
-    if lacking := [name for name in _RESULT_FIELDS if name not in row]:
-        raise _not_an_output(f"{path}:{number}", lacking)
-    return row

@@ -779,6 +779,69 @@ def test_status_with_the_run_s_config_compares_its_settings(
     )
 
 
+def test_status_takes_the_run_s_command_line(model: Path, tmp_path: Path) -> None:
+    """Found by a review: status compared settings only through --config, so a nightly script whose run takes flags
+    could not ask it whether `run --resume` with them has work to do, and `status --config job.yaml OUT2` read OUT2
+    as the dataset. The run's command line with `status` for `run` is now status's, --out and all."""
+    dataset = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "prompt_token_ids": [0, 5]} for i in ("a", "b")])
+    out = tmp_path / "out.arrow"
+    flags = [str(dataset), "--out", str(out), "--model", str(model), "--device", "cpu", "--no-progress"]
+    assert run_cli(["run", *flags, "--max-new-tokens", "3"])[0] == 0
+    complete = f"{out}: complete: 2 of 2 rows done, 0 remaining, 0 errored"
+    assert run_cli(["status", *flags, "--max-new-tokens", "3", "--resume"]) == (0, complete + "\n")
+    code, output = run_cli(["status", *flags, "--max-new-tokens", "2", "--resume"])
+    note = f"{out}: note: {out} was made with other settings than the run's (max_new_tokens 3 → 2): --resume"
+    assert (code, output.splitlines()) == (
+        1,
+        [f"{out}: finished with other settings: 2 of 2 rows done, 0 remaining, 0 errored", f"{note} refuses it "
+         "unless --resume-force"],
+    )  # fmt: skip
+    assert run_cli(["run", *flags, "--max-new-tokens", "2", "--resume"])[0] == 2  # as status said
+    code, output = run_cli(["status", *flags, "--max-new-tokens", "2", "--resume", "--resume-force"])
+    assert (code, output.splitlines()) == (0, [complete, f"{note}-force keeps it"])
+    # Without the run's settings, rows only; OUT as the argument or as --out, not both.
+    assert run_cli(["status", str(dataset), "--out", str(out)]) == (0, complete + "\n")
+    code, output = run_cli(["status", str(dataset), str(out), "--out", str(tmp_path / "other.arrow")])
+    assert (code, output) == (2, f"batchgen: error: OUT is given twice: {out} and --out {tmp_path / 'other.arrow'}\n")
+    # A config's out gives way to --out; status's own --out is no config key.
+    config = tmp_path / "job.yaml"
+    config.write_text(f"dataset: {dataset}\nout: {out}\nmodel: {model}\ndevice: cpu\nmax-new-tokens: 3\n")
+    assert run_cli(["status", "--config", str(config)]) == (0, complete + "\n")
+    other = tmp_path / "other.arrow"
+    code, output = run_cli(["status", "--config", str(config), "--out", str(other)])
+    assert (code, output) == (1, f"{other}: not started: 0 of 2 rows done, 2 remaining, 0 errored\n")
+    config.write_text(config.read_text() + "out-flag: x.arrow\n")
+    code, output = run_cli(["status", "--config", str(config)])
+    assert code == 2 and "unknown option 'out-flag'" in output
+
+
+def test_status_with_resume_force_still_sends_error_rows_of_a_changed_dataset_to_resume(
+    model: Path, tmp_path: Path
+) -> None:
+    """Found by a review: with resume-force in the config, status called an output complete (exit 0) when the dataset
+    had changed and the output held error rows, so a nightly `status || run --resume` skipped the run; but --resume
+    (with --resume-force too) reads the dataset again for those rows, and generates the ones fixed since."""
+    rows = [{"id": "a", "prompt_token_ids": [0, 5]}, {"id": "b", "prompt_token_ids": [0, 6], "top_p": 0}]
+    dataset = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.arrow"
+    config = tmp_path / "job.yaml"
+    settings = "device: cpu\nmax-new-tokens: 2\non-error: skip\nresume-force: true\n"
+    config.write_text(f"dataset: {dataset}\nout: {out}\nmodel: {model}\n{settings}")
+    assert run_cli(["run", "--config", str(config), "--no-progress"])[0] == 0
+    code, output = run_cli(["status", "--config", str(config)])
+    assert (code, output) == (0, f"{out}: complete: 2 of 2 rows done, 0 remaining, 1 errored\n")
+    write_jsonl(dataset, [rows[0], {"id": "b", "prompt_token_ids": [0, 6]}])  # b fixed
+    code, output = run_cli(["status", "--config", str(config)])
+    assert code == 1 and output.splitlines()[0] == (
+        f"{out}: finished from rows changed since: 2 of 2 rows done, 0 remaining, 1 errored"
+    )
+    assert f"{out}: note: the dataset changed: --resume checks {out}'s 1 error row again" in output.splitlines()
+    assert run_cli(["run", "--config", str(config), "--no-progress", "--resume"])[0] == 0
+    assert {(r["id"], r["finish_reason"] == "error") for r in read_results(out).to_pylist()} == {("a", False), ("b", False)}
+    code, output = run_cli(["status", "--config", str(config)])
+    assert (code, output) == (0, f"{out}: complete: 2 of 2 rows done, 0 remaining, 0 errored\n")
+
+
 def test_a_finished_output_lacking_an_id_is_not_complete_whatever_its_row_count(model: Path, tmp_path: Path) -> None:
     """Remaining rows are counted by id (found by a new user: with row b replaced by c, a finished JSONL output of
     a and b counted 2 of 2 rows done, and --resume said it was complete, c never generated)."""

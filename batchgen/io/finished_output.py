@@ -1,0 +1,115 @@
+"""Read a finished output back: its batches, the ids of its rows (samples and error rows apart), its metadata."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from batchgen.errors import BatchgenError
+from batchgen.io.openai_output import result_fields
+
+# What every row of a batchgen output has (an OpenAI Batch output line's, as result_fields reads it).
+_RESULT_FIELDS = ("id", "sample_index", "finish_reason")
+
+
+def finished_batches(path: Path, columns: list[str] | None = None) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
+    """The schema (with the run's metadata) and the batches (only ``columns``, when given) of the finished Arrow
+    IPC or Parquet output ``path``, streamed.
+
+    Raises:
+        OSError, pyarrow.ArrowException: the file cannot be read.
+    """
+    if path.suffix.lower() == ".parquet":
+        parquet = pq.ParquetFile(path)
+        return parquet.schema_arrow, parquet.iter_batches(columns=columns)
+    reader = pa.ipc.open_file(pa.memory_map(str(path)))
+    batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+    if columns is None:
+        return reader.schema, batches
+    return reader.schema, (batch.select(columns) for batch in batches)
+
+
+def finished_ids(path: Path) -> tuple[list[str], set[str], set[str]]:
+    """The ``id`` of every row of the finished Arrow IPC or Parquet output ``path``, in its order (a row with n
+    samples or a duplicate id's error row appears more than once), the ids of its error rows, and the ids of its
+    samples.
+
+    Raises:
+        BatchgenError: the file cannot be read.
+    """
+    ids: list[str] = []
+    errored: set[str] = set()
+    sampled: set[str] = set()
+    try:
+        _, batches = finished_batches(path, ["id", "finish_reason"])
+        for batch in batches:
+            rows = batch.column(0).to_pylist()
+            ids += rows
+            for rid, why in zip(rows, batch.column(1).to_pylist()):
+                (errored if why == "error" else sampled).add(rid)
+    except (OSError, pa.ArrowException) as e:
+        raise BatchgenError(f"{path}: cannot read results ({e})") from None
+    return ids, errored, sampled
+
+
+def finished_rows(path: Path) -> tuple[set[str], Counter[str], dict[bytes, bytes]]:
+    """(ids with samples, error rows by id, schema metadata) of a finished output file, read batch by batch.
+
+    Raises:
+        BatchgenError: the file cannot be read, or it is no batchgen output: it lacks the ``id``, ``sample_index`` and
+            ``finish_reason`` every output row has (another file given as ``--out``, found by a new user: a copy of
+            the input was taken for a finished output, "already complete").
+    """
+    sample_ids: set[str] = set()
+    error_ids: Counter[str] = Counter()
+    try:
+        if path.suffix.lower() == ".jsonl":
+            with path.open(encoding="utf-8") as f:
+                for number, line in enumerate(f, 1):
+                    if line.strip():
+                        row = _result_line(path, number, line)
+                        is_error = row.get("finish_reason") == "error"
+                        (error_ids.update if is_error else sample_ids.update)([str(row.get("id"))])
+            if not sample_ids and not error_ids:  # batchgen writes no output of no rows
+                raise _not_an_output(str(path), [])
+            return sample_ids, error_ids, {}
+        schema, batches = finished_batches(path, list(_RESULT_FIELDS))  # the columns are selected as batches come
+        if lacking := [name for name in _RESULT_FIELDS if name not in schema.names]:
+            raise _not_an_output(str(path), lacking)
+        for batch in batches:
+            is_error = pc.equal(batch.column("finish_reason"), "error").fill_null(False)
+            error_ids.update(batch.column("id").filter(is_error).to_pylist())
+            sample_ids.update(batch.column("id").filter(pc.invert(is_error)).to_pylist())
+    except (OSError, ValueError, KeyError, pa.ArrowException) as e:
+        raise BatchgenError(f"{path}: cannot read results ({e})") from None
+    return sample_ids, error_ids, schema.metadata or {}
+
+
+def _not_an_output(where: str, lacking: list[str]) -> BatchgenError:
+    """The error for a file given as ``--out`` that no run wrote: ``where`` (the file, or its line) lacks the
+    ``lacking`` fields of a result row."""
+    missing = " or ".join(f"'{name}'" for name in lacking) if lacking else "rows"
+    return BatchgenError(
+        f"{where}: not a batchgen output (it has no {missing}): is --out the file a run of this dataset wrote?"
+    )
+
+
+def _result_line(path: Path, number: int, line: str) -> dict[str, Any]:
+    """Line ``number`` of the JSONL output ``path`` as ``batchgen status`` counts it (:func:`result_fields`).
+
+    Raises:
+        BatchgenError: it is no result row (found by a new user: a copy of the input, given as ``--out``, was taken
+            for a finished output, "already complete"); ``ValueError``: it is no JSON.
+    """
+    parsed = json.loads(line)
+    row = result_fields(parsed) if isinstance(parsed, dict) else {}
+    if lacking := [name for name in _RESULT_FIELDS if name not in row]:
+        raise _not_an_output(f"{path}:{number}", lacking)
+    return row
