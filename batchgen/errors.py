@@ -1,4 +1,5 @@
-"""User-facing errors: each prints as one line and makes the CLI exit with code 2, no traceback."""
+"""User-facing errors: each prints as one line and makes the CLI exit with code 2 (3: bad rows left out), no
+traceback."""
 
 from __future__ import annotations
 
@@ -21,8 +22,17 @@ def shown_value(value: Any) -> str:
 class BatchgenError(Exception):
     """A mistake in the user's input, options or environment (not a bug in batchgen).
 
-    The CLI prints ``str(error)`` as one line on stderr and exits with code 2.
+    The CLI prints ``str(error)`` as one line on stderr and exits with code :attr:`exit_status`.
     """
+
+    exit_status = 2
+
+
+class BadRowsLeftOut(BatchgenError):
+    """A run under ``--on-error fail`` left bad input rows out after writing the good ones: exit status 3, so that a
+    scheduler tells "fix these rows, then ``--resume``" from a job that could not run (2)."""
+
+    exit_status = 3
 
 
 class OutputError(BatchgenError):

@@ -1,4 +1,4 @@
-"""How CLI commands report user mistakes: one line on stderr, exit code 2, no traceback."""
+"""How CLI commands report user mistakes: one line on stderr, exit code 2 (3: bad rows left out), no traceback."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from batchgen.errors import BatchgenError
 
 @contextmanager
 def user_errors(ctx: typer.Context | None = None) -> Iterator[None]:
-    """Turn a :class:`BatchgenError` into one line on stderr and exit code 2.
+    """Turn a :class:`BatchgenError` into one line on stderr and its exit code (2; 3 for bad rows left out).
 
     With the command's ``ctx``, a message about an option whose value came from its ``--config`` file names the
     file and the option first: the user never typed that flag.
@@ -24,7 +24,7 @@ def user_errors(ctx: typer.Context | None = None) -> Iterator[None]:
     except BatchgenError as e:
         message = str(e) if ctx is None else _name_config_source(str(e), ctx)
         print(f"batchgen: error: {message}", file=sys.stderr)
-        raise typer.Exit(2) from None
+        raise typer.Exit(e.exit_status) from None
 
 
 def _name_config_source(message: str, ctx: typer.Context) -> str:

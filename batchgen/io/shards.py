@@ -8,7 +8,7 @@ import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from fnmatch import fnmatch
+from fnmatch import fnmatchcase
 from pathlib import Path
 
 from batchgen.errors import BatchgenError
@@ -122,4 +122,30 @@ def is_read_as_shard(dataset: Path, out: Path) -> bool:
         return out.parent.resolve() == dataset.resolve() and not (dataset / "state.json").exists()
     if dataset.exists() or not any(c in source for c in _GLOB_CHARACTERS):
         return False
-    return fnmatch(str(out), source)
+    # Matched as glob.glob matches (a name at a time, `**` over folders, no hidden names unless asked), the pattern's
+    # fixed folders and the output's folder resolved: `./data/*.jsonl` takes `/abs/data/out.jsonl` too.
+    parts = Path(os.path.abspath(source)).parts
+    fixed = next(i for i, part in enumerate(parts) if any(c in part for c in _GLOB_CHARACTERS))
+    try:
+        names = (out.parent.resolve() / out.name).relative_to(Path(*parts[:fixed]).resolve()).parts
+    except ValueError:
+        return False
+    return _glob_takes(names, parts[fixed:])
+
+
+def _glob_takes(names: tuple[str, ...], patterns: tuple[str, ...]) -> bool:
+    """Whether the relative path of ``names`` matches the pattern's components ``patterns`` as ``glob.glob(...,
+    recursive=True)`` matches (its wildcards take no leading dot; ``**`` takes any number of folders)."""
+    if not patterns:
+        return not names
+    if patterns[0] == "**":
+        folders = range(len(names) + 1)
+        return any(
+            _glob_takes(names[i:], patterns[1:]) for i in folders if not any(n.startswith(".") for n in names[:i])
+        )
+    return (
+        bool(names)
+        and fnmatchcase(names[0], patterns[0])
+        and (patterns[0].startswith(".") or not names[0].startswith("."))
+        and _glob_takes(names[1:], patterns[1:])
+    )

@@ -18,7 +18,8 @@ class JobOptions:
     """The job's side of ``batchgen run``; each field's meaning is its ``help``."""
 
     on_error: str = field(
-        default="fail", metadata={"help": "fail: report bad rows and exit 2 at the end; skip: write them."}
+        default="fail",
+        metadata={"help": "fail: report bad rows, write the good ones and exit 3; skip: write them as error rows."},
     )
     output_format: str = field(
         default="auto",

@@ -6,7 +6,7 @@ import resource
 from dataclasses import dataclass, field
 from typing import Any
 
-from batchgen.errors import BatchgenError, counted
+from batchgen.errors import BadRowsLeftOut, counted
 from batchgen.loop.options import EngineOptions
 
 
@@ -84,7 +84,7 @@ def raise_if_failed(summary: RunSummary, on_error: str) -> None:
     """Under ``--on-error fail`` a run with bad rows ends with an error after writing the good ones."""
     if summary.errors and on_error == "fail":
         nothing = "" if summary.output_written else "; no row was good, so no output file was written"
-        raise BatchgenError(
+        raise BadRowsLeftOut(
             f"{counted(summary.errors, 'bad input row')} left out (see above; --on-error skip writes them){nothing}"
         )
 

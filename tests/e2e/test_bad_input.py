@@ -313,8 +313,8 @@ def test_bad_row_is_reported_and_left_out(name: str, models: dict[str, Path], re
     out = tmp_path / "out.arrow"
     code, lines = _run(dataset, out, models[case.model], *case.args)
 
-    # (a) exit code 2, and the last line says how many bad rows were left out.
-    assert code == 2, lines
+    # (a) exit code 3, and the last line says how many bad rows were left out.
+    assert code == 3, lines
     assert lines[-1] == LEFT_OUT_1
     # (b) exactly one error line for the row, naming file, line and field.
     errors = [line for line in lines if line.startswith("batchgen: error: ") and line != LEFT_OUT_1]
@@ -339,7 +339,7 @@ def test_many_bad_rows_print_the_first_20_then_count(models: dict[str, Path], tm
     rows: list[dict[str, Any]] = [GOOD_1] + [{"id": f"b{i}", "prompt": i} for i in range(25)] + [GOOD_2]
     dataset = write_jsonl(tmp_path / "in.jsonl", rows)
     code, lines = _run(dataset, tmp_path / "out.arrow", models["llama"])
-    assert code == 2
+    assert code == 3
     errors = [line for line in lines if line.startswith("batchgen: error: ")]
     assert errors[:20] == [
         f"batchgen: error: {dataset}:{i + 2}: field 'prompt': must be a string, got number" for i in range(20)
@@ -365,7 +365,7 @@ def test_bad_parquet_row_names_its_row_number(models: dict[str, Path], reference
     pq.write_table(table, dataset)
     out = tmp_path / "out.arrow"
     code, lines = _run(dataset, out, models["llama"])
-    assert code == 2
+    assert code == 3
     assert f"batchgen: error: {dataset}:2: field 'temperature': must be a number in [0, 10000], got -1.0" in lines
     assert lines[-1] == LEFT_OUT_1
     rows = {r["id"]: r for r in read_results(out).to_pylist()}
@@ -448,7 +448,7 @@ def test_every_row_bad_writes_no_output(models: dict[str, Path], tmp_path: Path)
     dataset = write_jsonl(tmp_path / "in.jsonl", rows)
     out = tmp_path / "out.arrow"
     code, lines = _run(dataset, out, models["llama"])
-    assert code == 2, lines
+    assert code == 3, lines
     assert [line for line in lines if line.startswith("batchgen: error: ")] == [
         *(f"batchgen: error: {dataset}:{i}: field 'prompt': row has no prompt: give one of prompt, messages, "
           "prompt_token_ids (found 'text', 'max_new_tokens'; rename 'text' to 'prompt' or pass --prompt-column text)"

@@ -196,11 +196,11 @@ def bg(tmp: Path, name: str, rows: list[dict[str, Any]], model: Path, *extra: st
 def bg_with_errors(
     tmp: Path, name: str, rows: list[dict[str, Any]], model: Path, *extra: str
 ) -> tuple[Path, str, dict[str, dict[str, Any]]]:
-    """Like :func:`bg` for a file with bad rows: asserts exit code 2; returns (dataset, CLI output, rows by id)."""
+    """Like :func:`bg` for a file with bad rows: asserts exit code 3; returns (dataset, CLI output, rows by id)."""
     dataset = write_jsonl(tmp / f"{name}.jsonl", rows)
     out = tmp / f"{name}.arrow"
     code, output = run_cli(run_args(dataset, out, model, *extra))
-    assert code == 2, output
+    assert code == 3, output
     return dataset, output, read_rows(out)
 
 

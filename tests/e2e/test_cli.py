@@ -682,7 +682,7 @@ def test_messages_without_chat_template_is_a_row_error(model: Path, tmp_path: Pa
     ]
     dataset = write_jsonl(tmp_path / "in.jsonl", rows)
     code, lines = _run(dataset, tmp_path / "out.arrow", model)
-    assert code == 2
+    assert code == 3
     assert (
         f"batchgen: error: {dataset}:2: field 'messages': the model's tokenizer has no chat template; "
         "give a plain prompt instead"

@@ -96,7 +96,7 @@ def test_jsonl_shards_name_the_shard_and_line_of_a_bad_row(model: Path, tmp_path
     code, output = run_cli(
         run_args(tmp_path / "data", tmp_path / "out.arrow", model, "--prompt-column", "question", *GREEDY)
     )
-    assert code == 2, output
+    assert code == 3, output
     shard = tmp_path / "data" / "part-1.jsonl"
     assert (
         f"batchgen: error: {shard}:1: field 'question': null or missing; --prompt-column question needs a value in "

@@ -168,11 +168,11 @@ def test_n_larger_than_the_running_limit_is_a_row_error(random_models: dict[str,
     code, output = run_cli(
         run_args(dataset, tmp_path / "o.jsonl", random_models["llama"], "--max-running-requests", "4")
     )
-    assert code == 2
+    assert code == 3
     assert "p.jsonl:1: field 'n': 5 samples exceed --max-running-requests 4" in output
     dataset = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi", "n": 0}])
     code, output = run_cli(run_args(dataset, tmp_path / "o.jsonl", random_models["llama"]))
-    assert code == 2 and "field 'n': must be in [1, 1024], got 0" in output
+    assert code == 3 and "field 'n': must be in [1, 1024], got 0" in output
 
 
 @pytest.mark.parametrize(

@@ -366,7 +366,7 @@ def test_bad_lines_are_400_lines_in_place_under_on_error_skip(model: Path, tmp_p
 def test_bad_lines_fail_the_run_and_are_left_out_under_on_error_fail(model: Path, tmp_path: Path) -> None:
     dataset = bad_file(tmp_path)
     code, output = run_cli(run_args(dataset, tmp_path / "out.jsonl", model))
-    assert code == 2
+    assert code == 3
     assert f"batchgen: error: {dataset}:3: field 'url': must be /v1/chat/completions or /v1/completions" in output
     assert [line["custom_id"] for line in output_lines(tmp_path / "out.jsonl")] == ["good-1", "good-2"]
 

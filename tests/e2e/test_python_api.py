@@ -19,7 +19,7 @@ import torch
 from transformers import AutoTokenizer
 
 import batchgen
-from batchgen.errors import BatchgenError, RowError
+from batchgen.errors import BadRowsLeftOut, BatchgenError, RowError
 from batchgen.io.writer import OUTPUT_COLUMNS, read_results
 from tests.helpers.cli import generate, read_rows, run_cli, write_jsonl
 
@@ -455,7 +455,7 @@ def test_run_with_bad_rows_raises_after_writing_the_good_ones(chat_model: Path, 
     dataset = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "fine"}, {"prompt": "bad", "top_k": -5}])
     out = tmp_path / "out.jsonl"
     options = {"model": str(chat_model), "max_new_tokens": 2, "progress": False, **ENGINE}
-    with pytest.raises(BatchgenError, match="^1 bad input row left out"):
+    with pytest.raises(BadRowsLeftOut, match="^1 bad input row left out"):
         batchgen.run(dataset, out, **options)
     assert read_rows(out).keys() == {"0"}
     summary = batchgen.run(dataset, out, on_error="skip", overwrite=True, **options)

@@ -109,7 +109,7 @@ def test_output_may_not_be_the_input(random_models: dict[str, Path], tmp_path: P
 def test_top_logprobs_without_logprobs_is_rejected(random_models: dict[str, Path], tmp_path: Path) -> None:
     dataset = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi", "logprobs": False, "top_logprobs": 2}])
     code, output = run_cli(run_args(dataset, tmp_path / "o.arrow", random_models["llama"]))
-    assert code == 2 and "p.jsonl:1: field 'top_logprobs': needs logprobs: true" in output
+    assert code == 3 and "p.jsonl:1: field 'top_logprobs': needs logprobs: true" in output
 
 
 def test_foreign_sampling_field_names_are_warned_about(random_models: dict[str, Path], tmp_path: Path) -> None:

@@ -156,14 +156,14 @@ def test_bad_constraints_are_row_errors(
     code, output = run_cli(
         run_args(dataset, tmp_path / "o.arrow", random_models["llama"], "--max-new-tokens", "2", "--no-progress")
     )
-    assert code == 2 and f"p.jsonl:1: {message}" in output
+    assert code == 3 and f"p.jsonl:1: {message}" in output
     assert set(read_rows(tmp_path / "o.arrow")) == {"ok"}
 
 
 def test_two_constraints_are_rejected(random_models: dict[str, Path], tmp_path: Path) -> None:
     dataset = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "x", "regex": "a", "ebnf": 'root ::= "a"'}])
     code, output = run_cli(run_args(dataset, tmp_path / "o.arrow", random_models["llama"]))
-    assert code == 2 and "field 'ebnf': give only one of json_schema, regex, ebnf (found: regex, ebnf)" in output
+    assert code == 3 and "field 'ebnf': give only one of json_schema, regex, ebnf (found: regex, ebnf)" in output
 
 
 def test_constraint_with_min_new_tokens_stays_valid(random_models: dict[str, Path], tmp_path: Path) -> None:

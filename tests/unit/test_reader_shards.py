@@ -3,6 +3,7 @@ ShareGPT conversations, and the fingerprint of a dataset of shards."""
 
 from __future__ import annotations
 
+import glob
 import json
 from pathlib import Path
 from typing import Any
@@ -106,6 +107,48 @@ def test_outputs_that_a_later_run_would_read_as_shards(tmp_path: Path) -> None:
     assert not is_read_as_shard(Path(str(tmp_path / "*.arrow")), tmp_path / "out.parquet")
     write_jsonl(tmp_path / "in.jsonl", ['{"prompt": "a"}'])
     assert not is_read_as_shard(tmp_path / "in.jsonl", tmp_path / "out.jsonl")
+
+
+def test_a_glob_takes_the_output_as_glob_glob_would_read_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by a review: the output was matched against the pattern as text, so `data/*.jsonl` did not take
+    `--out ./data/out.jsonl` or its absolute path (a later run read the output as a shard), and took
+    `data/sub/out.jsonl`, which it does not read. The reference is glob.glob itself, the output file made first."""
+    monkeypatch.chdir(tmp_path)
+    for folder in ("data/sub/deep", "data/.hidden", "other"):
+        (tmp_path / folder).mkdir(parents=True, exist_ok=True)
+    patterns = [
+        "data/*.jsonl",
+        "./data/*.jsonl",
+        str(tmp_path / "data" / "*.jsonl"),
+        "data/**/*.jsonl",
+        "data/**",
+        "data/*/*.jsonl",
+        "other/../data/*.jsonl",
+        "data/[ab]*.jsonl",
+        "data/.*.jsonl",
+        "d*/o*.jsonl",
+    ]
+    outs = [
+        "data/out.jsonl",
+        "./data/out.jsonl",
+        str(tmp_path / "data" / "out.jsonl"),
+        "data/sub/out.jsonl",
+        "data/sub/deep/out.jsonl",
+        "data/.hidden/out.jsonl",
+        "data/.out.jsonl",
+        "other/out.jsonl",
+        "other/../data/b.jsonl",
+        "data/out.parquet",
+    ]
+    checked = 0
+    for out in outs:
+        Path(out).touch()
+        for pattern in patterns:
+            taken = {Path(p).resolve() for p in glob.glob(pattern, recursive=True)}
+            assert is_read_as_shard(Path(pattern), Path(out)) == (Path(out).resolve() in taken), (pattern, out)
+            checked += Path(out).resolve() in taken
+        Path(out).unlink()
+    assert checked > 10  # both answers are exercised
 
 
 # --- column options ---------------------------------------------------------------------------------------

@@ -276,7 +276,7 @@ def test_b26_tiny_temperatures_behave_as_greedy(dtype: str, tmp_path: Path) -> N
     ]
     dataset = write_jsonl(tmp_path / "p.jsonl", rows)
     code, output = run_cli(run_args(dataset, tmp_path / "o.arrow", STORIES, "--dtype", dtype, "--no-progress"))
-    assert code == 2 and "p.jsonl:4: field 'temperature'" in output
+    assert code == 3 and "p.jsonl:4: field 'temperature'" in output
     from tests.helpers.cli import read_rows
 
     got = read_rows(tmp_path / "o.arrow")
@@ -391,7 +391,7 @@ def test_values_that_overflow_float32_are_rejected(random_models: dict[str, Path
             "2",
         )
     )
-    assert code == 2
+    assert code == 3
     assert "p.jsonl:1: field 'temperature': must be a number in [0, 10000]" in output
     assert "p.jsonl:2: field 'repetition_penalty': must be in [0.01, 100]" in output
     assert "p.jsonl:3" not in output  # null means "the default", as for every sampling field
