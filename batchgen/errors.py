@@ -4,7 +4,10 @@ traceback."""
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from batchgen.job.summary import RunSummary
 
 _SHOWN_LIMIT = 80
 
@@ -30,9 +33,18 @@ class BatchgenError(Exception):
 
 class BadRowsLeftOut(BatchgenError):
     """A run under ``--on-error fail`` left bad input rows out after writing the good ones: exit status 3, so that a
-    scheduler tells "fix these rows, then ``--resume``" from a job that could not run (2)."""
+    scheduler tells "fix these rows, then ``--resume``" from a job that could not run (2). ``summary`` is the run's
+    :class:`~batchgen.job.summary.RunSummary` (rows written, ``errors`` the bad rows)."""
 
     exit_status = 3
+
+    def __init__(self, message: str, summary: RunSummary) -> None:
+        super().__init__(message)
+        self.summary = summary
+
+    def __reduce__(self) -> tuple[type[BadRowsLeftOut], tuple[str, RunSummary]]:
+        # Rebuilt from its parts: args holds only the message.
+        return type(self), (str(self), self.summary)
 
 
 class OutputError(BatchgenError):

@@ -1,12 +1,29 @@
-"""The checks of a run's sampling defaults that ``batchgen run`` and the Python API share."""
+"""The checks of a run's options that ``batchgen run``, ``batchgen status`` and the Python API share."""
 
 from __future__ import annotations
 
 import sys
 
 from batchgen.errors import BatchgenError, FieldError
+from batchgen.io.input_options import InputOptions
+from batchgen.job.options import JobOptions
 from batchgen.loop.engine import EngineFacts
+from batchgen.loop.options import EngineOptions
 from batchgen.sampling.sampling_params import SamplingParams
+
+
+def check_run_options(
+    options: EngineOptions, defaults: SamplingParams, job_options: JobOptions, input_options: InputOptions
+) -> None:
+    """Every rule of a run's options that needs no model and no file, in the order the command line names them.
+
+    Raises:
+        BatchgenError: one line naming the first bad flag and its value.
+    """
+    job_options.validate()
+    input_options.validate()
+    options.validate(here=not job_options.ray)  # before the output's checks: a mistyped flag is named first
+    check_sampling_defaults(defaults, None)
 
 
 def check_sampling_defaults(defaults: SamplingParams, facts: EngineFacts | None) -> None:

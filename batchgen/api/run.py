@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from batchgen.api.checks import check_sampling_defaults
+from batchgen.api.checks import check_run_options, check_sampling_defaults
 from batchgen.api.config_file import with_config
 from batchgen.api.options import OPTION_CLASSES, check_option_names, options_of
 from batchgen.environment import thread_count_chosen
@@ -119,10 +119,7 @@ def run_dataset(
     from batchgen.job.resume import check_output_path, discard_partial_beside
     from batchgen.job.run_job import RunJob
 
-    job_options.validate()
-    input_options.validate()
-    options.validate(here=not job_options.ray)  # before the output's checks: a mistyped flag is named first
-    check_sampling_defaults(defaults, None)  # what needs no model, before loading it
+    check_run_options(options, defaults, job_options, input_options)  # before the output's checks and the model
     if check_output_path(dataset, out, job_options.overwrite, job_options.resuming):
         from batchgen.job.status import check_nothing_left
 

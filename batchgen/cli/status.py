@@ -38,11 +38,12 @@ def status(
     input_options: InputOptions,
 ) -> None:
     """Show how far the run from DATASET to OUT has got: rows done, remaining and errored. Given the run's --config
-    or any of `batchgen run`'s flags (the run's command line with `status` for `run`), the settings a finished or
-    partial OUT records are compared with the run's as --resume compares them. Exit status 0 when OUT is a finished
-    output with a row for every row of DATASET (and, with settings, made with them), 1 when rows remain or it was
-    made otherwise (not started, in progress, finished with rows missing or changed since, or with other settings),
-    2 when DATASET, OUT or the config cannot be read."""
+    or its command line (`batchgen run`'s flags, --out among them: the run's command line with `status` for `run`),
+    the settings a finished or partial OUT records are compared with the run's as --resume compares them. Exit status
+    0 when OUT is a finished output with a row for every row of DATASET (and, with settings, made with them), 1 when
+    rows remain or it was made otherwise (not started, in progress, finished with rows missing or changed since, or
+    with other settings), 2 when DATASET, OUT, the config or the run's options cannot be read or are invalid."""
+    from batchgen.api.checks import check_run_options
     from batchgen.job.status import read_output_status
 
     with user_errors(ctx):
@@ -53,10 +54,12 @@ def status(
                 out = out_flag
             if dataset is None or out is None:
                 raise BatchgenError("status needs DATASET and OUT, as arguments or as the keys of its --config")
-            # Settings are compared where the run's are given: its --config, or a flag of its own on the command line.
-            if config is None and not any(given(ctx, name) for name in OPTION_HINTS):
+            # Settings are compared where the run's are given: its --config, or its command line (a flag of its own,
+            # or OUT as its --out); `status DATASET OUT` alone looks at rows.
+            if config is None and out_flag is None and not any(given(ctx, name) for name in OPTION_HINTS):
                 found = read_output_status(dataset, out)
             else:
+                check_run_options(options, defaults, job_options, input_options)  # a run with them would stop here
                 found = read_output_status(
                     dataset, out, input_options, (options, defaults), force=job_options.resume_force
                 )

@@ -8,7 +8,7 @@ import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from fnmatch import fnmatchcase
+from fnmatch import fnmatch
 from pathlib import Path
 
 from batchgen.errors import BatchgenError
@@ -114,7 +114,8 @@ def _format(path: Path, source: str) -> str:
 
 def is_read_as_shard(dataset: Path, out: Path) -> bool:
     """Whether the output file ``out`` would be read as one of ``dataset``'s shards by a later run (an output
-    written into the dataset's directory, or matched by its glob)."""
+    written into the dataset's directory, or one that its glob would list: asked of ``glob.glob`` itself, which
+    follows the pattern through ``..`` and symbolic links as the dataset's listing does, :func:`_listed`)."""
     if out.suffix.lower() not in SHARD_FORMATS:
         return False
     source = str(dataset)
@@ -122,30 +123,22 @@ def is_read_as_shard(dataset: Path, out: Path) -> bool:
         return out.parent.resolve() == dataset.resolve() and not (dataset / "state.json").exists()
     if dataset.exists() or not any(c in source for c in _GLOB_CHARACTERS):
         return False
-    # Matched as glob.glob matches (a name at a time, `**` over folders, no hidden names unless asked), the pattern's
-    # fixed folders and the output's folder resolved: `./data/*.jsonl` takes `/abs/data/out.jsonl` too.
-    parts = Path(os.path.abspath(source)).parts
-    fixed = next(i for i, part in enumerate(parts) if any(c in part for c in _GLOB_CHARACTERS))
-    try:
-        names = (out.parent.resolve() / out.name).relative_to(Path(*parts[:fixed]).resolve()).parts
-    except ValueError:
+    return _listed(out, source)
+
+
+def _listed(path: Path, pattern: str) -> bool:
+    """Whether ``glob.glob(pattern, recursive=True)`` lists ``path`` (resolved), or would once ``path`` and the
+    folders it lacks exist: for a path that exists, glob is asked; else its name is matched as glob matches names
+    (fnmatch; wildcards take no leading dot; ``**`` takes any folder below its own) and its folder asked in turn."""
+    if path.exists():
+        return path.resolve() in {Path(p).resolve() for p in glob.glob(pattern, recursive=True)}
+    folder, name = os.path.split(pattern)
+    if path.name.startswith(".") and not name.startswith("."):
         return False
-    return _glob_takes(names, parts[fixed:])
-
-
-def _glob_takes(names: tuple[str, ...], patterns: tuple[str, ...]) -> bool:
-    """Whether the relative path of ``names`` matches the pattern's components ``patterns`` as ``glob.glob(...,
-    recursive=True)`` matches (its wildcards take no leading dot; ``**`` takes any number of folders)."""
-    if not patterns:
-        return not names
-    if patterns[0] == "**":
-        folders = range(len(names) + 1)
-        return any(
-            _glob_takes(names[i:], patterns[1:]) for i in folders if not any(n.startswith(".") for n in names[:i])
-        )
-    return (
-        bool(names)
-        and fnmatchcase(names[0], patterns[0])
-        and (patterns[0].startswith(".") or not names[0].startswith("."))
-        and _glob_takes(names[1:], patterns[1:])
-    )
+    if name == "**":
+        return _listed(path.parent, pattern)
+    if not fnmatch(path.name, name):
+        return False
+    if any(c in folder for c in _GLOB_CHARACTERS):
+        return _listed(path.parent, folder)
+    return path.parent.resolve() == Path(folder or os.curdir).resolve()

@@ -105,6 +105,10 @@ class JobOptions:
         Raises:
             BatchgenError: one line naming the first bad flag and its value.
         """
+        if self.overwrite and self.resuming:
+            raise BatchgenError(
+                "--overwrite and --resume exclude each other: --overwrite starts over, --resume continues"
+            )
         if self.on_error not in ON_ERROR:
             raise BatchgenError(f"--on-error must be fail or skip, got '{self.on_error}'")
         if self.output_format not in OUTPUT_FORMATS:

@@ -35,18 +35,21 @@ def check_output_path(dataset: Path, out: Path, overwrite: bool, resume: bool) -
 
     Raises:
         BatchgenError: ``out`` is the dataset, a directory or a file the dataset's directory or glob takes in, has an
-            unsupported format, its directory does not exist, both ``overwrite`` and ``resume`` are given, or
-            ``out`` or its partial output exists without either.
+            unsupported format, its directory does not exist, or ``out`` or its partial output exists without
+            ``overwrite`` or ``resume`` (which exclude each other: :meth:`JobOptions.validate`).
     """
     if out.exists() and dataset.exists() and out.resolve() == dataset.resolve():
         raise BatchgenError(f"{out}: the output file is the input dataset; choose another --out")
     check_output_format(out)
     if is_read_as_shard(dataset, out):
         raise BatchgenError(f"{out}: a later run would read the output as a shard of {dataset}; write it elsewhere")
+    if is_read_as_shard(dataset, partial_dir(out) / "part-000000-0000000000000000.arrow"):  # a part file's name
+        raise BatchgenError(
+            f"{out}: a later run would read the part files of its partial output ({partial_dir(out)}/part-*.arrow) "
+            f"as shards of {dataset}; write it elsewhere"
+        )
     if out.is_dir():
         raise BatchgenError(f"{out}: is a directory, expected an output file")
-    if overwrite and resume:
-        raise BatchgenError("--overwrite and --resume exclude each other: --overwrite starts over, --resume continues")
     if out.exists() and not (overwrite or resume):
         raise BatchgenError(
             f"{out}: output file exists; pass --resume to finish or keep it, or --overwrite to replace it"

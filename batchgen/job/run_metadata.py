@@ -163,11 +163,16 @@ def job_differences(recorded: dict[str, str], now: dict[str, str]) -> list[str]:
 
 
 def _seed_given(recorded: dict[str, str], now: dict[str, str]) -> dict[str, str]:
-    """``now`` with an omitted ``--seed`` taken as the recorded one, which the run reuses (``output_schema``)."""
+    """``now`` with an omitted ``--seed`` taken as the recorded one, which the run reuses (``output_schema``), and a
+    ``--seed`` equal to the run seed an unseeded run drew taken as omitted: rows are seeded from the run seed alone,
+    so either gives the rows that run wrote (found by a helper: a script pinning the recorded seed was refused)."""
     try:
         options = json.loads(now.get("batchgen.engine_options", "{}"))
+        then = json.loads(recorded.get("batchgen.engine_options", "{}")).get("seed")
         if options.get("seed") is None:
-            options["seed"] = json.loads(recorded.get("batchgen.engine_options", "{}")).get("seed")
+            options["seed"] = then
+        elif then is None and str(options["seed"]) == recorded.get(RUN_SEED_KEY):
+            options["seed"] = None
     except (json.JSONDecodeError, AttributeError):
         return now  # unreadable: changed_fields says so
     return now | {"batchgen.engine_options": json.dumps(options)}

@@ -147,7 +147,8 @@ def read_output_status(
     stale = recheck = 0
     digests = metadata.get(INPUT_DIGESTS_KEY.encode())
     if check_rows and state == "complete" and changes and digests is not None:
-        stale, recheck = _changed_rows(dataset, out, list(sample_ids), digests.decode(), options, notes), errored
+        stale = _changed_rows(dataset, out, list(sample_ids), digests.decode(), options, force, notes)
+        recheck = errored
         if errored:
             notes.append(f"the dataset changed: --resume checks {out}'s {counted(errored, 'error row')} again")
     other: list[str] = []
@@ -163,21 +164,28 @@ def read_output_status(
 
 
 def _changed_rows(
-    dataset: Path, out: Path, sample_ids: list[str], digests: str, options: InputOptions | None, notes: list[str]
+    dataset: Path,
+    out: Path,
+    sample_ids: list[str],
+    digests: str,
+    options: InputOptions | None,
+    force: bool,
+    notes: list[str],
 ) -> int:
     """How many of ``sample_ids`` (rows of the finished output ``out``) were made from an input row that
-    ``dataset`` no longer holds under their id (:func:`compare_rows`), noted in ``notes``."""
+    ``dataset`` no longer holds under their id, changed or gone (:func:`compare_rows`), noted in ``notes`` with what
+    ``--resume`` does with them (refuses them; keeps them with ``force``)."""
     try:
-        changed = compare_rows(dataset, sample_ids, digests, options)[0]
+        changed, gone, _ = compare_rows(dataset, sample_ids, digests, options)
     except ValueError:
         notes.append(f"{out}'s input digests are unreadable: its rows cannot be checked against {dataset}")
         return 0
-    if changed:
-        notes.append(
-            f"{counted(len(changed), 'row')} of {out} changed in {dataset} since it was made (--resume refuses "
-            f"{'it' if len(changed) == 1 else 'them'}; --overwrite runs the dataset again)"
-        )
-    return len(changed)
+    if stale := len(changed) + len(gone):
+        them = "it" if stale == 1 else "them"
+        then = f"--resume refuses {them}; --overwrite runs the dataset again"
+        then = f"--resume-force keeps {them}" if force else then
+        notes.append(f"{counted(stale, 'row')} of {out} changed in {dataset} or left it since it was made ({then})")
+    return stale
 
 
 def _matched(dataset_ids: Iterable[str], sample_ids: set[str], error_ids: Counter[str]) -> tuple[int, int, int]:
@@ -217,7 +225,8 @@ def check_nothing_left(dataset: Path, out: Path, force: bool, options: InputOpti
         )
     complete = check_finished_rows(dataset, out, force, options)
     if complete is not None:
-        return complete
+        # A row whose id the output holds may still be missing: a duplicate id that --on-error fail left out.
+        return complete and not status.remaining
     if force:
         if status.dataset_changes:
             changes = "; ".join(status.dataset_changes)

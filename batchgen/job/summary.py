@@ -85,7 +85,8 @@ def raise_if_failed(summary: RunSummary, on_error: str) -> None:
     if summary.errors and on_error == "fail":
         nothing = "" if summary.output_written else "; no row was good, so no output file was written"
         raise BadRowsLeftOut(
-            f"{counted(summary.errors, 'bad input row')} left out (see above; --on-error skip writes them){nothing}"
+            f"{counted(summary.errors, 'bad input row')} left out (see above; --on-error skip writes them){nothing}",
+            summary,
         )
 
 

@@ -455,8 +455,9 @@ def test_run_with_bad_rows_raises_after_writing_the_good_ones(chat_model: Path, 
     dataset = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "fine"}, {"prompt": "bad", "top_k": -5}])
     out = tmp_path / "out.jsonl"
     options = {"model": str(chat_model), "max_new_tokens": 2, "progress": False, **ENGINE}
-    with pytest.raises(BadRowsLeftOut, match="^1 bad input row left out"):
+    with pytest.raises(BadRowsLeftOut, match="^1 bad input row left out") as info:
         batchgen.run(dataset, out, **options)
+    assert (info.value.exit_status, info.value.summary.rows, info.value.summary.errors) == (3, 1, 1)
     assert read_rows(out).keys() == {"0"}
     summary = batchgen.run(dataset, out, on_error="skip", overwrite=True, **options)
     assert (summary.rows, summary.errors) == (1, 1)

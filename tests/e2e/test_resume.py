@@ -710,10 +710,17 @@ def test_status_counts_every_error_row_of_an_id_and_a_finished_output_of_changed
     write_jsonl(dataset, [*rows[:5], {"id": "g0", "prompt_token_ids": [0, 8]}, *rows[6:]])  # g0's prompt changed
     lines = status(dataset, out).splitlines()
     assert lines[0] == f"{out}: finished from rows changed since: 35 of 35 rows done, 0 remaining, 4 errored"
-    note = f"1 row of {out} changed in {dataset} since it was made (--resume refuses it; --overwrite runs the dataset"
-    assert f"{out}: note: {note} again)" in lines
+    note = f"1 row of {out} changed in {dataset} or left it since it was made (--resume refuses it; --overwrite runs"
+    assert f"{out}: note: {note} the dataset again)" in lines
     code, output = run_cli(args(dataset, out, model, "--resume"))
     assert code == 2 and "1 row of" in output and "changed in" in output
+    # A row gone from the dataset is refused by --resume too (found by a helper: status said complete).
+    write_jsonl(dataset, [*rows[:5], *rows[6:]])
+    lines = status(dataset, out).splitlines()
+    assert lines[0] == f"{out}: finished from rows changed since: 34 of 34 rows done, 0 remaining, 4 errored"
+    assert f"{out}: note: {note} the dataset again)" in lines
+    code, output = run_cli(args(dataset, out, model, "--resume"))
+    assert code == 2 and "or left it since it was made ('g0')" in output
 
 
 def test_status_with_the_run_s_config_compares_its_settings(
@@ -799,8 +806,17 @@ def test_status_takes_the_run_s_command_line(model: Path, tmp_path: Path) -> Non
     assert run_cli(["run", *flags, "--max-new-tokens", "2", "--resume"])[0] == 2  # as status said
     code, output = run_cli(["status", *flags, "--max-new-tokens", "2", "--resume", "--resume-force"])
     assert (code, output.splitlines()) == (0, [complete, f"{note}-force keeps it"])
-    # Without the run's settings, rows only; OUT as the argument or as --out, not both.
-    assert run_cli(["status", str(dataset), "--out", str(out)]) == (0, complete + "\n")
+    # `status DATASET OUT` looks at rows only; `--out OUT` is the run's command line, whose defaults differ here (found
+    # by a helper: `status d --out o || run d --out o --resume` skipped a run that --resume refuses).
+    assert run_cli(["status", str(dataset), str(out)]) == (0, complete + "\n")
+    code, output = run_cli(["status", str(dataset), "--out", str(out)])
+    assert code == 1 and "max_new_tokens 3 → 128)" in output
+    assert run_cli(["run", str(dataset), "--out", str(out), "--model", str(model), "--resume"])[0] == 2
+    # An option a run refuses is refused (found by a helper: status answered 0 or 1).
+    for bad in (["--on-error", "bogus"], ["--temperature", "-1"], ["--resume", "--overwrite"]):
+        code, output = run_cli(["status", *flags, "--max-new-tokens", "3", *bad])
+        assert code == 2 and output.startswith("batchgen: error: --"), (bad, output)
+    # OUT as the argument or as --out, not both.
     code, output = run_cli(["status", str(dataset), str(out), "--out", str(tmp_path / "other.arrow")])
     assert (code, output) == (2, f"batchgen: error: OUT is given twice: {out} and --out {tmp_path / 'other.arrow'}\n")
     # A config's out gives way to --out; status's own --out is no config key.
@@ -841,6 +857,39 @@ def test_status_with_resume_force_still_sends_error_rows_of_a_changed_dataset_to
     assert [(r["id"], r["finish_reason"] != "error") for r in rows_now] == [("a", True), ("b", True)]
     code, output = run_cli(["status", "--config", str(config)])
     assert (code, output) == (0, f"{out}: complete: 2 of 2 rows done, 0 remaining, 0 errored\n")
+
+
+def test_a_duplicate_id_left_out_is_not_taken_for_complete_by_resume(model: Path, tmp_path: Path) -> None:
+    """Found by a helper: a duplicate id that --on-error fail left out made status say 1 row remains, while --resume
+    said "already complete; nothing to do" (exit 0) without a word of the bad row. --resume now reads the dataset
+    again, names the row and exits 3, as status's exit 1 foretells."""
+    dataset = write_jsonl(tmp_path / "in.jsonl", [{"id": "ok", "prompt_token_ids": [0, 5]}] * 2)
+    out = tmp_path / "out.arrow"
+    code, output = run_cli(args(dataset, out, model, "--on-error", "fail"))
+    assert code == 3 and "field 'id': duplicate" in output
+    assert status(dataset, out).startswith(f"{out}: finished with rows missing: 1 of 2 rows done, 1 remaining")
+    code, output = run_cli(args(dataset, out, model, "--on-error", "fail", "--resume"))
+    assert code == 3 and "field 'id': duplicate" in output and "1 bad input row left out" in output
+    assert read_results(out).column("id").to_pylist() == ["ok"]
+
+
+def test_the_run_seed_an_unseeded_run_drew_is_its_seed(model: Path, tmp_path: Path) -> None:
+    """Found by a helper: a script that pinned the run seed an unseeded run recorded was refused ("seed not given →
+    N"), though rows are seeded from the run seed alone: a run given it as --seed writes the same sampled rows."""
+    dataset = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "prompt_token_ids": [0, 5 + i]} for i in range(3)])
+    out = tmp_path / "out.arrow"
+    run = ["run", str(dataset), "--out", str(out), "--model", str(model), *COMMON, "--max-new-tokens", "4"]
+    assert run_cli(run)[0] == 0  # temperature 1.0, no seed: a random run seed
+    table = read_results(out)
+    seed = (table.schema.metadata or {})[b"batchgen.run_seed"].decode()
+    assert run_cli(["status", *run[1:], "--seed", seed])[0] == 0
+    assert run_cli([*run, "--resume", "--seed", seed]) == (0, f"batchgen: {out} is already complete; nothing to do\n")
+    code, output = run_cli([*run, "--resume", "--seed", str(int(seed) + 1)])
+    assert code == 2 and f"seed not given → {int(seed) + 1}" in output
+    seeded = tmp_path / "seeded.arrow"
+    assert run_cli([*run[:3], str(seeded), *run[4:], "--seed", seed])[0] == 0
+    tokens = {row["id"]: row["output_token_ids"] for row in read_results(seeded).to_pylist()}
+    assert tokens == {row["id"]: row["output_token_ids"] for row in table.to_pylist()}
 
 
 def test_a_finished_output_lacking_an_id_is_not_complete_whatever_its_row_count(model: Path, tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ from batchgen.io.passthrough import infer_schema, passthrough_names
 from batchgen.io.reader import InputRow, RowReader, count_input_rows
 from batchgen.io.rows import parse_row
 from batchgen.io.shards import is_read_as_shard, list_shards
+from batchgen.job.resume import check_output_path
 
 
 def write_jsonl(path: Path, lines: list[str]) -> Path:
@@ -114,9 +115,15 @@ def test_a_glob_takes_the_output_as_glob_glob_would_read_it(tmp_path: Path, monk
     `--out ./data/out.jsonl` or its absolute path (a later run read the output as a shard), and took
     `data/sub/out.jsonl`, which it does not read. The reference is glob.glob itself, the output file made first."""
     monkeypatch.chdir(tmp_path)
-    for folder in ("data/sub/deep", "data/.hidden", "other"):
+    for folder in ("data/sub/deep", "data/.hidden", "other", "real"):
         (tmp_path / folder).mkdir(parents=True, exist_ok=True)
+    # Through symbolic links too (found by a helper): real/ld/.. is the folder above data, not real.
+    (tmp_path / "real" / "ld").symlink_to("../data")
+    (tmp_path / "data" / "lnk").symlink_to("../other")
     patterns = [
+        "real/ld/../data/*.jsonl",
+        "real/*/*.jsonl",
+        "d*/**/*.jsonl",
         "data/*.jsonl",
         "./data/*.jsonl",
         str(tmp_path / "data" / "*.jsonl"),
@@ -139,16 +146,30 @@ def test_a_glob_takes_the_output_as_glob_glob_would_read_it(tmp_path: Path, monk
         "other/out.jsonl",
         "other/../data/b.jsonl",
         "data/out.parquet",
+        "data/new/out.jsonl",
+        "data/new/.h/out.jsonl",
+        "real/ld/new/out.jsonl",
     ]
     checked = 0
     for out in outs:
+        # Asked before the output (and a folder it needs) exists, as a first run asks, and after, as --resume does.
+        before = [is_read_as_shard(Path(pattern), Path(out)) for pattern in patterns]
+        made = [folder for folder in reversed(Path(out).parents) if not folder.exists()]
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).touch()
-        for pattern in patterns:
-            taken = {Path(p).resolve() for p in glob.glob(pattern, recursive=True)}
-            assert is_read_as_shard(Path(pattern), Path(out)) == (Path(out).resolve() in taken), (pattern, out)
-            checked += Path(out).resolve() in taken
+        for pattern, answer in zip(patterns, before):
+            taken = Path(out).resolve() in {Path(p).resolve() for p in glob.glob(pattern, recursive=True)}
+            assert answer == is_read_as_shard(Path(pattern), Path(out)) == taken, (pattern, out)
+            checked += taken
         Path(out).unlink()
+        for folder in reversed(made):
+            folder.rmdir()
     assert checked > 10  # both answers are exercised
+    # The partial output's part files are shards of a glob that takes .arrow files (found by a helper: after a stop,
+    # the next run read them as input, and --resume could not go on).
+    with pytest.raises(BatchgenError, match="would read the part files of its partial output"):
+        check_output_path(Path("data/**/*.arrow"), Path("data/out.jsonl"), overwrite=False, resume=False)
+    assert not check_output_path(Path("data/*.arrow"), Path("data/out.jsonl"), overwrite=False, resume=False)
 
 
 # --- column options ---------------------------------------------------------------------------------------
