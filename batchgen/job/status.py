@@ -8,6 +8,8 @@ the dataset's rows by id. Nothing is changed on disk, so it is safe next to a ru
 
 from __future__ import annotations
 
+import fcntl
+import os
 import sys
 from collections import Counter
 from collections.abc import Iterable
@@ -19,7 +21,7 @@ from batchgen.io.fingerprint import DatasetFingerprint, fingerprint_dataset
 from batchgen.io.finished_output import finished_rows
 from batchgen.io.input_digests import INPUT_DIGESTS_KEY, compare_rows, input_ids
 from batchgen.io.input_options import InputOptions, recorded_input_options
-from batchgen.io.partial_output import PartialOutput, partial_dir
+from batchgen.io.partial_output import LOCK, PartialOutput, partial_dir
 from batchgen.io.reader import count_input_rows
 from batchgen.job.resume import check_finished_rows
 from batchgen.job.run_metadata import DATASET_KEY, settings_differences
@@ -117,6 +119,8 @@ def read_output_status(
         for (rid, _), count in partial.done.errors.items():  # several error rows of an id differ by message
             error_ids[rid] += count
         state = f"in progress ({counted(len(partial.parts), 'part file')} in {partial_dir(out)})"
+        if _being_written(partial_dir(out)):  # found by a helper: --resume then refuses it, which status did not say
+            notes.append("a run is writing it now: --resume refuses it until that run ends")
         metadata = (partial.schema.metadata or {}) if partial.schema is not None else {}
         if partial.damaged:
             notes.append(
@@ -186,6 +190,22 @@ def _changed_rows(
         then = f"--resume-force keeps {them}" if force else then
         notes.append(f"{counted(stale, 'row')} of {out} changed in {dataset} or left it since it was made ({then})")
     return stale
+
+
+def _being_written(directory: Path) -> bool:
+    """Whether a run holds the lock of the partial output ``directory`` now (the kernel drops it when that run ends,
+    however it ends). Asked by taking a shared lock for an instant, which fails while a run holds its own."""
+    try:
+        fd = os.open(directory / LOCK, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # releases the shared lock too
+    return False
 
 
 def _matched(dataset_ids: Iterable[str], sample_ids: set[str], error_ids: Counter[str]) -> tuple[int, int, int]:

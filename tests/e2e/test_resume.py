@@ -892,6 +892,30 @@ def test_the_run_seed_an_unseeded_run_drew_is_its_seed(model: Path, tmp_path: Pa
     assert tokens == {row["id"]: row["output_token_ids"] for row in table.to_pylist()}
 
 
+def test_status_says_when_a_run_is_writing_the_output(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a helper: while a run went on, status said only "in progress", and the `run --resume` a script ran
+    after it failed (exit 2, "another batchgen run is writing this output"). Status now says a run holds it."""
+    dataset = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt_token_ids": [0, 5 + i]} for i in range(30)])
+    out = tmp_path / "out.arrow"
+    with monkeypatch.context() as patch:
+        fail_part_write(patch, at=2)
+        assert run_cli(args(dataset, out, model))[0] == 2
+    note = f"{out}: note: a run is writing it now: --resume refuses it until that run ends"
+    assert note not in status(dataset, out).splitlines()
+    fd = os.open(partial_dir(out) / "lock", os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a running batchgen holds it
+        assert note in status(dataset, out).splitlines()
+        code, output = run_cli(args(dataset, out, model, "--resume"))
+        assert code == 2 and "another batchgen run is writing this output" in output
+    finally:
+        os.close(fd)
+    assert note not in status(dataset, out).splitlines()
+    assert run_cli(args(dataset, out, model, "--resume"))[0] == 0
+
+
 def test_a_finished_output_lacking_an_id_is_not_complete_whatever_its_row_count(model: Path, tmp_path: Path) -> None:
     """Remaining rows are counted by id (found by a new user: with row b replaced by c, a finished JSONL output of
     a and b counted 2 of 2 rows done, and --resume said it was complete, c never generated)."""
