@@ -74,4 +74,4 @@ def run(
         if summary.interrupted_by:
             print(f"batchgen: to resume: {resume_command(dataset, out, job_options.overwrite)}", file=sys.stderr)
             raise typer.Exit(128 + signal.Signals[summary.interrupted_by].value)
-        raise_if_failed(summary, job_options.on_error)
+        raise_if_failed(summary, job_options.on_error, Path(out))

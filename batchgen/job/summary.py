@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import resource
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from batchgen.errors import BadRowsLeftOut, counted
@@ -80,12 +81,23 @@ def speculative_record(options: EngineOptions, histogram: dict[int, int]) -> dic
     }
 
 
-def raise_if_failed(summary: RunSummary, on_error: str) -> None:
-    """Under ``--on-error fail`` a run with bad rows ends with an error after writing the good ones."""
+def raise_if_failed(summary: RunSummary, on_error: str, out: Path) -> None:
+    """Under ``--on-error fail`` a run with bad rows ends with an error after writing the good ones to ``out``; the
+    message says how the fixed rows get there: ``--resume`` adds them to an Arrow or Parquet output, a JSON Lines
+    output records nothing to resume from (found by a helper: it said only "--on-error skip writes them").
+
+    Raises:
+        BadRowsLeftOut: there were bad rows under ``--on-error fail``.
+    """
     if summary.errors and on_error == "fail":
-        nothing = "" if summary.output_written else "; no row was good, so no output file was written"
+        if not summary.output_written:
+            then = "; no row was good, so no output file was written"
+        elif out.suffix.lower() == ".jsonl":
+            then = f"; {out} records nothing to resume from: once they are fixed, --overwrite runs the dataset again"
+        else:
+            then = "; once they are fixed, --resume adds them"
         raise BadRowsLeftOut(
-            f"{counted(summary.errors, 'bad input row')} left out (see above; --on-error skip writes them){nothing}",
+            f"{counted(summary.errors, 'bad input row')} left out (see above; --on-error skip writes them){then}",
             summary,
         )
 

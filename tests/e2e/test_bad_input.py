@@ -39,7 +39,10 @@ BAD_LINE = 3  # line 1: GOOD_1, line 2: blank, line 3: the bad row, line 4: GOOD
 VOCAB = 400  # the conftest test tokenizer: 256 bytes + merges + <s>, </s>
 CONTEXT = ["--context-length", "16"]
 COMMON = ["--dtype", "float32", "--device", "cpu", "--no-progress"]
-LEFT_OUT_1 = "batchgen: error: 1 bad input row left out (see above; --on-error skip writes them)"
+LEFT_OUT_1 = (
+    "batchgen: error: 1 bad input row left out (see above; --on-error skip writes them); once they are fixed, --resume "
+    "adds them"
+)
 SUMMARY = re.compile(
     r"^batchgen: (\d+) rows?(?: \(\d+ samples\))? done, (\d+) bad rows?, (\d+) prompt \+ (\d+) output tokens in "
     r"[\d.]+ s, [\d.]+ output tok/s, (\d+) preemptions?(?:, prefix cache \d+ % of prompt tokens)?$"
@@ -346,7 +349,8 @@ def test_many_bad_rows_print_the_first_20_then_count(models: dict[str, Path], tm
     ]
     assert errors[20:] == [
         "batchgen: error: more bad rows; only the first 20 are shown",
-        "batchgen: error: 25 bad input rows left out (see above; --on-error skip writes them)",
+        "batchgen: error: 25 bad input rows left out (see above; --on-error skip writes them); once they are fixed, "
+        "--resume adds them",
     ]
     assert sorted(r["id"] for r in read_results(tmp_path / "out.arrow").to_pylist()) == ["g1", "g2"]
 

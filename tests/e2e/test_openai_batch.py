@@ -369,6 +369,12 @@ def test_bad_lines_fail_the_run_and_are_left_out_under_on_error_fail(model: Path
     assert code == 3
     assert f"batchgen: error: {dataset}:3: field 'url': must be /v1/chat/completions or /v1/completions" in output
     assert [line["custom_id"] for line in output_lines(tmp_path / "out.jsonl")] == ["good-1", "good-2"]
+    # A JSON Lines output cannot take the fixed rows later; the last line says so (found by a helper: it said only
+    # "--on-error skip writes them", and --resume then refused the output).
+    assert output.splitlines()[-1].endswith(
+        f"(see above; --on-error skip writes them); {tmp_path / 'out.jsonl'} records nothing to resume from: once they "
+        "are fixed, --overwrite runs the dataset again"
+    )
 
 
 def test_a_mixed_file_is_one_line_error(model: Path, tmp_path: Path) -> None:
