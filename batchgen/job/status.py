@@ -42,7 +42,8 @@ class OutputStatus:
     notes: list[str]
     # What differs in the dataset since the run started (size, modification time, ...); empty when unchanged.
     dataset_changes: list[str]
-    # A finished output's rows whose input row changed since (--resume refuses them unless --resume-force).
+    # A finished output's rows whose input row changed or left the dataset since (--resume refuses them unless
+    # --resume-force).
     stale: int = 0
     # A finished output's error rows when the dataset changed: their rows may be fixed, so --resume (with
     # --resume-force too) reads the dataset again to check them.
