@@ -44,6 +44,7 @@ def status(
     rows remain or it was made otherwise (not started, in progress, finished with rows missing or changed since, or
     with other settings), 2 when DATASET, OUT, the config or the run's options cannot be read or are invalid."""
     from batchgen.api.checks import check_run_options
+    from batchgen.job.resume import check_output_place
     from batchgen.job.status import read_output_status
 
     with user_errors(ctx):
@@ -60,6 +61,7 @@ def status(
                 found = read_output_status(dataset, out)
             else:
                 check_run_options(options, defaults, job_options, input_options)  # a run with them would stop here
+                check_output_place(dataset, out)
                 found = read_output_status(
                     dataset, out, input_options, (options, defaults), force=job_options.resume_force
                 )

@@ -126,19 +126,42 @@ def is_read_as_shard(dataset: Path, out: Path) -> bool:
     return _listed(out, source)
 
 
+def reads_part_files(dataset: Path, directory: Path) -> bool:
+    """Whether a later run of the glob ``dataset`` could read Arrow files written into ``directory`` (a partial
+    output's part files, ``part-<number>-<hex>.arrow``): its folder part reaches ``directory`` and its last name
+    could end in ``.arrow`` (a literal end after its last wildcard that ``.arrow`` rules out, as ``*.jsonl``, keeps it
+    out; any other may take some part's name)."""
+    source = str(dataset)
+    if dataset.exists() or not any(c in source for c in _GLOB_CHARACTERS):
+        return False  # a directory dataset reads no subfolder
+    folder, name = os.path.split(source)
+    magic = [i for i, c in enumerate(name) if c in _GLOB_CHARACTERS]
+    if not magic:
+        return False
+    end = name[max(magic) + 1 :].split("]")[-1].lower()  # the literal end after the last wildcard or class
+    if not (end.endswith(".arrow") or ".arrow".endswith(end)):
+        return False
+    return _listed(directory, source) if name == "**" else _names(directory, folder)
+
+
 def _listed(path: Path, pattern: str) -> bool:
     """Whether ``glob.glob(pattern, recursive=True)`` lists ``path`` (resolved), or would once ``path`` and the
     folders it lacks exist: for a path that exists, glob is asked; else its name is matched as glob matches names
     (fnmatch; wildcards take no leading dot; ``**`` takes any folder below its own) and its folder asked in turn."""
+    folder, name = os.path.split(pattern)
+    if name == "**" and _names(path, folder):  # `**` takes no folder too: `**/*.jsonl` takes ./x.jsonl
+        return True
     if path.exists():
         return path.resolve() in {Path(p).resolve() for p in glob.glob(pattern, recursive=True)}
-    folder, name = os.path.split(pattern)
     if path.name.startswith(".") and not name.startswith("."):
         return False
     if name == "**":
         return _listed(path.parent, pattern)
-    if not fnmatch(path.name, name):
-        return False
+    return fnmatch(path.name, name) and _names(path.parent, folder)
+
+
+def _names(path: Path, folder: str) -> bool:
+    """Whether ``path`` is one of the folders the pattern ``folder`` names (``""``: the working folder)."""
     if any(c in folder for c in _GLOB_CHARACTERS):
-        return _listed(path.parent, folder)
-    return path.parent.resolve() == Path(folder or os.curdir).resolve()
+        return _listed(path, folder)
+    return path.resolve() == Path(folder or os.curdir).resolve()

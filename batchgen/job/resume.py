@@ -20,7 +20,7 @@ from batchgen.io.input_digests import INPUT_DIGESTS_KEY, compare_rows
 from batchgen.io.input_options import INPUT_OPTIONS_KEY, InputOptions, recorded_input_options
 from batchgen.io.partial_output import PartialOutput, PartialState, partial_dir, remove_partial_dir
 from batchgen.io.reopen import reopen_output
-from batchgen.io.shards import is_read_as_shard
+from batchgen.io.shards import is_read_as_shard, reads_part_files
 from batchgen.io.writer import check_output_format
 from batchgen.job.options import JobOptions
 from batchgen.job.run_metadata import DATASET_KEY, RUN_SEED_KEY, changed_fields, job_differences
@@ -29,25 +29,37 @@ from batchgen.job.run_metadata import DATASET_KEY, RUN_SEED_KEY, changed_fields,
 _IDS_SHOWN = 3
 
 
-def check_output_path(dataset: Path, out: Path, overwrite: bool, resume: bool) -> bool:
-    """Check the output path before any work; return whether ``out`` is a finished output to check for missing rows
-    (only with ``resume``; once it passes, :func:`discard_partial_beside` removes a partial output left beside it).
+def check_output_place(dataset: Path, out: Path) -> None:
+    """Check that ``out`` can be the output of a run of ``dataset``: not the dataset itself, a format batchgen writes,
+    and nothing a later run of the dataset would read as a shard (``out``, its partial output's files).
 
     Raises:
-        BatchgenError: ``out`` is the dataset, a directory or a file the dataset's directory or glob takes in, has an
-            unsupported format, its directory does not exist, or ``out`` or its partial output exists without
-            ``overwrite`` or ``resume`` (which exclude each other: :meth:`JobOptions.validate`).
+        BatchgenError: one line naming ``out`` and what is wrong.
     """
     if out.exists() and dataset.exists() and out.resolve() == dataset.resolve():
         raise BatchgenError(f"{out}: the output file is the input dataset; choose another --out")
     check_output_format(out)
     if is_read_as_shard(dataset, out):
         raise BatchgenError(f"{out}: a later run would read the output as a shard of {dataset}; write it elsewhere")
-    if is_read_as_shard(dataset, partial_dir(out) / "part-000000-0000000000000000.arrow"):  # a part file's name
+    partial = partial_dir(out)
+    # Its part files, and the file it is assembled as before it is moved into place (a crash can leave it).
+    if reads_part_files(dataset, partial) or is_read_as_shard(dataset, partial / f"final{out.suffix}"):
         raise BatchgenError(
-            f"{out}: a later run would read the part files of its partial output ({partial_dir(out)}/part-*.arrow) "
-            f"as shards of {dataset}; write it elsewhere"
+            f"{out}: a later run would read the files of its partial output ({partial}/) as shards of {dataset}; "
+            "write it elsewhere"
         )
+
+
+def check_output_path(dataset: Path, out: Path, overwrite: bool, resume: bool) -> bool:
+    """Check the output path before any work; return whether ``out`` is a finished output to check for missing rows
+    (only with ``resume``; once it passes, :func:`discard_partial_beside` removes a partial output left beside it).
+
+    Raises:
+        BatchgenError: :func:`check_output_place`'s errors; ``out`` is a directory, its directory does not exist, or
+            ``out`` or its partial output exists without ``overwrite`` or ``resume`` (which exclude each other:
+            :meth:`JobOptions.validate`).
+    """
+    check_output_place(dataset, out)
     if out.is_dir():
         raise BatchgenError(f"{out}: is a directory, expected an output file")
     if out.exists() and not (overwrite or resume):

@@ -153,9 +153,16 @@ def read_output_status(
     digests = metadata.get(INPUT_DIGESTS_KEY.encode())
     if check_rows and state == "complete" and changes and digests is not None:
         stale = _changed_rows(dataset, out, list(sample_ids), digests.decode(), options, force, notes)
-        recheck = errored
-        if errored:
-            notes.append(f"the dataset changed: --resume checks {out}'s {counted(errored, 'error row')} again")
+        # Every error row, those of rows that left the dataset too (found by a helper): --resume reads the dataset
+        # again for them, and leaves out the ones it no longer meets.
+        if recheck := error_ids.total():
+            notes.append(f"the dataset changed: --resume checks {out}'s {counted(recheck, 'error row')} again")
+    elif check_rows and state == "complete" and changes:
+        # No digests (an older batchgen's output, or a run of more rows than it keeps digests for): --resume cannot
+        # check the rows, so it refuses the changed dataset unless --resume-force (found by a helper).
+        stale = done
+        then = "--resume-force keeps it" if force else "--resume refuses it unless --resume-force"
+        notes.append(f"{out} records no digests of its input rows, so they cannot be checked: {then}")
     other: list[str] = []
     if settings is not None and state != "not started":
         if not metadata:

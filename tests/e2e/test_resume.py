@@ -816,6 +816,9 @@ def test_status_takes_the_run_s_command_line(model: Path, tmp_path: Path) -> Non
     for bad in (["--on-error", "bogus"], ["--temperature", "-1"], ["--resume", "--overwrite"]):
         code, output = run_cli(["status", *flags, "--max-new-tokens", "3", *bad])
         assert code == 2 and output.startswith("batchgen: error: --"), (bad, output)
+    csv = tmp_path / "out.csv"  # an output a run refuses
+    code, output = run_cli(["status", str(dataset), "--out", str(csv), "--model", str(model)])
+    assert code == 2 and output.startswith(f"batchgen: error: {csv}: ")
     # OUT as the argument or as --out, not both.
     code, output = run_cli(["status", str(dataset), str(out), "--out", str(tmp_path / "other.arrow")])
     assert (code, output) == (2, f"batchgen: error: OUT is given twice: {out} and --out {tmp_path / 'other.arrow'}\n")
@@ -914,6 +917,36 @@ def test_status_says_when_a_run_is_writing_the_output(
         os.close(fd)
     assert note not in status(dataset, out).splitlines()
     assert run_cli(args(dataset, out, model, "--resume"))[0] == 0
+
+
+def test_status_agrees_with_resume_on_a_changed_dataset_s_error_rows_and_on_outputs_without_digests(
+    model: Path, tmp_path: Path
+) -> None:
+    """Found by a helper: status said complete (exit 0) where --resume had work or refused: an error row of a row
+    removed since (--resume reads the dataset again and leaves it out), and an output that records no digests of its
+    inputs (an older batchgen's, or a run of more rows than it keeps digests for) after its dataset changed."""
+    rows = [{"id": "a", "prompt_token_ids": [0, 5]}, {"id": "b", "prompt_token_ids": [0, 6], "top_p": 0}]
+    dataset = write_jsonl(tmp_path / "in.jsonl", [*rows, {"id": "c", "prompt_token_ids": [0, 7]}])
+    out = tmp_path / "out.arrow"
+    run = ["run", str(dataset), "--out", str(out), "--model", str(model), *COMMON, "--on-error", "skip"]
+    assert run_cli(run)[0] == 0
+    write_jsonl(dataset, [rows[0], {"id": "c", "prompt_token_ids": [0, 7]}])  # the bad row b removed
+    code, output = run_cli(["status", *run[1:]])
+    assert code == 1 and output.startswith(f"{out}: finished from rows changed since: 2 of 2 rows done")
+    assert run_cli([*run, "--resume"])[0] == 0
+    assert sorted(read_results(out).column("id").to_pylist()) == ["a", "c"]  # b's error row left out
+    assert run_cli(["status", *run[1:]]) == (0, f"{out}: complete: 2 of 2 rows done, 0 remaining, 0 errored\n")
+    # Without digests: --resume cannot check the rows of a changed dataset, and refuses it unless --resume-force.
+    table = pa.ipc.open_file(str(out)).read_all()
+    metadata = {k: v for k, v in (table.schema.metadata or {}).items() if k != b"batchgen.input_digests"}
+    with pa.OSFile(str(out), "wb") as sink, pa.ipc.new_file(sink, table.schema.with_metadata(metadata)) as writer:
+        writer.write_table(table.replace_schema_metadata(metadata))
+    write_jsonl(dataset, [rows[0], {"id": "c", "prompt_token_ids": [0, 8]}])  # c changed
+    code, output = run_cli(["status", *run[1:]])
+    assert code == 1 and f"{out} records no digests of its input rows, so they cannot be checked: --resume " in output
+    assert run_cli([*run, "--resume"])[0] == 2
+    assert run_cli(["status", *run[1:], "--resume-force"])[0] == 0
+    assert run_cli([*run, "--resume-force"])[0] == 0
 
 
 def test_a_finished_output_lacking_an_id_is_not_complete_whatever_its_row_count(model: Path, tmp_path: Path) -> None:

@@ -121,6 +121,8 @@ def test_a_glob_takes_the_output_as_glob_glob_would_read_it(tmp_path: Path, monk
     (tmp_path / "real" / "ld").symlink_to("../data")
     (tmp_path / "data" / "lnk").symlink_to("../other")
     patterns = [
+        "**/*.jsonl",
+        "./**/*.jsonl",
         "real/ld/../data/*.jsonl",
         "real/*/*.jsonl",
         "d*/**/*.jsonl",
@@ -146,6 +148,8 @@ def test_a_glob_takes_the_output_as_glob_glob_would_read_it(tmp_path: Path, monk
         "other/out.jsonl",
         "other/../data/b.jsonl",
         "data/out.parquet",
+        "o.jsonl",
+        str(tmp_path / "o.jsonl"),
         "data/new/out.jsonl",
         "data/new/.h/out.jsonl",
         "real/ld/new/out.jsonl",
@@ -165,11 +169,19 @@ def test_a_glob_takes_the_output_as_glob_glob_would_read_it(tmp_path: Path, monk
         for folder in reversed(made):
             folder.rmdir()
     assert checked > 10  # both answers are exercised
-    # The partial output's part files are shards of a glob that takes .arrow files (found by a helper: after a stop,
-    # the next run read them as input, and --resume could not go on).
-    with pytest.raises(BatchgenError, match="would read the part files of its partial output"):
-        check_output_path(Path("data/**/*.arrow"), Path("data/out.jsonl"), overwrite=False, resume=False)
-    assert not check_output_path(Path("data/*.arrow"), Path("data/out.jsonl"), overwrite=False, resume=False)
+    # The partial output's part files are shards of a glob that takes .arrow files (found by helpers: after a stop,
+    # the next run read them as input, and --resume could not go on). Whatever name a part gets, a glob that lists
+    # one is refused; one that cannot reach the folder or takes no .arrow name is not.
+    for pattern in ["data/**/*.arrow", "data/**/*[1-9]*.arrow", "data/**/*[b-d]*", "**/*.arrow", "data/*/part-*"]:
+        with pytest.raises(BatchgenError, match="would read the files of its partial output"):
+            check_output_path(Path(pattern), Path("data/out.parquet"), overwrite=False, resume=False)
+    for pattern in ["data/**/*.jsonl", "data/*.arrow", "other/**/*.arrow", "data/**/x.arrow"]:
+        assert not check_output_path(Path(pattern), Path("data/out.parquet"), overwrite=False, resume=False)
+    part = tmp_path / "data" / "out.parquet.partial" / "part-000003-9f86d081884c7d65.arrow"
+    part.parent.mkdir()
+    part.touch()
+    for pattern in ["data/**/*.arrow", "data/**/*[1-9]*.arrow", "data/**/*[b-d]*", "**/*.arrow", "data/*/part-*"]:
+        assert part.resolve() in {Path(p).resolve() for p in glob.glob(pattern, recursive=True)}, pattern
 
 
 # --- column options ---------------------------------------------------------------------------------------
