@@ -31,7 +31,8 @@ _IDS_SHOWN = 3
 
 def check_output_place(dataset: Path, out: Path) -> None:
     """Check that ``out`` can be the output of a run of ``dataset``: not the dataset itself, a format batchgen writes,
-    and nothing a later run of the dataset would read as a shard (``out``, its partial output's files).
+    in a directory that exists, and nothing a later run of the dataset would read as a shard (``out``, its partial
+    output's files).
 
     Raises:
         BatchgenError: one line naming ``out`` and what is wrong.
@@ -39,6 +40,8 @@ def check_output_place(dataset: Path, out: Path) -> None:
     if out.exists() and dataset.exists() and out.resolve() == dataset.resolve():
         raise BatchgenError(f"{out}: the output file is the input dataset; choose another --out")
     check_output_format(out)
+    if not out.parent.exists():
+        raise BatchgenError(f"{out}: directory {out.parent} does not exist")
     if is_read_as_shard(dataset, out):
         raise BatchgenError(f"{out}: a later run would read the output as a shard of {dataset}; write it elsewhere")
     partial = partial_dir(out)
@@ -55,9 +58,8 @@ def check_output_path(dataset: Path, out: Path, overwrite: bool, resume: bool) -
     (only with ``resume``; once it passes, :func:`discard_partial_beside` removes a partial output left beside it).
 
     Raises:
-        BatchgenError: :func:`check_output_place`'s errors; ``out`` is a directory, its directory does not exist, or
-            ``out`` or its partial output exists without ``overwrite`` or ``resume`` (which exclude each other:
-            :meth:`JobOptions.validate`).
+        BatchgenError: :func:`check_output_place`'s errors; ``out`` is a directory, or ``out`` or its partial output
+            exists without ``overwrite`` or ``resume`` (which exclude each other: :meth:`JobOptions.validate`).
     """
     check_output_place(dataset, out)
     if out.is_dir():
@@ -72,8 +74,6 @@ def check_output_path(dataset: Path, out: Path, overwrite: bool, resume: bool) -
             f"{partial}: an interrupted run's partial output is there; pass --resume to continue it, "
             "or --overwrite to start over"
         )
-    if not out.parent.exists():
-        raise BatchgenError(f"{out}: directory {out.parent} does not exist")
     return resume and out.exists()
 
 

@@ -819,6 +819,9 @@ def test_status_takes_the_run_s_command_line(model: Path, tmp_path: Path) -> Non
     csv = tmp_path / "out.csv"  # an output a run refuses
     code, output = run_cli(["status", str(dataset), "--out", str(csv), "--model", str(model)])
     assert code == 2 and output.startswith(f"batchgen: error: {csv}: ")
+    nowhere = tmp_path / "no" / "out.arrow"
+    code, output = run_cli(["status", str(dataset), "--out", str(nowhere), "--model", str(model)])
+    assert (code, output) == (2, f"batchgen: error: {nowhere}: directory {nowhere.parent} does not exist\n")
     # OUT as the argument or as --out, not both.
     code, output = run_cli(["status", str(dataset), str(out), "--out", str(tmp_path / "other.arrow")])
     assert (code, output) == (2, f"batchgen: error: OUT is given twice: {out} and --out {tmp_path / 'other.arrow'}\n")
