@@ -99,8 +99,8 @@ def read_output_status(
     With a run's ``settings`` (engine options and sampling defaults, with ``options``: a ``--config``'s), the
     output is compared with them as ``--resume`` compares it (:func:`settings_differences`); with ``force``
     (``--resume-force``) what differs is noted but counts as kept, as ``--resume-force`` keeps it. Without
-    ``check_rows``, a finished output's rows are not checked against a changed dataset (``stale`` stays 0: the
-    caller checks them itself, as ``--resume`` does).
+    ``check_rows``, a finished output's rows are not checked against a changed dataset (``stale`` and ``recheck``
+    stay 0: the caller checks them itself, as ``--resume`` does).
 
     Raises:
         BatchgenError: the dataset or the output cannot be read.
@@ -150,18 +150,18 @@ def read_output_status(
         done, errored = len(set(sample_ids)) + error_ids.total(), error_ids.total()
     stale = recheck = 0
     digests = metadata.get(INPUT_DIGESTS_KEY.encode())
-    if check_rows and state == "complete" and changes and digests is not None:
-        stale = _changed_rows(dataset, out, list(sample_ids), digests.decode(), options, force, notes)
-        # Every error row, those of rows that left the dataset too (found by a helper): --resume reads the dataset
-        # again for them, and leaves out the ones it no longer meets.
-        if recheck := error_ids.total():
-            notes.append(f"the dataset changed: --resume checks {out}'s {counted(recheck, 'error row')} again")
-    elif check_rows and state == "complete" and changes:
-        # No digests (an older batchgen's output, or a run of more rows than it keeps digests for): --resume cannot
-        # check the rows, so it refuses the changed dataset unless --resume-force (found by a helper).
-        stale = done
-        then = "--resume-force keeps it" if force else "--resume refuses it unless --resume-force"
-        notes.append(f"{out} records no digests of its input rows, so they cannot be checked: {then}")
+    if check_rows and state == "complete" and changes:
+        if digests is None:
+            # An older batchgen's output, or a run of more rows than digests are kept for: --resume cannot check
+            # the rows, so it refuses the changed dataset unless --resume-force (found by a helper).
+            stale = done
+            notes.append(f"{out} records no digests of its input rows, so they cannot be checked: {_then(force)}")
+        else:
+            stale = _changed_rows(dataset, out, list(sample_ids), digests.decode(), options, force, notes)
+            # Every error row, those of rows that left the dataset too (found by a helper): --resume reads the
+            # dataset again for them, and leaves out the ones it no longer meets.
+            if recheck := error_ids.total():
+                notes.append(f"the dataset changed: --resume checks {out}'s {counted(recheck, 'error row')} again")
     other: list[str] = []
     if settings is not None and state != "not started":
         if not metadata:
@@ -169,9 +169,13 @@ def read_output_status(
         written = {k.decode(): v.decode() for k, v in metadata.items()}
         other = settings_differences(dataset, written, *settings, options or InputOptions()) if metadata else []
         if other:
-            then = "--resume-force keeps it" if force else "--resume refuses it unless --resume-force"
-            notes.append(f"{out} was made with other settings than the run's ({'; '.join(other)}): {then}")
+            notes.append(f"{out} was made with other settings than the run's ({'; '.join(other)}): {_then(force)}")
     return OutputStatus(dataset, out, state, done, total, errored, notes, changes, stale, recheck, tuple(other), force)
+
+
+def _then(force: bool) -> str:
+    """What ``--resume`` does with an output it cannot take as it is: keeps it with ``force``, else refuses it."""
+    return "--resume-force keeps it" if force else "--resume refuses it unless --resume-force"
 
 
 def _changed_rows(

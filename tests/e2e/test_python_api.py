@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 import signal
 import subprocess
@@ -458,6 +459,8 @@ def test_run_with_bad_rows_raises_after_writing_the_good_ones(chat_model: Path, 
     with pytest.raises(BadRowsLeftOut, match="^1 bad input row left out") as info:
         batchgen.run(dataset, out, **options)
     assert (info.value.exit_status, info.value.summary.rows, info.value.summary.errors) == (3, 1, 1)
+    again = pickle.loads(pickle.dumps(info.value))  # as a worker process hands it back (multiprocessing, Ray)
+    assert (str(again), again.summary) == (str(info.value), info.value.summary)
     assert read_rows(out).keys() == {"0"}
     summary = batchgen.run(dataset, out, on_error="skip", overwrite=True, **options)
     assert (summary.rows, summary.errors) == (1, 1)
