@@ -29,9 +29,9 @@ def misfit(value: Any, arrow_type: pa.DataType) -> str | None:
         else:
             unknown = _unknown_key(value, arrow_type)
             if unknown is not None:
-                return f"key '{unknown}' is not in the object type of earlier rows ({arrow_type})"
-            fits = _same(value, stored)
-    return None if fits else f"expected {arrow_type} like earlier rows, got {shown_value(value)}"
+                return f"key '{unknown}' is not in the object type of the other rows ({arrow_type})"
+            fits = same_value(value, stored)
+    return None if fits else f"expected {arrow_type} like the other rows, got {shown_value(value)}"
 
 
 def _scalar_fits(value: Any, arrow_type: pa.DataType) -> bool | None:
@@ -52,8 +52,9 @@ def _scalar_fits(value: Any, arrow_type: pa.DataType) -> bool | None:
     return None
 
 
-def _same(value: Any, stored: Any) -> bool:
-    """Whether ``stored`` (read back from Arrow) is ``value``; struct members ``value`` lacks come back null."""
+def same_value(value: Any, stored: Any) -> bool:
+    """Whether ``stored`` (``value`` read back from Arrow) is ``value``: the same kinds and numbers, every object key
+    kept; struct members ``value`` lacks come back null."""
     if value is None:
         return stored is None
     if isinstance(value, bool) or isinstance(stored, bool):
@@ -67,9 +68,9 @@ def _same(value: Any, stored: Any) -> bool:
     if isinstance(value, str):
         return isinstance(stored, str) and value == stored
     if isinstance(value, list):
-        return isinstance(stored, list) and len(value) == len(stored) and all(map(_same, value, stored))
+        return isinstance(stored, list) and len(value) == len(stored) and all(map(same_value, value, stored))
     if isinstance(value, dict):
-        return isinstance(stored, dict) and all(_same(item, stored.get(key)) for key, item in value.items())
+        return isinstance(stored, dict) and all(same_value(item, stored.get(key)) for key, item in value.items())
     return bool(value == stored)  # Parquet's own values (dates, decimals, map entries) come back as they were
 
 

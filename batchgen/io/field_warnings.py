@@ -118,14 +118,13 @@ def warn_about_sampling_columns(path: Path, options: InputOptions) -> None:
             )
 
 
-def warn_about_json_text_fields(path: Path, schema: pa.Schema, block_rows: int) -> None:
-    """Print one warning per pass-through field of the JSONL file ``path`` whose values in its first
-    ``block_rows`` rows share no one type, so that it passes through as JSON text (a string column)."""
+def warn_about_json_text_fields(path: Path, schema: pa.Schema) -> None:
+    """Print one warning per pass-through field of the JSONL file ``path`` whose values share no one type, so that
+    it passes through as JSON text (a string column)."""
     for field in schema:
         if is_json_text(field):
             print(
-                f"batchgen: warning: {path}: field '{field.name}': no one type stores all its values in the rows "
-                f"the schema is read from (the first {block_rows}) unchanged, or its objects there are all empty; it "
-                "passes through as JSON text (a string column)",
+                f"batchgen: warning: {path}: field '{field.name}': no one type stores all its values unchanged, or "
+                "its objects are all empty; it passes through as JSON text (a string column)",
                 file=sys.stderr,
             )

@@ -22,8 +22,7 @@ _OTHER_FORMATS = {b"PAR1": "a Parquet file: name it .parquet", b"ARROW1": "an Ar
 
 
 def open_jsonl(path: Path) -> BinaryIO:
-    """Open a JSONL shard in binary mode: ``tell()`` works between ``readline()`` calls, and a bad byte is one
-    row's error, not a crash.
+    """Open a JSONL shard in binary mode: a bad byte is one row's error, not a crash.
 
     Raises:
         BatchgenError: the file cannot be read.
@@ -34,17 +33,24 @@ def open_jsonl(path: Path) -> BinaryIO:
         raise BatchgenError(f"{path}: cannot read: {e.strerror or e}") from None
 
 
-def jsonl_rows(path: Path, source: str, index: int, offset: int = 0, line: int = 0) -> Iterator[InputRow | RowError]:
-    """The rows of the JSONL shard ``path`` from byte ``offset`` on (``line`` lines before it), the first one with
-    row index ``index``."""
+def jsonl_rows(path: Path, source: str, index: int) -> Iterator[InputRow | RowError]:
+    """The rows of the JSONL shard ``path``, the first one with row index ``index``.
+
+    Raises:
+        BatchgenError: :func:`open_jsonl`'s and :func:`parse_line`'s errors; the shard's first line that is not
+            blank looks like a pretty-printed JSON document (:func:`reject_json_document`).
+    """
+    first = True
     with open_jsonl(path) as f:
-        f.seek(offset)
-        for raw in f:
-            line += 1
+        for line, raw in enumerate(f, start=1):
             item = parse_line(raw, line, index, source)
-            if item is not None:
-                index += 1
-                yield item
+            if item is None:
+                continue
+            if first:
+                first = False
+                reject_json_document(item, raw, source)
+            index += 1
+            yield item
 
 
 def parse_line(raw: bytes, line: int, index: int, source: str) -> InputRow | RowError | None:

@@ -1,14 +1,14 @@
 """The fields of an input row that batchgen reads, and those it passes through to the output: their output
-column names and Arrow types (inferred from the JSONL rows read ahead)."""
+column names and Arrow types (for JSON Lines, inferred from all the rows)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import pyarrow as pa
 
-from batchgen.io.arrow_fit import misfit
+from batchgen.io.arrow_fit import misfit, same_value
 from batchgen.io.writer import OUTPUT_COLUMNS
 from batchgen.sampling.sampling_params import SAMPLING_FIELD_ALIASES, SAMPLING_FIELDS
 
@@ -49,53 +49,95 @@ def passthrough_names(keys: Iterable[str]) -> dict[str, str]:
     return {key: names[key] for key in fields}
 
 
-def infer_schema(rows: list[dict[str, Any]], names: dict[str, str]) -> pa.Schema:
-    """Infer the pass-through schema of the read-ahead JSONL rows, a column for each field of ``names``
-    (:func:`passthrough_names`): each field's Arrow type, or JSON text (:data:`JSON_TEXT_METADATA`) where its
-    values share no one type."""
-    columns: dict[str, list[Any]] = {}
-    for i, row in enumerate(rows):
-        for key, value in row.items():
-            if key not in names:
+class SchemaInference:
+    """The pass-through schema of JSON Lines rows, inferred from all of them, one block of rows at a time, so that
+    every field any row has gets a column and every value fits its column unchanged (as pyarrow's own readers infer
+    from a whole file, not a first part of it).
+
+    Each block's values of a field get the type pyarrow infers for them (integers and floats together give
+    ``double``; objects a struct of all their keys), or none when no one type holds them all unchanged; the blocks'
+    types are then unified as pyarrow promotes them (``pa.unify_schemas(..., promote_options="permissive")``: null
+    parts take the other type, structs take the union of their fields, ``int64`` widens to ``double``). A field
+    whose values share no type, or whose objects are all empty (a struct of no fields, which Parquet cannot store),
+    passes through as JSON text (:data:`JSON_TEXT_METADATA`); one that is null in every row is a ``string``.
+    """
+
+    def __init__(self) -> None:
+        self.keys: dict[str, None] = {}  # every field of every row, known ones too, in order of first appearance
+        self._types: dict[str, pa.DataType | None] = {}  # field → its type so far; None: JSON text
+        self._promoted: set[str] = set()  # fields whose blocks disagreed: earlier values are checked again
+
+    def add(self, rows: list[dict[str, Any]]) -> None:
+        """Take one block of rows into the schema."""
+        values: dict[str, list[Any]] = {}
+        for row in rows:
+            self.keys.update(dict.fromkeys(row))
+            for key, value in row.items():
+                if key not in KNOWN_FIELDS and value is not None:
+                    values.setdefault(key, []).append(value)
+        for key, block in values.items():
+            block_type = _block_type(block)
+            if key not in self._types:
+                self._types[key] = block_type
                 continue
-            # Rows without the field are nulls; padding keeps each list aligned with `rows`.
-            values = columns.setdefault(names[key], [None] * i)
-            values.extend([None] * (i - len(values)))
-            values.append(value)
-    fields = []
-    for name, values in columns.items():
-        arrow_type = infer_type(values)
-        if arrow_type is None:
-            fields.append(pa.field(name, pa.string(), metadata=JSON_TEXT_METADATA))
-        else:
-            fields.append(pa.field(name, arrow_type))
-    return pa.schema(fields)
+            known = self._types[key]
+            if known is None or known == block_type:
+                continue
+            self._types[key] = None if block_type is None else _unified(known, block_type)
+            self._promoted.add(key)
+
+    def schema(self, names: dict[str, str], rows_again: Callable[[], Iterable[dict[str, Any]]]) -> pa.Schema:
+        """The schema of the fields ``names`` maps (:func:`passthrough_names`), under their column names.
+
+        ``rows_again`` gives every row once more; it is called only when blocks disagreed on a field's type, to
+        check that the earlier blocks' values fit the unified one (an integer beyond 2**53 does not fit ``double``).
+        """
+        check = {key for key in self._promoted if self._types[key] is not None}
+        if check:
+            for row in rows_again():
+                for key in check.intersection(row):
+                    value = row[key]
+                    if value is not None and misfit(value, self._types[key]) is not None:
+                        self._types[key] = None
+                check = {key for key in check if self._types[key] is not None}
+                if not check:
+                    break
+        fields = []
+        for key, name in names.items():
+            known = self._types.get(key, pa.null())  # a field null in every row has no values to type it
+            arrow_type = None if known is None else _null_to_string(known)
+            if arrow_type is None or _has_empty_struct(arrow_type):
+                fields.append(pa.field(name, pa.string(), metadata=JSON_TEXT_METADATA))
+            else:
+                fields.append(pa.field(name, arrow_type))
+        return pa.schema(fields)
+
+
+def _block_type(values: list[Any]) -> pa.DataType | None:
+    """The type pyarrow infers for one block's non-null ``values``, null parts kept; ``None`` when pyarrow can build
+    no one array holding them all unchanged (a number and a string, a boolean and a number, an integer beyond 64
+    bits)."""
+    try:
+        array = pa.array(values)
+    except (pa.ArrowException, TypeError, ValueError, OverflowError, UnicodeError):
+        return None
+    # pyarrow's inference also converts: [1.5, true] makes a double column holding 1.0 for true.
+    return array.type if all(map(same_value, values, array.to_pylist())) else None
+
+
+def _unified(a: pa.DataType, b: pa.DataType) -> pa.DataType | None:
+    """The type pyarrow promotes ``a`` and ``b`` to, or ``None`` when there is none (``int64`` and ``string``)."""
+    try:
+        schema = pa.unify_schemas([pa.schema([("v", a)]), pa.schema([("v", b)])], promote_options="permissive")
+    except (pa.ArrowException, TypeError, ValueError):
+        return None
+    return schema.field("v").type
 
 
 def is_json_text(field: pa.Field) -> bool:
-    """Whether pass-through ``field`` holds its values as JSON text (see :func:`infer_type`)."""
+    """Whether pass-through ``field`` holds its values as JSON text (see :class:`SchemaInference`)."""
     metadata = field.metadata or {}
     return all(metadata.get(key) == value for key, value in JSON_TEXT_METADATA.items())
-
-
-def infer_type(values: list[Any]) -> pa.DataType | None:
-    """One column's Arrow type, inferred by pyarrow from Python values (integers and floats together give
-    ``double``; objects give a struct of all their keys); null parts become ``string``. ``None`` when pyarrow
-    can build no one array that holds them all unchanged (a number and a string, a boolean and a number, an
-    integer beyond 64 bits), or when only empty objects give a struct its type (a struct of no fields, which
-    Parquet cannot store and no later object with a key would fit): such a column passes through as JSON text,
-    so that no row is lost over a field batchgen does not read.
-    """
-    try:
-        arrow_type = _null_to_string(pa.array(values).type)
-    except (pa.ArrowException, TypeError, ValueError, OverflowError, UnicodeError):
-        return None
-    if _has_empty_struct(arrow_type):
-        return None
-    # pyarrow's inference also converts: [1.5, true] makes a double column holding 1.0 for true.
-    if any(misfit(value, arrow_type) is not None for value in values if value is not None):
-        return None
-    return arrow_type
 
 
 def _null_to_string(t: pa.DataType) -> pa.DataType:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 
@@ -13,9 +14,9 @@ from batchgen.errors import BatchgenError, RowError
 from batchgen.io.columns import ColumnMapping
 from batchgen.io.input_options import InputOptions
 from batchgen.io.input_row import InputRow
-from batchgen.io.jsonl_rows import count_jsonl_rows, jsonl_rows, open_jsonl, parse_line, reject_json_document
+from batchgen.io.jsonl_rows import count_jsonl_rows, jsonl_rows
 from batchgen.io.openai_batch import OpenAIBatchInput, is_openai_batch_line
-from batchgen.io.passthrough import JSON_TEXT_METADATA, KNOWN_FIELDS, infer_schema, passthrough_names
+from batchgen.io.passthrough import JSON_TEXT_METADATA, KNOWN_FIELDS, SchemaInference, passthrough_names
 from batchgen.io.shards import list_shards
 from batchgen.io.table_shards import table_batches, table_num_rows, table_schema, unified_schema
 
@@ -35,17 +36,16 @@ class RowReader:
     known field (``id``, the prompt and sampling fields and their aliases), all nullable, under the names
     ``passthrough_names`` gives them (a field named like an output column, ``text`` or ``error``, is renamed
     ``input_<name>``; see :func:`passthrough_names`), as in :func:`batchgen.io.rows.parse_row`'s result. For
-    Parquet and Arrow the types come from the shards' schemas, which must unify. For JSONL they are inferred by
-    pyarrow from the first ``block_rows`` rows (read ahead and buffered here, across shards), in order of first
-    appearance; a null type (a field null in all of them, or only empty lists) becomes ``string``
-    (``list<string>``). When values disagree the first one's type wins, and rows that do not fit it fail in
-    ``parse_row``. The source columns of the column options stay pass-through fields. A JSONL dataset whose first
-    row is an OpenAI Batch request line is an OpenAI Batch file (``openai``): each line is read as the batchgen row
+    Parquet and Arrow the types come from the shards' schemas, which must unify. For JSONL they are inferred from
+    every row, across shards, read once more before the rows are streamed (:class:`SchemaInference`: a field any
+    row has gets a column; values that share no one type make it a column of their JSON text). The source columns
+    of the column options stay pass-through fields. A JSONL dataset whose first row is an OpenAI Batch request
+    line is an OpenAI Batch file (``openai``): each line is read as the batchgen row
     :mod:`batchgen.io.openai_batch` maps it to, before the schema is inferred.
 
     Args:
         path: the dataset; ``str(path)`` is its name in messages about the whole dataset.
-        block_rows: rows per read block, and the number of JSONL rows used to infer the schema.
+        block_rows: rows per read block (Parquet, Arrow) and per block of the JSONL schema's inference.
         options: the column options (default: none given; a ``conversations`` column is still read as messages
             when the dataset has no prompt field).
 
@@ -63,7 +63,6 @@ class RowReader:
     passthrough_schema: pa.Schema
     passthrough_names: dict[str, str]  # pass-through field → its column (:func:`passthrough_names`)
     openai: OpenAIBatchInput | None = None  # set for an OpenAI Batch file (:mod:`batchgen.io.openai_batch`)
-    _head: list[InputRow | RowError]  # JSONL: the rows read ahead, as read (mapped as they are yielded)
 
     def __init__(self, path: Path, block_rows: int = 1024, options: InputOptions | None = None) -> None:
         if block_rows < 1:
@@ -78,7 +77,7 @@ class RowReader:
         self._names = [self.source] if self.shards.root is None else [str(p) for p in self.shards.paths]
         jsonl = self.shards.format == "jsonl"
         columns = self._init_jsonl() if jsonl else self._init_table()
-        # Named by the file whose columns were read: the first shard's schema, or the rows read ahead.
+        # Named by the file whose columns were read: the first shard's schema, or the JSONL rows.
         if self.openai is not None and (self.options.maps_prompt or self.options.id_column is not None):
             raise BatchgenError(f"{self.source}: column options do not apply to an OpenAI Batch file; leave them out")
         self.mapping = ColumnMapping(self.options, columns, self.source if jsonl else self._names[0])
@@ -97,46 +96,33 @@ class RowReader:
     # --- JSON Lines -------------------------------------------------------------------------------------
 
     def _init_jsonl(self) -> list[str]:
-        """Read ahead up to ``block_rows`` rows, across shards; return the columns they have."""
-        self._head = []
+        """Read every row once for the pass-through schema (:class:`SchemaInference`); return the dataset's
+        columns (every field of every row, in order of first appearance)."""
         self._kind_known = False  # whether the first JSON object has said if this is an OpenAI Batch file
-        # Where the read-ahead stopped: shard, byte offset after it, lines read in that shard.
-        self._head_end = (0, 0, 0)
-        first_seen = False
-        for shard, (path, name) in enumerate(zip(self.shards.paths, self._names)):
-            lines = 0
-            with open_jsonl(path) as f:
-                while len(self._head) < self.block_rows:
-                    raw = f.readline()
-                    if not raw:
-                        break
-                    lines += 1
-                    item = parse_line(raw, lines, len(self._head), name)
-                    if item is None:
-                        continue
-                    if not first_seen:
-                        first_seen = True
-                        reject_json_document(item, raw, name)
-                    self._head.append(self._openai_row(item))
-                self._head_end = (shard, f.tell(), lines)
-            if len(self._head) == self.block_rows:
-                break
-        if not self._head:
+        inference = SchemaInference()
+        block: list[dict[str, Any]] = []
+        empty = True
+        for item in self._iter_jsonl():
+            empty = False
+            if isinstance(item, InputRow):
+                block.append(item.data)
+            if len(block) == self.block_rows:
+                inference.add(block)
+                block = []
+        if empty:
             raise BatchgenError(f"{self.source}: dataset is empty")
-        rows = [r.data for r in self._head if isinstance(r, InputRow)]
-        self.passthrough_names = passthrough_names(key for row in rows for key in row)
-        self.passthrough_schema = infer_schema(rows, self.passthrough_names)
-        return list(dict.fromkeys(key for row in rows for key in row))
+        inference.add(block)
+        self.passthrough_names = passthrough_names(inference.keys)
+        rows_again = lambda: (item.data for item in self._iter_jsonl() if isinstance(item, InputRow))  # noqa: E731
+        self.passthrough_schema = inference.schema(self.passthrough_names, rows_again)
+        return list(inference.keys)
 
     def _iter_jsonl(self) -> Iterator[InputRow | RowError]:
-        yield from self._head
-        shard, offset, line = self._head_end
-        index = len(self._head)
-        for i in range(shard, len(self.shards.paths)):
-            for item in jsonl_rows(self.shards.paths[i], self._names[i], index, offset, line):
+        index = 0
+        for path, name in zip(self.shards.paths, self._names):
+            for item in jsonl_rows(path, name, index):
                 index += 1
                 yield self._openai_row(item)
-            offset = line = 0
 
     def _openai_row(self, item: InputRow | RowError) -> InputRow | RowError:
         """``item`` as batchgen reads it: unchanged, or an OpenAI Batch line mapped onto batchgen's fields (a line

@@ -63,8 +63,6 @@ def parse_row(
     source: str,
     passthrough_schema: pa.Schema,
     passthrough_names: dict[str, str],
-    *,
-    block_rows: int | None = None,
 ) -> RowSpec:
     """Check ``row`` and split it into prompt, id, sampling overrides and pass-through values.
 
@@ -73,8 +71,7 @@ def parse_row(
         source: the input name for messages.
         passthrough_schema: the reader's ``passthrough_schema``.
         passthrough_names: the reader's ``passthrough_names``: each pass-through field's column; a field it
-            lacks (one first seen after the JSONL rows the schema was inferred from) is a row error.
-        block_rows: the reader's ``block_rows``, only to make the "field not present" message exact.
+            lacks (only in a JSONL file changed after the reader read its schema) is a row error.
 
     Raises:
         RowError: naming the first offending field (see the messages below for what is checked), or the column
@@ -109,7 +106,7 @@ def parse_row(
         prompt_token_ids=token_ids,
         continuation=_check_continuation(data, kind, fail),
         sampling_overrides={name: data[name] for name in (*SAMPLING_FIELDS, *SAMPLING_FIELD_ALIASES) if name in data},
-        passthrough=_passthrough(data, passthrough_schema, passthrough_names, block_rows, fail),
+        passthrough=_passthrough(data, passthrough_schema, passthrough_names, fail),
     )
 
 
@@ -235,17 +232,14 @@ def _id_problem(value: Any) -> str | None:
     return None
 
 
-def _passthrough(
-    data: dict[str, Any], schema: pa.Schema, names: dict[str, str], block_rows: int | None, fail: _Fail
-) -> dict[str, Any]:
+def _passthrough(data: dict[str, Any], schema: pa.Schema, names: dict[str, str], fail: _Fail) -> dict[str, Any]:
     values: dict[str, Any] = dict.fromkeys(schema.names)
     for key, value in data.items():
         if key in KNOWN_FIELDS:
             continue
         name = names.get(key)
         if name is None:
-            first = f"first {block_rows} rows" if block_rows is not None else "first block of rows"
-            raise fail(key, f"field not present in the {first}; pass-through fields must appear there (or use Parquet)")
+            raise fail(key, "field not in the dataset when the run read its schema: was the file changed since?")
         values[name] = value
     for name, value in values.items():
         if value is not None:

@@ -98,7 +98,7 @@ class RunJob:
         self.openai_output = openai_output(dataset, self.reader.openai, as_openai, model, tokenizer, seed)
         warn_about_passthrough_names(self.reader.path, self.reader.passthrough_schema.names, self.reader.options)
         warn_about_sampling_columns(self.reader.path, self.reader.options)
-        warn_about_json_text_fields(self.reader.path, self.reader.passthrough_schema, self.reader.block_rows)
+        warn_about_json_text_fields(self.reader.path, self.reader.passthrough_schema)
         self.summary = RunSummary()
         self.checks = RowChecks(
             self.reader.source,
@@ -107,7 +107,6 @@ class RunJob:
                 row.source or self.reader.source,
                 self.reader.passthrough_schema,
                 self.reader.passthrough_names,
-                block_rows=self.reader.block_rows,
             ),
             lambda row: passthrough_that_fits(row.data, self.reader.passthrough_schema, self.reader.passthrough_names),
         )

@@ -645,6 +645,24 @@ def test_passthrough_fields_come_back_unchanged(model: Path, tmp_path: Path) -> 
     assert table.schema.field("nested").type == pa.list_(pa.list_(pa.int64()))
 
 
+def test_passthrough_fields_first_seen_after_a_thousand_rows_keep_their_values(model: Path, tmp_path: Path) -> None:
+    """The JSONL schema comes from every row: a field first seen in row 1,050 and an object key first seen in row
+    1,060 get their columns, typed as pyarrow types the same values read all at once, and every row is written."""
+    rows: list[dict[str, Any]] = [{"prompt": "The", "meta": {"k": i}} for i in range(1100)]
+    rows[1050]["source"] = "late"
+    rows[1060]["meta"] = {"k": 1060, "added": "x"}
+    dataset = write_jsonl(tmp_path / "in.jsonl", rows)
+    code, lines = _run(dataset, tmp_path / "out.arrow", model, "--max-new-tokens", "1", "--temperature", "0")
+    assert code == 0, lines
+    table = pa.ipc.open_file(tmp_path / "out.arrow").read_all()
+    expected = pa.Table.from_pylist([{"meta": row["meta"], "source": row.get("source")} for row in rows])
+    assert table.num_rows == len(rows)
+    for column in ("meta", "source"):
+        assert table.schema.field(column).type == expected.schema.field(column).type
+        by_id = dict(zip(table.column("id").to_pylist(), table.column(column).to_pylist(), strict=True))
+        assert [by_id[str(i)] for i in range(len(rows))] == expected.column(column).to_pylist()
+
+
 # --- chat rows --------------------------------------------------------------------------------------------
 
 CHAT_TEMPLATE = (

@@ -16,7 +16,7 @@ from batchgen.errors import BatchgenError, RowError
 from batchgen.io.columns import ColumnMapping, chat_messages
 from batchgen.io.fingerprint import DatasetFingerprint, fingerprint_dataset
 from batchgen.io.input_options import InputOptions
-from batchgen.io.passthrough import infer_schema, passthrough_names
+from batchgen.io.passthrough import SchemaInference, passthrough_names
 from batchgen.io.reader import InputRow, RowReader, count_input_rows
 from batchgen.io.rows import parse_row
 from batchgen.io.shards import is_read_as_shard, list_shards
@@ -37,12 +37,15 @@ def rows_of(reader: RowReader) -> list[InputRow]:
 # --- shards -----------------------------------------------------------------------------------------------
 
 
-def test_jsonl_shards_continue_indices_and_read_ahead_across_shards(tmp_path: Path) -> None:
-    write_jsonl(tmp_path / "b.jsonl", ["", '{"prompt": "c", "k": 3}', '{"prompt": "d", "k": 4}'])
+def test_jsonl_shards_continue_indices_and_share_one_schema(tmp_path: Path) -> None:
+    write_jsonl(tmp_path / "b.jsonl", ["", '{"prompt": "c", "k": 3}', '{"prompt": "d", "k": 4.5, "late": [1]}'])
     write_jsonl(tmp_path / "a.jsonl", ['{"prompt": "a", "k": 1}', '{"prompt": "b", "tag": "x"}'])
-    # Three rows read ahead: both of a.jsonl, the first of b.jsonl (its second line); `tag` is seen among them.
+    # Blocks of three rows: both of a.jsonl and the first of b.jsonl, then b.jsonl's last, whose `k` widens the
+    # type to double and whose `late` gets a column too.
     reader = RowReader(tmp_path, block_rows=3)
-    assert reader.passthrough_schema == pa.schema([pa.field("k", pa.int64()), pa.field("tag", pa.string())])
+    assert reader.passthrough_schema == pa.schema(
+        [pa.field("k", pa.float64()), pa.field("tag", pa.string()), pa.field("late", pa.list_(pa.int64()))]
+    )
     got = [(r.index, r.source, r.line, r.data["prompt"]) for r in rows_of(reader)]
     a, b = str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")
     assert got == [(0, a, 1, "a"), (1, a, 2, "b"), (2, b, 2, "c"), (3, b, 3, "d")]
@@ -272,7 +275,9 @@ def parse(data: dict[str, Any], options: InputOptions, columns: list[str]) -> An
     mapped, fields, problem = ColumnMapping(options, columns, "d.jsonl").apply(data)
     row = InputRow(index=3, line=4, data=mapped, columns=fields, problem=problem)
     names = passthrough_names(columns)
-    return parse_row(row, "d.jsonl", infer_schema([data], names), names)
+    inference = SchemaInference()
+    inference.add([data])
+    return parse_row(row, "d.jsonl", inference.schema(names, lambda: [data]), names)
 
 
 def test_conversations_are_picked_up_only_without_a_prompt_field() -> None:
