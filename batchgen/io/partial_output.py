@@ -134,7 +134,7 @@ class PartialOutput:
             if not self.dir.exists():
                 self.dir.mkdir()
                 fsync_dir(self.dir.parent)
-            self._lock()
+            self.lock()
             if state is not None and _listing(self.dir) != state.listing:
                 raise OutputError(f"{self.dir}: another run changed the partial output meanwhile; rerun with --resume")
             if state is None:
@@ -231,10 +231,19 @@ class PartialOutput:
             os.close(self._lock_fd)
             self._lock_fd = None
 
-    def _lock(self) -> None:
+    def lock(self) -> None:
+        """Take the directory's lock (it must exist) until :meth:`close`, so that no other run reads or writes it
+        meanwhile, and ``batchgen status`` sees a run at work; nothing when this instance holds it already.
+
+        Raises:
+            BatchgenError: another run holds it, or the lock file cannot be opened.
+        """
         if self._lock_fd is not None:
             return
-        fd = os.open(self.dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(self.dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise BatchgenError(f"{self.dir}: cannot lock the partial output: {e.strerror or e}") from None
         try:
             # Released by the kernel when the process ends, however it ends: a kill -9 leaves no stale lock.
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -3,7 +3,6 @@ can add the rows it lacks (see ``batchgen/io/partial_output.py`` for the partial
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -17,15 +16,17 @@ from batchgen.io.partial_output import PartialOutput
 _PART_ROWS = 8192
 
 
-def reopen_output(out: Path, schema: pa.Schema) -> None:
-    """Make the finished output ``out`` the partial output of a run of ``schema`` (whose columns are ``out``'s):
-    its rows become the parts, durable before ``out`` is removed; a crash in between leaves ``out``, and the
-    next ``--resume`` (which drops a partial output found beside a finished one) reopens it again.
+def reopen_output(partial: PartialOutput, schema: pa.Schema) -> None:
+    """Make the finished output ``partial.out`` the partial output of a run of ``schema`` (whose columns are the
+    output's): its rows become the parts, durable before the output is removed; a crash in between leaves the
+    output, and the next ``--resume`` (which drops a partial output found beside a finished one) reopens it again.
+    ``partial`` keeps the directory's lock: the run that goes on to write it holds it throughout.
 
     Raises:
-        BatchgenError: ``out`` cannot be read, or the partial output cannot be written.
+        BatchgenError: the output cannot be read, the partial output cannot be written, or another run holds its
+            lock.
     """
-    partial = PartialOutput(out)
+    out = partial.out
     partial.start(schema, None)
     try:
         pending: list[dict[str, Any]] = []
@@ -42,5 +43,3 @@ def reopen_output(out: Path, schema: pa.Schema) -> None:
         fsync_dir(out.parent)
     except (OSError, pa.ArrowException) as e:
         raise BatchgenError(f"{out}: cannot reopen the output to add its missing rows: {e}") from None
-    finally:
-        partial.close()

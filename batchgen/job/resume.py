@@ -92,11 +92,12 @@ def open_output(
     """The run's output schema (:func:`output_schema`) and the partial output it continues (``None``: it starts
     afresh). With ``job.resuming`` that is ``output``'s partial output; or, when the finished output is there (one
     that lacks rows, which ``check_nothing_left`` let through), the finished output, checked against this run as a
-    partial output is, then reopened as one (:func:`batchgen.io.reopen.reopen_output`).
+    partial output is, then reopened as one (:func:`batchgen.io.reopen.reopen_output`). A partial output it reads
+    is locked first (:meth:`PartialOutput.lock`), and stays so until the run closes ``output``.
 
     Raises:
-        BatchgenError: :func:`output_schema`'s errors; the partial output cannot be read, or the finished output
-            cannot be reopened.
+        BatchgenError: :func:`output_schema`'s errors; the partial output cannot be read or another run holds its
+            lock, or the finished output cannot be reopened.
     """
     if job.resuming and output.out.exists():
         try:
@@ -107,9 +108,12 @@ def open_output(
         metadata = _metadata(recorded) | {DATASET_KEY: fingerprint_dataset(dataset).to_json()}
         metadata.pop(INPUT_DIGESTS_KEY, None)
         schema = output_schema(schema, dataset, seed, recorded.with_metadata(metadata), job.resume_force, output.out)
-        reopen_output(output.out, schema)
+        reopen_output(output, schema)
         return schema, output.inspect()
-    resumed = output.inspect() if job.resuming and output.exists() else None
+    resumed = None
+    if job.resuming and output.exists():
+        output.lock()
+        resumed = output.inspect()
     report_damage(output.dir, resumed)
     recorded = resumed.schema if resumed is not None else None
     return output_schema(schema, dataset, seed, recorded, job.resume_force, output.dir), resumed

@@ -85,14 +85,20 @@ class RunJob:
             self.rounds = LocalRounds(engine_options)
         self.facts = self.rounds.facts
         self.output = PartialOutput(out)
-        # Before the request builder exists: a resumed run reuses the recorded run seed.
-        self.schema, self.resumed = open_output(
-            dataset,
-            self.output,
-            result_schema(self.reader.passthrough_schema, self.metadata()),
-            engine_options.seed,
-            job,
-        )
+        try:
+            # Before the request builder exists: a resumed run reuses the recorded run seed.
+            self.schema, self.resumed = open_output(
+                dataset,
+                self.output,
+                result_schema(self.reader.passthrough_schema, self.metadata()),
+                engine_options.seed,
+                job,
+            )
+        except BaseException:
+            # The lock it may have taken, and the engine: a caller in Python may try again in this process.
+            self.output.close()
+            self.rounds.close()
+            raise
         self.builder = RequestBuilder.for_engine(self.facts, defaults, int(self.schema.metadata[RUN_SEED_KEY.encode()]))
         model, tokenizer, seed = engine_options.model, self.facts.tokenizer, self.builder.run_seed
         self.openai_output = openai_output(dataset, self.reader.openai, as_openai, model, tokenizer, seed)

@@ -922,6 +922,46 @@ def test_status_says_when_a_run_is_writing_the_output(
     assert run_cli(args(dataset, out, model, "--resume"))[0] == 0
 
 
+def test_resume_holds_the_lock_from_before_it_reads_the_partial_output(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a helper: --resume read an interrupted run's partial output, and reopened a finished output into
+    one, without its lock, which it took only to write; meanwhile status said no run was writing it. Whenever the
+    partial output is read, another open of its lock file must now find it taken (flock's rule between two opens)."""
+    rows = [{"id": f"r{i}", "prompt_token_ids": [0, 5 + i]} for i in range(12)]
+    dataset = write_jsonl(tmp_path / "in.jsonl", rows[:8])
+    out = tmp_path / "out.arrow"
+    assert run_cli(args(dataset, out, model))[0] == 0
+    write_jsonl(dataset, rows)  # the finished output now lacks rows: --resume reopens it
+    taken: list[bool] = []
+    inspect = PartialOutput.inspect
+
+    def inspect_and_probe(self: PartialOutput) -> Any:
+        fd = os.open(self.dir / "lock", os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            taken.append(True)
+        else:
+            taken.append(False)
+        finally:
+            os.close(fd)
+        return inspect(self)
+
+    monkeypatch.setattr(PartialOutput, "inspect", inspect_and_probe)
+    assert run_cli(args(dataset, out, model, "--resume"))[0] == 0
+    assert taken == [True]
+    # Reopened once more, and stopped by a full disk after the reopened part: then a partial output to resume.
+    write_jsonl(dataset, [*rows, {"id": "r12", "prompt_token_ids": [0, 17]}])
+    with monkeypatch.context() as patch:
+        fail_part_write(patch, at=2)
+        assert run_cli(args(dataset, out, model, "--resume"))[0] == 2
+    assert partial_dir(out).is_dir() and not out.exists()
+    assert run_cli(args(dataset, out, model, "--resume"))[0] == 0
+    assert taken == [True, True, True]
+    assert sorted(row["id"] for row in read_results(out).to_pylist()) == sorted(f"r{i}" for i in range(13))
+
+
 def test_status_agrees_with_resume_on_a_changed_dataset_s_error_rows_and_on_outputs_without_digests(
     model: Path, tmp_path: Path
 ) -> None:
@@ -1300,7 +1340,9 @@ def test_a_bad_row_fixed_since_is_generated_in_place_of_its_error_row(where: str
             table = pa.concat_tables([table, pa.Table.from_pylist(fixed, table.schema)])
         with pa.ipc.new_file(out, table.schema) as writer:
             writer.write_table(table)
-        reopen_output(out, table.schema)
+        partial = PartialOutput(out)
+        reopen_output(partial, table.schema)
+        partial.close()
     code, output = run_cli([*run, str(out), "--resume" if where == "finished" else "--resume-force"])
     generated = "0 rows done" if where == "partial with the fixed row" else "1 row done"
     assert code == 0 and f"{generated}, 0 bad rows" in output, output
