@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,60 +37,62 @@ def finished_batches(path: Path, columns: list[str] | None = None) -> tuple[pa.S
     return reader.schema, (batch.select(columns) for batch in batches)
 
 
-def finished_ids(path: Path) -> tuple[list[str], set[str], set[str]]:
-    """The ``id`` of every row of the finished Arrow IPC or Parquet output ``path``, in its order (a row with n
-    samples or a duplicate id's error row appears more than once), the ids of its error rows, and the ids of its
-    samples.
+@dataclass
+class FinishedRows:
+    """The rows of a finished output, by id.
 
-    Raises:
-        BatchgenError: the file cannot be read.
+    Attributes:
+        ids: the ``id`` of every row, in the file's order (a row with n samples, or a duplicate id's error rows,
+            appear more than once).
+        samples: the ids of its samples (rows that are not error rows).
+        errors: its error rows, counted by id.
+        metadata: the run's metadata (Arrow IPC and Parquet; a JSONL output has none).
     """
-    ids: list[str] = []
-    errored: set[str] = set()
-    sampled: set[str] = set()
-    try:
-        _, batches = finished_batches(path, ["id", "finish_reason"])
-        for batch in batches:
-            rows = batch.column(0).to_pylist()
-            ids += rows
-            for rid, why in zip(rows, batch.column(1).to_pylist()):
-                (errored if why == "error" else sampled).add(rid)
-    except (OSError, pa.ArrowException) as e:
-        raise BatchgenError(f"{path}: cannot read results ({e})") from None
-    return ids, errored, sampled
+
+    ids: list[str] = field(default_factory=list)
+    samples: set[str] = field(default_factory=set)
+    errors: Counter[str] = field(default_factory=Counter)
+    metadata: dict[bytes, bytes] = field(default_factory=dict)
+
+    def add(self, ids: list[str], is_error: list[bool]) -> None:
+        """Take rows with ids ``ids``, which are error rows where ``is_error`` says so."""
+        self.ids += ids
+        for rid, error in zip(ids, is_error, strict=True):
+            if error:
+                self.errors[rid] += 1
+            else:
+                self.samples.add(rid)
 
 
-def finished_rows(path: Path) -> tuple[set[str], Counter[str], dict[bytes, bytes]]:
-    """(ids with samples, error rows by id, schema metadata) of a finished output file, read batch by batch.
+def finished_rows(path: Path) -> FinishedRows:
+    """The rows of the finished output file ``path`` (any format), read batch by batch.
 
     Raises:
         BatchgenError: the file cannot be read, or it is no batchgen output: it lacks the ``id``, ``sample_index`` and
             ``finish_reason`` every output row has (another file given as ``--out``, found by a new user: a copy of
             the input was taken for a finished output, "already complete").
     """
-    sample_ids: set[str] = set()
-    error_ids: Counter[str] = Counter()
+    rows = FinishedRows()
     try:
         if path.suffix.lower() == ".jsonl":
             with path.open(encoding="utf-8") as f:
                 for number, line in enumerate(f, 1):
                     if line.strip():
                         row = _result_line(path, number, line)
-                        is_error = row.get("finish_reason") == "error"
-                        (error_ids.update if is_error else sample_ids.update)([str(row.get("id"))])
-            if not sample_ids and not error_ids:  # batchgen writes no output of no rows
+                        rows.add([str(row.get("id"))], [row.get("finish_reason") == "error"])
+            if not rows.ids:  # batchgen writes no output of no rows
                 raise _not_an_output(str(path), [])
-            return sample_ids, error_ids, {}
+            return rows
         schema, batches = finished_batches(path, list(_RESULT_FIELDS))  # the columns are selected as batches come
         if lacking := [name for name in _RESULT_FIELDS if name not in schema.names]:
             raise _not_an_output(str(path), lacking)
         for batch in batches:
             is_error = pc.equal(batch.column("finish_reason"), "error").fill_null(False)
-            error_ids.update(batch.column("id").filter(is_error).to_pylist())
-            sample_ids.update(batch.column("id").filter(pc.invert(is_error)).to_pylist())
+            rows.add(batch.column("id").to_pylist(), is_error.to_pylist())
     except (OSError, ValueError, KeyError, pa.ArrowException) as e:
         raise BatchgenError(f"{path}: cannot read results ({e})") from None
-    return sample_ids, error_ids, schema.metadata or {}
+    rows.metadata = schema.metadata or {}
+    return rows
 
 
 def _not_an_output(where: str, lacking: list[str]) -> BatchgenError:

@@ -15,7 +15,7 @@ import pyarrow as pa
 
 from batchgen.errors import BatchgenError, counted
 from batchgen.io.fingerprint import fingerprint_dataset
-from batchgen.io.finished_output import finished_batches, finished_ids
+from batchgen.io.finished_output import finished_batches, finished_rows
 from batchgen.io.input_digests import INPUT_DIGESTS_KEY, compare_rows
 from batchgen.io.input_options import INPUT_OPTIONS_KEY, InputOptions, recorded_input_options
 from batchgen.io.partial_output import PartialOutput, PartialState, partial_dir, remove_partial_dir
@@ -140,12 +140,12 @@ def check_finished_rows(dataset: Path, out: Path, force: bool, options: InputOpt
             return None
         options_then = recorded_input_options(schema.metadata or {})
         options = options if options is not None else options_then
-        ids, errored, sampled = finished_ids(out)
-        changed, gone, missing = compare_rows(dataset, ids, recorded, options)
+        finished = finished_rows(out)
+        changed, gone, missing = compare_rows(dataset, finished.ids, recorded, options)
     except (OSError, ValueError, pa.ArrowException) as e:
         raise BatchgenError(f"{out}: cannot read results ({e}); pass --overwrite to run the dataset again") from None
-    complete = missing == 0 and not errored
-    changed = [rid for rid in changed + gone if rid in sampled]
+    complete = missing == 0 and not finished.errors
+    changed = [rid for rid in changed + gone if rid in finished.samples]
     if not changed:
         return complete
     shown = ", ".join(f"'{rid}'" for rid in changed[:_IDS_SHOWN])

@@ -112,7 +112,8 @@ def read_output_status(
     error_ids: Counter[str] = Counter()
     if out.exists():
         state = "complete"
-        sample_ids, error_ids, metadata = finished_rows(out)
+        rows = finished_rows(out)
+        sample_ids, error_ids, metadata = rows.samples, rows.errors, rows.metadata
     elif partial_dir(out).is_dir():
         partial = PartialOutput(out).inspect()
         sample_ids = partial.done.samples
