@@ -81,9 +81,21 @@ def discard_partial_beside(out: Path) -> None:
     """Remove the partial output beside the finished output ``out``, once ``--resume`` has checked ``out`` (a file no
     run wrote, or one of another dataset, is refused first, and a run's partial output beside it kept). ``out`` is
     only ever put in place finished, and removed only once reopened; a partial output beside it is what a crash
-    between putting it in place and removing the directory leaves, or one while it was being reopened."""
-    with contextlib.suppress(OSError):
-        remove_partial_dir(partial_dir(out))
+    between putting it in place and removing the directory leaves, or one while it was being reopened.
+
+    Raises:
+        BatchgenError: a run holds its lock: one reopening ``out`` now, whose parts hold its rows until it removes
+            ``out`` (found by a helper's review), or one putting ``out`` in place.
+    """
+    partial = PartialOutput(out)
+    if not partial.exists():
+        return
+    partial.lock()
+    try:
+        with contextlib.suppress(OSError):
+            remove_partial_dir(partial.dir)
+    finally:
+        partial.close()
 
 
 def open_output(

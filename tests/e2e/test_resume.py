@@ -962,6 +962,31 @@ def test_resume_holds_the_lock_from_before_it_reads_the_partial_output(
     assert sorted(row["id"] for row in read_results(out).to_pylist()) == sorted(f"r{i}" for i in range(13))
 
 
+def test_resume_leaves_the_parts_of_a_run_reopening_the_output_alone(model: Path, tmp_path: Path) -> None:
+    """While a run reopens a finished output that lacks rows, the output and its partial output are both there,
+    the parts holding every finished row until the run removes the output. A second --resume then took the partial
+    output for a crash's leftover and deleted it, and the rows were lost once the first removed the output. It must
+    find the lock taken and stop, leaving both alone."""
+    rows = [{"id": f"r{i}", "prompt_token_ids": [0, 5 + i]} for i in range(6)]
+    dataset = write_jsonl(tmp_path / "in.jsonl", rows[:4])
+    out = tmp_path / "out.arrow"
+    assert run_cli(args(dataset, out, model))[0] == 0
+    write_jsonl(dataset, rows)
+    table = read_results(out)
+    partial = PartialOutput(out)  # the first run, half way through reopening: its parts written, the output there
+    partial.start(table.schema, None)
+    partial.write_part(table.to_pylist())
+    try:
+        code, output = run_cli(args(dataset, out, model, "--resume"))
+        assert code == 2 and output.endswith(f"{partial_dir(out)}: another batchgen run is writing this output\n")
+        assert PartialOutput(out).inspect().done.count == 4 and read_results(out) == table
+    finally:
+        partial.close()
+    code, output = run_cli(args(dataset, out, model, "--resume"))
+    assert code == 0, output
+    assert sorted(row["id"] for row in read_results(out).to_pylist()) == [f"r{i}" for i in range(6)]
+
+
 def test_status_agrees_with_resume_on_a_changed_dataset_s_error_rows_and_on_outputs_without_digests(
     model: Path, tmp_path: Path
 ) -> None:
