@@ -139,9 +139,9 @@ class RunJob:
         start = time.perf_counter()
         # Before the partial output exists: a dataset unreadable part way leaves nothing behind to --resume.
         total = count_input_rows(self.reader.path) if self.job.progress else None
-        if self.job.overwrite:
-            self.out.unlink(missing_ok=True)
         self.output.start(self.schema, self.resumed)
+        if self.job.overwrite:  # under the lock: a run putting OUT in place holds it until OUT is there
+            self.out.unlink(missing_ok=True)
         done = self.output.state.done
         if self.job.resuming:
             were = "was" if done.count == 1 else "were"

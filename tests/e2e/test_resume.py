@@ -1109,6 +1109,14 @@ def test_overwrite_and_a_finished_job(
     assert code == 0, output
     assert not partial_dir(out).exists()
     assert_same_rows(by_key(read_results(out).to_pylist()), reference)
+    # --overwrite removes OUT only under the lock: a run that holds it may be putting OUT in place.
+    before = out.read_bytes()
+    partial_dir(out).mkdir()
+    with (partial_dir(out) / "lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        code, output = run_cli(args(dataset, out, model, "--overwrite"))
+    assert code == 2 and output.endswith(f"{partial_dir(out)}: another batchgen run is writing this output\n")
+    assert out.read_bytes() == before
 
 
 # --- the pieces -------------------------------------------------------------------------------------------
