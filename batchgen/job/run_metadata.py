@@ -18,7 +18,7 @@ from batchgen.io.fingerprint import DatasetFingerprint, fingerprint_dataset
 from batchgen.io.finished_output import finished_batches
 from batchgen.io.input_options import INPUT_OPTIONS_KEY, InputOptions, apply_escapes
 from batchgen.loop.engine import EngineFacts, dtype_name
-from batchgen.loop.options import EngineOptions
+from batchgen.loop.options import EngineOptions, pick_device
 from batchgen.sampling.sampling_params import SamplingParams
 
 # Metadata keys a resumed run adds to ``RunJob.metadata``: the dataset's fingerprint and the run seed.
@@ -71,7 +71,10 @@ def settings_differences(
     phrases. Compared without loading the model: a ``--dtype`` or ``--deterministic`` left to the model is taken to
     be the recorded one; the dataset is not compared (its rows are checked by id and digest)."""
     model_facts = {key: recorded[key] for key in _MODEL_FACTS if key in recorded}
-    model_facts["batchgen.kernel_switches"] = json.dumps(kernel_switches().as_metadata())  # the environment's
+    # The environment's, as a run on the device --device picks records them.
+    model_facts["batchgen.kernel_switches"] = json.dumps(
+        kernel_switches().as_metadata(pick_device(options.device).type)
+    )
     if options.dtype != "auto":
         model_facts["batchgen.dtype"] = options.dtype
     if options.deterministic is not None:

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field, fields
 
 from batchgen.errors import BatchgenError
 
+# The variable of Triton's fused elementwise kernels.
+TRITON_FUSED_OPS = "BATCHGEN_TRITON_FUSED_OPS"
 # Spellings of on and off, Triton's for its boolean environment variables.
 _ON = ("1", "true", "on", "yes")
 _OFF = ("0", "false", "off", "no")
@@ -33,7 +35,7 @@ class KernelSwitches:
     # Rounds of a few rows on the half-precision weights where those GEMMs run in float32 (AVX2 CPUs).
     cpu_half_weight_linear: bool = field(default=True, metadata={"env": "BATCHGEN_CPU_HALF_WEIGHT_LINEAR"})
     # Triton's fused elementwise kernels; None: on a CUDA device where triton imports.
-    triton_fused_ops: bool | None = field(default=None, metadata={"env": "BATCHGEN_TRITON_FUSED_OPS"})
+    triton_fused_ops: bool | None = field(default=None, metadata={"env": TRITON_FUSED_OPS})
     # Triton's interpreter, the only way its kernels run on CPU tensors (tests).
     triton_interpret: bool = field(default=False, metadata={"env": "TRITON_INTERPRET"})
 
@@ -56,6 +58,12 @@ class KernelSwitches:
                 raise BatchgenError(f"{variable} must be 1 or 0, got '{text}'")
         return cls(**values)  # type: ignore[arg-type]
 
-    def as_metadata(self) -> dict[str, bool | None]:
-        """The switches by variable name, as the output's metadata records them."""
-        return {f.metadata["env"]: getattr(self, f.name) for f in fields(self)}
+    def as_metadata(self, device_type: str) -> dict[str, bool | None]:
+        """The switches by variable name, as the output of a run on a ``device_type`` device (``cpu``, ``cuda``)
+        records them. On a CPU, Triton's fused ops turned off are recorded as left automatic (``None``): automatic
+        picks them on CUDA only, so both run the same kernels there (found by a helper: ``--resume`` took the two
+        for a change of settings)."""
+        recorded: dict[str, bool | None] = {f.metadata["env"]: getattr(self, f.name) for f in fields(self)}
+        if device_type == "cpu" and self.triton_fused_ops is False:
+            recorded[TRITON_FUSED_OPS] = None
+        return recorded

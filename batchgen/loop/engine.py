@@ -231,7 +231,7 @@ class Engine:
         return EngineFacts(
             self.model_dir,
             self.dtype,
-            self.switches.as_metadata(),
+            self.switches.as_metadata(self.device.type),
             self.deterministic,
             self.tokenizer,
             self.vocab_size,

@@ -17,15 +17,13 @@ from transformers import AutoConfig, AutoTokenizer
 from batchgen.errors import BatchgenError
 from batchgen.kernels.attention import deterministic_backend
 from batchgen.kernels.cpu import fused_elementwise as cpu_ops
-from batchgen.kernels.switches import KernelSwitches
+from batchgen.kernels.switches import TRITON_FUSED_OPS, KernelSwitches
 from batchgen.models.llama import DecoderLayer, LlamaForCausalLM
 from batchgen.models.loader import load_model, random_model
 from batchgen.models.packed_linear import PackedLinear, cpu_gemm_dtype, half_weight_rows
 from batchgen.models.random_presets import is_random_spec, random_preset_config
 from batchgen.models.resolve import resolve_model
 from batchgen.models.row_invariant import silu_and_mul_by_rows
-
-FUSED_OPS_SWITCH = "BATCHGEN_TRITON_FUSED_OPS"
 
 
 def triton_fused_ops_requested(device: torch.device, switches: KernelSwitches) -> bool:
@@ -44,11 +42,11 @@ def triton_fused_ops_requested(device: torch.device, switches: KernelSwitches) -
         return False
     if device.type == "cpu" and not switches.triton_interpret:
         raise BatchgenError(
-            f"{FUSED_OPS_SWITCH}=1 needs a CUDA device: unset it on the CPU (where Triton runs only interpreted, "
+            f"{TRITON_FUSED_OPS}=1 needs a CUDA device: unset it on the CPU (where Triton runs only interpreted, "
             "with TRITON_INTERPRET=1, slowly, for tests)"
         )
     if importlib.util.find_spec("triton") is None:
-        raise BatchgenError(f"{FUSED_OPS_SWITCH}=1 needs triton (pip install triton)")
+        raise BatchgenError(f"{TRITON_FUSED_OPS}=1 needs triton (pip install triton)")
     return True
 
 
@@ -127,7 +125,7 @@ class ModelSource:
                 raise BatchgenError("--deterministic with attention backend triton needs triton (pip install triton)")
             if switches.triton_fused_ops is False:
                 raise BatchgenError(
-                    f"--deterministic on the triton backend runs Triton's per-row norms: unset {FUSED_OPS_SWITCH}=0"
+                    f"--deterministic on the triton backend runs Triton's per-row norms: unset {TRITON_FUSED_OPS}=0"
                 )
             from batchgen.kernels.triton import fused_elementwise as triton_ops
             from batchgen.models.triton_linear import TritonLinear

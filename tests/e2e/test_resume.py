@@ -30,6 +30,8 @@ from batchgen.io.partial_output import PartialOutput, partial_dir
 from batchgen.io.reopen import reopen_output
 from batchgen.io.writer import read_results
 from batchgen.job.status import read_output_status
+from batchgen.kernels.switches import KernelSwitches
+from batchgen.models.source import triton_fused_ops_requested
 from tests.helpers.cli import run_cli, write_jsonl
 from tests.helpers.crash_points import AFTER_ROWS, IN_FLUSH, part_write_with_fault
 from tests.helpers.fork_runner import Zygote
@@ -646,6 +648,10 @@ def test_resume_refuses_other_kernel_switches_as_it_refuses_another_dtype(
     code, output = run_cli(args(dataset, out, model, "--resume"))
     assert (code, output.splitlines()) == (2, [f"{where} BATCHGEN_CPU_PREPACK True → False {force}"])
     monkeypatch.delenv("BATCHGEN_CPU_PREPACK")
+    # Triton's fused ops turned off on a CPU run the kernels the automatic default runs there (found by a helper:
+    # refused as "BATCHGEN_TRITON_FUSED_OPS not given → False").
+    assert triton_fused_ops_requested(torch.device("cpu"), KernelSwitches()) is False
+    monkeypatch.setenv("BATCHGEN_TRITON_FUSED_OPS", "0")
     code, output = run_cli(args(dataset, out, model, "--resume"))
     assert code == 0, output
     assert sorted(row["id"] for row in read_results(out).to_pylist()) == sorted(row["id"] for row in rows)

@@ -27,8 +27,8 @@ from safetensors.torch import load_file, save_file
 
 from batchgen.kernels.attention.flashinfer_backend import FlashInferAttnBackend
 from batchgen.kernels.attention.torch_native import TorchNativeAttnBackend
+from batchgen.kernels.switches import TRITON_FUSED_OPS
 from batchgen.loop.forward_mode import ForwardMode
-from batchgen.models.source import FUSED_OPS_SWITCH
 from tests.helpers.cli import read_rows, run_args, run_cli, write_jsonl
 from tests.helpers.engine import FIRST_TOKENS_PROMPT, assert_first_two_tokens_follow_top5, sample_first_tokens
 from tests.helpers.models import build_random_model, perturbed_copy
@@ -221,11 +221,11 @@ def test_float32_backends_agree_with_torch_native(
     model_dir: Path, dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """triton, and triton with the fused elementwise kernels replayed from CUDA graphs, against torch_native."""
-    monkeypatch.setenv(FUSED_OPS_SWITCH, "0")  # on by default on CUDA: the plain runs first
+    monkeypatch.setenv(TRITON_FUSED_OPS, "0")  # on by default on CUDA: the plain runs first
     ref = _generate(dataset, tmp_path / "ref.arrow", model_dir, "torch_native", "float32")
     got = _generate(dataset, tmp_path / "triton.arrow", model_dir, "triton", "float32")
     assert_greedy_agree(ref, got, FP32_TOL, exact_tokens=True)
-    monkeypatch.setenv(FUSED_OPS_SWITCH, "1")
+    monkeypatch.setenv(TRITON_FUSED_OPS, "1")
     fused = _generate(dataset, tmp_path / "fused.arrow", model_dir, "triton", "float32", "--cuda-graph-max-bs", "4")
     assert_greedy_agree(ref, fused, FP32_TOL, exact_tokens=True)
 
@@ -243,7 +243,7 @@ def test_bfloat16_backends_are_as_close_to_float32_as_torch_native(
     margin within twice that largest error), as must flashinfer with the fused elementwise Triton kernels. A kernel
     fault (a lost token, a wrong scale or mask) errs by far more.
     """
-    monkeypatch.setenv(FUSED_OPS_SWITCH, "0")  # on by default on CUDA: the plain runs first
+    monkeypatch.setenv(TRITON_FUSED_OPS, "0")  # on by default on CUDA: the plain runs first
     ref = _generate(dataset, tmp_path / "ref.arrow", model_dir, "torch_native", "float32")
     noise = deviation(ref, _generate(dataset, tmp_path / "tn.arrow", model_dir, "torch_native", "bfloat16"))
     assert noise.max <= 0.1, f"torch_native bfloat16 is {noise.max:.3g} from float32: more than rounding"
@@ -252,7 +252,7 @@ def test_bfloat16_backends_are_as_close_to_float32_as_torch_native(
         runs[backend] = deviation(
             ref, _generate(dataset, tmp_path / f"{backend}.arrow", model_dir, backend, "bfloat16")
         )
-    monkeypatch.setenv(FUSED_OPS_SWITCH, "1")  # and flashinfer with the fused elementwise kernels, in CUDA graphs
+    monkeypatch.setenv(TRITON_FUSED_OPS, "1")  # and flashinfer with the fused elementwise kernels, in CUDA graphs
     fused = _generate(
         dataset, tmp_path / "fused.arrow", model_dir, "flashinfer", "bfloat16", "--cuda-graph-max-bs", "4"
     )

@@ -27,10 +27,11 @@ use_triton_interpreter()
 
 from batchgen.environment import kernel_switches  # noqa: E402
 from batchgen.errors import BatchgenError  # noqa: E402
+from batchgen.kernels.switches import TRITON_FUSED_OPS  # noqa: E402
 from batchgen.kernels.triton.fused_elementwise import rms_norm, rotary_embedding, silu_and_mul  # noqa: E402
 from batchgen.models.llama import RMSNorm  # noqa: E402
 from batchgen.models.rotary import RotaryEmbedding  # noqa: E402
-from batchgen.models.source import FUSED_OPS_SWITCH, ModelSource, triton_fused_ops_requested  # noqa: E402
+from batchgen.models.source import ModelSource, triton_fused_ops_requested  # noqa: E402
 from tests.helpers.cli import generate, write_jsonl  # noqa: E402
 from tests.helpers.hf_greedy import check_against_hf, greedy_prompts  # noqa: E402
 from tests.helpers.reference import assert_within, assert_within_rounding_noise, deviation  # noqa: E402
@@ -137,7 +138,7 @@ def test_models_with_fused_ops_equal_hf(
 ) -> None:
     """``BATCHGEN_TRITON_FUSED_OPS=1``: greedy tokens and logprobs equal HF transformers in float32 with chunked
     prefill (qwen3: q/k norms stay in torch beside the fused kernels)."""
-    monkeypatch.setenv(FUSED_OPS_SWITCH, "1")
+    monkeypatch.setenv(TRITON_FUSED_OPS, "1")
     rows = greedy_prompts(vocab=300)[::2]
     dataset = write_jsonl(tmp_path / "prompts.jsonl", rows)
     results = generate(dataset, tmp_path / "out.arrow", random_models[arch], "--chunked-prefill-size", "16")
@@ -153,7 +154,7 @@ def test_fused_ops_model_really_runs_the_kernels(
         torch.float32, torch.device("cpu"), 64, kernel_switches()
     )
     assert model.rotary.fused_kernel is None and model.model.norm.fused_kernel is None
-    monkeypatch.setenv(FUSED_OPS_SWITCH, "1")
+    monkeypatch.setenv(TRITON_FUSED_OPS, "1")
     for arch in ("llama", "qwen3"):
         model = ModelSource.open(str(random_models[arch])).load(
             torch.float32, torch.device("cpu"), 64, kernel_switches()
@@ -172,32 +173,32 @@ def test_fused_ops_model_really_runs_the_kernels(
 
 
 def test_fused_ops_on_the_cpu_without_the_interpreter_is_a_one_line_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(FUSED_OPS_SWITCH, "1")
+    monkeypatch.setenv(TRITON_FUSED_OPS, "1")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(BatchgenError, match="BATCHGEN_TRITON_FUSED_OPS=1 needs a CUDA device"):
         triton_fused_ops_requested(torch.device("cpu"), kernel_switches())
-    monkeypatch.setenv(FUSED_OPS_SWITCH, "maybe")
+    monkeypatch.setenv(TRITON_FUSED_OPS, "maybe")
     with pytest.raises(BatchgenError, match="BATCHGEN_TRITON_FUSED_OPS must be 1 or 0, got 'maybe'"):
         triton_fused_ops_requested(torch.device("cpu"), kernel_switches())
     for off in ("0", "off", ""):
-        monkeypatch.setenv(FUSED_OPS_SWITCH, off)
+        monkeypatch.setenv(TRITON_FUSED_OPS, off)
         assert not triton_fused_ops_requested(torch.device("cpu"), kernel_switches())
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv(FUSED_OPS_SWITCH, "true")
+    monkeypatch.setenv(TRITON_FUSED_OPS, "true")
     assert triton_fused_ops_requested(torch.device("cpu"), kernel_switches())
 
 
 def test_fused_ops_are_on_by_default_on_cuda_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(FUSED_OPS_SWITCH, raising=False)
+    monkeypatch.delenv(TRITON_FUSED_OPS, raising=False)
     assert triton_fused_ops_requested(torch.device("cuda"), kernel_switches())
     assert not triton_fused_ops_requested(torch.device("cpu"), kernel_switches())
-    monkeypatch.setenv(FUSED_OPS_SWITCH, "0")
+    monkeypatch.setenv(TRITON_FUSED_OPS, "0")
     assert not triton_fused_ops_requested(torch.device("cuda"), kernel_switches())
     # Without triton the default quietly keeps the PyTorch code; asking for the kernels is an error.
     monkeypatch.setitem(sys.modules, "triton", None)
-    monkeypatch.delenv(FUSED_OPS_SWITCH)
+    monkeypatch.delenv(TRITON_FUSED_OPS)
     assert not triton_fused_ops_requested(torch.device("cuda"), kernel_switches())
-    monkeypatch.setenv(FUSED_OPS_SWITCH, "1")
+    monkeypatch.setenv(TRITON_FUSED_OPS, "1")
     with pytest.raises(BatchgenError, match="needs triton"):
         triton_fused_ops_requested(torch.device("cuda"), kernel_switches())
 
@@ -225,7 +226,7 @@ def test_fused_ops_in_float16_are_as_close_to_float32_as_torch(
     model = random_models["llama"]
     ref = generate(dataset, tmp_path / "ref.arrow", model)
     noise = deviation(ref, generate(dataset, tmp_path / "torch.arrow", model, "--dtype", "float16"))
-    monkeypatch.setenv(FUSED_OPS_SWITCH, "1")
+    monkeypatch.setenv(TRITON_FUSED_OPS, "1")
     fused = deviation(ref, generate(dataset, tmp_path / "fused.arrow", model, "--dtype", "float16"))
     assert noise.max > 0  # float16 really rounds here, so the comparison is not vacuous
     assert_within_rounding_noise(fused, noise, "fused ops, float16")
