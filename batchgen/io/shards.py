@@ -26,7 +26,8 @@ class Shards:
     Attributes:
         paths: the shard files (a lone file: itself).
         format: ``jsonl``, ``parquet`` or ``arrow`` (Arrow IPC, stream or file format).
-        root: the directory the shards' names are taken relative to, in fingerprints; ``None`` for a lone file.
+        root: the directory the shards' names are taken relative to, in fingerprints (a glob's: the folder before its
+            first wildcard); ``None`` for a lone file.
     """
 
     paths: list[Path]
@@ -66,7 +67,16 @@ def list_shards(dataset: Path) -> Shards:
     unsupported = next((path for path, fmt in formats.items() if fmt is None), None)
     if unsupported is not None:
         raise BatchgenError(f"{source}: matches {unsupported}, which is not a {_SUPPORTED} file; narrow the pattern")
-    return Shards(paths, _one_format(formats, source), Path(os.path.commonpath([p.parent for p in paths])))
+    return Shards(paths, _one_format(formats, source), _literal_folder(source))
+
+
+def _literal_folder(pattern: str) -> Path:
+    """The folder a glob ``pattern`` names before its first wildcard (``data`` for ``data/**/*.jsonl``): the root
+    its shards are named from, whichever files it matches (their common folder moved when a shard was added beside
+    the others, renaming them all in a fingerprint's differences; found by a helper)."""
+    parts = Path(pattern).parts
+    literal = next(i for i, part in enumerate(parts) if any(c in part for c in _GLOB_CHARACTERS))
+    return Path(*parts[:literal]) if literal else Path(".")
 
 
 def _directory_shards(directory: Path) -> Shards:

@@ -340,3 +340,17 @@ def test_the_fingerprint_of_shards_names_each_change(tmp_path: Path) -> None:
     assert before.differences(fingerprint_dataset(tmp_path / "c.jsonl")) == [
         "dataset layout (one file ↔ a directory or glob of shards)"
     ]
+
+
+def test_a_glob_names_its_shards_from_the_folder_before_its_first_wildcard(tmp_path: Path) -> None:
+    """Found by a helper: a glob's shards were named from their common folder, so a shard added in another folder
+    renamed the others ("shards added: a/x.jsonl, a/y.jsonl, b/z.jsonl; shards removed: x.jsonl, y.jsonl")."""
+    for name in ("a/x.jsonl", "a/y.jsonl"):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        write_jsonl(tmp_path / name, ['{"prompt": "a"}'])
+    pattern = Path(str(tmp_path / "**" / "*.jsonl"))
+    before = DatasetFingerprint.from_json(fingerprint_dataset(pattern).to_json())
+    assert before.shards is not None and sorted(before.shards) == ["a/x.jsonl", "a/y.jsonl"]
+    (tmp_path / "b").mkdir()
+    write_jsonl(tmp_path / "b" / "z.jsonl", ['{"prompt": "z"}'])
+    assert before.differences(fingerprint_dataset(pattern)) == ["shards added: b/z.jsonl"]
