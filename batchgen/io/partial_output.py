@@ -218,11 +218,14 @@ class PartialOutput:
                 f"{self.out}: cannot write the output: {reason}; every row is kept in {self.dir} "
                 "(fix that, then rerun with --resume)"
             ) from None
-        self.close()
         # OUT is complete now; a directory that cannot be removed is removed by the next --resume (which finds
-        # OUT complete and nothing to do).
-        with contextlib.suppress(OSError):
-            remove_partial_dir(self.dir)
+        # OUT complete and nothing to do). Removed under the lock: a run that took it in between would have its
+        # own parts removed (found by a helper).
+        try:
+            with contextlib.suppress(OSError):
+                remove_partial_dir(self.dir)
+        finally:
+            self.close()
         return rows
 
     def close(self) -> None:

@@ -993,6 +993,33 @@ def test_resume_leaves_the_parts_of_a_run_reopening_the_output_alone(model: Path
     assert sorted(row["id"] for row in read_results(out).to_pylist()) == [f"r{i}" for i in range(6)]
 
 
+def test_a_finishing_run_removes_its_partial_output_under_its_lock(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a helper: a run that had put OUT in place released its lock before removing OUT.partial/, and a
+    second run that took the lock in between had its own parts removed. The lock must be taken when it removes them."""
+    dataset = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt_token_ids": [0, 5 + i]} for i in range(4)])
+    out = tmp_path / "out.arrow"
+    taken: list[bool] = []
+    remove = partial_output.remove_partial_dir
+
+    def probe_then_remove(directory: Path) -> None:
+        fd = os.open(directory / "lock", os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            taken.append(True)
+        else:
+            taken.append(False)
+        finally:
+            os.close(fd)
+        remove(directory)
+
+    monkeypatch.setattr(partial_output, "remove_partial_dir", probe_then_remove)
+    assert run_cli(args(dataset, out, model))[0] == 0
+    assert taken == [True] and not partial_dir(out).exists() and len(read_results(out)) == 4
+
+
 def test_status_agrees_with_resume_on_a_changed_dataset_s_error_rows_and_on_outputs_without_digests(
     model: Path, tmp_path: Path
 ) -> None:
