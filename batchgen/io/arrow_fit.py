@@ -9,7 +9,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from batchgen.errors import is_unicode_text, shown_value
+from batchgen.errors import NOT_UNICODE, is_unicode_text, shown_value
 
 _CONVERSION_ERRORS = (pa.ArrowException, TypeError, ValueError, OverflowError, UnicodeError)
 
@@ -28,10 +28,25 @@ def misfit(value: Any, arrow_type: pa.DataType) -> str | None:
             stored, fits = None, False
         else:
             unknown = _unknown_key(value, arrow_type)
-            if unknown is not None:
+            if unknown is not None and unicode_only(value):
                 return f"key '{unknown}' is not in the object type of the other rows ({arrow_type})"
-            fits = same_value(value, stored)
-    return None if fits else f"expected {arrow_type} like the other rows, got {shown_value(value)}"
+            fits = unknown is None and same_value(value, stored)
+    if fits:
+        return None
+    if not unicode_only(value):
+        return NOT_UNICODE
+    return f"expected {arrow_type} like the other rows, got {shown_value(value)}"
+
+
+def unicode_only(value: Any) -> bool:
+    """Whether every string within the decoded JSON ``value`` (object keys too) is Unicode text."""
+    if isinstance(value, str):
+        return is_unicode_text(value)
+    if isinstance(value, list):
+        return all(map(unicode_only, value))
+    if isinstance(value, dict):
+        return all(is_unicode_text(key) and unicode_only(item) for key, item in value.items())
+    return True
 
 
 def _scalar_fits(value: Any, arrow_type: pa.DataType) -> bool | None:

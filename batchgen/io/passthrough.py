@@ -8,7 +8,8 @@ from typing import Any
 
 import pyarrow as pa
 
-from batchgen.io.arrow_fit import misfit, same_value
+from batchgen.errors import is_unicode_text
+from batchgen.io.arrow_fit import misfit, same_value, unicode_only
 from batchgen.io.writer import OUTPUT_COLUMNS
 from batchgen.sampling.sampling_params import SAMPLING_FIELD_ALIASES, SAMPLING_FIELDS
 
@@ -71,8 +72,11 @@ class SchemaInference:
         """Take one block of rows into the schema."""
         values: dict[str, list[Any]] = {}
         for row in rows:
-            self.keys.update(dict.fromkeys(row))
-            for key, value in row.items():
+            # A name that is not Unicode text names no column: its row is a bad row (batchgen.io.rows.parse_row).
+            keys = [key for key in row if is_unicode_text(key)]
+            self.keys.update(dict.fromkeys(keys))
+            for key in keys:
+                value = row[key]
                 if key not in KNOWN_FIELDS and value is not None:
                     values.setdefault(key, []).append(value)
         for key, block in values.items():
@@ -81,7 +85,7 @@ class SchemaInference:
                 self._types[key] = block_type
                 continue
             known = self._types[key]
-            if known is None or known == block_type:
+            if known is None or known == block_type or block_type is not None and pa.types.is_null(block_type):
                 continue
             self._types[key] = None if block_type is None else _unified(known, block_type)
             self._promoted.add(key)
@@ -97,7 +101,7 @@ class SchemaInference:
             for row in rows_again():
                 for key in check.intersection(row):
                     value = row[key]
-                    if value is not None and misfit(value, self._types[key]) is not None:
+                    if value is not None and misfit(value, self._types[key]) is not None and unicode_only(value):
                         self._types[key] = None
                 check = {key for key in check if self._types[key] is not None}
                 if not check:
@@ -119,8 +123,13 @@ def _block_type(values: list[Any]) -> pa.DataType | None:
     bits)."""
     try:
         array = pa.array(values)
-    except (pa.ArrowException, TypeError, ValueError, OverflowError, UnicodeError):
-        return None
+    except (pa.ArrowException, TypeError, ValueError, OverflowError):
+        # A lone surrogate makes its row a bad row (batchgen.io.rows.parse_row), which must not decide the type of
+        # the good rows' values (found by a helper: a whole column became JSON text).
+        kept = [value for value in values if unicode_only(value)]
+        if len(kept) == len(values):
+            return None
+        return _block_type(kept) if kept else pa.null()
     # pyarrow's inference also converts: [1.5, true] makes a double column holding 1.0 for true.
     return array.type if all(map(same_value, values, array.to_pylist())) else None
 

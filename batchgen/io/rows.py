@@ -237,6 +237,8 @@ def _passthrough(data: dict[str, Any], schema: pa.Schema, names: dict[str, str],
     for key, value in data.items():
         if key in KNOWN_FIELDS:
             continue
+        if not is_unicode_text(key):  # no Arrow column can be named so (found by a helper: a traceback)
+            raise fail(key.encode("utf-8", "backslashreplace").decode(), f"its name {NOT_UNICODE}")
         name = names.get(key)
         if name is None:
             raise fail(key, "field not in the dataset when the run read its schema: was the file changed since?")

@@ -386,12 +386,26 @@ def test_empty_objects_reach_a_parquet_output(random_models: dict[str, Path], tm
     assert pq.read_table(out).column("meta").to_pylist() == ["{}"]
 
 
-def test_a_lone_surrogate_is_a_bad_row_in_any_column(tmp_path: Path) -> None:
-    lines = ['{"prompt": "a", "s": "ok", "j": 1}', '{"prompt": "b", "s": "\\ud800x", "j": "\\ud800"}']
+def test_a_lone_surrogate_is_a_bad_row_in_any_column_and_types_no_column(tmp_path: Path) -> None:
+    """A lone surrogate, in a value or a field's name, makes its row a bad row; it does not decide the type of the
+    good rows' values (found by a helper: the column became JSON text), and a name holding one (which no Arrow
+    column can have) was a traceback."""
+    lines = [
+        '{"prompt": "a", "s": "ok", "j": 1, "deep": {"k": [1]}}',
+        '{"prompt": "b", "s": "\\ud800x", "j": "\\ud800", "deep": {"\\udc00": 2}}',
+        '{"prompt": "c", "\\ud83d": 1}',
+    ]
+    good = {"s": "ok", "j": 1, "deep": {"k": [1]}}
     for block_rows in (1, 1024):
-        specs = _parse_all(RowReader(write_lines(tmp_path / "in.jsonl", lines), block_rows=block_rows))
-        assert isinstance(specs[0], RowSpec) and isinstance(specs[1], RowError)
-        assert specs[1].field == "s" and "lone surrogate" in specs[1].message
+        reader = RowReader(write_lines(tmp_path / "in.jsonl", lines), block_rows=block_rows)
+        assert reader.passthrough_schema == pa.schema([(name, pa.array([value]).type) for name, value in good.items()])
+        specs = _parse_all(reader)
+        assert isinstance(specs[0], RowSpec) and specs[0].passthrough == good
+        assert isinstance(specs[1], RowError) and specs[1].field == "s" and "lone surrogate" in specs[1].message
+        assert isinstance(specs[2], RowError) and (specs[2].field, specs[2].message) == (
+            "\\ud83d",
+            "its name holds a lone surrogate (\\ud800-\\udfff), which is not Unicode text",
+        )
 
 
 def test_parquet_text_from_an_earlier_output_is_not_encoded_again(tmp_path: Path) -> None:
