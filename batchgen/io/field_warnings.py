@@ -11,8 +11,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from batchgen.io.input_options import InputOptions
-from batchgen.io.passthrough import is_json_text
-from batchgen.io.writer import OUTPUT_COLUMNS
+from batchgen.io.writer import OUTPUT_COLUMNS, is_json_text
 from batchgen.sampling.sampling_params import SAMPLING_FIELD_ALIASES, SAMPLING_FIELDS
 
 # Names other engines (HF generate, vLLM, SGLang, OpenAI, TGI) use for sampling fields → batchgen's field, or None

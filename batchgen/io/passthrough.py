@@ -10,7 +10,7 @@ import pyarrow as pa
 
 from batchgen.errors import is_unicode_text
 from batchgen.io.arrow_fit import misfit, same_value, unicode_only
-from batchgen.io.writer import OUTPUT_COLUMNS
+from batchgen.io.writer import JSON_TEXT_METADATA, OUTPUT_COLUMNS
 from batchgen.sampling.sampling_params import SAMPLING_FIELD_ALIASES, SAMPLING_FIELDS
 
 PROMPT_FIELDS: tuple[str, ...] = ("prompt", "messages", "prompt_token_ids")
@@ -22,10 +22,6 @@ KNOWN_FIELDS: frozenset[str] = frozenset(
 )
 # `id` is both known and an output column; it is never a pass-through field, so it never collides.
 _COLLIDING: frozenset[str] = frozenset(OUTPUT_COLUMNS.names) - {"id"}
-
-# Field metadata of a pass-through column stored as JSON text: its values in the JSONL rows the schema is inferred
-# from share no one Arrow type (a number and a string; objects whose members differ in type).
-JSON_TEXT_METADATA = {b"batchgen_encoding": b"json"}
 
 _JSON_TYPE_NAMES = {dict: "object", list: "array", str: "string", int: "number", float: "number", bool: "boolean"}
 
@@ -141,12 +137,6 @@ def _unified(a: pa.DataType, b: pa.DataType) -> pa.DataType | None:
     except (pa.ArrowException, TypeError, ValueError):
         return None
     return schema.field("v").type
-
-
-def is_json_text(field: pa.Field) -> bool:
-    """Whether pass-through ``field`` holds its values as JSON text (see :class:`SchemaInference`)."""
-    metadata = field.metadata or {}
-    return all(metadata.get(key) == value for key, value in JSON_TEXT_METADATA.items())
 
 
 def _null_to_string(t: pa.DataType) -> pa.DataType:

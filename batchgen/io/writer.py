@@ -43,6 +43,17 @@ _IPC_SUFFIXES = (".arrow", ".ipc", ".feather")
 _SUPPORTED = ".arrow, .ipc, .feather, .parquet or .jsonl"
 
 
+# Field metadata of a pass-through column stored as JSON text: its JSONL values share no one Arrow type (a number
+# and a string; objects whose members differ in type: batchgen.io.passthrough.SchemaInference).
+JSON_TEXT_METADATA = {b"batchgen_encoding": b"json"}
+
+
+def is_json_text(field: pa.Field) -> bool:
+    """Whether pass-through ``field`` holds its values as JSON text (:data:`JSON_TEXT_METADATA`)."""
+    metadata = field.metadata or {}
+    return all(metadata.get(key) == value for key, value in JSON_TEXT_METADATA.items())
+
+
 def result_schema(passthrough: pa.Schema, metadata: dict[str, str]) -> pa.Schema:
     """Return the output schema: :data:`OUTPUT_COLUMNS`, then ``passthrough``'s fields, with ``metadata``.
 
@@ -167,10 +178,18 @@ class _JsonlWriter(ResultWriter):
     def __init__(self, path: Path, schema: pa.Schema) -> None:
         super().__init__(path, schema)
         self._file: TextIO = path.open("w", encoding="utf-8")
+        # JSON holds values of any type side by side: these columns' values are written as they were read, not as
+        # the text Arrow holds them in (found by a helper: a boolean came back as the string "true").
+        self._json_text = [field.name for field in schema if is_json_text(field)]
 
     def _write(self, batch: pa.RecordBatch) -> None:
         # Going through Arrow gives JSONL the same type checks and struct-to-object conversion as the other formats.
-        lines = [json_line(row) for row in batch.to_pylist()]
+        rows = batch.to_pylist()
+        for row in rows if self._json_text else ():
+            for name in self._json_text:
+                if row[name] is not None:
+                    row[name] = json.loads(row[name])
+        lines = [json_line(row) for row in rows]
         self._file.write("".join(lines))
         self._file.flush()
 

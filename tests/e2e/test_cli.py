@@ -663,6 +663,23 @@ def test_passthrough_fields_first_seen_after_a_thousand_rows_keep_their_values(m
         assert [by_id[str(i)] for i in range(len(rows))] == expected.column(column).to_pylist()
 
 
+def test_a_json_text_column_holds_the_values_themselves_in_a_jsonl_output(model: Path, tmp_path: Path) -> None:
+    """Values that share no Arrow type pass through as JSON text in Arrow and Parquet; a .jsonl output, whose
+    values may differ in type, writes each value as the input row had it (found by a helper: a boolean came back as
+    the string "true")."""
+    values = [True, 1, 1.5, {"x": {"y": 1}}, "s", None, [1, "a"]]
+    rows = [{"id": str(i), "prompt": "The", "flag": value} for i, value in enumerate(values)]
+    dataset = write_jsonl(tmp_path / "in.jsonl", rows)
+    flags = ("--max-new-tokens", "1", "--temperature", "0")
+    assert _run(dataset, tmp_path / "out.jsonl", model, *flags)[0] == 0
+    assert _run(dataset, tmp_path / "out.arrow", model, *flags)[0] == 0
+    lines = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert {line["id"]: line["flag"] for line in lines} == {row["id"]: row["flag"] for row in rows}
+    table = pa.ipc.open_file(tmp_path / "out.arrow").read_all()
+    texts = dict(zip(table.column("id").to_pylist(), table.column("flag").to_pylist(), strict=True))
+    assert texts == {row["id"]: None if row["flag"] is None else json.dumps(row["flag"]) for row in rows}
+
+
 # --- chat rows --------------------------------------------------------------------------------------------
 
 CHAT_TEMPLATE = (

@@ -13,10 +13,9 @@ import pytest
 
 from batchgen.errors import BatchgenError, RowError
 from batchgen.io.arrow_fit import misfit
-from batchgen.io.passthrough import is_json_text
 from batchgen.io.reader import InputRow, RowReader, count_input_rows
 from batchgen.io.rows import RowSpec, parse_row, passthrough_that_fits
-from batchgen.io.writer import OUTPUT_COLUMNS, open_result_writer, read_results, result_schema
+from batchgen.io.writer import OUTPUT_COLUMNS, is_json_text, open_result_writer, read_results, result_schema
 from tests.helpers.cli import run_args, run_cli
 
 
