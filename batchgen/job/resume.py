@@ -18,7 +18,14 @@ from batchgen.io.fingerprint import fingerprint_dataset
 from batchgen.io.finished_output import finished_batches, finished_rows
 from batchgen.io.input_digests import INPUT_DIGESTS_KEY, compare_rows
 from batchgen.io.input_options import INPUT_OPTIONS_KEY, InputOptions, recorded_input_options
-from batchgen.io.partial_output import PartialOutput, PartialState, partial_dir, remove_partial_dir
+from batchgen.io.partial_output import (
+    WRITING,
+    PartialOutput,
+    PartialState,
+    held_by_a_run,
+    partial_dir,
+    remove_partial_dir,
+)
 from batchgen.io.reopen import reopen_output
 from batchgen.io.shards import is_read_as_shard, reads_part_files
 from batchgen.io.writer import check_output_format
@@ -69,6 +76,8 @@ def check_output_path(dataset: Path, out: Path, overwrite: bool, resume: bool) -
             f"{out}: output file exists; pass --resume to finish or keep it, or --overwrite to replace it"
         )
     partial = partial_dir(out)
+    if partial.exists() and held_by_a_run(partial):  # found by a helper: told to --resume an "interrupted" run
+        raise BatchgenError(f"{partial}: {WRITING}")
     if partial.exists() and not (overwrite or resume or out.exists()):
         raise BatchgenError(
             f"{partial}: an interrupted run's partial output is there; pass --resume to continue it, "

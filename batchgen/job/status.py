@@ -8,7 +8,6 @@ the dataset's rows by id. Nothing is changed on disk, so it is safe next to a ru
 
 from __future__ import annotations
 
-import os
 import sys
 from collections import Counter
 from collections.abc import Iterable
@@ -20,7 +19,7 @@ from batchgen.io.fingerprint import DatasetFingerprint, fingerprint_dataset
 from batchgen.io.finished_output import finished_rows
 from batchgen.io.input_digests import INPUT_DIGESTS_KEY, compare_rows, input_ids
 from batchgen.io.input_options import InputOptions, recorded_input_options
-from batchgen.io.partial_output import LOCK, PartialOutput, partial_dir
+from batchgen.io.partial_output import PartialOutput, held_by_a_run, partial_dir
 from batchgen.io.reader import count_input_rows
 from batchgen.job.resume import check_finished_rows
 from batchgen.job.run_metadata import DATASET_KEY, settings_differences
@@ -120,7 +119,7 @@ def read_output_status(
         for (rid, _), count in partial.done.errors.items():  # several error rows of an id differ by message
             error_ids[rid] += count
         state = f"in progress ({counted(len(partial.parts), 'part file')} in {partial_dir(out)})"
-        if _being_written(partial_dir(out)):  # found by a helper: --resume then refuses it, which status did not say
+        if held_by_a_run(partial_dir(out)):  # found by a helper: --resume then refuses it, which status did not say
             notes.append("a run is writing it now: --resume refuses it until that run ends")
         metadata = (partial.schema.metadata or {}) if partial.schema is not None else {}
         if partial.damaged:
@@ -202,20 +201,6 @@ def _changed_rows(
         then = f"--resume-force keeps {them}" if force else then
         notes.append(f"{counted(stale, 'row')} of {out} changed in {dataset} or left it since it was made ({then})")
     return stale
-
-
-def _being_written(directory: Path) -> bool:
-    """Whether a run holds the lock of the partial output ``directory`` now (the kernel drops it when that run ends,
-    however it ends), as Linux lists it in ``/proc/locks`` (``FLOCK ADVISORY WRITE pid major:minor:inode``): read, not
-    tried, since a probe's own lock, however short, can make a run starting at that instant fail (found by a helper).
-    ``False`` where the lock file or that listing is missing."""
-    try:
-        found = os.stat(directory / LOCK)
-        held = Path("/proc/locks").read_text().split("\n")
-    except OSError:
-        return False
-    inode = f"{os.major(found.st_dev):02x}:{os.minor(found.st_dev):02x}:{found.st_ino}"
-    return any(fields[1:3] == ["FLOCK", "ADVISORY"] and inode in fields for fields in map(str.split, held))
 
 
 def _matched(dataset_ids: Iterable[str], sample_ids: set[str], error_ids: Counter[str]) -> tuple[int, int, int]:

@@ -37,6 +37,8 @@ from tests.helpers.crash_points import AFTER_ROWS, IN_FLUSH, part_write_with_fau
 from tests.helpers.fork_runner import Zygote
 
 ROWS = 300
+# What a run that cannot have the output because another run writes it says.
+WRITING = "another batchgen run is writing this output; wait for it to end"
 # Greedy, so an interrupted and resumed run must give the uninterrupted run's tokens; small batches and flushes,
 # so that a kill lands somewhere different in the run each time; bad rows are written, so they must be resumed too.
 JOB_FLAGS = [
@@ -984,7 +986,7 @@ def test_resume_leaves_the_parts_of_a_run_reopening_the_output_alone(model: Path
     partial.write_part(table.to_pylist())
     try:
         code, output = run_cli(args(dataset, out, model, "--resume"))
-        assert code == 2 and output.endswith(f"{partial_dir(out)}: another batchgen run is writing this output\n")
+        assert code == 2 and output.endswith(f"{partial_dir(out)}: {WRITING}\n")
         assert PartialOutput(out).inspect().done.count == 4 and read_results(out) == table
     finally:
         partial.close()
@@ -1131,11 +1133,13 @@ def test_overwrite_and_a_finished_job(
         assert run_cli(args(dataset, out, model))[0] == 2
     code, output = run_cli(args(dataset, out, model))
     assert code == 2 and "an interrupted run's partial output is there; pass --resume to continue it" in output
-    # One run at a time: the partial output is locked while a run writes it.
+    # One run at a time: the partial output is locked while a run writes it, and a run without --resume is not told
+    # to resume an "interrupted" run then (found by a helper).
     with (partial_dir(out) / "lock").open("a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        code, output = run_cli(args(dataset, out, model, "--resume"))
-    assert code == 2 and output.endswith(f"{partial_dir(out)}: another batchgen run is writing this output\n")
+        for extra in (["--resume"], []):
+            code, output = run_cli(args(dataset, out, model, *extra))
+            assert code == 2 and output.endswith(f"{partial_dir(out)}: {WRITING}\n")
     code, output = run_cli(args(dataset, out, model, "--resume", "--flush-every", "0"))
     assert (code, output) == (2, "batchgen: error: --flush-every must be >= 1, got 0\n")
     code, output = run_cli(args(dataset, out, model, "--overwrite"))
@@ -1148,7 +1152,7 @@ def test_overwrite_and_a_finished_job(
     with (partial_dir(out) / "lock").open("a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         code, output = run_cli(args(dataset, out, model, "--overwrite"))
-    assert code == 2 and output.endswith(f"{partial_dir(out)}: another batchgen run is writing this output\n")
+    assert code == 2 and output.endswith(f"{partial_dir(out)}: {WRITING}\n")
     assert out.read_bytes() == before
 
 
