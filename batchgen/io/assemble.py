@@ -24,17 +24,18 @@ def assemble_output(parts: list[tuple[int, Path]], schema: pa.Schema, done: Done
     Raises:
         BatchgenError: ``path`` cannot be created.
         OSError: writing or syncing failed.
-        ValueError: a part's columns differ from ``schema``'s.
+        ValueError: a part's columns differ from ``schema``'s where they do not convert (:func:`conform`).
         pyarrow.ArrowException: a part cannot be read.
     """
     passthrough = pa.schema([f for f in schema if f.name not in OUTPUT_COLUMNS.names])
     metadata = {k.decode(): v.decode() for k, v in (schema.metadata or {}).items()}
+    target = schema.remove_metadata()
     rows = 0
     pending: list[pa.RecordBatch] = []
     with open_result_writer(path, passthrough, metadata) as writer:
         for number, part in parts:
             # A memory map: the part's pages are read as they are copied out, and dropped with the table.
-            table = pa.ipc.open_file(pa.memory_map(str(part))).read_all().replace_schema_metadata(None)
+            table = conform(pa.ipc.open_file(pa.memory_map(str(part))).read_all(), target)
             stale = done.superseded_in(number, table)
             if stale is not None:
                 table = table.filter(pc.invert(stale))
@@ -52,3 +53,27 @@ def _write(writer: ResultWriter, batches: list[pa.RecordBatch]) -> None:
     if batches:
         for batch in pa.Table.from_batches(batches).combine_chunks().to_batches():
             writer.write_batch(batch)
+
+
+def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
+    """``table`` (a part's rows) with the columns of ``schema`` (no metadata), in its order: a column whose type
+    ``schema`` widened (a struct's new keys null, ``int64`` as ``double``) cast to it, one ``table`` lacks null,
+    one ``schema`` lacks left out (a resumed run's columns: :func:`batchgen.job.resume.combined_columns`).
+
+    Raises:
+        ValueError: a column's values that its new type cannot hold exactly (an integer beyond 2**53 as ``double``),
+            naming the column.
+    """
+    if table.schema.equals(schema):
+        return table.replace_schema_metadata(None)
+    columns = []
+    for field in schema:
+        if field.name not in table.column_names:
+            columns.append(pa.nulls(table.num_rows, field.type))
+            continue
+        column = table.column(field.name)
+        try:
+            columns.append(column if column.type == field.type else column.cast(field.type, safe=True))
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+            raise ValueError(f"column {field.name}: its values as {field.type}: {e}") from None
+    return pa.Table.from_arrays(columns, schema=schema)

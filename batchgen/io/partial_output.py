@@ -22,7 +22,6 @@ OUT's format: :func:`batchgen.io.assemble.assemble_output` writes OUT's format a
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import os
 import re
@@ -38,11 +37,9 @@ from batchgen.io.assemble import assemble_output
 from batchgen.io.done_rows import DoneRows
 from batchgen.io.durable import fsync_dir, fsync_file, write_atomically
 from batchgen.io.manifest import encode_manifest, read_manifest
+from batchgen.io.output_lock import LOCK, take_lock
 
 MANIFEST = "manifest.json"
-LOCK = "lock"
-# Why a run cannot have the output now, and what to do (a run holding the lock ends, however it ends, with its lock).
-WRITING = "another batchgen run is writing this output; wait for it to end"
 _PART = re.compile(r"part-(\d+)-([0-9a-f]{16})\.arrow")
 _TORN = re.compile(r"part-\d+\.tmp")
 # Temporary files that hold no rows: a manifest being replaced, OUT being assembled.
@@ -243,33 +240,8 @@ class PartialOutput:
         Raises:
             BatchgenError: another run holds it, or the lock file cannot be opened.
         """
-        if self._lock_fd is not None:
-            return
-        try:
-            fd = os.open(self.dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as e:
-            raise BatchgenError(f"{self.dir}: cannot lock the partial output: {e.strerror or e}") from None
-        try:
-            # Released by the kernel when the process ends, however it ends: a kill -9 leaves no stale lock.
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise BatchgenError(f"{self.dir}: {WRITING}") from None
-        self._lock_fd = fd
-
-
-def held_by_a_run(directory: Path) -> bool:
-    """Whether a run holds the lock of the partial output ``directory`` now (the kernel drops it when that run ends,
-    however it ends), as Linux lists it in ``/proc/locks`` (``FLOCK ADVISORY WRITE pid major:minor:inode``): read, not
-    tried, since a probe's own lock, however short, can make a run starting at that instant fail (found by a helper).
-    ``False`` where the lock file or that listing is missing."""
-    try:
-        found = os.stat(directory / LOCK)
-        held = Path("/proc/locks").read_text().split("\n")
-    except OSError:
-        return False
-    inode = f"{os.major(found.st_dev):02x}:{os.minor(found.st_dev):02x}:{found.st_ino}"
-    return any(fields[1:3] == ["FLOCK", "ADVISORY"] and inode in fields for fields in map(str.split, held))
+        if self._lock_fd is None:
+            self._lock_fd = take_lock(self.dir)
 
 
 def write_part_file(path: Path, data: pa.Buffer) -> None:

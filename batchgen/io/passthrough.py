@@ -10,7 +10,8 @@ import pyarrow as pa
 
 from batchgen.errors import is_unicode_text
 from batchgen.io.arrow_fit import misfit, same_value, unicode_only
-from batchgen.io.writer import JSON_TEXT_METADATA, OUTPUT_COLUMNS
+from batchgen.io.json_text import JSON_TEXT_METADATA
+from batchgen.io.writer import OUTPUT_COLUMNS
 from batchgen.sampling.sampling_params import SAMPLING_FIELD_ALIASES, SAMPLING_FIELDS
 
 PROMPT_FIELDS: tuple[str, ...] = ("prompt", "messages", "prompt_token_ids")
@@ -83,7 +84,7 @@ class SchemaInference:
             known = self._types[key]
             if known is None or known == block_type or block_type is not None and pa.types.is_null(block_type):
                 continue
-            self._types[key] = None if block_type is None else _unified(known, block_type)
+            self._types[key] = None if block_type is None else unified_type(known, block_type)
             self._promoted.add(key)
 
     def schema(self, names: dict[str, str], rows_again: Callable[[], Iterable[dict[str, Any]]]) -> pa.Schema:
@@ -130,8 +131,10 @@ def _block_type(values: list[Any]) -> pa.DataType | None:
     return array.type if all(map(same_value, values, array.to_pylist())) else None
 
 
-def _unified(a: pa.DataType, b: pa.DataType) -> pa.DataType | None:
-    """The type pyarrow promotes ``a`` and ``b`` to, or ``None`` when there is none (``int64`` and ``string``)."""
+def unified_type(a: pa.DataType, b: pa.DataType) -> pa.DataType | None:
+    """The type pyarrow promotes ``a`` and ``b`` to (``pa.unify_schemas(..., promote_options="permissive")``: null
+    parts take the other type, structs the union of their fields, ``int64`` widens to ``double``), or ``None`` when
+    there is none (``int64`` and ``string``)."""
     try:
         schema = pa.unify_schemas([pa.schema([("v", a)]), pa.schema([("v", b)])], promote_options="permissive")
     except (pa.ArrowException, TypeError, ValueError):

@@ -14,12 +14,12 @@ from batchgen.errors import BatchgenError, RowError
 from batchgen.io.columns import ColumnMapping
 from batchgen.io.input_options import InputOptions
 from batchgen.io.input_row import InputRow
+from batchgen.io.json_text import JSON_TEXT_METADATA
 from batchgen.io.jsonl_rows import count_jsonl_rows, jsonl_rows
 from batchgen.io.openai_batch import OpenAIBatchInput, is_openai_batch_line
 from batchgen.io.passthrough import KNOWN_FIELDS, SchemaInference, passthrough_names
 from batchgen.io.shards import list_shards
 from batchgen.io.table_shards import table_batches, table_num_rows, table_schema, unified_schema
-from batchgen.io.writer import JSON_TEXT_METADATA
 
 __all__ = ["InputRow", "RowReader", "count_input_rows"]
 

@@ -12,8 +12,8 @@ import pyarrow as pa
 from batchgen.errors import NOT_UNICODE, RowError, is_unicode_text, shown_value
 from batchgen.io.arrow_fit import misfit
 from batchgen.io.input_row import InputRow
+from batchgen.io.json_text import is_json_text
 from batchgen.io.passthrough import CONTINUATION_FIELD, KNOWN_FIELDS, PROMPT_FIELDS, json_type_name
-from batchgen.io.writer import is_json_text
 from batchgen.sampling.sampling_params import SAMPLING_FIELD_ALIASES, SAMPLING_FIELDS
 
 __all__ = ["PROMPT_FIELDS", "RowSpec", "parse_row"]

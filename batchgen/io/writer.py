@@ -14,6 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchgen.errors import BatchgenError
+from batchgen.io.json_text import is_json_text
 
 _TOKEN_LOGPROB = pa.struct([pa.field("id", pa.int32()), pa.field("logprob", pa.float32())])
 
@@ -41,17 +42,6 @@ OUTPUT_COLUMNS: pa.Schema = pa.schema(
 
 _IPC_SUFFIXES = (".arrow", ".ipc", ".feather")
 _SUPPORTED = ".arrow, .ipc, .feather, .parquet or .jsonl"
-
-
-# Field metadata of a pass-through column stored as JSON text: its JSONL values share no one Arrow type (a number
-# and a string; objects whose members differ in type: batchgen.io.passthrough.SchemaInference).
-JSON_TEXT_METADATA = {b"batchgen_encoding": b"json"}
-
-
-def is_json_text(field: pa.Field) -> bool:
-    """Whether pass-through ``field`` holds its values as JSON text (:data:`JSON_TEXT_METADATA`)."""
-    metadata = field.metadata or {}
-    return all(metadata.get(key) == value for key, value in JSON_TEXT_METADATA.items())
 
 
 def result_schema(passthrough: pa.Schema, metadata: dict[str, str]) -> pa.Schema:

@@ -18,11 +18,10 @@ from batchgen.io.fingerprint import fingerprint_dataset
 from batchgen.io.finished_output import finished_batches, finished_rows
 from batchgen.io.input_digests import INPUT_DIGESTS_KEY, compare_rows
 from batchgen.io.input_options import INPUT_OPTIONS_KEY, InputOptions, recorded_input_options
+from batchgen.io.output_lock import WRITING, held_by_a_run
 from batchgen.io.partial_output import (
-    WRITING,
     PartialOutput,
     PartialState,
-    held_by_a_run,
     partial_dir,
     remove_partial_dir,
 )
@@ -30,6 +29,7 @@ from batchgen.io.reopen import reopen_output
 from batchgen.io.shards import is_read_as_shard, reads_part_files
 from batchgen.io.writer import check_output_format
 from batchgen.job.options import JobOptions
+from batchgen.job.output_columns import check_written_rows, columns_for_resume
 from batchgen.job.run_metadata import DATASET_KEY, RUN_SEED_KEY, changed_fields, job_differences
 
 # A message names at most this many row ids.
@@ -137,7 +137,10 @@ def open_output(
         resumed = output.inspect()
     report_damage(output.dir, resumed)
     recorded = resumed.schema if resumed is not None else None
-    return output_schema(schema, dataset, seed, recorded, job.resume_force, output.dir), resumed
+    schema = output_schema(schema, dataset, seed, recorded, job.resume_force, output.dir)
+    if resumed is not None:
+        check_written_rows(resumed, schema, output.dir)
+    return schema, resumed
 
 
 def check_finished_rows(dataset: Path, out: Path, force: bool, options: InputOptions | None = None) -> bool | None:
@@ -212,31 +215,8 @@ def output_schema(
     schema = schema.with_metadata(metadata)
     if recorded is not None:
         check_same_job(where, recorded, schema, force)
-        # Written with the recorded columns: a field only earlier rows had stays, null in the rows written now.
-        schema = recorded.remove_metadata().with_metadata(metadata)
+        schema = columns_for_resume(where, recorded, schema)
     return schema
-
-
-def _columns_combine(recorded: pa.Schema, now: pa.Schema) -> bool:
-    """Whether rows of ``now`` can be written beside those of ``recorded``: each of this run's columns is one the
-    written rows have, of the same type. A pass-through field that only earlier rows had (a bad row's ``text``,
-    renamed ``prompt`` since to fix it) is no obstacle: the rows written now hold null there."""
-    before = {f.name: f for f in recorded}
-    return all(f.name in before and before[f.name].equals(f) for f in now)
-
-
-def _column_differences(recorded: pa.Schema, now: pa.Schema) -> str:
-    """What differs between two output schemas, in words: columns only in one of them, and changed types."""
-    before = {f.name: f.type for f in recorded}
-    after = {f.name: f.type for f in now}
-    parts = []
-    if gone := [name for name in before if name not in after]:
-        parts.append("the rows written have " + ", ".join(gone))
-    if new := [name for name in after if name not in before]:
-        parts.append("this run has " + ", ".join(new))
-    if changed := [f"{n} ({before[n]} → {after[n]})" for n in before if n in after and before[n] != after[n]]:
-        parts.append("types differ: " + ", ".join(changed))
-    return "; ".join(parts) or "the same columns in another order"
 
 
 def check_same_job(where: Path, recorded: pa.Schema, now: pa.Schema, force: bool) -> None:
@@ -245,14 +225,9 @@ def check_same_job(where: Path, recorded: pa.Schema, now: pa.Schema, force: bool
     Raises:
         BatchgenError: one line naming every difference in model, dtype, logprobs mode, kernel switches, sampling
             defaults, output-changing engine options (seed, context length) and the dataset; or, even with ``force``,
-            pass-through columns the rows already written lack, or of another type (they could not be combined).
+            pass-through columns that do not combine with those of the rows written (:func:`columns_for_resume`).
     """
-    if not _columns_combine(recorded, now):
-        raise BatchgenError(
-            f"{where}: cannot resume: the output columns differ from those of the rows written "
-            f"({_column_differences(recorded, now)}: the dataset's fields changed, or another batchgen version "
-            "passes them through differently); pass --overwrite to start over"
-        )
+    columns_for_resume(where, recorded, now)
     differences = job_differences(_metadata(recorded), _metadata(now))
     if differences and not force:
         raise BatchgenError(

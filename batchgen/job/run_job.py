@@ -10,6 +10,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 from tqdm import tqdm
 
 from batchgen.errors import FieldError, OutputError, RowError, counted
@@ -30,7 +31,7 @@ from batchgen.io.openai_output import openai_output, wants_openai_output
 from batchgen.io.partial_output import PartialOutput, remove_partial_dir
 from batchgen.io.reader import InputRow, RowReader, count_input_rows
 from batchgen.io.rows import RowSpec, error_row_id, parse_row, passthrough_that_fits
-from batchgen.io.writer import result_schema
+from batchgen.io.writer import OUTPUT_COLUMNS, result_schema
 from batchgen.job.interrupts import StopRequest, graceful_stop
 from batchgen.job.options import JobOptions
 from batchgen.job.recent_rates import RecentRates
@@ -106,15 +107,13 @@ class RunJob:
         warn_about_sampling_columns(self.reader.path, self.reader.options)
         warn_about_json_text_fields(self.reader.path, self.reader.passthrough_schema)
         self.summary = RunSummary()
+        # The output's pass-through columns: the dataset's, or, resuming, those combined with the rows written.
+        passthrough = pa.schema([field for field in self.schema if field.name not in OUTPUT_COLUMNS.names])
+        names = self.reader.passthrough_names
         self.checks = RowChecks(
             self.reader.source,
-            lambda row: parse_row(
-                row,
-                row.source or self.reader.source,
-                self.reader.passthrough_schema,
-                self.reader.passthrough_names,
-            ),
-            lambda row: passthrough_that_fits(row.data, self.reader.passthrough_schema, self.reader.passthrough_names),
+            lambda row: parse_row(row, row.source or self.reader.source, passthrough, names),
+            lambda row: passthrough_that_fits(row.data, passthrough, names),
         )
         # Every input row's digest, for the output's metadata: a later --resume checks its rows against them.
         self._digests = bytearray()

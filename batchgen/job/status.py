@@ -19,7 +19,8 @@ from batchgen.io.fingerprint import DatasetFingerprint, fingerprint_dataset
 from batchgen.io.finished_output import finished_rows
 from batchgen.io.input_digests import INPUT_DIGESTS_KEY, compare_rows, input_ids
 from batchgen.io.input_options import InputOptions, recorded_input_options
-from batchgen.io.partial_output import PartialOutput, held_by_a_run, partial_dir
+from batchgen.io.output_lock import held_by_a_run
+from batchgen.io.partial_output import PartialOutput, partial_dir
 from batchgen.io.reader import count_input_rows
 from batchgen.job.resume import check_finished_rows
 from batchgen.job.run_metadata import DATASET_KEY, settings_differences

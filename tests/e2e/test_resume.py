@@ -598,23 +598,72 @@ def test_resume_force_with_another_n_says_its_rows_are_generated_again(
     assert_same_rows(by_key(read_results(out).to_pylist()), by_key(read_results(whole).to_pylist()))
 
 
-def test_resume_names_the_pass_through_columns_that_changed(
-    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    rows = [{"id": f"r{i}", "prompt_token_ids": [0, 5 + i], "max_new_tokens": 2, "topic": "t"} for i in range(12)]
-    dataset = write_jsonl(tmp_path / "in.jsonl", rows)
-    out = tmp_path / "out.arrow"
+def _interrupted(dataset: Path, out: Path, model: Path, monkeypatch: pytest.MonkeyPatch) -> set[str]:
+    """Run ``dataset`` into ``out`` until its second flush fails; the ids written."""
     with monkeypatch.context() as patch:
         fail_part_write(patch, at=2)
         assert run_cli(args(dataset, out, model, *SLOW_FLAGS))[0] == 2
-    write_jsonl(dataset, [{**{k: v for k, v in r.items() if k != "topic"}, "subject": 1} for r in rows])
+    return {rid for rid, _ in partial_rows(out)}
+
+
+def test_resume_widens_the_columns_for_rows_added_with_fields_of_their_own(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a helper: pass-through types come from every row, so rows added to the dataset with a field of
+    their own, an object key more, or floats where integers were, changed the columns, and --resume (even
+    --resume-force) refused: only --overwrite, which generates every row again. The written rows now take the
+    widened columns (a new field null, an integer as the same double), every row as pyarrow reads its input."""
+    old = [{"id": f"r{i}", "prompt_token_ids": [0, 5 + i], "topic": "t", "count": i, "meta": {"a": i}}
+           for i in range(12)]  # fmt: skip
+    dataset = write_jsonl(tmp_path / "in.jsonl", old)
+    out = tmp_path / "out.arrow"
+    assert _interrupted(dataset, out, model, monkeypatch)  # some rows written, with the old columns
+    new = [{"id": f"n{i}", "prompt_token_ids": [0, 9], "subject": i, "count": i + 0.5, "meta": {"a": 1, "b": "x"}}
+           for i in range(3)]  # fmt: skip
+    write_jsonl(dataset, old + new)
     code, output = run_cli(args(dataset, out, model, "--resume-force"))
-    assert code == 2
-    assert output == (
-        f"batchgen: error: {partial_dir(out)}: cannot resume: the output columns differ from those of the rows "
-        "written (the rows written have topic; this run has subject: the dataset's fields changed, or another "
-        "batchgen version passes them through differently); pass --overwrite to start over\n"
-    )
+    assert code == 0, output
+    table = read_results(out)
+    fields = ["topic", "count", "meta", "subject"]
+    expected = pa.Table.from_pylist([{name: row.get(name) for name in fields} for row in old + new])
+    assert [table.schema.field(name).type for name in fields] == [expected.schema.field(name).type for name in fields]
+    by_id = {row["id"]: row for row in table.to_pylist()}
+    assert sorted(by_id) == sorted(row["id"] for row in old + new)
+    for row, want in zip(old + new, expected.to_pylist(), strict=True):
+        assert {name: by_id[row["id"]][name] for name in fields} == want
+    # A finished output is reopened with the widened columns as well, by --resume alone (its rows did not change).
+    later = [{"id": "m0", "prompt_token_ids": [0, 7], "count": 1, "meta": {"c": [1]}, "tag": True}]
+    write_jsonl(dataset, old + new + later)
+    code, output = run_cli(args(dataset, out, model, "--resume"))
+    assert code == 0, output
+    fields.append("tag")
+    expected = pa.Table.from_pylist([{name: row.get(name) for name in fields} for row in old + new + later])
+    table = read_results(out)
+    assert [table.schema.field(name).type for name in fields] == [expected.schema.field(name).type for name in fields]
+    by_id = {row["id"]: {name: row[name] for name in fields} for row in table.to_pylist()}
+    assert [by_id[row["id"]] for row in old + new + later] == expected.to_pylist()
+
+
+def test_resume_refuses_columns_the_written_rows_cannot_take(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A column written typed whose added values need JSON text, and integers written that a double cannot hold
+    exactly (the dataset's own rows edited since, so that its values are doubles), do not combine: one line names
+    the column, and only --overwrite starts over."""
+    old = [{"id": f"r{i}", "prompt_token_ids": [0, 5 + i], "topic": "t", "n2": 2**53 + 1} for i in range(12)]
+    edited = [{**row, "n2": 1} for row in old]
+    for now, added, message in (
+        (old, {"topic": 5}, "the rows written hold columns of another type (topic (string → JSON text): "),
+        (edited, {"n2": 0.5}, "the rows written do not convert to this run's columns (column n2: its values as "),
+    ):
+        dataset, out = tmp_path / "in.jsonl", tmp_path / f"out{len(message)}.arrow"
+        write_jsonl(dataset, old)
+        assert _interrupted(dataset, out, model, monkeypatch)
+        write_jsonl(dataset, [*now, {"id": "n", "prompt_token_ids": [0, 9], **added}])
+        code, output = run_cli(args(dataset, out, model, "--resume-force"))
+        last = output.splitlines()[-1]  # after the warning --resume-force gives for the dataset's change
+        assert code == 2 and last.startswith(f"batchgen: error: {partial_dir(out)}: cannot resume: {message}"), output
+        assert last.endswith("; pass --overwrite to start over")
 
 
 def test_an_output_that_records_no_kernel_switches_is_not_refused_over_them() -> None:

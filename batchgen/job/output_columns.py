@@ -1,0 +1,90 @@
+"""The columns of a resumed output: those of the rows written and this run's combined, the written rows widened to
+them where a field's type grew (rows added to a JSONL dataset with a field or an object key of their own, or with
+floats where the first rows had integers: the pass-through types come from every row)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+
+from batchgen.errors import BatchgenError
+from batchgen.io.assemble import conform
+from batchgen.io.json_text import is_json_text
+from batchgen.io.partial_output import PartialState
+from batchgen.io.passthrough import unified_type
+
+
+def combined_columns(recorded: pa.Schema, now: pa.Schema) -> pa.Schema | None:
+    """The columns that hold both the rows written (``recorded``) and this run's (``now``), or ``None`` where none do.
+
+    The recorded columns, in order, then this run's new ones: a field only one side has is null on the other (a bad
+    row's ``text``, renamed ``prompt`` since to fix it; a field of rows added to the dataset). A column whose type
+    changed takes the type both promote to (:func:`batchgen.io.passthrough.unified_type`: a struct gaining keys,
+    ``int64`` widening to ``double``), into which the rows written are cast as the output is assembled
+    (:func:`batchgen.io.assemble.conform`); a column written as JSON text stays so, this run's values encoded as
+    such. A column written typed whose values now need JSON text, or types that do not promote, do not combine.
+    """
+    now_fields = {f.name: f for f in now}
+    fields = []
+    for field in recorded:
+        other = now_fields.pop(field.name, None)
+        promoted = field.type if other is None else _combined_type(field, other)
+        if promoted is None:
+            return None
+        fields.append(field.with_type(promoted))
+    return pa.schema([*fields, *now_fields.values()], metadata=now.metadata)
+
+
+def _combined_type(written: pa.Field, now: pa.Field) -> pa.DataType | None:
+    """The type of a column written as ``written`` that this run writes as ``now`` (see :func:`combined_columns`)."""
+    if is_json_text(written) or now.equals(written) and not is_json_text(now):
+        return written.type
+    return None if is_json_text(now) else unified_type(written.type, now.type)
+
+
+def columns_for_resume(where: Path, recorded: pa.Schema, now: pa.Schema) -> pa.Schema:
+    """The columns a run resuming the output at ``where`` writes (:func:`combined_columns`).
+
+    Raises:
+        BatchgenError: they do not combine (one line naming the columns whose types do not).
+    """
+    combined = combined_columns(recorded, now)
+    if combined is None:
+        after = {f.name: f for f in now}
+        clashes = [
+            f"{f.name} ({_shown(f)} → {_shown(after[f.name])})"
+            for f in recorded
+            if f.name in after and _combined_type(f, after[f.name]) is None
+        ]
+        raise BatchgenError(
+            f"{where}: cannot resume: the rows written hold columns of another type ({', '.join(clashes)}: the "
+            "dataset's values changed, or another batchgen version passes them through differently); pass "
+            "--overwrite to start over"
+        )
+    return combined
+
+
+def _shown(field: pa.Field) -> str:
+    return "JSON text" if is_json_text(field) else str(field.type)
+
+
+def check_written_rows(state: PartialState, schema: pa.Schema, where: Path) -> None:
+    """Check, before any work, that the rows written (``state``'s parts) convert to the columns ``schema`` widened,
+    as the output is assembled (:func:`batchgen.io.assemble.conform`); nothing to read where no type changed.
+
+    Raises:
+        BatchgenError: one does not (an integer a ``double`` cannot hold exactly), or a part cannot be read.
+    """
+    recorded = state.schema
+    if recorded is None or all(f.name not in schema.names or schema.field(f.name).type == f.type for f in recorded):
+        return
+    target = schema.remove_metadata()
+    try:
+        for _, path in state.parts:
+            conform(pa.ipc.open_file(pa.memory_map(str(path))).read_all(), target)
+    except (OSError, ValueError, pa.ArrowException) as e:
+        raise BatchgenError(
+            f"{where}: cannot resume: the rows written do not convert to this run's columns ({e}); pass --overwrite "
+            "to start over"
+        ) from None
