@@ -58,7 +58,7 @@ def _write(writer: ResultWriter, batches: list[pa.RecordBatch]) -> None:
 def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
     """``table`` (a part's rows) with the columns of ``schema`` (no metadata), in its order: a column whose type
     ``schema`` widened (a struct's new keys null, ``int64`` as ``double``) cast to it, one ``table`` lacks null,
-    one ``schema`` lacks left out (a resumed run's columns: :func:`batchgen.job.resume.combined_columns`).
+    one ``schema`` lacks left out (a resumed run's columns: :func:`batchgen.job.output_columns.combined_columns`).
 
     Raises:
         ValueError: a column's values that its new type cannot hold exactly (an integer beyond 2**53 as ``double``),

@@ -4,6 +4,7 @@ floats where the first rows had integers: the pass-through types come from every
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
 import pyarrow as pa
@@ -11,7 +12,6 @@ import pyarrow as pa
 from batchgen.errors import BatchgenError
 from batchgen.io.assemble import conform
 from batchgen.io.json_text import is_json_text
-from batchgen.io.partial_output import PartialState
 from batchgen.io.passthrough import unified_type
 
 
@@ -69,20 +69,20 @@ def _shown(field: pa.Field) -> str:
     return "JSON text" if is_json_text(field) else str(field.type)
 
 
-def check_written_rows(state: PartialState, schema: pa.Schema, where: Path) -> None:
-    """Check, before any work, that the rows written (``state``'s parts) convert to the columns ``schema`` widened,
-    as the output is assembled (:func:`batchgen.io.assemble.conform`); nothing to read where no type changed.
+def check_written_rows(written: Iterable[pa.RecordBatch], recorded: pa.Schema, schema: pa.Schema, where: Path) -> None:
+    """Check, before any work, that the rows written (``written``, of columns ``recorded``) convert to the columns
+    ``schema`` widened, as the output is assembled (:func:`batchgen.io.assemble.conform`); nothing is read where no
+    type changed.
 
     Raises:
-        BatchgenError: one does not (an integer a ``double`` cannot hold exactly), or a part cannot be read.
+        BatchgenError: one does not (an integer a ``double`` cannot hold exactly), or the rows cannot be read.
     """
-    recorded = state.schema
-    if recorded is None or all(f.name not in schema.names or schema.field(f.name).type == f.type for f in recorded):
+    if all(f.name not in schema.names or schema.field(f.name).type == f.type for f in recorded):
         return
     target = schema.remove_metadata()
     try:
-        for _, path in state.parts:
-            conform(pa.ipc.open_file(pa.memory_map(str(path))).read_all(), target)
+        for batch in written:
+            conform(pa.Table.from_batches([batch]), target)
     except (OSError, ValueError, pa.ArrowException) as e:
         raise BatchgenError(
             f"{where}: cannot resume: the rows written do not convert to this run's columns ({e}); pass --overwrite "

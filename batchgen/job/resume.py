@@ -8,6 +8,7 @@ import json
 import secrets
 import shlex
 import sys
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 
@@ -19,12 +20,7 @@ from batchgen.io.finished_output import finished_batches, finished_rows
 from batchgen.io.input_digests import INPUT_DIGESTS_KEY, compare_rows
 from batchgen.io.input_options import INPUT_OPTIONS_KEY, InputOptions, recorded_input_options
 from batchgen.io.output_lock import WRITING, held_by_a_run
-from batchgen.io.partial_output import (
-    PartialOutput,
-    PartialState,
-    partial_dir,
-    remove_partial_dir,
-)
+from batchgen.io.partial_output import PartialOutput, PartialState, partial_dir, remove_partial_dir
 from batchgen.io.reopen import reopen_output
 from batchgen.io.shards import is_read_as_shard, reads_part_files
 from batchgen.io.writer import check_output_format
@@ -129,6 +125,7 @@ def open_output(
         metadata = _metadata(recorded) | {DATASET_KEY: fingerprint_dataset(dataset).to_json()}
         metadata.pop(INPUT_DIGESTS_KEY, None)
         schema = output_schema(schema, dataset, seed, recorded.with_metadata(metadata), job.resume_force, output.out)
+        check_written_rows(finished_batches(output.out)[1], recorded, schema, output.out)
         reopen_output(output, schema)
         return schema, output.inspect()
     resumed = None
@@ -138,9 +135,15 @@ def open_output(
     report_damage(output.dir, resumed)
     recorded = resumed.schema if resumed is not None else None
     schema = output_schema(schema, dataset, seed, recorded, job.resume_force, output.dir)
-    if resumed is not None:
-        check_written_rows(resumed, schema, output.dir)
+    if resumed is not None and recorded is not None:
+        check_written_rows(_part_batches(resumed), recorded, schema, output.dir)
     return schema, resumed
+
+
+def _part_batches(state: PartialState) -> Iterator[pa.RecordBatch]:
+    """The rows of ``state``'s valid parts, part after part."""
+    for _, path in state.parts:
+        yield from pa.ipc.open_file(pa.memory_map(str(path))).read_all().to_batches()
 
 
 def check_finished_rows(dataset: Path, out: Path, force: bool, options: InputOptions | None = None) -> bool | None:

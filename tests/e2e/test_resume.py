@@ -664,6 +664,17 @@ def test_resume_refuses_columns_the_written_rows_cannot_take(
         last = output.splitlines()[-1]  # after the warning --resume-force gives for the dataset's change
         assert code == 2 and last.startswith(f"batchgen: error: {partial_dir(out)}: cannot resume: {message}"), output
         assert last.endswith("; pass --overwrite to start over")
+    # A finished output is checked so before it is reopened: it stays as it was.
+    out = tmp_path / "finished.arrow"
+    write_jsonl(dataset, old)
+    assert run_cli(args(dataset, out, model))[0] == 0
+    before = out.read_bytes()
+    write_jsonl(dataset, [*edited, {"id": "n", "prompt_token_ids": [0, 9], "n2": 0.5}])
+    code, output = run_cli(args(dataset, out, model, "--resume-force"))
+    last = output.splitlines()[-1]
+    inexact = "the rows written do not convert to this run's columns (column n2: its values as double: "
+    assert code == 2 and last.startswith(f"batchgen: error: {out}: cannot resume: {inexact}"), output
+    assert out.read_bytes() == before and not partial_dir(out).exists()
 
 
 def test_an_output_that_records_no_kernel_switches_is_not_refused_over_them() -> None:
