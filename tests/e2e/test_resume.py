@@ -382,6 +382,19 @@ def fail_part_write(monkeypatch: pytest.MonkeyPatch, at: int) -> None:
     monkeypatch.setattr(partial_output, "write_part_file", part_write_with_fault(at, disk_full))
 
 
+def lock_taken(directory: Path) -> bool:
+    """Whether a run holds the lock of the partial output ``directory``: another open of its lock file cannot take
+    it then (flock's rule between two opens, in one process too)."""
+    fd = os.open(directory / "lock", os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
 def status(dataset: Path, out: Path) -> str:
     """``batchgen status``'s lines; its exit status is 0 for a complete output and 1 while rows remain."""
     code, output = run_cli(["status", str(dataset), str(out)])
@@ -1005,15 +1018,7 @@ def test_resume_holds_the_lock_from_before_it_reads_the_partial_output(
     inspect = PartialOutput.inspect
 
     def inspect_and_probe(self: PartialOutput) -> Any:
-        fd = os.open(self.dir / "lock", os.O_RDWR)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            taken.append(True)
-        else:
-            taken.append(False)
-        finally:
-            os.close(fd)
+        taken.append(lock_taken(self.dir))
         return inspect(self)
 
     monkeypatch.setattr(PartialOutput, "inspect", inspect_and_probe)
@@ -1066,15 +1071,7 @@ def test_a_finishing_run_removes_its_partial_output_under_its_lock(
     remove = partial_output.remove_partial_dir
 
     def probe_then_remove(directory: Path) -> None:
-        fd = os.open(directory / "lock", os.O_RDWR)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            taken.append(True)
-        else:
-            taken.append(False)
-        finally:
-            os.close(fd)
+        taken.append(lock_taken(directory))
         remove(directory)
 
     monkeypatch.setattr(partial_output, "remove_partial_dir", probe_then_remove)
