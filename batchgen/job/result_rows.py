@@ -38,4 +38,6 @@ def result_row(req: Req, passthrough: dict[str, Any]) -> dict[str, Any]:
 
 def error_row(error: RowError, rid: str, passthrough: dict[str, Any]) -> dict[str, Any]:
     """The output row written for a bad input row under ``--on-error skip``."""
-    return {"id": rid, "finish_reason": "error", "error": str(error), **passthrough}
+    # A message quoting a lone surrogate (a key, a repr) keeps it as an escape: the column holds Unicode text.
+    message = str(error).encode("utf-8", "backslashreplace").decode("utf-8")
+    return {"id": rid, "finish_reason": "error", "error": message, **passthrough}

@@ -541,6 +541,30 @@ def test_skip_keeps_the_pass_through_fields_that_fit(models: dict[str, Path], tm
     assert got["b2"] == ("error", "C", {"a": 3})
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("stop", [1, "\ud800"], "must be a string or a list of strings"),
+        ("n", {"\ud800": 1}, "must be an integer"),
+        ("n", {"k": "\udfff"}, "must be an integer"),
+        ("temperature", ["\ud800"], "must be a number"),
+    ],
+)
+def test_an_error_row_quoting_a_lone_surrogate_is_written(
+    models: dict[str, Path], tmp_path: Path, field: str, value: Any, message: str
+) -> None:
+    """Found by a helper: under --on-error skip, an error message quoting a bad sampling value that holds a lone
+    surrogate could not be stored (a traceback); it quotes it as JSON's \\u escape (``json.dumps``' default)."""
+    dataset = tmp_path / "in.jsonl"
+    dataset.write_text(json.dumps({"id": "b", "prompt": "hi", field: value}) + "\n")
+    out = tmp_path / "out.arrow"
+    code, lines = _run(dataset, out, models["llama"], "--on-error", "skip", "--max-new-tokens", "1")
+    assert code == 0, lines
+    assert read_results(out).column("error").to_pylist() == [
+        f"{dataset}:1: field '{field}': {message}, got {json.dumps(value)}"
+    ]
+
+
 # --- file-level errors: one line, exit 2 at once ----------------------------------------------------------
 
 FILE_LEVEL = [
