@@ -4,7 +4,7 @@ floats where the first rows had integers: the pass-through types come from every
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import pyarrow as pa
@@ -15,7 +15,9 @@ from batchgen.io.json_text import is_json_text
 from batchgen.io.passthrough import unified_type
 
 
-def combined_columns(recorded: pa.Schema, now: pa.Schema) -> pa.Schema | None:
+def combined_columns(
+    recorded: pa.Schema, now: pa.Schema, written: Callable[[], Iterable[pa.RecordBatch]]
+) -> pa.Schema | None:
     """The columns that hold both the rows written (``recorded``) and this run's (``now``), or ``None`` where none do.
 
     The recorded columns, in order, then this run's new ones: a field only one side has is null on the other (a bad
@@ -23,13 +25,21 @@ def combined_columns(recorded: pa.Schema, now: pa.Schema) -> pa.Schema | None:
     changed takes the type both promote to (:func:`batchgen.io.passthrough.unified_type`: a struct gaining keys,
     ``int64`` widening to ``double``), into which the rows written are cast as the output is assembled
     (:func:`batchgen.io.assemble.conform`); a column written as JSON text stays so, this run's values encoded as
-    such. A column written typed whose values now need JSON text, or types that do not promote, do not combine.
+    such. A column written typed whose values now need JSON text, or types that do not promote, do not combine,
+    unless the parts that differ hold only nulls in the rows written (``written`` gives them: a field null in every
+    row written is a ``string`` column, which takes this run's integers).
     """
     now_fields = {f.name: f for f in now}
     fields = []
     for field in recorded:
         other = now_fields.pop(field.name, None)
         promoted = field.type if other is None else _combined_type(field, other)
+        if promoted is None and other is not None:
+            observed = _observed_type(written(), field.name)
+            if observed is not None and pa.types.is_null(observed):  # nulls only: this run's column as it is
+                fields.append(other)
+                continue
+            promoted = None if observed is None or is_json_text(other) else unified_type(observed, other.type)
         if promoted is None:
             return None
         fields.append(field.with_type(promoted))
@@ -37,19 +47,36 @@ def combined_columns(recorded: pa.Schema, now: pa.Schema) -> pa.Schema | None:
 
 
 def _combined_type(written: pa.Field, now: pa.Field) -> pa.DataType | None:
-    """The type of a column written as ``written`` that this run writes as ``now`` (see :func:`combined_columns`)."""
+    """The type of a column written as ``written`` that this run writes as ``now`` (see :func:`combined_columns`),
+    from the two types alone."""
     if is_json_text(written) or now.equals(written) and not is_json_text(now):
         return written.type
     return None if is_json_text(now) else unified_type(written.type, now.type)
 
 
-def columns_for_resume(where: Path, recorded: pa.Schema, now: pa.Schema) -> pa.Schema:
+def _observed_type(batches: Iterable[pa.RecordBatch], name: str) -> pa.DataType | None:
+    """The type pyarrow infers for the values column ``name`` holds in ``batches``, nulls as null parts (``null``
+    for a column of nulls, ``list<null>`` for empty lists), or ``None`` where they share none."""
+    observed: pa.DataType | None = pa.null()
+    for batch in batches:
+        if observed is None or name not in batch.schema.names:  # a part written before the column was
+            continue
+        column = batch.column(name)
+        if column.null_count == len(column):
+            continue
+        observed = unified_type(observed, pa.array(column.to_pylist()).type)
+    return observed
+
+
+def columns_for_resume(
+    where: Path, recorded: pa.Schema, now: pa.Schema, written: Callable[[], Iterable[pa.RecordBatch]]
+) -> pa.Schema:
     """The columns a run resuming the output at ``where`` writes (:func:`combined_columns`).
 
     Raises:
         BatchgenError: they do not combine (one line naming the columns whose types do not).
     """
-    combined = combined_columns(recorded, now)
+    combined = combined_columns(recorded, now, written)
     if combined is None:
         after = {f.name: f for f in now}
         clashes = [

@@ -8,7 +8,7 @@ import json
 import secrets
 import shlex
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict
 from pathlib import Path
 
@@ -124,8 +124,10 @@ def open_output(
         # Its rows were checked against the dataset as it is now, row by row: the file's fingerprint is that one.
         metadata = _metadata(recorded) | {DATASET_KEY: fingerprint_dataset(dataset).to_json()}
         metadata.pop(INPUT_DIGESTS_KEY, None)
-        schema = output_schema(schema, dataset, seed, recorded.with_metadata(metadata), job.resume_force, output.out)
-        check_written_rows(finished_batches(output.out)[1], recorded, schema, output.out)
+        recorded = recorded.with_metadata(metadata)
+        finished = lambda: finished_batches(output.out)[1]  # noqa: E731
+        schema = output_schema(schema, dataset, seed, recorded, job.resume_force, output.out, finished)
+        check_written_rows(finished(), recorded, schema, output.out)
         reopen_output(output, schema)
         return schema, output.inspect()
     resumed = None
@@ -134,9 +136,10 @@ def open_output(
         resumed = output.inspect()
     report_damage(output.dir, resumed)
     recorded = resumed.schema if resumed is not None else None
-    schema = output_schema(schema, dataset, seed, recorded, job.resume_force, output.dir)
-    if resumed is not None and recorded is not None:
-        check_written_rows(_part_batches(resumed), recorded, schema, output.dir)
+    parts = lambda: _part_batches(resumed) if resumed is not None else iter(())  # noqa: E731
+    schema = output_schema(schema, dataset, seed, recorded, job.resume_force, output.dir, parts)
+    if recorded is not None:
+        check_written_rows(parts(), recorded, schema, output.dir)
     return schema, resumed
 
 
@@ -196,16 +199,25 @@ def check_finished_rows(dataset: Path, out: Path, force: bool, options: InputOpt
 
 
 def output_schema(
-    schema: pa.Schema, dataset: Path, seed: int | None, recorded: pa.Schema | None, force: bool, where: Path
+    schema: pa.Schema,
+    dataset: Path,
+    seed: int | None,
+    recorded: pa.Schema | None,
+    force: bool,
+    where: Path,
+    written: Callable[[], Iterable[pa.RecordBatch]],
 ) -> pa.Schema:
     """``schema`` with the dataset's fingerprint and the run seed added to its metadata; when resuming (``recorded``:
-    the schema the partial output recorded), checked against ``recorded`` with :func:`check_same_job`.
+    the schema the partial output recorded, ``written`` its rows), its columns combined with the written rows'
+    (:func:`~batchgen.job.output_columns.columns_for_resume`) and its settings checked against ``recorded``
+    (:func:`check_same_job`).
 
     The run seed is ``seed``, else the recorded one (so that resumed rows get the seeds the first run gave them),
     else a random one.
 
     Raises:
-        BatchgenError: the dataset cannot be read, or (when resuming) :func:`check_same_job`'s errors.
+        BatchgenError: the dataset cannot be read, or (when resuming) the columns do not combine, or
+            :func:`check_same_job`'s errors.
     """
     recorded_seed = (recorded.metadata or {}).get(RUN_SEED_KEY.encode()) if recorded is not None else None
     if seed is None and recorded_seed is not None:
@@ -217,8 +229,9 @@ def output_schema(
     }
     schema = schema.with_metadata(metadata)
     if recorded is not None:
+        combined = columns_for_resume(where, recorded, schema, written)
         check_same_job(where, recorded, schema, force)
-        schema = columns_for_resume(where, recorded, schema)
+        schema = combined
     return schema
 
 
@@ -227,10 +240,8 @@ def check_same_job(where: Path, recorded: pa.Schema, now: pa.Schema, force: bool
 
     Raises:
         BatchgenError: one line naming every difference in model, dtype, logprobs mode, kernel switches, sampling
-            defaults, output-changing engine options (seed, context length) and the dataset; or, even with ``force``,
-            pass-through columns that do not combine with those of the rows written (:func:`columns_for_resume`).
+            defaults, output-changing engine options (seed, context length) and the dataset.
     """
-    columns_for_resume(where, recorded, now)
     differences = job_differences(_metadata(recorded), _metadata(now))
     if differences and not force:
         raise BatchgenError(

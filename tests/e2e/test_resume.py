@@ -657,6 +657,32 @@ def test_resume_widens_the_columns_for_rows_added_with_fields_of_their_own(
     assert [by_id[row["id"]] for row in old + new + later] == expected.to_pylist()
 
 
+def test_resume_gives_a_column_of_nulls_the_type_of_the_rows_added(model: Path, tmp_path: Path) -> None:
+    """Found by a helper: a field null (or empty lists, or objects of null members) in every row written has a
+    ``string`` (``list<string>``, ``struct<a: string>``) column, and rows added with values of another type were
+    refused. The written rows hold nulls there, which any type holds: they take the added rows' type (JSON text for
+    values of no one type)."""
+    old = [{"id": f"r{i}", "prompt_token_ids": [0, 5], "x": None, "l": [], "o": {"a": None}, "j": None}
+           for i in range(3)]  # fmt: skip
+    new = [
+        {"id": "n0", "prompt_token_ids": [0, 6], "x": 5, "l": [1, 2], "o": {"a": 1}, "j": 1},
+        {"id": "n1", "prompt_token_ids": [0, 7], "x": 6, "l": [3], "o": {"a": 2}, "j": "two"},
+    ]
+    dataset = write_jsonl(tmp_path / "in.jsonl", old)
+    out = tmp_path / "out.arrow"
+    assert run_cli(args(dataset, out, model))[0] == 0
+    write_jsonl(dataset, old + new)
+    code, output = run_cli(args(dataset, out, model, "--resume"))
+    assert code == 0, output
+    table = read_results(out)
+    typed = ["x", "l", "o"]
+    expected = pa.Table.from_pylist([{name: row[name] for name in typed} for row in old + new])
+    assert [table.schema.field(name).type for name in typed] == [expected.schema.field(name).type for name in typed]
+    by_id = {row["id"]: row for row in table.to_pylist()}
+    assert [{name: by_id[row["id"]][name] for name in typed} for row in old + new] == expected.to_pylist()
+    assert [by_id[row["id"]]["j"] for row in old + new] == [None, None, None, "1", '"two"']  # JSON text
+
+
 def test_resume_refuses_columns_the_written_rows_cannot_take(
     model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
