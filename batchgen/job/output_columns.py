@@ -64,7 +64,10 @@ def _observed_type(batches: Iterable[pa.RecordBatch], name: str) -> pa.DataType 
         column = batch.column(name)
         if column.null_count == len(column):
             continue
-        observed = unified_type(observed, pa.array(column.to_pylist()).type)
+        try:
+            observed = unified_type(observed, pa.array(column.to_pylist()).type)
+        except (pa.ArrowException, TypeError, ValueError, OverflowError):
+            return None
     return observed
 
 
