@@ -4,6 +4,7 @@ floats where the first rows had integers: the pass-through types come from every
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -13,6 +14,10 @@ from batchgen.errors import BatchgenError
 from batchgen.io.assemble import conform
 from batchgen.io.json_text import is_json_text
 from batchgen.io.passthrough import unified_type
+
+# The output's column of each pass-through field (``batchgen.io.passthrough.passthrough_names``), as JSON: a field
+# named like an output column is renamed, and which name it gets depends on the dataset's other fields.
+NAMES_KEY = "batchgen.passthrough_columns"
 
 
 def combined_columns(
@@ -79,6 +84,7 @@ def columns_for_resume(
     Raises:
         BatchgenError: they do not combine (one line naming the columns whose types do not).
     """
+    now = _with_recorded_names(recorded, now)
     combined = combined_columns(recorded, now, written)
     if combined is None:
         after = {f.name: f for f in now}
@@ -118,3 +124,25 @@ def check_written_rows(written: Iterable[pa.RecordBatch], recorded: pa.Schema, s
             f"{where}: cannot resume: the rows written do not convert to this run's columns ({e}); pass --overwrite "
             "to start over"
         ) from None
+
+
+def _with_recorded_names(recorded: pa.Schema, now: pa.Schema) -> pa.Schema:
+    """``now`` with each pass-through field in the column the rows written hold it in, where both record the names
+    (:data:`NAMES_KEY`): found by a helper, a dataset that gained an ``input_text`` field beside ``text`` renamed
+    ``text``'s column, and the new rows' ``input_text`` went to the column the old rows' ``text`` was in. A new field
+    whose own column is taken so gets one more ``input_`` until it is free."""
+    then, names = (json.loads((s.metadata or {}).get(NAMES_KEY.encode(), b"null")) for s in (recorded, now))
+    if not isinstance(then, dict) or not isinstance(names, dict):
+        return now
+    kept = {field: then[field] for field in names if field in then}
+    taken = set(then.values()) | set(kept.values())
+    for field, name in names.items():
+        if field not in kept:
+            while name in taken:
+                name = f"input_{name}"
+            kept[field] = name
+            taken.add(name)
+    kept = {field: kept[field] for field in names}
+    column = {names[field]: kept[field] for field in names}
+    fields = [f.with_name(column.get(f.name, f.name)) for f in now]
+    return pa.schema(fields, metadata={**(now.metadata or {}), NAMES_KEY.encode(): json.dumps(kept).encode()})

@@ -4,6 +4,7 @@ finished output file in place (see ``batchgen/io/partial_output.py`` for the fil
 from __future__ import annotations
 
 import contextlib
+import json
 import sys
 import time
 from collections.abc import Iterable, Iterator
@@ -34,6 +35,7 @@ from batchgen.io.rows import RowSpec, error_row_id, parse_row, passthrough_that_
 from batchgen.io.writer import OUTPUT_COLUMNS, result_schema
 from batchgen.job.interrupts import StopRequest, graceful_stop
 from batchgen.job.options import JobOptions
+from batchgen.job.output_columns import NAMES_KEY
 from batchgen.job.recent_rates import RecentRates
 from batchgen.job.request_builder import RequestBuilder
 from batchgen.job.result_rows import error_row
@@ -109,7 +111,7 @@ class RunJob:
         self.summary = RunSummary()
         # The output's pass-through columns: the dataset's, or, resuming, those combined with the rows written.
         passthrough = pa.schema([field for field in self.schema if field.name not in OUTPUT_COLUMNS.names])
-        names = self.reader.passthrough_names
+        names = json.loads(self.schema.metadata[NAMES_KEY.encode()])  # resuming, as the rows written have them
         self.checks = RowChecks(
             self.reader.source,
             lambda row: parse_row(row, row.source or self.reader.source, passthrough, names),
@@ -120,7 +122,8 @@ class RunJob:
         self._pending_rows: list[dict[str, Any]] = []
 
     def metadata(self) -> dict[str, str]:
-        return run_metadata(self.engine_options, self.defaults, self.reader.options, self.facts)
+        names = {NAMES_KEY: json.dumps(self.reader.passthrough_names)}
+        return run_metadata(self.engine_options, self.defaults, self.reader.options, self.facts) | names
 
     def run(self) -> RunSummary:
         """Generate every row not yet done; when all are, put the output file in place. After a stop signal

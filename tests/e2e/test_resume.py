@@ -683,6 +683,27 @@ def test_resume_gives_a_column_of_nulls_the_type_of_the_rows_added(model: Path, 
     assert [by_id[row["id"]]["j"] for row in old + new] == [None, None, None, "1", '"two"']  # JSON text
 
 
+def test_resume_keeps_each_field_in_the_column_the_rows_written_hold_it_in(model: Path, tmp_path: Path) -> None:
+    """Found by a helper: a field named like an output column (``text``) passes through renamed (``input_text``); rows
+    added with an ``input_text`` field of their own renamed it ``input_input_text``, and --resume wrote the new rows'
+    ``input_text`` into the column the rows written hold ``text`` in. Each field keeps its column; the new one
+    takes one more ``input_``. Every row holds its own input's ``text`` and ``input_text``."""
+    old = [{"id": f"r{i}", "prompt_token_ids": [0, 5], "text": f"T{i}"} for i in range(2)]
+    new = [{"id": "n", "prompt_token_ids": [0, 6], "text": "T2", "input_text": "I2"}]
+    dataset = write_jsonl(tmp_path / "in.jsonl", old)
+    out = tmp_path / "out.arrow"
+    assert run_cli(args(dataset, out, model))[0] == 0
+    write_jsonl(dataset, old + new)
+    code, output = run_cli(args(dataset, out, model, "--resume"))
+    assert code == 0, output
+    rows = {row["id"]: row for row in read_results(out).to_pylist()}
+    assert {rid: (row["input_text"], row["input_input_text"]) for rid, row in rows.items()} == {
+        "r0": ("T0", None),
+        "r1": ("T1", None),
+        "n": ("T2", "I2"),
+    }
+
+
 def test_resume_refuses_columns_the_written_rows_cannot_take(
     model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
