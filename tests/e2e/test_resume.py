@@ -657,6 +657,17 @@ def test_resume_widens_the_columns_for_rows_added_with_fields_of_their_own(
     assert [by_id[row["id"]] for row in old + new + later] == expected.to_pylist()
 
 
+def _finished_then_resumed(old: list[dict[str, Any]], new: list[dict[str, Any]], model: Path, tmp_path: Path) -> Path:
+    """Run the rows ``old``, add the rows ``new`` to the dataset, and --resume the finished output; return it."""
+    dataset = write_jsonl(tmp_path / "in.jsonl", old)
+    out = tmp_path / "out.arrow"
+    assert run_cli(args(dataset, out, model))[0] == 0
+    write_jsonl(dataset, old + new)
+    code, output = run_cli(args(dataset, out, model, "--resume"))
+    assert code == 0, output
+    return out
+
+
 def test_resume_gives_a_column_of_nulls_the_type_of_the_rows_added(model: Path, tmp_path: Path) -> None:
     """Found by a helper: a field null (or empty lists, or objects of null members) in every row written has a
     ``string`` (``list<string>``, ``struct<a: string>``) column, and rows added with values of another type were
@@ -668,13 +679,7 @@ def test_resume_gives_a_column_of_nulls_the_type_of_the_rows_added(model: Path, 
         {"id": "n0", "prompt_token_ids": [0, 6], "x": 5, "l": [1, 2], "o": {"a": 1}, "j": 1},
         {"id": "n1", "prompt_token_ids": [0, 7], "x": 6, "l": [3], "o": {"a": 2}, "j": "two"},
     ]
-    dataset = write_jsonl(tmp_path / "in.jsonl", old)
-    out = tmp_path / "out.arrow"
-    assert run_cli(args(dataset, out, model))[0] == 0
-    write_jsonl(dataset, old + new)
-    code, output = run_cli(args(dataset, out, model, "--resume"))
-    assert code == 0, output
-    table = read_results(out)
+    table = read_results(_finished_then_resumed(old, new, model, tmp_path))
     typed = ["x", "l", "o"]
     expected = pa.Table.from_pylist([{name: row[name] for name in typed} for row in old + new])
     assert [table.schema.field(name).type for name in typed] == [expected.schema.field(name).type for name in typed]
@@ -690,13 +695,7 @@ def test_resume_keeps_each_field_in_the_column_the_rows_written_hold_it_in(model
     takes one more ``input_``. Every row holds its own input's ``text`` and ``input_text``."""
     old = [{"id": f"r{i}", "prompt_token_ids": [0, 5], "text": f"T{i}"} for i in range(2)]
     new = [{"id": "n", "prompt_token_ids": [0, 6], "text": "T2", "input_text": "I2"}]
-    dataset = write_jsonl(tmp_path / "in.jsonl", old)
-    out = tmp_path / "out.arrow"
-    assert run_cli(args(dataset, out, model))[0] == 0
-    write_jsonl(dataset, old + new)
-    code, output = run_cli(args(dataset, out, model, "--resume"))
-    assert code == 0, output
-    rows = {row["id"]: row for row in read_results(out).to_pylist()}
+    rows = {row["id"]: row for row in read_results(_finished_then_resumed(old, new, model, tmp_path)).to_pylist()}
     assert {rid: (row["input_text"], row["input_input_text"]) for rid, row in rows.items()} == {
         "r0": ("T0", None),
         "r1": ("T1", None),
