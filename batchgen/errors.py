@@ -14,12 +14,9 @@ _SHOWN_LIMIT = 80
 
 def shown_value(value: Any) -> str:
     """A value from an input row as an error message shows it: written as JSON (``true``, ``null``, ``"a"``), as
-    the user wrote it, cut to 80 characters; values JSON cannot write (Parquet dates, bytes) as Python shows them; a
-    lone surrogate as its ``\\u`` escape (found by a helper: an error row quoting one could not be stored)."""
+    the user wrote it, cut to 80 characters; values JSON cannot write (Parquet dates, bytes) as Python shows them."""
     try:
         text = json.dumps(value, ensure_ascii=False)
-        if not is_unicode_text(text):  # a lone surrogate as its \u escape: the message must be text a file can hold
-            text = json.dumps(value)
     except (TypeError, ValueError):
         text = repr(value)
     return text if len(text) <= _SHOWN_LIMIT else text[: _SHOWN_LIMIT - 3] + "..."
