@@ -78,6 +78,9 @@ def sample(logits: torch.Tensor, info: SamplingBatchInfo, cpu_kernel: bool = Tru
                 processed = torch.where(info.greedy[:, None], processed, torch.log(normalised))
             if drawn_from is not None:
                 drawn_from = torch.where(info.greedy[:, None], drawn_from, normalised)
+    if processed is not None and info.argmax_only is not None:
+        alone = torch.full_like(processed, float("-inf")).scatter_(1, next_ids[:, None], 0.0)
+        processed = torch.where(info.argmax_only[:, None], alone, processed)
     logprobs = top_ids = top_logprobs = None
     if info.need_logprobs:
         k = max(info.top_logprobs)

@@ -36,6 +36,8 @@ class SamplingBatchInfo:
         adjustments: logit bias and penalties of the rows that have any (``None`` if no row has).
         grammar_mask: int32 ``[n, ceil(vocab / 32)]`` allowed-token bits of constrained rows (``None`` if none).
         processed_logprobs: report logprobs of the processed distribution instead of the raw one.
+        argmax_only: bool ``[n]`` with ``processed_logprobs`` (else ``None``): the greedy rows that sample at a
+            nonzero temperature (top_k 1), whose processed distribution is their argmax alone.
         drafts: draft-model drafts that sampled rows verify by rejection sampling (``None``: rows emit their
             draws; set for TARGET_VERIFY rounds).
         return_probs: return each row's processed distribution with its token (a draft model's ``q``).
@@ -58,6 +60,7 @@ class SamplingBatchInfo:
     need_logprobs: bool
     adjustments: LogitAdjustments | None = None
     processed_logprobs: bool = False
+    argmax_only: torch.Tensor | None = None
     grammar_mask: torch.Tensor | None = None
     drafts: DraftProposals | None = None
     return_probs: bool = False
@@ -105,6 +108,13 @@ class SamplingBatchInfo:
             need_logprobs=any(p.logprobs for p in params),
             adjustments=LogitAdjustments.build(params, histories or [None] * len(params), device),
             processed_logprobs=processed_logprobs,
+            # top_k 1 takes the argmax as greedy rows do, but its distribution is truncated to that token (vLLM's
+            # processed logprobs are taken after top-k); temperature 0 reports the penalised logits' log_softmax.
+            argmax_only=(
+                tensor([g and p.temperature >= GREEDY_TEMPERATURE for p, g in zip(params, greedy)], torch.bool)
+                if processed_logprobs
+                else None
+            ),
             grammar_mask=grammar_bitmask(list(grammars), vocab_size) if grammars else None,
             drafts=drafts,
         )

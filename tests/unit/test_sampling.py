@@ -3,6 +3,7 @@ against HF and hand-written references, logit bias, seeds, tiny temperatures, pr
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from pathlib import Path
 
@@ -119,6 +120,22 @@ def test_processed_logprobs_follow_temperature() -> None:
     expected = torch.log_softmax(LOGITS / 0.5, dim=-1)
     assert torch.allclose(out.logprobs, expected[out.next_token_ids], atol=1e-6)
     assert out.top_ids[0].tolist() == [0, 1] and torch.allclose(out.top_logprobs[0], expected[[0, 1]], atol=1e-6)
+
+
+def test_processed_logprobs_of_top_k_1_are_its_one_token() -> None:
+    """top_k 1 at a nonzero temperature draws from a distribution of one token (the argmax): its processed logprob is
+    log 1 = 0 and no other token has a probability (vLLM takes processed logprobs after top-k); at temperature 0 the
+    row is greedy and reports the log_softmax of its logits."""
+    params = [SamplingParams(temperature=0.5, top_k=1, top_logprobs=3), SamplingParams(temperature=0, top_logprobs=3)]
+    info = SamplingBatchInfo.from_params(
+        params, [1, 2], [0, 0], [[]] * 2, VOCAB, torch.device("cpu"), processed_logprobs=True
+    )
+    out = sample(LOGITS.expand(2, VOCAB).clone(), info)
+    assert out.next_token_ids.tolist() == [0, 0]
+    assert out.logprobs[0].item() == 0.0 and out.top_ids[0, 0].item() == 0
+    assert out.top_logprobs[0].tolist() == [0.0, -math.inf, -math.inf]
+    expected = torch.log_softmax(LOGITS, dim=-1)
+    assert torch.allclose(out.top_logprobs[1], expected[[0, 1, 11]], atol=1e-6)
 
 
 @pytest.mark.parametrize("cpu_kernel", [True, False])
