@@ -377,6 +377,34 @@ def test_bad_lines_fail_the_run_and_are_left_out_under_on_error_fail(model: Path
     )
 
 
+@pytest.mark.parametrize("missing", ["body", "custom_id"])
+def test_a_first_line_lacking_a_field_is_a_400_line(model: Path, tmp_path: Path, missing: str) -> None:
+    """A file is an OpenAI Batch file by its first line; one lacking a field is a bad request line of it, as on any
+    later line (it made the file a batchgen rows' one, and the next, good line a mixed file's error; helper 61)."""
+    first = request("a", {"model": "m", "prompt": "Hi"}, COMPLETIONS)
+    del first[missing]
+    lines = [first, request("b", {"model": "m", "prompt": "Hello", "max_tokens": 3}, COMPLETIONS)]
+    dataset = write_jsonl(tmp_path / "first_bad.jsonl", lines)
+    run(dataset, tmp_path / "out.jsonl", model, "--on-error", "skip")
+    bad, good = output_lines(tmp_path / "out.jsonl")
+    assert bad["response"]["status_code"] == 400 and bad["response"]["body"]["error"]["param"] == missing
+    assert good["custom_id"] == "b" and validated(good, COMPLETIONS).choices[0].finish_reason == "length"
+
+
+def test_rows_with_a_web_url_and_body_of_their_own_are_batchgen_rows(model: Path, tmp_path: Path) -> None:
+    """A dataset's own url (not an API path) and body columns are no OpenAI Batch request line's marks."""
+    lines = [{"url": "https://example.com/a", "body": "Hello", "method": "GET"}]
+    dataset = write_jsonl(tmp_path / "pages.jsonl", lines)
+    run(dataset, tmp_path / "out.arrow", model, "--prompt-template", "{body}", "--max-new-tokens", "2")
+    [row] = read_rows(tmp_path / "out.arrow").values()
+    assert (row["url"], row["body"], row["method"], row["completion_tokens"]) == (
+        "https://example.com/a",
+        "Hello",
+        "GET",
+        2,
+    )
+
+
 def test_a_mixed_file_is_one_line_error(model: Path, tmp_path: Path) -> None:
     lines = [request("a", {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}), {"prompt": "Hello"}]
     dataset = write_jsonl(tmp_path / "mixed.jsonl", lines)
