@@ -23,6 +23,7 @@ import pyarrow.compute as pc
 from batchgen.errors import BatchgenError
 from batchgen.io.input_digests import input_ids
 from batchgen.io.openai_batch import CHAT_URL, OpenAIBatchInput
+from batchgen.io.token_bytes import token_bytes
 from batchgen.io.writer import json_line
 
 # Rows taken from the assembled output at a time, in input order.
@@ -157,7 +158,8 @@ class OpenAIOutput:
     def token(self, token_id: int) -> str:
         """A token's text as OpenAI reports it, special tokens included: what it adds to a text after another token
         (so a SentencePiece token keeps the leading space that decoding it alone drops, and the tokens of a reply
-        join to its text); a token holding part of a character reads U+FFFD, as in vLLM."""
+        join to its text); a token holding part of a character reads U+FFFD, as in vLLM (its chat ``bytes`` are its
+        own: :func:`~batchgen.io.token_bytes.token_bytes`)."""
         text = self._tokens.get(token_id)
         if text is None:
             if self.tokenizer is None:
@@ -190,7 +192,7 @@ class OpenAIOutput:
 
     def _chat_token(self, token_id: int, logprob: float) -> dict[str, Any]:
         text = self.token(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"token": text, "logprob": logprob, "bytes": token_bytes(self.tokenizer, token_id, text)}
 
     def _completion_logprobs(self, row: dict[str, Any]) -> dict[str, Any] | None:
         """``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`` (OpenAI's completions shape; offsets

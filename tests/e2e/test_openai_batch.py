@@ -262,13 +262,22 @@ def test_chat_logprobs_carry_token_text_bytes_and_top_logprobs(
     assert [c.logprob for c in content] == row["output_logprobs"]
     for entry, token_id, top in zip(content, row["output_token_ids"], row["top_logprobs"]):
         assert entry.token == tokenizer.decode([token_id])
-        assert entry.bytes == list(entry.token.encode("utf-8"))
         assert [(t.token, t.logprob) for t in entry.top_logprobs] == [
             (tokenizer.decode([t["id"]]), t["logprob"]) for t in top
         ]
-        assert all(t.bytes == list(t.token.encode("utf-8")) for t in entry.top_logprobs)
+        for t in [entry, *entry.top_logprobs]:
+            if "\ufffd" not in t.token:
+                assert t.bytes == list(t.token.encode("utf-8"))
+            else:  # part of a character: its own bytes, which are no whole UTF-8 character (U+FFFD's are)
+                with pytest.raises(UnicodeDecodeError):
+                    bytes(t.bytes or []).decode("utf-8")
         # Greedy: the chosen token is the most likely one.
         assert entry.logprob == entry.top_logprobs[0].logprob
+    # A token holding part of a character reads U+FFFD, and its bytes are its own: the reply's bytes join to the
+    # text its ids decode to (OpenAI's reference: bytes "must be combined" where characters span tokens).
+    assert any("\ufffd" in entry.token for entry in content)
+    joined = b"".join(bytes(entry.bytes or []) for entry in content)
+    assert joined.decode("utf-8", errors="replace") == tokenizer.decode(row["output_token_ids"])
 
 
 def test_n_samples_are_the_choices_of_one_line(model: Path, tmp_path: Path) -> None:
