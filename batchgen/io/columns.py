@@ -30,7 +30,7 @@ class ColumnMapping:
 
     Args:
         options: the run's input options (already validated).
-        columns: the dataset's columns: the first shard's schema, or every key of the JSONL rows.
+        columns: the dataset's columns: those of all its shards' schemas, or every key of the JSONL rows.
         source: the dataset's name, for messages.
 
     Raises:

@@ -78,10 +78,10 @@ class RowReader:
         self._names = [self.source] if self.shards.root is None else [str(p) for p in self.shards.paths]
         jsonl = self.shards.format == "jsonl"
         columns = self._init_jsonl() if jsonl else self._init_table()
-        # Named by the file whose columns were read: the first shard's schema, or the JSONL rows.
         if self.openai is not None and (self.options.maps_prompt or self.options.id_column is not None):
             raise BatchgenError(f"{self.source}: column options do not apply to an OpenAI Batch file; leave them out")
-        self.mapping = ColumnMapping(self.options, columns, self.source if jsonl else self._names[0])
+        # The columns of every shard: a column one shard has is the dataset's.
+        self.mapping = ColumnMapping(self.options, columns, self.source)
 
     def __iter__(self) -> Iterator[InputRow | RowError]:
         items = self._iter_jsonl() if self.shards.format == "jsonl" else self._iter_table()
@@ -172,7 +172,7 @@ class RowReader:
             metadata = {k: v for k, v in (field.metadata or {}).items() if k not in JSON_TEXT_METADATA}
             fields[name] = field.with_name(name).with_nullable(True).with_metadata(metadata)
         self.passthrough_schema = pa.schema(list(fields.values()))
-        return list(schemas[0][1].names)
+        return list(schema.names)
 
     def _iter_table(self) -> Iterator[InputRow | RowError]:
         index = itertools.count()

@@ -42,11 +42,14 @@ class RowChecks:
         source: the input's name in row errors (of a row whose reader names no shard).
         parse: checks one input row (:func:`batchgen.io.rows.parse_row` with the input's pass-through schema).
         bad_passthrough: the pass-through fields a bad row's error row keeps.
+        index_ids: whether a row without an id takes its index as its id (not with ``--id-column``, where a row
+            must have one): a bad row then holds that id, so that a later row giving it is a duplicate.
     """
 
     source: str
     parse: Callable[[InputRow], RowSpec]
     bad_passthrough: Callable[[InputRow], dict[str, Any]]
+    index_ids: bool = True
     _seen_ids: set[str] = field(default_factory=set, init=False)
 
     def checked(
@@ -60,14 +63,16 @@ class RowChecks:
         for order, item in enumerate(items):
             if isinstance(item, RowError):
                 # Its default id is taken: a later row giving the same id explicitly is a duplicate.
-                self._seen_ids.add(str(order))
+                if self.index_ids:
+                    self._seen_ids.add(str(order))
                 on_bad_row(item, str(order), {})
                 continue
             try:
                 spec = self.parse(item)
             except RowError as e:
                 rid = error_row_id(item)
-                self._seen_ids.add(rid)
+                if self.index_ids or "id" in item.data:
+                    self._seen_ids.add(rid)
                 on_bad_row(e, rid, self.bad_passthrough(item))
                 continue
             if spec.id in self._seen_ids:

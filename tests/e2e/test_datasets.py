@@ -117,6 +117,36 @@ def test_a_duplicate_id_names_the_id_column(model: Path, tmp_path: Path) -> None
     assert sorted(errors, key=str) == [f"{dataset}:2: field 'key': duplicate id 'a'", None]  # the first row is done
 
 
+def test_a_column_of_a_later_shard_is_the_datasets(model: Path, tmp_path: Path) -> None:
+    """Shards are one dataset: a ``prompt`` column only the second shard has is refused as the first shard's is (it
+    was replaced unseen, and the refusal depended on the shards' names; helper 63)."""
+    (tmp_path / "data").mkdir()
+    pq.write_table(pa.table({"question": [QUESTIONS[0]], "qid": ["q1"]}), tmp_path / "data" / "train-0.parquet")
+    second = {"question": [QUESTIONS[1]], "qid": ["q2"], "prompt": ["another prompt"]}
+    pq.write_table(pa.table(second), tmp_path / "data" / "train-1.parquet")
+    args = run_args(tmp_path / "data", tmp_path / "out.arrow", model, "--prompt-column", "question")
+    assert _error(args) == (
+        f"{tmp_path / 'data'}: the dataset has its own 'prompt' column, which --prompt-column question would replace; "
+        "rename that column, or leave the option out to use it"
+    )
+
+
+def test_a_row_without_its_id_column_value_claims_no_id(model: Path, tmp_path: Path) -> None:
+    """With --id-column a row must hold an id: one without is a bad row whose index is no id of its (the rule that a
+    row takes its index as id is the ``id`` field's), so the row whose key is 0 is not a duplicate (helper 63)."""
+    rows = [{"key": None, "question": QUESTIONS[0]}, {"key": 0, "question": QUESTIONS[1]}]
+    dataset = write_jsonl(tmp_path / "data.jsonl", rows)
+    options = ["--prompt-column", "question", "--id-column", "key", "--on-error", "skip", *GREEDY]
+    code, output = run_cli(run_args(dataset, tmp_path / "out.jsonl", model, *options))
+    assert code == 0, output
+    assert "duplicate" not in output
+    lines = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert sorted((line["error"] or "").split(": ")[-1] for line in lines) == [
+        "",
+        "null or missing; --id-column key needs a value in every row",
+    ]
+
+
 def test_sharegpt_conversations_are_read_as_messages(chat_model: Path, tmp_path: Path) -> None:
     conversations = [
         [
@@ -188,12 +218,12 @@ def test_dataset_errors_are_one_line_before_any_row(model: Path, tmp_path: Path)
     out = tmp_path / "out.arrow"
     hf = tmp_path / "hf"
     questions().save_to_disk(str(hf), num_shards=2)
-    first = hf / "data-00000-of-00002.arrow"
+    # Named by the dataset, whose shards' columns together are its columns.
     assert _error(run_args(hf, out, model, "--prompt-column", "prompt")) == (
-        f"{first}: --prompt-column prompt: no column 'prompt' (it has 'qid', 'question')"
+        f"{hf}: --prompt-column prompt: no column 'prompt' (it has 'qid', 'question')"
     )
     assert _error(run_args(hf, out, model, "--prompt-template", "Q: {question} {answer}")) == (
-        f"{first}: --prompt-template: no column 'answer' (it has 'qid', 'question')"
+        f"{hf}: --prompt-template: no column 'answer' (it has 'qid', 'question')"
     )
     assert _error(run_args(hf, out, model, "--prompt-template", "Q: {question")) == (
         "--prompt-template 'Q: {question': expected '}' before end of string (a literal brace is {{ or }})"
