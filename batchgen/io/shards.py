@@ -17,6 +17,8 @@ from batchgen.errors import BatchgenError
 SHARD_FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".arrow": "arrow"}
 _SUPPORTED = ".jsonl, .parquet or .arrow"
 _GLOB_CHARACTERS = "*?["
+# Compressed files' suffixes: a directory's x.jsonl.gz is a shard batchgen cannot read, not a file to pass over.
+_COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".zstd", ".lz4")
 
 
 @dataclass(frozen=True)
@@ -47,8 +49,9 @@ def list_shards(dataset: Path) -> Shards:
 
     Raises:
         BatchgenError: (one line) no such file, a directory or glob with no shards, shards of two formats, a glob
-            matching a file of another format, a ``DatasetDict`` directory (naming its splits), an unreadable
-            ``state.json``, or a lone file of an unsupported format.
+            matching a file of another format, a link to a file that does not exist, a compressed shard in a
+            directory, a ``DatasetDict`` directory (naming its splits), an unreadable ``state.json``, or a lone file
+            of an unsupported format.
     """
     source = str(dataset)
     try:
@@ -60,7 +63,9 @@ def list_shards(dataset: Path) -> Shards:
         raise BatchgenError(f"{source}: cannot read: {e.strerror or e}") from None
     if not any(c in source for c in _GLOB_CHARACTERS):
         raise BatchgenError(f"{source}: no such file")
-    paths = sorted(Path(p) for p in glob.glob(source, recursive=True) if Path(p).is_file())
+    matches = [Path(p) for p in glob.glob(source, recursive=True)]
+    _check_links(matches)
+    paths = sorted(path for path in matches if path.is_file())
     if not paths:
         raise BatchgenError(f"{source}: the pattern matches no file")
     formats = {path: SHARD_FORMATS.get(path.suffix.lower()) for path in paths}
@@ -97,11 +102,24 @@ def _directory_shards(directory: Path) -> Shards:
         if not names:
             raise BatchgenError(f"{source}: dataset is empty (state.json lists no data files)")
         return Shards([directory / name for name in names], "arrow", directory)
-    paths = sorted(p for p in directory.iterdir() if p.is_file() and p.suffix.lower() in SHARD_FORMATS)
+    entries = list(directory.iterdir())
+    _check_links(entries)
+    for entry in entries:
+        if entry.suffix.lower() in _COMPRESSED and Path(entry.stem).suffix.lower() in SHARD_FORMATS:
+            raise BatchgenError(f"{entry}: a compressed shard, which batchgen does not read; decompress it")
+    paths = sorted(p for p in entries if p.is_file() and p.suffix.lower() in SHARD_FORMATS)
     if not paths:
         raise BatchgenError(f"{source}: the directory holds no {_SUPPORTED} files")
     formats = {path: SHARD_FORMATS[path.suffix.lower()] for path in paths}
     return Shards(paths, _one_format(formats, source), directory)
+
+
+def _check_links(paths: list[Path]) -> None:
+    """Refuse a link to a file that does not exist among a dataset's files (a half-downloaded hub snapshot's): its
+    rows would be left out unseen."""
+    for path in paths:
+        if path.is_symlink() and not path.exists():
+            raise BatchgenError(f"{path}: cannot read: a link to {os.readlink(path)}, which does not exist")
 
 
 def _one_format(formats: Mapping[Path, str | None], source: str) -> str:

@@ -96,6 +96,28 @@ def test_a_directory_reads_data_files_only_and_a_glob_refuses_others(tmp_path: P
     )
 
 
+def test_a_shard_batchgen_cannot_read_is_an_error_not_passed_over(tmp_path: Path) -> None:
+    """A link to a missing file (a half-downloaded hub snapshot's) and a compressed shard would leave their rows out
+    unseen; ``datasets.load_dataset`` reads the compressed one (helper 63)."""
+    write_jsonl(tmp_path / "train-0.jsonl", ['{"prompt": "a"}'])
+    (tmp_path / "train-1.jsonl").symlink_to(tmp_path / "blobs" / "missing")
+    for dataset in (tmp_path, Path(str(tmp_path / "*.jsonl"))):
+        with pytest.raises(BatchgenError) as info:
+            list_shards(dataset)
+        assert str(info.value) == (
+            f"{tmp_path / 'train-1.jsonl'}: cannot read: a link to {tmp_path / 'blobs' / 'missing'}, which does not "
+            "exist"
+        )
+    (tmp_path / "train-1.jsonl").unlink()
+    (tmp_path / "train-1.jsonl.gz").write_bytes(b"")
+    with pytest.raises(BatchgenError) as info:
+        list_shards(tmp_path)
+    assert (
+        str(info.value)
+        == f"{tmp_path / 'train-1.jsonl.gz'}: a compressed shard, which batchgen does not read; decompress it"
+    )
+
+
 def test_an_empty_dataset_of_shards(tmp_path: Path) -> None:
     write_jsonl(tmp_path / "a.jsonl", [""])
     write_jsonl(tmp_path / "b.jsonl", ["  "])
