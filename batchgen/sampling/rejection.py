@@ -45,7 +45,7 @@ def rejection_sample(
 
     Args:
         drawn: int64 ``[n]``, every row's plain draw from ``p`` (kept for rows without a draft).
-        probs: float32 ``[n, vocab]``, each row's processed target distribution ``p``, unnormalised.
+        probs: float32 ``[n, vocab]``, each row's processed target distribution ``p`` (normalised).
         seeds, steps: int64 ``[n]``, each row's seed and output step; the accept test (a uniform of
             :func:`uniform_from_counter`) and the residual draw (an exponential race) use their own streams,
             independent of the draft's draw.
@@ -60,7 +60,6 @@ def rejection_sample(
     if not rows.numel():
         return drawn
     p = probs[rows]
-    p = p / p.sum(dim=-1, keepdim=True)
     q = drafts.probs
     token_ids = drafts.token_ids[:, None]
     p_draft, q_draft = p.gather(1, token_ids).squeeze(1), q.gather(1, token_ids).squeeze(1)

@@ -67,17 +67,20 @@ def sample(logits: torch.Tensor, info: SamplingBatchInfo, cpu_kernel: bool = Tru
     if info.return_probs:
         drawn_from = torch.nn.functional.one_hot(next_ids, logits.shape[-1]).float()
     if not info.is_all_greedy:
-        keep_probs = processed is not None or drawn_from is not None or info.drafts is not None
-        drawn, probs = _draw(logits, info, keep_probs, cpu_kernel)
-        if info.drafts is not None and probs is not None:
-            drawn = rejection_sample(drawn, probs, info.seeds, info.steps, info.drafts, cpu_kernel)
-        next_ids = torch.where(info.greedy, next_ids, drawn)
-        if probs is not None:
-            normalised = probs / probs.sum(dim=-1, keepdim=True)
+        keep = processed is not None or drawn_from is not None or info.drafts is not None
+        drawn, kept = _draw(logits, info, keep, cpu_kernel)
+        if kept is not None:
+            # The distribution drawn from, normalised by softmax, whose rows are computed one by one: a sum over
+            # the vocabulary splits over threads otherwise for one row than for many, and a row's bits would depend
+            # on its batch (--deterministic promises they do not).
+            normalised = torch.softmax(kept, dim=-1)
+            if info.drafts is not None:
+                drawn = rejection_sample(drawn, normalised, info.seeds, info.steps, info.drafts, cpu_kernel)
             if processed is not None:
-                processed = torch.where(info.greedy[:, None], processed, torch.log(normalised))
+                processed = torch.where(info.greedy[:, None], processed, torch.log_softmax(kept, dim=-1))
             if drawn_from is not None:
                 drawn_from = torch.where(info.greedy[:, None], drawn_from, normalised)
+        next_ids = torch.where(info.greedy, next_ids, drawn)
     if processed is not None and info.argmax_only is not None:
         alone = torch.full_like(processed, float("-inf")).scatter_(1, next_ids[:, None], 0.0)
         processed = torch.where(info.argmax_only[:, None], alone, processed)
@@ -102,11 +105,12 @@ def sample(logits: torch.Tensor, info: SamplingBatchInfo, cpu_kernel: bool = Tru
 
 
 def _draw(
-    logits: torch.Tensor, info: SamplingBatchInfo, keep_probs: bool, cpu_kernel: bool
+    logits: torch.Tensor, info: SamplingBatchInfo, keep: bool, cpu_kernel: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Sample from the temperature-scaled, truncated distribution of every row (greedy rows included, unused).
 
-    Returns the drawn ids and, with ``keep_probs``, the truncated (unnormalised) probabilities in vocabulary order.
+    Returns the drawn ids and, with ``keep``, the temperature-scaled logits with -inf at every token of probability
+    0 (truncated, or too unlikely for float32): the distribution drawn from is their softmax.
     """
     scaled = logits / info.temperatures[:, None]
     if info.need_top_k:
@@ -120,9 +124,12 @@ def _draw(
         # back to vocabulary order: every row draws in that order, so a row's token never depends on whether
         # another row of the batch uses top_p.
         drop = torch.empty_like(mass_before, dtype=torch.bool).scatter_(1, order, mass_before >= info.top_ps[:, None])
+        # Only rows that ask: at top_p 1 the rounded running mass can reach 1 before the tail, which would drop a
+        # row's last tokens only when another row of its batch uses top_p.
+        drop &= (info.top_ps < 1.0)[:, None]
         probs = probs.masked_fill(drop, 0.0)
     if info.need_min_p:
         floor = probs.max(dim=-1, keepdim=True).values * info.min_ps[:, None]
         probs = probs.masked_fill(probs < floor, 0.0)
     picked = exponential_race(probs, token_noise_keys(info.seeds, info.steps), cpu_kernel)
-    return picked, probs if keep_probs else None
+    return picked, scaled.masked_fill(probs == 0.0, float("-inf")) if keep else None

@@ -32,7 +32,7 @@ def _verify(p: torch.Tensor, q: torch.Tensor, seeds: torch.Tensor, steps: torch.
     drafts = _inverse_cdf(q.expand(n, -1), uniform_from_counter(seeds, steps, DRAW))
     plain = _inverse_cdf(p.expand(n, -1), uniform_from_counter(seeds, steps, DRAW))
     proposals = DraftProposals(torch.arange(n), drafts, q.expand(n, -1).clone())
-    emitted = rejection_sample(plain, p.expand(n, -1).clone() * 3.0, seeds, steps, proposals)  # p unnormalised
+    emitted = rejection_sample(plain, p.expand(n, -1).clone(), seeds, steps, proposals)
     return drafts, emitted
 
 

@@ -14,7 +14,7 @@ from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from batchgen.sampling.penalties import TokenHistory
-from batchgen.sampling.sampler import sample
+from batchgen.sampling.sampler import SampleOutput, sample
 from batchgen.sampling.sampling_batch_info import SamplingBatchInfo
 from batchgen.sampling.sampling_params import SamplingParams
 from tests.helpers.cli import generate, run_args, run_cli, write_jsonl
@@ -120,6 +120,37 @@ def test_processed_logprobs_follow_temperature() -> None:
     expected = torch.log_softmax(LOGITS / 0.5, dim=-1)
     assert torch.allclose(out.logprobs, expected[out.next_token_ids], atol=1e-6)
     assert out.top_ids[0].tolist() == [0, 1] and torch.allclose(out.top_logprobs[0], expected[[0, 1]], atol=1e-6)
+
+
+def _sampled_rows(logits: torch.Tensor, params: list[SamplingParams]) -> SampleOutput:
+    """The first ``len(params)`` rows of ``logits`` sampled with processed logprobs and their distributions."""
+    n = len(params)
+    info = SamplingBatchInfo.from_params(
+        params, list(range(n)), [0] * n, [[]] * n, logits.shape[1], torch.device("cpu"), processed_logprobs=True
+    )
+    info.return_probs = True
+    return sample(logits[:n].clone(), info)
+
+
+def test_processed_logprobs_and_distributions_do_not_depend_on_the_batch() -> None:
+    """A row's processed logprobs and drawn-from distribution are the same bits alone and beside rows that use top-p
+    (which masked its tail too) or not (a sum over the vocabulary is split over threads differently for one row than
+    for several); they are its softmax over the full vocabulary, computed here in float64 (helper 62)."""
+    params = [SamplingParams(temperature=0.8, logprobs=True, top_logprobs=2), SamplingParams(top_p=0.9)]
+    params += [SamplingParams()] * 2
+    for seed in range(6):
+        torch.manual_seed(seed)
+        logits = torch.randn(len(params), 49152) * 4
+        alone, together = _sampled_rows(logits, params[:1]), _sampled_rows(logits, params)
+        assert alone.next_token_ids[0] == together.next_token_ids[0]
+        assert alone.logprobs is not None and together.logprobs is not None
+        assert torch.equal(alone.logprobs[0], together.logprobs[0])
+        assert alone.top_logprobs is not None and together.top_logprobs is not None
+        assert torch.equal(alone.top_logprobs[0], together.top_logprobs[0])
+        assert alone.probs is not None and together.probs is not None
+        assert torch.equal(alone.probs[0], together.probs[0])
+        exact = torch.log_softmax(logits[0].double() / 0.8, dim=-1)
+        assert abs(alone.logprobs[0].item() - exact[alone.next_token_ids[0]].item()) < 1e-5
 
 
 def test_processed_logprobs_of_top_k_1_are_its_one_token() -> None:
