@@ -5,7 +5,9 @@ counting, negation, conditionals, arithmetic on numbers), drops them with at mos
 compiles, and rows finish with ``stop`` and output the schema rejects. A row whose schema uses one is refused
 instead, naming the keyword and where it sits (sglang PR #28804 does the same). The list below is what
 xgrammar 0.2.9 leaves unenforced, each entry checked against ``jsonschema`` by
-``tests/unit/test_json_schema_support.py``.
+``tests/unit/test_json_schema_support.py``: keywords it drops wherever they are, keywords beside ``$ref``,
+``anyOf``/``oneOf``/``allOf``, ``enum`` or ``const`` (which it takes alone), ``required`` names that are not
+``properties``, and ``minProperties`` where keys beyond ``properties`` may repeat.
 """
 
 from __future__ import annotations
@@ -30,6 +32,27 @@ _DROPPED = {
     "dependencies": "dependencies between properties are not enforced",
 }
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+# Keywords that only describe a schema or hold definitions: they may sit beside $ref, enum, const or anyOf.
+_ANNOTATIONS = frozenset(
+    ("$schema", "$id", "$anchor", "$comment", "$defs", "definitions", "title", "description", "default", "examples")
+    + ("deprecated", "readOnly", "writeOnly")
+)
+# xgrammar takes these alone and drops the keywords beside them (JSON Schema 2020-12 applies those too).
+_TAKEN_ALONE = {
+    "$ref": "move it into the schema $ref names",
+    "anyOf": "move it into each branch",
+    "oneOf": "move it into each branch",
+    "allOf": "move it into the subschema",
+}
+_JSON_TYPES: dict[str, tuple[type, ...]] = {
+    "string": (str,),
+    "object": (dict,),
+    "array": (list,),
+    "boolean": (bool,),
+    "null": (type(None),),
+    "number": (int, float),
+    "integer": (int,),
+}
 # Where a schema holds subschemas: one, a name → subschema map, or a list (``items`` may be any of them).
 _ONE = (
     *("additionalProperties", "unevaluatedProperties", "items", "additionalItems", "unevaluatedItems"),
@@ -77,7 +100,51 @@ def _unenforced(node: dict[str, Any]) -> tuple[str, str] | None:
         return "allOf", "several subschemas are not all enforced: merge them into one"
     if isinstance(one_of, list) and len(one_of) > 1 and not _distinct_types(one_of):
         return "oneOf", "xgrammar may let several branches match: use anyOf if they cannot overlap"
+    return _beside_taken_alone(node) or _object_problem(node)
+
+
+def _beside_taken_alone(node: dict[str, Any]) -> tuple[str, str] | None:
+    """A keyword xgrammar drops because it sits beside ``$ref``, a combinator, ``enum`` or ``const``."""
+    for alone, move in _TAKEN_ALONE.items():
+        if alone in node:
+            other = next((k for k in node if k != alone and k not in _ANNOTATIONS), None)
+            if other is not None:
+                return other, f"a keyword beside {alone} is not enforced: {move}"
+    for alone in ("enum", "const"):
+        if alone in node:
+            other = next((k for k in node if k not in (alone, "type") and k not in _ANNOTATIONS), None)
+            if other is not None:
+                return other, f"beside {alone} only its values are enforced"
+            values = node[alone] if alone == "enum" and isinstance(node[alone], list) else [node[alone]]
+            if "type" in node and not all(_of_type(value, node["type"]) for value in values):
+                return "type", f"beside {alone} only its values are enforced: list only values of the type"
     return None
+
+
+def _object_problem(node: dict[str, Any]) -> tuple[str, str] | None:
+    """``required`` names xgrammar never writes, or a least count of keys it may meet by repeating one."""
+    required, properties = node.get("required"), node.get("properties")
+    listed = properties if isinstance(properties, dict) else {}
+    missing = next((name for name in required if name not in listed), None) if isinstance(required, list) else None
+    if missing is not None:
+        return "required", f"'{missing}' is not among properties, and only those are written"
+    open_keys = "patternProperties" in node or "propertyNames" in node
+    if "minProperties" in node and (open_keys or node.get("additionalProperties") not in (None, False)):
+        return "minProperties", "keys beyond properties may repeat, and a repeated key counts again"
+    return None
+
+
+def _of_type(value: Any, json_type: Any) -> bool:
+    """Whether ``value`` (parsed JSON) is of the JSON Schema ``type`` (a name or a list of names; an integer is a
+    number, and so is a float with no fraction an integer)."""
+    names = json_type if isinstance(json_type, list) else [json_type]
+    for name in names:
+        if name == "integer" and isinstance(value, float) and value.is_integer():
+            return True
+        kinds = _JSON_TYPES.get(name, ()) if isinstance(name, str) else ()
+        if isinstance(value, kinds) and not (isinstance(value, bool) and name in ("number", "integer")):
+            return True
+    return False
 
 
 def _distinct_types(branches: list[Any]) -> bool:

@@ -54,6 +54,11 @@ CASES: list[tuple[str, dict[str, Any], Any, str | None]] = [
     ("format+maxLength", {"type": "string", "format": "date", "maxLength": 3}, "2020-01-01", "maxLength"),
     ("allOf", {"allOf": [{"type": "integer", "minimum": 0}, {"type": "integer", "maximum": 5}]}, 9, "allOf"),
     ("oneOf overlapping", {"oneOf": [{"type": "integer"}, {"type": "number"}]}, 3, "oneOf"),
+    # Found by helper 62: keywords xgrammar drops beside those it takes alone, and names it never writes.
+    ("required unlisted", {"type": "object", "required": ["a", "b"]}, {}, "required"),
+    ("beside $ref", {"$defs": {"s": {"type": "string"}}, "$ref": "#/$defs/s", "maxLength": 2}, "abc", "maxLength"),
+    ("type beside enum", {"type": "integer", "enum": [1, "a", 2.5]}, 2.5, "type"),
+    ("beside anyOf", {"type": "string", "anyOf": [{"pattern": "^x"}, {"pattern": "^y"}]}, True, "type"),
     # Enforced: no refusal, and the grammar itself rejects the instance.
     ("multipleOf integer (B23 jbad)", {"type": "integer", "multipleOf": 7}, 8, None),
     ("allOf of one", {"allOf": [{"type": "integer", "maximum": 5}]}, 9, None),
@@ -65,6 +70,9 @@ CASES: list[tuple[str, dict[str, Any], Any, str | None]] = [
     ("maxItems", {**INTS, "maxItems": 1}, [1, 2], None),
     ("additionalProperties", {"type": "object", "properties": AB, "additionalProperties": False}, {"c": 1}, None),
     ("uniqueItems false", {**INTS, "uniqueItems": False, "maxItems": 1}, [1, 1], None),
+    ("enum of its type", {"type": "integer", "enum": [1, 2], "title": "t"}, 3, None),
+    ("annotations beside $ref", {"$defs": {"s": {"type": "string", "maxLength": 2}}, "$ref": "#/$defs/s"}, "abc", None),
+    ("anyOf of optional", {"anyOf": [{"type": "integer"}, {"type": "null"}], "default": None}, "x", None),
 ]
 
 
@@ -117,6 +125,26 @@ def test_refusal_names_the_keyword_where_it_is_nested(schema: dict[str, Any], po
         normalize_constraint("json_schema", schema)
     with pytest.raises(FieldError, match=re.escape(f"uniqueItems at {pointer} ")):  # the schema given as a JSON string
         normalize_constraint("json_schema", json.dumps(schema))
+
+
+def test_a_least_count_of_open_keys_is_refused() -> None:
+    """xgrammar may write a key twice where keys beyond ``properties`` are allowed and counts it twice: the parsed
+    object (the last value of a repeated key wins) has fewer keys than minProperties asks."""
+    schema = {
+        "type": "object",
+        "patternProperties": {"^a$": {"type": "integer"}},
+        "additionalProperties": False,
+        "minProperties": 2,
+    }
+    text = '{"a": 7, "a": 3}'
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(json.loads(text), schema)
+    grammar = xgrammar.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+    assert _is_grammar_accept_string(grammar, text)
+    with pytest.raises(FieldError, match=re.escape("minProperties at # is not enforced by xgrammar")):
+        check_enforceable(schema)
+    listed = {"type": "object", "properties": {"a": {}, "b": {}}, "additionalProperties": False, "minProperties": 2}
+    check_enforceable(listed)  # only its properties' keys, each written once
 
 
 def test_keyword_names_as_data_or_property_names_are_not_keywords() -> None:
