@@ -25,6 +25,7 @@ import torch
 
 from batchgen.errors import FieldError
 from batchgen.sampling.json_schema_support import check_enforceable
+from batchgen.sampling.regex_support import check_anchors
 from batchgen.sampling.sampling_params import python_value
 
 GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")
@@ -227,8 +228,9 @@ def normalize_constraint(name: str, value: Any) -> str:
     """The constraint's source text; a JSON schema may be given as an object or as a JSON string.
 
     Raises:
-        FieldError: wrong type, a schema string that is not JSON, or a schema with a keyword xgrammar does not
-            enforce (:func:`batchgen.sampling.json_schema_support.check_enforceable`).
+        FieldError: wrong type, a schema string that is not JSON, a schema with a keyword xgrammar does not
+            enforce (:func:`batchgen.sampling.json_schema_support.check_enforceable`), or a regex with an anchor it
+            ignores (:func:`batchgen.sampling.regex_support.check_anchors`).
     """
     if name == "json_schema":
         if isinstance(value, dict):
@@ -248,6 +250,8 @@ def normalize_constraint(name: str, value: Any) -> str:
         raise FieldError(name, f"must be a JSON schema object or string, got {value!r}")
     if not isinstance(value, str) or not value:
         raise FieldError(name, f"must be a non-empty string, got {value!r}")
+    if name == "regex":
+        check_anchors(value)
     return value
 
 
