@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchgen.errors import BatchgenError
-from batchgen.io.json_text import is_json_text
+from batchgen.io.json_text import JSON_TEXT_METADATA, is_json_text
 
 _TOKEN_LOGPROB = pa.struct([pa.field("id", pa.int32()), pa.field("logprob", pa.float32())])
 
@@ -257,8 +257,9 @@ def open_result_writer(path: Path, passthrough: pa.Schema, metadata: dict[str, s
 def read_results(path: Path) -> pa.Table:
     """Read a finished output file of any supported format into a table.
 
-    For JSONL the output columns get their :data:`OUTPUT_COLUMNS` types and other columns are inferred
-    by pyarrow; a zero-row JSONL file gives an empty table with just the output columns.
+    For JSONL the output columns get their :data:`OUTPUT_COLUMNS` types and other columns are inferred by pyarrow, or
+    are JSON text where their values share no one type (as batchgen types its input's); a zero-row JSONL file gives
+    an empty table with just the output columns.
 
     Raises:
         BatchgenError: unsupported extension, or the file cannot be read or parsed (e.g. an Arrow IPC
@@ -281,12 +282,19 @@ def read_results(path: Path) -> pa.Table:
 def _read_jsonl(path: Path) -> pa.Table:
     with path.open(encoding="utf-8") as f:
         rows = [json.loads(line) for line in f if line.strip()]
-    names = list(dict.fromkeys(key for row in rows for key in row))
-    fields = [
-        OUTPUT_COLUMNS.field(name)
-        if name in OUTPUT_COLUMNS.names
-        else pa.field(name, pa.array([row.get(name) for row in rows]).type)
-        for name in names
-    ]
-    schema = pa.schema(fields) if rows else OUTPUT_COLUMNS
-    return pa.Table.from_pylist(rows, schema=schema)
+    if not rows:
+        return OUTPUT_COLUMNS.empty_table()
+    fields, arrays = [], []
+    for name in dict.fromkeys(key for row in rows for key in row):
+        values = [row.get(name) for row in rows]
+        field = OUTPUT_COLUMNS.field(name) if name in OUTPUT_COLUMNS.names else None
+        try:
+            array = pa.array(values, type=None if field is None else field.type)
+        except (pa.ArrowException, TypeError):
+            if field is not None:
+                raise
+            field = pa.field(name, pa.string(), metadata=JSON_TEXT_METADATA)
+            array = pa.array([None if v is None else json.dumps(v, ensure_ascii=False) for v in values], pa.string())
+        fields.append(field or pa.field(name, array.type))
+        arrays.append(array)
+    return pa.Table.from_arrays(arrays, schema=pa.schema(fields))

@@ -13,6 +13,7 @@ import pytest
 
 from batchgen.errors import BatchgenError, RowError
 from batchgen.io.arrow_fit import misfit
+from batchgen.io.json_text import JSON_TEXT_METADATA
 from batchgen.io.reader import InputRow, RowReader, count_input_rows
 from batchgen.io.rows import RowSpec, parse_row, passthrough_that_fits
 from batchgen.io.writer import OUTPUT_COLUMNS, is_json_text, open_result_writer, read_results, result_schema
@@ -644,6 +645,24 @@ def test_writer_zero_rows_is_valid_file(tmp_path: Path, suffix: str) -> None:
     assert table.num_rows == 0
     want = OUTPUT_COLUMNS if suffix == ".jsonl" else result_schema(PASSTHROUGH, {})
     assert table.schema.remove_metadata() == want
+
+
+def test_a_jsonl_outputs_column_of_mixed_values_reads_as_json_text(tmp_path: Path) -> None:
+    """A .jsonl output writes a JSON-text column's values as the input had them (a number, a string); read_results
+    reads such a column back as JSON text, as batchgen types it in an input (it raised; helper 63)."""
+    path = tmp_path / "out.jsonl"
+    schema = pa.schema([pa.field("k", pa.string(), metadata=JSON_TEXT_METADATA)])
+    rows = result_rows(0, 3)
+    for row, value in zip(rows, ["1", '"x"', '[["b", 2]]']):
+        del row["topic"]
+        row["k"] = value
+    with open_result_writer(path, schema, META) as writer:
+        writer.write(rows)
+    assert [json.loads(line)["k"] for line in path.read_text().splitlines()] == [1, "x", [["b", 2]]]
+    table = read_results(path)
+    assert is_json_text(table.schema.field("k"))
+    assert table.column("k").to_pylist() == ["1", '"x"', '[["b", 2]]']
+    assert table.column("text").to_pylist() == ["out0", "out1", "out2"]
 
 
 def test_jsonl_readable_after_each_write(tmp_path: Path) -> None:
