@@ -124,25 +124,55 @@ def _parquet_batches(pf: pq.ParquetFile, block_rows: int, rows_read: list[int]) 
 
 def unified_schema(schemas: list[tuple[str, pa.Schema]]) -> pa.Schema:
     """One schema for shards ``(name, schema)``: every column of any of them (a column a shard lacks is null in its
-    rows), of the type all shards that have it agree on (a column of nulls takes the others' type).
+    rows), of the type all shards that have it agree on: a column of nulls takes the others' type, and types that
+    hold the same values widen to the type that holds both (``string`` and ``large_string``, as pandas and pyarrow
+    write them; ``int32`` and ``int64``; ``float32`` and ``float64``), as ``datasets`` reads such shards.
 
     Raises:
         BatchgenError: naming the first column two shards give types that do not unify, and the two shards.
     """
-    merged = schemas[0][1]
-    first_with: dict[str, str] = dict.fromkeys(merged.names, schemas[0][0])
-    for name, schema in schemas[1:]:
+    merged: dict[str, pa.Field] = {}
+    first_with: dict[str, str] = {}
+    for name, schema in schemas:
         for field in schema:
-            if field.name not in first_with:
-                first_with[field.name] = name
+            known = merged.get(field.name)
+            if known is None:
+                merged[field.name], first_with[field.name] = field, name
                 continue
-            try:
-                pa.unify_schemas([pa.schema([merged.field(field.name)]), pa.schema([field])])
-            except (pa.ArrowException, KeyError):
-                other = merged.field(field.name).type if field.name in merged.names else "?"
+            unified = _unified_type(known.type, field.type)
+            if unified is None:
                 raise BatchgenError(
-                    f"shards disagree on column '{field.name}': {other} in {first_with[field.name]}, {field.type} in "
-                    f"{name}"
-                ) from None
-        merged = pa.unify_schemas([merged, schema])
-    return merged
+                    f"shards disagree on column '{field.name}': {known.type} in {first_with[field.name]}, "
+                    f"{field.type} in {name}"
+                )
+            merged[field.name] = known.with_type(unified).with_nullable(known.nullable or field.nullable)
+    return pa.schema(list(merged.values()))
+
+
+def _unified_type(a: pa.DataType, b: pa.DataType) -> pa.DataType | None:
+    """The type of a column that is ``a`` in one shard and ``b`` in another, or ``None`` when none holds both."""
+    try:
+        return pa.unify_schemas([pa.schema([("c", a)]), pa.schema([("c", b)])]).field("c").type
+    except pa.ArrowException:
+        pass
+    kinds = (pa.types.is_string, pa.types.is_large_string), (pa.types.is_binary, pa.types.is_large_binary)
+    for small, large in kinds:
+        if (small(a) or large(a)) and (small(b) or large(b)):
+            return b if large(b) else a
+    if pa.types.is_floating(a) and pa.types.is_floating(b):
+        return a if a.bit_width >= b.bit_width else b
+    if pa.types.is_integer(a) and pa.types.is_integer(b):
+        return _wider_integer(a, b)
+    return None
+
+
+def _wider_integer(a: pa.DataType, b: pa.DataType) -> pa.DataType | None:
+    """The narrowest integer type that holds every value of both (``None`` for ``uint64`` beside a signed type)."""
+    signed = pa.types.is_signed_integer(a) or pa.types.is_signed_integer(b)
+    bits = 0
+    for t in (a, b):
+        needs = t.bit_width * 2 if signed and pa.types.is_unsigned_integer(t) else t.bit_width
+        bits = max(bits, needs)
+    if bits > 64:
+        return None
+    return pa.type_for_alias(f"{'int' if signed else 'uint'}{bits}")

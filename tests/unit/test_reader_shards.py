@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import glob
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,28 @@ def test_parquet_shards_unify_and_lack_columns(tmp_path: Path) -> None:
         (1, "0.parquet", 2, {"prompt": "b"}),
         (2, "1.parquet", 1, {"prompt": "c", "score": 7, "note": "n"}),
     ]
+
+
+def test_shards_of_types_that_hold_the_same_values_widen(tmp_path: Path) -> None:
+    """pandas writes large_string and pyarrow string, and an int32 column beside an int64 one: the dataset's column
+    takes the type that holds both, as pyarrow's permissive promotion and ``datasets`` do (they were refused)."""
+    pq.write_table(
+        pa.table({"prompt": ["a"], "score": pa.array([1], pa.int32()), "tag": ["x"]}), tmp_path / "0.parquet"
+    )
+    second = {"prompt": pa.array(["b"], pa.large_string()), "score": [2**40], "tag": pa.array(["y"], pa.large_string())}
+    pq.write_table(pa.table(second), tmp_path / "1.parquet")
+    reader = RowReader(tmp_path)
+    promoted = pa.unify_schemas(
+        [pq.read_schema(tmp_path / "0.parquet"), pq.read_schema(tmp_path / "1.parquet")], promote_options="permissive"
+    )
+    assert reader.passthrough_schema == pa.schema([promoted.field("score"), promoted.field("tag")])
+    assert [r.data for r in rows_of(reader)] == [
+        {"prompt": "a", "score": 1, "tag": "x"},
+        {"prompt": "b", "score": 2**40, "tag": "y"},
+    ]
+    pq.write_table(pa.table({"prompt": ["c"], "score": pa.array([3], pa.uint64())}), tmp_path / "2.parquet")
+    with pytest.raises(BatchgenError, match=re.escape("shards disagree on column 'score': int64 in ")):
+        RowReader(tmp_path)  # no integer type holds both int64's and uint64's values
 
 
 def test_arrow_files_of_both_ipc_formats(tmp_path: Path) -> None:
