@@ -36,14 +36,14 @@ class JobOptions:
         metadata={
             "help": "Continue an interrupted run (keep the rows OUT.partial/ holds, generate the rest), or add "
             "the rows a finished OUT lacks.",
-            "flag": "--resume",
+            "flag": "--resume/--no-resume",
         },
     )
     resume_force: bool = field(
         default=False,
         metadata={
             "help": "Resume even if model, dtype, kernel switches, sampling defaults or dataset changed.",
-            "flag": "--resume-force",
+            "flag": "--resume-force/--no-resume-force",
         },
     )
     schedule_lookahead: int = field(
@@ -65,7 +65,7 @@ class JobOptions:
         metadata={
             "help": "Run on a Ray cluster: --replicas engines, one Ray actor each, share the rows (docs/scale-out.md; "
             "needs the ray extra).",
-            "flag": "--ray",
+            "flag": "--ray/--no-ray",
         },
     )
     ray_address: str = field(
@@ -106,9 +106,8 @@ class JobOptions:
             BatchgenError: one line naming the first bad flag and its value.
         """
         if self.overwrite and self.resuming:
-            raise BatchgenError(
-                "--overwrite and --resume exclude each other: --overwrite starts over, --resume continues"
-            )
+            flag = "--resume" if self.resume else "--resume-force"
+            raise BatchgenError(f"--overwrite and {flag} exclude each other: --overwrite starts over, {flag} continues")
         if self.on_error not in ON_ERROR:
             raise BatchgenError(f"--on-error must be fail or skip, got '{self.on_error}'")
         if self.output_format not in OUTPUT_FORMATS:

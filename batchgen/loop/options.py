@@ -91,7 +91,11 @@ class EngineOptions:
         },
     )
     disable_cuda_graph: bool = field(
-        default=False, metadata={"help": "Run decode rounds eagerly at their own size.", "flag": "--disable-cuda-graph"}
+        default=False,
+        metadata={
+            "help": "Run decode rounds eagerly at their own size.",
+            "flag": "--disable-cuda-graph/--enable-cuda-graph",
+        },
     )
     # The graph runner captures sizes 1, 2, 4, 8, 16, 24, ... up to it (capped by max_running_requests).
     cuda_graph_max_bs: int | None = field(

@@ -47,6 +47,7 @@ RUN_FLAGS = {
     "--max-new-tokens",
     "--n",
     "--disable-cuda-graph",
+    "--enable-cuda-graph",
     "--deterministic",
     "--no-deterministic",
     "--cuda-graph-max-bs",
@@ -93,7 +94,9 @@ RUN_FLAGS = {
     "--overwrite",
     "--no-overwrite",
     "--resume",
+    "--no-resume",
     "--resume-force",
+    "--no-resume-force",
     "--flush-every",
     "--flush-every-seconds",
     "--progress",
@@ -101,6 +104,7 @@ RUN_FLAGS = {
     "--report-memory",
     "--no-report-memory",
     "--ray",
+    "--no-ray",
     "--ray-address",
     "--replicas",
     "--gpus-per-replica",
@@ -503,6 +507,28 @@ def test_config_true_or_false_sets_a_switch(model: Path, tmp_path: Path) -> None
     config.write_text("ignore-eos: true\nprogress: false\n")
     out = tmp_path / "o.jsonl"
     code, output = run_cli(["run", str(dataset), "--out", str(out), "--model", str(model), "--config", str(config)])
+    assert code == 0, output
+    assert json.loads(out.read_text())["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize("key", ["resume", "resume-force"])
+def test_a_config_that_resumes_is_overridden_by_a_flag(key: str, model: Path, tmp_path: Path) -> None:
+    """Flags override the config (options.md), a switch the config turns on too: --no-resume / --no-resume-force
+    let a config's run start over with --overwrite (there was no such flag; helper 63)."""
+    dataset = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "x", "max_new_tokens": 2}])
+    config = tmp_path / "c.yaml"
+    config.write_text(f"{key}: true\n")
+    out = tmp_path / "o.jsonl"
+    out.write_text("an earlier output\n")
+    code, output = _run(dataset, out, model, "--config", str(config), "--overwrite")
+    assert (code, output) == (
+        2,
+        [
+            f"batchgen: error: {config}: option '{key}': --overwrite and --{key} exclude each other: --overwrite "
+            f"starts over, --{key} continues"
+        ],
+    )
+    code, output = _run(dataset, out, model, "--config", str(config), "--overwrite", f"--no-{key}")
     assert code == 0, output
     assert json.loads(out.read_text())["completion_tokens"] == 2
 
