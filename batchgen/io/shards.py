@@ -115,10 +115,10 @@ def _directory_shards(directory: Path) -> Shards:
 
 
 def _check_links(paths: list[Path]) -> None:
-    """Refuse a link to a file that does not exist among a dataset's files (a half-downloaded hub snapshot's): its
-    rows would be left out unseen."""
+    """Refuse a data file's link to a file that does not exist (a half-downloaded hub snapshot's): its rows would be
+    left out unseen (a broken link of another file, as a README, is not read either way)."""
     for path in paths:
-        if path.is_symlink() and not path.exists():
+        if path.suffix.lower() in SHARD_FORMATS and path.is_symlink() and not path.exists():
             raise BatchgenError(f"{path}: cannot read: a link to {os.readlink(path)}, which does not exist")
 
 

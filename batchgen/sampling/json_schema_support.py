@@ -32,10 +32,16 @@ _DROPPED = {
     "dependencies": "dependencies between properties are not enforced",
 }
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
-# Keywords that only describe a schema or hold definitions: they may sit beside $ref, enum, const or anyOf.
-_ANNOTATIONS = frozenset(
-    ("$schema", "$id", "$anchor", "$comment", "$defs", "definitions", "title", "description", "default", "examples")
-    + ("deprecated", "readOnly", "writeOnly")
+# JSON Schema's keywords that constrain a value (2020-12's validation and applicator vocabularies, and the older
+# drafts' dependencies and additionalItems): beside $ref, a combinator, enum or const, xgrammar drops them. Any other
+# key (title, description, $defs, format, OpenAPI's discriminator...) constrains nothing in jsonschema either.
+_VALIDATING = frozenset(
+    ("type", "enum", "const", "multipleOf", "maximum", "exclusiveMaximum", "minimum", "exclusiveMinimum")
+    + ("maxLength", "minLength", "pattern", "maxItems", "minItems", "uniqueItems", "maxContains", "minContains")
+    + ("maxProperties", "minProperties", "required", "dependentRequired", "dependencies", "allOf", "anyOf", "oneOf")
+    + ("not", "if", "then", "else", "dependentSchemas", "prefixItems", "items", "additionalItems", "contains")
+    + ("properties", "patternProperties", "additionalProperties", "propertyNames", "unevaluatedItems")
+    + ("unevaluatedProperties", "$ref")
 )
 # xgrammar takes these alone and drops the keywords beside them (JSON Schema 2020-12 applies those too).
 _TAKEN_ALONE = {
@@ -107,12 +113,12 @@ def _beside_taken_alone(node: dict[str, Any]) -> tuple[str, str] | None:
     """A keyword xgrammar drops because it sits beside ``$ref``, a combinator, ``enum`` or ``const``."""
     for alone, move in _TAKEN_ALONE.items():
         if alone in node:
-            other = next((k for k in node if k != alone and k not in _ANNOTATIONS), None)
+            other = next((k for k in node if k != alone and k in _VALIDATING), None)
             if other is not None:
                 return other, f"a keyword beside {alone} is not enforced: {move}"
     for alone in ("enum", "const"):
         if alone in node:
-            other = next((k for k in node if k not in (alone, "type") and k not in _ANNOTATIONS), None)
+            other = next((k for k in node if k not in (alone, "type") and k in _VALIDATING), None)
             if other is not None:
                 return other, f"beside {alone} only its values are enforced"
             values = node[alone] if alone == "enum" and isinstance(node[alone], list) else [node[alone]]

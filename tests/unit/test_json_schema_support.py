@@ -73,6 +73,7 @@ CASES: list[tuple[str, dict[str, Any], Any, str | None]] = [
     ("enum of its type", {"type": "integer", "enum": [1, 2], "title": "t"}, 3, None),
     ("annotations beside $ref", {"$defs": {"s": {"type": "string", "maxLength": 2}}, "$ref": "#/$defs/s"}, "abc", None),
     ("anyOf of optional", {"anyOf": [{"type": "integer"}, {"type": "null"}], "default": None}, "x", None),
+    ("oneOf with discriminator", {"oneOf": [{"type": "integer"}, {"type": "string"}], "discriminator": {}}, 1.5, None),
 ]
 
 
