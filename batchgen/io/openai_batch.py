@@ -193,15 +193,11 @@ class OpenAIBatchInput:
 
 
 def is_openai_batch_line(data: dict[str, Any]) -> bool:
-    """Whether a row is an OpenAI Batch request line, one that lacks a field or holds a wrong value too: no prompt
-    field of batchgen's own, and two or more of a request line's marks (a ``custom_id``, a ``body``, ``method``
-    ``"POST"``, a ``url`` that is an API path). A first line lacking its ``body`` then makes a bad request line of
-    an OpenAI Batch file (a 400 line), not a batchgen row that made every later line a mixed file's."""
-    if any(name in data for name in PROMPT_FIELDS):
-        return False
+    """Whether a row is an OpenAI Batch request line, a bad one too (a first line lacking its body is a 400 line):
+    no batchgen prompt field, and two or more of ``custom_id``, ``body``, ``method`` POST, a ``url`` API path."""
     url = data.get("url")
-    marks = ("custom_id" in data, "body" in data, data.get("method") == "POST")
-    return sum(marks) + (isinstance(url, str) and url.startswith("/v1/")) >= 2
+    marks = ("custom_id" in data, "body" in data, data.get("method") == "POST", str(url).startswith("/v1/"))
+    return sum(marks) >= 2 and not any(name in data for name in PROMPT_FIELDS)
 
 
 def _check_body_field(key: str, value: Any, url: str, body: dict[str, Any], fail: _Fail) -> None:
