@@ -193,11 +193,11 @@ class OpenAIBatchInput:
 
 
 def is_openai_batch_line(data: dict[str, Any]) -> bool:
-    """Whether a row is an OpenAI Batch request line, a bad one too (a first line lacking its body is a 400 line):
-    no batchgen prompt field, and two or more of ``custom_id``, ``body``, ``method`` POST, a ``url`` API path."""
-    url = data.get("url")
-    marks = ("custom_id" in data, "body" in data, data.get("method") == "POST", str(url).startswith("/v1/"))
-    return sum(marks) >= 2 and not any(name in data for name in PROMPT_FIELDS)
+    """Whether a row is an OpenAI Batch request line, a bad one too (a first line lacking its body is a 400 line): no
+    batchgen prompt field nor a body of text, and two or more of custom_id, a body, method POST, a /v1/ url."""
+    body, api = data.get("body", {}), str(data.get("url")).startswith("/v1/")
+    marks = ["custom_id" in data, "body" in data, data.get("method") == "POST", api]
+    return sum(marks) >= 2 and isinstance(body, dict | None) and not any(name in data for name in PROMPT_FIELDS)
 
 
 def _check_body_field(key: str, value: Any, url: str, body: dict[str, Any], fail: _Fail) -> None:

@@ -78,8 +78,6 @@ class RowReader:
         self._names = [self.source] if self.shards.root is None else [str(p) for p in self.shards.paths]
         jsonl = self.shards.format == "jsonl"
         columns = self._init_jsonl() if jsonl else self._init_table()
-        if self.openai is not None and (self.options.maps_prompt or self.options.id_column is not None):
-            raise BatchgenError(f"{self.source}: column options do not apply to an OpenAI Batch file; leave them out")
         # The columns of every shard: a column one shard has is the dataset's.
         self.mapping = ColumnMapping(self.options, columns, self.source)
 
@@ -132,7 +130,8 @@ class RowReader:
         Raises:
             BatchgenError: a file mixing OpenAI Batch lines with batchgen rows.
         """
-        if isinstance(item, RowError):
+        # Column options describe a dataset's own columns: its url, body or custom_id are no request's.
+        if isinstance(item, RowError) or self.options.maps_prompt or self.options.id_column is not None:
             return item
         if not self._kind_known:
             self._kind_known = True

@@ -305,12 +305,18 @@ def test_bad_json_before_the_first_request_does_not_decide_the_kind(tmp_path: Pa
     assert isinstance(items[0], RowError) and reader.openai is not None
 
 
-@pytest.mark.parametrize("option", [{"prompt_column": "body"}, {"messages_column": "messages"}, {"id_column": "url"}])
-def test_column_options_are_refused_for_an_openai_file(tmp_path: Path, option: dict[str, str]) -> None:
-    path = tmp_path / "requests.jsonl"
-    path.write_text(json.dumps(request("a", chat())) + "\n")
-    with pytest.raises(BatchgenError, match="column options do not apply to an OpenAI Batch file"):
-        RowReader(path, options=InputOptions(**option))
+def test_a_datasets_own_url_body_and_method_columns_are_no_request_lines(tmp_path: Path) -> None:
+    """OpenAI Batch lines have an object body (its API reference), and column options describe a dataset's own
+    columns: such datasets are batchgen rows, their url, body, method and custom_id passed through (helper 64)."""
+    pages = [{"url": "/v1/docs/intro", "body": "Once upon a time", "method": "POST", "title": "Intro"}]
+    assert rows(tmp_path, pages)[0].data == pages[0]
+    path = tmp_path / "log.jsonl"
+    path.write_text(json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/users", "body": {"n": 1}}) + "\n")
+    for option in ({"prompt_column": "url"}, {"prompt_template": "{method} {url}"}, {"id_column": "custom_id"}):
+        reader = RowReader(path, options=InputOptions(**option))
+        assert reader.openai is None and [item.data["url"] for item in reader if isinstance(item, InputRow)] == [
+            "/v1/users"
+        ]
 
 
 def test_a_different_model_is_warned_about_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
