@@ -274,7 +274,7 @@ def read_results(path: Path) -> pa.Table:
             return pq.read_table(path)
         if suffix == ".jsonl":
             return _read_jsonl(path)
-    except (OSError, pa.ArrowException, ValueError) as e:
+    except (OSError, pa.ArrowException, ValueError, OverflowError) as e:
         raise BatchgenError(f"{path}: cannot read results ({e})") from None
     raise BatchgenError(f"{path}: unsupported output format '{suffix}' (use {_SUPPORTED})")
 
@@ -290,7 +290,7 @@ def _read_jsonl(path: Path) -> pa.Table:
         field = OUTPUT_COLUMNS.field(name) if name in OUTPUT_COLUMNS.names else None
         try:
             array = pa.array(values, type=None if field is None else field.type)
-        except (pa.ArrowException, TypeError):
+        except (pa.ArrowException, TypeError, OverflowError):  # overflow: an integer beyond 64 bits
             if field is not None:
                 raise
             field = pa.field(name, pa.string(), metadata=JSON_TEXT_METADATA)

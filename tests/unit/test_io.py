@@ -651,17 +651,21 @@ def test_a_jsonl_outputs_column_of_mixed_values_reads_as_json_text(tmp_path: Pat
     """A .jsonl output writes a JSON-text column's values as the input had them (a number, a string); read_results
     reads such a column back as JSON text, as batchgen types it in an input (it raised; helper 63)."""
     path = tmp_path / "out.jsonl"
-    schema = pa.schema([pa.field("k", pa.string(), metadata=JSON_TEXT_METADATA)])
+    text = pa.string()
+    schema = pa.schema(
+        [pa.field("k", text, metadata=JSON_TEXT_METADATA), pa.field("big", text, metadata=JSON_TEXT_METADATA)]
+    )
     rows = result_rows(0, 3)
-    for row, value in zip(rows, ["1", '"x"', '[["b", 2]]']):
+    for row, value, big in zip(rows, ["1", '"x"', '[["b", 2]]'], ["1180591620717411303424", "5", None]):
         del row["topic"]
-        row["k"] = value
+        row["k"], row["big"] = value, big  # big: integers beyond 64 bits, which the input typed as JSON text
     with open_result_writer(path, schema, META) as writer:
         writer.write(rows)
     assert [json.loads(line)["k"] for line in path.read_text().splitlines()] == [1, "x", [["b", 2]]]
     table = read_results(path)
     assert is_json_text(table.schema.field("k"))
     assert table.column("k").to_pylist() == ["1", '"x"', '[["b", 2]]']
+    assert table.column("big").to_pylist() == ["1180591620717411303424", "5", None]
     assert table.column("text").to_pylist() == ["out0", "out1", "out2"]
 
 
