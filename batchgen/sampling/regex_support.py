@@ -12,27 +12,39 @@ from batchgen.errors import FieldError
 
 def check_anchors(pattern: str) -> None:
     """Refuse ``^`` or ``$`` in ``pattern`` other than at its start or end, or at those of a top-level alternative
-    (``^a|^b``, ``a$|b$``); escaped ones and those inside a character class are characters.
+    (``^a|^b``, ``a$|b$``); escaped ones and those inside a character class are characters. Refuse too the anchors
+    xgrammar reads as letters (``\\A``, ``\\Z``, ``\\z``) and an escaped ``^`` first in a class, which it reads
+    as a negation (``[\\^]``).
 
     Raises:
         FieldError: (``regex``) naming the anchor and its position.
     """
-    depth, i = 0, 0
+    depth, i, alternative_starts = 0, 0, True  # the pattern's start is a top-level alternative's
     while i < len(pattern):
         c = pattern[i]
         if c == "\\":
-            i += 2
+            letter = pattern[i + 1 : i + 2]
+            if letter in ("A", "Z", "z"):
+                raise FieldError(
+                    "regex",
+                    f"'\\{letter}' at position {i} is not supported by xgrammar (it reads the letter {letter}; the "
+                    "whole output must match the pattern anyway)",
+                )
+            i, alternative_starts = i + 2, False
             continue
         if c == "[":
-            i = _class_end(pattern, i)
+            if pattern[i + 1 : i + 3] == "\\^":
+                raise FieldError(
+                    "regex", f"'[\\^' at position {i} is read by xgrammar as a negated class: put the ^ later in it"
+                )
+            i, alternative_starts = _class_end(pattern, i), False
             continue
         if c == "(":
             depth += 1
         elif c == ")":
             depth -= 1
         elif c in "^$":
-            before, after = pattern[i - 1 : i], pattern[i + 1 : i + 2]
-            edge = before in ("", "|") if c == "^" else after in ("", "|")
+            edge = alternative_starts if c == "^" else pattern[i + 1 : i + 2] in ("", "|")
             if not edge or depth != 0:
                 where = "start" if c == "^" else "end"
                 raise FieldError(
@@ -40,6 +52,7 @@ def check_anchors(pattern: str) -> None:
                     f"'{c}' at position {i} is not enforced by xgrammar (only at the pattern's {where}, where the "
                     "whole output must match it anyway)",
                 )
+        alternative_starts = c == "|" and depth == 0
         i += 1
 
 
