@@ -30,6 +30,8 @@ _DROPPED = {
     "dependentRequired": "dependencies between properties are not enforced",
     "dependentSchemas": "dependencies between properties are not enforced",
     "dependencies": "dependencies between properties are not enforced",
+    "$dynamicRef": "dynamic references are not followed",
+    "$recursiveRef": "dynamic references are not followed",
 }
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 # JSON Schema's keywords that constrain a value (2020-12's validation and applicator vocabularies, and the older
@@ -79,13 +81,13 @@ def check_enforceable(schema: Any) -> None:
         FieldError: (``json_schema``) naming the first such keyword and its JSON pointer (``#`` is the root).
     """
     for pointer, node in _subschemas(schema, "#"):
-        problem = _unenforced(node)
+        problem = _unenforced(node, schema)
         if problem is not None:
             keyword, why = problem
             raise FieldError("json_schema", f"{keyword} at {pointer} is not enforced by xgrammar ({why})")
 
 
-def _unenforced(node: dict[str, Any]) -> tuple[str, str] | None:
+def _unenforced(node: dict[str, Any], root: Any) -> tuple[str, str] | None:
     """(keyword, why) of the first keyword of this one schema node that xgrammar would drop, or ``None``."""
     for keyword, why in _DROPPED.items():
         if keyword in node and (keyword != "uniqueItems" or node[keyword] is not False):
@@ -106,16 +108,22 @@ def _unenforced(node: dict[str, Any]) -> tuple[str, str] | None:
         return "allOf", "several subschemas are not all enforced: merge them into one"
     if isinstance(one_of, list) and len(one_of) > 1 and not _distinct_types(one_of):
         return "oneOf", "xgrammar may let several branches match: use anyOf if they cannot overlap"
-    return _beside_taken_alone(node) or _object_problem(node)
+    return _beside_taken_alone(node, root) or _object_problem(node)
 
 
-def _beside_taken_alone(node: dict[str, Any]) -> tuple[str, str] | None:
-    """A keyword xgrammar drops because it sits beside ``$ref``, a combinator, ``enum`` or ``const``."""
+def _beside_taken_alone(node: dict[str, Any], root: Any) -> tuple[str, str] | None:
+    """A keyword xgrammar drops because it sits beside ``$ref``, a combinator, ``enum`` or ``const`` (``root``: the
+    whole schema, whose ``$schema`` and definitions say when one is dropped with no loss)."""
+    # Drafts 4 to 7 ignore $ref's siblings themselves, as xgrammar does.
+    legacy = isinstance(root, dict) and any(f"draft-0{v}" in str(root.get("$schema", "")) for v in (4, 6, 7))
     for alone, move in _TAKEN_ALONE.items():
-        if alone in node:
-            other = next((k for k in node if k != alone and k in _VALIDATING), None)
-            if other is not None:
-                return other, f"a keyword beside {alone} is not enforced: {move}"
+        if alone not in node or (alone == "$ref" and legacy):
+            continue
+        others = [k for k in node if k != alone and k in _VALIDATING]
+        if others == ["type"] and alone != "$ref" and _branches_of_type(node[alone], node["type"], root):
+            continue  # every branch already holds only values of the type
+        if others:
+            return others[0], f"a keyword beside {alone} is not enforced: {move}"
     for alone in ("enum", "const"):
         if alone in node:
             other = next((k for k in node if k not in (alone, "type") and k in _VALIDATING), None)
@@ -127,6 +135,24 @@ def _beside_taken_alone(node: dict[str, Any]) -> tuple[str, str] | None:
     return None
 
 
+def _branches_of_type(branches: Any, json_type: Any, root: Any) -> bool:
+    """Whether each of ``branches`` (a local ``$ref`` followed) declares a ``type`` among ``json_type``'s."""
+    allowed = set(json_type if isinstance(json_type, list) else [json_type])
+    if "number" in allowed:
+        allowed.add("integer")
+    for branch in branches if isinstance(branches, list) else []:
+        ref = branch.get("$ref") if isinstance(branch, dict) else None
+        if isinstance(ref, str) and ref.startswith("#/"):
+            branch = root
+            for part in ref[2:].split("/"):  # a JSON pointer (RFC 6901)
+                branch = branch.get(part.replace("~1", "/").replace("~0", "~")) if isinstance(branch, dict) else None
+        declared = branch.get("type") if isinstance(branch, dict) else None
+        names = declared if isinstance(declared, list) else [declared]
+        if declared is None or not set(names) <= allowed:
+            return False
+    return True
+
+
 def _object_problem(node: dict[str, Any]) -> tuple[str, str] | None:
     """``required`` names xgrammar never writes, or a least count of keys it may meet by repeating one."""
     required, properties = node.get("required"), node.get("properties")
@@ -134,8 +160,10 @@ def _object_problem(node: dict[str, Any]) -> tuple[str, str] | None:
     missing = next((name for name in required if name not in listed), None) if isinstance(required, list) else None
     if missing is not None:
         return "required", f"'{missing}' is not among properties, and only those are written"
-    open_keys = "patternProperties" in node or "propertyNames" in node
-    if "minProperties" in node and (open_keys or node.get("additionalProperties") not in (None, False)):
+    least, extra = node.get("minProperties"), node.get("additionalProperties") not in (None, False)
+    open_keys = extra or "patternProperties" in node or "propertyNames" in node
+    # One key repeated still makes one: only a least count of 2 or more can be met by repeating one.
+    if isinstance(least, int) and least >= 2 and open_keys:
         return "minProperties", "keys beyond properties may repeat, and a repeated key counts again"
     return None
 

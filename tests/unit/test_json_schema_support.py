@@ -59,6 +59,12 @@ CASES: list[tuple[str, dict[str, Any], Any, str | None]] = [
     ("beside $ref", {"$defs": {"s": {"type": "string"}}, "$ref": "#/$defs/s", "maxLength": 2}, "abc", "maxLength"),
     ("type beside enum", {"type": "integer", "enum": [1, "a", 2.5]}, 2.5, "type"),
     ("beside anyOf", {"type": "string", "anyOf": [{"pattern": "^x"}, {"pattern": "^y"}]}, True, "type"),
+    (
+        "$dynamicRef",
+        {"$defs": {"n": {"$dynamicAnchor": "n", "type": "integer"}}, "$dynamicRef": "#n"},
+        "x",
+        "$dynamicRef",
+    ),
     # Enforced: no refusal, and the grammar itself rejects the instance.
     ("multipleOf integer (B23 jbad)", {"type": "integer", "multipleOf": 7}, 8, None),
     ("allOf of one", {"allOf": [{"type": "integer", "maximum": 5}]}, 9, None),
@@ -73,6 +79,32 @@ CASES: list[tuple[str, dict[str, Any], Any, str | None]] = [
     ("enum of its type", {"type": "integer", "enum": [1, 2], "title": "t"}, 3, None),
     ("annotations beside $ref", {"$defs": {"s": {"type": "string", "maxLength": 2}}, "$ref": "#/$defs/s"}, "abc", None),
     ("anyOf of optional", {"anyOf": [{"type": "integer"}, {"type": "null"}], "default": None}, "x", None),
+    # Helper 64: one key repeated still makes one; a type every branch has; drafts 4-7 ignore $ref's siblings.
+    ("minProperties 1", {"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 1}, {}, None),
+    (
+        "type beside typed branches",
+        {
+            "type": "object",
+            "anyOf": [{"$ref": "#/$defs/a"}, {"$ref": "#/$defs/b"}],
+            "$defs": {
+                "a": {"type": "object", "properties": AB, "required": ["a"]},
+                "b": {"type": "object", "properties": AB, "required": ["b"]},
+            },
+        },
+        {},
+        None,
+    ),
+    (
+        "draft-07 $ref sibling",
+        {
+            "$schema": "http://json-schema.org/draft-07/schema#",
+            "definitions": {"s": {"type": "string", "maxLength": 1}},
+            "$ref": "#/definitions/s",
+            "maxLength": 5,
+        },
+        "abc",
+        None,
+    ),
     ("oneOf with discriminator", {"oneOf": [{"type": "integer"}, {"type": "string"}], "discriminator": {}}, 1.5, None),
 ]
 
