@@ -88,10 +88,10 @@ class ColumnMapping:
         for column, target in ((o.id_column, "id"), (o.prompt_column, "prompt"), (self.messages_column, "messages")):
             if column is None:
                 continue
-            value = data.get(column)
+            value, fields[target] = data.get(column), column
             if value is None:
                 return data, fields, (column, f"null or missing; {self._flag_of(column)} needs a value in every row")
-            data[target], fields[target] = value, column
+            data[target] = value
             if target == "messages":
                 data[target] = chat_messages(value)
                 if data[target] == [] and value != []:

@@ -195,10 +195,11 @@ def _check_token_ids(value: Any, fail: _Fail) -> list[int]:
 def error_row_id(row: InputRow) -> str:
     """The id of the error row a bad ``row`` becomes: its id as :func:`parse_row` gives it (the row index when it
     has none), or, when the id itself is bad, that value as JSON (``true``, ``1.5``, ``""``: as the input wrote
-    it; a lone surrogate as its ``\\u`` escape, since the id column holds text)."""
+    it; a lone surrogate as its ``\\u`` escape, since the id column holds text): ``null`` where the id comes from a
+    column (``--id-column``, an OpenAI line's ``custom_id``) that has none, whose index is no id of the row's."""
     value = _integral_id(row.data.get("id"))
     if value is None:
-        return str(row.index)
+        return "null" if "id" in row.columns else str(row.index)
     if _id_problem(value) is None:
         return str(value)
     text = json.dumps(value, ensure_ascii=False, default=repr)

@@ -141,9 +141,9 @@ def test_a_row_without_its_id_column_value_claims_no_id(model: Path, tmp_path: P
     assert code == 0, output
     assert "duplicate" not in output
     lines = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
-    assert sorted((line["error"] or "").split(": ")[-1] for line in lines) == [
-        "",
-        "null or missing; --id-column key needs a value in every row",
+    assert sorted((line["id"], (line["error"] or "").split(": ")[-1]) for line in lines) == [
+        ("0", ""),
+        ("null", "null or missing; --id-column key needs a value in every row"),  # its id as it is, as a bad id's
     ]
 
 
