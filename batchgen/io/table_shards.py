@@ -126,7 +126,7 @@ def unified_schema(schemas: list[tuple[str, pa.Schema]]) -> pa.Schema:
     """One schema for shards ``(name, schema)``: every column of any of them (a column a shard lacks is null in its
     rows), of the type all shards that have it agree on: a column of nulls takes the others' type, and types that
     hold the same values widen to the type that holds both (``string`` and ``large_string``, as pandas and pyarrow
-    write them; ``int32`` and ``int64``; ``float32`` and ``float64``), as ``datasets`` reads such shards.
+    write them; ``int32`` and ``int64``; ``float32`` and ``float64``), as pyarrow's permissive promotion does.
 
     Raises:
         BatchgenError: naming the first column two shards give types that do not unify, and the two shards.

@@ -12,6 +12,7 @@ xgrammar 0.2.9 leaves unenforced, each entry checked against ``jsonschema`` by
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -106,7 +107,7 @@ def _unenforced(node: dict[str, Any], root: Any) -> tuple[str, str] | None:
     all_of, one_of = node.get("allOf"), node.get("oneOf")
     if isinstance(all_of, list) and len(all_of) > 1:
         return "allOf", "several subschemas are not all enforced: merge them into one"
-    if isinstance(one_of, list) and len(one_of) > 1 and not _distinct_types(one_of):
+    if isinstance(one_of, list) and len(one_of) > 1 and not _disjoint(one_of, root):
         return "oneOf", "xgrammar may let several branches match: use anyOf if they cannot overlap"
     return _beside_taken_alone(node, root) or _object_problem(node)
 
@@ -141,11 +142,7 @@ def _branches_of_type(branches: Any, json_type: Any, root: Any) -> bool:
     if "number" in allowed:
         allowed.add("integer")
     for branch in branches if isinstance(branches, list) else []:
-        ref = branch.get("$ref") if isinstance(branch, dict) else None
-        if isinstance(ref, str) and ref.startswith("#/"):
-            branch = root
-            for part in ref[2:].split("/"):  # a JSON pointer (RFC 6901)
-                branch = branch.get(part.replace("~1", "/").replace("~0", "~")) if isinstance(branch, dict) else None
+        branch = _resolved(branch, root)
         declared = branch.get("type") if isinstance(branch, dict) else None
         names = declared if isinstance(declared, list) else [declared]
         if declared is None or not set(names) <= allowed:
@@ -181,13 +178,36 @@ def _of_type(value: Any, json_type: Any) -> bool:
     return False
 
 
-def _distinct_types(branches: list[Any]) -> bool:
-    """True when each branch has one ``type`` and no two can hold the same value: ``oneOf`` is then ``anyOf``,
-    which xgrammar does enforce (an integer is also a number)."""
-    types = [b.get("type") if isinstance(b, dict) else None for b in branches]
-    if not all(isinstance(t, str) for t in types):
-        return False
-    return len(set(types)) == len(types) and not {"integer", "number"} <= set(types)
+def _disjoint(branches: list[Any], root: Any) -> bool:
+    """True when no two branches (local ``$ref`` followed) can hold the same value, so that ``oneOf`` means
+    ``anyOf``, which xgrammar enforces: each has one ``type`` and no two share it (an integer is also a number), or
+    each is an object requiring one property, the same in all, whose ``const`` is its own (pydantic's discriminated
+    unions)."""
+    resolved = [_resolved(branch, root) for branch in branches]
+    types = [b.get("type") if isinstance(b, dict) else None for b in resolved]
+    one_each = all(isinstance(t, str) for t in types) and len(set(types)) == len(types)
+    if one_each and not {"integer", "number"} <= set(types):
+        return True
+    tags: list[dict[str, str]] = []  # per branch: required property → its const, as JSON text
+    for b in resolved:
+        properties = b.get("properties") if isinstance(b, dict) else None
+        if not isinstance(properties, dict) or not isinstance(b.get("required"), list):
+            return False
+        consts = {n: p["const"] for n, p in properties.items() if isinstance(p, dict) and "const" in p}
+        tags.append({n: json.dumps(v, sort_keys=True) for n, v in consts.items() if n in b["required"]})
+    common = set.intersection(*(set(t) for t in tags))
+    return any(len({t[name] for t in tags}) == len(tags) for name in common)
+
+
+def _resolved(node: Any, root: Any) -> Any:
+    """``node``, or the schema its local ``$ref`` (a JSON pointer into ``root``, RFC 6901) names (``None`` if none)."""
+    ref = node.get("$ref") if isinstance(node, dict) else None
+    if not (isinstance(ref, str) and ref.startswith("#/")):
+        return node
+    target = root
+    for part in ref[2:].split("/"):
+        target = target.get(part.replace("~1", "/").replace("~0", "~")) if isinstance(target, dict) else None
+    return target
 
 
 def _subschemas(node: Any, pointer: str) -> Iterator[tuple[str, dict[str, Any]]]:

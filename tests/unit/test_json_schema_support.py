@@ -105,6 +105,27 @@ CASES: list[tuple[str, dict[str, Any], Any, str | None]] = [
         "abc",
         None,
     ),
+    (
+        "discriminated oneOf",
+        {
+            "oneOf": [{"$ref": "#/$defs/cat"}, {"$ref": "#/$defs/dog"}],
+            "discriminator": {"propertyName": "kind"},
+            "$defs": {
+                "cat": {
+                    "type": "object",
+                    "properties": {"kind": {"const": "cat", "type": "string"}},
+                    "required": ["kind"],
+                },
+                "dog": {
+                    "type": "object",
+                    "properties": {"kind": {"const": "dog", "type": "string"}},
+                    "required": ["kind"],
+                },
+            },
+        },
+        {"kind": "bird"},
+        None,
+    ),
     ("oneOf with discriminator", {"oneOf": [{"type": "integer"}, {"type": "string"}], "discriminator": {}}, 1.5, None),
 ]
 
