@@ -163,6 +163,20 @@ def _unified_type(a: pa.DataType, b: pa.DataType) -> pa.DataType | None:
         return a if a.bit_width >= b.bit_width else b
     if pa.types.is_integer(a) and pa.types.is_integer(b):
         return _wider_integer(a, b)
+    lists = (pa.types.is_list, pa.types.is_large_list)
+    if any(kind(a) for kind in lists) and any(kind(b) for kind in lists):
+        item = _unified_type(a.value_type, b.value_type)
+        large = pa.types.is_large_list(a) or pa.types.is_large_list(b)
+        return None if item is None else pa.large_list(item) if large else pa.list_(item)
+    if pa.types.is_struct(a) and pa.types.is_struct(b):
+        fields = {field.name: field for field in a}
+        for field in b:  # a field one side lacks is null in its rows
+            known = fields.get(field.name)
+            unified = field.type if known is None else _unified_type(known.type, field.type)
+            if unified is None:
+                return None
+            fields[field.name] = field.with_type(unified) if known is None else known.with_type(unified)
+        return pa.struct(list(fields.values()))
     return None
 
 

@@ -86,6 +86,23 @@ def test_shards_of_types_that_hold_the_same_values_widen(tmp_path: Path) -> None
         {"prompt": "a", "score": 1, "tag": "x"},
         {"prompt": "b", "score": 2**40, "tag": "y"},
     ]
+    nested = tmp_path / "nested"
+    nested.mkdir()
+    first = {"prompt": ["a"], "tags": pa.array([["x"]], pa.list_(pa.string())), "m": [{"v": 1}]}
+    pq.write_table(
+        pa.table(
+            first,
+            schema=pa.schema(
+                [("prompt", pa.string()), ("tags", pa.list_(pa.string())), ("m", pa.struct([("v", pa.int32())]))]
+            ),
+        ),
+        nested / "0.parquet",
+    )
+    second = {"prompt": ["b"], "tags": pa.array([["y"]], pa.list_(pa.large_string())), "m": [{"v": 2**40, "w": "k"}]}
+    pq.write_table(pa.table(second), nested / "1.parquet")
+    widened = RowReader(nested).passthrough_schema
+    assert widened.field("tags").type.value_type == pa.large_string()
+    assert widened.field("m").type == pa.struct([("v", pa.int64()), ("w", pa.string())])
     pq.write_table(pa.table({"prompt": ["c"], "score": pa.array([3], pa.uint64())}), tmp_path / "2.parquet")
     with pytest.raises(BatchgenError, match=re.escape("shards disagree on column 'score': int64 in ")):
         RowReader(tmp_path)  # no integer type holds both int64's and uint64's values
