@@ -26,8 +26,9 @@ import pyarrow.compute as pc
 
 from batchgen.errors import RowError
 from batchgen.io.input_options import InputOptions
+from batchgen.io.input_row import InputRow
 from batchgen.io.reader import RowReader
-from batchgen.io.rows import error_row_id
+from batchgen.io.rows import error_row_id, unreadable_row_id
 
 # Output metadata key of the digests.
 INPUT_DIGESTS_KEY = "batchgen.input_digests"
@@ -64,7 +65,8 @@ def compare_rows(
     number of the dataset's ids the output lacks.
 
     The first row with an id is the one its output row was made from (a later one is a duplicate, a bad row); a
-    line that is not a JSON object takes its index as id, but has no digest to compare.
+    line that is not a JSON object has the id :func:`~batchgen.io.rows.unreadable_row_id` gives it, but no digest
+    to compare.
 
     Raises:
         ValueError: ``recorded`` is not what :func:`encode_digests` writes.
@@ -78,8 +80,7 @@ def compare_rows(
         raise ValueError(f"not input digests: {len(stored)} bytes")
     have, seen = set(out_ids), set()
     ids, digests = [], bytearray()
-    for index, item in enumerate(RowReader(dataset, options=options)):
-        rid = str(index) if isinstance(item, RowError) else error_row_id(item)
+    for rid, item in _identified(dataset, options):
         if rid in have and rid not in seen and not isinstance(item, RowError):
             ids.append(rid)
             digests += row_digest(rid, item.data)
@@ -92,10 +93,18 @@ def compare_rows(
 
 def input_ids(dataset: Path, options: InputOptions | None = None) -> Iterator[str]:
     """The id of each row of ``dataset``, in order, as a run with the column ``options`` gives it to its output row:
-    the row's ``id`` (or its ``--id-column``'s value), else its index (a line that is not a JSON object too).
+    the row's ``id`` (or its ``--id-column``'s value), else its index; a line that is not a JSON object, as
+    :func:`~batchgen.io.rows.unreadable_row_id` names it.
 
     Raises:
         BatchgenError: the dataset cannot be read.
     """
-    for index, item in enumerate(RowReader(dataset, options=options)):
-        yield str(index) if isinstance(item, RowError) else error_row_id(item)
+    for rid, _ in _identified(dataset, options):
+        yield rid
+
+
+def _identified(dataset: Path, options: InputOptions | None) -> Iterator[tuple[str, InputRow | RowError]]:
+    """Each row of ``dataset`` with the id its output row has (an unreadable line's by :func:`unreadable_row_id`)."""
+    reader = RowReader(dataset, options=options)
+    for index, item in enumerate(reader):
+        yield (unreadable_row_id(index, reader.index_ids) if isinstance(item, RowError) else error_row_id(item)), item

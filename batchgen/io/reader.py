@@ -92,6 +92,12 @@ class RowReader:
         data, columns, problem = self.mapping.apply(item.data)
         return InputRow(item.index, item.line, data, item.source, columns, problem)
 
+    @property
+    def index_ids(self) -> bool:
+        """Whether a row without an id takes its index as id: not where ids come from a column (``--id-column``, an
+        OpenAI Batch file's ``custom_id``), whose rows' indexes may be other rows' ids."""
+        return self.options.id_column is None and self.openai is None
+
     # --- JSON Lines -------------------------------------------------------------------------------------
 
     def _init_jsonl(self) -> list[str]:

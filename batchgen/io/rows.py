@@ -206,6 +206,14 @@ def error_row_id(row: InputRow) -> str:
     return text if is_unicode_text(text) else json.dumps(value, default=repr)
 
 
+def unreadable_row_id(index: int, index_ids: bool) -> str:
+    """The id of the error row an unreadable line (not JSON, not an object) at ``index`` becomes: its index where a
+    row without an id takes its index as id (``index_ids``), else ``null`` (``--id-column``, an OpenAI Batch file:
+    the line's id is unknown, and its index may be another row's id), as :func:`error_row_id` names a row whose id
+    column is null."""
+    return str(index) if index_ids else "null"
+
+
 def _integral_id(value: Any) -> Any:
     """``value``, or the integer a float with no fraction holds (pandas writes an integer column with nulls as
     floats: an id 4.0 is the id 4)."""

@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 
 from batchgen.errors import RowError
 from batchgen.io.reader import InputRow
-from batchgen.io.rows import RowSpec, error_row_id
+from batchgen.io.rows import RowSpec, error_row_id, unreadable_row_id
 from batchgen.job.request_builder import RequestBuilder
 from batchgen.job.result_rows import result_row
 from batchgen.loop.engine import Engine
@@ -62,10 +62,11 @@ class RowChecks:
         (unreadable, failing its checks, a duplicate id) goes to ``on_bad_row`` when it is reached."""
         for order, item in enumerate(items):
             if isinstance(item, RowError):
+                rid = unreadable_row_id(order, self.index_ids)
                 # Its default id is taken: a later row giving the same id explicitly is a duplicate.
                 if self.index_ids:
-                    self._seen_ids.add(str(order))
-                on_bad_row(item, str(order), {})
+                    self._seen_ids.add(rid)
+                on_bad_row(item, rid, {})
                 continue
             try:
                 spec = self.parse(item)

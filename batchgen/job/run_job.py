@@ -116,7 +116,7 @@ class RunJob:
             self.reader.source,
             lambda row: parse_row(row, row.source or self.reader.source, passthrough, names),
             lambda row: passthrough_that_fits(row.data, passthrough, names),
-            index_ids=self.reader.options.id_column is None,
+            index_ids=self.reader.index_ids,
         )
         # Every input row's digest, for the output's metadata: a later --resume checks its rows against them.
         self._digests = bytearray()

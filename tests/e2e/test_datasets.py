@@ -147,6 +147,23 @@ def test_a_row_without_its_id_column_value_claims_no_id(model: Path, tmp_path: P
     ]
 
 
+def test_an_unreadable_line_claims_no_id_with_an_id_column(model: Path, tmp_path: Path) -> None:
+    """With --id-column an unreadable line's error row is called ``null``, as a row whose id column is null: its
+    index (1) is the id of another row, which was written beside it twice over, and status counted it once."""
+    dataset = tmp_path / "data.jsonl"
+    good = [json.dumps({"key": key, "question": q}) for key, q in ((0, QUESTIONS[0]), (1, QUESTIONS[1]))]
+    dataset.write_text("\n".join([good[0], "{not json", good[1]]) + "\n")
+    options = ["--prompt-column", "question", "--id-column", "key", "--on-error", "skip", *GREEDY]
+    out = tmp_path / "out.jsonl"
+    code, output = run_cli(run_args(dataset, out, model, *options))
+    assert code == 0, output
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted((line["id"], line["error"] is None) for line in lines) == [("0", True), ("1", True), ("null", False)]
+    code, output = run_cli(["status", str(dataset), str(out), "--id-column", "key", "--prompt-column", "question"])
+    assert code == 0, output
+    assert "3 of 3 rows done, 0 remaining, 1 errored" in output
+
+
 def test_sharegpt_conversations_are_read_as_messages(chat_model: Path, tmp_path: Path) -> None:
     conversations = [
         [

@@ -372,6 +372,25 @@ def test_bad_lines_are_400_lines_in_place_under_on_error_skip(model: Path, tmp_p
     assert status.startswith(f"{tmp_path / 'out.jsonl'}: complete: 9 of 9 rows done, 0 remaining, 7 errored")
 
 
+def test_an_unreadable_line_takes_no_custom_id(model: Path, tmp_path: Path) -> None:
+    """A line that is not JSON has no custom_id: its error line's is null, and its index (1) is no id of its, so the
+    request whose custom_id is "1" is no duplicate (it was a 400 line: "duplicate id '1'")."""
+    chat_body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "temperature": 0}
+    dataset = tmp_path / "in.jsonl"
+    good = [json.dumps(request(custom_id, chat_body)) for custom_id in ("a", "1")]
+    dataset.write_text("\n".join([good[0], "{not json", good[1]]) + "\n")
+    run(dataset, tmp_path / "out.jsonl", model, "--on-error", "skip")
+    lines = output_lines(tmp_path / "out.jsonl")
+    assert [(line["custom_id"], line["response"]["status_code"]) for line in lines] == [
+        ("a", 200),
+        (None, 400),
+        ("1", 200),
+    ]
+    code, status = run_cli(["status", str(dataset), str(tmp_path / "out.jsonl")])
+    assert code == 0
+    assert status.startswith(f"{tmp_path / 'out.jsonl'}: complete: 3 of 3 rows done, 0 remaining, 1 errored")
+
+
 def test_bad_lines_fail_the_run_and_are_left_out_under_on_error_fail(model: Path, tmp_path: Path) -> None:
     dataset = bad_file(tmp_path)
     code, output = run_cli(run_args(dataset, tmp_path / "out.jsonl", model))
