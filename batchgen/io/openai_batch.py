@@ -33,22 +33,10 @@ LINE_KEYS = ("custom_id", "method", "url", "body")
 
 # Body fields copied to the row under batchgen's name (OpenAI's and vLLM's extra sampling fields).
 _SAMPLING_NAMES = {
-    "max_tokens": "max_tokens",
-    "max_completion_tokens": "max_completion_tokens",
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "n": "n",
-    "stop": "stop",
-    "seed": "seed",
-    "presence_penalty": "presence_penalty",
-    "frequency_penalty": "frequency_penalty",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "repetition_penalty": "repetition_penalty",
+    **{name: name for name in ("max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stop", "seed")},
+    **{name: name for name in ("presence_penalty", "frequency_penalty", "top_k", "min_p", "repetition_penalty")},
+    **{name: name for name in ("ignore_eos", "stop_token_ids", "skip_special_tokens")},
     "min_tokens": "min_new_tokens",
-    "ignore_eos": "ignore_eos",
-    "stop_token_ids": "stop_token_ids",
-    "skip_special_tokens": "skip_special_tokens",
 }
 # Body fields that change nothing batchgen writes, whatever their value (stream_options applies only to
 # stream: true, which is refused; vLLM's files carry it without).
@@ -264,17 +252,22 @@ def _messages(messages: Any, fail: _Fail) -> Any:
 
 
 def _logprobs(url: str, body: dict[str, Any], fail: _Fail) -> dict[str, Any]:
-    """batchgen's ``logprobs`` / ``top_logprobs`` for the body's: off unless the body asks (OpenAI's default)."""
+    """batchgen's ``logprobs`` / ``top_logprobs`` for the body's: off unless the body asks (OpenAI's default); at
+    most 20 top logprobs (OpenAI's cap for chat, vLLM's default ``max_logprobs`` for both endpoints)."""
     value = body.get("logprobs")
     if url == CHAT_URL:
         if value is not None and not isinstance(value, bool):
             raise fail("body.logprobs", f"must be true or false, got {shown_value(value)}")
-        return {"logprobs": bool(value), "top_logprobs": body.get("top_logprobs", 0)}
-    if value is None or value is False:
+        logprobs, top, name = bool(value), body.get("top_logprobs", 0), "body.top_logprobs"
+    elif value is None or value is False:
         return {"logprobs": False, "top_logprobs": 0}
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    elif isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise fail("body.logprobs", f"must be a count of top logprobs (an integer >= 0), got {shown_value(value)}")
-    return {"logprobs": True, "top_logprobs": value}
+    else:
+        logprobs, top, name = True, value, "body.logprobs"
+    if isinstance(top, int) and not isinstance(top, bool) and top > 20:
+        raise fail(name, f"asks for {top} top logprobs; at most 20 (the OpenAI chat API's and vLLM's limit)")
+    return {"logprobs": logprobs, "top_logprobs": top}
 
 
 def _response_format(value: Any, fail: _Fail) -> dict[str, Any]:

@@ -372,6 +372,29 @@ def test_bad_lines_are_400_lines_in_place_under_on_error_skip(model: Path, tmp_p
     assert status.startswith(f"{tmp_path / 'out.jsonl'}: complete: 9 of 9 rows done, 0 remaining, 7 errored")
 
 
+@pytest.mark.parametrize(
+    ("url", "asks"),
+    [
+        (CHAT, lambda n: {"messages": [{"role": "user", "content": "Hi"}], "logprobs": True, "top_logprobs": n}),
+        (COMPLETIONS, lambda n: {"prompt": "Once upon a time", "logprobs": n}),
+    ],
+)
+def test_top_logprobs_past_20_are_refused(model: Path, tmp_path: Path, url: str, asks: Any) -> None:
+    """20 top logprobs is the most OpenAI's chat API (and vLLM's default max_logprobs) allows; 21 is a 400 line."""
+    lines = [request(f"n{n}", {**GREEDY, "max_tokens": 2, **asks(n)}, url) for n in (20, 21)]
+    run(write_jsonl(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl", model, "--on-error", "skip")
+    ok, refused = output_lines(tmp_path / "out.jsonl")
+    logprobs = validated(ok, url).choices[0].logprobs
+    if url == CHAT:  # a completions entry is keyed by text, which tokens of a random model share
+        assert [len(entry.top_logprobs) for entry in logprobs.content] == [20, 20]
+    error = refused["response"]["body"]["error"]
+    field = "body.top_logprobs" if url == CHAT else "body.logprobs"
+    assert (refused["response"]["status_code"], error["param"]) == (400, field)
+    assert error["message"].endswith(
+        f"field '{field}': asks for 21 top logprobs; at most 20 (the OpenAI chat API's and vLLM's limit)"
+    )
+
+
 def test_an_unreadable_line_takes_no_custom_id(model: Path, tmp_path: Path) -> None:
     """A line that is not JSON has no custom_id: its error line's is null, and its index (1) is no id of its, so the
     request whose custom_id is "1" is no duplicate (it was a 400 line: "duplicate id '1'")."""
