@@ -28,7 +28,7 @@ from batchgen.errors import RowError
 from batchgen.io.input_options import InputOptions
 from batchgen.io.input_row import InputRow
 from batchgen.io.reader import RowReader
-from batchgen.io.rows import error_row_id, unreadable_row_id
+from batchgen.io.rows import claims_id, error_row_id, unreadable_row_id
 
 # Output metadata key of the digests.
 INPUT_DIGESTS_KEY = "batchgen.input_digests"
@@ -64,9 +64,9 @@ def compare_rows(
     row is not one ``recorded`` holds (in dataset order), those whose input row is gone (in output order), and the
     number of the dataset's ids the output lacks.
 
-    The first row with an id is the one its output row was made from (a later one is a duplicate, a bad row); a
-    line that is not a JSON object has the id :func:`~batchgen.io.rows.unreadable_row_id` gives it, but no digest
-    to compare.
+    The first row that claims an id (:func:`~batchgen.io.rows.claims_id`) is the one its output row was made from
+    (a later one is a duplicate, a bad row); a line that is not a JSON object has the id
+    :func:`~batchgen.io.rows.unreadable_row_id` gives it, but no digest to compare.
 
     Raises:
         ValueError: ``recorded`` is not what :func:`encode_digests` writes.
@@ -78,33 +78,37 @@ def compare_rows(
         raise ValueError(f"not input digests: {e}") from None
     if len(stored) % DIGEST_BYTES:
         raise ValueError(f"not input digests: {len(stored)} bytes")
-    have, seen = set(out_ids), set()
+    have, seen, claimed = set(out_ids), set(), set()
     ids, digests = [], bytearray()
-    for rid, item in _identified(dataset, options):
-        if rid in have and rid not in seen and not isinstance(item, RowError):
+    for rid, claims, item in _identified(dataset, options):
+        if rid in have and rid not in claimed and not isinstance(item, RowError):
             ids.append(rid)
             digests += row_digest(rid, item.data)
         seen.add(rid)
+        if claims:
+            claimed.add(rid)
     found = pc.is_in(_as_array(bytes(digests)), value_set=_as_array(stored)).to_pylist()
     changed = [rid for rid, same in zip(ids, found) if not same]
     gone = list(dict.fromkeys(rid for rid in out_ids if rid not in seen))
     return changed, gone, len(seen - have)
 
 
-def input_ids(dataset: Path, options: InputOptions | None = None) -> Iterator[str]:
-    """The id of each row of ``dataset``, in order, as a run with the column ``options`` gives it to its output row:
-    the row's ``id`` (or its ``--id-column``'s value), else its index; a line that is not a JSON object, as
-    :func:`~batchgen.io.rows.unreadable_row_id` names it.
+def input_ids(dataset: Path, options: InputOptions | None = None) -> Iterator[tuple[str, bool]]:
+    """The id of each row of ``dataset``, in order, as a run with the column ``options`` gives it to its output row
+    (the row's ``id``, or its ``--id-column``'s value, else its index; a line that is not a JSON object, as
+    :func:`~batchgen.io.rows.unreadable_row_id` names it), and whether the row claims that id
+    (:func:`~batchgen.io.rows.claims_id`: a row that does not is an error row, beside the row that does).
 
     Raises:
         BatchgenError: the dataset cannot be read.
     """
-    for rid, _ in _identified(dataset, options):
-        yield rid
+    for rid, claims, _ in _identified(dataset, options):
+        yield rid, claims
 
 
-def _identified(dataset: Path, options: InputOptions | None) -> Iterator[tuple[str, InputRow | RowError]]:
-    """Each row of ``dataset`` with the id its output row has (an unreadable line's by :func:`unreadable_row_id`)."""
+def _identified(dataset: Path, options: InputOptions | None) -> Iterator[tuple[str, bool, InputRow | RowError]]:
+    """Each row of ``dataset`` with the id its output row has, and whether it claims it."""
     reader = RowReader(dataset, options=options)
     for index, item in enumerate(reader):
-        yield (unreadable_row_id(index, reader.index_ids) if isinstance(item, RowError) else error_row_id(item)), item
+        rid = unreadable_row_id(index, reader.index_ids) if isinstance(item, RowError) else error_row_id(item)
+        yield rid, claims_id(item, reader.index_ids), item

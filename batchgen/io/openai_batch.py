@@ -258,15 +258,16 @@ def _logprobs(url: str, body: dict[str, Any], fail: _Fail) -> dict[str, Any]:
     if url == CHAT_URL:
         if value is not None and not isinstance(value, bool):
             raise fail("body.logprobs", f"must be true or false, got {shown_value(value)}")
-        logprobs, top, name = bool(value), body.get("top_logprobs", 0), "body.top_logprobs"
+        logprobs, top, name, limit = bool(value), body.get("top_logprobs", 0), "body.top_logprobs", "OpenAI's limit"
     elif value is None or value is False:
         return {"logprobs": False, "top_logprobs": 0}
-    elif isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise fail("body.logprobs", f"must be a count of top logprobs (an integer >= 0), got {shown_value(value)}")
     else:
-        logprobs, top, name = True, value, "body.logprobs"
-    if isinstance(top, int) and not isinstance(top, bool) and top > 20:
-        raise fail(name, f"asks for {top} top logprobs; at most 20 (the OpenAI chat API's and vLLM's limit)")
+        count = int(value) if isinstance(value, float) and value.is_integer() else value  # 5.0: vLLM reads 5
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise fail("body.logprobs", f"must be a count of top logprobs (an integer >= 0), got {shown_value(value)}")
+        logprobs, top, name, limit = True, count, "body.logprobs", "vLLM's default max_logprobs"
+    if isinstance(top, int | float) and not isinstance(top, bool) and top > 20:
+        raise fail(name, f"asks for {shown_value(body[name.removeprefix('body.')])} top logprobs; at most 20 ({limit})")
     return {"logprobs": logprobs, "top_logprobs": top}
 
 

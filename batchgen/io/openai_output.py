@@ -225,27 +225,60 @@ def result_fields(line: dict[str, Any]) -> dict[str, Any]:
     return {"id": rid, "sample_index": 0, "finish_reason": "error" if failed else "done"}
 
 
-def _input_order(dataset: Path) -> dict[str, int]:
-    """Each id of ``dataset`` → the position of its first row."""
-    order: dict[str, int] = {}
-    for position, rid in enumerate(input_ids(dataset)):
-        order.setdefault(rid, position)
+@dataclass
+class _InputOrder:
+    """Where each id's rows are in the input: ``first``, each id → the position of the row that claims it
+    (:func:`~batchgen.io.rows.claims_id`; its first row where none does); ``rest``, each id of more than one row →
+    the positions of its other rows, ascending; ``rows``, the input's row count."""
+
+    first: dict[str, int] = field(default_factory=dict)
+    rest: dict[str, list[int]] = field(default_factory=dict)
+    rows: int = 0
+
+
+def _input_order(dataset: Path) -> _InputOrder:
+    """Where each id's rows are in ``dataset`` (:class:`_InputOrder`)."""
+    order, unclaimed = _InputOrder(), set()
+    for position, (rid, claims) in enumerate(input_ids(dataset)):
+        order.rows += 1
+        if rid not in order.first:
+            order.first[rid] = position
+            if not claims:
+                unclaimed.add(rid)
+        elif claims and rid in unclaimed:  # the row that claims the id comes after rows that do not
+            order.rest.setdefault(rid, []).append(order.first[rid])
+            order.first[rid] = position
+            unclaimed.discard(rid)
+        else:
+            order.rest.setdefault(rid, []).append(position)
+    for positions in order.rest.values():
+        positions.sort()
     return order
 
 
-def _requests(table: pa.Table, order: dict[str, int]) -> Iterator[list[dict[str, Any]]]:
+def _requests(table: pa.Table, order: _InputOrder) -> Iterator[list[dict[str, Any]]]:
     """The rows of ``table`` grouped by request (a row's samples together, each error row alone), in input order:
-    by the position of the id's first input row, its samples before its error rows, samples by index."""
+    the samples of an id at its claiming row's position, its error rows at its other rows' (each at its own row's,
+    in order), samples by index; rows whose id the input lacks last."""
     if not table.num_rows:
         return
-    positions = pc.index_in(table.column("id"), value_set=pa.array(list(order), pa.string()))
-    keys = pa.table(
-        {
-            "position": pc.fill_null(positions, len(order)),
-            "error": pc.fill_null(pc.equal(table.column("finish_reason"), "error"), False),
-            "sample": pc.fill_null(table.column("sample_index"), 0),
+    ids, errors = table.column("id"), pc.fill_null(pc.equal(table.column("finish_reason"), "error"), False)
+    found = pc.index_in(ids, value_set=pa.array(list(order.first), pa.string()))
+    position = pc.fill_null(pc.take(pa.array(list(order.first.values()), pa.int64()), found), order.rows)
+    if order.rest:  # ids of several input rows (duplicates, error rows called null): each row at its own place
+        where = position.to_pylist()
+        shared = pc.indices_nonzero(pc.is_in(ids, value_set=pa.array(list(order.rest), pa.string()))).to_pylist()
+        rows = table.take(shared).select(["id", "finish_reason"]).to_pylist()
+        with_samples = {row["id"] for row in rows if row["finish_reason"] != "error"}
+        places = {
+            rid: positions if rid in with_samples else sorted([order.first[rid], *positions])
+            for rid, positions in order.rest.items()
         }
-    )
+        for i, row in zip(shared, rows):
+            if row["finish_reason"] == "error" and places[row["id"]]:
+                where[i] = places[row["id"]].pop(0)
+        position = pa.array(where, pa.int64())
+    keys = pa.table({"position": position, "error": errors, "sample": pc.fill_null(table.column("sample_index"), 0)})
     indices = pc.sort_indices(keys, sort_keys=[(name, "ascending") for name in keys.column_names])
     group: list[dict[str, Any]] = []
     for start in range(0, len(indices), _TAKE_ROWS):

@@ -214,6 +214,13 @@ def unreadable_row_id(index: int, index_ids: bool) -> str:
     return str(index) if index_ids else "null"
 
 
+def claims_id(item: InputRow | RowError, index_ids: bool) -> bool:
+    """Whether an input row takes its id, so that a later row giving that id is a duplicate: a row whose id is set,
+    or every row where a row without one takes its index (``index_ids``); not a row whose id column is null, nor an
+    unreadable line, where ids come from a column (their error rows are all called ``null``)."""
+    return index_ids or (not isinstance(item, RowError) and item.data.get("id") is not None)
+
+
 def _integral_id(value: Any) -> Any:
     """``value``, or the integer a float with no fraction holds (pandas writes an integer column with nulls as
     floats: an id 4.0 is the id 4)."""

@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 
 from batchgen.errors import RowError
 from batchgen.io.reader import InputRow
-from batchgen.io.rows import RowSpec, error_row_id, unreadable_row_id
+from batchgen.io.rows import RowSpec, claims_id, error_row_id, unreadable_row_id
 from batchgen.job.request_builder import RequestBuilder
 from batchgen.job.result_rows import result_row
 from batchgen.loop.engine import Engine
@@ -63,8 +63,7 @@ class RowChecks:
         for order, item in enumerate(items):
             if isinstance(item, RowError):
                 rid = unreadable_row_id(order, self.index_ids)
-                # Its default id is taken: a later row giving the same id explicitly is a duplicate.
-                if self.index_ids:
+                if claims_id(item, self.index_ids):  # a later row giving its default id explicitly is a duplicate
                     self._seen_ids.add(rid)
                 on_bad_row(item, rid, {})
                 continue
@@ -72,7 +71,7 @@ class RowChecks:
                 spec = self.parse(item)
             except RowError as e:
                 rid = error_row_id(item)
-                if self.index_ids or "id" in item.data:
+                if claims_id(item, self.index_ids):
                     self._seen_ids.add(rid)
                 on_bad_row(e, rid, self.bad_passthrough(item))
                 continue

@@ -204,13 +204,16 @@ def _changed_rows(
     return stale
 
 
-def _matched(dataset_ids: Iterable[str], sample_ids: set[str], error_ids: Counter[str]) -> tuple[int, int, int]:
+def _matched(
+    dataset_ids: Iterable[tuple[str, bool]], sample_ids: set[str], error_ids: Counter[str]
+) -> tuple[int, int, int]:
     """(rows done, of them errored, output rows matching no row): each dataset row, in order, takes its id's
-    samples (once) or else one of its id's error rows (a duplicate id is an error row beside the real row)."""
+    samples (once) or else one of its id's error rows (a duplicate id is an error row beside the real row); a row
+    that claims no id (:func:`~batchgen.io.rows.claims_id`) only an error row."""
     done = errored = 0
     unmatched, errors = set(sample_ids), Counter(error_ids)
-    for rid in dataset_ids:
-        if rid in unmatched:
+    for rid, claims in dataset_ids:
+        if claims and rid in unmatched:
             unmatched.discard(rid)
             done += 1
         elif errors[rid] > 0:

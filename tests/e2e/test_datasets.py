@@ -164,6 +164,34 @@ def test_an_unreadable_line_claims_no_id_with_an_id_column(model: Path, tmp_path
     assert "3 of 3 rows done, 0 remaining, 1 errored" in output
 
 
+def test_resume_refuses_a_changed_row_whose_id_is_null_text(model: Path, tmp_path: Path) -> None:
+    """A row whose id is the text "null" is its own row, after an unreadable line or a row with a null id (whose error
+    rows are called null): not a duplicate when the run reads it, and checked for changes when --resume does (the
+    changed row's stale text was kept; helper 65)."""
+    dataset, out = tmp_path / "data.jsonl", tmp_path / "out.arrow"
+    rows = [
+        "not json",
+        {"qid": None, "prompt": "x"},
+        {"qid": "null", "prompt": QUESTIONS[0]},
+        {"qid": "a", "prompt": "b"},
+    ]
+
+    def write(rows: list[Any]) -> None:
+        dataset.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n")
+
+    write(rows)
+    options = ["--id-column", "qid", "--on-error", "skip", *GREEDY]
+    generate(dataset, out, model, *options)
+    written = sorted((row["id"], row["finish_reason"]) for row in read_results(out).to_pylist())
+    assert written == [("a", "length"), ("null", "error"), ("null", "error"), ("null", "length")]
+    write([*rows[:2], {"qid": "null", "prompt": QUESTIONS[1]}, *rows[3:]])
+    code, output = run_cli(["status", str(dataset), str(out), "--id-column", "qid"])
+    assert "changed" in output, output
+    code, output = run_cli([a for a in run_args(dataset, out, model, *options) if a != "--overwrite"] + ["--resume"])
+    assert code == 2, output
+    assert "('null')" in output, output
+
+
 def test_sharegpt_conversations_are_read_as_messages(chat_model: Path, tmp_path: Path) -> None:
     conversations = [
         [

@@ -349,69 +349,80 @@ def test_bad_lines_are_400_lines_in_place_under_on_error_skip(model: Path, tmp_p
     output = run(dataset, tmp_path / "out.jsonl", model, "--on-error", "skip")
     assert f"{dataset}:2: field 'body.tools'" in output
     lines = output_lines(tmp_path / "out.jsonl")
-    # In input order; a duplicate's error line right after the request whose id it repeats.
-    # A custom_id that is not a string is echoed as given, so that the client can match the error line.
-    custom_ids = ["good-1", "good-1", "tools", "embed", "hot", "good-2", 5, "neg", "tops"]
+    # In input order, a duplicate's error line at its own line's place (it came right after the request whose id
+    # it repeats). A custom_id that is not a string is echoed as given, so that the client can match the error line.
+    custom_ids = ["good-1", "tools", "embed", "hot", "good-2", "good-1", 5, "neg", "tops"]
     assert [line["custom_id"] for line in lines] == custom_ids
     assert len({line["id"] for line in lines}) == 9
     # Each param is the request's field, as the line spelled it (batchgen's checks of the row it was read as too).
-    params = ["custom_id", "body.tools", "url", "body.temperature", "custom_id", "body.max_completion_tokens"]
-    for line, param in zip(lines[1:5] + lines[6:], params + ["body.top_logprobs"]):
+    params = ["body.tools", "url", "body.temperature", "custom_id", "custom_id", "body.max_completion_tokens"]
+    for line, param in zip(lines[1:4] + lines[5:], params + ["body.top_logprobs"]):
         assert line["response"]["status_code"] == 400
         assert set(line["response"]["body"]) == {"error"}
         error = line["response"]["body"]["error"]
         assert set(error) == {"message", "type", "param", "code"}
         assert error["type"] == "invalid_request_error" and error["param"] == param and error["code"] is None
         assert f"field '{param}'" in error["message"]
-    assert lines[1]["response"]["body"]["error"]["message"].endswith("field 'custom_id': duplicate id 'good-1'")
+    assert lines[5]["response"]["body"]["error"]["message"].endswith("field 'custom_id': duplicate id 'good-1'")
     assert "must be a non-empty string, got 5" in lines[6]["response"]["body"]["error"]["message"]
     validated(lines[0])
-    validated(lines[5])
+    validated(lines[4])
     code, status = run_cli(["status", str(dataset), str(tmp_path / "out.jsonl")])
     assert code == 0
     assert status.startswith(f"{tmp_path / 'out.jsonl'}: complete: 9 of 9 rows done, 0 remaining, 7 errored")
 
 
 @pytest.mark.parametrize(
-    ("url", "asks"),
+    ("url", "asks", "field", "limit"),
     [
-        (CHAT, lambda n: {"messages": [{"role": "user", "content": "Hi"}], "logprobs": True, "top_logprobs": n}),
-        (COMPLETIONS, lambda n: {"prompt": "Once upon a time", "logprobs": n}),
+        (
+            CHAT,
+            lambda n: {"messages": [{"role": "user", "content": "Hi"}], "logprobs": True, "top_logprobs": n},
+            "body.top_logprobs",
+            "OpenAI's limit",
+        ),
+        (
+            COMPLETIONS,
+            lambda n: {"prompt": "Once upon a time", "logprobs": n},
+            "body.logprobs",
+            "vLLM's default max_logprobs",
+        ),
     ],
 )
-def test_top_logprobs_past_20_are_refused(model: Path, tmp_path: Path, url: str, asks: Any) -> None:
-    """20 top logprobs is the most OpenAI's chat API (and vLLM's default max_logprobs) allows; 21 is a 400 line."""
-    lines = [request(f"n{n}", {**GREEDY, "max_tokens": 2, **asks(n)}, url) for n in (20, 21)]
+def test_top_logprobs_past_20_are_refused(
+    model: Path, tmp_path: Path, url: str, asks: Any, field: str, limit: str
+) -> None:
+    """20 top logprobs is the most OpenAI's chat API and vLLM's default max_logprobs allow; 21 is a 400 line, as
+    21.0 is (vLLM reads an integral float as its integer; helper 65 found 100.0 ran)."""
+    lines = [request(f"n{n}", {**GREEDY, "max_tokens": 2, **asks(n)}, url) for n in (20, 20.0, 21, 21.0)]
     run(write_jsonl(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl", model, "--on-error", "skip")
-    ok, refused = output_lines(tmp_path / "out.jsonl")
-    logprobs = validated(ok, url).choices[0].logprobs
-    if url == CHAT:  # a completions entry is keyed by text, which tokens of a random model share
-        assert [len(entry.top_logprobs) for entry in logprobs.content] == [20, 20]
-    error = refused["response"]["body"]["error"]
-    field = "body.top_logprobs" if url == CHAT else "body.logprobs"
-    assert (refused["response"]["status_code"], error["param"]) == (400, field)
-    assert error["message"].endswith(
-        f"field '{field}': asks for 21 top logprobs; at most 20 (the OpenAI chat API's and vLLM's limit)"
-    )
+    lines = output_lines(tmp_path / "out.jsonl")
+    for ok in lines[:2]:
+        logprobs = validated(ok, url).choices[0].logprobs
+        if url == CHAT:  # a completions entry is keyed by text, which tokens of a random model share
+            assert [len(entry.top_logprobs) for entry in logprobs.content] == [20, 20]
+    for refused, shown in zip(lines[2:], ("21", "21.0")):
+        error = refused["response"]["body"]["error"]
+        assert (refused["response"]["status_code"], error["param"]) == (400, field)
+        assert error["message"].endswith(f"field '{field}': asks for {shown} top logprobs; at most 20 ({limit})")
 
 
 def test_an_unreadable_line_takes_no_custom_id(model: Path, tmp_path: Path) -> None:
     """A line that is not JSON has no custom_id: its error line's is null, and its index (1) is no id of its, so the
-    request whose custom_id is "1" is no duplicate (it was a 400 line: "duplicate id '1'")."""
+    request whose custom_id is "1" is no duplicate (it was a 400 line: "duplicate id '1'"). Each line's answer is at
+    its own line's place, however many lines have no custom_id, one whose custom_id is "null" too (helper 65: they
+    were grouped at the first such line's place)."""
     chat_body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "temperature": 0}
+    no_id = {"method": "POST", "url": CHAT, "body": chat_body}
+    lines = ["{not json", request("a", chat_body), "[1]", request("1", chat_body), no_id, request("null", chat_body)]
     dataset = tmp_path / "in.jsonl"
-    good = [json.dumps(request(custom_id, chat_body)) for custom_id in ("a", "1")]
-    dataset.write_text("\n".join([good[0], "{not json", good[1]]) + "\n")
+    dataset.write_text("\n".join(line if isinstance(line, str) else json.dumps(line) for line in lines) + "\n")
     run(dataset, tmp_path / "out.jsonl", model, "--on-error", "skip")
-    lines = output_lines(tmp_path / "out.jsonl")
-    assert [(line["custom_id"], line["response"]["status_code"]) for line in lines] == [
-        ("a", 200),
-        (None, 400),
-        ("1", 200),
-    ]
+    got = [(line["custom_id"], line["response"]["status_code"]) for line in output_lines(tmp_path / "out.jsonl")]
+    assert got == [(None, 400), ("a", 200), (None, 400), ("1", 200), (None, 400), ("null", 200)]
     code, status = run_cli(["status", str(dataset), str(tmp_path / "out.jsonl")])
     assert code == 0
-    assert status.startswith(f"{tmp_path / 'out.jsonl'}: complete: 3 of 3 rows done, 0 remaining, 1 errored")
+    assert status.startswith(f"{tmp_path / 'out.jsonl'}: complete: 6 of 6 rows done, 0 remaining, 3 errored")
 
 
 def test_bad_lines_fail_the_run_and_are_left_out_under_on_error_fail(model: Path, tmp_path: Path) -> None:
@@ -434,7 +445,7 @@ def test_a_first_line_lacking_a_field_is_a_400_line(model: Path, tmp_path: Path,
     later line (it made the file a batchgen rows' one, and the next, good line a mixed file's error; helper 61)."""
     first = request("a", {"model": "m", "prompt": "Hi"}, COMPLETIONS)
     del first[missing]
-    lines = [first, request("b", {"model": "m", "prompt": "Hello", "max_tokens": 3}, COMPLETIONS)]
+    lines = [first, request("b", {"model": "m", "prompt": "Hello", "max_tokens": 3, "ignore_eos": True}, COMPLETIONS)]
     dataset = write_jsonl(tmp_path / "first_bad.jsonl", lines)
     run(dataset, tmp_path / "out.jsonl", model, "--on-error", "skip")
     bad, good = output_lines(tmp_path / "out.jsonl")
