@@ -19,7 +19,7 @@ import hashlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -28,7 +28,7 @@ from batchgen.errors import RowError
 from batchgen.io.input_options import InputOptions
 from batchgen.io.input_row import InputRow
 from batchgen.io.reader import RowReader
-from batchgen.io.rows import claims_id, error_row_id, unreadable_row_id
+from batchgen.io.row_ids import claims_id, error_row_id, unreadable_row_id
 
 # Output metadata key of the digests.
 INPUT_DIGESTS_KEY = "batchgen.input_digests"
@@ -64,9 +64,10 @@ def compare_rows(
     row is not one ``recorded`` holds (in dataset order), those whose input row is gone (in output order), and the
     number of the dataset's ids the output lacks.
 
-    The first row that claims an id (:func:`~batchgen.io.rows.claims_id`) is the one its output row was made from
-    (a later one is a duplicate, a bad row); a line that is not a JSON object has the id
-    :func:`~batchgen.io.rows.unreadable_row_id` gives it, but no digest to compare.
+    The first row that claims an id (:func:`~batchgen.io.row_ids.claims_id`) is the one its output row was made from
+    and is compared (a later one is a duplicate, a bad row; a row that claims none is an error row, which --resume
+    reads again anyway); a line that is not a JSON object has the id :func:`~batchgen.io.row_ids.unreadable_row_id`
+    gives it.
 
     Raises:
         ValueError: ``recorded`` is not what :func:`encode_digests` writes.
@@ -80,8 +81,8 @@ def compare_rows(
         raise ValueError(f"not input digests: {len(stored)} bytes")
     have, seen, claimed = set(out_ids), set(), set()
     ids, digests = [], bytearray()
-    for rid, claims, item in _identified(dataset, options):
-        if rid in have and rid not in claimed and not isinstance(item, RowError):
+    for (rid, claims, _), item in _identified(dataset, options):
+        if claims and rid in have and rid not in claimed and not isinstance(item, RowError):
             ids.append(rid)
             digests += row_digest(rid, item.data)
         seen.add(rid)
@@ -93,22 +94,31 @@ def compare_rows(
     return changed, gone, len(seen - have)
 
 
-def input_ids(dataset: Path, options: InputOptions | None = None) -> Iterator[tuple[str, bool]]:
+class InputId(NamedTuple):
+    """An input row's id as its output row has it, whether the row claims it (:func:`~batchgen.io.row_ids.claims_id`:
+    a row that does not is an error row, beside the row that does), and where the row is (``file:line``, as its
+    error row's message begins)."""
+
+    id: str
+    claims: bool
+    where: str
+
+
+def input_ids(dataset: Path, options: InputOptions | None = None) -> Iterator[InputId]:
     """The id of each row of ``dataset``, in order, as a run with the column ``options`` gives it to its output row
     (the row's ``id``, or its ``--id-column``'s value, else its index; a line that is not a JSON object, as
-    :func:`~batchgen.io.rows.unreadable_row_id` names it), and whether the row claims that id
-    (:func:`~batchgen.io.rows.claims_id`: a row that does not is an error row, beside the row that does).
+    :func:`~batchgen.io.row_ids.unreadable_row_id` names it), with whether it claims it and where it is.
 
     Raises:
         BatchgenError: the dataset cannot be read.
     """
-    for rid, claims, _ in _identified(dataset, options):
-        yield rid, claims
+    for found, _ in _identified(dataset, options):
+        yield found
 
 
-def _identified(dataset: Path, options: InputOptions | None) -> Iterator[tuple[str, bool, InputRow | RowError]]:
-    """Each row of ``dataset`` with the id its output row has, and whether it claims it."""
+def _identified(dataset: Path, options: InputOptions | None) -> Iterator[tuple[InputId, InputRow | RowError]]:
+    """Each row of ``dataset`` with its :class:`InputId`."""
     reader = RowReader(dataset, options=options)
     for index, item in enumerate(reader):
         rid = unreadable_row_id(index, reader.index_ids) if isinstance(item, RowError) else error_row_id(item)
-        yield rid, claims_id(item, reader.index_ids), item
+        yield InputId(rid, claims_id(item, reader.index_ids), f"{item.source or reader.source}:{item.line}"), item

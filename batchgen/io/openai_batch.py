@@ -21,7 +21,7 @@ from tqdm import tqdm
 from batchgen.errors import BatchgenError, RowError, shown_value
 from batchgen.io.input_row import InputRow
 from batchgen.io.passthrough import PROMPT_FIELDS, json_type_name
-from batchgen.io.rows import error_row_id
+from batchgen.io.row_ids import error_row_id
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -114,7 +114,7 @@ class OpenAIBatchInput:
         """The batchgen row of the request line ``item``: its ``columns`` name the request field behind each row
         field (``max_tokens`` → ``body.max_tokens``, ``id`` → ``custom_id``), and a line batchgen cannot run gets
         its field and message as its ``problem``; a bad line's row holds only its id: its ``custom_id``, as given
-        when it is not a string (:func:`~batchgen.io.rows.error_row_id` makes it the error row's id).
+        when it is not a string (:func:`~batchgen.io.row_ids.error_row_id` makes it the error row's id).
 
         Raises:
             BatchgenError: the line is not an OpenAI Batch request line at all (a mixed file).

@@ -9,25 +9,21 @@ finished output is put in place (:meth:`batchgen.io.partial_output.PartialOutput
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from batchgen.errors import BatchgenError
-from batchgen.io.input_digests import input_ids
 from batchgen.io.openai_batch import CHAT_URL, OpenAIBatchInput
+from batchgen.io.openai_order import requests_in_input_order
+from batchgen.io.row_ids import id_text
 from batchgen.io.token_bytes import token_bytes
 from batchgen.io.writer import json_line
 
-# Rows taken from the assembled output at a time, in input order.
-_TAKE_ROWS = 4096
 _FIELD = re.compile(r"field '([^']*)'")
 
 
@@ -92,7 +88,7 @@ class OpenAIOutput:
         created = int(time.time())
         seen: dict[str, int] = {}
         with out.open("w", encoding="utf-8") as f:
-            for rows in _requests(table, _input_order(self.dataset)):
+            for rows in requests_in_input_order(table, self.dataset):
                 rid = rows[0]["id"]
                 seen[rid] = seen.get(rid, -1) + 1
                 f.write(json_line(self.line(rows, seen[rid], created)))
@@ -220,72 +216,6 @@ def result_fields(line: dict[str, Any]) -> dict[str, Any]:
         return line
     failed = response.get("status_code") != 200 or line.get("error") is not None
     custom_id = line["custom_id"]
-    # A custom_id echoed as given (5) is the JSON text its error row's id is (error_row_id).
-    rid = custom_id if isinstance(custom_id, str) else json.dumps(custom_id)
+    # A custom_id echoed as given (5, "", 4.0) is its error row's id's value (error_row_id): "5", '""', "4".
+    rid = "null" if custom_id is None else id_text(custom_id)
     return {"id": rid, "sample_index": 0, "finish_reason": "error" if failed else "done"}
-
-
-@dataclass
-class _InputOrder:
-    """Where each id's rows are in the input: ``first``, each id → the position of the row that claims it
-    (:func:`~batchgen.io.rows.claims_id`; its first row where none does); ``rest``, each id of more than one row →
-    the positions of its other rows, ascending; ``rows``, the input's row count."""
-
-    first: dict[str, int] = field(default_factory=dict)
-    rest: dict[str, list[int]] = field(default_factory=dict)
-    rows: int = 0
-
-
-def _input_order(dataset: Path) -> _InputOrder:
-    """Where each id's rows are in ``dataset`` (:class:`_InputOrder`)."""
-    order, unclaimed = _InputOrder(), set()
-    for position, (rid, claims) in enumerate(input_ids(dataset)):
-        order.rows += 1
-        if rid not in order.first:
-            order.first[rid] = position
-            if not claims:
-                unclaimed.add(rid)
-        elif claims and rid in unclaimed:  # the row that claims the id comes after rows that do not
-            order.rest.setdefault(rid, []).append(order.first[rid])
-            order.first[rid] = position
-            unclaimed.discard(rid)
-        else:
-            order.rest.setdefault(rid, []).append(position)
-    for positions in order.rest.values():
-        positions.sort()
-    return order
-
-
-def _requests(table: pa.Table, order: _InputOrder) -> Iterator[list[dict[str, Any]]]:
-    """The rows of ``table`` grouped by request (a row's samples together, each error row alone), in input order:
-    the samples of an id at its claiming row's position, its error rows at its other rows' (each at its own row's,
-    in order), samples by index; rows whose id the input lacks last."""
-    if not table.num_rows:
-        return
-    ids, errors = table.column("id"), pc.fill_null(pc.equal(table.column("finish_reason"), "error"), False)
-    found = pc.index_in(ids, value_set=pa.array(list(order.first), pa.string()))
-    position = pc.fill_null(pc.take(pa.array(list(order.first.values()), pa.int64()), found), order.rows)
-    if order.rest:  # ids of several input rows (duplicates, error rows called null): each row at its own place
-        where = position.to_pylist()
-        shared = pc.indices_nonzero(pc.is_in(ids, value_set=pa.array(list(order.rest), pa.string()))).to_pylist()
-        rows = table.take(shared).select(["id", "finish_reason"]).to_pylist()
-        with_samples = {row["id"] for row in rows if row["finish_reason"] != "error"}
-        places = {
-            rid: positions if rid in with_samples else sorted([order.first[rid], *positions])
-            for rid, positions in order.rest.items()
-        }
-        for i, row in zip(shared, rows):
-            if row["finish_reason"] == "error" and places[row["id"]]:
-                where[i] = places[row["id"]].pop(0)
-        position = pa.array(where, pa.int64())
-    keys = pa.table({"position": position, "error": errors, "sample": pc.fill_null(table.column("sample_index"), 0)})
-    indices = pc.sort_indices(keys, sort_keys=[(name, "ascending") for name in keys.column_names])
-    group: list[dict[str, Any]] = []
-    for start in range(0, len(indices), _TAKE_ROWS):
-        for row in table.take(indices[start : start + _TAKE_ROWS]).to_pylist():
-            error = row["finish_reason"] == "error"
-            if group and (error or group[0]["finish_reason"] == "error" or row["id"] != group[0]["id"]):
-                yield group
-                group = []
-            group.append(row)
-    yield group

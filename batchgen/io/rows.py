@@ -14,6 +14,7 @@ from batchgen.io.arrow_fit import misfit
 from batchgen.io.input_row import InputRow
 from batchgen.io.json_text import is_json_text
 from batchgen.io.passthrough import CONTINUATION_FIELD, KNOWN_FIELDS, PROMPT_FIELDS, json_type_name
+from batchgen.io.row_ids import check_id
 from batchgen.sampling.sampling_params import SAMPLING_FIELD_ALIASES, SAMPLING_FIELDS
 
 __all__ = ["PROMPT_FIELDS", "RowSpec", "parse_row"]
@@ -100,7 +101,7 @@ def parse_row(
     else:
         token_ids = _check_token_ids(data["prompt_token_ids"], fail)
     return RowSpec(
-        id=_check_id(data.get("id"), row.index, fail),
+        id=check_id(data.get("id"), row.index, fail),
         line=row.line,
         prompt=prompt,
         messages=messages,
@@ -190,63 +191,6 @@ def _check_token_ids(value: Any, fail: _Fail) -> list[int]:
         if isinstance(token, bool) or not isinstance(token, int):
             raise fail("prompt_token_ids", f"item {i} must be an integer, got {shown_value(token)}")
     return value
-
-
-def error_row_id(row: InputRow) -> str:
-    """The id of the error row a bad ``row`` becomes: its id as :func:`parse_row` gives it (the row index when it
-    has none), or, when the id itself is bad, that value as JSON (``true``, ``1.5``, ``""``: as the input wrote
-    it; a lone surrogate as its ``\\u`` escape, since the id column holds text): ``null`` where the id comes from a
-    column (``--id-column``, an OpenAI line's ``custom_id``) that has none, whose index is no id of the row's."""
-    value = _integral_id(row.data.get("id"))
-    if value is None:
-        return "null" if "id" in row.columns else str(row.index)
-    if _id_problem(value) is None:
-        return str(value)
-    text = json.dumps(value, ensure_ascii=False, default=repr)
-    return text if is_unicode_text(text) else json.dumps(value, default=repr)
-
-
-def unreadable_row_id(index: int, index_ids: bool) -> str:
-    """The id of the error row an unreadable line (not JSON, not an object) at ``index`` becomes: its index where a
-    row without an id takes its index as id (``index_ids``), else ``null`` (``--id-column``, an OpenAI Batch file:
-    the line's id is unknown, and its index may be another row's id), as :func:`error_row_id` names a row whose id
-    column is null."""
-    return str(index) if index_ids else "null"
-
-
-def claims_id(item: InputRow | RowError, index_ids: bool) -> bool:
-    """Whether an input row takes its id, so that a later row giving that id is a duplicate: a row whose id is set,
-    or every row where a row without one takes its index (``index_ids``); not a row whose id column is null, nor an
-    unreadable line, where ids come from a column (their error rows are all called ``null``)."""
-    return index_ids or (not isinstance(item, RowError) and item.data.get("id") is not None)
-
-
-def _integral_id(value: Any) -> Any:
-    """``value``, or the integer a float with no fraction holds (pandas writes an integer column with nulls as
-    floats: an id 4.0 is the id 4)."""
-    return int(value) if isinstance(value, float) and value.is_integer() else value
-
-
-def _check_id(value: Any, index: int, fail: _Fail) -> str:
-    value = _integral_id(value)
-    if value is None:
-        return str(index)
-    problem = _id_problem(value)
-    if problem is not None:
-        raise fail("id", problem)
-    return str(value)
-
-
-def _id_problem(value: Any) -> str | None:
-    """Why ``value`` (not null) cannot be a row id, or ``None``."""
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        return f"must be a string or an integer, got {shown_value(value)}"
-    if isinstance(value, str) and not value.strip():
-        # Most often an unset template variable; and no result could be looked up by it.
-        return 'must not be empty or blank (leave "id" out for the row\'s index)'
-    if isinstance(value, str) and not is_unicode_text(value):
-        return NOT_UNICODE
-    return None
 
 
 def _passthrough(data: dict[str, Any], schema: pa.Schema, names: dict[str, str], fail: _Fail) -> dict[str, Any]:

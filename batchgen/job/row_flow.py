@@ -9,7 +9,8 @@ from typing import Any, NamedTuple
 
 from batchgen.errors import RowError
 from batchgen.io.reader import InputRow
-from batchgen.io.rows import RowSpec, claims_id, error_row_id, unreadable_row_id
+from batchgen.io.row_ids import claims_id, error_row_id, unreadable_row_id
+from batchgen.io.rows import RowSpec
 from batchgen.job.request_builder import RequestBuilder
 from batchgen.job.result_rows import result_row
 from batchgen.loop.engine import Engine

@@ -31,7 +31,8 @@ from batchgen.io.input_options import InputOptions
 from batchgen.io.openai_output import openai_output, wants_openai_output
 from batchgen.io.partial_output import PartialOutput, remove_partial_dir
 from batchgen.io.reader import InputRow, RowReader, count_input_rows
-from batchgen.io.rows import RowSpec, error_row_id, parse_row, passthrough_that_fits
+from batchgen.io.row_ids import error_row_id
+from batchgen.io.rows import RowSpec, parse_row, passthrough_that_fits
 from batchgen.io.writer import OUTPUT_COLUMNS, result_schema
 from batchgen.job.interrupts import StopRequest, graceful_stop
 from batchgen.job.options import JobOptions

@@ -17,7 +17,7 @@ from pathlib import Path
 from batchgen.errors import BatchgenError, counted
 from batchgen.io.fingerprint import DatasetFingerprint, fingerprint_dataset
 from batchgen.io.finished_output import finished_rows
-from batchgen.io.input_digests import INPUT_DIGESTS_KEY, compare_rows, input_ids
+from batchgen.io.input_digests import INPUT_DIGESTS_KEY, InputId, compare_rows, input_ids
 from batchgen.io.input_options import InputOptions, recorded_input_options
 from batchgen.io.output_lock import held_by_a_run
 from batchgen.io.partial_output import PartialOutput, partial_dir
@@ -204,15 +204,13 @@ def _changed_rows(
     return stale
 
 
-def _matched(
-    dataset_ids: Iterable[tuple[str, bool]], sample_ids: set[str], error_ids: Counter[str]
-) -> tuple[int, int, int]:
+def _matched(dataset_ids: Iterable[InputId], sample_ids: set[str], error_ids: Counter[str]) -> tuple[int, int, int]:
     """(rows done, of them errored, output rows matching no row): each dataset row, in order, takes its id's
     samples (once) or else one of its id's error rows (a duplicate id is an error row beside the real row); a row
-    that claims no id (:func:`~batchgen.io.rows.claims_id`) only an error row."""
+    that claims no id (:func:`~batchgen.io.row_ids.claims_id`) only an error row."""
     done = errored = 0
     unmatched, errors = set(sample_ids), Counter(error_ids)
-    for rid, claims in dataset_ids:
+    for rid, claims, _ in dataset_ids:
         if claims and rid in unmatched:
             unmatched.discard(rid)
             done += 1

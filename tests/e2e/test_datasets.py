@@ -192,6 +192,21 @@ def test_resume_refuses_a_changed_row_whose_id_is_null_text(model: Path, tmp_pat
     assert "('null')" in output, output
 
 
+def test_resume_takes_an_edited_row_with_a_null_id(model: Path, tmp_path: Path) -> None:
+    """Editing a row whose --id-column id is null (an error row) changes no row: the row whose id is the text "null"
+    after it is the one compared (--resume refused it as changed; helper 66)."""
+    dataset, out = tmp_path / "data.jsonl", tmp_path / "out.arrow"
+    rows = [{"qid": None, "prompt": "x"}, {"qid": "null", "prompt": QUESTIONS[0]}, {"qid": "a", "prompt": "b"}]
+    write_jsonl(dataset, rows)
+    options = ["--id-column", "qid", "--on-error", "skip", *GREEDY]
+    generate(dataset, out, model, *options)
+    write_jsonl(dataset, [{"qid": None, "prompt": "y"}, *rows[1:]])
+    code, output = run_cli([a for a in run_args(dataset, out, model, *options) if a != "--overwrite"] + ["--resume"])
+    assert code == 0, output
+    written = sorted((row["id"], row["finish_reason"]) for row in read_results(out).to_pylist())
+    assert written == [("a", "length"), ("null", "error"), ("null", "length")]
+
+
 def test_sharegpt_conversations_are_read_as_messages(chat_model: Path, tmp_path: Path) -> None:
     conversations = [
         [

@@ -490,6 +490,59 @@ def test_output_format_openai_needs_a_jsonl_output(model: Path, tmp_path: Path) 
     assert {row["custom_id"] for row in rows} == {"long", "ids", "plain"} and "text" in rows[0]
 
 
+def test_error_lines_of_one_id_keep_their_places_through_a_resume(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three lines of custom_id "a" (the first bad, the others duplicates): after the first is edited into another
+    error and an interrupted run is resumed, each error line is still at its own line's place (the resumed run wrote
+    the new error last, and the lines rotated; helper 66)."""
+    body = {"model": "m", "max_tokens": 3, "temperature": 0, "messages": [{"role": "user", "content": "Hi"}]}
+    lines = [request(f"r{i}", body) for i in range(9)]
+    lines[0], lines[2], lines[6] = (
+        request("a", {**body, "logit_bias": {"5": 1}}),
+        request("a", body),
+        request("a", body),
+    )
+    dataset = write_jsonl(tmp_path / "requests.jsonl", lines)
+    flags = ("--seed", "3", "--flush-every", "1", "--max-running-requests", "2", "--on-error", "skip")
+    out = tmp_path / "out.jsonl"
+
+    def disk_full(*_: Any) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with monkeypatch.context() as patch:
+        patch.setattr(partial_output, "write_part_file", part_write_with_fault(3, disk_full))
+        code, output = run_cli(run_args(dataset, out, model, *flags))
+    assert code == 2 and "No space left on device" in output
+    lines[0] = request("a", {**body, "stream": True})
+    write_jsonl(dataset, lines)
+    code, output = run_cli(
+        [a for a in run_args(dataset, out, model, *flags) if a != "--overwrite"] + ["--resume-force"]
+    )
+    assert code == 0, output
+    errors = {
+        i: line["response"]["body"]["error"]["message"] for i, line in enumerate(output_lines(out)) if i in (0, 2, 6)
+    }
+    assert errors[0].endswith(":1: field 'body.stream': true is not supported by batchgen; leave it out"), errors
+    for i in (2, 6):
+        assert errors[i].endswith(f":{i + 1}: field 'custom_id': duplicate id 'a'"), errors
+
+
+def test_bad_custom_ids_claim_no_id(model: Path, tmp_path: Path) -> None:
+    """A custom_id that is not a non-empty string names no request: the line whose custom_id is the text its error
+    row is called by ("5", "true") is no duplicate (it was a 400 line), and status counts every line, those whose
+    custom_id is "", blank or 4.0 too (their error rows are called '""', '"  "', "4"; status read "4.0"; helper 66)."""
+    body = {"model": "m", "max_tokens": 2, "temperature": 0, "messages": [{"role": "user", "content": "Hi"}]}
+    custom_ids: list[Any] = [5, "5", True, "true", "", "  ", 4.0, "x"]
+    dataset = write_jsonl(tmp_path / "in.jsonl", [{**request("", body), "custom_id": c} for c in custom_ids])
+    run(dataset, tmp_path / "out.jsonl", model, "--on-error", "skip")
+    got = [(line["custom_id"], line["response"]["status_code"]) for line in output_lines(tmp_path / "out.jsonl")]
+    assert got == list(zip(custom_ids, [400, 200, 400, 200, 400, 400, 400, 200]))
+    code, status = run_cli(["status", str(dataset), str(tmp_path / "out.jsonl")])
+    assert code == 0, status
+    assert status.startswith(f"{tmp_path / 'out.jsonl'}: complete: 8 of 8 rows done, 0 remaining, 5 errored")
+
+
 def test_an_interrupted_openai_run_resumes_to_the_same_lines(
     model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

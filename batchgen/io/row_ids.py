@@ -1,0 +1,88 @@
+"""Row ids: what a good row's id is, what a bad row's error row is called, and which row an id belongs to."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from batchgen.errors import NOT_UNICODE, RowError, is_unicode_text, shown_value
+from batchgen.io.input_row import InputRow
+
+
+def error_row_id(row: InputRow) -> str:
+    """The id of the error row a bad ``row`` becomes: its id as :func:`check_id` gives it (the row index when it
+    has none), or, when the id itself is bad, that value as :func:`id_text` writes it; ``null`` where the id comes
+    from a column (``--id-column``, an OpenAI line's ``custom_id``) that has none, whose index is no id of the
+    row's."""
+    value = row.data.get("id")
+    if value is None:
+        return "null" if "id" in row.columns else str(row.index)
+    return id_text(value)
+
+
+def id_text(value: Any) -> str:
+    """The id column's text for an id ``value`` (not null): a good id as :func:`check_id` takes it (an integral
+    float as its integer: pandas writes an integer column with nulls as floats), a bad one as JSON (``true``,
+    ``1.5``, ``""``: as the input wrote it; a lone surrogate as its ``\\u`` escape, since the column holds text)."""
+    value = integral_id(value)
+    if id_problem(value) is None:
+        return str(value)
+    text = json.dumps(value, ensure_ascii=False, default=repr)
+    return text if is_unicode_text(text) else json.dumps(value, default=repr)
+
+
+def unreadable_row_id(index: int, index_ids: bool) -> str:
+    """The id of the error row an unreadable line (not JSON, not an object) at ``index`` becomes: its index where a
+    row without an id takes its index as id (``index_ids``), else ``null`` (``--id-column``, an OpenAI Batch file:
+    the line's id is unknown, and its index may be another row's id), as :func:`error_row_id` names a row whose id
+    column is null."""
+    return str(index) if index_ids else "null"
+
+
+def claims_id(item: InputRow | RowError, index_ids: bool) -> bool:
+    """Whether an input row takes its id, so that a later row giving that id is a duplicate: a row whose id is a
+    good one (:func:`check_id`; an OpenAI line's ``custom_id`` a non-empty string), and, where a row without an id
+    takes its index (``index_ids``), a row without one or an unreadable line. A bad id (``true``; an OpenAI line's
+    ``5``), a null one where ids come from a column, and an unreadable line there claim none: their error rows'
+    ids (``true``, ``5``, ``null``) are no ids of theirs."""
+    if isinstance(item, RowError):
+        return index_ids
+    value = item.data.get("id")
+    if value is None:
+        return index_ids
+    bad_custom_id = item.problem is not None and item.problem[0] == "custom_id"
+    return not bad_custom_id and id_problem(integral_id(value)) is None
+
+
+def integral_id(value: Any) -> Any:
+    """``value``, or the integer a float with no fraction holds (pandas writes an integer column with nulls as
+    floats: an id 4.0 is the id 4)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def check_id(value: Any, index: int, fail: Callable[[str, str], RowError]) -> str:
+    """A good row's id: ``value`` as its text, the row's ``index`` where it is null.
+
+    Raises:
+        RowError: (``fail``'s, for the field ``id``) ``value`` is no id (:func:`id_problem`).
+    """
+    value = integral_id(value)
+    if value is None:
+        return str(index)
+    problem = id_problem(value)
+    if problem is not None:
+        raise fail("id", problem)
+    return str(value)
+
+
+def id_problem(value: Any) -> str | None:
+    """Why ``value`` (not null) cannot be a row id, or ``None``."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        return f"must be a string or an integer, got {shown_value(value)}"
+    if isinstance(value, str) and not value.strip():
+        # Most often an unset template variable; and no result could be looked up by it.
+        return 'must not be empty or blank (leave "id" out for the row\'s index)'
+    if isinstance(value, str) and not is_unicode_text(value):
+        return NOT_UNICODE
+    return None
