@@ -144,12 +144,12 @@ class OpenAIBatchInput:
         def fail(name: str, message: str) -> RowError:
             return RowError(source, line, name, message)
 
+        custom_id = data.get("custom_id")  # first: a line whose custom_id is bad claims no id (claims_id)
+        if not isinstance(custom_id, str) or not custom_id.strip():
+            raise fail("custom_id", f"must be a non-empty string, got {shown_value(custom_id)}")
         for key in data:
             if key not in LINE_KEYS:
                 raise fail(key, "not a field of an OpenAI Batch request line (custom_id, method, url, body)")
-        custom_id = data.get("custom_id")
-        if not isinstance(custom_id, str) or not custom_id.strip():
-            raise fail("custom_id", f"must be a non-empty string, got {shown_value(custom_id)}")
         if data.get("method") != "POST":
             raise fail("method", f'must be "POST", got {shown_value(data.get("method"))}')
         url = data.get("url")

@@ -9,6 +9,7 @@ called ``null``) keep their places whatever order a resumed run wrote them in.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,8 @@ from batchgen.io.input_digests import input_ids
 
 # Rows taken from the assembled output at a time, in input order.
 _TAKE_ROWS = 4096
+# Where an error message's ``file:line`` may end: a line number and ": ".
+_LINE_END = re.compile(r":\d+: ")
 
 
 @dataclass
@@ -107,7 +110,7 @@ def places(table: pa.Table, order: InputOrder) -> pa.Array:
     for i, row in zip(shared, rows):
         if row["finish_reason"] != "error":
             continue
-        p = at.get((row["error"] or "").split(": ", 1)[0])
+        p = _named_place(row["error"] or "", at)
         if p is not None and p in free[row["id"]]:
             free[row["id"]].discard(p)
             placed[i] = p
@@ -118,3 +121,13 @@ def places(table: pa.Table, order: InputOrder) -> pa.Array:
             placed[i] = min(free[rid])
             free[rid].discard(placed[i])
     return pa.array(placed, pa.int64())
+
+
+def _named_place(message: str, at: dict[str, int]) -> int | None:
+    """The place whose ``file:line`` ``message`` begins with (``file:line: ...``; the file's name may hold ``: ``
+    itself, so each ``:N: `` in the message is tried), or ``None``."""
+    for end in _LINE_END.finditer(message):
+        place = at.get(message[: end.end() - 2])
+        if place is not None:
+            return place
+    return None

@@ -45,12 +45,15 @@ class RowChecks:
         bad_passthrough: the pass-through fields a bad row's error row keeps.
         index_ids: whether a row without an id takes its index as its id (not with ``--id-column``, where a row
             must have one): a bad row then holds that id, so that a later row giving it is a duplicate.
+        on_claim: called with each row that claims its id (:func:`~batchgen.io.row_ids.claims_id`) first, and that
+            id: the row its output row is made from, whose digest the run records for ``--resume``.
     """
 
     source: str
     parse: Callable[[InputRow], RowSpec]
     bad_passthrough: Callable[[InputRow], dict[str, Any]]
     index_ids: bool = True
+    on_claim: Callable[[InputRow, str], None] = lambda row, rid: None
     _seen_ids: set[str] = field(default_factory=set, init=False)
 
     def checked(
@@ -72,8 +75,9 @@ class RowChecks:
                 spec = self.parse(item)
             except RowError as e:
                 rid = error_row_id(item)
-                if claims_id(item, self.index_ids):
+                if claims_id(item, self.index_ids) and rid not in self._seen_ids:
                     self._seen_ids.add(rid)
+                    self.on_claim(item, rid)
                 on_bad_row(e, rid, self.bad_passthrough(item))
                 continue
             if spec.id in self._seen_ids:
@@ -81,6 +85,7 @@ class RowChecks:
                 on_bad_row(error.named(item.columns), spec.id, spec.passthrough)
                 continue
             self._seen_ids.add(spec.id)
+            self.on_claim(item, spec.id)
             if not is_done(spec):
                 yield CheckedRow(spec, item.source or self.source, item.columns)
 

@@ -7,7 +7,6 @@ import contextlib
 import json
 import sys
 import time
-from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +30,6 @@ from batchgen.io.input_options import InputOptions
 from batchgen.io.openai_output import openai_output, wants_openai_output
 from batchgen.io.partial_output import PartialOutput, remove_partial_dir
 from batchgen.io.reader import InputRow, RowReader, count_input_rows
-from batchgen.io.row_ids import error_row_id
 from batchgen.io.rows import RowSpec, parse_row, passthrough_that_fits
 from batchgen.io.writer import OUTPUT_COLUMNS, result_schema
 from batchgen.job.interrupts import StopRequest, graceful_stop
@@ -118,6 +116,7 @@ class RunJob:
             lambda row: parse_row(row, row.source or self.reader.source, passthrough, names),
             lambda row: passthrough_that_fits(row.data, passthrough, names),
             index_ids=self.reader.index_ids,
+            on_claim=self._record_digest,
         )
         # Every input row's digest, for the output's metadata: a later --resume checks its rows against them.
         self._digests = bytearray()
@@ -196,7 +195,7 @@ class RunJob:
             self._row_failed(error, rid, passthrough, bar)
 
         rows = self.checks.checked(
-            self._digested(self.reader),
+            self.reader,
             on_bad_row,
             lambda spec: spec.id in done.samples and done.is_done(spec.id, self._samples_of(spec)),
         )
@@ -251,12 +250,11 @@ class RunJob:
         self.summary.prompt_tokens += results[0]["prompt_tokens"]  # the samples of a row share one prompt
         bar.update(1)
 
-    def _digested(self, items: Iterable[InputRow | RowError]) -> Iterator[InputRow | RowError]:
-        """``items``, recording each readable row's digest on its way."""
-        for item in items:
-            if isinstance(item, InputRow) and len(self._digests) <= MAX_DIGESTED_ROWS * DIGEST_BYTES:
-                self._digests += row_digest(error_row_id(item), item.data)  # past the limit, one more says "too many"
-            yield item
+    def _record_digest(self, row: InputRow, rid: str) -> None:
+        """Record the digest of the row that claims ``rid`` (a duplicate's would let a later edit that makes the
+        duplicate the claiming row pass as unchanged)."""
+        if len(self._digests) <= MAX_DIGESTED_ROWS * DIGEST_BYTES:  # past the limit, one more says "too many"
+            self._digests += row_digest(rid, row.data)
 
     def _samples_of(self, spec: RowSpec) -> int:
         """The row's ``n`` (0 for a row whose sampling fields are bad: it is never done by its samples)."""

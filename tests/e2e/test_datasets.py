@@ -207,6 +207,22 @@ def test_resume_takes_an_edited_row_with_a_null_id(model: Path, tmp_path: Path) 
     assert written == [("a", "length"), ("null", "error"), ("null", "length")]
 
 
+def test_resume_refuses_a_duplicate_become_the_row_of_its_id(model: Path, tmp_path: Path) -> None:
+    """Two rows with id x (the second a duplicate, an error row): the first deleted, the second is now x's row, whose
+    result the output does not hold. --resume refuses it as changed (it found the duplicate's digest among those
+    recorded, kept the first row's result and called the output complete; helper 67)."""
+    dataset, out = tmp_path / "data.jsonl", tmp_path / "out.arrow"
+    rows = [{"id": "x", "prompt": QUESTIONS[0]}, {"id": "x", "prompt": QUESTIONS[1]}, {"id": "y", "prompt": "b"}]
+    write_jsonl(dataset, rows)
+    generate(dataset, out, model, "--on-error", "skip", *GREEDY)
+    write_jsonl(dataset, rows[1:])
+    code, output = run_cli(
+        [a for a in run_args(dataset, out, model, "--on-error", "skip", *GREEDY) if a != "--overwrite"] + ["--resume"]
+    )
+    assert code == 2, output
+    assert f"cannot resume: the input of 1 row of {out} changed in {dataset}" in output, output
+
+
 def test_sharegpt_conversations_are_read_as_messages(chat_model: Path, tmp_path: Path) -> None:
     conversations = [
         [

@@ -490,12 +490,13 @@ def test_output_format_openai_needs_a_jsonl_output(model: Path, tmp_path: Path) 
     assert {row["custom_id"] for row in rows} == {"long", "ids", "plain"} and "text" in rows[0]
 
 
+@pytest.mark.parametrize("name", ["requests.jsonl", "re: quests.jsonl"])
 def test_error_lines_of_one_id_keep_their_places_through_a_resume(
-    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
 ) -> None:
     """Three lines of custom_id "a" (the first bad, the others duplicates): after the first is edited into another
     error and an interrupted run is resumed, each error line is still at its own line's place (the resumed run wrote
-    the new error last, and the lines rotated; helper 66)."""
+    the new error last, and the lines rotated; helper 66), a file whose name holds ": " too (helper 67)."""
     body = {"model": "m", "max_tokens": 3, "temperature": 0, "messages": [{"role": "user", "content": "Hi"}]}
     lines = [request(f"r{i}", body) for i in range(9)]
     lines[0], lines[2], lines[6] = (
@@ -503,7 +504,7 @@ def test_error_lines_of_one_id_keep_their_places_through_a_resume(
         request("a", body),
         request("a", body),
     )
-    dataset = write_jsonl(tmp_path / "requests.jsonl", lines)
+    dataset = write_jsonl(tmp_path / name, lines)
     flags = ("--seed", "3", "--flush-every", "1", "--max-running-requests", "2", "--on-error", "skip")
     out = tmp_path / "out.jsonl"
 
@@ -533,14 +534,16 @@ def test_bad_custom_ids_claim_no_id(model: Path, tmp_path: Path) -> None:
     row is called by ("5", "true") is no duplicate (it was a 400 line), and status counts every line, those whose
     custom_id is "", blank or 4.0 too (their error rows are called '""', '"  "', "4"; status read "4.0"; helper 66)."""
     body = {"model": "m", "max_tokens": 2, "temperature": 0, "messages": [{"role": "user", "content": "Hi"}]}
-    custom_ids: list[Any] = [5, "5", True, "true", "", "  ", 4.0, "x"]
-    dataset = write_jsonl(tmp_path / "in.jsonl", [{**request("", body), "custom_id": c} for c in custom_ids])
+    custom_ids: list[Any] = [5, "5", True, "true", "", "  ", 4.0, "x", 6, "6"]
+    lines = [{**request("", body), "custom_id": c} for c in custom_ids]
+    lines[8]["priority"] = 1  # a field no request line has: the bad custom_id is still what the line is refused for
+    dataset = write_jsonl(tmp_path / "in.jsonl", lines)
     run(dataset, tmp_path / "out.jsonl", model, "--on-error", "skip")
     got = [(line["custom_id"], line["response"]["status_code"]) for line in output_lines(tmp_path / "out.jsonl")]
-    assert got == list(zip(custom_ids, [400, 200, 400, 200, 400, 400, 400, 200]))
+    assert got == list(zip(custom_ids, [400, 200, 400, 200, 400, 400, 400, 200, 400, 200]))
     code, status = run_cli(["status", str(dataset), str(tmp_path / "out.jsonl")])
     assert code == 0, status
-    assert status.startswith(f"{tmp_path / 'out.jsonl'}: complete: 8 of 8 rows done, 0 remaining, 5 errored")
+    assert status.startswith(f"{tmp_path / 'out.jsonl'}: complete: 10 of 10 rows done, 0 remaining, 6 errored")
 
 
 def test_an_interrupted_openai_run_resumes_to_the_same_lines(
