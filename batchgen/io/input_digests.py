@@ -66,8 +66,8 @@ def compare_rows(
 
     The first row that claims an id (:func:`~batchgen.io.row_ids.claims_id`) is the one its output row was made from
     and is compared (a later one is a duplicate, a bad row; a row that claims none is an error row, which --resume
-    reads again anyway); a line that is not a JSON object has the id :func:`~batchgen.io.row_ids.unreadable_row_id`
-    gives it.
+    reads again anyway): an unreadable line that claims an id (its index) is a change of the row the output holds
+    for it; an id no row claims is gone.
 
     Raises:
         ValueError: ``recorded`` is not what :func:`encode_digests` writes.
@@ -80,17 +80,21 @@ def compare_rows(
     if len(stored) % DIGEST_BYTES:
         raise ValueError(f"not input digests: {len(stored)} bytes")
     have, seen, claimed = set(out_ids), set(), set()
-    ids, digests = [], bytearray()
+    ids, digests, unreadable = [], bytearray(), []
     for (rid, claims, _), item in _identified(dataset, options):
-        if claims and rid in have and rid not in claimed and not isinstance(item, RowError):
-            ids.append(rid)
-            digests += row_digest(rid, item.data)
+        if claims and rid in have and rid not in claimed:
+            if isinstance(item, RowError):  # what the output holds for the id was made from no such line
+                unreadable.append(rid)
+            else:
+                ids.append(rid)
+                digests += row_digest(rid, item.data)
         seen.add(rid)
         if claims:
             claimed.add(rid)
     found = pc.is_in(_as_array(bytes(digests)), value_set=_as_array(stored)).to_pylist()
-    changed = [rid for rid, same in zip(ids, found) if not same]
-    gone = list(dict.fromkeys(rid for rid in out_ids if rid not in seen))
+    changed = [rid for rid, same in zip(ids, found) if not same] + unreadable
+    # An id no row claims now is gone, though rows that claim none (a null or bad id) have its text.
+    gone = list(dict.fromkeys(rid for rid in out_ids if rid not in claimed))
     return changed, gone, len(seen - have)
 
 

@@ -223,6 +223,32 @@ def test_resume_refuses_a_duplicate_become_the_row_of_its_id(model: Path, tmp_pa
     assert f"cannot resume: the input of 1 row of {out} changed in {dataset}" in output, output
 
 
+@pytest.mark.parametrize("case", ["unreadable", "deleted"])
+def test_resume_refuses_an_id_whose_row_is_no_longer_one(model: Path, tmp_path: Path, case: str) -> None:
+    """The output's result for an id was made from a row the dataset no longer has: row 1 (its index its id) turned
+    into a line that is not JSON, or row "true" deleted while a row whose id is the bad value true (an error row
+    called "true", claiming no id) stays. --resume refused neither and kept the result (helper 68)."""
+    dataset, out = tmp_path / "data.jsonl", tmp_path / "out.arrow"
+    if case == "unreadable":
+        rows = [json.dumps({"prompt": QUESTIONS[i]}) for i in range(3)]
+        edited, stale = [rows[0], rows[1][:-1], rows[2]], "1"
+    else:
+        rows = [json.dumps({"id": rid, "prompt": q}) for rid, q in (("a", "x"), ("true", QUESTIONS[0]), (True, "y"))]
+        edited, stale = [rows[0], rows[2]], "true"
+    dataset.write_text("\n".join(rows) + "\n")
+    options = ["--on-error", "skip", *GREEDY]
+    generate(dataset, out, model, *options)
+    dataset.write_text("\n".join(edited) + "\n")
+    code, output = run_cli(["status", str(dataset), str(out)])
+    assert code == 1 and "1 row of" in output and "changed in" in output, output
+    code, output = run_cli([a for a in run_args(dataset, out, model, *options) if a != "--overwrite"] + ["--resume"])
+    assert code == 2, output
+    assert (
+        f"cannot resume: the input of 1 row of {out} changed in {dataset} or left it since it was made ('{stale}')"
+        in output
+    )
+
+
 def test_sharegpt_conversations_are_read_as_messages(chat_model: Path, tmp_path: Path) -> None:
     conversations = [
         [
