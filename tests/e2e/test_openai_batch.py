@@ -490,6 +490,19 @@ def test_output_format_openai_needs_a_jsonl_output(model: Path, tmp_path: Path) 
     assert {row["custom_id"] for row in rows} == {"long", "ids", "plain"} and "text" in rows[0]
 
 
+def stop_at_third_part(args: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """``batchgen`` with ``args``, its third part file failing as a full disk does: the run stops with its first
+    parts kept in the partial output."""
+
+    def disk_full(*_: Any) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with monkeypatch.context() as patch:
+        patch.setattr(partial_output, "write_part_file", part_write_with_fault(3, disk_full))
+        code, output = run_cli(args)
+    assert code == 2 and "No space left on device" in output
+
+
 @pytest.mark.parametrize("name", ["requests.jsonl", "re: quests.jsonl"])
 def test_error_lines_of_one_id_keep_their_places_through_a_resume(
     model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
@@ -508,13 +521,7 @@ def test_error_lines_of_one_id_keep_their_places_through_a_resume(
     flags = ("--seed", "3", "--flush-every", "1", "--max-running-requests", "2", "--on-error", "skip")
     out = tmp_path / "out.jsonl"
 
-    def disk_full(*_: Any) -> None:
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-    with monkeypatch.context() as patch:
-        patch.setattr(partial_output, "write_part_file", part_write_with_fault(3, disk_full))
-        code, output = run_cli(run_args(dataset, out, model, *flags))
-    assert code == 2 and "No space left on device" in output
+    stop_at_third_part(run_args(dataset, out, model, *flags), monkeypatch)
     lines[0] = request("a", {**body, "stream": True})
     write_jsonl(dataset, lines)
     code, output = run_cli(
@@ -557,13 +564,7 @@ def test_an_interrupted_openai_run_resumes_to_the_same_lines(
     run(dataset, tmp_path / "reference.jsonl", model, *flags)
     out = tmp_path / "out.jsonl"
 
-    def disk_full(*_: Any) -> None:
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-    with monkeypatch.context() as patch:
-        patch.setattr(partial_output, "write_part_file", part_write_with_fault(3, disk_full))
-        code, output = run_cli(run_args(dataset, out, model, *flags))
-    assert code == 2 and "No space left on device" in output
+    stop_at_third_part(run_args(dataset, out, model, *flags), monkeypatch)
     assert partial_dir(out).is_dir() and not out.exists()
     resume = ["run", str(dataset), "--out", str(out), "--model", str(model), "--dtype", "float32", "--device", "cpu"]
     resume += ["--no-progress", *flags, "--resume"]
