@@ -59,8 +59,8 @@ def input_order(dataset: Path) -> InputOrder:
             unclaimed.discard(rid)
         else:
             order.rest.setdefault(rid, []).append(place)
-    for places in order.rest.values():
-        places.sort()
+    for others in order.rest.values():
+        others.sort()
     if order.rest:
         order.where = {place: where for place, (rid, _, where) in enumerate(input_ids(dataset)) if rid in order.rest}
     return order
@@ -105,7 +105,7 @@ def places(table: pa.Table, order: InputOrder) -> pa.Array:
     rows = table.take(shared).select(["id", "finish_reason", "error"]).to_pylist()
     with_samples = {row["id"] for row in rows if row["finish_reason"] != "error"}
     free = {rid: set(rest) if rid in with_samples else {order.first[rid], *rest} for rid, rest in order.rest.items()}
-    at = {order.where[p]: p for places in free.values() for p in places}
+    at = {order.where[p]: p for spots in free.values() for p in spots}
     unnamed = []
     for i, row in zip(shared, rows):
         if row["finish_reason"] != "error":
