@@ -22,6 +22,7 @@ from batchgen.errors import BatchgenError, RowError, shown_value
 from batchgen.io.input_row import InputRow
 from batchgen.io.passthrough import PROMPT_FIELDS, json_type_name
 from batchgen.io.row_ids import error_row_id
+from batchgen.sampling.sampling_params import whole_number
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -262,7 +263,7 @@ def _logprobs(url: str, body: dict[str, Any], fail: _Fail) -> dict[str, Any]:
     elif value is None or value is False:
         return {"logprobs": False, "top_logprobs": 0}
     else:
-        count = int(value) if isinstance(value, float) and value.is_integer() else value  # 5.0: vLLM reads 5
+        count = whole_number(value)  # 5.0: vLLM reads 5
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
             raise fail("body.logprobs", f"must be a count of top logprobs (an integer >= 0), got {shown_value(value)}")
         logprobs, top, name, limit = True, count, "body.logprobs", "vLLM's default max_logprobs"

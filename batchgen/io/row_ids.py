@@ -8,6 +8,7 @@ from typing import Any
 
 from batchgen.errors import NOT_UNICODE, RowError, is_unicode_text, shown_value
 from batchgen.io.input_row import InputRow
+from batchgen.sampling.sampling_params import whole_number
 
 
 def error_row_id(row: InputRow) -> str:
@@ -25,7 +26,7 @@ def id_text(value: Any) -> str:
     """The id column's text for an id ``value`` (not null): a good id as :func:`check_id` takes it (an integral
     float as its integer: pandas writes an integer column with nulls as floats), a bad one as JSON (``true``,
     ``1.5``, ``""``: as the input wrote it; a lone surrogate as its ``\\u`` escape, since the column holds text)."""
-    value = integral_id(value)
+    value = whole_number(value)
     if id_problem(value) is None:
         return str(value)
     text = json.dumps(value, ensure_ascii=False, default=repr)
@@ -52,13 +53,7 @@ def claims_id(item: InputRow | RowError, index_ids: bool) -> bool:
     if value is None:
         return index_ids
     bad_custom_id = item.problem is not None and item.problem[0] == "custom_id"
-    return not bad_custom_id and id_problem(integral_id(value)) is None
-
-
-def integral_id(value: Any) -> Any:
-    """``value``, or the integer a float with no fraction holds (pandas writes an integer column with nulls as
-    floats: an id 4.0 is the id 4)."""
-    return int(value) if isinstance(value, float) and value.is_integer() else value
+    return not bad_custom_id and id_problem(whole_number(value)) is None
 
 
 def check_id(value: Any, index: int, fail: Callable[[str, str], RowError]) -> str:
@@ -67,7 +62,7 @@ def check_id(value: Any, index: int, fail: Callable[[str, str], RowError]) -> st
     Raises:
         RowError: (``fail``'s, for the field ``id``) ``value`` is no id (:func:`id_problem`).
     """
-    value = integral_id(value)
+    value = whole_number(value)
     if value is None:
         return str(index)
     problem = id_problem(value)

@@ -187,7 +187,7 @@ def python_value(value: Any) -> Any:
     return type(value)(map(python_value, value)) if isinstance(value, (list, tuple)) else value
 
 
-def _whole(value: Any) -> Any:
+def whole_number(value: Any) -> Any:
     """A float with no fraction as an int (4.0 → 4): what pandas writes for an integer column with nulls, and
     what JSON writers give for numbers they hold as floats; every other value unchanged."""
     if isinstance(value, float) and value.is_integer():
@@ -198,7 +198,7 @@ def _whole(value: Any) -> Any:
 def _coerce(name: str, value: Any) -> Any:
     """Check the JSON type of one sampling field and convert it to the dataclass's type."""
     if name in _INT_FIELDS:
-        value = _whole(value)
+        value = whole_number(value)
         if isinstance(value, bool) or not isinstance(value, int):
             raise FieldError(name, f"must be an integer, got {shown_value(value)}")
         return value
@@ -213,7 +213,7 @@ def _coerce(name: str, value: Any) -> Any:
             raise FieldError(name, f"must be true or false, got {shown_value(value)}{count}")
         return value
     if name in ("seed", "prompt_logprobs_from"):
-        value = _whole(value)
+        value = whole_number(value)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise FieldError(name, f"must be an integer or null, got {shown_value(value)}")
         return value
@@ -227,7 +227,7 @@ def _coerce(name: str, value: Any) -> Any:
         return tuple(value)
     if name == "stop_token_ids":
         if isinstance(value, (list, tuple)):
-            value = [_whole(t) for t in value]
+            value = [whole_number(t) for t in value]
         if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
             raise FieldError(name, f"must be a list of integers, got {shown_value(value)}")
         return tuple(value)
@@ -236,7 +236,7 @@ def _coerce(name: str, value: Any) -> Any:
     if name == "prompt_logprobs":
         if isinstance(value, bool):
             return 0 if value else None
-        value = _whole(value)
+        value = whole_number(value)
         if not isinstance(value, int):
             raise FieldError(name, f"must be true, false or a count of top logprobs, got {shown_value(value)}")
         return value
