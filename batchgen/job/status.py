@@ -142,11 +142,17 @@ def read_output_status(
         changes = recorded.differences(fingerprint_dataset(dataset))
     if state == "complete" or changes:
         # By id, not by count: a row the output lacks can hide behind a row the dataset no longer has.
+        # JSON Lines records no options: a run's --id-column is only known where status is given it (found by a
+        # helper: every row of such a run looked foreign, with no word why).
+        guessed = options is None and not metadata
         options = options if options is not None else recorded_input_options(metadata)
         done, errored, foreign = _matched(input_ids(dataset, options), set(sample_ids), error_ids)
         if foreign:
             verb = "has" if foreign == 1 else "have"
-            notes.append(f"{counted(foreign, 'row')} of {out} {verb} an id {dataset} lacks")
+            none_match = not done and not errored
+            hint = " (a run that took its ids from a column: give status its --id-column too)"
+            hint = hint if guessed and none_match else ""
+            notes.append(f"{counted(foreign, 'row')} of {out} {verb} an id {dataset} lacks{hint}")
     else:  # the output's rows are this dataset's: counted without reading the dataset
         done, errored = len(set(sample_ids)) + error_ids.total(), error_ids.total()
     stale = recheck = 0

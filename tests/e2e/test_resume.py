@@ -1155,6 +1155,19 @@ def test_status_agrees_with_resume_on_a_changed_dataset_s_error_rows_and_on_outp
     assert run_cli([*run, "--resume-force"])[0] == 0
 
 
+def test_status_of_a_jsonl_output_made_with_id_column_says_to_give_it(model: Path, tmp_path: Path) -> None:
+    """JSON Lines records no options, so status without the run's --id-column reads ids the run did not use (found
+    by a helper: every row looked foreign, with no word why); the note says what to give, and with it all match."""
+    dataset = write_jsonl(tmp_path / "in.jsonl", [{"qid": i, "prompt_token_ids": [0, 5]} for i in ("a", "b")])
+    out = tmp_path / "out.jsonl"
+    assert run_cli(args(dataset, out, model, "--id-column", "qid"))[0] == 0
+    hint = "(a run that took its ids from a column: give status its --id-column too)"
+    assert f"{out}: note: 2 rows of {out} have an id {dataset} lacks {hint}" in status(dataset, out).splitlines()
+    code, output = run_cli(["status", str(dataset), str(out), "--id-column", "qid"])
+    assert code == 0 and output.startswith(f"{out}: complete: 2 of 2 rows done"), output
+    assert hint not in output
+
+
 def test_a_finished_output_lacking_an_id_is_not_complete_whatever_its_row_count(model: Path, tmp_path: Path) -> None:
     """Remaining rows are counted by id (found by a new user: with row b replaced by c, a finished JSONL output of
     a and b counted 2 of 2 rows done, and --resume said it was complete, c never generated)."""
