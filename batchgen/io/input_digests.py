@@ -28,7 +28,7 @@ from batchgen.errors import RowError
 from batchgen.io.input_options import InputOptions
 from batchgen.io.input_row import InputRow
 from batchgen.io.reader import RowReader
-from batchgen.io.row_ids import claims_id, error_row_id, unreadable_row_id
+from batchgen.io.row_ids import NO_ID, claims_id, error_row_id
 
 # Output metadata key of the digests.
 INPUT_DIGESTS_KEY = "batchgen.input_digests"
@@ -65,9 +65,8 @@ def compare_rows(
     number of the dataset's ids the output lacks.
 
     The first row that claims an id (:func:`~batchgen.io.row_ids.claims_id`) is the one its output row was made from
-    and is compared (a later one is a duplicate, a bad row; a row that claims none is an error row, which --resume
-    reads again anyway): an unreadable line that claims an id (its index) is a change of the row the output holds
-    for it; an id no row claims is gone.
+    and is compared (a later one is a duplicate, a bad row; a row that claims none, an unreadable line among them, is
+    an error row, which --resume reads again anyway); an id no row claims is gone.
 
     Raises:
         ValueError: ``recorded`` is not what :func:`encode_digests` writes.
@@ -80,19 +79,16 @@ def compare_rows(
     if len(stored) % DIGEST_BYTES:
         raise ValueError(f"not input digests: {len(stored)} bytes")
     have, seen, claimed = set(out_ids), set(), set()
-    ids, digests, unreadable = [], bytearray(), []
+    ids, digests = [], bytearray()
     for (rid, claims, _), item in _identified(dataset, options):
-        if claims and rid in have and rid not in claimed:
-            if isinstance(item, RowError):  # what the output holds for the id was made from no such line
-                unreadable.append(rid)
-            else:
-                ids.append(rid)
-                digests += row_digest(rid, item.data)
+        if claims and rid in have and rid not in claimed and isinstance(item, InputRow):  # claims: a readable row
+            ids.append(rid)
+            digests += row_digest(rid, item.data)
         seen.add(rid)
         if claims:
             claimed.add(rid)
     found = pc.is_in(_as_array(bytes(digests)), value_set=_as_array(stored)).to_pylist()
-    changed = [rid for rid, same in zip(ids, found) if not same] + unreadable
+    changed = [rid for rid, same in zip(ids, found) if not same]
     # An id no row claims now is gone, though rows that claim none (a null or bad id) have its text.
     gone = list(dict.fromkeys(rid for rid in out_ids if rid not in claimed))
     return changed, gone, len(seen - have)
@@ -111,7 +107,7 @@ class InputId(NamedTuple):
 def input_ids(dataset: Path, options: InputOptions | None = None) -> Iterator[InputId]:
     """The id of each row of ``dataset``, in order, as a run with the column ``options`` gives it to its output row
     (the row's ``id``, or its ``--id-column``'s value, else its index; a line that is not a JSON object, as
-    :func:`~batchgen.io.row_ids.unreadable_row_id` names it), with whether it claims it and where it is.
+    :data:`~batchgen.io.row_ids.NO_ID`), with whether it claims it and where it is.
 
     Raises:
         BatchgenError: the dataset cannot be read.
@@ -123,6 +119,6 @@ def input_ids(dataset: Path, options: InputOptions | None = None) -> Iterator[In
 def _identified(dataset: Path, options: InputOptions | None) -> Iterator[tuple[InputId, InputRow | RowError]]:
     """Each row of ``dataset`` with its :class:`InputId`."""
     reader = RowReader(dataset, options=options)
-    for index, item in enumerate(reader):
-        rid = unreadable_row_id(index, reader.index_ids) if isinstance(item, RowError) else error_row_id(item)
+    for item in reader:
+        rid = NO_ID if isinstance(item, RowError) else error_row_id(item)
         yield InputId(rid, claims_id(item, reader.index_ids), f"{item.source or reader.source}:{item.line}"), item

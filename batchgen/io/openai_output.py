@@ -20,7 +20,7 @@ import pyarrow as pa
 from batchgen.errors import BatchgenError
 from batchgen.io.openai_batch import CHAT_URL, OpenAIBatchInput
 from batchgen.io.openai_order import requests_in_input_order
-from batchgen.io.row_ids import id_text
+from batchgen.io.row_ids import NO_ID, id_text
 from batchgen.io.token_bytes import token_bytes
 from batchgen.io.writer import json_line
 
@@ -217,5 +217,5 @@ def result_fields(line: dict[str, Any]) -> dict[str, Any]:
     failed = response.get("status_code") != 200 or line.get("error") is not None
     custom_id = line["custom_id"]
     # A custom_id echoed as given (5, "", 4.0) is its error row's id's value (error_row_id): "5", '""', "4".
-    rid = "null" if custom_id is None else id_text(custom_id)
+    rid = NO_ID if custom_id is None else id_text(custom_id)
     return {"id": rid, "sample_index": 0, "finish_reason": "error" if failed else "done"}

@@ -10,15 +10,20 @@ from batchgen.errors import NOT_UNICODE, RowError, is_unicode_text, shown_value
 from batchgen.io.input_row import InputRow
 from batchgen.sampling.sampling_params import whole_number
 
+# The id of the error row of a row whose id is unknown: a line that is not a JSON object (its index may be another
+# row's id: found by helpers, it made a good row a "duplicate", or an id appear twice), or a null one where ids come
+# from a column. A row whose id is the text "null" is still its own row (claims_id).
+NO_ID = "null"
+
 
 def error_row_id(row: InputRow) -> str:
     """The id of the error row a bad ``row`` becomes: its id as :func:`check_id` gives it (the row index when it
-    has none), or, when the id itself is bad, that value as :func:`id_text` writes it; ``null`` where the id comes
-    from a column (``--id-column``, an OpenAI line's ``custom_id``) that has none, whose index is no id of the
+    has none), or, when the id itself is bad, that value as :func:`id_text` writes it; :data:`NO_ID` where the id
+    comes from a column (``--id-column``, an OpenAI line's ``custom_id``) that has none, whose index is no id of the
     row's."""
     value = row.data.get("id")
     if value is None:
-        return "null" if "id" in row.columns else str(row.index)
+        return NO_ID if "id" in row.columns else str(row.index)
     return id_text(value)
 
 
@@ -33,22 +38,14 @@ def id_text(value: Any) -> str:
     return text if is_unicode_text(text) else json.dumps(value, default=repr)
 
 
-def unreadable_row_id(index: int, index_ids: bool) -> str:
-    """The id of the error row an unreadable line (not JSON, not an object) at ``index`` becomes: its index where a
-    row without an id takes its index as id (``index_ids``), else ``null`` (``--id-column``, an OpenAI Batch file:
-    the line's id is unknown, and its index may be another row's id), as :func:`error_row_id` names a row whose id
-    column is null."""
-    return str(index) if index_ids else "null"
-
-
 def claims_id(item: InputRow | RowError, index_ids: bool) -> bool:
     """Whether an input row takes its id, so that a later row giving that id is a duplicate: a row whose id is a
     good one (:func:`check_id`; an OpenAI line's ``custom_id`` a non-empty string), and, where a row without an id
-    takes its index (``index_ids``), a row without one or an unreadable line. A bad id (``true``; an OpenAI line's
-    ``5``), a null one where ids come from a column, and an unreadable line there claim none: their error rows'
-    ids (``true``, ``5``, ``null``) are no ids of theirs."""
+    takes its index (``index_ids``), a row without one. A bad id (``true``; an OpenAI line's ``5``), a null one
+    where ids come from a column, and an unreadable line claim none: their error rows' ids (``true``, ``5``,
+    :data:`NO_ID`) are no ids of theirs."""
     if isinstance(item, RowError):
-        return index_ids
+        return False
     value = item.data.get("id")
     if value is None:
         return index_ids

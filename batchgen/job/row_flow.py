@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 
 from batchgen.errors import RowError
 from batchgen.io.reader import InputRow
-from batchgen.io.row_ids import claims_id, error_row_id, unreadable_row_id
+from batchgen.io.row_ids import NO_ID, claims_id, error_row_id
 from batchgen.io.rows import RowSpec
 from batchgen.job.request_builder import RequestBuilder
 from batchgen.job.result_rows import result_row
@@ -64,12 +64,9 @@ class RowChecks:
     ) -> Iterator[CheckedRow]:
         """The good rows of ``items`` not ``is_done`` (written by an earlier run), in input order; each bad row
         (unreadable, failing its checks, a duplicate id) goes to ``on_bad_row`` when it is reached."""
-        for order, item in enumerate(items):
-            if isinstance(item, RowError):
-                rid = unreadable_row_id(order, self.index_ids)
-                if claims_id(item, self.index_ids):  # a later row giving its default id explicitly is a duplicate
-                    self._seen_ids.add(rid)
-                on_bad_row(item, rid, {})
+        for item in items:
+            if isinstance(item, RowError):  # unreadable: its id is unknown, it claims none (claims_id)
+                on_bad_row(item, NO_ID, {})
                 continue
             try:
                 spec = self.parse(item)

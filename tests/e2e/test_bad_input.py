@@ -485,7 +485,7 @@ def test_every_row_bad_under_skip_writes_the_error_rows(models: dict[str, Path],
 @pytest.mark.parametrize(
     ("name", "rid"),
     [
-        ("bad_json", "1"),  # no id: the row index (the blank line 2 has none, so line 3 is index 1)
+        ("bad_json", "null"),  # no id anyone can read (its index may be another row's id)
         ("prompt_not_string", "bad"),
         ("top_p_above_1", "bad"),
         ("prompt_token_id_vocab", "bad"),
@@ -733,9 +733,10 @@ def test_console_script_unknown_model_one_line(tmp_path: Path) -> None:
     assert not (tmp_path / "out.arrow").exists()
 
 
-def test_default_id_of_an_unreadable_line_is_taken(random_models: dict[str, Path], tmp_path: Path) -> None:
-    """Line 2 cannot be parsed and gets the default id '1' in its error row; a later row naming id 1 is then a
-    duplicate (an error row too), not a second generated row with that id (found by a new user)."""
+def test_an_unreadable_line_takes_no_id(random_models: dict[str, Path], tmp_path: Path) -> None:
+    """Line 2 cannot be parsed, so its id is unknown: its error row is called ``null`` and claims no id, so that the
+    output holds no id twice (found by a new user: its error row took the index 1, beside the row naming id 1) and a
+    later row naming its index is generated (found by a helper: it was refused as a duplicate of the broken line)."""
     dataset = tmp_path / "in.jsonl"
     dataset.write_text('{"prompt": "A"}\ngarbage\n{"id": 1, "prompt": "C"}\n')
     out = tmp_path / "out.jsonl"
@@ -747,8 +748,6 @@ def test_default_id_of_an_unreadable_line_is_taken(random_models: dict[str, Path
     )  # fmt: skip
     assert code == 0, output
     rows = read_results(out).to_pylist()
-    generated = [r["id"] for r in rows if r["finish_reason"] != "error"]
-    errors = sorted((r["id"], r["error"]) for r in rows if r["finish_reason"] == "error")
-    assert generated == ["0"]
-    assert [rid for rid, _ in errors] == ["1", "1"]
-    assert any("duplicate id '1'" in message for _, message in errors)
+    assert sorted(r["id"] for r in rows if r["finish_reason"] != "error") == ["0", "1"]
+    errors = [(r["id"], r["error"]) for r in rows if r["finish_reason"] == "error"]
+    assert [rid for rid, _ in errors] == ["null"] and errors[0][1].startswith(f"{dataset}:2: invalid JSON"), errors

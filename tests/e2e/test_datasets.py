@@ -164,6 +164,22 @@ def test_an_unreadable_line_claims_no_id_with_an_id_column(model: Path, tmp_path
     assert "3 of 3 rows done, 0 remaining, 1 errored" in output
 
 
+def test_an_unreadable_line_claims_no_id_without_an_id_column(model: Path, tmp_path: Path) -> None:
+    """An unreadable line's own id is unknown (here 7): its error row is called ``null``, as with --id-column, and
+    a later row whose id is the line's index (1) is generated, not refused as a duplicate of it (found by a helper:
+    the good row was lost); status counts all three rows done."""
+    dataset = tmp_path / "data.jsonl"
+    good = [json.dumps({"id": rid, "prompt": q}) for rid, q in ((0, QUESTIONS[0]), (1, QUESTIONS[1]))]
+    dataset.write_text("\n".join([good[0], '{"id": 7, "prompt": "x"', good[1]]) + "\n")
+    out = tmp_path / "out.arrow"
+    code, output = run_cli(run_args(dataset, out, model, "--on-error", "skip", *GREEDY))
+    assert code == 0 and "duplicate" not in output, output
+    rows = sorted((r["id"], r["finish_reason"] == "error") for r in read_results(out).to_pylist())
+    assert rows == [("0", False), ("1", False), ("null", True)]
+    code, output = run_cli(["status", str(dataset), str(out)])
+    assert code == 0 and "3 of 3 rows done, 0 remaining, 1 errored" in output, output
+
+
 def test_resume_refuses_a_changed_row_whose_id_is_null_text(model: Path, tmp_path: Path) -> None:
     """A row whose id is the text "null" is its own row, after an unreadable line or a row with a null id (whose error
     rows are called null): not a duplicate when the run reads it, and checked for changes when --resume does (the
