@@ -494,6 +494,11 @@ def test_parse_row_two_prompts() -> None:
         ({"messages": []}, "messages", "must be a non-empty array of {role, content} objects, got an empty array"),
         ({"messages": [{"role": "user", "content": "a"}, "x"]}, "messages", "item 1 must be an object, got string"),
         ({"messages": [{"role": "user"}]}, "messages", "item 0: 'content' is missing"),
+        (
+            {"messages": [{"from": "human", "value": "a"}]},
+            "messages",
+            "item 0: 'role' is missing (ShareGPT's {from, value} items: --messages-column messages reads them)",
+        ),
         ({"messages": [{"role": 1, "content": "a"}]}, "messages", "item 0: 'role' must be a string, got number"),
         ({"messages": [{"role": "u", "content": "a", "x": 1}]}, "messages", "item 0: 'x' must be a string, got number"),
         ({"prompt_token_ids": "1 2"}, "prompt_token_ids", "must be a non-empty array of integers, got string"),
