@@ -2,6 +2,7 @@
 batch they run in, or across an interruption and ``--resume``.
 
     python scripts/flip_rate.py --model DIR --dtype bfloat16 --work /tmp/flip [--rows 200] [--new-tokens 32]
+        [--system-words 500]
 
 Writes ``rows.jsonl`` (chat rows, no per-row seed: each gets one from ``--seed 7`` and its id), then runs ``batchgen
 run`` with ``--max-running-requests 64`` and ``3``, and a third run at 64 stopped twice with SIGINT (``--interrupt-
@@ -27,11 +28,17 @@ TOPICS = ["rivers", "bread", "volcanoes", "chess", "owls", "trains", "glass", "t
 ASKS = ["Write two sentences about {}.", "Give a surprising fact about {}.", "Describe {} to a child.", "A poem on {}:"]
 
 
-def _rows(count: int) -> list[dict[str, object]]:
-    return [
-        {"id": f"r{i}", "messages": [{"role": "user", "content": ASKS[i % 4].format(TOPICS[i // 4 % 10]) + f" ({i})"}]}
-        for i in range(count)
-    ]
+def _rows(count: int, system_words: int) -> list[dict[str, object]]:
+    """``count`` chat rows; with ``system_words``, every second one behind one system message of that many words, so
+    that the prefix cache serves it and decode rows share its K/V."""
+    system = " ".join(TOPICS[(i * 7) % len(TOPICS)] for i in range(system_words))
+    rows: list[dict[str, object]] = []
+    for i in range(count):
+        messages = [{"role": "user", "content": ASKS[i % 4].format(TOPICS[i // 4 % 10]) + f" ({i})"}]
+        if system_words and i % 2 == 0:
+            messages.insert(0, {"role": "system", "content": f"Notes: {system}. Answer briefly."})
+        rows.append({"id": f"r{i}", "messages": messages})
+    return rows
 
 
 def _tokens(path: Path) -> dict[str, list[int]]:
@@ -79,11 +86,12 @@ def main() -> None:
     parser.add_argument("--work", type=Path, required=True)
     parser.add_argument("--rows", type=int, default=200)
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--system-words", type=int, default=0, help="A shared system message for every second row.")
     parser.add_argument("--interrupt-after", type=float, default=2.0, help="Seconds from a first part to SIGINT.")
     args, extra = parser.parse_known_args()
     args.work.mkdir(parents=True, exist_ok=True)
     rows = args.work / "rows.jsonl"
-    rows.write_text("".join(json.dumps(r) + "\n" for r in _rows(args.rows)))
+    rows.write_text("".join(json.dumps(r) + "\n" for r in _rows(args.rows, args.system_words)))
     base = [sys.executable, "-m", "batchgen", "run", str(rows), "--model", args.model, "--dtype", args.dtype]
     base += ["--seed", "7", "--temperature", "1.0", "--max-new-tokens", str(args.new_tokens), "--overwrite"]
     base += ["--no-progress", *[a for a in extra if a != "--"]]
