@@ -149,7 +149,8 @@ def read_output_status(
         done, errored, foreign = _matched(input_ids(dataset, options), set(sample_ids), error_ids)
         if foreign:
             verb = "has" if foreign == 1 else "have"
-            none_match = not done and not errored
+            # No row took samples (an unreadable line still takes its null error row: found by a helper).
+            none_match = done == errored
             hint = " (a run that took its ids from a column: give status its --id-column too)"
             hint = hint if guessed and none_match else ""
             notes.append(f"{counted(foreign, 'row')} of {out} {verb} an id {dataset} lacks{hint}")

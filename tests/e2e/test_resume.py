@@ -1157,14 +1157,16 @@ def test_status_agrees_with_resume_on_a_changed_dataset_s_error_rows_and_on_outp
 
 def test_status_of_a_jsonl_output_made_with_id_column_says_to_give_it(model: Path, tmp_path: Path) -> None:
     """JSON Lines records no options, so status without the run's --id-column reads ids the run did not use (found
-    by a helper: every row looked foreign, with no word why); the note says what to give, and with it all match."""
+    by a helper: every row looked foreign, with no word why); the note says what to give, also where an unreadable
+    line's error row (null) matches the dataset's unreadable line (found by a helper), and with it all match."""
     dataset = write_jsonl(tmp_path / "in.jsonl", [{"qid": i, "prompt_token_ids": [0, 5]} for i in ("a", "b")])
+    dataset.write_text(dataset.read_text() + "garbage\n")
     out = tmp_path / "out.jsonl"
-    assert run_cli(args(dataset, out, model, "--id-column", "qid"))[0] == 0
+    assert run_cli(args(dataset, out, model, "--id-column", "qid", "--on-error", "skip"))[0] == 0
     hint = "(a run that took its ids from a column: give status its --id-column too)"
     assert f"{out}: note: 2 rows of {out} have an id {dataset} lacks {hint}" in status(dataset, out).splitlines()
     code, output = run_cli(["status", str(dataset), str(out), "--id-column", "qid"])
-    assert code == 0 and output.startswith(f"{out}: complete: 2 of 2 rows done"), output
+    assert code == 0 and output.startswith(f"{out}: complete: 3 of 3 rows done, 0 remaining, 1 errored"), output
     assert hint not in output
 
 
