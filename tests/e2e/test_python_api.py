@@ -244,14 +244,14 @@ def test_a_nan_in_a_field_batchgen_reads_is_a_missing_value(generator: batchgen.
 def test_on_error_skip_gives_error_rows_in_their_place(generator: batchgen.Generator) -> None:
     rows: list[Any] = ["fine", {"prompt": "x", "top_p": 0}, {"id": "k", "question": "What?", "source": 1}, 3.5]
     got = generator.generate(rows, on_error="skip", max_new_tokens=2)
-    assert [r["id"] for r in got] == ["0", "1", "k", "3"]
+    assert [r["id"] for r in got] == ["0", "1", "k", "null"]  # a row that is not a row claims no id
     assert [r["finish_reason"] for r in got][1:] == ["error"] * 3
     assert got[0]["error"] is None and got[0]["completion_tokens"] >= 1
     assert got[1]["error"] == "rows:2: field 'top_p': must be in (0, 1], got 0.0"
     assert "rename 'question' to 'prompt'" in got[2]["error"] and got[2]["source"] == 1
     assert got[3]["text"] is None and set(OUTPUT_COLUMNS.names) <= got[3].keys()
     streamed = {r["id"]: r for r in generator.stream(rows, on_error="skip", max_new_tokens=2)}
-    assert streamed.keys() == {"0", "1", "k", "3"} and streamed["1"]["error"] == got[1]["error"]
+    assert streamed.keys() == {"0", "1", "k", "null"} and streamed["1"]["error"] == got[1]["error"]
 
 
 def test_a_field_named_like_a_sampling_field_is_warned_about(generator: batchgen.Generator) -> None:
