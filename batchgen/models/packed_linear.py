@@ -5,15 +5,17 @@ code path on AMD CPUs than oneDNN's packed GEMM (docs/performance.md); an output
 in its last float32 bits, by the order of the sums. For bfloat16 and float16 models, two cases, chosen per machine
 by :func:`cpu_gemm_dtype`:
 
-- **oneDNN has kernels for the model's dtype** (bfloat16 on CPUs with AVX-512 or AMX: natively with AVX512-BF16
-  or AMX, by conversion on other AVX-512 parts): a ``F.linear`` there reorders the weight into oneDNN's blocked
+- **oneDNN runs the model's dtype on the CPU's own units** (bfloat16 with AVX512-BF16 or AMX, float16 with
+  AVX512-FP16, AMX-FP16 or AVX-NE-CONVERT): a ``F.linear`` there reorders the weight into oneDNN's blocked
   layout on every call, a large part of a decode step's short GEMMs. Packing each weight once at load time
   (``torch.ops.mkldnn._reorder_linear_weight``, what Inductor's CPU weight prepacking uses) and calling
   ``torch.ops.mkldnn._linear_pointwise`` on it gives the same kernel the same inputs: outputs are bit-identical
   to ``F.linear`` (tests/kernels/test_packed_linear.py).
-- **It has none** (bfloat16 or float16 on a CPU with AVX2 but no AVX-512, such as AMD Zen 2/3 or Intel's client
-  parts of the last years): PyTorch's ``F.linear`` in those dtypes falls back to generic loops, 7-8x slower than
-  its float32 GEMM on the same cores (16-19 against 120-150 GFLOP/s on 2 Zen 3 cores). The weights are then
+- **It does not**: bfloat16 or float16 on a CPU with AVX2 but no AVX-512 (AMD Zen 2/3, Intel's client parts of
+  the last years), where PyTorch's ``F.linear`` in those dtypes falls back to generic loops; bfloat16 on AVX-512
+  without BF16 (Skylake to Ice Lake Xeons, and VMs whose hypervisor hides the newer units), where oneDNN converts
+  it to float32 inside its GEMM. Either runs several times slower than the float32 GEMM on the same cores
+  (docs/performance.md, machines B and F). The weights are then
   packed as float32 (their values unchanged: every bfloat16 and float16 number is a float32), each input is
   widened to float32, and the float32 output is rounded to the model's dtype. That is the arithmetic of a
   bfloat16 GEMM that accumulates in float32, as oneDNN's and PyTorch's own do: exact products, float32 sums, one
@@ -46,16 +48,19 @@ from batchgen.kernels.cpu.half_linear import FEW_ROWS, half_weight_linear
 
 _ROWS_HINT = 64  # oneDNN picks its blocking for this many rows; any row count runs on the packed weight
 # Rows per oneDNN call of a half-precision GEMM under --deterministic where brgemm does not run it (float16 models,
-# AVX-512 without BF16, odd widths): a decode round of up to 64 rows is one call; larger ones take a call per 64
+# odd widths): a decode round of up to 64 rows is one call; larger ones take a call per 64
 # rows, each reading the weights again.
 DETERMINISTIC_CALL_ROWS = 64
 
 
 def native_gemm_supported(dtype: torch.dtype) -> bool:
-    """Whether this CPU's oneDNN has GEMM kernels for ``dtype`` itself, as PyTorch reports it (float32 always;
-    bfloat16 with AVX-512 or AMX; float16 with AVX512-FP16, AMX-FP16 or AVX-NE-CONVERT)."""
+    """Whether this CPU's oneDNN runs GEMMs in ``dtype`` on units made for it, as PyTorch reports them: float32
+    always; bfloat16 with AVX512-BF16 or AMX (oneDNN also takes bfloat16 on other AVX-512 parts, converting it to
+    float32 inside the GEMM: slower than packing the weights as float32, so not counted); float16 with AVX512-FP16,
+    AMX-FP16 or AVX-NE-CONVERT."""
     if dtype == torch.bfloat16:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        units = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()) and units
     if dtype == torch.float16:
         return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
     return dtype == torch.float32
@@ -67,9 +72,10 @@ def cpu_gemm_dtype(
     """The dtype in which a ``dtype`` model's linear layers run packed on ``device``, or ``None`` for plain
     ``F.linear``.
 
-    ``dtype`` itself where oneDNN has kernels for it (float32 always), float32 for a bfloat16 or float16 model where
-    it has none; ``None`` off the CPU, without oneDNN, or without ``prepack`` (``KernelSwitches.cpu_prepack``,
-    ``$BATCHGEN_CPU_PREPACK``: then MKL's ``F.linear``) unless ``deterministic``.
+    ``dtype`` itself where oneDNN runs it on units made for it (:func:`native_gemm_supported`; float32 always),
+    float32 for a bfloat16 or float16 model elsewhere; ``None`` off the CPU, without oneDNN, or without
+    ``prepack`` (``KernelSwitches.cpu_prepack``, ``$BATCHGEN_CPU_PREPACK``: then MKL's ``F.linear``) unless
+    ``deterministic``.
     """
     if device.type != "cpu" or not torch.backends.mkldnn.is_available() or not (prepack or deterministic):
         return None

@@ -26,10 +26,16 @@ from tests.helpers.models import REPO, build_random_model
 from tests.helpers.reference import assert_within_rounding_noise, deviation, greedy_rows, hf_float32_rows
 
 CPU = torch.device("cpu")
-NATIVE_BF16 = cpu_gemm_dtype(torch.bfloat16, CPU) == torch.bfloat16
-needs_native_bf16 = pytest.mark.skipif(
-    not NATIVE_BF16,
+# oneDNN takes bfloat16 on any AVX-512 CPU (converting it where the CPU has no BF16 units); the engine packs a
+# bfloat16 model's weights as bfloat16 only where it has them.
+ONEDNN_BF16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+needs_onednn_bf16 = pytest.mark.skipif(
+    not ONEDNN_BF16,
     reason="this CPU's oneDNN has no bfloat16 kernels (torch.ops.mkldnn._is_mkldnn_bf16_supported() is False)",
+)
+needs_native_bf16 = pytest.mark.skipif(
+    cpu_gemm_dtype(torch.bfloat16, CPU) != torch.bfloat16,
+    reason="this CPU has neither AVX512-BF16 nor AMX: bfloat16 models pack their weights as float32",
 )
 SHAPES = [(1, 64, 48), (5, 576, 192), (64, 576, 3072), (300, 1536, 576)]
 
@@ -42,14 +48,17 @@ def _cpu_flags() -> set[str]:
 
 def test_gemm_dtype_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     """Other devices and the switch keep ``F.linear``; float32 packs as itself (MKL's ``F.linear`` is the slower
-    on AMD CPUs); bfloat16 packs as itself on a CPU with AVX512-BF16 and as float32 on one with no AVX-512 at all
-    (oneDNN's bfloat16 kernels need one or the other)."""
+    on AMD CPUs); bfloat16 packs as itself on a CPU with AVX512-BF16 or AMX-BF16 (the flags of /proc/cpuinfo) and as
+    float32 on one with neither, AVX-512 or not (where oneDNN has no bfloat16 kernels, or converts it to float32
+    inside its GEMM)."""
     assert cpu_gemm_dtype(torch.float32, CPU) == torch.float32
     assert cpu_gemm_dtype(torch.bfloat16, torch.device("cuda")) is None
     flags = _cpu_flags()
-    if "avx512_bf16" in flags:
+    if "avx512_bf16" in flags or "amx_bf16" in flags:
         assert cpu_gemm_dtype(torch.bfloat16, CPU) == torch.bfloat16
-    elif flags and not any(f.startswith("avx512") for f in flags) and "avx_ne_convert" not in flags:
+    elif flags:
+        assert cpu_gemm_dtype(torch.bfloat16, CPU) == torch.float32
+    if flags and not any(f.startswith("avx512") for f in flags) and "avx_ne_convert" not in flags:
         assert cpu_gemm_dtype(torch.bfloat16, CPU) == torch.float32
         assert cpu_gemm_dtype(torch.float16, CPU) == torch.float32
     monkeypatch.setenv("BATCHGEN_CPU_PREPACK", "0")
@@ -61,14 +70,11 @@ def test_gemm_dtype_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cpu_gemm_dtype(torch.float32, torch.device("cuda"), deterministic=True) is None
 
 
-GEMM_DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=needs_native_bf16)]
-
-
 # The batch-invariant GEMMs: oneDNN's float32 one; for bfloat16 brgemm (where it has bfloat16) and oneDNN's calls of
 # a fixed row count (where it has none, and for float16 models), the second forced here where brgemm would run.
 INVARIANT_PATHS = [
     pytest.param(torch.float32, "onednn", id="float32"),
-    pytest.param(torch.bfloat16, "onednn", marks=needs_native_bf16, id="bfloat16-onednn-calls"),
+    pytest.param(torch.bfloat16, "onednn", marks=needs_onednn_bf16, id="bfloat16-onednn-calls"),
     pytest.param(torch.bfloat16, "brgemm", id="bfloat16-brgemm"),
 ]
 
@@ -112,8 +118,8 @@ print(brgemm_bf16_supported(), gemm, linear.brgemm_weight is None, linear.call_r
 def test_without_bfloat16_in_brgemm_the_layers_fall_back_to_onednn_calls() -> None:
     """On a CPU with AVX-512 but no BF16 (Skylake to Ice Lake Xeons), imitated by capping oneDNN's instruction set,
     brgemm cannot generate a bfloat16 kernel (oneDNN raises its own error, not PyTorch's): the probe says so, and
-    ``--deterministic``'s bfloat16 layers run oneDNN calls of 64 rows (or float32 GEMMs where oneDNN has no
-    bfloat16 at all), still row-invariant."""
+    ``--deterministic``'s bfloat16 layers run oneDNN calls of 64 rows where the CPU itself has BF16 units, float32
+    GEMMs where it has none (a real AVX-512 part without BF16), still row-invariant."""
     env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX512_CORE"}
     done = subprocess.run([sys.executable, "-c", _FALLBACK_PROBE], env=env, capture_output=True, text=True, cwd=REPO)
     assert done.returncode == 0, done.stderr
@@ -125,7 +131,7 @@ def test_without_bfloat16_in_brgemm_the_layers_fall_back_to_onednn_calls() -> No
         assert (gemm, call_rows, min_rows) == ("torch.float32", "0", "2")
 
 
-@needs_native_bf16
+@needs_onednn_bf16
 @pytest.mark.parametrize(("rows", "in_features", "out_features"), SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_is_bit_identical_to_f_linear(rows: int, in_features: int, out_features: int, bias: bool) -> None:
@@ -169,7 +175,7 @@ def test_float32_gemms_round_the_exact_product_once(
         assert (off == 0).double().mean() >= 0.99
 
 
-@pytest.mark.parametrize("gemm_dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_native_bf16)])
+@pytest.mark.parametrize("gemm_dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_onednn_bf16)])
 def test_prepack_replaces_every_linear(gemm_dtype: torch.dtype) -> None:
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Linear(16, 4)))
     model = model.bfloat16()
