@@ -104,8 +104,9 @@ def deterministic_by_default(name: str, device: torch.device, switches: KernelSw
     batch-invariant run was measured to cost nothing beyond the runs' spread (docs/performance.md). That is the
     CPU kernel's path (``name`` auto or torch_native, the kernel switched on) on a CPU where brgemm runs bfloat16
     without AMX (AVX512-BF16): a bfloat16 model's linear layers and attention then run through brgemm either
-    way. Elsewhere the mode costs more or was not measured since its last change: AMX, AVX-512 without BF16
-    (64-row oneDNN calls), AVX2 alone (it turns off the few-row decode on the model's own weights), GPUs."""
+    way. Elsewhere the mode costs more or was not measured since its last change: AMX; CPUs whose bfloat16 GEMMs run
+    in float32 (AVX2 alone, AVX-512 without BF16), where it turns off the few-row decode on the model's own
+    weights and small batches slow down; GPUs."""
     return (
         device.type == "cpu"
         and name in ("auto", "torch_native")
