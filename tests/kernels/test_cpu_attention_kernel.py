@@ -391,20 +391,24 @@ def test_backend_same_with_kernel_on_and_off(
         start += e
 
 
-def test_prefill_rows_go_to_the_kernel_with_amx_or_avx512_bf16() -> None:
-    """Prefill rows go to the kernel exactly where it beats SDPA: in bfloat16 with head sizes a multiple of 32 up to
-    256, on a CPU whose flags (``/proc/cpuinfo``) include avx512_bf16 (vdpbf16ps, and brgemm's bfloat16 kernels
-    on it or on AMX tiles, which the kernel's ``brgemm`` path asks for)."""
+def test_prefill_rows_go_to_the_kernel_where_it_beats_sdpa() -> None:
+    """Prefill rows go to the kernel exactly where it beats SDPA, by the CPU's flags (``/proc/cpuinfo``): in
+    bfloat16 with head sizes a multiple of 32 up to 256 where it has avx512_bf16 (vdpbf16ps, and brgemm's bfloat16
+    kernels on it or on AMX tiles, which the kernel's ``brgemm`` path asks for); in bfloat16 of any head size on
+    AVX-512 without avx512_bf16 or AMX (the generic 16-lane path); never in float32 or float16."""
     has_dot = " avx512_bf16" in _FLAGS and " avx512bw" in _FLAGS
+    generic = " avx512f" in _FLAGS and " avx512_bf16" not in _FLAGS and " amx_tile" not in _FLAGS
     assert bool(torch.ops.batchgen.has_bf16_dot_product()) == has_dot
     assert cpu_kernels.brgemm_bf16_supported() == has_dot
     assert cpu_kernels.brgemm_attention_supported(torch.bfloat16, 64) == has_dot
-    to_kernel = has_dot
-    assert cpu_kernels.prefill_rows_supported(torch.bfloat16, 64) == to_kernel
-    assert cpu_kernels.prefill_rows_supported(torch.bfloat16, 256) == to_kernel
+    for head_dim in (64, 256):
+        assert cpu_kernels.prefill_rows_supported(torch.bfloat16, head_dim) == (has_dot or generic)
+    for head_dim in (80, 512):
+        assert cpu_kernels.prefill_rows_supported(torch.bfloat16, head_dim) == generic
     for dtype, head_dim in [(torch.bfloat16, 80), (torch.bfloat16, 512), (torch.float32, 64), (torch.float16, 64)]:
-        assert not cpu_kernels.prefill_rows_supported(dtype, head_dim)
         assert not cpu_kernels.brgemm_attention_supported(dtype, head_dim)
+    assert not cpu_kernels.prefill_rows_supported(torch.float32, 64)
+    assert not cpu_kernels.prefill_rows_supported(torch.float16, 64)
 
 
 # Run in a child process: the kernel built for a lesser CPU (the flag in argv[1]), on the inputs the parent saved.

@@ -84,20 +84,18 @@ def paged_attention_available() -> bool:
 
 def prefill_rows_supported(dtype: torch.dtype, head_dim: int) -> bool:
     """Whether rows of many new tokens (prefill chunks) should go to the kernel too, rather than to SDPA over
-    gathered K/V: where the kernel runs them through brgemm (:func:`brgemm_attention_supported`), or in bfloat16 on
-    a CPU with AVX512-BF16 and no AMX, where it scores and weights V with ``vdpbf16ps`` (head sizes a multiple of
-    32, up to 256). Both beat SDPA there (figures in docs/performance.md); elsewhere SDPA is as fast as the
-    kernel's float32 loops and keeps them."""
+    gathered K/V: where the kernel runs them through brgemm (:func:`brgemm_attention_supported`); in bfloat16 on a
+    CPU with AVX-512 and no AMX: with AVX512-BF16, where it scores and weights V with ``vdpbf16ps`` (head sizes a
+    multiple of 32, up to 256), and without it, on its float32 vector path, whose 16-lane vectors are one register
+    there. Each beats SDPA there (figures in docs/performance.md, machines A, D and F); elsewhere (AVX2 alone,
+    float32 models) SDPA is as fast as the kernel's float32 loops and keeps them."""
     if brgemm_attention_supported(dtype, head_dim):
         return True
-    return (
-        dtype == torch.bfloat16
-        and head_dim % 32 == 0
-        and head_dim <= 256
-        and not has_amx()
-        and paged_attention_available()
-        and bool(torch.ops.batchgen.has_bf16_dot_product())
-    )
+    if dtype != torch.bfloat16 or has_amx() or not paged_attention_available():
+        return False
+    if torch.ops.batchgen.has_bf16_dot_product():
+        return head_dim % 32 == 0 and head_dim <= 256
+    return bool(torch.cpu._is_avx512_supported())
 
 
 @functools.cache
