@@ -1,7 +1,7 @@
 """DECODE rounds through the decoder layers in one C++ call, where a bfloat16 model's layers are that call's ops.
 
 A small batch's decode step is short enough that the Python between its ten ops a layer is a large part of it
-(measured in docs/performance.md). Two setups of the layers run as the call's ops: on a CPU without AVX-512,
+(measured in docs/performance.md). Two setups of the layers run as the call's ops: on a CPU without BF16 units,
 rounds of up to ``few_rows`` rows run their linear layers on the model's own weights
 (:mod:`batchgen.kernels.cpu.half_linear`); under ``--deterministic`` where brgemm runs bfloat16, rounds of any
 size run them on brgemm (:mod:`batchgen.kernels.cpu.brgemm_linear`). :class:`OneCallDecode` hands such a round's

@@ -32,7 +32,8 @@ give a row the same bits for every row count from 2 up (one row alone may take a
 pads it); bfloat16 ones change with the row count in no simple pattern (33-130 rows of 576 inputs, for one), but
 never with a row's place among a fixed number of rows. So ``deterministic`` runs bfloat16 layers on
 :mod:`batchgen.kernels.cpu.brgemm_linear` (one summation order per output whatever the rows) where brgemm has
-bfloat16 (AMX or AVX512-BF16), and elsewhere ``call_rows`` rows a oneDNN call, the last call padded with zero rows.
+bfloat16 (AMX or AVX512-BF16); other layers whose GEMMs run in the model's half-precision dtype take ``call_rows``
+rows a oneDNN call, the last call padded with zero rows; those that run in float32 pad a lone row to two.
 """
 
 from __future__ import annotations

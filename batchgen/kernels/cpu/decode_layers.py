@@ -1,6 +1,6 @@
 """A decode round's decoder layers in one C++ call (``decode_layers.cpp``), for bfloat16 Llama-family models
 whose linear layers run on the half-precision weights (:mod:`batchgen.kernels.cpu.half_linear`: rounds of a few
-rows on AVX2 CPUs without AVX-512) or on brgemm (:mod:`batchgen.kernels.cpu.brgemm_linear`: ``--deterministic``
+rows on CPUs without BF16 units) or on brgemm (:mod:`batchgen.kernels.cpu.brgemm_linear`: ``--deterministic``
 where brgemm runs bfloat16).
 
 A small batch's decode step is ten short ops a layer; run from Python, the interpreter and the dispatcher's

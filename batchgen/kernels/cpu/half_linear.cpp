@@ -1,7 +1,8 @@
-// y = x W^T + b for a few rows of x against weights kept in bfloat16 or float16, for CPUs whose oneDNN has no
-// GEMM in those dtypes (AVX2 without AVX-512). There a half-precision model's linear layers run as float32 GEMMs
-// on float32 copies of the weights (batchgen/models/packed_linear.py); a decode round of a few rows is bound by
-// reading those weights, and reading the half-precision ones instead halves the bytes. Each weight value is
+// y = x W^T + b for a few rows of x against weights kept in bfloat16 or float16, for CPUs where those
+// dtypes' GEMMs run in float32 (no BF16 units: AVX2 alone, or AVX-512 without BF16). There a half-precision
+// model's linear layers run as float32 GEMMs on float32 copies of the weights (batchgen/models/packed_linear.py);
+// a decode round of a few rows is bound by reading those weights, and reading the half-precision ones instead
+// halves the bytes. Each weight value is
 // widened to float32 in registers; products and sums are float32, as in the float32 GEMM, only in another order.
 //
 // Layout: a thread takes blocks of 24 output columns (rows of W); over a block, each tile of up to 4 rows of x

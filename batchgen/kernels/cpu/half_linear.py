@@ -1,5 +1,6 @@
-"""Linear layers of a few rows on bfloat16 or float16 weights (``half_linear.cpp``), for CPUs whose oneDNN has no
-GEMM in those dtypes (AVX2 without AVX-512).
+"""Linear layers of a few rows on bfloat16 or float16 weights (``half_linear.cpp``), for CPUs where those dtypes'
+GEMMs run in float32 (no BF16 units: AVX2 alone, or AVX-512 without BF16;
+:func:`~batchgen.models.packed_linear.cpu_gemm_dtype`).
 
 There a half-precision model's linear layers run as float32 GEMMs on float32 copies of the weights
 (:mod:`batchgen.models.packed_linear`). A round of a few rows (a small batch's decode, a prefill round's sampled
@@ -17,9 +18,10 @@ import torch
 
 from batchgen.kernels.cpu import build_problem
 
-# Rows up to which the kernel runs a linear layer instead of the float32 GEMM: below the kernel's own crossover on
-# the AVX2 CPUs measured (docs/performance.md), where a DECODE round of that many rows also runs its layers in one
-# C++ call (batchgen.models.one_call_decode).
+# Rows up to which the kernel runs a linear layer instead of the float32 GEMM, where a DECODE round of that many rows
+# also runs its layers in one C++ call (batchgen.models.one_call_decode): below the crossover of the two in the
+# engine on the CPUs measured (docs/performance.md: AVX2 machines, and AVX-512 without BF16, where the kernel alone
+# loses to the GEMM at fewer rows but the one call's savings keep the pair ahead).
 FEW_ROWS = 24
 
 

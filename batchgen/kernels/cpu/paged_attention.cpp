@@ -290,8 +290,8 @@ TORCH_LIBRARY(batchgen, m) {
   m.def(
       "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor req_to_token, Tensor req_pool_indices, "
       "Tensor seq_lens, Tensor q_starts, Tensor q_lens, float scale, Tensor(a!) out, int brgemm=0) -> ()");
-  // Whether bfloat16 attention runs on vdpbf16ps here (built for a CPU with AVX512-BF16): fast enough for
-  // prefill rows too, which otherwise go to SDPA.
+  // Whether bfloat16 attention runs on vdpbf16ps here (built for a CPU with AVX512-BF16); prefill_rows_supported
+  // (kernels/cpu/__init__.py) asks it.
   m.def("has_bf16_dot_product() -> bool", &has_bf16_dot_product);
 }
 
