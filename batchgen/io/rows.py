@@ -168,8 +168,8 @@ def _check_messages(value: Any, fail: _Fail) -> list[dict[str, str]]:
         for key in ("role", "content"):
             if key not in item:
                 # The row's own messages field: a messages column's ShareGPT items were mapped before this check.
-                hint = " (ShareGPT's {from, value} items: --messages-column messages reads them)"
-                hint = hint if "from" in item else ""
+                sharegpt = "from" in item
+                hint = " (ShareGPT's {from, value} items: --messages-column messages reads them)" if sharegpt else ""
                 raise fail("messages", f"item {i}: '{key}' is missing{hint}")
             if not isinstance(item[key], str):
                 raise fail("messages", f"item {i}: '{key}' must be a string, got {json_type_name(item[key])}")

@@ -83,6 +83,7 @@ def paged_attention_available() -> bool:
     return build_problem() is None
 
 
+@functools.cache
 def prefill_rows_supported(dtype: torch.dtype, head_dim: int) -> bool:
     """Whether rows of many new tokens (prefill chunks) should go to the kernel too, rather than to SDPA over
     gathered K/V: where the kernel runs them through brgemm (:func:`brgemm_attention_supported`); in bfloat16 on a
