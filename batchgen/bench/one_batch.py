@@ -136,10 +136,10 @@ class OneBatchRunner:
 
     def __init__(self, engine: Engine, seed: int = 0) -> None:
         self.engine, self.rng = engine, random.Random(seed)
-        # What the GEMMs read: float32 weights where they run in float32, the model's in rounds of few_rows or less.
-        self.weight_dtype = cpu_gemm_dtype(engine.dtype, engine.device, engine.switches.cpu_prepack) or engine.dtype
-        packed = [m.few_rows for m in engine.runner.model.modules() if isinstance(m, PackedLinear)]
-        self.few_rows = max(packed, default=0)
+        # What the GEMMs read: the model's weights, or float32 copies where they run in float32 on oneDNN.
+        packed = [m for m in engine.runner.model.modules() if isinstance(m, PackedLinear)]
+        gemm_dtype = cpu_gemm_dtype(engine.dtype, engine.device, engine.switches.cpu_prepack) or engine.dtype
+        self.weight_dtype = engine.dtype if any(m.half_weight is not None for m in packed) else gemm_dtype
         self.attention_seconds = 0.0  # in the attention backends during the timed calls
 
     def make_reqs(self, batch_size: int, input_len: int, output_len: int) -> list[Req]:
@@ -187,10 +187,9 @@ class OneBatchRunner:
         self.attention_seconds += attention.seconds
         return elapsed, out
 
-    def _round_bytes(self, rows: int, kv_lens: list[int]) -> float:
-        """Bytes a decode round of ``rows`` rows over requests of ``kv_lens`` cached tokens reads (decode_bytes)."""
-        weights = self.engine.dtype if rows <= self.few_rows else self.weight_dtype
-        return decode_bytes(self.engine.runner.model.config, self.engine.dtype, weights, kv_lens)
+    def _round_bytes(self, kv_lens: list[int]) -> float:
+        """Bytes a decode round over requests of ``kv_lens`` cached tokens reads (decode_bytes)."""
+        return decode_bytes(self.engine.runner.model.config, self.engine.dtype, self.weight_dtype, kv_lens)
 
     def _decode_plain(self, reqs: list[Req], output_len: int) -> tuple[list[float], float]:
         """``output_len - 1`` DECODE rounds of the whole batch; their times and the bytes they read."""
@@ -198,7 +197,7 @@ class OneBatchRunner:
         decode_times: list[float] = []
         decode_bytes_total = 0.0
         for _ in range(output_len - 1):
-            decode_bytes_total += self._round_bytes(batch_size, [r.kv_len for r in reqs])
+            decode_bytes_total += self._round_bytes([r.kv_len for r in reqs])
             step = ScheduleBatch(ForwardMode.DECODE, reqs, [1] * batch_size, batch_size)
             elapsed, out = self._timed(lambda step=step: self.run_round(step)[1])  # type: ignore[misc]
             decode_times.append(elapsed)
@@ -216,8 +215,7 @@ class OneBatchRunner:
         decode_times: list[float] = []
         decode_bytes_total = 0.0
         while scheduler.running:
-            verify_rows = len(scheduler.running) * (1 + self.engine.options.speculative_num_draft_tokens)
-            decode_bytes_total += self._round_bytes(verify_rows, [r.kv_len for r in scheduler.running])
+            decode_bytes_total += self._round_bytes([r.kv_len for r in scheduler.running])
             elapsed, _ = self._timed(self.engine.step)
             decode_times.append(elapsed)
         return decode_times, decode_bytes_total

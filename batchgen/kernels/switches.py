@@ -32,7 +32,7 @@ class KernelSwitches:
     cpu_float32_carrier: bool = field(default=True, metadata={"env": "BATCHGEN_CPU_FLOAT32_CARRIER"})
     # oneDNN-prepacked linear weights on the CPU.
     cpu_prepack: bool = field(default=True, metadata={"env": "BATCHGEN_CPU_PREPACK"})
-    # Rounds of a few rows on the half-precision weights where those GEMMs run in float32 (AVX2 CPUs).
+    # Half-precision linear layers in float32 on their own weights where oneDNN has no BF16/FP16 units for them.
     cpu_half_weight_linear: bool = field(default=True, metadata={"env": "BATCHGEN_CPU_HALF_WEIGHT_LINEAR"})
     # Triton's fused elementwise kernels; None: on a CUDA device where triton imports.
     triton_fused_ops: bool | None = field(default=None, metadata={"env": TRITON_FUSED_OPS})

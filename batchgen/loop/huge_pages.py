@@ -4,8 +4,9 @@ A decode step reads every weight once, hundreds of megabytes over 4 KiB pages: e
 virtual machine a TLB miss walks two page tables. Linux backs a region with 2 MiB pages where the process asks for
 it with ``madvise(MADV_HUGEPAGE)`` before the region is first touched (the default ``transparent_hugepage/enabled``
 setting, ``madvise``, gives them to no one else). The weights are copied once into fresh anonymous mappings that ask
-for them. oneDNN's packed weights (float32 models, bfloat16 without ``--deterministic``) are opaque tensors and stay
-where oneDNN put them; the brgemm-packed and half-precision weights of batchgen's own kernels move. What it gains,
+for them. oneDNN's packed weights (float32 models, and half-precision ones whose dtype oneDNN runs, unless
+``--deterministic`` puts them on brgemm) are opaque tensors and stay where oneDNN put them; the brgemm-packed and
+half-precision weights of batchgen's own kernels move. What it gains,
 and why the KV pool stays on small pages, is measured in docs/performance.md.
 """
 

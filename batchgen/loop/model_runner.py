@@ -80,9 +80,9 @@ class ModelRunner:
         """Run the model over the round's tokens; logits only for ``forward_batch.sample_indices``.
 
         DECODE and uniform TARGET_VERIFY rounds the graph runner can serve go through it (on a CPU only with
-        ``--cuda-graph-max-bs``); on a CPU, DECODE rounds whose layers are the ops of :class:`OneCallDecode` (a few
-        rows on the half-precision weights, or any number on ``--deterministic``'s brgemm) run them in one C++
-        call; the rest plan their attention and run eagerly.
+        ``--cuda-graph-max-bs``); on a CPU, DECODE rounds whose layers are the ops of :class:`OneCallDecode` (on
+        the half-precision weights, or on ``--deterministic``'s brgemm) run them in one C++ call; the rest plan
+        their attention and run eagerly.
         """
         if self.graph_runner is not None and self.graph_runner.can_run(forward_batch):
             return self.graph_runner.run(forward_batch)

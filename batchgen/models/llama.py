@@ -223,14 +223,14 @@ class LlamaForCausalLM(nn.Module):
             return self.tied_lm_head(hidden)
         return F.linear(hidden, self.model.embed_tokens.weight)
 
-    def prepack_for_cpu(self, gemm_dtype: torch.dtype, deterministic: bool = False, few_rows: int = 0) -> None:
-        """Pack every linear weight for oneDNN GEMMs in ``gemm_dtype``, batch invariant with ``deterministic``,
-        calls of up to ``few_rows`` rows on the half-precision weights (see :mod:`batchgen.models.packed_linear`);
+    def prepack_for_cpu(self, gemm_dtype: torch.dtype, deterministic: bool = False, half_weight: bool = False) -> None:
+        """Pack every linear weight for GEMMs in ``gemm_dtype``, batch invariant with ``deterministic``, on the
+        half-precision weights with ``half_weight`` (see :mod:`batchgen.models.packed_linear`);
         a tied output projection is packed from a copy, since the embedding keeps its own weight for lookups."""
-        prepack_linears(self, gemm_dtype, deterministic, few_rows)
+        prepack_linears(self, gemm_dtype, deterministic, half_weight)
         if self.lm_head is None:
             weight = self.model.embed_tokens.weight
-            self.tied_lm_head = PackedLinear(weight, None, gemm_dtype, few_rows, deterministic)
+            self.tied_lm_head = PackedLinear(weight, None, gemm_dtype, half_weight, deterministic)
 
     def use_linears(self, make: Callable[[torch.Tensor, torch.Tensor | None], nn.Module]) -> None:
         """Run every linear layer and the output projection (a tied one sharing the embedding's weight) as

@@ -2,10 +2,9 @@
 
 A small batch's decode step is short enough that the Python between its ten ops a layer is a large part of it
 (measured in docs/performance.md). Two setups of the layers run as the call's ops: on a CPU without BF16 units,
-rounds of up to ``few_rows`` rows run their linear layers on the model's own weights
-(:mod:`batchgen.kernels.cpu.half_linear`); under ``--deterministic`` where brgemm runs bfloat16, rounds of any
-size run them on brgemm (:mod:`batchgen.kernels.cpu.brgemm_linear`). :class:`OneCallDecode` hands such a round's
-layers to :func:`batchgen.kernels.cpu.decode_layers.decode_layers`, which calls the same ops in the same order
+the linear layers on the model's own weights (:mod:`batchgen.kernels.cpu.half_linear`); under ``--deterministic``
+where brgemm runs bfloat16, on brgemm (:mod:`batchgen.kernels.cpu.brgemm_linear`). :class:`OneCallDecode` hands such
+a round's layers to :func:`batchgen.kernels.cpu.decode_layers.decode_layers`, which calls the same ops in the same order
 from C++: the same bits, in less time. The embedding lookup before and the logits after stay in Python, as do
 every other round and every other model setup.
 """
@@ -34,17 +33,17 @@ class _LayerWeights:
     """What :func:`~batchgen.kernels.cpu.decode_layers.decode_layers` reads of one layer."""
 
     norms: tuple[torch.Tensor, torch.Tensor]  # input and post-attention RMSNorm weights
-    weights: tuple[torch.Tensor, ...]  # the qkv, o, gate/up and down projections' own or brgemm-packed weights
-    out_features: tuple[int, ...]  # the projections' widths where brgemm-packed; empty for their own weights
+    weights: tuple[torch.Tensor, ...]  # the qkv, o, gate/up and down projections' packed weights
+    out_features: tuple[int, ...]  # the projections' widths
+    float32_carrier: bool  # packed for half_weight_linear, outputs handed on in float32; else for brgemm_linear
     gate_up_silu: bool  # the gate/up projection runs with SiLU-and-multiply in its pass (MLP.gate_up_silu)
     biases: tuple[torch.Tensor | None, torch.Tensor | None]  # qkv's and o's float32 biases
-    max_rows: int | None  # the most rows a call of its linear layers runs on those weights; None: any
 
 
 def _layer_weights(layer: nn.Module) -> _LayerWeights | None:
-    """``layer``'s weights if it runs as the C++ op does (no q/k norms; either each projection runs few rows on its
-    half-precision weights and hands a float32 output on, the float32 carrier, or each runs every row on brgemm
-    and rounds its output to bfloat16), else ``None``."""
+    """``layer``'s weights if it runs as the C++ op does (no q/k norms; either each projection runs on its
+    half-precision weights and hands a float32 output on, the float32 carrier, or each runs on brgemm and rounds
+    its output to bfloat16), else ``None``."""
     if not isinstance(layer, DecoderLayer) or layer.self_attn.q_norm is not None:
         return None
     packed: list[PackedLinear] = []
@@ -60,11 +59,12 @@ def _layer_weights(layer: nn.Module) -> _LayerWeights | None:
             brgemm.append(linear.brgemm_weight)
     norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
     biases = (packed[0].bias, packed[1].bias)
+    widths = tuple(p.out_features for p in packed)
     fused = layer.mlp.gate_up_silu is not None
     if len(own) == len(packed) and not fused:
-        return _LayerWeights(norms, tuple(own), (), fused, biases, min(p.few_rows for p in packed))
+        return _LayerWeights(norms, tuple(own), widths, True, fused, biases)
     if len(brgemm) == len(packed):
-        return _LayerWeights(norms, tuple(brgemm), tuple(p.out_features for p in packed), fused, biases, None)
+        return _LayerWeights(norms, tuple(brgemm), widths, False, fused, biases)
     return None
 
 
@@ -89,6 +89,7 @@ class OneCallDecode:
         self.norms = [w for layer in layers for w in layer.norms] + [model.model.norm.weight]
         self.weights = [w for layer in layers for w in layer.weights]
         self.out_features = [n for layer in layers for n in layer.out_features]
+        self.float32_carrier = layers[0].float32_carrier if layers else False
         self.gate_up_silu = [layer.gate_up_silu for layer in layers]
         self.biases = [b for layer in layers for b in layer.biases]
         device = model.rotary.cos_table.device
@@ -100,10 +101,10 @@ class OneCallDecode:
     def from_model(
         cls, model: LlamaForCausalLM, attn_backend: AttentionBackend, max_batch: int
     ) -> OneCallDecode | None:
-        """A runner for ``model``'s decode rounds of up to ``max_batch`` rows (fewer on half-precision weights), or
-        ``None`` unless every step of its layers is the C++ op's: bfloat16 on the CPU with the fused ops and their KV
-        store in RoPE, no q/k norms, every linear layer running few rows on its half-precision weights with the
-        float32 carrier or every row on brgemm, and attention in the CPU kernel (the torch_native backend; through
+        """A runner for ``model``'s decode rounds of up to ``max_batch`` rows, or ``None`` unless every step of its
+        layers is the C++ op's: bfloat16 on the CPU with the fused ops and their KV store in RoPE, no q/k norms,
+        every linear layer running on its half-precision weights with the float32 carrier or on brgemm, and
+        attention in the CPU kernel (the torch_native backend; through
         brgemm for the rows the backend runs there)."""
         dtype = model.model.embed_tokens.weight.dtype
         if not (
@@ -119,10 +120,9 @@ class OneCallDecode:
         found = [layer for layer in layers if layer is not None]
         if len(found) < len(layers):
             return None
-        max_rows = min([max_batch] + [layer.max_rows for layer in found if layer.max_rows is not None])
-        if max_rows == 0 or len({layer.out_features == () for layer in found}) > 1:
+        if max_batch == 0 or len({layer.float32_carrier for layer in found}) > 1:
             return None
-        return cls(model, found, max_rows, attn_backend.kernel_brgemm(torch.bfloat16, model.config.head_dim))
+        return cls(model, found, max_batch, attn_backend.kernel_brgemm(torch.bfloat16, model.config.head_dim))
 
     def can_run(self, forward_batch: ForwardBatch) -> bool:
         """Whether the round is a DECODE round of at most ``max_rows`` rows."""
@@ -152,6 +152,7 @@ class OneCallDecode:
             self.scale,
             self.brgemm,
             self.out_features,
+            self.float32_carrier,
             self.gate_up_silu,
             self.attention_seconds,
         )

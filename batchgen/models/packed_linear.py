@@ -15,25 +15,24 @@ by :func:`cpu_gemm_dtype`:
   the last years), where PyTorch's ``F.linear`` in those dtypes falls back to generic loops; bfloat16 on AVX-512
   without BF16 (Skylake to Ice Lake Xeons, and VMs whose hypervisor hides the newer units), where oneDNN converts
   it to float32 inside its GEMM. Either runs several times slower than the float32 GEMM on the same cores
-  (docs/performance.md, machines B and F). The weights are then
-  packed as float32 (their values unchanged: every bfloat16 and float16 number is a float32), each input is
-  widened to float32, and the float32 output is rounded to the model's dtype. That is the arithmetic of a
-  bfloat16 GEMM that accumulates in float32, as oneDNN's and PyTorch's own do: exact products, float32 sums, one
-  rounding at the end; only the order of the sums differs, so an output can differ from ``F.linear``'s by one
-  step of the model's dtype where its float32 sum lies next to a rounding boundary. The cost is memory: the
-  packed weights take twice the model dtype's bytes. Calls of a few rows (``few_rows``, :func:`half_weight_rows`)
-  are bound by reading those bytes, so they run :mod:`batchgen.kernels.cpu.half_linear` on the model's own
-  weights, kept beside the packed copy, with the same arithmetic in another order.
+  (docs/performance.md, machines B and F). The GEMMs then run in float32 on the model's own weights, kept in its
+  dtype and widened as they are read (:mod:`batchgen.kernels.cpu.half_linear`, ``half_weight``): exact products,
+  float32 sums, one rounding at the end, the arithmetic of a bfloat16 GEMM that accumulates in float32 as oneDNN's
+  and PyTorch's own do; only the order of the sums differs, so an output can differ from ``F.linear``'s by one
+  step of the model's dtype where its float32 sum lies next to a rounding boundary. Where that kernel cannot run
+  (switched off, not built, :func:`~batchgen.kernels.cpu.half_linear.routes_agree` false) the weights are packed
+  as float32 copies for oneDNN instead, twice the model dtype's bytes, and every input is widened to float32.
 
-One packed weight serves every row count, but not with one reduction order: which kernel and blocking oneDNN
-picks depends on the row count, so a row's output can change in its last bits with the rows beside it. Measured
-on an AMX CPU (tests/kernels/test_packed_linear.py checks it on each machine the suite runs on): float32 GEMMs
-give a row the same bits for every row count from 2 up (one row alone may take another kernel: ``min_rows = 2``
-pads it); bfloat16 ones change with the row count in no simple pattern (33-130 rows of 576 inputs, for one), but
-never with a row's place among a fixed number of rows. So ``deterministic`` runs bfloat16 layers on
+A row's output depends on that row only on the half-weight kernel and on brgemm. oneDNN's packed GEMMs serve
+every row count with one weight, but not with one reduction order: which kernel and blocking oneDNN picks depends
+on the row count, so a row's output can change in its last bits with the rows beside it. Measured on an AMX CPU
+(tests/kernels/test_packed_linear.py checks it on each machine the suite runs on): float32 GEMMs give a row the
+same bits for every row count from 2 up (one row alone may take another kernel: ``min_rows = 2`` pads it);
+bfloat16 ones change with the row count in no simple pattern (33-130 rows of 576 inputs, for one), but never with
+a row's place among a fixed number of rows. So ``deterministic`` runs bfloat16 layers on
 :mod:`batchgen.kernels.cpu.brgemm_linear` (one summation order per output whatever the rows) where brgemm has
 bfloat16 (AMX or AVX512-BF16); other layers whose GEMMs run in the model's half-precision dtype take ``call_rows``
-rows a oneDNN call, the last call padded with zero rows; those that run in float32 pad a lone row to two.
+rows a oneDNN call, the last call padded with zero rows; those on oneDNN in float32 pad a lone row to two.
 """
 
 from __future__ import annotations
@@ -43,9 +42,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from batchgen.kernels.cpu import brgemm_bf16_supported, build_problem
+from batchgen.kernels.cpu import brgemm_bf16_supported
 from batchgen.kernels.cpu.brgemm_linear import COLUMN_BLOCK, brgemm_linear, brgemm_linear_silu_and_mul, pack_for_brgemm
-from batchgen.kernels.cpu.half_linear import FEW_ROWS, half_weight_linear
+from batchgen.kernels.cpu.half_linear import half_weight_linear, pack_half_weight, routes_agree
 
 _ROWS_HINT = 64  # oneDNN picks its blocking for this many rows; any row count runs on the packed weight
 # Rows per oneDNN call of a half-precision GEMM under --deterministic where brgemm does not run it (float16 models,
@@ -87,33 +86,29 @@ def cpu_gemm_dtype(
     return dtype if native_gemm_supported(dtype) else torch.float32
 
 
-def half_weight_rows(dtype: torch.dtype, gemm_dtype: torch.dtype | None, enabled: bool, deterministic: bool) -> int:
-    """Rows up to which a linear layer of a ``dtype`` model packed for ``gemm_dtype`` GEMMs runs on its own
-    half-precision weights (``PackedLinear``'s ``few_rows``): :data:`~batchgen.kernels.cpu.half_linear.FEW_ROWS`
-    for a bfloat16 or float16 model whose GEMMs run in float32, where ``enabled``
-    (``KernelSwitches.cpu_half_weight_linear``) and the kernel builds; 0 otherwise, and under ``deterministic``,
-    where a row would take one kernel or the other by the size of its round, and without packing (``gemm_dtype``
-    ``None``)."""
-    if not enabled or deterministic or gemm_dtype != torch.float32 or dtype not in (torch.bfloat16, torch.float16):
-        return 0
-    return FEW_ROWS if build_problem() is None else 0
+def half_weight_runs(dtype: torch.dtype, gemm_dtype: torch.dtype | None, enabled: bool) -> bool:
+    """Whether the linear layers of a ``dtype`` model packed for ``gemm_dtype`` GEMMs run on their own
+    half-precision weights (:class:`PackedLinear`'s ``half_weight``): a bfloat16 or float16 model whose GEMMs run in
+    float32, where ``enabled`` (``KernelSwitches.cpu_half_weight_linear``) and the kernel builds with its two routes
+    agreeing (:func:`~batchgen.kernels.cpu.half_linear.routes_agree`)."""
+    return enabled and gemm_dtype == torch.float32 and dtype in (torch.bfloat16, torch.float16) and routes_agree()
 
 
 class PackedLinear(nn.Module):
-    """``y = x W^T + b`` over ``W`` packed once, for oneDNN (or for brgemm under ``deterministic``), computed in
-    ``gemm_dtype``.
+    """``y = x W^T + b`` over ``W`` packed once, for oneDNN, for brgemm under ``deterministic``, or for the
+    half-weight kernel, computed in ``gemm_dtype``.
 
     Args:
         weight: ``[out_features, in_features]`` on the CPU, in the model's dtype (copied into the packed layout).
         bias: ``[out_features]`` in the model's dtype, or ``None``.
         gemm_dtype: the dtype the GEMM runs in: the weight's own, or float32 (see the module docstring);
             default the weight's.
-        few_rows: with a float32 ``gemm_dtype`` and a bfloat16 or float16 weight, calls of up to that many rows run
-            :func:`batchgen.kernels.cpu.half_linear.half_weight_linear` on the weight itself, kept (not copied)
-            beside the packed copy; their ``x`` must then be float32 or the weight's dtype. 0: never.
+        half_weight: with a float32 ``gemm_dtype`` and a bfloat16 or float16 weight, every call runs
+            :func:`batchgen.kernels.cpu.half_linear.half_weight_linear` on the weight packed in its own dtype
+            (:func:`~batchgen.kernels.cpu.half_linear.pack_half_weight`), no float32 copy kept; ``x`` must then be
+            float32 or the weight's dtype. Its rows are independent of each other as they stand.
         deterministic: a row's output depends on that row only, whatever the rows beside it (see the module
-            docstring); ``few_rows`` is then ignored, since a row would take one kernel or the other by the size of
-            its round.
+            docstring).
 
     ``forward(x [T, in_features]) → [T, out_features]`` in the weight's dtype; in float32, unrounded, where
     ``round_output`` is set False (the float32 carrier of :meth:`batchgen.models.llama.LlamaForCausalLM.carry_float32`,
@@ -126,7 +121,7 @@ class PackedLinear(nn.Module):
         weight: torch.Tensor,
         bias: torch.Tensor | None,
         gemm_dtype: torch.dtype | None = None,
-        few_rows: int = 0,
+        half_weight: bool = False,
         deterministic: bool = False,
     ) -> None:
         super().__init__()
@@ -136,9 +131,13 @@ class PackedLinear(nn.Module):
         self.round_output = True
         self.min_rows = 1
         self.call_rows = 0
-        self.few_rows = 0 if deterministic else few_rows
         self.half_weight: torch.Tensor | None = None
         self.brgemm_weight: torch.Tensor | None = None
+        if half_weight:
+            assert self.gemm_dtype == torch.float32 and weight.dtype in (torch.bfloat16, torch.float16)
+            self.half_weight = pack_half_weight(weight)
+            self.bias = None if bias is None else bias.detach().float()
+            return
         if deterministic and self._brgemm_runs(weight):
             self.brgemm_weight = pack_for_brgemm(weight.detach().to(torch.bfloat16))
             self.bias = None if bias is None else bias.detach().float()
@@ -149,9 +148,6 @@ class PackedLinear(nn.Module):
             self.min_rows = 2
         elif deterministic:
             self.call_rows = DETERMINISTIC_CALL_ROWS
-        if self.few_rows:
-            assert self.gemm_dtype == torch.float32 and weight.dtype in (torch.bfloat16, torch.float16)
-            self.half_weight = weight.detach().contiguous()
 
     def _brgemm_runs(self, weight: torch.Tensor) -> bool:
         """Whether this layer's batch-invariant GEMM is :mod:`batchgen.kernels.cpu.brgemm_linear`'s."""
@@ -187,8 +183,8 @@ class PackedLinear(nn.Module):
             rounded = self.round_output and self.out_dtype == torch.bfloat16
             x = x.to(torch.bfloat16).contiguous()
             out = brgemm_linear(x, self.brgemm_weight, self.out_features, self.bias, rounded)
-        elif self.half_weight is not None and rows <= self.few_rows:
-            out = half_weight_linear(x.contiguous(), self.half_weight, self.bias)
+        elif self.half_weight is not None:
+            out = half_weight_linear(x.contiguous(), self.half_weight, self.out_features, self.bias)
         else:
             padded = max(self.min_rows, -(-rows // self.call_rows) * self.call_rows if self.call_rows else rows)
             if padded > rows:
@@ -213,11 +209,11 @@ def replace_linears(module: nn.Module, make: Callable[[nn.Linear], nn.Module]) -
 
 
 def prepack_linears(
-    module: nn.Module, gemm_dtype: torch.dtype | None = None, deterministic: bool = False, few_rows: int = 0
+    module: nn.Module, gemm_dtype: torch.dtype | None = None, deterministic: bool = False, half_weight: bool = False
 ) -> int:
     """Replace every ``nn.Linear`` under ``module`` by a :class:`PackedLinear` of its weights computing in
-    ``gemm_dtype`` (default: each weight's own dtype), batch invariant with ``deterministic``, running calls of up
-    to ``few_rows`` rows on the half-precision weights (:class:`PackedLinear`); return how many."""
+    ``gemm_dtype`` (default: each weight's own dtype), batch invariant with ``deterministic``, running every call
+    on the half-precision weights with ``half_weight`` (:class:`PackedLinear`); return how many."""
     return replace_linears(
-        module, lambda linear: PackedLinear(linear.weight, linear.bias, gemm_dtype, few_rows, deterministic)
+        module, lambda linear: PackedLinear(linear.weight, linear.bias, gemm_dtype, half_weight, deterministic)
     )

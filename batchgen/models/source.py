@@ -20,7 +20,7 @@ from batchgen.kernels.cpu import fused_elementwise as cpu_ops
 from batchgen.kernels.switches import TRITON_FUSED_OPS, KernelSwitches
 from batchgen.models.llama import DecoderLayer, LlamaForCausalLM
 from batchgen.models.loader import load_model, random_model
-from batchgen.models.packed_linear import PackedLinear, cpu_gemm_dtype, half_weight_rows
+from batchgen.models.packed_linear import PackedLinear, cpu_gemm_dtype, half_weight_runs
 from batchgen.models.random_presets import is_random_spec, random_preset_config
 from batchgen.models.resolve import resolve_model
 from batchgen.models.row_invariant import silu_and_mul_by_rows
@@ -135,8 +135,8 @@ class ModelSource:
             return model
         gemm_dtype = cpu_gemm_dtype(dtype, device, switches.cpu_prepack, deterministic)
         if gemm_dtype is not None:
-            few_rows = half_weight_rows(dtype, gemm_dtype, switches.cpu_half_weight_linear, deterministic)
-            model.prepack_for_cpu(gemm_dtype, deterministic, few_rows)
+            half_weight = half_weight_runs(dtype, gemm_dtype, switches.cpu_half_weight_linear)
+            model.prepack_for_cpu(gemm_dtype, deterministic, half_weight)
         if triton_fused_ops_requested(device, switches):
             from batchgen.kernels.triton import fused_elementwise as triton_ops
 

@@ -175,21 +175,22 @@ def _cpu_flags() -> set[str]:
     return set(flags)
 
 
-def test_the_mode_is_the_default_on_cpus_with_avx512_bf16_and_no_amx(
-    random_models: dict[str, Path], tmp_path: Path
-) -> None:
+def test_the_mode_is_the_default_on_avx512_cpus_without_amx(random_models: dict[str, Path], tmp_path: Path) -> None:
     """Neither flag: on where the batch-invariant path costs nothing measurable (docs/performance.md), which the
-    CPU's extensions say (AVX512-BF16, no AMX tiles), for the CPU kernel's backend only; the output records it."""
+    CPU's extensions say (AVX-512, no AMX tiles: with AVX512-BF16 brgemm runs both paths, without it the
+    half-weight GEMMs do, which need their switch), for the CPU kernel's backend only; the output records it."""
     if build_problem() is not None:
         pytest.skip(f"needs batchgen's CPU kernels ({build_problem()})")
     flags = _cpu_flags()
-    expected = "avx512_bf16" in flags and "amx_tile" not in flags
+    expected = "avx512f" in flags and "amx_tile" not in flags
     cpu, switches = torch.device("cpu"), KernelSwitches()
     assert deterministic_by_default("auto", cpu, switches) is expected
     assert deterministic_by_default("torch_native", cpu, switches) is expected
     assert deterministic_by_default("triton", cpu, switches) is False
     assert deterministic_by_default("auto", torch.device("cuda"), switches) is False
     assert deterministic_by_default("auto", cpu, KernelSwitches(cpu_attention_kernel=False)) is False
+    no_half_weights = KernelSwitches(cpu_half_weight_linear=False)
+    assert deterministic_by_default("auto", cpu, no_half_weights) is (expected and "avx512_bf16" in flags)
     dataset = write_jsonl(tmp_path / "in.jsonl", rows(2, 2))
     for flag, recorded in (((), expected), (("--no-deterministic",), False), (("--deterministic",), True)):
         generate(dataset, tmp_path / "out.arrow", random_models["llama"], "--dtype", "bfloat16", *flag)

@@ -20,7 +20,6 @@ from batchgen.bench.attention_time import timing_attention
 from batchgen.bench.one_batch import OneBatchRunner
 from batchgen.kernels import cpu as cpu_kernels
 from batchgen.kernels.cpu.brgemm_linear import COLUMN_BLOCK
-from batchgen.kernels.cpu.half_linear import FEW_ROWS
 from batchgen.loop.engine import Engine
 from batchgen.loop.forward_batch import ForwardBatch
 from batchgen.loop.forward_mode import ForwardMode
@@ -58,17 +57,18 @@ def _engine(model_dir: Path, **options: Any) -> Engine:
     )
 
 
-@pytest.fixture(params=["half-weights", "brgemm"])
+@pytest.fixture(params=["half-weights", "half-weights-deterministic", "brgemm"])
 def layers_setup(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
-    """The engine options of a setup whose decode rounds run as one call, and the most rows the call then serves:
-    few rows on the half-precision weights (GEMMs packed as float32, as :func:`float32_gemms`), or any number of
-    rows on ``--deterministic``'s brgemm-packed layers (checked up to ``FEW_ROWS + 3``)."""
-    if request.param == "half-weights":
+    """The engine options of a setup whose decode rounds run as one call, the rows checked, and whether gate/up
+    projections take their SiLU in the same pass: the half-precision weights (GEMMs run in float32, as
+    :func:`float32_gemms`), with ``--deterministic`` or not (rows past the kernel's 8 of stream tiles, which take
+    brgemm), or ``--deterministic``'s brgemm-packed layers (past their dot tiles' groups of 6 and 24)."""
+    if request.param.startswith("half-weights"):
         monkeypatch.setattr(source, "cpu_gemm_dtype", lambda dtype, device, prepack, deterministic=False: torch.float32)
-        return {"options": {}, "max_rows": FEW_ROWS, "rows": FEW_ROWS}
+        return {"options": {"deterministic": request.param.endswith("deterministic")}, "rows": 10, "fuses": False}
     if not cpu_kernels.brgemm_bf16_supported():
         pytest.skip("needs PyTorch's brgemm with bfloat16 (AMX or AVX512-BF16), which this CPU lacks")
-    return {"options": {"deterministic": True}, "max_rows": None, "rows": FEW_ROWS + 3}
+    return {"options": {"deterministic": True}, "rows": 27, "fuses": True}
 
 
 def _decode_round(engine: Engine, rows: int) -> tuple[ForwardBatch, list[Req]]:
@@ -108,10 +108,10 @@ def test_the_call_gives_the_python_layers_bits(
     engine = _engine(model_dir, max_running_requests=most, **layers_setup["options"])
     runner = engine.runner
     one_call = runner.one_call_decode
-    assert one_call is not None and one_call.max_rows == (layers_setup["max_rows"] or most)
+    assert one_call is not None and one_call.max_rows == most
     fused = [layer.mlp.gate_up_silu is not None for layer in runner.model.model.layers]
     whole_blocks = overrides.get("intermediate_size", 128) % COLUMN_BLOCK == 0
-    assert fused == [whole_blocks and layers_setup["options"].get("deterministic", False)] * len(fused)
+    assert fused == [whole_blocks and layers_setup["fuses"]] * len(fused)
     assert one_call.gate_up_silu == fused  # the call fuses where the model does, told rather than guessing
     biases = [m.bias for m in runner.model.modules() if isinstance(m, PackedLinear) and m.bias is not None]
     assert len(biases) == num_biases
@@ -180,11 +180,13 @@ def test_the_runner_sends_its_decode_rounds_through_it(tmp_path: Path, float32_g
 
 
 def test_it_serves_only_the_decode_rounds_of_its_setup(tmp_path: Path, float32_gemms: None) -> None:
-    engine = _engine(build_random_model(tmp_path / "m", "llama"), max_running_requests=FEW_ROWS + 1)
+    """Every DECODE round up to the engine's most running requests (the half-weight GEMMs take any row count);
+    no EXTEND round."""
+    engine = _engine(build_random_model(tmp_path / "m", "llama"), max_running_requests=5)
     one_call = engine.runner.one_call_decode
-    assert one_call is not None
-    fb, reqs = _decode_round(engine, FEW_ROWS + 1)
-    assert not one_call.can_run(fb)
+    assert one_call is not None and one_call.max_rows == 5
+    fb, reqs = _decode_round(engine, 5)
+    assert one_call.can_run(fb)
     runner = OneBatchRunner(engine, seed=0)
     runner.release(reqs)
     reqs = runner.make_reqs(2, 6, 4)
@@ -199,9 +201,8 @@ def test_it_serves_only_the_decode_rounds_of_its_setup(tmp_path: Path, float32_g
         ("llama", {"BATCHGEN_CPU_FLOAT32_CARRIER": "0"}, {}),  # each GEMM's output rounded in Python
         ("llama", {"BATCHGEN_CPU_HALF_WEIGHT_LINEAR": "0"}, {}),
         ("llama", {"BATCHGEN_CPU_ATTENTION_KERNEL": "0"}, {}),
-        ("llama", {}, {"deterministic": True}),
     ],
-    ids=["qwen3-qk-norm", "no-carrier", "no-half-weights", "no-attention-kernel", "deterministic"],
+    ids=["qwen3-qk-norm", "no-carrier", "no-half-weights", "no-attention-kernel"],
 )
 def test_other_setups_keep_the_python_layers(
     arch: str,

@@ -1,18 +1,23 @@
-"""Linear layers of a few rows on half-precision weights (``batchgen.kernels.cpu.half_linear``): the float64
-product within float32 summation's error bound, a row's bits independent of the other rows of a call, and
-``PackedLinear`` running it for rounds of up to ``few_rows`` rows where its GEMMs run in float32."""
+"""Linear layers on half-precision weights computed in float32 (``batchgen.kernels.cpu.half_linear``): the float64
+product within float32 summation's error bound, each output the ordered chain of fused multiply-adds (computed in
+exact rationals), a row's bits independent of the other rows of a call and of the route its round takes, and
+``PackedLinear`` running every call on it where its GEMMs run in float32."""
 
 from __future__ import annotations
 
+from fractions import Fraction
+
+import numpy as np
 import pytest
 import torch
 from torch.nn import functional as F
 
 from batchgen.kernels import cpu as cpu_kernels
-from batchgen.kernels.cpu.half_linear import FEW_ROWS, half_weight_linear
-from batchgen.models.packed_linear import PackedLinear, half_weight_rows
+from batchgen.kernels.cpu.half_linear import COLUMN_BLOCK, half_weight_linear, pack_half_weight, routes_agree
+from batchgen.models.packed_linear import PackedLinear, half_weight_runs
 
 HALF = [torch.bfloat16, torch.float16]
+STREAM_ROWS = 8  # the most rows a round runs on stream tiles (kStreamRows in half_linear.cpp)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -30,23 +35,28 @@ def _layer(dtype: torch.dtype, rows: int, in_features: int, out_features: int, s
     return weight, bias, x
 
 
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return half_weight_linear(x, pack_half_weight(weight), weight.shape[0], bias)
+
+
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("x_float32", [False, True])
 @pytest.mark.parametrize(
     ("rows", "in_features", "out_features"),
-    # Tiles of 1-4 rows by 8, 6, 4 or 3 columns in blocks of 24 columns, 8 or 16 lanes: remainders of each, an
-    # inner dimension shorter than one vector and ones with a tail, and the shapes of a small Llama's layers.
+    # Stream tiles of 1-4 rows (groups of 2 or 4) and brgemm tiles past 8 rows, blocks of 64 columns and a narrower
+    # last one, an inner dimension shorter than one vector, one row tile of 128 and two, and a small Llama's shapes.
     [
         (1, 1, 1),
         (2, 7, 2),
         (3, 20, 4),
-        (4, 64, 5),
+        (4, 64, 65),
         (5, 100, 7),
         (7, 576, 192),
         (8, 1536, 576),
         (9, 576, 3072),
         (13, 40, 30),
         (16, 576, 25),
+        (130, 96, 130),
     ],
 )
 @pytest.mark.parametrize("bias", [False, True])
@@ -58,78 +68,130 @@ def test_the_float64_product_within_float32_summation_error(
     values are exact in float32, so the sums are the only error."""
     weight, b, x = _layer(dtype, rows, in_features, out_features, rows * 1000 + in_features)
     x_in = x.float() if x_float32 else x
-    got = half_weight_linear(x_in, weight, b if bias else None)
+    got = _linear(x_in, weight, b if bias else None)
     assert got.dtype == torch.float32 and got.shape == (rows, out_features)
     exact = F.linear(x.double(), weight.double(), b.double() if bias else None)
     magnitudes = F.linear(x.double().abs(), weight.double().abs(), b.double().abs() if bias else None)
     assert ((got.double() - exact).abs() <= (in_features + 1) * 2.0**-24 * magnitudes + 1e-30).all()
 
 
+def _round_to_float32(exact: Fraction) -> float:
+    """``exact`` rounded to the nearest float32, ties to even (IEEE 754's default), by exact comparison with the
+    float32 neighbours of its float64 rounding (so no double rounding)."""
+    guess = np.float32(float(exact))
+    candidates = [np.nextafter(guess, np.float32(-np.inf)), guess, np.nextafter(guess, np.float32(np.inf))]
+    finite = [c for c in candidates if np.isfinite(c)]
+
+    def key(c: np.float32) -> tuple[Fraction, int]:
+        return abs(Fraction(float(c)) - exact), int(np.float32(c).view(np.int32)) & 1
+
+    return float(min(finite, key=key))
+
+
+def _fma_chain(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Each output as ``s = fma(x_k, w_k, s)`` over ``k`` in order from ``s = 0``, each step the exact
+    ``x_k w_k + s`` rounded once to float32 (an IEEE 754 fused multiply-add, computed here in exact rationals),
+    then the bias added in float32."""
+    xs, ws = x.float().tolist(), weight.float().tolist()
+    out = torch.empty(len(xs), len(ws))
+    for i, row in enumerate(xs):
+        for j, col in enumerate(ws):
+            s = 0.0
+            for a, w in zip(row, col, strict=True):
+                s = _round_to_float32(Fraction(a) * Fraction(w) + Fraction(s))
+            out[i, j] = torch.tensor(s) + bias[j]
+    return out
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("rows", [1, 3, STREAM_ROWS + 1])
+def test_each_output_is_the_ordered_chain_of_fused_multiply_adds(dtype: torch.dtype, rows: int) -> None:
+    """On both routes (stream tiles up to 8 rows, brgemm past them) every output is the float32 FMA chain over the
+    inner dimension in order, then the bias: the order that makes a row's result its own. ``x`` in float32 (the
+    carrier's), whose products with the weights need more than float32's 24 bits, so a multiply rounded before its
+    add would show."""
+    weight, b, _ = _layer(dtype, rows, 37, 70, rows)
+    x = torch.randn(rows, 37, generator=torch.Generator().manual_seed(rows))
+    assert torch.equal(_linear(x, weight, b), _fma_chain(x, weight, b))
+
+
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize(("in_features", "out_features"), [(20, 7), (576, 192)])
 def test_a_rows_output_is_the_same_bits_in_any_call(dtype: torch.dtype, in_features: int, out_features: int) -> None:
-    """A row gives the same bits alone, at any place among 1 to 13 rows (every tile remainder), as in one call of
-    40 rows: the kernel's sums run in one order per row, whatever the other rows."""
-    weight, b, x = _layer(dtype, 40, in_features, out_features, in_features)
-    reference = half_weight_linear(x, weight, b)
+    """A row gives the same bits alone, at any place among 1 to 13 rows (both routes, every group remainder), as in
+    one call of 300 rows (three row tiles): the kernel's sums run in one order per row, whatever the other rows."""
+    weight, b, x = _layer(dtype, 300, in_features, out_features, in_features)
+    reference = _linear(x, weight, b)
     for rows in range(1, 14):
-        for start in (0, 1, 3, 27):
-            got = half_weight_linear(x[start : start + rows], weight, b)
+        for start in (0, 1, 3, 27, 280):
+            got = _linear(x[start : start + rows], weight, b)
             assert torch.equal(got, reference[start : start + rows]), (rows, start)
 
 
+def test_both_routes_agree_here() -> None:
+    """The run-time check that lets rounds of a few rows take stream tiles holds on this CPU (where it did not,
+    half-precision models would run their GEMMs on float32 copies; the check is what this suite would catch)."""
+    assert routes_agree()
+
+
+def test_the_packed_layout() -> None:
+    """Blocks of 64 output columns, each ``W^T``'s rows for them, the last padded with zero columns."""
+    weight = torch.arange(70 * 3, dtype=torch.float32).view(70, 3).bfloat16()
+    packed = pack_half_weight(weight)
+    assert packed.shape == (2, 3, COLUMN_BLOCK) and packed.dtype == torch.bfloat16
+    assert torch.equal(packed[0], weight[:64].t())
+    assert torch.equal(packed[1, :, :6], weight[64:].t()) and not packed[1, :, 6:].any()
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        pack_half_weight(torch.randn(3, 4))
+
+
 def test_refuses_what_it_cannot_run() -> None:
-    weight = torch.randn(3, 8).bfloat16()
-    for x, w, message in (
-        (torch.randn(2, 8).bfloat16(), torch.randn(3, 8), "weight must be bfloat16 or float16"),
-        (torch.randn(2, 8).half(), weight, "x must be float32 or the weight's dtype"),
-        (torch.randn(2, 9), weight, "must agree on in"),
-        (torch.randn(8, 2).t(), weight, "contiguous"),
+    packed = pack_half_weight(torch.randn(3, 8).bfloat16())
+    for x, w, n, message in (
+        (torch.randn(2, 8).bfloat16(), torch.randn(1, 8, 64), 3, "packed must be bfloat16 or float16"),
+        (torch.randn(2, 8).half(), packed, 3, "x must be float32 or the weight's dtype"),
+        (torch.randn(2, 9), packed, 3, "must agree on K"),
+        (torch.randn(2, 8), packed, 65, "cannot hold out_features 65"),
+        (torch.randn(8, 2).t(), packed, 3, "contiguous"),
     ):
         with pytest.raises(RuntimeError, match=message):
-            half_weight_linear(x, w, None)
+            half_weight_linear(x, w, n, None)
     with pytest.raises(RuntimeError, match="bias must be float32"):
-        half_weight_linear(torch.randn(2, 8), weight, torch.randn(3).bfloat16())
+        half_weight_linear(torch.randn(2, 8), packed, 3, torch.randn(3).bfloat16())
 
 
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("round_output", [True, False])
-def test_packed_linear_runs_few_rows_on_the_half_weights(dtype: torch.dtype, round_output: bool) -> None:
-    """With ``few_rows``, calls of up to that many rows give the kernel's result (rounded to the layer's dtype unless
-    ``round_output`` is off), larger ones the float32 GEMM's, bit for bit."""
-    weight, b, x = _layer(dtype, FEW_ROWS + 12, 576, 192, 7)
+def test_packed_linear_runs_every_call_on_the_half_weights(dtype: torch.dtype, round_output: bool) -> None:
+    """With ``half_weight``, calls of any row count give the kernel's result (rounded to the layer's dtype unless
+    ``round_output`` is off), from the layer's dtype or the float32 carrier alike, and keep no float32 copy."""
+    weight, b, x = _layer(dtype, 40, 576, 192, 7)
     bias = b.to(dtype)
-    gemm = PackedLinear(weight, bias, torch.float32)
-    few = PackedLinear(weight, bias, torch.float32, few_rows=FEW_ROWS)
-    gemm.round_output = few.round_output = round_output
+    layer = PackedLinear(weight, bias, torch.float32, half_weight=True)
+    layer.round_output = round_output
+    assert not hasattr(layer, "packed")
     want_dtype = dtype if round_output else torch.float32
-    for rows in (1, 3, FEW_ROWS):
-        kernel = half_weight_linear(x[:rows], weight, bias.float()).to(want_dtype)
-        assert torch.equal(few(x[:rows]), kernel), rows
-        assert torch.equal(few(x[:rows].float()), kernel), rows  # the float32 carrier's input
-    for rows in (FEW_ROWS + 1, FEW_ROWS + 12):
-        assert torch.equal(few(x[:rows]), gemm(x[:rows])), rows
+    for rows in (1, 3, STREAM_ROWS, STREAM_ROWS + 1, 40):
+        kernel = _linear(x[:rows], weight, bias.float()).to(want_dtype)
+        assert torch.equal(layer(x[:rows]), kernel), rows
+        assert torch.equal(layer(x[:rows].float()), kernel), rows
 
 
 def test_which_layers_read_their_half_weights() -> None:
     """Half-precision models whose GEMMs run in float32 (oneDNN without kernels in their dtype), the switch on;
-    never under ``--deterministic`` (a row would take one kernel or the other by its round's size), nor where the
-    GEMMs run in the model's dtype, nor for float32 models, nor without packing."""
+    not where the GEMMs run in the model's dtype, nor for float32 models, nor without packing."""
     f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
-    assert half_weight_rows(bf16, f32, enabled=True, deterministic=False) == FEW_ROWS
-    assert half_weight_rows(f16, f32, enabled=True, deterministic=False) == FEW_ROWS
-    assert half_weight_rows(bf16, f32, enabled=False, deterministic=False) == 0
-    assert half_weight_rows(bf16, f32, enabled=True, deterministic=True) == 0
-    assert half_weight_rows(bf16, bf16, enabled=True, deterministic=False) == 0
-    assert half_weight_rows(f32, f32, enabled=True, deterministic=False) == 0
-    assert half_weight_rows(bf16, None, enabled=True, deterministic=False) == 0
+    assert half_weight_runs(bf16, f32, enabled=True)
+    assert half_weight_runs(f16, f32, enabled=True)
+    assert not half_weight_runs(bf16, f32, enabled=False)
+    assert not half_weight_runs(bf16, bf16, enabled=True)
+    assert not half_weight_runs(f32, f32, enabled=True)
+    assert not half_weight_runs(bf16, None, enabled=True)
 
 
 def test_an_empty_inner_dimension_gives_the_bias() -> None:
     """``in_features`` 0: every product sum is empty, so each output is its bias (0 without one)."""
     bias = torch.randn(5)
-    got = half_weight_linear(torch.empty(3, 0), torch.empty(5, 0, dtype=torch.bfloat16), bias)
+    got = _linear(torch.empty(3, 0), torch.empty(5, 0, dtype=torch.bfloat16), bias)
     assert torch.equal(got, bias.expand(3, 5))
-    assert torch.equal(
-        half_weight_linear(torch.empty(2, 0), torch.empty(4, 0, dtype=torch.float16), None), torch.zeros(2, 4)
-    )
+    assert torch.equal(_linear(torch.empty(2, 0), torch.empty(4, 0, dtype=torch.float16), None), torch.zeros(2, 4))

@@ -17,7 +17,6 @@ from torch.nn import functional as F
 from batchgen.environment import kernel_switches
 from batchgen.kernels import cpu as cpu_kernels
 from batchgen.kernels.cpu import brgemm_bf16_supported
-from batchgen.kernels.cpu.half_linear import FEW_ROWS
 from batchgen.models import packed_linear, source
 from batchgen.models.llama import LlamaForCausalLM
 from batchgen.models.packed_linear import PackedLinear, cpu_gemm_dtype, prepack_linears
@@ -71,11 +70,14 @@ def test_gemm_dtype_choice(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 # The batch-invariant GEMMs: oneDNN's float32 one; for bfloat16 brgemm (where it has bfloat16) and oneDNN's calls of
-# a fixed row count (where it has none, and for float16 models), the second forced here where brgemm would run.
+# a fixed row count (where it has none, and for float16 models), the second forced here where brgemm would run; the
+# half-weight kernel, batch invariant whether deterministic or not (float32 GEMMs on bfloat16 or float16 weights).
 INVARIANT_PATHS = [
     pytest.param(torch.float32, "onednn", id="float32"),
     pytest.param(torch.bfloat16, "onednn", marks=needs_onednn_bf16, id="bfloat16-onednn-calls"),
     pytest.param(torch.bfloat16, "brgemm", id="bfloat16-brgemm"),
+    pytest.param(torch.bfloat16, "half", id="bfloat16-half-weight"),
+    pytest.param(torch.float16, "half", id="float16-half-weight"),
 ]
 
 
@@ -90,12 +92,17 @@ def test_a_rows_output_depends_on_that_row_only(
     among others, on an AMX CPU.)"""
     if path == "brgemm" and not brgemm_bf16_supported():
         pytest.skip("PyTorch's brgemm has no bfloat16 on this CPU (it needs AVX512-BF16 or AMX), or no C++ kernels")
+    if path == "half" and cpu_kernels.build_problem() is not None:
+        pytest.skip(f"the C++ kernels cannot be built on this machine: {cpu_kernels.build_problem()}")
     if path == "onednn":
         monkeypatch.setattr(packed_linear, "brgemm_bf16_supported", lambda: False)
     gen = torch.Generator().manual_seed(in_features + out_features)
     weight = torch.randn(out_features, in_features, generator=gen).to(gemm_dtype)
     x = torch.randn(1000, in_features, generator=gen).to(gemm_dtype)
-    linear = PackedLinear(weight, None, deterministic=True)
+    if path == "half":
+        linear = PackedLinear(weight, None, torch.float32, half_weight=True)
+    else:
+        linear = PackedLinear(weight, None, deterministic=True)
     assert (linear.brgemm_weight is not None) == (path == "brgemm")
     reference = linear(x)
     for rows in [*range(1, 131), 255, 300]:
@@ -261,13 +268,12 @@ def test_cpu_models_load_packed(
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_float32_gemm_models_read_their_half_weights_in_small_rounds(
+def test_float32_gemm_models_read_their_half_weights(
     dtype: torch.dtype, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Where a half-precision model's GEMMs run in float32 (forced here on any CPU), every linear layer, the tied
-    output projection too, runs rounds of up to ``FEW_ROWS`` rows on its own half-precision weights (the
-    embedding's, for the tied one: no copy); not with ``BATCHGEN_CPU_HALF_WEIGHT_LINEAR=0`` nor under
-    ``--deterministic``."""
+    output projection too, runs on its own half-precision weights, packed in their dtype (no float32 copy), under
+    ``--deterministic`` as without it; not with ``BATCHGEN_CPU_HALF_WEIGHT_LINEAR=0``."""
     if cpu_kernels.build_problem() is not None:
         pytest.skip(f"the C++ kernels cannot be built on this machine: {cpu_kernels.build_problem()}")
     tied = build_random_model(tmp_path / "tied", "llama", tie_word_embeddings=True)
@@ -276,14 +282,11 @@ def test_float32_gemm_models_read_their_half_weights_in_small_rounds(
     def load(deterministic: bool = False) -> LlamaForCausalLM:
         return source.ModelSource.open(str(tied)).load(dtype, CPU, 64, kernel_switches(), deterministic)
 
-    model = load()
-    layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
-    assert len(layers) == 2 * 4 + 1 and model.tied_lm_head in layers
-    assert {layer.few_rows for layer in layers} == {FEW_ROWS}
-    assert all(layer.half_weight is not None and layer.half_weight.dtype == dtype for layer in layers)
-    assert isinstance(model.tied_lm_head, PackedLinear)
-    half_weight = model.tied_lm_head.half_weight
-    assert half_weight is not None and half_weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
-    assert {m.few_rows for m in load(deterministic=True).modules() if isinstance(m, PackedLinear)} == {0}
+    for deterministic in (False, True):
+        model = load(deterministic)
+        layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
+        assert len(layers) == 2 * 4 + 1 and model.tied_lm_head in layers
+        assert all(layer.half_weight is not None and layer.half_weight.dtype == dtype for layer in layers)
+        assert not any(hasattr(layer, "packed") for layer in layers)
     monkeypatch.setenv("BATCHGEN_CPU_HALF_WEIGHT_LINEAR", "0")
-    assert {m.few_rows for m in load().modules() if isinstance(m, PackedLinear)} == {0}
+    assert all(m.half_weight is None for m in load().modules() if isinstance(m, PackedLinear))

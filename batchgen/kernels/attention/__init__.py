@@ -11,6 +11,7 @@ from batchgen.errors import BatchgenError
 from batchgen.kernels.attention.base import AttentionBackend
 from batchgen.kernels.attention.torch_native import TorchNativeAttnBackend
 from batchgen.kernels.cpu import brgemm_bf16_supported, build_problem, has_amx, paged_attention_available
+from batchgen.kernels.cpu.half_linear import routes_agree
 from batchgen.kernels.switches import KernelSwitches
 
 if TYPE_CHECKING:
@@ -102,18 +103,21 @@ def deterministic_backend(name: str, device: torch.device) -> str:
 def deterministic_by_default(name: str, device: torch.device, switches: KernelSwitches) -> bool:
     """Whether ``--deterministic`` holds when neither it nor ``--no-deterministic`` is given: where the
     batch-invariant run was measured to cost nothing beyond the runs' spread (docs/performance.md). That is the
-    CPU kernel's path (``name`` auto or torch_native, the kernel switched on) on a CPU where brgemm runs bfloat16
-    without AMX (AVX512-BF16): a bfloat16 model's linear layers and attention then run through brgemm either
-    way. Elsewhere the mode costs more or was not measured since its last change: AMX; CPUs whose bfloat16 GEMMs run
-    in float32 (AVX2 alone, AVX-512 without BF16), where it turns off the few-row decode on the model's own
-    weights and small batches slow down; GPUs."""
-    return (
-        device.type == "cpu"
-        and name in ("auto", "torch_native")
-        and switches.cpu_attention_kernel
-        and brgemm_bf16_supported()
-        and not has_amx()
-    )
+    CPU kernel's path (``name`` auto or torch_native, the kernel switched on) on a CPU without AMX and with
+    AVX-512: with AVX512-BF16, where brgemm runs bfloat16 and a bfloat16 model's linear layers and attention run
+    through it either way; without it, where a bfloat16 model's linear layers run on the half-weight kernel
+    (batch invariant as it stands; its switch on and its routes agreeing) and its prefill rows in the attention
+    kernel either way, so the mode changes no arithmetic. Elsewhere the mode costs more or was not measured since
+    its last change: AMX; AVX2 alone, where prefill rows go to SDPA without the mode and the kernel's 8-lane path
+    is the slower on long prompts; GPUs."""
+    if device.type != "cpu" or name not in ("auto", "torch_native") or not switches.cpu_attention_kernel:
+        return False
+    if has_amx():
+        return False
+    if brgemm_bf16_supported():
+        return True
+    without_bf16 = torch.cpu._is_avx512_supported() and not torch.cpu._is_avx512_bf16_supported()
+    return bool(without_bf16) and switches.cpu_half_weight_linear and routes_agree()
 
 
 def _create_flashinfer(device: torch.device, dtype: torch.dtype | None, config: ModelConfig | None) -> AttentionBackend:

@@ -9,7 +9,7 @@ or the float32 vector path.
 ``elementwise.cpp`` registers the fused RMSNorm, SiLU-and-multiply and RoPE of bfloat16 models
 (:mod:`batchgen.kernels.cpu.fused_elementwise`), ``sampling.cpp`` greedy sampling's argmax, the exponential race
 of random sampling and log_softmax at the ids read (:mod:`batchgen.kernels.cpu.sampling_ops`), ``half_linear.cpp``
-linear layers of a few rows on half-precision weights (:mod:`batchgen.kernels.cpu.half_linear`), ``decode_layers.cpp``
+linear layers on half-precision weights in float32 (:mod:`batchgen.kernels.cpu.half_linear`), ``decode_layers.cpp``
 the decoder layers of a decode round in one call (:mod:`batchgen.kernels.cpu.decode_layers`),
 ``brgemm_linear.cpp`` bfloat16 linear layers whose rows do not depend on each other (``--deterministic``;
 :mod:`~batchgen.kernels.cpu.brgemm_linear`, ``dot_tiles.h``); ``vec16.h`` holds the vector helpers they share.
@@ -20,7 +20,7 @@ in a folder named by a hash of the sources, the flags, the torch and Python vers
 instruction-set flags, so a cache shared between machines never loads code built for another CPU; later
 processes load it in ~0.1 s (a build says so on stderr, before and after). If it cannot build, batchgen says why in
 one line on stderr and runs plain PyTorch instead. ``BATCHGEN_CPU_ATTENTION_KERNEL=0`` turns the attention kernel
-off, ``BATCHGEN_CPU_FUSED_OPS=0`` the fused ops, ``BATCHGEN_CPU_HALF_WEIGHT_LINEAR=0`` the small-round linear
+off, ``BATCHGEN_CPU_FUSED_OPS=0`` the fused ops, ``BATCHGEN_CPU_HALF_WEIGHT_LINEAR=0`` the half-weight linear
 layers (:class:`batchgen.kernels.switches.KernelSwitches`); with all three off nothing is built, unless
 ``--deterministic`` runs a bfloat16 model's linear layers on ``brgemm_linear.cpp``.
 """

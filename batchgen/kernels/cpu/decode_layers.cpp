@@ -6,7 +6,7 @@
 // Two sequences, as the model's linear layers run: with half-precision weights, the float32 carrier's
 // (LlamaForCausalLM.carry_float32): linear layers on those weights (half_weight_linear) hand float32 outputs on
 // unrounded, the norms and SiLU-and-multiply write float32 holding bfloat16 values; with brgemm-packed weights
-// (brgemm_linear, given their out_features), every op's output is bfloat16. The residual stream and the KV cache
+// (brgemm_linear), every op's output is bfloat16. The residual stream and the KV cache
 // are bfloat16 in both.
 
 #include <ATen/core/Tensor.h>
@@ -26,7 +26,7 @@ using OptionalTensor = std::optional<at::Tensor>;
 // The ops the layers call, looked up once: their schemas are registered by the other sources of this extension.
 using RmsNorm = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, double, const OptionalTensor&,
                                                    std::optional<at::ScalarType>);
-using Linear = at::Tensor(const at::Tensor&, const at::Tensor&, const OptionalTensor&);
+using Linear = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const OptionalTensor&);
 using BrgemmLinear = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const OptionalTensor&, bool);
 using RopeKv = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                           const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
@@ -63,8 +63,9 @@ const Ops& ops() {
 }
 
 // Layer l's tensors: norms[2l], norms[2l + 1] (input and post-attention RMSNorm weights, bfloat16), weights[4l ..
-// 4l + 3] (the qkv, o, gate/up and down projections' weights: half-precision [out, in], or brgemm-packed where
-// out_features lists each one's output width), biases[2l], biases[2l + 1] (qkv's and o's float32 biases or None);
+// 4l + 3] (the qkv, o, gate/up and down projections' weights, packed for half_weight_linear with float32_carrier,
+// else for brgemm_linear; out_features[w] their output widths), biases[2l], biases[2l + 1] (qkv's and o's float32
+// biases or None);
 // norms[2L] is the final norm's weight; brgemm as paged_attention takes it; gate_up_silu: empty, or a flag a layer
 // for the projection and SiLU-and-multiply as one op. Returns the final norm's bfloat16 output. With
 // attention_seconds (float64 [1]), adds the wall time of the attention calls to it: the benchmarks' attention clock,
@@ -75,7 +76,7 @@ at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& positions, 
                          const at::Tensor& k_buffer, const at::Tensor& v_buffer, const at::Tensor& loc,
                          const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
                          const at::Tensor& seq_lens, const at::Tensor& q_starts, const at::Tensor& q_lens,
-                         double scale, int64_t brgemm, at::IntArrayRef out_features,
+                         double scale, int64_t brgemm, at::IntArrayRef out_features, bool float32_carrier,
                          const c10::List<bool>& gate_up_silu, const OptionalTensor& attention_seconds) {
   constexpr const char* op = "batchgen::decode_layers: ";
   const int64_t layers = k_buffer.size(0);
@@ -88,12 +89,13 @@ at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& positions, 
               op, "the pool has ", layers, " layers: expected ", 2 * layers + 1, " norms, ", 4 * layers,
               " weights and ", 2 * layers, " biases, got ", norms.size(), ", ", weights.size(), " and ",
               biases.size());
-  const bool packed = !out_features.empty();
-  TORCH_CHECK(!packed || out_features.size() == weights.size(), op, "out_features must list one width for each of ",
+  TORCH_CHECK(out_features.size() == weights.size(), op, "out_features must list one width for each of ",
               weights.size(), " weights, got ", out_features.size());
   TORCH_CHECK(gate_up_silu.empty() || static_cast<int64_t>(gate_up_silu.size()) == layers, op,
               "gate_up_silu must be empty or hold one flag for each of ", layers, " layers, got ", gate_up_silu.size());
-  for (const bool fused : gate_up_silu) TORCH_CHECK(packed || !fused, op, "gate_up_silu needs brgemm-packed weights");
+  for (const bool fused : gate_up_silu) {
+    TORCH_CHECK(!float32_carrier || !fused, op, "gate_up_silu needs brgemm-packed weights");
+  }
   TORCH_CHECK(hidden.dim() == 2, op, "hidden must be [tokens, hidden_size], got ", hidden.sizes());
   TORCH_CHECK(!attention_seconds || (attention_seconds->scalar_type() == at::kDouble &&
                                      attention_seconds->numel() == 1 && attention_seconds->device().is_cpu()),
@@ -102,10 +104,11 @@ at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& positions, 
   const Ops& o = ops();
   const int64_t tokens = hidden.size(0), num_kv_heads = k_buffer.size(1), head_dim = k_buffer.size(3);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
-  const std::optional<at::ScalarType> carrier = packed ? std::nullopt : std::optional<at::ScalarType>(at::kFloat);
+  const std::optional<at::ScalarType> carrier =
+      float32_carrier ? std::optional<at::ScalarType>(at::kFloat) : std::nullopt;
   const auto linear = [&](const at::Tensor& x_in, int64_t w, const OptionalTensor& bias) {
-    return packed ? o.brgemm_linear.call(x_in, weights[w], out_features[w], bias, true)
-                  : o.linear.call(x_in, weights[w], bias);
+    return float32_carrier ? o.linear.call(x_in, weights[w], out_features[w], bias)
+                           : o.brgemm_linear.call(x_in, weights[w], out_features[w], bias, true);
   };
   at::Tensor x = hidden;
   OptionalTensor residual;
@@ -143,7 +146,8 @@ TORCH_LIBRARY_FRAGMENT(batchgen, m) {
       "decode_layers(Tensor hidden, Tensor positions, Tensor[] norms, Tensor[] weights, Tensor?[] biases, float eps, "
       "int num_heads, Tensor cos_table, Tensor sin_table, Tensor(a!) k_buffer, Tensor(b!) v_buffer, Tensor loc, "
       "Tensor req_to_token, Tensor req_pool_indices, Tensor seq_lens, Tensor q_starts, Tensor q_lens, float scale, "
-      "int brgemm, int[] out_features, bool[] gate_up_silu, Tensor(c!)? attention_seconds=None) -> Tensor");
+      "int brgemm, int[] out_features, bool float32_carrier, bool[] gate_up_silu, Tensor(c!)? attention_seconds=None) "
+      "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(batchgen, CPU, m) { m.impl("decode_layers", &decode_layers); }

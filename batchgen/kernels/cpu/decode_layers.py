@@ -1,6 +1,6 @@
 """A decode round's decoder layers in one C++ call (``decode_layers.cpp``), for bfloat16 Llama-family models
-whose linear layers run on the half-precision weights (:mod:`batchgen.kernels.cpu.half_linear`: rounds of a few
-rows on CPUs without BF16 units) or on brgemm (:mod:`batchgen.kernels.cpu.brgemm_linear`: ``--deterministic``
+whose linear layers run on the half-precision weights (:mod:`batchgen.kernels.cpu.half_linear`: CPUs without BF16
+units) or on brgemm (:mod:`batchgen.kernels.cpu.brgemm_linear`: ``--deterministic``
 where brgemm runs bfloat16).
 
 A small batch's decode step is ten short ops a layer; run from Python, the interpreter and the dispatcher's
@@ -35,8 +35,9 @@ def decode_layers(
     req_to_token: torch.Tensor,
     rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     scale: float,
-    brgemm: BrgemmRows = BrgemmRows.NEVER,
-    out_features: Sequence[int] = (),
+    brgemm: BrgemmRows,
+    out_features: Sequence[int],
+    float32_carrier: bool,
     gate_up_silu: Sequence[bool] = (),
     attention_seconds: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -50,9 +51,10 @@ def decode_layers(
         norms: ``2L + 1`` bfloat16 ``[hidden_size]`` RMSNorm weights: each layer's input and post-attention norm,
             then the final norm.
         weights: ``4L`` weights of each layer's qkv (q, then k, then v rows), o, gate/up (gate rows, then up rows)
-            and down projections: bfloat16 or float16 ``[out, in]`` (run on the float32 carrier), or with
-            ``out_features`` as :func:`~batchgen.kernels.cpu.brgemm_linear.pack_for_brgemm` packs them (every
-            activation then bfloat16).
+            and down projections: with ``float32_carrier`` as
+            :func:`~batchgen.kernels.cpu.half_linear.pack_half_weight` packs them (activations handed on in
+            float32), else as :func:`~batchgen.kernels.cpu.brgemm_linear.pack_for_brgemm` packs them (every
+            activation bfloat16).
         biases: ``2L`` float32 biases of each layer's qkv and o projections, ``None`` for none.
         eps: the norms' epsilon. num_heads: query heads (the KV heads are the pool's).
         rope_tables: float32 ``(cos, sin)`` ``[max_positions, head_dim]``.
@@ -64,7 +66,8 @@ def decode_layers(
         scale: the attention's score scale, ``head_dim ** -0.5``.
         brgemm: the rows :func:`batchgen.kernels.cpu.paged_attention` runs through brgemm, as the round's
             attention backend chooses them.
-        out_features: empty for half-precision weights; else each packed weight's output width (``4L`` ints).
+        out_features: each packed weight's output width (``4L`` ints).
+        float32_carrier: the weights are packed for :func:`~batchgen.kernels.cpu.half_linear.half_weight_linear`.
         gate_up_silu: empty, or ``L`` flags: where set, the layer's gate/up projection and SiLU-and-multiply run as
             one op (:func:`~batchgen.kernels.cpu.brgemm_linear.brgemm_linear_silu_and_mul`, the same bits), as the
             model's :class:`batchgen.models.llama.MLP` runs them; only with brgemm-packed weights.
@@ -97,6 +100,7 @@ def decode_layers(
         scale,
         int(brgemm),
         out_features,
+        float32_carrier,
         gate_up_silu,
         attention_seconds,
     )

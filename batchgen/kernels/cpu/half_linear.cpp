@@ -1,166 +1,216 @@
-// y = x W^T + b for a few rows of x against weights kept in bfloat16 or float16, for CPUs where those
-// dtypes' GEMMs run in float32 (no BF16 units: AVX2 alone, or AVX-512 without BF16). There a half-precision
-// model's linear layers run as float32 GEMMs on float32 copies of the weights (batchgen/models/packed_linear.py);
-// a decode round of a few rows is bound by reading those weights, and reading the half-precision ones instead
-// halves the bytes. Each weight value is
-// widened to float32 in registers; products and sums are float32, as in the float32 GEMM, only in another order.
+// y = x W^T + b in float32 for x [M, K] (float32, or the weight's dtype) and W kept in bfloat16 or float16: the
+// linear layers of a half-precision model on CPUs where those dtypes' GEMMs run in float32 (no BF16 units: AVX2
+// alone, or AVX-512 without BF16), for every row count. W is read in its own dtype, half the bytes of a float32
+// copy, and widened to float32; products and sums are float32.
 //
-// Layout: a thread takes blocks of 24 output columns (rows of W); over a block, each tile of up to 4 rows of x
-// walks the inner dimension once in tiles of NB columns, holding MB x NB accumulators of the machine's vector
-// width in registers (1 x 8, 2 x 6, 3 x 4 or 4 x 3). Every output is one accumulator's lanes, summed in
-// hsumn's fixed tree, then the inner dimension's tail in order, then the bias, whatever the tile: a row's result
-// never depends on how many rows are in the call or where it sits among them.
+// Every output is one chain of fused multiply-adds over k = 0 .. K - 1 from zero, then the bias: the sum PyTorch's
+// float32 brgemm (oneDNN's batch-reduce GEMM ukernel) forms, one FMA per k into one accumulator per output. So an
+// output's bits depend on neither the other rows of the call nor the route that computed it:
+// - rounds of more than kStreamRows rows: each tile of up to 128 rows x one block of W (row_tiles.h) widens its
+//   block to float32 in a buffer that stays in L2 and runs brgemm on it;
+// - rounds of up to kStreamRows rows are bound by reading W, and brgemm on a widened copy reads it twice: stream
+//   tiles walk W once per group of up to kGroupRows rows in the same chain of FMAs, in registers, requesting the lines
+//   they will read a fixed distance ahead. Checked once at run time to give brgemm's bits (stream_tiles_match_brgemm);
+//   where they do not, every round takes brgemm.
+// W is packed as W^T in blocks of kColumnBlock columns, [blocks][K][kColumnBlock] (half_linear.py), the last block
+// padded with zero columns.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/native/CPUBlas.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "row_tiles.h"
 #include "vec16.h"
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
+#include <cstring>
+#include <exception>
+#include <utility>
+#include <vector>
 
 namespace {
 
-// Columns (rows of W) per tile for a tile of 1, 2, 3 or 4 rows of x: at least 8 accumulators, so that the FMAs of
-// one step do not wait on each other (an FMA's latency is 4-5 cycles), and at most 12 (16 registers with AVX2).
-constexpr int kMaxRows = 4;
-constexpr int kColumnsFor[kMaxRows + 1] = {0, 8, 6, 4, 3};
-// A thread's unit of work: columns whose weights (24 x in x 2 bytes) stay in L1/L2 while every tile of rows of x
-// passes over them; a multiple of each tile's width.
-constexpr int64_t kColumnBlock = 24;
+constexpr int64_t kColumnBlock = 64;
+constexpr int64_t kStreamRows = 8;  // where brgemm on a widened block starts to win (docs/performance.md, machine F)
+#if defined(__AVX512F__)
+constexpr int kGroupRows = 4;            // 4 rows x 4 vectors: 16 accumulators of 32 registers
+constexpr int64_t kStreamColumns = 64;   // a whole block: each k's 128 bytes of W are two adjacent lines
+#else
+constexpr int kGroupRows = 2;            // 2 rows x 4 vectors: 8 accumulators of AVX2's 16 registers
+constexpr int64_t kStreamColumns = 32;
+#endif
+constexpr int kStreamVectors = kStreamColumns / kNativeLanes;
+constexpr int64_t kStreamAhead = 8192;  // bytes ahead of its reads that a stream tile requests W's lines
 
-// A prefetch of p + ahead elements; the address is computed as an integer, since past the last tile it points beyond
-// the weights (a prefetch never faults).
+// Rows [0, R) of x (float32, K a row) against kStreamColumns columns of a block of W at w (kColumnBlock a row of
+// the packed layout): out[r * ld_out + c] = the FMA chain over k, unbiased.
+template <int R, typename W>
+void stream_group(const float* x, int64_t K, const W* w, float* out, int64_t ld_out) {
+  std::array<std::array<vnf, kStreamVectors>, R> acc{};
+  for (int64_t k = 0; k < K; ++k) {
+    const W* wk = w + k * kColumnBlock;
+    // As an integer: near the end it points past the weights, where a prefetch does nothing.
+    const uintptr_t ahead = reinterpret_cast<uintptr_t>(wk) + kStreamAhead;
+    for (uintptr_t line = 0; line < kStreamColumns * sizeof(W); line += 64) {
+      __builtin_prefetch(reinterpret_cast<const void*>(ahead + line));
+    }
+    std::array<vnf, kStreamVectors> wv;
+    for (int c = 0; c < kStreamVectors; ++c) wv[c] = loadn(wk + c * kNativeLanes);
+    for (int r = 0; r < R; ++r) {
+      const vnf xr = vnf{} + x[r * K + k];
+      for (int c = 0; c < kStreamVectors; ++c) acc[r][c] = fmaddn(xr, wv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r) std::memcpy(out + r * ld_out, acc[r].data(), sizeof(acc[r]));
+}
+
+template <typename W, size_t... R>
+constexpr auto stream_groups(std::index_sequence<R...>) {
+  return std::array<void (*)(const float*, int64_t, const W*, float*, int64_t), sizeof...(R)>{
+      &stream_group<static_cast<int>(R) + 1, W>...};
+}
+
+// out rows [0, rows) x columns [0, width) (ld_out apart) = acc (ld_acc apart) + bias.
+void store_rows(const float* acc, int64_t ld_acc, const float* bias, float* out, int64_t ld_out, int64_t rows,
+                int64_t width) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const float* a = acc + i * ld_acc;
+    for (int64_t j = 0; j < width; ++j) out[i * ld_out + j] = bias != nullptr ? a[j] + bias[j] : a[j];
+  }
+}
+
+// Columns [offset, offset + width) of packed block w ([K][kColumnBlock]) widened to float32 at wide + offset, the
+// same layout, width rounded up to whole vectors (the padding columns are zeros).
 template <typename W>
-inline void prefetch_ahead(const W* p, int64_t ahead) {
-  __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(p) + ahead * sizeof(W)));
-}
-
-template <int MB, int NB, typename X, typename W>
-inline void linear_tile(const X* x, int64_t ldx, const W* w, int64_t K, const float* bias, float* out,
-                        int64_t ldo) {
-  const int64_t full = K / kNativeLanes * kNativeLanes;
-  vnf acc[MB][NB] = {};
-  for (int64_t k = 0; k < full; k += kNativeLanes) {
-    // Hold whichever of the step's x rows and weight rows are fewer in registers, and stream the others, so that
-    // accumulators and held vectors fit the 16 registers of AVX2 (4 x 3 holds the weights, the others x).
-    if constexpr (MB <= NB) {
-      vnf xv[MB];
-      for (int i = 0; i < MB; ++i) xv[i] = loadn(x + i * ldx + k);
-      for (int j = 0; j < NB; ++j) {
-        // The same step of the next tile: without it the weights stream well below the memory's read bandwidth
-        // (docs/performance.md).
-        prefetch_ahead(w + j * K + k, NB * K);
-        const vnf wv = loadn(w + j * K + k);
-        for (int i = 0; i < MB; ++i) acc[i][j] += xv[i] * wv;
-      }
-    } else {
-      vnf wv[NB];
-      for (int j = 0; j < NB; ++j) {
-        prefetch_ahead(w + j * K + k, NB * K);
-        wv[j] = loadn(w + j * K + k);
-      }
-      for (int i = 0; i < MB; ++i) {
-        const vnf xv = loadn(x + i * ldx + k);
-        for (int j = 0; j < NB; ++j) acc[i][j] += xv * wv[j];
-      }
-    }
-  }
-  for (int i = 0; i < MB; ++i) {
-    for (int j = 0; j < NB; ++j) {
-      float s = hsumn(acc[i][j]);
-      for (int64_t k = full; k < K; ++k) s += to_float(x[i * ldx + k]) * to_float(w[j * K + k]);
-      out[i * ldo + j] = bias != nullptr ? s + bias[j] : s;
+void widen(const W* w, int64_t K, int64_t offset, int64_t width, float* wide) {
+  const int64_t end = std::min(kColumnBlock, (offset + width + kNativeLanes - 1) / kNativeLanes * kNativeLanes);
+  for (int64_t k = 0; k < K; ++k) {
+    for (int64_t c = offset; c < end; c += kNativeLanes) {
+      const vnf v = loadn(w + k * kColumnBlock + c);
+      std::memcpy(wide + k * kColumnBlock + c, &v, sizeof(v));
     }
   }
 }
 
-// Columns [n0, n1) of MB rows of x, in tiles of kColumnsFor[MB] columns and a narrower last one.
-template <int MB, typename X, typename W>
-inline void linear_rows(const X* x, int64_t K, const W* w, const float* bias, float* out, int64_t N, int64_t n0,
-                        int64_t n1) {
-  constexpr int NB = kColumnsFor[MB];
-  int64_t n = n0;
-  for (; n + NB <= n1; n += NB) linear_tile<MB, NB>(x, K, w + n * K, K, bias ? bias + n : nullptr, out + n, N);
-  const float* b = bias ? bias + n : nullptr;
-  switch (n1 - n) {  // the narrower last tile
-    case 7: linear_tile<MB, 7>(x, K, w + n * K, K, b, out + n, N); break;
-    case 6: linear_tile<MB, 6>(x, K, w + n * K, K, b, out + n, N); break;
-    case 5: linear_tile<MB, 5>(x, K, w + n * K, K, b, out + n, N); break;
-    case 4: linear_tile<MB, 4>(x, K, w + n * K, K, b, out + n, N); break;
-    case 3: linear_tile<MB, 3>(x, K, w + n * K, K, b, out + n, N); break;
-    case 2: linear_tile<MB, 2>(x, K, w + n * K, K, b, out + n, N); break;
-    case 1: linear_tile<MB, 1>(x, K, w + n * K, K, b, out + n, N); break;
-    default: break;
-  }
-}
-
-template <typename X, typename W>
-void half_weight_linear_impl(const X* x, int64_t M, int64_t K, const W* w, int64_t N, const float* bias, float* out) {
-  const int64_t blocks = (N + kColumnBlock - 1) / kColumnBlock;
-  // ~64 KiB of weights per task: enough work to be worth a thread, small enough to split a 576 x 576 layer.
-  const int64_t grain = std::max<int64_t>(1, 32768 / (kColumnBlock * std::max<int64_t>(1, K)));
-  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
-    const int64_t n0 = begin * kColumnBlock, n1 = std::min(N, end * kColumnBlock);
-    for (int64_t c0 = n0; c0 < n1; c0 += kColumnBlock) {
-      const int64_t c1 = std::min(n1, c0 + kColumnBlock);
-      for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
-        const X* xt = x + m0 * K;
-        float* ot = out + m0 * N;
-        switch (std::min<int64_t>(kMaxRows, M - m0)) {
-          case 4: linear_rows<4>(xt, K, w, bias, ot, N, c0, c1); break;
-          case 3: linear_rows<3>(xt, K, w, bias, ot, N, c0, c1); break;
-          case 2: linear_rows<2>(xt, K, w, bias, ot, N, c0, c1); break;
-          default: linear_rows<1>(xt, K, w, bias, ot, N, c0, c1); break;
-        }
+// Rounds of a few rows: a thread takes whole runs of kStreamColumns columns and passes every group of rows over each.
+template <typename W>
+void stream_rows(const float* x, int64_t M, int64_t K, const W* w, int64_t N, const float* bias, float* out) {
+  static constexpr auto groups = stream_groups<W>(std::make_index_sequence<kGroupRows>{});
+  constexpr int64_t per_block = kColumnBlock / kStreamColumns;
+  at::parallel_for(0, (N + kStreamColumns - 1) / kStreamColumns, 1, [&](int64_t begin, int64_t end) {
+    std::array<float, kGroupRows * kStreamColumns> acc;
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t n0 = u * kStreamColumns, width = std::min(kStreamColumns, N - n0);
+      const W* wu = w + (u / per_block) * K * kColumnBlock + (u % per_block) * kStreamColumns;
+      for (int64_t m0 = 0; m0 < M; m0 += kGroupRows) {
+        const int64_t rows = std::min<int64_t>(kGroupRows, M - m0);
+        groups[rows - 1](x + m0 * K, K, wu, acc.data(), kStreamColumns);
+        store_rows(acc.data(), kStreamColumns, bias != nullptr ? bias + n0 : nullptr, out + m0 * N + n0, N, rows,
+                   width);
       }
     }
   });
 }
 
+// Rounds of many rows: brgemm per tile on its block widened to float32.
 template <typename W>
-void dispatch_x(const at::Tensor& x, const W* w, int64_t N, const float* bias, float* out) {
-  const int64_t M = x.size(0), K = x.size(1);
-  if (x.scalar_type() == at::kFloat) {
-    half_weight_linear_impl(x.const_data_ptr<float>(), M, K, w, N, bias, out);
+void brgemm_rows(const float* x, int64_t M, int64_t K, const W* w, int64_t N, const float* bias, float* out) {
+  const int64_t blocks = (N + kColumnBlock - 1) / kColumnBlock;
+  for_each_tile(M, N, blocks, kColumnBlock, (kRowBlock + K) * kColumnBlock, [&](const Tile& t, float* scratch) {
+    float* wide = scratch + kRowBlock * kColumnBlock;
+    const int64_t n0 = t.block * kColumnBlock + t.offset;
+    widen(w + t.block * K * kColumnBlock, K, t.offset, t.width, wide);
+    at::native::cpublas::brgemm(t.rows, t.width, K, K, kColumnBlock, kColumnBlock, false, x + t.m0 * K,
+                                wide + t.offset, scratch);
+    store_rows(scratch, kColumnBlock, bias != nullptr ? bias + n0 : nullptr, out + t.m0 * N + n0, N, t.rows, t.width);
+  });
+}
+
+// Whether stream tiles give brgemm's bits here, tried once on a block of fixed pseudo-random values (a linear
+// congruential sequence), with K not a multiple of any vector width; false where brgemm cannot run.
+bool stream_tiles_match_brgemm() {
+  static const bool match = [] {
+    constexpr int64_t M = kGroupRows, K = 37;
+    uint32_t state = 12345;
+    const auto next = [&state] {
+      state = state * 1664525u + 1013904223u;
+      return static_cast<float>(static_cast<int32_t>(state)) * 0x1p-31f;
+    };
+    std::vector<float> x(M * K), wide(K * kColumnBlock), want(M * kColumnBlock), got(M * kColumnBlock);
+    std::vector<c10::BFloat16> w(K * kColumnBlock);
+    for (float& v : x) v = next();
+    for (c10::BFloat16& v : w) v = c10::BFloat16(next());
+    widen(w.data(), K, 0, kColumnBlock, wide.data());
+    try {
+      at::native::cpublas::brgemm(M, kColumnBlock, K, K, kColumnBlock, kColumnBlock, false, x.data(), wide.data(),
+                                  want.data());
+    } catch (const std::exception&) {
+      return false;
+    }
+    for (int64_t c = 0; c < kColumnBlock; c += kStreamColumns) {
+      stream_group<kGroupRows>(x.data(), K, w.data() + c, got.data() + c, kColumnBlock);
+    }
+    return std::memcmp(want.data(), got.data(), want.size() * sizeof(float)) == 0;
+  }();
+  return match;
+}
+
+template <typename W>
+void half_linear_impl(const float* x, int64_t M, int64_t K, const W* w, int64_t N, const float* bias, float* out) {
+  if (M <= kStreamRows && stream_tiles_match_brgemm()) {
+    stream_rows(x, M, K, w, N, bias, out);
   } else {
-    half_weight_linear_impl(reinterpret_cast<const W*>(x.const_data_ptr()), M, K, w, N, bias, out);
+    brgemm_rows(x, M, K, w, N, bias, out);
   }
 }
 
-at::Tensor half_weight_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-  const auto wt = weight.scalar_type();
-  TORCH_CHECK(wt == at::kBFloat16 || wt == at::kHalf, "batchgen::half_weight_linear: weight must be bfloat16 or ",
-              "float16, got ", wt);
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == wt, "batchgen::half_weight_linear: x must be ",
-              "float32 or the weight's dtype (", wt, "), got ", x.scalar_type());
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
-              "batchgen::half_weight_linear: x [rows, in] and weight [out, in] must agree on in, got ", x.sizes(),
-              " and ", weight.sizes());
-  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu() && x.is_contiguous() && weight.is_contiguous(),
-              "batchgen::half_weight_linear: x and weight must be contiguous CPU tensors");
-  const int64_t N = weight.size(0);
+at::Tensor half_weight_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                              const c10::optional<at::Tensor>& bias) {
+  constexpr const char* op = "batchgen::half_weight_linear: ";
+  const auto wt = packed.scalar_type();
+  TORCH_CHECK(wt == at::kBFloat16 || wt == at::kHalf, op, "packed must be bfloat16 or float16, got ", wt);
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == wt, op, "x must be float32 or the weight's dtype (",
+              wt, "), got ", x.scalar_type());
+  TORCH_CHECK(x.dim() == 2 && packed.dim() == 3 && packed.size(2) == kColumnBlock && packed.size(1) == x.size(1), op,
+              "x [rows, K] and packed [blocks, K, ", kColumnBlock, "] must agree on K, got ", x.sizes(), " and ",
+              packed.sizes());
+  const int64_t M = x.size(0), K = x.size(1), N = out_features;
+  TORCH_CHECK(N > (packed.size(0) - 1) * kColumnBlock && N <= packed.size(0) * kColumnBlock, op, packed.size(0),
+              " blocks of ", kColumnBlock, " columns cannot hold out_features ", N);
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu() && x.is_contiguous() && packed.is_contiguous(), op,
+              "x and packed must be contiguous CPU tensors");
   const float* b = nullptr;
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous(),
-                "batchgen::half_weight_linear: bias must be float32 [out], got ", bias->scalar_type(), " ",
-                bias->sizes());
+                op, "bias must be float32 [out_features], got ", bias->scalar_type(), " ", bias->sizes());
     b = bias->const_data_ptr<float>();
   }
-  at::Tensor out = at::empty({x.size(0), N}, x.options().dtype(at::kFloat));
+  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
   float* o = out.mutable_data_ptr<float>();
+  if (K == 0 || M == 0) {  // empty sums: the bias alone
+    for (int64_t i = 0; i < M * N; ++i) o[i] = b != nullptr ? b[i % N] : 0.0f;
+    return out;
+  }
+  const at::Tensor x32 = x.to(at::kFloat).contiguous();
+  const float* xp = x32.const_data_ptr<float>();
   if (wt == at::kBFloat16) {
-    dispatch_x(x, reinterpret_cast<const c10::BFloat16*>(weight.const_data_ptr()), N, b, o);
+    half_linear_impl(xp, M, K, reinterpret_cast<const c10::BFloat16*>(packed.const_data_ptr()), N, b, o);
   } else {
-    dispatch_x(x, reinterpret_cast<const c10::Half*>(weight.const_data_ptr()), N, b, o);
+    half_linear_impl(xp, M, K, reinterpret_cast<const c10::Half*>(packed.const_data_ptr()), N, b, o);
   }
   return out;
 }
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(batchgen, m) { m.def("half_weight_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(batchgen, m) {
+  m.def("half_weight_linear(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
+  // Whether a round's route changes no bits here (stream tiles give brgemm's): batch invariance rests on it.
+  m.def("half_linear_routes_agree() -> bool", &stream_tiles_match_brgemm);
+}
 
 TORCH_LIBRARY_IMPL(batchgen, CPU, m) { m.impl("half_weight_linear", &half_weight_linear); }

@@ -8,6 +8,7 @@
 #include <c10/util/Half.h>
 
 #include <bit>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -143,6 +144,21 @@ inline vnf loadn(const c10::Half* p) {
   vnf v;
   for (int64_t l = 0; l < kNativeLanes; ++l) v[l] = static_cast<float>(p[l]);
   return v;
+#endif
+}
+
+// a * b + c rounded once (a fused multiply-add in every lane), whatever the compiler's contraction flags: the
+// order-exact sums of half_linear.cpp rest on it.
+inline vnf fmaddn(vnf a, vnf b, vnf c) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<vnf>(_mm512_fmadd_ps(reinterpret_cast<__m512>(a), reinterpret_cast<__m512>(b),
+                                               reinterpret_cast<__m512>(c)));
+#elif defined(__FMA__)
+  return reinterpret_cast<vnf>(_mm256_fmadd_ps(reinterpret_cast<__m256>(a), reinterpret_cast<__m256>(b),
+                                               reinterpret_cast<__m256>(c)));
+#else
+  for (int64_t l = 0; l < kNativeLanes; ++l) c[l] = std::fma(a[l], b[l], c[l]);
+  return c;
 #endif
 }
 
