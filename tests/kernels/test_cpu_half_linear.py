@@ -5,6 +5,9 @@ exact rationals), a row's bits independent of the other rows of a call and of th
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from fractions import Fraction
 
 import numpy as np
@@ -15,6 +18,7 @@ from torch.nn import functional as F
 from batchgen.kernels import cpu as cpu_kernels
 from batchgen.kernels.cpu.half_linear import COLUMN_BLOCK, half_weight_linear, pack_half_weight, routes_agree
 from batchgen.models.packed_linear import PackedLinear, half_weight_runs
+from tests.helpers.models import REPO
 
 HALF = [torch.bfloat16, torch.float16]
 STREAM_ROWS = 8  # the most rows a round runs on stream tiles (kStreamRows in half_linear.cpp)
@@ -129,9 +133,51 @@ def test_a_rows_output_is_the_same_bits_in_any_call(dtype: torch.dtype, in_featu
 
 
 def test_both_routes_agree_here() -> None:
-    """The run-time check that lets rounds of a few rows take stream tiles holds on this CPU (where it did not,
+    """The run-time check that brgemm forms the stream tiles' chain holds on this CPU (where it did not,
     half-precision models would run their GEMMs on float32 copies; the check is what this suite would catch)."""
     assert routes_agree()
+
+
+def _rows_own_bits(dtype: torch.dtype) -> None:
+    weight, b, _ = _layer(dtype, 1, 1037, 70, 5)
+    x = torch.randn(300, 1037, generator=torch.Generator().manual_seed(5))
+    whole = _linear(x, weight, b)
+    for start, rows in ((0, 1), (7, 9), (100, 130)):
+        assert torch.equal(_linear(x[start : start + rows], weight, b), whole[start : start + rows])
+    assert torch.equal(whole[:2], _fma_chain(x[:2], weight, b))
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_with_onednn_switched_off_every_round_takes_stream_tiles(dtype: torch.dtype) -> None:
+    """``torch.backends.mkldnn.enabled = False`` turns PyTorch's float32 brgemm into its sgemm fallback, which
+    blocks the sum (a reviewer found rows of 300 no longer their own): the check, read on every call, then fails,
+    and every round runs the stream tiles' chain."""
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        assert not torch.ops.batchgen.half_linear_routes_agree()
+        _rows_own_bits(dtype)
+    finally:
+        torch._C._set_mkldnn_enabled(True)
+    assert torch.ops.batchgen.half_linear_routes_agree()
+
+
+_BELOW_AVX2 = """
+import torch
+from batchgen.kernels.cpu.half_linear import routes_agree
+from batchgen.models.packed_linear import half_weight_runs
+from tests.kernels.test_cpu_half_linear import _rows_own_bits
+_rows_own_bits(torch.bfloat16)
+print(routes_agree(), half_weight_runs(torch.bfloat16, torch.float32, True))
+"""
+
+
+def test_below_avx2_the_layers_take_float32_copies() -> None:
+    """oneDNN capped below AVX2 (``ONEDNN_MAX_CPU_ISA=SSE41``, as on CPUs with AVX and no AVX2): brgemm falls back
+    to sgemm, the check says so, models take float32 copies for oneDNN, and the kernel itself stays row-invariant."""
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "SSE41"}
+    done = subprocess.run([sys.executable, "-c", _BELOW_AVX2], env=env, capture_output=True, text=True, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "False"]
 
 
 def test_the_packed_layout() -> None:

@@ -107,9 +107,10 @@ def deterministic_by_default(name: str, device: torch.device, switches: KernelSw
     AVX-512: with AVX512-BF16, where brgemm runs bfloat16 and a bfloat16 model's linear layers and attention run
     through it either way; without it, where a bfloat16 model's linear layers run on the half-weight kernel
     (batch invariant as it stands; its switch on and its routes agreeing) and its prefill rows in the attention
-    kernel either way, so the mode changes no arithmetic. Elsewhere the mode costs more or was not measured since
-    its last change: AMX; AVX2 alone, where prefill rows go to SDPA without the mode and the kernel's 8-lane path
-    is the slower on long prompts; GPUs."""
+    kernel either way, so the mode changes no arithmetic for it (a float32 or float16 model's prefill rows move
+    from SDPA to the kernel, measured level in float32, and a float32 GEMM pads a lone row to two). Elsewhere the
+    mode costs more or was not measured since its last change: AMX; AVX2 alone, where prefill rows go to SDPA
+    without the mode and the kernel's 8-lane path is the slower on long prompts; GPUs."""
     if device.type != "cpu" or name not in ("auto", "torch_native") or not switches.cpu_attention_kernel:
         return False
     if has_amx():

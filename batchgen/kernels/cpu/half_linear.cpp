@@ -10,11 +10,12 @@
 //   block to float32 in a buffer that stays in L2 and runs brgemm on it;
 // - rounds of up to kStreamRows rows are bound by reading W, and brgemm on a widened copy reads it twice: stream
 //   tiles walk W once per group of up to kGroupRows rows in the same chain of FMAs, in registers, requesting the lines
-//   they will read a fixed distance ahead. Checked once at run time to give brgemm's bits (stream_tiles_match_brgemm);
-//   where they do not, every round takes brgemm.
+//   they will read a fixed distance ahead. brgemm is checked at run time to form that chain (routes_agree); where it
+//   does not, every round takes stream tiles.
 // W is packed as W^T in blocks of kColumnBlock columns, [blocks][K][kColumnBlock] (half_linear.py), the last block
 // padded with zero columns.
 
+#include <ATen/Context.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/native/CPUBlas.h>
@@ -130,11 +131,17 @@ void brgemm_rows(const float* x, int64_t M, int64_t K, const W* w, int64_t N, co
   });
 }
 
-// Whether stream tiles give brgemm's bits here, tried once on a block of fixed pseudo-random values (a linear
-// congruential sequence), with K not a multiple of any vector width; false where brgemm cannot run.
-bool stream_tiles_match_brgemm() {
+// Whether brgemm's float32 sums are the FMA chain here, so that the two routes agree: PyTorch's float32 brgemm is
+// oneDNN's ukernel only with oneDNN enabled (a switch read on every call) and AVX2 or better, and falls back to its
+// sgemm otherwise, whose blocking of K gives other bits; and the chain needs the CPU's fused multiply-add. Tried once
+// on fixed pseudo-random values (a linear congruential sequence): a tile of 128 rows over K = 1,037 (past any
+// blocking of K, and not a multiple of a vector), against stream tiles; false where brgemm cannot run.
+bool routes_agree() {
+#if !defined(__FMA__) && !defined(__AVX512F__)
+  return false;
+#else
   static const bool match = [] {
-    constexpr int64_t M = kGroupRows, K = 37;
+    constexpr int64_t M = 128, K = 1037;
     uint32_t state = 12345;
     const auto next = [&state] {
       state = state * 1664525u + 1013904223u;
@@ -151,17 +158,23 @@ bool stream_tiles_match_brgemm() {
     } catch (const std::exception&) {
       return false;
     }
-    for (int64_t c = 0; c < kColumnBlock; c += kStreamColumns) {
-      stream_group<kGroupRows>(x.data(), K, w.data() + c, got.data() + c, kColumnBlock);
+    for (int64_t m0 = 0; m0 < M; m0 += kGroupRows) {
+      for (int64_t c = 0; c < kColumnBlock; c += kStreamColumns) {
+        stream_group<kGroupRows>(x.data() + m0 * K, K, w.data() + c, got.data() + m0 * kColumnBlock + c,
+                                 kColumnBlock);
+      }
     }
     return std::memcmp(want.data(), got.data(), want.size() * sizeof(float)) == 0;
   }();
-  return match;
+  return match && at::globalContext().userEnabledMkldnn();
+#endif
 }
 
+// Rounds of more than kStreamRows rows take brgemm where it forms the same chain; elsewhere every round takes the
+// stream tiles, slower for many rows but still each row's own.
 template <typename W>
 void half_linear_impl(const float* x, int64_t M, int64_t K, const W* w, int64_t N, const float* bias, float* out) {
-  if (M <= kStreamRows && stream_tiles_match_brgemm()) {
+  if (M <= kStreamRows || !routes_agree()) {
     stream_rows(x, M, K, w, N, bias, out);
   } else {
     brgemm_rows(x, M, K, w, N, bias, out);
@@ -179,8 +192,9 @@ at::Tensor half_weight_linear(const at::Tensor& x, const at::Tensor& packed, int
               "x [rows, K] and packed [blocks, K, ", kColumnBlock, "] must agree on K, got ", x.sizes(), " and ",
               packed.sizes());
   const int64_t M = x.size(0), K = x.size(1), N = out_features;
-  TORCH_CHECK(N > (packed.size(0) - 1) * kColumnBlock && N <= packed.size(0) * kColumnBlock, op, packed.size(0),
-              " blocks of ", kColumnBlock, " columns cannot hold out_features ", N);
+  const int64_t blocks = packed.size(0);
+  TORCH_CHECK(N >= 0 && N > (blocks - 1) * kColumnBlock && N <= blocks * kColumnBlock, op, blocks, " blocks of ",
+              kColumnBlock, " columns cannot hold out_features ", N);
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu() && x.is_contiguous() && packed.is_contiguous(), op,
               "x and packed must be contiguous CPU tensors");
   const float* b = nullptr;
@@ -210,7 +224,7 @@ at::Tensor half_weight_linear(const at::Tensor& x, const at::Tensor& packed, int
 TORCH_LIBRARY_FRAGMENT(batchgen, m) {
   m.def("half_weight_linear(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
   // Whether a round's route changes no bits here (stream tiles give brgemm's): batch invariance rests on it.
-  m.def("half_linear_routes_agree() -> bool", &stream_tiles_match_brgemm);
+  m.def("half_linear_routes_agree() -> bool", &routes_agree);
 }
 
 TORCH_LIBRARY_IMPL(batchgen, CPU, m) { m.impl("half_weight_linear", &half_weight_linear); }

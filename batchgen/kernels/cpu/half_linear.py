@@ -59,7 +59,10 @@ def half_weight_linear(
 
 @functools.cache
 def routes_agree() -> bool:
-    """Whether the kernel's two routes give the same bits here (its stream tiles form brgemm's float32 sums, tried
-    once at run time): where they do not, every round takes brgemm, and the layers run on the float32 GEMM instead
-    (:func:`~batchgen.models.packed_linear.half_weight_runs`). ``False`` where the kernels do not build."""
+    """Whether the kernel's two routes give the same bits here: PyTorch's float32 brgemm forms the same chain of
+    fused multiply-adds as the kernel's stream tiles (oneDNN's ukernel, with oneDNN enabled and AVX2 or better;
+    its sgemm fallback blocks the sum otherwise), tried once at run time. Where they do not, the kernel runs every
+    round on stream tiles (still batch invariant, slower for many rows) and the model's layers take float32 copies
+    for oneDNN instead (:func:`~batchgen.models.packed_linear.half_weight_runs`). ``False`` where the kernels do not
+    build."""
     return build_problem() is None and bool(torch.ops.batchgen.half_linear_routes_agree())

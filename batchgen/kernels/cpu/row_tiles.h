@@ -10,7 +10,7 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <vector>
+#include <memory>
 
 namespace {
 
@@ -46,12 +46,12 @@ void for_each_tile(int64_t M, int64_t N, int64_t blocks, int64_t cols, int64_t s
   };
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     const ReleaseOnExit release;
-    std::vector<float> scratch(scratch_floats);
+    const std::unique_ptr<float[]> scratch(new float[scratch_floats]);  // uninitialised: every use writes first
     for (int64_t th = begin; th < end; ++th) {
-      for (int64_t t = whole * th / threads; t < whole * (th + 1) / threads; ++t) run(tile(t, 0, cols), scratch.data());
+      for (int64_t t = whole * th / threads; t < whole * (th + 1) / threads; ++t) run(tile(t, 0, cols), scratch.get());
       for (int64_t t = whole; split && t < tiles; ++t) {
         const Tile piece = tile(t, th * part, part);
-        if (piece.width > 0) run(piece, scratch.data());
+        if (piece.width > 0) run(piece, scratch.get());
       }
     }
   });
