@@ -32,24 +32,6 @@
 
 namespace {
 
-inline void store_lanes(float* p, vnf v) { std::memcpy(p, &v, sizeof(v)); }
-inline void store_lanes(c10::BFloat16* p, vnf v) { storen(p, v); }  // rounded to nearest even, as c10 rounds
-
-// Adds the bias to one block of brgemm's float32 results and stores it as float32 or rounded to bfloat16.
-template <typename Out>
-void store_block(const float* acc, int64_t ld_acc, const float* bias, Out* out, int64_t ld_out, int64_t rows,
-                 int64_t width) {
-  for (int64_t i = 0; i < rows; ++i) {
-    const float* a = acc + i * ld_acc;
-    Out* o = out + i * ld_out;
-    int64_t j = 0;
-    for (; j + kNativeLanes <= width; j += kNativeLanes) {
-      store_lanes(o + j, bias != nullptr ? loadn(a + j) + loadn(bias + j) : loadn(a + j));
-    }
-    for (; j < width; ++j) o[j] = static_cast<Out>(bias != nullptr ? a[j] + bias[j] : a[j]);
-  }
-}
-
 // brgemm's result for tile t of x [M, K] against packed blocks w of `cols` columns, into acc (ld cols), while the
 // block at `next` (`next_bytes`) is requested, by dot_tile where it gives brgemm's bits here.
 inline void tile_product(const Tile& t, const c10::BFloat16* x, int64_t K, const c10::BFloat16* w, int64_t cols,

@@ -75,15 +75,6 @@ constexpr auto stream_groups(std::index_sequence<R...>) {
       &stream_group<static_cast<int>(R) + 1, W>...};
 }
 
-// out rows [0, rows) x columns [0, width) (ld_out apart) = acc (ld_acc apart) + bias.
-void store_rows(const float* acc, int64_t ld_acc, const float* bias, float* out, int64_t ld_out, int64_t rows,
-                int64_t width) {
-  for (int64_t i = 0; i < rows; ++i) {
-    const float* a = acc + i * ld_acc;
-    for (int64_t j = 0; j < width; ++j) out[i * ld_out + j] = bias != nullptr ? a[j] + bias[j] : a[j];
-  }
-}
-
 // Columns [offset, offset + width) of packed block w ([K][kColumnBlock]) widened to float32 at wide + offset, the
 // same layout, width rounded up to whole vectors (the padding columns are zeros).
 template <typename W>
@@ -110,7 +101,7 @@ void stream_rows(const float* x, int64_t M, int64_t K, const W* w, int64_t N, co
       for (int64_t m0 = 0; m0 < M; m0 += kGroupRows) {
         const int64_t rows = std::min<int64_t>(kGroupRows, M - m0);
         groups[rows - 1](x + m0 * K, K, wu, acc.data(), kStreamColumns);
-        store_rows(acc.data(), kStreamColumns, bias != nullptr ? bias + n0 : nullptr, out + m0 * N + n0, N, rows,
+        store_block(acc.data(), kStreamColumns, bias != nullptr ? bias + n0 : nullptr, out + m0 * N + n0, N, rows,
                    width);
       }
     }
@@ -127,7 +118,7 @@ void brgemm_rows(const float* x, int64_t M, int64_t K, const W* w, int64_t N, co
     widen(w + t.block * K * kColumnBlock, K, t.offset, t.width, wide);
     at::native::cpublas::brgemm(t.rows, t.width, K, K, kColumnBlock, kColumnBlock, false, x + t.m0 * K,
                                 wide + t.offset, scratch);
-    store_rows(scratch, kColumnBlock, bias != nullptr ? bias + n0 : nullptr, out + t.m0 * N + n0, N, t.rows, t.width);
+    store_block(scratch, kColumnBlock, bias != nullptr ? bias + n0 : nullptr, out + t.m0 * N + n0, N, t.rows, t.width);
   });
 }
 

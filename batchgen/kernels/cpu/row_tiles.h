@@ -1,15 +1,18 @@
 // The tiles of a linear layer's output that batchgen's GEMM kernels compute (brgemm_linear.cpp, half_linear.cpp),
-// and how they are shared among the threads. A tile is up to kRowBlock rows of x against one block of `cols` output
-// columns (or a part of one); a kernel's result for one output never depends on the tile that computes it.
+// how they are shared among the threads, and how a tile's sums are stored. A tile is up to kRowBlock rows of x
+// against one block of `cols` output columns (or a part of one); a kernel's result for one output never depends on
+// the tile that computes it.
 #pragma once
 
 #include <ATen/Parallel.h>
 
+#include "bf16_round.h"
 #include "brgemm_bf16.h"
 #include "vec16.h"
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 
 namespace {
@@ -22,6 +25,24 @@ constexpr int64_t kRowBlock = 128;
 struct Tile {
   int64_t m0, rows, block, offset, width;
 };
+
+inline void store_lanes(float* p, vnf v) { std::memcpy(p, &v, sizeof(v)); }
+inline void store_lanes(c10::BFloat16* p, vnf v) { storen(p, v); }  // rounded to nearest even, as c10 rounds
+
+// Adds the bias to one block of a tile's float32 sums and stores it as float32 or rounded to bfloat16.
+template <typename Out>
+void store_block(const float* acc, int64_t ld_acc, const float* bias, Out* out, int64_t ld_out, int64_t rows,
+                 int64_t width) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const float* a = acc + i * ld_acc;
+    Out* o = out + i * ld_out;
+    int64_t j = 0;
+    for (; j + kNativeLanes <= width; j += kNativeLanes) {
+      store_lanes(o + j, bias != nullptr ? loadn(a + j) + loadn(bias + j) : loadn(a + j));
+    }
+    for (; j < width; ++j) o[j] = static_cast<Out>(bias != nullptr ? a[j] + bias[j] : a[j]);
+  }
+}
 
 // Runs run(tile, scratch) over the tiles of up to kRowBlock rows x `cols` columns that cover M rows and N columns
 // (the last block narrower where N is not a multiple of cols), each thread a contiguous run of them (row blocks
