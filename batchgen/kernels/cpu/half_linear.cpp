@@ -62,7 +62,7 @@ void stream_group(const float* x, int64_t K, const W* w, float* out, int64_t ld_
     std::array<vnf, kStreamVectors> wv;
     for (int c = 0; c < kStreamVectors; ++c) wv[c] = loadn(wk + c * kNativeLanes);
     for (int r = 0; r < R; ++r) {
-      const vnf xr = vnf{} + x[r * K + k];
+      const vnf xr = splatn(x[r * K + k]);
       for (int c = 0; c < kStreamVectors; ++c) acc[r][c] = fmaddn(xr, wv[c], acc[r][c]);
     }
   }

@@ -147,6 +147,20 @@ inline vnf loadn(const c10::Half* p) {
 #endif
 }
 
+// x in every lane, exactly (vnf{} + x would turn -0 into +0), as one broadcast the FMA reading it can take from
+// memory: the form `vnf{} + x` cost an add and a register shuffle per use, on the port the FMAs need.
+inline vnf splatn(float x) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<vnf>(_mm512_set1_ps(x));
+#elif defined(__AVX2__)
+  return reinterpret_cast<vnf>(_mm256_set1_ps(x));
+#else
+  vnf v;
+  for (int64_t l = 0; l < kNativeLanes; ++l) v[l] = x;
+  return v;
+#endif
+}
+
 // a * b + c rounded once (a fused multiply-add in every lane), whatever the compiler's contraction flags: the
 // order-exact sums of half_linear.cpp rest on it.
 inline vnf fmaddn(vnf a, vnf b, vnf c) {
