@@ -34,7 +34,7 @@ needs_onednn_bf16 = pytest.mark.skipif(
 )
 needs_native_bf16 = pytest.mark.skipif(
     cpu_gemm_dtype(torch.bfloat16, CPU) != torch.bfloat16,
-    reason="this CPU has neither AVX512-BF16 nor AMX: bfloat16 models pack their weights as float32",
+    reason="this CPU has neither AVX512-BF16 nor AMX: bfloat16 models run their linear layers in float32 there",
 )
 SHAPES = [(1, 64, 48), (5, 576, 192), (64, 576, 3072), (300, 1536, 576)]
 

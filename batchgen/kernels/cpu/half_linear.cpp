@@ -108,17 +108,18 @@ void stream_rows(const float* x, int64_t M, int64_t K, const W* w, int64_t N, co
   });
 }
 
-// Rounds of many rows: brgemm per tile on its block widened to float32.
+// Rounds of many rows: brgemm per tile on its block widened to float32, its sums straight into out (a copy
+// through a buffer took 4 % of a W2 run), the bias added there.
 template <typename W>
 void brgemm_rows(const float* x, int64_t M, int64_t K, const W* w, int64_t N, const float* bias, float* out) {
   const int64_t blocks = (N + kColumnBlock - 1) / kColumnBlock;
-  for_each_tile(M, N, blocks, kColumnBlock, (kRowBlock + K) * kColumnBlock, [&](const Tile& t, float* scratch) {
-    float* wide = scratch + kRowBlock * kColumnBlock;
+  for_each_tile(M, N, blocks, kColumnBlock, K * kColumnBlock, [&](const Tile& t, float* wide) {
     const int64_t n0 = t.block * kColumnBlock + t.offset;
+    float* tile_out = out + t.m0 * N + n0;
     widen(w + t.block * K * kColumnBlock, K, t.offset, t.width, wide);
-    at::native::cpublas::brgemm(t.rows, t.width, K, K, kColumnBlock, kColumnBlock, false, x + t.m0 * K,
-                                wide + t.offset, scratch);
-    store_block(scratch, kColumnBlock, bias != nullptr ? bias + n0 : nullptr, out + t.m0 * N + n0, N, t.rows, t.width);
+    at::native::cpublas::brgemm(t.rows, t.width, K, K, kColumnBlock, N, false, x + t.m0 * K, wide + t.offset,
+                                tile_out);
+    if (bias != nullptr) store_block(tile_out, N, bias + n0, tile_out, N, t.rows, t.width);
   });
 }
 
