@@ -102,14 +102,14 @@ void stream_rows(const float* x, int64_t M, int64_t K, const W* w, int64_t N, co
         const int64_t rows = std::min<int64_t>(kGroupRows, M - m0);
         groups[rows - 1](x + m0 * K, K, wu, acc.data(), kStreamColumns);
         store_block(acc.data(), kStreamColumns, bias != nullptr ? bias + n0 : nullptr, out + m0 * N + n0, N, rows,
-                   width);
+                    width);
       }
     }
   });
 }
 
-// Rounds of many rows: brgemm per tile on its block widened to float32, its sums straight into out (a copy
-// through a buffer took 4 % of a W2 run), the bias added there.
+// Rounds of many rows: brgemm per tile on its block widened to float32, its sums straight into out, the bias added
+// there. Without add_C, brgemm writes exactly rows x width at ldc and never reads C (out is uninitialised).
 template <typename W>
 void brgemm_rows(const float* x, int64_t M, int64_t K, const W* w, int64_t N, const float* bias, float* out) {
   const int64_t blocks = (N + kColumnBlock - 1) / kColumnBlock;

@@ -147,8 +147,8 @@ inline vnf loadn(const c10::Half* p) {
 #endif
 }
 
-// x in every lane, exactly (vnf{} + x would turn -0 into +0), as one broadcast the FMA reading it can take from
-// memory: the form `vnf{} + x` cost an add and a register shuffle per use, on the port the FMAs need.
+// x in every lane, exactly, as one broadcast load from memory: `vnf{} + x` compiles to an add and a register
+// shuffle, and the shuffle takes the port an AVX-512 FMA needs.
 inline vnf splatn(float x) {
 #if defined(__AVX512F__)
   return reinterpret_cast<vnf>(_mm512_set1_ps(x));
