@@ -18,6 +18,9 @@ Everything here skips, saying why, when the extension cannot be built on this ma
 from __future__ import annotations
 
 import copy
+import platform
+import re
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -266,6 +269,24 @@ def test_switch_off_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         assert not kernel_switches().cpu_attention_kernel
     monkeypatch.setenv("BATCHGEN_CPU_ATTENTION_KERNEL", "1")
     assert kernel_switches().cpu_attention_kernel
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="reads x86 prefetch instructions; this CPU is not x86-64")
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="needs objdump (binutils) to read the built kernels")
+def test_vector_path_requests_keys_ahead() -> None:
+    """The vector path's K/V loads are requested ahead in the built code: GCC deletes the calls of a function that
+    only prefetches (it counts a prefetch as no side effect), which left that path with no request at all until
+    prefetch_row kept them (docs/performance.md, machine F)."""
+    assert cpu_kernels.paged_attention_available()
+    library = next(path for path in torch.ops.loaded_libraries if "batchgen_cpu_kernels" in path)
+    listing = subprocess.run(
+        ["objdump", "-d", "--no-show-raw-insn", "-C", library], capture_output=True, text=True, check=True
+    ).stdout
+    functions = re.split(r"\n(?=[0-9a-f]+ <)", listing)
+    loaders = [f for f in functions if "load_block<" in f.split("\n", 1)[0]]
+    # Where the compiler inlined load_block, its loads sit in the functions that run the blocks.
+    loaders = loaders or [f for f in functions if "attend" in f.split("\n", 1)[0]]
+    assert loaders and all("prefetch" in f for f in loaders)
 
 
 _COMMAND = "c++ -MMD -MF x.o.d -DTORCH_EXTENSION_NAME=x -fPIC -std=c++20 -c paged_attention.cpp -o x.o"
