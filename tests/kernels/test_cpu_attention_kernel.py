@@ -275,17 +275,17 @@ def test_switch_off_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="needs objdump (binutils) to read the built kernels")
 def test_vector_path_requests_keys_ahead() -> None:
     """The vector path's K/V loads are requested ahead in the built code: GCC deletes the calls of a function that
-    only prefetches (it counts a prefetch as no side effect), which left that path with no request at all until
-    prefetch_row kept them (docs/performance.md, machine F)."""
+    only prefetches (it counts a prefetch as no side effect), and prefetch_row must keep them (docs/performance.md,
+    machine F)."""
     assert cpu_kernels.paged_attention_available()
     library = next(path for path in torch.ops.loaded_libraries if "batchgen_cpu_kernels" in path)
     listing = subprocess.run(
         ["objdump", "-d", "--no-show-raw-insn", "-C", library], capture_output=True, text=True, check=True
     ).stdout
-    functions = re.split(r"\n(?=[0-9a-f]+ <)", listing)
-    loaders = [f for f in functions if "load_block<" in f.split("\n", 1)[0]]
-    # Where the compiler inlined load_block, its loads sit in the functions that run the blocks.
-    loaders = loaders or [f for f in functions if "attend" in f.split("\n", 1)[0]]
+    functions = [(f.split("\n", 1)[0], f) for f in re.split(r"\n(?=[0-9a-f]+ <)", listing)]
+    loaders = [f for name, f in functions if "load_block<" in name]
+    # Where the compiler inlined load_block, its loads sit in the functions that call it.
+    loaders = loaders or [f for name, f in functions if "attend<" in name or "attend_shared<" in name]
     assert loaders and all("prefetch" in f for f in loaders)
 
 
