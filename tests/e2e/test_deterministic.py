@@ -175,14 +175,15 @@ def _cpu_flags() -> set[str]:
     return set(flags)
 
 
-def test_the_mode_is_the_default_on_avx512_cpus_without_amx(random_models: dict[str, Path], tmp_path: Path) -> None:
+def test_the_mode_is_the_default_on_cpus_without_amx(random_models: dict[str, Path], tmp_path: Path) -> None:
     """Neither flag: on where the batch-invariant path costs nothing measurable (docs/performance.md), which the
-    CPU's extensions say (AVX-512, no AMX tiles: with AVX512-BF16 brgemm runs both paths, without it the
-    half-weight GEMMs do, which need their switch), for the CPU kernel's backend only; the output records it."""
+    CPU's extensions say (AVX-512, or AVX2 with FMA and F16C; no AMX tiles: with AVX512-BF16 brgemm runs both
+    paths, without it the half-weight GEMMs do, which need their switch), for the CPU kernel's backend only; the
+    output records it."""
     if build_problem() is not None:
         pytest.skip(f"needs batchgen's CPU kernels ({build_problem()})")
     flags = _cpu_flags()
-    expected = "avx512f" in flags and "amx_tile" not in flags
+    expected = ("avx512f" in flags or {"avx2", "fma", "f16c"} <= flags) and "amx_tile" not in flags
     cpu, switches = torch.device("cpu"), KernelSwitches()
     assert deterministic_by_default("auto", cpu, switches) is expected
     assert deterministic_by_default("torch_native", cpu, switches) is expected

@@ -416,16 +416,20 @@ def test_prefill_rows_go_to_the_kernel_where_it_beats_sdpa() -> None:
     """Prefill rows go to the kernel exactly where it beats SDPA, by the CPU's flags (``/proc/cpuinfo``): in
     bfloat16 with head sizes a multiple of 32 up to 256 where it has avx512_bf16 (vdpbf16ps, and brgemm's bfloat16
     kernels on it or on AMX tiles, which the kernel's ``brgemm`` path asks for); in bfloat16 of any head size on
-    AVX-512 without avx512_bf16 or AMX (the generic 16-lane path); never in float32 or float16."""
+    AVX-512 without avx512_bf16 or AMX (the generic 16-lane path); in bfloat16 with head sizes a multiple of 8 where
+    the CPU has AVX2, FMA and F16C and no AVX-512 (the 8-lane block step); never in float32 or float16."""
     has_dot = " avx512_bf16" in _FLAGS and " avx512bw" in _FLAGS
     generic = " avx512f" in _FLAGS and " avx512_bf16" not in _FLAGS and " amx_tile" not in _FLAGS
+    avx2 = all(f" {flag} " in f"{_FLAGS} " for flag in ("avx2", "fma", "f16c")) and " avx512f" not in _FLAGS
     assert bool(torch.ops.batchgen.has_bf16_dot_product()) == has_dot
+    assert bool(torch.ops.batchgen.has_avx2_block()) == avx2
     assert cpu_kernels.brgemm_bf16_supported() == has_dot
     assert cpu_kernels.brgemm_attention_supported(torch.bfloat16, 64) == has_dot
     for head_dim in (64, 256):
-        assert cpu_kernels.prefill_rows_supported(torch.bfloat16, head_dim) == (has_dot or generic)
+        assert cpu_kernels.prefill_rows_supported(torch.bfloat16, head_dim) == (has_dot or generic or avx2)
     for head_dim in (80, 512):
-        assert cpu_kernels.prefill_rows_supported(torch.bfloat16, head_dim) == generic
+        assert cpu_kernels.prefill_rows_supported(torch.bfloat16, head_dim) == (generic or avx2)
+    assert cpu_kernels.prefill_rows_supported(torch.bfloat16, 36) == generic
     for dtype, head_dim in [(torch.bfloat16, 80), (torch.bfloat16, 512), (torch.float32, 64), (torch.float16, 64)]:
         assert not cpu_kernels.brgemm_attention_supported(dtype, head_dim)
     assert not cpu_kernels.prefill_rows_supported(torch.float32, 64)

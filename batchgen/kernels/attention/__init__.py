@@ -103,22 +103,25 @@ def deterministic_backend(name: str, device: torch.device) -> str:
 def deterministic_by_default(name: str, device: torch.device, switches: KernelSwitches) -> bool:
     """Whether ``--deterministic`` holds when neither it nor ``--no-deterministic`` is given: where the
     batch-invariant run was measured to cost nothing beyond the runs' spread (docs/performance.md). That is the
-    CPU kernel's path (``name`` auto or torch_native, the kernel switched on) on a CPU without AMX and with
-    AVX-512: with AVX512-BF16, where brgemm runs bfloat16 and a bfloat16 model's linear layers and attention run
-    through it either way; without it, where a bfloat16 model's linear layers run on the half-weight kernel
-    (batch invariant as it stands; its switch on and its routes agreeing) and its prefill rows in the attention
-    kernel either way, so the mode changes no arithmetic for it (a float32 or float16 model's prefill rows move
-    from SDPA to the kernel, measured level in float32, and a float32 GEMM pads a lone row to two). Elsewhere the
-    mode costs more or was not measured since its last change: AMX; AVX2 alone, where prefill rows go to SDPA
-    without the mode and the kernel's 8-lane path is the slower on long prompts; GPUs."""
+    CPU kernel's path (``name`` auto or torch_native, the kernel switched on) on a CPU without AMX: with
+    AVX512-BF16, where brgemm runs bfloat16 and a bfloat16 model's linear layers and attention run through it
+    either way; without it, on AVX-512 or on AVX2 with the kernel's 8-lane block step, where a bfloat16 model's
+    linear layers run on the half-weight kernel (batch invariant as it stands; its switch on and its routes
+    agreeing) and its prefill rows in the attention kernel either way
+    (:func:`~batchgen.kernels.cpu.prefill_rows_supported`), so the mode changes no arithmetic for it (a float32 or
+    float16 model's prefill rows move from SDPA to the kernel, and a float32 GEMM pads a lone row to two: measured
+    level in float32). Elsewhere the mode costs more or was not measured since its last change: AMX; CPUs without
+    AVX2; GPUs."""
     if device.type != "cpu" or name not in ("auto", "torch_native") or not switches.cpu_attention_kernel:
         return False
     if has_amx():
         return False
     if brgemm_bf16_supported():
         return True
-    without_bf16 = torch.cpu._is_avx512_supported() and not torch.cpu._is_avx512_bf16_supported()
-    return bool(without_bf16) and switches.cpu_half_weight_linear and routes_agree()
+    if torch.cpu._is_avx512_bf16_supported() or build_problem() is not None:
+        return False
+    vector_step = torch.cpu._is_avx512_supported() or torch.ops.batchgen.has_avx2_block()
+    return bool(vector_step) and switches.cpu_half_weight_linear and routes_agree()
 
 
 def _create_flashinfer(device: torch.device, dtype: torch.dtype | None, config: ModelConfig | None) -> AttentionBackend:

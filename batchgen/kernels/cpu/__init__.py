@@ -87,16 +87,18 @@ def paged_attention_available() -> bool:
 def prefill_rows_supported(dtype: torch.dtype, head_dim: int) -> bool:
     """Whether rows of many new tokens (prefill chunks) should go to the kernel too, rather than to SDPA over
     gathered K/V: where the kernel runs them through brgemm (:func:`brgemm_attention_supported`); in bfloat16 on a
-    CPU with AVX-512 and no AMX: with AVX512-BF16, where it scores and weights V with ``vdpbf16ps`` (head sizes a
-    multiple of 32, up to 256), and without it, on its float32 vector path, whose 16-lane vectors are one register
-    there. Each beats SDPA there (figures in docs/performance.md, machines A, D and F); elsewhere (AVX2 alone,
-    float32 models) SDPA is as fast as the kernel's float32 loops and keeps them."""
+    CPU without AMX: with AVX512-BF16, where it scores and weights V with ``vdpbf16ps`` (head sizes a multiple of
+    32, up to 256); without it, on its float32 vector path, whose 16-lane vectors are one register on AVX-512, and
+    on AVX2's 8-lane block step (head sizes a multiple of 8). Each beats SDPA there (figures in
+    docs/performance.md, machines A, D, E and F); elsewhere (no AVX2, float32 models) SDPA keeps them."""
     if brgemm_attention_supported(dtype, head_dim):
         return True
     if dtype != torch.bfloat16 or has_amx() or not paged_attention_available():
         return False
     if torch.ops.batchgen.has_bf16_dot_product():
         return head_dim % 32 == 0 and head_dim <= 256
+    if torch.ops.batchgen.has_avx2_block():
+        return head_dim % 8 == 0
     return bool(torch.cpu._is_avx512_supported())
 
 

@@ -228,3 +228,11 @@ void attend_queries_avx2(int64_t count, int64_t i, const v16f* keys, const v16f*
 }  // namespace
 
 #endif  // AVX2, FMA and F16C without AVX-512
+
+// Whether the block step above is built here: prefill_rows_supported (kernels/cpu/__init__.py) sends prefill rows
+// to the kernel only where a fast vector step runs them.
+#ifdef BATCHGEN_AVX2_BLOCK
+inline bool has_avx2_block() { return true; }
+#else
+inline bool has_avx2_block() { return false; }
+#endif

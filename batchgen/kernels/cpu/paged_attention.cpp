@@ -290,9 +290,10 @@ TORCH_LIBRARY(batchgen, m) {
   m.def(
       "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor req_to_token, Tensor req_pool_indices, "
       "Tensor seq_lens, Tensor q_starts, Tensor q_lens, float scale, Tensor(a!) out, int brgemm=0) -> ()");
-  // Whether bfloat16 attention runs on vdpbf16ps here (built for a CPU with AVX512-BF16); prefill_rows_supported
-  // (kernels/cpu/__init__.py) asks it.
+  // Whether bfloat16 attention runs on vdpbf16ps here (built for a CPU with AVX512-BF16), or on AVX2's 8-lane block
+  // step; prefill_rows_supported (kernels/cpu/__init__.py) asks them.
   m.def("has_bf16_dot_product() -> bool", &has_bf16_dot_product);
+  m.def("has_avx2_block() -> bool", &has_avx2_block);
 }
 
 TORCH_LIBRARY_IMPL(batchgen, CPU, m) { m.impl("paged_attention", &paged_attention); }
