@@ -47,8 +47,9 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
 @pytest.mark.parametrize("x_float32", [False, True])
 @pytest.mark.parametrize(
     ("rows", "in_features", "out_features"),
-    # Stream tiles of 1-4 rows (groups of 2 or 4) and brgemm tiles past 8 rows, blocks of 64 columns and a narrower
-    # last one, an inner dimension shorter than one vector, one row tile of 128 and two, and a small Llama's shapes.
+    # Stream tiles of 1-8 rows (groups of up to 4 rows on AVX-512, 6 on AVX2) and brgemm tiles past 8 rows, blocks
+    # of 64 columns and a narrower last one, an inner dimension shorter than one vector, one row tile of 128 and two,
+    # and a small Llama's shapes.
     [
         (1, 1, 1),
         (2, 7, 2),
@@ -108,7 +109,7 @@ def _fma_chain(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> tor
 
 
 @pytest.mark.parametrize("dtype", HALF)
-@pytest.mark.parametrize("rows", [1, 3, STREAM_ROWS + 1])
+@pytest.mark.parametrize("rows", [1, 3, 6, STREAM_ROWS, STREAM_ROWS + 1])
 def test_each_output_is_the_ordered_chain_of_fused_multiply_adds(dtype: torch.dtype, rows: int) -> None:
     """On both routes (stream tiles up to 8 rows, brgemm past them) every output is the float32 FMA chain over the
     inner dimension in order, then the bias: the order that makes a row's result its own. ``x`` in float32 (the

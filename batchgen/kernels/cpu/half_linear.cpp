@@ -40,39 +40,53 @@ constexpr int64_t kStreamRows = 8;  // where brgemm on a widened block starts to
 #if defined(__AVX512F__)
 constexpr int kGroupRows = 4;            // 4 rows x 4 vectors: 16 accumulators of 32 registers
 constexpr int64_t kStreamColumns = 64;   // a whole block: each k's 128 bytes of W are two adjacent lines
+constexpr int kNarrowRows = kGroupRows + 1;  // no group is narrowed
 #else
-constexpr int kGroupRows = 2;            // 2 rows x 4 vectors: 8 accumulators of AVX2's 16 registers
+constexpr int kGroupRows = 6;            // 6 rows x 2 vectors: 12 accumulators of AVX2's 16 registers
 constexpr int64_t kStreamColumns = 32;
+// Groups of 3 rows or more pass over a unit's columns in two halves: per k each widened W vector then feeds 3-6
+// FMAs rather than 1-2, and AVX2's widening costs as much as an FMA (docs/performance.md, machine E).
+constexpr int kNarrowRows = 3;
 #endif
 constexpr int kStreamVectors = kStreamColumns / kNativeLanes;
 constexpr int64_t kStreamAhead = 8192;  // bytes ahead of its reads that a stream tile requests W's lines
 
-// Rows [0, R) of x (float32, K a row) against kStreamColumns columns of a block of W at w (kColumnBlock a row of
-// the packed layout): out[r * ld_out + c] = the FMA chain over k, unbiased.
-template <int R, typename W>
+// Rows [0, R) of x (float32, K a row) against V vectors of columns of a block of W at w (kColumnBlock a row of the
+// packed layout): out[r * ld_out + c] = the FMA chain over k, unbiased.
+template <int R, int V, typename W>
 void stream_group(const float* x, int64_t K, const W* w, float* out, int64_t ld_out) {
-  std::array<std::array<vnf, kStreamVectors>, R> acc{};
+  std::array<std::array<vnf, V>, R> acc{};
   for (int64_t k = 0; k < K; ++k) {
     const W* wk = w + k * kColumnBlock;
     // As an integer: near the end it points past the weights, where a prefetch does nothing.
     const uintptr_t ahead = reinterpret_cast<uintptr_t>(wk) + kStreamAhead;
-    for (uintptr_t line = 0; line < kStreamColumns * sizeof(W); line += 64) {
+    for (uintptr_t line = 0; line < V * kNativeLanes * sizeof(W); line += 64) {
       __builtin_prefetch(reinterpret_cast<const void*>(ahead + line));
     }
-    std::array<vnf, kStreamVectors> wv;
-    for (int c = 0; c < kStreamVectors; ++c) wv[c] = loadn(wk + c * kNativeLanes);
+    std::array<vnf, V> wv;
+    for (int c = 0; c < V; ++c) wv[c] = loadn(wk + c * kNativeLanes);
     for (int r = 0; r < R; ++r) {
       const vnf xr = splatn(x[r * K + k]);
-      for (int c = 0; c < kStreamVectors; ++c) acc[r][c] = fmaddn(xr, wv[c], acc[r][c]);
+      for (int c = 0; c < V; ++c) acc[r][c] = fmaddn(xr, wv[c], acc[r][c]);
     }
   }
   for (int r = 0; r < R; ++r) std::memcpy(out + r * ld_out, acc[r].data(), sizeof(acc[r]));
 }
 
+// Rows [0, R) against the kStreamColumns columns at w: one pass, or two of half the columns for R >= kNarrowRows.
+template <int R, typename W>
+void stream_unit(const float* x, int64_t K, const W* w, float* out, int64_t ld_out) {
+  constexpr int passes = R >= kNarrowRows ? 2 : 1, vectors = kStreamVectors / passes;
+  for (int p = 0; p < passes; ++p) {
+    const int64_t c = p * vectors * kNativeLanes;
+    stream_group<R, vectors>(x, K, w + c, out + c, ld_out);
+  }
+}
+
 template <typename W, size_t... R>
-constexpr auto stream_groups(std::index_sequence<R...>) {
+constexpr auto stream_units(std::index_sequence<R...>) {
   return std::array<void (*)(const float*, int64_t, const W*, float*, int64_t), sizeof...(R)>{
-      &stream_group<static_cast<int>(R) + 1, W>...};
+      &stream_unit<static_cast<int>(R) + 1, W>...};
 }
 
 // Columns [offset, offset + width) of packed block w ([K][kColumnBlock]) widened to float32 at wide + offset, the
@@ -91,7 +105,7 @@ void widen(const W* w, int64_t K, int64_t offset, int64_t width, float* wide) {
 // Rounds of a few rows: a thread takes whole runs of kStreamColumns columns and passes every group of rows over each.
 template <typename W>
 void stream_rows(const float* x, int64_t M, int64_t K, const W* w, int64_t N, const float* bias, float* out) {
-  static constexpr auto groups = stream_groups<W>(std::make_index_sequence<kGroupRows>{});
+  static constexpr auto units = stream_units<W>(std::make_index_sequence<kGroupRows>{});
   constexpr int64_t per_block = kColumnBlock / kStreamColumns;
   at::parallel_for(0, (N + kStreamColumns - 1) / kStreamColumns, 1, [&](int64_t begin, int64_t end) {
     std::array<float, kGroupRows * kStreamColumns> acc;
@@ -100,7 +114,7 @@ void stream_rows(const float* x, int64_t M, int64_t K, const W* w, int64_t N, co
       const W* wu = w + (u / per_block) * K * kColumnBlock + (u % per_block) * kStreamColumns;
       for (int64_t m0 = 0; m0 < M; m0 += kGroupRows) {
         const int64_t rows = std::min<int64_t>(kGroupRows, M - m0);
-        groups[rows - 1](x + m0 * K, K, wu, acc.data(), kStreamColumns);
+        units[rows - 1](x + m0 * K, K, wu, acc.data(), kStreamColumns);
         store_block(acc.data(), kStreamColumns, bias != nullptr ? bias + n0 : nullptr, out + m0 * N + n0, N, rows,
                     width);
       }
@@ -150,9 +164,11 @@ bool routes_agree() {
     } catch (const std::exception&) {
       return false;
     }
+    static constexpr auto units = stream_units<c10::BFloat16>(std::make_index_sequence<kGroupRows>{});
     for (int64_t m0 = 0; m0 < M; m0 += kGroupRows) {
       for (int64_t c = 0; c < kColumnBlock; c += kStreamColumns) {
-        stream_group<kGroupRows>(x.data() + m0 * K, K, w.data() + c, got.data() + m0 * ld + c, ld);
+        units[std::min<int64_t>(kGroupRows, M - m0) - 1](x.data() + m0 * K, K, w.data() + c, got.data() + m0 * ld + c,
+                                                         ld);
       }
     }
     return std::memcmp(want.data(), got.data(), want.size() * sizeof(float)) == 0;
