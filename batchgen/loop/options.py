@@ -135,8 +135,8 @@ class EngineOptions:
         metadata={
             "help": "Bitwise batch invariance (CPU, or CUDA with the triton backend): a row's logits, hence its "
             "tokens, logprobs and text, do not depend on the rows it runs with, its prompt's chunking or the prefix "
-            "cache (docs/input-output.md). Default: on with the CPU attention kernel on CPUs with AVX-512 and no "
-            "AMX, where it costs nothing; off elsewhere.",
+            "cache (docs/input-output.md). Default: on with the CPU attention kernel on CPUs with AVX-512 or "
+            "AVX2 and no AMX, where it costs nothing; off elsewhere.",
             "flag": "--deterministic/--no-deterministic",
         },
     )

@@ -372,7 +372,7 @@ def _batch(pool: PagedPool, mode: ForwardMode, rows: list[int], prefix: list[int
     [
         (ForwardMode.DECODE, [0, 1, 16, 63, 129, 299], [1, 1, 1, 1, 1, 1]),
         (ForwardMode.TARGET_VERIFY, [0, 60, 125, 295], [1, 5, 5, 5]),
-        # Prefill chunks (SDPA, or the kernel in bfloat16 on a CPU with AVX512-BF16) beside decode rows.
+        # Prefill chunks (SDPA, or the kernel where prefill_rows_supported says so) beside decode rows.
         (ForwardMode.MIXED, [0, 1, 100, 299], [17, 1, 30, 1]),
     ],
 )

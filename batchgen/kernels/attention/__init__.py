@@ -110,8 +110,9 @@ def deterministic_by_default(name: str, device: torch.device, switches: KernelSw
     agreeing) and its prefill rows in the attention kernel either way
     (:func:`~batchgen.kernels.cpu.prefill_rows_supported`), so the mode changes no arithmetic for it (a float32 or
     float16 model's prefill rows move from SDPA to the kernel, and a float32 GEMM pads a lone row to two: measured
-    level in float32). Elsewhere the mode costs more or was not measured since its last change: AMX; CPUs without
-    AVX2; GPUs."""
+    level in float32; on AVX2 so do a bfloat16 model's whose head size is not a multiple of 8, onto the kernel's
+    generic step, a case no model measured here has). Elsewhere the mode costs more or was not measured since its
+    last change: AMX; CPUs without AVX2; GPUs. AVX2 was measured on an AMD Zen 1 only; other AVX2 CPUs follow it."""
     if device.type != "cpu" or name not in ("auto", "torch_native") or not switches.cpu_attention_kernel:
         return False
     if has_amx():

@@ -2,9 +2,9 @@
 
 On CPU tensors, rows that add a few tokens (decodes, verify rounds) go to batchgen's C++ paged-attention kernel
 when it builds here (:mod:`batchgen.kernels.cpu`): it reads K/V in place, where gathering them copied every
-row's whole cache per layer per round. In bfloat16 on an AVX-512 CPU without AMX, or with AMX where brgemm runs,
-prefill rows go there too (:func:`~batchgen.kernels.cpu.prefill_rows_supported`), and where brgemm runs bfloat16
-rows run as GEMMs through it (:func:`~batchgen.kernels.cpu.brgemm_rows`).
+row's whole cache per layer per round. In bfloat16 on an AVX-512 or AVX2 CPU without AMX, or with AMX where
+brgemm runs, prefill rows go there too (:func:`~batchgen.kernels.cpu.prefill_rows_supported`), and where brgemm
+runs bfloat16 rows run as GEMMs through it (:func:`~batchgen.kernels.cpu.brgemm_rows`).
 """
 
 from __future__ import annotations

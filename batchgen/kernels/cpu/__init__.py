@@ -3,9 +3,9 @@
 ``paged_attention.cpp`` registers ``torch.ops.batchgen.paged_attention``: attention that reads each request's
 K/V in place from the paged pool through ``req_to_token`` (no gathered copy), as SGLang's and vLLM's CPU
 backends do. The torch_native backend uses it for decode and verify rows on CPU tensors when it builds here,
-and for prefill rows too in bfloat16 on a CPU with AVX-512 (:func:`prefill_rows_supported`): as GEMMs through
-PyTorch's brgemm where it runs bfloat16 (``attention_brgemm.h``: AMX tiles or ``vdpbf16ps``), else on ``vdpbf16ps``
-or the float32 vector path.
+and for prefill rows too in bfloat16 on a CPU with AVX-512 or AVX2 (:func:`prefill_rows_supported`): as GEMMs
+through PyTorch's brgemm where it runs bfloat16 (``attention_brgemm.h``: AMX tiles or ``vdpbf16ps``), else on
+``vdpbf16ps`` or the float32 vector path (AVX2's 8-lane block step in ``attention_avx2.h``).
 ``elementwise.cpp`` registers the fused RMSNorm, SiLU-and-multiply and RoPE of bfloat16 models
 (:mod:`batchgen.kernels.cpu.fused_elementwise`), ``sampling.cpp`` greedy sampling's argmax, the exponential race
 of random sampling and log_softmax at the ids read (:mod:`batchgen.kernels.cpu.sampling_ops`), ``half_linear.cpp``

@@ -4,8 +4,8 @@
 //
 // The generic attend_block holds 16 keys' dot products of 16 float32 lanes at once and sums them with 16-lane
 // shuffles: on AVX-512 that is 16 of its 32 registers; on AVX2 each 16-lane vector is two of only 16 registers,
-// so the compiler spills most of them and builds the shuffles through memory (measured on 2 Zen 3 cores: a
-// decode round of 64 rows x 180 keys took 3.8 ms a layer, the same in float32 and bfloat16; 0.6-0.7 ms here).
+// so the compiler spills most of them and builds the shuffles through memory (several times slower than this step
+// on Zen 3: docs/performance.md, machine B, "What made it fast").
 // Here everything is 8 lanes wide: K/V rows are widened to float32 8 at a time, eight keys' dot products
 // accumulate in eight registers and meet in one fixed tree of horizontal adds, the online-softmax step and the
 // rounding of the probabilities run on 8 lanes, and the weighted sum of V keeps 64 dims (eight registers) at a

@@ -10,8 +10,9 @@
 //   block to float32 in a buffer that stays in L2 and runs brgemm on it;
 // - rounds of up to kStreamRows rows are bound by reading W, and brgemm on a widened copy reads it twice: stream
 //   tiles walk W once per group of up to kGroupRows rows in the same chain of FMAs, in registers, requesting the lines
-//   they will read a fixed distance ahead. brgemm is checked at run time to form that chain (routes_agree); where it
-//   does not, every round takes stream tiles.
+//   they will read a fixed distance ahead (on AVX2 a group of 3 rows or more walks each unit's columns in two
+//   halves, the second from cache). brgemm is checked at run time to form that chain (routes_agree); where it does
+//   not, every round takes stream tiles.
 // W is packed as W^T in blocks of kColumnBlock columns, [blocks][K][kColumnBlock] (half_linear.py), the last block
 // padded with zero columns.
 
@@ -43,9 +44,10 @@ constexpr int64_t kStreamColumns = 64;   // a whole block: each k's 128 bytes of
 constexpr int kNarrowRows = kGroupRows + 1;  // no group is narrowed
 #else
 constexpr int kGroupRows = 6;            // 6 rows x 2 vectors: 12 accumulators of AVX2's 16 registers
-constexpr int64_t kStreamColumns = 32;
+constexpr int64_t kStreamColumns = 32;   // 1-2 rows x 4 vectors
 // Groups of 3 rows or more pass over a unit's columns in two halves: per k each widened W vector then feeds 3-6
-// FMAs rather than 1-2, and AVX2's widening costs as much as an FMA (docs/performance.md, machine E).
+// FMAs rather than 1-2. On Zen 1 (machine E in docs/performance.md, the one AVX2 CPU measured) widening costs
+// about what an FMA does.
 constexpr int kNarrowRows = 3;
 #endif
 constexpr int kStreamVectors = kStreamColumns / kNativeLanes;

@@ -5,9 +5,9 @@ dtypes' GEMMs run in float32 (no BF16 units: AVX2 alone, or AVX-512 without BF16
 There a half-precision model's linear layers run in float32 for every row count, reading the model's own weights
 (half the bytes of a float32 copy) and widening them to float32: a round of many rows through PyTorch's float32
 brgemm on each block of weights widened in cache, a round of a few rows (bound by reading the weights) on stream
-tiles that read them once. Each output is one chain of fused multiply-adds over the inner dimension in order, then
-the bias, on either route (:func:`routes_agree`), so a row's result never depends on the other rows of its round:
-the layers are batch invariant as they stand, ``--deterministic`` or not.
+tiles that read them from memory once. Each output is one chain of fused multiply-adds over the inner dimension in
+order, then the bias, on either route (:func:`routes_agree`), so a row's result never depends on the other rows
+of its round: the layers are batch invariant as they stand, ``--deterministic`` or not.
 """
 
 from __future__ import annotations
