@@ -21,7 +21,8 @@ from batchgen.models.packed_linear import PackedLinear, half_weight_runs
 from tests.helpers.models import REPO
 
 HALF = [torch.bfloat16, torch.float16]
-STREAM_ROWS = 8  # the most rows a round runs on stream tiles (kStreamRows in half_linear.cpp)
+STREAM_ROWS = 8  # the most rows a round runs on stream tiles with AVX-512 (kStreamRows in half_linear.cpp)
+STREAM_ROWS_AVX2 = 12  # and without
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -109,7 +110,7 @@ def _fma_chain(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> tor
 
 
 @pytest.mark.parametrize("dtype", HALF)
-@pytest.mark.parametrize("rows", [1, 3, 6, STREAM_ROWS, STREAM_ROWS + 1])
+@pytest.mark.parametrize("rows", [1, 3, 6, STREAM_ROWS, STREAM_ROWS + 1, STREAM_ROWS_AVX2 + 1])
 def test_each_output_is_the_ordered_chain_of_fused_multiply_adds(dtype: torch.dtype, rows: int) -> None:
     """On both routes (stream tiles up to 8 rows, brgemm past them) every output is the float32 FMA chain over the
     inner dimension in order, then the bias: the order that makes a row's result its own. ``x`` in float32 (the

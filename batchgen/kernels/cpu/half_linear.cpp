@@ -37,12 +37,15 @@
 namespace {
 
 constexpr int64_t kColumnBlock = 64;
-constexpr int64_t kStreamRows = 8;  // where brgemm on a widened block starts to win (docs/performance.md, machine F)
+// kStreamRows: the most rows a round runs on stream tiles, about where brgemm on a widened block starts to win
+// (docs/performance.md: machine F for AVX-512, machine E for AVX2).
 #if defined(__AVX512F__)
+constexpr int64_t kStreamRows = 8;
 constexpr int kGroupRows = 4;            // 4 rows x 4 vectors: 16 accumulators of 32 registers
 constexpr int64_t kStreamColumns = 64;   // a whole block: each k's 128 bytes of W are two adjacent lines
 constexpr int kNarrowRows = kGroupRows + 1;  // no group is narrowed
 #else
+constexpr int64_t kStreamRows = 12;
 constexpr int kGroupRows = 6;            // 6 rows x 2 vectors: 12 accumulators of AVX2's 16 registers
 constexpr int64_t kStreamColumns = 32;   // 1-2 rows x 4 vectors
 // Groups of 3 rows or more pass over a unit's columns in two halves: per k each widened W vector then feeds 3-6
