@@ -3,9 +3,8 @@
 ``paged_attention.cpp`` registers ``torch.ops.batchgen.paged_attention``: attention that reads each request's
 K/V in place from the paged pool through ``req_to_token`` (no gathered copy), as SGLang's and vLLM's CPU
 backends do. The torch_native backend uses it for decode and verify rows on CPU tensors when it builds here,
-and for prefill rows too in bfloat16 on a CPU with AVX-512 or AVX2 (:func:`prefill_rows_supported`): as GEMMs
-through PyTorch's brgemm where it runs bfloat16 (``attention_brgemm.h``: AMX tiles or ``vdpbf16ps``), else on
-``vdpbf16ps`` or the float32 vector path (AVX2's 8-lane block step in ``attention_avx2.h``).
+and for bfloat16 prefill rows on a CPU with AVX-512 or AVX2 (:func:`prefill_rows_supported`): through brgemm
+where it runs bfloat16 (``attention_brgemm.h``: AMX tiles or ``vdpbf16ps``), else on ``vdpbf16ps`` or the vector path.
 ``elementwise.cpp`` registers the fused RMSNorm, SiLU-and-multiply and RoPE of bfloat16 models
 (:mod:`batchgen.kernels.cpu.fused_elementwise`), ``sampling.cpp`` greedy sampling's argmax, the exponential race
 of random sampling and log_softmax at the ids read (:mod:`batchgen.kernels.cpu.sampling_ops`), ``half_linear.cpp``
@@ -87,10 +86,9 @@ def paged_attention_available() -> bool:
 def prefill_rows_supported(dtype: torch.dtype, head_dim: int) -> bool:
     """Whether rows of many new tokens (prefill chunks) should go to the kernel too, rather than to SDPA over
     gathered K/V: where the kernel runs them through brgemm (:func:`brgemm_attention_supported`); in bfloat16 on a
-    CPU without AMX: with AVX512-BF16, where it scores and weights V with ``vdpbf16ps`` (head sizes a multiple of
-    32, up to 256); without it, on its float32 vector path, whose 16-lane vectors are one register on AVX-512, and
-    on AVX2's 8-lane block step (head sizes a multiple of 8). Each beats SDPA there (figures in
-    docs/performance.md, machines A, D, E and F); elsewhere (no AVX2, float32 models) SDPA keeps them."""
+    CPU without AMX: on ``vdpbf16ps`` with AVX512-BF16 (head sizes a multiple of 32, up to 256), else on its float32
+    vector path, 16 lanes on AVX-512 or AVX2's 8-lane block step (head sizes a multiple of 8). Each beats SDPA there
+    (docs/performance.md, machines A, D, E and F); elsewhere (no AVX2, float32 models) SDPA keeps them."""
     if brgemm_attention_supported(dtype, head_dim):
         return True
     if dtype != torch.bfloat16 or has_amx() or not paged_attention_available():
