@@ -147,36 +147,37 @@ void brgemm_rows(const float* x, int64_t M, int64_t K, const W* w, int64_t N, co
 // sgemm otherwise, whose blocking of K gives other bits; and the chain needs the CPU's fused multiply-add. Tried once
 // on fixed pseudo-random values (a linear congruential sequence): a tile of 128 rows over K = 1,037 (past any
 // blocking of K, and not a multiple of a vector), into rows wider than the block as brgemm_rows writes out (the
-// columns past the block must stay untouched), against stream tiles; false where brgemm cannot run.
+// columns past the block must stay untouched), against stream_rows; false where brgemm cannot run.
 bool routes_agree() {
 #if !defined(__FMA__) && !defined(__AVX512F__)
   return false;
 #else
   static const bool match = [] {
-    constexpr int64_t M = 128, K = 1037, ld = 2 * kColumnBlock;
+    constexpr int64_t M = 128, K = 1037, N = kColumnBlock, ld = 2 * N;
     uint32_t state = 12345;
     const auto next = [&state] {
       state = state * 1664525u + 1013904223u;
       return static_cast<float>(static_cast<int32_t>(state)) * 0x1p-31f;
     };
-    std::vector<float> x(M * K), wide(K * kColumnBlock), want(M * ld), got(M * ld);
-    std::vector<c10::BFloat16> w(K * kColumnBlock);
+    std::vector<float> x(M * K), wide(K * N), want(M * ld), got(M * N);
+    std::vector<c10::BFloat16> w(K * N);
     for (float& v : x) v = next();
     for (c10::BFloat16& v : w) v = c10::BFloat16(next());
-    widen(w.data(), K, 0, kColumnBlock, wide.data());
+    widen(w.data(), K, 0, N, wide.data());
     try {
-      at::native::cpublas::brgemm(M, kColumnBlock, K, K, kColumnBlock, ld, false, x.data(), wide.data(), want.data());
+      at::native::cpublas::brgemm(M, N, K, K, N, ld, false, x.data(), wide.data(), want.data());
     } catch (const std::exception&) {
       return false;
     }
-    static constexpr auto units = stream_units<c10::BFloat16>(std::make_index_sequence<kGroupRows>{});
-    for (int64_t m0 = 0; m0 < M; m0 += kGroupRows) {
-      for (int64_t c = 0; c < kColumnBlock; c += kStreamColumns) {
-        units[std::min<int64_t>(kGroupRows, M - m0) - 1](x.data() + m0 * K, K, w.data() + c, got.data() + m0 * ld + c,
-                                                         ld);
+    stream_rows(x.data(), M, K, w.data(), N, nullptr, got.data());
+    for (int64_t m = 0; m < M; ++m) {
+      const float* row = want.data() + m * ld;
+      if (std::memcmp(row, got.data() + m * N, N * sizeof(float)) != 0 ||
+          std::any_of(row + N, row + ld, [](float v) { return v != 0.0f; })) {
+        return false;
       }
     }
-    return std::memcmp(want.data(), got.data(), want.size() * sizeof(float)) == 0;
+    return true;
   }();
   return match && at::globalContext().userEnabledMkldnn();
 #endif
