@@ -78,15 +78,17 @@ class RunJob:
         self.job = job
         self.defaults = defaults
         self.engine_options = engine_options
-        self.rounds: Rounds
-        if job.ray:
-            from batchgen.job.ray_rounds import RayRounds  # imports Ray, an optional extra
-
-            self.rounds = RayRounds(engine_options, job)
-        else:
-            self.rounds = LocalRounds(engine_options)
-        self.facts = self.rounds.facts
         self.output = PartialOutput(out)
+        if self.output.exists():
+            # Before the model loads (minutes for a large one): a run that another run keeps from the output, a
+            # scheduled job overlapping the last one, fails at once.
+            self.output.lock()
+        try:
+            self.rounds = self._rounds()
+        except BaseException:
+            self.output.close()
+            raise
+        self.facts = self.rounds.facts
         try:
             # Before the request builder exists: a resumed run reuses the recorded run seed.
             self.schema, self.resumed = open_output(
@@ -121,6 +123,13 @@ class RunJob:
         # Every input row's digest, for the output's metadata: a later --resume checks its rows against them.
         self._digests = bytearray()
         self._pending_rows: list[dict[str, Any]] = []
+
+    def _rounds(self) -> Rounds:
+        if self.job.ray:
+            from batchgen.job.ray_rounds import RayRounds  # imports Ray, an optional extra
+
+            return RayRounds(self.engine_options, self.job)
+        return LocalRounds(self.engine_options)
 
     def metadata(self) -> dict[str, str]:
         names = {NAMES_KEY: json.dumps(self.reader.passthrough_names)}

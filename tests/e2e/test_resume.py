@@ -1258,6 +1258,15 @@ def test_overwrite_and_a_finished_job(
         for extra in (["--resume"], []):
             code, output = run_cli(args(dataset, out, model, *extra))
             assert code == 2 and output.endswith(f"{partial_dir(out)}: {WRITING}\n")
+        # A run that took the lock just after this one's check of it (two scheduled runs starting together): this
+        # one still stops before it loads the model (minutes for a large one). A model that is not there shows the
+        # order.
+        with monkeypatch.context() as patch:
+            patch.setattr("batchgen.job.resume.held_by_a_run", lambda _: False)
+            code, output = run_cli(args(dataset, out, tmp_path / "no-model", "--resume"))
+        assert code == 2 and output.endswith(f"{partial_dir(out)}: {WRITING}\n")
+    code, output = run_cli(args(dataset, out, tmp_path / "no-model", "--resume"))
+    assert code == 2 and "no-model" in output and WRITING not in output
     code, output = run_cli(args(dataset, out, model, "--resume", "--flush-every", "0"))
     assert (code, output) == (2, "batchgen: error: --flush-every must be >= 1, got 0\n")
     code, output = run_cli(args(dataset, out, model, "--overwrite"))
