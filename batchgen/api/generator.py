@@ -122,7 +122,7 @@ class Generator:
         Args:
             rows: prompt strings, message lists, token-id lists or row dicts (``id``, ``prompt``/``messages``/
                 ``prompt_token_ids``, sampling fields such as ``temperature`` or ``max_tokens``, other fields
-                passed through); a row's default id is its 0-based index.
+                passed through); a row's default id is its 0-based index. A lone string or dict is one row.
             on_error: ``fail``: a bad row raises, before anything runs; ``skip``: a bad row gives one result with
                 ``finish_reason`` ``"error"`` and the message in ``error``, in its place.
             **sampling: the sampling defaults of rows that do not set a field (``batchgen run``'s flags by Python

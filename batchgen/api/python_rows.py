@@ -35,12 +35,17 @@ def input_rows(rows: Iterable[Any], options: InputOptions) -> Iterator[InputRow 
     checked against the first dict's keys as a file's against its first shard); anything else is a bad row. In a
     dict, a float NaN in a field batchgen reads is a missing value, as pandas writes one in ``to_dict('records')``.
 
+    A lone prompt string or row dict is one row, as vLLM's ``LLM.generate`` takes one prompt: iterated, its
+    characters or its keys would each become a prompt (found by a new user).
+
     Raises:
         BatchgenError: a column the options name is not a key of the first dict row; ``rows`` is a DataFrame.
     """
     if hasattr(rows, "columns") and hasattr(rows, "to_dict"):
         # A pandas DataFrame iterates its column names, which would each become a prompt (found by a new user).
         raise BatchgenError("rows: a DataFrame iterates its column names, not its rows: pass df.to_dict('records')")
+    if isinstance(rows, (str, Mapping)):
+        rows = [rows]
     mapping: ColumnMapping | None = None
     read = KNOWN_FIELDS | set(options.columns())  # what batchgen reads: numpy's values as Python's; the rest as given
     for index, row in enumerate(rows):

@@ -227,6 +227,18 @@ def test_a_dataframe_is_refused_not_read_as_its_column_names(generator: batchgen
     assert len(generator.generate(_FrameLike().to_dict("records"))) == 1
 
 
+def test_a_lone_prompt_or_row_dict_is_one_row(generator: batchgen.Generator) -> None:
+    """Found by a new user: generate("Once upon a time") generated for each character, and generate({...}) for each
+    key. vLLM's ``LLM.generate`` takes one prompt as it is (its documented ``prompts`` argument: a prompt or a
+    sequence of them); here it is one row, as in a list."""
+    row = {"id": "q", "prompt": "Hi there friend", "topic": "x"}
+    for lone, listed in (("Once upon a time", ["Once upon a time"]), (row, [row])):
+        got = generator.generate(lone, max_new_tokens=2, temperature=0)
+        assert len(got) == 1 and got == generator.generate(listed, max_new_tokens=2, temperature=0)
+        assert [r["id"] for r in generator.stream(lone, max_new_tokens=2, temperature=0)] == [got[0]["id"]]
+    assert got[0]["id"] == "q" and got[0]["topic"] == "x"
+
+
 def test_a_nan_in_a_field_batchgen_reads_is_a_missing_value(generator: batchgen.Generator) -> None:
     """pandas' ``to_dict("records")`` writes a missing number as NaN, and an integer column with one as floats
     (pandas' missing-data documentation): such a row takes the call's defaults, as one without the fields does."""
