@@ -27,8 +27,15 @@ RUN_SEED_KEY = "batchgen.run_seed"
 # Engine options that change what a row's output is; the others (batch sizes, memory) only change speed.
 _OUTPUT_ENGINE_OPTIONS = ("seed", "context_length")
 # Entries the loaded engine records: before the model is loaded, the recorded ones stand in for what only the model
-# decides (its directory, a resolved ``--dtype auto``, the default of ``--deterministic``).
-_MODEL_FACTS = ("batchgen.model_dir", "batchgen.dtype", "batchgen.kernel_switches", "batchgen.deterministic")
+# decides (its directory, a resolved ``--dtype auto``, the default of ``--deterministic``, the context length that
+# ``--context-length`` defaults to).
+_MODEL_FACTS = (
+    "batchgen.model_dir",
+    "batchgen.dtype",
+    "batchgen.kernel_switches",
+    "batchgen.deterministic",
+    "batchgen.model_context_length",
+)
 
 
 def run_metadata(
@@ -40,6 +47,7 @@ def run_metadata(
         "batchgen.dtype": dtype_name(facts.dtype),
         "batchgen.kernel_switches": json.dumps(facts.kernel_switches),
         "batchgen.deterministic": str(facts.deterministic).lower(),
+        "batchgen.model_context_length": str(facts.model_context_len),
     }
     return {"batchgen.version": __version__} | _settings(options, defaults, input_options, model_facts)
 
@@ -152,8 +160,8 @@ def job_differences(recorded: dict[str, str], now: dict[str, str]) -> list[str]:
         flag = "--deterministic" if old_mode == "true" else "--no-deterministic"
         differences.append(f"deterministic {old_mode} → {new_mode} ({flag} resumes in the written rows' mode)")
     differences += changed_fields("batchgen.sampling_defaults", recorded, now, None)
-    engine_now = _seed_given(recorded, now)
-    differences += changed_fields("batchgen.engine_options", recorded, engine_now, _OUTPUT_ENGINE_OPTIONS)
+    engine_then, engine_now = _context_length_given(recorded, _seed_given(recorded, now))
+    differences += changed_fields("batchgen.engine_options", engine_then, engine_now, _OUTPUT_ENGINE_OPTIONS)
     # An output of a batchgen without column options reads as one made with none.
     differences += changed_fields(INPUT_OPTIONS_KEY, _escaped(recorded), _escaped(now), None)
     try:
@@ -179,6 +187,24 @@ def _seed_given(recorded: dict[str, str], now: dict[str, str]) -> dict[str, str]
     except (json.JSONDecodeError, AttributeError):
         return now  # unreadable: changed_fields says so
     return now | {"batchgen.engine_options": json.dumps(options)}
+
+
+def _context_length_given(recorded: dict[str, str], now: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+    """``recorded`` and ``now`` with a ``--context-length`` equal to the model's own (the recorded
+    ``batchgen.model_context_length``) taken as omitted: either gives the same rows (found by a new user: an explicit
+    ``--context-length 8192`` on a model of 8,192 positions was refused on ``--resume``)."""
+    own = recorded.get("batchgen.model_context_length")
+    if own is None:  # an output of a batchgen that did not record it
+        return recorded, now
+    key = "batchgen.engine_options"
+    try:
+        options = [json.loads(metadata.get(key, "{}")) for metadata in (recorded, now)]
+        for given in options:
+            if str(given.get("context_length")) == own:
+                given["context_length"] = None
+    except (json.JSONDecodeError, AttributeError):
+        return recorded, now  # unreadable: changed_fields says so
+    return recorded | {key: json.dumps(options[0])}, now | {key: json.dumps(options[1])}
 
 
 def _escaped(metadata: dict[str, str]) -> dict[str, str]:

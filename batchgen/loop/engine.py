@@ -44,8 +44,7 @@ class RoundStats:
     ``prefill_tokens`` were computed (recomputes after a preemption too). Of the requests admitted (for the first
     time: not a retracted one coming back), ``admitted_prompt_tokens`` is their prompt tokens and
     ``cached_tokens`` those whose K/V the prefix cache gave them. Counts add and subtract field by field (a Ray
-    replica reports a batch's as after − before; the driver sums them).
-    """
+    replica reports a batch's as after − before; the driver sums them)."""
 
     prefill_tokens: int = 0
     decode_tokens: int = 0
@@ -79,6 +78,7 @@ class EngineFacts:
         tokenizer: the Hugging Face tokenizer (``None`` for ``random:`` models).
         vocab_size: logits per position.
         context_len: the most tokens a row may hold (prompt and output).
+        model_context_len: the most the model itself holds (what ``--context-length`` defaults to).
         max_running_requests: the most requests decoding together.
         eos_token_ids: the ids that end a row.
     """
@@ -90,6 +90,7 @@ class EngineFacts:
     tokenizer: Any
     vocab_size: int
     context_len: int
+    model_context_len: int
     max_running_requests: int
     eos_token_ids: list[int]
 
@@ -236,6 +237,7 @@ class Engine:
             self.tokenizer,
             self.vocab_size,
             self.context_len,
+            context_limit(self.hf_config, None)[0],
             self.max_running_requests,
             self.eos_token_ids,
         )

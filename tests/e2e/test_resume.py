@@ -592,6 +592,31 @@ def test_resume_refuses_another_job_in_one_line_unless_forced(
     assert_same_rows(by_key(read_results(out).to_pylist()), reference)  # every row sets its own max_new_tokens
 
 
+def test_a_context_length_equal_to_the_models_own_is_the_one_omitted(
+    small_job: tuple[Path, dict[Key, dict[str, Any]]], model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a new user: ``--resume --context-length 8192`` on a model of 8,192 positions (what the option
+    defaults to: its help text) was refused after a run without it. Either way round it resumes, and a finished
+    output is kept; another length is still refused."""
+    dataset, reference = small_job
+    own = str(json.loads((model / "config.json").read_text())["max_position_embeddings"])
+    shorter = str(int(own) - 1)
+    for first, then in (([], ["--context-length", own]), (["--context-length", own], [])):
+        out = tmp_path / f"out{len(first)}.arrow"
+        with monkeypatch.context() as patch:
+            fail_part_write(patch, at=2)
+            assert run_cli(args(dataset, out, model, *first))[0] == 2
+        code, output = run_cli(args(dataset, out, model, "--resume", "--context-length", shorter))
+        assert code == 2 and "context_length not given → " + repr(int(shorter)) in output
+        code, output = run_cli(args(dataset, out, model, "--resume", *then))
+        assert code == 0, output
+        assert_same_rows(by_key(read_results(out).to_pylist()), reference)
+        code, output = run_cli(args(dataset, out, model, "--resume", *then))
+        assert code == 0 and "already complete" in output
+        code, output = run_cli(args(dataset, out, model, "--resume", "--context-length", shorter))
+        assert code == 2 and "is complete, but this run differs" in output
+
+
 def test_resume_force_with_another_n_says_its_rows_are_generated_again(
     model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
