@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-
 from batchgen.errors import BatchgenError, FieldError
 from batchgen.io.input_options import InputOptions
 from batchgen.job.options import JobOptions
@@ -38,7 +36,7 @@ def check_sampling_defaults(defaults: SamplingParams, facts: EngineFacts | None)
         BatchgenError: naming the option by its flag (``--temperature``), as the command line shows it.
     """
     try:
-        defaults.validate(facts.vocab_size if facts is not None else sys.maxsize)
+        defaults.validate(facts.vocab_size if facts is not None else None)
     except FieldError as e:
         raise BatchgenError(f"--{e.field.replace('_', '-')}: {e.message}") from None
     if facts is not None and defaults.n > facts.max_running_requests:

@@ -12,8 +12,10 @@ from batchgen.cli.bench_one_batch import bench_one_batch
 from batchgen.cli.options import BatchgenCommand
 from batchgen.cli.run import run
 from batchgen.cli.status import status
+from batchgen.cli.user_errors import BatchgenGroup
 
 app = typer.Typer(
+    cls=BatchgenGroup,
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_show_locals=False,

@@ -2,14 +2,56 @@
 
 from __future__ import annotations
 
+import functools
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import typer
+from typer._click.exceptions import ClickException, NoArgsIsHelpError, UsageError  # the click typer vendors
+from typer.core import TyperGroup
+from typer.exceptions import Abort
 
 from batchgen.errors import BatchgenError
+
+
+class BatchgenGroup(TyperGroup):
+    """batchgen's commands: a usage mistake that the parser finds (an unknown flag or command, a value of the wrong
+    type, a missing argument) is one line on stderr, ``batchgen: error: ...``, as batchgen's own checks write theirs,
+    exit code 2, rather than click's three (usage, hint, error; found by a new user)."""
+
+    def main(
+        self,
+        args: Sequence[str] | None = None,
+        prog_name: str | None = None,
+        complete_var: str | None = None,
+        standalone_mode: bool = True,
+        windows_expand_args: bool = True,
+        **extra: Any,
+    ) -> Any:
+        """As click's ``main``; in standalone mode (the console's) it exits, with the messages above."""
+        run = functools.partial(super().main, args, prog_name, complete_var, False, windows_expand_args, **extra)
+        if not standalone_mode:
+            return run()
+        try:
+            code = run()  # a command's typer.Exit(n) comes back as n
+        except NoArgsIsHelpError as e:  # `batchgen` alone: the help
+            e.show()
+            sys.exit(e.exit_code)
+        except UsageError as e:
+            command = " ".join(["batchgen", *e.ctx.command_path.split()[1:]]) if e.ctx is not None else "batchgen"
+            where = f" (see '{command} --help')"
+            print(f"batchgen: error: {e.format_message().rstrip('.')}{where}", file=sys.stderr)
+            sys.exit(e.exit_code)
+        except ClickException as e:
+            e.show()
+            sys.exit(e.exit_code)
+        except Abort:
+            print("Aborted!", file=sys.stderr)
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
 
 
 @contextmanager

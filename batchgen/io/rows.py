@@ -89,6 +89,11 @@ def parse_row(
     data = row.data
     present = [name for name in PROMPT_FIELDS if data.get(name) is not None]
     if not present:
+        # A null prompt field is an absent one (a Parquet file's rows have every column), but named as given (found
+        # by a new user: "row has no prompt" for a row with `"prompt": null`).
+        nulls = [name for name in PROMPT_FIELDS if name in data]
+        if nulls:
+            raise fail(nulls[0], f"is null, and the row gives no other of {', '.join(PROMPT_FIELDS)}")
         raise fail("prompt", _no_prompt(data))
     if len(present) > 1:
         raise fail(present[1], f"give only one of {', '.join(PROMPT_FIELDS)} (found: {', '.join(present)})")

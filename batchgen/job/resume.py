@@ -33,15 +33,17 @@ _IDS_SHOWN = 3
 
 
 def check_output_place(dataset: Path, out: Path) -> None:
-    """Check that ``out`` can be the output of a run of ``dataset``: not the dataset itself, a format batchgen writes,
-    in a directory that exists, and nothing a later run of the dataset would read as a shard (``out``, its partial
-    output's files).
+    """Check that ``out`` can be the output of a run of ``dataset``: not the dataset itself, nor a directory, a format
+    batchgen writes, in a directory that exists, and nothing a later run of the dataset would read as a shard
+    (``out``, its partial output's files).
 
     Raises:
         BatchgenError: one line naming ``out`` and what is wrong.
     """
     if out.exists() and dataset.exists() and out.resolve() == dataset.resolve():
         raise BatchgenError(f"{out}: the output file is the input dataset; choose another --out")
+    if out.is_dir():  # before its format: a directory's name has no extension (found by a new user)
+        raise BatchgenError(f"{out}: is a directory, expected an output file")
     check_output_format(out)
     if not out.parent.exists():
         raise BatchgenError(f"{out}: directory {out.parent} does not exist")
@@ -61,12 +63,10 @@ def check_output_path(dataset: Path, out: Path, overwrite: bool, resume: bool) -
     (only with ``resume``; once it passes, :func:`discard_partial_beside` removes a partial output left beside it).
 
     Raises:
-        BatchgenError: :func:`check_output_place`'s errors; ``out`` is a directory, or ``out`` or its partial output
-            exists without ``overwrite`` or ``resume`` (which exclude each other: :meth:`JobOptions.validate`).
+        BatchgenError: :func:`check_output_place`'s errors; ``out`` or its partial output exists without
+            ``overwrite`` or ``resume`` (which exclude each other: :meth:`JobOptions.validate`).
     """
     check_output_place(dataset, out)
-    if out.is_dir():
-        raise BatchgenError(f"{out}: is a directory, expected an output file")
     if out.exists() and not (overwrite or resume):
         raise BatchgenError(
             f"{out}: output file exists; pass --resume to finish or keep it, or --overwrite to replace it"

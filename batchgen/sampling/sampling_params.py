@@ -99,19 +99,16 @@ class SamplingParams:
     @property
     def constraint(self) -> tuple[str, str] | None:
         """(field name, source text) of the row's structured-output constraint, if any."""
-        for name in ("json_schema", "regex", "ebnf"):
-            value = getattr(self, name)
-            if value is not None:
-                return name, value
-        return None
+        given = [(name, getattr(self, name)) for name in ("json_schema", "regex", "ebnf")]
+        return next(((name, value) for name, value in given if value is not None), None)
 
     @property
     def is_greedy(self) -> bool:
         """True when the next token is the argmax (temperature 0, or top_k 1)."""
         return self.temperature == 0.0 or self.top_k == 1
 
-    def validate(self, vocab_size: int) -> None:
-        """Check every field against its allowed range.
+    def validate(self, vocab_size: int | None) -> None:
+        """Check every field against its allowed range; ``vocab_size`` ``None``: not known yet (no model loaded).
 
         Raises:
             FieldError: naming the first invalid field.
@@ -136,13 +133,15 @@ class SamplingParams:
             raise FieldError("top_k", f"must be -1 or 0 (off) or a positive count, got {self.top_k}")
         if not (0.0 <= self.min_p <= 1.0):
             raise FieldError("min_p", f"must be in [0, 1], got {self.min_p}")
+        limit, end = (math.inf, "vocab size") if vocab_size is None else (vocab_size, str(vocab_size))
+        size = "vocab size" if vocab_size is None else f"vocab size {vocab_size}"
         for token_id in self.stop_token_ids:
-            if not 0 <= token_id < vocab_size:
-                raise FieldError("stop_token_ids", f"id {token_id} is outside the vocabulary [0, {vocab_size})")
+            if not 0 <= token_id < limit:
+                raise FieldError("stop_token_ids", f"id {token_id} is outside the vocabulary [0, {end})")
         if any(s == "" for s in self.stop):
             raise FieldError("stop", "stop strings must not be empty")
-        if not 0 <= self.top_logprobs <= vocab_size:
-            raise FieldError("top_logprobs", f"must be in [0, vocab size {vocab_size}], got {self.top_logprobs}")
+        if not 0 <= self.top_logprobs <= limit:
+            raise FieldError("top_logprobs", f"must be in [0, {size}], got {self.top_logprobs}")
         if not 0.01 <= self.repetition_penalty <= 100.0:
             raise FieldError("repetition_penalty", f"must be in [0.01, 100], got {self.repetition_penalty}")
         for name in ("frequency_penalty", "presence_penalty"):
@@ -150,8 +149,8 @@ class SamplingParams:
             if not -2.0 <= value <= 2.0:
                 raise FieldError(name, f"must be in [-2, 2], got {value}")
         for token_id, bias in self.logit_bias:
-            if not 0 <= token_id < vocab_size:
-                raise FieldError("logit_bias", f"id {token_id} is outside the vocabulary [0, {vocab_size})")
+            if not 0 <= token_id < limit:
+                raise FieldError("logit_bias", f"id {token_id} is outside the vocabulary [0, {end})")
             if not -100.0 <= bias <= 100.0:
                 raise FieldError("logit_bias", f"bias of id {token_id} must be in [-100, 100], got {bias}")
         constraints = [n for n in ("json_schema", "regex", "ebnf") if getattr(self, n) is not None]
@@ -159,8 +158,8 @@ class SamplingParams:
             raise FieldError(
                 constraints[1], f"give only one of json_schema, regex, ebnf (found: {', '.join(constraints)})"
             )
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= vocab_size:
-            raise FieldError("prompt_logprobs", f"must be true, false or a count in [0, {vocab_size}]")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= limit:
+            raise FieldError("prompt_logprobs", f"must be true, false or a count in [0, {size}]")
         if self.prompt_logprobs_from is not None and self.prompt_logprobs_from < 1:
             raise FieldError(
                 "prompt_logprobs_from", f"must be >= 1 (token 0 has no logprob), got {self.prompt_logprobs_from}"

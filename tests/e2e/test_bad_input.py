@@ -585,6 +585,10 @@ FILE_LEVEL = [
     "bad_on_error",
     "bad_config_key",
     "bad_cli_sampling_default",
+    "bad_cli_prompt_logprobs",
+    "output_is_a_directory",
+    "flag_value_of_the_wrong_type",
+    "unknown_flag",
 ]
 
 
@@ -666,6 +670,20 @@ def _file_level_case(name: str, tmp: Path, model: Path) -> tuple[list[str], str,
     if name == "bad_cli_sampling_default":
         args += ["--temperature", "-1"]
         return args, "--temperature: must be a number in [0, 10000], got -1.0", True
+    if name == "bad_cli_prompt_logprobs":  # checked before the model loads: its vocabulary is not known yet
+        args += ["--prompt-logprobs", "-1"]  # found by a new user: "[0, 9223372036854775807]"
+        return args, "--prompt-logprobs: must be true, false or a count in [0, vocab size]", True
+    if name == "output_is_a_directory":  # found by a new user: "unsupported output format ''"
+        args[3] = str(tmp)
+        return args, f"{tmp}: is a directory, expected an output file", True
+    # Mistakes the command line's parser finds: its messages (typer's words), on one line as batchgen's own (found by
+    # a new user: click's usage line, hint and error took three).
+    if name == "flag_value_of_the_wrong_type":
+        args += ["--max-new-tokens", "ten"]
+        return args, "Invalid value for '--max-new-tokens': Input should be a valid integer", False
+    if name == "unknown_flag":
+        args += ["--max-tokenz", "3"]
+        return args, "No such option: --max-tokenz (Possible options: --max-new-tokens, ", False
     raise AssertionError(name)
 
 
@@ -684,6 +702,8 @@ def test_file_level_error_is_one_line(name: str, models: dict[str, Path], tmp_pa
         assert lines[0].startswith("batchgen: error: ") and expected in lines[0], lines[0]
     if name == "output_exists":
         assert out.read_text() == "keep me"
+    elif name == "output_is_a_directory":
+        assert out.is_dir()
     else:
         assert not out.exists()
 

@@ -473,9 +473,15 @@ def test_parse_row_messages_and_token_ids() -> None:
 
 
 def test_parse_row_no_prompt() -> None:
-    error = row_error({"topic": "t", "prompt": None})
+    error = row_error({"topic": "t"})
     assert error.field == "prompt"
     assert error.message == "row has no prompt: give one of prompt, messages, prompt_token_ids (found 'topic')"
+    # Found by a new user: a null prompt was reported as none at all. A Parquet row has every column, so a null one
+    # is no prompt unless another prompt field is given; the message names the null field.
+    for nulls in ({"prompt": None}, {"messages": None, "prompt": None}):
+        error = row_error({"topic": "t", **nulls})
+        assert error.field == next(name for name in ("prompt", "messages") if name in nulls)
+        assert error.message == "is null, and the row gives no other of prompt, messages, prompt_token_ids"
 
 
 def test_parse_row_two_prompts() -> None:
