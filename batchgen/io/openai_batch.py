@@ -218,7 +218,7 @@ def _prompt(url: str, body: dict[str, Any], fail: _Fail) -> dict[str, Any]:
     if url == CHAT_URL:
         if "messages" not in body:
             raise fail("body.messages", "required for /v1/chat/completions")
-        return {"messages": _messages(body["messages"], fail)}
+        return {"messages": body["messages"]}  # its text content parts joined as a row's are (parse_row)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one prompt
@@ -229,27 +229,6 @@ def _prompt(url: str, body: dict[str, Any], fail: _Fail) -> dict[str, Any]:
     if isinstance(prompt, list) and len(prompt) > 1:
         raise fail("body.prompt", f"holds {len(prompt)} prompts; batchgen takes one per line (split it into lines)")
     raise fail("body.prompt", f"must be a string or an array of token ids, got {shown_value(prompt)}")
-
-
-def _messages(messages: Any, fail: _Fail) -> Any:
-    """The messages with OpenAI's text content parts joined into one string (``\\n`` between parts, as vLLM
-    does); other parts (images, audio) are refused. Other checks are the row's (:func:`batchgen.io.rows.parse_row`)."""
-    if not isinstance(messages, list):
-        return messages
-    joined = []
-    for i, message in enumerate(messages):
-        content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, list):
-            texts = []
-            for part in content:
-                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                    kind = part.get("type") if isinstance(part, dict) else json_type_name(part)
-                    problem = f"item {i}: content part {shown_value(kind)} is not supported (text only)"
-                    raise fail("body.messages", problem)
-                texts.append(part["text"])
-            message = {**message, "content": "\n".join(texts)}
-        joined.append(message)
-    return joined
 
 
 def _logprobs(url: str, body: dict[str, Any], fail: _Fail) -> dict[str, Any]:

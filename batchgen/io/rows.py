@@ -170,6 +170,8 @@ def _check_messages(value: Any, fail: _Fail) -> list[dict[str, str]]:
         if not isinstance(item, dict):
             raise fail("messages", f"item {i} must be an object, got {json_type_name(item)}")
         message: dict[str, str] = {}
+        if isinstance(item.get("content"), list):
+            item = {**item, "content": _joined_text_parts(item["content"], i, fail)}
         for key in ("role", "content"):
             if key not in item:
                 # The row's own messages field: a messages column's ShareGPT items were mapped before this check.
@@ -189,6 +191,18 @@ def _check_messages(value: Any, fail: _Fail) -> list[dict[str, str]]:
             message[key] = part
         messages.append(message)
     return messages
+
+
+def _joined_text_parts(parts: list[Any], i: int, fail: _Fail) -> str:
+    """Message ``i``'s OpenAI content parts (``[{"type": "text", "text": ...}]``) as one string, joined by newlines as
+    vLLM joins them; other parts (images, audio) are refused."""
+    texts = []
+    for part in parts:
+        if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+            kind = part.get("type") if isinstance(part, dict) else json_type_name(part)
+            raise fail("messages", f"item {i}: content part {shown_value(kind)} is not supported (text only)")
+        texts.append(part["text"])
+    return "\n".join(texts)
 
 
 def _check_token_ids(value: Any, fail: _Fail) -> list[int]:

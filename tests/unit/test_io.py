@@ -484,6 +484,18 @@ def test_parse_row_no_prompt() -> None:
         assert error.message == "is null, and the row gives no other of prompt, messages, prompt_token_ids"
 
 
+def test_a_messages_text_content_parts_are_joined_as_vllm_joins_them() -> None:
+    """Found by a new user: OpenAI's content parts were read in an OpenAI Batch file but a bad row in a JSONL one.
+    vLLM joins a message's text parts with a newline (its chat utilities' ``_parse_chat_message_content_parts``)."""
+    parts = [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]
+    spec = parse({"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": parts}]})
+    assert spec.messages == [{"role": "system", "content": "s"}, {"role": "user", "content": "one\ntwo"}]
+    error = row_error({"messages": [{"role": "user", "content": [*parts, {"type": "image_url", "image_url": {}}]}]})
+    assert (error.field, error.message) == ("messages", 'item 0: content part "image_url" is not supported (text only)')
+    error = row_error({"messages": [{"role": "user", "content": ["one"]}]})
+    assert (error.field, error.message) == ("messages", 'item 0: content part "string" is not supported (text only)')
+
+
 def test_parse_row_two_prompts() -> None:
     error = row_error({"prompt_token_ids": [1], "prompt": "a", "messages": [{"role": "user", "content": "x"}]})
     assert error.field == "messages"

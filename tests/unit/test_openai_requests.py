@@ -147,10 +147,21 @@ def test_response_formats_become_json_schema_constraints(tmp_path: Path) -> None
     assert "json_schema" not in t.data
 
 
-def test_text_content_parts_are_joined(tmp_path: Path) -> None:
+def test_text_content_parts_are_joined_and_others_refused(tmp_path: Path) -> None:
+    """vLLM joins a message's text parts with a newline (its chat utilities' ``_parse_chat_message_content_parts``);
+    batchgen runs no images or audio. Checked as any row's messages are (parse_row), named as the request's field."""
     parts = [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]
-    (row,) = rows(tmp_path, [request("a", chat(messages=[{"role": "user", "content": parts}]))])
-    assert row.data["messages"] == [{"role": "user", "content": "one\ntwo"}]
+    image = [{"type": "text", "text": "one"}, {"type": "image_url"}]
+    lines = [request(rid, chat(messages=[{"role": "user", "content": c}])) for rid, c in (("a", parts), ("b", image))]
+    reader, (first, second) = read(tmp_path, lines)
+    assert isinstance(first, InputRow) and isinstance(second, InputRow)
+    spec = parse_row(first, reader.source, reader.passthrough_schema, reader.passthrough_names)
+    assert spec.messages == [{"role": "user", "content": "one\ntwo"}]
+    with pytest.raises(RowError) as raised:
+        parse_row(second, reader.source, reader.passthrough_schema, reader.passthrough_names)
+    error = raised.value
+    assert (error.line, error.field) == (2, "body.messages")
+    assert error.message == 'item 0: content part "image_url" is not supported (text only)'
 
 
 @pytest.mark.parametrize(
@@ -172,7 +183,6 @@ def test_text_content_parts_are_joined(tmp_path: Path) -> None:
         (request("a", {"model": "m", "input": "x"}, "/v1/embeddings"), "url", "/v1/embeddings"),
         (request("a", chat(), method="GET"), "method", '"GET"'),
         (request("a", chat(), extra=1), "extra", "not a field of an OpenAI Batch request line"),
-        (request("a", chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}])), "body.messages", "image"),
         (
             request("a", chat(response_format={"type": "json_schema", "json_schema": {}})),
             "body.response_format",
