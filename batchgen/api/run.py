@@ -138,7 +138,7 @@ def run_dataset(
     try:
         check_sampling_defaults(defaults, job.facts)
     except BaseException:
-        job.rounds.close()
+        job.close()
         raise
     return job.run()
 

@@ -41,9 +41,9 @@ class BatchgenGroup(TyperGroup):
             e.show()
             sys.exit(e.exit_code)
         except UsageError as e:
-            command = " ".join(["batchgen", *e.ctx.command_path.split()[1:]]) if e.ctx is not None else "batchgen"
-            where = f" (see '{command} --help')"
-            print(f"batchgen: error: {e.format_message().rstrip('.')}{where}", file=sys.stderr)
+            # The command's path as it was run (`batchgen run`, `python -m batchgen run`); some errors know none.
+            where = f" (see '{e.ctx.command_path} --help')" if e.ctx is not None else ""
+            print(f"batchgen: error: {e.format_message()}{where}", file=sys.stderr)
             sys.exit(e.exit_code)
         except ClickException as e:
             e.show()

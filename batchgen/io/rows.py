@@ -89,12 +89,7 @@ def parse_row(
     data = row.data
     present = [name for name in PROMPT_FIELDS if data.get(name) is not None]
     if not present:
-        # A null prompt field is an absent one (a Parquet file's rows have every column), but named as given (found
-        # by a new user: "row has no prompt" for a row with `"prompt": null`).
-        nulls = [name for name in PROMPT_FIELDS if name in data]
-        if nulls:
-            raise fail(nulls[0], f"is null, and the row gives no other of {', '.join(PROMPT_FIELDS)}")
-        raise fail("prompt", _no_prompt(data))
+        raise fail(next((name for name in PROMPT_FIELDS if name in data), "prompt"), _no_prompt(data))
     if len(present) > 1:
         raise fail(present[1], f"give only one of {', '.join(PROMPT_FIELDS)} (found: {', '.join(present)})")
     kind = present[0]
@@ -118,23 +113,27 @@ def parse_row(
 
 
 def _no_prompt(data: dict[str, Any]) -> str:
-    """The message for a row with no prompt field: the fields it has instead, and the rename (or the column option)
-    that would make one of them its prompt (``text`` → ``prompt``) when one looks like a prompt under another tool's
-    name."""
+    """The message for a row with no prompt: which prompt fields it gives as null (a JSONL row; Parquet's reader
+    drops a row's nulls, its columns being every row's), the fields it has instead, and the rename (or the column
+    option) that would make one of them its prompt (``text`` → ``prompt``) when one looks like a prompt under
+    another tool's name."""
+    # Found by a new user: a row with "prompt": null was said to have no prompt, the null unsaid.
+    notes = [f"'{name}' is null" for name in PROMPT_FIELDS if name in data]
     found = [key for key, value in data.items() if key != "id" and value is not None]
-    message = "row has no prompt: give one of " + ", ".join(PROMPT_FIELDS)
     if not found:
-        return f"{message} (it has no other field)"
-    shown = ", ".join(f"'{key}'" for key in found[:_FIELDS_SHOWN])
-    if len(found) > _FIELDS_SHOWN:
-        shown += f" and {len(found) - _FIELDS_SHOWN} more"
-    hint = next((key for key in found if key.lower() in _PROMPT_FIELD_HINTS), None)
-    if hint is None:
-        return f"{message} (found {shown})"
-    which = "it" if len(found) == 1 else f"'{hint}'"
-    field = _PROMPT_FIELD_HINTS[hint.lower()]
-    flag = {"prompt": " or pass --prompt-column", "messages": " or pass --messages-column"}.get(field)
-    return f"{message} (found {shown}; rename {which} to '{field}'{f'{flag} {hint}' if flag else ''})"
+        notes.append("it has no other field")
+    else:
+        shown = ", ".join(f"'{key}'" for key in found[:_FIELDS_SHOWN])
+        if len(found) > _FIELDS_SHOWN:
+            shown += f" and {len(found) - _FIELDS_SHOWN} more"
+        notes.append(f"found {shown}")
+        hint = next((key for key in found if key.lower() in _PROMPT_FIELD_HINTS), None)
+        if hint is not None:
+            which = "it" if len(found) == 1 else f"'{hint}'"
+            field = _PROMPT_FIELD_HINTS[hint.lower()]
+            flag = {"prompt": " or pass --prompt-column", "messages": " or pass --messages-column"}.get(field)
+            notes.append(f"rename {which} to '{field}'{f'{flag} {hint}' if flag else ''}")
+    return f"row has no prompt: give one of {', '.join(PROMPT_FIELDS)} ({'; '.join(notes)})"
 
 
 def _check_continuation(data: dict[str, Any], prompt_field: str, fail: _Fail) -> str | None:
@@ -198,9 +197,13 @@ def _joined_text_parts(parts: list[Any], i: int, fail: _Fail) -> str:
     vLLM joins them; other parts (images, audio) are refused."""
     texts = []
     for part in parts:
-        if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-            kind = part.get("type") if isinstance(part, dict) else json_type_name(part)
+        kind = part.get("type") if isinstance(part, dict) else json_type_name(part)
+        if kind != "text":
             raise fail("messages", f"item {i}: content part {shown_value(kind)} is not supported (text only)")
+        if not isinstance(part.get("text"), str):
+            raise fail(
+                "messages", f"item {i}: a text part's 'text' must be a string, got {shown_value(part.get('text'))}"
+            )
         texts.append(part["text"])
     return "\n".join(texts)
 

@@ -60,7 +60,8 @@ class RunJob:
             ``finish_reason="error"``), resume or start over, how often finished rows are made durable, progress.
 
     Raises:
-        BatchgenError: when resuming, a partial output written by a different job (unless ``job.resume_force``).
+        BatchgenError: another run is writing the output (before the model loads, where its partial output is
+            there); when resuming, a partial output written by a different job (unless ``job.resume_force``).
     """
 
     def __init__(
@@ -99,9 +100,7 @@ class RunJob:
                 job,
             )
         except BaseException:
-            # The lock it may have taken, and the engine: a caller in Python may try again in this process.
-            self.output.close()
-            self.rounds.close()
+            self.close()
             raise
         self.builder = RequestBuilder.for_engine(self.facts, defaults, int(self.schema.metadata[RUN_SEED_KEY.encode()]))
         model, tokenizer, seed = engine_options.model, self.facts.tokenizer, self.builder.run_seed
@@ -143,9 +142,13 @@ class RunJob:
             try:
                 self._run(stop)
             finally:
-                self.output.close()
-                self.rounds.close()
+                self.close()
         return self.summary
+
+    def close(self) -> None:
+        """Release the output's lock and the engine: a caller in Python may try again in this process."""
+        self.output.close()
+        self.rounds.close()
 
     def _run(self, stop: StopRequest) -> None:
         start = time.perf_counter()

@@ -190,19 +190,20 @@ def _seed_given(recorded: dict[str, str], now: dict[str, str]) -> dict[str, str]
 
 
 def _context_length_given(recorded: dict[str, str], now: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
-    """``recorded`` and ``now`` with a ``--context-length`` equal to the model's own (the recorded
-    ``batchgen.model_context_length``) taken as omitted: either gives the same rows (found by a new user: an explicit
-    ``--context-length 8192`` on a model of 8,192 positions was refused on ``--resume``)."""
-    own = recorded.get("batchgen.model_context_length")
-    if own is None:  # an output of a batchgen that did not record it
+    """``recorded`` and ``now`` with an omitted ``--context-length`` taken as the model's own, which it defaults to
+    (the recorded ``batchgen.model_context_length``, or, for an output of a batchgen that did not record it, the
+    loaded model's): either gives the same rows (found by a new user: an explicit ``--context-length 8192`` on a
+    model of 8,192 positions was refused on ``--resume``)."""
+    own = recorded.get("batchgen.model_context_length") or now.get("batchgen.model_context_length")
+    if own is None:  # neither says: compared as given
         return recorded, now
     key = "batchgen.engine_options"
     try:
         options = [json.loads(metadata.get(key, "{}")) for metadata in (recorded, now)]
         for given in options:
-            if str(given.get("context_length")) == own:
-                given["context_length"] = None
-    except (json.JSONDecodeError, AttributeError):
+            if given.get("context_length") is None:
+                given["context_length"] = int(own)
+    except (json.JSONDecodeError, AttributeError, ValueError):
         return recorded, now  # unreadable: changed_fields says so
     return recorded | {key: json.dumps(options[0])}, now | {key: json.dumps(options[1])}
 

@@ -180,7 +180,7 @@ def python_value(value: Any) -> Any:
     """numpy's scalars and arrays (what rows from pandas or numpy hold) as the Python values they hold, arrays as
     lists, inside lists, tuples and dicts too: the Python API's values as the checks, written for JSON's, take them."""
     if type(value).__module__ == "numpy" and hasattr(value, "tolist"):
-        return value.tolist()
+        value = value.tolist()  # an object array's items stay as they are (pandas' nested lists: arrays again)
     if isinstance(value, dict):
         return {key: python_value(item) for key, item in value.items()}
     return type(value)(map(python_value, value)) if isinstance(value, (list, tuple)) else value

@@ -589,6 +589,7 @@ FILE_LEVEL = [
     "output_is_a_directory",
     "flag_value_of_the_wrong_type",
     "unknown_flag",
+    "flag_without_its_value",
 ]
 
 
@@ -684,6 +685,9 @@ def _file_level_case(name: str, tmp: Path, model: Path) -> tuple[list[str], str,
     if name == "unknown_flag":
         args += ["--max-tokenz", "3"]
         return args, "No such option: --max-tokenz (Possible options: --max-new-tokens, ", False
+    if name == "flag_without_its_value":  # the parser says which command it was in for some errors only
+        args += ["--temperature"]
+        return args, "Option '--temperature' requires an argument.", True
     raise AssertionError(name)
 
 

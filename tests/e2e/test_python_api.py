@@ -21,6 +21,7 @@ from transformers import AutoTokenizer
 
 import batchgen
 from batchgen.errors import BadRowsLeftOut, BatchgenError, RowError
+from batchgen.io.partial_output import partial_dir
 from batchgen.io.writer import OUTPUT_COLUMNS, read_results
 from tests.helpers.cli import generate, read_rows, run_cli, write_jsonl
 
@@ -366,6 +367,11 @@ def test_unknown_option_is_a_type_error_and_a_bad_value_the_cli_message(
     as_array = {"messages": np.array(chat, dtype=object), "stop": np.array(["\n\n"])}
     got = generator.generate([as_array], logprobs=np.bool_(True), **greedy)
     assert got == generator.generate([{"messages": chat, "stop": ["\n\n"]}], logprobs=True, **greedy)
+    # A message's content parts read from a Parquet list-of-struct column are object arrays inside the object array
+    # (found by a review: "'content' must be a string, got ndarray").
+    parts = np.array([{"type": "text", "text": "Hi"}], dtype=object)
+    nested = {"messages": np.array([{"role": "user", "content": parts}], dtype=object)}
+    assert generator.generate([nested], **greedy) == generator.generate([{"messages": chat}], **greedy)
     # A list option's items too: the run's metadata records them as JSON.
     args = (tmp_path / "in.jsonl", tmp_path / "out.jsonl")
     write_jsonl(args[0], [{"prompt_token_ids": [9, 8, 7]}])
@@ -399,6 +405,19 @@ def test_run_writes_what_batchgen_run_writes_and_resumes(chat_model: Path, tmp_p
         assert row["output_logprobs"] == pytest.approx(expected[key]["output_logprobs"], rel=1e-5, abs=1e-5)
         del row["output_logprobs"], expected[key]["output_logprobs"]
         assert row == expected[key]
+
+
+def test_run_that_fails_after_the_model_loads_leaves_the_output_free(chat_model: Path, tmp_path: Path) -> None:
+    """Found by a review: a run that took the output's lock before loading the model and failed after it (a default
+    the model's vocabulary refuses) kept the lock, and the caller's next try in the same process was refused as
+    "another batchgen run is writing this output"."""
+    dataset = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "Once upon a time"}])
+    out = tmp_path / "out.arrow"
+    partial_dir(out).mkdir()  # an earlier run's partial output: this run takes its lock before the model loads
+    options = {"model": str(chat_model), "max_new_tokens": 2, "progress": False, "overwrite": True, **ENGINE}
+    with pytest.raises(BatchgenError, match="^--top-logprobs: must be in"):
+        batchgen.run(dataset, out, top_logprobs=10**6, **options)
+    assert batchgen.run(dataset, out, **options).rows == 1
 
 
 def test_run_takes_a_config_file_as_the_command_line_does(chat_model: Path, tmp_path: Path) -> None:

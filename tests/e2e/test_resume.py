@@ -607,7 +607,7 @@ def test_a_context_length_equal_to_the_models_own_is_the_one_omitted(
             fail_part_write(patch, at=2)
             assert run_cli(args(dataset, out, model, *first))[0] == 2
         code, output = run_cli(args(dataset, out, model, "--resume", "--context-length", shorter))
-        assert code == 2 and "context_length not given → " + repr(int(shorter)) in output
+        assert code == 2 and f"context_length {own} → {shorter}" in output
         code, output = run_cli(args(dataset, out, model, "--resume", *then))
         assert code == 0, output
         assert_same_rows(by_key(read_results(out).to_pylist()), reference)
@@ -773,6 +773,20 @@ def test_an_output_that_records_no_kernel_switches_is_not_refused_over_them() ->
     assert job_differences(older, now) == []
     other = json.dumps({"BATCHGEN_CPU_PREPACK": False})
     assert job_differences({**older, "batchgen.kernel_switches": other}, now) == ["BATCHGEN_CPU_PREPACK False → True"]
+
+
+def test_an_output_that_records_no_model_context_length_takes_the_loaded_models() -> None:
+    """An output written before the model's own context length was recorded: a resume that loaded the model compares
+    an omitted --context-length as that model's (found by a review)."""
+    from batchgen.job.run_metadata import job_differences
+
+    fingerprint = json.dumps({"size": 1, "mtime_ns": 1, "sample_sha256": "0" * 64})
+    older = {"batchgen.model": "m", "batchgen.dataset": fingerprint}
+    older["batchgen.engine_options"] = json.dumps({"seed": 1, "context_length": None})
+    now = {**older, "batchgen.model_context_length": "512"}
+    for given, differences in ((None, []), (512, []), (511, ["context_length 512 → 511"])):
+        now["batchgen.engine_options"] = json.dumps({"seed": 1, "context_length": given})
+        assert job_differences(older, now) == differences
 
 
 def test_resume_refuses_other_kernel_switches_as_it_refuses_another_dtype(

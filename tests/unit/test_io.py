@@ -476,12 +476,20 @@ def test_parse_row_no_prompt() -> None:
     error = row_error({"topic": "t"})
     assert error.field == "prompt"
     assert error.message == "row has no prompt: give one of prompt, messages, prompt_token_ids (found 'topic')"
-    # Found by a new user: a null prompt was reported as none at all. A Parquet row has every column, so a null one
-    # is no prompt unless another prompt field is given; the message names the null field.
-    for nulls in ({"prompt": None}, {"messages": None, "prompt": None}):
-        error = row_error({"topic": "t", **nulls})
-        assert error.field == next(name for name in ("prompt", "messages") if name in nulls)
-        assert error.message == "is null, and the row gives no other of prompt, messages, prompt_token_ids"
+    # Found by a new user: a JSONL row's null prompt was reported as no prompt, the null unsaid; the rename hint
+    # stays (found by a review).
+    error = row_error({"prompt": None, "question": "Hi"})
+    assert (error.field, error.message) == (
+        "prompt",
+        "row has no prompt: give one of prompt, messages, prompt_token_ids ('prompt' is null; found 'question'; "
+        "rename it to 'prompt' or pass --prompt-column question)",
+    )
+    error = row_error({"messages": None, "prompt_token_ids": None})
+    assert (error.field, error.message) == (
+        "messages",
+        "row has no prompt: give one of prompt, messages, prompt_token_ids ('messages' is null; 'prompt_token_ids' "
+        "is null; it has no other field)",
+    )
 
 
 def test_a_messages_text_content_parts_are_joined_as_vllm_joins_them() -> None:
@@ -494,6 +502,8 @@ def test_a_messages_text_content_parts_are_joined_as_vllm_joins_them() -> None:
     assert (error.field, error.message) == ("messages", 'item 0: content part "image_url" is not supported (text only)')
     error = row_error({"messages": [{"role": "user", "content": ["one"]}]})
     assert (error.field, error.message) == ("messages", 'item 0: content part "string" is not supported (text only)')
+    error = row_error({"messages": [{"role": "user", "content": [{"type": "text", "text": 7}]}]})
+    assert (error.field, error.message) == ("messages", "item 0: a text part's 'text' must be a string, got 7")
 
 
 def test_parse_row_two_prompts() -> None:
