@@ -593,11 +593,45 @@ FILE_LEVEL = [
 ]
 
 
+# Cases that add flags: (the flags, the expected error line, whether it must be equal (else: contained)).
+_FLAG_CASES: dict[str, tuple[list[str], str, bool]] = {
+    "unknown_dtype": (["--dtype", "float8"], "unknown --dtype 'float8'; choose auto, float32, bfloat16, float16", True),
+    "bad_on_error": (["--on-error", "ignore"], "--on-error must be fail or skip, got 'ignore'", True),
+    "bad_cli_sampling_default": (
+        ["--temperature", "-1"],
+        "--temperature: must be a number in [0, 10000], got -1.0",
+        True,
+    ),
+    # Checked before the model loads, its vocabulary not known yet (found by a new user: "[0, 9223372036854775807]").
+    "bad_cli_prompt_logprobs": (
+        ["--prompt-logprobs", "-1"],
+        "--prompt-logprobs: must be true, false or a count in [0, vocab size]",
+        True,
+    ),
+    # Mistakes the command line's parser finds: its messages (typer's words), on one line as batchgen's own (found by
+    # a new user: click's usage line, hint and error took three); the command's --help where the parser knows it.
+    "flag_value_of_the_wrong_type": (
+        ["--max-new-tokens", "ten"],
+        "Invalid value for '--max-new-tokens': Input should be a valid integer",
+        False,
+    ),
+    "unknown_flag": (
+        ["--max-tokenz", "3"],
+        "No such option: --max-tokenz (Possible options: --max-new-tokens, ",
+        False,
+    ),
+    "flag_without_its_value": (["--temperature"], "Option '--temperature' requires an argument.", True),
+}
+
+
 def _file_level_case(name: str, tmp: Path, model: Path) -> tuple[list[str], str, bool]:
     """(CLI args, the expected error line, whether it must be equal (else: contained)) for one file-level case."""
     dataset = write_jsonl(tmp / "in.jsonl", [GOOD_1])
     out = tmp / "out.arrow"
     args = ["run", str(dataset), "--out", str(out), "--model", str(model), *COMMON]
+    if name in _FLAG_CASES:
+        flags, expected, exact = _FLAG_CASES[name]
+        return [*args, *flags], expected, exact
     if name == "missing_dataset":
         missing = tmp / "nope.jsonl"
         args[1] = str(missing)
@@ -657,37 +691,14 @@ def _file_level_case(name: str, tmp: Path, model: Path) -> tuple[list[str], str,
             f"{csv}: unsupported output format '.csv' (use .arrow, .ipc, .feather, .parquet or .jsonl)",
             True,
         )
-    if name == "unknown_dtype":
-        args += ["--dtype", "float8"]
-        return args, "unknown --dtype 'float8'; choose auto, float32, bfloat16, float16", True
-    if name == "bad_on_error":
-        args += ["--on-error", "ignore"]
-        return args, "--on-error must be fail or skip, got 'ignore'", True
     if name == "bad_config_key":
         config = tmp / "bad.yaml"
         config.write_text("max_tokens: 3\n")
         args += ["--config", str(config)]
         return args, f"{config}: unknown option 'max_tokens'", False
-    if name == "bad_cli_sampling_default":
-        args += ["--temperature", "-1"]
-        return args, "--temperature: must be a number in [0, 10000], got -1.0", True
-    if name == "bad_cli_prompt_logprobs":  # checked before the model loads: its vocabulary is not known yet
-        args += ["--prompt-logprobs", "-1"]  # found by a new user: "[0, 9223372036854775807]"
-        return args, "--prompt-logprobs: must be true, false or a count in [0, vocab size]", True
     if name == "output_is_a_directory":  # found by a new user: "unsupported output format ''"
         args[3] = str(tmp)
         return args, f"{tmp}: is a directory, expected an output file", True
-    # Mistakes the command line's parser finds: its messages (typer's words), on one line as batchgen's own (found by
-    # a new user: click's usage line, hint and error took three).
-    if name == "flag_value_of_the_wrong_type":
-        args += ["--max-new-tokens", "ten"]
-        return args, "Invalid value for '--max-new-tokens': Input should be a valid integer", False
-    if name == "unknown_flag":
-        args += ["--max-tokenz", "3"]
-        return args, "No such option: --max-tokenz (Possible options: --max-new-tokens, ", False
-    if name == "flag_without_its_value":  # the parser says which command it was in for some errors only
-        args += ["--temperature"]
-        return args, "Option '--temperature' requires an argument.", True
     raise AssertionError(name)
 
 
