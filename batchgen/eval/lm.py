@@ -13,7 +13,7 @@ from lm_eval.api.instance import Instance
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.models.utils import _add_special_kwargs, has_bos_prefix, postprocess_generated_text
-from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simple_parse_args_string
 from tqdm import tqdm
 
 from batchgen.api.generator import Generator
@@ -79,6 +79,8 @@ class BatchgenLM(TemplateLM):
             raise BatchgenError(
                 "--model_args needs pretrained=MODEL (a directory, .gguf file, built-in name or hub id)"
             )
+        if add_bos_token is not None and not isinstance(add_bos_token, bool):  # lm-eval casts only true/false
+            raise BatchgenError(f"--model_args add_bos_token: must be true or false, got {add_bos_token!r}")
         max_length = _count("max_length", max_length)
         max_gen_toks = _count("max_gen_toks", max_gen_toks) or _MAX_GEN_TOKS
         prefix_token_id = _count("prefix_token_id", prefix_token_id, least=0)
@@ -102,12 +104,32 @@ class BatchgenLM(TemplateLM):
 
             self.tokenizer = AutoTokenizer.from_pretrained(engine.model_dir, add_bos_token=add_bos_token)
         self.add_bos_token = add_bos_token
+        if prefix_token_id is not None and prefix_token_id >= engine.vocab_size:
+            vocab = engine.vocab_size
+            raise BatchgenError(
+                f"--model_args prefix_token_id: {prefix_token_id} is outside the vocabulary [0, {vocab})"
+            )
         self.custom_prefix_token_id = prefix_token_id
         self._max_length = max_length or engine.context_len
         if self._max_length > engine.context_len:
             raise BatchgenError(f"max_length {self._max_length} exceeds the context length {engine.context_len}")
         self._max_gen_toks = max_gen_toks
         self._device = engine.device
+
+    @classmethod
+    def create_from_arg_obj(
+        cls, arg_dict: dict[str, Any], additional_config: dict[str, Any] | None = None
+    ) -> BatchgenLM:
+        """As lm-eval's, but an option given both in ``--model_args`` and by lm-eval's own flags (``device``,
+        ``batch_size``) takes the ``--model_args`` value, where lm-eval's failed on a repeated keyword (found by a
+        user)."""
+        given = {key: value for key, value in (additional_config or {}).items() if value is not None}
+        return cls(**(given | arg_dict))
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict[str, Any] | None = None) -> BatchgenLM:
+        """``--model_args`` as text (``pretrained=DIR,dtype=float32``): :meth:`create_from_arg_obj` of its options."""
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
 
     @property
     def eot_token_id(self) -> int:

@@ -221,6 +221,9 @@ BAD_MODEL_ARGS = [
     ("pretrained={model},max_length=-5", "--model_args max_length: must be an integer >= 1, got -5"),
     ("pretrained={model},max_running_request=4", "did you mean 'max_running_requests'?"),
     ("pretrained={model} --apply_chat_template", "--apply_chat_template: the model's tokenizer has no chat template"),
+    # Found by a user: a traceback, and a run that scored every request -inf and exited 0.
+    ("pretrained={model},add_bos_token=maybe", "--model_args add_bos_token: must be true or false, got 'maybe'"),
+    ("pretrained={model},prefix_token_id=99999", "--model_args prefix_token_id: 99999 is outside the vocabulary"),
 ]
 
 
@@ -237,6 +240,16 @@ def test_bad_model_args_raise_batchgens_error(
         evaluate(tasks, "batchgen", key_val_to_dict(model_args), tasks=["batchgen_generate"], **options)
     # Not followed by more of a number or a word: "got -5" must not be "got -5.0".
     assert re.search(re.escape(message) + r"(?![\w.])", str(error.value)), str(error.value)
+
+
+def test_an_option_in_model_args_and_in_lm_evals_flags_takes_the_model_args_value(llama_dir: Path) -> None:
+    """Found by a user: ``--model_args ...,device=cpu`` failed as lm-eval's own ``--device`` (``cuda:0`` when not
+    given) repeated the keyword; ``--model hf`` fails so too. lm-eval builds the model with both (its
+    ``LM.create_from_arg_string``)."""
+    lm = BatchgenLM.create_from_arg_string(f"pretrained={llama_dir},device=cpu,batch_size=8", {"device": "cuda:0"})
+    assert lm.generator.options.device == "cpu"
+    lm = BatchgenLM.create_from_arg_obj({"pretrained": str(llama_dir)}, {"device": "cpu", "batch_size": None})
+    assert lm.generator.options.device == "cpu"
 
 
 # One error raised while the model is built, one while the requests are made: the command line's handler sees both.
