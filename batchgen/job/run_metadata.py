@@ -160,7 +160,7 @@ def job_differences(recorded: dict[str, str], now: dict[str, str]) -> list[str]:
         flag = "--deterministic" if old_mode == "true" else "--no-deterministic"
         differences.append(f"deterministic {old_mode} → {new_mode} ({flag} resumes in the written rows' mode)")
     differences += changed_fields("batchgen.sampling_defaults", recorded, now, None)
-    engine_then, engine_now = _context_length_given(recorded, _seed_given(recorded, now))
+    engine_then, engine_now = _engine_options_as_run(recorded, now)
     differences += changed_fields("batchgen.engine_options", engine_then, engine_now, _OUTPUT_ENGINE_OPTIONS)
     # An output of a batchgen without column options reads as one made with none.
     differences += changed_fields(INPUT_OPTIONS_KEY, _escaped(recorded), _escaped(now), None)
@@ -173,39 +173,31 @@ def job_differences(recorded: dict[str, str], now: dict[str, str]) -> list[str]:
     return differences
 
 
-def _seed_given(recorded: dict[str, str], now: dict[str, str]) -> dict[str, str]:
-    """``now`` with an omitted ``--seed`` taken as the recorded one, which the run reuses (``output_schema``), and a
-    ``--seed`` equal to the run seed an unseeded run drew taken as omitted: rows are seeded from the run seed alone,
-    so either gives the rows that run wrote (found by a helper: a script pinning the recorded seed was refused)."""
-    try:
-        options = json.loads(now.get("batchgen.engine_options", "{}"))
-        then = json.loads(recorded.get("batchgen.engine_options", "{}")).get("seed")
-        if options.get("seed") is None:
-            options["seed"] = then
-        elif then is None and str(options["seed"]) == recorded.get(RUN_SEED_KEY):
-            options["seed"] = None
-    except (json.JSONDecodeError, AttributeError):
-        return now  # unreadable: changed_fields says so
-    return now | {"batchgen.engine_options": json.dumps(options)}
+def _engine_options_as_run(recorded: dict[str, str], now: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+    """``recorded`` and ``now`` with their engine options as the rows see them, so that options that give the rows the
+    written ones compare equal:
 
-
-def _context_length_given(recorded: dict[str, str], now: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
-    """``recorded`` and ``now`` with an omitted ``--context-length`` taken as the model's own, which it defaults to
-    (the recorded ``batchgen.model_context_length``, or, for an output of a batchgen that did not record it, the
-    loaded model's): either gives the same rows (found by a new user: an explicit ``--context-length 8192`` on a
-    model of 8,192 positions was refused on ``--resume``)."""
-    own = recorded.get("batchgen.model_context_length") or now.get("batchgen.model_context_length")
-    if own is None:  # neither says: compared as given
-        return recorded, now
+    - an omitted ``--seed`` is the recorded one, which the run reuses (``output_schema``), and a ``--seed`` equal to
+      the run seed an unseeded run drew is omitted: rows are seeded from the run seed alone (found by a helper: a
+      script pinning the recorded seed was refused);
+    - an omitted ``--context-length`` is the model's own, which it defaults to (the recorded
+      ``batchgen.model_context_length``, or, for an output of a batchgen that did not record it, the loaded model's;
+      found by a new user: an explicit ``--context-length 8192`` on a model of 8,192 positions was refused).
+    """
     key = "batchgen.engine_options"
+    own = recorded.get("batchgen.model_context_length") or now.get("batchgen.model_context_length")
     try:
-        options = [json.loads(metadata.get(key, "{}")) for metadata in (recorded, now)]
-        for given in options:
-            if given.get("context_length") is None:
+        then, options = (json.loads(metadata.get(key, "{}")) for metadata in (recorded, now))
+        if options.get("seed") is None:
+            options["seed"] = then.get("seed")
+        elif then.get("seed") is None and str(options["seed"]) == recorded.get(RUN_SEED_KEY):
+            options["seed"] = None
+        for given in (then, options):
+            if own is not None and given.get("context_length") is None:  # neither says: compared as given
                 given["context_length"] = int(own)
     except (json.JSONDecodeError, AttributeError, ValueError):
         return recorded, now  # unreadable: changed_fields says so
-    return recorded | {key: json.dumps(options[0])}, now | {key: json.dumps(options[1])}
+    return recorded | {key: json.dumps(then)}, now | {key: json.dumps(options)}
 
 
 def _escaped(metadata: dict[str, str]) -> dict[str, str]:
