@@ -111,7 +111,7 @@ class Generator:
         self.lookahead = max(job.schedule_lookahead, 2 * self.engine.max_running_requests)
         self._stream_open = False
 
-    def generate(self, rows: Iterable[Row], *, on_error: str = "fail", **sampling: Any) -> list[dict[str, Any]]:
+    def generate(self, rows: Iterable[Row] | Row, *, on_error: str = "fail", **sampling: Any) -> list[dict[str, Any]]:
         """Generate for every row; the results in input order, one dict per sample (a row's ``n`` samples one
         after another, in ``sample_index`` order), as a file row: the columns of
         ``batchgen.io.writer.OUTPUT_COLUMNS`` (``id``, ``text``, ``output_token_ids``, ``finish_reason``...;
@@ -122,7 +122,8 @@ class Generator:
         Args:
             rows: prompt strings, message lists, token-id lists or row dicts (``id``, ``prompt``/``messages``/
                 ``prompt_token_ids``, sampling fields such as ``temperature`` or ``max_tokens``, other fields
-                passed through); a row's default id is its 0-based index. A lone string or dict is one row.
+                passed through); a row's default id is its 0-based index. A lone row (a string, dict, token-id
+                list or message list) is one row.
             on_error: ``fail``: a bad row raises, before anything runs; ``skip``: a bad row gives one result with
                 ``finish_reason`` ``"error"`` and the message in ``error``, in its place.
             **sampling: the sampling defaults of rows that do not set a field (``batchgen run``'s flags by Python
@@ -164,7 +165,7 @@ class Generator:
                 self.engine.drop_all()  # after an exception (Ctrl-C): nothing of this call stays in the engine
         return [row for row_results in results for row in row_results]
 
-    def stream(self, rows: Iterable[Row], *, on_error: str = "fail", **sampling: Any) -> Iterator[dict[str, Any]]:
+    def stream(self, rows: Iterable[Row] | Row, *, on_error: str = "fail", **sampling: Any) -> Iterator[dict[str, Any]]:
         """Generate for every row, yielding each result as its row finishes (finishing order; a row's samples one
         after another): the dicts of :meth:`generate`, matched to their rows by ``id``.
 

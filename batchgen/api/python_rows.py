@@ -4,6 +4,7 @@ input rows, checked as a file's rows are, with their pass-through fields kept as
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import sys
 import warnings
@@ -35,8 +36,9 @@ def input_rows(rows: Iterable[Any], options: InputOptions) -> Iterator[InputRow 
     checked against the first dict's keys as a file's against its first shard); anything else is a bad row. In a
     dict, a float NaN in a field batchgen reads is a missing value, as pandas writes one in ``to_dict('records')``.
 
-    A lone prompt string or row dict is one row, as vLLM's ``LLM.generate`` takes one prompt: iterated, its
-    characters or its keys would each become a prompt (found by a new user).
+    A lone prompt string, row dict, token-id list (a list or 1-D array of integers) or message list (dicts with a
+    ``role`` and no prompt field) is one row, as vLLM's ``LLM.generate`` takes one prompt and ``LLM.chat`` one
+    conversation: iterated, its characters, keys, ids or messages would each become a row (found by new users).
 
     Raises:
         BatchgenError: a column the options name is not a key of the first dict row; ``rows`` is a DataFrame.
@@ -44,7 +46,7 @@ def input_rows(rows: Iterable[Any], options: InputOptions) -> Iterator[InputRow 
     if hasattr(rows, "columns") and hasattr(rows, "to_dict"):
         # A pandas DataFrame iterates its column names, which would each become a prompt (found by a new user).
         raise BatchgenError("rows: a DataFrame iterates its column names, not its rows: pass df.to_dict('records')")
-    if isinstance(rows, (str, Mapping)):
+    if _is_lone_row(rows):
         rows = [rows]
     mapping: ColumnMapping | None = None
     read = KNOWN_FIELDS | set(options.columns())  # what batchgen reads: numpy's values as Python's; the rest as given
@@ -63,6 +65,20 @@ def input_rows(rows: Iterable[Any], options: InputOptions) -> Iterator[InputRow 
         else:
             message = f"must be a prompt string, a message list, a token-id list or a dict, got {shown_value(row)}"
             yield RowError(SOURCE, line, None, message)
+
+
+def _is_lone_row(rows: Iterable[Any]) -> bool:
+    """Whether ``rows`` is one row itself rather than rows: a string, a dict, a 1-D integer array, a non-empty list
+    of integers, or a non-empty list of messages (dicts with a ``role``, none with a prompt field)."""
+    if isinstance(rows, (str, Mapping)):
+        return True
+    if getattr(rows, "ndim", None) == 1 and getattr(getattr(rows, "dtype", None), "kind", None) in ("i", "u"):
+        return True
+    if not isinstance(rows, list) or not rows:
+        return False
+    if all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in rows):
+        return True
+    return all(isinstance(m, Mapping) and "role" in m and not any(f in m for f in PROMPT_FIELDS) for m in rows)
 
 
 def parse_python_row(row: InputRow) -> RowSpec:

@@ -164,7 +164,9 @@ class RequestBuilder:
             field, text, special = "prompt", spec.prompt, True
 
         def encode(piece: str) -> list[int]:
-            return list(self.tokenizer(piece, add_special_tokens=special)["input_ids"])
+            # Not verbose: transformers would warn of a prompt over the tokenizer's model_max_length, which is not
+            # the context batchgen checks (a too-long row gets batchgen's own error).
+            return list(self.tokenizer(piece, add_special_tokens=special, verbose=False)["input_ids"])
 
         if spec.continuation is None:
             return field, encode(text), None

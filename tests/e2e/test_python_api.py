@@ -240,6 +240,41 @@ def test_a_lone_prompt_or_row_dict_is_one_row(generator: batchgen.Generator) -> 
     assert got[0]["id"] == "q" and got[0]["topic"] == "x"
 
 
+def test_a_lone_token_id_list_or_conversation_is_one_row(generator: batchgen.Generator) -> None:
+    """Found by a new user: generate([1, 2, 3]) made a bad row of each id, and generate(conversation) a row of each
+    message. vLLM's ``LLM.chat`` takes one conversation as it is (a list of messages, or a list of such lists); a
+    list of dicts that are rows (with a prompt field) stays rows."""
+    ids = [1, 41, 293]
+    conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    for lone in (ids, np.array(ids), conversation):
+        got = generator.generate(lone, max_new_tokens=2, temperature=0)
+        assert len(got) == 1 and got == generator.generate([lone], max_new_tokens=2, temperature=0)
+    rows = [{"prompt": "Hi", "role": "a"}, {"prompt": "Yo", "role": "b"}]
+    assert [r["role"] for r in generator.generate(rows, max_new_tokens=1)] == ["a", "b"]
+    assert generator.generate([], max_new_tokens=1) == []
+
+
+def test_a_prompt_over_the_tokenizers_max_length_brings_no_transformers_warning(
+    generator: batchgen.Generator, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found by a new user: transformers warned "Token indices sequence length is longer than the specified maximum"
+    for a prompt over the tokenizer's ``model_max_length``, which is not the context batchgen holds a row to: a
+    row within the context ran with that warning, a longer one got it before batchgen's own error."""
+    from transformers.utils import logging as hf_logging
+
+    tokenizer, verbosity = generator.engine.tokenizer, hf_logging.get_verbosity()
+    kept = tokenizer.model_max_length
+    tokenizer.model_max_length = 4
+    hf_logging.set_verbosity_warning()  # a CLI test in this process may have turned transformers' notes off
+    try:
+        got = generator.generate("one two three four five six seven eight", max_new_tokens=1)
+    finally:
+        tokenizer.model_max_length = kept
+        hf_logging.set_verbosity(verbosity)
+    assert got[0]["prompt_tokens"] > 4 and got[0]["error"] is None
+    assert not [r for r in caplog.records if "Token indices" in r.getMessage()]
+
+
 def test_a_nan_in_a_field_batchgen_reads_is_a_missing_value(generator: batchgen.Generator) -> None:
     """pandas' ``to_dict("records")`` writes a missing number as NaN, and an integer column with one as floats
     (pandas' missing-data documentation): such a row takes the call's defaults, as one without the fields does."""
