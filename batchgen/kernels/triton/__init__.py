@@ -6,6 +6,7 @@ backend loads them on demand, so ``import batchgen`` works without triton instal
 Submodules:
     decode_attention: one query token per request, FlashDecoding split-K over the sequence.
     extend_attention: several new tokens per request after a cached prefix, FlashAttention-2 tiling.
+    kv_block: one online-softmax step over a block of the pool's keys, which both attention kernels take.
     kv_store: the round's new K/V written to their pool slots.
     matmul: a GEMM whose rows do not depend on the row count (linear layers under ``--deterministic``).
 """

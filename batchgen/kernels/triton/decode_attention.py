@@ -19,6 +19,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from batchgen.kernels.triton import block_d, check_attention_shapes, check_last_dim_contiguous, dot_settings
+from batchgen.kernels.triton.kv_block import attend_kv_block
 
 
 @triton.jit
@@ -85,35 +86,13 @@ def _decode_split_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    # Every query of the group sees the whole slice, and each block holds a key below end (block_start).
+    last_pos = end - 1 + tl.zeros([BLOCK_H], tl.int64)
     for block_start in range(start, end, BLOCK_N):
-        pos = block_start + offs_n
-        mask_n = pos < end
-        slots = tl.load(token_row + pos, mask=mask_n, other=0)
-        # K is loaded already transposed, [BLOCK_D, BLOCK_N]: in the interpreter a dot on a tl.trans view
-        # took ~8 ms per block against ~30 us on a fresh array; on a GPU the compiler picks the layout.
-        k_t = tl.load(
-            k_head + slots[None, :] * stride_ks + offs_d[:, None],
-            mask=mask_d[:, None] & mask_n[None, :],
-            other=0.0,
-        )
-        if UPCAST:
-            k_t = k_t.to(tl.float32)
-        s = tl.dot(q, k_t, input_precision=PRECISION) * scale
-        s = tl.where(mask_n[None, :], s, float("-inf"))
-        # Every block has a valid column (pos = block_start < end), so m_new is finite.
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_head + slots[:, None] * stride_vs + offs_d[None, :],
-            mask=mask_n[:, None] & mask_d[None, :],
-            other=0.0,
-        )
-        if UPCAST:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        acc, m_i, l_i = attend_kv_block(
+            q, acc, m_i, l_i, k_head, v_head, token_row, block_start, end, last_pos, scale, stride_ks, stride_vs,
+            offs_n, offs_d, mask_d, UPCAST, PRECISION,
+        )  # fmt: skip
 
     # An empty slice (short sequence) writes nothing; stage 2 skips it by the same bounds. The condition is folded
     # into the head bound, not and-ed in as a scalar: the interpreter makes that an int32 mask tl.store rejects.

@@ -25,6 +25,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from batchgen.kernels.triton import block_d, check_attention_shapes, check_last_dim_contiguous, dot_settings
+from batchgen.kernels.triton.kv_block import attend_kv_block
 
 
 @triton.jit
@@ -93,36 +94,12 @@ def _extend_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # Position 0 is visible to every row, so after the first block every row's max is finite.
     for block_start in range(0, kv_end, BLOCK_N):
-        pos = block_start + offs_n
-        mask_n = pos < kv_end
-        slots = tl.load(token_row + pos, mask=mask_n, other=0)
-        # K is loaded already transposed, [BLOCK_D, BLOCK_N]: in the interpreter a dot on a tl.trans view
-        # took ~8 ms per block against ~30 us on a fresh array; on a GPU the compiler picks the layout.
-        k_t = tl.load(
-            k_head + slots[None, :] * stride_ks + offs_d[:, None],
-            mask=mask_d[:, None] & mask_n[None, :],
-            other=0.0,
-        )
-        if UPCAST:
-            k_t = k_t.to(tl.float32)
-        s = tl.dot(q, k_t, input_precision=PRECISION) * scale
-        s = tl.where(mask_n[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
-        # Position 0 is visible to every row, so after the first block every row's max is finite and
-        # fully masked rows in later blocks just get p = 0.
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_head + slots[:, None] * stride_vs + offs_d[None, :],
-            mask=mask_n[:, None] & mask_d[None, :],
-            other=0.0,
-        )
-        if UPCAST:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        acc, m_i, l_i = attend_kv_block(
+            q, acc, m_i, l_i, k_head, v_head, token_row, block_start, kv_end, q_pos, scale, stride_ks, stride_vs,
+            offs_n, offs_d, mask_d, UPCAST, PRECISION,
+        )  # fmt: skip
 
     # l_i is 0 only in a block past the request's end, whose rows are not stored.
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
