@@ -14,11 +14,15 @@ from typing import Any, get_args, get_origin, get_type_hints
 import yaml
 
 from batchgen.api.options import OPTION_CLASSES, declared_options, near_name, options_of, type_problem
-from batchgen.errors import BatchgenError, shown_value
+from batchgen.errors import BatchgenError, FieldError, shown_value
 from batchgen.io.input_options import apply_escapes
 
 # The declared options' types by Python name.
 OPTION_HINTS = {f.name: get_type_hints(cls)[f.name] for cls in OPTION_CLASSES for f in declared_options(cls)}
+# How the options that take more than their type read a value (prompt_logprobs: true, false or a count).
+_PARSERS = {
+    f.name: f.metadata["parse"] for cls in OPTION_CLASSES for f in declared_options(cls) if "parse" in f.metadata
+}
 # What click's boolean type reads as true or false (a flag's text, a config file's quoted value).
 _TRUE, _FALSE = {"1", "true", "t", "yes", "y", "on"}, {"0", "false", "f", "no", "n", "off"}
 
@@ -63,6 +67,12 @@ def check_config_value(path: Path, name: str, value: Any, hint: Any) -> None:
     option, items = name.replace("_", "-"), value if isinstance(value, list) else [value]
     if isinstance(value, list) and get_origin(hint) is not tuple:
         raise BatchgenError(f"{path}: option '{option}': takes one value, got {shown_value(value)}")
+    if name in _PARSERS:
+        try:
+            _PARSERS[name](value)
+        except FieldError as e:
+            raise BatchgenError(f"{path}: option '{option}': {e.message}") from None
+        return
     base = _base(hint)
     if base is str and not all(isinstance(v, str) for v in items):
         what = "no true/false value" if any(isinstance(v, bool) for v in items) else "text"
@@ -96,7 +106,9 @@ def config_options(path: Path) -> dict[str, Any]:
             options[name] = value
             continue
         base = _base(OPTION_HINTS[name])
-        if get_origin(OPTION_HINTS[name]) is tuple:
+        if name in _PARSERS:
+            value = _PARSERS[name](value)
+        elif get_origin(OPTION_HINTS[name]) is tuple:
             value = [_converted(item, base) for item in (value if isinstance(value, list) else [value])]
             value = [apply_escapes(item) for item in value] if name in escapes else value
         else:

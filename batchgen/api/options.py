@@ -13,7 +13,7 @@ from typing import Any, TypeVar, get_args, get_origin, get_type_hints
 
 import torch
 
-from batchgen.errors import BatchgenError, shown_value
+from batchgen.errors import BatchgenError, FieldError, shown_value
 from batchgen.io.input_options import InputOptions
 from batchgen.job.options import JobOptions
 from batchgen.loop.options import EngineOptions
@@ -79,11 +79,25 @@ def options_of(cls: type[T], given: Mapping[str, Any], **fixed: Any) -> T:
     for f in declared_options(cls):
         if f.name in fixed or f.name in given:
             value = fixed[f.name] if f.name in fixed else given[f.name]
-            if value is None and type(None) not in get_args(hints[f.name]):
+            if "parse" in f.metadata:  # an option that takes more than its type (prompt_logprobs: true)
+                values[f.name] = _parsed(f, python_value(value))
+            elif value is None and type(None) not in get_args(hints[f.name]):
                 values.pop(f.name, None)
             else:
                 values[f.name] = _checked(f.name, python_value(value), hints[f.name])
     return cls(**values)
+
+
+def _parsed(f: Field[Any], value: Any) -> Any:
+    """``value`` as the declared ``parse`` of option ``f`` reads it.
+
+    Raises:
+        BatchgenError: its error, named by the flag.
+    """
+    try:
+        return f.metadata["parse"](value)
+    except FieldError as e:
+        raise BatchgenError(f"--{f.name.replace('_', '-')}: {e.message}") from None
 
 
 def _checked(name: str, value: Any, hint: Any) -> Any:

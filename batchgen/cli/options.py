@@ -10,6 +10,7 @@ field added to one of those dataclasses is a flag of every command that takes th
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from collections.abc import Callable, Collection
@@ -23,6 +24,7 @@ from typer.core import TyperArgument, TyperCommand, TyperOption
 
 from batchgen.api.options import OPTION_CLASSES, declared_options
 from batchgen.cli import release_startup_interrupts
+from batchgen.errors import FieldError
 from batchgen.io.input_options import apply_escapes
 
 
@@ -78,10 +80,36 @@ def _typer_parameter(field: Field[Any], annotation: Any, required: bool, hidden:
         default = list(default) if default is not ... else ...
     flags = [field.metadata["flag"]] if "flag" in field.metadata else []
     callback = _apply_escapes if field.metadata.get("escapes") else None
+    parser = _text_parser(field.metadata["parse"]) if "parse" in field.metadata else None
     option = typer.Option(
-        ... if required else default, *flags, help=field.metadata["help"], callback=callback, hidden=hidden
+        ... if required else default,
+        *flags,
+        help=field.metadata["help"],
+        callback=callback,
+        parser=parser,
+        hidden=hidden,
     )
     return inspect.Parameter(field.name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=annotation)
+
+
+def _text_parser(parse: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """The click parser of a field whose metadata declares how its values ``parse`` (``--prompt-logprobs``: true,
+    false or a count): a flag's text ``true``, ``false`` or a whole number as that value (a config file's YAML
+    values come as they are), then ``parse``'s value; its error as click's bad value."""
+
+    def parser(value: Any) -> Any:
+        word = value.strip().lower() if isinstance(value, str) else None
+        if word in ("true", "false"):
+            value = word == "true"
+        elif word is not None:
+            with contextlib.suppress(ValueError):
+                value = int(word)
+        try:
+            return parse(value)
+        except FieldError as e:
+            raise typer.BadParameter(e.message) from None
+
+    return parser
 
 
 def _apply_escapes(values: list[str] | None) -> list[str] | None:

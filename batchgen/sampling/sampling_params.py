@@ -45,6 +45,22 @@ MAX_NEW_TOKENS_NAMES: tuple[str, ...] = ("max_new_tokens", "max_tokens", "max_co
 MAX_SAMPLES = 1024
 
 
+def prompt_logprobs_count(value: Any) -> int | None:
+    """``prompt_logprobs`` as a row, a keyword, a config file or a flag gives it: ``true`` is 0 (the prompt's own
+    logprobs, no other tokens), ``false`` and ``None`` are off (``None``), a count N (a float with no fraction too)
+    is N; the range is :meth:`SamplingParams.validate`'s to check.
+
+    Raises:
+        FieldError: a value of another type.
+    """
+    if value is None or isinstance(value, bool):
+        return 0 if value else None
+    value = whole_number(value)
+    if not isinstance(value, numbers.Integral):
+        raise FieldError("prompt_logprobs", f"must be true, false or a count of top logprobs, got {shown_value(value)}")
+    return int(value)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request is sampled and when it stops.
@@ -88,7 +104,11 @@ class SamplingParams:
     ebnf: str | None = None
     # None: off; N >= 0: report each prompt token's raw logprob (after the first) and the N most likely tokens.
     prompt_logprobs: int | None = field(
-        default=None, metadata={"help": "Default per row: report prompt logprobs and the N most likely (0: no others)."}
+        default=None,
+        metadata={
+            "help": "Default per row: report prompt logprobs and the N most likely (true or 0: no others).",
+            "parse": prompt_logprobs_count,
+        },
     )
     # The first prompt token whose logprob is reported (SGLang's logprob_start_len; None: token 1, the first that
     # has one); giving it asks for prompt logprobs. A row's ``continuation`` sets it to where the continuation starts.
@@ -233,12 +253,7 @@ def _coerce(name: str, value: Any) -> Any:
     if name == "logit_bias":
         return _coerce_logit_bias(value)
     if name == "prompt_logprobs":
-        if isinstance(value, bool):
-            return 0 if value else None
-        value = whole_number(value)
-        if not isinstance(value, int):
-            raise FieldError(name, f"must be true, false or a count of top logprobs, got {shown_value(value)}")
-        return value
+        return prompt_logprobs_count(value)
     if name in ("json_schema", "regex", "ebnf"):
         from batchgen.sampling.grammar import normalize_constraint
 
