@@ -17,7 +17,6 @@ from batchgen.sampling.sampling_params import SAMPLING_FIELD_ALIASES, SAMPLING_F
 # Names other engines (HF generate, vLLM, SGLang, OpenAI, TGI) use for sampling fields → batchgen's field, or None
 # where batchgen has none; a row written for another engine is then told what it lost rather than run differently.
 _FOREIGN_SAMPLING_NAMES: dict[str, str | None] = {
-    "min_tokens": "min_new_tokens",
     "stop_sequences": "stop",
     # OpenAI's {"type": "json_schema", "json_schema": {"schema": ...}}: a batchgen row gives the schema itself.
     "response_format": "json_schema",

@@ -36,10 +36,21 @@ SAMPLING_FIELDS: tuple[str, ...] = (
     "n",
 )
 
-# OpenAI's names for max_new_tokens, which input rows may use (options take only batchgen's names); a row gives at
-# most one of MAX_NEW_TOKENS_NAMES.
-SAMPLING_FIELD_ALIASES: dict[str, str] = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens"}
-MAX_NEW_TOKENS_NAMES: tuple[str, ...] = ("max_new_tokens", "max_tokens", "max_completion_tokens")
+# OpenAI's and vLLM's names for sampling fields, which input rows may use (options take only batchgen's names); a
+# row gives a field under at most one of its names (MAX_NEW_TOKENS_NAMES for max_new_tokens).
+SAMPLING_FIELD_ALIASES: dict[str, str] = {
+    "max_tokens": "max_new_tokens",
+    "max_completion_tokens": "max_new_tokens",
+    "min_tokens": "min_new_tokens",
+}
+
+
+def field_names(field: str) -> tuple[str, ...]:
+    """Sampling field ``field``'s name and then its aliases (:data:`SAMPLING_FIELD_ALIASES`)."""
+    return (field, *[alias for alias, name in SAMPLING_FIELD_ALIASES.items() if name == field])
+
+
+MAX_NEW_TOKENS_NAMES: tuple[str, ...] = field_names("max_new_tokens")
 
 # Samples per prompt; the run's --max-running-requests may bound it further (all samples decode together).
 MAX_SAMPLES = 1024
@@ -285,12 +296,15 @@ def make_sampling_params(defaults: SamplingParams, overrides: dict[str, Any], vo
     be given under an alias of :data:`SAMPLING_FIELD_ALIASES` (``max_tokens``); errors then name the alias.
 
     Raises:
-        FieldError: naming the first field with a wrong type or an out-of-range value, or the second of
-            :data:`MAX_NEW_TOKENS_NAMES` when the row gives two.
+        FieldError: naming the first field with a wrong type or an out-of-range value, or the second of a field's
+            names (:func:`field_names`) when the row gives two.
     """
-    given = [name for name in MAX_NEW_TOKENS_NAMES if overrides.get(name) is not None]
-    if len(given) > 1:
-        raise FieldError(given[1], f"give only one of {', '.join(MAX_NEW_TOKENS_NAMES)} (found: {', '.join(given)})")
+    given = [name for name in overrides if overrides[name] is not None]
+    for name in dict.fromkeys(SAMPLING_FIELD_ALIASES.values()):
+        names = field_names(name)
+        twice = [n for n in names if n in given]
+        if len(twice) > 1:
+            raise FieldError(twice[1], f"give only one of {', '.join(names)} (found: {', '.join(twice)})")
     aliased = {SAMPLING_FIELD_ALIASES[name]: name for name in given if name in SAMPLING_FIELD_ALIASES}
     values = {f.name: getattr(defaults, f.name) for f in fields(defaults)}
     try:

@@ -178,6 +178,15 @@ CASES: dict[str, Case] = {
     "min_new_tokens_above_max": Case(
         _bad(prompt="x", max_new_tokens=3, min_new_tokens=9), "min_new_tokens", "must be <= max_new_tokens (3), got 9"
     ),
+    # vLLM's min_tokens is read as min_new_tokens (vLLM's SamplingParams: "minimum number of tokens to generate").
+    "min_tokens_above_max": Case(
+        _bad(prompt="x", max_new_tokens=3, min_tokens=9), "min_tokens", "must be <= max_new_tokens (3), got 9"
+    ),
+    "min_tokens_and_min_new_tokens": Case(
+        _bad(prompt="x", min_new_tokens=1, min_tokens=1),
+        "min_tokens",
+        "give only one of min_new_tokens, min_tokens (found: min_new_tokens, min_tokens)",
+    ),
     "seed_past_int64": Case(
         _bad(prompt="x", seed=2**63), "seed", f"must be a 64-bit signed integer, in [-2**63, 2**63), got {2**63}"
     ),

@@ -118,7 +118,6 @@ def test_foreign_sampling_field_names_are_warned_about(random_models: dict[str, 
         [
             {
                 "prompt": "hi",
-                "min_tokens": 2,
                 "Temperature": 0,
                 "best_of": 2,
                 "response_format": {"type": "json_object"},
@@ -135,8 +134,7 @@ def test_foreign_sampling_field_names_are_warned_about(random_models: dict[str, 
     extra = ("--max-new-tokens", "3", "--ignore-eos", "--seed", "0")
     code, output = run_cli(run_args(dataset, tmp_path / "o.jsonl", random_models["llama"], *extra))
     assert code == 0, output
-    assert f"{dataset}: field 'min_tokens' is not a sampling field (did you mean 'min_new_tokens'?)" in output
-    assert "field 'Temperature' is not a sampling field (did you mean 'temperature'?)" in output
+    assert f"{dataset}: field 'Temperature' is not a sampling field (did you mean 'temperature'?)" in output
     assert "field 'best_of' is not supported: batchgen has no such option" in output
     assert "field 'response_format' is not a sampling field (did you mean 'json_schema'?)" in output
     assert "field 'max_new_token' is not a sampling field (did you mean 'max_new_tokens'?)" in output  # a near miss
@@ -148,7 +146,7 @@ def test_foreign_sampling_field_names_are_warned_about(random_models: dict[str, 
     assert "field 'num_beams' is not supported: batchgen has no such option" in output
     assert "'category'" not in output
     row = json.loads((tmp_path / "o.jsonl").read_text())
-    assert row["completion_tokens"] == 3 and row["min_tokens"] == 2
+    assert row["completion_tokens"] == 3 and row["category"] == "greeting"
 
 
 @pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
@@ -175,6 +173,28 @@ def test_openai_max_tokens_names_are_read_as_max_new_tokens(
     assert {rid: row["completion_tokens"] for rid, row in got.items()} == {"a": 5, "b": 4, "c": 3}
     assert {rid: len(row["output_token_ids"]) for rid, row in got.items()} == {"a": 5, "b": 4, "c": 3}
     assert not {"max_tokens", "max_completion_tokens"} & set(got["a"])  # read, not passed through
+
+
+def test_vllms_min_tokens_is_read_as_min_new_tokens(random_models: dict[str, Path], tmp_path: Path) -> None:
+    """vLLM's ``min_tokens`` (its SamplingParams: the fewest tokens generated before EOS or ``stop_token_ids`` may end
+    the output) holds back a stop id as ``min_new_tokens`` does (found by a vLLM user: it was warned about and
+    ignored in a row, while an OpenAI request body's was read)."""
+    extra = ("--max-new-tokens", "4", "--temperature", "0")
+    dataset = write_jsonl(tmp_path / "first.jsonl", [{"id": "a", "prompt": "hi"}])
+    assert run_cli(run_args(dataset, tmp_path / "first.arrow", random_models["llama"], *extra))[0] == 0
+    first = read_rows(tmp_path / "first.arrow")["a"]["output_token_ids"][0]
+    rows = [
+        {"id": "stops", "prompt": "hi", "stop_token_ids": [first]},
+        {"id": "min", "prompt": "hi", "stop_token_ids": [first], "min_tokens": 3},
+        {"id": "min_new", "prompt": "hi", "stop_token_ids": [first], "min_new_tokens": 3},
+    ]
+    dataset = write_jsonl(tmp_path / "p.jsonl", rows)
+    code, output = run_cli(run_args(dataset, tmp_path / "o.arrow", random_models["llama"], *extra))
+    assert code == 0 and "warning" not in output, output
+    got = read_rows(tmp_path / "o.arrow")
+    assert got["stops"]["completion_tokens"] == 1 and got["stops"]["finish_reason"] == "stop"
+    assert got["min"]["completion_tokens"] >= 3 and "min_tokens" not in got["min"]
+    assert got["min"]["output_token_ids"] == got["min_new"]["output_token_ids"]
 
 
 @pytest.mark.parametrize("device", ["gpu", "cuda:x", "meta"])
