@@ -53,11 +53,30 @@ def check_option_names(
     raise TypeError(f"{caller}() got an unexpected keyword argument '{unknown}'{hint}")
 
 
+# Other engines' names for batchgen's options (vLLM's LLM arguments and flags, SGLang's server arguments): named in
+# hints, never taken, since a name that looks alike may mean another thing (vLLM's max_model_len is the context
+# length, not max_total_tokens, the nearest spelling).
+FOREIGN_OPTION_NAMES: dict[str, str] = {
+    "max_model_len": "context_length",
+    "max_num_seqs": "max_running_requests",
+    "max_num_batched_tokens": "chunked_prefill_size",
+    "gpu_memory_utilization": "mem_fraction",
+    "mem_fraction_static": "mem_fraction",
+    "enable_prefix_caching": "prefix_cache",
+    "disable_radix_cache": "prefix_cache",
+    "enforce_eager": "disable_cuda_graph",
+    "enable_deterministic_inference": "deterministic",
+    "model_path": "model",
+    "random_seed": "seed",
+}
+
+
 def near_name(name: str, known: Collection[str]) -> str | None:
     """The option of ``known`` (Python names) that ``name`` was probably meant to be: the one a row field's alias
-    stands for (vLLM's ``max_tokens``), else a near spelling; ``None`` for neither."""
-    alias = SAMPLING_FIELD_ALIASES.get(name)
-    close = [alias] if alias in known else difflib.get_close_matches(name, sorted(known), n=1)
+    (vLLM's ``max_tokens``) or another engine's option name (:data:`FOREIGN_OPTION_NAMES`) stands for, else a near
+    spelling; ``None`` for none."""
+    meant = SAMPLING_FIELD_ALIASES.get(name) or FOREIGN_OPTION_NAMES.get(name)
+    close = [meant] if meant in known else difflib.get_close_matches(name, sorted(known), n=1)
     return close[0] if close else None
 
 

@@ -10,11 +10,18 @@ from contextlib import contextmanager
 from typing import Any
 
 import typer
-from typer._click.exceptions import ClickException, NoArgsIsHelpError, UsageError  # the click typer vendors
+from typer._click.exceptions import (  # the click typer vendors
+    ClickException,
+    NoArgsIsHelpError,
+    NoSuchOption,
+    UsageError,
+)
 from typer.core import TyperGroup
 from typer.exceptions import Abort
 
+from batchgen.api.options import FOREIGN_OPTION_NAMES
 from batchgen.errors import BatchgenError
+from batchgen.sampling.sampling_params import SAMPLING_FIELD_ALIASES
 
 
 class BatchgenGroup(TyperGroup):
@@ -41,6 +48,8 @@ class BatchgenGroup(TyperGroup):
             e.show()
             sys.exit(e.exit_code)
         except UsageError as e:
+            if isinstance(e, NoSuchOption):
+                _hint_meant_option(e)
             # The command's path as it was run (`batchgen run`, `python -m batchgen run`); some errors know none.
             where = f" (see '{e.ctx.command_path} --help')" if e.ctx is not None else ""
             print(f"batchgen: error: {e.format_message()}{where}", file=sys.stderr)
@@ -52,6 +61,18 @@ class BatchgenGroup(TyperGroup):
             print("Aborted!", file=sys.stderr)
             sys.exit(1)
         sys.exit(code if isinstance(code, int) else 0)
+
+
+def _hint_meant_option(error: NoSuchOption) -> None:
+    """Point an unknown flag that is another engine's name for one of the command's options at that option alone
+    (``--max-model-len``: ``Did you mean --context-length?``), where click lists flags of a like spelling."""
+    name = error.option_name.lstrip("-").replace("-", "_")
+    meant = FOREIGN_OPTION_NAMES.get(name) or SAMPLING_FIELD_ALIASES.get(name)
+    if meant is None or error.ctx is None:
+        return
+    flag = f"--{meant.replace('_', '-')}"
+    if any(flag in param.opts for param in error.ctx.command.params):
+        error.possibilities = [flag]
 
 
 @contextmanager

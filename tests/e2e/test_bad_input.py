@@ -599,6 +599,7 @@ FILE_LEVEL = [
     "flag_value_of_the_wrong_type",
     "unknown_flag",
     "flag_without_its_value",
+    "another_engines_flag",
 ]
 
 
@@ -630,6 +631,13 @@ _FLAG_CASES: dict[str, tuple[list[str], str, bool]] = {
         False,
     ),
     "flag_without_its_value": (["--temperature"], "Option '--temperature' requires an argument.", True),
+    # vLLM's flag for the context length: pointed at it alone, not at --max-total-tokens, the nearest spelling and
+    # another setting (found by a vLLM user).
+    "another_engines_flag": (
+        ["--max-model-len", "512"],
+        "No such option: --max-model-len (Possible options: --context-length) (see ",
+        False,
+    ),
 }
 
 

@@ -341,6 +341,11 @@ def test_unknown_option_is_a_type_error_and_a_bad_value_the_cli_message(
         generator.generate(["x"], temperatur=0)
     with pytest.raises(TypeError, match="'max_tokens' \\(did you mean 'max_new_tokens'\\?\\)$"):  # vLLM's name
         generator.generate(["x"], max_tokens=4)
+    # vLLM's LLM arguments, pointed at batchgen's options (max_model_len was pointed at max_total_tokens, the nearest
+    # spelling, another setting; found by a vLLM user).
+    for vllm, meant in (("max_model_len", "context_length"), ("max_num_seqs", "max_running_requests")):
+        with pytest.raises(TypeError, match=f"'{vllm}' \\(did you mean '{meant}'\\?\\)$"):
+            batchgen.Generator(str(chat_model), **{vllm: 8})
     with pytest.raises(TypeError, match="'max_running_requests'"):  # an engine option, not a sampling default
         generator.stream(["x"], max_running_requests=2)
     with pytest.raises(TypeError, match="run\\(\\) got an unexpected keyword argument 'bogus'"):
