@@ -192,7 +192,10 @@ class OpenAIOutput:
 
     def _completion_logprobs(self, row: dict[str, Any]) -> dict[str, Any] | None:
         """``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`` (OpenAI's completions shape; offsets
-        in characters from the start of the completion text), or ``None`` when not asked for."""
+        in characters from the start of the completion text), or ``None`` when not asked for. Each step's
+        ``top_logprobs`` holds the chosen token and then the N most likely: up to N + 1 entries, the chosen one
+        alone for ``logprobs: 0`` (OpenAI's API reference: "the API will always return the logprob of the sampled
+        token, so there may be up to logprobs+1 elements"; vLLM's completions do the same)."""
         if row["output_logprobs"] is None:
             return None
         tokens = [self.token(t) for t in row["output_token_ids"]]
@@ -200,11 +203,15 @@ class OpenAIOutput:
         for text in tokens:
             offsets.append(offset)
             offset += len(text)
-        tops = None
-        if row["top_logprobs"] is not None:
-            tops = [{self.token(t["id"]): t["logprob"] for t in top} for top in row["top_logprobs"]]
         logprobs = row["output_logprobs"]
-        return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
+        tops = row["top_logprobs"] or [[] for _ in tokens]
+        steps = []
+        for token, logprob, top in zip(tokens, logprobs, tops):
+            step = {token: logprob}
+            for t in top:  # two ids of one text: the likelier one's logprob (the chosen one's first)
+                step.setdefault(self.token(t["id"]), t["logprob"])
+            steps.append(step)
+        return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": steps, "text_offset": offsets}
 
 
 def result_fields(line: dict[str, Any]) -> dict[str, Any]:

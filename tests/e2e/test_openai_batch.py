@@ -237,13 +237,41 @@ def test_completions_lines_in_input_order_with_the_columns_logprobs(
         assert choice.logprobs.token_logprobs == row["output_logprobs"]
         offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
         assert choice.logprobs.text_offset == offsets
-        if line["custom_id"] == "ids":
-            assert choice.logprobs.top_logprobs is None  # logprobs: 0 asks for the chosen token's only
-        else:
-            assert choice.logprobs.top_logprobs == [
-                {tokenizer.decode([t["id"]]): t["logprob"] for t in top} for top in row["top_logprobs"]
-            ]
+        if line["custom_id"] == "ids":  # logprobs: 0, the chosen token's only
+            assert choice.logprobs.top_logprobs == [{t: lp} for t, lp in zip(tokens, row["output_logprobs"])]
+        else:  # greedy: the chosen token is the likeliest, first of the three; of two ids of one text, the likelier
+            expected = [{} for _ in tokens]
+            for step, top in zip(expected, row["top_logprobs"]):
+                for t in top:
+                    step.setdefault(tokenizer.decode([t["id"]]), t["logprob"])
+            assert choice.logprobs.top_logprobs == expected
             assert all(len(top) == 3 for top in row["top_logprobs"])
+
+
+def test_completions_top_logprobs_hold_the_sampled_token_too(
+    model: Path, tokenizer: PreTrainedTokenizerBase, tmp_path: Path
+) -> None:
+    """OpenAI's completions reference: "the API will always return the logprob of the sampled token, so there may be
+    up to logprobs+1 elements" (vLLM's completions too); found by a vLLM user: a sampled token outside the top N
+    was missing, so code reading ``top_logprobs[i][tokens[i]]`` failed."""
+    body = {"prompt": "Once upon a time", "max_tokens": 24, "temperature": 1.0, "seed": 3, "logprobs": 1}
+    dataset = write_jsonl(tmp_path / "c.jsonl", [request("s", body, COMPLETIONS)])
+    run(dataset, tmp_path / "out.jsonl", model)
+    run(dataset, tmp_path / "out.arrow", model)
+    (row,) = pa.ipc.open_file(tmp_path / "out.arrow").read_all().to_pylist()
+    (choice,) = validated(output_lines(tmp_path / "out.jsonl")[0], COMPLETIONS).choices
+    assert choice.logprobs is not None and choice.logprobs.top_logprobs is not None
+    outside = 0
+    for token_id, logprob, top, step in zip(
+        row["output_token_ids"], row["output_logprobs"], row["top_logprobs"], choice.logprobs.top_logprobs
+    ):
+        chosen, (best,) = tokenizer.decode([token_id]), top
+        best_text = tokenizer.decode([best["id"]])
+        # Two ids of one text (parts of a character read U+FFFD) hold one entry: the chosen token's.
+        expected = {chosen: logprob} | ({best_text: best["logprob"]} if best_text != chosen else {})
+        assert step == expected and list(step)[0] == chosen
+        outside += best_text != chosen
+    assert outside > 0  # temperature 1 on a random model: some sampled tokens are not the likeliest
 
 
 def test_chat_logprobs_carry_token_text_bytes_and_top_logprobs(
