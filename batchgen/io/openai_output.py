@@ -103,6 +103,7 @@ class OpenAIOutput:
         if custom_id is None:  # a line whose custom_id is not a string: echoed as given
             custom_id = self.openai.given_ids.get(first["id"])
         line: dict[str, Any] = {"id": f"batch_req_{hexes[:32]}", "custom_id": custom_id}
+        failure = None
         if first["finish_reason"] == "error":
             error = first["error"] or ""
             param = _FIELD.search(error)
@@ -115,10 +116,12 @@ class OpenAIOutput:
                 }
             }
             status = 400
+            # Also in the line's error, where vLLM's run-batch writes it, so a pipeline checking either finds it.
+            failure = {"code": "invalid_request_error", "message": error}
         else:
             body, status = self.completion(rows, hexes[32:], created), 200
         line["response"] = {"status_code": status, "request_id": f"req_{hexes[32:64]}", "body": body}
-        line["error"] = None
+        line["error"] = failure
         return line
 
     def completion(self, rows: list[dict[str, Any]], hexes: str, created: int) -> dict[str, Any]:
