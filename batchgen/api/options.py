@@ -17,7 +17,7 @@ from batchgen.errors import BatchgenError, FieldError, shown_value
 from batchgen.io.input_options import InputOptions
 from batchgen.job.options import JobOptions
 from batchgen.loop.options import EngineOptions
-from batchgen.sampling.sampling_params import SAMPLING_FIELD_ALIASES, SamplingParams, python_value
+from batchgen.sampling.sampling_params import LOGPROBS_COUNT_HINT, SAMPLING_FIELD_ALIASES, SamplingParams, python_value
 
 OPTION_CLASSES: tuple[type, ...] = (EngineOptions, SamplingParams, JobOptions, InputOptions)
 
@@ -129,7 +129,8 @@ def _checked(name: str, value: Any, hint: Any) -> Any:
     if hint in (bool, bool | None) and not isinstance(value, bool):
         optional = hint is not bool
         if value is not None or not optional:
-            raise BatchgenError(f"--{flag}: must be True or False{' or None' * optional}, got {value!r}")
+            count = f" ({LOGPROBS_COUNT_HINT})" if name == "logprobs" else ""
+            raise BatchgenError(f"--{flag}: must be True or False{' or None' * optional}, got {value!r}{count}")
     elif (problem := type_problem(value, hint)) is not None:
         raise BatchgenError(
             f"--{flag}: must be {problem}, got {shown_value(list(value) if isinstance(value, tuple) else value)}"

@@ -15,7 +15,7 @@ from batchgen.io.input_row import InputRow
 from batchgen.io.json_text import is_json_text
 from batchgen.io.passthrough import CONTINUATION_FIELD, KNOWN_FIELDS, PROMPT_FIELDS, json_type_name
 from batchgen.io.row_ids import check_id
-from batchgen.sampling.sampling_params import SAMPLING_FIELD_ALIASES, SAMPLING_FIELDS
+from batchgen.sampling.sampling_params import SAMPLING_FIELD_ALIASES, SAMPLING_FIELDS, whole_number
 
 __all__ = ["PROMPT_FIELDS", "RowSpec", "parse_row"]
 
@@ -212,6 +212,7 @@ def _check_token_ids(value: Any, fail: _Fail) -> list[int]:
     if not isinstance(value, list) or not value:
         got = "an empty array" if isinstance(value, list) else json_type_name(value)
         raise fail("prompt_token_ids", f"must be a non-empty array of integers, got {got}")
+    value = [whole_number(token) for token in value]  # 5.0: as the integer fields take it
     for i, token in enumerate(value):
         if isinstance(token, bool) or not isinstance(token, int):
             raise fail("prompt_token_ids", f"item {i} must be an integer, got {shown_value(token)}")

@@ -52,6 +52,9 @@ def field_names(field: str) -> tuple[str, ...]:
 
 MAX_NEW_TOKENS_NAMES: tuple[str, ...] = field_names("max_new_tokens")
 
+# vLLM's logprobs is a count: what gives it here, said where a count is given for the switch.
+LOGPROBS_COUNT_HINT = "vLLM's logprobs=N is logprobs true with top_logprobs N"
+
 # Samples per prompt; the run's --max-running-requests may bound it further (all samples decode together).
 MAX_SAMPLES = 1024
 
@@ -238,8 +241,7 @@ def _coerce(name: str, value: Any) -> Any:
         return float(value)
     if name in _BOOL_FIELDS:
         if not isinstance(value, bool):
-            # vLLM's logprobs is a count: say what gives it here.
-            count = " (vLLM's logprobs=N is logprobs: true with top_logprobs: N)" if name == "logprobs" else ""
+            count = f" ({LOGPROBS_COUNT_HINT})" if name == "logprobs" else ""
             raise FieldError(name, f"must be true or false, got {shown_value(value)}{count}")
         return value
     if name in ("seed", "prompt_logprobs_from"):

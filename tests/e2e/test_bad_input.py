@@ -121,7 +121,7 @@ CASES: dict[str, Case] = {
     "logprobs_count": Case(
         _bad(prompt="x", logprobs=5),
         "logprobs",
-        "must be true or false, got 5 (vLLM's logprobs=N is logprobs: true with top_logprobs: N)",
+        "must be true or false, got 5 (vLLM's logprobs=N is logprobs true with top_logprobs N)",
     ),
     "max_new_tokens_fraction": Case(
         _bad(prompt="x", max_new_tokens=4.5), "max_new_tokens", "must be an integer, got 4.5"
@@ -155,6 +155,10 @@ CASES: dict[str, Case] = {
     "messages_item_no_content": Case(_bad(messages=[{"role": "user"}]), "messages", "item 0: 'content' is missing"),
     "prompt_token_ids_string_item": Case(
         _bad(prompt_token_ids=[0, "a"]), "prompt_token_ids", 'item 1 must be an integer, got "a"'
+    ),
+    # A number with no fraction is the integer, as in the integer fields (found by a vLLM user: 1.0 was refused).
+    "prompt_token_ids_fraction": Case(
+        _bad(prompt_token_ids=[1.0, 2.5]), "prompt_token_ids", "item 1 must be an integer, got 2.5"
     ),
     # --- out-of-range sampling values
     "temperature_negative": Case(

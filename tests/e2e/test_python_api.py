@@ -252,6 +252,12 @@ def test_a_lone_token_id_list_or_conversation_is_one_row(generator: batchgen.Gen
     rows = [{"prompt": "Hi", "role": "a"}, {"prompt": "Yo", "role": "b"}]
     assert [r["role"] for r in generator.generate(rows, max_new_tokens=1)] == ["a", "b"]
     assert generator.generate([], max_new_tokens=1) == []
+    # Ids written as floats with no fraction (a JSON writer's, pandas') are those integers, as integer fields take them.
+    as_floats = generator.generate([{"prompt_token_ids": [1.0, 41.0]}], max_new_tokens=2, temperature=0)
+    assert (
+        as_floats[0]["output_token_ids"]
+        == generator.generate([[1, 41]], max_new_tokens=2, temperature=0)[0]["output_token_ids"]
+    )
 
 
 def test_a_prompt_over_the_tokenizers_max_length_brings_no_transformers_warning(
@@ -357,7 +363,9 @@ def test_unknown_option_is_a_type_error_and_a_bad_value_the_cli_message(
         batchgen.Generator(str(chat_model), deterministic="false")
     with pytest.raises(BatchgenError, match="^--prefix-cache: must be True or False, got 0$"):
         batchgen.run(tmp_path / "in.jsonl", tmp_path / "out.jsonl", prefix_cache=0)
-    with pytest.raises(BatchgenError, match="^--logprobs: must be True or False, got 1$"):
+    # vLLM's logprobs=N: what gives it here, as a row's message says (found by a vLLM user).
+    hint = r" \(vLLM's logprobs=N is logprobs true with top_logprobs N\)$"
+    with pytest.raises(BatchgenError, match="^--logprobs: must be True or False, got 1" + hint):
         generator.generate(["x"], logprobs=1)
     # Every option's type is checked where it is given (found by a helper: these ended in TypeErrors deep in a check).
     with pytest.raises(BatchgenError, match='^--max-running-requests: must be an integer, got "4"$'):
