@@ -53,9 +53,23 @@ _OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "tool_choice": ("none",),
     "function_call": ("none",),
     "modalities": (["text"],),
+    # vLLM's chat extensions, in the value batchgen always does: the template's generation prompt after the messages.
+    "add_generation_prompt": (True,),
+    "continue_final_message": (False,),
+    "include_stop_str_in_output": (False,),
 }
-_CHAT_ONLY = frozenset(("messages", "max_completion_tokens", "top_logprobs", "response_format", "modalities"))
-_COMPLETIONS_ONLY = frozenset(("prompt", "echo", "suffix", "best_of"))
+_CHAT_ONLY = frozenset(
+    (
+        "messages",
+        "max_completion_tokens",
+        "top_logprobs",
+        "response_format",
+        "modalities",
+        "add_generation_prompt",
+        "continue_final_message",
+    )
+)
+_COMPLETIONS_ONLY = frozenset(("prompt", "suffix", "best_of"))  # echo too, but vLLM's chat takes echo: false
 _READ = (*_SAMPLING_NAMES, "messages", "prompt", "logprobs", "top_logprobs", "response_format")
 # Each batchgen row field → the request field it was read from, so that a row error names the request's field.
 _CHAT_NAMES = {
