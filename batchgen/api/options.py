@@ -17,7 +17,8 @@ from batchgen.errors import BatchgenError, FieldError, shown_value
 from batchgen.io.input_options import InputOptions
 from batchgen.job.options import JobOptions
 from batchgen.loop.options import EngineOptions
-from batchgen.sampling.sampling_params import LOGPROBS_COUNT_HINT, SAMPLING_FIELD_ALIASES, SamplingParams, python_value
+from batchgen.sampling.row_fields import LOGPROBS_COUNT_HINT, SAMPLING_FIELD_ALIASES
+from batchgen.sampling.sampling_params import SamplingParams, python_value
 
 OPTION_CLASSES: tuple[type, ...] = (EngineOptions, SamplingParams, JobOptions, InputOptions)
 

@@ -21,7 +21,7 @@ from typer.exceptions import Abort
 
 from batchgen.api.options import FOREIGN_OPTION_NAMES
 from batchgen.errors import BatchgenError
-from batchgen.sampling.sampling_params import SAMPLING_FIELD_ALIASES
+from batchgen.sampling.row_fields import SAMPLING_FIELD_ALIASES
 
 
 class BatchgenGroup(TyperGroup):

@@ -10,7 +10,7 @@ from typing import Any
 from lm_eval.models.utils import handle_stop_sequences, maybe_truncate, normalize_gen_kwargs
 from lm_eval.utils import warning_once
 
-from batchgen.sampling.sampling_params import SAMPLING_FIELDS
+from batchgen.sampling.row_fields import SAMPLING_FIELDS
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import pyarrow as pa
 
 from batchgen.io.input_options import InputOptions
 from batchgen.io.writer import OUTPUT_COLUMNS, is_json_text
-from batchgen.sampling.sampling_params import SAMPLING_FIELD_ALIASES, SAMPLING_FIELDS
+from batchgen.sampling.row_fields import SAMPLING_FIELD_ALIASES, SAMPLING_FIELDS
 
 # Names other engines (HF generate, vLLM, SGLang, OpenAI, TGI) use for sampling fields → batchgen's field, or None
 # where batchgen has none; a row written for another engine is then told what it lost rather than run differently.
@@ -40,7 +40,6 @@ _FOREIGN_SAMPLING_NAMES: dict[str, str | None] = {
             "eta_cutoff",
             "no_repeat_ngram_size",
             "allowed_token_ids",
-            "include_stop_str_in_output",
             "truncate_prompt_tokens",
             "guided_choice",
             "detokenize",

@@ -36,7 +36,7 @@ LINE_KEYS = ("custom_id", "method", "url", "body")
 _SAMPLING_NAMES = {
     **{name: name for name in ("max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stop", "seed")},
     **{name: name for name in ("presence_penalty", "frequency_penalty", "top_k", "min_p", "repetition_penalty")},
-    **{name: name for name in ("ignore_eos", "stop_token_ids", "skip_special_tokens")},
+    **{name: name for name in ("ignore_eos", "stop_token_ids", "skip_special_tokens", "include_stop_str_in_output")},
     "min_tokens": "min_new_tokens",
 }
 # Body fields that change nothing batchgen writes, whatever their value (stream_options applies only to
@@ -56,7 +56,6 @@ _OFF_VALUES: dict[str, tuple[Any, ...]] = {
     # vLLM's chat extensions, in the value batchgen always does: the template's generation prompt after the messages.
     "add_generation_prompt": (True,),
     "continue_final_message": (False,),
-    "include_stop_str_in_output": (False,),
 }
 _CHAT_ONLY = frozenset(
     (

@@ -12,7 +12,7 @@ from batchgen.errors import is_unicode_text
 from batchgen.io.arrow_fit import misfit, same_value, unicode_only
 from batchgen.io.json_text import JSON_TEXT_METADATA
 from batchgen.io.writer import OUTPUT_COLUMNS
-from batchgen.sampling.sampling_params import SAMPLING_FIELD_ALIASES, SAMPLING_FIELDS
+from batchgen.sampling.row_fields import SAMPLING_FIELD_ALIASES, SAMPLING_FIELDS
 
 PROMPT_FIELDS: tuple[str, ...] = ("prompt", "messages", "prompt_token_ids")
 # Text scored after a prompt or messages (batchgen.job.continuation).

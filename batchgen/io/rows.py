@@ -15,7 +15,8 @@ from batchgen.io.input_row import InputRow
 from batchgen.io.json_text import is_json_text
 from batchgen.io.passthrough import CONTINUATION_FIELD, KNOWN_FIELDS, PROMPT_FIELDS, json_type_name
 from batchgen.io.row_ids import check_id
-from batchgen.sampling.sampling_params import SAMPLING_FIELD_ALIASES, SAMPLING_FIELDS, whole_number
+from batchgen.sampling.row_fields import SAMPLING_FIELD_ALIASES, SAMPLING_FIELDS
+from batchgen.sampling.sampling_params import whole_number
 
 __all__ = ["PROMPT_FIELDS", "RowSpec", "parse_row"]
 

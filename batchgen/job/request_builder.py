@@ -15,7 +15,8 @@ from batchgen.loop.req import Req
 from batchgen.sampling.grammar import GrammarCompiler
 from batchgen.sampling.penalties import TokenHistory, needs_history
 from batchgen.sampling.random import derive_seed
-from batchgen.sampling.sampling_params import MAX_NEW_TOKENS_NAMES, SamplingParams, make_sampling_params
+from batchgen.sampling.row_fields import MAX_NEW_TOKENS_NAMES, make_sampling_params
+from batchgen.sampling.sampling_params import SamplingParams
 
 
 class RequestBuilder:

@@ -44,7 +44,8 @@ from batchgen.job.row_flow import RowChecks
 from batchgen.job.run_metadata import RUN_SEED_KEY, run_metadata
 from batchgen.job.summary import RunSummary
 from batchgen.loop.options import EngineOptions
-from batchgen.sampling.sampling_params import SamplingParams, make_sampling_params
+from batchgen.sampling.row_fields import make_sampling_params
+from batchgen.sampling.sampling_params import SamplingParams
 
 # At most this many row errors are printed in full; the rest are counted.
 MAX_PRINTED_ERRORS = 20

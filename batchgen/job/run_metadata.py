@@ -159,7 +159,7 @@ def job_differences(recorded: dict[str, str], now: dict[str, str]) -> list[str]:
     if old_mode is not None and old_mode != new_mode:  # not recorded before batchgen had the mode: not compared
         flag = "--deterministic" if old_mode == "true" else "--no-deterministic"
         differences.append(f"deterministic {old_mode} → {new_mode} ({flag} resumes in the written rows' mode)")
-    differences += changed_fields("batchgen.sampling_defaults", recorded, now, None)
+    differences += changed_fields("batchgen.sampling_defaults", _sampling_defaults_in_full(recorded, now), now, None)
     engine_then, engine_now = _engine_options_as_run(recorded, now)
     differences += changed_fields("batchgen.engine_options", engine_then, engine_now, _OUTPUT_ENGINE_OPTIONS)
     # An output of a batchgen without column options reads as one made with none.
@@ -210,6 +210,19 @@ def _escaped(metadata: dict[str, str]) -> dict[str, str]:
     except (json.JSONDecodeError, AttributeError):
         return metadata
     return metadata | {INPUT_OPTIONS_KEY: json.dumps(options)}
+
+
+def _sampling_defaults_in_full(recorded: dict[str, str], now: dict[str, str]) -> dict[str, str]:
+    """``recorded`` with its sampling defaults completed by the fields that ``now`` records and a batchgen that wrote
+    them did not have yet (``include_stop_str_in_output``), at their defaults: a run that asks for none of them
+    resumes such an output."""
+    try:
+        old, new = (json.loads(m.get("batchgen.sampling_defaults", "{}")) for m in (recorded, now))
+    except json.JSONDecodeError:
+        return recorded  # changed_fields says it is unreadable
+    defaults = asdict(SamplingParams())
+    added = {name: defaults[name] for name in new if name not in old and name in defaults}
+    return {**recorded, "batchgen.sampling_defaults": json.dumps(added | old)}
 
 
 def changed_fields(key: str, recorded: dict[str, str], now: dict[str, str], only: tuple[str, ...] | None) -> list[str]:

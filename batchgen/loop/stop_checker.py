@@ -40,13 +40,14 @@ def append_token(req: Req, token_id: int, logprob: float | None, top: list[tuple
         if hit is not None:
             req.finish_reason, req.matched_stop = "stop", hit[1]
             req.stop_search_from = committed_before
-            req.text = req.detokenizer.text[: hit[0]]
+            req.text = req.detokenizer.text[: _text_end(req, hit)]
     if req.finish_reason is None and (num_out >= req.params.max_new_tokens or req.fill_len >= req.max_total_len):
         req.finish_reason = "length"
 
 
 def finalize_text(req: Req, tokenizer: Any) -> None:
-    """Set ``req.text`` of a finished request: the continuation text without the stop that ended it.
+    """Set ``req.text`` of a finished request: the continuation text without the stop that ended it (a stop string
+    kept where ``include_stop_str_in_output`` asks).
 
     The text is cut from the full decode (``decode(prompt + output)`` minus ``decode(prompt)``), never from the
     streamed text, which can differ where a decoder rewrites a run of invalid bytes. A stop token's text is left
@@ -67,4 +68,10 @@ def finalize_text(req: Req, tokenizer: Any) -> None:
     start = len(continuation_text(tokenizer, req.prompt_ids, req.output_ids[: req.stop_search_from], skip))
     hit = find_stop(full, len(full) - start, req.params.stop)
     if hit is not None:
-        req.text = full[: hit[0]]
+        req.text = full[: _text_end(req, hit)]
+
+
+def _text_end(req: Req, hit: tuple[int, str]) -> int:
+    """Where ``text`` ends for a stop string found at ``hit`` (its index, the string): before it, or after it with
+    ``include_stop_str_in_output`` (vLLM's option; the rest of the token that completed it is left out either way)."""
+    return hit[0] + len(hit[1]) if req.params.include_stop_str_in_output else hit[0]

@@ -260,6 +260,27 @@ def test_a_lone_token_id_list_or_conversation_is_one_row(generator: batchgen.Gen
     )
 
 
+def test_include_stop_str_in_output_ends_text_with_the_stop_string(generator: batchgen.Generator) -> None:
+    """vLLM's include_stop_str_in_output (its SamplingParams: "whether to include the stop strings in output text"):
+    the text runs to the end of the stop string that ended it, where it otherwise ends before it; the tokens are
+    the same (found by a vLLM user: the field was refused)."""
+    greedy = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
+    full = generator.generate(["Once upon a time"], **greedy)[0]["text"]
+    # A stop string first found inside the text, away from its start (one character: the random model's text is
+    # mostly parts of characters, U+FFFD, which are no stop to look for).
+    at = next(k for k in range(1, len(full)) if full[k] != "\ufffd" and full.find(full[k]) == k)
+    stop = full[at]
+    cut, kept = (
+        generator.generate(
+            [{"prompt": "Once upon a time", "include_stop_str_in_output": include}], stop=[stop], **greedy
+        )[0]
+        for include in (False, True)
+    )
+    assert cut["text"] == full[:at] and kept["text"] == full[: at + 1]
+    assert cut["matched_stop"] == kept["matched_stop"] == stop and kept["finish_reason"] == "stop"
+    assert cut["output_token_ids"] == kept["output_token_ids"]
+
+
 def test_a_prompt_over_the_tokenizers_max_length_brings_no_transformers_warning(
     generator: batchgen.Generator, caplog: pytest.LogCaptureFixture
 ) -> None:

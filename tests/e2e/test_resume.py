@@ -789,6 +789,21 @@ def test_an_output_that_records_no_model_context_length_takes_the_loaded_models(
         assert job_differences(older, now) == differences
 
 
+def test_an_output_that_records_no_newer_sampling_field_takes_its_default() -> None:
+    """An output written before a sampling field existed (include_stop_str_in_output) resumes under a run that
+    leaves the field at its default, and is refused under one that sets it."""
+    from batchgen.job.run_metadata import job_differences
+
+    fingerprint = json.dumps({"size": 1, "mtime_ns": 1, "sample_sha256": "0" * 64})
+    older = {"batchgen.model": "m", "batchgen.dataset": fingerprint}
+    older["batchgen.sampling_defaults"] = json.dumps({"max_new_tokens": 4, "temperature": 0.0})
+    now = dict(older)
+    for include, differences in ((False, []), (True, ["include_stop_str_in_output False → True"])):
+        fields = {"max_new_tokens": 4, "temperature": 0.0, "include_stop_str_in_output": include}
+        now["batchgen.sampling_defaults"] = json.dumps(fields)
+        assert job_differences(older, now) == differences
+
+
 def test_resume_refuses_other_kernel_switches_as_it_refuses_another_dtype(
     model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

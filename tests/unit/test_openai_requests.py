@@ -121,12 +121,14 @@ def test_sampling_fields_map_onto_batchgen_names(tmp_path: Path) -> None:
 
 
 def test_vllms_chat_extensions_at_what_batchgen_does_are_read(tmp_path: Path) -> None:
-    """vLLM's chat request fields (its ChatCompletionRequest: add_generation_prompt true, continue_final_message,
-    echo and include_stop_str_in_output false by default) given at those defaults ask for what batchgen does: read,
-    not refused (found by a vLLM user: add_generation_prompt true was "not supported", echo "not a field")."""
+    """vLLM's chat request fields (its ChatCompletionRequest: add_generation_prompt true, continue_final_message and
+    echo false by default) given at those defaults ask for what batchgen does: read, not refused (found by a vLLM
+    user: add_generation_prompt true was "not supported", echo "not a field"); include_stop_str_in_output is read
+    as the sampling field it is."""
     vllm = {"add_generation_prompt": True, "continue_final_message": False, "echo": False}
-    (row,) = rows(tmp_path, [request("a", chat(**vllm, include_stop_str_in_output=False))])
+    (row,) = rows(tmp_path, [request("a", chat(**vllm, include_stop_str_in_output=True))])
     assert row.problem is None and row.data["messages"] == chat()["messages"]
+    assert row.data["include_stop_str_in_output"] is True  # batchgen's sampling field of that name
 
 
 def test_completions_prompts_and_their_logprobs_count(tmp_path: Path) -> None:
@@ -187,7 +189,6 @@ def test_text_content_parts_are_joined_and_others_refused(tmp_path: Path) -> Non
         (request("a", chat(add_generation_prompt=False)), "body.add_generation_prompt", "not supported"),
         (request("a", chat(continue_final_message=True)), "body.continue_final_message", "not supported"),
         (request("a", chat(echo=True)), "body.echo", "not supported"),
-        (request("a", chat(include_stop_str_in_output=True)), "body.include_stop_str_in_output", "not supported"),
         (request("a", chat(prompt="x")), "body.prompt", "not a field of /v1/chat/completions"),
         (request("a", {"model": "m", "prompt": "x", "echo": True}, COMPLETIONS), "body.echo", "not supported"),
         (request("a", {"model": "m", "prompt": "x", "suffix": "y"}, COMPLETIONS), "body.suffix", "not supported"),

@@ -149,7 +149,7 @@ def test_prompt_logprobs_takes_true_false_or_a_count_from_a_flag_a_config_file_a
     the flag, a config file and ``generate``'s keyword refused ``true``, as integer options. ``true`` is 0 (the
     prompt's own logprobs, no other tokens), ``false`` off, as on a row."""
     from batchgen.api.options import options_of
-    from batchgen.sampling.sampling_params import make_sampling_params
+    from batchgen.sampling.row_fields import make_sampling_params
 
     row_value = yaml.safe_load(given)  # what a JSONL row's field holds
     assert make_sampling_params(SamplingParams(), {"prompt_logprobs": row_value}, 100).prompt_logprobs == expected

@@ -465,7 +465,7 @@ def test_prompt_logprobs_without_generation(random_models: dict[str, Path], tmp_
 )
 def test_bad_logit_bias(bias: dict[str, float], message: str) -> None:
     from batchgen.errors import FieldError
-    from batchgen.sampling.sampling_params import make_sampling_params
+    from batchgen.sampling.row_fields import make_sampling_params
 
     with pytest.raises(FieldError, match="logit_bias") as raised:
         make_sampling_params(SamplingParams(), {"logit_bias": bias}, vocab_size=512)
@@ -490,7 +490,7 @@ def test_counter_uniforms_are_uniform_for_every_seed_and_step() -> None:
 def test_whole_floats_are_integers_where_a_field_takes_one() -> None:
     """pandas writes an integer column with nulls as float64 (4.0): integer sampling fields take such floats as
     the integers they are; a fraction stays an error (tests/e2e/test_bad_input.py)."""
-    from batchgen.sampling.sampling_params import make_sampling_params
+    from batchgen.sampling.row_fields import make_sampling_params
 
     overrides = {"max_new_tokens": 4.0, "top_k": 3.0, "seed": 2.0, "stop_token_ids": [5.0, 7], "n": 2.0}
     params = make_sampling_params(SamplingParams(), overrides, vocab_size=512)
