@@ -32,12 +32,14 @@ _Fail = Callable[[str, str], RowError]
 # The keys of a request line; one of them on a line marks it as OpenAI-shaped.
 LINE_KEYS = ("custom_id", "method", "url", "body")
 
-# Body fields copied to the row under batchgen's name (OpenAI's and vLLM's extra sampling fields).
-_SAMPLING_NAMES = {
+# Body fields copied to the row under batchgen's name (OpenAI's and vLLM's extra sampling fields, vLLM's chat
+# template arguments).
+_COPIED = {
     **{name: name for name in ("max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stop", "seed")},
     **{name: name for name in ("presence_penalty", "frequency_penalty", "top_k", "min_p", "repetition_penalty")},
     **{name: name for name in ("ignore_eos", "stop_token_ids", "skip_special_tokens", "include_stop_str_in_output")},
     "min_tokens": "min_new_tokens",
+    "chat_template_kwargs": "chat_template_kwargs",
 }
 # Body fields that change nothing batchgen writes, whatever their value (stream_options applies only to
 # stream: true, which is refused; vLLM's files carry it without).
@@ -66,14 +68,15 @@ _CHAT_ONLY = frozenset(
         "modalities",
         "add_generation_prompt",
         "continue_final_message",
+        "chat_template_kwargs",
     )
 )
 _COMPLETIONS_ONLY = frozenset(("prompt", "suffix", "best_of"))  # echo too, but vLLM's chat takes echo: false
-_READ = (*_SAMPLING_NAMES, "messages", "prompt", "logprobs", "top_logprobs", "response_format")
+_READ = (*_COPIED, "messages", "prompt", "logprobs", "top_logprobs", "response_format")
 # Each batchgen row field → the request field it was read from, so that a row error names the request's field.
 _CHAT_NAMES = {
     "id": "custom_id",
-    **{name: f"body.{key}" for key, name in _SAMPLING_NAMES.items()},
+    **{name: f"body.{key}" for key, name in _COPIED.items()},
     "messages": "body.messages",
     "logprobs": "body.logprobs",
     "top_logprobs": "body.top_logprobs",
@@ -186,7 +189,7 @@ class OpenAIBatchInput:
                 self._check_model(model, self.models[model])
         for key, value in given.items():
             _check_body_field(key, value, url, given, fail)
-        row = {_SAMPLING_NAMES[key]: value for key, value in given.items() if key in _SAMPLING_NAMES}
+        row = {_COPIED[key]: value for key, value in given.items() if key in _COPIED}
         row.update(_prompt(url, given, fail))
         row.update(_logprobs(url, given, fail))
         if "response_format" in given:

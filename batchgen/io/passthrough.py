@@ -17,9 +17,11 @@ from batchgen.sampling.row_fields import SAMPLING_FIELD_ALIASES, SAMPLING_FIELDS
 PROMPT_FIELDS: tuple[str, ...] = ("prompt", "messages", "prompt_token_ids")
 # Text scored after a prompt or messages (batchgen.job.continuation).
 CONTINUATION_FIELD = "continuation"
+# Keyword arguments of a messages row's chat template (vLLM's chat_template_kwargs: {"enable_thinking": false}).
+CHAT_TEMPLATE_KWARGS_FIELD = "chat_template_kwargs"
 # Fields batchgen interprets itself; every other input field is copied to the output unchanged.
 KNOWN_FIELDS: frozenset[str] = frozenset(
-    ("id", *PROMPT_FIELDS, CONTINUATION_FIELD, *SAMPLING_FIELDS, *SAMPLING_FIELD_ALIASES)
+    ("id", *PROMPT_FIELDS, CONTINUATION_FIELD, CHAT_TEMPLATE_KWARGS_FIELD, *SAMPLING_FIELDS, *SAMPLING_FIELD_ALIASES)
 )
 # `id` is both known and an output column; it is never a pass-through field, so it never collides.
 _COLLIDING: frozenset[str] = frozenset(OUTPUT_COLUMNS.names) - {"id"}

@@ -13,7 +13,13 @@ from batchgen.errors import NOT_UNICODE, RowError, is_unicode_text, shown_value
 from batchgen.io.arrow_fit import misfit
 from batchgen.io.input_row import InputRow
 from batchgen.io.json_text import is_json_text
-from batchgen.io.passthrough import CONTINUATION_FIELD, KNOWN_FIELDS, PROMPT_FIELDS, json_type_name
+from batchgen.io.passthrough import (
+    CHAT_TEMPLATE_KWARGS_FIELD,
+    CONTINUATION_FIELD,
+    KNOWN_FIELDS,
+    PROMPT_FIELDS,
+    json_type_name,
+)
 from batchgen.io.row_ids import check_id
 from batchgen.sampling.row_fields import SAMPLING_FIELD_ALIASES, SAMPLING_FIELDS
 from batchgen.sampling.sampling_params import whole_number
@@ -46,6 +52,8 @@ class RowSpec:
         messages: chat messages, each with string ``role`` and ``content`` (and any other string keys given).
         prompt_token_ids: token ids (their vocabulary range is checked later, by the engine).
         continuation: text to score after ``prompt`` or ``messages`` (see ``batchgen.job.continuation``), or ``None``.
+        chat_template_kwargs: keyword arguments of the chat template that renders ``messages`` (vLLM's field), or
+            ``None``; a key given as null is left out (a Parquet struct column's rows hold every key).
         sampling_overrides: the row's sampling fields with their raw values, under the names the row gave them
             (``max_tokens`` too: see ``SAMPLING_FIELD_ALIASES``), for ``make_sampling_params``.
         passthrough: every field of the pass-through schema (``None`` where absent), under its schema name.
@@ -57,6 +65,7 @@ class RowSpec:
     messages: list[dict[str, str]] | None
     prompt_token_ids: list[int] | None
     continuation: str | None
+    chat_template_kwargs: dict[str, Any] | None
     sampling_overrides: dict[str, Any]
     passthrough: dict[str, Any]
 
@@ -108,6 +117,7 @@ def parse_row(
         messages=messages,
         prompt_token_ids=token_ids,
         continuation=_check_continuation(data, kind, fail),
+        chat_template_kwargs=_check_chat_template_kwargs(data.get(CHAT_TEMPLATE_KWARGS_FIELD), kind, fail),
         sampling_overrides={name: data[name] for name in (*SAMPLING_FIELDS, *SAMPLING_FIELD_ALIASES) if name in data},
         passthrough=_passthrough(data, passthrough_schema, passthrough_names, fail),
     )
@@ -151,6 +161,23 @@ def _check_continuation(data: dict[str, Any], prompt_field: str, fail: _Fail) ->
     if data.get("prompt_logprobs_from") is not None:
         raise fail("prompt_logprobs_from", "give either continuation or prompt_logprobs_from, not both")
     return value
+
+
+# The chat template's own arguments, which batchgen sets (the messages; a generation prompt, rendered as text).
+_TEMPLATE_ARGUMENTS = ("conversation", "messages", "add_generation_prompt", "tokenize", "continue_final_message")
+
+
+def _check_chat_template_kwargs(value: Any, prompt_field: str, fail: _Fail) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not all(isinstance(key, str) for key in value):
+        raise fail(CHAT_TEMPLATE_KWARGS_FIELD, f"must be an object of template arguments, got {json_type_name(value)}")
+    if prompt_field != "messages":
+        raise fail(CHAT_TEMPLATE_KWARGS_FIELD, "needs messages: a prompt is not rendered by the chat template")
+    taken = next((key for key in _TEMPLATE_ARGUMENTS if key in value), None)
+    if taken is not None:
+        raise fail(CHAT_TEMPLATE_KWARGS_FIELD, f"'{taken}' is set by batchgen, not a template argument to give")
+    return {key: item for key, item in value.items() if item is not None}
 
 
 def _check_prompt(value: Any, fail: _Fail) -> str:

@@ -155,7 +155,10 @@ class RequestBuilder:
             if not getattr(self.tokenizer, "chat_template", None):
                 raise error("messages", "the model's tokenizer has no chat template; give a plain prompt instead")
             try:
-                text = self.tokenizer.apply_chat_template(spec.messages, add_generation_prompt=True, tokenize=False)
+                kwargs = spec.chat_template_kwargs or {}
+                text = self.tokenizer.apply_chat_template(
+                    spec.messages, add_generation_prompt=True, tokenize=False, **kwargs
+                )
             except Exception as e:  # template errors are the row's fault (e.g. a role the template rejects)
                 raise error("messages", f"chat template failed: {e}") from None
             # The template already contains the special tokens (BOS included) it wants.

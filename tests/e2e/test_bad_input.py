@@ -153,6 +153,21 @@ CASES: dict[str, Case] = {
     ),
     "messages_item_not_object": Case(_bad(messages=["hi"]), "messages", "item 0 must be an object, got string"),
     "messages_item_no_content": Case(_bad(messages=[{"role": "user"}]), "messages", "item 0: 'content' is missing"),
+    "chat_template_kwargs_not_object": Case(
+        _bad(messages=[{"role": "user", "content": "hi"}], chat_template_kwargs=["x"]),
+        "chat_template_kwargs",
+        "must be an object of template arguments, got array",
+    ),
+    "chat_template_kwargs_without_messages": Case(
+        _bad(prompt="x", chat_template_kwargs={"enable_thinking": False}),
+        "chat_template_kwargs",
+        "needs messages: a prompt is not rendered by the chat template",
+    ),
+    "chat_template_kwargs_batchgens_argument": Case(
+        _bad(messages=[{"role": "user", "content": "hi"}], chat_template_kwargs={"add_generation_prompt": False}),
+        "chat_template_kwargs",
+        "'add_generation_prompt' is set by batchgen, not a template argument to give",
+    ),
     "prompt_token_ids_string_item": Case(
         _bad(prompt_token_ids=[0, "a"]), "prompt_token_ids", 'item 1 must be an integer, got "a"'
     ),

@@ -281,6 +281,33 @@ def test_include_stop_str_in_output_ends_text_with_the_stop_string(generator: ba
     assert cut["output_token_ids"] == kept["output_token_ids"]
 
 
+def test_chat_template_kwargs_reach_the_chat_template(generator: batchgen.Generator) -> None:
+    """vLLM's chat_template_kwargs (``{"enable_thinking": false}`` for Qwen3's template): the row's messages render
+    as transformers' ``apply_chat_template`` renders them with those arguments; a null one is left out."""
+    tokenizer = generator.engine.tokenizer
+    kept = tokenizer.chat_template
+    tokenizer.chat_template = (
+        CHAT_TEMPLATE + "{% if enable_thinking is defined and not enable_thinking %} ok{% endif %}"
+    )
+    messages = [{"role": "user", "content": "Hi"}]
+    try:
+        rendered = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False, enable_thinking=0
+        )
+        ids = tokenizer(rendered, add_special_tokens=False)["input_ids"]
+        rows = [
+            {"id": "kw", "messages": messages, "chat_template_kwargs": {"enable_thinking": False, "other": None}},
+            {"id": "plain", "messages": messages},
+            {"id": "ids", "prompt_token_ids": ids},
+        ]
+        got = {r["id"]: r for r in generator.generate(rows, max_new_tokens=3, temperature=0)}
+    finally:
+        tokenizer.chat_template = kept
+    assert rendered.endswith("assistant: ok") and got["kw"]["prompt_tokens"] == len(ids)
+    assert got["plain"]["prompt_tokens"] < len(ids)
+    assert got["kw"]["output_token_ids"] == got["ids"]["output_token_ids"]
+
+
 def test_a_prompt_over_the_tokenizers_max_length_brings_no_transformers_warning(
     generator: batchgen.Generator, caplog: pytest.LogCaptureFixture
 ) -> None:

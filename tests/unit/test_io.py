@@ -452,6 +452,7 @@ def test_parse_row_prompt_and_defaults() -> None:
         messages=None,
         prompt_token_ids=None,
         continuation=None,
+        chat_template_kwargs=None,
         sampling_overrides={"temperature": 0, "stop": ["x"]},
         passthrough={"topic": "t", "count": None, "input_text": "renamed"},
     )
@@ -532,7 +533,7 @@ def test_parse_row_two_prompts() -> None:
         ({"prompt_token_ids": "1 2"}, "prompt_token_ids", "must be a non-empty array of integers, got string"),
         ({"prompt_token_ids": []}, "prompt_token_ids", "must be a non-empty array of integers, got an empty array"),
         ({"prompt_token_ids": [1, True]}, "prompt_token_ids", "item 1 must be an integer, got true"),
-        ({"prompt_token_ids": [1, 2.0]}, "prompt_token_ids", "item 1 must be an integer, got 2.0"),
+        ({"prompt_token_ids": [1, 2.5]}, "prompt_token_ids", "item 1 must be an integer, got 2.5"),
         ({"prompt": "a", "id": True}, "id", "must be a string or an integer, got true"),
         ({"prompt": "a", "id": 1.5}, "id", "must be a string or an integer, got 1.5"),
         ({"prompt": "a", "id": [1]}, "id", "must be a string or an integer, got [1]"),

@@ -129,6 +129,8 @@ def test_vllms_chat_extensions_at_what_batchgen_does_are_read(tmp_path: Path) ->
     (row,) = rows(tmp_path, [request("a", chat(**vllm, include_stop_str_in_output=True))])
     assert row.problem is None and row.data["messages"] == chat()["messages"]
     assert row.data["include_stop_str_in_output"] is True  # batchgen's sampling field of that name
+    (row,) = rows(tmp_path, [request("a", chat(chat_template_kwargs={"enable_thinking": False}))])
+    assert row.data["chat_template_kwargs"] == {"enable_thinking": False}  # the row field of that name
 
 
 def test_completions_prompts_and_their_logprobs_count(tmp_path: Path) -> None:
