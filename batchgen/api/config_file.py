@@ -16,6 +16,7 @@ import yaml
 from batchgen.api.options import OPTION_CLASSES, declared_options, near_name, options_of, type_problem
 from batchgen.errors import BatchgenError, FieldError, shown_value
 from batchgen.io.input_options import apply_escapes
+from batchgen.sampling.row_fields import LOGPROBS_COUNT_HINT
 
 # The declared options' types by Python name.
 OPTION_HINTS = {f.name: get_type_hints(cls)[f.name] for cls in OPTION_CLASSES for f in declared_options(cls)}
@@ -69,7 +70,7 @@ def check_config_value(path: Path, name: str, value: Any, hint: Any) -> None:
         raise BatchgenError(f"{path}: option '{option}': takes one value, got {shown_value(value)}")
     if name in _PARSERS:
         try:
-            _PARSERS[name](value)
+            _PARSERS[name](text_value(value))
         except FieldError as e:
             raise BatchgenError(f"{path}: option '{option}': {e.message}") from None
         return
@@ -81,7 +82,8 @@ def check_config_value(path: Path, name: str, value: Any, hint: Any) -> None:
     if base is not bool and any(isinstance(v, bool) for v in items):
         raise BatchgenError(f"{path}: option '{option}': takes no true/false value, got {shown_value(value)}")
     if any((problem := type_problem(_converted(v, base), base)) is not None for v in items):
-        raise BatchgenError(f"{path}: option '{option}': must be {problem}, got {shown_value(value)}")
+        count = f" ({LOGPROBS_COUNT_HINT})" if name == "logprobs" else ""
+        raise BatchgenError(f"{path}: option '{option}': must be {problem}, got {shown_value(value)}{count}")
 
 
 def config_options(path: Path) -> dict[str, Any]:
@@ -107,7 +109,7 @@ def config_options(path: Path) -> dict[str, Any]:
             continue
         base = _base(OPTION_HINTS[name])
         if name in _PARSERS:
-            value = _PARSERS[name](value)
+            value = _PARSERS[name](text_value(value))
         elif get_origin(OPTION_HINTS[name]) is tuple:
             value = [_converted(item, base) for item in (value if isinstance(value, list) else [value])]
             value = [apply_escapes(item) for item in value] if name in escapes else value
@@ -132,6 +134,19 @@ def with_config(config: str | os.PathLike[str] | None, given: dict[str, Any]) ->
     """
     from_file = config_options(Path(config)) if config is not None else {}
     return from_file | {name: value for name, value in given.items() if value is not None}
+
+
+def text_value(value: Any) -> Any:
+    """A flag's text, or a quoted YAML value, read as an option that takes a switch or a count takes it
+    (``--prompt-logprobs``): a whole number's text as that integer, click's words for true and false (``yes``,
+    ``off``) as the bool; any other value as it is."""
+    if not isinstance(value, str):
+        return value
+    word = value.strip().lower()
+    try:
+        return int(word)
+    except ValueError:
+        return True if word in _TRUE else False if word in _FALSE else value
 
 
 def _base(hint: Any) -> Any:

@@ -60,11 +60,10 @@ def check_option_names(
 FOREIGN_OPTION_NAMES: dict[str, str] = {
     "max_model_len": "context_length",
     "max_num_seqs": "max_running_requests",
-    "max_num_batched_tokens": "chunked_prefill_size",
+    "max_num_batched_tokens": "max_prefill_tokens",
     "gpu_memory_utilization": "mem_fraction",
     "mem_fraction_static": "mem_fraction",
     "enable_prefix_caching": "prefix_cache",
-    "disable_radix_cache": "prefix_cache",
     "enforce_eager": "disable_cuda_graph",
     "enable_deterministic_inference": "deterministic",
     "model_path": "model",
@@ -75,9 +74,12 @@ FOREIGN_OPTION_NAMES: dict[str, str] = {
 def near_name(name: str, known: Collection[str]) -> str | None:
     """The option of ``known`` (Python names) that ``name`` was probably meant to be: the one a row field's alias
     (vLLM's ``max_tokens``) or another engine's option name (:data:`FOREIGN_OPTION_NAMES`) stands for, else a near
-    spelling; ``None`` for none."""
+    spelling; ``None`` for none, and for such a name whose option is not among ``known`` (``max_tokens`` given to
+    ``Generator``: the near spelling, ``max_total_tokens``, is another thing)."""
     meant = SAMPLING_FIELD_ALIASES.get(name) or FOREIGN_OPTION_NAMES.get(name)
-    close = [meant] if meant in known else difflib.get_close_matches(name, sorted(known), n=1)
+    if meant is not None:
+        return meant if meant in known else None
+    close = difflib.get_close_matches(name, sorted(known), n=1)
     return close[0] if close else None
 
 

@@ -46,7 +46,7 @@ def input_rows(rows: Iterable[Any], options: InputOptions) -> Iterator[InputRow 
     if hasattr(rows, "columns") and hasattr(rows, "to_dict"):
         # A pandas DataFrame iterates its column names, which would each become a prompt (found by a new user).
         raise BatchgenError("rows: a DataFrame iterates its column names, not its rows: pass df.to_dict('records')")
-    if _is_lone_row(rows):
+    if _is_lone_row(rows, options):
         rows = [rows]
     mapping: ColumnMapping | None = None
     read = KNOWN_FIELDS | set(options.columns())  # what batchgen reads: numpy's values as Python's; the rest as given
@@ -56,7 +56,7 @@ def input_rows(rows: Iterable[Any], options: InputOptions) -> Iterator[InputRow 
         if isinstance(row, str):
             yield InputRow(index, line, {"prompt": row})
         elif isinstance(row, list):
-            is_ids = bool(row) and all(isinstance(t, int) and not isinstance(t, bool) for t in row)
+            is_ids = bool(row) and all(_is_token_id(t) for t in row)
             yield InputRow(index, line, {"prompt_token_ids" if is_ids else "messages": row})
         elif isinstance(row, Mapping):
             mapping = mapping or ColumnMapping(options, list(row), SOURCE)
@@ -67,18 +67,28 @@ def input_rows(rows: Iterable[Any], options: InputOptions) -> Iterator[InputRow 
             yield RowError(SOURCE, line, None, message)
 
 
-def _is_lone_row(rows: Iterable[Any]) -> bool:
-    """Whether ``rows`` is one row itself rather than rows: a string, a dict, a 1-D integer array, a non-empty list
-    of integers, or a non-empty list of messages (dicts with a ``role``, none with a prompt field)."""
+def _is_lone_row(rows: Iterable[Any], options: InputOptions) -> bool:
+    """Whether ``rows`` is one row itself rather than rows: a string, a dict, a non-empty 1-D integer array, a
+    non-empty list of token ids, or a non-empty list (or object array) of messages: dicts with a ``role`` and no
+    prompt field, when no column option could make a prompt of their fields (then they are rows)."""
     if isinstance(rows, (str, Mapping)):
         return True
-    if getattr(rows, "ndim", None) == 1 and getattr(getattr(rows, "dtype", None), "kind", None) in ("i", "u"):
-        return True
+    if type(rows).__module__ == "numpy" and getattr(rows, "ndim", None) == 1:
+        rows = python_value(rows)  # an integer array's ids, an object array's messages
     if not isinstance(rows, list) or not rows:
         return False
-    if all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in rows):
+    if all(_is_token_id(t) for t in rows):
         return True
+    if options.columns():
+        return False
     return all(isinstance(m, Mapping) and "role" in m and not any(f in m for f in PROMPT_FIELDS) for m in rows)
+
+
+def _is_token_id(value: Any) -> bool:
+    """An integer, or a float with no fraction (as the integer fields take it: 41.0), but no bool."""
+    if isinstance(value, float):
+        return value.is_integer()
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def parse_python_row(row: InputRow) -> RowSpec:

@@ -10,7 +10,6 @@ field added to one of those dataclasses is a flag of every command that takes th
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 from collections.abc import Callable, Collection
@@ -22,6 +21,7 @@ from typer._click.core import Context  # the click typer vendors: its commands t
 from typer._click.exceptions import UsageError
 from typer.core import TyperArgument, TyperCommand, TyperOption
 
+from batchgen.api.config_file import text_value
 from batchgen.api.options import OPTION_CLASSES, declared_options
 from batchgen.cli import release_startup_interrupts
 from batchgen.errors import FieldError
@@ -87,6 +87,7 @@ def _typer_parameter(field: Field[Any], annotation: Any, required: bool, hidden:
         help=field.metadata["help"],
         callback=callback,
         parser=parser,
+        metavar=field.metadata.get("metavar"),
         hidden=hidden,
     )
     return inspect.Parameter(field.name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=annotation)
@@ -94,18 +95,12 @@ def _typer_parameter(field: Field[Any], annotation: Any, required: bool, hidden:
 
 def _text_parser(parse: Callable[[Any], Any]) -> Callable[[Any], Any]:
     """The click parser of a field whose metadata declares how its values ``parse`` (``--prompt-logprobs``: true,
-    false or a count): a flag's text ``true``, ``false`` or a whole number as that value (a config file's YAML
-    values come as they are), then ``parse``'s value; its error as click's bad value."""
+    false or a count): the flag's text read as a config file's is (:func:`~batchgen.api.config_file.text_value`),
+    then ``parse``'s value; its error as click's bad value."""
 
     def parser(value: Any) -> Any:
-        word = value.strip().lower() if isinstance(value, str) else None
-        if word in ("true", "false"):
-            value = word == "true"
-        elif word is not None:
-            with contextlib.suppress(ValueError):
-                value = int(word)
         try:
-            return parse(value)
+            return parse(text_value(value))
         except FieldError as e:
             raise typer.BadParameter(e.message) from None
 

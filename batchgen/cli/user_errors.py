@@ -65,7 +65,7 @@ class BatchgenGroup(TyperGroup):
 
 def _hint_meant_option(error: NoSuchOption) -> None:
     """Point an unknown flag that is another engine's name for one of the command's options at that option alone
-    (``--max-model-len``: ``Did you mean --context-length?``), where click lists flags of a like spelling."""
+    (``--max-model-len``: ``(Possible options: --context-length)``), where click lists flags of a like spelling."""
     name = error.option_name.lstrip("-").replace("-", "_")
     meant = FOREIGN_OPTION_NAMES.get(name) or SAMPLING_FIELD_ALIASES.get(name)
     if meant is None or error.ctx is None:

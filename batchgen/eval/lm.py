@@ -162,7 +162,7 @@ class BatchgenLM(TemplateLM):
         special = _add_special_kwargs(add_special_tokens, self.add_bos_token)
         if add_special_tokens is None and has_bos_prefix(string, self.tokenizer.decode(self.prefix_token_id)):
             special["add_special_tokens"] = False
-        return list(self.tokenizer.encode(string, **special))
+        return list(self.tokenizer.encode(string, verbose=False, **special))  # windows cut long documents
 
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """``chat_history`` rendered with the tokenizer's chat template, as HF renders it: the assistant's turn

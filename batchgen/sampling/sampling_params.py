@@ -79,6 +79,7 @@ class SamplingParams:
         metadata={
             "help": "Default per row: report prompt logprobs and the N most likely (true or 0: no others).",
             "parse": prompt_logprobs_count,
+            "metavar": "TRUE|FALSE|N",
         },
     )
     # The first prompt token whose logprob is reported (SGLang's logprob_start_len; None: token 1, the first that

@@ -249,9 +249,19 @@ def test_a_lone_token_id_list_or_conversation_is_one_row(generator: batchgen.Gen
     for lone in (ids, np.array(ids), conversation):
         got = generator.generate(lone, max_new_tokens=2, temperature=0)
         assert len(got) == 1 and got == generator.generate([lone], max_new_tokens=2, temperature=0)
+    as_array = np.empty(len(conversation), dtype=object)  # what pandas gives for a list column's value
+    as_array[:] = conversation
+    lone_too = ([1.0, 41.0, 293.0], as_array)
+    for lone in lone_too:
+        assert len(generator.generate(lone, max_new_tokens=1)) == 1
     rows = [{"prompt": "Hi", "role": "a"}, {"prompt": "Yo", "role": "b"}]
     assert [r["role"] for r in generator.generate(rows, max_new_tokens=1)] == ["a", "b"]
+    # Rows whose prompt a column option makes stay rows, whatever their fields (found by a review).
+    rows = [{"role": "user", "content": "Hi"}, {"role": "user", "content": "Yo"}]
+    assert len(generator.generate(rows, prompt_template="Say: {content}", max_new_tokens=1)) == 2
+    assert len(generator.generate(rows, prompt_column="content", max_new_tokens=1)) == 2
     assert generator.generate([], max_new_tokens=1) == []
+    assert generator.generate(np.array([], dtype=np.int64), max_new_tokens=1) == []
     # Ids written as floats with no fraction (a JSON writer's, pandas') are those integers, as integer fields take them.
     as_floats = generator.generate([{"prompt_token_ids": [1.0, 41.0]}], max_new_tokens=2, temperature=0)
     assert (

@@ -141,20 +141,25 @@ def test_flags_set_every_declared_option_and_the_rest_keep_their_defaults() -> N
         assert all(getattr(built[cls], f.name) == f.default for f in undeclared), cls.__name__
 
 
-@pytest.mark.parametrize(("given", "expected"), [("true", 0), ("false", None), ("3", 3), ("0", 0)])
+@pytest.mark.parametrize(
+    ("given", "expected"), [("true", 0), ("false", None), ("3", 3), ("0", 0), ("yes", 0), ("off", None), ("'3'", 3)]
+)
 def test_prompt_logprobs_takes_true_false_or_a_count_from_a_flag_a_config_file_and_a_keyword(
     tmp_path: Path, given: str, expected: int | None
 ) -> None:
     """Found by a user: a row's ``prompt_logprobs: true`` worked (input-output.md: "``true`` or a count N ≥ 0") but
     the flag, a config file and ``generate``'s keyword refused ``true``, as integer options. ``true`` is 0 (the
     prompt's own logprobs, no other tokens), ``false`` off, as on a row."""
+    from batchgen.api.config_file import config_options
     from batchgen.api.options import options_of
     from batchgen.sampling.row_fields import make_sampling_params
 
-    row_value = yaml.safe_load(given)  # what a JSONL row's field holds
-    assert make_sampling_params(SamplingParams(), {"prompt_logprobs": row_value}, 100).prompt_logprobs == expected
+    row_value = yaml.safe_load(given)  # what a YAML value, a JSONL row's field, holds: text stays text in a row
+    if not isinstance(row_value, str):
+        assert make_sampling_params(SamplingParams(), {"prompt_logprobs": row_value}, 100).prompt_logprobs == expected
+        assert options_of(SamplingParams, {"prompt_logprobs": row_value}).prompt_logprobs == expected
     built: dict[str, Any] = {}
-    result = CliRunner().invoke(_probe_app(built), ["--prompt-logprobs", given])
+    result = CliRunner().invoke(_probe_app(built), ["--prompt-logprobs", given.strip("'")])
     assert result.exit_code == 0, result.output
     assert built[SamplingParams].prompt_logprobs == expected
     config = tmp_path / "c.yaml"
@@ -163,7 +168,7 @@ def test_prompt_logprobs_takes_true_false_or_a_count_from_a_flag_a_config_file_a
     result = CliRunner().invoke(_probe_app(built), ["--config", str(config)])
     assert result.exit_code == 0, result.output
     assert built[SamplingParams].prompt_logprobs == expected
-    assert options_of(SamplingParams, {"prompt_logprobs": row_value}).prompt_logprobs == expected
+    assert config_options(config)["prompt_logprobs"] == expected  # batchgen.run(config=...)
 
 
 def test_prompt_logprobs_refuses_other_values_with_one_message_everywhere(tmp_path: Path) -> None:
