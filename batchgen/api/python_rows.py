@@ -21,7 +21,7 @@ from batchgen.io.input_options import InputOptions
 from batchgen.io.passthrough import KNOWN_FIELDS, PROMPT_FIELDS, passthrough_names
 from batchgen.io.reader import InputRow
 from batchgen.io.rows import RowSpec, parse_row
-from batchgen.sampling.sampling_params import python_value
+from batchgen.sampling.sampling_params import ARRAY_MODULES, python_value
 
 # The input's name in row errors: ``rows:3: field 'temperature': ...`` is the third row given (1-based, as a
 # file's lines are; its default id is its 0-based index, "2").
@@ -73,7 +73,7 @@ def _is_lone_row(rows: Iterable[Any], options: InputOptions) -> bool:
     prompt field, when no column option could make a prompt of their fields (then they are rows)."""
     if isinstance(rows, (str, Mapping)):
         return True
-    if type(rows).__module__ == "numpy" and getattr(rows, "ndim", None) == 1:
+    if type(rows).__module__ in ARRAY_MODULES and getattr(rows, "ndim", None) == 1:
         rows = python_value(rows)  # an integer array's ids, an object array's messages
     if not isinstance(rows, list) or not rows:
         return False

@@ -163,10 +163,15 @@ class SamplingParams:
             raise FieldError("seed", f"must be a 64-bit signed integer, in [-2**63, 2**63), got {self.seed}")
 
 
+# Modules whose arrays and scalars hold Python values (tolist): numpy's (pandas' rows), torch's (a tokenizer's ids).
+ARRAY_MODULES = ("numpy", "torch")
+
+
 def python_value(value: Any) -> Any:
-    """numpy's scalars and arrays (what rows from pandas or numpy hold) as the Python values they hold, arrays as
-    lists, inside lists, tuples and dicts too: the Python API's values as the checks, written for JSON's, take them."""
-    if type(value).__module__ == "numpy" and hasattr(value, "tolist"):
+    """numpy's and torch's scalars and arrays (what rows from pandas, numpy or a tokenizer hold) as the Python values
+    they hold, arrays as lists, inside lists, tuples and dicts too: the Python API's values as the checks, written
+    for JSON's, take them."""
+    if type(value).__module__ in ARRAY_MODULES and hasattr(value, "tolist"):
         value = value.tolist()  # an object array's items stay as they are (pandas' nested lists: arrays again)
     if isinstance(value, dict):
         return {key: python_value(item) for key, item in value.items()}

@@ -251,7 +251,7 @@ def test_a_lone_token_id_list_or_conversation_is_one_row(generator: batchgen.Gen
         assert len(got) == 1 and got == generator.generate([lone], max_new_tokens=2, temperature=0)
     as_array = np.empty(len(conversation), dtype=object)  # what pandas gives for a list column's value
     as_array[:] = conversation
-    lone_too = ([1.0, 41.0, 293.0], as_array)
+    lone_too = ([1.0, 41.0, 293.0], as_array, torch.tensor(ids))  # a tokenizer's ids as a tensor too
     for lone in lone_too:
         assert len(generator.generate(lone, max_new_tokens=1)) == 1
     rows = [{"prompt": "Hi", "role": "a"}, {"prompt": "Yo", "role": "b"}]
