@@ -43,14 +43,19 @@ def check_option_names(
 
     Raises:
         TypeError: ``{caller}() got an unexpected keyword argument 'name'``, with ``(did you mean 'other'?)`` for
-            a row field's alias (vLLM's ``max_tokens``) or a near spelling of a known option.
+            a row field's alias (vLLM's ``max_tokens``) or a near spelling of a known option, or ``('other' is an
+            option of another call)`` for an option (or another name of one) that ``caller`` does not take.
     """
     known = option_names(*classes) | set(also)
     unknown = next((name for name in given if name not in known), None)
     if unknown is None:
         return
     near = near_name(unknown, known)
-    hint = f" (did you mean '{near}'?)" if near else ""
+    meant = SAMPLING_FIELD_ALIASES.get(unknown) or FOREIGN_OPTION_NAMES.get(unknown) or unknown
+    if meant in option_names(*OPTION_CLASSES) and meant not in known:  # Generator(max_new_tokens=...): generate's
+        hint = f" ('{meant}' is an option of another call)"
+    else:
+        hint = f" (did you mean '{near}'?)" if near else ""
     raise TypeError(f"{caller}() got an unexpected keyword argument '{unknown}'{hint}")
 
 
