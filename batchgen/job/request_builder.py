@@ -120,11 +120,10 @@ class RequestBuilder:
         grammar = None
         if params.constraint is not None:
             # Every EOS id closes the grammar, ignore_eos or not (the grammar must end on one of them, and an EOS
-            # it has not accepted must never end the row), and so does every stop id: each would otherwise end
-            # the row wherever it was sampled, leaving the output incomplete.
-            end_ids = frozenset(params.stop_token_ids) | self.eos_token_ids
+            # it has not accepted must never end the row), and so does every stop id where the grammar is
+            # complete; elsewhere a stop id is text, which would otherwise end the row with its output incomplete.
             try:
-                grammar = self.grammars.matcher(*params.constraint, end_ids=end_ids)
+                grammar = self.grammars.matcher(*params.constraint, self.eos_token_ids, params.stop_token_ids)
             except FieldError as e:
                 raise error(e.field, e.message) from None
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)

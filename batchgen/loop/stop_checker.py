@@ -27,11 +27,12 @@ def append_token(req: Req, token_id: int, logprob: float | None, top: list[tuple
         req.output_top_logprobs.append(top)
     num_out = len(req.output_ids)
     stops_allowed = num_out >= req.params.min_new_tokens
-    if stops_allowed and token_id in req.stop_token_ids:
+    if req.grammar is not None and req.grammar.terminated:
+        # A constrained row ends where its grammar does, on one of its end ids (an EOS under ignore_eos or
+        # min_new_tokens too): that token is the stop, and its text is no more part of ``text`` than any other stop
+        # token's. A stop id the grammar took as text does not end it (grammar.GrammarState.accept).
         req.finish_reason, req.matched_stop = "stop", str(token_id)
-    elif req.grammar is not None and req.grammar.terminated:
-        # The grammar ends only on accepting one of its end ids (an EOS under ignore_eos or min_new_tokens): that
-        # token is the stop, and its text is no more part of ``text`` than any other stop token's.
+    elif req.grammar is None and stops_allowed and token_id in req.stop_token_ids:
         req.finish_reason, req.matched_stop = "stop", str(token_id)
     elif req.detokenizer is not None:
         committed_before = req.detokenizer.committed_tokens

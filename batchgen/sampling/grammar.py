@@ -3,8 +3,9 @@
 A constraint is a mode of sampling, not a separate service: each constrained request carries a matcher, the
 round's token bitmask is filled on the CPU from the matchers and applied to the logits before anything else,
 and every sampled token is fed back to its matcher. A request ends (``stop``) when its grammar terminates, which
-it does only by accepting one of the request's end ids (every EOS id of the model and the row's stop ids): the
-matcher masks them until the grammar is complete and allows them there.
+it does only where the grammar is complete, on one of the request's end ids: every EOS id of the model (masked
+until then) and the row's stop ids, which are ordinary text where the grammar is not complete (a stop id whose
+token is ``"`` closes a JSON string there rather than ending the row with the string open).
 
 Two masks make up for what xgrammar lets through. JSON strings may not hold raw control characters (json.loads
 rejects them). And no constraint may produce a UTF-8-encoded surrogate: xgrammar's character classes (a JSON
@@ -25,7 +26,7 @@ import torch
 
 from batchgen.errors import FieldError
 from batchgen.sampling.json_schema_support import check_enforceable
-from batchgen.sampling.regex_support import check_anchors
+from batchgen.sampling.regex_support import check_anchors, python_dot
 from batchgen.sampling.sampling_params import python_value
 
 GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")
@@ -58,15 +59,17 @@ class GrammarCompiler:
         self._no_control_chars: torch.Tensor | None = None
         self._surrogates: SurrogateMasks | None = None
         self._allowed: dict[tuple[bool, frozenset[int]], torch.Tensor] = {}
+        self._tokenizer_stops: list[int] = []  # xgrammar's guess of the EOS ids, for a model that names none
 
-    def matcher(self, kind: str, text: str, end_ids: Collection[int]) -> GrammarState:
+    def matcher(self, kind: str, text: str, eos_ids: Collection[int], stop_ids: Collection[int] = ()) -> GrammarState:
         """A fresh matcher for constraint ``kind`` (one of :data:`GRAMMAR_FIELDS`) with source ``text``.
 
-        ``end_ids`` are the ids that may close the grammar: each is masked until the grammar is complete, and
-        allowed (and accepted, terminating it) there. xgrammar's own guess, the tokenizer's single EOS, misses the
-        extra EOS ids a generation_config.json lists, which the matcher would then take as ordinary text (in the
-        middle of a JSON string, say) while the stop check ends the row on them (vLLM #42403). Empty: the
-        tokenizer's EOS, as xgrammar detects it.
+        ``eos_ids`` close the grammar: each is masked until the grammar is complete, and allowed (and accepted,
+        terminating it) there. xgrammar's own guess, the tokenizer's single EOS, misses the extra EOS ids a
+        generation_config.json lists, which the matcher would then take as ordinary text (in the middle of a JSON
+        string, say) while the stop check ends the row on them (vLLM #42403). Empty: the tokenizer's EOS, as
+        xgrammar detects it. ``stop_ids`` (the row's) close it too where it is complete, and are ordinary text
+        elsewhere (:meth:`GrammarState.accept`).
 
         Raises:
             FieldError: xgrammar is not installed, or the constraint does not compile.
@@ -77,6 +80,7 @@ class GrammarCompiler:
         if self._compiler is None:
             info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size)
             self._compiler = xgr.GrammarCompiler(info, max_threads=2)
+            self._tokenizer_stops = list(info.stop_token_ids)
             self._surrogates = SurrogateMasks.of_vocab(info.decoded_vocab, self.vocab_size)
         key = (kind, text)
         if key not in self._cache:
@@ -84,18 +88,21 @@ class GrammarCompiler:
                 if kind == "json_schema":
                     self._cache[key] = self._compiler.compile_json_schema(text, any_whitespace=False)
                 elif kind == "regex":
-                    self._cache[key] = self._compiler.compile_regex(text)
+                    self._cache[key] = self._compiler.compile_regex(python_dot(text))
                 else:
                     self._cache[key] = self._compiler.compile_grammar(text)
             except Exception as e:  # xgrammar raises several types (RuntimeError, ValueError, its own)
                 raise FieldError(kind, f"does not compile: {_compile_message(e)}") from None
         assert self._surrogates is not None  # made with the compiler
-        stops = sorted(end_ids) or None
-        matcher = xgr.GrammarMatcher(self._cache[key], override_stop_tokens=stops)
-        return GrammarState(xgr, matcher, self._allowed_mask(kind, frozenset(end_ids)), self._surrogates)
+        ends = sorted(eos_ids) or self._tokenizer_stops
+        matcher = xgr.GrammarMatcher(self._cache[key], override_stop_tokens=ends)
+        stops = frozenset(stop_ids) - frozenset(ends)
+        allowed = self._allowed_mask(kind, frozenset(ends))
+        stop_bits = pack_bits(_one_hot(stops, self.vocab_size)) if stops else None
+        return GrammarState(xgr, matcher, allowed, self._surrogates, Ends(ends[0], stops, stop_bits))
 
     def _allowed_mask(self, kind: str, end_ids: frozenset[int]) -> torch.Tensor:
-        """Packed int32 bits of the tokens a row of ``kind`` may ever pick (cached: rows share their end ids)."""
+        """Packed int32 bits of the tokens a row of ``kind`` may ever pick (cached: rows share their EOS ids)."""
         key = (kind == "json_schema", end_ids)
         if key not in self._allowed:
             assert self._surrogates is not None
@@ -104,7 +111,7 @@ class GrammarCompiler:
             # rejects; compact JSON never needs them, so JSON-schema rows may not pick a token that contains one.
             if kind == "json_schema":
                 allowed = allowed & self._control_char_mask()
-            if end_ids:  # an end id's text never reaches the output: it may hold anything
+            if end_ids:  # an EOS id's text never reaches the output: it may hold anything
                 allowed = allowed | pack_bits(_one_hot(end_ids, self.vocab_size))
             self._allowed[key] = allowed
         return self._allowed[key]
@@ -148,6 +155,15 @@ def _holds_surrogate(data: bytes) -> bool:
     return any(a == _LEAD and b in _SURROGATE_SECOND for a, b in zip(data, data[1:]))
 
 
+class Ends(NamedTuple):
+    """How a grammar ends: ``eos``, one of the EOS ids its matcher ends on; the row's ``stop_ids`` that are no EOS
+    id, and their packed int32 bits (``None`` for none)."""
+
+    eos: int
+    stop_ids: frozenset[int]
+    stop_bits: torch.Tensor | None
+
+
 class GrammarState:
     """One request's position in its grammar; ``allowed_mask`` (packed bits) further limits every step, and
     ``surrogates`` the step after a token that ends in a lone ED byte."""
@@ -158,27 +174,39 @@ class GrammarState:
         matcher: Any,
         allowed_mask: torch.Tensor,
         surrogates: SurrogateMasks,
+        ends: Ends,
         after_lead: bool = False,
     ) -> None:
         self._xgr = xgr
         self.matcher = matcher
         self.allowed_mask = allowed_mask
         self.surrogates = surrogates
+        self.ends = ends
         self.after_lead = after_lead
 
     def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the allowed next tokens into row ``row`` of an int32 ``[n, ceil(vocab / 32)]`` bitmask."""
+        """Write the allowed next tokens into row ``row`` of an int32 ``[n, ceil(vocab / 32)]`` bitmask: the
+        grammar's, less what ``allowed_mask`` rules out; and the row's stop ids where the grammar may end (where
+        the matcher allows its EOS id), whatever their text."""
         self.matcher.fill_next_token_bitmask(bitmask, row)
+        eos = self.ends.eos
+        can_end = (int(bitmask[row, eos // 32]) >> (eos % 32)) & 1
         bitmask[row] &= self.allowed_mask
         if self.after_lead:
             bitmask[row] &= self.surrogates.after_lead
+        if can_end and self.ends.stop_bits is not None:
+            bitmask[row] |= self.ends.stop_bits
 
     def fork(self) -> GrammarState:
         """An independent matcher at the same position (another sample of the same request)."""
-        return GrammarState(self._xgr, self.matcher.fork(), self.allowed_mask, self.surrogates, self.after_lead)
+        fork = self.matcher.fork()
+        return GrammarState(self._xgr, fork, self.allowed_mask, self.surrogates, self.ends, self.after_lead)
 
     def accept(self, token_id: int) -> bool:
-        """Advance past ``token_id``; False (and no change) when the grammar does not allow it here."""
+        """Advance past ``token_id``; False (and no change) when the grammar does not allow it here. A stop id of
+        the row ends the grammar where it may end (its matcher takes the EOS id there) and is text elsewhere."""
+        if token_id in self.ends.stop_ids and self.matcher.accept_token(self.ends.eos):
+            return True
         accepted = bool(self.matcher.accept_token(token_id))
         if accepted:
             self.after_lead = token_id in self.surrogates.ends_in_lead

@@ -7,7 +7,8 @@ instead, naming the keyword and where it sits (sglang PR #28804 does the same). 
 xgrammar 0.2.9 leaves unenforced, each entry checked against ``jsonschema`` by
 ``tests/unit/test_json_schema_support.py``: keywords it drops wherever they are, keywords beside ``$ref``,
 ``anyOf``/``oneOf``/``allOf``, ``enum`` or ``const`` (which it takes alone), ``required`` names that are not
-``properties``, and ``minProperties`` where keys beyond ``properties`` may repeat.
+``properties``, ``minProperties`` where keys beyond ``properties`` may repeat, a ``$ref`` that is no pointer into
+the schema, and a ``pattern`` anchor it ignores (as in a ``regex`` row).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from batchgen.errors import FieldError
+from batchgen.sampling.regex_support import check_anchors
 
 # Dropped wherever they appear (uniqueItems only when true: false asks nothing).
 _DROPPED = {
@@ -104,6 +106,16 @@ def _unenforced(node: dict[str, Any], root: Any) -> tuple[str, str] | None:
         shape = next((k for k in ("pattern", "format") if k in node), None)
         if length in node and shape is not None:
             return length, f"not enforced together with {shape}"
+    ref = node.get("$ref")
+    if isinstance(ref, str) and ref != "#" and not ref.startswith("#/"):
+        # An anchor (#name), a URL or a relative one: xgrammar lets any JSON value stand for it.
+        return "$ref", f"{ref!r} is not followed (only pointers into this schema, '#/...', are)"
+    patterns = [node.get("pattern")] + list(node.get("patternProperties") or {})
+    for pattern in (p for p in patterns if isinstance(p, str)):
+        try:
+            check_anchors(pattern)
+        except FieldError as e:  # xgrammar drops an anchor inside a pattern as it does in a regex
+            return "pattern", f"{pattern!r}: {e.message.replace(' is not enforced by xgrammar', ' is dropped')}"
     all_of, one_of = node.get("allOf"), node.get("oneOf")
     if isinstance(all_of, list) and len(all_of) > 1:
         return "allOf", "several subschemas are not all enforced: merge them into one"

@@ -1,8 +1,9 @@
-"""Refuse regex anchors that xgrammar ignores.
+"""Refuse regex anchors that xgrammar ignores, and read ``.`` as Python's ``re`` does.
 
 A ``regex`` constraint must match the whole output, so ``^`` at its start and ``$`` at its end say nothing more;
 elsewhere (``a$b``, ``x(^a)``) Python's ``re`` lets them match nowhere, while xgrammar drops them with only a log
-line, and the row's output then does not match its pattern though it finishes with ``stop``.
+line, and the row's output then does not match its pattern though it finishes with ``stop``. xgrammar's ``.``
+takes a newline too, which Python's (without ``re.DOTALL``) does not.
 """
 
 from __future__ import annotations
@@ -67,3 +68,23 @@ def _class_end(pattern: str, start: int) -> int:
     while i < len(pattern) and pattern[i] != "]":
         i += 2 if pattern[i] == "\\" else 1
     return i + 1
+
+
+def python_dot(pattern: str) -> str:
+    """``pattern`` with each ``.`` that is no escaped character nor in a character class written ``[^\n]``: any
+    character but a newline, Python's ``.`` (xgrammar's takes a newline too: a row's output held newlines its
+    pattern's ``re.fullmatch`` refused)."""
+    out, i = [], 0
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            out.append(pattern[i : i + 2])
+            i += 2
+        elif c == "[":
+            end = _class_end(pattern, i)
+            out.append(pattern[i:end])
+            i = end
+        else:
+            out.append("[^\\n]" if c == "." else c)
+            i += 1
+    return "".join(out)

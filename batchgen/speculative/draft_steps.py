@@ -82,7 +82,10 @@ class Drafting:
         if self.history is not None:
             self.history.add(token_id)
         num_out = len(self.req.output_ids) + len(self.drafts)
-        stops = token_id in self.req.stop_token_ids and num_out >= self.req.params.min_new_tokens
+        # A constrained row ends only where its grammar does (a stop id may be its text: GrammarState.accept).
+        stops = (
+            self.grammar is None and token_id in self.req.stop_token_ids and num_out >= self.req.params.min_new_tokens
+        )
         ends = self.grammar is not None and self.grammar.terminated
         self.done = len(self.drafts) >= self.limit or stops or ends
 

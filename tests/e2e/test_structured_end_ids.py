@@ -100,7 +100,8 @@ def test_extra_eos_id_closes_grammar_only_when_complete(
 
 
 def test_stop_ids_close_grammar_only_when_complete(random_models: dict[str, Path], tmp_path: Path) -> None:
-    """A row's own stop id is an end id of its grammar too: masked before the regex is complete, allowed after."""
+    """A row's own stop id is an end id of its grammar too where the regex is complete; before, it is the text it
+    stands for (here "b", which the regex takes)."""
     model = random_models["llama"]
     b = int(AutoTokenizer.from_pretrained(model).convert_tokens_to_ids("b"))
     rows = [
@@ -112,6 +113,39 @@ def test_stop_ids_close_grammar_only_when_complete(random_models: dict[str, Path
     for row in out.values():
         _check(row, {EOS, b})
     assert any(r["matched_stop"] == str(b) for r in out.values())
+
+
+def test_a_stop_id_the_grammar_needs_is_its_text(random_models: dict[str, Path], tmp_path: Path) -> None:
+    """Found by helper 82: a stop id that is also text (the token ``"``) ended a JSON string row with the string
+    open (finish_reason stop, invalid JSON), and a newline stop id that the regex needed left the row no allowed
+    token, so it wrote id 0 to its length. Where the grammar is not complete a stop id is its text; where it is, the
+    stop id ends the row and is not in ``text``."""
+    model = random_models["llama"]
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    quote, newline = (int(tokenizer.convert_tokens_to_ids(t)) for t in ('"', "\u010a"))  # byte-level "\n": Ċ
+    schema, regex = {"type": "string", "maxLength": 6}, "[a-c]{1,3}\n[a-c]{1,3}"
+    sampled = {"temperature": 1.0, "max_new_tokens": 24}
+    rows = [
+        {"id": f"j{s}", "prompt": "Name:", "json_schema": schema, "seed": s, "stop_token_ids": [quote]}
+        | {"logit_bias": {str(quote): 4.0}, **sampled}
+        for s in range(6)
+    ]
+    rows += [
+        {"id": f"r{s}", "prompt": "Code:", "regex": regex, "seed": s, "stop_token_ids": [newline]}
+        | {"logit_bias": {str(newline): 4.0}, **sampled}
+        for s in range(6)
+    ]
+    out = generate(write_jsonl(tmp_path / "p.jsonl", rows), tmp_path / "o.arrow", model)
+    for rid, row in out.items():
+        assert row["finish_reason"] == "stop" and 0 not in row["output_token_ids"], row
+        stop = quote if rid[0] == "j" else newline
+        assert row["output_token_ids"][-1] in (EOS, stop) and row["matched_stop"] == str(row["output_token_ids"][-1])
+        if rid[0] == "j":
+            jsonschema.validate(json.loads(row["text"]), schema)
+        else:
+            assert re.fullmatch(regex, row["text"]), row
+        assert stop in row["output_token_ids"][:-1]  # the stop id as the text the grammar needed
+    assert {rid[0] for rid, r in out.items() if r["matched_stop"] in (str(quote), str(newline))} == {"j", "r"}
 
 
 def _hf_constrained_greedy(model_dir: Path, prompt: str, end_ids: list[int], bias: dict[int, float]) -> list[int]:

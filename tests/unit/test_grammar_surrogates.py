@@ -25,7 +25,7 @@ def test_after_a_lead_ed_byte_only_utf8_may_follow(kind: str, text: str, tmp_pat
     vocab = len(tokenizer)
     info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab)
     single = {data[0]: i for i, data in enumerate(info.decoded_vocab) if len(data) == 1}  # one token per byte
-    state = GrammarCompiler(tokenizer, vocab).matcher(kind, text, end_ids={1})
+    state = GrammarCompiler(tokenizer, vocab).matcher(kind, text, eos_ids={1})
     assert state.accept(single[ord('"')]) and state.accept(single[0xED])
     allowed = _allowed(state, vocab)
     for second in range(0x80, 0xC0):

@@ -65,12 +65,24 @@ CASES: list[tuple[str, dict[str, Any], Any, str | None]] = [
         "x",
         "$dynamicRef",
     ),
+    # Found by helper 82: a $ref that is no pointer into the schema stood for any value, and a pattern's anchors
+    # were dropped as a regex row's are.
+    ("$ref to an anchor", {"$defs": {"a": {"$anchor": "num", "type": "integer"}}, "$ref": "#num"}, "x", "$ref"),
+    ("pattern with a $ inside", {"type": "string", "pattern": "a$b"}, "ab", "pattern"),
+    ("pattern with \\A", {"type": "string", "pattern": "\\Aab"}, "Aab", "pattern"),
+    (
+        "patternProperties with a ^ inside",
+        {"type": "object", "patternProperties": {"a^b": {"type": "integer"}}, "additionalProperties": False},
+        {"ab": 1},
+        "pattern",
+    ),
     # Enforced: no refusal, and the grammar itself rejects the instance.
     ("multipleOf integer (B23 jbad)", {"type": "integer", "multipleOf": 7}, 8, None),
     ("allOf of one", {"allOf": [{"type": "integer", "maximum": 5}]}, 9, None),
     ("oneOf of disjoint types", {"oneOf": [{"type": "integer"}, {"type": "string"}]}, 1.5, None),
     ("maxLength", {"type": "string", "maxLength": 1}, "ab", None),
     ("pattern", {"type": "string", "pattern": "^a+$"}, "b", None),
+    ("$ref to the root", {"type": "array", "items": {"$ref": "#"}, "maxItems": 1}, [[], []], None),
     ("minimum", {"type": "number", "minimum": 0.5}, 0.25, None),
     ("enum", {"enum": [1, 2]}, 3, None),
     ("maxItems", {**INTS, "maxItems": 1}, [1, 2], None),

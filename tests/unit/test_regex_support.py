@@ -48,3 +48,22 @@ def test_an_anchor_at_a_groups_end_is_refused_with_the_fix_in_the_message() -> N
         "'$' at position 2 is not enforced by xgrammar (only at the pattern's end, where the whole output must match "
         "it anyway)"
     )
+
+
+# (pattern, strings): xgrammar's grammar for the pattern as batchgen compiles it accepts exactly those of the
+# strings that Python's re.fullmatch accepts (helper 82: xgrammar's own "." took newlines).
+DOTS = [
+    (r"[A-Z].{2,4}", ["Abc", "Ab\nc", "A\n\nb", "Abcde", "Ab"]),
+    (r"a\.b.", ["a.bc", "axbc", "a.b\n"]),
+    (r"[.]x.", [".xy", "zxy", ".x\n"]),
+    (r"(a|.)+", ["ab", "a\nb", "\n"]),
+]
+
+
+@pytest.mark.parametrize(("pattern", "strings"), DOTS, ids=[d[0] for d in DOTS])
+def test_a_dot_is_pythons_any_character_but_a_newline(pattern: str, strings: list[str]) -> None:
+    from batchgen.sampling.regex_support import python_dot
+
+    grammar = xgrammar.Grammar.from_regex(python_dot(pattern))
+    for text in strings:
+        assert bool(_is_grammar_accept_string(grammar, text)) == bool(re.fullmatch(pattern, text)), (pattern, text)
