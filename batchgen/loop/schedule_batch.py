@@ -11,6 +11,7 @@ from batchgen.loop.drafter import RoundDrafts
 from batchgen.loop.forward_mode import ForwardMode
 from batchgen.loop.kv_cache import KVCache
 from batchgen.loop.req import Req
+from batchgen.sampling.grammar import banned_before_min_tokens
 from batchgen.sampling.rejection import DraftProposals
 from batchgen.sampling.sampling_batch_info import SamplingBatchInfo
 
@@ -166,17 +167,19 @@ def _sampling_info(
     draws: list[_Draw], vocab_size: int, device: torch.device, processed_logprobs: bool
 ) -> SamplingBatchInfo:
     """Each draw's sampling inputs: at draft position ``j`` those plain decoding would use after ``j`` drafts."""
+    grammars = [d.grammars[j] if d is not None and j else r.grammar for _, r, j, d in draws]
     return SamplingBatchInfo.from_params(
         [r.params for _, r, _, _ in draws],
         seeds=[r.seed for _, r, _, _ in draws],
         steps=[len(r.output_ids) + j for _, r, j, _ in draws],
         banned=[
-            sorted(r.stop_token_ids) if len(r.output_ids) + j < r.params.min_new_tokens else [] for _, r, j, _ in draws
+            banned_before_min_tokens(r.stop_token_ids, g) if len(r.output_ids) + j < r.params.min_new_tokens else []
+            for (_, r, j, _), g in zip(draws, grammars)
         ],
         vocab_size=vocab_size,
         device=device,
         histories=[d.history_after(r.history, j) if d is not None else r.history for _, r, j, d in draws],
-        grammars=[d.grammars[j] if d is not None and j else r.grammar for _, r, j, d in draws],
+        grammars=grammars,
         processed_logprobs=processed_logprobs,
         drafts=_draft_proposals(draws, vocab_size),
     )

@@ -19,14 +19,14 @@ def append_token(req: Req, token_id: int, logprob: float | None, top: list[tuple
     req.output_ids.append(token_id)
     if req.history is not None:
         req.history.add(token_id)
+    num_out = len(req.output_ids)
+    stops_allowed = num_out >= req.params.min_new_tokens
     if req.grammar is not None:
-        req.grammar.accept(token_id)
+        req.grammar.accept(token_id, may_end=stops_allowed)
     if logprob is not None:
         req.output_logprobs.append(logprob)
     if top is not None:
         req.output_top_logprobs.append(top)
-    num_out = len(req.output_ids)
-    stops_allowed = num_out >= req.params.min_new_tokens
     if req.grammar is not None and req.grammar.terminated:
         # A constrained row ends where its grammar does, on one of its end ids (an EOS under ignore_eos or
         # min_new_tokens too): that token is the stop, and its text is no more part of ``text`` than any other stop

@@ -17,17 +17,14 @@ byte ED, tokens starting with A0-BF are masked, and tokens holding ED A0-BF insi
 
 from __future__ import annotations
 
-import json
 import re
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from typing import Any, NamedTuple
 
 import torch
 
 from batchgen.errors import FieldError
-from batchgen.sampling.json_schema_support import check_enforceable
-from batchgen.sampling.regex_support import check_anchors, python_dot
-from batchgen.sampling.sampling_params import python_value
+from batchgen.sampling.regex_support import python_dot
 
 GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")
 # A surrogate's UTF-8 form starts with this lead byte and a second byte in this range.
@@ -94,12 +91,15 @@ class GrammarCompiler:
             except Exception as e:  # xgrammar raises several types (RuntimeError, ValueError, its own)
                 raise FieldError(kind, f"does not compile: {_compile_message(e)}") from None
         assert self._surrogates is not None  # made with the compiler
-        ends = sorted(eos_ids) or self._tokenizer_stops
-        matcher = xgr.GrammarMatcher(self._cache[key], override_stop_tokens=ends)
+        # A model that names no EOS, and whose tokenizer xgrammar finds none in, ends its grammars on the row's
+        # stop ids alone (masked until the grammar is complete, as EOS ids are); with none, xgrammar's default.
+        ends = sorted(eos_ids) or self._tokenizer_stops or sorted(stop_ids)
+        matcher = xgr.GrammarMatcher(self._cache[key], override_stop_tokens=ends or None)
         stops = frozenset(stop_ids) - frozenset(ends)
         allowed = self._allowed_mask(kind, frozenset(ends))
         stop_bits = pack_bits(_one_hot(stops, self.vocab_size)) if stops else None
-        return GrammarState(xgr, matcher, allowed, self._surrogates, Ends(ends[0], stops, stop_bits))
+        ending = Ends(ends[0] if ends else None, stops, stop_bits)
+        return GrammarState(xgr, matcher, allowed, self._surrogates, ending)
 
     def _allowed_mask(self, kind: str, end_ids: frozenset[int]) -> torch.Tensor:
         """Packed int32 bits of the tokens a row of ``kind`` may ever pick (cached: rows share their EOS ids)."""
@@ -156,10 +156,10 @@ def _holds_surrogate(data: bytes) -> bool:
 
 
 class Ends(NamedTuple):
-    """How a grammar ends: ``eos``, one of the EOS ids its matcher ends on; the row's ``stop_ids`` that are no EOS
-    id, and their packed int32 bits (``None`` for none)."""
+    """How a grammar ends: ``eos``, one of the ids its matcher ends on (``None``: xgrammar's default, no stop ids);
+    the row's ``stop_ids`` that are none of those, and their packed int32 bits (``None`` for none)."""
 
-    eos: int
+    eos: int | None
     stop_ids: frozenset[int]
     stop_bits: torch.Tensor | None
 
@@ -184,28 +184,32 @@ class GrammarState:
         self.ends = ends
         self.after_lead = after_lead
 
-    def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
+    def fill_mask(self, bitmask: torch.Tensor, row: int, may_end: bool = True) -> None:
         """Write the allowed next tokens into row ``row`` of an int32 ``[n, ceil(vocab / 32)]`` bitmask: the
-        grammar's, less what ``allowed_mask`` rules out; and the row's stop ids where the grammar may end (where
-        the matcher allows its EOS id), whatever their text."""
+        grammar's, less what ``allowed_mask`` rules out; and, unless the row may not end yet (``may_end``:
+        ``min_new_tokens``), its stop ids where the grammar may end (where the matcher allows its EOS id)."""
         self.matcher.fill_next_token_bitmask(bitmask, row)
-        eos = self.ends.eos
-        can_end = (int(bitmask[row, eos // 32]) >> (eos % 32)) & 1
+        eos, stop_bits = self.ends.eos, self.ends.stop_bits
+        ends_here = False
+        if stop_bits is not None and may_end and eos is not None:
+            ends_here = bool((int(bitmask[row, eos // 32]) >> eos % 32) & 1)  # the matcher allows its EOS id
         bitmask[row] &= self.allowed_mask
         if self.after_lead:
             bitmask[row] &= self.surrogates.after_lead
-        if can_end and self.ends.stop_bits is not None:
-            bitmask[row] |= self.ends.stop_bits
+        if ends_here and stop_bits is not None:
+            bitmask[row] |= stop_bits
 
     def fork(self) -> GrammarState:
         """An independent matcher at the same position (another sample of the same request)."""
         fork = self.matcher.fork()
         return GrammarState(self._xgr, fork, self.allowed_mask, self.surrogates, self.ends, self.after_lead)
 
-    def accept(self, token_id: int) -> bool:
+    def accept(self, token_id: int, may_end: bool = True) -> bool:
         """Advance past ``token_id``; False (and no change) when the grammar does not allow it here. A stop id of
-        the row ends the grammar where it may end (its matcher takes the EOS id there) and is text elsewhere."""
-        if token_id in self.ends.stop_ids and self.matcher.accept_token(self.ends.eos):
+        the row ends the grammar where it may end (its matcher takes the EOS id there), unless the row may not end
+        yet (``may_end``), and is text elsewhere."""
+        eos = self.ends.eos
+        if may_end and eos is not None and token_id in self.ends.stop_ids and self.matcher.accept_token(eos):
             return True
         accepted = bool(self.matcher.accept_token(token_id))
         if accepted:
@@ -217,15 +221,25 @@ class GrammarState:
         return bool(self.matcher.is_terminated())
 
 
-def grammar_bitmask(states: list[GrammarState | None], vocab_size: int) -> torch.Tensor | None:
-    """The round's int32 bitmask ``[n, ceil(vocab / 32)]`` (all ones for unconstrained rows), or ``None``."""
+def grammar_bitmask(
+    states: list[GrammarState | None], vocab_size: int, may_end: Sequence[bool] | None = None
+) -> torch.Tensor | None:
+    """The round's int32 bitmask ``[n, ceil(vocab / 32)]`` (all ones for unconstrained rows), or ``None``;
+    ``may_end[i]``: whether row ``i``'s stop ids may end it this round (:meth:`GrammarState.fill_mask`)."""
     if not any(states):
         return None
     bitmask = torch.full((len(states), (vocab_size + 31) // 32), -1, dtype=torch.int32)
     for row, state in enumerate(states):
         if state is not None:
-            state.fill_mask(bitmask, row)
+            state.fill_mask(bitmask, row, may_end[row] if may_end is not None else True)
     return bitmask
+
+
+def banned_before_min_tokens(stop_token_ids: Collection[int], grammar: GrammarState | None) -> list[int]:
+    """The ids a row may not pick before ``min_new_tokens``: its stop ids (EOS ids among them), but for a
+    constrained row those its grammar may take as text (it then holds back their ending, ``may_end``)."""
+    text = grammar.ends.stop_ids if grammar is not None else frozenset()
+    return sorted(set(stop_token_ids) - text)
 
 
 def pack_bits(allowed: torch.Tensor) -> torch.Tensor:
@@ -250,45 +264,6 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     bits = torch.arange(32, dtype=torch.int32, device=logits.device)
     allowed = ((bitmask.to(logits.device)[:, :, None] >> bits) & 1).bool().flatten(1)[:, : logits.shape[1]]
     return logits.masked_fill(~allowed, float("-inf"))
-
-
-def normalize_constraint(name: str, value: Any) -> str:
-    """The constraint's source text; a JSON schema may be given as an object or as a JSON string.
-
-    Raises:
-        FieldError: wrong type, a schema string that is not JSON, a schema with a keyword xgrammar does not
-            enforce (:func:`batchgen.sampling.json_schema_support.check_enforceable`), or a regex with an anchor it
-            ignores (:func:`batchgen.sampling.regex_support.check_anchors`).
-    """
-    if name == "json_schema":
-        if isinstance(value, dict):
-            try:  # as JSON first (numpy's values, tuples: a schema built in Python), then checked as the JSON
-                text = json.dumps(value, default=_plain)  # key order kept: the order the model writes them in
-            except (TypeError, ValueError) as e:
-                raise FieldError(name, f"is not JSON: {e}") from None
-            check_enforceable(json.loads(text))
-            return text
-        if isinstance(value, str):
-            try:
-                schema = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise FieldError(name, f"is not valid JSON: {e.msg}") from None
-            check_enforceable(schema)
-            return value
-        raise FieldError(name, f"must be a JSON schema object or string, got {value!r}")
-    if not isinstance(value, str) or not value:
-        raise FieldError(name, f"must be a non-empty string, got {value!r}")
-    if name == "regex":
-        check_anchors(value)
-    return value
-
-
-def _plain(value: Any) -> Any:
-    """``json.dumps``'s fallback: a numpy value as the Python value it holds; anything else cannot be JSON."""
-    plain = python_value(value)
-    if plain is value:
-        raise TypeError(f"{type(value).__name__} {value!r} is not a JSON value")
-    return plain
 
 
 def _compile_message(error: Exception) -> str:

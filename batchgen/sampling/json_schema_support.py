@@ -83,7 +83,12 @@ def check_enforceable(schema: Any) -> None:
     Raises:
         FieldError: (``json_schema``) naming the first such keyword and its JSON pointer (``#`` is the root).
     """
-    for pointer, node in _subschemas(schema, "#"):
+    nodes = list(_subschemas(schema, "#"))
+    nested_id = next((pointer for pointer, node in nodes[1:] if "$id" in node), None)
+    if nested_id is not None and any("$ref" in node for _, node in nodes):
+        # Its $ref pointers resolve against that subschema; xgrammar resolves every one against the root.
+        raise FieldError("json_schema", f"$id at {nested_id} is not followed by xgrammar beside a $ref: remove it")
+    for pointer, node in nodes:
         problem = _unenforced(node, schema)
         if problem is not None:
             keyword, why = problem

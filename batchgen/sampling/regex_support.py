@@ -38,6 +38,10 @@ def check_anchors(pattern: str) -> None:
                 raise FieldError(
                     "regex", f"'[\\^' at position {i} is read by xgrammar as a negated class: put the ^ later in it"
                 )
+            if pattern[i + 1 : i + 3] == "^]":
+                raise FieldError(
+                    "regex", f"'[^]' at position {i} is read by xgrammar as any character: escape the ] (\\])"
+                )
             i, alternative_starts = _class_end(pattern, i), False
             continue
         if c == "(":

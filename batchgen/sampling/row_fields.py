@@ -10,6 +10,7 @@ from dataclasses import fields
 from typing import Any
 
 from batchgen.errors import NOT_UNICODE, FieldError, is_unicode_text, shown_value
+from batchgen.sampling.constraints import normalize_constraint
 from batchgen.sampling.sampling_params import SamplingParams, prompt_logprobs_count, whole_number
 
 # Fields that an input row may set at top level to override the CLI defaults for that row.
@@ -104,8 +105,6 @@ def _coerce(name: str, value: Any) -> Any:
     if name == "prompt_logprobs":
         return prompt_logprobs_count(value)
     if name in ("json_schema", "regex", "ebnf"):
-        from batchgen.sampling.grammar import normalize_constraint
-
         return normalize_constraint(name, value)
     raise FieldError(name, "is not a sampling field")
 

@@ -115,6 +115,7 @@ class SamplingBatchInfo:
                 if processed_logprobs
                 else None
             ),
-            grammar_mask=grammar_bitmask(list(grammars), vocab_size) if grammars else None,
+            # A row with ids banned is before its min_new_tokens: its stop ids may not end it yet.
+            grammar_mask=grammar_bitmask(list(grammars), vocab_size, [not ids for ids in banned]) if grammars else None,
             drafts=drafts,
         )

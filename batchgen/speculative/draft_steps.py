@@ -22,7 +22,7 @@ from batchgen.loop.kv_cache import KVCache
 from batchgen.loop.model_runner import ModelRunner
 from batchgen.loop.req import Req
 from batchgen.loop.schedule_batch import ModelWorkerBatch
-from batchgen.sampling.grammar import GrammarState
+from batchgen.sampling.grammar import GrammarState, banned_before_min_tokens
 from batchgen.sampling.penalties import TokenHistory
 from batchgen.sampling.sampling_batch_info import SamplingBatchInfo
 
@@ -70,9 +70,10 @@ class Drafting:
         """Record a new draft, drawn from ``probs`` (kept with ``keep_probs``). Drafting ends at the limit, at a
         token the grammar rejects (dropped; only possible when its mask allowed nothing), when the grammar or a
         stop token ends the request: nothing after those could be emitted."""
+        num_out = len(self.req.output_ids) + len(self.drafts) + 1
         if self.grammar is not None:
             grammar = self.grammar.fork()
-            if not grammar.accept(token_id):
+            if not grammar.accept(token_id, may_end=num_out >= self.req.params.min_new_tokens):
                 self.done = True
                 return
             self.grammar = grammar
@@ -81,7 +82,6 @@ class Drafting:
             self.probs.append(probs)
         if self.history is not None:
             self.history.add(token_id)
-        num_out = len(self.req.output_ids) + len(self.drafts)
         # A constrained row ends only where its grammar does (a stop id may be its text: GrammarState.accept).
         stops = (
             self.grammar is None and token_id in self.req.stop_token_ids and num_out >= self.req.params.min_new_tokens
@@ -154,7 +154,7 @@ def draft_sampling_info(items: list[Drafting], vocab_size: int, device: torch.de
         seeds=[it.req.seed for it in items],
         steps=steps,
         banned=[
-            sorted(it.req.stop_token_ids) if step < it.req.params.min_new_tokens else []
+            banned_before_min_tokens(it.req.stop_token_ids, it.grammar) if step < it.req.params.min_new_tokens else []
             for it, step in zip(items, steps)
         ],
         vocab_size=vocab_size,

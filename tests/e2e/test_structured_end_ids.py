@@ -148,6 +148,38 @@ def test_a_stop_id_the_grammar_needs_is_its_text(random_models: dict[str, Path],
     assert {rid[0] for rid, r in out.items() if r["matched_stop"] in (str(quote), str(newline))} == {"j", "r"}
 
 
+def test_min_new_tokens_holds_back_a_stop_id_only_where_it_would_end_the_row(
+    random_models: dict[str, Path], tmp_path: Path
+) -> None:
+    """Found by helper 83: min_new_tokens banned a stop id also where the grammar took it as text, so a row whose
+    output already met its minimum came out otherwise ("bbbb" where "aaaa" ran without the minimum)."""
+    model = random_models["llama"]
+    a = int(AutoTokenizer.from_pretrained(model).convert_tokens_to_ids("a"))
+    row = {"prompt": "Code:", "regex": "[ab]{4}", "stop_token_ids": [a], "logit_bias": {str(a): 6.0}}
+    row |= {"temperature": 0, "max_new_tokens": 8}
+    rows = [{"id": "free", **row}, {"id": "min", **row, "min_new_tokens": 4}]
+    out = generate(write_jsonl(tmp_path / "p.jsonl", rows), tmp_path / "o.arrow", model)
+    assert out["free"]["text"] == "aaaa" and out["free"]["output_token_ids"] == [a] * 5  # the fifth "a" ends it
+    assert out["min"]["output_token_ids"] == out["free"]["output_token_ids"] and out["min"]["text"] == "aaaa"
+
+
+def test_a_model_without_eos_ends_a_grammar_on_the_rows_stop_ids(random_models: dict[str, Path]) -> None:
+    """Found by helper 83: with no EOS id named and none xgrammar could find, every constrained row crashed the job
+    (xgrammar refuses an empty stop list): such a grammar ends on the row's stop ids, masked until it is complete."""
+    from batchgen.sampling.grammar import GrammarCompiler
+
+    tokenizer = AutoTokenizer.from_pretrained(random_models["llama"])
+    a, b = (int(tokenizer.convert_tokens_to_ids(t)) for t in "ab")
+    compiler = GrammarCompiler(tokenizer, len(tokenizer))
+    compiler.matcher("regex", "[ab]{2}", eos_ids=())  # builds xgrammar's tokenizer info
+    compiler._tokenizer_stops = []  # as for a tokenizer in which xgrammar finds no EOS
+    state = compiler.matcher("regex", "[ab]{2}", eos_ids=(), stop_ids=[b])
+    assert not state.accept(b)  # the grammar's end, refused before it is complete
+    assert state.accept(a) and state.accept(a) and not state.terminated
+    assert state.accept(b) and state.terminated
+    assert not compiler.matcher("regex", "[ab]{2}", eos_ids=()).terminated  # no end ids at all: xgrammar's default
+
+
 def _hf_constrained_greedy(model_dir: Path, prompt: str, end_ids: list[int], bias: dict[int, float]) -> list[int]:
     """HF float32 greedy decoding of ``prompt`` under the regex, by xgrammar's own matcher told ``end_ids``."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from batchgen.errors import FieldError
-from batchgen.sampling.grammar import normalize_constraint
+from batchgen.sampling.constraints import normalize_constraint
 from batchgen.sampling.json_schema_support import check_enforceable
 
 xgrammar = pytest.importorskip("xgrammar", reason='grammars need xgrammar (pip install -e ".[structured]")')
@@ -243,3 +243,15 @@ def test_a_schema_built_with_numpy_values_is_the_schema_they_hold() -> None:
     for given in (np.array(both, dtype=object), tuple(both)):
         with pytest.raises(FieldError, match="allOf"):
             normalize_constraint("json_schema", {"allOf": given})
+
+
+def test_a_ref_under_a_nested_id_is_refused() -> None:
+    """Found by helper 83: under a nested ``$id`` a ``#/...`` pointer resolves against that subschema (jsonschema
+    takes ``{"p": 2}``), while xgrammar resolves it from the root (it took ``{"p": 1}``)."""
+    inner = {"$id": "http://e.example/x", "$defs": {"a": {"type": "integer", "enum": [2]}}, "$ref": "#/$defs/a"}
+    schema = {"type": "object", "$defs": {"a": {"type": "integer", "enum": [1]}}, "properties": {"p": inner}}
+    schema |= {"required": ["p"], "additionalProperties": False}
+    jsonschema.validate({"p": 2}, schema)
+    assert _xgrammar_accepts(schema, {"p": 1}) and not _xgrammar_accepts(schema, {"p": 2})
+    with pytest.raises(FieldError, match=r"\$id at #/properties/p is not followed by xgrammar beside a \$ref"):
+        check_enforceable(schema)
