@@ -44,7 +44,8 @@ def check_option_names(
     Raises:
         TypeError: ``{caller}() got an unexpected keyword argument 'name'``, with ``(did you mean 'other'?)`` for
             a row field's alias (vLLM's ``max_tokens``) or a near spelling of a known option, or ``('other' is an
-            option of another call)`` for an option (or another name of one) that ``caller`` does not take.
+            option of generate() and stream())`` for an option (or another name of one) that ``caller`` does not
+            take.
     """
     known = option_names(*classes) | set(also)
     unknown = next((name for name in given if name not in known), None)
@@ -53,7 +54,10 @@ def check_option_names(
     near = near_name(unknown, known)
     meant = SAMPLING_FIELD_ALIASES.get(unknown) or FOREIGN_OPTION_NAMES.get(unknown) or unknown
     if meant in option_names(*OPTION_CLASSES) and meant not in known:  # Generator(max_new_tokens=...): generate's
-        hint = f" ('{meant}' is an option of another call)"
+        where = "Generator()" if meant in option_names(EngineOptions) else "generate() and stream()"
+        if meant in option_names(JobOptions):
+            where = "batchgen.run()"
+        hint = f" ('{meant}' is an option of {where})"
     else:
         hint = f" (did you mean '{near}'?)" if near else ""
     raise TypeError(f"{caller}() got an unexpected keyword argument '{unknown}'{hint}")
