@@ -16,7 +16,7 @@ import yaml
 from batchgen.api.options import OPTION_CLASSES, declared_options, near_name, options_of, type_problem
 from batchgen.errors import BatchgenError, FieldError, shown_value
 from batchgen.io.input_options import apply_escapes
-from batchgen.sampling.row_fields import LOGPROBS_COUNT_HINT
+from batchgen.sampling.row_fields import switch_hint
 
 # The declared options' types by Python name.
 OPTION_HINTS = {f.name: get_type_hints(cls)[f.name] for cls in OPTION_CLASSES for f in declared_options(cls)}
@@ -82,8 +82,8 @@ def check_config_value(path: Path, name: str, value: Any, hint: Any) -> None:
     if base is not bool and any(isinstance(v, bool) for v in items):
         raise BatchgenError(f"{path}: option '{option}': takes no true/false value, got {shown_value(value)}")
     if any((problem := type_problem(_converted(v, base), base)) is not None for v in items):
-        count = f" ({LOGPROBS_COUNT_HINT})" if name == "logprobs" else ""
-        raise BatchgenError(f"{path}: option '{option}': must be {problem}, got {shown_value(value)}{count}")
+        hint = switch_hint(name)
+        raise BatchgenError(f"{path}: option '{option}': must be {problem}, got {shown_value(value)}{hint}")
 
 
 def config_options(path: Path) -> dict[str, Any]:

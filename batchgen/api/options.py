@@ -17,7 +17,7 @@ from batchgen.errors import BatchgenError, FieldError, shown_value
 from batchgen.io.input_options import InputOptions
 from batchgen.job.options import JobOptions
 from batchgen.loop.options import EngineOptions
-from batchgen.sampling.row_fields import LOGPROBS_COUNT_HINT, SAMPLING_FIELD_ALIASES
+from batchgen.sampling.row_fields import SAMPLING_FIELD_ALIASES, switch_hint
 from batchgen.sampling.sampling_params import SamplingParams, python_value
 
 OPTION_CLASSES: tuple[type, ...] = (EngineOptions, SamplingParams, JobOptions, InputOptions)
@@ -52,7 +52,7 @@ def check_option_names(
     if unknown is None:
         return
     near = near_name(unknown, known)
-    meant = SAMPLING_FIELD_ALIASES.get(unknown) or FOREIGN_OPTION_NAMES.get(unknown) or unknown
+    meant = option_meant(unknown) or unknown
     if meant in option_names(*OPTION_CLASSES) and meant not in known:  # Generator(max_new_tokens=...): generate's
         where = "Generator()" if meant in option_names(EngineOptions) else "generate() and stream()"
         if meant in option_names(JobOptions):
@@ -80,12 +80,18 @@ FOREIGN_OPTION_NAMES: dict[str, str] = {
 }
 
 
+def option_meant(name: str) -> str | None:
+    """The option that ``name`` stands for as a row field's alias (vLLM's ``max_tokens``) or another engine's name
+    (:data:`FOREIGN_OPTION_NAMES`), or ``None``."""
+    return SAMPLING_FIELD_ALIASES.get(name) or FOREIGN_OPTION_NAMES.get(name)
+
+
 def near_name(name: str, known: Collection[str]) -> str | None:
     """The option of ``known`` (Python names) that ``name`` was probably meant to be: the one a row field's alias
     (vLLM's ``max_tokens``) or another engine's option name (:data:`FOREIGN_OPTION_NAMES`) stands for, else a near
     spelling; ``None`` for none, and for such a name whose option is not among ``known`` (``max_tokens`` given to
     ``Generator``: the near spelling, ``max_total_tokens``, is another thing)."""
-    meant = SAMPLING_FIELD_ALIASES.get(name) or FOREIGN_OPTION_NAMES.get(name)
+    meant = option_meant(name)
     if meant is not None:
         return meant if meant in known else None
     close = difflib.get_close_matches(name, sorted(known), n=1)
@@ -141,8 +147,8 @@ def _checked(name: str, value: Any, hint: Any) -> Any:
     if hint in (bool, bool | None) and not isinstance(value, bool):
         optional = hint is not bool
         if value is not None or not optional:
-            count = f" ({LOGPROBS_COUNT_HINT})" if name == "logprobs" else ""
-            raise BatchgenError(f"--{flag}: must be True or False{' or None' * optional}, got {value!r}{count}")
+            hint = switch_hint(name)
+            raise BatchgenError(f"--{flag}: must be True or False{' or None' * optional}, got {value!r}{hint}")
     elif (problem := type_problem(value, hint)) is not None:
         raise BatchgenError(
             f"--{flag}: must be {problem}, got {shown_value(list(value) if isinstance(value, tuple) else value)}"

@@ -4,7 +4,6 @@ input rows, checked as a file's rows are, with their pass-through fields kept as
 from __future__ import annotations
 
 import math
-import numbers
 import os
 import sys
 import warnings
@@ -21,7 +20,7 @@ from batchgen.io.input_options import InputOptions
 from batchgen.io.passthrough import KNOWN_FIELDS, PROMPT_FIELDS, passthrough_names
 from batchgen.io.reader import InputRow
 from batchgen.io.rows import RowSpec, parse_row
-from batchgen.sampling.sampling_params import ARRAY_MODULES, python_value
+from batchgen.sampling.sampling_params import ARRAY_MODULES, python_value, whole_number
 
 # The input's name in row errors: ``rows:3: field 'temperature': ...`` is the third row given (1-based, as a
 # file's lines are; its default id is its 0-based index, "2").
@@ -85,10 +84,9 @@ def _is_lone_row(rows: Iterable[Any], options: InputOptions) -> bool:
 
 
 def _is_token_id(value: Any) -> bool:
-    """An integer, or a float with no fraction (as the integer fields take it: 41.0), but no bool."""
-    if isinstance(value, float):
-        return value.is_integer()
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    """An integer (numpy's too), or a float with no fraction (as the integer fields take it: 41.0), but no bool."""
+    value = whole_number(python_value(value))
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def parse_python_row(row: InputRow) -> RowSpec:

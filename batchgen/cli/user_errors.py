@@ -19,9 +19,8 @@ from typer._click.exceptions import (  # the click typer vendors
 from typer.core import TyperGroup
 from typer.exceptions import Abort
 
-from batchgen.api.options import FOREIGN_OPTION_NAMES
+from batchgen.api.options import option_meant
 from batchgen.errors import BatchgenError
-from batchgen.sampling.row_fields import SAMPLING_FIELD_ALIASES
 
 
 class BatchgenGroup(TyperGroup):
@@ -67,7 +66,7 @@ def _hint_meant_option(error: NoSuchOption) -> None:
     """Point an unknown flag that is another engine's name for one of the command's options at that option alone
     (``--max-model-len``: ``(Possible options: --context-length)``), where click lists flags of a like spelling."""
     name = error.option_name.lstrip("-").replace("-", "_")
-    meant = FOREIGN_OPTION_NAMES.get(name) or SAMPLING_FIELD_ALIASES.get(name)
+    meant = option_meant(name)
     if meant is None or error.ctx is None:
         return
     flag = f"--{meant.replace('_', '-')}"

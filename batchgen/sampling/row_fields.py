@@ -57,8 +57,12 @@ def field_names(field: str) -> tuple[str, ...]:
 
 MAX_NEW_TOKENS_NAMES: tuple[str, ...] = field_names("max_new_tokens")
 
-# vLLM's logprobs is a count: what gives it here, said where a count is given for the switch.
-LOGPROBS_COUNT_HINT = "vLLM's logprobs=N is logprobs true with top_logprobs N"
+
+def switch_hint(name: str) -> str:
+    """What to add to the message of a switch given a non-bool value: for ``logprobs``, which is a count in vLLM,
+    what gives vLLM's count here; nothing for the other switches."""
+    return " (vLLM's logprobs=N is logprobs true with top_logprobs N)" if name == "logprobs" else ""
+
 
 _INT_FIELDS = {"max_new_tokens", "min_new_tokens", "top_k", "top_logprobs", "n"}
 _FLOAT_FIELDS = {"temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"}
@@ -78,8 +82,7 @@ def _coerce(name: str, value: Any) -> Any:
         return float(value)
     if name in _BOOL_FIELDS:
         if not isinstance(value, bool):
-            count = f" ({LOGPROBS_COUNT_HINT})" if name == "logprobs" else ""
-            raise FieldError(name, f"must be true or false, got {shown_value(value)}{count}")
+            raise FieldError(name, f"must be true or false, got {shown_value(value)}{switch_hint(name)}")
         return value
     if name in ("seed", "prompt_logprobs_from"):
         value = whole_number(value)
