@@ -66,14 +66,14 @@ def check_config_value(path: Path, name: str, value: Any, hint: Any) -> None:
             [2]``.
     """
     option, items = name.replace("_", "-"), value if isinstance(value, list) else [value]
-    if isinstance(value, list) and get_origin(hint) is not tuple:
-        raise BatchgenError(f"{path}: option '{option}': takes one value, got {shown_value(value)}")
     if name in _PARSERS:
         try:
             _PARSERS[name](text_value(value))
         except FieldError as e:
             raise BatchgenError(f"{path}: option '{option}': {e.message}") from None
         return
+    if isinstance(value, list) and get_origin(hint) is not tuple:
+        raise BatchgenError(f"{path}: option '{option}': takes one value, got {shown_value(value)}")
     base = _base(hint)
     if base is str and not all(isinstance(v, str) for v in items):
         what = "no true/false value" if any(isinstance(v, bool) for v in items) else "text"

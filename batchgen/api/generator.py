@@ -223,7 +223,7 @@ class Generator:
         self._check_no_stream_open()
         engine = self.engine
         seed = self.options.seed if self.options.seed is not None else secrets.randbits(63)
-        builder = RequestBuilder.for_engine(engine.facts(), defaults, seed)
+        builder = RequestBuilder.for_engine(engine.facts(), defaults, seed, columns.chat_template_kwargs)
         checks = RowChecks(SOURCE, parse_python_row, python_passthrough)
         return RowFlow(engine, builder, self.lookahead), checks, columns
 

@@ -8,20 +8,48 @@ import json
 import re
 import string
 from dataclasses import dataclass, field, fields
+from typing import Any
 
-from batchgen.errors import BatchgenError
+from batchgen.errors import BatchgenError, FieldError
+from batchgen.io.passthrough import CHAT_TEMPLATE_KWARGS_FIELD, json_type_name
 
 # Output metadata key of the input options a run used: a resumed run compares them, status reads ids with them.
 INPUT_OPTIONS_KEY = "batchgen.input_options"
 # The escapes --prompt-template and --stop understand: a shell passes "\n" in double quotes as a backslash and an n.
 _ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}
 _ESCAPE = re.compile(r"\\([nt\\])")
+# The chat template's own arguments, which batchgen sets (the messages; a generation prompt, rendered as text).
+_TEMPLATE_ARGUMENTS = ("conversation", "messages", "add_generation_prompt", "tokenize", "continue_final_message")
 
 
 def apply_escapes(text: str) -> str:
     """``text`` with the escapes a command line cannot type otherwise (``\\n``, ``\\t``, ``\\\\``) turned into the
     characters they name; any other backslash stays."""
     return _ESCAPE.sub(lambda m: _ESCAPES[m.group(1)], text)
+
+
+def chat_template_kwargs(value: Any) -> dict[str, Any] | None:
+    """Keyword arguments of the chat template as a row, a keyword, a config file or a flag gives them (vLLM's
+    ``chat_template_kwargs``, e.g. ``{"enable_thinking": false}``): an object (a flag's JSON text), its null
+    values left out (the template's default); ``None`` for none.
+
+    Raises:
+        FieldError: not an object with string keys, or a key naming an argument batchgen sets itself.
+    """
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise FieldError(CHAT_TEMPLATE_KWARGS_FIELD, f"is not JSON: {e}") from None
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not all(isinstance(key, str) for key in value):
+        message = f"must be an object of template arguments, got {json_type_name(value)}"
+        raise FieldError(CHAT_TEMPLATE_KWARGS_FIELD, message)
+    taken = next((key for key in _TEMPLATE_ARGUMENTS if key in value), None)
+    if taken is not None:
+        raise FieldError(CHAT_TEMPLATE_KWARGS_FIELD, f"'{taken}' is set by batchgen, not a template argument to give")
+    return {key: item for key, item in value.items() if item is not None}
 
 
 @dataclass(frozen=True)
@@ -46,6 +74,15 @@ class InputOptions:
         },
     )
     id_column: str | None = field(default=None, metadata={"help": "Take each row's id from column NAME."})
+    chat_template_kwargs: dict[str, Any] | None = field(
+        default=None,
+        metadata={
+            "help": "Arguments of the chat template for every messages row, as a JSON object, "
+            "'{\"enable_thinking\": false}' (a row's own chat_template_kwargs add to them, and win).",
+            "parse": chat_template_kwargs,
+            "metavar": "JSON",
+        },
+    )
 
     def validate(self) -> None:
         """Every rule of these options.

@@ -9,8 +9,9 @@ from typing import Any
 
 import pyarrow as pa
 
-from batchgen.errors import NOT_UNICODE, RowError, is_unicode_text, shown_value
+from batchgen.errors import NOT_UNICODE, FieldError, RowError, is_unicode_text, shown_value
 from batchgen.io.arrow_fit import misfit
+from batchgen.io.input_options import chat_template_kwargs
 from batchgen.io.input_row import InputRow
 from batchgen.io.json_text import is_json_text
 from batchgen.io.passthrough import (
@@ -163,21 +164,16 @@ def _check_continuation(data: dict[str, Any], prompt_field: str, fail: _Fail) ->
     return value
 
 
-# The chat template's own arguments, which batchgen sets (the messages; a generation prompt, rendered as text).
-_TEMPLATE_ARGUMENTS = ("conversation", "messages", "add_generation_prompt", "tokenize", "continue_final_message")
-
-
 def _check_chat_template_kwargs(value: Any, prompt_field: str, fail: _Fail) -> dict[str, Any] | None:
-    if value is None:
-        return None
-    if not isinstance(value, dict) or not all(isinstance(key, str) for key in value):
-        raise fail(CHAT_TEMPLATE_KWARGS_FIELD, f"must be an object of template arguments, got {json_type_name(value)}")
-    if prompt_field != "messages":
+    if isinstance(value, str):  # a row gives the object itself; a flag gives its JSON text
+        raise fail(CHAT_TEMPLATE_KWARGS_FIELD, "must be an object of template arguments, got string")
+    try:
+        kwargs = chat_template_kwargs(value)
+    except FieldError as e:
+        raise fail(e.field, e.message) from None
+    if kwargs is not None and prompt_field != "messages":
         raise fail(CHAT_TEMPLATE_KWARGS_FIELD, "needs messages: a prompt is not rendered by the chat template")
-    taken = next((key for key in _TEMPLATE_ARGUMENTS if key in value), None)
-    if taken is not None:
-        raise fail(CHAT_TEMPLATE_KWARGS_FIELD, f"'{taken}' is set by batchgen, not a template argument to give")
-    return {key: item for key, item in value.items() if item is not None}
+    return kwargs
 
 
 def _check_prompt(value: Any, fail: _Fail) -> str:

@@ -49,6 +49,7 @@ class RunReplica:
         defaults: the run's sampling defaults.
         run_seed: the run's seed (a row's seed derives from it and the row's id, so a row samples the same on any
             replica).
+        chat_template_kwargs: the run's chat template arguments (``--chat-template-kwargs``).
         lookahead: rows waiting in the scheduler.
         threads: torch's CPU threads: the replica's cores.
 
@@ -57,11 +58,17 @@ class RunReplica:
     """
 
     def __init__(
-        self, options: EngineOptions, defaults: SamplingParams, run_seed: int, lookahead: int, threads: int
+        self,
+        options: EngineOptions,
+        defaults: SamplingParams,
+        run_seed: int,
+        chat_template_kwargs: dict[str, Any],
+        lookahead: int,
+        threads: int,
     ) -> None:
         torch.set_num_threads(threads)
         self.rounds = LocalRounds(options)
-        self.builder = RequestBuilder.for_engine(self.rounds.facts, defaults, run_seed)
+        self.builder = RequestBuilder.for_engine(self.rounds.facts, defaults, run_seed, chat_template_kwargs)
         self.lookahead = lookahead
 
     def __call__(self, batch: pa.Table) -> pa.Table:

@@ -153,6 +153,7 @@ class RayRounds:
             "options": self.options,
             "defaults": builder.defaults,
             "run_seed": builder.run_seed,
+            "chat_template_kwargs": builder.chat_template_kwargs,
             "lookahead": lookahead,
             "threads": max(1, round(job.cpus_per_replica)),
         }

@@ -31,6 +31,8 @@ class RequestBuilder:
         defaults: sampling parameters for fields a row does not set.
         run_seed: seeds the rows that carry no ``seed``.
         max_samples: the largest ``n`` a row may ask for (its samples decode together, one request row each).
+        chat_template_kwargs: the chat template's arguments for every ``messages`` row (``--chat-template-kwargs``);
+            a row's own ``chat_template_kwargs`` add to them and take precedence.
     """
 
     def __init__(
@@ -42,6 +44,7 @@ class RequestBuilder:
         defaults: SamplingParams,
         run_seed: int,
         max_samples: int,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -50,10 +53,17 @@ class RequestBuilder:
         self.defaults = defaults
         self.run_seed = run_seed
         self.max_samples = max_samples
+        self.chat_template_kwargs = chat_template_kwargs or {}
         self.grammars = GrammarCompiler(tokenizer, vocab_size)
 
     @classmethod
-    def for_engine(cls, facts: EngineFacts, defaults: SamplingParams, run_seed: int) -> RequestBuilder:
+    def for_engine(
+        cls,
+        facts: EngineFacts,
+        defaults: SamplingParams,
+        run_seed: int,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> RequestBuilder:
         """A builder for the engine ``facts`` describes: its tokenizer, vocabulary, context length and EOS ids, and
         ``n`` up to its ``max_running_requests``."""
         return cls(
@@ -64,6 +74,7 @@ class RequestBuilder:
             defaults,
             run_seed,
             max_samples=facts.max_running_requests,
+            chat_template_kwargs=chat_template_kwargs,
         )
 
     def build(self, spec: RowSpec, source: str) -> Req:
@@ -154,7 +165,7 @@ class RequestBuilder:
             if not getattr(self.tokenizer, "chat_template", None):
                 raise error("messages", "the model's tokenizer has no chat template; give a plain prompt instead")
             try:
-                kwargs = spec.chat_template_kwargs or {}
+                kwargs = {**self.chat_template_kwargs, **(spec.chat_template_kwargs or {})}
                 text = self.tokenizer.apply_chat_template(
                     spec.messages, add_generation_prompt=True, tokenize=False, **kwargs
                 )

@@ -39,6 +39,7 @@ RUN_FLAGS = {
     "--messages-column",
     "--prompt-template",
     "--id-column",
+    "--chat-template-kwargs",
     "-o",
     "--model",
     "--config",
@@ -737,6 +738,67 @@ def test_messages_use_the_chat_template(model: Path, tmp_path: Path) -> None:
     assert got["chat"]["completion_tokens"] == 5
     assert got["chat"]["output_token_ids"] == got["ids"]["output_token_ids"]
     assert got["chat"]["text"] == got["ids"]["text"]
+
+
+def test_chat_template_kwargs_flag_sets_every_messages_rows_template_arguments(model: Path, tmp_path: Path) -> None:
+    """``--chat-template-kwargs`` (vLLM's ``LLM.chat(chat_template_kwargs=...)`` for a whole run): each messages row
+    renders as transformers' ``apply_chat_template`` renders it with those arguments, a row's own
+    ``chat_template_kwargs`` adding to them and winning; a prompt row is not rendered and runs as it is."""
+    chat_model = tmp_path / "chat_model"
+    shutil.copytree(model, chat_model)
+    tokenizer = AutoTokenizer.from_pretrained(chat_model)
+    tokenizer.chat_template = CHAT_TEMPLATE + "{% if not enable_thinking %} quick{% endif %}{{ tone or '' }}"
+    tokenizer.save_pretrained(chat_model)
+    messages = [{"role": "user", "content": "Once upon a time"}]
+
+    def ids(**kwargs: Any) -> list[int]:
+        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
+        return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
+
+    run_level, own = ids(enable_thinking=False, tone=" calm"), ids(enable_thinking=False, tone=" warm")
+    assert len({tuple(run_level), tuple(own), tuple(ids(enable_thinking=True))}) == 3
+    rows = [
+        {"id": "run", "messages": messages},
+        {"id": "own", "messages": messages, "chat_template_kwargs": {"tone": " warm"}},
+        {"id": "prompt", "prompt": "Once upon a time"},
+        {"id": "run_ids", "prompt_token_ids": run_level},
+        {"id": "own_ids", "prompt_token_ids": own},
+    ]
+    dataset = write_jsonl(tmp_path / "in.jsonl", [{**row, "max_new_tokens": 3, "temperature": 0} for row in rows])
+    kwargs = '{"enable_thinking": false, "tone": " calm"}'
+    code, lines = _run(dataset, tmp_path / "out.arrow", chat_model, "--chat-template-kwargs", kwargs)
+    assert code == 0, lines
+    got = {r["id"]: r for r in pa.ipc.open_file(tmp_path / "out.arrow").read_all().to_pylist()}
+    for row, reference in (("run", run_level), ("own", own)):
+        assert got[row]["prompt_tokens"] == len(reference)
+        assert got[row]["output_token_ids"] == got[f"{row}_ids"]["output_token_ids"]
+    assert got["prompt"]["completion_tokens"] == 3
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("[1]", "must be an object of template arguments, got array"),
+        ('{"tokenize": true}', "'tokenize' is set by batchgen, not a template argument to give"),
+        ("{enable_thinking: false}", "is not JSON: Expecting property name enclosed in double quotes"),
+    ],
+)
+def test_a_bad_chat_template_kwargs_flag_is_one_line(value: str, message: str, model: Path, tmp_path: Path) -> None:
+    dataset = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "x"}])
+    code, output = run_cli(
+        [
+            "run",
+            str(dataset),
+            "--out",
+            str(tmp_path / "o.arrow"),
+            "--model",
+            str(model),
+            "--chat-template-kwargs",
+            value,
+        ]
+    )
+    assert code == 2 and len(output.splitlines()) == 1, output
+    assert output.startswith(f"batchgen: error: Invalid value for '--chat-template-kwargs': {message}"), output
 
 
 def test_messages_without_chat_template_is_a_row_error(model: Path, tmp_path: Path) -> None:

@@ -311,11 +311,16 @@ def test_chat_template_kwargs_reach_the_chat_template(generator: batchgen.Genera
             {"id": "ids", "prompt_token_ids": ids},
         ]
         got = {r["id"]: r for r in generator.generate(rows, max_new_tokens=3, temperature=0)}
+        # The keyword sets them for every messages row of the call (vLLM's LLM.chat(chat_template_kwargs=...)).
+        (run_level,) = generator.generate(
+            [messages], max_new_tokens=3, temperature=0, chat_template_kwargs={"enable_thinking": False}
+        )
     finally:
         tokenizer.chat_template = kept
     assert rendered.endswith("assistant: ok") and got["kw"]["prompt_tokens"] == len(ids)
     assert got["plain"]["prompt_tokens"] < len(ids)
-    assert got["kw"]["output_token_ids"] == got["ids"]["output_token_ids"]
+    assert got["kw"]["output_token_ids"] == got["ids"]["output_token_ids"] == run_level["output_token_ids"]
+    assert run_level["prompt_tokens"] == len(ids)
 
 
 def test_a_prompt_over_the_tokenizers_max_length_brings_no_transformers_warning(

@@ -4,6 +4,7 @@ values reach the built objects. Walks the declarations, so an option added there
 
 from __future__ import annotations
 
+import json
 from dataclasses import Field, fields
 from pathlib import Path
 from types import NoneType, UnionType
@@ -70,6 +71,8 @@ def _other_value(field: Field[Any], annotation: Any) -> Any:
         annotation = next(a for a in get_args(annotation) if a is not NoneType)
     if get_origin(annotation) is tuple:
         return ("a", "b") if get_args(annotation)[0] is str else (3, 5)
+    if get_origin(annotation) is dict:
+        return {"enable_thinking": False}
     default = field.default
     if annotation is bool:
         return not default
@@ -131,7 +134,7 @@ def test_flags_set_every_declared_option_and_the_rest_keep_their_defaults() -> N
                 argv.append(on if value else off)
             else:
                 for item in value if isinstance(value, tuple) else [value]:
-                    argv += [_flag(declared[name]), str(item)]
+                    argv += [_flag(declared[name]), json.dumps(item) if isinstance(item, dict) else str(item)]
     built: dict[str, Any] = {}
     result = CliRunner().invoke(_probe_app(built), argv)
     assert result.exit_code == 0, result.output
