@@ -338,6 +338,14 @@ def test_config_unknown_key_names_it(model: Path, tmp_path: Path) -> None:
         (["--ray", "--ray-batch-rows", "0"], "--ray-batch-rows must be >= 1, got 0"),
         (["--replicas", "2"], "--replicas needs --ray"),
         (["--ray-address", "10.0.0.1:6379"], "--ray-address needs --ray"),
+        *(
+            (["--chat-template-kwargs", value], f"Invalid value for '--chat-template-kwargs': {message}")
+            for value, message in [
+                ("[1]", "must be an object of template arguments, got array"),
+                ('{"tokenize": true}', "'tokenize' is set by batchgen, not a template argument to give"),
+                ("{enable_thinking: false}", "is not JSON: Expecting property name enclosed in double quotes"),
+            ]
+        ),
     ],
 )
 def test_a_bad_flag_is_named_before_the_existing_output(
@@ -773,73 +781,6 @@ def test_chat_template_kwargs_flag_sets_every_messages_rows_template_arguments(m
         assert got[row]["prompt_tokens"] == len(reference)
         assert got[row]["output_token_ids"] == got[f"{row}_ids"]["output_token_ids"]
     assert got["prompt"]["completion_tokens"] == 3
-
-
-@pytest.mark.parametrize(
-    ("value", "message"),
-    [
-        ("[1]", "must be an object of template arguments, got array"),
-        ('{"tokenize": true}', "'tokenize' is set by batchgen, not a template argument to give"),
-        ("{enable_thinking: false}", "is not JSON: Expecting property name enclosed in double quotes"),
-    ],
-)
-def test_a_bad_chat_template_kwargs_flag_is_one_line(value: str, message: str, model: Path, tmp_path: Path) -> None:
-    dataset = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "x"}])
-    code, output = run_cli(
-        [
-            "run",
-            str(dataset),
-            "--out",
-            str(tmp_path / "o.arrow"),
-            "--model",
-            str(model),
-            "--chat-template-kwargs",
-            value,
-        ]
-    )
-    assert code == 2 and len(output.splitlines()) == 1, output
-    assert output.startswith(f"batchgen: error: Invalid value for '--chat-template-kwargs': {message}"), output
-
-
-def test_messages_without_chat_template_is_a_row_error(model: Path, tmp_path: Path) -> None:
-    rows = [
-        {"id": "good", "prompt": "Once upon a time", "max_new_tokens": 2},
-        {"id": "chat", "messages": [{"role": "user", "content": "hi"}]},
-    ]
-    dataset = write_jsonl(tmp_path / "in.jsonl", rows)
-    code, lines = _run(dataset, tmp_path / "out.arrow", model)
-    assert code == 3
-    assert (
-        f"batchgen: error: {dataset}:2: field 'messages': the model's tokenizer has no chat template; "
-        "give a plain prompt instead"
-    ) in lines
-    got = pa.ipc.open_file(tmp_path / "out.arrow").read_all().to_pylist()
-    assert [(r["id"], r["completion_tokens"]) for r in got] == [("good", 2)]
-
-
-# --- summary line -----------------------------------------------------------------------------------------
-
-
-def test_summary_line_counts_requests_and_tokens(model: Path, tmp_path: Path) -> None:
-    text_prompt_tokens = len(AutoTokenizer.from_pretrained(model)("Once upon a time")["input_ids"])
-    assert text_prompt_tokens == 6  # BOS + 5
-    rows = [
-        {"id": "a", "prompt_token_ids": [0, 5, 6], "max_new_tokens": 3},
-        {"id": "b", "prompt_token_ids": [0, 7, 8, 9], "max_new_tokens": 4},
-        {"id": "c", "prompt": "Once upon a time", "max_new_tokens": 5},
-    ]
-    dataset = write_jsonl(tmp_path / "in.jsonl", rows)
-    code, lines = _run(dataset, tmp_path / "out.arrow", model, "--ignore-eos", "--temperature", "0")
-    assert code == 0, lines
-    assert len(lines) == 1, lines
-    match = SUMMARY.match(lines[0])
-    assert match, lines[0]
-    n, errors, prompt, output, seconds, rate, preemptions = match.groups()
-    assert (int(n), int(errors), int(prompt), int(output), int(preemptions)) == (3, 0, 3 + 4 + 6, 3 + 4 + 5, 0)
-    got = pa.ipc.open_file(tmp_path / "out.arrow").read_all().to_pylist()
-    assert sum(r["completion_tokens"] for r in got) == int(output)
-    assert sum(r["prompt_tokens"] for r in got) == int(prompt)
-    assert float(rate) > 0.0
 
 
 def test_report_memory_prints_peak_rss(random_models: dict[str, Path], tmp_path: Path) -> None:
