@@ -81,8 +81,8 @@ class RequestBuilder:
         """The request for one row (its pass-through fields stay with the job: ``spec.passthrough``).
 
         Raises:
-            RowError: bad sampling values, ids outside the vocabulary, an empty prompt, a prompt that does not
-                fit the context, a chat row for a tokenizer without a chat template.
+            RowError: bad sampling values, ids outside the vocabulary (given, or the tokenizer's), an empty prompt,
+                a prompt that does not fit the context, a chat row for a tokenizer without a chat template.
         """
 
         def error(field: str, message: str) -> RowError:
@@ -113,6 +113,12 @@ class RequestBuilder:
             raise error(field, f"cannot tokenize: {' '.join(str(e).split())[:200]}") from None
         if not prompt_ids:
             raise error(prompt_field, "prompt is empty after tokenization")
+        if spec.prompt_token_ids is None and max(prompt_ids) >= self.vocab_size:
+            # A tokenizer given tokens the model was not resized for (a fine-tune's added special tokens).
+            beyond = next(t for t in prompt_ids if t >= self.vocab_size)
+            token = self.tokenizer.convert_ids_to_tokens(beyond)
+            message = f"tokenizes to id {beyond} ({token!r}), outside the model's vocabulary [0, {self.vocab_size})"
+            raise error(prompt_field, message)
         if scored_from is not None:
             params = replace(params, prompt_logprobs_from=scored_from, prompt_logprobs=params.prompt_logprobs or 0)
         if params.max_new_tokens == 0 and params.prompt_logprobs is not None:

@@ -8,6 +8,8 @@ from typing import Any
 # How many prompt tokens precede the output in the decoding window: enough for tokenizers whose decoding of a
 # token depends on its left neighbour (SentencePiece's leading-space rule, byte-level merges).
 _CONTEXT_TOKENS = 6
+# How much further back the window may reach for a character's first byte (a UTF-8 character has at most 4).
+_MORE_CONTEXT_TOKENS = 8
 
 
 def continuation_text(tokenizer: Any, prompt_ids: Sequence[int], output_ids: Sequence[int], skip_special: bool) -> str:
@@ -38,7 +40,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, prompt_ids: Sequence[int], skip_special: bool) -> None:
         self.tokenizer = tokenizer
         self.skip_special = skip_special
-        self.ids = list(prompt_ids[-_CONTEXT_TOKENS:])
+        self.ids = list(prompt_ids[_context_start(tokenizer, prompt_ids, skip_special) :])
         self.num_context = len(self.ids)
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
@@ -66,6 +68,26 @@ class IncrementalDetokenizer:
         # The tokens just read become the left context of the next window.
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return pending
+
+
+def _context_start(tokenizer: Any, prompt_ids: Sequence[int], skip_special: bool) -> int:
+    """Where the decoding window's prompt context starts: ``_CONTEXT_TOKENS`` before the prompt's end, or up to
+    ``_MORE_CONTEXT_TOKENS`` further back where those begin inside a character (their text holds U+FFFD that the
+    prompt's does not), to the nearest start whose text ends the prompt's text. A byte-fallback decoder writes a
+    whole run of byte tokens as U+FFFD when any of it is invalid: a window from inside a prompt's last character
+    would turn every byte token the output adds to that run into U+FFFD, and hide the stop strings in them."""
+
+    def decode(ids: Sequence[int]) -> str:
+        return str(tokenizer.decode(list(ids), skip_special_tokens=skip_special))
+
+    start = max(0, len(prompt_ids) - _CONTEXT_TOKENS)
+    if start == 0 or "\ufffd" not in decode(prompt_ids[start:]):
+        return start
+    whole = decode(prompt_ids)  # once per request, and only for a prompt that ends in such bytes
+    for earlier in range(start, max(0, start - _MORE_CONTEXT_TOKENS) - 1, -1):
+        if whole.endswith(decode(prompt_ids[earlier:])):
+            return earlier
+    return start
 
 
 def _common_prefix_len(a: str, b: str) -> int:

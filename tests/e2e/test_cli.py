@@ -783,6 +783,67 @@ def test_chat_template_kwargs_flag_sets_every_messages_rows_template_arguments(m
     assert got["prompt"]["completion_tokens"] == 3
 
 
+def test_a_prompt_that_tokenizes_beyond_the_models_vocabulary_is_a_bad_row(model: Path, tmp_path: Path) -> None:
+    """Found by a tester: a tokenizer given a special token the model was not resized for (a fine-tune's added
+    token) tokenized a prompt to an id past the embedding, and the whole run crashed in the embedding lookup with a
+    traceback, writing nothing. That row is now a bad row, as a ``prompt_token_ids`` id outside the vocabulary is."""
+    extra_model = tmp_path / "extra_model"
+    shutil.copytree(model, extra_model)
+    tokenizer = AutoTokenizer.from_pretrained(extra_model)
+    vocab = len(tokenizer)  # the random model's vocabulary is its tokenizer's
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|extra|>"]})
+    tokenizer.save_pretrained(extra_model)
+    rows = [{"id": "good", "prompt": "Once upon a time", "max_new_tokens": 2}, {"id": "bad", "prompt": "Hi <|extra|>"}]
+    dataset = write_jsonl(tmp_path / "in.jsonl", rows)
+    code, lines = _run(dataset, tmp_path / "out.arrow", extra_model)
+    assert code == 3, lines
+    message = f"tokenizes to id {vocab} ('<|extra|>'), outside the model's vocabulary [0, {vocab})"
+    assert f"batchgen: error: {dataset}:2: field 'prompt': {message}" in lines
+    got = pa.ipc.open_file(tmp_path / "out.arrow").read_all().to_pylist()
+    assert [(r["id"], r["completion_tokens"]) for r in got] == [("good", 2)]
+
+
+def test_messages_without_chat_template_is_a_row_error(model: Path, tmp_path: Path) -> None:
+    rows = [
+        {"id": "good", "prompt": "Once upon a time", "max_new_tokens": 2},
+        {"id": "chat", "messages": [{"role": "user", "content": "hi"}]},
+    ]
+    dataset = write_jsonl(tmp_path / "in.jsonl", rows)
+    code, lines = _run(dataset, tmp_path / "out.arrow", model)
+    assert code == 3
+    assert (
+        f"batchgen: error: {dataset}:2: field 'messages': the model's tokenizer has no chat template; "
+        "give a plain prompt instead"
+    ) in lines
+    got = pa.ipc.open_file(tmp_path / "out.arrow").read_all().to_pylist()
+    assert [(r["id"], r["completion_tokens"]) for r in got] == [("good", 2)]
+
+
+# --- summary line -----------------------------------------------------------------------------------------
+
+
+def test_summary_line_counts_requests_and_tokens(model: Path, tmp_path: Path) -> None:
+    text_prompt_tokens = len(AutoTokenizer.from_pretrained(model)("Once upon a time")["input_ids"])
+    assert text_prompt_tokens == 6  # BOS + 5
+    rows = [
+        {"id": "a", "prompt_token_ids": [0, 5, 6], "max_new_tokens": 3},
+        {"id": "b", "prompt_token_ids": [0, 7, 8, 9], "max_new_tokens": 4},
+        {"id": "c", "prompt": "Once upon a time", "max_new_tokens": 5},
+    ]
+    dataset = write_jsonl(tmp_path / "in.jsonl", rows)
+    code, lines = _run(dataset, tmp_path / "out.arrow", model, "--ignore-eos", "--temperature", "0")
+    assert code == 0, lines
+    assert len(lines) == 1, lines
+    match = SUMMARY.match(lines[0])
+    assert match, lines[0]
+    n, errors, prompt, output, seconds, rate, preemptions = match.groups()
+    assert (int(n), int(errors), int(prompt), int(output), int(preemptions)) == (3, 0, 3 + 4 + 6, 3 + 4 + 5, 0)
+    got = pa.ipc.open_file(tmp_path / "out.arrow").read_all().to_pylist()
+    assert sum(r["completion_tokens"] for r in got) == int(output)
+    assert sum(r["prompt_tokens"] for r in got) == int(prompt)
+    assert float(rate) > 0.0
+
+
 def test_report_memory_prints_peak_rss(random_models: dict[str, Path], tmp_path: Path) -> None:
     import re
 

@@ -59,6 +59,31 @@ def test_split_character_appears_whole() -> None:
     assert pieces == ["", "", "", "🙂"]
 
 
+@needs_shared
+@pytest.mark.parametrize(
+    ("prompt", "output"), [("Look: 😀😀", "😃😃 ok"), ("好😀", "世界你好 and more"), ("日本語", "の本 and")]
+)
+def test_a_prompt_ending_in_a_run_of_byte_tokens_streams_the_text_the_full_decode_gives(
+    prompt: str, output: str
+) -> None:
+    """Found by a tester: with a prompt ending in more byte tokens than the window's context (two emoji on a
+    byte-fallback tokenizer), the window began inside a character, the decoder wrote the run (the output's bytes
+    too) as U+FFFD, and no stop string in that output was seen. Each token's streamed text now grows towards HF's
+    full decode, ``decode(prompt + output) - decode(prompt)``, and ends at it."""
+    tokenizer = AutoTokenizer.from_pretrained(STORIES)
+    prompt_ids = tokenizer(prompt)["input_ids"]
+    ids = tokenizer(prompt + output)["input_ids"]
+    assert ids[: len(prompt_ids)] == prompt_ids and len(prompt_ids) > 7  # the prompt's last 6 are inside bytes
+    output_ids = ids[len(prompt_ids) :]
+    expected = _full_continuation(tokenizer, prompt_ids, output_ids)
+    assert expected == output
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special=True)
+    for token in output_ids:
+        detok.update([token])
+        assert expected.startswith(detok.text)
+    assert detok.text == expected
+
+
 @pytest.mark.parametrize(
     ("text", "new_len", "stops", "expected"),
     [
