@@ -9,13 +9,22 @@ import secrets
 import threading
 import time
 import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from collections.abc import Generator as PyGenerator
-from collections.abc import Iterable, Iterator
 from typing import Any
 
 from batchgen.api.checks import check_sampling_defaults
 from batchgen.api.options import check_option_names, options_of
-from batchgen.api.python_rows import SOURCE, input_rows, parse_python_row, python_passthrough
+from batchgen.api.python_rows import (
+    ROW_FIELD_KEYWORDS,
+    SOURCE,
+    call_sampling,
+    check_row_fields,
+    input_rows,
+    parse_python_row,
+    python_passthrough,
+    with_row_fields,
+)
 from batchgen.errors import RowError
 from batchgen.io.input_options import InputOptions
 from batchgen.io.reader import InputRow
@@ -111,7 +120,14 @@ class Generator:
         self.lookahead = max(job.schedule_lookahead, 2 * self.engine.max_running_requests)
         self._stream_open = False
 
-    def generate(self, rows: Iterable[Row] | Row, *, on_error: str = "fail", **sampling: Any) -> list[dict[str, Any]]:
+    def generate(
+        self,
+        rows: Iterable[Row] | Row,
+        sampling_params: Mapping[str, Any] | None = None,
+        *,
+        on_error: str = "fail",
+        **sampling: Any,
+    ) -> list[dict[str, Any]]:
         """Generate for every row; the results in input order, one dict per sample (a row's ``n`` samples one
         after another, in ``sample_index`` order), as a file row: the columns of
         ``batchgen.io.writer.OUTPUT_COLUMNS`` (``id``, ``text``, ``output_token_ids``, ``finish_reason``...;
@@ -126,20 +142,25 @@ class Generator:
                 list or message list) is one row.
             on_error: ``fail``: a bad row raises, before anything runs; ``skip``: a bad row gives one result with
                 ``finish_reason`` ``"error"`` and the message in ``error``, in its place.
+            sampling_params: the keywords below as a dict, as SGLang's ``Engine.generate(prompts, {...})``
+                takes them.
             **sampling: the sampling defaults of rows that do not set a field (``batchgen run``'s flags by Python
-                name: ``max_new_tokens``, ``temperature``, ``top_p``, ``stop``, ``n``...), and the column options
-                of dict rows (``prompt_column``, ``messages_column``, ``prompt_template``, ``id_column``: rows of
-                a Hugging Face ``Dataset`` iterate as such dicts).
+                name: ``max_new_tokens``, ``temperature``, ``top_p``, ``stop``, ``n``..., and the row fields
+                ``json_schema``, ``regex``, ``ebnf``, ``logit_bias``, ``prompt_logprobs_from``; a row's own
+                constraint replaces the call's), the chat template's arguments (``chat_template_kwargs``), and the
+                column options of dict rows (``prompt_column``, ``messages_column``, ``prompt_template``,
+                ``id_column``: rows of a Hugging Face ``Dataset`` iterate as such dicts).
 
         Raises:
-            TypeError: a keyword that is no sampling default or column option, named.
+            TypeError: a keyword that is no sampling default or column option, named (with the batchgen name an
+                HF, vLLM or SGLang name stands for); ``sampling_params`` no dict, or one field given twice.
             BatchgenError: a bad sampling default, column option or ``on_error`` (the command line's message); a
                 column the options name that the first dict row lacks.
             RowError: ``on_error="fail"`` and a bad row: the first one, as ``rows:LINE: field 'NAME': ...``
                 (``LINE`` counts rows from 1).
             RuntimeError: a :meth:`stream` of this generator is still open.
         """
-        flow, checks, columns = self._flow("generate", on_error, sampling)
+        flow, checks, read = self._flow("generate", on_error, sampling_params, sampling)
         results: list[list[dict[str, Any]]] = []  # per input row (a good row's: empty until it finishes)
         slot_of: dict[str, int] = {}
         bad: list[RowError] = []
@@ -149,7 +170,7 @@ class Generator:
             results.append([_error_result(error, rid, passthrough)])
 
         requests = []
-        for req in flow.requests(checks.checked(input_rows(rows, columns), bad_row), bad_row):
+        for req in flow.requests(checks.checked(read(rows), bad_row), bad_row):
             if req.sample_index == 0:
                 slot_of[req.rid] = len(results)
                 results.append([])
@@ -165,7 +186,14 @@ class Generator:
                 self.engine.drop_all()  # after an exception (Ctrl-C): nothing of this call stays in the engine
         return [row for row_results in results for row in row_results]
 
-    def stream(self, rows: Iterable[Row] | Row, *, on_error: str = "fail", **sampling: Any) -> Iterator[dict[str, Any]]:
+    def stream(
+        self,
+        rows: Iterable[Row] | Row,
+        sampling_params: Mapping[str, Any] | None = None,
+        *,
+        on_error: str = "fail",
+        **sampling: Any,
+    ) -> Iterator[dict[str, Any]]:
         """Generate for every row, yielding each result as its row finishes (finishing order; a row's samples one
         after another): the dicts of :meth:`generate`, matched to their rows by ``id``.
 
@@ -174,14 +202,15 @@ class Generator:
         early (``break``, ``.close()``) drops the requests still running.
 
         Args:
-            rows, on_error, sampling: as for :meth:`generate`; but with ``on_error="fail"`` rows are not
-                read past a bad row, and it raises after the results of every row before it.
+            rows, sampling_params, on_error, sampling: as for :meth:`generate`; but with ``on_error="fail"`` rows
+                are not read past a bad row, and it raises after the results of every row before it.
 
         Raises:
             as :meth:`generate`.
         """
-        flow, checks, columns = self._flow("stream", on_error, sampling)  # checked here, not at the first result
-        results = self._results(flow, checks, input_rows(rows, columns), on_error == "fail")
+        # Checked here, not at the first result.
+        flow, checks, read = self._flow("stream", on_error, sampling_params, sampling)
+        results = self._results(flow, checks, read(rows), on_error == "fail")
         _OPEN_STREAMS.add(results)
         return results
 
@@ -207,14 +236,21 @@ class Generator:
             self.engine.drop_all()
             self._stream_open = False
 
-    def _flow(self, caller: str, on_error: str, sampling: dict[str, Any]) -> tuple[RowFlow, RowChecks, InputOptions]:
-        """A flow of rows through this generator's engine, with ``sampling``'s sampling defaults as the rows'
-        defaults; the checks of Python rows; and ``sampling``'s column options.
+    def _flow(
+        self, caller: str, on_error: str, sampling_params: Any, keywords: dict[str, Any]
+    ) -> tuple[RowFlow, RowChecks, Callable[[Any], Iterator[InputRow | RowError]]]:
+        """A flow of rows through this generator's engine, with the call's sampling defaults (``sampling_params``
+        and ``keywords``) as the rows' defaults; the checks of Python rows; and what reads the rows given (with the
+        call's column options, and its row fields added to each row).
 
         Raises:
             TypeError, BatchgenError, RuntimeError: see :meth:`generate`.
         """
+        sampling = call_sampling(caller, sampling_params, keywords)
+        row_fields = {name: sampling.pop(name) for name in ROW_FIELD_KEYWORDS if name in sampling}
+        row_fields = {name: value for name, value in row_fields.items() if value is not None}
         check_option_names(sampling, (SamplingParams, InputOptions), caller)
+        check_row_fields(row_fields, self.engine.facts().vocab_size)
         columns = options_of(InputOptions, sampling)
         columns.validate()
         JobOptions(on_error=on_error).validate()
@@ -225,7 +261,11 @@ class Generator:
         seed = self.options.seed if self.options.seed is not None else secrets.randbits(63)
         builder = RequestBuilder.for_engine(engine.facts(), defaults, seed, columns.chat_template_kwargs)
         checks = RowChecks(SOURCE, parse_python_row, python_passthrough)
-        return RowFlow(engine, builder, self.lookahead), checks, columns
+        return (
+            RowFlow(engine, builder, self.lookahead),
+            checks,
+            lambda rows: with_row_fields(input_rows(rows, columns), row_fields),
+        )
 
     def _check_no_stream_open(self) -> None:
         if self._stream_open:

@@ -14,6 +14,7 @@ from typing import Any, TypeVar, get_args, get_origin, get_type_hints
 import torch
 
 from batchgen.errors import BatchgenError, FieldError, shown_value
+from batchgen.io.field_warnings import sampling_name_hint
 from batchgen.io.input_options import InputOptions
 from batchgen.job.options import JobOptions
 from batchgen.loop.options import EngineOptions
@@ -59,7 +60,11 @@ def check_option_names(
             where = "batchgen.run()"
         hint = f" ('{meant}' is an option of {where})"
     else:
-        hint = f" (did you mean '{near}'?)" if near else ""
+        # Another engine's sampling name says more than a near spelling (HF's stop_strings is 'stop', not
+        # 'stop_token_ids'; its do_sample is a temperature).
+        field, note = (None, None) if option_meant(unknown) else sampling_name_hint(unknown)
+        said = note or (f"did you mean '{field or near}'?" if field or near else None)
+        hint = f" ({said})" if said else ""
     raise TypeError(f"{caller}() got an unexpected keyword argument '{unknown}'{hint}")
 
 

@@ -13,20 +13,74 @@ from typing import Any
 
 import pyarrow as pa
 
-from batchgen.errors import BatchgenError, RowError, shown_value
+from batchgen.errors import BatchgenError, FieldError, RowError, shown_value
 from batchgen.io.columns import ColumnMapping
 from batchgen.io.field_warnings import foreign_field_warning
 from batchgen.io.input_options import InputOptions
 from batchgen.io.passthrough import KNOWN_FIELDS, PROMPT_FIELDS, passthrough_names
 from batchgen.io.reader import InputRow
 from batchgen.io.rows import RowSpec, parse_row
-from batchgen.sampling.sampling_params import ARRAY_MODULES, python_value, whole_number
+from batchgen.sampling.row_fields import SAMPLING_FIELDS, make_sampling_params
+from batchgen.sampling.sampling_params import ARRAY_MODULES, SamplingParams, python_value, whole_number
 
 # The input's name in row errors: ``rows:3: field 'temperature': ...`` is the third row given (1-based, as a
 # file's lines are; its default id is its 0-based index, "2").
 SOURCE = "rows"
 
 _NO_PASSTHROUGH = pa.schema([])
+# Sampling fields that are no run option (no flag: a schema, a pattern, token biases) but that a call may still give
+# every row, as SGLang's sampling_params dict does; not the seed, which Generator() takes for the run.
+ROW_FIELD_KEYWORDS = ("json_schema", "regex", "ebnf", "logit_bias", "prompt_logprobs_from")
+_CONSTRAINTS = ("json_schema", "regex", "ebnf")
+assert set(ROW_FIELD_KEYWORDS) <= set(SAMPLING_FIELDS)
+
+
+def call_sampling(caller: str, sampling_params: Any, keywords: Mapping[str, Any]) -> dict[str, Any]:
+    """A call's sampling keywords with SGLang's ``sampling_params`` dict (``generate(prompts, {...})``) under them.
+
+    Raises:
+        TypeError: ``sampling_params`` is no dict (vLLM's ``SamplingParams`` object), or it and a keyword give one
+            field.
+    """
+    if sampling_params is None:
+        return dict(keywords)
+    if not isinstance(sampling_params, Mapping):
+        raise TypeError(
+            f"{caller}(): sampling_params must be a dict of sampling fields, as SGLang's Engine.generate takes it, "
+            f"got {type(sampling_params).__name__} (give a vLLM SamplingParams' fields as keywords)"
+        )
+    both = next((name for name in sampling_params if name in keywords), None)
+    if both is not None:
+        raise TypeError(f"{caller}() got '{both}' both in sampling_params and as a keyword")
+    return {**sampling_params, **keywords}
+
+
+def check_row_fields(fields: Mapping[str, Any], vocab_size: int) -> None:
+    """Check the :data:`ROW_FIELD_KEYWORDS` a call gives every row, once, as a row's are checked.
+
+    Raises:
+        BatchgenError: ``json_schema: ...``, the first bad one named.
+    """
+    try:
+        make_sampling_params(SamplingParams(), dict(fields), vocab_size)
+    except FieldError as e:
+        raise BatchgenError(f"{e.field}: {e.message}") from None
+
+
+def with_row_fields(items: Iterator[InputRow | RowError], fields: Mapping[str, Any]) -> Iterator[InputRow | RowError]:
+    """``items``, each row given the ``fields`` it does not set itself; a row with a constraint of its own
+    (``json_schema``, ``regex`` or ``ebnf``) takes none of the call's."""
+    for item in items:
+        if fields and isinstance(item, InputRow):
+            data = item.data
+            own_constraint = any(data.get(name) is not None for name in _CONSTRAINTS)
+            added = {
+                name: value
+                for name, value in fields.items()
+                if data.get(name) is None and not (own_constraint and name in _CONSTRAINTS)
+            }
+            item = replace(item, data={**data, **added})
+        yield item
 
 
 def input_rows(rows: Iterable[Any], options: InputOptions) -> Iterator[InputRow | RowError]:
@@ -40,11 +94,18 @@ def input_rows(rows: Iterable[Any], options: InputOptions) -> Iterator[InputRow 
     conversation: iterated, its characters, keys, ids or messages would each become a row (found by new users).
 
     Raises:
-        BatchgenError: a column the options name is not a key of the first dict row; ``rows`` is a DataFrame.
+        BatchgenError: a column the options name is not a key of the first dict row; ``rows`` is a DataFrame or a
+            tokenizer's output (``input_ids`` with an ``attention_mask``).
     """
     if hasattr(rows, "columns") and hasattr(rows, "to_dict"):
         # A pandas DataFrame iterates its column names, which would each become a prompt (found by a new user).
         raise BatchgenError("rows: a DataFrame iterates its column names, not its rows: pass df.to_dict('records')")
+    if isinstance(rows, Mapping) and {"input_ids", "attention_mask"} <= rows.keys():
+        # A tokenizer's BatchEncoding (found by an HF user): its padding would be read as prompt tokens.
+        raise BatchgenError(
+            "rows: a tokenizer's output (input_ids with an attention_mask): give its ids unpadded, a list per row "
+            "(tokenizer(prompts)['input_ids'] without padding), or the prompt strings"
+        )
     if _is_lone_row(rows, options):
         rows = [rows]
     mapping: ColumnMapping | None = None
@@ -72,8 +133,8 @@ def _is_lone_row(rows: Iterable[Any], options: InputOptions) -> bool:
     prompt field, when no column option could make a prompt of their fields (then they are rows)."""
     if isinstance(rows, (str, Mapping)):
         return True
-    if type(rows).__module__ in ARRAY_MODULES and getattr(rows, "ndim", None) == 1:
-        rows = python_value(rows)  # an integer array's ids, an object array's messages
+    if isinstance(rows, tuple) or (type(rows).__module__ in ARRAY_MODULES and getattr(rows, "ndim", None) == 1):
+        rows = python_value(rows)  # a tuple's or an integer array's ids, an object array's messages
     if not isinstance(rows, list) or not rows:
         return False
     if all(_is_token_id(t) for t in rows):

@@ -74,12 +74,16 @@ def run(
         What the run did (an empty summary when ``resume=True`` finds ``out`` complete).
 
     Raises:
-        TypeError: an option that ``batchgen run`` does not have, named.
+        TypeError: an option that ``batchgen run`` does not have, named; a dataset, out or config that is no path.
         BatchgenError: a bad option, config file, input or output path (the command line's one-line message, naming
             the flag); under ``on_error="fail"``, bad rows, after every good row is written.
         RunInterrupted: a stop signal (a ``KeyboardInterrupt``), after the finished rows are flushed.
     """
     check_option_names(options, OPTION_CLASSES, "run")
+    for name, path in (("dataset", dataset), ("out", out), ("config", config)):
+        if path is not None and not isinstance(path, (str, os.PathLike)):
+            rows = " (rows held in Python: batchgen.Generator(...).generate(rows))" if name == "dataset" else ""
+            raise TypeError(f"run(): {name} must be a path, got {type(path).__name__}{rows}")
     options = with_config(config, {"dataset": dataset, "out": out, **options})
     dataset, out = options.pop("dataset", None), options.pop("out", None)
     if dataset is None or out is None:

@@ -21,6 +21,8 @@ from typer.exceptions import Abort
 
 from batchgen.api.options import option_meant
 from batchgen.errors import BatchgenError
+from batchgen.io.field_warnings import NO_SUCH_OPTION, sampling_name_hint
+from batchgen.sampling.row_fields import SAMPLING_FIELDS
 
 
 class BatchgenGroup(TyperGroup):
@@ -64,14 +66,26 @@ class BatchgenGroup(TyperGroup):
 
 def _hint_meant_option(error: NoSuchOption) -> None:
     """Point an unknown flag that is another engine's name for one of the command's options at that option alone
-    (``--max-model-len``: ``(Possible options: --context-length)``), where click lists flags of a like spelling."""
-    name = error.option_name.lstrip("-").replace("-", "_")
-    meant = option_meant(name)
-    if meant is None or error.ctx is None:
+    (``--max-model-len``: ``(Possible options: --context-length)``), where click lists flags of a like spelling;
+    say what another engine's sampling flag is here (``--do-sample``: a temperature; ``--json-schema``: a row
+    field; ``--num-beams``: none)."""
+    if error.ctx is None:
         return
-    flag = f"--{meant.replace('_', '-')}"
-    if any(flag in param.opts for param in error.ctx.command.params):
-        error.possibilities = [flag]
+    name = error.option_name.lstrip("-").replace("-", "_")
+    meant, note = option_meant(name), None
+    if meant is None:
+        meant, note = sampling_name_hint(name)
+    if meant is not None:
+        flag = f"--{meant.replace('_', '-')}"
+        if any(flag in param.opts for param in error.ctx.command.params):
+            error.possibilities = [flag]
+            return
+        note = f"'{meant}' is a row field: give it in each row" if meant in SAMPLING_FIELDS else None
+    elif note == NO_SUCH_OPTION:
+        note = "another engine's option, which batchgen does not have"
+    if note is not None:
+        error.possibilities = []
+        error.message = f"{error.message} ({note})"
 
 
 @contextmanager

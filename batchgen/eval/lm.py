@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 from typing import Any
@@ -18,6 +17,7 @@ from tqdm import tqdm
 
 from batchgen.api.generator import Generator
 from batchgen.errors import BatchgenError
+from batchgen.eval.model_args import DEFAULT_SEED, as_model_args_error, model_args_count, other_backends_args
 from batchgen.eval.requests import generation_row, scoring_row
 
 logger = logging.getLogger(__name__)
@@ -53,12 +53,15 @@ class BatchgenLM(TemplateLM):
         device: lm-eval's ``--device``: batchgen's ``device`` (``auto``, ``cpu``, ``cuda``, ``cuda:N``); a CUDA
             device on a machine without CUDA is ``auto``, as HF falls back (lm-eval's command line passes
             ``cuda:0`` when ``--device`` is not given).
-        **options: the other ``batchgen.Generator`` options by Python name (``dtype``, ``seed``,
-            ``max_running_requests``, ``prefix_cache``, ``context_length``...).
+        **options: the other ``batchgen.Generator`` options by Python name (``dtype``, ``seed``: default 1234,
+            as lm-eval's vLLM backend, ``max_running_requests``, ``prefix_cache``, ``context_length``...); other
+            backends' keys that ask for nothing batchgen does otherwise
+            (:func:`batchgen.eval.model_args.other_backends_args`).
 
     Raises:
         BatchgenError: no ``pretrained``; an option that is no engine option (named, with a did-you-mean); a bad
-            option value (``max_length``, ``max_gen_toks``, ``prefix_token_id`` not a whole number); a model that
+            option value, named by its key (``max_length``, ``max_gen_toks``, ``prefix_token_id`` not a whole
+            number; another backend's key that asks for what batchgen does not do); a model that
             cannot be loaded or has no tokenizer; a ``max_length`` beyond the engine's context length.
     """
 
@@ -81,9 +84,11 @@ class BatchgenLM(TemplateLM):
             )
         if add_bos_token is not None and not isinstance(add_bos_token, bool):  # lm-eval casts only true/false
             raise BatchgenError(f"--model_args add_bos_token: must be true or false, got {add_bos_token!r}")
-        max_length = _count("max_length", max_length)
-        max_gen_toks = _count("max_gen_toks", max_gen_toks) or _MAX_GEN_TOKS
-        prefix_token_id = _count("prefix_token_id", prefix_token_id, least=0)
+        max_length = model_args_count("max_length", max_length)
+        max_gen_toks = model_args_count("max_gen_toks", max_gen_toks) or _MAX_GEN_TOKS
+        prefix_token_id = model_args_count("prefix_token_id", prefix_token_id, least=0)
+        other_backends_args(pretrained, options)
+        options.setdefault("seed", DEFAULT_SEED)
         if device is not None and (device.startswith("cpu") or torch.cuda.is_available()):
             options["device"] = device
         elif device is not None:
@@ -94,6 +99,8 @@ class BatchgenLM(TemplateLM):
             self.generator = Generator(pretrained, **options)
         except TypeError as e:  # a name that is no engine option: lm-eval's users see --model_args, one line
             raise BatchgenError(f"--model_args: {e}") from None
+        except BatchgenError as e:
+            raise as_model_args_error(e) from None
         engine = self.generator.engine
         if engine.tokenizer is None:
             raise BatchgenError(f"{pretrained}: lm-eval's requests are text, and this model has no tokenizer")
@@ -112,7 +119,8 @@ class BatchgenLM(TemplateLM):
         self.custom_prefix_token_id = prefix_token_id
         self._max_length = max_length or engine.context_len
         if self._max_length > engine.context_len:
-            raise BatchgenError(f"max_length {self._max_length} exceeds the context length {engine.context_len}")
+            message = f"{self._max_length} exceeds the context length {engine.context_len}"
+            raise BatchgenError(f"--model_args max_length: {message}")
         self._max_gen_toks = max_gen_toks
         self._device = engine.device
 
@@ -247,6 +255,9 @@ class BatchgenLM(TemplateLM):
         rows, slots = [], []
         for slot, ((context, continuation), name) in enumerate(zip(pairs, names)):
             if continuation:
+                # A context of whitespace alone encodes to nothing once lm-eval moves its whitespace to the
+                # continuation (HF asserts there): it is an empty context, the prefix token.
+                context = context or [self.prefix_token_id]
                 rows.append(scoring_row(context, continuation, self.max_length, name))
                 slots.append(slot)
             else:
@@ -268,23 +279,6 @@ class BatchgenLM(TemplateLM):
                 results[int(result["id"])] = result
                 bar.update(1)
         return results
-
-
-def _count(name: str, value: Any, least: int = 1) -> int | None:
-    """A ``--model_args`` integer, checked (lm-eval hands ``8`` on as 8, ``-5`` as -5.0, ``abc`` as text); ``None``
-    stays ``None``."""
-    if value is None:
-        return None
-    number = None
-    if isinstance(value, float) and value.is_integer():
-        number = int(value)
-    elif isinstance(value, int | str) and not isinstance(value, bool):
-        with contextlib.suppress(ValueError):  # text that is no number
-            number = int(value)
-    if number is None or number < least:
-        shown = repr(value) if number is None else number  # as typed: lm-eval's command line turns -5 into -5.0
-        raise BatchgenError(f"--model_args {name}: must be an integer >= {least}, got {shown}")
-    return number
 
 
 def _name(request: Instance) -> str:

@@ -28,6 +28,10 @@ _FOREIGN_SAMPLING_NAMES: dict[str, str | None] = {
     "top_logprobs_num": "top_logprobs",
     "top_n_tokens": "top_logprobs",
     "stop_strings": "stop",
+    "eos_token_id": "stop_token_ids",
+    "logprob_start_len": "prompt_logprobs_from",
+    "no_stop_trim": "include_stop_str_in_output",
+    "output_scores": "logprobs",
     **dict.fromkeys(
         (
             "best_of",
@@ -45,7 +49,10 @@ _FOREIGN_SAMPLING_NAMES: dict[str, str | None] = {
             "detokenize",
             "spaces_between_special_tokens",
             "bad_words",
+            "bad_words_ids",
             "logits_processors",
+            "renormalize_logits",
+            "return_text_in_logprobs",
         )
     ),
 }
@@ -57,9 +64,14 @@ _FOREIGN_SAMPLING_NOTES = {
     "sampling_params": "batchgen reads each sampling field at the top level of a row, not nested",
     "structured_outputs": "give 'json_schema', 'regex' or 'ebnf' at the top level of a row",
     "guided_decoding": "give 'json_schema', 'regex' or 'ebnf' at the top level of a row",
+    "pad_token_id": "batchgen pads nothing: give each row its own ids, unpadded, as 'prompt_token_ids'",
+    "attention_mask": "batchgen pads nothing: give each row its own ids, unpadded, as 'prompt_token_ids'",
+    "bos_token_id": "the tokenizer adds its BOS to a 'prompt'; 'prompt_token_ids' are taken as they are",
 }
 
 
+# The hint for another engine's option that batchgen lacks.
+NO_SUCH_OPTION = "batchgen has no such option"
 # Every sampling field and alias by its lower-cased name: 'Temperature' is a misspelt 'temperature'.
 _SAMPLING_NAMES_FOLDED = {key.lower(): key for key in (*SAMPLING_FIELDS, *SAMPLING_FIELD_ALIASES)}
 # The similarity (difflib's ratio) from which a field's name is a misspelt sampling field's: 'temprature' and
@@ -67,29 +79,39 @@ _SAMPLING_NAMES_FOLDED = {key.lower(): key for key in (*SAMPLING_FIELDS, *SAMPLI
 _NEAR_MISS = 0.88
 
 
-@functools.cache  # asked for every field of every row the Python API is given
-def foreign_field_warning(name: str) -> str | None:
-    """Why pass-through field ``name`` is probably a mistake (``field 'temprature' is not a sampling field (did you
-    mean 'temperature'?); it is passed through unused``), or ``None`` for a field that looks like none: a sampling
-    field's name in other letter case, another engine's name for one, or a near miss of one (``_NEAR_MISS``; not
-    batchgen's own output columns, as in an output read back)."""
+def sampling_name_hint(name: str) -> tuple[str | None, str | None]:
+    """What ``name``, no sampling field of batchgen's, was probably meant as: ``(field, None)`` for a sampling
+    field's name in other letter case, another engine's name for one or a near miss of one (``_NEAR_MISS``; not
+    batchgen's own output columns, as in an output read back); ``(None, note)`` with what to write instead where
+    batchgen gives its meaning another way (HF's ``do_sample``), or :data:`NO_SUCH_OPTION` for another engine's
+    option batchgen lacks (``num_beams``); ``(None, None)`` for a name that looks like none of these."""
     if name in _FOREIGN_SAMPLING_NOTES:
-        return f"field '{name}' is not read ({_FOREIGN_SAMPLING_NOTES[name]}); it is passed through unused"
-    hint = _SAMPLING_NAMES_FOLDED.get(name.lower())
-    if hint is None and name in _FOREIGN_SAMPLING_NAMES:
-        hint = _FOREIGN_SAMPLING_NAMES[name]
-        if hint is None:
-            return f"field '{name}' is not supported: batchgen has no such option; it is passed through unused"
-    if hint is None:
-        if name in OUTPUT_COLUMNS.names:
-            return None
+        return None, _FOREIGN_SAMPLING_NOTES[name]
+    meant = _SAMPLING_NAMES_FOLDED.get(name.lower())
+    if meant is None and name in _FOREIGN_SAMPLING_NAMES:
+        meant = _FOREIGN_SAMPLING_NAMES[name]
+        if meant is None:
+            return None, NO_SUCH_OPTION
+    if meant is None and name not in OUTPUT_COLUMNS.names:
         close = difflib.get_close_matches(name.lower(), sorted(_SAMPLING_NAMES_FOLDED), n=1, cutoff=_NEAR_MISS)
         # A plural or a suffixed name of one is data ('seeds', 'top_ks', 'temperature_c'), not a misspelling.
         rest = name.lower()[len(close[0]) :] if close and name.lower().startswith(close[0]) else None
-        if not close or rest == "s" or (rest or "").startswith("_"):
-            return None
-        hint = _SAMPLING_NAMES_FOLDED[close[0]]
-    return f"field '{name}' is not a sampling field (did you mean '{hint}'?); it is passed through unused"
+        if close and rest != "s" and not (rest or "").startswith("_"):
+            meant = _SAMPLING_NAMES_FOLDED[close[0]]
+    return meant, None
+
+
+@functools.cache  # asked for every field of every row the Python API is given
+def foreign_field_warning(name: str) -> str | None:
+    """Why pass-through field ``name`` is probably a mistake (``field 'temprature' is not a sampling field (did you
+    mean 'temperature'?); it is passed through unused``), or ``None`` for a field that looks like no sampling field
+    (:func:`sampling_name_hint`)."""
+    meant, note = sampling_name_hint(name)
+    if meant is not None:
+        return f"field '{name}' is not a sampling field (did you mean '{meant}'?); it is passed through unused"
+    if note == NO_SUCH_OPTION:
+        return f"field '{name}' is not supported: {NO_SUCH_OPTION}; it is passed through unused"
+    return None if note is None else f"field '{name}' is not read ({note}); it is passed through unused"
 
 
 def warn_about_passthrough_names(path: Path, names: list[str], options: InputOptions) -> None:

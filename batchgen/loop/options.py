@@ -8,17 +8,35 @@ the declarations into the commands' flags and ``--config`` keys.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from batchgen.errors import BatchgenError
+from batchgen.errors import BatchgenError, FieldError, shown_value
 from batchgen.kernels.attention import ATTENTION_BACKENDS, deterministic_backend
 from batchgen.models.resolve import DEFAULT_MODEL
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
+# Other names of those dtypes that vLLM's --dtype and torch take.
+_DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 SPECULATIVE_ALGORITHMS = ("ngram", "draft")
 SPECULATIVE_ACCEPTANCES = ("rejection", "coupled")
 LOGPROBS_MODES = ("raw", "processed")
+
+
+def dtype_option(value: Any) -> str:
+    """``--dtype`` as a flag, a config file or a keyword gives it: a name, vLLM's ``half`` and ``float`` read as
+    ``float16`` and ``float32``, a ``torch.dtype`` as its name (HF's ``torch_dtype=torch.bfloat16``); whether the
+    name is known is :meth:`EngineOptions.validate`'s to say.
+
+    Raises:
+        FieldError: neither a string nor a ``torch.dtype``.
+    """
+    if isinstance(value, torch.dtype):
+        value = str(value).removeprefix("torch.")
+    if not isinstance(value, str):
+        raise FieldError("dtype", f"must be a dtype's name, got {shown_value(value)}")
+    return _DTYPE_ALIASES.get(value, value)
 
 
 def pick_device(name: str) -> torch.device:
@@ -52,7 +70,8 @@ class EngineOptions:
         default="auto",
         metadata={
             "help": "auto (the checkpoint's; float32 when it names none, or names float16 on CPU), float32, "
-            "bfloat16 or float16."
+            "bfloat16 or float16 (half and float are float16 and float32).",
+            "parse": dtype_option,
         },
     )
     device: str = field(default="auto", metadata={"help": "auto (CUDA if available), cpu, cuda or cuda:N."})

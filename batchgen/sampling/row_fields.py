@@ -113,12 +113,14 @@ def _coerce(name: str, value: Any) -> Any:
 
 
 def _coerce_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
-    """``{"id": bias}`` (JSON object keys are strings) → sorted ``((id, bias), ...)``."""
+    """``{"id": bias}`` (JSON object keys are strings; a Python dict's may be integers, as vLLM's and HF's take
+    them) → sorted ``((id, bias), ...)``."""
     if not isinstance(value, dict):
         raise FieldError("logit_bias", f"must be an object of token id → bias, got {shown_value(value)}")
     pairs: dict[int, float] = {}
     for key, bias in value.items():
-        if not (isinstance(key, str) and key.isascii() and key.isdigit()):
+        is_int = isinstance(key, int) and not isinstance(key, bool) and key >= 0
+        if not (is_int or (isinstance(key, str) and key.isascii() and key.isdigit())):
             raise FieldError("logit_bias", f"key {key!r} is not a token id")
         token_id = int(key)
         if token_id in pairs:

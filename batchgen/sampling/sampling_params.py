@@ -169,13 +169,13 @@ ARRAY_MODULES = ("numpy", "torch")
 
 def python_value(value: Any) -> Any:
     """numpy's and torch's scalars and arrays (what rows from pandas, numpy or a tokenizer hold) as the Python values
-    they hold, arrays as lists, inside lists, tuples and dicts too: the Python API's values as the checks, written
-    for JSON's, take them."""
+    they hold, arrays and tuples as lists, inside lists and dicts too: the Python API's values as the checks,
+    written for JSON's, take them."""
     if type(value).__module__ in ARRAY_MODULES and hasattr(value, "tolist"):
         value = value.tolist()  # an object array's items stay as they are (pandas' nested lists: arrays again)
     if isinstance(value, dict):
         return {key: python_value(item) for key, item in value.items()}
-    return type(value)(map(python_value, value)) if isinstance(value, (list, tuple)) else value
+    return [python_value(item) for item in value] if isinstance(value, (list, tuple)) else value
 
 
 def whole_number(value: Any) -> Any:

@@ -657,6 +657,24 @@ _FLAG_CASES: dict[str, tuple[list[str], str, bool]] = {
         "No such option: --max-model-len (Possible options: --context-length) (see ",
         False,
     ),
+    # HF's and SGLang's sampling names, said as a row's field is (found by an HF user: no hint, or a near spelling).
+    "hfs_do_sample": (
+        ["--do-sample"],
+        "No such option: --do-sample (batchgen samples unless 'temperature' is 0: give temperature 0 for HF's "
+        "do_sample false) (see ",
+        False,
+    ),
+    "a_row_field_as_a_flag": (
+        ["--json-schema", "{}"],
+        "No such option: --json-schema ('json_schema' is a row field: give it in each row) (see ",
+        False,
+    ),
+    "hfs_stop_strings": (["--stop-strings", "x"], "No such option: --stop-strings (Possible options: --stop) (", False),
+    "beam_search": (
+        ["--num-beams", "4"],
+        "No such option: --num-beams (another engine's option, which batchgen does not have) (see ",
+        False,
+    ),
 }
 
 

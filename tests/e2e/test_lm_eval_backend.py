@@ -224,6 +224,13 @@ BAD_MODEL_ARGS = [
     # Found by a user: a traceback, and a run that scored every request -inf and exited 0.
     ("pretrained={model},add_bos_token=maybe", "--model_args add_bos_token: must be true or false, got 'maybe'"),
     ("pretrained={model},prefix_token_id=99999", "--model_args prefix_token_id: 99999 is outside the vocabulary"),
+    # Found by an lm-eval user: named by batchgen's flags (lm-eval has a --seed of its own, which is not this one).
+    ("pretrained={model},seed=abc", '--model_args seed: must be an integer, got "abc"'),
+    ("pretrained={model},dtype=float64", "--model_args unknown dtype 'float64'; choose auto, float32"),
+    ("pretrained={model},mem_fraction=2", "--model_args mem_fraction must be in (0, 1), got 2"),
+    # Other backends' keys asking for what batchgen does not do.
+    ("pretrained={model},tokenizer=gpt2", "--model_args tokenizer: batchgen uses the model's own tokenizer, got"),
+    ("pretrained={model},tensor_parallel_size=2", "--model_args tensor_parallel_size: batchgen runs one engine on"),
 ]
 
 
@@ -240,6 +247,35 @@ def test_bad_model_args_raise_batchgens_error(
         evaluate(tasks, "batchgen", key_val_to_dict(model_args), tasks=["batchgen_generate"], **options)
     # Not followed by more of a number or a word: "got -5" must not be "got -5.0".
     assert re.search(re.escape(message) + r"(?![\w.])", str(error.value)), str(error.value)
+
+
+def test_other_backends_model_args_that_ask_for_nothing_else_are_taken(llama_dir: Path) -> None:
+    """Found by an lm-eval user: ``--model_args`` lines written for ``--model hf`` or ``--model vllm``
+    (``trust_remote_code=True``, ``tensor_parallel_size=1``, ``revision=main``, the model as its own ``tokenizer``,
+    vLLM's ``dtype=half``) were refused; they ask for nothing batchgen does otherwise."""
+    given = "trust_remote_code=True,tensor_parallel_size=1,data_parallel_size=1,revision=main,use_fast_tokenizer=True"
+    lm = BatchgenLM.create_from_arg_string(f"pretrained={llama_dir},tokenizer={llama_dir},dtype=half,{given}")
+    assert lm.generator.options.dtype == "float16"
+    assert lm.generator.options.seed == 1234  # lm-eval's vLLM backend's default: sampled tasks repeat
+
+
+def test_a_whitespace_context_is_the_empty_context(llama_dir: Path) -> None:
+    """Found by an lm-eval user: lm-eval moves a context's trailing whitespace to the continuation, so a context of
+    whitespace alone encodes to no tokens (``--model hf`` asserts there); batchgen scored the continuation without
+    its first token (or -inf), warning of a continuation longer than max_length. It is the empty context: the
+    continuation after the prefix token, as HF scores a context of \"\"."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    lm = BatchgenLM(pretrained=str(llama_dir), dtype="float32", add_bos_token=False)
+    context_ids, continuation_ids = lm._encode_pair("  ", "  spaced")
+    assert context_ids == [] and len(continuation_ids) >= 2
+    ((score, _),) = lm.loglikelihood([request("loglikelihood", 0, "  ", "  spaced")])
+    ids = [lm.prefix_token_id, *continuation_ids]
+    hf = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logprobs = torch.log_softmax(hf(torch.tensor([ids[:-1]])).logits[0], dim=-1)
+    assert abs(score - sum(logprobs[i, ids[i + 1]].item() for i in range(len(ids) - 1))) < 1e-4
 
 
 def test_an_option_in_model_args_and_in_lm_evals_flags_takes_the_model_args_value(llama_dir: Path) -> None:
@@ -296,7 +332,7 @@ def test_a_scoring_row_holds_one_token_more_than_the_context(short_lm: BatchgenL
 
 
 def test_max_length_beyond_the_context_is_refused(llama_dir: Path) -> None:
-    with pytest.raises(BatchgenError, match="^max_length 300 exceeds the context length 256$"):
+    with pytest.raises(BatchgenError, match="^--model_args max_length: 300 exceeds the context length 256$"):
         BatchgenLM.create_from_arg_string(f"pretrained={llama_dir},dtype=float32,max_length=300")
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import shutil
 import signal
 import subprocess
@@ -401,6 +402,46 @@ def test_a_datasets_dataset_with_column_options(generator: batchgen.Generator) -
         generator.generate([{"question": "Why?"}, {"question": None}], prompt_column="question")
 
 
+def test_sglangs_sampling_params_dict_and_row_fields_for_every_row(generator: batchgen.Generator) -> None:
+    """SGLang's ``Engine.generate(prompts, sampling_params)``: the dict's entries are the call's keywords, and the
+    row fields that are no run option (``regex``, ``json_schema``, ``logit_bias``...) apply to every row that gives
+    none of its own (found by an HF/SGLang user: the dict was a TypeError, and regex a keyword batchgen refused).
+    Each row equals the row that carries those fields itself."""
+    greedy = {"temperature": 0, "max_new_tokens": 6}
+    rows = ["Once upon a time", {"prompt": "The dog", "regex": "[a-c]+"}, {"prompt": "Hi", "logit_bias": {"7": -9}}]
+    got = generator.generate(rows, {**greedy, "regex": "[0-9 ]+"}, logit_bias={5: 100.0})
+    want = generator.generate(
+        [
+            {"prompt": "Once upon a time", "regex": "[0-9 ]+", "logit_bias": {"5": 100}},
+            {"prompt": "The dog", "regex": "[a-c]+", "logit_bias": {"5": 100}},
+            {"prompt": "Hi", "regex": "[0-9 ]+", "logit_bias": {"7": -9}},
+        ],
+        **greedy,
+    )
+    assert [r["output_token_ids"] for r in got] == [r["output_token_ids"] for r in want]
+    assert re.fullmatch("[0-9 ]+", got[0]["text"]) and re.fullmatch("[a-c]+", got[1]["text"])
+    assert got[0]["output_token_ids"] != generator.generate(rows[:1], **greedy)[0]["output_token_ids"]
+    with pytest.raises(TypeError, match="got 'temperature' both in sampling_params and as a keyword"):
+        generator.generate(["x"], {"temperature": 0}, temperature=1)
+    with pytest.raises(TypeError, match="sampling_params must be a dict of sampling fields"):
+        generator.generate(["x"], [("temperature", 0)])  # type: ignore[arg-type]
+    with pytest.raises(BatchgenError, match="^logit_bias: key 'x' is not a token id$"):
+        generator.generate(["x"], logit_bias={"x": 1})
+
+
+def test_tuples_and_a_tokenizers_output_as_rows(generator: batchgen.Generator) -> None:
+    """Found by an HF user: a token-id tuple was refused with a message showing a list; a tokenizer's padded
+    ``BatchEncoding`` was one row whose ``input_ids`` field was renamed in a hint that led nowhere."""
+    ids = [1, 291, 280]
+    want = generator.generate([ids], max_new_tokens=2, temperature=0)[0]["output_token_ids"]
+    for rows in ([tuple(ids)], tuple(ids), [{"prompt_token_ids": tuple(ids)}]):
+        (got,) = generator.generate(rows, max_new_tokens=2, temperature=0)  # type: ignore[arg-type]
+        assert got["output_token_ids"] == want and got["prompt_tokens"] == 3
+    encoding = {"input_ids": [ids, [2, 2, 5]], "attention_mask": [[1, 1, 1], [0, 0, 1]]}
+    with pytest.raises(BatchgenError, match="^rows: a tokenizer's output \\(input_ids with an attention_mask\\)"):
+        generator.generate(encoding)
+
+
 def test_unknown_option_is_a_type_error_and_a_bad_value_the_cli_message(
     generator: batchgen.Generator, chat_model: Path, tmp_path: Path
 ) -> None:
@@ -422,6 +463,21 @@ def test_unknown_option_is_a_type_error_and_a_bad_value_the_cli_message(
             batchgen.Generator(str(chat_model), **{given: 8})
     with pytest.raises(TypeError, match="'max_running_requests'"):  # an engine option, not a sampling default
         generator.stream(["x"], max_running_requests=2)
+    # HF's and SGLang's names, hinted as a row's fields are (found by an HF user: pad_token_id was pointed at
+    # stop_token_ids, stop_strings too, return_logprob at top_logprobs; do_sample and num_beams had no hint).
+    for given, said in (
+        ("stop_strings", "did you mean 'stop'?"),
+        ("pad_token_id", "batchgen pads nothing: give each row its own ids, unpadded, as 'prompt_token_ids'"),
+        ("return_logprob", "did you mean 'logprobs'?"),
+        ("logprob_start_len", "did you mean 'prompt_logprobs_from'?"),
+        ("num_return_sequences", "did you mean 'n'?"),
+        ("do_sample", "batchgen samples unless 'temperature' is 0: give temperature 0 for HF's do_sample false"),
+        ("num_beams", "batchgen has no such option"),
+    ):
+        with pytest.raises(TypeError, match=re.escape(f"'{given}' ({said})") + "$"):
+            generator.generate(["x"], **{given: 1})
+    with pytest.raises(TypeError, match=re.escape("run(): dataset must be a path, got list (rows held in Python")):
+        batchgen.run(["a", "b"], tmp_path / "out.jsonl")
     with pytest.raises(TypeError, match="run\\(\\) got an unexpected keyword argument 'bogus'"):
         batchgen.run(tmp_path / "in.jsonl", tmp_path / "out.jsonl", bogus=1)
     # A switch takes booleans only (None where its default is decided at load): "false" is a true string. A bad

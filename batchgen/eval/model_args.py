@@ -1,0 +1,87 @@
+"""``--model_args`` of ``--model batchgen``: the keys other lm-eval backends take that batchgen reads as they are
+meant or leaves aside, their checks, and errors named by the keys a user wrote."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+from typing import Any
+
+from batchgen.api.options import option_names
+from batchgen.errors import BatchgenError
+from batchgen.job.options import JobOptions
+from batchgen.loop.options import EngineOptions
+
+logger = logging.getLogger(__name__)
+
+# lm-eval's vLLM backend seeds its sampling with 1234 unless told otherwise, and its HF backend draws from the torch
+# seed lm-eval's --seed sets (1234 by default): a sampled task repeats across runs with either.
+DEFAULT_SEED = 1234
+# Keys of --model hf and --model vllm that change nothing here: batchgen runs no code from the model's repository,
+# loads the model's own tokenizer (its fast one), and picks its attention kernels and device placement itself.
+_LEFT_ASIDE = ("trust_remote_code", "use_fast_tokenizer", "attn_implementation", "parallelize", "revision")
+# Parallelism keys: one engine on one device is all a value of 1 asks for.
+_PARALLEL = ("tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size")
+# A batchgen flag as an error message names it (--max-running-requests).
+_FLAG = re.compile(r"--([a-z0-9]+(?:-[a-z0-9]+)*)")
+
+
+def other_backends_args(pretrained: str, options: dict[str, Any]) -> None:
+    """Take out of ``options`` the keys of other backends' ``--model_args`` that batchgen honours by doing nothing
+    (``trust_remote_code=True``, ``tensor_parallel_size=1``, ``tokenizer`` naming the model itself), each with a
+    warning (a log line) where it asked for something (``trust_remote_code=True``, ``parallelize=True``).
+
+    Raises:
+        BatchgenError: ``tokenizer`` naming another tokenizer than the model's; a parallelism key above 1.
+    """
+    for name in _LEFT_ASIDE:
+        if name in options and options.pop(name) not in (None, False, "main"):
+            logger.warning("--model_args %s: not used by batchgen (the model's own files and kernels)", name)
+    tokenizer = options.pop("tokenizer", None)
+    if tokenizer is not None and str(tokenizer) != str(pretrained):
+        raise BatchgenError(f"--model_args tokenizer: batchgen uses the model's own tokenizer, got {tokenizer!r}")
+    for name in _PARALLEL:
+        value = model_args_count(name, options.pop(name, None))
+        if value is not None and value > 1:
+            raise BatchgenError(
+                f"--model_args {name}: batchgen runs one engine on one device, got {value} (more machines: "
+                "docs/scale-out.md)"
+            )
+
+
+def model_args_count(name: str, value: Any, least: int = 1) -> int | None:
+    """A ``--model_args`` integer, checked (lm-eval hands ``8`` on as 8, ``-5`` as -5.0, ``abc`` as text); ``None``
+    stays ``None``.
+
+    Raises:
+        BatchgenError: ``--model_args NAME: must be an integer >= LEAST, got ...``.
+    """
+    if value is None:
+        return None
+    number = None
+    if isinstance(value, float) and value.is_integer():
+        number = int(value)
+    elif isinstance(value, int | str) and not isinstance(value, bool):
+        with contextlib.suppress(ValueError):  # text that is no number
+            number = int(value)
+    if number is None or number < least:
+        shown = repr(value) if number is None else number  # as typed: lm-eval's command line turns -5 into -5.0
+        raise BatchgenError(f"--model_args {name}: must be an integer >= {least}, got {shown}")
+    return number
+
+
+def as_model_args_error(error: BatchgenError) -> BatchgenError:
+    """``error`` of a ``batchgen.Generator`` option as ``--model_args`` names it: each of batchgen's flags by its
+    key (``--seed: must be an integer`` → ``--model_args seed: must be an integer``; lm-eval has a ``--seed`` of its
+    own, which is not that one); unchanged where it names none (a model that cannot be loaded)."""
+    known = option_names(EngineOptions, JobOptions)
+
+    def key(match: re.Match[str]) -> str:
+        name = match.group(1).replace("-", "_")
+        return name if name in known else match.group(0)
+
+    message = _FLAG.sub(key, str(error))
+    if message == str(error):  # no option named (a model that cannot be loaded)
+        return error
+    return BatchgenError(f"--model_args {message}")
