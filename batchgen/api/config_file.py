@@ -8,6 +8,7 @@ same run from either.
 from __future__ import annotations
 
 import os
+from dataclasses import Field
 from pathlib import Path
 from typing import Any, get_args, get_origin, get_type_hints
 
@@ -20,10 +21,8 @@ from batchgen.sampling.row_fields import switch_hint
 
 # The declared options' types by Python name.
 OPTION_HINTS = {f.name: get_type_hints(cls)[f.name] for cls in OPTION_CLASSES for f in declared_options(cls)}
-# How the options that take more than their type read a value (prompt_logprobs: true, false or a count).
-_PARSERS = {
-    f.name: f.metadata["parse"] for cls in OPTION_CLASSES for f in declared_options(cls) if "parse" in f.metadata
-}
+# The options that take more than their type (prompt_logprobs: true, false or a count), by Python name.
+_PARSED = {f.name: f for cls in OPTION_CLASSES for f in declared_options(cls) if "parse" in f.metadata}
 # What click's boolean type reads as true or false (a flag's text, a config file's quoted value).
 _TRUE, _FALSE = {"1", "true", "t", "yes", "y", "on"}, {"0", "false", "f", "no", "n", "off"}
 
@@ -66,9 +65,9 @@ def check_config_value(path: Path, name: str, value: Any, hint: Any) -> None:
             [2]``.
     """
     option, items = name.replace("_", "-"), value if isinstance(value, list) else [value]
-    if name in _PARSERS:
+    if name in _PARSED:
         try:
-            _PARSERS[name](text_value(value))
+            parsed_text(_PARSED[name], value)
         except FieldError as e:
             raise BatchgenError(f"{path}: option '{option}': {e.message}") from None
         return
@@ -108,8 +107,8 @@ def config_options(path: Path) -> dict[str, Any]:
             options[name] = value
             continue
         base = _base(OPTION_HINTS[name])
-        if name in _PARSERS:
-            value = _PARSERS[name](text_value(value))
+        if name in _PARSED:
+            value = parsed_text(_PARSED[name], value)
         elif get_origin(OPTION_HINTS[name]) is tuple:
             value = [_converted(item, base) for item in (value if isinstance(value, list) else [value])]
             value = [apply_escapes(item) for item in value] if name in escapes else value
@@ -134,6 +133,17 @@ def with_config(config: str | os.PathLike[str] | None, given: dict[str, Any]) ->
     """
     from_file = config_options(Path(config)) if config is not None else {}
     return from_file | {name: value for name, value in given.items() if value is not None}
+
+
+def parsed_text(option: Field[Any], value: Any) -> Any:
+    """A flag's text or a config file's value of ``option`` as its declared ``parse`` reads it, the text read first
+    as a switch or a count (:func:`text_value`) where the option takes those (``metadata["words"]``:
+    ``--prompt-logprobs true``), as it is elsewhere (``--dtype yes`` is no switch).
+
+    Raises:
+        FieldError: the ``parse``'s.
+    """
+    return option.metadata["parse"](text_value(value) if option.metadata.get("words") else value)
 
 
 def text_value(value: Any) -> Any:

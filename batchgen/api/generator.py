@@ -16,7 +16,6 @@ from typing import Any
 from batchgen.api.checks import check_sampling_defaults
 from batchgen.api.options import check_option_names, options_of
 from batchgen.api.python_rows import (
-    ROW_FIELD_KEYWORDS,
     SOURCE,
     call_sampling,
     check_row_fields,
@@ -36,6 +35,7 @@ from batchgen.job.row_flow import RowChecks, RowFlow
 from batchgen.loop.engine import Engine
 from batchgen.loop.options import EngineOptions
 from batchgen.loop.req import Req
+from batchgen.sampling.row_fields import ROW_FIELD_KEYWORDS
 from batchgen.sampling.sampling_params import SamplingParams
 from batchgen.speculative import make_drafter
 
@@ -247,9 +247,9 @@ class Generator:
             TypeError, BatchgenError, RuntimeError: see :meth:`generate`.
         """
         sampling = call_sampling(caller, sampling_params, keywords)
+        check_option_names(sampling, (SamplingParams, InputOptions), caller, also=ROW_FIELD_KEYWORDS)
         row_fields = {name: sampling.pop(name) for name in ROW_FIELD_KEYWORDS if name in sampling}
         row_fields = {name: value for name, value in row_fields.items() if value is not None}
-        check_option_names(sampling, (SamplingParams, InputOptions), caller)
         check_row_fields(row_fields, self.engine.facts().vocab_size)
         columns = options_of(InputOptions, sampling)
         columns.validate()

@@ -18,7 +18,7 @@ from batchgen.io.field_warnings import sampling_name_hint
 from batchgen.io.input_options import InputOptions
 from batchgen.job.options import JobOptions
 from batchgen.loop.options import EngineOptions
-from batchgen.sampling.row_fields import SAMPLING_FIELD_ALIASES, switch_hint
+from batchgen.sampling.row_fields import ROW_FIELD_KEYWORDS, SAMPLING_FIELD_ALIASES, switch_hint
 from batchgen.sampling.sampling_params import SamplingParams, python_value
 
 OPTION_CLASSES: tuple[type, ...] = (EngineOptions, SamplingParams, JobOptions, InputOptions)
@@ -52,19 +52,26 @@ def check_option_names(
     unknown = next((name for name in given if name not in known), None)
     if unknown is None:
         return
-    near = near_name(unknown, known)
-    meant = option_meant(unknown) or unknown
-    if meant in option_names(*OPTION_CLASSES) and meant not in known:  # Generator(max_new_tokens=...): generate's
+    # Another engine's name says more than a near spelling (HF's stop_strings is 'stop', not 'stop_token_ids'; its
+    # do_sample is a temperature).
+    field, note = (option_meant(unknown), None) if option_meant(unknown) else sampling_name_hint(unknown)
+    meant = field or unknown
+    if meant in known:
+        said: str | None = f"did you mean '{meant}'?"
+    elif meant in ROW_FIELD_KEYWORDS:  # generate()'s and stream()'s, for every row; elsewhere a row's own
+        where = (
+            "a row field: give it in each row" if SamplingParams in classes else "an option of generate() and stream()"
+        )
+        said = f"'{meant}' is {where}"
+    elif meant in option_names(*OPTION_CLASSES):  # Generator(max_new_tokens=...): generate's
         where = "Generator()" if meant in option_names(EngineOptions) else "generate() and stream()"
         if meant in option_names(JobOptions):
             where = "batchgen.run()"
-        hint = f" ('{meant}' is an option of {where})"
+        said = f"'{meant}' is an option of {where}"
     else:
-        # Another engine's sampling name says more than a near spelling (HF's stop_strings is 'stop', not
-        # 'stop_token_ids'; its do_sample is a temperature).
-        field, note = (None, None) if option_meant(unknown) else sampling_name_hint(unknown)
-        said = note or (f"did you mean '{field or near}'?" if field or near else None)
-        hint = f" ({said})" if said else ""
+        near = near_name(unknown, known) if note is None else None
+        said = note or (f"did you mean '{near}'?" if near else None)
+    hint = f" ({said})" if said else ""
     raise TypeError(f"{caller}() got an unexpected keyword argument '{unknown}'{hint}")
 
 
@@ -121,10 +128,10 @@ def options_of(cls: type[T], given: Mapping[str, Any], **fixed: Any) -> T:
     for f in declared_options(cls):
         if f.name in fixed or f.name in given:
             value = fixed[f.name] if f.name in fixed else given[f.name]
-            if "parse" in f.metadata:  # an option that takes more than its type (prompt_logprobs: true)
-                values[f.name] = _parsed(f, python_value(value))
-            elif value is None and type(None) not in get_args(hints[f.name]):
+            if value is None and type(None) not in get_args(hints[f.name]):
                 values.pop(f.name, None)
+            elif "parse" in f.metadata:  # an option that takes more than its type (prompt_logprobs: true)
+                values[f.name] = _parsed(f, python_value(value))
             else:
                 values[f.name] = _checked(f.name, python_value(value), hints[f.name])
     return cls(**values)

@@ -20,35 +20,45 @@ from batchgen.io.input_options import InputOptions
 from batchgen.io.passthrough import KNOWN_FIELDS, PROMPT_FIELDS, passthrough_names
 from batchgen.io.reader import InputRow
 from batchgen.io.rows import RowSpec, parse_row
-from batchgen.sampling.row_fields import SAMPLING_FIELDS, make_sampling_params
-from batchgen.sampling.sampling_params import ARRAY_MODULES, SamplingParams, python_value, whole_number
+from batchgen.sampling.row_fields import make_sampling_params
+from batchgen.sampling.sampling_params import (
+    ARRAY_MODULES,
+    GRAMMAR_FIELDS,
+    SamplingParams,
+    python_value,
+    whole_number,
+)
 
 # The input's name in row errors: ``rows:3: field 'temperature': ...`` is the third row given (1-based, as a
 # file's lines are; its default id is its 0-based index, "2").
 SOURCE = "rows"
 
 _NO_PASSTHROUGH = pa.schema([])
-# Sampling fields that are no run option (no flag: a schema, a pattern, token biases) but that a call may still give
-# every row, as SGLang's sampling_params dict does; not the seed, which Generator() takes for the run.
-ROW_FIELD_KEYWORDS = ("json_schema", "regex", "ebnf", "logit_bias", "prompt_logprobs_from")
-_CONSTRAINTS = ("json_schema", "regex", "ebnf")
-assert set(ROW_FIELD_KEYWORDS) <= set(SAMPLING_FIELDS)
 
 
 def call_sampling(caller: str, sampling_params: Any, keywords: Mapping[str, Any]) -> dict[str, Any]:
     """A call's sampling keywords with SGLang's ``sampling_params`` dict (``generate(prompts, {...})``) under them.
 
     Raises:
-        TypeError: ``sampling_params`` is no dict (vLLM's ``SamplingParams`` object), or it and a keyword give one
-            field.
+        TypeError: ``sampling_params`` is no dict (vLLM's ``SamplingParams`` object, SGLang's list of one per
+            prompt) or has a key that is no string or ``on_error``, or it and a keyword give one field.
     """
     if sampling_params is None:
         return dict(keywords)
+    if isinstance(sampling_params, (list, tuple)):  # SGLang's list of one dict per prompt
+        raise TypeError(
+            f"{caller}(): sampling_params must be one dict for every row; a row's own fields go in its row dict "
+            "({'prompt': ..., 'temperature': 0})"
+        )
     if not isinstance(sampling_params, Mapping):
         raise TypeError(
             f"{caller}(): sampling_params must be a dict of sampling fields, as SGLang's Engine.generate takes it, "
             f"got {type(sampling_params).__name__} (give a vLLM SamplingParams' fields as keywords)"
         )
+    if not all(isinstance(name, str) for name in sampling_params):
+        raise TypeError(f"{caller}(): sampling_params' keys must be strings (field names)")
+    if "on_error" in sampling_params:
+        raise TypeError(f"{caller}(): on_error is {caller}()'s own keyword, not a sampling field of sampling_params")
     both = next((name for name in sampling_params if name in keywords), None)
     if both is not None:
         raise TypeError(f"{caller}() got '{both}' both in sampling_params and as a keyword")
@@ -56,7 +66,8 @@ def call_sampling(caller: str, sampling_params: Any, keywords: Mapping[str, Any]
 
 
 def check_row_fields(fields: Mapping[str, Any], vocab_size: int) -> None:
-    """Check the :data:`ROW_FIELD_KEYWORDS` a call gives every row, once, as a row's are checked.
+    """Check the row fields a call gives every row (:data:`~batchgen.sampling.row_fields.ROW_FIELD_KEYWORDS`),
+    once, as a row's are checked.
 
     Raises:
         BatchgenError: ``json_schema: ...``, the first bad one named.
@@ -73,11 +84,11 @@ def with_row_fields(items: Iterator[InputRow | RowError], fields: Mapping[str, A
     for item in items:
         if fields and isinstance(item, InputRow):
             data = item.data
-            own_constraint = any(data.get(name) is not None for name in _CONSTRAINTS)
+            own_constraint = any(data.get(name) is not None for name in GRAMMAR_FIELDS)
             added = {
                 name: value
                 for name, value in fields.items()
-                if data.get(name) is None and not (own_constraint and name in _CONSTRAINTS)
+                if data.get(name) is None and not (own_constraint and name in GRAMMAR_FIELDS)
             }
             item = replace(item, data={**data, **added})
         yield item
@@ -106,6 +117,10 @@ def input_rows(rows: Iterable[Any], options: InputOptions) -> Iterator[InputRow 
             "rows: a tokenizer's output (input_ids with an attention_mask): give its ids unpadded, a list per row "
             "(tokenizer(prompts)['input_ids'] without padding), or the prompt strings"
         )
+    if type(rows).__module__ in ARRAY_MODULES and getattr(rows, "ndim", None) == 2:
+        # tokenizer(prompts, padding=True, return_tensors=...)["input_ids"]: its pads would be prompt tokens.
+        message = f"{SOURCE}: a 2-D array's rows are taken whole as prompt_token_ids, padding included"
+        warnings.warn(message, UserWarning, stacklevel=_caller_level())
     if _is_lone_row(rows, options):
         rows = [rows]
     mapping: ColumnMapping | None = None

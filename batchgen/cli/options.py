@@ -21,7 +21,7 @@ from typer._click.core import Context  # the click typer vendors: its commands t
 from typer._click.exceptions import UsageError
 from typer.core import TyperArgument, TyperCommand, TyperOption
 
-from batchgen.api.config_file import text_value
+from batchgen.api.config_file import parsed_text
 from batchgen.api.options import OPTION_CLASSES, declared_options
 from batchgen.cli import release_startup_interrupts
 from batchgen.errors import FieldError
@@ -80,7 +80,7 @@ def _typer_parameter(field: Field[Any], annotation: Any, required: bool, hidden:
         default = list(default) if default is not ... else ...
     flags = [field.metadata["flag"]] if "flag" in field.metadata else []
     callback = _apply_escapes if field.metadata.get("escapes") else None
-    parser = _text_parser(field.metadata["parse"]) if "parse" in field.metadata else None
+    parser = _text_parser(field) if "parse" in field.metadata else None
     option = typer.Option(
         ... if required else default,
         *flags,
@@ -93,14 +93,14 @@ def _typer_parameter(field: Field[Any], annotation: Any, required: bool, hidden:
     return inspect.Parameter(field.name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=annotation)
 
 
-def _text_parser(parse: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    """The click parser of a field whose metadata declares how its values ``parse`` (``--prompt-logprobs``: true,
-    false or a count): the flag's text read as a config file's is (:func:`~batchgen.api.config_file.text_value`),
-    then ``parse``'s value; its error as click's bad value."""
+def _text_parser(option: Field[Any]) -> Callable[[Any], Any]:
+    """The click parser of an option whose metadata declares how its values ``parse`` (``--prompt-logprobs``: true,
+    false or a count): the flag's text read as a config file's is (:func:`~batchgen.api.config_file.parsed_text`);
+    its error as click's bad value."""
 
     def parser(value: Any) -> Any:
         try:
-            return parse(text_value(value))
+            return parsed_text(option, value)
         except FieldError as e:
             raise typer.BadParameter(e.message) from None
 

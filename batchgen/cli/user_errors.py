@@ -22,7 +22,7 @@ from typer.exceptions import Abort
 from batchgen.api.options import option_meant
 from batchgen.errors import BatchgenError
 from batchgen.io.field_warnings import NO_SUCH_OPTION, sampling_name_hint
-from batchgen.sampling.row_fields import SAMPLING_FIELDS
+from batchgen.sampling.row_fields import ROW_FIELD_KEYWORDS
 
 
 class BatchgenGroup(TyperGroup):
@@ -80,7 +80,9 @@ def _hint_meant_option(error: NoSuchOption) -> None:
         if any(flag in param.opts for param in error.ctx.command.params):
             error.possibilities = [flag]
             return
-        note = f"'{meant}' is a row field: give it in each row" if meant in SAMPLING_FIELDS else None
+        if meant not in ROW_FIELD_KEYWORDS:
+            return  # an option of batchgen's that this command lacks (bench's --temperature): click's own list
+        note = f"'{meant}' is a row field: give it in each row"
     elif note == NO_SUCH_OPTION:
         note = "another engine's option, which batchgen does not have"
     if note is not None:

@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from batchgen.api.generator import Generator
 from batchgen.errors import BatchgenError
-from batchgen.eval.model_args import DEFAULT_SEED, as_model_args_error, model_args_count, other_backends_args
+from batchgen.eval import model_args
 from batchgen.eval.requests import generation_row, scoring_row
 
 logger = logging.getLogger(__name__)
@@ -84,11 +84,12 @@ class BatchgenLM(TemplateLM):
             )
         if add_bos_token is not None and not isinstance(add_bos_token, bool):  # lm-eval casts only true/false
             raise BatchgenError(f"--model_args add_bos_token: must be true or false, got {add_bos_token!r}")
-        max_length = model_args_count("max_length", max_length)
-        max_gen_toks = model_args_count("max_gen_toks", max_gen_toks) or _MAX_GEN_TOKS
-        prefix_token_id = model_args_count("prefix_token_id", prefix_token_id, least=0)
-        other_backends_args(pretrained, options)
-        options.setdefault("seed", DEFAULT_SEED)
+        max_length = model_args.model_args_count("max_length", max_length)
+        max_gen_toks = model_args.model_args_count("max_gen_toks", max_gen_toks) or _MAX_GEN_TOKS
+        prefix_token_id = model_args.model_args_count("prefix_token_id", prefix_token_id, least=0)
+        model_args.other_backends_args(pretrained, options)
+        self.chat_template_args = model_args.chat_template_args(options)
+        options.setdefault("seed", model_args.DEFAULT_SEED)
         if device is not None and (device.startswith("cpu") or torch.cuda.is_available()):
             options["device"] = device
         elif device is not None:
@@ -100,7 +101,7 @@ class BatchgenLM(TemplateLM):
         except TypeError as e:  # a name that is no engine option: lm-eval's users see --model_args, one line
             raise BatchgenError(f"--model_args: {e}") from None
         except BatchgenError as e:
-            raise as_model_args_error(e) from None
+            raise model_args.as_model_args_error(e) from None
         engine = self.generator.engine
         if engine.tokenizer is None:
             raise BatchgenError(f"{pretrained}: lm-eval's requests are text, and this model has no tokenizer")
@@ -178,7 +179,7 @@ class BatchgenLM(TemplateLM):
         message gets the history without it, with a warning."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise BatchgenError("--apply_chat_template: the model's tokenizer has no chat template")
-        render = dict(tokenize=False, add_generation_prompt=add_generation_prompt)
+        render = {**self.chat_template_args, "tokenize": False, "add_generation_prompt": add_generation_prompt}
         render["continue_final_message"] = not add_generation_prompt
         try:
             return str(self.tokenizer.apply_chat_template(chat_history, **render))

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import re
 from typing import Any
 
 from batchgen.api.options import option_names
-from batchgen.errors import BatchgenError
+from batchgen.errors import BatchgenError, FieldError
+from batchgen.io.input_options import chat_template_kwargs
 from batchgen.job.options import JobOptions
 from batchgen.loop.options import EngineOptions
 
@@ -19,12 +21,13 @@ logger = logging.getLogger(__name__)
 # seed lm-eval's --seed sets (1234 by default): a sampled task repeats across runs with either.
 DEFAULT_SEED = 1234
 # Keys of --model hf and --model vllm that change nothing here: batchgen runs no code from the model's repository,
-# loads the model's own tokenizer (its fast one), and picks its attention kernels and device placement itself.
-_LEFT_ASIDE = ("trust_remote_code", "use_fast_tokenizer", "attn_implementation", "parallelize", "revision")
+# loads the model's own tokenizer (its fast one), and picks its attention kernels and device placement itself
+# (revision main and the model as its own tokenizer too, below).
+_LEFT_ASIDE = ("trust_remote_code", "use_fast_tokenizer", "attn_implementation", "parallelize")
 # Parallelism keys: one engine on one device is all a value of 1 asks for.
 _PARALLEL = ("tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size")
-# A batchgen flag as an error message names it (--max-running-requests).
-_FLAG = re.compile(r"--([a-z0-9]+(?:-[a-z0-9]+)*)")
+# A batchgen flag as an error message names it (--max-running-requests), a word of its own (not inside a path).
+_FLAG = re.compile(r"(?<![\w/.-])--([a-z0-9]+(?:-[a-z0-9]+)*)(?![\w-])")
 
 
 def other_backends_args(pretrained: str, options: dict[str, Any]) -> None:
@@ -33,13 +36,17 @@ def other_backends_args(pretrained: str, options: dict[str, Any]) -> None:
     warning (a log line) where it asked for something (``trust_remote_code=True``, ``parallelize=True``).
 
     Raises:
-        BatchgenError: ``tokenizer`` naming another tokenizer than the model's; a parallelism key above 1.
+        BatchgenError: ``tokenizer`` naming another tokenizer than the model's, a ``revision`` but ``main``; a
+            parallelism key above 1.
     """
     for name in _LEFT_ASIDE:
         if name in options and options.pop(name) not in (None, False, "main"):
             logger.warning("--model_args %s: not used by batchgen (the model's own files and kernels)", name)
+    revision = options.pop("revision", None)
+    if revision not in (None, "main"):
+        raise BatchgenError(f"--model_args revision: batchgen loads the model's files as they are, got {revision!r}")
     tokenizer = options.pop("tokenizer", None)
-    if tokenizer is not None and str(tokenizer) != str(pretrained):
+    if tokenizer is not None and os.path.normpath(str(tokenizer)) != os.path.normpath(str(pretrained)):
         raise BatchgenError(f"--model_args tokenizer: batchgen uses the model's own tokenizer, got {tokenizer!r}")
     for name in _PARALLEL:
         value = model_args_count(name, options.pop(name, None))
@@ -85,3 +92,19 @@ def as_model_args_error(error: BatchgenError) -> BatchgenError:
     if message == str(error):  # no option named (a model that cannot be loaded)
         return error
     return BatchgenError(f"--model_args {message}")
+
+
+def chat_template_args(options: dict[str, Any]) -> dict[str, Any]:
+    """Take out of ``options`` the chat template's arguments lm-eval's HF and vLLM backends take:
+    ``chat_template_args`` (an object), and ``enable_thinking`` (Qwen3's switch) over it.
+
+    Raises:
+        BatchgenError: ``chat_template_args`` that is no object of template arguments.
+    """
+    try:
+        arguments = chat_template_kwargs(options.pop("chat_template_args", None)) or {}
+    except FieldError as e:
+        raise BatchgenError(f"--model_args chat_template_args: {e.message}") from None
+    if "enable_thinking" in options:
+        arguments["enable_thinking"] = options.pop("enable_thinking")
+    return arguments

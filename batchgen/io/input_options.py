@@ -28,13 +28,33 @@ def apply_escapes(text: str) -> str:
     return _ESCAPE.sub(lambda m: _ESCAPES[m.group(1)], text)
 
 
-def chat_template_kwargs(value: Any) -> dict[str, Any] | None:
-    """Keyword arguments of the chat template as a row, a keyword, a config file or a flag gives them (vLLM's
-    ``chat_template_kwargs``, e.g. ``{"enable_thinking": false}``): an object (a flag's JSON text), its null
-    values left out (the template's default); ``None`` for none.
+def template_arguments(value: Any) -> dict[str, Any]:
+    """A row's ``chat_template_kwargs`` (vLLM's, e.g. ``{"enable_thinking": false}``), checked: keyword arguments of
+    the chat template, a null one naming an argument left at the template's default (over a run's value).
 
     Raises:
-        FieldError: not an object with string keys, or a key naming an argument batchgen sets itself.
+        FieldError: not an object with string keys, a value that is no JSON value, or a key naming an argument
+            batchgen sets itself.
+    """
+    if not isinstance(value, dict) or not all(isinstance(key, str) for key in value):
+        message = f"must be an object of template arguments, got {json_type_name(value)}"
+        raise FieldError(CHAT_TEMPLATE_KWARGS_FIELD, message)
+    try:
+        json.dumps(value, allow_nan=False)  # the run records it; a row's JSON holds nothing else
+    except (TypeError, ValueError) as e:
+        raise FieldError(CHAT_TEMPLATE_KWARGS_FIELD, f"must hold JSON values only: {e}") from None
+    taken = next((key for key in _TEMPLATE_ARGUMENTS if key in value), None)
+    if taken is not None:
+        raise FieldError(CHAT_TEMPLATE_KWARGS_FIELD, f"'{taken}' is set by batchgen, not a template argument to give")
+    return dict(value)
+
+
+def chat_template_kwargs(value: Any) -> dict[str, Any] | None:
+    """``--chat-template-kwargs`` as a keyword, a config file or a flag (its JSON text) gives it: the checked
+    :func:`template_arguments` without their null values; ``None`` for none, and for an object that names none.
+
+    Raises:
+        FieldError: text that is no JSON; as :func:`template_arguments`.
     """
     if isinstance(value, str):
         try:
@@ -43,13 +63,8 @@ def chat_template_kwargs(value: Any) -> dict[str, Any] | None:
             raise FieldError(CHAT_TEMPLATE_KWARGS_FIELD, f"is not JSON: {e}") from None
     if value is None:
         return None
-    if not isinstance(value, dict) or not all(isinstance(key, str) for key in value):
-        message = f"must be an object of template arguments, got {json_type_name(value)}"
-        raise FieldError(CHAT_TEMPLATE_KWARGS_FIELD, message)
-    taken = next((key for key in _TEMPLATE_ARGUMENTS if key in value), None)
-    if taken is not None:
-        raise FieldError(CHAT_TEMPLATE_KWARGS_FIELD, f"'{taken}' is set by batchgen, not a template argument to give")
-    return {key: item for key, item in value.items() if item is not None}
+    given = {key: item for key, item in template_arguments(value).items() if item is not None}
+    return given or None
 
 
 @dataclass(frozen=True)

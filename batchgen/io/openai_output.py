@@ -194,8 +194,9 @@ class OpenAIOutput:
         return {"token": text, "logprob": logprob, "bytes": token_bytes(self.tokenizer, token_id, text)}
 
     def _completion_logprobs(self, row: dict[str, Any]) -> dict[str, Any] | None:
-        """``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`` (OpenAI's completions shape; offsets
-        in characters from the start of the completion text), or ``None`` when not asked for. Each step's
+        """``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`` (OpenAI's completions shape; each
+        offset where the token's string starts in the joined ``tokens``, as vLLM computes it), or ``None`` when not
+        asked for. Each step's
         ``top_logprobs`` holds the chosen token and then the N most likely: up to N + 1 entries, the chosen one
         alone for ``logprobs: 0`` (OpenAI's API reference: "the API will always return the logprob of the sampled
         token, so there may be up to logprobs+1 elements"; vLLM's completions do the same)."""

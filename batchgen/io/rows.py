@@ -11,7 +11,7 @@ import pyarrow as pa
 
 from batchgen.errors import NOT_UNICODE, FieldError, RowError, is_unicode_text, shown_value
 from batchgen.io.arrow_fit import misfit
-from batchgen.io.input_options import chat_template_kwargs
+from batchgen.io.input_options import template_arguments
 from batchgen.io.input_row import InputRow
 from batchgen.io.json_text import is_json_text
 from batchgen.io.passthrough import (
@@ -165,15 +165,17 @@ def _check_continuation(data: dict[str, Any], prompt_field: str, fail: _Fail) ->
 
 
 def _check_chat_template_kwargs(value: Any, prompt_field: str, fail: _Fail) -> dict[str, Any] | None:
-    if isinstance(value, str):  # a row gives the object itself; a flag gives its JSON text
-        raise fail(CHAT_TEMPLATE_KWARGS_FIELD, "must be an object of template arguments, got string")
+    """A row's ``chat_template_kwargs`` (:func:`~batchgen.io.input_options.template_arguments`), which only a
+    ``messages`` row may give."""
+    if value is None:
+        return None
     try:
-        kwargs = chat_template_kwargs(value)
+        arguments = template_arguments(value)
     except FieldError as e:
         raise fail(e.field, e.message) from None
-    if kwargs is not None and prompt_field != "messages":
+    if prompt_field != "messages":
         raise fail(CHAT_TEMPLATE_KWARGS_FIELD, "needs messages: a prompt is not rendered by the chat template")
-    return kwargs
+    return arguments
 
 
 def _check_prompt(value: Any, fail: _Fail) -> str:

@@ -115,10 +115,10 @@ class RequestBuilder:
             raise error(prompt_field, "prompt is empty after tokenization")
         if spec.prompt_token_ids is None and max(prompt_ids) >= self.vocab_size:
             # A tokenizer given tokens the model was not resized for (a fine-tune's added special tokens).
-            beyond = next(t for t in prompt_ids if t >= self.vocab_size)
+            at, beyond = next((i, t) for i, t in enumerate(prompt_ids) if t >= self.vocab_size)
             token = self.tokenizer.convert_ids_to_tokens(beyond)
             message = f"tokenizes to id {beyond} ({token!r}), outside the model's vocabulary [0, {self.vocab_size})"
-            raise error(prompt_field, message)
+            raise error("continuation" if scored_from is not None and at >= scored_from else prompt_field, message)
         if scored_from is not None:
             params = replace(params, prompt_logprobs_from=scored_from, prompt_logprobs=params.prompt_logprobs or 0)
         if params.max_new_tokens == 0 and params.prompt_logprobs is not None:
@@ -171,7 +171,9 @@ class RequestBuilder:
             if not getattr(self.tokenizer, "chat_template", None):
                 raise error("messages", "the model's tokenizer has no chat template; give a plain prompt instead")
             try:
-                kwargs = {**self.chat_template_kwargs, **(spec.chat_template_kwargs or {})}
+                # A row's null leaves the run's argument at the template's default.
+                given = {**self.chat_template_kwargs, **(spec.chat_template_kwargs or {})}
+                kwargs = {key: value for key, value in given.items() if value is not None}
                 text = self.tokenizer.apply_chat_template(
                     spec.messages, add_generation_prompt=True, tokenize=False, **kwargs
                 )

@@ -37,10 +37,16 @@ class IncrementalDetokenizer:
     #8627). A request's final ``text`` is :func:`continuation_text` unless a stop string cut it here.
     """
 
-    def __init__(self, tokenizer: Any, prompt_ids: Sequence[int], skip_special: bool) -> None:
+    def __init__(
+        self, tokenizer: Any, prompt_ids: Sequence[int], skip_special: bool, context_start: int | None = None
+    ) -> None:
         self.tokenizer = tokenizer
         self.skip_special = skip_special
-        self.ids = list(prompt_ids[_context_start(tokenizer, prompt_ids, skip_special) :])
+        # Given for another sample of the same prompt, whose window is this one's.
+        if context_start is None:
+            context_start = _context_start(tokenizer, prompt_ids, skip_special)
+        self.context_start = context_start
+        self.ids = list(prompt_ids[context_start:])
         self.num_context = len(self.ids)
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
@@ -71,9 +77,9 @@ class IncrementalDetokenizer:
 
 
 def _context_start(tokenizer: Any, prompt_ids: Sequence[int], skip_special: bool) -> int:
-    """Where the decoding window's prompt context starts: ``_CONTEXT_TOKENS`` before the prompt's end, or up to
-    ``_MORE_CONTEXT_TOKENS`` further back where those begin inside a character (their text holds U+FFFD that the
-    prompt's does not), to the nearest start whose text ends the prompt's text. A byte-fallback decoder writes a
+    """Where the decoding window's prompt context starts: ``_CONTEXT_TOKENS`` before the prompt's end; where the
+    text of those holds U+FFFD (they may begin inside a character), the nearest start up to ``_MORE_CONTEXT_TOKENS``
+    further back whose text ends the whole prompt's text (else the first). A byte-fallback decoder writes a
     whole run of byte tokens as U+FFFD when any of it is invalid: a window from inside a prompt's last character
     would turn every byte token the output adds to that run into U+FFFD, and hide the stop strings in them."""
 

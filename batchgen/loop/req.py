@@ -148,7 +148,9 @@ class Req:
             self,
             seed=derive_seed(self.seed, sample_index),
             detokenizer=(
-                IncrementalDetokenizer(detokenizer.tokenizer, self.prompt_ids, detokenizer.skip_special)
+                IncrementalDetokenizer(
+                    detokenizer.tokenizer, self.prompt_ids, detokenizer.skip_special, detokenizer.context_start
+                )
                 if detokenizer is not None
                 else None
             ),

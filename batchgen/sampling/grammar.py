@@ -26,7 +26,6 @@ import torch
 from batchgen.errors import FieldError
 from batchgen.sampling.regex_support import python_dot
 
-GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")
 # A surrogate's UTF-8 form starts with this lead byte and a second byte in this range.
 _LEAD = 0xED
 _SURROGATE_SECOND = range(0xA0, 0xC0)
@@ -59,7 +58,7 @@ class GrammarCompiler:
         self._tokenizer_stops: list[int] = []  # xgrammar's guess of the EOS ids, for a model that names none
 
     def matcher(self, kind: str, text: str, eos_ids: Collection[int], stop_ids: Collection[int] = ()) -> GrammarState:
-        """A fresh matcher for constraint ``kind`` (one of :data:`GRAMMAR_FIELDS`) with source ``text``.
+        """A fresh matcher for constraint ``kind`` (``json_schema``, ``regex`` or ``ebnf``) with source ``text``.
 
         ``eos_ids`` close the grammar: each is masked until the grammar is complete, and allowed (and accepted,
         terminating it) there. xgrammar's own guess, the tokenizer's single EOS, misses the extra EOS ids a

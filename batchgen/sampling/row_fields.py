@@ -11,7 +11,7 @@ from typing import Any
 
 from batchgen.errors import NOT_UNICODE, FieldError, is_unicode_text, shown_value
 from batchgen.sampling.constraints import normalize_constraint
-from batchgen.sampling.sampling_params import SamplingParams, prompt_logprobs_count, whole_number
+from batchgen.sampling.sampling_params import GRAMMAR_FIELDS, SamplingParams, prompt_logprobs_count, whole_number
 
 # Fields that an input row may set at top level to override the CLI defaults for that row.
 SAMPLING_FIELDS: tuple[str, ...] = (
@@ -48,6 +48,9 @@ SAMPLING_FIELD_ALIASES: dict[str, str] = {
     "max_completion_tokens": "max_new_tokens",
     "min_tokens": "min_new_tokens",
 }
+# Sampling fields that are no run option (no flag: a schema, a pattern, token biases) but that a Python call may
+# still give every row, as SGLang's sampling_params dict does; not the seed, which Generator() takes for the run.
+ROW_FIELD_KEYWORDS = (*GRAMMAR_FIELDS, "logit_bias", "prompt_logprobs_from")
 
 
 def field_names(field: str) -> tuple[str, ...]:
@@ -107,7 +110,7 @@ def _coerce(name: str, value: Any) -> Any:
         return _coerce_logit_bias(value)
     if name == "prompt_logprobs":
         return prompt_logprobs_count(value)
-    if name in ("json_schema", "regex", "ebnf"):
+    if name in GRAMMAR_FIELDS:
         return normalize_constraint(name, value)
     raise FieldError(name, "is not a sampling field")
 
@@ -119,7 +122,7 @@ def _coerce_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
         raise FieldError("logit_bias", f"must be an object of token id → bias, got {shown_value(value)}")
     pairs: dict[int, float] = {}
     for key, bias in value.items():
-        is_int = isinstance(key, int) and not isinstance(key, bool) and key >= 0
+        is_int = isinstance(key, numbers.Integral) and not isinstance(key, bool) and int(key) >= 0  # numpy's too
         if not (is_int or (isinstance(key, str) and key.isascii() and key.isdigit())):
             raise FieldError("logit_bias", f"key {key!r} is not a token id")
         token_id = int(key)

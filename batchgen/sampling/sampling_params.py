@@ -13,6 +13,10 @@ from batchgen.errors import FieldError, shown_value
 MAX_SAMPLES = 1024
 
 
+# The fields of a row's structured-output constraint, at most one of which a row gives.
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")
+
+
 def prompt_logprobs_count(value: Any) -> int | None:
     """``prompt_logprobs`` as a row, a keyword, a config file or a flag gives it: ``true`` is 0 (the prompt's own
     logprobs, no other tokens), ``false`` and ``None`` are off (``None``), a count N (a float with no fraction too)
@@ -79,6 +83,7 @@ class SamplingParams:
         metadata={
             "help": "Default per row: report prompt logprobs and the N most likely (true or 0: no others).",
             "parse": prompt_logprobs_count,
+            "words": True,  # a flag's text true, false or N
             "metavar": "TRUE|FALSE|N",
         },
     )
@@ -91,7 +96,7 @@ class SamplingParams:
     @property
     def constraint(self) -> tuple[str, str] | None:
         """(field name, source text) of the row's structured-output constraint, if any."""
-        given = [(name, getattr(self, name)) for name in ("json_schema", "regex", "ebnf")]
+        given = [(name, getattr(self, name)) for name in GRAMMAR_FIELDS]
         return next(((name, value) for name, value in given if value is not None), None)
 
     @property
@@ -145,7 +150,7 @@ class SamplingParams:
                 raise FieldError("logit_bias", f"id {token_id} is outside the vocabulary [0, {end})")
             if not -100.0 <= bias <= 100.0:
                 raise FieldError("logit_bias", f"bias of id {token_id} must be in [-100, 100], got {bias}")
-        constraints = [n for n in ("json_schema", "regex", "ebnf") if getattr(self, n) is not None]
+        constraints = [n for n in GRAMMAR_FIELDS if getattr(self, n) is not None]
         if len(constraints) > 1:
             raise FieldError(
                 constraints[1], f"give only one of json_schema, regex, ebnf (found: {', '.join(constraints)})"

@@ -338,6 +338,7 @@ def test_config_unknown_key_names_it(model: Path, tmp_path: Path) -> None:
         (["--ray", "--ray-batch-rows", "0"], "--ray-batch-rows must be >= 1, got 0"),
         (["--replicas", "2"], "--replicas needs --ray"),
         (["--ray-address", "10.0.0.1:6379"], "--ray-address needs --ray"),
+        (["--dtype", "yes"], "unknown --dtype 'yes'; choose auto, "),  # text, not a switch (found by a review)
         *(
             (["--chat-template-kwargs", value], f"Invalid value for '--chat-template-kwargs': {message}")
             for value, message in [
@@ -356,6 +357,13 @@ def test_a_bad_flag_is_named_before_the_existing_output(
     out.write_bytes(b"an earlier run's output")
     code, output = run_cli(["run", str(dataset), "--out", str(out), "--model", str(model), *flags])
     assert code == 2 and output.startswith(f"batchgen: error: {message}") and len(output.splitlines()) == 1
+
+
+def test_another_commands_flag_keeps_clicks_list() -> None:
+    """``bench`` has no --max-new-tokens: click's list of like flags, not a row's hint (found by a review: "is a row
+    field")."""
+    code, output = run_cli(["bench", "--max-new-tokens", "5"])
+    assert code == 2 and "No such option: --max-new-tokens (Possible options: --max-prefill-tokens" in output
 
 
 def test_config_null_keeps_the_default(model: Path, tmp_path: Path) -> None:
@@ -793,12 +801,17 @@ def test_a_prompt_that_tokenizes_beyond_the_models_vocabulary_is_a_bad_row(model
     vocab = len(tokenizer)  # the random model's vocabulary is its tokenizer's
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|extra|>"]})
     tokenizer.save_pretrained(extra_model)
-    rows = [{"id": "good", "prompt": "Once upon a time", "max_new_tokens": 2}, {"id": "bad", "prompt": "Hi <|extra|>"}]
+    rows = [
+        {"id": "good", "prompt": "Once upon a time", "max_new_tokens": 2},
+        {"id": "bad", "prompt": "Hi <|extra|>"},
+        {"id": "scored", "prompt": "Once upon", "continuation": " a <|extra|>"},
+    ]
     dataset = write_jsonl(tmp_path / "in.jsonl", rows)
     code, lines = _run(dataset, tmp_path / "out.arrow", extra_model)
     assert code == 3, lines
     message = f"tokenizes to id {vocab} ('<|extra|>'), outside the model's vocabulary [0, {vocab})"
     assert f"batchgen: error: {dataset}:2: field 'prompt': {message}" in lines
+    assert f"batchgen: error: {dataset}:3: field 'continuation': {message}" in lines  # where the id is
     got = pa.ipc.open_file(tmp_path / "out.arrow").read_all().to_pylist()
     assert [(r["id"], r["completion_tokens"]) for r in got] == [("good", 2)]
 

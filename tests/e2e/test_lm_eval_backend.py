@@ -231,6 +231,7 @@ BAD_MODEL_ARGS = [
     # Other backends' keys asking for what batchgen does not do.
     ("pretrained={model},tokenizer=gpt2", "--model_args tokenizer: batchgen uses the model's own tokenizer, got"),
     ("pretrained={model},tensor_parallel_size=2", "--model_args tensor_parallel_size: batchgen runs one engine on"),
+    ("pretrained={model},revision=v2.0", "--model_args revision: batchgen loads the model's files as they are"),
 ]
 
 
@@ -254,9 +255,35 @@ def test_other_backends_model_args_that_ask_for_nothing_else_are_taken(llama_dir
     (``trust_remote_code=True``, ``tensor_parallel_size=1``, ``revision=main``, the model as its own ``tokenizer``,
     vLLM's ``dtype=half``) were refused; they ask for nothing batchgen does otherwise."""
     given = "trust_remote_code=True,tensor_parallel_size=1,data_parallel_size=1,revision=main,use_fast_tokenizer=True"
-    lm = BatchgenLM.create_from_arg_string(f"pretrained={llama_dir},tokenizer={llama_dir},dtype=half,{given}")
+    lm = BatchgenLM.create_from_arg_string(f"pretrained={llama_dir},tokenizer={llama_dir}/,dtype=half,{given}")
     assert lm.generator.options.dtype == "float16"
     assert lm.generator.options.seed == 1234  # lm-eval's vLLM backend's default: sampled tasks repeat
+
+
+def test_enable_thinking_reaches_the_chat_template(llama_dir: Path) -> None:
+    """lm-eval's HF and vLLM backends take ``enable_thinking`` and ``chat_template_args`` for the chat template
+    (found by a review: batchgen refused them); the rendering equals transformers' with those arguments."""
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if not enable_thinking %} quick{% endif %}"
+    lm = BatchgenLM.create_from_arg_obj(
+        {"pretrained": str(llama_dir), "enable_thinking": False, "chat_template_args": {"enable_thinking": True}}
+    )
+    lm.tokenizer.chat_template = template
+    history = [{"role": "user", "content": "Hi"}]
+    expected = lm.tokenizer.apply_chat_template(
+        history, tokenize=False, add_generation_prompt=True, enable_thinking=False
+    )
+    assert lm.apply_chat_template(history) == expected and expected.endswith(" quick")
+
+
+def test_a_model_args_error_names_keys_not_text_in_paths() -> None:
+    """batchgen's flags in an option's error become ``--model_args`` keys; a ``--name`` inside a path is the path's
+    (found by a review: ``/x--device--model`` was shown as ``/xdevicemodel``)."""
+    from batchgen.eval.model_args import as_model_args_error
+
+    path_error = BatchgenError("/x--device--model: no such model directory")
+    assert as_model_args_error(path_error) is path_error
+    seed_error = as_model_args_error(BatchgenError('--seed: must be an integer, got "abc"'))
+    assert str(seed_error) == '--model_args seed: must be an integer, got "abc"'
 
 
 def test_a_whitespace_context_is_the_empty_context(llama_dir: Path) -> None:

@@ -424,9 +424,19 @@ def test_sglangs_sampling_params_dict_and_row_fields_for_every_row(generator: ba
     with pytest.raises(TypeError, match="got 'temperature' both in sampling_params and as a keyword"):
         generator.generate(["x"], {"temperature": 0}, temperature=1)
     with pytest.raises(TypeError, match="sampling_params must be a dict of sampling fields"):
-        generator.generate(["x"], [("temperature", 0)])  # type: ignore[arg-type]
+        generator.generate(["x"], 0.5)  # type: ignore[arg-type]
     with pytest.raises(BatchgenError, match="^logit_bias: key 'x' is not a token id$"):
         generator.generate(["x"], logit_bias={"x": 1})
+    # Found by a review: SGLang's list of one dict per prompt, on_error in the dict, keys that are no names.
+    with pytest.raises(TypeError, match="sampling_params must be one dict for every row; a row's own fields go in"):
+        generator.generate(["x"], [{"temperature": 0}])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="on_error is generate\\(\\)'s own keyword"):
+        generator.generate(["x"], {"on_error": "skip"})
+    with pytest.raises(TypeError, match="sampling_params' keys must be strings"):
+        generator.generate(["x"], {1: 2})  # type: ignore[dict-item]
+    # numpy's integers as logit_bias keys, as numpy's values are taken everywhere else.
+    (biased,) = generator.generate(["x"], logit_bias={np.int64(5): 100.0}, **greedy)
+    assert set(biased["output_token_ids"]) == {5}
 
 
 def test_tuples_and_a_tokenizers_output_as_rows(generator: batchgen.Generator) -> None:
@@ -437,6 +447,9 @@ def test_tuples_and_a_tokenizers_output_as_rows(generator: batchgen.Generator) -
     for rows in ([tuple(ids)], tuple(ids), [{"prompt_token_ids": tuple(ids)}]):
         (got,) = generator.generate(rows, max_new_tokens=2, temperature=0)  # type: ignore[arg-type]
         assert got["output_token_ids"] == want and got["prompt_tokens"] == 3
+    # A padded tensor's rows are taken whole: said, since its pads become prompt tokens (found by a review).
+    with pytest.warns(UserWarning, match="a 2-D array's rows are taken whole as prompt_token_ids, padding included"):
+        generator.generate(np.array([ids, [2, 2, 5]]), max_new_tokens=1)
     encoding = {"input_ids": [ids, [2, 2, 5]], "attention_mask": [[1, 1, 1], [0, 0, 1]]}
     with pytest.raises(BatchgenError, match="^rows: a tokenizer's output \\(input_ids with an attention_mask\\)"):
         generator.generate(encoding)
@@ -478,6 +491,14 @@ def test_unknown_option_is_a_type_error_and_a_bad_value_the_cli_message(
             generator.generate(["x"], **{given: 1})
     with pytest.raises(TypeError, match=re.escape("run(): dataset must be a path, got list (rows held in Python")):
         batchgen.run(["a", "b"], tmp_path / "out.jsonl")
+    # A row field is a keyword of generate() (for every row), a file's row field for run(): each named so, not as a
+    # near spelling of itself (found by a review).
+    with pytest.raises(TypeError, match=re.escape("'regex' ('regex' is an option of generate() and stream())")):
+        batchgen.Generator(str(chat_model), regex="x")
+    with pytest.raises(TypeError, match=re.escape("'json_schema' ('json_schema' is a row field: give it in each row)")):
+        batchgen.run(tmp_path / "in.jsonl", tmp_path / "out.jsonl", json_schema={})
+    with pytest.raises(TypeError, match=re.escape("'stop_strings' ('stop' is an option of generate() and stream())")):
+        batchgen.Generator(str(chat_model), stop_strings=["x"])
     with pytest.raises(TypeError, match="run\\(\\) got an unexpected keyword argument 'bogus'"):
         batchgen.run(tmp_path / "in.jsonl", tmp_path / "out.jsonl", bogus=1)
     # A switch takes booleans only (None where its default is decided at load): "false" is a true string. A bad

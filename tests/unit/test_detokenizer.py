@@ -60,9 +60,7 @@ def test_split_character_appears_whole() -> None:
 
 
 @needs_shared
-@pytest.mark.parametrize(
-    ("prompt", "output"), [("Look: 😀😀", "😃😃 ok"), ("好😀", "世界你好 and more"), ("日本語", "の本 and")]
-)
+@pytest.mark.parametrize(("prompt", "output"), [("Look: 😀😀", "😃😃 ok"), ("好😀", "世界你好 and more")])
 def test_a_prompt_ending_in_a_run_of_byte_tokens_streams_the_text_the_full_decode_gives(
     prompt: str, output: str
 ) -> None:

@@ -188,3 +188,39 @@ def test_prompt_logprobs_refuses_other_values_with_one_message_everywhere(tmp_pa
         config_options(config)
     with pytest.raises(BatchgenError, match=f"^--prompt-logprobs: {message}$"):
         options_of(SamplingParams, {"prompt_logprobs": "maybe"})
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [("half", "float16"), ("float", "float32"), ("bfloat16", "bfloat16"), (None, "auto"), ("yes", "yes")],
+)
+def test_dtype_takes_vllms_names_and_torch_dtypes(given: str | None, expected: str) -> None:
+    """vLLM's ``--dtype half`` and ``float`` (found by an lm-eval user: refused), HF's ``torch_dtype=torch.bfloat16``;
+    ``None`` is the default (a review found it refused once the option declared a parse); a flag's ``yes`` stays
+    text (validate's to refuse by name), not a switch."""
+    import torch
+
+    from batchgen.api.config_file import parsed_text
+    from batchgen.api.options import options_of
+
+    assert options_of(EngineOptions, {"dtype": given}).dtype == expected
+    assert options_of(EngineOptions, {"dtype": torch.bfloat16}).dtype == "bfloat16"
+    if given is not None:
+        (dtype,) = [f for f in fields(EngineOptions) if f.name == "dtype"]
+        assert parsed_text(dtype, given) == expected
+
+
+def test_chat_template_kwargs_run_level_value() -> None:
+    """An object naming nothing asks for nothing (a review found ``{}`` recorded, so that a resume without the flag
+    was refused); a value that is no JSON value is refused where the option is read (it crashed the run's metadata
+    write); a row keeps its nulls, which take a run's argument away."""
+    import datetime
+
+    from batchgen.errors import FieldError
+    from batchgen.io.input_options import chat_template_kwargs, template_arguments
+
+    assert chat_template_kwargs({}) is None and chat_template_kwargs('{"a": null}') is None
+    assert chat_template_kwargs({"a": 1, "b": None}) == {"a": 1}
+    assert template_arguments({"a": None}) == {"a": None}
+    with pytest.raises(FieldError, match="must hold JSON values only"):
+        chat_template_kwargs({"day": datetime.date(2026, 12, 7)})
