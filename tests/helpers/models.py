@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
@@ -57,6 +57,21 @@ def build_tokenizer(out_dir: Path) -> PreTrainedTokenizerFast:
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="</s>")
     fast.save_pretrained(out_dir)
     return fast
+
+
+def byte_fallback_tokenizer() -> PreTrainedTokenizerFast:
+    """A SentencePiece-style BPE with byte fallback (as Llama 2's, Mistral's and stories260k's): ``▁`` for spaces,
+    the 256 bytes as ``<0xNN>`` tokens for characters it lacks (every non-ASCII one), and the decoder that writes a
+    run of byte tokens as UTF-8, or as U+FFFD where the run is not valid UTF-8."""
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"<0x{b:02X}>": 3 + b for b in range(256)}
+    for piece in "▁abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ:.,":
+        vocab.setdefault(piece, len(vocab))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
 
 
 ARCH_CONFIGS: dict[str, Callable[..., Any]] = {

@@ -9,7 +9,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from batchgen.loop.detokenizer import IncrementalDetokenizer, continuation_text, find_stop
-from tests.helpers.models import STORIES, build_tokenizer, needs_shared
+from tests.helpers.models import STORIES, build_tokenizer, byte_fallback_tokenizer, needs_shared
 
 
 def _full_continuation(tokenizer: object, prompt: list[int], output: list[int]) -> str:
@@ -59,16 +59,16 @@ def test_split_character_appears_whole() -> None:
     assert pieces == ["", "", "", "🙂"]
 
 
-@needs_shared
+@pytest.mark.parametrize("source", ["byte_fallback", pytest.param("stories260k", marks=needs_shared)])
 @pytest.mark.parametrize(("prompt", "output"), [("Look: 😀😀", "😃😃 ok"), ("好😀", "世界你好 and more")])
 def test_a_prompt_ending_in_a_run_of_byte_tokens_streams_the_text_the_full_decode_gives(
-    prompt: str, output: str
+    source: str, prompt: str, output: str
 ) -> None:
     """Found by a tester: with a prompt ending in more byte tokens than the window's context (two emoji on a
     byte-fallback tokenizer), the window began inside a character, the decoder wrote the run (the output's bytes
     too) as U+FFFD, and no stop string in that output was seen. Each token's streamed text now grows towards HF's
     full decode, ``decode(prompt + output) - decode(prompt)``, and ends at it."""
-    tokenizer = AutoTokenizer.from_pretrained(STORIES)
+    tokenizer = byte_fallback_tokenizer() if source == "byte_fallback" else AutoTokenizer.from_pretrained(STORIES)
     prompt_ids = tokenizer(prompt)["input_ids"]
     ids = tokenizer(prompt + output)["input_ids"]
     assert ids[: len(prompt_ids)] == prompt_ids and len(prompt_ids) > 7  # the prompt's last 6 are inside bytes
