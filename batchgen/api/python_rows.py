@@ -21,13 +21,7 @@ from batchgen.io.passthrough import KNOWN_FIELDS, PROMPT_FIELDS, passthrough_nam
 from batchgen.io.reader import InputRow
 from batchgen.io.rows import RowSpec, parse_row
 from batchgen.sampling.row_fields import make_sampling_params
-from batchgen.sampling.sampling_params import (
-    ARRAY_MODULES,
-    GRAMMAR_FIELDS,
-    SamplingParams,
-    python_value,
-    whole_number,
-)
+from batchgen.sampling.sampling_params import ARRAY_MODULES, SamplingParams, python_value, whole_number
 
 # The input's name in row errors: ``rows:3: field 'temperature': ...`` is the third row given (1-based, as a
 # file's lines are; its default id is its 0-based index, "2").
@@ -79,18 +73,11 @@ def check_row_fields(fields: Mapping[str, Any], vocab_size: int) -> None:
 
 
 def with_row_fields(items: Iterator[InputRow | RowError], fields: Mapping[str, Any]) -> Iterator[InputRow | RowError]:
-    """``items``, each row given the ``fields`` it does not set itself; a row with a constraint of its own
-    (``json_schema``, ``regex`` or ``ebnf``) takes none of the call's."""
+    """``items``, each row given the ``fields`` it does not set itself."""
     for item in items:
         if fields and isinstance(item, InputRow):
-            data = item.data
-            own_constraint = any(data.get(name) is not None for name in GRAMMAR_FIELDS)
-            added = {
-                name: value
-                for name, value in fields.items()
-                if data.get(name) is None and not (own_constraint and name in GRAMMAR_FIELDS)
-            }
-            item = replace(item, data={**data, **added})
+            added = {name: value for name, value in fields.items() if item.data.get(name) is None}
+            item = replace(item, data={**item.data, **added})
         yield item
 
 

@@ -6,7 +6,7 @@ from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any
 
-from batchgen.errors import FieldError, RowError
+from batchgen.errors import BatchgenError, FieldError, RowError
 from batchgen.io.rows import RowSpec
 from batchgen.job.continuation import split_continuation
 from batchgen.loop.detokenizer import IncrementalDetokenizer
@@ -33,6 +33,9 @@ class RequestBuilder:
         max_samples: the largest ``n`` a row may ask for (its samples decode together, one request row each).
         chat_template_kwargs: the chat template's arguments for every ``messages`` row (``--chat-template-kwargs``);
             a row's own ``chat_template_kwargs`` add to them and take precedence.
+
+    Raises:
+        BatchgenError: ``defaults`` hold a constraint that does not compile, or one for a model without a tokenizer.
     """
 
     def __init__(
@@ -55,6 +58,15 @@ class RequestBuilder:
         self.max_samples = max_samples
         self.chat_template_kwargs = chat_template_kwargs or {}
         self.grammars = GrammarCompiler(tokenizer, vocab_size)
+        if defaults.constraint is not None:  # compiled once here, so that a bad one is one error, not every row's
+            name, text = defaults.constraint
+            flag = f"--{name.replace('_', '-')}"
+            if tokenizer is None:
+                raise BatchgenError(f"{flag}: this model has no tokenizer, which a grammar needs")
+            try:
+                self.grammars.matcher(name, text, self.eos_token_ids)
+            except FieldError as e:
+                raise BatchgenError(f"{flag}: {e.message}") from None
 
     @classmethod
     def for_engine(

@@ -48,9 +48,9 @@ SAMPLING_FIELD_ALIASES: dict[str, str] = {
     "max_completion_tokens": "max_new_tokens",
     "min_tokens": "min_new_tokens",
 }
-# Sampling fields that are no run option (no flag: a schema, a pattern, token biases) but that a Python call may
-# still give every row, as SGLang's sampling_params dict does; not the seed, which Generator() takes for the run.
-ROW_FIELD_KEYWORDS = (*GRAMMAR_FIELDS, "logit_bias", "prompt_logprobs_from")
+# Sampling fields that are no run option (no flag: token biases, where prompt logprobs start) but that a Python call
+# may still give every row, as SGLang's sampling_params dict does; not the seed, which Generator() takes for the run.
+ROW_FIELD_KEYWORDS = ("logit_bias", "prompt_logprobs_from")
 
 
 def field_names(field: str) -> tuple[str, ...]:
@@ -152,6 +152,8 @@ def make_sampling_params(defaults: SamplingParams, overrides: dict[str, Any], vo
             raise FieldError(twice[1], f"give only one of {', '.join(names)} (found: {', '.join(twice)})")
     aliased = {SAMPLING_FIELD_ALIASES[name]: name for name in given if name in SAMPLING_FIELD_ALIASES}
     values = {f.name: getattr(defaults, f.name) for f in fields(defaults)}
+    if any(overrides.get(name) is not None for name in GRAMMAR_FIELDS):
+        values.update(dict.fromkeys(GRAMMAR_FIELDS))  # a row's own constraint replaces the run's
     try:
         for name, value in overrides.items():
             if value is None and name != "seed":

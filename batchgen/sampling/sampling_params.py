@@ -17,6 +17,18 @@ MAX_SAMPLES = 1024
 GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")
 
 
+def constraint_option(name: str, value: Any) -> str | None:
+    """``--json-schema``, ``--regex`` or ``--ebnf`` as a flag, a config file or a keyword gives it: checked as a
+    row's (:func:`batchgen.sampling.constraints.normalize_constraint`; a schema as an object or its JSON text).
+
+    Raises:
+        FieldError: as ``normalize_constraint``.
+    """
+    from batchgen.sampling.constraints import normalize_constraint  # which reads this module's python_value
+
+    return None if value is None else normalize_constraint(name, value)
+
+
 def prompt_logprobs_count(value: Any) -> int | None:
     """``prompt_logprobs`` as a row, a keyword, a config file or a flag gives it: ``true`` is 0 (the prompt's own
     logprobs, no other tokens), ``false`` and ``None`` are off (``None``), a count N (a float with no fraction too)
@@ -74,9 +86,31 @@ class SamplingParams:
     # (token id, bias) pairs; a tuple, not a dict, so the parameters stay hashable and immutable.
     logit_bias: tuple[tuple[int, float], ...] = ()
     # At most one constraint (see batchgen.sampling.grammar); a JSON schema is kept as JSON text.
-    json_schema: str | None = None
-    regex: str | None = None
-    ebnf: str | None = None
+    json_schema: str | None = field(
+        default=None,
+        metadata={
+            "help": "Default per row: a JSON schema the output follows (its JSON text; a row's own constraint "
+            "replaces it).",
+            "parse": lambda value: constraint_option("json_schema", value),
+            "metavar": "JSON",
+        },
+    )
+    regex: str | None = field(
+        default=None,
+        metadata={
+            "help": "Default per row: a regular expression (Python's dialect) the whole output matches.",
+            "parse": lambda value: constraint_option("regex", value),
+            "metavar": "PATTERN",
+        },
+    )
+    ebnf: str | None = field(
+        default=None,
+        metadata={
+            "help": "Default per row: an EBNF grammar (GBNF, root rule 'root') the output follows.",
+            "parse": lambda value: constraint_option("ebnf", value),
+            "metavar": "GRAMMAR",
+        },
+    )
     # None: off; N >= 0: report each prompt token's raw logprob (after the first) and the N most likely tokens.
     prompt_logprobs: int | None = field(
         default=None,

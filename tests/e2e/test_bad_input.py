@@ -619,6 +619,10 @@ FILE_LEVEL = [
     "unknown_flag",
     "flag_without_its_value",
     "another_engines_flag",
+    "hfs_do_sample",
+    "a_row_field_as_a_flag",
+    "hfs_stop_strings",
+    "beam_search",
 ]
 
 
@@ -665,8 +669,8 @@ _FLAG_CASES: dict[str, tuple[list[str], str, bool]] = {
         False,
     ),
     "a_row_field_as_a_flag": (
-        ["--json-schema", "{}"],
-        "No such option: --json-schema ('json_schema' is a row field: give it in each row) (see ",
+        ["--logit-bias", "{}"],
+        "No such option: --logit-bias ('logit_bias' is a row field: give it in each row) (see ",
         False,
     ),
     "hfs_stop_strings": (["--stop-strings", "x"], "No such option: --stop-strings (Possible options: --stop) (", False),

@@ -495,8 +495,8 @@ def test_unknown_option_is_a_type_error_and_a_bad_value_the_cli_message(
     # near spelling of itself (found by a review).
     with pytest.raises(TypeError, match=re.escape("'regex' ('regex' is an option of generate() and stream())")):
         batchgen.Generator(str(chat_model), regex="x")
-    with pytest.raises(TypeError, match=re.escape("'json_schema' ('json_schema' is a row field: give it in each row)")):
-        batchgen.run(tmp_path / "in.jsonl", tmp_path / "out.jsonl", json_schema={})
+    with pytest.raises(TypeError, match=re.escape("'logit_bias' ('logit_bias' is a row field: give it in each row)")):
+        batchgen.run(tmp_path / "in.jsonl", tmp_path / "out.jsonl", logit_bias={})
     with pytest.raises(TypeError, match=re.escape("'stop_strings' ('stop' is an option of generate() and stream())")):
         batchgen.Generator(str(chat_model), stop_strings=["x"])
     with pytest.raises(TypeError, match="run\\(\\) got an unexpected keyword argument 'bogus'"):

@@ -122,6 +122,46 @@ def test_regex_and_ebnf_rows(random_models: dict[str, Path], tmp_path: Path) -> 
     assert out["e"]["finish_reason"] == "stop" and out["e"]["text"] in {"yes", "no", "maybe so", "maybe not"}
 
 
+def test_run_level_constraint_flags_and_a_rows_own(random_models: dict[str, Path], tmp_path: Path) -> None:
+    """``--json-schema`` / ``--regex`` / ``--ebnf`` give every row the constraint (a data-generation run over plain
+    prompts; the CLI said "a row field" before, and Python calls had it per call); a row's own constraint of another
+    kind replaces the run's, as its other fields do. Checked with jsonschema and ``re.fullmatch``."""
+    rows = [{"id": f"j{seed}", "prompt": "Describe a person:", "seed": seed} for seed in range(8)]
+    rows.append({"id": "own", "prompt": "Code:", "regex": r"[a-c]{2,4}-\d{3}", "seed": 1})
+    config = tmp_path / "c.yaml"
+    config.write_text(json.dumps({"json-schema": PERSON}))  # a YAML mapping: the schema as an object
+    sampled = ("--temperature", "1.0", "--max-new-tokens", "80")
+    for given in (("--json-schema", json.dumps(PERSON)), ("--config", str(config))):
+        out = generate(
+            write_jsonl(tmp_path / "p.jsonl", rows), tmp_path / "o.arrow", random_models["qwen2"], *given, *sampled
+        )
+        own = out.pop("own")
+        assert own["finish_reason"] == "stop" and re.fullmatch(r"[a-c]{2,4}-\d{3}", own["text"]), own
+        assert _check_json_rows(out, PERSON) >= 4
+    ebnf = 'root ::= "yes" | "no"'
+    out = generate(
+        write_jsonl(tmp_path / "e.jsonl", rows[:3]), tmp_path / "e.arrow", random_models["llama"], "--ebnf", ebnf
+    )
+    assert {row["text"] for row in out.values()} <= {"yes", "no"}
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--regex", "("], "Invalid value for '--regex': does not compile as a Python regular expression"),
+        (["--json-schema", '{"type": "objectx"}'], "--json-schema: does not compile: Unsupported type"),
+        (["--regex", "a", "--ebnf", 'root ::= "a"'], "--ebnf: give only one of json_schema, regex, ebnf"),
+    ],
+)
+def test_a_bad_run_level_constraint_is_one_error_before_any_row(
+    flags: list[str], message: str, random_models: dict[str, Path], tmp_path: Path
+) -> None:
+    dataset = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "x"}, {"prompt": "y"}])
+    code, output = run_cli(run_args(dataset, tmp_path / "o.arrow", random_models["llama"], *flags))
+    lines = [line for line in output.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and message in lines[0], output
+
+
 @needs_shared
 def test_b11_emoji_regex_text_is_whole(tmp_path: Path) -> None:
     rows = [{"id": "emoji", "prompt": "Once upon a time", "regex": "🙂🙂 é", "max_new_tokens": 16, "temperature": 0}]

@@ -81,7 +81,7 @@ def _other_value(field: Field[Any], annotation: Any) -> Any:
     if annotation is float:
         return (default or 0.0) + 0.25
     assert annotation is str, (field.name, annotation)
-    return f"{default}-other"
+    return '{"type": "string"}' if field.name == "json_schema" else f"{default}-other"
 
 
 def _probe_app(built: dict[str, Any]) -> typer.Typer:
