@@ -15,7 +15,8 @@ from batchgen.sampling.sampling_params import python_value
 
 
 def normalize_constraint(name: str, value: Any) -> str:
-    """The constraint's source text; a JSON schema may be given as an object or as a JSON string.
+    """The constraint's source text; a JSON schema may be given as an object or as a JSON string, and is written
+    in ``json.dumps``' form either way.
 
     Raises:
         FieldError: wrong type, a schema string that is not JSON, a schema with a keyword xgrammar does not
@@ -36,7 +37,9 @@ def normalize_constraint(name: str, value: Any) -> str:
             except json.JSONDecodeError as e:
                 raise FieldError(name, f"is not valid JSON: {e.msg}") from None
             check_enforceable(schema)
-            return value
+            # Written as an object's is (its key order kept): one schema is one text, given as text or as an
+            # object (a flag's and a config file's --json-schema, which a resume compares).
+            return json.dumps(schema)
         raise FieldError(name, f"must be a JSON schema object or string, got {value!r}")
     if not isinstance(value, str) or not value:
         raise FieldError(name, f"must be a non-empty string, got {value!r}")

@@ -224,3 +224,14 @@ def test_chat_template_kwargs_run_level_value() -> None:
     assert template_arguments({"a": None}) == {"a": None}
     with pytest.raises(FieldError, match="must hold JSON values only"):
         chat_template_kwargs({"day": datetime.date(2026, 12, 7)})
+
+
+def test_a_schema_is_one_text_given_as_an_object_or_as_json_text() -> None:
+    """``--json-schema`` from a config file (an object) and from a flag (its JSON text, any whitespace) record one
+    text, which a resume compares; key order is kept (the order the model writes the properties in)."""
+    from batchgen.api.options import options_of
+
+    schema = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}
+    as_object = options_of(SamplingParams, {"json_schema": schema}).json_schema
+    as_text = options_of(SamplingParams, {"json_schema": json.dumps(schema, indent=2)}).json_schema
+    assert as_object == as_text == json.dumps(schema)
