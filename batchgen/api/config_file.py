@@ -18,6 +18,7 @@ from batchgen.api.options import OPTION_CLASSES, declared_options, near_name, op
 from batchgen.errors import BatchgenError, FieldError, shown_value
 from batchgen.io.input_options import apply_escapes
 from batchgen.sampling.row_fields import switch_hint
+from batchgen.sampling.sampling_params import GRAMMAR_FIELDS
 
 # The declared options' types by Python name.
 OPTION_HINTS = {f.name: get_type_hints(cls)[f.name] for cls in OPTION_CLASSES for f in declared_options(cls)}
@@ -125,14 +126,17 @@ def config_options(path: Path) -> dict[str, Any]:
 
 def with_config(config: str | os.PathLike[str] | None, given: dict[str, Any]) -> dict[str, Any]:
     """The options of the config file ``config`` (none without one, :func:`config_options`) with those ``given``
-    over them, as flags over a ``--config``; a value given as ``None`` counts as not given (a wrapper passing its
-    own unset arguments keeps the file's values).
+    over them, as flags over a ``--config`` (a constraint given, ``regex``, over the file's of any kind); a value
+    given as ``None`` counts as not given (a wrapper passing its own unset arguments keeps the file's values).
 
     Raises:
         BatchgenError: as :func:`config_options`.
     """
     from_file = config_options(Path(config)) if config is not None else {}
-    return from_file | {name: value for name, value in given.items() if value is not None}
+    given = {name: value for name, value in given.items() if value is not None}
+    if any(name in given for name in GRAMMAR_FIELDS):  # a constraint given replaces the file's of any kind
+        from_file = {name: value for name, value in from_file.items() if name not in GRAMMAR_FIELDS}
+    return from_file | given
 
 
 def parsed_text(option: Field[Any], value: Any) -> Any:

@@ -19,13 +19,16 @@ from typing import Any, get_args, get_origin, get_type_hints
 import typer
 from typer._click.core import Context  # the click typer vendors: its commands take this Context
 from typer._click.exceptions import UsageError
+from typer._click.globals import get_current_context
 from typer.core import TyperArgument, TyperCommand, TyperOption
 
 from batchgen.api.config_file import parsed_text
 from batchgen.api.options import OPTION_CLASSES, declared_options
 from batchgen.cli import release_startup_interrupts
+from batchgen.cli.user_errors import given
 from batchgen.errors import FieldError
 from batchgen.io.input_options import apply_escapes
+from batchgen.sampling.sampling_params import GRAMMAR_FIELDS
 
 
 def with_options(
@@ -60,6 +63,7 @@ def with_options(
         @functools.wraps(func)
         def command(**values: Any) -> None:
             release_startup_interrupts(still_starting=starts_until_its_handlers)
+            _flags_replace_the_configs_constraint(values)
             for name, (cls, names) in groups.items():
                 given = {n: values.pop(n) for n in names}
                 values[name] = cls(**{n: tuple(v) if isinstance(v, list) else v for n, v in given.items()})
@@ -70,6 +74,16 @@ def with_options(
         return command
 
     return decorate
+
+
+def _flags_replace_the_configs_constraint(values: dict[str, Any]) -> None:
+    """A constraint flag (``--regex``) replaces a ``--config`` file's constraint of another kind (its
+    ``json-schema``), as a flag replaces the file's value of its own option and a row's constraint the run's."""
+    ctx = get_current_context()
+    flagged = [name for name in GRAMMAR_FIELDS if name in values and given(ctx, name)]
+    for name in GRAMMAR_FIELDS if flagged else ():
+        if name not in flagged and name in values:
+            values[name] = None
 
 
 def _typer_parameter(field: Field[Any], annotation: Any, required: bool, hidden: bool) -> inspect.Parameter:

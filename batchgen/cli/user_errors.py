@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import typer
+from typer._click.core import Context  # the click typer vendors (typer's Context is one)
 from typer._click.exceptions import (  # the click typer vendors
     ClickException,
     NoArgsIsHelpError,
@@ -118,12 +119,12 @@ def _name_config_source(message: str, ctx: typer.Context) -> str:
     return message
 
 
-def given(ctx: typer.Context, name: str) -> bool:
+def given(ctx: Context, name: str) -> bool:
     """Whether the command's parameter ``name`` was given on the command line (not a default, nor a config's)."""
     return _source(ctx, name) == "COMMANDLINE"
 
 
-def _source(ctx: typer.Context, name: str) -> str:
+def _source(ctx: Context, name: str) -> str:
     """Where parameter ``name``'s value came from, by the name of click's ``ParameterSource`` (compared by name: it
     lives in the click that typer vendors, not a public module)."""
     return getattr(ctx.get_parameter_source(name), "name", "")

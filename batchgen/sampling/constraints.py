@@ -36,6 +36,8 @@ def normalize_constraint(name: str, value: Any) -> str:
                 schema = json.loads(value)
             except json.JSONDecodeError as e:
                 raise FieldError(name, f"is not valid JSON: {e.msg}") from None
+            if not isinstance(schema, dict):  # as given directly: a schema is an object (true would allow any JSON)
+                raise FieldError(name, f"must be a JSON schema object, got {value.strip()[:40]}")
             check_enforceable(schema)
             # Written as an object's is (its key order kept): one schema is one text, given as text or as an
             # object (a flag's and a config file's --json-schema, which a resume compares).

@@ -151,6 +151,7 @@ def test_run_level_constraint_flags_and_a_rows_own(random_models: dict[str, Path
         (["--regex", "("], "Invalid value for '--regex': does not compile as a Python regular expression"),
         (["--json-schema", '{"type": "objectx"}'], "--json-schema: does not compile: Unsupported type"),
         (["--regex", "a", "--ebnf", 'root ::= "a"'], "--ebnf: give only one of json_schema, regex, ebnf"),
+        (["--json-schema", "true"], "Invalid value for '--json-schema': must be a JSON schema object, got true"),
     ],
 )
 def test_a_bad_run_level_constraint_is_one_error_before_any_row(
@@ -160,6 +161,21 @@ def test_a_bad_run_level_constraint_is_one_error_before_any_row(
     code, output = run_cli(run_args(dataset, tmp_path / "o.arrow", random_models["llama"], *flags))
     lines = [line for line in output.splitlines() if line.strip()]
     assert code == 2 and len(lines) == 1 and message in lines[0], output
+
+
+def test_a_constraint_flag_replaces_a_config_files_other_kind(random_models: dict[str, Path], tmp_path: Path) -> None:
+    """Flags override a ``--config`` file: ``--regex`` over the file's ``json-schema`` (found by a review: both
+    were kept, and the run refused two constraints); in Python, ``run(config=..., regex=...)`` likewise."""
+    import batchgen
+
+    config = tmp_path / "c.yaml"
+    config.write_text(json.dumps({"json-schema": PERSON, "max-new-tokens": 12, "dtype": "float32"}))
+    dataset = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "prompt": "Code:", "seed": 2}])
+    out = generate(dataset, tmp_path / "o.arrow", random_models["llama"], "--config", str(config), "--regex", "[a-c]+")
+    assert re.fullmatch("[a-c]+", out["a"]["text"]), out["a"]
+    model = str(random_models["llama"])
+    batchgen.run(dataset, tmp_path / "p.arrow", config=config, regex="[a-c]+", model=model, progress=False)
+    assert read_rows(tmp_path / "p.arrow")["a"]["text"] == out["a"]["text"]
 
 
 @needs_shared
