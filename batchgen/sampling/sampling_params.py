@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +29,12 @@ def constraint_option(name: str, value: Any) -> str | None:
     from batchgen.sampling.constraints import normalize_constraint  # which reads this module's python_value
 
     return None if value is None else normalize_constraint(name, value)
+
+
+def _constraint_field(name: str, metavar: str, what: str) -> Any:
+    """The declaration of constraint option ``name``: no constraint by default, read by :func:`constraint_option`."""
+    parse: Callable[[Any], str | None] = functools.partial(constraint_option, name)
+    return field(default=None, metadata={"help": f"Default per row: {what}.", "parse": parse, "metavar": metavar})
 
 
 def prompt_logprobs_count(value: Any) -> int | None:
@@ -86,31 +94,11 @@ class SamplingParams:
     # (token id, bias) pairs; a tuple, not a dict, so the parameters stay hashable and immutable.
     logit_bias: tuple[tuple[int, float], ...] = ()
     # At most one constraint (see batchgen.sampling.grammar); a JSON schema is kept as JSON text.
-    json_schema: str | None = field(
-        default=None,
-        metadata={
-            "help": "Default per row: a JSON schema the output follows (its JSON text; a row's own constraint "
-            "replaces it).",
-            "parse": lambda value: constraint_option("json_schema", value),
-            "metavar": "JSON",
-        },
+    json_schema: str | None = _constraint_field(
+        "json_schema", "JSON", "a JSON schema the output follows (its JSON text; a row's own constraint replaces it)"
     )
-    regex: str | None = field(
-        default=None,
-        metadata={
-            "help": "Default per row: a regular expression (Python's dialect) the whole output matches.",
-            "parse": lambda value: constraint_option("regex", value),
-            "metavar": "PATTERN",
-        },
-    )
-    ebnf: str | None = field(
-        default=None,
-        metadata={
-            "help": "Default per row: an EBNF grammar (GBNF, root rule 'root') the output follows.",
-            "parse": lambda value: constraint_option("ebnf", value),
-            "metavar": "GRAMMAR",
-        },
-    )
+    regex: str | None = _constraint_field("regex", "PATTERN", "a regular expression (Python's) the output matches")
+    ebnf: str | None = _constraint_field("ebnf", "GRAMMAR", "an EBNF grammar (GBNF, root rule 'root') it follows")
     # None: off; N >= 0: report each prompt token's raw logprob (after the first) and the N most likely tokens.
     prompt_logprobs: int | None = field(
         default=None,
