@@ -14,8 +14,9 @@ from typing import Any, get_args, get_origin, get_type_hints
 
 import yaml
 
-from batchgen.api.options import OPTION_CLASSES, declared_options, near_name, options_of, type_problem
+from batchgen.api.options import OPTION_CLASSES, declared_options, near_name, option_meant, options_of, type_problem
 from batchgen.errors import BatchgenError, FieldError, shown_value
+from batchgen.io.field_warnings import sampling_name_hint
 from batchgen.io.input_options import apply_escapes
 from batchgen.sampling.row_fields import switch_hint
 from batchgen.sampling.sampling_params import GRAMMAR_FIELDS
@@ -47,8 +48,10 @@ def read_config(path: Path, known: set[str]) -> dict[str, Any]:
     for key, item in data.items():
         name = str(key).replace("-", "_")
         if name not in known or name == "config":
-            near = near_name(name, known - {"config"})
-            hint = f" (did you mean '{near.replace('_', '-')}'?)" if near else ""
+            # Another engine's sampling name says more than a near spelling (HF's stop_strings is 'stop').
+            meant, note = sampling_name_hint(name) if option_meant(name) is None else (None, None)
+            near = meant if meant in known else near_name(name, known - {"config"})
+            hint = f" (did you mean '{near.replace('_', '-')}'?)" if near else f" ({note})" if note else ""
             raise BatchgenError(f"{path}: unknown option '{key}'{hint}")
         defaults[name] = item
     return defaults

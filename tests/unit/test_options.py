@@ -5,6 +5,7 @@ values reach the built objects. Walks the declarations, so an option added there
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import Field, fields
 from pathlib import Path
 from types import NoneType, UnionType
@@ -235,3 +236,24 @@ def test_a_schema_is_one_text_given_as_an_object_or_as_json_text() -> None:
     as_object = options_of(SamplingParams, {"json_schema": schema}).json_schema
     as_text = options_of(SamplingParams, {"json_schema": json.dumps(schema, indent=2)}).json_schema
     assert as_object == as_text == json.dumps(schema)
+
+
+@pytest.mark.parametrize(
+    ("key", "hint"),
+    [
+        ("guided_json", "did you mean 'json-schema'?"),
+        ("stop-strings", "did you mean 'stop'?"),
+        ("num_beams", "batchgen has no such option"),
+        ("max_model_len", "did you mean 'context-length'?"),
+    ],
+)
+def test_a_config_file_key_of_another_engine_is_named_as_a_keyword_is(key: str, hint: str, tmp_path: Path) -> None:
+    """Found by a review: a config file's ``guided_json`` got no hint and ``stop-strings`` was pointed at
+    ``stop-token-ids``, where a flag or a keyword of that name is pointed at batchgen's own."""
+    from batchgen.api.config_file import OPTION_HINTS, read_config
+    from batchgen.errors import BatchgenError
+
+    config = tmp_path / "c.yaml"
+    config.write_text(f"{key}: 1\n")
+    with pytest.raises(BatchgenError, match=re.escape(f"{config}: unknown option '{key}' ({hint})") + "$"):
+        read_config(config, set(OPTION_HINTS))
