@@ -8,15 +8,15 @@ same run from either.
 from __future__ import annotations
 
 import os
+from collections.abc import Collection
 from dataclasses import Field
 from pathlib import Path
 from typing import Any, get_args, get_origin, get_type_hints
 
 import yaml
 
-from batchgen.api.options import OPTION_CLASSES, declared_options, near_name, option_meant, options_of, type_problem
+from batchgen.api.options import OPTION_CLASSES, declared_options, name_meant, near_name, options_of, type_problem
 from batchgen.errors import BatchgenError, FieldError, shown_value
-from batchgen.io.field_warnings import sampling_name_hint
 from batchgen.io.input_options import apply_escapes
 from batchgen.sampling.row_fields import switch_hint
 from batchgen.sampling.sampling_params import GRAMMAR_FIELDS
@@ -49,7 +49,7 @@ def read_config(path: Path, known: set[str]) -> dict[str, Any]:
         name = str(key).replace("-", "_")
         if name not in known or name == "config":
             # Another engine's sampling name says more than a near spelling (HF's stop_strings is 'stop').
-            meant, note = sampling_name_hint(name) if option_meant(name) is None else (None, None)
+            meant, note = name_meant(name)
             near = meant if meant in known else near_name(name, known - {"config"})
             hint = f" (did you mean '{near.replace('_', '-')}'?)" if near else f" ({note})" if note else ""
             raise BatchgenError(f"{path}: unknown option '{key}'{hint}")
@@ -137,9 +137,14 @@ def with_config(config: str | os.PathLike[str] | None, given: dict[str, Any]) ->
     """
     from_file = config_options(Path(config)) if config is not None else {}
     given = {name: value for name, value in given.items() if value is not None}
-    if any(name in given for name in GRAMMAR_FIELDS):  # a constraint given replaces the file's of any kind
-        from_file = {name: value for name, value in from_file.items() if name not in GRAMMAR_FIELDS}
-    return from_file | given
+    replaced = constraints_replaced(given)
+    return {name: value for name, value in from_file.items() if name not in replaced} | given
+
+
+def constraints_replaced(given: Collection[str]) -> tuple[str, ...]:
+    """The constraint options of a ``--config`` file that options ``given`` over it replace: every other kind, where
+    one is given (``regex`` over the file's ``json-schema``), as a row's constraint replaces the run's."""
+    return tuple(name for name in GRAMMAR_FIELDS if name not in given) if set(given) & set(GRAMMAR_FIELDS) else ()
 
 
 def parsed_text(option: Field[Any], value: Any) -> Any:

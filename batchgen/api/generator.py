@@ -250,19 +250,19 @@ class Generator:
         check_option_names(sampling, (SamplingParams, InputOptions), caller, also=ROW_FIELD_KEYWORDS)
         row_fields = {name: sampling.pop(name) for name in ROW_FIELD_KEYWORDS if name in sampling}
         row_fields = {name: value for name, value in row_fields.items() if value is not None}
-        check_row_fields(row_fields, self.engine.facts().vocab_size)
+        facts = self.engine.facts()
+        check_row_fields(row_fields, facts.vocab_size)
         columns = options_of(InputOptions, sampling)
         columns.validate()
         JobOptions(on_error=on_error).validate()
         defaults = options_of(SamplingParams, sampling)
-        check_sampling_defaults(defaults, self.engine.facts())
+        check_sampling_defaults(defaults, facts)
         self._check_no_stream_open()
-        engine = self.engine
         seed = self.options.seed if self.options.seed is not None else secrets.randbits(63)
-        builder = RequestBuilder.for_engine(engine.facts(), defaults, seed, columns.chat_template_kwargs)
+        builder = RequestBuilder.for_engine(facts, defaults, seed, columns.chat_template_kwargs)
         checks = RowChecks(SOURCE, parse_python_row, python_passthrough)
         return (
-            RowFlow(engine, builder, self.lookahead),
+            RowFlow(self.engine, builder, self.lookahead),
             checks,
             lambda rows: with_row_fields(input_rows(rows, columns), row_fields),
         )

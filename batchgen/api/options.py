@@ -54,7 +54,7 @@ def check_option_names(
         return
     # Another engine's name says more than a near spelling (HF's stop_strings is 'stop', not 'stop_token_ids'; its
     # do_sample is a temperature).
-    field, note = (option_meant(unknown), None) if option_meant(unknown) else sampling_name_hint(unknown)
+    field, note = name_meant(unknown)
     meant = field or unknown
     if meant in known:
         said: str | None = f"did you mean '{meant}'?"
@@ -96,6 +96,14 @@ def option_meant(name: str) -> str | None:
     """The option that ``name`` stands for as a row field's alias (vLLM's ``max_tokens``) or another engine's name
     (:data:`FOREIGN_OPTION_NAMES`), or ``None``."""
     return SAMPLING_FIELD_ALIASES.get(name) or FOREIGN_OPTION_NAMES.get(name)
+
+
+def name_meant(name: str) -> tuple[str | None, str | None]:
+    """What ``name``, no option or field of batchgen's, stands for: ``(option, None)`` for a row field's alias or
+    another engine's option name (:func:`option_meant`), else :func:`~batchgen.io.field_warnings.sampling_name_hint`'s
+    ``(field, None)``, ``(None, note)`` or ``(None, None)``; one reading for Python keywords, flags and config keys."""
+    meant = option_meant(name)
+    return (meant, None) if meant is not None else sampling_name_hint(name)
 
 
 def near_name(name: str, known: Collection[str]) -> str | None:

@@ -22,7 +22,7 @@ from typer._click.exceptions import UsageError
 from typer._click.globals import get_current_context
 from typer.core import TyperArgument, TyperCommand, TyperOption
 
-from batchgen.api.config_file import parsed_text
+from batchgen.api.config_file import constraints_replaced, parsed_text
 from batchgen.api.options import OPTION_CLASSES, declared_options
 from batchgen.cli import release_startup_interrupts
 from batchgen.cli.user_errors import given
@@ -81,8 +81,8 @@ def _flags_replace_the_configs_constraint(values: dict[str, Any]) -> None:
     ``json-schema``), as a flag replaces the file's value of its own option and a row's constraint the run's."""
     ctx = get_current_context()
     flagged = [name for name in GRAMMAR_FIELDS if name in values and given(ctx, name)]
-    for name in GRAMMAR_FIELDS if flagged else ():
-        if name not in flagged and name in values:
+    for name in constraints_replaced(flagged):
+        if name in values:
             values[name] = None
 
 

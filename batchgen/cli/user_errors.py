@@ -20,9 +20,9 @@ from typer._click.exceptions import (  # the click typer vendors
 from typer.core import TyperGroup
 from typer.exceptions import Abort
 
-from batchgen.api.options import option_meant
+from batchgen.api.options import name_meant
 from batchgen.errors import BatchgenError
-from batchgen.io.field_warnings import NO_SUCH_OPTION, sampling_name_hint
+from batchgen.io.field_warnings import NO_SUCH_OPTION
 from batchgen.sampling.row_fields import ROW_FIELD_KEYWORDS
 
 
@@ -73,9 +73,7 @@ def _hint_meant_option(error: NoSuchOption) -> None:
     if error.ctx is None:
         return
     name = error.option_name.lstrip("-").replace("-", "_")
-    meant, note = option_meant(name), None
-    if meant is None:
-        meant, note = sampling_name_hint(name)
+    meant, note = name_meant(name)
     if meant is not None:
         flag = f"--{meant.replace('_', '-')}"
         if any(flag in param.opts for param in error.ctx.command.params):

@@ -40,7 +40,7 @@ def other_backends_args(pretrained: str, options: dict[str, Any]) -> None:
             parallelism key above 1.
     """
     for name in _LEFT_ASIDE:
-        if name in options and options.pop(name) not in (None, False, "main"):
+        if name in options and options.pop(name) not in (None, False):
             logger.warning("--model_args %s: not used by batchgen (the model's own files and kernels)", name)
     revision = options.pop("revision", None)
     if revision not in (None, "main"):
