@@ -14,7 +14,7 @@ from collections.abc import Generator as PyGenerator
 from typing import Any
 
 from batchgen.api.checks import check_sampling_defaults
-from batchgen.api.options import check_option_names, options_of
+from batchgen.api.options import check_option_names, options_of, run_sampling_defaults
 from batchgen.api.python_rows import (
     SOURCE,
     call_sampling,
@@ -255,7 +255,7 @@ class Generator:
         columns = options_of(InputOptions, sampling)
         columns.validate()
         JobOptions(on_error=on_error).validate()
-        defaults = options_of(SamplingParams, sampling)
+        defaults = run_sampling_defaults(sampling)
         check_sampling_defaults(defaults, facts)
         self._check_no_stream_open()
         seed = self.options.seed if self.options.seed is not None else secrets.randbits(63)

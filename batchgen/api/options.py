@@ -19,7 +19,7 @@ from batchgen.io.input_options import InputOptions
 from batchgen.job.options import JobOptions
 from batchgen.loop.options import EngineOptions
 from batchgen.sampling.row_fields import ROW_FIELD_KEYWORDS, SAMPLING_FIELD_ALIASES, switch_hint
-from batchgen.sampling.sampling_params import SamplingParams, python_value
+from batchgen.sampling.sampling_params import MODEL_SAMPLING_FIELDS, SamplingParams, python_value
 
 OPTION_CLASSES: tuple[type, ...] = (EngineOptions, SamplingParams, JobOptions, InputOptions)
 
@@ -89,6 +89,7 @@ FOREIGN_OPTION_NAMES: dict[str, str] = {
     "enable_deterministic_inference": "deterministic",
     "model_path": "model",
     "random_seed": "seed",
+    "sampling_defaults": "generation_config",
 }
 
 
@@ -143,6 +144,18 @@ def options_of(cls: type[T], given: Mapping[str, Any], **fixed: Any) -> T:
             else:
                 values[f.name] = _checked(f.name, python_value(value), hints[f.name])
     return cls(**values)
+
+
+def run_sampling_defaults(given: Mapping[str, Any]) -> SamplingParams:
+    """A run's sampling defaults from the options ``given`` by Python name (:func:`options_of`), with the fields of
+    :data:`~batchgen.sampling.sampling_params.MODEL_SAMPLING_FIELDS` that are not given (absent or ``None``) left to
+    the model's generation_config.json (``left_to_model``).
+
+    Raises:
+        BatchgenError: as :func:`options_of`.
+    """
+    left = tuple(name for name in MODEL_SAMPLING_FIELDS if given.get(name) is None)
+    return options_of(SamplingParams, given, left_to_model=left)
 
 
 def _parsed(f: Field[Any], value: Any) -> Any:

@@ -14,7 +14,7 @@ import torch
 
 from batchgen.api.checks import check_run_options, check_sampling_defaults
 from batchgen.api.config_file import with_config
-from batchgen.api.options import OPTION_CLASSES, check_option_names, options_of
+from batchgen.api.options import OPTION_CLASSES, check_option_names, options_of, run_sampling_defaults
 from batchgen.environment import thread_count_chosen
 from batchgen.errors import counted
 from batchgen.io.input_options import InputOptions
@@ -90,7 +90,7 @@ def run(
         raise TypeError(f"run() needs {'dataset' if dataset is None else 'out'}, as an argument or a config file's key")
     job_options = options_of(JobOptions, options)
     handlers = {sig: signal.getsignal(sig) for sig in HANDLED_SIGNALS}
-    engine_options, defaults = options_of(EngineOptions, options), options_of(SamplingParams, options)
+    engine_options, defaults = options_of(EngineOptions, options), run_sampling_defaults(options)
     input_options = options_of(InputOptions, options)
     summary = run_dataset(Path(dataset), Path(out), engine_options, defaults, job_options, input_options)
     if summary is None:

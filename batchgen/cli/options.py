@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Collection
-from dataclasses import MISSING, Field
+from dataclasses import MISSING, Field, replace
 from typing import Any, get_args, get_origin, get_type_hints
 
 import typer
@@ -28,7 +28,7 @@ from batchgen.cli import release_startup_interrupts
 from batchgen.cli.user_errors import given
 from batchgen.errors import FieldError
 from batchgen.io.input_options import apply_escapes
-from batchgen.sampling.sampling_params import GRAMMAR_FIELDS
+from batchgen.sampling.sampling_params import GRAMMAR_FIELDS, MODEL_SAMPLING_FIELDS, SamplingParams
 
 
 def with_options(
@@ -67,6 +67,8 @@ def with_options(
             for name, (cls, names) in groups.items():
                 given = {n: values.pop(n) for n in names}
                 values[name] = cls(**{n: tuple(v) if isinstance(v, list) else v for n, v in given.items()})
+                if cls is SamplingParams:
+                    values[name] = replace(values[name], left_to_model=_left_to_model(given))
             func(**values)
 
         command.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]
@@ -84,6 +86,17 @@ def _flags_replace_the_configs_constraint(values: dict[str, Any]) -> None:
     for name in constraints_replaced(flagged):
         if name in values:
             values[name] = None
+
+
+def _left_to_model(values: dict[str, Any]) -> tuple[str, ...]:
+    """The run defaults among ``values`` (the sampling flags' values) that the model's generation_config.json may
+    set: those of :data:`MODEL_SAMPLING_FIELDS` that neither a flag nor a ``--config`` key gave a value."""
+    ctx = get_current_context()
+    return tuple(
+        name
+        for name in MODEL_SAMPLING_FIELDS
+        if name in values and (values[name] is None or not given(ctx, name, config_too=True))
+    )
 
 
 def _typer_parameter(field: Field[Any], annotation: Any, required: bool, hidden: bool) -> inspect.Parameter:

@@ -117,9 +117,10 @@ def _name_config_source(message: str, ctx: typer.Context) -> str:
     return message
 
 
-def given(ctx: Context, name: str) -> bool:
-    """Whether the command's parameter ``name`` was given on the command line (not a default, nor a config's)."""
-    return _source(ctx, name) == "COMMANDLINE"
+def given(ctx: Context, name: str, config_too: bool = False) -> bool:
+    """Whether the command's parameter ``name`` was given on the command line (not a default, nor a config's), or
+    with ``config_too`` there or in the ``--config`` file."""
+    return _source(ctx, name) in (("COMMANDLINE", "DEFAULT_MAP") if config_too else ("COMMANDLINE",))
 
 
 def _source(ctx: Context, name: str) -> str:

@@ -90,6 +90,8 @@ class BatchgenLM(TemplateLM):
         model_args.other_backends_args(pretrained, options)
         self.chat_template_args = model_args.chat_template_args(options)
         options.setdefault("seed", model_args.DEFAULT_SEED)
+        # lm-eval's vLLM backend hands vLLM whole SamplingParams, to which no generation_config.json adds defaults.
+        options.setdefault("generation_config", "none")
         if device is not None and (device.startswith("cpu") or torch.cuda.is_available()):
             options["device"] = device
         elif device is not None:

@@ -76,14 +76,29 @@ class RequestBuilder:
         run_seed: int,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> RequestBuilder:
-        """A builder for the engine ``facts`` describes: its tokenizer, vocabulary, context length and EOS ids, and
-        ``n`` up to its ``max_running_requests``."""
+        """A builder for the engine ``facts`` describes: its tokenizer, vocabulary, context length and EOS ids, ``n``
+        up to its ``max_running_requests``, and the run ``defaults`` with the sampling defaults it read from a
+        generation_config.json for those no option set (:meth:`SamplingParams.with_model_defaults`).
+
+        Raises:
+            BatchgenError: those defaults together break a rule (``--min-new-tokens`` above the file's
+                ``max_new_tokens``), or as the constructor.
+        """
+        resolved = defaults.with_model_defaults(facts.sampling_defaults)
+        try:
+            resolved.validate(facts.vocab_size)
+        except FieldError as e:
+            taken = ", ".join(f"{name} {value}" for name, value in facts.sampling_defaults.items())
+            raise BatchgenError(
+                f"--{e.field.replace('_', '-')}: {e.message}, with the generation_config.json's defaults ({taken}; "
+                "--generation-config none leaves them aside)"
+            ) from None
         return cls(
             facts.tokenizer,
             facts.vocab_size,
             facts.context_len,
             facts.eos_token_ids,
-            defaults,
+            resolved,
             run_seed,
             max_samples=facts.max_running_requests,
             chat_template_kwargs=chat_template_kwargs,

@@ -18,6 +18,7 @@ from batchgen.io.fingerprint import DatasetFingerprint, fingerprint_dataset
 from batchgen.io.finished_output import finished_batches
 from batchgen.io.input_options import INPUT_OPTIONS_KEY, InputOptions, apply_escapes
 from batchgen.loop.engine import EngineFacts, dtype_name
+from batchgen.loop.generation_config import config_folder, model_sampling_defaults
 from batchgen.loop.options import EngineOptions, pick_device
 from batchgen.sampling.sampling_params import SamplingParams
 
@@ -26,15 +27,18 @@ DATASET_KEY = "batchgen.dataset"
 RUN_SEED_KEY = "batchgen.run_seed"
 # Engine options that change what a row's output is; the others (batch sizes, memory) only change speed.
 _OUTPUT_ENGINE_OPTIONS = ("seed", "context_length")
+# The sampling defaults a generation_config.json gave the run (``--generation-config``), by field.
+MODEL_SAMPLING_KEY = "batchgen.model_sampling_defaults"
 # Entries the loaded engine records: before the model is loaded, the recorded ones stand in for what only the model
 # decides (its directory, a resolved ``--dtype auto``, the default of ``--deterministic``, the context length that
-# ``--context-length`` defaults to).
+# ``--context-length`` defaults to); the sampling defaults of its generation_config.json are read again.
 _MODEL_FACTS = (
     "batchgen.model_dir",
     "batchgen.dtype",
     "batchgen.kernel_switches",
     "batchgen.deterministic",
     "batchgen.model_context_length",
+    MODEL_SAMPLING_KEY,
 )
 
 
@@ -48,6 +52,7 @@ def run_metadata(
         "batchgen.kernel_switches": json.dumps(facts.kernel_switches),
         "batchgen.deterministic": str(facts.deterministic).lower(),
         "batchgen.model_context_length": str(facts.model_context_len),
+        MODEL_SAMPLING_KEY: json.dumps(facts.sampling_defaults),
     }
     return {"batchgen.version": __version__} | _settings(options, defaults, input_options, model_facts)
 
@@ -87,6 +92,11 @@ def settings_differences(
         model_facts["batchgen.dtype"] = options.dtype
     if options.deterministic is not None:
         model_facts["batchgen.deterministic"] = str(options.deterministic).lower()
+    recorded_dir = Path(recorded.get("batchgen.model_dir", "None"))
+    model_dir = recorded_dir if recorded_dir.is_dir() else None  # a random: model's "None" is no directory
+    if model_dir is not None or options.generation_config != "auto":  # else the recorded values stand in
+        folder = config_folder(options.generation_config, model_dir)
+        model_facts[MODEL_SAMPLING_KEY] = json.dumps(model_sampling_defaults(folder))
     same_dataset = {DATASET_KEY: fingerprint_dataset(dataset).to_json()}
     now = _settings(options, defaults, input_options, model_facts)
     return job_differences(recorded | same_dataset, now | same_dataset)
@@ -140,10 +150,17 @@ def _settings(
         **{key: model_facts[key] for key in _MODEL_FACTS[:3] if key in model_facts},
         "batchgen.logprobs_mode": options.logprobs_mode,
         **{key: model_facts[key] for key in _MODEL_FACTS[3:] if key in model_facts},
-        "batchgen.sampling_defaults": json.dumps(asdict(defaults)),
+        "batchgen.sampling_defaults": json.dumps(_rows_defaults(defaults, model_facts)),
         "batchgen.engine_options": json.dumps(asdict(options)),
         INPUT_OPTIONS_KEY: json.dumps(asdict(input_options)),
     }
+
+
+def _rows_defaults(defaults: SamplingParams, model_facts: dict[str, str]) -> dict[str, object]:
+    """What the rows default to: ``defaults`` with the sampling defaults ``model_facts`` record for those no option
+    set (:meth:`SamplingParams.with_model_defaults`; none recorded by a batchgen before them), as a JSON object."""
+    resolved = defaults.with_model_defaults(json.loads(model_facts.get(MODEL_SAMPLING_KEY, "{}")))
+    return {name: value for name, value in asdict(resolved).items() if name != "left_to_model"}
 
 
 def job_differences(recorded: dict[str, str], now: dict[str, str]) -> list[str]:

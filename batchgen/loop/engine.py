@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import GenerationConfig
 
 from batchgen.environment import kernel_switches
 from batchgen.kernels.attention import deterministic_by_default
@@ -19,6 +18,7 @@ from batchgen.kernels.switches import KernelSwitches
 from batchgen.loop.cpu_malloc import keep_freed_memory
 from batchgen.loop.drafter import Drafter
 from batchgen.loop.forward_batch import ForwardBatch
+from batchgen.loop.generation_config import config_folder, eos_token_ids, model_sampling_defaults
 from batchgen.loop.kv_cache import KVCache
 from batchgen.loop.kv_pool import KVSlotAllocator, TokenToKVPool
 from batchgen.loop.model_runner import ModelRunner
@@ -81,6 +81,9 @@ class EngineFacts:
         model_context_len: the most the model itself holds (what ``--context-length`` defaults to).
         max_running_requests: the most requests decoding together.
         eos_token_ids: the ids that end a row.
+        sampling_defaults: the sampling defaults ``--generation-config`` reads (the ``temperature``, ``top_p``... a
+            model's generation_config.json recommends: ``batchgen.loop.generation_config.model_sampling_defaults``),
+            for the run defaults that no flag sets (:meth:`SamplingParams.with_model_defaults`).
     """
 
     model_dir: Path | None
@@ -93,6 +96,7 @@ class EngineFacts:
     model_context_len: int
     max_running_requests: int
     eos_token_ids: list[int]
+    sampling_defaults: dict[str, Any]
 
 
 def pick_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtype:
@@ -117,21 +121,6 @@ def _available_memory(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
     return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-
-
-def eos_token_ids(model_dir: Path | None, hf_config: Any) -> list[int]:
-    """EOS ids as ``generate`` uses them: generation_config.json's (int or list), else config.json's."""
-    eos = None
-    if model_dir is not None:
-        try:
-            eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
-        except OSError:
-            eos = None
-    if eos is None:
-        eos = getattr(hf_config, "eos_token_id", None)
-    if eos is None:
-        return []
-    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
 
 
 class Engine:
@@ -164,6 +153,7 @@ class Engine:
         self.tokenizer: Any = source.tokenizer
         self.hf_config = source.hf_config
         self.eos_token_ids = eos_token_ids(self.model_dir, self.hf_config)
+        self.sampling_defaults = model_sampling_defaults(config_folder(options.generation_config, self.model_dir))
         self.device = pick_device(options.device)
         self.dtype = pick_dtype(options.dtype, self.hf_config, self.device)
         self.deterministic = (
@@ -240,6 +230,7 @@ class Engine:
             context_limit(self.hf_config, None)[0],
             self.max_running_requests,
             self.eos_token_ids,
+            self.sampling_defaults,
         )
 
     def add(self, req: Req) -> None:

@@ -8,6 +8,7 @@ the declarations into the commands' flags and ``--config`` keys.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,6 +23,9 @@ _DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 SPECULATIVE_ALGORITHMS = ("ngram", "draft")
 SPECULATIVE_ACCEPTANCES = ("rejection", "coupled")
 LOGPROBS_MODES = ("raw", "processed")
+# --generation-config's words; any other value is a directory holding this file.
+GENERATION_CONFIG_WORDS = ("auto", "none")
+GENERATION_CONFIG_FILE = "generation_config.json"
 
 
 def dtype_option(value: Any) -> str:
@@ -169,6 +173,15 @@ class EngineOptions:
             "bias, penalties, temperature and truncation)."
         },
     )
+    generation_config: str = field(
+        default="auto",
+        metadata={
+            "help": "Where the sampling defaults that no flag, config key or keyword sets come from: auto: the "
+            "model's generation_config.json (its temperature, top_p, top_k, min_p, repetition_penalty and "
+            "max_new_tokens, as vLLM and SGLang take them); none: batchgen's own; or a directory holding a "
+            "generation_config.json. A row's own fields still win.",
+        },
+    )
 
     def validate(self, here: bool = True) -> None:
         """Every rule of these options that needs no model; with ``here``, the device's too (that it exists on this
@@ -204,6 +217,20 @@ class EngineOptions:
             deterministic_backend(self.attention_backend, pick_device(self.device))
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             raise BatchgenError(f"--cuda-graph-max-bs must be >= 1, got {self.cuda_graph_max_bs}")
+        if here:
+            self._validate_generation_config()
+
+    def _validate_generation_config(self) -> None:
+        """``--generation-config``: one of its words, or a directory (on this machine) holding the file."""
+        value = self.generation_config
+        if value in GENERATION_CONFIG_WORDS or (Path(value) / GENERATION_CONFIG_FILE).is_file():
+            return
+        problem = f"holds no {GENERATION_CONFIG_FILE}" if Path(value).is_dir() else "is no directory"
+        meant = " (vLLM's 'vllm', its own defaults, is batchgen's 'none')" if value == "vllm" else ""
+        raise BatchgenError(
+            f"--generation-config must be auto, none or a directory holding a {GENERATION_CONFIG_FILE}; "
+            f"'{value}' {problem}{meant}"
+        )
 
     def _validate_speculative(self) -> None:
         """The speculative options' rules: a known algorithm and acceptance rule, at least 1 draft token, a

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +18,9 @@ MAX_SAMPLES = 1024
 
 # The fields of a row's structured-output constraint, at most one of which a row gives.
 GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")
+# The run defaults a model's generation_config.json may set (batchgen.loop.generation_config): those vLLM's
+# ModelConfig.get_diff_sampling_param takes from it (its max_new_tokens is batchgen's own name).
+MODEL_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
 
 
 def constraint_option(name: str, value: Any) -> str | None:
@@ -114,6 +118,17 @@ class SamplingParams:
     prompt_logprobs_from: int | None = None
     # Independent samples of the prompt: they share its prefill and prompt KV, each decodes on its own.
     n: int = field(default=1, metadata={"help": "Default per row: samples per prompt (one row each).", "flag": "--n"})
+    # Run defaults only: the fields of MODEL_SAMPLING_FIELDS that no flag, config key or keyword set, which the
+    # model's generation_config.json then sets (with_model_defaults); a row's parameters have none.
+    left_to_model: tuple[str, ...] = ()
+
+    def with_model_defaults(self, model: Mapping[str, Any]) -> SamplingParams:
+        """These run defaults with the fields of :attr:`left_to_model` that ``model`` gives (the model's recommended
+        values, :func:`batchgen.loop.generation_config.model_sampling_defaults`) set to its values, and none left:
+        what the rows default to. A flag wins over the model, and a row's field over both, as in vLLM's
+        ``--generation-config auto``."""
+        taken = {name: model[name] for name in self.left_to_model if name in model}
+        return dataclasses.replace(self, **taken, left_to_model=())
 
     @property
     def constraint(self) -> tuple[str, str] | None:

@@ -76,6 +76,7 @@ RUN_FLAGS = {
     "--top-logprobs",
     "--seed",
     "--logprobs-mode",
+    "--generation-config",
     "--json-schema",
     "--regex",
     "--ebnf",

@@ -1,0 +1,79 @@
+"""What a model's ``generation_config.json`` tells a run: the ids that end a row, and the sampling defaults its
+creator recommends (``--generation-config``).
+
+vLLM (``--generation-config auto``, its default) and SGLang (``--sampling-defaults model``, its default) both take
+the recommended values as the defaults of requests that do not set them; HF ``generate`` does the same. So a
+Llama 3 Instruct model (``temperature`` 0.6, ``top_p`` 0.9) samples alike in all of them, and batchgen follows.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from transformers import GenerationConfig
+
+from batchgen.errors import BatchgenError, FieldError, shown_value
+from batchgen.loop.options import GENERATION_CONFIG_FILE
+from batchgen.sampling.sampling_params import MODEL_SAMPLING_FIELDS, SamplingParams, whole_number
+
+_INTEGER_FIELDS = ("top_k", "max_new_tokens")
+
+
+def eos_token_ids(model_dir: Path | None, hf_config: Any) -> list[int]:
+    """EOS ids as ``generate`` uses them: generation_config.json's (int or list), else config.json's."""
+    eos = None
+    if model_dir is not None:
+        try:
+            eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+        except OSError:
+            eos = None
+    if eos is None:
+        eos = getattr(hf_config, "eos_token_id", None)
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+
+
+def config_folder(generation_config: str, model_dir: Path | None) -> Path | None:
+    """The folder whose generation_config.json sets a run's sampling defaults under ``--generation-config``
+    ``generation_config``: the model's (``auto``; ``None`` for a model without a folder, a ``random:`` one), none
+    (``none``), or the folder given."""
+    if generation_config == "none":
+        return None
+    return model_dir if generation_config == "auto" else Path(generation_config)
+
+
+def model_sampling_defaults(folder: Path | None) -> dict[str, Any]:
+    """The sampling defaults ``folder/generation_config.json`` recommends, by batchgen's field names: those of
+    :data:`~batchgen.sampling.sampling_params.MODEL_SAMPLING_FIELDS` it gives a value (not ``null``); empty for no
+    folder or no file there. ``do_sample`` is left aside, as vLLM and SGLang leave it: a temperature the file gives
+    applies whatever ``do_sample`` says.
+
+    Raises:
+        BatchgenError: the file is no JSON object, or one of those values is of the wrong type or out of
+            :meth:`SamplingParams.validate`'s range (one line naming the file and the field).
+    """
+    path = folder / GENERATION_CONFIG_FILE if folder is not None else None
+    if path is None or not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise BatchgenError(f"{path}: cannot read it as JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise BatchgenError(f"{path}: must hold a JSON object, got {shown_value(data)}")
+    picked = {name: whole_number(data[name]) for name in MODEL_SAMPLING_FIELDS if data.get(name) is not None}
+    try:
+        for name, value in picked.items():
+            integral = name in _INTEGER_FIELDS
+            if isinstance(value, bool) or not isinstance(value, int if integral else (int, float)):
+                raise FieldError(name, f"must be {'an integer' if integral else 'a number'}, got {shown_value(value)}")
+            picked[name] = int(value) if integral else float(value)
+        SamplingParams(**picked).validate(None)
+    except FieldError as e:
+        raise BatchgenError(
+            f"{path}: {e.field} {e.message} (--generation-config none leaves the file's sampling defaults aside)"
+        ) from None
+    return picked

@@ -1,0 +1,144 @@
+"""``--generation-config``: a model's generation_config.json sets the run's sampling defaults that no flag, config
+key or keyword sets, as vLLM's ``--generation-config auto`` and SGLang's ``--sampling-defaults model`` do; rows
+still set their own. References: HF ``generate``'s greedy tokens (a file with ``temperature`` 0), the file's own
+``max_new_tokens``, and batchgen's built-in defaults (vLLM's: temperature 1.0) where the file is left aside."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pytest
+
+from batchgen.errors import BatchgenError
+from batchgen.loop.generation_config import model_sampling_defaults
+from tests.helpers.cli import generate, run_args, run_cli, write_jsonl
+from tests.helpers.hf_greedy import MAX_NEW, check_against_hf, greedy_prompts
+
+
+def _with_generation_config(model_dir: Path, folder: Path, **values: Any) -> Path:
+    """A copy of ``model_dir`` in ``folder`` whose generation_config.json also holds ``values``."""
+    shutil.copytree(model_dir, folder)
+    path = folder / "generation_config.json"
+    config = json.loads(path.read_text()) if path.exists() else {}
+    path.write_text(json.dumps(config | values))
+    return folder
+
+
+def _unsampled(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``rows`` without the sampling fields the model's file is to set."""
+    return [{k: v for k, v in row.items() if k not in ("temperature", "max_new_tokens")} for row in rows]
+
+
+def _recorded_defaults(out: Path) -> dict[str, Any]:
+    metadata = pa.ipc.open_file(out).schema.metadata
+    return json.loads(metadata[b"batchgen.sampling_defaults"])
+
+
+@pytest.fixture
+def greedy_model(random_models: dict[str, Path], tmp_path: Path) -> Path:
+    """The tiny Llama, its generation_config.json recommending greedy decoding and MAX_NEW new tokens."""
+    return _with_generation_config(random_models["llama"], tmp_path / "greedy", temperature=0.0, max_new_tokens=MAX_NEW)
+
+
+def test_the_models_defaults_apply_to_rows_no_option_sets(greedy_model: Path, tmp_path: Path) -> None:
+    rows = _unsampled(greedy_prompts(vocab=200))
+    out = tmp_path / "out.arrow"
+    results = generate(write_jsonl(tmp_path / "in.jsonl", rows), out, greedy_model)
+    check_against_hf(greedy_model, rows, results)
+    assert _recorded_defaults(out)["temperature"] == 0.0
+    metadata = pa.ipc.open_file(out).schema.metadata
+    assert json.loads(metadata[b"batchgen.model_sampling_defaults"]) == {"temperature": 0.0, "max_new_tokens": MAX_NEW}
+
+
+def test_flags_config_keys_and_rows_win_over_the_model(greedy_model: Path, tmp_path: Path) -> None:
+    rows = [{"id": "a", "prompt": "Once upon a time"}, {"id": "b", "prompt": "Once upon a time", "max_new_tokens": 2}]
+    dataset = write_jsonl(tmp_path / "in.jsonl", rows)
+    flagged = generate(dataset, tmp_path / "flag.arrow", greedy_model, "--ignore-eos", "--max-new-tokens", "5")
+    assert [len(flagged[i]["output_token_ids"]) for i in "ab"] == [5, 2]
+    config = tmp_path / "run.yaml"
+    config.write_text("max-new-tokens: 4\nignore-eos: true\n")
+    from_config = generate(dataset, tmp_path / "config.arrow", greedy_model, "--config", str(config))
+    assert [len(from_config[i]["output_token_ids"]) for i in "ab"] == [4, 2]
+    # The flag gives the built-in default's own value: still the flag's, not the file's.
+    generate(dataset, tmp_path / "t1.arrow", greedy_model, "--temperature", "1.0", "--max-new-tokens", "2")
+    assert _recorded_defaults(tmp_path / "t1.arrow")["temperature"] == 1.0
+
+
+def test_none_leaves_the_file_aside_and_a_folder_replaces_it(greedy_model: Path, tmp_path: Path) -> None:
+    dataset = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": "Once upon a time"}])
+    generate(dataset, tmp_path / "none.arrow", greedy_model, "--generation-config", "none", "--max-new-tokens", "2")
+    assert _recorded_defaults(tmp_path / "none.arrow")["temperature"] == 1.0  # vLLM's and batchgen's own
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "generation_config.json").write_text(json.dumps({"top_k": 1, "max_new_tokens": 3, "do_sample": False}))
+    results = generate(dataset, tmp_path / "dir.arrow", greedy_model, "--generation-config", str(other), "--ignore-eos")
+    recorded = _recorded_defaults(tmp_path / "dir.arrow")
+    assert (recorded["top_k"], recorded["temperature"], recorded["max_new_tokens"]) == (1, 1.0, 3)
+    assert len(results["a"]["output_token_ids"]) == 3
+
+
+def test_a_resume_compares_what_the_rows_default_to(greedy_model: Path, tmp_path: Path) -> None:
+    dataset = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": "Once upon a time"}])
+    out = tmp_path / "out.arrow"
+    generate(dataset, out, greedy_model, "--max-new-tokens", "2")
+    args = [a for a in run_args(dataset, out, greedy_model, "--max-new-tokens", "2") if a != "--overwrite"]
+    code, output = run_cli([*args, "--resume", "--temperature", "0"])  # what the file gave: the same rows
+    assert code == 0 and "already complete" in output, output
+    code, output = run_cli([*args, "--resume", "--generation-config", "none"])
+    assert code == 2 and "temperature 0.0 → 1.0" in output, output
+
+
+@pytest.mark.parametrize(
+    ("values", "said"),
+    [
+        ({"top_p": 2}, "top_p must be in (0, 1], got 2.0"),
+        ({"temperature": "hot"}, 'temperature must be a number, got "hot"'),
+        ({"top_k": 2.5}, "top_k must be an integer, got 2.5"),
+        ({"max_new_tokens": True}, "max_new_tokens must be an integer, got true"),
+    ],
+)
+def test_a_bad_value_in_the_file_is_one_line_naming_it(
+    random_models: dict[str, Path], tmp_path: Path, values: dict[str, Any], said: str
+) -> None:
+    model = _with_generation_config(random_models["llama"], tmp_path / "bad", **values)
+    code, output = run_cli(run_args(write_jsonl(tmp_path / "in.jsonl", [{"prompt": "a"}]), tmp_path / "o.arrow", model))
+    assert code == 2, output
+    assert f"{model / 'generation_config.json'}: {said}" in output and "Traceback" not in output, output
+
+
+def test_file_values_read_by_their_types(tmp_path: Path) -> None:
+    # A whole float is an integer (as JSON writers give them); null and fields vLLM does not read are left aside.
+    assert model_sampling_defaults(None) == model_sampling_defaults(tmp_path) == {}  # no folder, no file
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps({"top_k": 20.0, "top_p": 1, "min_p": None, "do_sample": False, "num_beams": 4, "temperature": 0.7})
+    )
+    assert model_sampling_defaults(tmp_path) == {"top_k": 20, "top_p": 1.0, "temperature": 0.7}
+    (tmp_path / "generation_config.json").write_text("[1]")
+    with pytest.raises(BatchgenError, match="must hold a JSON object"):
+        model_sampling_defaults(tmp_path)
+
+
+def test_options_that_break_a_rule_with_the_files_values(greedy_model: Path, tmp_path: Path) -> None:
+    dataset = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "a"}])
+    code, output = run_cli(run_args(dataset, tmp_path / "o.arrow", greedy_model, "--min-new-tokens", "20"))
+    assert code == 2, output
+    assert f"--min-new-tokens: must be <= max_new_tokens ({MAX_NEW}), got 20" in output, output
+    code, output = run_cli(run_args(dataset, tmp_path / "o.arrow", greedy_model, "--generation-config", "vllm"))
+    assert code == 2 and "vLLM's 'vllm', its own defaults, is batchgen's 'none'" in output, output
+
+
+def test_the_python_api_takes_them_as_the_command_line(greedy_model: Path) -> None:
+    from batchgen import Generator
+
+    generator = Generator(str(greedy_model), dtype="float32", device="cpu")
+    rows = [{k: v for k, v in row.items() if k != "top_logprobs"} for row in _unsampled(greedy_prompts(vocab=200))]
+    results = {r["id"]: r for r in generator.generate(rows)}
+    check_against_hf(greedy_model, rows, results)
+    longer = generator.generate([{"prompt": "Once upon"}], max_new_tokens=12, ignore_eos=True)
+    assert len(longer[0]["output_token_ids"]) == 12
+    as_given = Generator(str(greedy_model), dtype="float32", device="cpu", generation_config="none")
+    assert as_given.engine.facts().sampling_defaults == {}
