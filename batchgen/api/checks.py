@@ -26,8 +26,9 @@ def check_run_options(
 
 def check_sampling_defaults(defaults: SamplingParams, facts: EngineFacts | None) -> None:
     """Validate the sampling defaults: against the engine's vocabulary and its ``max_running_requests`` (all samples
-    of a row decode together), as ``facts`` gives them, or, before the engine is loaded (``None``), the checks that
-    need no model.
+    of a row decode together), as ``facts`` gives them, and together with the sampling defaults its model's
+    generation_config.json gave (:meth:`SamplingParams.with_model_defaults`); or, before the engine is loaded
+    (``None``), the checks that need no model.
 
     Their types were checked where they were given (the flags by Typer, the Python API's keywords by
     :func:`batchgen.api.options.options_of`).
@@ -39,5 +40,14 @@ def check_sampling_defaults(defaults: SamplingParams, facts: EngineFacts | None)
         defaults.validate(facts.vocab_size if facts is not None else None)
     except FieldError as e:
         raise BatchgenError(f"--{e.field.replace('_', '-')}: {e.message}") from None
+    if facts is not None and facts.sampling_defaults:
+        try:
+            defaults.with_model_defaults(facts.sampling_defaults).validate(facts.vocab_size)
+        except FieldError as e:
+            taken = ", ".join(f"{name} {value}" for name, value in facts.sampling_defaults.items())
+            raise BatchgenError(
+                f"--{e.field.replace('_', '-')}: {e.message}, with the defaults of the model's generation_config.json "
+                f"({taken}; --generation-config none leaves them aside)"
+            ) from None
     if facts is not None and defaults.n > facts.max_running_requests:
         raise BatchgenError(f"--n {defaults.n} exceeds --max-running-requests {facts.max_running_requests}")

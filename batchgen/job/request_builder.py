@@ -78,21 +78,9 @@ class RequestBuilder:
     ) -> RequestBuilder:
         """A builder for the engine ``facts`` describes: its tokenizer, vocabulary, context length and EOS ids, ``n``
         up to its ``max_running_requests``, and the run ``defaults`` with the sampling defaults it read from a
-        generation_config.json for those no option set (:meth:`SamplingParams.with_model_defaults`).
-
-        Raises:
-            BatchgenError: those defaults together break a rule (``--min-new-tokens`` above the file's
-                ``max_new_tokens``), or as the constructor.
-        """
+        generation_config.json for those no option set (:meth:`SamplingParams.with_model_defaults`; checked
+        together by ``batchgen.api.checks.check_sampling_defaults``)."""
         resolved = defaults.with_model_defaults(facts.sampling_defaults)
-        try:
-            resolved.validate(facts.vocab_size)
-        except FieldError as e:
-            taken = ", ".join(f"{name} {value}" for name, value in facts.sampling_defaults.items())
-            raise BatchgenError(
-                f"--{e.field.replace('_', '-')}: {e.message}, with the generation_config.json's defaults ({taken}; "
-                "--generation-config none leaves them aside)"
-            ) from None
         return cls(
             facts.tokenizer,
             facts.vocab_size,

@@ -100,12 +100,12 @@ class RunJob:
                 engine_options.seed,
                 job,
             )
+            run_seed = int(self.schema.metadata[RUN_SEED_KEY.encode()])
+            kwargs = self.reader.options.chat_template_kwargs
+            self.builder = RequestBuilder.for_engine(self.facts, defaults, run_seed, kwargs)  # a bad constraint
         except BaseException:
             self.close()
             raise
-        run_seed = int(self.schema.metadata[RUN_SEED_KEY.encode()])
-        kwargs = self.reader.options.chat_template_kwargs
-        self.builder = RequestBuilder.for_engine(self.facts, defaults, run_seed, kwargs)
         model, tokenizer, seed = engine_options.model, self.facts.tokenizer, self.builder.run_seed
         self.openai_output = openai_output(dataset, self.reader.openai, as_openai, model, tokenizer, seed)
         warn_about_passthrough_names(self.reader.path, self.reader.passthrough_schema.names, self.reader.options)
