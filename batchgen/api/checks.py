@@ -7,6 +7,7 @@ from batchgen.io.input_options import InputOptions
 from batchgen.job.options import JobOptions
 from batchgen.loop.engine import EngineFacts
 from batchgen.loop.options import EngineOptions
+from batchgen.sampling.grammar import constraint_grammar
 from batchgen.sampling.sampling_params import SamplingParams
 
 
@@ -22,6 +23,12 @@ def check_run_options(
     input_options.validate()
     options.validate(here=not job_options.ray)  # before the output's checks: a mistyped flag is named first
     check_sampling_defaults(defaults, None)
+    if defaults.constraint is not None:  # compiled again with the tokenizer: here before the model loads
+        name, text = defaults.constraint
+        try:
+            constraint_grammar(name, text)
+        except FieldError as e:
+            raise BatchgenError(f"--{name.replace('_', '-')}: {e.message}") from None
 
 
 def check_sampling_defaults(defaults: SamplingParams, facts: EngineFacts | None) -> None:

@@ -31,12 +31,35 @@ _LEAD = 0xED
 _SURROGATE_SECOND = range(0xA0, 0xC0)
 
 
-def _import_xgrammar() -> Any:
+def _import_xgrammar(kind: str) -> Any:
+    """The xgrammar module.
+
+    Raises:
+        FieldError: naming constraint field ``kind``: xgrammar is not installed.
+    """
     try:
         import xgrammar
     except ImportError:
-        return None
+        raise FieldError(kind, "structured output needs xgrammar: pip install 'batchgen[structured]'") from None
     return xgrammar
+
+
+def constraint_grammar(kind: str, text: str) -> Any:
+    """Constraint ``kind`` (``json_schema``, ``regex`` or ``ebnf``) with source ``text`` as an ``xgrammar.Grammar``:
+    what no tokenizer is needed for, so that a bad constraint of the run is refused before the model loads.
+
+    Raises:
+        FieldError: xgrammar is not installed, or the constraint does not compile.
+    """
+    xgr = _import_xgrammar(kind)
+    try:
+        if kind == "json_schema":
+            return xgr.Grammar.from_json_schema(text, any_whitespace=False)
+        if kind == "regex":
+            return xgr.Grammar.from_regex(python_dot(text))
+        return xgr.Grammar.from_ebnf(text)
+    except Exception as e:  # xgrammar raises several types (RuntimeError, ValueError, its own)
+        raise FieldError(kind, f"does not compile: {_compile_message(e)}") from None
 
 
 class GrammarCompiler:
@@ -70,9 +93,7 @@ class GrammarCompiler:
         Raises:
             FieldError: xgrammar is not installed, or the constraint does not compile.
         """
-        xgr = _import_xgrammar()
-        if xgr is None:
-            raise FieldError(kind, "structured output needs xgrammar: pip install 'batchgen[structured]'")
+        xgr = _import_xgrammar(kind)
         if self._compiler is None:
             info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size)
             self._compiler = xgr.GrammarCompiler(info, max_threads=2)
@@ -80,14 +101,10 @@ class GrammarCompiler:
             self._surrogates = SurrogateMasks.of_vocab(info.decoded_vocab, self.vocab_size)
         key = (kind, text)
         if key not in self._cache:
+            grammar = constraint_grammar(kind, text)
             try:
-                if kind == "json_schema":
-                    self._cache[key] = self._compiler.compile_json_schema(text, any_whitespace=False)
-                elif kind == "regex":
-                    self._cache[key] = self._compiler.compile_regex(python_dot(text))
-                else:
-                    self._cache[key] = self._compiler.compile_grammar(text)
-            except Exception as e:  # xgrammar raises several types (RuntimeError, ValueError, its own)
+                self._cache[key] = self._compiler.compile_grammar(grammar)
+            except Exception as e:  # as constraint_grammar's
                 raise FieldError(kind, f"does not compile: {_compile_message(e)}") from None
         assert self._surrogates is not None  # made with the compiler
         # A model that names no EOS, and whose tokenizer xgrammar finds none in, ends its grammars on the row's

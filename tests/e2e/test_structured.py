@@ -163,6 +163,21 @@ def test_a_bad_run_level_constraint_is_one_error_before_any_row(
     assert code == 2 and len(lines) == 1 and message in lines[0], output
 
 
+@pytest.mark.parametrize("flags", [["--json-schema", '{"type": "objectx"}'], ["--regex", "(?=a)a"], ["--ebnf", "a"]])
+def test_a_run_constraint_that_does_not_compile_is_refused_before_the_model_loads(
+    flags: list[str], tmp_path: Path
+) -> None:
+    """Found by a review: it was compiled with the tokenizer, once the model had loaded (minutes for a large one),
+    and ``batchgen status`` with it exited 1 (other settings) rather than 2 (invalid options). The model here does
+    not exist: its error would come first were the constraint compiled after it."""
+    dataset = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "x"}])
+    out = tmp_path / "o.arrow"
+    code, output = run_cli(run_args(dataset, out, tmp_path / "no-model", *flags))
+    assert code == 2 and f"{flags[0]}: does not compile: " in output and "no-model" not in output, output
+    code, output = run_cli(["status", str(dataset), str(out), *flags])
+    assert code == 2 and f"{flags[0]}: does not compile: " in output, output
+
+
 def test_a_constraint_flag_replaces_a_config_files_other_kind(random_models: dict[str, Path], tmp_path: Path) -> None:
     """Flags override a ``--config`` file: ``--regex`` over the file's ``json-schema`` (found by a review: both
     were kept, and the run refused two constraints); in Python, ``run(config=..., regex=...)`` likewise."""
