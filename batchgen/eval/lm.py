@@ -88,6 +88,7 @@ class BatchgenLM(TemplateLM):
         max_gen_toks = model_args.model_args_count("max_gen_toks", max_gen_toks) or _MAX_GEN_TOKS
         prefix_token_id = model_args.model_args_count("prefix_token_id", prefix_token_id, least=0)
         model_args.other_backends_args(pretrained, options)
+        model_args.refuse_sampling_args(options)
         self.chat_template_args = model_args.chat_template_args(options)
         options.setdefault("seed", model_args.DEFAULT_SEED)
         # lm-eval's vLLM backend hands vLLM whole SamplingParams, to which no generation_config.json adds defaults.

@@ -14,6 +14,8 @@ from batchgen.errors import BatchgenError, FieldError
 from batchgen.io.input_options import chat_template_kwargs
 from batchgen.job.options import JobOptions
 from batchgen.loop.options import EngineOptions
+from batchgen.sampling.row_fields import SAMPLING_FIELD_ALIASES, SAMPLING_FIELDS
+from batchgen.sampling.sampling_params import GRAMMAR_FIELDS
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +57,29 @@ def other_backends_args(pretrained: str, options: dict[str, Any]) -> None:
                 f"--model_args {name}: batchgen runs one engine on one device, got {value} (more machines: "
                 "docs/scale-out.md)"
             )
+
+
+def refuse_sampling_args(options: dict[str, Any]) -> None:
+    """Refuse a sampling field among ``options`` (``temperature``, vLLM's ``max_tokens``...; not ``seed``, the
+    engine's run seed here): lm-eval samples as each task's ``gen_kwargs`` say, and a model arg of that name would
+    otherwise be refused as a keyword of ``batchgen.Generator``, pointing a user of lm-eval at a Python method.
+
+    Raises:
+        BatchgenError: naming the key and where lm-eval takes it instead.
+    """
+    sampling = (set(SAMPLING_FIELDS) | set(SAMPLING_FIELD_ALIASES)) - option_names(EngineOptions, JobOptions)
+    name = next((name for name in options if name in sampling), None)
+    if name is None:
+        return
+    if SAMPLING_FIELD_ALIASES.get(name, name) == "max_new_tokens":
+        where = "lm-eval's is the max_gen_toks model arg (default 256) or a task's (--gen_kwargs max_gen_toks=N)"
+    elif name in GRAMMAR_FIELDS:
+        where = "lm-eval's requests carry no structured-output constraint"
+    else:
+        where = (
+            f"lm-eval takes it from each task's gen_kwargs, or --gen_kwargs {name}=VALUE for every generate_until task"
+        )
+    raise BatchgenError(f"--model_args {name}: a sampling option; {where}")
 
 
 def model_args_count(name: str, value: Any, least: int = 1) -> int | None:

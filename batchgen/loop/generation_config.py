@@ -12,8 +12,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-from transformers import GenerationConfig
-
 from batchgen.errors import BatchgenError, FieldError, shown_value
 from batchgen.loop.options import GENERATION_CONFIG_FILE
 from batchgen.sampling.sampling_params import MODEL_SAMPLING_FIELDS, SamplingParams, whole_number
@@ -22,18 +20,37 @@ _INTEGER_FIELDS = ("top_k", "max_new_tokens")
 
 
 def eos_token_ids(model_dir: Path | None, hf_config: Any) -> list[int]:
-    """EOS ids as ``generate`` uses them: generation_config.json's (int or list), else config.json's."""
-    eos = None
-    if model_dir is not None:
-        try:
-            eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
-        except OSError:
-            eos = None
+    """EOS ids as ``generate`` uses them: generation_config.json's ``eos_token_id`` (int or list), else config.json's.
+
+    Raises:
+        BatchgenError: a generation_config.json that is no JSON object.
+    """
+    eos = _read(model_dir).get("eos_token_id")
     if eos is None:
         eos = getattr(hf_config, "eos_token_id", None)
     if eos is None:
         return []
     return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+
+
+def _read(folder: Path | None) -> dict[str, Any]:
+    """``folder/generation_config.json`` as a JSON object; empty for no folder or no file there. (Read as JSON, not
+    by transformers' ``GenerationConfig``, whose checks warn about a temperature without ``do_sample``, which
+    batchgen applies.)
+
+    Raises:
+        BatchgenError: the file cannot be read, or holds no JSON object.
+    """
+    path = folder / GENERATION_CONFIG_FILE if folder is not None else None
+    if path is None or not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise BatchgenError(f"{path}: cannot read it as JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise BatchgenError(f"{path}: must hold a JSON object, got {shown_value(data)}")
+    return data
 
 
 def config_folder(generation_config: str, model_dir: Path | None) -> Path | None:
@@ -55,15 +72,7 @@ def model_sampling_defaults(folder: Path | None) -> dict[str, Any]:
         BatchgenError: the file is no JSON object, or one of those values is of the wrong type or out of
             :meth:`SamplingParams.validate`'s range (one line naming the file and the field).
     """
-    path = folder / GENERATION_CONFIG_FILE if folder is not None else None
-    if path is None or not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise BatchgenError(f"{path}: cannot read it as JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise BatchgenError(f"{path}: must hold a JSON object, got {shown_value(data)}")
+    data = _read(folder)
     picked = {name: whole_number(data[name]) for name in MODEL_SAMPLING_FIELDS if data.get(name) is not None}
     try:
         for name, value in picked.items():
@@ -73,7 +82,7 @@ def model_sampling_defaults(folder: Path | None) -> dict[str, Any]:
             picked[name] = int(value) if integral else float(value)
         SamplingParams(**picked).validate(None)
     except FieldError as e:
-        raise BatchgenError(
-            f"{path}: {e.field} {e.message} (--generation-config none leaves the file's sampling defaults aside)"
-        ) from None
+        path = f"{folder}/{GENERATION_CONFIG_FILE}"
+        note = "--generation-config none leaves its sampling defaults aside"
+        raise BatchgenError(f"{path}: {e.field} {e.message} ({note})") from None
     return picked

@@ -232,6 +232,10 @@ BAD_MODEL_ARGS = [
     ("pretrained={model},tokenizer=gpt2", "--model_args tokenizer: batchgen uses the model's own tokenizer, got"),
     ("pretrained={model},tensor_parallel_size=2", "--model_args tensor_parallel_size: batchgen runs one engine on"),
     ("pretrained={model},revision=v2.0", "--model_args revision: batchgen loads the model's files as they are"),
+    # Sampling options: lm-eval's are a task's gen_kwargs (they pointed at batchgen's generate() and stream()).
+    ("pretrained={model},temperature=0.5", "--model_args temperature: a sampling option; lm-eval takes it from"),
+    ("pretrained={model},max_tokens=8", "--model_args max_tokens: a sampling option; lm-eval's is the max_gen_toks"),
+    ("pretrained={model},json_schema=x", "--model_args json_schema: a sampling option; lm-eval's requests carry no"),
 ]
 
 
