@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from batchgen.errors import BatchgenError, FieldError
 from batchgen.io.input_options import InputOptions
 from batchgen.job.options import JobOptions
@@ -32,29 +34,38 @@ def check_run_options(
 
 
 def check_sampling_defaults(defaults: SamplingParams, facts: EngineFacts | None) -> None:
-    """Validate the sampling defaults: against the engine's vocabulary and its ``max_running_requests`` (all samples
-    of a row decode together), as ``facts`` gives them, and together with the sampling defaults its model's
-    generation_config.json gave (:meth:`SamplingParams.with_model_defaults`); or, before the engine is loaded
-    (``None``), the checks that need no model.
+    """Validate the sampling defaults: before the engine is loaded (``facts`` ``None``), the checks that need no
+    model, a ``max_new_tokens`` left to the model's generation_config.json taken to be at least
+    ``min_new_tokens``; with ``facts``, against the engine's vocabulary and its ``max_running_requests`` (all samples
+    of a row decode together), together with the sampling defaults that file gave
+    (:meth:`SamplingParams.with_model_defaults`).
 
     Their types were checked where they were given (the flags by Typer, the Python API's keywords by
     :func:`batchgen.api.options.options_of`).
 
     Raises:
-        BatchgenError: naming the option by its flag (``--temperature``), as the command line shows it.
+        BatchgenError: naming the option by its flag (``--temperature``), as the command line shows it, and the
+            file whose defaults it breaks a rule with.
     """
-    try:
-        defaults.validate(facts.vocab_size if facts is not None else None)
-    except FieldError as e:
-        raise BatchgenError(f"--{e.field.replace('_', '-')}: {e.message}") from None
-    if facts is not None and facts.sampling_defaults:
-        try:
-            defaults.with_model_defaults(facts.sampling_defaults).validate(facts.vocab_size)
-        except FieldError as e:
-            taken = ", ".join(f"{name} {value}" for name, value in facts.sampling_defaults.items())
-            raise BatchgenError(
-                f"--{e.field.replace('_', '-')}: {e.message}, with the defaults of the model's generation_config.json "
-                f"({taken}; --generation-config none leaves them aside)"
-            ) from None
-    if facts is not None and defaults.n > facts.max_running_requests:
+    if facts is None:
+        if "max_new_tokens" in defaults.left_to_model:  # the file may raise it: checked with it, once loaded
+            defaults = replace(defaults, max_new_tokens=max(defaults.max_new_tokens, defaults.min_new_tokens))
+        _validate(defaults, None, "")
+        return
+    taken = ", ".join(f"{name} {value}" for name, value in facts.sampling_defaults.items())
+    note = (
+        f", with the defaults of {facts.sampling_defaults_file} ({taken}; --generation-config none leaves them aside)"
+        if facts.sampling_defaults_file is not None
+        else ""
+    )
+    _validate(defaults.with_model_defaults(facts.sampling_defaults), facts.vocab_size, note)
+    if defaults.n > facts.max_running_requests:
         raise BatchgenError(f"--n {defaults.n} exceeds --max-running-requests {facts.max_running_requests}")
+
+
+def _validate(defaults: SamplingParams, vocab_size: int | None, note: str) -> None:
+    """:meth:`SamplingParams.validate`, its error named by the option's flag and followed by ``note``."""
+    try:
+        defaults.validate(vocab_size)
+    except FieldError as e:
+        raise BatchgenError(f"--{e.field.replace('_', '-')}: {e.message}{note}") from None

@@ -181,7 +181,8 @@ def bench(
             raise BatchgenError(f"--hf-batch-size must be >= 1, got {hf_batch_size}")
         options.validate()
         check_writable(result_file)
-        engine = Engine(options, make_drafter)
+        # The workload's rows sample as bench's flags say (greedy), whatever the model's generation_config.json.
+        engine = Engine(replace(options, generation_config="none"), make_drafter)
         if output_len >= engine.context_len:
             raise BatchgenError(
                 f"--output-len {output_len} leaves no room for a prompt in the context length {engine.context_len} "

@@ -67,6 +67,7 @@ def bench_one_batch(
                 max_running_requests=max(batch_size),
                 max_total_tokens=max(batch_size) * longest,
                 chunked_prefill_size=0,
+                generation_config="none",  # its rows are greedy, as its own flags make them
             ),
             make_drafter,
         )

@@ -92,8 +92,9 @@ def settings_differences(
         model_facts["batchgen.dtype"] = options.dtype
     if options.deterministic is not None:
         model_facts["batchgen.deterministic"] = str(options.deterministic).lower()
-    recorded_dir = Path(recorded.get("batchgen.model_dir", "None"))
-    model_dir = recorded_dir if recorded_dir.is_dir() else None  # a random: model's "None" is no directory
+    # The model's own folder where --model names one, else the one the output records (a built-in name's, say).
+    named, recorded_dir = Path(options.model), Path(recorded.get("batchgen.model_dir", "None"))
+    model_dir = next((path for path in (named, recorded_dir) if path.is_dir()), None)  # random:'s "None" is none
     if model_dir is not None or options.generation_config != "auto":  # else the recorded values stand in
         folder = config_folder(options.generation_config, model_dir)
         model_facts[MODEL_SAMPLING_KEY] = json.dumps(model_sampling_defaults(folder))

@@ -22,7 +22,7 @@ from batchgen.loop.generation_config import config_folder, eos_token_ids, model_
 from batchgen.loop.kv_cache import KVCache
 from batchgen.loop.kv_pool import KVSlotAllocator, TokenToKVPool
 from batchgen.loop.model_runner import ModelRunner
-from batchgen.loop.options import DTYPE_NAMES, EngineOptions, pick_device
+from batchgen.loop.options import DTYPE_NAMES, GENERATION_CONFIG_FILE, EngineOptions, pick_device
 from batchgen.loop.radix_cache import RadixCache
 from batchgen.loop.req import Req
 from batchgen.loop.schedule_batch import ScheduleBatch
@@ -84,6 +84,7 @@ class EngineFacts:
         sampling_defaults: the sampling defaults ``--generation-config`` reads (the ``temperature``, ``top_p``... a
             model's generation_config.json recommends: ``batchgen.loop.generation_config.model_sampling_defaults``),
             for the run defaults that no flag sets (:meth:`SamplingParams.with_model_defaults`).
+        sampling_defaults_file: the file they came from; ``None`` where it gave none.
     """
 
     model_dir: Path | None
@@ -97,6 +98,7 @@ class EngineFacts:
     max_running_requests: int
     eos_token_ids: list[int]
     sampling_defaults: dict[str, Any]
+    sampling_defaults_file: str | None
 
 
 def pick_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtype:
@@ -153,7 +155,11 @@ class Engine:
         self.tokenizer: Any = source.tokenizer
         self.hf_config = source.hf_config
         self.eos_token_ids = eos_token_ids(self.model_dir, self.hf_config)
-        self.sampling_defaults = model_sampling_defaults(config_folder(options.generation_config, self.model_dir))
+        folder = config_folder(options.generation_config, self.model_dir)
+        self.sampling_defaults = model_sampling_defaults(folder)
+        self.sampling_defaults_file = (
+            str(folder / GENERATION_CONFIG_FILE) if folder and self.sampling_defaults else None
+        )
         self.device = pick_device(options.device)
         self.dtype = pick_dtype(options.dtype, self.hf_config, self.device)
         self.deterministic = (
@@ -231,6 +237,7 @@ class Engine:
             self.max_running_requests,
             self.eos_token_ids,
             self.sampling_defaults,
+            self.sampling_defaults_file,
         )
 
     def add(self, req: Req) -> None:

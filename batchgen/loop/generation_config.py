@@ -80,6 +80,8 @@ def model_sampling_defaults(folder: Path | None) -> dict[str, Any]:
             if isinstance(value, bool) or not isinstance(value, int if integral else (int, float)):
                 raise FieldError(name, f"must be {'an integer' if integral else 'a number'}, got {shown_value(value)}")
             picked[name] = int(value) if integral else float(value)
+        if picked.get("max_new_tokens", 1) < 1:  # as HF's GenerationConfig checks: a model recommends some output
+            raise FieldError("max_new_tokens", f"must be >= 1, got {picked['max_new_tokens']}")
         SamplingParams(**picked).validate(None)
     except FieldError as e:
         path = f"{folder}/{GENERATION_CONFIG_FILE}"

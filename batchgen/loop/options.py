@@ -26,6 +26,13 @@ LOGPROBS_MODES = ("raw", "processed")
 # --generation-config's words; any other value is a directory holding this file.
 GENERATION_CONFIG_WORDS = ("auto", "none")
 GENERATION_CONFIG_FILE = "generation_config.json"
+# Other spellings and engines' words for those: vLLM's --generation-config vllm, SGLang's --sampling-defaults.
+_GENERATION_CONFIG_MEANT = {
+    **{word: f" (did you mean '{word}'?)" for word in GENERATION_CONFIG_WORDS},
+    "vllm": " (vLLM's 'vllm', its own defaults, is batchgen's 'none')",
+    "openai": " (SGLang's 'openai', the API's defaults, is batchgen's 'none')",
+    "model": " (SGLang's 'model' is batchgen's 'auto')",
+}
 
 
 def dtype_option(value: Any) -> str:
@@ -223,10 +230,10 @@ class EngineOptions:
     def _validate_generation_config(self) -> None:
         """``--generation-config``: one of its words, or a directory (on this machine) holding the file."""
         value = self.generation_config
-        if value in GENERATION_CONFIG_WORDS or (Path(value) / GENERATION_CONFIG_FILE).is_file():
+        if value in GENERATION_CONFIG_WORDS or (value and (Path(value) / GENERATION_CONFIG_FILE).is_file()):
             return
-        problem = f"holds no {GENERATION_CONFIG_FILE}" if Path(value).is_dir() else "is no directory"
-        meant = " (vLLM's 'vllm', its own defaults, is batchgen's 'none')" if value == "vllm" else ""
+        problem = f"holds no {GENERATION_CONFIG_FILE}" if value and Path(value).is_dir() else "is no directory"
+        meant = _GENERATION_CONFIG_MEANT.get(value.lower(), "")
         raise BatchgenError(
             f"--generation-config must be auto, none or a directory holding a {GENERATION_CONFIG_FILE}; "
             f"'{value}' {problem}{meant}"

@@ -21,6 +21,8 @@ GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")
 # The run defaults a model's generation_config.json may set (batchgen.loop.generation_config): those vLLM's
 # ModelConfig.get_diff_sampling_param takes from it (its max_new_tokens is batchgen's own name).
 MODEL_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
+# Their flags' help: the default shown holds where the model's file gives none.
+_OR_THE_MODELS = " (where the model's generation_config.json gives none: --generation-config)"
 
 
 def constraint_option(name: str, value: Any) -> str | None:
@@ -73,12 +75,12 @@ class SamplingParams:
     """
 
     # Fields with a ``help`` are also ``batchgen run`` flags: the run's defaults for rows that do not set them.
-    max_new_tokens: int = field(default=128, metadata={"help": "Default per row."})
+    max_new_tokens: int = field(default=128, metadata={"help": f"Default per row{_OR_THE_MODELS}."})
     min_new_tokens: int = field(default=0, metadata={"help": "Default per row."})
-    temperature: float = field(default=1.0, metadata={"help": "Default per row; 0 = greedy."})
-    top_p: float = field(default=1.0, metadata={"help": "Default per row, in (0, 1]."})
-    top_k: int = field(default=-1, metadata={"help": "Default per row; -1 or 0 = off."})
-    min_p: float = field(default=0.0, metadata={"help": "Default per row, in [0, 1]."})
+    temperature: float = field(default=1.0, metadata={"help": f"Default per row{_OR_THE_MODELS}; 0 = greedy."})
+    top_p: float = field(default=1.0, metadata={"help": f"Default per row{_OR_THE_MODELS}, in (0, 1]."})
+    top_k: int = field(default=-1, metadata={"help": f"Default per row{_OR_THE_MODELS}; -1 or 0 = off."})
+    min_p: float = field(default=0.0, metadata={"help": f"Default per row{_OR_THE_MODELS}, in [0, 1]."})
     # The command line applies --prompt-template's escapes ("escapes"): a shell passes "\n" as a backslash and an n.
     stop: tuple[str, ...] = field(
         default=(), metadata={"help": "Default stop string (repeat; \\n, \\t, \\\\ are escapes).", "escapes": True}
@@ -92,7 +94,7 @@ class SamplingParams:
     )
     logprobs: bool = field(default=True, metadata={"help": "Report each output token's raw logprob."})
     top_logprobs: int = field(default=0, metadata={"help": "Report the N most likely tokens."})
-    repetition_penalty: float = field(default=1.0, metadata={"help": "Default per row (HF)."})
+    repetition_penalty: float = field(default=1.0, metadata={"help": f"Default per row{_OR_THE_MODELS} (HF)."})
     frequency_penalty: float = field(default=0.0, metadata={"help": "Default per row, in [-2, 2]."})
     presence_penalty: float = field(default=0.0, metadata={"help": "Default per row, in [-2, 2]."})
     # (token id, bias) pairs; a tuple, not a dict, so the parameters stay hashable and immutable.

@@ -99,6 +99,7 @@ def test_a_resume_compares_what_the_rows_default_to(greedy_model: Path, tmp_path
         ({"temperature": "hot"}, 'temperature must be a number, got "hot"'),
         ({"top_k": 2.5}, "top_k must be an integer, got 2.5"),
         ({"max_new_tokens": True}, "max_new_tokens must be an integer, got true"),
+        ({"max_new_tokens": 0}, "max_new_tokens must be >= 1, got 0"),
     ],
 )
 def test_a_bad_value_in_the_file_is_one_line_naming_it(
@@ -108,6 +109,20 @@ def test_a_bad_value_in_the_file_is_one_line_naming_it(
     code, output = run_cli(run_args(write_jsonl(tmp_path / "in.jsonl", [{"prompt": "a"}]), tmp_path / "o.arrow", model))
     assert code == 2, output
     assert f"{model / 'generation_config.json'}: {said}" in output and "Traceback" not in output, output
+
+
+def test_a_model_file_that_is_no_object_is_one_line_with_the_file_aside_too(
+    random_models: dict[str, Path], tmp_path: Path
+) -> None:
+    """Found by a review: transformers' reading of its EOS ids raised a traceback first (a list; a max_new_tokens
+    of 0), even under --generation-config none."""
+    model = _with_generation_config(random_models["llama"], tmp_path / "bad")
+    (model / "generation_config.json").write_text("[1, 2]")
+    dataset = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "a"}])
+    for extra in ([], ["--generation-config", "none"]):
+        code, output = run_cli(run_args(dataset, tmp_path / "o.arrow", model, *extra))
+        said = f"{model / 'generation_config.json'}: must hold a JSON object, got [1, 2]"
+        assert code == 2 and said in output and "Traceback" not in output, output
 
 
 def test_file_values_read_by_their_types(tmp_path: Path) -> None:
@@ -126,9 +141,21 @@ def test_options_that_break_a_rule_with_the_files_values(greedy_model: Path, tmp
     dataset = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "a"}])
     code, output = run_cli(run_args(dataset, tmp_path / "o.arrow", greedy_model, "--min-new-tokens", "20"))
     assert code == 2, output
-    assert f"--min-new-tokens: must be <= max_new_tokens ({MAX_NEW}), got 20" in output, output
-    code, output = run_cli(run_args(dataset, tmp_path / "o.arrow", greedy_model, "--generation-config", "vllm"))
-    assert code == 2 and "vLLM's 'vllm', its own defaults, is batchgen's 'none'" in output, output
+    said = f"--min-new-tokens: must be <= max_new_tokens ({MAX_NEW}), got 20, with the defaults of {greedy_model}/"
+    assert said in output, output
+    # Found by a review: checked against the built-in 128 before the file's larger max_new_tokens was read.
+    roomy = _with_generation_config(greedy_model, tmp_path / "roomy", max_new_tokens=300)
+    rows = generate(dataset, tmp_path / "min.arrow", roomy, "--min-new-tokens", "200", "--context-length", "256")
+    assert all(len(row["output_token_ids"]) >= 200 or row["finish_reason"] == "length" for row in rows.values())
+    assert _recorded_defaults(tmp_path / "min.arrow")["max_new_tokens"] == 300
+    for value, hint in [
+        ("vllm", "(vLLM's 'vllm', its own defaults, is batchgen's 'none')"),
+        ("model", "(SGLang's 'model' is batchgen's 'auto')"),
+        ("AUTO", "(did you mean 'auto'?)"),
+        ("", "'' is no directory"),  # not the working directory's file
+    ]:
+        code, output = run_cli(run_args(dataset, tmp_path / "o.arrow", greedy_model, "--generation-config", value))
+        assert code == 2 and hint in output, output
 
 
 def test_the_python_api_takes_them_as_the_command_line(greedy_model: Path) -> None:
@@ -142,3 +169,25 @@ def test_the_python_api_takes_them_as_the_command_line(greedy_model: Path) -> No
     assert len(longer[0]["output_token_ids"]) == 12
     as_given = Generator(str(greedy_model), dtype="float32", device="cpu", generation_config="none")
     assert as_given.engine.facts().sampling_defaults == {}
+
+
+def test_the_benchmarks_leave_the_file_aside(random_models: dict[str, Path], tmp_path: Path) -> None:
+    """Found by a review: bench and bench-one-batch, whose rows are greedy whatever the file says and which take no
+    --generation-config, refused a model whose file held a bad sampling value."""
+    model = _with_generation_config(random_models["llama"], tmp_path / "m", temperature="0.7")
+    common = ["--model", str(model), "--dtype", "float32", "--device", "cpu"]
+    code, output = run_cli(["bench", *common, "--num-prompts", "2", "--input-len-range", "4:8", "--output-len", "2"])
+    assert code == 0, output
+    code, output = run_cli(["bench-one-batch", *common, "--batch-size", "1", "--input-len", "8", "--output-len", "2"])
+    assert code == 0, output
+
+
+def test_status_reads_the_file_of_the_model_it_is_given(greedy_model: Path, tmp_path: Path) -> None:
+    """Found by a review: ``status --model OTHER`` read the file in the recorded model's folder, and so named fewer
+    differences than ``--resume`` then refused over."""
+    dataset = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": "Once upon a time"}])
+    out = tmp_path / "out.arrow"
+    generate(dataset, out, greedy_model)
+    other = _with_generation_config(greedy_model, tmp_path / "other", top_p=0.5)
+    code, output = run_cli(["status", str(dataset), str(out), "--model", str(other), "--dtype", "float32"])
+    assert code == 1 and "top_p 1.0 → 0.5" in output, output
