@@ -16,7 +16,9 @@ from batchgen.sampling.sampling_params import SamplingParams
 def check_run_options(
     options: EngineOptions, defaults: SamplingParams, job_options: JobOptions, input_options: InputOptions
 ) -> None:
-    """Every rule of a run's options that needs no model and no file, in the order the command line names them.
+    """Every rule of a run's options that needs no model and no input or output file, in the order the command line
+    names them: the run's constraint compiled to a grammar (no tokenizer needed), a ``--generation-config`` folder
+    holding its file.
 
     Raises:
         BatchgenError: one line naming the first bad flag and its value.
@@ -47,18 +49,19 @@ def check_sampling_defaults(defaults: SamplingParams, facts: EngineFacts | None)
         BatchgenError: naming the option by its flag (``--temperature``), as the command line shows it, and the
             file whose defaults it breaks a rule with.
     """
+    model = facts.sampling_defaults if facts is not None else None  # None: not read yet
+    given = defaults.with_model_defaults({})  # batchgen's own defaults where no option gives one
+    if "max_new_tokens" in defaults.left_to_model and (model is None or "max_new_tokens" in model):
+        # The file may give it, or does: min_new_tokens is checked against the file's below.
+        given = replace(given, max_new_tokens=max(given.max_new_tokens, given.min_new_tokens))
+    _validate(given, facts.vocab_size if facts is not None else None, "")
     if facts is None:
-        if "max_new_tokens" in defaults.left_to_model:  # the file may raise it: checked with it, once loaded
-            defaults = replace(defaults, max_new_tokens=max(defaults.max_new_tokens, defaults.min_new_tokens))
-        _validate(defaults, None, "")
         return
-    taken = ", ".join(f"{name} {value}" for name, value in facts.sampling_defaults.items())
-    note = (
-        f", with the defaults of {facts.sampling_defaults_file} ({taken}; --generation-config none leaves them aside)"
-        if facts.sampling_defaults_file is not None
-        else ""
-    )
-    _validate(defaults.with_model_defaults(facts.sampling_defaults), facts.vocab_size, note)
+    if facts.sampling_defaults_file is not None:  # what fails now, fails with the file's values
+        taken = ", ".join(f"{name} {value}" for name, value in facts.sampling_defaults.items())
+        aside = "--generation-config none leaves them aside"
+        note = f", with the defaults of {facts.sampling_defaults_file} ({taken}; {aside})"
+        _validate(defaults.with_model_defaults(facts.sampling_defaults), facts.vocab_size, note)
     if defaults.n > facts.max_running_requests:
         raise BatchgenError(f"--n {defaults.n} exceeds --max-running-requests {facts.max_running_requests}")
 

@@ -90,13 +90,10 @@ def _flags_replace_the_configs_constraint(values: dict[str, Any]) -> None:
 
 def _left_to_model(values: dict[str, Any]) -> tuple[str, ...]:
     """The run defaults among ``values`` (the sampling flags' values) that the model's generation_config.json may
-    set: those of :data:`MODEL_SAMPLING_FIELDS` that neither a flag nor a ``--config`` key gave a value."""
+    set: those of :data:`MODEL_SAMPLING_FIELDS` that neither a flag nor a ``--config`` key gave (a key's null is
+    the option's default: click's source for it is the default's)."""
     ctx = get_current_context()
-    return tuple(
-        name
-        for name in MODEL_SAMPLING_FIELDS
-        if name in values and (values[name] is None or not given(ctx, name, config_too=True))
-    )
+    return tuple(name for name in MODEL_SAMPLING_FIELDS if name in values and not given(ctx, name, config_too=True))
 
 
 def _typer_parameter(field: Field[Any], annotation: Any, required: bool, hidden: bool) -> inspect.Parameter:

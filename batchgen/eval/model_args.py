@@ -11,6 +11,7 @@ from typing import Any
 
 from batchgen.api.options import option_names
 from batchgen.errors import BatchgenError, FieldError
+from batchgen.eval.requests import SET_BY_REQUESTS
 from batchgen.io.input_options import chat_template_kwargs
 from batchgen.job.options import JobOptions
 from batchgen.loop.options import EngineOptions
@@ -71,13 +72,18 @@ def refuse_sampling_args(options: dict[str, Any]) -> None:
     name = next((name for name in options if name in sampling), None)
     if name is None:
         return
-    if SAMPLING_FIELD_ALIASES.get(name, name) == "max_new_tokens":
+    meant = SAMPLING_FIELD_ALIASES.get(name, name)
+    if meant == "max_new_tokens":
         where = "lm-eval's is the max_gen_toks model arg (default 256) or a task's (--gen_kwargs max_gen_toks=N)"
+    elif meant == "stop":
+        where = "lm-eval's is a task's until"
     elif name in GRAMMAR_FIELDS:
         where = "lm-eval's requests carry no structured-output constraint"
-    else:
+    elif meant in SET_BY_REQUESTS:  # n, prompt logprobs
+        where = "lm-eval's requests set it themselves (samples: a task's repeats; prompt logprobs: loglikelihood)"
+    else:  # generation_row passes it on
         where = (
-            f"lm-eval takes it from each task's gen_kwargs, or --gen_kwargs {name}=VALUE for every generate_until task"
+            f"lm-eval takes it from each task's gen_kwargs, or --gen_kwargs {meant}=VALUE for every generate_until task"
         )
     raise BatchgenError(f"--model_args {name}: a sampling option; {where}")
 

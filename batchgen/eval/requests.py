@@ -16,7 +16,7 @@ logger = logging.getLogger(__name__)
 
 # Generation arguments batchgen sets itself from lm-eval's own (max_gen_toks, until, do_sample), or that make no
 # sense for one lm-eval request (several samples, prompt scoring).
-_SET_HERE = frozenset(("max_new_tokens", "stop", "n", "prompt_logprobs", "prompt_logprobs_from"))
+SET_BY_REQUESTS = frozenset(("max_new_tokens", "stop", "n", "prompt_logprobs", "prompt_logprobs_from"))
 
 
 def scoring_row(context_ids: list[int], continuation_ids: list[int], max_length: int, name: str) -> dict[str, Any]:
@@ -81,7 +81,7 @@ def generation_row(
     else:
         logger.warning("%s: max_gen_toks %d >= max_length %d: shrunk to fit", name, new_tokens, max_length)
         context_ids, new_tokens = maybe_truncate(context_ids, new_tokens, max_length, shrink_gen_toks=True)
-    sampling = {key: value for key, value in kwargs.items() if key in SAMPLING_FIELDS and key not in _SET_HERE}
+    sampling = {key: value for key, value in kwargs.items() if key in SAMPLING_FIELDS and key not in SET_BY_REQUESTS}
     ignored = sorted(set(kwargs) - set(sampling) - {"do_sample"})
     if ignored:
         warning_once(logger, "generation arguments %s are no batchgen sampling fields: ignored", ", ".join(ignored))

@@ -274,7 +274,8 @@ class RunJob:
     def _samples_of(self, spec: RowSpec) -> int:
         """The row's ``n`` (0 for a row whose sampling fields are bad: it is never done by its samples)."""
         try:
-            return make_sampling_params(self.defaults, spec.sampling_overrides, self.facts.vocab_size).n
+            # The builder's defaults: the run's with the model's generation_config.json's, as the row ran with them.
+            return make_sampling_params(self.builder.defaults, spec.sampling_overrides, self.facts.vocab_size).n
         except FieldError:
             return 0
 

@@ -18,9 +18,9 @@ from batchgen.io.fingerprint import DatasetFingerprint, fingerprint_dataset
 from batchgen.io.finished_output import finished_batches
 from batchgen.io.input_options import INPUT_OPTIONS_KEY, InputOptions, apply_escapes
 from batchgen.loop.engine import EngineFacts, dtype_name
-from batchgen.loop.generation_config import config_folder, model_sampling_defaults
+from batchgen.loop.generation_config import sampling_defaults
 from batchgen.loop.options import EngineOptions, pick_device
-from batchgen.sampling.sampling_params import SamplingParams
+from batchgen.sampling.sampling_params import MODEL_SAMPLING_FIELDS, SamplingParams
 
 # Metadata keys a resumed run adds to ``RunJob.metadata``: the dataset's fingerprint and the run seed.
 DATASET_KEY = "batchgen.dataset"
@@ -96,8 +96,7 @@ def settings_differences(
     named, recorded_dir = Path(options.model), Path(recorded.get("batchgen.model_dir", "None"))
     model_dir = next((path for path in (named, recorded_dir) if path.is_dir()), None)  # random:'s "None" is none
     if model_dir is not None or options.generation_config != "auto":  # else the recorded values stand in
-        folder = config_folder(options.generation_config, model_dir)
-        model_facts[MODEL_SAMPLING_KEY] = json.dumps(model_sampling_defaults(folder))
+        model_facts[MODEL_SAMPLING_KEY] = json.dumps(sampling_defaults(options.generation_config, model_dir)[0])
     same_dataset = {DATASET_KEY: fingerprint_dataset(dataset).to_json()}
     now = _settings(options, defaults, input_options, model_facts)
     return job_differences(recorded | same_dataset, now | same_dataset)
@@ -177,7 +176,8 @@ def job_differences(recorded: dict[str, str], now: dict[str, str]) -> list[str]:
     if old_mode is not None and old_mode != new_mode:  # not recorded before batchgen had the mode: not compared
         flag = "--deterministic" if old_mode == "true" else "--no-deterministic"
         differences.append(f"deterministic {old_mode} → {new_mode} ({flag} resumes in the written rows' mode)")
-    differences += changed_fields("batchgen.sampling_defaults", _sampling_defaults_in_full(recorded, now), now, None)
+    sampling = changed_fields("batchgen.sampling_defaults", _sampling_defaults_in_full(recorded, now), now, None)
+    differences += sampling + _file_differences(recorded, now, sampling)
     engine_then, engine_now = _engine_options_as_run(recorded, now)
     differences += changed_fields("batchgen.engine_options", engine_then, engine_now, _OUTPUT_ENGINE_OPTIONS)
     # An output of a batchgen without column options reads as one made with none.
@@ -189,6 +189,17 @@ def job_differences(recorded: dict[str, str], now: dict[str, str]) -> list[str]:
     else:
         differences += old_dataset.differences(DatasetFingerprint.from_json(now[DATASET_KEY]))
     return differences
+
+
+def _file_differences(recorded: dict[str, str], now: dict[str, str], sampling: list[str]) -> list[str]:
+    """Where ``sampling`` (the differing sampling defaults) names one a generation_config.json may set and the file's
+    values changed, that change, and how to resume as written: an output of a batchgen that did not read them
+    records none."""
+    old, new = recorded.get(MODEL_SAMPLING_KEY), now.get(MODEL_SAMPLING_KEY, "{}")
+    if (old or "{}") == new or not any(change.split(" ", 1)[0] in MODEL_SAMPLING_FIELDS for change in sampling):
+        return []
+    then = "none recorded (a batchgen that left them aside)" if old is None else old
+    return [f"the model's generation_config.json defaults {then} → {new} (--generation-config none leaves them aside)"]
 
 
 def _engine_options_as_run(recorded: dict[str, str], now: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:

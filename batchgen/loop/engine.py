@@ -18,11 +18,11 @@ from batchgen.kernels.switches import KernelSwitches
 from batchgen.loop.cpu_malloc import keep_freed_memory
 from batchgen.loop.drafter import Drafter
 from batchgen.loop.forward_batch import ForwardBatch
-from batchgen.loop.generation_config import config_folder, eos_token_ids, model_sampling_defaults
+from batchgen.loop.generation_config import eos_token_ids, sampling_defaults
 from batchgen.loop.kv_cache import KVCache
 from batchgen.loop.kv_pool import KVSlotAllocator, TokenToKVPool
 from batchgen.loop.model_runner import ModelRunner
-from batchgen.loop.options import DTYPE_NAMES, GENERATION_CONFIG_FILE, EngineOptions, pick_device
+from batchgen.loop.options import DTYPE_NAMES, EngineOptions, pick_device
 from batchgen.loop.radix_cache import RadixCache
 from batchgen.loop.req import Req
 from batchgen.loop.schedule_batch import ScheduleBatch
@@ -82,7 +82,7 @@ class EngineFacts:
         max_running_requests: the most requests decoding together.
         eos_token_ids: the ids that end a row.
         sampling_defaults: the sampling defaults ``--generation-config`` reads (the ``temperature``, ``top_p``... a
-            model's generation_config.json recommends: ``batchgen.loop.generation_config.model_sampling_defaults``),
+            model's generation_config.json recommends: ``batchgen.loop.generation_config.sampling_defaults``),
             for the run defaults that no flag sets (:meth:`SamplingParams.with_model_defaults`).
         sampling_defaults_file: the file they came from; ``None`` where it gave none.
     """
@@ -155,10 +155,8 @@ class Engine:
         self.tokenizer: Any = source.tokenizer
         self.hf_config = source.hf_config
         self.eos_token_ids = eos_token_ids(self.model_dir, self.hf_config)
-        folder = config_folder(options.generation_config, self.model_dir)
-        self.sampling_defaults = model_sampling_defaults(folder)
-        self.sampling_defaults_file = (
-            str(folder / GENERATION_CONFIG_FILE) if folder and self.sampling_defaults else None
+        self.sampling_defaults, self.sampling_defaults_file = sampling_defaults(
+            options.generation_config, self.model_dir
         )
         self.device = pick_device(options.device)
         self.dtype = pick_dtype(options.dtype, self.hf_config, self.device)

@@ -10,20 +10,19 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, get_type_hints
 
 from batchgen.errors import BatchgenError, FieldError, shown_value
 from batchgen.loop.options import GENERATION_CONFIG_FILE
 from batchgen.sampling.sampling_params import MODEL_SAMPLING_FIELDS, SamplingParams, whole_number
 
-_INTEGER_FIELDS = ("top_k", "max_new_tokens")
-
 
 def eos_token_ids(model_dir: Path | None, hf_config: Any) -> list[int]:
     """EOS ids as ``generate`` uses them: generation_config.json's ``eos_token_id`` (int or list), else config.json's.
+    The model's own file: ``--generation-config DIR`` sets sampling defaults only.
 
     Raises:
-        BatchgenError: a generation_config.json that is no JSON object.
+        BatchgenError: a generation_config.json that cannot be read or is no JSON object.
     """
     eos = _read(model_dir).get("eos_token_id")
     if eos is None:
@@ -53,33 +52,40 @@ def _read(folder: Path | None) -> dict[str, Any]:
     return data
 
 
-def config_folder(generation_config: str, model_dir: Path | None) -> Path | None:
-    """The folder whose generation_config.json sets a run's sampling defaults under ``--generation-config``
-    ``generation_config``: the model's (``auto``; ``None`` for a model without a folder, a ``random:`` one), none
-    (``none``), or the folder given."""
-    if generation_config == "none":
-        return None
-    return model_dir if generation_config == "auto" else Path(generation_config)
+def sampling_defaults(generation_config: str, model_dir: Path | None) -> tuple[dict[str, Any], str | None]:
+    """The sampling defaults ``--generation-config`` ``generation_config`` reads, and the file it read them from
+    (``None`` where it gave none): the model's generation_config.json (``auto``; none for a model without a folder,
+    a ``random:`` one), none (``none``), or the given folder's (:func:`model_sampling_defaults`).
+
+    Raises:
+        BatchgenError: as :func:`model_sampling_defaults`.
+    """
+    folder = {"none": None, "auto": model_dir}.get(generation_config, Path(generation_config))
+    values = model_sampling_defaults(folder)
+    return values, f"{folder}/{GENERATION_CONFIG_FILE}" if values else None
 
 
 def model_sampling_defaults(folder: Path | None) -> dict[str, Any]:
     """The sampling defaults ``folder/generation_config.json`` recommends, by batchgen's field names: those of
-    :data:`~batchgen.sampling.sampling_params.MODEL_SAMPLING_FIELDS` it gives a value (not ``null``); empty for no
-    folder or no file there. ``do_sample`` is left aside, as vLLM and SGLang leave it: a temperature the file gives
-    applies whatever ``do_sample`` says.
+    :data:`~batchgen.sampling.sampling_params.MODEL_SAMPLING_FIELDS` it gives a value (not ``null``), as their
+    declared types (an integer field takes a float with no fraction, as JSON writers give them); empty for no folder
+    or no file there. ``do_sample`` is left aside, as vLLM and SGLang leave it: a temperature the file gives applies
+    whatever ``do_sample`` says.
 
     Raises:
-        BatchgenError: the file is no JSON object, or one of those values is of the wrong type or out of
-            :meth:`SamplingParams.validate`'s range (one line naming the file and the field).
+        BatchgenError: the file cannot be read or is no JSON object, or one of those values is of the wrong type or
+            out of :meth:`SamplingParams.validate`'s range, or a ``max_new_tokens`` below 1 (one line naming the file
+            and the field).
     """
     data = _read(folder)
     picked = {name: whole_number(data[name]) for name in MODEL_SAMPLING_FIELDS if data.get(name) is not None}
+    types = get_type_hints(SamplingParams)
     try:
         for name, value in picked.items():
-            integral = name in _INTEGER_FIELDS
+            integral = types[name] is int
             if isinstance(value, bool) or not isinstance(value, int if integral else (int, float)):
                 raise FieldError(name, f"must be {'an integer' if integral else 'a number'}, got {shown_value(value)}")
-            picked[name] = int(value) if integral else float(value)
+            picked[name] = types[name](value)
         if picked.get("max_new_tokens", 1) < 1:  # as HF's GenerationConfig checks: a model recommends some output
             raise FieldError("max_new_tokens", f"must be >= 1, got {picked['max_new_tokens']}")
         SamplingParams(**picked).validate(None)

@@ -224,16 +224,22 @@ class EngineOptions:
             deterministic_backend(self.attention_backend, pick_device(self.device))
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             raise BatchgenError(f"--cuda-graph-max-bs must be >= 1, got {self.cuda_graph_max_bs}")
-        if here:
-            self._validate_generation_config()
+        self._validate_generation_config(here)
 
-    def _validate_generation_config(self) -> None:
-        """``--generation-config``: one of its words, or a directory (on this machine) holding the file."""
+    def _validate_generation_config(self, here: bool) -> None:
+        """``--generation-config``: one of its words, or a directory holding the file; with ``here`` false (the
+        replicas' machines read it), any text but another engine's word or an empty one.
+
+        Raises:
+            BatchgenError: naming the value, with the word meant where it is another engine's.
+        """
         value = self.generation_config
+        meant = _GENERATION_CONFIG_MEANT.get(value.lower(), "")
         if value in GENERATION_CONFIG_WORDS or (value and (Path(value) / GENERATION_CONFIG_FILE).is_file()):
             return
+        if value and not meant and not here:
+            return
         problem = f"holds no {GENERATION_CONFIG_FILE}" if value and Path(value).is_dir() else "is no directory"
-        meant = _GENERATION_CONFIG_MEANT.get(value.lower(), "")
         raise BatchgenError(
             f"--generation-config must be auto, none or a directory holding a {GENERATION_CONFIG_FILE}; "
             f"'{value}' {problem}{meant}"

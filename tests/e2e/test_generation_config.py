@@ -15,7 +15,7 @@ import pytest
 
 from batchgen.errors import BatchgenError
 from batchgen.loop.generation_config import model_sampling_defaults
-from tests.helpers.cli import generate, run_args, run_cli, write_jsonl
+from tests.helpers.cli import generate, read_rows, run_args, run_cli, write_jsonl
 from tests.helpers.hf_greedy import MAX_NEW, check_against_hf, greedy_prompts
 
 
@@ -60,9 +60,17 @@ def test_flags_config_keys_and_rows_win_over_the_model(greedy_model: Path, tmp_p
     flagged = generate(dataset, tmp_path / "flag.arrow", greedy_model, "--ignore-eos", "--max-new-tokens", "5")
     assert [len(flagged[i]["output_token_ids"]) for i in "ab"] == [5, 2]
     config = tmp_path / "run.yaml"
-    config.write_text("max-new-tokens: 4\nignore-eos: true\n")
+    config.write_text("max-new-tokens: 4\nignore-eos: true\ntemperature: null\n")  # null: not given
     from_config = generate(dataset, tmp_path / "config.arrow", greedy_model, "--config", str(config))
     assert [len(from_config[i]["output_token_ids"]) for i in "ab"] == [4, 2]
+    assert _recorded_defaults(tmp_path / "config.arrow")["temperature"] == 0.0
+    import batchgen
+
+    model = str(greedy_model)
+    batchgen.run(dataset, tmp_path / "api.arrow", model=model, ignore_eos=True, max_new_tokens=3, progress=False)
+    assert _recorded_defaults(tmp_path / "api.arrow")["temperature"] == 0.0  # batchgen.run: as the command line
+    from_api = read_rows(tmp_path / "api.arrow")
+    assert [len(from_api[i]["output_token_ids"]) for i in "ab"] == [3, 2]
     # The flag gives the built-in default's own value: still the flag's, not the file's.
     generate(dataset, tmp_path / "t1.arrow", greedy_model, "--temperature", "1.0", "--max-new-tokens", "2")
     assert _recorded_defaults(tmp_path / "t1.arrow")["temperature"] == 1.0
@@ -81,6 +89,19 @@ def test_none_leaves_the_file_aside_and_a_folder_replaces_it(greedy_model: Path,
     assert len(results["a"]["output_token_ids"]) == 3
 
 
+def test_a_resume_does_not_run_again_a_row_the_file_made_valid(greedy_model: Path, tmp_path: Path) -> None:
+    """Found by a review: the rows a resumed output holds were counted by their samples under batchgen's own
+    defaults, by which a row asking for more than 128 tokens at least is bad (0 samples): it ran again."""
+    roomy = _with_generation_config(greedy_model, tmp_path / "roomy", max_new_tokens=300)
+    rows = [{"id": "a", "prompt": "Once upon", "min_new_tokens": 150}]
+    out = tmp_path / "out.arrow"
+    generate(write_jsonl(tmp_path / "in.jsonl", rows), out, roomy, "--context-length", "256")
+    dataset = write_jsonl(tmp_path / "in.jsonl", [*rows, {"id": "b", "prompt": "Once", "max_new_tokens": 2}])
+    args = [a for a in run_args(dataset, out, roomy, "--context-length", "256") if a != "--overwrite"]
+    code, output = run_cli([*args, "--resume"])
+    assert code == 0 and "1 row was done before" in output and " + 2 output tokens" in output, output
+
+
 def test_a_resume_compares_what_the_rows_default_to(greedy_model: Path, tmp_path: Path) -> None:
     dataset = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": "Once upon a time"}])
     out = tmp_path / "out.arrow"
@@ -90,6 +111,26 @@ def test_a_resume_compares_what_the_rows_default_to(greedy_model: Path, tmp_path
     assert code == 0 and "already complete" in output, output
     code, output = run_cli([*args, "--resume", "--generation-config", "none"])
     assert code == 2 and "temperature 0.0 → 1.0" in output, output
+    said = 'the model\'s generation_config.json defaults {"temperature": 0.0, "max_new_tokens": 10} → {}'
+    assert said in output, output
+
+
+def test_an_output_written_before_the_file_was_read_says_why_it_differs() -> None:
+    """Found by a review: an output of a batchgen that left the file aside was refused over "temperature 1.0 →
+    0.6" alone, with nothing to say that the model's file changed it, nor how to resume as written."""
+    from batchgen.job.run_metadata import MODEL_SAMPLING_KEY, job_differences
+
+    key = "batchgen.sampling_defaults"
+    recorded = {key: json.dumps({"temperature": 1.0, "top_k": -1})}
+    now = {key: json.dumps({"temperature": 0.6, "top_k": -1}), MODEL_SAMPLING_KEY: '{"temperature": 0.6}'}
+    differences = job_differences(recorded, now)
+    assert "temperature 1.0 → 0.6" in differences
+    assert (
+        "the model's generation_config.json defaults none recorded (a batchgen that left them aside) → "
+        '{"temperature": 0.6} (--generation-config none leaves them aside)'
+    ) in differences
+    # Rows pinned by a flag to what they were: no difference, and nothing said of the file.
+    assert not [d for d in job_differences(recorded, {**now, key: recorded[key]}) if "generation_config" in d]
 
 
 @pytest.mark.parametrize(
@@ -146,8 +187,13 @@ def test_options_that_break_a_rule_with_the_files_values(greedy_model: Path, tmp
     # Found by a review: checked against the built-in 128 before the file's larger max_new_tokens was read.
     roomy = _with_generation_config(greedy_model, tmp_path / "roomy", max_new_tokens=300)
     rows = generate(dataset, tmp_path / "min.arrow", roomy, "--min-new-tokens", "200", "--context-length", "256")
-    assert all(len(row["output_token_ids"]) >= 200 or row["finish_reason"] == "length" for row in rows.values())
+    assert all(len(row["output_token_ids"]) >= 200 for row in rows.values())
     assert _recorded_defaults(tmp_path / "min.arrow")["max_new_tokens"] == 300
+    from batchgen.loop.options import EngineOptions
+
+    EngineOptions(generation_config="/on/the/replicas").validate(here=False)  # --ray: a folder read there
+    with pytest.raises(BatchgenError, match="SGLang's 'model' is batchgen's 'auto'"):
+        EngineOptions(generation_config="model").validate(here=False)  # another engine's word, wherever read
     for value, hint in [
         ("vllm", "(vLLM's 'vllm', its own defaults, is batchgen's 'none')"),
         ("model", "(SGLang's 'model' is batchgen's 'auto')"),

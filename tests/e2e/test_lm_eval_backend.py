@@ -236,6 +236,9 @@ BAD_MODEL_ARGS = [
     ("pretrained={model},temperature=0.5", "--model_args temperature: a sampling option; lm-eval takes it from"),
     ("pretrained={model},max_tokens=8", "--model_args max_tokens: a sampling option; lm-eval's is the max_gen_toks"),
     ("pretrained={model},json_schema=x", "--model_args json_schema: a sampling option; lm-eval's requests carry no"),
+    ("pretrained={model},stop=x", "--model_args stop: a sampling option; lm-eval's is a task's until"),
+    ("pretrained={model},n=2", "--model_args n: a sampling option; lm-eval's requests set it themselves"),
+    ("pretrained={model},min_tokens=2", "or --gen_kwargs min_new_tokens=VALUE for every generate_until task"),
 ]
 
 
@@ -252,6 +255,23 @@ def test_bad_model_args_raise_batchgens_error(
         evaluate(tasks, "batchgen", key_val_to_dict(model_args), tasks=["batchgen_generate"], **options)
     # Not followed by more of a number or a word: "got -5" must not be "got -5.0".
     assert re.search(re.escape(message) + r"(?![\w.])", str(error.value)), str(error.value)
+
+
+def test_the_models_sampling_defaults_are_left_aside_unless_asked_for(
+    tasks: TaskManager, random_models: dict[str, Path], tmp_path: Path
+) -> None:
+    """As under ``--model vllm``, whose backend gives vLLM whole SamplingParams: the model's generation_config.json
+    sets no default (here its bad temperature is never read), unless the ``generation_config`` model arg asks."""
+    import json
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(random_models["llama"], model)
+    config = model / "generation_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "temperature": "hot"}))
+    evaluate(tasks, "batchgen", f"pretrained={model},dtype=float32", tasks=["batchgen_generate"])
+    with pytest.raises(BatchgenError, match='temperature must be a number, got "hot"'):
+        evaluate(tasks, "batchgen", f"pretrained={model},generation_config=auto", tasks=["batchgen_generate"])
 
 
 def test_other_backends_model_args_that_ask_for_nothing_else_are_taken(llama_dir: Path) -> None:
