@@ -18,8 +18,6 @@ from batchgen.sampling.row_fields import SAMPLING_FIELD_ALIASES, SAMPLING_FIELDS
 # where batchgen has none; a row written for another engine is then told what it lost rather than run differently.
 _FOREIGN_SAMPLING_NAMES: dict[str, str | None] = {
     "stop_sequences": "stop",
-    # OpenAI's {"type": "json_schema", "json_schema": {"schema": ...}}: a batchgen row gives the schema itself.
-    "response_format": "json_schema",
     "num_return_sequences": "n",
     "guided_json": "json_schema",
     "guided_regex": "regex",
@@ -62,6 +60,9 @@ _FOREIGN_SAMPLING_NOTES = {
     "max_length": "HF's max_length counts the prompt too: give 'max_new_tokens', the tokens to generate",
     "min_length": "HF's min_length counts the prompt too: give 'min_new_tokens', the fewest tokens to generate",
     "sampling_params": "batchgen reads each sampling field at the top level of a row, not nested",
+    # OpenAI's {"type": "json_schema", "json_schema": {"schema": ...}}: a batchgen row gives the schema itself.
+    "response_format": "a batchgen row gives its schema itself as 'json_schema' (an OpenAI Batch line's body takes "
+    "response_format)",
     "structured_outputs": "give 'json_schema', 'regex' or 'ebnf' at the top level of a row",
     "guided_decoding": "give 'json_schema', 'regex' or 'ebnf' at the top level of a row",
     "pad_token_id": "batchgen pads nothing: give each row its own ids, unpadded, as 'prompt_token_ids'",

@@ -58,6 +58,15 @@ _OFF_VALUES: dict[str, tuple[Any, ...]] = {
     # vLLM's chat extensions, in the value batchgen always does: the template's generation prompt after the messages.
     "add_generation_prompt": (True,),
     "continue_final_message": (False,),
+    "guided_decoding_backend": ("xgrammar", "auto"),  # vLLM's: batchgen's grammars are xgrammar's
+}
+# vLLM's own structured-output fields of a request body: where batchgen takes the same constraint.
+_VLLM_STRUCTURED = {
+    "guided_json": 'give the schema as response_format {"type": "json_schema", "json_schema": {"schema": ...}}',
+    **dict.fromkeys(("structured_outputs", "guided_decoding"), "a schema as response_format, others in rows"),
+    "guided_regex": "give it as a batchgen row's regex (OpenAI's response_format has none)",
+    "guided_grammar": "give it as a batchgen row's ebnf (OpenAI's response_format has none)",
+    "guided_choice": "give a batchgen row a regex of the choices, a|b|c",
 }
 _CHAT_ONLY = frozenset(
     (
@@ -227,6 +236,8 @@ def _check_body_field(key: str, value: Any, url: str, body: dict[str, Any], fail
     close = difflib.get_close_matches(key, known, n=1, cutoff=0.8)
     if close:
         raise fail(name, f"not a field batchgen knows (did you mean '{close[0]}'?)")
+    if key in _VLLM_STRUCTURED:
+        raise fail(name, f"vLLM's structured output, which a batchgen request does not read: {_VLLM_STRUCTURED[key]}")
     raise fail(name, "not supported by batchgen; leave it out (the result would not be what it asks for)")
 
 

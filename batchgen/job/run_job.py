@@ -43,6 +43,7 @@ from batchgen.job.rounds import LocalRounds, Rounds, RowResults
 from batchgen.job.row_flow import RowChecks
 from batchgen.job.run_metadata import RUN_SEED_KEY, run_metadata
 from batchgen.job.summary import RunSummary
+from batchgen.loop.generation_config import applied_note
 from batchgen.loop.options import EngineOptions
 from batchgen.sampling.row_fields import make_sampling_params
 from batchgen.sampling.sampling_params import SamplingParams
@@ -106,6 +107,9 @@ class RunJob:
         except BaseException:
             self.close()
             raise
+        note = applied_note(defaults.left_to_model, self.facts.sampling_defaults, self.facts.sampling_defaults_file)
+        if note is not None:
+            print(f"batchgen: {note}", file=sys.stderr)
         model, tokenizer, seed = engine_options.model, self.facts.tokenizer, self.builder.run_seed
         self.openai_output = openai_output(dataset, self.reader.openai, as_openai, model, tokenizer, seed)
         warn_about_passthrough_names(self.reader.path, self.reader.passthrough_schema.names, self.reader.options)

@@ -193,13 +193,16 @@ def job_differences(recorded: dict[str, str], now: dict[str, str]) -> list[str]:
 
 def _file_differences(recorded: dict[str, str], now: dict[str, str], sampling: list[str]) -> list[str]:
     """Where ``sampling`` (the differing sampling defaults) names one a generation_config.json may set and the file's
-    values changed, that change, and how to resume as written: an output of a batchgen that did not read them
-    records none."""
+    values changed (an output of a batchgen that did not read them records none), that change, and the flags that
+    give the rows the defaults they were written with (a flag wins over the file)."""
     old, new = recorded.get(MODEL_SAMPLING_KEY), now.get(MODEL_SAMPLING_KEY, "{}")
-    if (old or "{}") == new or not any(change.split(" ", 1)[0] in MODEL_SAMPLING_FIELDS for change in sampling):
+    changed = [change.split(" ", 1)[0] for change in sampling]
+    if (old or "{}") == new or not any(name in MODEL_SAMPLING_FIELDS for name in changed):
         return []
+    written = json.loads(_sampling_defaults_in_full(recorded, now)["batchgen.sampling_defaults"])
+    pins = " ".join(f"--{name.replace('_', '-')} {written[name]}" for name in changed if name in MODEL_SAMPLING_FIELDS)
     then = "none recorded (a batchgen that left them aside)" if old is None else old
-    return [f"the model's generation_config.json defaults {then} → {new} (--generation-config none leaves them aside)"]
+    return [f"the model's generation_config.json defaults {then} → {new} ({pins} resumes as written)"]
 
 
 def _engine_options_as_run(recorded: dict[str, str], now: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:

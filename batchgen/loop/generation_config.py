@@ -9,6 +9,7 @@ Llama 3 Instruct model (``temperature`` 0.6, ``top_p`` 0.9) samples alike in all
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any, get_type_hints
 
@@ -94,3 +95,13 @@ def model_sampling_defaults(folder: Path | None) -> dict[str, Any]:
         note = "--generation-config none leaves its sampling defaults aside"
         raise BatchgenError(f"{path}: {e.field} {e.message} ({note})") from None
     return picked
+
+
+def applied_note(left_to_model: Collection[str], values: dict[str, Any], file: str | None) -> str | None:
+    """The line that says which of the sampling defaults ``values`` read from ``file`` a run takes (those of
+    ``left_to_model``, which no option set), as vLLM logs that its defaults were overridden; ``None`` for none."""
+    taken = [f"{name} {value}" for name, value in values.items() if name in left_to_model]
+    if not taken:
+        return None
+    aside = "options and rows set their own; --generation-config none leaves them aside"
+    return f"sampling defaults from {file}: {', '.join(taken)} ({aside})"

@@ -54,6 +54,16 @@ def test_the_models_defaults_apply_to_rows_no_option_sets(greedy_model: Path, tm
     assert json.loads(metadata[b"batchgen.model_sampling_defaults"]) == {"temperature": 0.0, "max_new_tokens": MAX_NEW}
 
 
+def test_the_run_says_which_of_the_files_defaults_it_takes(greedy_model: Path, tmp_path: Path) -> None:
+    """Found by a new user: nothing on stderr said the file's values were applied (vLLM logs that it did)."""
+    dataset = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "Once upon a time"}])
+    code, output = run_cli(run_args(dataset, tmp_path / "o.arrow", greedy_model, "--max-new-tokens", "2"))
+    said = f"batchgen: sampling defaults from {greedy_model}/generation_config.json: temperature 0.0 (options and"
+    assert code == 0 and said in output, output
+    code, output = run_cli(run_args(dataset, tmp_path / "o.arrow", greedy_model, "--generation-config", "none"))
+    assert code == 0 and "sampling defaults from" not in output, output
+
+
 def test_flags_config_keys_and_rows_win_over_the_model(greedy_model: Path, tmp_path: Path) -> None:
     rows = [{"id": "a", "prompt": "Once upon a time"}, {"id": "b", "prompt": "Once upon a time", "max_new_tokens": 2}]
     dataset = write_jsonl(tmp_path / "in.jsonl", rows)
@@ -112,7 +122,7 @@ def test_a_resume_compares_what_the_rows_default_to(greedy_model: Path, tmp_path
     code, output = run_cli([*args, "--resume", "--generation-config", "none"])
     assert code == 2 and "temperature 0.0 → 1.0" in output, output
     said = 'the model\'s generation_config.json defaults {"temperature": 0.0, "max_new_tokens": 10} → {}'
-    assert said in output, output
+    assert f"{said} (--temperature 0.0 resumes as written)" in output, output
 
 
 def test_an_output_written_before_the_file_was_read_says_why_it_differs() -> None:
@@ -127,7 +137,7 @@ def test_an_output_written_before_the_file_was_read_says_why_it_differs() -> Non
     assert "temperature 1.0 → 0.6" in differences
     assert (
         "the model's generation_config.json defaults none recorded (a batchgen that left them aside) → "
-        '{"temperature": 0.6} (--generation-config none leaves them aside)'
+        '{"temperature": 0.6} (--temperature 1.0 resumes as written)'
     ) in differences
     # Rows pinned by a flag to what they were: no difference, and nothing said of the file.
     assert not [d for d in job_differences(recorded, {**now, key: recorded[key]}) if "generation_config" in d]

@@ -136,7 +136,7 @@ def test_foreign_sampling_field_names_are_warned_about(random_models: dict[str, 
     assert code == 0, output
     assert f"{dataset}: field 'Temperature' is not a sampling field (did you mean 'temperature'?)" in output
     assert "field 'best_of' is not supported: batchgen has no such option" in output
-    assert "field 'response_format' is not a sampling field (did you mean 'json_schema'?)" in output
+    assert "field 'response_format' is not read (a batchgen row gives its schema itself as 'json_schema'" in output
     assert "field 'max_new_token' is not a sampling field (did you mean 'max_new_tokens'?)" in output  # a near miss
     # Other engines' fields that a new user's rows carried with no word (HF's do_sample false, vLLM's guided_json,
     # SGLang's nested sampling_params): each row then ran sampled or unconstrained.

@@ -131,6 +131,8 @@ def test_vllms_chat_extensions_at_what_batchgen_does_are_read(tmp_path: Path) ->
     assert row.data["include_stop_str_in_output"] is True  # batchgen's sampling field of that name
     (row,) = rows(tmp_path, [request("a", chat(chat_template_kwargs={"enable_thinking": False}))])
     assert row.data["chat_template_kwargs"] == {"enable_thinking": False}  # the row field of that name
+    (row,) = rows(tmp_path, [request("a", chat(guided_decoding_backend="xgrammar"))])
+    assert row.problem is None  # batchgen's grammars are xgrammar's: a request asking for it asks for nothing more
 
 
 def test_completions_prompts_and_their_logprobs_count(tmp_path: Path) -> None:
@@ -205,6 +207,10 @@ def test_text_content_parts_are_joined_and_others_refused(tmp_path: Path) -> Non
             "body.response_format",
             "schema",
         ),
+        # Found by a vLLM user: guided_json was "not supported; leave it out", which batchgen takes another way.
+        (request("a", chat(guided_json={"type": "object"})), "body.guided_json", 'as response_format {"type"'),
+        (request("a", chat(guided_regex="a+")), "body.guided_regex", "give it as a batchgen row's regex"),
+        (request("a", chat(guided_decoding_backend="outlines")), "body.guided_decoding_backend", "not supported"),
         (request("a", {"model": "m"}), "body.messages", "required"),
         (request("a", "text"), "body", "must be an object"),
         ({"custom_id": 5, "method": "POST", "url": CHAT, "body": chat()}, "custom_id", "non-empty string"),
