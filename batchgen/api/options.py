@@ -68,6 +68,8 @@ def check_option_names(
         if meant in option_names(JobOptions):
             where = "batchgen.run()"
         said = f"'{meant}' is an option of {where}"
+        if meant == "seed" and SamplingParams in classes:  # vLLM's SamplingParams(seed=) seeds each request
+            said += "; a row's own 'seed' seeds that row"
     else:
         near = near_name(unknown, known) if note is None else None
         said = note or (f"did you mean '{near}'?" if near else None)

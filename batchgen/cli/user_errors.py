@@ -52,6 +52,7 @@ class BatchgenGroup(TyperGroup):
         except UsageError as e:
             if isinstance(e, NoSuchOption):
                 _hint_meant_option(e)
+            _hint_meant_command(e)
             # The command's path as it was run (`batchgen run`, `python -m batchgen run`); some errors know none.
             where = f" (see '{e.ctx.command_path} --help')" if e.ctx is not None else ""
             print(f"batchgen: error: {e.format_message()}{where}", file=sys.stderr)
@@ -63,6 +64,21 @@ class BatchgenGroup(TyperGroup):
             print("Aborted!", file=sys.stderr)
             sys.exit(1)
         sys.exit(code if isinstance(code, int) else 0)
+
+
+# Other tools' commands for what a batchgen command does.
+_OTHER_COMMANDS = {
+    "run-batch": "vLLM's run-batch: batchgen run REQUESTS.jsonl --out RESULTS.jsonl reads its files",
+    "generate": "batchgen run DATASET --out OUT generates",
+    "serve": "batchgen runs offline, with no server: batchgen run DATASET --out OUT",
+}
+
+
+def _hint_meant_command(error: UsageError) -> None:
+    """Say which batchgen command does what another tool's unknown command does (vLLM's ``run-batch``)."""
+    name = next((name for name in _OTHER_COMMANDS if error.message == f"No such command {name!r}."), None)
+    if name is not None:
+        error.message = f"No such command {name!r} ({_OTHER_COMMANDS[name]})."
 
 
 def _hint_meant_option(error: NoSuchOption) -> None:

@@ -940,3 +940,9 @@ def test_summary_line_counts_rows_and_their_samples(model: Path, tmp_path: Path)
     assert lines[0].startswith("batchgen: 10 rows (30 samples) done, 0 bad rows, 20 prompt + 60 output tokens in ")
     assert SUMMARY.match(lines[0]), lines[0]
     assert len(pa.ipc.open_file(tmp_path / "out.arrow").read_all()) == 30
+
+
+def test_another_tools_command_names_batchgens() -> None:
+    """Found by a vLLM user: ``batchgen run-batch -i ... -o ...`` said only "No such command"."""
+    code, output = run_cli(["run-batch", "-i", "in.jsonl", "-o", "out.jsonl"])
+    assert code == 2 and "No such command 'run-batch' (vLLM's run-batch: batchgen run REQUESTS.jsonl --out" in output

@@ -501,6 +501,9 @@ def test_unknown_option_is_a_type_error_and_a_bad_value_the_cli_message(
         batchgen.Generator(str(chat_model), stop_strings=["x"])
     with pytest.raises(TypeError, match="run\\(\\) got an unexpected keyword argument 'bogus'"):
         batchgen.run(tmp_path / "in.jsonl", tmp_path / "out.jsonl", bogus=1)
+    # Found by a vLLM user, whose SamplingParams(seed=) seeds each request: the row's seed is named too.
+    with pytest.raises(TypeError, match=re.escape("('seed' is an option of Generator(); a row's own 'seed' seeds")):
+        generator.generate(["x"], seed=3)
     # A switch takes booleans only (None where its default is decided at load): "false" is a true string. A bad
     # value, so a BatchgenError named by its flag, as other bad values (a new user met a TypeError for logprobs=1
     # beside a BatchgenError for top_k=1.5).
