@@ -65,9 +65,25 @@ def status(
                 found = read_output_status(
                     dataset, out, input_options, (options, defaults), force=job_options.resume_force
                 )
+        except BatchgenError as e:
+            raise _swapped(e, dataset, out) from None
         except KeyboardInterrupt:  # Typer would end it with no word; status only reads, nothing to flush
             print("batchgen: interrupted", file=sys.stderr)
             raise typer.Exit(128 + signal.SIGINT) from None
     print("\n".join(found.lines()))
     if not found.complete:  # a scheduler's test, as `diff` answers 0 same, 1 different, 2 trouble
         raise typer.Exit(1)
+
+
+def _swapped(error: BatchgenError, dataset: Path | None, out: Path | None) -> BatchgenError:
+    """``error`` with a question where OUT is no batchgen output but DATASET is one: the two given the other way
+    round (found by a new user, whose ``status OUT DATASET`` was told only that DATASET's rows are no output)."""
+    from batchgen.io.finished_output import finished_rows
+
+    if dataset is None or out is None or "not a batchgen output" not in str(error):
+        return error
+    try:
+        finished_rows(dataset)
+    except BatchgenError:
+        return error
+    return BatchgenError(f"{error} ({dataset} is one: DATASET and OUT swapped? status takes the dataset first)")

@@ -863,6 +863,19 @@ def test_status_of_an_output_from_another_dataset_says_so(
     assert lines[1] == f"{partial_out}: note: {foreign} rows of {partial_out} have an id {changed} lacks"
 
 
+def test_status_with_dataset_and_out_swapped_asks_whether_they_are(
+    small_job: tuple[Path, dict[Key, dict[str, Any]]], model: Path, tmp_path: Path
+) -> None:
+    """Found by a new user: ``status OUT DATASET`` said only that the dataset's rows are no batchgen output."""
+    dataset, _ = small_job
+    out = tmp_path / "out.arrow"
+    assert run_cli(args(dataset, out, model))[0] == 0
+    code, output = run_cli(["status", str(out), str(dataset)])
+    assert code == 2 and f"({out} is one: DATASET and OUT swapped? status takes the dataset first)" in output, output
+    code, output = run_cli(["status", str(dataset), str(dataset)])  # not swapped: no question
+    assert code == 2 and "not a batchgen output" in output and "swapped" not in output, output
+
+
 def test_status_counts_every_error_row_of_an_id_and_a_finished_output_of_changed_rows_is_not_complete(
     model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
