@@ -176,8 +176,8 @@ def job_differences(recorded: dict[str, str], now: dict[str, str]) -> list[str]:
     if old_mode is not None and old_mode != new_mode:  # not recorded before batchgen had the mode: not compared
         flag = "--deterministic" if old_mode == "true" else "--no-deterministic"
         differences.append(f"deterministic {old_mode} → {new_mode} ({flag} resumes in the written rows' mode)")
-    sampling = changed_fields("batchgen.sampling_defaults", _sampling_defaults_in_full(recorded, now), now, None)
-    differences += sampling + _file_differences(recorded, now, sampling)
+    differences += changed_fields("batchgen.sampling_defaults", _sampling_defaults_in_full(recorded, now), now, None)
+    differences += _file_differences(recorded, now)
     engine_then, engine_now = _engine_options_as_run(recorded, now)
     differences += changed_fields("batchgen.engine_options", engine_then, engine_now, _OUTPUT_ENGINE_OPTIONS)
     # An output of a batchgen without column options reads as one made with none.
@@ -191,16 +191,20 @@ def job_differences(recorded: dict[str, str], now: dict[str, str]) -> list[str]:
     return differences
 
 
-def _file_differences(recorded: dict[str, str], now: dict[str, str], sampling: list[str]) -> list[str]:
-    """Where ``sampling`` (the differing sampling defaults) names one a generation_config.json may set and the file's
-    values changed (an output of a batchgen that did not read them records none), that change, and the flags that
-    give the rows the defaults they were written with (a flag wins over the file)."""
+def _file_differences(recorded: dict[str, str], now: dict[str, str]) -> list[str]:
+    """Where the rows' defaults differ in a field a generation_config.json may set and the file's values changed (an
+    output of a batchgen that did not read them records none), that change, and the flags that give the rows the
+    defaults they were written with (a flag wins over the file)."""
     old, new = recorded.get(MODEL_SAMPLING_KEY), now.get(MODEL_SAMPLING_KEY, "{}")
-    changed = [change.split(" ", 1)[0] for change in sampling]
-    if (old or "{}") == new or not any(name in MODEL_SAMPLING_FIELDS for name in changed):
+    key = "batchgen.sampling_defaults"
+    try:
+        written, asked = (json.loads(m.get(key, "{}")) for m in (_sampling_defaults_in_full(recorded, now), now))
+    except json.JSONDecodeError:
+        return []  # changed_fields says it is unreadable
+    changed = [name for name in MODEL_SAMPLING_FIELDS if written.get(name) != asked.get(name)]
+    if (old or "{}") == new or not changed:
         return []
-    written = json.loads(_sampling_defaults_in_full(recorded, now)["batchgen.sampling_defaults"])
-    pins = " ".join(f"--{name.replace('_', '-')} {written[name]}" for name in changed if name in MODEL_SAMPLING_FIELDS)
+    pins = " ".join(f"--{name.replace('_', '-')} {written[name]}" for name in changed)
     then = "none recorded (a batchgen that left them aside)" if old is None else old
     return [f"the model's generation_config.json defaults {then} → {new} ({pins} resumes as written)"]
 
