@@ -6,11 +6,14 @@ from __future__ import annotations
 import difflib
 import functools
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 import pyarrow as pa
 
 from batchgen.io.input_options import InputOptions
+from batchgen.io.input_row import FieldPlace
+from batchgen.io.reader import RowReader
 from batchgen.io.writer import OUTPUT_COLUMNS, is_json_text
 from batchgen.sampling.row_fields import SAMPLING_FIELD_ALIASES, SAMPLING_FIELDS
 
@@ -115,15 +118,19 @@ def foreign_field_warning(name: str) -> str | None:
     return None if note is None else f"field '{name}' is not read ({note}); it is passed through unused"
 
 
-def warn_about_passthrough_names(path: Path, names: list[str], options: InputOptions) -> None:
+def warn_about_passthrough_names(
+    path: Path, names: list[str], options: InputOptions, places: Mapping[str, FieldPlace] | None = None
+) -> None:
     """Print one warning per pass-through field of the input file ``path`` that looks like a sampling field
     batchgen does not read (:func:`foreign_field_warning`), but for the columns the column ``options`` read (a
-    template's ``{max_length}`` is used, not unused)."""
+    template's ``{max_length}`` is used, not unused). A field of ``places`` (a JSON Lines dataset's) is named with
+    its first row and how many rows have it, so that a few stray rows of a large file can be found."""
     used = set(options.columns())
     for name in names:
         warning = foreign_field_warning(name) if name not in used else None
         if warning is not None:
-            print(f"batchgen: warning: {path}: {warning}", file=sys.stderr)
+            where = places.get(name) if places is not None else None
+            print(f"batchgen: warning: {where or path}: {warning}", file=sys.stderr)
 
 
 def warn_about_sampling_columns(path: Path, options: InputOptions) -> None:
@@ -148,3 +155,12 @@ def warn_about_json_text_fields(path: Path, schema: pa.Schema) -> None:
                 "its objects are all empty; it passes through as JSON text (a string column)",
                 file=sys.stderr,
             )
+
+
+def warn_about_fields(reader: RowReader) -> None:
+    """Print the warnings about the fields of ``reader``'s dataset a run gives: :func:`warn_about_passthrough_names`,
+    :func:`warn_about_sampling_columns`, :func:`warn_about_json_text_fields`."""
+    schema = reader.passthrough_schema
+    warn_about_passthrough_names(reader.path, schema.names, reader.options, reader.field_places)
+    warn_about_sampling_columns(reader.path, reader.options)
+    warn_about_json_text_fields(reader.path, schema)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 
 @dataclass(frozen=True)
@@ -29,3 +29,21 @@ class InputRow:
     source: str = ""
     columns: dict[str, str] = field(default_factory=dict)
     problem: tuple[str, str] | None = None
+
+
+class FieldPlace(NamedTuple):
+    """Where a field of a JSON Lines dataset is: the first row that has it and how many rows do.
+
+    Attributes:
+        source: that row's shard, as :attr:`InputRow.source` names it.
+        line: that row's 1-based line in it.
+        rows: the dataset's rows that have the field.
+    """
+
+    source: str
+    line: int
+    rows: int
+
+    def __str__(self) -> str:
+        more = self.rows - 1
+        return f"{self.source}:{self.line}" + (f" and {more} more row{'s' * (more > 1)}" if more else "")

@@ -35,10 +35,10 @@ def wants_openai_output(output_format: str, openai: OpenAIBatchInput | None, out
         BatchgenError: ``openai`` for an output that is not ``.jsonl``, or for an input that is not OpenAI Batch.
     """
     if output_format == "openai":
+        if openai is None:  # first: the input decides whether the option fits at all, the suffix only how
+            raise BatchgenError("--output-format openai needs an OpenAI Batch input (lines of custom_id, url, body)")
         if out.suffix.lower() != ".jsonl":
             raise BatchgenError(f"--output-format openai writes JSON Lines: give --out a .jsonl path, not {out}")
-        if openai is None:
-            raise BatchgenError("--output-format openai needs an OpenAI Batch input (lines of custom_id, url, body)")
         return True
     return output_format == "auto" and openai is not None and out.suffix.lower() == ".jsonl"
 

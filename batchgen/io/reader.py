@@ -4,6 +4,7 @@ column options (:mod:`batchgen.io.columns`); the pass-through fields: :mod:`batc
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ import pyarrow as pa
 from batchgen.errors import BatchgenError, RowError
 from batchgen.io.columns import ColumnMapping
 from batchgen.io.input_options import InputOptions
-from batchgen.io.input_row import InputRow
+from batchgen.io.input_row import FieldPlace, InputRow
 from batchgen.io.json_text import JSON_TEXT_METADATA
 from batchgen.io.jsonl_rows import count_jsonl_rows, jsonl_rows
 from batchgen.io.openai_batch import OpenAIBatchInput, is_openai_batch_line
@@ -64,6 +65,9 @@ class RowReader:
     passthrough_schema: pa.Schema
     passthrough_names: dict[str, str]  # pass-through field → its column (:func:`passthrough_names`)
     openai: OpenAIBatchInput | None = None  # set for an OpenAI Batch file (:mod:`batchgen.io.openai_batch`)
+    # JSONL: each field's first row and how many rows have it, for messages about a field (Parquet: none, every row
+    # has every column).
+    field_places: dict[str, FieldPlace]
 
     def __init__(self, path: Path, block_rows: int = 1024, options: InputOptions | None = None) -> None:
         if block_rows < 1:
@@ -74,6 +78,7 @@ class RowReader:
         self.shards = list_shards(self.path)
         self.options = options or InputOptions()
         self.options.validate()
+        self.field_places = {}
         # A lone file is named as the user gave it; a shard by its path.
         self._names = [self.source] if self.shards.root is None else [str(p) for p in self.shards.paths]
         jsonl = self.shards.format == "jsonl"
@@ -107,16 +112,23 @@ class RowReader:
         inference = SchemaInference()
         block: list[dict[str, Any]] = []
         empty = True
+        rows_with: Counter[str] = Counter()
         for item in self._iter_jsonl():
             empty = False
             if isinstance(item, InputRow):
                 block.append(item.data)
+                rows_with.update(item.data.keys())
+                if len(rows_with) > len(self.field_places):  # a field no row before had
+                    for key in item.data.keys() - self.field_places.keys():
+                        self.field_places[key] = FieldPlace(item.source, item.line, 0)
             if len(block) == self.block_rows:
                 inference.add(block)
                 block = []
         if empty:
             raise BatchgenError(f"{self.source}: dataset is empty")
         inference.add(block)
+        for key, place in self.field_places.items():
+            self.field_places[key] = place._replace(rows=rows_with[key])
         self.passthrough_names = passthrough_names(inference.keys)
         rows_again = lambda: (item.data for item in self._iter_jsonl() if isinstance(item, InputRow))  # noqa: E731
         self.passthrough_schema = inference.schema(self.passthrough_names, rows_again)

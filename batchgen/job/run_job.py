@@ -14,11 +14,7 @@ import pyarrow as pa
 from tqdm import tqdm
 
 from batchgen.errors import FieldError, OutputError, RowError, counted
-from batchgen.io.field_warnings import (
-    warn_about_json_text_fields,
-    warn_about_passthrough_names,
-    warn_about_sampling_columns,
-)
+from batchgen.io.field_warnings import warn_about_fields
 from batchgen.io.input_digests import (
     DIGEST_BYTES,
     INPUT_DIGESTS_KEY,
@@ -112,9 +108,7 @@ class RunJob:
             print(f"batchgen: {note}", file=sys.stderr)
         model, tokenizer, seed = engine_options.model, self.facts.tokenizer, self.builder.run_seed
         self.openai_output = openai_output(dataset, self.reader.openai, as_openai, model, tokenizer, seed)
-        warn_about_passthrough_names(self.reader.path, self.reader.passthrough_schema.names, self.reader.options)
-        warn_about_sampling_columns(self.reader.path, self.reader.options)
-        warn_about_json_text_fields(self.reader.path, self.reader.passthrough_schema)
+        warn_about_fields(self.reader)
         self.summary = RunSummary()
         # The output's pass-through columns: the dataset's, or, resuming, those combined with the rows written.
         passthrough = pa.schema([field for field in self.schema if field.name not in OUTPUT_COLUMNS.names])

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
-from batchgen.io.field_warnings import foreign_field_warning, warn_about_passthrough_names
+from batchgen.io.field_warnings import foreign_field_warning, warn_about_fields, warn_about_passthrough_names
 from batchgen.io.input_options import InputOptions
+from batchgen.io.reader import RowReader
 
 
 @pytest.mark.parametrize(
@@ -41,3 +44,31 @@ def test_columns_the_options_read_are_not_warned_about(capsys: pytest.CaptureFix
         "batchgen: warning: in.jsonl: field 'do_sample' is not read (batchgen samples unless 'temperature' is 0: give "
         "temperature 0 for HF's do_sample false); it is passed through unused\n"
     )
+
+
+def test_a_jsonl_field_is_named_with_its_first_line_and_its_rows(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Lines 3 and 5 have the misspelt field (line 2 is blank, counted as JSONL lines are); line 6 has another.
+    lines = ['{"prompt": "a"}', "", '{"prompt": "b", "temprature": 0.5}', '{"prompt": "c"}']
+    lines += ['{"prompt": "d", "temprature": 0.1}', '{"prompt": "e", "num_beams": 4}']
+    path = tmp_path / "in.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    warn_about_fields(RowReader(path))
+    assert capsys.readouterr().err.splitlines() == [
+        f"batchgen: warning: {path}:3 and 1 more row: field 'temprature' is not a sampling field (did you mean "
+        "'temperature'?); it is passed through unused",
+        f"batchgen: warning: {path}:6: field 'num_beams' is not supported: batchgen has no such option; it is "
+        "passed through unused",
+    ]
+    # A shard of a folder is named by its own path; a Parquet column, which every row has, by the dataset.
+    (tmp_path / "shards").mkdir()
+    (tmp_path / "shards" / "0.jsonl").write_text("\n".join(lines[:3]) + "\n")
+    (tmp_path / "shards" / "1.jsonl").write_text("\n".join(lines[3:]) + "\n")
+    warn_about_fields(RowReader(tmp_path / "shards"))
+    first, second = capsys.readouterr().err.splitlines()
+    assert first.startswith(f"batchgen: warning: {tmp_path / 'shards' / '0.jsonl'}:3 and 1 more row: ")
+    assert second.startswith(f"batchgen: warning: {tmp_path / 'shards' / '1.jsonl'}:3: field 'num_beams'")
+    pq.write_table(pa.table({"prompt": ["a", "b"], "temprature": [0.5, None]}), tmp_path / "in.parquet")
+    warn_about_fields(RowReader(tmp_path / "in.parquet"))
+    assert capsys.readouterr().err.startswith(f"batchgen: warning: {tmp_path / 'in.parquet'}: field 'temprature'")

@@ -385,6 +385,9 @@ def test_output_format_choice(tmp_path: Path) -> None:
         wants_openai_output("openai", openai, Path("o.parquet"))
     with pytest.raises(BatchgenError, match="needs an OpenAI Batch input"):
         wants_openai_output("openai", None, Path("o.jsonl"))
+    # Neither fits: the input is named first, since no output path makes OpenAI lines of a plain input.
+    with pytest.raises(BatchgenError, match="needs an OpenAI Batch input"):
+        wants_openai_output("openai", None, Path("o.arrow"))
 
 
 def test_status_counts_an_openai_output_line_by_its_custom_id() -> None:
