@@ -10,7 +10,7 @@ from typing import Any
 
 from batchgen.errors import FieldError
 from batchgen.sampling.json_schema_support import check_enforceable
-from batchgen.sampling.regex_support import check_anchors
+from batchgen.sampling.regex_support import check_regex
 from batchgen.sampling.sampling_params import python_value
 
 
@@ -21,7 +21,7 @@ def normalize_constraint(name: str, value: Any) -> str:
     Raises:
         FieldError: wrong type, a schema string that is not JSON, a schema with a keyword xgrammar does not
             enforce (:func:`batchgen.sampling.json_schema_support.check_enforceable`), or a regex with an anchor it
-            ignores (:func:`batchgen.sampling.regex_support.check_anchors`).
+            ignores (:func:`batchgen.sampling.regex_support.check_regex`).
     """
     if name == "json_schema":
         if isinstance(value, dict):
@@ -50,7 +50,7 @@ def normalize_constraint(name: str, value: Any) -> str:
             re.compile(value)
         except re.error as e:
             raise FieldError(name, f"does not compile as a Python regular expression: {e}") from None
-        check_anchors(value)
+        check_regex(value)
     return value
 
 

@@ -17,6 +17,7 @@ byte ED, tokens starting with A0-BF are masked, and tokens holding ED A0-BF insi
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Collection, Sequence
 from typing import Any, NamedTuple
@@ -24,6 +25,7 @@ from typing import Any, NamedTuple
 import torch
 
 from batchgen.errors import FieldError
+from batchgen.sampling.json_schema_support import schema_patterns
 from batchgen.sampling.regex_support import python_dot
 
 # A surrogate's UTF-8 form starts with this lead byte and a second byte in this range.
@@ -59,7 +61,21 @@ def constraint_grammar(kind: str, text: str) -> Any:
             return xgr.Grammar.from_regex(python_dot(text))
         return xgr.Grammar.from_ebnf(text)
     except Exception as e:  # xgrammar raises several types (RuntimeError, ValueError, its own)
-        raise FieldError(kind, f"does not compile: {_compile_message(e)}") from None
+        pattern = _failing_pattern(xgr, text) if kind == "json_schema" else None
+        raise FieldError(kind, pattern or f"does not compile: {_compile_message(e)}") from None
+
+
+def _failing_pattern(xgr: Any, schema_text: str) -> str | None:
+    """The first regex of a JSON schema that xgrammar refuses that xgrammar refuses alone (as a string schema's
+    ``pattern``, the way it reads a schema's regexes), named with its JSON pointer and that refusal (``pattern
+    '(a)\\1' at #/properties/x/pattern does not compile: ...``), since the schema's own error gives only a position
+    in a regex; ``None`` where every regex compiles (the fault is elsewhere)."""
+    for pointer, pattern in schema_patterns(json.loads(schema_text)):
+        try:
+            xgr.Grammar.from_json_schema(json.dumps({"type": "string", "pattern": pattern}))
+        except Exception as e:
+            return f"pattern {pattern!r} at {pointer} does not compile: {_compile_message(e)}"
+    return None
 
 
 class GrammarCompiler:

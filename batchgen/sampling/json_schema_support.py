@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from batchgen.errors import FieldError
-from batchgen.sampling.regex_support import check_anchors
+from batchgen.sampling.regex_support import check_regex
 
 # Dropped wherever they appear (uniqueItems only when true: false asks nothing).
 _DROPPED = {
@@ -115,12 +115,12 @@ def _unenforced(node: dict[str, Any], root: Any) -> tuple[str, str] | None:
     if isinstance(ref, str) and ref != "#" and not ref.startswith("#/"):
         # An anchor (#name), a URL or a relative one: xgrammar lets any JSON value stand for it.
         return "$ref", f"{ref!r} is not followed (only pointers into this schema, '#/...', are)"
-    patterns = [node.get("pattern")] + list(node.get("patternProperties") or {})
-    for pattern in (p for p in patterns if isinstance(p, str)):
+    for pointer, pattern in _node_patterns(node, ""):
         try:
-            check_anchors(pattern)
-        except FieldError as e:  # xgrammar drops an anchor inside a pattern as it does in a regex
-            return "pattern", f"{pattern!r}: {e.message.replace(' is not enforced by xgrammar', ' is dropped')}"
+            check_regex(pattern)
+        except FieldError as e:  # xgrammar drops an anchor or a lookaround inside a pattern
+            keyword = pointer.split("/")[1]  # pattern or patternProperties
+            return keyword, f"{pattern!r}: {e.message.replace(' is not enforced by xgrammar', ' is dropped')}"
     all_of, one_of = node.get("allOf"), node.get("oneOf")
     if isinstance(all_of, list) and len(all_of) > 1:
         return "allOf", "several subschemas are not all enforced: merge them into one"
@@ -225,6 +225,22 @@ def _resolved(node: Any, root: Any) -> Any:
     for part in ref[2:].split("/"):
         target = target.get(part.replace("~1", "/").replace("~0", "~")) if isinstance(target, dict) else None
     return target
+
+
+def schema_patterns(schema: Any) -> Iterator[tuple[str, str]]:
+    """Every regex of a JSON schema (parsed), with its JSON pointer: each ``pattern`` and each key of a
+    ``patternProperties``, in the subschema positions :func:`check_enforceable` searches."""
+    for pointer, node in _subschemas(schema, "#"):
+        yield from _node_patterns(node, pointer)
+
+
+def _node_patterns(node: dict[str, Any], pointer: str) -> Iterator[tuple[str, str]]:
+    """The regexes of one schema node at ``pointer``, with their pointers."""
+    if isinstance(node.get("pattern"), str):
+        yield f"{pointer}/pattern", node["pattern"]
+    if isinstance(node.get("patternProperties"), dict):
+        for key in node["patternProperties"]:
+            yield f"{pointer}/patternProperties/{_escape(key)}", key
 
 
 def _subschemas(node: Any, pointer: str) -> Iterator[tuple[str, dict[str, Any]]]:

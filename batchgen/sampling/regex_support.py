@@ -1,4 +1,4 @@
-"""Refuse regex anchors that xgrammar ignores, and read ``.`` as Python's ``re`` does.
+"""Refuse regex anchors and lookarounds that xgrammar ignores, and read ``.`` as Python's ``re`` does.
 
 A ``regex`` constraint must match the whole output, so ``^`` at its start and ``$`` at its end say nothing more;
 elsewhere (``a$b``, ``x(^a)``) Python's ``re`` lets them match nowhere, while xgrammar drops them with only a log
@@ -11,14 +11,15 @@ from __future__ import annotations
 from batchgen.errors import FieldError
 
 
-def check_anchors(pattern: str) -> None:
+def check_regex(pattern: str) -> None:
     """Refuse ``^`` or ``$`` in ``pattern`` other than at its start or end, or at those of a top-level alternative
     (``^a|^b``, ``a$|b$``); escaped ones and those inside a character class are characters. Refuse too the anchors
     xgrammar reads as letters (``\\A``, ``\\Z``, ``\\z``) and an escaped ``^`` first in a class, which it reads
-    as a negation (``[\\^]``).
+    as a negation (``[\\^]``), and lookarounds (``(?=``, ``(?!``, ``(?<=``, ``(?<!``), which xgrammar refuses in a
+    regex but drops from a JSON schema's ``pattern``.
 
     Raises:
-        FieldError: (``regex``) naming the anchor and its position.
+        FieldError: (``regex``) naming the anchor or lookaround and its position.
     """
     depth, i, alternative_starts = 0, 0, True  # the pattern's start is a top-level alternative's
     while i < len(pattern):
@@ -45,6 +46,9 @@ def check_anchors(pattern: str) -> None:
             i, alternative_starts = _class_end(pattern, i), False
             continue
         if c == "(":
+            look = next((s for s in ("?<=", "?<!", "?=", "?!") if pattern.startswith(s, i + 1)), None)
+            if look is not None:  # a regex's xgrammar refuses; a JSON schema's pattern it compiles without it
+                raise FieldError("regex", f"'({look}' at position {i} is not enforced by xgrammar (a lookaround)")
             depth += 1
         elif c == ")":
             depth -= 1

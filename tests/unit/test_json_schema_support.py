@@ -17,6 +17,7 @@ import pytest
 
 from batchgen.errors import FieldError
 from batchgen.sampling.constraints import normalize_constraint
+from batchgen.sampling.grammar import constraint_grammar
 from batchgen.sampling.json_schema_support import check_enforceable
 
 xgrammar = pytest.importorskip("xgrammar", reason='grammars need xgrammar (pip install -e ".[structured]")')
@@ -74,7 +75,16 @@ CASES: list[tuple[str, dict[str, Any], Any, str | None]] = [
         "patternProperties with a ^ inside",
         {"type": "object", "patternProperties": {"a^b": {"type": "integer"}}, "additionalProperties": False},
         {"ab": 1},
-        "pattern",
+        "patternProperties",
+    ),
+    # xgrammar drops a lookaround inside a schema's pattern (a regex row's it refuses): '(?=a)b' matches nothing.
+    ("pattern with a lookahead", {"type": "string", "pattern": "(?=a)b"}, "b", "pattern"),
+    ("pattern with a negative lookahead", {"type": "string", "pattern": "(?!b)b"}, "b", "pattern"),
+    (
+        "patternProperties with a lookahead",
+        {"type": "object", "patternProperties": {"(?=x)y": {"type": "integer"}}, "additionalProperties": False},
+        {"y": 1},
+        "patternProperties",
     ),
     # Enforced: no refusal, and the grammar itself rejects the instance.
     ("multipleOf integer (B23 jbad)", {"type": "integer", "multipleOf": 7}, 8, None),
@@ -255,3 +265,24 @@ def test_a_ref_under_a_nested_id_is_refused() -> None:
     assert _xgrammar_accepts(schema, {"p": 1}) and not _xgrammar_accepts(schema, {"p": 2})
     with pytest.raises(FieldError, match=r"\$id at #/properties/p is not followed by xgrammar beside a \$ref"):
         check_enforceable(schema)
+
+
+@pytest.mark.parametrize(
+    ("pattern", "problem"),
+    [("a\\bb", "Word boundary is not supported"), ("(a)\\1", "Backreference is not supported")],
+)
+def test_a_pattern_xgrammar_cannot_compile_is_named_with_its_pointer(pattern: str, problem: str) -> None:
+    schema = {"type": "object", "properties": {"x/y": {"type": "string", "pattern": pattern}}}
+    with pytest.raises(FieldError) as refused:
+        constraint_grammar("json_schema", normalize_constraint("json_schema", schema))
+    pointer = "#/properties/x~1y/pattern"  # RFC 6901 writes the '/' of a name as ~1
+    assert refused.value.message.startswith(f"pattern {pattern!r} at {pointer} does not compile: "), refused.value
+    assert problem in refused.value.message
+
+
+def test_a_schema_refused_elsewhere_blames_no_pattern_xgrammar_reads() -> None:
+    # xgrammar reads '(?i)' in a schema's pattern (not in a regex row); the fault here is the type.
+    schema = {"type": "object", "properties": {"a": {"type": "string", "pattern": "(?i)a"}, "b": {"type": "objectx"}}}
+    with pytest.raises(FieldError) as refused:
+        constraint_grammar("json_schema", json.dumps(schema))
+    assert refused.value.message == 'does not compile: Unsupported type "objectx"'

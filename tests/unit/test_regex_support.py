@@ -9,7 +9,7 @@ import pytest
 
 from batchgen.errors import FieldError
 from batchgen.sampling.constraints import normalize_constraint
-from batchgen.sampling.regex_support import check_anchors
+from batchgen.sampling.regex_support import check_regex
 
 xgrammar = pytest.importorskip("xgrammar", reason='grammars need xgrammar (pip install -e ".[structured]")')
 from xgrammar.testing import _is_grammar_accept_string  # noqa: E402
@@ -38,16 +38,36 @@ def test_what_xgrammar_would_not_enforce_is_refused(pattern: str, text: str, mes
 
 @pytest.mark.parametrize("pattern", ["^ab$", "^a|^b", "a$|b$", "[$^]x", r"a\$", r"\^a", "(ab)+", r"[a\^]", r"\Bx"])
 def test_anchors_at_the_ends_and_characters_pass(pattern: str) -> None:
-    check_anchors(pattern)
+    check_regex(pattern)
 
 
 def test_an_anchor_at_a_groups_end_is_refused_with_the_fix_in_the_message() -> None:
     with pytest.raises(FieldError) as info:
-        check_anchors("(a$)")
+        check_regex("(a$)")
     assert info.value.message == (
         "'$' at position 2 is not enforced by xgrammar (only at the pattern's end, where the whole output must match "
         "it anyway)"
     )
+
+
+@pytest.mark.parametrize(
+    ("pattern", "message"),
+    [("(?=a)a", "'(?=' at position 0"), ("b(?!b)a", "'(?!' at position 1"), ("a(?<=a)", "'(?<=' at position 1")]
+    + [("((?<!a)b)", "'(?<!' at position 1")],
+)
+def test_a_lookaround_is_refused(pattern: str, message: str) -> None:
+    """xgrammar refuses one in a regex, but drops it from a JSON schema's pattern (test_json_schema_support), so the
+    one check serves both."""
+    with pytest.raises(
+        FieldError, match=re.escape(f"field 'regex': {message} is not enforced by xgrammar (a lookaround)")
+    ):
+        normalize_constraint("regex", pattern)
+
+
+@pytest.mark.parametrize("pattern", [r"(?:ab)", r"\(?=a", "[(?=]a", "(?P<n>a)b", r"[\(]?!"])
+def test_groups_and_characters_that_are_no_lookaround_pass(pattern: str) -> None:
+    re.compile(pattern)  # each is valid Python, none a lookaround
+    check_regex(pattern)
 
 
 # (pattern, strings): xgrammar's grammar for the pattern as batchgen compiles it accepts exactly those of the
