@@ -740,9 +740,10 @@ def test_b16_logprobs_are_raw(models: dict[str, Path], tmp_path: Path) -> None:
     model = models[M_STORIES]
     prompt = "Lily and Ben went to the park."
     common = {"prompt": prompt, "max_new_tokens": 6, "logprobs": True, "top_logprobs": 3}
+    # The sampled rows ignore EOS: their 6 tokens are counted, and a seed's draws differ between CPUs.
     rows = [
-        {"id": "t05", **common, "temperature": 0.5, "seed": 1},
-        {"id": "t10", **common, "temperature": 1.0, "top_p": 0.5, "top_k": 2, "seed": 1},
+        {"id": "t05", **common, "temperature": 0.5, "seed": 1, "ignore_eos": True},
+        {"id": "t10", **common, "temperature": 1.0, "top_p": 0.5, "top_k": 2, "seed": 1, "ignore_eos": True},
         {"id": "t00", **common, "temperature": 0},
     ]
     got = bg(tmp_path, "raw_logprobs", rows, model)
@@ -773,6 +774,7 @@ def test_b17_top_logprobs_ignore_top_p(models: dict[str, Path], tmp_path: Path) 
             "top_p": 0.3,
             "seed": 3,
             "max_new_tokens": 4,
+            "ignore_eos": True,  # its 4 tokens are counted; "The end." may well sample EOS on another CPU
             "logprobs": True,
             "top_logprobs": 3,
         }

@@ -807,7 +807,8 @@ def test_a_prompt_that_tokenizes_beyond_the_models_vocabulary_is_a_bad_row(model
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|extra|>"]})
     tokenizer.save_pretrained(extra_model)
     rows = [
-        {"id": "good", "prompt": "Once upon a time", "max_new_tokens": 2},
+        # Sampled and unseeded: ignore_eos keeps an early EOS from leaving it one token.
+        {"id": "good", "prompt": "Once upon a time", "max_new_tokens": 2, "ignore_eos": True},
         {"id": "bad", "prompt": "Hi <|extra|>"},
         {"id": "scored", "prompt": "Once upon", "continuation": " a <|extra|>"},
     ]
@@ -823,7 +824,7 @@ def test_a_prompt_that_tokenizes_beyond_the_models_vocabulary_is_a_bad_row(model
 
 def test_messages_without_chat_template_is_a_row_error(model: Path, tmp_path: Path) -> None:
     rows = [
-        {"id": "good", "prompt": "Once upon a time", "max_new_tokens": 2},
+        {"id": "good", "prompt": "Once upon a time", "max_new_tokens": 2, "ignore_eos": True},  # sampled, unseeded
         {"id": "chat", "messages": [{"role": "user", "content": "hi"}]},
     ]
     dataset = write_jsonl(tmp_path / "in.jsonl", rows)

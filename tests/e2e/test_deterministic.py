@@ -145,7 +145,9 @@ def test_killed_and_interrupted_runs_resume_to_identical_rows(random_models: dic
     ]
     code, output = run_cli(no_mode)
     assert code != 0 and "deterministic true → false (--deterministic resumes" in output, output
-    slow = ["--resume", "--max-running-requests", "2", "--flush-every", "1"]
+    # One row at a time: the SIGINT follows the first new part, and the rows left must outlast the test's reaction
+    # (two at a time they took under 0.3 s after it here).
+    slow = ["--resume", "--max-running-requests", "1", "--flush-every", "1"]
     proc = subprocess.Popen(
         [sys.executable, "-m", "batchgen", *_resumable_args(dataset, out, model, *slow)],
         stdout=subprocess.DEVNULL,

@@ -254,8 +254,10 @@ def test_completions_top_logprobs_hold_the_sampled_token_too(
 ) -> None:
     """OpenAI's completions reference: "the API will always return the logprob of the sampled token, so there may be
     up to logprobs+1 elements" (vLLM's completions too); found by a vLLM user: a sampled token outside the top N
-    was missing, so code reading ``top_logprobs[i][tokens[i]]`` failed."""
+    was missing, so code reading ``top_logprobs[i][tokens[i]]`` failed. The row ignores EOS: a seed's draws are
+    another CPU's own, and a row ended after a token or two could hold no token outside the top one."""
     body = {"prompt": "Once upon a time", "max_tokens": 24, "temperature": 1.0, "seed": 3, "logprobs": 1}
+    body["ignore_eos"] = True
     dataset = write_jsonl(tmp_path / "c.jsonl", [request("s", body, COMPLETIONS)])
     run(dataset, tmp_path / "out.jsonl", model)
     run(dataset, tmp_path / "out.arrow", model)
@@ -488,7 +490,8 @@ def test_rows_with_a_web_url_and_body_of_their_own_are_batchgen_rows(model: Path
     """A dataset's own url (not an API path) and body columns are no OpenAI Batch request line's marks."""
     lines = [{"url": "https://example.com/a", "body": "Hello", "method": "GET"}]
     dataset = write_jsonl(tmp_path / "pages.jsonl", lines)
-    run(dataset, tmp_path / "out.arrow", model, "--prompt-template", "{body}", "--max-new-tokens", "2")
+    # Sampled and unseeded: --ignore-eos keeps an early EOS from leaving the row one token.
+    run(dataset, tmp_path / "out.arrow", model, "--prompt-template", "{body}", "--max-new-tokens", "2", "--ignore-eos")
     [row] = read_rows(tmp_path / "out.arrow").values()
     assert (row["url"], row["body"], row["method"], row["completion_tokens"]) == (
         "https://example.com/a",

@@ -217,14 +217,17 @@ def test_killed_at_many_points_resumes_to_the_uninterrupted_output(
 
 # --- stop signals -----------------------------------------------------------------------------------------
 
-# Slow rows (24 tokens, 2 at a time) so that a signal lands mid-run; a part every 2 rows.
+# Slow rows (160 tokens, 2 at a time) so that a signal lands mid-run; a part every 2 rows. The tests signal once
+# the first part is written: with 24 tokens the other 8 rows took a quarter of a second after it here (their
+# 96 rounds), which a loaded machine's test process could oversleep; their 640 rounds take over a second and a half.
 SLOW_FLAGS = ["--max-running-requests", "2", "--flush-every", "2"]
+SLOW_TOKENS = 160
 
 
 @pytest.fixture(scope="module")
 def slow_job(model: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[Key, dict[str, Any]]]:
     work = tmp_path_factory.mktemp("slow")
-    rows = [{"id": f"s{i}", "prompt_token_ids": [0, 5 + i, 9], "max_new_tokens": 24} for i in range(10)]
+    rows = [{"id": f"s{i}", "prompt_token_ids": [0, 5 + i, 9], "max_new_tokens": SLOW_TOKENS} for i in range(10)]
     dataset = write_jsonl(work / "in.jsonl", rows)
     code, output = run_cli(args(dataset, work / "reference.arrow", model, *SLOW_FLAGS))
     assert code == 0, output
@@ -309,8 +312,9 @@ def test_the_resume_command_runs_where_the_config_sets_overwrite(
 
 
 def test_stop_message_counts_rows_not_samples(model: Path, zygote: Zygote, tmp_path: Path) -> None:
-    """With n = 3 a row is three requests: the stop message counts the rows that were flushed."""
-    rows = [{"id": f"m{i}", "prompt_token_ids": [0, 5 + i, 9], "max_new_tokens": 24, "n": 3} for i in range(8)]
+    """With n = 3 a row is three requests: the stop message counts the rows that were flushed. The signal comes
+    after the second part: the 6 rows left must outlast the test's reaction (at 24 tokens they took 0.3 s)."""
+    rows = [{"id": f"m{i}", "prompt_token_ids": [0, 5 + i, 9], "max_new_tokens": SLOW_TOKENS, "n": 3} for i in range(8)]
     dataset = write_jsonl(tmp_path / "in.jsonl", rows)
     out = tmp_path / "out.arrow"
     log = tmp_path / "run.log"
@@ -1589,7 +1593,9 @@ def test_a_bad_row_fixed_since_is_generated_in_place_of_its_error_row(where: str
     ]
     dataset = write_jsonl(tmp_path / "in.jsonl", rows)
     out, reference = tmp_path / "out.arrow", tmp_path / "reference.arrow"
-    flags = [*COMMON, "--max-new-tokens", "2", "--on-error", "skip", "--seed", "3"]
+    # Sampled: --ignore-eos, since the rows' finish reasons are written below as "length" (a seed's draws are
+    # another CPU's own, where an early EOS would say "stop").
+    flags = [*COMMON, "--max-new-tokens", "2", "--on-error", "skip", "--seed", "3", "--ignore-eos"]
     run = ["run", str(dataset), "--model", str(model), *flags, "--out"]
     assert run_cli([*run, str(out)])[0] == 0
     assert [(r["id"], r["finish_reason"]) for r in read_results(out).to_pylist()].count(("b", "error")) == 1

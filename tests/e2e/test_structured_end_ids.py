@@ -124,7 +124,9 @@ def test_a_stop_id_the_grammar_needs_is_its_text(random_models: dict[str, Path],
     tokenizer = AutoTokenizer.from_pretrained(model)
     quote, newline = (int(tokenizer.convert_tokens_to_ids(t)) for t in ('"', "\u010a"))  # byte-level "\n": Ċ
     schema, regex = {"type": "string", "maxLength": 6}, "[a-c]{1,3}\n[a-c]{1,3}"
-    sampled = {"temperature": 1.0, "max_new_tokens": 24}
+    # Room for the longest string the schema allows (6 characters written as \uXXXX\uXXXX escapes: 74 tokens and
+    # the end): every row must stop, and a seed's draws are another CPU's own.
+    sampled = {"temperature": 1.0, "max_new_tokens": 80}
     rows = [
         {"id": f"j{s}", "prompt": "Name:", "json_schema": schema, "seed": s, "stop_token_ids": [quote]}
         | {"logit_bias": {str(quote): 4.0}, **sampled}
@@ -219,11 +221,13 @@ def test_closing_eos_not_in_text_with_ignore_eos(
     temperature: float, random_models: dict[str, Path], tmp_path: Path
 ) -> None:
     """``ignore_eos`` with a grammar: the grammar still ends on EOS, whose text ("</s>", kept by
-    ``skip_special_tokens: false``) is not in ``text``."""
+    ``skip_special_tokens: false``) is not in ``text``. Each row has room for the longest output its grammar allows
+    (for "j" a name of 10 characters written as ``\\uXXXX\\uXXXX`` escapes: 146 tokens with the end), so each must
+    stop: the sampled "j" took 32 of its former 48 tokens here and up to 45 with other seeds."""
     common = {"ignore_eos": True, "skip_special_tokens": False, "temperature": temperature, "seed": 1}
     rows = [
         {"id": "r", "prompt": "Code:", "regex": REGEX, "max_new_tokens": 24},
-        {"id": "j", "prompt": "Name:", "json_schema": SCHEMA, "max_new_tokens": 48},
+        {"id": "j", "prompt": "Name:", "json_schema": SCHEMA, "max_new_tokens": 160},
         {"id": "e", "prompt": "Answer:", "ebnf": EBNF, "max_new_tokens": 12},
     ]
     out = generate(

@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from batchgen.bench.attention_time import AttentionClock, TimedAttentionBackend, timing_attention
@@ -37,9 +38,28 @@ class _SleepingBackend(AttentionBackend):
         raise AssertionError("the base's forward is not called: this backend's forward replaces it")
 
 
-def test_the_clock_counts_the_time_inside_the_backend_calls_only() -> None:
+class _ManualTime:
+    """``time`` for this test and the clock's module: ``perf_counter`` moves only by what ``sleep`` is given, so the
+    seconds counted are the sleeps' own length, whatever a loaded machine's wake-ups add."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_the_clock_counts_the_time_inside_the_backend_calls_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """3 rounds of 4 layers: 3 x 5 ms of planning and 12 x 10 ms of attention = 135 ms by the sleeps' own
-    length; the 20 ms slept between the calls, outside the backend, are not counted."""
+    length; the 60 ms slept between the calls, outside the backend, are not counted."""
+    from batchgen.bench import attention_time
+
+    manual = _ManualTime()
+    monkeypatch.setattr(attention_time, "time", manual)
+    monkeypatch.setitem(globals(), "time", manual)  # the backend's sleeps and the ones between its calls
     clock = AttentionClock()
     timed = TimedAttentionBackend(_SleepingBackend(), torch.device("cpu"), clock)
     q = torch.arange(6.0).view(1, 2, 3)
@@ -49,9 +69,10 @@ def test_the_clock_counts_the_time_inside_the_backend_calls_only() -> None:
             assert timed.forward(q, q, q, layer, None) is q  # type: ignore[arg-type]
             time.sleep(0.005)
     expected = 3 * METADATA_SLEEP + 12 * FORWARD_SLEEP
-    # A sleep lasts at least its length; the bound above leaves room for the loaded 2-core machine's wake-ups
-    # but not for the 60 ms slept outside.
-    assert expected <= clock.seconds < expected + 0.05
+    # Timed by wall clock, the sleeps overran by their wake-ups on a loaded machine, and a bound with room for
+    # them still had to stay below the 60 ms slept outside: on the manual clock the count is exact.
+    assert manual.now == pytest.approx(expected + 12 * 0.005)
+    assert clock.seconds == pytest.approx(expected)
 
 
 def _greedy_tokens(engine: Engine, prompts: list[list[int]]) -> dict[str, list[int]]:
