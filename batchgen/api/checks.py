@@ -9,7 +9,7 @@ from batchgen.io.input_options import InputOptions
 from batchgen.job.options import JobOptions
 from batchgen.loop.engine import EngineFacts
 from batchgen.loop.options import EngineOptions
-from batchgen.sampling.grammar import constraint_grammar
+from batchgen.sampling.constraints import constraint_grammar
 from batchgen.sampling.sampling_params import SamplingParams
 
 

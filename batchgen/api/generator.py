@@ -175,7 +175,7 @@ class Generator:
                 slot_of[req.rid] = len(results)
                 results.append([])
             requests.append(req)
-        if bad and on_error == "fail":
+        if bad and on_error != "skip":  # auto, as for an output of no OpenAI Batch lines, is fail
             raise bad[0]
         with _generate_call():
             try:
@@ -210,7 +210,7 @@ class Generator:
         """
         # Checked here, not at the first result.
         flow, checks, read = self._flow("stream", on_error, sampling_params, sampling)
-        results = self._results(flow, checks, read(rows), on_error == "fail")
+        results = self._results(flow, checks, read(rows), on_error != "skip")
         _OPEN_STREAMS.add(results)
         return results
 

@@ -101,7 +101,7 @@ def run(
                 if handler is not None:  # None: a handler not set from Python, which cannot be put back
                     signal.signal(sig, handler)
         raise RunInterrupted(summary.interrupted_by, summary, partial_dir(Path(out)))
-    raise_if_failed(summary, job_options.on_error, Path(out))
+    raise_if_failed(summary, Path(out))
     return summary
 
 

@@ -60,7 +60,7 @@ def run(
             return
         if summary.interrupted_by:  # said first, so the summary below does not read as a finished run
             # --on-error skip writes error rows too; they are flushed with the rest.
-            skipped = job_options.on_error == "skip" and summary.errors
+            skipped = summary.on_error == "skip" and summary.errors
             also = f" and {counted(summary.errors, 'error row')}" if skipped else ""
             verb = "is" if summary.rows == 1 and not also else "are"
             print(
@@ -74,4 +74,4 @@ def run(
         if summary.interrupted_by:
             print(f"batchgen: to resume: {resume_command(dataset, out, job_options.overwrite)}", file=sys.stderr)
             raise typer.Exit(128 + signal.Signals[summary.interrupted_by].value)
-        raise_if_failed(summary, job_options.on_error, Path(out))
+        raise_if_failed(summary, Path(out))

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, fields
 
 from batchgen.errors import BatchgenError
 
-ON_ERROR = ("fail", "skip")
+ON_ERROR = ("auto", "fail", "skip")
 OUTPUT_FORMATS = ("auto", "batchgen", "openai")
 
 
@@ -18,8 +18,11 @@ class JobOptions:
     """The job's side of ``batchgen run``; each field's meaning is its ``help``."""
 
     on_error: str = field(
-        default="fail",
-        metadata={"help": "fail: report bad rows, write the good ones and exit 3; skip: write them as error rows."},
+        default="auto",
+        metadata={
+            "help": "fail: report bad rows, write the good ones and exit 3; skip: write them as error rows; auto: "
+            "skip for OpenAI Batch output lines (an error line per bad request, as vllm run-batch writes), else fail.",
+        },
     )
     output_format: str = field(
         default="auto",
@@ -109,7 +112,7 @@ class JobOptions:
             flag = "--resume" if self.resume else "--resume-force"
             raise BatchgenError(f"--overwrite and {flag} exclude each other: --overwrite starts over, {flag} continues")
         if self.on_error not in ON_ERROR:
-            raise BatchgenError(f"--on-error must be fail or skip, got '{self.on_error}'")
+            raise BatchgenError(f"--on-error must be auto, fail or skip, got '{self.on_error}'")
         if self.output_format not in OUTPUT_FORMATS:
             raise BatchgenError(f"--output-format must be auto, batchgen or openai, got '{self.output_format}'")
         for f in fields(self):
@@ -127,6 +130,14 @@ class JobOptions:
     def resuming(self) -> bool:
         """Whether the run continues what is there: ``--resume``, or ``--resume-force``, which implies it."""
         return self.resume or self.resume_force
+
+    def bad_rows(self, openai_lines: bool) -> str:
+        """What ``on_error`` does with bad rows (``fail`` or ``skip``), for an output of OpenAI Batch lines or not:
+        ``auto`` writes an OpenAI output's bad requests as error lines (vLLM's ``run-batch`` and OpenAI's Batch API
+        give every request a line, and a JSON Lines output cannot be resumed to add them later)."""
+        if self.on_error == "auto":
+            return "skip" if openai_lines else "fail"
+        return self.on_error
 
 
 def _flag(name: str) -> str:

@@ -109,7 +109,7 @@ class RunJob:
         model, tokenizer, seed = engine_options.model, self.facts.tokenizer, self.builder.run_seed
         self.openai_output = openai_output(dataset, self.reader.openai, as_openai, model, tokenizer, seed)
         warn_about_fields(self.reader)
-        self.summary = RunSummary()
+        self.summary = RunSummary(on_error=self.job.bad_rows(self.openai_output is not None))
         # The output's pass-through columns: the dataset's, or, resuming, those combined with the rows written.
         passthrough = pa.schema([field for field in self.schema if field.name not in OUTPUT_COLUMNS.names])
         names = json.loads(self.schema.metadata[NAMES_KEY.encode()])  # resuming, as the rows written have them
@@ -282,7 +282,7 @@ class RunJob:
             return  # an earlier run wrote this error row (--on-error skip)
         self.summary.errors += 1
         bar.update(1)  # a bad row is one of the input's rows too: the bar ends at its total
-        skip = self.job.on_error == "skip"
+        skip = self.summary.on_error == "skip"
         # skip: the run succeeds, but a user scanning stderr still learns which rows went wrong, and why.
         kind = "warning" if skip else "error"
         if self.summary.errors <= MAX_PRINTED_ERRORS:

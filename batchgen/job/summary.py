@@ -26,6 +26,8 @@ class RunSummary:
     preemptions: int = 0
     # The signal that stopped the run early, e.g. "SIGTERM"; empty when it ran to the end.
     interrupted_by: str = ""
+    # What the run did with bad rows: fail (left out) or skip (written as error rows); JobOptions.bad_rows.
+    on_error: str = "fail"
     # False when the run ended with no row to write (every row bad under --on-error fail): no output file then.
     output_written: bool = True
     # Share of the prompt tokens admitted for prefill that the prefix cache gave; None with the cache off.
@@ -81,7 +83,7 @@ def speculative_record(options: EngineOptions, histogram: dict[int, int]) -> dic
     }
 
 
-def raise_if_failed(summary: RunSummary, on_error: str, out: Path) -> None:
+def raise_if_failed(summary: RunSummary, out: Path) -> None:
     """Under ``--on-error fail`` a run with bad rows ends with an error after writing the good ones to ``out``; the
     message says how the fixed rows get there: ``--resume`` adds them to an Arrow or Parquet output, a JSON Lines
     output records nothing to resume from (found by a helper: it said only "--on-error skip writes them").
@@ -89,7 +91,7 @@ def raise_if_failed(summary: RunSummary, on_error: str, out: Path) -> None:
     Raises:
         BadRowsLeftOut: there were bad rows under ``--on-error fail``.
     """
-    if summary.errors and on_error == "fail":
+    if summary.errors and summary.on_error == "fail":
         if not summary.output_written:
             then = "; no row was good, so no output file was written"
         elif out.suffix.lower() == ".jsonl":

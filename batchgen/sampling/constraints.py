@@ -1,6 +1,6 @@
 """A constraint's source text, checked before it is compiled: a JSON schema as JSON text (given as an object or a
 string) whose keywords xgrammar enforces, a regex in Python's dialect whose anchors xgrammar keeps, or an EBNF
-grammar."""
+grammar; then compiled to an xgrammar ``Grammar``, which needs no tokenizer (:func:`constraint_grammar`)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import re
 from typing import Any
 
 from batchgen.errors import FieldError
-from batchgen.sampling.json_schema_support import check_enforceable
-from batchgen.sampling.regex_support import check_regex
+from batchgen.sampling.json_schema_support import check_enforceable, schema_patterns
+from batchgen.sampling.regex_support import check_regex, python_dot
 from batchgen.sampling.sampling_params import python_value
 
 
@@ -60,3 +60,56 @@ def _plain(value: Any) -> Any:
     if plain is value:
         raise TypeError(f"{type(value).__name__} {value!r} is not a JSON value")
     return plain
+
+
+def import_xgrammar(kind: str) -> Any:
+    """The xgrammar module.
+
+    Raises:
+        FieldError: naming constraint field ``kind``: xgrammar is not installed.
+    """
+    try:
+        import xgrammar
+    except ImportError:
+        raise FieldError(kind, "structured output needs xgrammar: pip install 'batchgen[structured]'") from None
+    return xgrammar
+
+
+def constraint_grammar(kind: str, text: str) -> Any:
+    """Constraint ``kind`` (``json_schema``, ``regex`` or ``ebnf``) with source ``text`` as an ``xgrammar.Grammar``:
+    what no tokenizer is needed for, so that a bad constraint of the run is refused before the model loads.
+
+    Raises:
+        FieldError: xgrammar is not installed, or the constraint does not compile.
+    """
+    xgr = import_xgrammar(kind)
+    try:
+        if kind == "json_schema":
+            return xgr.Grammar.from_json_schema(text, any_whitespace=False)
+        if kind == "regex":
+            return xgr.Grammar.from_regex(python_dot(text))
+        return xgr.Grammar.from_ebnf(text)
+    except Exception as e:  # xgrammar raises several types (RuntimeError, ValueError, its own)
+        pattern = _failing_pattern(xgr, text) if kind == "json_schema" else None
+        raise FieldError(kind, pattern or f"does not compile: {compile_message(e)}") from None
+
+
+def _failing_pattern(xgr: Any, schema_text: str) -> str | None:
+    """The first regex of a JSON schema that xgrammar refuses that xgrammar refuses alone (as a string schema's
+    ``pattern``, the way it reads a schema's regexes), named with its JSON pointer and that refusal (``pattern
+    '(a)\\1' at #/properties/x/pattern does not compile: ...``), since the schema's own error gives only a position
+    in a regex; ``None`` where every regex compiles (the fault is elsewhere)."""
+    for pointer, pattern in schema_patterns(json.loads(schema_text)):
+        try:
+            xgr.Grammar.from_json_schema(json.dumps({"type": "string", "pattern": pattern}))
+        except Exception as e:
+            return f"pattern {pattern!r} at {pointer} does not compile: {compile_message(e)}"
+    return None
+
+
+def compile_message(error: Exception) -> str:
+    """xgrammar's compile error on one line, without the time and C++ source location its log prefix carries
+    (``[22:05:05] /project/cpp/json_schema_converter.cc:5082: Unsupported type "objectx"``), at most 300 characters."""
+    text = " ".join(str(error).split())
+    text = re.sub(r"^(\[[0-9:]+\] )?\S+\.(cc|cpp|h):\d+: ", "", text)
+    return text[:300]

@@ -17,65 +17,17 @@ byte ED, tokens starting with A0-BF are masked, and tokens holding ED A0-BF insi
 
 from __future__ import annotations
 
-import json
-import re
 from collections.abc import Collection, Sequence
 from typing import Any, NamedTuple
 
 import torch
 
 from batchgen.errors import FieldError
-from batchgen.sampling.json_schema_support import schema_patterns
-from batchgen.sampling.regex_support import python_dot
+from batchgen.sampling.constraints import compile_message, constraint_grammar, import_xgrammar
 
 # A surrogate's UTF-8 form starts with this lead byte and a second byte in this range.
 _LEAD = 0xED
 _SURROGATE_SECOND = range(0xA0, 0xC0)
-
-
-def _import_xgrammar(kind: str) -> Any:
-    """The xgrammar module.
-
-    Raises:
-        FieldError: naming constraint field ``kind``: xgrammar is not installed.
-    """
-    try:
-        import xgrammar
-    except ImportError:
-        raise FieldError(kind, "structured output needs xgrammar: pip install 'batchgen[structured]'") from None
-    return xgrammar
-
-
-def constraint_grammar(kind: str, text: str) -> Any:
-    """Constraint ``kind`` (``json_schema``, ``regex`` or ``ebnf``) with source ``text`` as an ``xgrammar.Grammar``:
-    what no tokenizer is needed for, so that a bad constraint of the run is refused before the model loads.
-
-    Raises:
-        FieldError: xgrammar is not installed, or the constraint does not compile.
-    """
-    xgr = _import_xgrammar(kind)
-    try:
-        if kind == "json_schema":
-            return xgr.Grammar.from_json_schema(text, any_whitespace=False)
-        if kind == "regex":
-            return xgr.Grammar.from_regex(python_dot(text))
-        return xgr.Grammar.from_ebnf(text)
-    except Exception as e:  # xgrammar raises several types (RuntimeError, ValueError, its own)
-        pattern = _failing_pattern(xgr, text) if kind == "json_schema" else None
-        raise FieldError(kind, pattern or f"does not compile: {_compile_message(e)}") from None
-
-
-def _failing_pattern(xgr: Any, schema_text: str) -> str | None:
-    """The first regex of a JSON schema that xgrammar refuses that xgrammar refuses alone (as a string schema's
-    ``pattern``, the way it reads a schema's regexes), named with its JSON pointer and that refusal (``pattern
-    '(a)\\1' at #/properties/x/pattern does not compile: ...``), since the schema's own error gives only a position
-    in a regex; ``None`` where every regex compiles (the fault is elsewhere)."""
-    for pointer, pattern in schema_patterns(json.loads(schema_text)):
-        try:
-            xgr.Grammar.from_json_schema(json.dumps({"type": "string", "pattern": pattern}))
-        except Exception as e:
-            return f"pattern {pattern!r} at {pointer} does not compile: {_compile_message(e)}"
-    return None
 
 
 class GrammarCompiler:
@@ -109,7 +61,7 @@ class GrammarCompiler:
         Raises:
             FieldError: xgrammar is not installed, or the constraint does not compile.
         """
-        xgr = _import_xgrammar(kind)
+        xgr = import_xgrammar(kind)
         if self._compiler is None:
             info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size)
             self._compiler = xgr.GrammarCompiler(info, max_threads=2)
@@ -121,7 +73,7 @@ class GrammarCompiler:
             try:
                 self._cache[key] = self._compiler.compile_grammar(grammar)
             except Exception as e:  # as constraint_grammar's
-                raise FieldError(kind, f"does not compile: {_compile_message(e)}") from None
+                raise FieldError(kind, f"does not compile: {compile_message(e)}") from None
         assert self._surrogates is not None  # made with the compiler
         # A model that names no EOS, and whose tokenizer xgrammar finds none in, ends its grammars on the row's
         # stop ids alone (masked until the grammar is complete, as EOS ids are); with none, xgrammar's default.
@@ -296,11 +248,3 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     bits = torch.arange(32, dtype=torch.int32, device=logits.device)
     allowed = ((bitmask.to(logits.device)[:, :, None] >> bits) & 1).bool().flatten(1)[:, : logits.shape[1]]
     return logits.masked_fill(~allowed, float("-inf"))
-
-
-def _compile_message(error: Exception) -> str:
-    """xgrammar's compile error on one line, without the time and C++ source location its log prefix carries
-    (``[22:05:05] /project/cpp/json_schema_converter.cc:5082: Unsupported type "objectx"``), at most 300 characters."""
-    text = " ".join(str(error).split())
-    text = re.sub(r"^(\[[0-9:]+\] )?\S+\.(cc|cpp|h):\d+: ", "", text)
-    return text[:300]

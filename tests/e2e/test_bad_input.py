@@ -629,7 +629,7 @@ FILE_LEVEL = [
 # Cases that add flags: (the flags, the expected error line, whether it must be equal (else: contained)).
 _FLAG_CASES: dict[str, tuple[list[str], str, bool]] = {
     "unknown_dtype": (["--dtype", "float8"], "unknown --dtype 'float8'; choose auto, float32, bfloat16, float16", True),
-    "bad_on_error": (["--on-error", "ignore"], "--on-error must be fail or skip, got 'ignore'", True),
+    "bad_on_error": (["--on-error", "ignore"], "--on-error must be auto, fail or skip, got 'ignore'", True),
     "bad_cli_sampling_default": (
         ["--temperature", "-1"],
         "--temperature: must be a number in [0, 10000], got -1.0",

@@ -565,8 +565,10 @@ def test_unknown_option_is_a_type_error_and_a_bad_value_the_cli_message(
         batchgen.Generator(str(chat_model), mem_fraction=2.0)
     with pytest.raises(BatchgenError, match=r"^--temperature: must be a number in \[0, 10000\], got -1$"):
         generator.generate(["x"], temperature=-1)
-    with pytest.raises(BatchgenError, match="^--on-error must be fail or skip, got 'ignore'$"):
+    with pytest.raises(BatchgenError, match="^--on-error must be auto, fail or skip, got 'ignore'$"):
         generator.generate(["x"], on_error="ignore")
+    with pytest.raises(RowError):  # auto writes error lines only to OpenAI Batch output: here it is fail
+        generator.generate([{"prompt": "x", "temperature": -1}], on_error="auto")
     # A value of the wrong type: the message a row's field gets, not a TypeError from deep in a check.
     with pytest.raises(BatchgenError, match='^--max-new-tokens: must be an integer, got "ten"$'):
         generator.generate(["x"], max_new_tokens="ten")

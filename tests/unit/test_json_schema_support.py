@@ -16,8 +16,7 @@ import numpy as np
 import pytest
 
 from batchgen.errors import FieldError
-from batchgen.sampling.constraints import normalize_constraint
-from batchgen.sampling.grammar import constraint_grammar
+from batchgen.sampling.constraints import constraint_grammar, normalize_constraint
 from batchgen.sampling.json_schema_support import check_enforceable
 
 xgrammar = pytest.importorskip("xgrammar", reason='grammars need xgrammar (pip install -e ".[structured]")')
