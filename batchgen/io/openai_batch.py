@@ -10,9 +10,7 @@ field, never a success that ignored part of the request.
 
 from __future__ import annotations
 
-import difflib
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,83 +18,22 @@ from tqdm import tqdm
 
 from batchgen.errors import BatchgenError, RowError, shown_value
 from batchgen.io.input_row import InputRow
+from batchgen.io.openai_fields import (
+    CHAT_NAMES,
+    CHAT_URL,
+    COMPLETIONS_NAMES,
+    COMPLETIONS_URL,
+    COPIED,
+    ENDPOINTS,
+    Fail,
+    check_body_field,
+)
 from batchgen.io.passthrough import PROMPT_FIELDS, json_type_name
 from batchgen.io.row_ids import error_row_id
 from batchgen.sampling.sampling_params import whole_number
 
-CHAT_URL = "/v1/chat/completions"
-COMPLETIONS_URL = "/v1/completions"
-ENDPOINTS = (CHAT_URL, COMPLETIONS_URL)
-# Builds the RowError for one field of the line being mapped.
-_Fail = Callable[[str, str], RowError]
 # The keys of a request line; one of them on a line marks it as OpenAI-shaped.
 LINE_KEYS = ("custom_id", "method", "url", "body")
-
-# Body fields copied to the row under batchgen's name (OpenAI's and vLLM's extra sampling fields, vLLM's chat
-# template arguments).
-_COPIED = {
-    **{name: name for name in ("max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stop", "seed")},
-    **{name: name for name in ("presence_penalty", "frequency_penalty", "top_k", "min_p", "repetition_penalty")},
-    **{name: name for name in ("ignore_eos", "stop_token_ids", "skip_special_tokens", "include_stop_str_in_output")},
-    "min_tokens": "min_new_tokens",
-    "chat_template_kwargs": "chat_template_kwargs",
-}
-# Body fields that change nothing batchgen writes, whatever their value (stream_options applies only to
-# stream: true, which is refused; vLLM's files carry it without).
-_HARMLESS = frozenset(("model", "user", "metadata", "store", "service_tier", "parallel_tool_calls", "stream_options"))
-# Body fields accepted only with the value that asks for nothing (null is always accepted: the default).
-_OFF_VALUES: dict[str, tuple[Any, ...]] = {
-    "stream": (False,),
-    "echo": (False,),
-    "suffix": ("",),
-    "logit_bias": ({},),
-    "tools": ([],),
-    "functions": ([],),
-    "tool_choice": ("none",),
-    "function_call": ("none",),
-    "modalities": (["text"],),
-    # vLLM's chat extensions, in the value batchgen always does: the template's generation prompt after the messages.
-    "add_generation_prompt": (True,),
-    "continue_final_message": (False,),
-    "guided_decoding_backend": ("xgrammar", "auto"),  # vLLM's: batchgen's grammars are xgrammar's
-}
-# vLLM's own structured-output fields of a request body: where batchgen takes the same constraint.
-_VLLM_STRUCTURED = {
-    "guided_json": 'give the schema as response_format {"type": "json_schema", "json_schema": {"schema": ...}}',
-    **dict.fromkeys(("structured_outputs", "guided_decoding"), "a schema as response_format, others in rows"),
-    "guided_regex": "give it as a batchgen row's regex (OpenAI's response_format has none)",
-    "guided_grammar": "give it as a batchgen row's ebnf (OpenAI's response_format has none)",
-    "guided_choice": "give a batchgen row a regex of the choices, a|b|c",
-}
-_CHAT_ONLY = frozenset(
-    (
-        "messages",
-        "max_completion_tokens",
-        "top_logprobs",
-        "response_format",
-        "modalities",
-        "add_generation_prompt",
-        "continue_final_message",
-        "chat_template_kwargs",
-    )
-)
-_COMPLETIONS_ONLY = frozenset(("prompt", "suffix", "best_of"))  # echo too, but vLLM's chat takes echo: false
-_READ = (*_COPIED, "messages", "prompt", "logprobs", "top_logprobs", "response_format")
-# Each batchgen row field → the request field it was read from, so that a row error names the request's field.
-_CHAT_NAMES = {
-    "id": "custom_id",
-    **{name: f"body.{key}" for key, name in _COPIED.items()},
-    "messages": "body.messages",
-    "logprobs": "body.logprobs",
-    "top_logprobs": "body.top_logprobs",
-    "json_schema": "body.response_format",
-}
-_COMPLETIONS_NAMES = {
-    **_CHAT_NAMES,
-    "prompt": "body.prompt",
-    "prompt_token_ids": "body.prompt",
-    "top_logprobs": "body.logprobs",
-}
 
 
 @dataclass
@@ -152,7 +89,7 @@ class OpenAIBatchInput:
                 "a file holds one kind of row (give every line custom_id, method, url and body)"
             )
         custom_id = data.get("custom_id")
-        names = _COMPLETIONS_NAMES if data.get("url") == COMPLETIONS_URL else _CHAT_NAMES
+        names = COMPLETIONS_NAMES if data.get("url") == COMPLETIONS_URL else CHAT_NAMES
         row: dict[str, Any] = {}
         if isinstance(custom_id, str) and custom_id.strip():
             row = {"id": custom_id, "custom_id": custom_id}
@@ -197,8 +134,8 @@ class OpenAIBatchInput:
                 self.models[model] = f"{source}:{line}"
                 self._check_model(model, self.models[model])
         for key, value in given.items():
-            _check_body_field(key, value, url, given, fail)
-        row = {_COPIED[key]: value for key, value in given.items() if key in _COPIED}
+            check_body_field(key, value, url, given, fail)
+        row = {COPIED[key]: value for key, value in given.items() if key in COPIED}
         row.update(_prompt(url, given, fail))
         row.update(_logprobs(url, given, fail))
         if "response_format" in given:
@@ -214,34 +151,7 @@ def is_openai_batch_line(data: dict[str, Any]) -> bool:
     return sum(marks) >= 2 and isinstance(body, dict | None) and not any(name in data for name in PROMPT_FIELDS)
 
 
-def _check_body_field(key: str, value: Any, url: str, body: dict[str, Any], fail: _Fail) -> None:
-    """Refuse a body field batchgen cannot honour (``value`` is not null)."""
-    name = f"body.{key}"
-    chat = url == CHAT_URL
-    if (chat and key in _COMPLETIONS_ONLY) or (not chat and key in _CHAT_ONLY):
-        raise fail(name, f"not a field of {url} requests")
-    if key in _OFF_VALUES:
-        if value not in _OFF_VALUES[key]:
-            raise fail(name, f"{shown_value(value)} is not supported by batchgen; leave it out")
-        return
-    if key == "best_of":
-        if value != body.get("n", 1):
-            raise fail(name, f"best_of {shown_value(value)} is not supported (only best_of equal to n)")
-        return
-    if key in _HARMLESS or key in _READ:
-        return
-    other = _CHAT_ONLY if not chat else _COMPLETIONS_ONLY
-    known = [k for k in (*_READ, *_HARMLESS, *_OFF_VALUES, "best_of") if k not in other]
-    # 0.8: a typo (max_token, temprature, topp) and not another API's field (reasoning_effort ~ response_format).
-    close = difflib.get_close_matches(key, known, n=1, cutoff=0.8)
-    if close:
-        raise fail(name, f"not a field batchgen knows (did you mean '{close[0]}'?)")
-    if key in _VLLM_STRUCTURED:
-        raise fail(name, f"vLLM's structured output, which a batchgen request does not read: {_VLLM_STRUCTURED[key]}")
-    raise fail(name, "not supported by batchgen; leave it out (the result would not be what it asks for)")
-
-
-def _prompt(url: str, body: dict[str, Any], fail: _Fail) -> dict[str, Any]:
+def _prompt(url: str, body: dict[str, Any], fail: Fail) -> dict[str, Any]:
     if url == CHAT_URL:
         if "messages" not in body:
             raise fail("body.messages", "required for /v1/chat/completions")
@@ -258,7 +168,7 @@ def _prompt(url: str, body: dict[str, Any], fail: _Fail) -> dict[str, Any]:
     raise fail("body.prompt", f"must be a string or an array of token ids, got {shown_value(prompt)}")
 
 
-def _logprobs(url: str, body: dict[str, Any], fail: _Fail) -> dict[str, Any]:
+def _logprobs(url: str, body: dict[str, Any], fail: Fail) -> dict[str, Any]:
     """batchgen's ``logprobs`` / ``top_logprobs`` for the body's: off unless the body asks (OpenAI's default); at
     most 20 top logprobs (OpenAI's cap for chat, vLLM's default ``max_logprobs`` for both endpoints)."""
     value = body.get("logprobs")
@@ -278,7 +188,7 @@ def _logprobs(url: str, body: dict[str, Any], fail: _Fail) -> dict[str, Any]:
     return {"logprobs": logprobs, "top_logprobs": top}
 
 
-def _response_format(value: Any, fail: _Fail) -> dict[str, Any]:
+def _response_format(value: Any, fail: Fail) -> dict[str, Any]:
     """``{"type": "text"}``: nothing; ``json_object``: any JSON object; ``json_schema``: its ``schema``."""
     kind = value.get("type") if isinstance(value, dict) else None
     if kind == "text":
@@ -298,3 +208,6 @@ def _last_part(model: str) -> str:
     """``meta-llama/Llama-3.2-1B`` and ``/models/llama-3.2-1b/`` → ``llama-3.2-1b``: case folded, since hub ids
     keep their capitals and model directories and batchgen's built-in names often do not."""
     return model.rstrip("/").rsplit("/", 1)[-1].casefold()
+
+
+__all__ = ["CHAT_URL", "LINE_KEYS", "OpenAIBatchInput", "is_openai_batch_line"]

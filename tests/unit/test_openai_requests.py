@@ -135,6 +135,62 @@ def test_vllms_chat_extensions_at_what_batchgen_does_are_read(tmp_path: Path) ->
     assert row.problem is None  # batchgen's grammars are xgrammar's: a request asking for it asks for nothing more
 
 
+# vLLM's request fields at their defaults (vllm/sampling_params.py's SamplingParams and the OpenAI protocol's
+# ChatCompletionRequest / CompletionRequest: best_of 1, use_beam_search false, length_penalty 1.0, bad_words [],
+# spaces_between_special_tokens true, priority 0, add_special_tokens false for chat and true for completions, a
+# request_id), as a file made by dumping vLLM request objects has them (a helper's trial: each was refused).
+VLLM_DEFAULTS = {
+    "best_of": 1,
+    "use_beam_search": False,
+    "length_penalty": 1.0,
+    "bad_words": [],
+    "spaces_between_special_tokens": True,
+    "priority": 0,
+    "request_id": "chatcmpl-1",
+    "return_tokens_as_token_ids": False,
+    "include_reasoning": True,
+    "top_k": -1,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+    "min_tokens": 0,
+    "skip_special_tokens": True,
+    "ignore_eos": False,
+    "stop_token_ids": [],
+    "include_stop_str_in_output": False,
+    "echo": False,
+}
+
+
+def test_vllms_request_fields_at_their_defaults_ask_for_nothing(tmp_path: Path) -> None:
+    lines = [request("c", chat(**VLLM_DEFAULTS, add_special_tokens=False, add_generation_prompt=True))]
+    (row,) = rows(tmp_path, lines)
+    assert row.problem is None
+    prompt = {"model": "m", "prompt": "Once", **VLLM_DEFAULTS, "add_special_tokens": True}
+    (row,) = rows(tmp_path, [request("p", prompt, COMPLETIONS)])
+    assert row.problem is None
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "url", "says"),
+    [
+        ("use_beam_search", True, CHAT, "true is not supported by batchgen; leave it out (or give false)"),
+        ("length_penalty", 0.5, CHAT, "0.5 is not supported by batchgen; leave it out (or give 1.0)"),
+        ("priority", True, CHAT, "true is not supported by batchgen; leave it out (or give 0)"),  # a bool is no 1
+        ("bad_words", ["x"], COMPLETIONS, "is not supported by batchgen; leave it out (or give [])"),
+        ("add_special_tokens", True, CHAT, "batchgen adds none to chat messages (their template has them)"),
+        ("add_special_tokens", False, COMPLETIONS, "batchgen adds them to a prompt"),
+        ("best_of", 3, CHAT, "best_of 3 is not supported (only best_of equal to n)"),
+    ],
+)
+def test_vllms_request_fields_off_their_defaults_are_refused(
+    tmp_path: Path, field: str, value: Any, url: str, says: str
+) -> None:
+    body = chat() if url == CHAT else {"model": "m", "prompt": "Once"}
+    _, (item,) = read(tmp_path, [request("a", {**body, field: value}, url)])
+    assert isinstance(item, InputRow) and item.problem is not None
+    assert item.problem[0] == f"body.{field}" and says in item.problem[1], item.problem
+
+
 def test_completions_prompts_and_their_logprobs_count(tmp_path: Path) -> None:
     lines = [
         request("text", {"model": "m", "prompt": "Once upon", "logprobs": 3, "stop": ["\n", "."]}, COMPLETIONS),
@@ -278,7 +334,7 @@ def test_stream_options_with_stream_names_stream(tmp_path: Path) -> None:
     _, (item,) = read(tmp_path, [request("a", chat(stream_options={"include_usage": True}, stream=True))])
     assert isinstance(item, InputRow) and item.problem == (
         "body.stream",
-        "true is not supported by batchgen; leave it out",
+        "true is not supported by batchgen; leave it out (or give false)",
     )
 
 

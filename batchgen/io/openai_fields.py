@@ -1,0 +1,135 @@
+"""The body fields of an OpenAI Batch request line: which batchgen reads (and under which row field), which change
+nothing it writes, which it takes only with the value that asks for nothing (OpenAI's and vLLM's defaults, so that a
+file made by dumping vLLM request objects runs), and the one-line refusal of any other."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable
+from typing import Any
+
+from batchgen.errors import RowError, shown_value
+
+CHAT_URL = "/v1/chat/completions"
+COMPLETIONS_URL = "/v1/completions"
+ENDPOINTS = (CHAT_URL, COMPLETIONS_URL)
+# Builds the RowError for one field of the line being mapped.
+Fail = Callable[[str, str], RowError]
+
+# Body fields copied to the row under batchgen's name (OpenAI's and vLLM's extra sampling fields, vLLM's chat
+# template arguments).
+COPIED = {
+    **{name: name for name in ("max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stop", "seed")},
+    **{name: name for name in ("presence_penalty", "frequency_penalty", "top_k", "min_p", "repetition_penalty")},
+    **{name: name for name in ("ignore_eos", "stop_token_ids", "skip_special_tokens", "include_stop_str_in_output")},
+    "min_tokens": "min_new_tokens",
+    "chat_template_kwargs": "chat_template_kwargs",
+}
+# Body fields that change nothing batchgen writes, whatever their value (stream_options applies only to
+# stream: true, which is refused; vLLM's files carry it without).
+_HARMLESS = frozenset(("model", "user", "metadata", "store", "service_tier", "parallel_tool_calls", "stream_options"))
+# vLLM's request_id too: the output line's ids are digests of the run's seed and custom_id, as on a resume.
+_HARMLESS |= {"request_id"}
+# Body fields accepted only with the value that asks for nothing (null is always accepted: the default).
+_OFF_VALUES: dict[str, tuple[Any, ...]] = {
+    "stream": (False,),
+    "echo": (False,),
+    "suffix": ("",),
+    "logit_bias": ({},),
+    "tools": ([],),
+    "functions": ([],),
+    "tool_choice": ("none",),
+    "function_call": ("none",),
+    "modalities": (["text"],),
+    # vLLM's chat extensions, in the value batchgen always does: the template's generation prompt after the messages.
+    "add_generation_prompt": (True,),
+    "continue_final_message": (False,),
+    "guided_decoding_backend": ("xgrammar", "auto"),  # vLLM's: batchgen's grammars are xgrammar's
+    # vLLM's sampling extensions at their defaults, as a dumped vLLM request carries them (a helper's trial).
+    "use_beam_search": (False,),
+    "length_penalty": (1.0,),
+    "priority": (0,),
+    "spaces_between_special_tokens": (True,),
+    "bad_words": ([],),
+    "return_tokens_as_token_ids": (False,),  # the lines give each token's text, as OpenAI's do
+    "include_reasoning": (True,),  # batchgen splits no reasoning out of the text
+}
+# vLLM's own structured-output fields of a request body: where batchgen takes the same constraint.
+_VLLM_STRUCTURED = {
+    "guided_json": 'give the schema as response_format {"type": "json_schema", "json_schema": {"schema": ...}}',
+    **dict.fromkeys(("structured_outputs", "guided_decoding"), "a schema as response_format, others in rows"),
+    "guided_regex": "give it as a batchgen row's regex (OpenAI's response_format has none)",
+    "guided_grammar": "give it as a batchgen row's ebnf (OpenAI's response_format has none)",
+    "guided_choice": "give a batchgen row a regex of the choices, a|b|c",
+}
+_CHAT_ONLY = frozenset(
+    (
+        "messages",
+        "max_completion_tokens",
+        "top_logprobs",
+        "response_format",
+        "modalities",
+        "add_generation_prompt",
+        "continue_final_message",
+        "chat_template_kwargs",
+    )
+)
+_COMPLETIONS_ONLY = frozenset(("prompt", "suffix"))  # echo too, but vLLM's chat takes echo: false (and best_of)
+_READ = (*COPIED, "messages", "prompt", "logprobs", "top_logprobs", "response_format")
+# Each batchgen row field → the request field it was read from, so that a row error names the request's field.
+CHAT_NAMES = {
+    "id": "custom_id",
+    **{name: f"body.{key}" for key, name in COPIED.items()},
+    "messages": "body.messages",
+    "logprobs": "body.logprobs",
+    "top_logprobs": "body.top_logprobs",
+    "json_schema": "body.response_format",
+}
+COMPLETIONS_NAMES = {
+    **CHAT_NAMES,
+    "prompt": "body.prompt",
+    "prompt_token_ids": "body.prompt",
+    "top_logprobs": "body.logprobs",
+}
+
+
+def check_body_field(key: str, value: Any, url: str, body: dict[str, Any], fail: Fail) -> None:
+    """Refuse a body field batchgen cannot honour (``value`` is not null).
+
+    Raises:
+        RowError: (``fail``'s) naming the field as the line spells it (``body.tools``) and why.
+    """
+    name = f"body.{key}"
+    chat = url == CHAT_URL
+    if (chat and key in _COMPLETIONS_ONLY) or (not chat and key in _CHAT_ONLY):
+        raise fail(name, f"not a field of {url} requests")
+    if key in _OFF_VALUES:
+        if not any(_same(value, off) for off in _OFF_VALUES[key]):
+            only = " or ".join(shown_value(off) for off in _OFF_VALUES[key])
+            raise fail(name, f"{shown_value(value)} is not supported by batchgen; leave it out (or give {only})")
+        return
+    if key == "add_special_tokens":  # a prompt gets the tokenizer's BOS; chat messages only their template's
+        if not _same(value, not chat):
+            does = "adds them to a prompt" if not chat else "adds none to chat messages (their template has them)"
+            raise fail(name, f"{shown_value(value)} is not supported: batchgen {does}; leave it out")
+        return
+    if key == "best_of":
+        if value != body.get("n", 1):
+            raise fail(name, f"best_of {shown_value(value)} is not supported (only best_of equal to n)")
+        return
+    if key in _HARMLESS or key in _READ:
+        return
+    other = _CHAT_ONLY if not chat else _COMPLETIONS_ONLY
+    known = [k for k in (*_READ, *_HARMLESS, *_OFF_VALUES, "best_of") if k not in other]
+    # 0.8: a typo (max_token, temprature, topp) and not another API's field (reasoning_effort ~ response_format).
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.8)
+    if close:
+        raise fail(name, f"not a field batchgen knows (did you mean '{close[0]}'?)")
+    if key in _VLLM_STRUCTURED:
+        raise fail(name, f"vLLM's structured output, which a batchgen request does not read: {_VLLM_STRUCTURED[key]}")
+    raise fail(name, "not supported by batchgen; leave it out (the result would not be what it asks for)")
+
+
+def _same(value: Any, off: Any) -> bool:
+    """Whether a body value is ``off``, a JSON boolean only where ``off`` is one (``0`` is no ``false``)."""
+    return bool(value == off) and isinstance(value, bool) == isinstance(off, bool)
