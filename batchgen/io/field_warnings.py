@@ -13,6 +13,7 @@ import pyarrow as pa
 
 from batchgen.io.input_options import InputOptions
 from batchgen.io.input_row import FieldPlace
+from batchgen.io.openai_fields import CHAT_URL
 from batchgen.io.reader import RowReader
 from batchgen.io.writer import OUTPUT_COLUMNS, is_json_text
 from batchgen.sampling.row_fields import SAMPLING_FIELD_ALIASES, SAMPLING_FIELDS
@@ -157,10 +158,29 @@ def warn_about_json_text_fields(path: Path, schema: pa.Schema) -> None:
             )
 
 
-def warn_about_fields(reader: RowReader) -> None:
+def warn_about_fields(reader: RowReader, built_in_max: int | None) -> None:
     """Print the warnings about the fields of ``reader``'s dataset a run gives: :func:`warn_about_passthrough_names`,
-    :func:`warn_about_sampling_columns`, :func:`warn_about_json_text_fields`."""
+    :func:`warn_about_sampling_columns`, :func:`warn_about_json_text_fields`, :func:`warn_about_open_chat_lines`
+    (``built_in_max``: the run's built-in ``max_new_tokens`` where no option or generation_config.json set one)."""
     schema = reader.passthrough_schema
     warn_about_passthrough_names(reader.path, schema.names, reader.options, reader.field_places)
     warn_about_sampling_columns(reader.path, reader.options)
     warn_about_json_text_fields(reader.path, schema)
+    if reader.openai is not None and reader.openai.url == CHAT_URL and built_in_max is not None:
+        warn_about_open_chat_lines(reader.path, reader.field_places, built_in_max)
+
+
+def warn_about_open_chat_lines(path: Path, places: Mapping[str, FieldPlace], built_in_max: int) -> None:
+    """Print one warning where chat request lines of the OpenAI Batch file ``path`` give no ``max_tokens`` (nor
+    ``max_completion_tokens``) and no option sets the run's: such a line stops at ``built_in_max`` tokens, where
+    vLLM's chat runs it to the end of the context (OpenAI's ``max_tokens`` default), so that no answer is cut short
+    unannounced. ``places`` counts the rows of each field (each good chat line has ``messages``)."""
+    lines = places["messages"].rows if "messages" in places else 0
+    bounded = sum(places[name].rows for name in ("max_tokens", "max_completion_tokens") if name in places)
+    if lines > bounded:
+        print(
+            f"batchgen: warning: {path}: {lines - bounded} of {lines} chat request lines give no max_tokens: each "
+            f"stops after {built_in_max} tokens (--max-new-tokens's default), where vllm run-batch runs them to the "
+            "end of the context; set --max-new-tokens for longer answers",
+            file=sys.stderr,
+        )

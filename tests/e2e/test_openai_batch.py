@@ -116,6 +116,30 @@ def test_a_vllm_run_batch_chat_file_runs_unchanged(model: Path, tmp_path: Path) 
         assert completion.usage.total_tokens == row["prompt_tokens"] + row["completion_tokens"]
 
 
+def test_chat_lines_without_max_tokens_are_warned_about_unless_an_option_sets_it(model: Path, tmp_path: Path) -> None:
+    """vLLM's chat runs a request without max_tokens to the end of the context, batchgen to --max-new-tokens's
+    default (a helper's trial: a null max_tokens came back at 128 tokens, "length", without a word)."""
+    chat = [{"role": "user", "content": "Hi"}]
+    lines = [request(f"r{i}", {"messages": chat, "max_tokens": None if i else 2}) for i in range(3)]
+    dataset = write_jsonl(tmp_path / "requests.jsonl", lines)
+    output = run(dataset, tmp_path / "out.jsonl", model, "--ignore-eos")
+    warning = (
+        f"batchgen: warning: {dataset}: 2 of 3 chat request lines give no max_tokens: each stops after 128 tokens "
+        "(--max-new-tokens's default), where vllm run-batch runs them to the end of the context; set "
+        "--max-new-tokens for longer answers"
+    )
+    assert warning in output.splitlines()
+    assert [
+        line["response"]["body"]["usage"]["completion_tokens"] for line in output_lines(tmp_path / "out.jsonl")
+    ] == [
+        2,
+        128,
+        128,
+    ]
+    output = run(dataset, tmp_path / "out2.jsonl", model, "--max-new-tokens", "3")
+    assert "give no max_tokens" not in output
+
+
 def test_a_file_vllm_run_batch_answered_runs_unchanged(model: Path, tmp_path: Path) -> None:
     """``tests/data/vllm_chat_requests.jsonl`` (system + user messages, ``max_tokens``/``max_completion_tokens``,
     logprobs, n with a seed, stop, a json_schema response_format, vLLM's top_k/min_p/repetition_penalty): vLLM 0.32's
