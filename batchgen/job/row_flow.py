@@ -55,6 +55,7 @@ class RowChecks:
     index_ids: bool = True
     on_claim: Callable[[InputRow, str], None] = lambda row, rid: None
     _seen_ids: set[str] = field(default_factory=set, init=False)
+    _index_ids: set[str] = field(default_factory=set, init=False)  # those a row without an id took from its index
 
     def checked(
         self,
@@ -77,14 +78,26 @@ class RowChecks:
                     self.on_claim(item, rid)
                 on_bad_row(e, rid, self.bad_passthrough(item))
                 continue
+            indexed = item.data.get("id") is None  # its id is its 0-based index (a null id, or none)
             if spec.id in self._seen_ids:
-                error = RowError(item.source or self.source, item.line, "id", f"duplicate id '{spec.id}'")
+                error = RowError(item.source or self.source, item.line, "id", self._duplicate(spec.id, indexed))
                 on_bad_row(error.named(item.columns), spec.id, spec.passthrough)
                 continue
             self._seen_ids.add(spec.id)
+            if indexed:
+                self._index_ids.add(spec.id)
             self.on_claim(item, spec.id)
             if not is_done(spec):
                 yield CheckedRow(spec, item.source or self.source, item.columns)
+
+    def _duplicate(self, rid: str, indexed: bool) -> str:
+        """The message of a row whose id ``rid`` an earlier row has; where either took it from its index, which
+        (found by a user: a pandas id column with a NaN read as "duplicate id '1'" for a row with no id)."""
+        if indexed:
+            return f"duplicate id '{rid}': the row has no id, and its default, its 0-based index, is another row's"
+        if rid in self._index_ids:
+            return f"duplicate id '{rid}': an earlier row without an id took it, its 0-based index, as its id"
+        return f"duplicate id '{rid}'"
 
 
 @dataclass

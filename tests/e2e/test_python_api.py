@@ -216,6 +216,11 @@ def test_a_bad_row_raises_naming_the_row_and_field_before_anything_runs(generato
         generator.generate([3.5])
     with pytest.raises(RowError, match=r"^rows:2: field 'id': duplicate id 'a'$"):
         list(generator.stream([{"id": "a", "prompt": "x"}, {"id": "a", "prompt": "y"}]))
+    # A row without an id (a null one too: a pandas NaN) takes its 0-based index: a clash says so, either way round.
+    with pytest.raises(RowError, match=r"^rows:2: field 'id': duplicate id '1': the row has no id, and its default, "):
+        generator.generate([{"id": 1, "prompt": "x"}, {"id": None, "prompt": "y"}])
+    with pytest.raises(RowError, match=r"^rows:3: field 'id': duplicate id '1': an earlier row without an id took it"):
+        generator.generate(["x", "y", {"id": 1, "prompt": "z"}])
 
 
 def test_a_stream_raises_at_a_bad_row_after_the_results_of_every_row_before_it(
