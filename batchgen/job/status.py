@@ -119,8 +119,12 @@ def read_output_status(
         sample_ids = partial.done.samples
         for (rid, _), count in partial.done.errors.items():  # several error rows of an id differ by message
             error_ids[rid] += count
-        state = f"in progress ({counted(len(partial.parts), 'part file')} in {partial_dir(out)})"
-        if held_by_a_run(partial_dir(out)):  # found by a helper: --resume then refuses it, which status did not say
+        # Found by a helper: --resume refuses a partial output a run holds, which status did not say; and one that
+        # no run holds was called "in progress" after a Ctrl-C.
+        running = held_by_a_run(partial_dir(out))
+        parts = f"{counted(len(partial.parts), 'part file')} in {partial_dir(out)}"
+        state = f"{'in progress' if running else 'stopped'} ({parts})"
+        if running:
             notes.append("a run is writing it now: --resume refuses it until that run ends")
         metadata = (partial.schema.metadata or {}) if partial.schema is not None else {}
         if partial.damaged:

@@ -437,7 +437,7 @@ def test_disk_full_is_one_line_keeps_the_flushed_rows_and_resumes(
     done = len({rid for rid, index in flushed if index is not None}) + sum(index is None for _, index in flushed)
     errored = sum(index is None for _, index in flushed)
     assert status(dataset, out).startswith(
-        f"{out}: in progress (2 part files in {partial_dir(out)}): {done} of 40 rows done, {40 - done} remaining, "
+        f"{out}: stopped (2 part files in {partial_dir(out)}): {done} of 40 rows done, {40 - done} remaining, "
         f"{errored} errored"
     )
     code, output = run_cli(args(dataset, out, model, "--resume"))
@@ -863,7 +863,7 @@ def test_status_of_an_output_from_another_dataset_says_so(
     rows = [{"id": rid, "prompt_token_ids": [0, 5]} for rid in (kept, "new")]
     changed = write_jsonl(tmp_path / "changed.jsonl", rows)
     lines = status(changed, partial_out).splitlines()
-    assert lines[0].endswith(": 1 of 2 rows done, 1 remaining, 0 errored") and "in progress" in lines[0]
+    assert lines[0].endswith(": 1 of 2 rows done, 1 remaining, 0 errored") and "stopped" in lines[0]
     assert lines[1] == f"{partial_out}: note: {foreign} rows of {partial_out} have an id {changed} lacks"
 
 
@@ -977,7 +977,7 @@ def test_status_with_the_run_s_config_compares_its_settings(
         assert run_cli(["run", "--config", str(config), "--no-progress"])[0] == 2
     config.write_text(config.read_text().replace("max-new-tokens: 2", "max-new-tokens: 1"))
     code, output = run_cli(["status", "--config", str(config)])
-    assert code == 1 and "in progress" in output.splitlines()[0]
+    assert code == 1 and "stopped" in output.splitlines()[0]
     assert output.splitlines()[-1] == (
         f"{partial_out}: note: {partial_out} was made with other settings than the run's (max_new_tokens 2 → 1): "
         "--resume refuses it unless --resume-force"
@@ -1108,10 +1108,12 @@ def test_status_says_when_a_run_is_writing_the_output(
         assert run_cli(args(dataset, out, model))[0] == 2
     note = f"{out}: note: a run is writing it now: --resume refuses it until that run ends"
     assert note not in status(dataset, out).splitlines()
+    assert status(dataset, out).startswith(f"{out}: stopped (")  # not "in progress" (a helper's trial after Ctrl-C)
     fd = os.open(partial_dir(out) / "lock", os.O_RDWR)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a running batchgen holds it
         assert note in status(dataset, out).splitlines()
+        assert status(dataset, out).startswith(f"{out}: in progress (")
         code, output = run_cli(args(dataset, out, model, "--resume"))
         assert code == 2 and "another batchgen run is writing this output" in output
     finally:
