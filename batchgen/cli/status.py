@@ -42,7 +42,8 @@ def status(
     the settings a finished or partial OUT records are compared with the run's as --resume compares them. Exit status
     0 when OUT is a finished output with a row for every row of DATASET (and, with settings, made with them), 1 when
     rows remain or it was made otherwise (not started, stopped or in progress, finished with rows missing or changed
-    since, or with other settings), 2 when DATASET, OUT, the config or the run's options cannot be read or are invalid."""
+    since, or with other settings), 2 when DATASET, OUT, the config or the run's options cannot be read or are
+    invalid."""
     from batchgen.api.checks import check_run_options
     from batchgen.job.resume import check_output_place
     from batchgen.job.status import read_output_status
