@@ -213,9 +213,10 @@ def _engine_options_as_run(recorded: dict[str, str], now: dict[str, str]) -> tup
     """``recorded`` and ``now`` with their engine options as the rows see them, so that options that give the rows the
     written ones compare equal:
 
-    - an omitted ``--seed`` is the recorded one, which the run reuses (``output_schema``), and a ``--seed`` equal to
-      the run seed an unseeded run drew is omitted: rows are seeded from the run seed alone (found by a helper: a
-      script pinning the recorded seed was refused);
+    - an omitted ``--seed`` is the recorded one, which the run reuses (``output_schema``), and an unrecorded one (a
+      run without ``--seed``, or resumed without it) is the run seed the rows were seeded from: a ``--seed`` equal to
+      it is no change (found by a helper: a script pinning the recorded seed was refused), and another is shown
+      against it (a new user read "seed not given → 2" of an output seeded with 1);
     - an omitted ``--context-length`` is the model's own, which it defaults to (the recorded
       ``batchgen.model_context_length``, or, for an output of a batchgen that did not record it, the loaded model's;
       found by a new user: an explicit ``--context-length 8192`` on a model of 8,192 positions was refused).
@@ -224,10 +225,10 @@ def _engine_options_as_run(recorded: dict[str, str], now: dict[str, str]) -> tup
     own = recorded.get("batchgen.model_context_length") or now.get("batchgen.model_context_length")
     try:
         then, options = (json.loads(metadata.get(key, "{}")) for metadata in (recorded, now))
+        if then.get("seed") is None and recorded.get(RUN_SEED_KEY) is not None:
+            then["seed"] = int(recorded[RUN_SEED_KEY])
         if options.get("seed") is None:
             options["seed"] = then.get("seed")
-        elif then.get("seed") is None and str(options["seed"]) == recorded.get(RUN_SEED_KEY):
-            options["seed"] = None
         for given in (then, options):
             if own is not None and given.get("context_length") is None:  # neither says: compared as given
                 given["context_length"] = int(own)

@@ -572,12 +572,15 @@ def test_resume_refuses_another_job_in_one_line_unless_forced(
     where = f"batchgen: error: {partial_dir(out)}: cannot resume: this run differs from the one that wrote it:"
     force = "(pass --resume-force to resume anyway, or --overwrite to start over)"
     other = random_models["qwen2"]
+    schema = PartialOutput(out).inspect().schema
+    assert schema is not None and schema.metadata is not None
+    drawn = schema.metadata[b"batchgen.run_seed"].decode()  # what the rows were seeded from, without --seed
     cases = [
         (args(copy, out, model, "--resume", "--max-new-tokens", "7"), "max_new_tokens 128 → 7"),
         (args(copy, out, other, "--resume"), f"model {str(model)!r} → {str(other)!r}"),
         (
             args(copy, out, model, "--resume", "--temperature", "0.5", "--seed", "3"),
-            "temperature 0.0 → 0.5; seed not given → 3",
+            f"temperature 0.0 → 0.5; seed {drawn} → 3",
         ),
     ]
     for run_args, difference in cases:
@@ -1079,7 +1082,8 @@ def test_a_duplicate_id_left_out_is_not_taken_for_complete_by_resume(model: Path
 
 def test_the_run_seed_an_unseeded_run_drew_is_its_seed(model: Path, tmp_path: Path) -> None:
     """Found by a helper: a script that pinned the run seed an unseeded run recorded was refused ("seed not given →
-    N"), though rows are seeded from the run seed alone: a run given it as --seed writes the same sampled rows."""
+    N"), though rows are seeded from the run seed alone: a run given it as --seed writes the same sampled rows. A
+    run resumed without --seed keeps it too, and another --seed is shown against it (a new user's trial)."""
     dataset = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "prompt_token_ids": [0, 5 + i]} for i in range(3)])
     out = tmp_path / "out.arrow"
     run = ["run", str(dataset), "--out", str(out), "--model", str(model), *COMMON, "--max-new-tokens", "4"]
@@ -1089,7 +1093,7 @@ def test_the_run_seed_an_unseeded_run_drew_is_its_seed(model: Path, tmp_path: Pa
     assert run_cli(["status", *run[1:], "--seed", seed])[0] == 0
     assert run_cli([*run, "--resume", "--seed", seed]) == (0, f"batchgen: {out} is already complete; nothing to do\n")
     code, output = run_cli([*run, "--resume", "--seed", str(int(seed) + 1)])
-    assert code == 2 and f"seed not given → {int(seed) + 1}" in output
+    assert code == 2 and f"seed {seed} → {int(seed) + 1}" in output  # the seed the rows had, not "not given"
     seeded = tmp_path / "seeded.arrow"
     assert run_cli([*run[:3], str(seeded), *run[4:], "--seed", seed])[0] == 0
     tokens = {row["id"]: row["output_token_ids"] for row in read_results(seeded).to_pylist()}
