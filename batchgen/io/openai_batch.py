@@ -135,6 +135,10 @@ class OpenAIBatchInput:
                 self._check_model(model, self.models[model])
         for key, value in given.items():
             check_body_field(key, value, url, given, fail)
+        # OpenAI's chat: max_tokens is max_completion_tokens' old name; both must say the same.
+        both = "max_tokens" in given and "max_completion_tokens" in given
+        if both and given.pop("max_tokens") != given["max_completion_tokens"]:
+            raise fail("body.max_completion_tokens", "and body.max_tokens differ: give one (the same limit)")
         row = {COPIED[key]: value for key, value in given.items() if key in COPIED}
         row.update(_prompt(url, given, fail))
         row.update(_logprobs(url, given, fail))

@@ -114,13 +114,13 @@ def check_body_field(key: str, value: Any, url: str, body: dict[str, Any], fail:
             raise fail(name, f"{shown_value(value)} is not supported: batchgen {does}; leave it out")
         return
     if key == "best_of":
-        if value != body.get("n", 1):
+        if not _same(value, body.get("n", 1)):
             raise fail(name, f"best_of {shown_value(value)} is not supported (only best_of equal to n)")
         return
     if key in _HARMLESS or key in _READ:
         return
     other = _CHAT_ONLY if not chat else _COMPLETIONS_ONLY
-    known = [k for k in (*_READ, *_HARMLESS, *_OFF_VALUES, "best_of") if k not in other]
+    known = [k for k in (*_READ, *_HARMLESS, *_OFF_VALUES, "best_of", "add_special_tokens") if k not in other]
     # 0.8: a typo (max_token, temprature, topp) and not another API's field (reasoning_effort ~ response_format).
     close = difflib.get_close_matches(key, known, n=1, cutoff=0.8)
     if close:

@@ -33,15 +33,19 @@ def take_lock(directory: Path) -> int:
     return fd
 
 
-def held_by_a_run(directory: Path) -> bool:
-    """Whether a run holds the lock of the partial output ``directory`` now (the kernel drops it when that run ends,
-    however it ends), as Linux lists it in ``/proc/locks`` (``FLOCK ADVISORY WRITE pid major:minor:inode``): read, not
-    tried, since a probe's own lock, however short, can make a run starting at that instant fail (found by a helper).
-    ``False`` where the lock file or that listing is missing."""
+def held_by_a_run(directory: Path) -> bool | None:
+    """Whether a run on this machine holds the lock of the partial output ``directory`` now (the kernel drops it when
+    that run ends, however it ends), as Linux lists it in ``/proc/locks`` (``FLOCK ADVISORY WRITE pid
+    major:minor:inode``): read, not tried, since a probe's own lock, however short, can make a run starting at that
+    instant fail (found by a helper). ``False`` where no run ever took it (no lock file); ``None`` where this machine
+    cannot say (no such listing: not Linux). A run on another machine over a shared filesystem is not listed here."""
     try:
         found = os.stat(directory / LOCK)
-        held = Path("/proc/locks").read_text().split("\n")
     except OSError:
         return False
+    try:
+        held = Path("/proc/locks").read_text().split("\n")
+    except OSError:
+        return None
     inode = f"{os.major(found.st_dev):02x}:{os.minor(found.st_dev):02x}:{found.st_ino}"
     return any(fields[1:3] == ["FLOCK", "ADVISORY"] and inode in fields for fields in map(str.split, held))

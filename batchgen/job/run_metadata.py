@@ -39,6 +39,8 @@ _MODEL_FACTS = (
     "batchgen.deterministic",
     "batchgen.model_context_length",
     MODEL_SAMPLING_KEY,
+    # The most tokens a row holds (prompt and output): the context length, or a KV pool smaller than it (engine.py).
+    "batchgen.context_length",
 )
 
 
@@ -53,6 +55,7 @@ def run_metadata(
         "batchgen.deterministic": str(facts.deterministic).lower(),
         "batchgen.model_context_length": str(facts.model_context_len),
         MODEL_SAMPLING_KEY: json.dumps(facts.sampling_defaults),
+        "batchgen.context_length": str(facts.context_len),
     }
     return {"batchgen.version": __version__} | _settings(options, defaults, input_options, model_facts)
 
@@ -179,7 +182,13 @@ def job_differences(recorded: dict[str, str], now: dict[str, str]) -> list[str]:
     differences += changed_fields("batchgen.sampling_defaults", _sampling_defaults_in_full(recorded, now), now, None)
     differences += _file_differences(recorded, now)
     engine_then, engine_now = _engine_options_as_run(recorded, now)
-    differences += changed_fields("batchgen.engine_options", engine_then, engine_now, _OUTPUT_ENGINE_OPTIONS)
+    options_changed = changed_fields("batchgen.engine_options", engine_then, engine_now, _OUTPUT_ENGINE_OPTIONS)
+    differences += options_changed
+    old_len, new_len = recorded.get("batchgen.context_length"), now.get("batchgen.context_length")
+    if old_len and new_len and old_len != new_len and not any(p.startswith("context_length") for p in options_changed):
+        # A helper's trial: a resume with a smaller --max-total-tokens cut rows at the smaller pool, accepted.
+        pool = "the KV pool, which --max-total-tokens or --mem-fraction sizes, holds fewer tokens than the context"
+        differences.append(f"tokens a row may hold {old_len} → {new_len} ({pool})")
     # An output of a batchgen without column options reads as one made with none.
     differences += changed_fields(INPUT_OPTIONS_KEY, _escaped(recorded), _escaped(now), None)
     try:

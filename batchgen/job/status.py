@@ -120,10 +120,11 @@ def read_output_status(
         for (rid, _), count in partial.done.errors.items():  # several error rows of an id differ by message
             error_ids[rid] += count
         # Found by a helper: --resume refuses a partial output a run holds, which status did not say; and one that
-        # no run holds was called "in progress" after a Ctrl-C.
+        # no run holds was called "in progress" after a Ctrl-C. Only this machine's runs are seen.
         running = held_by_a_run(partial_dir(out))
         parts = f"{counted(len(partial.parts), 'part file')} in {partial_dir(out)}"
-        state = f"{'in progress' if running else 'stopped'} ({parts})"
+        unheld = f"stopped ({parts}; no run on this machine holds it)"
+        state = {True: f"in progress ({parts})", False: unheld, None: f"partial ({parts})"}[running]
         if running:
             notes.append("a run is writing it now: --resume refuses it until that run ends")
         metadata = (partial.schema.metadata or {}) if partial.schema is not None else {}

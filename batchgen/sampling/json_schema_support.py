@@ -8,7 +8,8 @@ xgrammar 0.2.9 leaves unenforced, each entry checked against ``jsonschema`` by
 ``tests/unit/test_json_schema_support.py``: keywords it drops wherever they are, keywords beside ``$ref``,
 ``anyOf``/``oneOf``/``allOf``, ``enum`` or ``const`` (which it takes alone), ``required`` names that are not
 ``properties``, ``minProperties`` where keys beyond ``properties`` may repeat, a ``$ref`` that is no pointer into
-the schema, and a ``pattern`` anchor it ignores (as in a ``regex`` row).
+the schema, a ``pattern`` beside a ``format``, and a ``pattern`` anchor or lookahead it ignores (as a ``regex``
+row's would be).
 """
 
 from __future__ import annotations
@@ -111,6 +112,8 @@ def _unenforced(node: dict[str, Any], root: Any) -> tuple[str, str] | None:
         shape = next((k for k in ("pattern", "format") if k in node), None)
         if length in node and shape is not None:
             return length, f"not enforced together with {shape}"
+    if "pattern" in node and "format" in node:  # a format xgrammar knows replaces the pattern (email, date...)
+        return "pattern", "not enforced together with format: drop one"
     ref = node.get("$ref")
     if isinstance(ref, str) and ref != "#" and not ref.startswith("#/"):
         # An anchor (#name), a URL or a relative one: xgrammar lets any JSON value stand for it.

@@ -47,8 +47,9 @@ def check_regex(pattern: str) -> None:
             continue
         if c == "(":
             look = next((s for s in ("?<=", "?<!", "?=", "?!") if pattern.startswith(s, i + 1)), None)
-            if look is not None:  # a regex's xgrammar refuses; a JSON schema's pattern it compiles without it
-                raise FieldError("regex", f"'({look}' at position {i} is not enforced by xgrammar (a lookaround)")
+            if look is not None:  # xgrammar refuses them in a regex; a JSON schema's pattern drops a lookahead
+                why = "supported by xgrammar (a lookbehind)" if look[1] == "<" else "enforced by xgrammar (a lookahead)"
+                raise FieldError("regex", f"'({look}' at position {i} is not {why}")
             depth += 1
         elif c == ")":
             depth -= 1

@@ -437,8 +437,8 @@ def test_disk_full_is_one_line_keeps_the_flushed_rows_and_resumes(
     done = len({rid for rid, index in flushed if index is not None}) + sum(index is None for _, index in flushed)
     errored = sum(index is None for _, index in flushed)
     assert status(dataset, out).startswith(
-        f"{out}: stopped (2 part files in {partial_dir(out)}): {done} of 40 rows done, {40 - done} remaining, "
-        f"{errored} errored"
+        f"{out}: stopped (2 part files in {partial_dir(out)}; no run on this machine holds it): "
+        f"{done} of 40 rows done, {40 - done} remaining, {errored} errored"
     )
     code, output = run_cli(args(dataset, out, model, "--resume"))
     assert code == 0, output
@@ -1078,6 +1078,26 @@ def test_a_duplicate_id_left_out_is_not_taken_for_complete_by_resume(model: Path
     code, output = run_cli(args(dataset, out, model, "--on-error", "fail", "--resume"))
     assert code == 3 and "field 'id': duplicate" in output and "1 bad input row left out" in output
     assert read_results(out).column("id").to_pylist() == ["ok"]
+
+
+def test_a_kv_pool_that_holds_fewer_tokens_a_row_is_refused_on_resume(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A helper's trial: a resume with --max-total-tokens below the context length (which the pool then caps) was
+    accepted and cut the rows it generated short of the uninterrupted run's. Rows of 100 + 40 tokens, a model of
+    256 positions: a pool of 120 tokens holds fewer than a row needs."""
+    rows = [{"id": f"r{i}", "prompt_token_ids": [0] + [5 + i] * 99, "max_new_tokens": 40} for i in range(6)]
+    dataset = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.arrow"
+    flags = ("--ignore-eos", "--max-running-requests", "1", "--flush-every", "1")
+    with monkeypatch.context() as patch:
+        fail_part_write(patch, at=3)
+        assert run_cli(args(dataset, out, model, *flags))[0] == 2
+    code, output = run_cli(args(dataset, out, model, *flags, "--resume", "--max-total-tokens", "120"))
+    assert code == 2 and "tokens a row may hold 256 → 120 (the KV pool" in output, output
+    code, output = run_cli(args(dataset, out, model, *flags, "--resume", "--max-total-tokens", "300"))
+    assert code == 0, output  # a pool that holds a whole row changes only the speed
+    assert {r["completion_tokens"] for r in read_results(out).to_pylist()} == {40}
 
 
 def test_the_run_seed_an_unseeded_run_drew_is_its_seed(model: Path, tmp_path: Path) -> None:
