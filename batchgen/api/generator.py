@@ -141,7 +141,8 @@ class Generator:
                 passed through); a row's default id is its 0-based index. A lone row (a string, dict, token-id
                 list or message list) is one row.
             on_error: ``fail``: a bad row raises, before anything runs; ``skip``: a bad row gives one result with
-                ``finish_reason`` ``"error"`` and the message in ``error``, in its place.
+                ``finish_reason`` ``"error"`` and the message in ``error``, in its place; ``auto`` (the command
+                line's default, skip only for OpenAI Batch output) is ``fail`` here.
             sampling_params: the keywords below as a dict, as SGLang's ``Engine.generate(prompts, {...})``
                 takes them.
             **sampling: the sampling defaults of rows that do not set a field (``batchgen run``'s flags by Python

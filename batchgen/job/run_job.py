@@ -54,8 +54,9 @@ class RunJob:
 
     Args:
         job: the job's options: ``on_error`` ``fail`` (bad rows are reported on stderr, left out of the output, and
-            the run exits 2 after finishing every good row) or ``skip`` (bad rows are written with
-            ``finish_reason="error"``), resume or start over, how often finished rows are made durable, progress.
+            the run exits 3 after finishing every good row), ``skip`` (bad rows are written with
+            ``finish_reason="error"``) or ``auto`` (skip for OpenAI Batch output lines, else fail:
+            :meth:`JobOptions.bad_rows`), resume or start over, how often finished rows are made durable, progress.
 
     Raises:
         BatchgenError: another run is writing the output (before the model loads, where its partial output is

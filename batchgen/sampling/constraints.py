@@ -95,10 +95,10 @@ def constraint_grammar(kind: str, text: str) -> Any:
 
 
 def _failing_pattern(xgr: Any, schema_text: str) -> str | None:
-    """The first regex of a JSON schema that xgrammar refuses that xgrammar refuses alone (as a string schema's
-    ``pattern``, the way it reads a schema's regexes), named with its JSON pointer and that refusal (``pattern
-    '(a)\\1' at #/properties/x/pattern does not compile: ...``), since the schema's own error gives only a position
-    in a regex; ``None`` where every regex compiles (the fault is elsewhere)."""
+    """For a JSON schema xgrammar refuses: its first regex that xgrammar also refuses on its own (compiled as a string
+    schema's ``pattern``, the way it reads a schema's regexes), named with its JSON pointer and that refusal
+    (``pattern '(a)\\1' at #/properties/x/pattern does not compile: ...``), since the schema's own error gives only
+    a position in a regex; ``None`` where every regex compiles (the fault is elsewhere)."""
     for pointer, pattern in schema_patterns(json.loads(schema_text)):
         try:
             xgr.Grammar.from_json_schema(json.dumps({"type": "string", "pattern": pattern}))
