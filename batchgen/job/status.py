@@ -73,10 +73,13 @@ class OutputStatus:
         line = f"{self.out}: {state}: {self.done} of {self.total} rows done, {self.remaining} remaining, "
         line += f"{self.errored} errored"
         if self.state == "complete" and self.remaining:
-            line += (
-                " (bad rows that --on-error fail left out, or rows added since; --resume adds them to an .arrow or "
-                ".parquet output once they are fixed)"
+            # A new user's trial: the hint named --resume for a .jsonl output, which cannot be resumed.
+            how = (
+                "a .jsonl output cannot be resumed: once they are fixed, --overwrite runs the dataset again"
+                if self.out.suffix.lower() == ".jsonl"
+                else "--resume adds them to an .arrow or .parquet output once they are fixed"
             )
+            line += f" (bad rows that --on-error fail left out, or rows added since; {how})"
         notes = list(self.notes)
         if self.dataset_changes:
             notes.append(

@@ -1410,6 +1410,21 @@ def test_manifest_round_trip_and_checksum() -> None:
             decode_manifest(bad)
 
 
+def test_status_of_a_jsonl_output_lacking_rows_names_overwrite(model: Path, tmp_path: Path) -> None:
+    """A new user's trial: status told a .jsonl output lacking a bad row to --resume, which refuses JSON Lines."""
+    rows: list[dict[str, Any]] = [{"id": f"r{i}", "prompt_token_ids": [0, 5 + i]} for i in range(3)]
+    rows[1]["temperature"] = "x"
+    dataset = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.jsonl"
+    code, _ = run_cli(["run", str(dataset), "--out", str(out), "--model", str(model), *COMMON, "--max-new-tokens", "2"])
+    assert code == 3
+    assert read_output_status(dataset, out).lines()[0] == (
+        f"{out}: finished with rows missing: 2 of 3 rows done, 1 remaining, 0 errored (bad rows that --on-error fail "
+        "left out, or rows added since; a .jsonl output cannot be resumed: once they are fixed, --overwrite runs the "
+        "dataset again)"
+    )
+
+
 @pytest.mark.parametrize("suffix", [".arrow", ".parquet"])
 def test_resume_adds_the_rows_a_finished_output_lacks(suffix: str, model: Path, tmp_path: Path) -> None:
     """--on-error fail leaves a bad row out of a finished output; after the row is fixed, --resume generates exactly
