@@ -134,7 +134,7 @@ def test_foreign_sampling_field_names_are_warned_about(random_models: dict[str, 
     extra = ("--max-new-tokens", "3", "--ignore-eos", "--seed", "0")
     code, output = run_cli(run_args(dataset, tmp_path / "o.jsonl", random_models["llama"], *extra))
     assert code == 0, output
-    assert f"{dataset}: field 'Temperature' is not a sampling field (did you mean 'temperature'?)" in output
+    assert f"{dataset}:1: field 'Temperature' is not a sampling field (did you mean 'temperature'?)" in output
     assert "field 'best_of' is not supported: batchgen has no such option" in output
     assert "field 'response_format' is not read (a batchgen row gives its schema itself as 'json_schema'" in output
     assert "field 'max_new_token' is not a sampling field (did you mean 'max_new_tokens'?)" in output  # a near miss
