@@ -64,6 +64,13 @@ class FinishedRows:
                 self.samples.add(rid)
 
 
+def records_run(path: Path) -> bool:
+    """Whether a finished output at ``path`` records the run that made it (settings, dataset fingerprint, input
+    digests) in its metadata, so that ``--resume`` can add the rows it lacks: Arrow and Parquet do; JSON Lines, which
+    has no metadata, does not."""
+    return path.suffix.lower() != ".jsonl"
+
+
 def finished_rows(path: Path) -> FinishedRows:
     """The rows of the finished output file ``path`` (any format), read batch by batch.
 
@@ -74,7 +81,7 @@ def finished_rows(path: Path) -> FinishedRows:
     """
     rows = FinishedRows()
     try:
-        if path.suffix.lower() == ".jsonl":
+        if not records_run(path):  # JSON Lines
             with path.open(encoding="utf-8") as f:
                 for number, line in enumerate(f, 1):
                     if line.strip():

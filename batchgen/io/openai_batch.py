@@ -212,6 +212,3 @@ def _last_part(model: str) -> str:
     """``meta-llama/Llama-3.2-1B`` and ``/models/llama-3.2-1b/`` → ``llama-3.2-1b``: case folded, since hub ids
     keep their capitals and model directories and batchgen's built-in names often do not."""
     return model.rstrip("/").rsplit("/", 1)[-1].casefold()
-
-
-__all__ = ["CHAT_URL", "LINE_KEYS", "OpenAIBatchInput", "is_openai_batch_line"]

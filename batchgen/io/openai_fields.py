@@ -26,10 +26,11 @@ COPIED = {
     "chat_template_kwargs": "chat_template_kwargs",
 }
 # Body fields that change nothing batchgen writes, whatever their value (stream_options applies only to
-# stream: true, which is refused; vLLM's files carry it without).
-_HARMLESS = frozenset(("model", "user", "metadata", "store", "service_tier", "parallel_tool_calls", "stream_options"))
-# vLLM's request_id too: the output line's ids are digests of the run's seed and custom_id, as on a resume.
-_HARMLESS |= {"request_id"}
+# stream: true, which is refused; vLLM's files carry it without; vLLM's request_id names nothing batchgen writes,
+# whose line ids are digests of the run's seed and custom_id, as on a resume).
+_HARMLESS = frozenset(
+    ("model", "user", "metadata", "store", "service_tier", "parallel_tool_calls", "stream_options", "request_id")
+)
 # Body fields accepted only with the value that asks for nothing (null is always accepted: the default).
 _OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "stream": (False,),

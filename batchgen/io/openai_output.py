@@ -18,7 +18,8 @@ from typing import Any
 import pyarrow as pa
 
 from batchgen.errors import BatchgenError
-from batchgen.io.openai_batch import CHAT_URL, OpenAIBatchInput
+from batchgen.io.openai_batch import OpenAIBatchInput
+from batchgen.io.openai_fields import CHAT_URL
 from batchgen.io.openai_order import requests_in_input_order
 from batchgen.io.row_ids import NO_ID, id_text
 from batchgen.io.token_bytes import token_bytes

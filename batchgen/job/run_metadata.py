@@ -15,7 +15,7 @@ from batchgen import __version__
 from batchgen.environment import kernel_switches
 from batchgen.errors import BatchgenError
 from batchgen.io.fingerprint import DatasetFingerprint, fingerprint_dataset
-from batchgen.io.finished_output import finished_batches
+from batchgen.io.finished_output import finished_batches, records_run
 from batchgen.io.input_options import INPUT_OPTIONS_KEY, InputOptions, apply_escapes
 from batchgen.loop.engine import EngineFacts, dtype_name
 from batchgen.loop.generation_config import sampling_defaults
@@ -66,7 +66,7 @@ def recorded_settings(out: Path) -> dict[str, str] | None:
     Raises:
         BatchgenError: ``out`` cannot be read.
     """
-    if out.suffix.lower() == ".jsonl":
+    if not records_run(out):
         return None
     try:
         schema, _ = finished_batches(out, ["id"])

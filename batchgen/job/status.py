@@ -16,7 +16,7 @@ from pathlib import Path
 
 from batchgen.errors import BatchgenError, counted
 from batchgen.io.fingerprint import DatasetFingerprint, fingerprint_dataset
-from batchgen.io.finished_output import finished_rows
+from batchgen.io.finished_output import finished_rows, records_run
 from batchgen.io.input_digests import INPUT_DIGESTS_KEY, InputId, compare_rows, input_ids
 from batchgen.io.input_options import InputOptions, recorded_input_options
 from batchgen.io.output_lock import held_by_a_run
@@ -76,7 +76,7 @@ class OutputStatus:
             # A new user's trial: the hint named --resume for a .jsonl output, which cannot be resumed.
             how = (
                 "a .jsonl output cannot be resumed: once they are fixed, --overwrite runs the dataset again"
-                if self.out.suffix.lower() == ".jsonl"
+                if not records_run(self.out)
                 else "--resume adds them to an .arrow or .parquet output once they are fixed"
             )
             line += f" (bad rows that --on-error fail left out, or rows added since; {how})"
@@ -142,7 +142,7 @@ def read_output_status(
     if state == "complete" and DATASET_KEY.encode() not in metadata:
         # JSON Lines has no schema to carry the run's metadata (found by a new user: a finished output of another
         # dataset looked like this one's, "complete" with rows remaining).
-        why = "JSONL has no metadata" if out.suffix.lower() == ".jsonl" else "its metadata lacks it"
+        why = "its metadata lacks it" if records_run(out) else "JSONL has no metadata"
         notes.append(f"{out} records no dataset fingerprint ({why}): it may come from another file")
     changes: list[str] = []
     if DATASET_KEY.encode() in metadata:
@@ -249,7 +249,7 @@ def check_nothing_left(dataset: Path, out: Path, force: bool, options: InputOpti
     status = read_output_status(dataset, out, options, check_rows=False)  # check_finished_rows checks them below
     if not status.remaining and not status.dataset_changes:
         return True
-    if out.suffix.lower() == ".jsonl":  # no metadata, so no dataset changes either: rows are missing
+    if not records_run(out):  # no metadata, so no dataset changes either: rows are missing
         raise BatchgenError(
             f"{out}: a finished JSON Lines output records nothing of the run that made it (model, seed, inputs), so "
             "--resume cannot add the rows it lacks; pass --overwrite to run the whole dataset again (.arrow and "

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from batchgen.errors import BadRowsLeftOut, counted
+from batchgen.io.finished_output import records_run
 from batchgen.loop.options import EngineOptions
 
 
@@ -94,7 +95,7 @@ def raise_if_failed(summary: RunSummary, out: Path) -> None:
     if summary.errors and summary.on_error == "fail":
         if not summary.output_written:
             then = "; no row was good, so no output file was written"
-        elif out.suffix.lower() == ".jsonl":
+        elif not records_run(out):
             then = f"; {out} records nothing to resume from: once they are fixed, --overwrite runs the dataset again"
         else:
             then = "; once they are fixed, --resume adds them"
