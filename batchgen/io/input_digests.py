@@ -17,7 +17,7 @@ import base64
 import binascii
 import hashlib
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -51,6 +51,21 @@ def encode_digests(digests: bytes) -> str:
     return base64.b64encode(digests).decode("ascii")
 
 
+def decode_digests(text: str) -> bytes:
+    """The concatenated digests :func:`encode_digests` wrote as ``text``.
+
+    Raises:
+        ValueError: ``text`` is not what :func:`encode_digests` writes.
+    """
+    try:
+        digests = base64.b64decode(text, validate=True)
+    except binascii.Error as e:
+        raise ValueError(f"not input digests: {e}") from None
+    if len(digests) % DIGEST_BYTES:
+        raise ValueError(f"not input digests: {len(digests)} bytes")
+    return digests
+
+
 def _as_array(digests: bytes) -> pa.Array:
     """Concatenated digests as a uint64 array, for set lookups in pyarrow."""
     return pa.Array.from_buffers(pa.uint64(), len(digests) // DIGEST_BYTES, [None, pa.py_buffer(digests)])
@@ -72,12 +87,7 @@ def compare_rows(
         ValueError: ``recorded`` is not what :func:`encode_digests` writes.
         BatchgenError: the dataset cannot be read.
     """
-    try:
-        stored = base64.b64decode(recorded, validate=True)
-    except binascii.Error as e:
-        raise ValueError(f"not input digests: {e}") from None
-    if len(stored) % DIGEST_BYTES:
-        raise ValueError(f"not input digests: {len(stored)} bytes")
+    stored = decode_digests(recorded)
     have, seen, claimed = set(out_ids), set(), set()
     ids, digests = [], bytearray()
     for (rid, claims, _), item in _identified(dataset, options):
@@ -92,6 +102,42 @@ def compare_rows(
     # An id no row claims now is gone, though rows that claim none (a null or bad id) have its text.
     gone = list(dict.fromkeys(rid for rid in out_ids if rid not in claimed))
     return changed, gone, len(seen - have)
+
+
+class RunDigests:
+    """The input digests a run records: every row's, in input order, for the finished output's metadata (up to
+    :data:`MAX_DIGESTED_ROWS` rows), and those of the rows read but not yet written, for the part that takes their
+    samples (:mod:`batchgen.io.part_file`).
+
+    Memory: 8 bytes per row read, plus one dict entry per row in flight.
+    """
+
+    def __init__(self) -> None:
+        self._all = bytearray()
+        self._unwritten: dict[str, bytes] = {}
+
+    def claim(self, row: InputRow, rid: str, runs: bool) -> None:
+        """Record the digest of ``row``, the row that claims ``rid`` (a duplicate's would let a later edit that makes
+        the duplicate the claiming row pass as unchanged), and keep it for its part when it ``runs``."""
+        digest = row_digest(rid, row.data)
+        if runs:
+            self._unwritten[rid] = digest
+        if len(self._all) <= MAX_DIGESTED_ROWS * DIGEST_BYTES:  # past the limit, one more says "too many"
+            self._all += digest
+
+    def drop(self, rid: str) -> None:
+        """Forget the digest of a row that ran and failed: no part takes samples of it."""
+        self._unwritten.pop(rid, None)
+
+    def written(self, sample_ids: Iterable[str]) -> bytes:
+        """The digests of the rows ``sample_ids`` (a part's rows with samples, each id once), forgotten here."""
+        return b"".join(self._unwritten.pop(rid, b"") for rid in sample_ids)
+
+    def metadata(self) -> dict[str, str]:
+        """The finished output's metadata entry (none past :data:`MAX_DIGESTED_ROWS` rows)."""
+        if len(self._all) > MAX_DIGESTED_ROWS * DIGEST_BYTES:
+            return {}
+        return {INPUT_DIGESTS_KEY: encode_digests(bytes(self._all))}
 
 
 class InputId(NamedTuple):

@@ -8,7 +8,8 @@ Layout (``OUT`` is e.g. ``results.arrow``)::
                                            and run seed; a SHA-256 of its own content; written atomically
                                            (``manifest.py``)
         part-000000-<16 hex>.arrow         finished rows, one Arrow IPC file per flush; the hex digits are the
-        part-000001-<16 hex>.arrow         first 16 of the file's own SHA-256
+        part-000001-<16 hex>.arrow         first 16 of the file's own SHA-256; each records the digests of the
+                                           input rows it holds (``part_file.py``)
         part-000002.tmp                    a part being written (left by a crash; deleted on resume)
         lock                               flock'ed by the run that writes the directory
 
@@ -22,7 +23,6 @@ OUT's format: :func:`batchgen.io.assemble.assemble_output` writes OUT's format a
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import re
 from collections.abc import Callable
@@ -36,11 +36,12 @@ from batchgen.errors import BatchgenError, OutputError
 from batchgen.io.assemble import assemble_output
 from batchgen.io.done_rows import DoneRows
 from batchgen.io.durable import fsync_dir, fsync_file, write_atomically
+from batchgen.io.input_digests import decode_digests, encode_digests
 from batchgen.io.manifest import encode_manifest, read_manifest
 from batchgen.io.output_lock import LOCK, take_lock
+from batchgen.io.part_file import PART, encode_part, job_schema, part_digests, part_name, read_part, write_part_file
 
 MANIFEST = "manifest.json"
-_PART = re.compile(r"part-(\d+)-([0-9a-f]{16})\.arrow")
 _TORN = re.compile(r"part-\d+\.tmp")
 # Temporary files that hold no rows: a manifest being replaced, OUT being assembled.
 _LEFTOVER = re.compile(r"manifest\.json\.tmp|final\..*")
@@ -63,6 +64,8 @@ class PartialState:
         done: the rows the valid parts hold.
         next_part: the number of the next part to write.
         listing: the directory's files and sizes when inspected (to notice another run changing them).
+        input_digests: the digests of the input rows the valid parts hold (:func:`~batchgen.io.input_digests.
+            encode_digests`' text), or ``None`` when a part records none (an older batchgen wrote it).
     """
 
     schema: pa.Schema | None = None
@@ -72,6 +75,7 @@ class PartialState:
     done: DoneRows = field(default_factory=DoneRows)
     next_part: int = 0
     listing: frozenset[tuple[str, int]] = frozenset()
+    input_digests: str | None = None
 
 
 class PartialOutput:
@@ -99,23 +103,26 @@ class PartialOutput:
             state.schema, state.manifest_damaged = read_manifest(self.dir / MANIFEST)
             numbered = []
             for path in self.dir.iterdir():
-                match = _PART.fullmatch(path.name)
+                match = PART.fullmatch(path.name)
                 if match:
                     numbered.append((int(match[1]), match[2], path))
                 elif _TORN.fullmatch(path.name):
                     state.damaged.append(path)
             last_schema = None
+            digests: bytearray | None = bytearray()
             for number, digest, path in sorted(numbered):
                 state.next_part = max(state.next_part, number + 1)
-                table = _read_part(path, digest)
+                table = read_part(path, digest)
                 if table is None:
                     state.damaged.append(path)
                     continue
                 state.parts.append((number, path))
                 state.done.add_part(number, table)
-                last_schema = table.schema
+                last_schema = job_schema(table)
+                digests = _add_digests(digests, part_digests(table))
         except OSError as e:
             raise BatchgenError(f"{self.dir}: cannot read the partial output: {e.strerror or e}") from None
+        state.input_digests = None if digests is None else encode_digests(bytes(digests))
         if state.schema is None:
             # A damaged manifest is rebuilt from the parts: each carries the job's schema and metadata.
             state.schema = last_schema
@@ -150,9 +157,10 @@ class PartialOutput:
         state.schema, state.manifest_damaged = schema, False
         self.state = state
 
-    def write_part(self, rows: list[dict[str, Any]]) -> None:
-        """Make ``rows`` durable as the next part (nothing for no rows). The caller hands over whole rows: all
-        samples of a row in one call.
+    def write_part(self, rows: list[dict[str, Any]], digests: bytes | None) -> None:
+        """Make ``rows`` durable as the next part (nothing for no rows), recording the input ``digests`` of those
+        with samples (:func:`~batchgen.io.input_digests.row_digest`, concatenated; ``None``: not known, so a resume
+        from a changed dataset cannot check them). The caller hands over whole rows: all samples of a row in one call.
 
         Raises:
             OutputError: the file system failed (disk full, no permission); every part written before stays
@@ -164,13 +172,10 @@ class PartialOutput:
         if not rows:
             return
         assert self.state.schema is not None, "start() first"
-        sink = pa.BufferOutputStream()
-        with pa.ipc.new_file(sink, self.state.schema) as writer:
-            writer.write_batch(pa.RecordBatch.from_pylist(rows, schema=self.state.schema))
-        data = sink.getvalue()
+        data = encode_part(rows, self.state.schema, digests)
         number = self.state.next_part
         temp = self.dir / f"part-{number:06d}.tmp"
-        final = self.dir / f"part-{number:06d}-{hashlib.sha256(data).hexdigest()[:16]}.arrow"
+        final = self.dir / part_name(number, data)
         try:
             write_part_file(temp, data)
             os.replace(temp, final)
@@ -244,18 +249,6 @@ class PartialOutput:
             self._lock_fd = take_lock(self.dir)
 
 
-def write_part_file(path: Path, data: pa.Buffer) -> None:
-    """Write and fsync one part under its temporary name.
-
-    Raises:
-        OSError: the file system failed.
-    """
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def remove_partial_dir(directory: Path) -> None:
     """Delete a partial output directory: the files batchgen writes there, then the directory if it is empty.
 
@@ -276,7 +269,7 @@ def remove_partial_dir(directory: Path) -> None:
 def _remove_contents(directory: Path) -> None:
     """Delete the manifest, parts and temporary files (not the lock, which the caller may hold)."""
     for path in directory.iterdir():
-        if path.name == MANIFEST or any(p.fullmatch(path.name) for p in (_PART, _TORN, _LEFTOVER)):
+        if path.name == MANIFEST or any(p.fullmatch(path.name) for p in (PART, _TORN, _LEFTOVER)):
             path.unlink()
 
 
@@ -286,13 +279,11 @@ def _listing(directory: Path) -> frozenset[tuple[str, int]]:
     return frozenset((p.name, p.stat().st_size) for p in directory.iterdir() if p.name != LOCK)
 
 
-def _read_part(path: Path, digest: str) -> pa.Table | None:
-    """The part's rows, or ``None`` when its bytes do not hash to ``digest`` or do not parse as Arrow IPC."""
-    data = path.read_bytes()
-    if hashlib.sha256(data).hexdigest()[:16] != digest:
+def _add_digests(digests: bytearray | None, recorded: str | None) -> bytearray | None:
+    """``digests`` with a part's ``recorded`` ones added; ``None`` once a part records none or unreadable ones."""
+    if digests is None or recorded is None:
         return None
     try:
-        table = pa.ipc.open_file(pa.py_buffer(data)).read_all()
-    except (pa.ArrowException, ValueError):
+        return digests + decode_digests(recorded)
+    except ValueError:
         return None
-    return table if {"id", "finish_reason"} <= set(table.column_names) else None

@@ -16,11 +16,14 @@ from batchgen.io.partial_output import PartialOutput
 _PART_ROWS = 8192
 
 
-def reopen_output(partial: PartialOutput, schema: pa.Schema) -> None:
+def reopen_output(partial: PartialOutput, schema: pa.Schema, digests: bytes | None) -> None:
     """Make the finished output ``partial.out`` the partial output of a run of ``schema`` (whose columns are the
     output's): its rows become the parts, durable before the output is removed; a crash in between leaves the
     output, and the next ``--resume`` (which drops a partial output found beside a finished one) reopens it again.
     ``partial`` keeps the directory's lock: the run that goes on to write it holds it throughout.
+
+    ``digests`` are the input digests the output records (``None``: none), not matched to its rows: the first part
+    records them all, the others none of their own (:mod:`batchgen.io.part_file`).
 
     Raises:
         BatchgenError: the output cannot be read, the partial output cannot be written, or another run holds its
@@ -35,10 +38,10 @@ def reopen_output(partial: PartialOutput, schema: pa.Schema) -> None:
             for row in batch.to_pylist():
                 # A row's samples are next to each other in the output; a part takes all of them or none.
                 if len(pending) >= _PART_ROWS and row["id"] != pending[-1]["id"]:
-                    partial.write_part(pending)
-                    pending = []
+                    partial.write_part(pending, digests)
+                    pending, digests = [], None if digests is None else b""
                 pending.append(row)
-        partial.write_part(pending)
+        partial.write_part(pending, digests)
         out.unlink()
         fsync_dir(out.parent)
     except (OSError, pa.ArrowException) as e:

@@ -9,27 +9,23 @@ import secrets
 import shlex
 import sys
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict
 from pathlib import Path
 
 import pyarrow as pa
 
-from batchgen.errors import BatchgenError, counted
+from batchgen.errors import BatchgenError
 from batchgen.io.fingerprint import fingerprint_dataset
-from batchgen.io.finished_output import finished_batches, finished_rows
-from batchgen.io.input_digests import INPUT_DIGESTS_KEY, compare_rows
-from batchgen.io.input_options import INPUT_OPTIONS_KEY, InputOptions, recorded_input_options
+from batchgen.io.finished_output import finished_batches
+from batchgen.io.input_digests import INPUT_DIGESTS_KEY, decode_digests
 from batchgen.io.output_lock import WRITING, held_by_a_run
 from batchgen.io.partial_output import PartialOutput, PartialState, partial_dir, remove_partial_dir
 from batchgen.io.reopen import reopen_output
 from batchgen.io.shards import is_read_as_shard, reads_part_files
 from batchgen.io.writer import check_output_format
+from batchgen.job.changed_rows import check_partial_rows
 from batchgen.job.options import JobOptions
 from batchgen.job.output_columns import check_written_rows, columns_for_resume
-from batchgen.job.run_metadata import DATASET_KEY, RUN_SEED_KEY, changed_fields, job_differences
-
-# A message names at most this many row ids.
-_IDS_SHOWN = 3
+from batchgen.job.run_metadata import DATASET_KEY, RUN_SEED_KEY, job_differences, schema_metadata
 
 
 def check_output_place(dataset: Path, out: Path) -> None:
@@ -122,20 +118,23 @@ def open_output(
         except (OSError, pa.ArrowException) as e:
             raise BatchgenError(f"{output.out}: cannot read results ({e})") from None
         # Its rows were checked against the dataset as it is now, row by row: the file's fingerprint is that one.
-        metadata = _metadata(recorded) | {DATASET_KEY: fingerprint_dataset(dataset).to_json()}
-        metadata.pop(INPUT_DIGESTS_KEY, None)
+        metadata = schema_metadata(recorded) | {DATASET_KEY: fingerprint_dataset(dataset).to_json()}
+        digests = metadata.pop(INPUT_DIGESTS_KEY, None)
         recorded = recorded.with_metadata(metadata)
         finished = lambda: finished_batches(output.out)[1]  # noqa: E731
         schema = output_schema(schema, dataset, seed, recorded, job.resume_force, output.out, finished)
         check_written_rows(finished(), recorded, schema, output.out)
-        reopen_output(output, schema)
+        reopen_output(output, schema, None if digests is None else decode_digests(digests))
         return schema, output.inspect()
     resumed = None
     if job.resuming and output.exists():
         output.lock()
         resumed = output.inspect()
     report_damage(output.dir, resumed)
-    recorded = resumed.schema if resumed is not None else None
+    recorded = None
+    if resumed is not None and resumed.schema is not None:
+        # Its rows are checked one by one against a dataset that changed: the fingerprint is then the one now.
+        recorded = check_partial_rows(dataset, output.dir, resumed, schema, job.resume_force)
     parts = lambda: _part_batches(resumed) if resumed is not None else iter(())  # noqa: E731
     schema = output_schema(schema, dataset, seed, recorded, job.resume_force, output.dir, parts)
     if recorded is not None:
@@ -147,55 +146,6 @@ def _part_batches(state: PartialState) -> Iterator[pa.RecordBatch]:
     """The rows of ``state``'s valid parts, part after part."""
     for _, path in state.parts:
         yield from pa.ipc.open_file(pa.memory_map(str(path))).read_all().to_batches()
-
-
-def check_finished_rows(dataset: Path, out: Path, force: bool, options: InputOptions | None = None) -> bool | None:
-    """Before ``--resume`` reopens the finished Arrow IPC or Parquet output ``out`` to add the rows it lacks (called
-    when it lacks rows or ``dataset`` changed since): check that each of its rows was made from the row ``dataset``
-    (read with the column ``options``; ``None``: those ``out`` records) holds under its id now
-    (:mod:`batchgen.io.input_digests`), and return whether ``out`` is complete; ``None`` when ``out`` records no
-    digests (an older batchgen). An output with error rows is not complete: only a run that reads the whole dataset
-    tells which of them still stand (:class:`batchgen.io.done_rows.DoneRows`; a bad row fixed since is generated).
-
-    Rows with samples whose input changed (or is gone) are refused, not generated again: that would discard their
-    results. With ``force`` they are kept as they are, with a warning, and only the missing rows are generated.
-
-    Raises:
-        BatchgenError: ``out`` cannot be read, or rows changed (one line naming a few of their ids), unless ``force``.
-    """
-    try:
-        schema, _ = finished_batches(out, ["id"])
-        recorded = _metadata(schema).get(INPUT_DIGESTS_KEY)
-        if recorded is None:
-            return None
-        options_then = recorded_input_options(schema.metadata or {})
-        options = options if options is not None else options_then
-        finished = finished_rows(out)
-        changed, gone, missing = compare_rows(dataset, finished.ids, recorded, options)
-    except (OSError, ValueError, pa.ArrowException) as e:
-        raise BatchgenError(f"{out}: cannot read results ({e}); pass --overwrite to run the dataset again") from None
-    complete = missing == 0 and not finished.errors
-    changed = [rid for rid in changed + gone if rid in finished.samples]
-    if not changed:
-        return complete
-    shown = ", ".join(f"'{rid}'" for rid in changed[:_IDS_SHOWN])
-    if len(changed) > _IDS_SHOWN:
-        shown += f" and {len(changed) - _IDS_SHOWN} more"
-    rows = f"{counted(len(changed), 'row')} of {out} changed in {dataset} or left it since it was made ({shown})"
-    # Other column options make other prompts from the same rows: say so, not only that the rows changed.
-    now = {INPUT_OPTIONS_KEY: json.dumps(asdict(options))}
-    if options_differ := changed_fields(
-        INPUT_OPTIONS_KEY, {INPUT_OPTIONS_KEY: json.dumps(asdict(options_then))}, now, None
-    ):
-        rows += f", read with other column options ({'; '.join(options_differ)})"
-    if not force:
-        raise BatchgenError(
-            f"cannot resume: the input of {rows}; --resume does not generate them again, which would discard their "
-            "results: pass --resume-force to keep them as they are and add any missing rows, or --overwrite to run "
-            "the whole dataset again"
-        )
-    print(f"batchgen: warning: the input of {rows}; --resume-force keeps their results", file=sys.stderr)
-    return complete
 
 
 def output_schema(
@@ -223,7 +173,7 @@ def output_schema(
     if seed is None and recorded_seed is not None:
         seed = int(recorded_seed.decode())
     metadata = {
-        **{k.decode(): v.decode() for k, v in (schema.metadata or {}).items()},
+        **schema_metadata(schema),
         DATASET_KEY: fingerprint_dataset(dataset).to_json(),
         RUN_SEED_KEY: str(seed if seed is not None else secrets.randbits(63)),
     }
@@ -242,14 +192,14 @@ def check_same_job(where: Path, recorded: pa.Schema, now: pa.Schema, force: bool
         BatchgenError: one line naming every difference in model, dtype, logprobs mode, kernel switches, sampling
             defaults, output-changing engine options (seed, context length) and the dataset.
     """
-    differences = job_differences(_metadata(recorded), _metadata(now))
+    differences = job_differences(schema_metadata(recorded), schema_metadata(now))
     if differences and not force:
         raise BatchgenError(
             f"{where}: cannot resume: this run differs from the one that wrote it: {'; '.join(differences)} "
             "(pass --resume-force to resume anyway, or --overwrite to start over)"
         )
     if differences:  # forced: the finished file will mix rows of both settings, so say which
-        old_n, new_n = (_default_n(_metadata(schema)) for schema in (recorded, now))
+        old_n, new_n = (_default_n(schema_metadata(schema)) for schema in (recorded, now))
         # A row is done when it has all of its n samples (DoneRows.is_done): rows that set no n of their own have
         # the old default's count, so they run again; rows that set one keep their samples.
         again = f" (rows that take the default n are generated again with n {new_n})" if old_n != new_n else ""
@@ -270,10 +220,6 @@ def resume_command(dataset: Path, out: Path, overwrite: bool = False) -> str:
             args.append("--resume")
         return f"{program} {shlex.join(args)}"
     return f"batchgen run {shlex.quote(str(dataset))} --out {shlex.quote(str(out))} <the same options> --resume"
-
-
-def _metadata(schema: pa.Schema) -> dict[str, str]:
-    return {k.decode(): v.decode() for k, v in (schema.metadata or {}).items()}
 
 
 def _default_n(metadata: dict[str, str]) -> int:

@@ -45,15 +45,16 @@ class RowChecks:
         bad_passthrough: the pass-through fields a bad row's error row keeps.
         index_ids: whether a row without an id takes its index as its id (not with ``--id-column``, where a row
             must have one): a bad row then holds that id, so that a later row giving it is a duplicate.
-        on_claim: called with each row that claims its id (:func:`~batchgen.io.row_ids.claims_id`) first, and that
-            id: the row its output row is made from, whose digest the run records for ``--resume``.
+        on_claim: called with each row that claims its id (:func:`~batchgen.io.row_ids.claims_id`) first, that id,
+            and whether the row goes on to run (a good row not done): the row its output row is made from, whose
+            digest the run records for ``--resume``.
     """
 
     source: str
     parse: Callable[[InputRow], RowSpec]
     bad_passthrough: Callable[[InputRow], dict[str, Any]]
     index_ids: bool = True
-    on_claim: Callable[[InputRow, str], None] = lambda row, rid: None
+    on_claim: Callable[[InputRow, str, bool], None] = lambda row, rid, runs: None
     _seen_ids: set[str] = field(default_factory=set, init=False)
     _index_ids: set[str] = field(default_factory=set, init=False)  # those a row without an id took from its index
 
@@ -75,7 +76,7 @@ class RowChecks:
                 rid = error_row_id(item)
                 if claims_id(item, self.index_ids) and rid not in self._seen_ids:
                     self._seen_ids.add(rid)
-                    self.on_claim(item, rid)
+                    self.on_claim(item, rid, False)
                 on_bad_row(e, rid, self.bad_passthrough(item))
                 continue
             indexed = item.data.get("id") is None  # its id is its 0-based index (a null id, or none)
@@ -86,8 +87,9 @@ class RowChecks:
             self._seen_ids.add(spec.id)
             if indexed:
                 self._index_ids.add(spec.id)
-            self.on_claim(item, spec.id)
-            if not is_done(spec):
+            runs = not is_done(spec)
+            self.on_claim(item, spec.id, runs)
+            if runs:
                 yield CheckedRow(spec, item.source or self.source, item.columns)
 
     def _duplicate(self, rid: str, indexed: bool) -> str:

@@ -15,17 +15,11 @@ from tqdm import tqdm
 
 from batchgen.errors import FieldError, OutputError, RowError, counted
 from batchgen.io.field_warnings import warn_about_fields
-from batchgen.io.input_digests import (
-    DIGEST_BYTES,
-    INPUT_DIGESTS_KEY,
-    MAX_DIGESTED_ROWS,
-    encode_digests,
-    row_digest,
-)
+from batchgen.io.input_digests import RunDigests
 from batchgen.io.input_options import InputOptions
 from batchgen.io.openai_output import openai_output, wants_openai_output
 from batchgen.io.partial_output import PartialOutput, remove_partial_dir
-from batchgen.io.reader import InputRow, RowReader, count_input_rows
+from batchgen.io.reader import RowReader, count_input_rows
 from batchgen.io.rows import RowSpec, parse_row, passthrough_that_fits
 from batchgen.io.writer import OUTPUT_COLUMNS, result_schema
 from batchgen.job.interrupts import StopRequest, graceful_stop
@@ -115,15 +109,15 @@ class RunJob:
         # The output's pass-through columns: the dataset's, or, resuming, those combined with the rows written.
         passthrough = pa.schema([field for field in self.schema if field.name not in OUTPUT_COLUMNS.names])
         names = json.loads(self.schema.metadata[NAMES_KEY.encode()])  # resuming, as the rows written have them
+        # Every input row's digest: the output records them, and a later --resume checks its rows against them.
+        self.digests = RunDigests()
         self.checks = RowChecks(
             self.reader.source,
             lambda row: parse_row(row, row.source or self.reader.source, passthrough, names),
             lambda row: passthrough_that_fits(row.data, passthrough, names),
             index_ids=self.reader.index_ids,
-            on_claim=self._record_digest,
+            on_claim=self.digests.claim,
         )
-        # Every input row's digest, for the output's metadata: a later --resume checks its rows against them.
-        self._digests = bytearray()
         self._pending_rows: list[dict[str, Any]] = []
 
     def _rounds(self) -> Rounds:
@@ -187,9 +181,8 @@ class RunJob:
         if stop.signum is not None:
             self.summary.interrupted_by = stop.name
         elif self.output.state.parts:
-            digested = len(self._digests) <= MAX_DIGESTED_ROWS * DIGEST_BYTES
-            metadata = {INPUT_DIGESTS_KEY: encode_digests(bytes(self._digests))} if digested else {}
-            self.output.finalize(metadata, self.openai_output.render if self.openai_output is not None else None)
+            render = self.openai_output.render if self.openai_output is not None else None
+            self.output.finalize(self.digests.metadata(), render)
         else:  # every row was bad (--on-error fail): no empty output file that the next try must --overwrite
             self.summary.output_written = False
             self._discard_empty_partial()
@@ -204,18 +197,17 @@ class RunJob:
         flushing finished rows every ``flush_every`` rows or ``flush_every_seconds``."""
         last_flush = time.monotonic()
         rates = RecentRates(start)  # the engine is this job's: its token counts start at 0
-        done = self.output.state.done
 
         def on_bad_row(error: RowError, rid: str, passthrough: dict[str, Any]) -> None:
             self._row_failed(error, rid, passthrough, bar)
 
-        rows = self.checks.checked(
-            self.reader,
-            on_bad_row,
-            lambda spec: spec.id in done.samples and done.is_done(spec.id, self._samples_of(spec)),
-        )
+        def on_failed_request(error: RowError, rid: str, passthrough: dict[str, Any]) -> None:
+            self.digests.drop(rid)  # a row that ran: not a duplicate, whose id is another row's
+            self._row_failed(error, rid, passthrough, bar)
+
+        rows = self.checks.checked(self.reader, on_bad_row, self._is_done)
         lookahead = max(self.job.schedule_lookahead, 2 * self.facts.max_running_requests)
-        for finished in self.rounds.results(rows, self.builder, on_bad_row, lookahead):
+        for finished in self.rounds.results(rows, self.builder, on_failed_request, lookahead):
             for results in finished:
                 self._finish(results, bar)
             if self.job.progress:
@@ -231,8 +223,14 @@ class RunJob:
             if stop.signum is not None:
                 break
 
+    def _is_done(self, spec: RowSpec) -> bool:
+        """Whether an earlier run wrote all of the row's samples."""
+        done = self.output.state.done
+        return spec.id in done.samples and done.is_done(spec.id, self._samples_of(spec))
+
     def _flush(self) -> None:
-        self.output.write_part(self._pending_rows)
+        sampled = dict.fromkeys(row["id"] for row in self._pending_rows if row["finish_reason"] != "error")
+        self.output.write_part(self._pending_rows, self.digests.written(sampled))
         self._pending_rows = []
 
     def _discard_empty_partial(self) -> None:
@@ -264,12 +262,6 @@ class RunJob:
         self.summary.output_tokens += sum(row["completion_tokens"] for row in results)
         self.summary.prompt_tokens += results[0]["prompt_tokens"]  # the samples of a row share one prompt
         bar.update(1)
-
-    def _record_digest(self, row: InputRow, rid: str) -> None:
-        """Record the digest of the row that claims ``rid`` (a duplicate's would let a later edit that makes the
-        duplicate the claiming row pass as unchanged)."""
-        if len(self._digests) <= MAX_DIGESTED_ROWS * DIGEST_BYTES:  # past the limit, one more says "too many"
-            self._digests += row_digest(rid, row.data)
 
     def _samples_of(self, spec: RowSpec) -> int:
         """The row's ``n`` (0 for a row whose sampling fields are bad: it is never done by its samples)."""

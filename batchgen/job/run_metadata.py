@@ -72,6 +72,11 @@ def recorded_settings(out: Path) -> dict[str, str] | None:
         schema, _ = finished_batches(out, ["id"])
     except (OSError, pa.ArrowException) as e:
         raise BatchgenError(f"{out}: cannot read results ({e})") from None
+    return schema_metadata(schema)
+
+
+def schema_metadata(schema: pa.Schema) -> dict[str, str]:
+    """``schema``'s metadata as text (keys and values are UTF-8 bytes in Arrow)."""
     return {k.decode(): v.decode() for k, v in (schema.metadata or {}).items()}
 
 

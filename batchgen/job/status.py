@@ -22,7 +22,7 @@ from batchgen.io.input_options import InputOptions, recorded_input_options
 from batchgen.io.output_lock import held_by_a_run
 from batchgen.io.partial_output import PartialOutput, partial_dir
 from batchgen.io.reader import count_input_rows
-from batchgen.job.resume import check_finished_rows
+from batchgen.job.changed_rows import check_finished_rows
 from batchgen.job.run_metadata import DATASET_KEY, settings_differences
 from batchgen.loop.options import EngineOptions
 from batchgen.sampling.sampling_params import SamplingParams
@@ -41,8 +41,8 @@ class OutputStatus:
     notes: list[str]
     # What differs in the dataset since the run started (size, modification time, ...); empty when unchanged.
     dataset_changes: list[str]
-    # A finished output's rows whose input row changed or left the dataset since (--resume refuses them unless
-    # --resume-force).
+    # The output's rows whose input row changed or left the dataset since (--resume refuses them unless
+    # --resume-force); every row where the output records no digests of its input rows.
     stale: int = 0
     # A finished output's error rows when the dataset changed: their rows may be fixed, so --resume (with
     # --resume-force too) reads the dataset again to check them.
@@ -113,10 +113,12 @@ def read_output_status(
     metadata: dict[bytes, bytes] = {}
     sample_ids: Iterable[str] = ()
     error_ids: Counter[str] = Counter()
+    digests: str | None = None  # of the input rows, when the output records them
     if out.exists():
         state = "complete"
         rows = finished_rows(out)
         sample_ids, error_ids, metadata = rows.samples, rows.errors, rows.metadata
+        digests = metadata[INPUT_DIGESTS_KEY.encode()].decode() if INPUT_DIGESTS_KEY.encode() in metadata else None
     elif partial_dir(out).is_dir():
         partial = PartialOutput(out).inspect()
         sample_ids = partial.done.samples
@@ -131,6 +133,7 @@ def read_output_status(
         if running:
             notes.append("a run is writing it now: --resume refuses it until that run ends")
         metadata = (partial.schema.metadata or {}) if partial.schema is not None else {}
+        digests = partial.input_digests
         if partial.damaged:
             notes.append(
                 f"{counted(len(partial.damaged), 'torn or damaged part file')} (dropped on resume, their rows rerun)"
@@ -165,18 +168,18 @@ def read_output_status(
     else:  # the output's rows are this dataset's: counted without reading the dataset
         done, errored = len(set(sample_ids)) + error_ids.total(), error_ids.total()
     stale = recheck = 0
-    digests = metadata.get(INPUT_DIGESTS_KEY.encode())
-    if check_rows and state == "complete" and changes:
+    if check_rows and changes:
         if digests is None:
             # An older batchgen's output, or a run of more rows than digests are kept for: --resume cannot check
             # the rows, so it refuses the changed dataset unless --resume-force (found by a helper).
             stale = done
-            notes.append(f"{out} records no digests of its input rows, so they cannot be checked: {_then(force)}")
+            where = out if state == "complete" else partial_dir(out)
+            notes.append(f"{where} records no digests of its input rows, so they cannot be checked: {_then(force)}")
         else:
-            stale = _changed_rows(dataset, out, list(sample_ids), digests.decode(), options, force, notes)
+            stale = _changed_rows(dataset, out, list(sample_ids), digests, options, force, notes)
             # Every error row, those of rows that left the dataset too (found by a helper): --resume reads the
             # dataset again for them, and leaves out the ones it no longer meets.
-            if recheck := error_ids.total():
+            if state == "complete" and (recheck := error_ids.total()):
                 notes.append(f"the dataset changed: --resume checks {out}'s {counted(recheck, 'error row')} again")
     other: list[str] = []
     if settings is not None and state != "not started":

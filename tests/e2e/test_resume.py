@@ -10,6 +10,7 @@ import json
 import os
 import random
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -546,7 +547,7 @@ def test_a_row_with_missing_samples_is_generated_again(
     state = partial.inspect()
     assert state.schema is not None
     partial.start(state.schema, state)
-    partial.write_part([{**reference[("r037", 1)], "text": "STALE"}])
+    partial.write_part([{**reference[("r037", 1)], "text": "STALE"}], None)
     partial.close()
     code, output = run_cli(args(dataset, out, model, "--resume"))
     assert code == 0, output
@@ -586,17 +587,95 @@ def test_resume_refuses_another_job_in_one_line_unless_forced(
     for run_args, difference in cases:
         code, output = run_cli(run_args)
         assert code == 2 and output.splitlines() == [f"{where} {difference} {force}"]
-    with copy.open("a") as f:
-        f.write(json.dumps({"id": "new", "prompt_token_ids": [0, 5]}) + "\n")
+    # A row written edited in the dataset since: its parts' digests name it (test_a_partial_output_resumes_...).
+    done = sorted(PartialOutput(out).inspect().done.samples)[0]
+    rows = [json.loads(line) for line in copy.read_text().splitlines()]
+    first = next(i for i, row in enumerate(rows) if row["id"] == done)
+    rows[first]["topic"] = "edited"
+    write_jsonl(copy, rows)
+    code, output = run_cli(["status", str(copy), str(out)])
+    assert f"note: 1 row of {out} changed in {copy} or left it since it was made (--resume refuses it;" in output
     code, output = run_cli(args(copy, out, model, "--resume"))
-    assert code == 2 and "dataset size" in output
-    copy.write_text(dataset.read_text())  # the same content again, but not the same file
-    code, output = run_cli(args(copy, out, model, "--resume"))
-    assert code == 2 and "dataset modification time" in output
+    changed = f"the input of 1 row of {partial_dir(out)} changed in {copy} or left it since it was made ('{done}')"
+    assert code == 2 and changed in output, output
     code, output = run_cli(args(copy, out, model, "--resume-force", "--max-new-tokens", "7"))
     assert code == 0, output
     assert "warning" in output and "resuming despite" in output and "max_new_tokens" in output
+    assert f"{changed}; --resume-force keeps their results" in output
     assert_same_rows(by_key(read_results(out).to_pylist()), reference)  # every row sets its own max_new_tokens
+
+
+def test_a_partial_output_resumes_from_a_copied_or_grown_dataset(
+    small_job: tuple[Path, dict[Key, dict[str, Any]]], model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a new user: a dataset copied elsewhere (the same bytes, a new modification time) blocked --resume, and
+    --resume-force then waived every check. Each part records the input digests of its rows, so a resume checks the
+    rows written one by one against the dataset as it is now, as it checks a finished output's: from a copy, or with
+    rows added at the end, it finishes as an uninterrupted run of that dataset would."""
+    dataset, reference = small_job
+    copy = tmp_path / "copy.jsonl"
+    shutil.copyfile(dataset, copy)
+    stat = copy.stat()
+    os.utime(copy, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # whatever the clock's resolution
+    grown = write_jsonl(tmp_path / "grown.jsonl", [json.loads(line) for line in dataset.read_text().splitlines()])
+    with grown.open("a") as f:
+        f.write(json.dumps({"id": "new", "prompt_token_ids": [0, 5, 6], "max_new_tokens": 3}) + "\n")
+    assert run_cli(args(grown, tmp_path / "grown.arrow", model))[0] == 0
+    for now, want in ((copy, reference), (grown, by_key(read_results(tmp_path / "grown.arrow").to_pylist()))):
+        out = tmp_path / f"{now.stem}-out.arrow"
+        with monkeypatch.context() as patch:
+            fail_part_write(patch, at=2)
+            assert run_cli(args(dataset, out, model))[0] == 2
+        code, output = run_cli(["status", str(now), str(out)])
+        assert code == 1 and "12 of" in output and "changed in" not in output and "no digests" not in output, output
+        code, output = run_cli(args(now, out, model, "--resume"))
+        assert code == 0 and "resuming despite" not in output and "changed in" not in output, output
+        assert_same_rows(by_key(read_results(out).to_pylist()), want)
+    # Parts an older batchgen wrote record no digests: the dataset's fingerprint alone is compared, as before.
+    out = tmp_path / "older.arrow"
+    with monkeypatch.context() as patch:
+        fail_part_write(patch, at=2)
+        assert run_cli(args(dataset, out, model))[0] == 2
+    partial = PartialOutput(out)
+    state = partial.inspect()
+    assert state.schema is not None and state.input_digests is not None
+    rows = pa.concat_tables(pa.ipc.open_file(path).read_all() for _, path in state.parts).to_pylist()
+    partial.start(state.schema, None)
+    partial.write_part(rows, None)
+    partial.close()
+    assert PartialOutput(out).inspect().input_digests is None
+    code, output = run_cli(["status", str(copy), str(out)])
+    assert f"{partial_dir(out)} records no digests of its input rows, so they cannot be checked: --resume" in output
+    code, output = run_cli(args(copy, out, model, "--resume"))
+    assert code == 2 and "dataset modification time" in output, output
+
+
+def test_a_reopened_output_stopped_again_resumes_from_a_copied_dataset(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A finished output reopened to add a row fixed since takes the input digests it records into its parts: stopped
+    while adding rows, it resumes from a copy of the dataset (a new modification time) as from the dataset itself,
+    and ends as an uninterrupted run of the fixed dataset."""
+    rows = [{"id": f"r{i}", "prompt_token_ids": [0, 5 + i], "max_new_tokens": 2} for i in range(12)]
+    rows[3]["temperature"] = -1  # a bad row, left out under --on-error fail
+    dataset, out = write_jsonl(tmp_path / "in.jsonl", rows), tmp_path / "out.arrow"
+    assert run_cli([*args(dataset, out, model, *SLOW_FLAGS), "--on-error", "fail"])[0] == 3
+    del rows[3]["temperature"]
+    write_jsonl(dataset, [*rows, *({"id": f"n{i}", "prompt_token_ids": [0, 9, i]} for i in range(6))])
+    assert run_cli(args(dataset, tmp_path / "reference.arrow", model))[0] == 0
+    with monkeypatch.context() as patch:
+        fail_part_write(patch, at=3)  # the reopened rows' part, one part of added rows, then the disk fills
+        assert run_cli(args(dataset, out, model, "--resume", *SLOW_FLAGS))[0] == 2
+    assert not out.exists() and len(PartialOutput(out).inspect().parts) == 2
+    copy = tmp_path / "copy.jsonl"
+    shutil.copyfile(dataset, copy)
+    stat = copy.stat()
+    os.utime(copy, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    code, output = run_cli(args(copy, out, model, "--resume"))
+    assert code == 0 and "changed in" not in output, output
+    assert_same_rows(
+        by_key(read_results(out).to_pylist()), by_key(read_results(tmp_path / "reference.arrow").to_pylist())
+    )
 
 
 def test_a_context_length_equal_to_the_models_own_is_the_one_omitted(
@@ -1191,7 +1270,7 @@ def test_resume_leaves_the_parts_of_a_run_reopening_the_output_alone(model: Path
     table = read_results(out)
     partial = PartialOutput(out)  # the first run, half way through reopening: its parts written, the output there
     partial.start(table.schema, None)
-    partial.write_part(table.to_pylist())
+    partial.write_part(table.to_pylist(), None)
     try:
         code, output = run_cli(args(dataset, out, model, "--resume"))
         assert code == 2 and output.endswith(f"{partial_dir(out)}: {WRITING}\n")
@@ -1493,10 +1572,10 @@ def test_a_run_of_more_rows_than_digests_may_cover_records_none(
 ) -> None:
     """The digests grow with the rows; past MAX_DIGESTED_ROWS an output records none (a Parquet footer of 8M rows'
     digests no longer parsed), and is checked by the dataset's fingerprint alone, as an older batchgen's."""
-    import batchgen.job.run_job as run_job
+    import batchgen.io.input_digests as input_digests
     from batchgen.io.input_digests import INPUT_DIGESTS_KEY
 
-    monkeypatch.setattr(run_job, "MAX_DIGESTED_ROWS", 3)
+    monkeypatch.setattr(input_digests, "MAX_DIGESTED_ROWS", 3)
     for count, recorded in ((3, True), (4, False)):
         rows = [{"id": f"r{i}", "prompt_token_ids": [0, 5 + i]} for i in range(count)]
         dataset = write_jsonl(tmp_path / f"in{count}.jsonl", rows)
@@ -1652,7 +1731,7 @@ def test_a_bad_row_fixed_since_is_generated_in_place_of_its_error_row(where: str
         with pa.ipc.new_file(out, table.schema) as writer:
             writer.write_table(table)
         partial = PartialOutput(out)
-        reopen_output(partial, table.schema)
+        reopen_output(partial, table.schema, None)
         partial.close()
     code, output = run_cli([*run, str(out), "--resume" if where == "finished" else "--resume-force"])
     generated = "0 rows done" if where == "partial with the fixed row" else "1 row done"
