@@ -141,6 +141,9 @@ class OpenAIBatchInput:
             raise fail("body.max_completion_tokens", "and body.max_tokens differ: give one (the same limit)")
         row = {COPIED[key]: value for key, value in given.items() if key in COPIED}
         row.update(_prompt(url, given, fail))
+        tools = given.get("tools") if url == CHAT_URL else None
+        if tools:  # [] is no tools: the template's own default
+            row["tools"] = [_as_vllm_tool(tool) for tool in tools] if isinstance(tools, list) else tools
         row.update(_logprobs(url, given, fail))
         if "response_format" in given:
             row.update(_response_format(given["response_format"], fail))
@@ -170,6 +173,17 @@ def _prompt(url: str, body: dict[str, Any], fail: Fail) -> dict[str, Any]:
     if isinstance(prompt, list) and len(prompt) > 1:
         raise fail("body.prompt", f"holds {len(prompt)} prompts; batchgen takes one per line (split it into lines)")
     raise fail("body.prompt", f"must be a string or an array of token ids, got {shown_value(prompt)}")
+
+
+def _as_vllm_tool(tool: Any) -> Any:
+    """A request's function definition as vLLM hands it to the chat template (its pydantic model dumped: ``type``,
+    then ``function`` with ``name``, ``description`` and ``parameters``, null where not given, then any other key),
+    so that a template that prints a tool as JSON prints what vLLM's would; another shape is left for
+    :func:`batchgen.io.chat_messages.check_tools` to refuse."""
+    if not isinstance(tool, dict) or not isinstance(tool.get("function"), dict):
+        return tool
+    declared = {"name": None, "description": None, "parameters": None}
+    return {"type": "function", **tool, "function": {**declared, **tool["function"]}}
 
 
 def _logprobs(url: str, body: dict[str, Any], fail: Fail) -> dict[str, Any]:

@@ -37,9 +37,10 @@ _OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "echo": (False,),
     "suffix": ("",),
     "logit_bias": ({},),
-    "tools": ([],),
     "functions": ([],),
-    "tool_choice": ("none",),
+    # Tools go to the chat template either way, as vLLM gives them; "required" or a named tool would need the call
+    # constrained to the tools' schemas.
+    "tool_choice": ("none", "auto"),
     "function_call": ("none",),
     "modalities": (["text"],),
     # vLLM's chat extensions, in the value batchgen always does: the template's generation prompt after the messages.
@@ -76,7 +77,7 @@ _CHAT_ONLY = frozenset(
     )
 )
 _COMPLETIONS_ONLY = frozenset(("prompt", "suffix"))  # echo too, but vLLM's chat takes echo: false (and best_of)
-_READ = (*COPIED, "messages", "prompt", "logprobs", "top_logprobs", "response_format")
+_READ = (*COPIED, "messages", "prompt", "logprobs", "top_logprobs", "response_format", "tools")
 # Each batchgen row field → the request field it was read from, so that a row error names the request's field.
 CHAT_NAMES = {
     "id": "custom_id",
@@ -85,6 +86,7 @@ CHAT_NAMES = {
     "logprobs": "body.logprobs",
     "top_logprobs": "body.top_logprobs",
     "json_schema": "body.response_format",
+    "tools": "body.tools",
 }
 COMPLETIONS_NAMES = {
     **CHAT_NAMES,
@@ -113,6 +115,10 @@ def check_body_field(key: str, value: Any, url: str, body: dict[str, Any], fail:
         if not _same(value, not chat):
             does = "adds them to a prompt" if not chat else "adds none to chat messages (their template has them)"
             raise fail(name, f"{shown_value(value)} is not supported: batchgen {does}; leave it out")
+        return
+    if key == "tools" and not chat:  # vLLM's completions have no tools: no template renders them
+        if value != []:
+            raise fail(name, f"not a field of {url} requests (a chat request's tools go to its chat template)")
         return
     if key == "best_of":
         if not _same(value, body.get("n", 1)):

@@ -11,6 +11,7 @@ import pyarrow as pa
 
 from batchgen.errors import NOT_UNICODE, FieldError, RowError, is_unicode_text, shown_value
 from batchgen.io.arrow_fit import misfit
+from batchgen.io.chat_messages import check_messages, check_tools
 from batchgen.io.input_options import template_arguments
 from batchgen.io.input_row import InputRow
 from batchgen.io.json_text import is_json_text
@@ -19,6 +20,7 @@ from batchgen.io.passthrough import (
     CONTINUATION_FIELD,
     KNOWN_FIELDS,
     PROMPT_FIELDS,
+    TOOLS_FIELD,
     json_type_name,
 )
 from batchgen.io.row_ids import check_id
@@ -50,11 +52,13 @@ class RowSpec:
         id: the row's ``id`` as a string, or its 0-based row index when it has none.
         line: 1-based line (JSONL) or row (Parquet) number, for messages.
         prompt: raw text prompt.
-        messages: chat messages, each with string ``role`` and ``content`` (and any other string keys given).
+        messages: chat messages, each with string ``role`` and ``content`` (and any other string keys given; an
+            assistant message's ``tool_calls`` with their arguments parsed: :mod:`batchgen.io.chat_messages`).
         prompt_token_ids: token ids (their vocabulary range is checked later, by the engine).
         continuation: text to score after ``prompt`` or ``messages`` (see ``batchgen.job.continuation``), or ``None``.
         chat_template_kwargs: keyword arguments of the chat template that renders ``messages`` (vLLM's field), or
             ``None``; a key given as null is left out (a Parquet struct column's rows hold every key).
+        tools: the function definitions the chat template is given (vLLM's ``tools``), or ``None``.
         sampling_overrides: the row's sampling fields with their raw values, under the names the row gave them
             (``max_tokens`` too: see ``SAMPLING_FIELD_ALIASES``), for ``make_sampling_params``.
         passthrough: every field of the pass-through schema (``None`` where absent), under its schema name.
@@ -63,10 +67,11 @@ class RowSpec:
     id: str
     line: int
     prompt: str | None
-    messages: list[dict[str, str]] | None
+    messages: list[dict[str, Any]] | None
     prompt_token_ids: list[int] | None
     continuation: str | None
     chat_template_kwargs: dict[str, Any] | None
+    tools: list[dict[str, Any]] | None
     sampling_overrides: dict[str, Any]
     passthrough: dict[str, Any]
 
@@ -108,7 +113,7 @@ def parse_row(
     if kind == "prompt":
         prompt = _check_prompt(data["prompt"], fail)
     elif kind == "messages":
-        messages = _check_messages(data["messages"], fail)
+        messages = check_messages(data["messages"], fail)
     else:
         token_ids = _check_token_ids(data["prompt_token_ids"], fail)
     return RowSpec(
@@ -119,6 +124,7 @@ def parse_row(
         prompt_token_ids=token_ids,
         continuation=_check_continuation(data, kind, fail),
         chat_template_kwargs=_check_chat_template_kwargs(data.get(CHAT_TEMPLATE_KWARGS_FIELD), kind, fail),
+        tools=check_tools(data.get(TOOLS_FIELD), kind, fail),
         sampling_overrides={name: data[name] for name in (*SAMPLING_FIELDS, *SAMPLING_FIELD_ALIASES) if name in data},
         passthrough=_passthrough(data, passthrough_schema, passthrough_names, fail),
     )
@@ -184,54 +190,6 @@ def _check_prompt(value: Any, fail: _Fail) -> str:
     if not is_unicode_text(value):  # JSON's \ud800 escapes can write one; no tokenizer takes it
         raise fail("prompt", NOT_UNICODE)
     return value
-
-
-def _check_messages(value: Any, fail: _Fail) -> list[dict[str, str]]:
-    if not isinstance(value, list) or not value:
-        got = "an empty array" if isinstance(value, list) else json_type_name(value)
-        raise fail("messages", f"must be a non-empty array of {{role, content}} objects, got {got}")
-    messages = []
-    for i, item in enumerate(value):
-        if not isinstance(item, dict):
-            raise fail("messages", f"item {i} must be an object, got {json_type_name(item)}")
-        message: dict[str, str] = {}
-        if isinstance(item.get("content"), list):
-            item = {**item, "content": _joined_text_parts(item["content"], i, fail)}
-        for key in ("role", "content"):
-            if key not in item:
-                # The row's own messages field: a messages column's ShareGPT items were mapped before this check.
-                sharegpt = "from" in item
-                hint = " (ShareGPT's {from, value} items: --messages-column messages reads them)" if sharegpt else ""
-                raise fail("messages", f"item {i}: '{key}' is missing{hint}")
-            if not isinstance(item[key], str):
-                raise fail("messages", f"item {i}: '{key}' must be a string, got {json_type_name(item[key])}")
-        for key, part in item.items():
-            # Parquet stores messages as structs, which fill keys absent in this message with nulls.
-            if part is None:
-                continue
-            if not isinstance(part, str):
-                raise fail("messages", f"item {i}: '{key}' must be a string, got {json_type_name(part)}")
-            if not is_unicode_text(part):
-                raise fail("messages", f"item {i}: '{key}' {NOT_UNICODE}")
-            message[key] = part
-        messages.append(message)
-    return messages
-
-
-def _joined_text_parts(parts: list[Any], i: int, fail: _Fail) -> str:
-    """Message ``i``'s OpenAI content parts (``[{"type": "text", "text": ...}]``) as one string, joined by newlines as
-    vLLM joins them; other parts (images, audio) are refused."""
-    texts = []
-    for part in parts:
-        kind = part.get("type") if isinstance(part, dict) else json_type_name(part)
-        if kind != "text":
-            raise fail("messages", f"item {i}: content part {shown_value(kind)} is not supported (text only)")
-        if not isinstance(part.get("text"), str):
-            raise fail(
-                "messages", f"item {i}: a text part's 'text' must be a string, got {shown_value(part.get('text'))}"
-            )
-        texts.append(part["text"])
-    return "\n".join(texts)
 
 
 def _check_token_ids(value: Any, fail: _Fail) -> list[int]:

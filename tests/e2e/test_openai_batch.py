@@ -387,7 +387,10 @@ def bad_file(tmp_path: Path) -> Path:
     chat_body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "temperature": 0}
     lines = [
         request("good-1", chat_body),
-        request("tools", {**chat_body, "tools": [{"type": "function", "function": {"name": "f"}}]}),
+        request(
+            "tools",
+            {**chat_body, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
+        ),
         {"custom_id": "embed", "method": "POST", "url": "/v1/embeddings", "body": {"model": "m", "input": "x"}},
         request("hot", {**chat_body, "temperature": -1}),
         request("good-2", chat_body),
@@ -405,7 +408,7 @@ def test_bad_lines_are_400_lines_in_place_under_on_error_skip(model: Path, tmp_p
     helper's trial: the default fail left 6 of 13 lines out of a .jsonl output that --resume cannot complete)."""
     dataset = bad_file(tmp_path)
     output = run(dataset, tmp_path / "out.jsonl", model, *flags)
-    assert f"{dataset}:2: field 'body.tools'" in output
+    assert f"{dataset}:2: field 'body.tool_choice'" in output
     lines = output_lines(tmp_path / "out.jsonl")
     # In input order, a duplicate's error line at its own line's place (it came right after the request whose id
     # it repeats). A custom_id that is not a string is echoed as given, so that the client can match the error line.
@@ -413,7 +416,7 @@ def test_bad_lines_are_400_lines_in_place_under_on_error_skip(model: Path, tmp_p
     assert [line["custom_id"] for line in lines] == custom_ids
     assert len({line["id"] for line in lines}) == 9
     # Each param is the request's field, as the line spelled it (batchgen's checks of the row it was read as too).
-    params = ["body.tools", "url", "body.temperature", "custom_id", "custom_id", "body.max_completion_tokens"]
+    params = ["body.tool_choice", "url", "body.temperature", "custom_id", "custom_id", "body.max_completion_tokens"]
     for line, param in zip(lines[1:4] + lines[5:], params + ["body.top_logprobs"]):
         assert line["response"]["status_code"] == 400
         assert set(line["response"]["body"]) == {"error"}

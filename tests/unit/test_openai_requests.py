@@ -235,11 +235,46 @@ def test_text_content_parts_are_joined_and_others_refused(tmp_path: Path) -> Non
     assert error.message == 'item 0: content part "image_url" is not supported (text only)'
 
 
+def test_a_chat_lines_tools_reach_its_template_as_vllm_dumps_them(tmp_path: Path) -> None:
+    """vLLM hands the template each tool as its pydantic model dumps it (vLLM's protocol.py: ChatCompletionToolsParam
+    with a FunctionDefinition of name, description and parameters, null where not given), with tool_choice auto or
+    none alike; a bad tool is named as the request's field."""
+    tool = {"type": "function", "function": {"parameters": {"type": "object"}, "name": "f"}}
+    lines = [
+        request("a", chat(tools=[tool], tool_choice="auto")),
+        request("b", chat(tools=[{"function": {"name": 5}}])),
+    ]
+    reader, (first, second) = read(tmp_path, lines)
+    assert isinstance(first, InputRow) and isinstance(second, InputRow)
+    spec = parse_row(first, reader.source, reader.passthrough_schema, reader.passthrough_names)
+    assert spec.tools == [
+        {"type": "function", "function": {"name": "f", "description": None, "parameters": {"type": "object"}}}
+    ]
+    assert spec.tools is not None and list(spec.tools[0]["function"]) == ["name", "description", "parameters"]
+    with pytest.raises(RowError) as raised:
+        parse_row(second, reader.source, reader.passthrough_schema, reader.passthrough_names)
+    error = raised.value
+    assert (error.line, error.field, error.message) == (
+        2,
+        "body.tools",
+        "item 0: function 'name' must be a string, got 5",
+    )
+
+
 @pytest.mark.parametrize(
     ("line", "field", "says"),
     [
-        (request("a", chat(tools=[{"type": "function", "function": {"name": "f"}}])), "body.tools", "not supported"),
-        (request("a", chat(tool_choice="auto")), "body.tool_choice", "not supported"),
+        (request("a", chat(tool_choice="required")), "body.tool_choice", "not supported"),
+        (
+            request("a", chat(tool_choice={"type": "function", "function": {"name": "f"}})),
+            "body.tool_choice",
+            "not supported",
+        ),
+        (
+            request("a", {"model": "m", "prompt": "x", "tools": [{"type": "function"}]}, COMPLETIONS),
+            "body.tools",
+            "not a field of /v1/completions requests",
+        ),
         (request("a", chat(stream=True)), "body.stream", "not supported"),
         (request("a", chat(logit_bias={"5": 1})), "body.logit_bias", "not supported"),
         (request("a", chat(audio={"voice": "x"})), "body.audio", "not supported"),

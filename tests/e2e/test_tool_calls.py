@@ -1,0 +1,99 @@
+"""Conversations with tool calls through ``batchgen run``: an OpenAI Batch file's chat requests with ``tools`` and a
+tool-calling history, and a Parquet dataset whose messages are structs, prompt the model with what Hugging Face's
+``apply_chat_template`` renders from the messages and tools as vLLM hands them to it (the reference)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from tests.helpers.cli import read_rows, run_args, run_cli, write_jsonl
+from tests.helpers.models import TOOL_TEMPLATE
+
+WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
+CALL = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}
+HISTORY = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [CALL]},
+    {"role": "tool", "tool_call_id": "c1", "content": "18 C"},
+]
+# What vLLM gives the template (vllm/entrypoints/chat_utils.py, _postprocess_messages; protocol.py's tool model):
+# the arguments parsed, the calling turn's content empty, the tool with its declared fields.
+AS_VLLM_GIVES_THEM = [
+    HISTORY[0],
+    {"role": "assistant", "content": "", "tool_calls": [{**CALL, "function": {"name": "weather", "arguments": {
+        "city": "Paris"}}}]},
+    HISTORY[2],
+]  # fmt: skip
+VLLM_TOOL = {"type": "function", "function": {"name": "weather", "description": None, "parameters": {"type": "object"}}}
+
+
+@pytest.fixture(scope="module")
+def model(random_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random llama with a tool-use chat template."""
+    directory = tmp_path_factory.mktemp("tools") / "llama"
+    tokenizer = AutoTokenizer.from_pretrained(random_models["llama"])
+    tokenizer.chat_template = TOOL_TEMPLATE
+    tokenizer.save_pretrained(directory)
+    for path in random_models["llama"].iterdir():
+        if not (directory / path.name).exists():
+            (directory / path.name).symlink_to(path)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model: Path) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(model)
+
+
+def prompt_length(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], tools: Any = None) -> int:
+    rendered = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, return_dict=True)
+    return len(rendered["input_ids"])
+
+
+def test_an_openai_batch_line_with_tools_and_tool_calls(
+    model: Path, tokenizer: PreTrainedTokenizerBase, tmp_path: Path
+) -> None:
+    body = {"model": "m", "messages": HISTORY, "tools": [WEATHER], "tool_choice": "auto", "max_tokens": 2}
+    plain = {"model": "m", "messages": HISTORY[:1], "tools": [], "tool_choice": "none", "max_tokens": 2}
+    lines = [
+        {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions", "body": b}
+        for cid, b in (("t", body), ("p", plain))
+    ]
+    dataset = write_jsonl(tmp_path / "requests.jsonl", lines)
+    code, output = run_cli(run_args(dataset, tmp_path / "out.jsonl", model))
+    assert code == 0, output
+    got = {line["custom_id"]: line for line in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
+    usage = {cid: line["response"]["body"]["usage"]["prompt_tokens"] for cid, line in got.items()}
+    assert usage == {
+        "t": prompt_length(tokenizer, AS_VLLM_GIVES_THEM, [VLLM_TOOL]),
+        "p": prompt_length(tokenizer, HISTORY[:1]),
+    }
+    # The reference does depend on both: a check that could not fail otherwise.
+    assert usage["t"] != prompt_length(tokenizer, AS_VLLM_GIVES_THEM) != prompt_length(tokenizer, HISTORY, [VLLM_TOOL])
+
+
+def test_a_parquet_dataset_of_tool_calling_conversations(
+    model: Path, tokenizer: PreTrainedTokenizerBase, tmp_path: Path
+) -> None:
+    """Parquet keeps messages as structs: every message holds every key (null where it had none), and tools as the
+    JSON text datasets often keep them in."""
+    rows = [
+        {"id": "t", "messages": HISTORY, "tools": json.dumps([VLLM_TOOL])},
+        {"id": "p", "messages": HISTORY[:1], "tools": None},
+    ]
+    dataset = tmp_path / "conversations.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), dataset)
+    code, output = run_cli([*run_args(dataset, tmp_path / "out.arrow", model), "--max-new-tokens", "2"])
+    assert code == 0, output
+    usage = {rid: row["prompt_tokens"] for rid, row in read_rows(tmp_path / "out.arrow").items()}
+    assert usage == {
+        "t": prompt_length(tokenizer, AS_VLLM_GIVES_THEM, [VLLM_TOOL]),
+        "p": prompt_length(tokenizer, HISTORY[:1]),
+    }

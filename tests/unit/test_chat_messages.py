@@ -1,0 +1,141 @@
+"""Chat rows with tool calls and tools: rendered by the chat template as vLLM's chat endpoint renders them (the
+arguments of an assistant's tool calls parsed into objects, a tool-calling turn's null content as ""), and bad ones
+refused in one line naming the message."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pytest
+
+from batchgen.errors import RowError
+from batchgen.io.input_row import InputRow
+from batchgen.io.rows import parse_row
+from batchgen.job.request_builder import RequestBuilder
+from batchgen.sampling.sampling_params import SamplingParams
+from tests.helpers.models import TOOL_TEMPLATE, build_tokenizer
+
+WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
+CALL = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}
+MESSAGES = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [CALL]},
+    {"role": "tool", "tool_call_id": "c1", "content": "18 C"},
+]
+
+
+@pytest.fixture(scope="module")
+def builder(tmp_path_factory: pytest.TempPathFactory) -> RequestBuilder:
+    tokenizer = build_tokenizer(tmp_path_factory.mktemp("tok"))
+    tokenizer.chat_template = TOOL_TEMPLATE
+    return RequestBuilder(tokenizer, len(tokenizer), 4096, [1], SamplingParams(), run_seed=0, max_samples=4)
+
+
+def spec_of(data: dict[str, Any]) -> Any:
+    return parse_row(InputRow(index=0, line=7, data=data), "in.jsonl", pa.schema([]), {})
+
+
+def rendered(builder: RequestBuilder, data: dict[str, Any]) -> str:
+    return str(builder.tokenizer.decode(builder.build(spec_of(data), "in.jsonl").prompt_ids))
+
+
+def test_tool_calls_and_tools_render_as_vllm_gives_them_to_the_template(builder: RequestBuilder) -> None:
+    """Hand-written expectation: the call's arguments are an object (``tojson`` prints JSON, not a quoted string),
+    the calling turn's null content is empty, and the tools are printed as the row gives them."""
+    text = rendered(builder, {"messages": MESSAGES, "tools": [WEATHER]})
+    assert text == (
+        '[tools]{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}};\n'
+        "[user]Weather in Paris?\n"
+        '[assistant]<call c1>weather {"city": "Paris"}</call>\n'
+        "[tool]18 C<for c1>\n"
+        "[assistant]"
+    )
+    # Tools as JSON text (a Parquet column's), arguments already an object, or empty: the same template input.
+    as_text = rendered(builder, {"messages": MESSAGES, "tools": json.dumps([WEATHER])})
+    assert as_text == text
+    parsed = [MESSAGES[0], {**MESSAGES[1], "tool_calls": [{**CALL, "function": {"name": "weather", "arguments": {
+        "city": "Paris"}}}]}, MESSAGES[2]]  # fmt: skip
+    assert rendered(builder, {"messages": parsed, "tools": [WEATHER]}) == text
+    empty = [{**MESSAGES[1], "tool_calls": [{**CALL, "function": {"name": "weather", "arguments": ""}}]}]
+    assert "<call c1>weather {}</call>" in rendered(builder, {"messages": [MESSAGES[0], *empty]})
+
+
+def test_an_empty_tool_calls_list_is_no_calls(builder: RequestBuilder) -> None:
+    """vLLM drops an empty tool_calls list, so that the template takes its plain assistant path."""
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yes", "tool_calls": []}]
+    messages.append({"role": "user", "content": "more"})
+    assert rendered(builder, {"messages": messages}) == "[user]hi\n[assistant]yes\n[user]more\n[assistant]"
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (
+            {
+                "messages": [
+                    MESSAGES[0],
+                    {
+                        **MESSAGES[1],
+                        "tool_calls": [{**CALL, "function": {"name": "weather", "arguments": "{city: Paris}"}}],
+                    },
+                ]
+            },  # fmt: skip
+            "field 'messages': item 1: tool_calls[0]: function 'arguments' is not JSON (Expecting property name "
+            "enclosed in double quotes: line 1 column 2 (char 1))",
+        ),
+        (
+            {
+                "messages": [
+                    MESSAGES[0],
+                    {**MESSAGES[1], "tool_calls": [{**CALL, "function": {"name": "weather", "arguments": "[1]"}}]},
+                ]
+            },  # fmt: skip
+            "field 'messages': item 1: tool_calls[0]: function 'arguments' must be a JSON object, got array",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "hi", "tool_calls": [CALL]}]},
+            "field 'messages': item 0: 'tool_calls' belong to an assistant message, not to role \"user\"",
+        ),
+        (
+            {"messages": [MESSAGES[0], {"role": "assistant", "tool_calls": [{"type": "code", "code": "x"}]}]},
+            'field \'messages\': item 1: tool_calls[0] must be a function call: {"type": "function", "function": '
+            "{...}}",
+        ),
+        (
+            {"messages": [{"role": "assistant", "content": None}]},
+            "field 'messages': item 0: 'content' must be a string, got null",
+        ),
+        (
+            {"prompt": "hi", "tools": [WEATHER]},
+            "field 'tools': needs messages: a prompt is not rendered by the chat template",
+        ),  # fmt: skip
+        (
+            {"messages": MESSAGES, "tools": {"weather": 1}},
+            "field 'tools': must be an array of function definitions, got object",
+        ),  # fmt: skip
+        (
+            {"messages": MESSAGES, "tools": "[{"},
+            "field 'tools': is a string but not JSON (Expecting property name "
+            "enclosed in double quotes: line 1 column 3 (char 2))",
+        ),  # fmt: skip
+        (
+            {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": 5}}]},
+            "field 'tools': item 0: function 'name' must be a string, got 5",
+        ),  # fmt: skip
+    ],
+)
+def test_a_bad_tool_call_or_tool_is_one_line_naming_it(data: dict[str, Any], message: str) -> None:
+    with pytest.raises(RowError) as caught:
+        spec_of(data)
+    assert str(caught.value) == f"in.jsonl:7: {message}"
+
+
+def test_tools_under_a_template_that_does_not_render_them_are_left_out(tmp_path: Path) -> None:
+    """As in vLLM and transformers: the template decides; the prompt is the one without tools."""
+    tokenizer = build_tokenizer(tmp_path)
+    tokenizer.chat_template = "{% for m in messages %}[{{ m.role }}]{{ m.content }}{{ '\\n' }}{% endfor %}[assistant]"
+    builder = RequestBuilder(tokenizer, len(tokenizer), 4096, [1], SamplingParams(), run_seed=0, max_samples=4)
+    assert rendered(builder, {"messages": MESSAGES[:1], "tools": [WEATHER]}) == "[user]Weather in Paris?\n[assistant]"
