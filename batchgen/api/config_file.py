@@ -77,7 +77,7 @@ def check_config_value(path: Path, name: str, value: Any, hint: Any) -> None:
         return
     if isinstance(value, list) and get_origin(hint) is not tuple:
         raise BatchgenError(f"{path}: option '{option}': takes one value, got {shown_value(value)}")
-    base = _base(hint)
+    base = value_type(hint)
     if base is str and not all(isinstance(v, str) for v in items):
         what = "no true/false value" if any(isinstance(v, bool) for v in items) else "text"
         quote = "" if what != "text" else " (quote a value meant as text)"
@@ -110,7 +110,7 @@ def config_options(path: Path) -> dict[str, Any]:
         if name in ("dataset", "out"):
             options[name] = value
             continue
-        base = _base(OPTION_HINTS[name])
+        base = value_type(OPTION_HINTS[name])
         if name in _PARSED:
             value = parsed_text(_PARSED[name], value)
         elif get_origin(OPTION_HINTS[name]) is tuple:
@@ -171,7 +171,7 @@ def text_value(value: Any) -> Any:
         return True if word in _TRUE else False if word in _FALSE else value
 
 
-def _base(hint: Any) -> Any:
+def value_type(hint: Any) -> Any:
     """The type of one value of an option declared ``hint``: ``int`` for ``int | None`` and ``tuple[int, ...]``."""
     args = [arg for arg in get_args(hint) if arg is not type(None) and arg is not Ellipsis]
     return args[0] if args else hint

@@ -22,11 +22,11 @@ from typer._click.exceptions import UsageError
 from typer._click.globals import get_current_context
 from typer.core import TyperArgument, TyperCommand, TyperOption
 
-from batchgen.api.config_file import constraints_replaced, parsed_text
+from batchgen.api.config_file import constraints_replaced, parsed_text, value_type
 from batchgen.api.options import OPTION_CLASSES, declared_options
 from batchgen.cli import release_startup_interrupts
 from batchgen.cli.user_errors import given
-from batchgen.errors import FieldError
+from batchgen.errors import FieldError, shown_value
 from batchgen.io.input_options import apply_escapes
 from batchgen.sampling.sampling_params import GRAMMAR_FIELDS, MODEL_SAMPLING_FIELDS, SamplingParams
 
@@ -104,7 +104,13 @@ def _typer_parameter(field: Field[Any], annotation: Any, required: bool, hidden:
         default = list(default) if default is not ... else ...
     flags = [field.metadata["flag"]] if "flag" in field.metadata else []
     callback = _apply_escapes if field.metadata.get("escapes") else None
-    parser = _text_parser(field) if "parse" in field.metadata else None
+    repeats = get_origin(annotation) is list
+    if "parse" in field.metadata:
+        parser: Callable[[Any], Any] | None = _text_parser(field)
+    elif value_type(annotation) in (int, float):
+        parser = _number_parser(value_type(annotation), repeats)
+    else:
+        parser = None
     option = typer.Option(
         ... if required else default,
         *flags,
@@ -127,6 +133,23 @@ def _text_parser(option: Field[Any]) -> Callable[[Any], Any]:
             return parsed_text(option, value)
         except FieldError as e:
             raise typer.BadParameter(e.message) from None
+
+    return parser
+
+
+def _number_parser(kind: type, repeats: bool) -> Callable[[Any], Any]:
+    """The click parser of an ``int`` or ``float`` option: the flag's text as that number, or click's bad value
+    naming the text (typer's own words named neither the text nor the type)."""
+    what = "an integer" if kind is int else "a number"
+
+    def parser(value: Any) -> Any:
+        if not isinstance(value, str):  # a --config file's value (YAML's 2 for a float option: 2.0, as click reads it)
+            return float(value) if kind is float and type(value) is int else value
+        try:
+            return kind(value.strip())
+        except ValueError:
+            hint = " (give the flag once for each value)" if repeats and "," in value else ""
+            raise typer.BadParameter(f"{shown_value(value)} is not {what}{hint}") from None
 
     return parser
 

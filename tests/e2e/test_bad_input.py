@@ -616,6 +616,8 @@ FILE_LEVEL = [
     "bad_cli_prompt_logprobs",
     "output_is_a_directory",
     "flag_value_of_the_wrong_type",
+    "comma_separated_flag_values",
+    "float_flag_of_the_wrong_type",
     "unknown_flag",
     "flag_without_its_value",
     "another_engines_flag",
@@ -645,7 +647,18 @@ _FLAG_CASES: dict[str, tuple[list[str], str, bool]] = {
     # a new user: click's usage line, hint and error took three); the command's --help where the parser knows it.
     "flag_value_of_the_wrong_type": (
         ["--max-new-tokens", "ten"],
-        "Invalid value for '--max-new-tokens': Input should be a valid integer",
+        "Invalid value for '--max-new-tokens': \"ten\" is not an integer",
+        False,
+    ),
+    # Found by a new user: typer's words named neither the text nor, for a list, how to give several values.
+    "comma_separated_flag_values": (
+        ["--stop-token-ids", "1,2"],
+        "Invalid value for '--stop-token-ids': \"1,2\" is not an integer (give the flag once for each value)",
+        False,
+    ),
+    "float_flag_of_the_wrong_type": (
+        ["--top-p", "high"],
+        "Invalid value for '--top-p': \"high\" is not a number",
         False,
     ),
     "unknown_flag": (

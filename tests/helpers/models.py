@@ -54,6 +54,7 @@ TOOL_TEMPLATE = (
     "{% if add_generation_prompt %}[assistant]{% endif %}"
 )
 
+
 def build_tokenizer(out_dir: Path) -> PreTrainedTokenizerFast:
     """A byte-level BPE (GPT-2 style) trained on a tiny corpus: 256 bytes + merges + <s>, </s>; adds BOS."""
     tok = Tokenizer(models.BPE())

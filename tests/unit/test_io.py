@@ -453,7 +453,7 @@ def test_parse_row_prompt_and_defaults() -> None:
         prompt_token_ids=None,
         continuation=None,
         chat_template_kwargs=None,
-            tools=None,
+        tools=None,
         sampling_overrides={"temperature": 0, "stop": ["x"]},
         passthrough={"topic": "t", "count": None, "input_text": "renamed"},
     )
