@@ -196,9 +196,10 @@ def test_killed_at_many_points_resumes_to_the_uninterrupted_output(
     rng = random.Random(7)
     for i in range(2):
         parts = len(PartialOutput(out).inspect().parts)
-        # Two rows at a time (batch sizes may change on resume): slow enough that the run is still going when
-        # the kill comes, a little after its first new part.
-        run_args = args(dataset, out, model, "--resume", "--max-running-requests", "2")
+        # Two rows at a time (batch sizes may change on resume; the n = 2 rows need two) and a part every 2 rows:
+        # the kill comes a little after its first new part, with nearly all of the rows left (a flaky-test audit
+        # found 0.4 s of margin with a part every 10).
+        run_args = args(dataset, out, model, "--resume", "--max-running-requests", "2", "--flush-every", "2")
         pid = zygote.start(run_args, {}, tmp_path / f"kill{i}.log")
         wait_for_parts(out, parts)
         time.sleep(rng.uniform(0.0, 0.05))
