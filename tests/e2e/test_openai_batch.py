@@ -20,6 +20,7 @@ from batchgen.errors import BatchgenError
 from batchgen.io import partial_output
 from batchgen.io.partial_output import partial_dir
 from batchgen.io.writer import OUTPUT_COLUMNS
+from tests.helpers.chat import with_chat_template
 from tests.helpers.cli import read_rows, run_args, run_cli, write_jsonl
 from tests.helpers.crash_points import part_write_with_fault
 from tests.helpers.models import STORIES, needs_shared
@@ -40,14 +41,7 @@ RESPONSE_KEYS = {"status_code", "request_id", "body"}
 @pytest.fixture(scope="module")
 def model(random_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny random llama with a chat template (its byte-level BPE splits multi-byte characters)."""
-    directory = tmp_path_factory.mktemp("chat") / "llama"
-    tokenizer = AutoTokenizer.from_pretrained(random_models["llama"])
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(directory)
-    for path in random_models["llama"].iterdir():
-        if not (directory / path.name).exists():
-            (directory / path.name).symlink_to(path)
-    return directory
+    return with_chat_template(random_models["llama"], CHAT_TEMPLATE, tmp_path_factory.mktemp("chat") / "llama")
 
 
 @pytest.fixture(scope="module")

@@ -13,16 +13,9 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from tests.helpers.chat import CALL, HISTORY, TOOL_TEMPLATE, WEATHER, with_chat_template
 from tests.helpers.cli import read_rows, run_args, run_cli, write_jsonl
-from tests.helpers.models import TOOL_TEMPLATE
 
-WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
-CALL = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}
-HISTORY = [
-    {"role": "user", "content": "Weather in Paris?"},
-    {"role": "assistant", "content": None, "tool_calls": [CALL]},
-    {"role": "tool", "tool_call_id": "c1", "content": "18 C"},
-]
 # What vLLM gives the template (vllm/entrypoints/chat_utils.py, _postprocess_messages; protocol.py's tool model):
 # the arguments parsed, the calling turn's content empty, the tool with its declared fields.
 AS_VLLM_GIVES_THEM = [
@@ -37,14 +30,7 @@ VLLM_TOOL = {"type": "function", "function": {"name": "weather", "description": 
 @pytest.fixture(scope="module")
 def model(random_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny random llama with a tool-use chat template."""
-    directory = tmp_path_factory.mktemp("tools") / "llama"
-    tokenizer = AutoTokenizer.from_pretrained(random_models["llama"])
-    tokenizer.chat_template = TOOL_TEMPLATE
-    tokenizer.save_pretrained(directory)
-    for path in random_models["llama"].iterdir():
-        if not (directory / path.name).exists():
-            (directory / path.name).symlink_to(path)
-    return directory
+    return with_chat_template(random_models["llama"], TOOL_TEMPLATE, tmp_path_factory.mktemp("tools") / "llama")
 
 
 @pytest.fixture(scope="module")

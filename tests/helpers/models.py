@@ -44,17 +44,6 @@ _CORPUS = [
 ] * 4
 
 
-# A chat template for tool use, in the shape of Qwen2.5's and Llama 3.1's: each tool and each call's arguments as JSON.
-TOOL_TEMPLATE = (
-    "{% if tools %}[tools]{% for tool in tools %}{{ tool | tojson }};{% endfor %}{{ '\\n' }}{% endif %}"
-    "{% for m in messages %}[{{ m.role }}]{{ m.content }}"
-    "{% for call in m.tool_calls or [] %}<call {{ call.id }}>{{ call.function.name }} "
-    "{{ call.function.arguments | tojson }}</call>{% endfor %}"
-    "{% if m.tool_call_id %}<for {{ m.tool_call_id }}>{% endif %}{{ '\\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}[assistant]{% endif %}"
-)
-
-
 def build_tokenizer(out_dir: Path) -> PreTrainedTokenizerFast:
     """A byte-level BPE (GPT-2 style) trained on a tiny corpus: 256 bytes + merges + <s>, </s>; adds BOS."""
     tok = Tokenizer(models.BPE())

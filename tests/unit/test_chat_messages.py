@@ -16,15 +16,8 @@ from batchgen.io.input_row import InputRow
 from batchgen.io.rows import parse_row
 from batchgen.job.request_builder import RequestBuilder
 from batchgen.sampling.sampling_params import SamplingParams
-from tests.helpers.models import TOOL_TEMPLATE, build_tokenizer
-
-WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
-CALL = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}
-MESSAGES = [
-    {"role": "user", "content": "Weather in Paris?"},
-    {"role": "assistant", "content": None, "tool_calls": [CALL]},
-    {"role": "tool", "tool_call_id": "c1", "content": "18 C"},
-]
+from tests.helpers.chat import CALL, HISTORY, TOOL_TEMPLATE, WEATHER
+from tests.helpers.models import build_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +38,7 @@ def rendered(builder: RequestBuilder, data: dict[str, Any]) -> str:
 def test_tool_calls_and_tools_render_as_vllm_gives_them_to_the_template(builder: RequestBuilder) -> None:
     """Hand-written expectation: the call's arguments are an object (``tojson`` prints JSON, not a quoted string),
     the calling turn's null content is empty, and the tools are printed as the row gives them."""
-    text = rendered(builder, {"messages": MESSAGES, "tools": [WEATHER]})
+    text = rendered(builder, {"messages": HISTORY, "tools": [WEATHER]})
     assert text == (
         '[tools]{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}};\n'
         "[user]Weather in Paris?\n"
@@ -54,13 +47,13 @@ def test_tool_calls_and_tools_render_as_vllm_gives_them_to_the_template(builder:
         "[assistant]"
     )
     # Tools as JSON text (a Parquet column's), arguments already an object, or empty: the same template input.
-    as_text = rendered(builder, {"messages": MESSAGES, "tools": json.dumps([WEATHER])})
+    as_text = rendered(builder, {"messages": HISTORY, "tools": json.dumps([WEATHER])})
     assert as_text == text
-    parsed = [MESSAGES[0], {**MESSAGES[1], "tool_calls": [{**CALL, "function": {"name": "weather", "arguments": {
-        "city": "Paris"}}}]}, MESSAGES[2]]  # fmt: skip
+    parsed = [HISTORY[0], {**HISTORY[1], "tool_calls": [{**CALL, "function": {"name": "weather", "arguments": {
+        "city": "Paris"}}}]}, HISTORY[2]]  # fmt: skip
     assert rendered(builder, {"messages": parsed, "tools": [WEATHER]}) == text
-    empty = [{**MESSAGES[1], "tool_calls": [{**CALL, "function": {"name": "weather", "arguments": ""}}]}]
-    assert "<call c1>weather {}</call>" in rendered(builder, {"messages": [MESSAGES[0], *empty]})
+    empty = [{**HISTORY[1], "tool_calls": [{**CALL, "function": {"name": "weather", "arguments": ""}}]}]
+    assert "<call c1>weather {}</call>" in rendered(builder, {"messages": [HISTORY[0], *empty]})
 
 
 def test_an_empty_tool_calls_list_is_no_calls(builder: RequestBuilder) -> None:
@@ -76,9 +69,9 @@ def test_an_empty_tool_calls_list_is_no_calls(builder: RequestBuilder) -> None:
         (
             {
                 "messages": [
-                    MESSAGES[0],
+                    HISTORY[0],
                     {
-                        **MESSAGES[1],
+                        **HISTORY[1],
                         "tool_calls": [{**CALL, "function": {"name": "weather", "arguments": "{city: Paris}"}}],
                     },
                 ]
@@ -89,8 +82,8 @@ def test_an_empty_tool_calls_list_is_no_calls(builder: RequestBuilder) -> None:
         (
             {
                 "messages": [
-                    MESSAGES[0],
-                    {**MESSAGES[1], "tool_calls": [{**CALL, "function": {"name": "weather", "arguments": "[1]"}}]},
+                    HISTORY[0],
+                    {**HISTORY[1], "tool_calls": [{**CALL, "function": {"name": "weather", "arguments": "[1]"}}]},
                 ]
             },  # fmt: skip
             "field 'messages': item 1: tool_calls[0]: function 'arguments' must be a JSON object, got array",
@@ -100,7 +93,7 @@ def test_an_empty_tool_calls_list_is_no_calls(builder: RequestBuilder) -> None:
             "field 'messages': item 0: 'tool_calls' belong to an assistant message, not to role \"user\"",
         ),
         (
-            {"messages": [MESSAGES[0], {"role": "assistant", "tool_calls": [{"type": "code", "code": "x"}]}]},
+            {"messages": [HISTORY[0], {"role": "assistant", "tool_calls": [{"type": "code", "code": "x"}]}]},
             'field \'messages\': item 1: tool_calls[0] must be a function call: {"type": "function", "function": '
             "{...}}",
         ),
@@ -113,16 +106,16 @@ def test_an_empty_tool_calls_list_is_no_calls(builder: RequestBuilder) -> None:
             "field 'tools': needs messages: a prompt is not rendered by the chat template",
         ),  # fmt: skip
         (
-            {"messages": MESSAGES, "tools": {"weather": 1}},
+            {"messages": HISTORY, "tools": {"weather": 1}},
             "field 'tools': must be an array of function definitions, got object",
         ),  # fmt: skip
         (
-            {"messages": MESSAGES, "tools": "[{"},
+            {"messages": HISTORY, "tools": "[{"},
             "field 'tools': is a string but not JSON (Expecting property name "
             "enclosed in double quotes: line 1 column 3 (char 2))",
         ),  # fmt: skip
         (
-            {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": 5}}]},
+            {"messages": HISTORY, "tools": [{"type": "function", "function": {"name": 5}}]},
             "field 'tools': item 0: function 'name' must be a string, got 5",
         ),  # fmt: skip
     ],
@@ -138,4 +131,4 @@ def test_tools_under_a_template_that_does_not_render_them_are_left_out(tmp_path:
     tokenizer = build_tokenizer(tmp_path)
     tokenizer.chat_template = "{% for m in messages %}[{{ m.role }}]{{ m.content }}{{ '\\n' }}{% endfor %}[assistant]"
     builder = RequestBuilder(tokenizer, len(tokenizer), 4096, [1], SamplingParams(), run_seed=0, max_samples=4)
-    assert rendered(builder, {"messages": MESSAGES[:1], "tools": [WEATHER]}) == "[user]Weather in Paris?\n[assistant]"
+    assert rendered(builder, {"messages": HISTORY[:1], "tools": [WEATHER]}) == "[user]Weather in Paris?\n[assistant]"
