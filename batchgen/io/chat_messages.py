@@ -7,7 +7,8 @@ vLLM's chat endpoint puts them (``vllm/entrypoints/chat_utils.py``, ``_postproce
   "arguments"}}]``, each call's ``arguments`` (a JSON object's text, as OpenAI sends it) parsed into the object
   tool-use templates render (null or ``""``: ``{}``); an empty list is dropped;
 - ``tools`` are OpenAI's function definitions (or their JSON text), handed to the template's ``tools`` argument as
-  given; a template that does not render tools leaves them out of the prompt, as in vLLM and transformers.
+  given; a template that does not render tools leaves them out of the prompt, as in vLLM and transformers
+  (a run warns: :func:`batchgen.io.field_warnings.warn_about_unrendered_tools`).
 
 Where vLLM replaces arguments that are not a JSON object with ``{}`` (with a warning), batchgen refuses the row,
 naming the message: the prompt would not show what the dataset says the model called.

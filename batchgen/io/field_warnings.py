@@ -8,12 +8,14 @@ import functools
 import sys
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 
 from batchgen.io.input_options import InputOptions
 from batchgen.io.input_row import FieldPlace
 from batchgen.io.openai_fields import CHAT_URL
+from batchgen.io.passthrough import TOOLS_FIELD
 from batchgen.io.reader import RowReader
 from batchgen.io.writer import OUTPUT_COLUMNS, is_json_text
 from batchgen.sampling.row_fields import SAMPLING_FIELD_ALIASES, SAMPLING_FIELDS
@@ -158,11 +160,14 @@ def warn_about_json_text_fields(path: Path, schema: pa.Schema) -> None:
             )
 
 
-def warn_about_fields(reader: RowReader, built_in_max: int | None) -> None:
+def warn_about_fields(reader: RowReader, built_in_max: int | None, tokenizer: Any) -> None:
     """Print the warnings about the fields of ``reader``'s dataset a run gives: :func:`warn_about_passthrough_names`,
     :func:`warn_about_sampling_columns`, :func:`warn_about_json_text_fields`, :func:`warn_about_open_chat_lines`
-    (``built_in_max``: the run's built-in ``max_new_tokens`` where no option or generation_config.json set one)."""
+    (``built_in_max``: the run's built-in ``max_new_tokens`` where no option or generation_config.json set one),
+    :func:`warn_about_unrendered_tools` (``tokenizer``: the model's, or ``None``)."""
     schema = reader.passthrough_schema
+    if TOOLS_FIELD in reader.field_places:
+        warn_about_unrendered_tools(reader.field_places[TOOLS_FIELD], tokenizer)
     warn_about_passthrough_names(reader.path, schema.names, reader.options, reader.field_places)
     warn_about_sampling_columns(reader.path, reader.options)
     warn_about_json_text_fields(reader.path, schema)
@@ -182,5 +187,19 @@ def warn_about_open_chat_lines(path: Path, places: Mapping[str, FieldPlace], bui
             f"batchgen: warning: {path}: {lines - bounded} of {lines} chat request lines give no max_tokens: each "
             f"stops after {built_in_max} tokens (--max-new-tokens's default), where vllm run-batch runs them to the "
             "end of the context; set --max-new-tokens for longer answers",
+            file=sys.stderr,
+        )
+
+
+def warn_about_unrendered_tools(place: FieldPlace, tokenizer: Any) -> None:
+    """Print one warning where rows give ``tools`` (at ``place``) and no chat template of ``tokenizer`` mentions
+    them: the template leaves them out of the prompt, as vLLM's and transformers' would, which a user who chose a
+    model for tool use should hear (SmolLM2's template has no tools)."""
+    templates = getattr(tokenizer, "chat_template", None)
+    texts = templates.values() if isinstance(templates, dict) else [templates] if isinstance(templates, str) else []
+    if texts and not any("tools" in text for text in texts):
+        print(
+            f"batchgen: warning: {place}: field 'tools': the model's chat template does not render tools, so they "
+            "are not in these rows' prompts (as in vLLM); use a model whose template does",
             file=sys.stderr,
         )

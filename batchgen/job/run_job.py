@@ -104,7 +104,7 @@ class RunJob:
         model, tokenizer, seed = engine_options.model, self.facts.tokenizer, self.builder.run_seed
         self.openai_output = openai_output(dataset, self.reader.openai, as_openai, model, tokenizer, seed)
         chosen = "max_new_tokens" not in defaults.left_to_model or "max_new_tokens" in self.facts.sampling_defaults
-        warn_about_fields(self.reader, None if chosen else self.builder.defaults.max_new_tokens)
+        warn_about_fields(self.reader, None if chosen else self.builder.defaults.max_new_tokens, self.facts.tokenizer)
         self.summary = RunSummary(on_error=self.job.bad_rows(self.openai_output is not None))
         # The output's pass-through columns: the dataset's, or, resuming, those combined with the rows written.
         passthrough = pa.schema([field for field in self.schema if field.name not in OUTPUT_COLUMNS.names])

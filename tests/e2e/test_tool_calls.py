@@ -83,3 +83,24 @@ def test_a_parquet_dataset_of_tool_calling_conversations(
         "t": prompt_length(tokenizer, AS_VLLM_GIVES_THEM, [VLLM_TOOL]),
         "p": prompt_length(tokenizer, HISTORY[:1]),
     }
+
+
+def test_tools_a_chat_template_does_not_render_are_named_once(
+    random_models: dict[str, Path], model: Path, tmp_path: Path
+) -> None:
+    """The template decides, as in vLLM: tools it does not mention are not in the prompt, which one warning says,
+    naming the first row that gives them and how many more do."""
+    plain = with_chat_template(
+        random_models["llama"], "{% for m in messages %}{{ m.content }}{% endfor %}", tmp_path / "m"
+    )
+    rows = [{"id": str(i), "messages": HISTORY[:1], "tools": [WEATHER], "max_new_tokens": 1} for i in range(3)]
+    dataset = write_jsonl(tmp_path / "rows.jsonl", [{"id": "x", "prompt": "hi", "max_new_tokens": 1}, *rows])
+    code, output = run_cli(run_args(dataset, tmp_path / "out.arrow", plain))
+    assert code == 0, output
+    warning = (
+        f"batchgen: warning: {dataset}:2 and 2 more rows: field 'tools': the model's chat template does not render "
+        "tools, so they are not in these rows' prompts (as in vLLM); use a model whose template does"
+    )
+    assert output.splitlines().count(warning) == 1, output
+    code, output = run_cli(run_args(dataset, tmp_path / "out.arrow", model))
+    assert code == 0 and "warning" not in output, output
