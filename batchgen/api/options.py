@@ -16,6 +16,7 @@ import torch
 from batchgen.errors import BatchgenError, FieldError, shown_value
 from batchgen.io.field_warnings import sampling_name_hint
 from batchgen.io.input_options import InputOptions
+from batchgen.io.passthrough import TOOLS_FIELD
 from batchgen.job.options import JobOptions
 from batchgen.loop.options import EngineOptions
 from batchgen.sampling.row_fields import ROW_FIELD_KEYWORDS, SAMPLING_FIELD_ALIASES, switch_hint
@@ -52,6 +53,10 @@ def check_option_names(
     unknown = next((name for name in given if name not in known), None)
     if unknown is None:
         return
+    if unknown == TOOLS_FIELD:  # vLLM's LLM.chat(tools=): each row gives its own (found by a helper)
+        raise TypeError(
+            f"{caller}() got an unexpected keyword argument 'tools' (give them in each row, by its messages)"
+        )
     # Another engine's name says more than a near spelling (HF's stop_strings is 'stop', not 'stop_token_ids'; its
     # do_sample is a temperature).
     field, note = name_meant(unknown)

@@ -21,6 +21,8 @@ class InputRow:
         columns: the dataset column each field the column options set came from (``{"prompt": "question"}``), so
             that a message names the column the user knows.
         problem: ``(column, message)`` when the column options could not map the row: it is a bad row.
+        struct_nulls: a Parquet or Arrow row, whose objects are structs: an object holds every key the column's
+            objects have, null where it has none (:mod:`batchgen.io.chat_messages` leaves those out of tool calls).
     """
 
     index: int
@@ -29,6 +31,7 @@ class InputRow:
     source: str = ""
     columns: dict[str, str] = field(default_factory=dict)
     problem: tuple[str, str] | None = None
+    struct_nulls: bool = False
 
 
 class FieldPlace(NamedTuple):

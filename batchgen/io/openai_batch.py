@@ -142,6 +142,8 @@ class OpenAIBatchInput:
         row = {COPIED[key]: value for key, value in given.items() if key in COPIED}
         row.update(_prompt(url, given, fail))
         tools = given.get("tools") if url == CHAT_URL else None
+        if isinstance(tools, str):  # a row may give their JSON text; vLLM's request model refuses it
+            raise fail("body.tools", "must be an array of function definitions, got a string (JSON text)")
         if tools:  # [] is no tools: the template's own default
             row["tools"] = [_as_vllm_tool(tool) for tool in tools] if isinstance(tools, list) else tools
         row.update(_logprobs(url, given, fail))
@@ -182,8 +184,12 @@ def _as_vllm_tool(tool: Any) -> Any:
     :func:`batchgen.io.chat_messages.check_tools` to refuse."""
     if not isinstance(tool, dict) or not isinstance(tool.get("function"), dict):
         return tool
-    declared = {"name": None, "description": None, "parameters": None}
-    return {"type": "function", **tool, "function": {**declared, **tool["function"]}}
+    function = tool["function"]
+    # name has no default (a tool without one is refused as lacking it); description and parameters have null.
+    declared = {"name": function["name"]} if "name" in function else {}
+    declared |= {"description": function.get("description"), "parameters": function.get("parameters")}
+    rest = {key: part for key, part in tool.items() if key not in ("type", "function")}
+    return {"type": tool.get("type", "function"), "function": {**declared, **function}, **rest}
 
 
 def _logprobs(url: str, body: dict[str, Any], fail: Fail) -> dict[str, Any]:

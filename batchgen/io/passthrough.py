@@ -19,19 +19,12 @@ PROMPT_FIELDS: tuple[str, ...] = ("prompt", "messages", "prompt_token_ids")
 CONTINUATION_FIELD = "continuation"
 # Keyword arguments of a messages row's chat template (vLLM's chat_template_kwargs: {"enable_thinking": false}).
 CHAT_TEMPLATE_KWARGS_FIELD = "chat_template_kwargs"
-# OpenAI's function definitions, handed to a messages row's chat template (vLLM's tools).
+# OpenAI's function definitions, handed to a messages row's chat template (vLLM's tools). Also passed through, as
+# every field was before batchgen read it: a dataset of prompts may keep its tools as data (xLAM's).
 TOOLS_FIELD = "tools"
 # Fields batchgen interprets itself; every other input field is copied to the output unchanged.
 KNOWN_FIELDS: frozenset[str] = frozenset(
-    (
-        "id",
-        *PROMPT_FIELDS,
-        CONTINUATION_FIELD,
-        CHAT_TEMPLATE_KWARGS_FIELD,
-        TOOLS_FIELD,
-        *SAMPLING_FIELDS,
-        *SAMPLING_FIELD_ALIASES,
-    )
+    ("id", *PROMPT_FIELDS, CONTINUATION_FIELD, CHAT_TEMPLATE_KWARGS_FIELD, *SAMPLING_FIELDS, *SAMPLING_FIELD_ALIASES)
 )
 # `id` is both known and an output column; it is never a pass-through field, so it never collides.
 _COLLIDING: frozenset[str] = frozenset(OUTPUT_COLUMNS.names) - {"id"}

@@ -199,7 +199,7 @@ class RowReader:
                 for row in batch.to_pylist():
                     line += 1
                     data = {k: v for k, v in row.items() if v is not None}
-                    yield InputRow(index=next(index), line=line, data=data, source=name)
+                    yield InputRow(index=next(index), line=line, data=data, source=name, struct_nulls=True)
 
 
 def count_input_rows(path: Path) -> int:

@@ -58,7 +58,8 @@ class RowSpec:
         continuation: text to score after ``prompt`` or ``messages`` (see ``batchgen.job.continuation``), or ``None``.
         chat_template_kwargs: keyword arguments of the chat template that renders ``messages`` (vLLM's field), or
             ``None``; a key given as null is left out (a Parquet struct column's rows hold every key).
-        tools: the function definitions the chat template is given (vLLM's ``tools``), or ``None``.
+        tools: the function definitions the chat template is given (vLLM's ``tools``), or ``None``; read from a
+            ``messages`` row's ``tools`` field, which passes through too (a prompt row's is data).
         sampling_overrides: the row's sampling fields with their raw values, under the names the row gave them
             (``max_tokens`` too: see ``SAMPLING_FIELD_ALIASES``), for ``make_sampling_params``.
         passthrough: every field of the pass-through schema (``None`` where absent), under its schema name.
@@ -113,7 +114,7 @@ def parse_row(
     if kind == "prompt":
         prompt = _check_prompt(data["prompt"], fail)
     elif kind == "messages":
-        messages = check_messages(data["messages"], fail)
+        messages = check_messages(data["messages"], fail, row.struct_nulls)
     else:
         token_ids = _check_token_ids(data["prompt_token_ids"], fail)
     return RowSpec(
@@ -124,7 +125,7 @@ def parse_row(
         prompt_token_ids=token_ids,
         continuation=_check_continuation(data, kind, fail),
         chat_template_kwargs=_check_chat_template_kwargs(data.get(CHAT_TEMPLATE_KWARGS_FIELD), kind, fail),
-        tools=check_tools(data.get(TOOLS_FIELD), kind, fail),
+        tools=check_tools(data.get(TOOLS_FIELD), row.struct_nulls, fail) if kind == "messages" else None,
         sampling_overrides={name: data[name] for name in (*SAMPLING_FIELDS, *SAMPLING_FIELD_ALIASES) if name in data},
         passthrough=_passthrough(data, passthrough_schema, passthrough_names, fail),
     )

@@ -187,7 +187,9 @@ class RequestBuilder:
                 raise error("messages", "the model's tokenizer has no chat template; give a plain prompt instead")
             try:
                 # A row's null leaves the run's argument at the template's default.
-                given = {**self.chat_template_kwargs, **(spec.chat_template_kwargs or {}), "tools": spec.tools}
+                given = {**self.chat_template_kwargs, **(spec.chat_template_kwargs or {})}
+                if spec.tools is not None:  # over --chat-template-kwargs' tools, as a row's own value is
+                    given["tools"] = spec.tools
                 kwargs = {key: value for key, value in given.items() if value is not None}
                 text = self.tokenizer.apply_chat_template(
                     spec.messages, add_generation_prompt=True, tokenize=False, **kwargs

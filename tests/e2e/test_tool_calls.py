@@ -84,6 +84,24 @@ def test_a_parquet_dataset_of_tool_calling_conversations(
         "p": prompt_length(tokenizer, HISTORY[:1]),
     }
 
+    # Arguments and tools as structs (a HF dataset's): each struct holds the keys of the others, null, which the
+    # template would print (found by a helper); the prompts are those of each row's own objects.
+    def conversation(name: str, arguments: dict[str, Any], schema: dict[str, Any]) -> dict[str, Any]:
+        call = {"id": "c1", "type": "function", "function": {"name": name, "arguments": arguments}}
+        messages = [HISTORY[0], {"role": "assistant", "content": "", "tool_calls": [call]}]
+        return {"id": name, "messages": messages, "tools": [{"type": "function", "function": {"name": name,
+            "parameters": schema}}]}  # fmt: skip
+
+    rows = [
+        conversation("weather", {"city": "Paris"}, {"type": "object", "properties": {"city": {"type": "string"}}}),
+        conversation("time", {"tz": "CET"}, {"type": "object", "required": ["tz"]}),
+    ]
+    pq.write_table(pa.Table.from_pylist(rows), dataset)
+    code, output = run_cli([*run_args(dataset, tmp_path / "out.arrow", model), "--max-new-tokens", "2"])
+    assert code == 0, output
+    usage = {rid: row["prompt_tokens"] for rid, row in read_rows(tmp_path / "out.arrow").items()}
+    assert usage == {row["id"]: prompt_length(tokenizer, row["messages"], row["tools"]) for row in rows}
+
 
 def test_tools_a_chat_template_does_not_render_are_named_once(
     random_models: dict[str, Path], model: Path, tmp_path: Path
@@ -104,3 +122,19 @@ def test_tools_a_chat_template_does_not_render_are_named_once(
     assert output.splitlines().count(warning) == 1, output
     code, output = run_cli(run_args(dataset, tmp_path / "out.arrow", model))
     assert code == 0 and "warning" not in output, output
+
+
+def test_sharegpt_items_keep_their_tool_calls(model: Path, tokenizer: PreTrainedTokenizerBase, tmp_path: Path) -> None:
+    """A ShareGPT item's keys other than from and value stay on the message it becomes (found by a helper: the call
+    and the tool message's id were dropped)."""
+    conversation = [
+        {"from": "human", "value": HISTORY[0]["content"]},
+        {"from": "gpt", "value": "", "tool_calls": [CALL]},
+        {"from": "tool", "value": "18 C", "tool_call_id": "c1"},
+    ]
+    dataset = write_jsonl(tmp_path / "sharegpt.jsonl", [{"id": "s", "conversations": conversation, "tools": [WEATHER]}])
+    code, output = run_cli(run_args(dataset, tmp_path / "out.arrow", model))
+    assert code == 0, output
+    assert read_rows(tmp_path / "out.arrow")["s"]["prompt_tokens"] == prompt_length(
+        tokenizer, AS_VLLM_GIVES_THEM, [WEATHER]
+    )

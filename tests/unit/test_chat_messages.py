@@ -13,6 +13,7 @@ import pytest
 
 from batchgen.errors import RowError
 from batchgen.io.input_row import InputRow
+from batchgen.io.json_text import JSON_TEXT_METADATA
 from batchgen.io.rows import parse_row
 from batchgen.job.request_builder import RequestBuilder
 from batchgen.sampling.sampling_params import SamplingParams
@@ -27,8 +28,13 @@ def builder(tmp_path_factory: pytest.TempPathFactory) -> RequestBuilder:
     return RequestBuilder(tokenizer, len(tokenizer), 4096, [1], SamplingParams(), run_seed=0, max_samples=4)
 
 
-def spec_of(data: dict[str, Any]) -> Any:
-    return parse_row(InputRow(index=0, line=7, data=data), "in.jsonl", pa.schema([]), {})
+# tools pass through too: as JSON text, the column of a field whose values share no type.
+TOOLS_COLUMN = pa.schema([pa.field("tools", pa.string(), metadata=JSON_TEXT_METADATA)])
+
+
+def spec_of(data: dict[str, Any], struct_nulls: bool = False) -> Any:
+    row = InputRow(index=0, line=7, data=data, struct_nulls=struct_nulls)
+    return parse_row(row, "in.jsonl", TOOLS_COLUMN, {"tools": "tools"})
 
 
 def rendered(builder: RequestBuilder, data: dict[str, Any]) -> str:
@@ -98,13 +104,13 @@ def test_an_empty_tool_calls_list_is_no_calls(builder: RequestBuilder) -> None:
             "{...}}",
         ),
         (
-            {"messages": [{"role": "assistant", "content": None}]},
+            {"messages": [{"role": "user", "content": None}]},
             "field 'messages': item 0: 'content' must be a string, got null",
         ),
         (
-            {"prompt": "hi", "tools": [WEATHER]},
-            "field 'tools': needs messages: a prompt is not rendered by the chat template",
-        ),  # fmt: skip
+            {"messages": [HISTORY[0], {"role": "assistant", "content": "x", "annotations": [{"type": "url"}]}]},
+            "field 'messages': item 1: 'annotations' must be a string, got array",
+        ),
         (
             {"messages": HISTORY, "tools": {"weather": 1}},
             "field 'tools': must be an array of function definitions, got object",
@@ -118,6 +124,14 @@ def test_an_empty_tool_calls_list_is_no_calls(builder: RequestBuilder) -> None:
             {"messages": HISTORY, "tools": [{"type": "function", "function": {"name": 5}}]},
             "field 'tools': item 0: function 'name' must be a string, got 5",
         ),  # fmt: skip
+        (
+            {"messages": HISTORY, "tools": [{"type": "function", "function": {"description": "d"}}]},
+            "field 'tools': item 0: function 'name' is missing",
+        ),
+        (
+            {"messages": [HISTORY[0], {"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}]},
+            "field 'messages': item 1: tool_calls[0]: function 'name' is missing",
+        ),
     ],
 )
 def test_a_bad_tool_call_or_tool_is_one_line_naming_it(data: dict[str, Any], message: str) -> None:
@@ -132,3 +146,54 @@ def test_tools_under_a_template_that_does_not_render_them_are_left_out(tmp_path:
     tokenizer.chat_template = "{% for m in messages %}[{{ m.role }}]{{ m.content }}{{ '\\n' }}{% endfor %}[assistant]"
     builder = RequestBuilder(tokenizer, len(tokenizer), 4096, [1], SamplingParams(), run_seed=0, max_samples=4)
     assert rendered(builder, {"messages": HISTORY[:1], "tools": [WEATHER]}) == "[user]Weather in Paris?\n[assistant]"
+
+
+def test_what_vllm_takes_besides_runs_as_vllm_renders_it(builder: RequestBuilder) -> None:
+    """An OpenAI SDK message dump (refusal null, annotations []), an assistant's null content without calls, tools
+    given as "" or null (a Parquet column's none) or as bare function definitions (xLAM's), and a prompt row's tools
+    (data: passed through, its prompt not a template's)."""
+    dump = {"role": "assistant", "content": None, "refusal": None, "annotations": [], "audio": None}
+    messages = [HISTORY[0], dump, {"role": "user", "content": "And?"}]
+    assert rendered(builder, {"messages": messages}) == "[user]Weather in Paris?\n[assistant]\n[user]And?\n[assistant]"
+    for none in ("", " ", None, "null", []):
+        assert rendered(builder, {"messages": HISTORY[:1], "tools": none}) == "[user]Weather in Paris?\n[assistant]"
+    bare = WEATHER["function"]
+    assert rendered(builder, {"messages": HISTORY[:1], "tools": [bare]}) == (
+        '[tools]{"name": "weather", "parameters": {"type": "object"}};\n[user]Weather in Paris?\n[assistant]'
+    )
+    spec = spec_of({"prompt": "hi", "tools": [bare]})
+    assert spec.tools is None and json.loads(spec.passthrough["tools"]) == [bare]
+
+
+def test_tools_of_the_chat_template_arguments_render_unless_the_row_gives_its_own(tmp_path: Path) -> None:
+    """vLLM applies chat_template_kwargs over its tools argument; batchgen's row field is the more specific one."""
+    tokenizer = build_tokenizer(tmp_path)
+    tokenizer.chat_template = TOOL_TEMPLATE
+    other = {"type": "function", "function": {"name": "time"}}
+    run = RequestBuilder(
+        tokenizer, len(tokenizer), 4096, [1], SamplingParams(), run_seed=0, max_samples=4,
+        chat_template_kwargs={"tools": [other]},
+    )  # fmt: skip
+    assert rendered(run, {"messages": HISTORY[:1]}).startswith(
+        '[tools]{"type": "function", "function": {"name": "time"}};'
+    )
+    assert rendered(run, {"messages": HISTORY[:1], "tools": [WEATHER]}).startswith(
+        '[tools]{"type": "function", "function": {"name": "weather"'
+    )
+    row = {"messages": HISTORY[:1], "chat_template_kwargs": {"tools": [WEATHER]}}
+    assert rendered(run, row).startswith('[tools]{"type": "function", "function": {"name": "weather"')
+
+
+def test_a_struct_rows_null_filling_is_left_out_of_tool_calls_and_tools() -> None:
+    """Parquet and Arrow give every struct of a column every key: a call's arguments and a tool's schema are the
+    row's own without the nulls (a JSON row's nulls are its own)."""
+    call = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": {"city": "Paris", "tz": None}}}
+    tool = {"type": "function", "function": {"name": "weather", "description": None, "parameters": {"type": "object",
+        "required": None}}}  # fmt: skip
+    data = {"messages": [HISTORY[0], {"role": "assistant", "content": None, "tool_calls": [call]}], "tools": [tool]}
+    for struct_nulls, kept in ((True, False), (False, True)):
+        spec = spec_of(data, struct_nulls)
+        assert spec.messages is not None and spec.tools is not None
+        assert ("tz" in spec.messages[1]["tool_calls"][0]["function"]["arguments"]) == kept
+        assert ("required" in spec.tools[0]["function"]["parameters"]) == kept
+        assert ("description" in spec.tools[0]["function"]) == kept

@@ -151,9 +151,10 @@ def test_parquet_read_in_small_blocks(tmp_path: Path) -> None:
     rows = read_all(reader)
     assert [(r.index, r.line) for r in rows if isinstance(r, InputRow)] == [(i, i + 1) for i in range(7)]
     # Nulls are dropped, so an unset sampling field is absent rather than an explicit null.
-    assert rows[0] == InputRow(index=0, line=1, data={"prompt": "p0", "text": "t", "score": 0}, source=str(path))
+    # A table's row is marked as one whose objects are structs (batchgen.io.chat_messages).
+    assert rows[0] == InputRow(0, 1, {"prompt": "p0", "text": "t", "score": 0}, str(path), struct_nulls=True)
     assert rows[1] == InputRow(
-        index=1, line=2, data={"prompt": "p1", "temperature": 0.5, "text": "t", "score": 1}, source=str(path)
+        1, 2, {"prompt": "p1", "temperature": 0.5, "text": "t", "score": 1}, str(path), struct_nulls=True
     )
 
 

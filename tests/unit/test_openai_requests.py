@@ -239,32 +239,37 @@ def test_a_chat_lines_tools_reach_its_template_as_vllm_dumps_them(tmp_path: Path
     """vLLM hands the template each tool as its pydantic model dumps it (vLLM's protocol.py: ChatCompletionToolsParam
     with a FunctionDefinition of name, description and parameters, null where not given), with tool_choice auto or
     none alike; a bad tool is named as the request's field."""
-    tool = {"type": "function", "function": {"parameters": {"type": "object"}, "name": "f"}}
+    tool = {"strict": True, "function": {"parameters": {"type": "object"}, "name": "f"}}
     lines = [
         request("a", chat(tools=[tool], tool_choice="auto")),
         request("b", chat(tools=[{"function": {"name": 5}}])),
+        request("c", chat(tools=[{"type": "function", "function": {"description": "d"}}])),
     ]
-    reader, (first, second) = read(tmp_path, lines)
-    assert isinstance(first, InputRow) and isinstance(second, InputRow)
+    reader, (first, *bad) = read(tmp_path, lines)
+    assert isinstance(first, InputRow)
     spec = parse_row(first, reader.source, reader.passthrough_schema, reader.passthrough_names)
     assert spec.tools == [
-        {"type": "function", "function": {"name": "f", "description": None, "parameters": {"type": "object"}}}
+        {
+            "type": "function",
+            "function": {"name": "f", "description": None, "parameters": {"type": "object"}},
+            "strict": True,
+        }
     ]
-    assert spec.tools is not None and list(spec.tools[0]["function"]) == ["name", "description", "parameters"]
-    with pytest.raises(RowError) as raised:
-        parse_row(second, reader.source, reader.passthrough_schema, reader.passthrough_names)
-    error = raised.value
-    assert (error.line, error.field, error.message) == (
-        2,
-        "body.tools",
-        "item 0: function 'name' must be a string, got 5",
-    )
+    assert spec.tools is not None and list(spec.tools[0]) == ["type", "function", "strict"]
+    assert list(spec.tools[0]["function"]) == ["name", "description", "parameters"]
+    messages = ["item 0: function 'name' must be a string, got 5", "item 0: function 'name' is missing"]
+    for line, (item, message) in enumerate(zip(bad, messages, strict=True), start=2):
+        assert isinstance(item, InputRow)
+        with pytest.raises(RowError) as raised:
+            parse_row(item, reader.source, reader.passthrough_schema, reader.passthrough_names)
+        assert (raised.value.line, raised.value.field, raised.value.message) == (line, "body.tools", message)
 
 
 @pytest.mark.parametrize(
     ("line", "field", "says"),
     [
         (request("a", chat(tool_choice="required")), "body.tool_choice", "not supported"),
+        (request("a", chat(tools='[{"function": {"name": "f"}}]')), "body.tools", "got a string (JSON text)"),
         (
             request("a", chat(tool_choice={"type": "function", "function": {"name": "f"}})),
             "body.tool_choice",

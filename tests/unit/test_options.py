@@ -257,3 +257,16 @@ def test_a_config_file_key_of_another_engine_is_named_as_a_keyword_is(key: str, 
     config.write_text(f"{key}: 1\n")
     with pytest.raises(BatchgenError, match=re.escape(f"{config}: unknown option '{key}' ({hint})") + "$"):
         read_config(config, set(OPTION_HINTS))
+
+
+def test_tools_as_a_keyword_say_where_batchgen_takes_them() -> None:
+    """vLLM's LLM.chat(messages, tools=...) gives every conversation the tools; batchgen reads a row's own (found by
+    a helper: a bare TypeError)."""
+    from batchgen.api.options import OPTION_CLASSES, check_option_names
+
+    with pytest.raises(TypeError) as raised:
+        check_option_names({"tools": []}, OPTION_CLASSES, "generate")
+    assert (
+        str(raised.value)
+        == "generate() got an unexpected keyword argument 'tools' (give them in each row, by its messages)"
+    )
