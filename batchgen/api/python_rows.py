@@ -17,7 +17,7 @@ from batchgen.errors import BatchgenError, FieldError, RowError, shown_value
 from batchgen.io.columns import ColumnMapping
 from batchgen.io.field_warnings import foreign_field_warning
 from batchgen.io.input_options import InputOptions
-from batchgen.io.passthrough import KNOWN_FIELDS, PROMPT_FIELDS, passthrough_names
+from batchgen.io.passthrough import KNOWN_FIELDS, PROMPT_FIELDS, READ_AND_PASSED, passthrough_names
 from batchgen.io.reader import InputRow
 from batchgen.io.rows import RowSpec, parse_row
 from batchgen.sampling.row_fields import make_sampling_params
@@ -111,7 +111,8 @@ def input_rows(rows: Iterable[Any], options: InputOptions) -> Iterator[InputRow 
     if _is_lone_row(rows, options):
         rows = [rows]
     mapping: ColumnMapping | None = None
-    read = KNOWN_FIELDS | set(options.columns())  # what batchgen reads: numpy's values as Python's; the rest as given
+    # What batchgen reads: numpy's values as Python's; the rest as given.
+    read = KNOWN_FIELDS | READ_AND_PASSED | set(options.columns())
     for index, row in enumerate(rows):
         line = index + 1
         row = python_value(row) if not isinstance(row, Mapping) else row  # an array of token ids, a numpy string
@@ -164,7 +165,7 @@ def parse_python_row(row: InputRow) -> RowSpec:
         # parse_row refuses the row before it reads any pass-through field; given them all, its message can say
         # which one looks like the prompt under another name.
         return parse_row(row, SOURCE, _NO_PASSTHROUGH, {})
-    known = replace(row, data={key: value for key, value in row.data.items() if key not in names})
+    known = replace(row, data={k: v for k, v in row.data.items() if k not in names or k in READ_AND_PASSED})
     spec = parse_row(known, SOURCE, _NO_PASSTHROUGH, {})
     return replace(spec, passthrough=python_passthrough(row))
 

@@ -133,7 +133,7 @@ def check_tools(value: Any, struct_nulls: bool, fail: Fail) -> list[dict[str, An
         except json.JSONDecodeError as e:
             raise fail(TOOLS_FIELD, f"is a string but not JSON ({e})") from None
         struct_nulls = False  # JSON text's nulls are its own
-    if value is None or value == []:
+    if value is None or (isinstance(value, list) and not value):
         return None
     if not isinstance(value, list):
         raise fail(TOOLS_FIELD, f"must be an array of function definitions, got {json_type_name(value)}")

@@ -126,16 +126,20 @@ class ColumnMapping:
 def chat_messages(value: Any) -> Any:
     """A messages column's value as chat messages: ShareGPT items (``{"from": "human", "value": ...}``) become
     ``{"role": "user", "content": ...}`` (``gpt`` → ``assistant``, ``system`` → ``system``, another speaker is
-    its own role; an item's other keys stay), ``{role, content}`` items stay; trailing assistant turns are dropped,
-    so that the model answers the last user turn. A value of another shape is returned unchanged, for
-    :func:`batchgen.io.rows.parse_row` to reject."""
+    its own role; an item's tool calls and other text keys stay), ``{role, content}`` items stay; trailing
+    assistant turns are dropped, so that the model answers the last user turn. A value of another shape is returned
+    unchanged, for :func:`batchgen.io.rows.parse_row` to reject."""
     if not isinstance(value, list):
         return value
     messages = []
     for item in value:
         if isinstance(item, dict) and item.get("role") is None and isinstance(item.get("from"), str):
-            # Its other keys stay (a tool call's tool_calls, tool_call_id, name: found by a helper).
-            rest = {key: part for key, part in item.items() if key not in ("from", "value", "role", "content")}
+            # Its tool calls and other text stay (tool_call_id, name: found by a helper); not a trainer's weight.
+            rest = {
+                key: part
+                for key, part in item.items()
+                if key not in ("from", "value", "role", "content") and (key == "tool_calls" or isinstance(part, str))
+            }
             item = {"role": _SHAREGPT_ROLES.get(item["from"], item["from"]), "content": item.get("value"), **rest}
         messages.append(item)
     while messages and isinstance(messages[-1], dict) and messages[-1].get("role") == "assistant":

@@ -166,7 +166,8 @@ def warn_about_fields(reader: RowReader, built_in_max: int | None, tokenizer: An
     (``built_in_max``: the run's built-in ``max_new_tokens`` where no option or generation_config.json set one),
     :func:`warn_about_unrendered_tools` (``tokenizer``: the model's, or ``None``)."""
     schema = reader.passthrough_schema
-    if TOOLS_FIELD in reader.field_places:
+    chats = "messages" in reader.field_places or reader.mapping.messages_column is not None
+    if TOOLS_FIELD in reader.field_places and chats:  # a dataset of prompts keeps its tools as data (xLAM's)
         warn_about_unrendered_tools(reader.field_places[TOOLS_FIELD], tokenizer)
     warn_about_passthrough_names(reader.path, schema.names, reader.options, reader.field_places)
     warn_about_sampling_columns(reader.path, reader.options)

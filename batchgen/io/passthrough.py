@@ -22,6 +22,8 @@ CHAT_TEMPLATE_KWARGS_FIELD = "chat_template_kwargs"
 # OpenAI's function definitions, handed to a messages row's chat template (vLLM's tools). Also passed through, as
 # every field was before batchgen read it: a dataset of prompts may keep its tools as data (xLAM's).
 TOOLS_FIELD = "tools"
+# Fields batchgen reads that pass through too, where the pass-through schema has them (not an OpenAI Batch file's).
+READ_AND_PASSED: frozenset[str] = frozenset((TOOLS_FIELD,))
 # Fields batchgen interprets itself; every other input field is copied to the output unchanged.
 KNOWN_FIELDS: frozenset[str] = frozenset(
     ("id", *PROMPT_FIELDS, CONTINUATION_FIELD, CHAT_TEMPLATE_KWARGS_FIELD, *SAMPLING_FIELDS, *SAMPLING_FIELD_ALIASES)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from batchgen.io.input_row import FieldPlace, InputRow
 from batchgen.io.json_text import JSON_TEXT_METADATA
 from batchgen.io.jsonl_rows import count_jsonl_rows, jsonl_rows
 from batchgen.io.openai_batch import OpenAIBatchInput, is_openai_batch_line
-from batchgen.io.passthrough import KNOWN_FIELDS, SchemaInference, passthrough_names
+from batchgen.io.passthrough import KNOWN_FIELDS, READ_AND_PASSED, SchemaInference, passthrough_names
 from batchgen.io.shards import list_shards
 from batchgen.io.table_shards import table_batches, table_num_rows, table_schema, unified_schema
 
@@ -95,7 +96,7 @@ class RowReader:
         if isinstance(item, RowError) or not self.mapping.active:
             return item
         data, columns, problem = self.mapping.apply(item.data)
-        return InputRow(item.index, item.line, data, item.source, columns, problem)
+        return replace(item, data=data, columns=columns, problem=problem)
 
     @property
     def index_ids(self) -> bool:
@@ -129,7 +130,9 @@ class RowReader:
         inference.add(block)
         for key, place in self.field_places.items():
             self.field_places[key] = place._replace(rows=rows_with[key])
-        self.passthrough_names = passthrough_names(inference.keys)
+        # An OpenAI Batch file's tools are a request's, not data: its output lines, and its rows, leave them out.
+        keys = [key for key in inference.keys if key not in READ_AND_PASSED] if self.openai else inference.keys
+        self.passthrough_names = passthrough_names(keys)
         rows_again = lambda: (item.data for item in self._iter_jsonl() if isinstance(item, InputRow))  # noqa: E731
         self.passthrough_schema = inference.schema(self.passthrough_names, rows_again)
         return list(inference.keys)

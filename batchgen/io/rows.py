@@ -20,6 +20,7 @@ from batchgen.io.passthrough import (
     CONTINUATION_FIELD,
     KNOWN_FIELDS,
     PROMPT_FIELDS,
+    READ_AND_PASSED,
     TOOLS_FIELD,
     json_type_name,
 )
@@ -212,6 +213,8 @@ def _passthrough(data: dict[str, Any], schema: pa.Schema, names: dict[str, str],
         if not is_unicode_text(key):  # no Arrow column can be named so (found by a helper: a traceback)
             raise fail(key.encode("utf-8", "backslashreplace").decode(), f"its name {NOT_UNICODE}")
         name = names.get(key)
+        if name is None and key in READ_AND_PASSED:
+            continue  # read, and not passed through here
         if name is None:
             raise fail(key, "field not in the dataset when the run read its schema: was the file changed since?")
         values[name] = value

@@ -97,10 +97,12 @@ def test_a_parquet_dataset_of_tool_calling_conversations(
         conversation("time", {"tz": "CET"}, {"type": "object", "required": ["tz"]}),
     ]
     pq.write_table(pa.Table.from_pylist(rows), dataset)
-    code, output = run_cli([*run_args(dataset, tmp_path / "out.arrow", model), "--max-new-tokens", "2"])
-    assert code == 0, output
-    usage = {rid: row["prompt_tokens"] for rid, row in read_rows(tmp_path / "out.arrow").items()}
-    assert usage == {row["id"]: prompt_length(tokenizer, row["messages"], row["tools"]) for row in rows}
+    want = {row["id"]: prompt_length(tokenizer, row["messages"], row["tools"]) for row in rows}
+    # Column options map the rows anew: they stay struct rows (found by a helper).
+    for options in ([], ["--id-column", "id"]):
+        code, output = run_cli([*run_args(dataset, tmp_path / "out.arrow", model), "--max-new-tokens", "2", *options])
+        assert code == 0, output
+        assert {rid: row["prompt_tokens"] for rid, row in read_rows(tmp_path / "out.arrow").items()} == want
 
 
 def test_tools_a_chat_template_does_not_render_are_named_once(
@@ -138,3 +140,72 @@ def test_sharegpt_items_keep_their_tool_calls(model: Path, tokenizer: PreTrained
     assert read_rows(tmp_path / "out.arrow")["s"]["prompt_tokens"] == prompt_length(
         tokenizer, AS_VLLM_GIVES_THEM, [WEATHER]
     )
+
+
+def test_tools_pass_through_where_they_are_data(
+    model: Path, tokenizer: PreTrainedTokenizerBase, tmp_path: Path
+) -> None:
+    """A dataset of prompts keeps its tools as data (xLAM's query, tools and answers): they pass through, as every
+    field did before batchgen read tools, and no warning says a template does not render them; a ShareGPT item's
+    trainer fields (axolotl's weight) are not message text, and are left out as before (found by a helper)."""
+    xlam = [{"id": "x", "query": "Weather in Paris?", "tools": json.dumps([WEATHER["function"]]), "answers": "[]"}]
+    dataset = write_jsonl(tmp_path / "xlam.jsonl", xlam)
+    flags = ["--prompt-template", "Tools: {tools}\nQ: {query}\nA:"]
+    plain = with_chat_template(model, "{% for m in messages %}{{ m.content }}{% endfor %}", tmp_path / "plain")
+    code, output = run_cli([*run_args(dataset, tmp_path / "out.arrow", plain), *flags])
+    assert code == 0 and "warning" not in output, output
+    assert read_rows(tmp_path / "out.arrow")["x"]["tools"] == xlam[0]["tools"]
+    conversation = [{"from": "human", "value": "Hi", "weight": 0}, {"from": "gpt", "value": "Yes", "train": False}]
+    conversation.append({"from": "human", "value": "More"})
+    dataset = write_jsonl(tmp_path / "sharegpt.jsonl", [{"id": "s", "conversations": conversation}])
+    code, output = run_cli(run_args(dataset, tmp_path / "out.arrow", model))
+    assert code == 0, output
+    messages = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Yes"},
+        {"role": "user", "content": "More"},
+    ]
+    assert read_rows(tmp_path / "out.arrow")["s"]["prompt_tokens"] == prompt_length(tokenizer, messages)
+
+
+def test_an_openai_files_tools_stay_out_of_its_arrow_output(model: Path, tmp_path: Path) -> None:
+    """A request's tools are the request's, not data: the one column an OpenAI file adds is custom_id."""
+    other = {"type": "function", "function": {"name": "time", "parameters": {"type": "object", "required": ["tz"]}}}
+    lines = [
+        {"custom_id": str(i), "method": "POST", "url": "/v1/chat/completions", "body": {"messages": HISTORY[:1],
+            "tools": tools, "max_tokens": 1}}
+        for i, tools in enumerate(([WEATHER], [other, WEATHER]))
+    ]  # fmt: skip
+    dataset = write_jsonl(tmp_path / "requests.jsonl", lines)
+    code, output = run_cli(run_args(dataset, tmp_path / "out.arrow", model))
+    assert code == 0 and "warning" not in output, output
+    assert "tools" not in next(iter(read_rows(tmp_path / "out.arrow").values()))
+
+
+def test_the_python_api_renders_a_rows_tools(model: Path, tokenizer: PreTrainedTokenizerBase, tmp_path: Path) -> None:
+    """Rows given in Python, pandas' records of a Parquet file among them (numpy arrays for lists, struct nulls):
+    each row's tools reach its template, over the call's chat_template_kwargs' (found by a helper: none did)."""
+    import pandas as pd
+
+    import batchgen
+
+    generator = batchgen.Generator(str(model), dtype="float32", device="cpu", max_running_requests=2)
+    other = {"type": "function", "function": {"name": "time"}}
+    rows = [
+        {"id": "list", "messages": HISTORY[:1], "tools": [WEATHER]},
+        {"id": "text", "messages": HISTORY[:1], "tools": json.dumps([WEATHER])},
+        {"id": "call", "messages": HISTORY[:1]},
+    ]
+    got = {r["id"]: r["prompt_tokens"] for r in generator.generate(rows, max_new_tokens=1, chat_template_kwargs={
+        "tools": [other]})}  # fmt: skip
+    assert got == {
+        "list": prompt_length(tokenizer, HISTORY[:1], [WEATHER]),
+        "text": prompt_length(tokenizer, HISTORY[:1], [WEATHER]),
+        "call": prompt_length(tokenizer, HISTORY[:1], [other]),
+    }
+    pq.write_table(
+        pa.Table.from_pylist([{"id": "p", "messages": HISTORY[:1], "tools": [WEATHER]}]), tmp_path / "t.parquet"
+    )
+    records = pd.read_parquet(tmp_path / "t.parquet").to_dict("records")
+    (row,) = generator.generate(records, max_new_tokens=1)
+    assert row["prompt_tokens"] == prompt_length(tokenizer, HISTORY[:1], [WEATHER])
