@@ -14,7 +14,7 @@ from typing import Any
 import pyarrow as pa
 
 from batchgen.errors import BatchgenError, FieldError, RowError, shown_value
-from batchgen.io.columns import ColumnMapping
+from batchgen.io.columns import CONVERSATIONS, ColumnMapping
 from batchgen.io.field_warnings import foreign_field_warning
 from batchgen.io.input_options import InputOptions
 from batchgen.io.passthrough import KNOWN_FIELDS, PROMPT_FIELDS, READ_AND_PASSED, passthrough_names
@@ -112,7 +112,7 @@ def input_rows(rows: Iterable[Any], options: InputOptions) -> Iterator[InputRow 
         rows = [rows]
     mapping: ColumnMapping | None = None
     # What batchgen reads: numpy's values as Python's; the rest as given.
-    read = KNOWN_FIELDS | READ_AND_PASSED | set(options.columns())
+    read = KNOWN_FIELDS | READ_AND_PASSED | {CONVERSATIONS} | set(options.columns())  # conversations: ShareGPT's
     for index, row in enumerate(rows):
         line = index + 1
         row = python_value(row) if not isinstance(row, Mapping) else row  # an array of token ids, a numpy string

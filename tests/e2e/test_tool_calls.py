@@ -209,3 +209,8 @@ def test_the_python_api_renders_a_rows_tools(model: Path, tokenizer: PreTrainedT
     records = pd.read_parquet(tmp_path / "t.parquet").to_dict("records")
     (row,) = generator.generate(records, max_new_tokens=1)
     assert row["prompt_tokens"] == prompt_length(tokenizer, HISTORY[:1], [WEATHER])
+    # A ShareGPT conversations column read so (a numpy array) crashed the call (found by a helper).
+    sharegpt = [{"id": "s", "conversations": [{"from": "human", "value": HISTORY[0]["content"]}]}]
+    pq.write_table(pa.Table.from_pylist(sharegpt), tmp_path / "s.parquet")
+    (row,) = generator.generate(pd.read_parquet(tmp_path / "s.parquet").to_dict("records"), max_new_tokens=1)
+    assert row["prompt_tokens"] == prompt_length(tokenizer, HISTORY[:1])
