@@ -17,7 +17,7 @@ import base64
 import binascii
 import hashlib
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -104,6 +104,39 @@ def compare_rows(
     return changed, gone, len(seen - have)
 
 
+# The digest of a row whose input is not known (never a row's: a 2**-64 chance), so that it reads as changed.
+UNKNOWN_DIGEST = bytes(DIGEST_BYTES)
+
+
+def compare_each(
+    dataset: Path, recorded: Mapping[str, bytes], options: InputOptions | None = None
+) -> tuple[list[str], list[str]]:
+    """Compare each row of an output with the input digest ``recorded`` for its id with the row that claims the id
+    in ``dataset`` as it is now (read with the column ``options``): the ids whose input changed (in dataset order)
+    and those no row claims now (gone).
+
+    Raises:
+        BatchgenError: the dataset cannot be read.
+    """
+    now = digests_now(dataset, recorded.keys(), options)
+    changed = [rid for rid, digest in now.items() if digest != recorded[rid]]
+    return changed, [rid for rid in recorded if rid not in now]
+
+
+def digests_now(dataset: Path, ids: Collection[str], options: InputOptions | None = None) -> dict[str, bytes]:
+    """The digest of the row of ``dataset`` (read with the column ``options``) that claims each of ``ids`` now, in
+    dataset order; an id no readable row claims is left out.
+
+    Raises:
+        BatchgenError: the dataset cannot be read.
+    """
+    wanted, found = set(ids), {}
+    for (rid, claims, _), item in _identified(dataset, options):
+        if claims and rid in wanted and rid not in found and isinstance(item, InputRow):
+            found[rid] = row_digest(rid, item.data)
+    return found
+
+
 class RunDigests:
     """The input digests a run records: every row's, in input order, for the finished output's metadata (up to
     :data:`MAX_DIGESTED_ROWS` rows), and those of the rows read but not yet written, for the part that takes their
@@ -130,8 +163,9 @@ class RunDigests:
         self._unwritten.pop(rid, None)
 
     def written(self, sample_ids: Iterable[str]) -> bytes:
-        """The digests of the rows ``sample_ids`` (a part's rows with samples, each id once), forgotten here."""
-        return b"".join(self._unwritten.pop(rid, b"") for rid in sample_ids)
+        """The digests of the rows ``sample_ids`` (a part's rows with samples, each id once), in that order,
+        forgotten here (:data:`UNKNOWN_DIGEST` for a row not claimed here, which a later check finds changed)."""
+        return b"".join(self._unwritten.pop(rid, UNKNOWN_DIGEST) for rid in sample_ids)
 
     def metadata(self) -> dict[str, str]:
         """The finished output's metadata entry (none past :data:`MAX_DIGESTED_ROWS` rows)."""

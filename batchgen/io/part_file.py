@@ -1,11 +1,11 @@
 """One part file of a partial output (``part-N-<16 hex>.arrow``, see ``batchgen/io/partial_output.py``): its name,
 its durable write, reading it back checked, and the digests of the input rows it records.
 
-A part's schema metadata is the job's, plus :data:`~batchgen.io.input_digests.INPUT_DIGESTS_KEY`: the digests
-(:func:`~batchgen.io.input_digests.row_digest`) of the input rows whose samples it holds, in any order. A resume
-from a dataset whose fingerprint changed (a copy, a ``touch``, rows added or edited) checks the rows done against
-them one by one, as it checks a finished output's, where it could only refuse the whole output before; a part
-written by an older batchgen records none.
+A part's schema metadata is the job's, plus :data:`~batchgen.io.input_digests.INPUT_DIGESTS_KEY`: the digest
+(:func:`~batchgen.io.input_digests.row_digest`) of the input row of each id whose samples it holds, in the order of
+:func:`sample_ids`. A resume from a dataset whose fingerprint changed (a copy, a ``touch``, rows added or edited)
+checks each row done against the digest of the part whose samples count, one by one, where it could only refuse the
+whole output before; a part written by an older batchgen records none.
 """
 
 from __future__ import annotations
@@ -13,12 +13,13 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 
-from batchgen.io.input_digests import INPUT_DIGESTS_KEY, encode_digests
+from batchgen.io.input_digests import DIGEST_BYTES, INPUT_DIGESTS_KEY, decode_digests, encode_digests
 
 PART = re.compile(r"part-(\d+)-([0-9a-f]{16})\.arrow")
 
@@ -28,9 +29,15 @@ def part_name(number: int, data: pa.Buffer) -> str:
     return f"part-{number:06d}-{hashlib.sha256(data).hexdigest()[:16]}.arrow"
 
 
+def sample_ids(ids: Iterable[str], finish_reasons: Iterable[str | None]) -> list[str]:
+    """The ids of a part's rows with samples (not error rows), each once, in order: the ids its digests are of."""
+    return list(dict.fromkeys(rid for rid, reason in zip(ids, finish_reasons, strict=True) if reason != "error"))
+
+
 def encode_part(rows: list[dict[str, Any]], schema: pa.Schema, digests: bytes | None) -> pa.Buffer:
     """The bytes of a part holding ``rows`` (dicts of ``schema``'s columns), recording the input ``digests`` of the
-    rows with samples (concatenated :func:`~batchgen.io.input_digests.row_digest` values; ``None``: records none).
+    rows with samples, in the order of :func:`sample_ids` (concatenated :func:`~batchgen.io.input_digests.row_digest`
+    values; ``None``: records none).
 
     Raises:
         pyarrow.ArrowInvalid, pyarrow.ArrowTypeError: a value does not fit its column.
@@ -69,11 +76,20 @@ def read_part(path: Path, digest: str) -> pa.Table | None:
     return table if {"id", "finish_reason"} <= set(table.column_names) else None
 
 
-def part_digests(table: pa.Table) -> str | None:
-    """The input digests a part read by :func:`read_part` records, as the metadata holds them; ``None`` for a part of
-    an older batchgen."""
+def part_digests(table: pa.Table) -> dict[str, bytes] | None:
+    """The input digest of each id with samples in a part read by :func:`read_part`; ``None`` for a part that records
+    none (an older batchgen's) or other than one per such id."""
     value = (table.schema.metadata or {}).get(INPUT_DIGESTS_KEY.encode())
-    return None if value is None else value.decode("ascii", "replace")
+    if value is None:
+        return None
+    ids = sample_ids(table.column("id").to_pylist(), table.column("finish_reason").to_pylist())
+    try:
+        digests = decode_digests(value.decode("ascii", "replace"))
+    except ValueError:
+        return None
+    if len(digests) != len(ids) * DIGEST_BYTES:
+        return None
+    return {rid: digests[i * DIGEST_BYTES : (i + 1) * DIGEST_BYTES] for i, rid in enumerate(ids)}
 
 
 def job_schema(table: pa.Table) -> pa.Schema:

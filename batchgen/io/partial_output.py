@@ -36,7 +36,6 @@ from batchgen.errors import BatchgenError, OutputError
 from batchgen.io.assemble import assemble_output
 from batchgen.io.done_rows import DoneRows
 from batchgen.io.durable import fsync_dir, fsync_file, write_atomically
-from batchgen.io.input_digests import decode_digests, encode_digests
 from batchgen.io.manifest import encode_manifest, read_manifest
 from batchgen.io.output_lock import LOCK, take_lock
 from batchgen.io.part_file import PART, encode_part, job_schema, part_digests, part_name, read_part, write_part_file
@@ -64,8 +63,8 @@ class PartialState:
         done: the rows the valid parts hold.
         next_part: the number of the next part to write.
         listing: the directory's files and sizes when inspected (to notice another run changing them).
-        input_digests: the digests of the input rows the valid parts hold (:func:`~batchgen.io.input_digests.
-            encode_digests`' text), or ``None`` when a part records none (an older batchgen wrote it).
+        input_digests: the input digest of each id with samples, that of the part whose samples count (the latest
+            part holding some), or ``None`` when a valid part records none (an older batchgen wrote it).
     """
 
     schema: pa.Schema | None = None
@@ -75,7 +74,7 @@ class PartialState:
     done: DoneRows = field(default_factory=DoneRows)
     next_part: int = 0
     listing: frozenset[tuple[str, int]] = frozenset()
-    input_digests: str | None = None
+    input_digests: dict[str, bytes] | None = None
 
 
 class PartialOutput:
@@ -109,7 +108,7 @@ class PartialOutput:
                 elif _TORN.fullmatch(path.name):
                     state.damaged.append(path)
             last_schema = None
-            digests: bytearray | None = bytearray()
+            digests: dict[str, bytes] | None = {}
             for number, digest, path in sorted(numbered):
                 state.next_part = max(state.next_part, number + 1)
                 table = read_part(path, digest)
@@ -119,10 +118,11 @@ class PartialOutput:
                 state.parts.append((number, path))
                 state.done.add_part(number, table)
                 last_schema = job_schema(table)
-                digests = _add_digests(digests, part_digests(table))
+                recorded = part_digests(table) if digests is not None else None
+                digests = None if recorded is None or digests is None else digests | recorded
         except OSError as e:
             raise BatchgenError(f"{self.dir}: cannot read the partial output: {e.strerror or e}") from None
-        state.input_digests = None if digests is None else encode_digests(bytes(digests))
+        state.input_digests = digests
         if state.schema is None:
             # A damaged manifest is rebuilt from the parts: each carries the job's schema and metadata.
             state.schema = last_schema
@@ -159,8 +159,9 @@ class PartialOutput:
 
     def write_part(self, rows: list[dict[str, Any]], digests: bytes | None) -> None:
         """Make ``rows`` durable as the next part (nothing for no rows), recording the input ``digests`` of those
-        with samples (:func:`~batchgen.io.input_digests.row_digest`, concatenated; ``None``: not known, so a resume
-        from a changed dataset cannot check them). The caller hands over whole rows: all samples of a row in one call.
+        with samples (:func:`~batchgen.io.input_digests.row_digest`, concatenated in the order of
+        :func:`~batchgen.io.part_file.sample_ids`; ``None``: not known, so a resume from a changed dataset cannot check
+        them). The caller hands over whole rows: all samples of a row in one call.
 
         Raises:
             OutputError: the file system failed (disk full, no permission); every part written before stays
@@ -277,13 +278,3 @@ def _listing(directory: Path) -> frozenset[tuple[str, int]]:
     if not directory.is_dir():
         return frozenset()
     return frozenset((p.name, p.stat().st_size) for p in directory.iterdir() if p.name != LOCK)
-
-
-def _add_digests(digests: bytearray | None, recorded: str | None) -> bytearray | None:
-    """``digests`` with a part's ``recorded`` ones added; ``None`` once a part records none or unreadable ones."""
-    if digests is None or recorded is None:
-        return None
-    try:
-        return digests + decode_digests(recorded)
-    except ValueError:
-        return None

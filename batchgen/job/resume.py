@@ -15,8 +15,9 @@ import pyarrow as pa
 
 from batchgen.errors import BatchgenError
 from batchgen.io.fingerprint import fingerprint_dataset
-from batchgen.io.finished_output import finished_batches
-from batchgen.io.input_digests import INPUT_DIGESTS_KEY, decode_digests
+from batchgen.io.finished_output import finished_batches, finished_rows
+from batchgen.io.input_digests import INPUT_DIGESTS_KEY, digests_now
+from batchgen.io.input_options import recorded_input_options
 from batchgen.io.output_lock import WRITING, held_by_a_run
 from batchgen.io.partial_output import PartialOutput, PartialState, partial_dir, remove_partial_dir
 from batchgen.io.reopen import reopen_output
@@ -124,7 +125,12 @@ def open_output(
         finished = lambda: finished_batches(output.out)[1]  # noqa: E731
         schema = output_schema(schema, dataset, seed, recorded, job.resume_force, output.out, finished)
         check_written_rows(finished(), recorded, schema, output.out)
-        reopen_output(output, schema, None if digests is None else decode_digests(digests))
+        # Each row's input as it is now: checked unchanged (check_finished_rows), or kept as it is by --resume-force.
+        now = None
+        if digests is not None:
+            ids = finished_rows(output.out).samples
+            now = digests_now(dataset, ids, recorded_input_options(schema.metadata or {}))
+        reopen_output(output, schema, now)
         return schema, output.inspect()
     resumed = None
     if job.resuming and output.exists():

@@ -18,6 +18,7 @@ from batchgen.io.field_warnings import warn_about_fields
 from batchgen.io.input_digests import RunDigests
 from batchgen.io.input_options import InputOptions
 from batchgen.io.openai_output import openai_output, wants_openai_output
+from batchgen.io.part_file import sample_ids
 from batchgen.io.partial_output import PartialOutput, remove_partial_dir
 from batchgen.io.reader import RowReader, count_input_rows
 from batchgen.io.rows import RowSpec, parse_row, passthrough_that_fits
@@ -229,8 +230,9 @@ class RunJob:
         return spec.id in done.samples and done.is_done(spec.id, self._samples_of(spec))
 
     def _flush(self) -> None:
-        sampled = dict.fromkeys(row["id"] for row in self._pending_rows if row["finish_reason"] != "error")
-        self.output.write_part(self._pending_rows, self.digests.written(sampled))
+        rows = self._pending_rows
+        sampled = sample_ids((row["id"] for row in rows), (row["finish_reason"] for row in rows))
+        self.output.write_part(rows, self.digests.written(sampled))
         self._pending_rows = []
 
     def _discard_empty_partial(self) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 from batchgen.errors import BatchgenError, counted
 from batchgen.io.fingerprint import DatasetFingerprint, fingerprint_dataset
 from batchgen.io.finished_output import finished_rows, records_run
-from batchgen.io.input_digests import INPUT_DIGESTS_KEY, InputId, compare_rows, input_ids
+from batchgen.io.input_digests import INPUT_DIGESTS_KEY, UNKNOWN_DIGEST, InputId, compare_each, compare_rows, input_ids
 from batchgen.io.input_options import InputOptions, recorded_input_options
 from batchgen.io.output_lock import held_by_a_run
 from batchgen.io.partial_output import PartialOutput, partial_dir
@@ -113,7 +113,7 @@ def read_output_status(
     metadata: dict[bytes, bytes] = {}
     sample_ids: Iterable[str] = ()
     error_ids: Counter[str] = Counter()
-    digests: str | None = None  # of the input rows, when the output records them
+    digests: str | dict[str, bytes] | None = None  # of the input rows (a finished output's; a partial one's by id)
     if out.exists():
         state = "complete"
         rows = finished_rows(out)
@@ -179,7 +179,7 @@ def read_output_status(
             stale = _changed_rows(dataset, out, list(sample_ids), digests, options, force, notes)
             # Every error row, those of rows that left the dataset too (found by a helper): --resume reads the
             # dataset again for them, and leaves out the ones it no longer meets.
-            if state == "complete" and (recheck := error_ids.total()):
+            if recheck := error_ids.total():
                 notes.append(f"the dataset changed: --resume checks {out}'s {counted(recheck, 'error row')} again")
     other: list[str] = []
     if settings is not None and state != "not started":
@@ -201,16 +201,21 @@ def _changed_rows(
     dataset: Path,
     out: Path,
     sample_ids: list[str],
-    digests: str,
+    digests: str | dict[str, bytes],
     options: InputOptions | None,
     force: bool,
     notes: list[str],
 ) -> int:
-    """How many of ``sample_ids`` (rows of the finished output ``out``) were made from an input row that
-    ``dataset`` no longer holds under their id, changed or gone (:func:`compare_rows`), noted in ``notes`` with what
-    ``--resume`` does with them (refuses them; keeps them with ``force``)."""
+    """How many of ``sample_ids`` (rows of the output ``out``) were made from an input row that ``dataset`` no longer
+    holds under their id, changed or gone (a finished output's ``digests``, their text: :func:`compare_rows`; a partial
+    output's, by id: :func:`compare_each`), noted in ``notes`` with what ``--resume`` does with them (refuses them;
+    keeps them with ``force``)."""
     try:
-        changed, gone, _ = compare_rows(dataset, sample_ids, digests, options)
+        if isinstance(digests, str):
+            changed, gone, _ = compare_rows(dataset, sample_ids, digests, options)
+        else:
+            recorded = {rid: digests.get(rid, UNKNOWN_DIGEST) for rid in sample_ids}
+            changed, gone = compare_each(dataset, recorded, options)
     except ValueError:
         notes.append(f"{out}'s input digests are unreadable: its rows cannot be checked against {dataset}")
         return 0

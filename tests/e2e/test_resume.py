@@ -679,6 +679,59 @@ def test_a_reopened_output_stopped_again_resumes_from_a_copied_dataset(
     )
 
 
+def test_a_row_fixed_then_put_back_is_changed_however_its_output_was_reopened(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a helper: a reopened output's parts took every digest its metadata held, a bad row's among them, and
+    a resume checked a row's digest against them all. Its error row fixed and generated, the row put back to its bad
+    version then read as unchanged, and the output held both its samples and its error row. Each part now records
+    the digest of each of its own rows."""
+    rows = [{"id": f"r{i}", "prompt_token_ids": [0, 5 + i], "max_new_tokens": 2} for i in range(8)]
+    bad = {**rows[3], "temperature": -1}  # an error row under --on-error skip
+    dataset, out = write_jsonl(tmp_path / "in.jsonl", [*rows[:3], bad, *rows[4:]]), tmp_path / "out.arrow"
+    assert run_cli(args(dataset, out, model, *SLOW_FLAGS))[0] == 0
+    added = [{"id": f"n{i}", "prompt_token_ids": [0, 9, i], "max_new_tokens": 2} for i in range(6)]
+    write_jsonl(dataset, [*rows, *added])
+    with monkeypatch.context() as patch:
+        fail_part_write(patch, at=3)  # the reopened rows' part, one part of generated rows (r3's), then a full disk
+        assert run_cli(args(dataset, out, model, "--resume", *SLOW_FLAGS))[0] == 2
+    assert "r3" in PartialOutput(out).inspect().done.samples
+    write_jsonl(dataset, [*rows[:3], bad, *rows[4:], *added])
+    code, output = run_cli(args(dataset, out, model, "--resume"))
+    changed = f"the input of 1 row of {partial_dir(out)} changed in {dataset} or left it since it was made ('r3')"
+    assert code == 2 and changed in output, output
+
+
+def test_a_damaged_part_of_a_reopened_output_reruns_only_its_own_rows(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a helper: only the first part of a reopened output recorded digests, so when it was damaged, every
+    row of the other parts read as changed after any change to the dataset. Each part's rows have their own."""
+    import batchgen.io.reopen as reopen
+
+    rows = [{"id": f"r{i}", "prompt_token_ids": [0, 5 + i], "max_new_tokens": 2} for i in range(12)]
+    rows[11]["temperature"] = -1  # left out under --on-error fail
+    dataset, out = write_jsonl(tmp_path / "in.jsonl", rows), tmp_path / "out.arrow"
+    assert run_cli([*args(dataset, out, model), "--on-error", "fail"])[0] == 3
+    del rows[11]["temperature"]
+    write_jsonl(dataset, rows)
+    assert run_cli(args(dataset, tmp_path / "reference.arrow", model))[0] == 0
+    monkeypatch.setattr(reopen, "_PART_ROWS", 4)  # 11 rows reopened into 3 parts
+    with monkeypatch.context() as patch:
+        fail_part_write(patch, at=4)  # the disk fills as the fixed row's part is written
+        assert run_cli(args(dataset, out, model, "--resume"))[0] == 2
+    state = PartialOutput(out).inspect()
+    assert len(state.parts) == 3 and state.done.count == 11
+    first = state.parts[0][1]
+    first.write_bytes(first.read_bytes()[:-8])  # torn
+    os.utime(dataset, ns=(0, dataset.stat().st_mtime_ns + 10**9))
+    code, output = run_cli(args(dataset, out, model, "--resume"))
+    assert code == 0 and "changed in" not in output and "torn or damaged" in output, output
+    assert_same_rows(
+        by_key(read_results(out).to_pylist()), by_key(read_results(tmp_path / "reference.arrow").to_pylist())
+    )
+
+
 def test_a_context_length_equal_to_the_models_own_is_the_one_omitted(
     small_job: tuple[Path, dict[Key, dict[str, Any]]], model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
