@@ -49,7 +49,8 @@ def check_messages(value: Any, fail: Fail, struct_nulls: bool = False) -> list[d
 def _check_message(item: Any, i: int, fail: Fail, struct_nulls: bool) -> dict[str, Any]:
     if not isinstance(item, dict):
         raise fail("messages", f"item {i} must be an object, got {json_type_name(item)}")
-    item = {key: part for key, part in item.items() if key in ("role", "content") or part not in (None, [])}
+    empty = lambda part: part is None or (isinstance(part, list) and not part)  # noqa: E731
+    item = {key: part for key, part in item.items() if key in ("role", "content") or not empty(part)}
     calls = item.pop("tool_calls", None)
     if calls is not None and not isinstance(calls, list):
         raise fail("messages", f"item {i}: 'tool_calls' must be an array, got {json_type_name(calls)}")
@@ -94,7 +95,7 @@ def _check_tool_call(call: Any, i: int, j: int, fail: Fail) -> dict[str, Any]:
             arguments = json.loads(arguments)
         except json.JSONDecodeError as e:
             raise fail("messages", f"{where}: function 'arguments' is not JSON ({e})") from None
-    elif not arguments:
+    elif arguments is None or arguments == "":
         arguments = {}
     if not isinstance(arguments, dict):
         raise fail("messages", f"{where}: function 'arguments' must be a JSON object, got {json_type_name(arguments)}")
@@ -118,9 +119,9 @@ def _joined_text_parts(parts: list[Any], i: int, fail: Fail) -> str:
 
 
 def check_tools(value: Any, struct_nulls: bool, fail: Fail) -> list[dict[str, Any]] | None:
-    """A ``messages`` row's ``tools`` (``None``: none): OpenAI's function definitions (``[{"type": "function",
-    "function": {"name", "description", "parameters"}}]``), a bare function definition (``{"name", ...}``, as
-    xLAM's datasets keep them) as it is, or that array's JSON text; ``""`` and ``null`` are none.
+    """A ``messages`` row's ``tools`` (``None``: none): an array of OpenAI's function definitions (``[{"type":
+    "function", "function": {"name", "description", "parameters"}}]``) or of bare ones (``{"name", ...}``, as xLAM's
+    datasets keep them), as given, or that array's JSON text; ``""``, ``null`` and ``[]`` are none.
 
     Raises:
         RowError: (through ``fail``) naming the tool and what is wrong with it.

@@ -5,8 +5,9 @@ when it is at most 2 MiB). It costs two 1 MiB reads whatever the dataset's size,
 would read every byte again at every resume (minutes for a multi-GB dataset). What it catches: appended, removed
 or truncated rows (size, last MiB), edits at either end (the hashes), and any edit that rewrites the file
 (modification time). What it may miss: a same-size edit in the middle written with the old modification time
-restored. What may flag a change that is none: a copy or ``touch`` that changes only the modification time;
-``--resume-force`` accepts that.
+restored. What may flag a change that is none: a copy or ``touch`` that changes only the modification time; an
+output whose rows have input digests (:mod:`batchgen.io.input_digests`) is then checked row by row, and one without
+needs ``--resume-force``.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""Digests of the input rows a finished output was made from, so that ``--resume`` can add the rows it lacks and tell
-which of its rows were made from an input that has changed since.
+"""Digests of the input rows an output was made from (a finished output's in its metadata, a partial one's in its
+parts: :mod:`batchgen.io.part_file`), so that ``--resume`` can add the rows it lacks and tell which of its rows were
+made from an input that has changed since.
 
 A row's digest is the first 8 bytes of the BLAKE2b hash of its id and its fields as canonical JSON (keys sorted),
 so a change to any field of the row, its sampling fields included, or to which row holds an id, changes it, and
@@ -66,6 +67,11 @@ def decode_digests(text: str) -> bytes:
     return digests
 
 
+def split_digests(digests: bytes) -> list[bytes]:
+    """Concatenated digests, one by one."""
+    return [digests[i : i + DIGEST_BYTES] for i in range(0, len(digests), DIGEST_BYTES)]
+
+
 def _as_array(digests: bytes) -> pa.Array:
     """Concatenated digests as a uint64 array, for set lookups in pyarrow."""
     return pa.Array.from_buffers(pa.uint64(), len(digests) // DIGEST_BYTES, [None, pa.py_buffer(digests)])
@@ -109,18 +115,18 @@ UNKNOWN_DIGEST = bytes(DIGEST_BYTES)
 
 
 def compare_each(
-    dataset: Path, recorded: Mapping[str, bytes], options: InputOptions | None = None
+    dataset: Path, ids: Collection[str], recorded: Mapping[str, bytes], options: InputOptions | None = None
 ) -> tuple[list[str], list[str]]:
-    """Compare each row of an output with the input digest ``recorded`` for its id with the row that claims the id
-    in ``dataset`` as it is now (read with the column ``options``): the ids whose input changed (in dataset order)
-    and those no row claims now (gone).
+    """Compare each of an output's rows ``ids`` with the input digest ``recorded`` for it (none: changed) with the
+    row that claims the id in ``dataset`` as it is now (read with the column ``options``): the ids whose input
+    changed (in dataset order) and those no row claims now (gone).
 
     Raises:
         BatchgenError: the dataset cannot be read.
     """
-    now = digests_now(dataset, recorded.keys(), options)
-    changed = [rid for rid, digest in now.items() if digest != recorded[rid]]
-    return changed, [rid for rid in recorded if rid not in now]
+    now = digests_now(dataset, ids, options) if ids else {}
+    changed = [rid for rid, digest in now.items() if digest != recorded.get(rid, UNKNOWN_DIGEST)]
+    return changed, [rid for rid in ids if rid not in now]
 
 
 def digests_now(dataset: Path, ids: Collection[str], options: InputOptions | None = None) -> dict[str, bytes]:

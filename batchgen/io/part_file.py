@@ -19,7 +19,13 @@ from typing import Any
 
 import pyarrow as pa
 
-from batchgen.io.input_digests import DIGEST_BYTES, INPUT_DIGESTS_KEY, decode_digests, encode_digests
+from batchgen.io.input_digests import (
+    INPUT_DIGESTS_KEY,
+    UNKNOWN_DIGEST,
+    decode_digests,
+    encode_digests,
+    split_digests,
+)
 
 PART = re.compile(r"part-(\d+)-([0-9a-f]{16})\.arrow")
 
@@ -77,19 +83,25 @@ def read_part(path: Path, digest: str) -> pa.Table | None:
 
 
 def part_digests(table: pa.Table) -> dict[str, bytes] | None:
-    """The input digest of each id with samples in a part read by :func:`read_part`; ``None`` for a part that records
-    none (an older batchgen's) or other than one per such id."""
+    """The input digest of each id with samples in a part read by :func:`read_part`
+    (:data:`~batchgen.io.input_digests.UNKNOWN_DIGEST` for each where it records other than one per id: its rows
+    read as changed); ``None`` for a part that records none (an older batchgen's)."""
     value = (table.schema.metadata or {}).get(INPUT_DIGESTS_KEY.encode())
     if value is None:
         return None
     ids = sample_ids(table.column("id").to_pylist(), table.column("finish_reason").to_pylist())
     try:
-        digests = decode_digests(value.decode("ascii", "replace"))
+        digests = split_digests(decode_digests(value.decode("ascii", "replace")))
     except ValueError:
-        return None
-    if len(digests) != len(ids) * DIGEST_BYTES:
-        return None
-    return {rid: digests[i * DIGEST_BYTES : (i + 1) * DIGEST_BYTES] for i, rid in enumerate(ids)}
+        digests = []
+    if len(digests) != len(ids):
+        digests = [UNKNOWN_DIGEST] * len(ids)
+    return dict(zip(ids, digests, strict=True))
+
+
+def rows_sample_ids(rows: list[dict[str, Any]]) -> list[str]:
+    """:func:`sample_ids` of rows given as dicts (a part about to be written)."""
+    return sample_ids((row["id"] for row in rows), (row["finish_reason"] for row in rows))
 
 
 def job_schema(table: pa.Table) -> pa.Schema:

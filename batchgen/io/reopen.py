@@ -12,7 +12,7 @@ from batchgen.errors import BatchgenError
 from batchgen.io.durable import fsync_dir
 from batchgen.io.finished_output import finished_batches
 from batchgen.io.input_digests import UNKNOWN_DIGEST
-from batchgen.io.part_file import sample_ids
+from batchgen.io.part_file import rows_sample_ids
 from batchgen.io.partial_output import PartialOutput
 
 # Rows per part of a reopened output (whole rows: a row's samples are never split across parts).
@@ -55,5 +55,4 @@ def _digests_of(rows: list[dict[str, Any]], digests: Mapping[str, bytes] | None)
     """The digests a part of ``rows`` records (:func:`~batchgen.io.part_file.sample_ids`' order)."""
     if digests is None:
         return None
-    ids = sample_ids((row["id"] for row in rows), (row["finish_reason"] for row in rows))
-    return b"".join(digests.get(rid, UNKNOWN_DIGEST) for rid in ids)
+    return b"".join(digests.get(rid, UNKNOWN_DIGEST) for rid in rows_sample_ids(rows))

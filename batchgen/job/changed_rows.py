@@ -16,7 +16,7 @@ import pyarrow as pa
 from batchgen.errors import BatchgenError, counted
 from batchgen.io.fingerprint import DatasetFingerprint, fingerprint_dataset
 from batchgen.io.finished_output import finished_batches, finished_rows
-from batchgen.io.input_digests import INPUT_DIGESTS_KEY, UNKNOWN_DIGEST, compare_each, compare_rows
+from batchgen.io.input_digests import INPUT_DIGESTS_KEY, compare_each, compare_rows
 from batchgen.io.input_options import INPUT_OPTIONS_KEY, InputOptions, recorded_input_options
 from batchgen.io.partial_output import PartialState
 from batchgen.job.run_metadata import DATASET_KEY, changed_fields, schema_metadata
@@ -75,8 +75,7 @@ def check_partial_rows(dataset: Path, where: Path, state: PartialState, now: pa.
         return state.schema
     options_then = recorded_input_options(state.schema.metadata or {})
     options = recorded_input_options(now.metadata or {})
-    recorded = {rid: state.input_digests.get(rid, UNKNOWN_DIGEST) for rid in state.done.samples}
-    changed, gone = compare_each(dataset, recorded, options)
+    changed, gone = compare_each(dataset, state.done.samples.keys(), state.input_digests, options)
     _refuse_changed([*changed, *gone], dataset, where, options_then, options, force)
     return state.schema.with_metadata(metadata | {DATASET_KEY: fingerprint.to_json()})
 

@@ -16,7 +16,13 @@ import pyarrow as pa
 from batchgen.errors import BatchgenError
 from batchgen.io.fingerprint import fingerprint_dataset
 from batchgen.io.finished_output import finished_batches, finished_rows
-from batchgen.io.input_digests import INPUT_DIGESTS_KEY, digests_now
+from batchgen.io.input_digests import (
+    INPUT_DIGESTS_KEY,
+    UNKNOWN_DIGEST,
+    decode_digests,
+    digests_now,
+    split_digests,
+)
 from batchgen.io.input_options import recorded_input_options
 from batchgen.io.output_lock import WRITING, held_by_a_run
 from batchgen.io.partial_output import PartialOutput, PartialState, partial_dir, remove_partial_dir
@@ -125,12 +131,7 @@ def open_output(
         finished = lambda: finished_batches(output.out)[1]  # noqa: E731
         schema = output_schema(schema, dataset, seed, recorded, job.resume_force, output.out, finished)
         check_written_rows(finished(), recorded, schema, output.out)
-        # Each row's input as it is now: checked unchanged (check_finished_rows), or kept as it is by --resume-force.
-        now = None
-        if digests is not None:
-            ids = finished_rows(output.out).samples
-            now = digests_now(dataset, ids, recorded_input_options(schema.metadata or {}))
-        reopen_output(output, schema, now)
+        reopen_output(output, schema, _reopened_digests(dataset, output.out, digests, schema))
         return schema, output.inspect()
     resumed = None
     if job.resuming and output.exists():
@@ -146,6 +147,22 @@ def open_output(
     if recorded is not None:
         check_written_rows(parts(), recorded, schema, output.dir)
     return schema, resumed
+
+
+def _reopened_digests(dataset: Path, out: Path, recorded: str | None, schema: pa.Schema) -> dict[str, bytes] | None:
+    """The digest of each row with samples of the finished output ``out`` that its reopened parts record: its input
+    row's now, where that is one the output records (:data:`~batchgen.io.input_digests.UNKNOWN_DIGEST` for a row
+    ``--resume-force`` kept although its input changed, or one that changed since it was checked, so that a later
+    resume names it as a partial output's parts would); ``None`` where ``out`` records no digests (``recorded``).
+
+    Raises:
+        BatchgenError: the dataset cannot be read.
+    """
+    if recorded is None:
+        return None
+    known = set(split_digests(decode_digests(recorded)))
+    now = digests_now(dataset, finished_rows(out).samples, recorded_input_options(schema.metadata or {}))
+    return {rid: digest if digest in known else UNKNOWN_DIGEST for rid, digest in now.items()}
 
 
 def _part_batches(state: PartialState) -> Iterator[pa.RecordBatch]:

@@ -18,7 +18,7 @@ from batchgen.io.field_warnings import warn_about_fields
 from batchgen.io.input_digests import RunDigests
 from batchgen.io.input_options import InputOptions
 from batchgen.io.openai_output import openai_output, wants_openai_output
-from batchgen.io.part_file import sample_ids
+from batchgen.io.part_file import rows_sample_ids
 from batchgen.io.partial_output import PartialOutput, remove_partial_dir
 from batchgen.io.reader import RowReader, count_input_rows
 from batchgen.io.rows import RowSpec, parse_row, passthrough_that_fits
@@ -231,8 +231,7 @@ class RunJob:
 
     def _flush(self) -> None:
         rows = self._pending_rows
-        sampled = sample_ids((row["id"] for row in rows), (row["finish_reason"] for row in rows))
-        self.output.write_part(rows, self.digests.written(sampled))
+        self.output.write_part(rows, self.digests.written(rows_sample_ids(rows)))
         self._pending_rows = []
 
     def _discard_empty_partial(self) -> None:
@@ -252,7 +251,7 @@ class RunJob:
             # The output's own errors say how to go on; an input file damaged part way does not.
             print(
                 f"batchgen: the rows finished so far are kept in {self.output.dir}; rerun with --resume once that is "
-                "mended (--resume-force if the dataset changed)",
+                "mended (the rows written are checked against the mended dataset)",
                 file=sys.stderr,
             )
 

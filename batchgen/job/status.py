@@ -17,7 +17,7 @@ from pathlib import Path
 from batchgen.errors import BatchgenError, counted
 from batchgen.io.fingerprint import DatasetFingerprint, fingerprint_dataset
 from batchgen.io.finished_output import finished_rows, records_run
-from batchgen.io.input_digests import INPUT_DIGESTS_KEY, UNKNOWN_DIGEST, InputId, compare_each, compare_rows, input_ids
+from batchgen.io.input_digests import INPUT_DIGESTS_KEY, InputId, compare_each, compare_rows, input_ids
 from batchgen.io.input_options import InputOptions, recorded_input_options
 from batchgen.io.output_lock import held_by_a_run
 from batchgen.io.partial_output import PartialOutput, partial_dir
@@ -44,8 +44,8 @@ class OutputStatus:
     # The output's rows whose input row changed or left the dataset since (--resume refuses them unless
     # --resume-force); every row where the output records no digests of its input rows.
     stale: int = 0
-    # A finished output's error rows when the dataset changed: their rows may be fixed, so --resume (with
-    # --resume-force too) reads the dataset again to check them.
+    # The output's error rows when the dataset changed: their rows may be fixed, so --resume (with --resume-force
+    # too) reads the dataset again to check them.
     recheck: int = 0
     # How the run's settings (a --config's) differ from those the output records; empty when the same or not compared.
     other_settings: tuple[str, ...] = ()
@@ -169,18 +169,18 @@ def read_output_status(
         done, errored = len(set(sample_ids)) + error_ids.total(), error_ids.total()
     stale = recheck = 0
     if check_rows and changes:
+        where = out if state == "complete" else partial_dir(out)
         if digests is None:
             # An older batchgen's output, or a run of more rows than digests are kept for: --resume cannot check
             # the rows, so it refuses the changed dataset unless --resume-force (found by a helper).
             stale = done
-            where = out if state == "complete" else partial_dir(out)
             notes.append(f"{where} records no digests of its input rows, so they cannot be checked: {_then(force)}")
         else:
-            stale = _changed_rows(dataset, out, list(sample_ids), digests, options, force, notes)
+            stale = _changed_rows(dataset, where, list(sample_ids), digests, options, force, notes)
             # Every error row, those of rows that left the dataset too (found by a helper): --resume reads the
             # dataset again for them, and leaves out the ones it no longer meets.
             if recheck := error_ids.total():
-                notes.append(f"the dataset changed: --resume checks {out}'s {counted(recheck, 'error row')} again")
+                notes.append(f"the dataset changed: --resume checks {where}'s {counted(recheck, 'error row')} again")
     other: list[str] = []
     if settings is not None and state != "not started":
         if not metadata:
@@ -214,8 +214,7 @@ def _changed_rows(
         if isinstance(digests, str):
             changed, gone, _ = compare_rows(dataset, sample_ids, digests, options)
         else:
-            recorded = {rid: digests.get(rid, UNKNOWN_DIGEST) for rid in sample_ids}
-            changed, gone = compare_each(dataset, recorded, options)
+            changed, gone = compare_each(dataset, sample_ids, digests, options)
     except ValueError:
         notes.append(f"{out}'s input digests are unreadable: its rows cannot be checked against {dataset}")
         return 0

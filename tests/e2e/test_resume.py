@@ -4,6 +4,7 @@ exactly once, equal to an uninterrupted run's; torn part files and a damaged man
 
 from __future__ import annotations
 
+import base64
 import errno
 import fcntl
 import json
@@ -595,7 +596,10 @@ def test_resume_refuses_another_job_in_one_line_unless_forced(
     rows[first]["topic"] = "edited"
     write_jsonl(copy, rows)
     code, output = run_cli(["status", str(copy), str(out)])
-    assert f"note: 1 row of {out} changed in {copy} or left it since it was made (--resume refuses it;" in output
+    changed_note = (
+        f"note: 1 row of {partial_dir(out)} changed in {copy} or left it since it was made (--resume refuses it;"
+    )
+    assert changed_note in output, output
     code, output = run_cli(args(copy, out, model, "--resume"))
     changed = f"the input of 1 row of {partial_dir(out)} changed in {copy} or left it since it was made ('{done}')"
     assert code == 2 and changed in output, output
@@ -700,6 +704,48 @@ def test_a_row_fixed_then_put_back_is_changed_however_its_output_was_reopened(
     code, output = run_cli(args(dataset, out, model, "--resume"))
     changed = f"the input of 1 row of {partial_dir(out)} changed in {dataset} or left it since it was made ('r3')"
     assert code == 2 and changed in output, output
+
+
+def test_a_row_kept_by_resume_force_is_named_again_until_the_output_is_finished(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a review: a reopened output's parts took each row's digest as the dataset held it then, so a row that
+    --resume-force kept though its input had changed read as unchanged after a later change, where a partial
+    output's part names it again. Both name it until the output is finished."""
+    rows = [{"id": f"r{i}", "prompt_token_ids": [0, 5 + i], "max_new_tokens": 2} for i in range(8)]
+    dataset, out = write_jsonl(tmp_path / "in.jsonl", rows), tmp_path / "out.arrow"
+    assert run_cli(args(dataset, out, model, *SLOW_FLAGS))[0] == 0
+    edited = [{**rows[0], "topic": "edited"}, *rows[1:]]
+    added = [{"id": f"n{i}", "prompt_token_ids": [0, 9, i], "max_new_tokens": 2} for i in range(6)]
+    write_jsonl(dataset, [*edited, *added])
+    with monkeypatch.context() as patch:
+        fail_part_write(patch, at=3)  # the reopened rows' part, one part of added rows, then a full disk
+        code, output = run_cli(args(dataset, out, model, "--resume-force", *SLOW_FLAGS))
+        assert code == 2 and "--resume-force keeps their results" in output, output
+    os.utime(dataset, ns=(0, dataset.stat().st_mtime_ns + 10**9))
+    code, output = run_cli(args(dataset, out, model, "--resume"))
+    changed = f"the input of 1 row of {partial_dir(out)} changed in {dataset} or left it since it was made ('r0')"
+    assert code == 2 and changed in output, output
+    assert run_cli(args(dataset, out, model, "--resume-force"))[0] == 0
+    os.utime(dataset, ns=(0, dataset.stat().st_mtime_ns + 10**9))
+    code, output = run_cli(args(dataset, out, model, "--resume"))
+    assert code == 0 and "already complete" in output, output
+
+
+def test_a_part_recording_other_digests_than_its_rows_names_only_its_rows(tmp_path: Path) -> None:
+    """A part whose digests do not match its rows (one count for another) makes its own rows read as changed, not
+    every row of the output unchecked (found by a review)."""
+    from batchgen.io.input_digests import UNKNOWN_DIGEST
+    from batchgen.io.part_file import part_digests
+
+    schema = pa.schema([("id", pa.string()), ("finish_reason", pa.string())])
+    rows = [{"id": "a", "finish_reason": "length"}, {"id": "b", "finish_reason": "error"}]
+    for recorded, want in ((b"12345678", {"a": b"12345678"}), (b"1234567812345678", {"a": UNKNOWN_DIGEST})):
+        table = pa.Table.from_pylist(rows, schema).replace_schema_metadata(
+            {"batchgen.input_digests": base64.b64encode(recorded)}
+        )
+        assert part_digests(table) == want
+    assert part_digests(pa.Table.from_pylist(rows, schema)) is None
 
 
 def test_a_damaged_part_of_a_reopened_output_reruns_only_its_own_rows(
