@@ -67,11 +67,10 @@ def check_partial_rows(dataset: Path, where: Path, state: PartialState, now: pa.
     metadata = schema_metadata(state.schema)
     fingerprint = fingerprint_dataset(dataset)
     try:
-        if state.input_digests is None or not DatasetFingerprint.from_json(metadata[DATASET_KEY]).differences(
-            fingerprint
-        ):
-            return state.schema
+        then = DatasetFingerprint.from_json(metadata[DATASET_KEY])
     except (KeyError, ValueError):  # no fingerprint recorded: check_same_job says so
+        return state.schema
+    if state.input_digests is None or not then.differences(fingerprint):
         return state.schema
     options_then = recorded_input_options(state.schema.metadata or {})
     options = recorded_input_options(now.metadata or {})
