@@ -9,14 +9,11 @@ a row id that comes back twice all the same is written once (docs/scale-out.md).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
 import pickle
-import queue
 import sys
-import threading
 import warnings
 from collections import Counter
 from collections.abc import Iterable, Iterator
@@ -26,6 +23,7 @@ from typing import Any, TypeVar
 from batchgen.environment import replica_environment
 from batchgen.errors import BatchgenError
 from batchgen.job.options import JobOptions
+from batchgen.job.polled_items import poll_every
 from batchgen.job.ray_replica import RESULT_COLUMN, ROW_COLUMN, RunReplica, describe_engine
 from batchgen.job.request_builder import RequestBuilder
 from batchgen.job.rounds import RowResults
@@ -208,51 +206,6 @@ class RayRounds:
         if self._disconnect:
             self.ray.shutdown()
             self._disconnect = False
-
-
-def poll_every(seconds: float, items: Iterator[T]) -> Iterator[T | None]:
-    """``items``, read on a thread of their own, with ``None`` between them whenever ``seconds`` pass without one:
-    the job flushes finished rows and sees a stop signal on time while a replica runs a long batch. Closing the
-    iterator stops the reading after the item being waited for.
-
-    Raises:
-        what reading ``items`` raised, where it was raised, after the items before it.
-    """
-    ready: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=1)
-    closed = threading.Event()
-
-    def hand(kind: str, value: Any) -> bool:
-        """Queue one entry unless the reading side closed first; whether it did not."""
-        while not closed.is_set():
-            with contextlib.suppress(queue.Full):
-                ready.put((kind, value), timeout=seconds)
-                return True
-        return False
-
-    def read() -> None:
-        try:
-            for item in items:
-                if not hand("item", item):
-                    return
-            hand("end", None)
-        except BaseException as e:  # handed to the reading side, which raises it there
-            hand("error", e)
-
-    threading.Thread(target=read, name="batchgen-ray-results", daemon=True).start()
-    try:
-        while True:
-            try:
-                kind, value = ready.get(timeout=seconds)
-            except queue.Empty:
-                yield None
-                continue
-            if kind == "end":
-                return
-            if kind == "error":
-                raise value
-            yield value
-    finally:
-        closed.set()
 
 
 def _raise_user_error(error: BaseException) -> None:

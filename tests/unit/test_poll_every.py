@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from batchgen.job.ray_rounds import poll_every
+from batchgen.job.polled_items import poll_every
 
 
 def _slow(values: list[int], pause: float) -> Iterator[int]:
@@ -55,3 +55,27 @@ def test_closing_early_stops_the_reading_thread() -> None:
         time.sleep(0.01)
     assert not any(t.name == "batchgen-ray-results" for t in threading.enumerate())
     assert len(read) < 10  # the queue holds one item: the thread stopped soon after, not at the end
+
+
+def test_closing_while_the_items_wait_runs_their_cleanup_before_it_returns() -> None:
+    """As Ray Data's iterator must shut its executor down before the job shuts Ray down: the wait for the next
+    item (a replica's long batch) is interrupted, not waited out."""
+    cleaned: list[str] = []
+
+    def waiting_forever() -> Iterator[int]:
+        yield 0
+        try:
+            while True:
+                time.sleep(0.01)
+        except BaseException as e:
+            cleaned.append(type(e).__name__)
+            raise
+
+    it = poll_every(0.01, waiting_forever())
+    assert next(it) == 0
+    assert next(it) is None  # the reader now waits in the items
+    start = time.monotonic()
+    it.close()
+    assert cleaned == ["_Closed"]
+    assert time.monotonic() - start < 2
+    assert not any(t.name == "batchgen-ray-results" for t in threading.enumerate())
