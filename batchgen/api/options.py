@@ -16,7 +16,7 @@ import torch
 from batchgen.errors import BatchgenError, FieldError, shown_value
 from batchgen.io.field_warnings import sampling_name_hint
 from batchgen.io.input_options import InputOptions
-from batchgen.io.passthrough import TOOLS_FIELD
+from batchgen.io.passthrough import ADD_GENERATION_PROMPT_FIELD, CONTINUE_FINAL_MESSAGE_FIELD, TOOLS_FIELD
 from batchgen.job.options import JobOptions
 from batchgen.loop.options import EngineOptions
 from batchgen.sampling.row_fields import ROW_FIELD_KEYWORDS, SAMPLING_FIELD_ALIASES, switch_hint
@@ -37,6 +37,10 @@ def option_names(*classes: type) -> set[str]:
     return {f.name for cls in classes for f in declared_options(cls)}
 
 
+# Fields of a messages row that vLLM's LLM.chat takes as arguments for the call: a batchgen row gives its own.
+_ROW_ONLY = frozenset((TOOLS_FIELD, ADD_GENERATION_PROMPT_FIELD, CONTINUE_FINAL_MESSAGE_FIELD))
+
+
 def check_option_names(
     given: Mapping[str, Any], classes: tuple[type, ...], caller: str, also: Collection[str] = ()
 ) -> None:
@@ -53,9 +57,9 @@ def check_option_names(
     unknown = next((name for name in given if name not in known), None)
     if unknown is None:
         return
-    if unknown == TOOLS_FIELD:  # vLLM's LLM.chat(tools=): each row gives its own (found by a helper)
+    if unknown in _ROW_ONLY:  # vLLM's LLM.chat(tools=, continue_final_message=): each row gives its own
         raise TypeError(
-            f"{caller}() got an unexpected keyword argument 'tools' (give them in each row, by its messages)"
+            f"{caller}() got an unexpected keyword argument '{unknown}' (give it in each row, by its messages)"
         )
     # Another engine's name says more than a near spelling (HF's stop_strings is 'stop', not 'stop_token_ids'; its
     # do_sample is a temperature).

@@ -11,7 +11,12 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from batchgen.errors import BatchgenError, FieldError
-from batchgen.io.passthrough import CHAT_TEMPLATE_KWARGS_FIELD, json_type_name
+from batchgen.io.passthrough import (
+    ADD_GENERATION_PROMPT_FIELD,
+    CHAT_TEMPLATE_KWARGS_FIELD,
+    CONTINUE_FINAL_MESSAGE_FIELD,
+    json_type_name,
+)
 
 # Output metadata key of the input options a run used: a resumed run compares them, status reads ids with them.
 INPUT_OPTIONS_KEY = "batchgen.input_options"
@@ -45,7 +50,13 @@ def template_arguments(value: Any) -> dict[str, Any]:
         raise FieldError(CHAT_TEMPLATE_KWARGS_FIELD, f"must hold JSON values only: {e}") from None
     taken = next((key for key in _TEMPLATE_ARGUMENTS if key in value), None)
     if taken is not None:
-        raise FieldError(CHAT_TEMPLATE_KWARGS_FIELD, f"'{taken}' is set by batchgen, not a template argument to give")
+        if taken in (ADD_GENERATION_PROMPT_FIELD, CONTINUE_FINAL_MESSAGE_FIELD):
+            message = (
+                f"'{taken}' is a row field, not a template argument: give it beside messages, as vLLM's requests do"
+            )
+        else:
+            message = f"'{taken}' is set by batchgen, not a template argument to give"
+        raise FieldError(CHAT_TEMPLATE_KWARGS_FIELD, message)
     return dict(value)
 
 

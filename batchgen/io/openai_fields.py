@@ -17,13 +17,14 @@ ENDPOINTS = (CHAT_URL, COMPLETIONS_URL)
 Fail = Callable[[str, str], RowError]
 
 # Body fields copied to the row under batchgen's name (OpenAI's and vLLM's extra sampling fields, vLLM's chat
-# template arguments).
+# template arguments and prompt end).
 COPIED = {
     **{name: name for name in ("max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stop", "seed")},
     **{name: name for name in ("presence_penalty", "frequency_penalty", "top_k", "min_p", "repetition_penalty")},
     **{name: name for name in ("ignore_eos", "stop_token_ids", "skip_special_tokens", "include_stop_str_in_output")},
     "min_tokens": "min_new_tokens",
-    "chat_template_kwargs": "chat_template_kwargs",
+    # vLLM's chat extensions: how the template ends the prompt.
+    **{name: name for name in ("chat_template_kwargs", "add_generation_prompt", "continue_final_message")},
 }
 # Body fields that change nothing batchgen writes, whatever their value (stream_options applies only to
 # stream: true, which is refused; vLLM's files carry it without; vLLM's request_id names nothing batchgen writes,
@@ -43,9 +44,6 @@ _OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "tool_choice": ("none", "auto"),
     "function_call": ("none",),
     "modalities": (["text"],),
-    # vLLM's chat extensions, in the value batchgen always does: the template's generation prompt after the messages.
-    "add_generation_prompt": (True,),
-    "continue_final_message": (False,),
     "guided_decoding_backend": ("xgrammar", "auto"),  # vLLM's: batchgen's grammars are xgrammar's
     # vLLM's sampling extensions at their defaults, as a dumped vLLM request carries them (a helper's trial).
     "use_beam_search": (False,),

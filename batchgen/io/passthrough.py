@@ -22,11 +22,24 @@ CHAT_TEMPLATE_KWARGS_FIELD = "chat_template_kwargs"
 # OpenAI's function definitions, handed to a messages row's chat template (vLLM's tools). Also passed through, as
 # every field was before batchgen read it: a dataset of prompts may keep its tools as data (xLAM's).
 TOOLS_FIELD = "tools"
+# How a messages row's chat template ends the prompt (vLLM's request fields, and LLM.chat's arguments): the
+# assistant's turn opened (add_generation_prompt, the default), or the last message left open to be continued.
+ADD_GENERATION_PROMPT_FIELD = "add_generation_prompt"
+CONTINUE_FINAL_MESSAGE_FIELD = "continue_final_message"
 # Fields batchgen reads that pass through too, where the pass-through schema has them (not an OpenAI Batch file's).
 READ_AND_PASSED: frozenset[str] = frozenset((TOOLS_FIELD,))
 # Fields batchgen interprets itself; every other input field is copied to the output unchanged.
 KNOWN_FIELDS: frozenset[str] = frozenset(
-    ("id", *PROMPT_FIELDS, CONTINUATION_FIELD, CHAT_TEMPLATE_KWARGS_FIELD, *SAMPLING_FIELDS, *SAMPLING_FIELD_ALIASES)
+    (
+        "id",
+        *PROMPT_FIELDS,
+        CONTINUATION_FIELD,
+        CHAT_TEMPLATE_KWARGS_FIELD,
+        ADD_GENERATION_PROMPT_FIELD,
+        CONTINUE_FINAL_MESSAGE_FIELD,
+        *SAMPLING_FIELDS,
+        *SAMPLING_FIELD_ALIASES,
+    )
 )
 # `id` is both known and an output column; it is never a pass-through field, so it never collides.
 _COLLIDING: frozenset[str] = frozenset(OUTPUT_COLUMNS.names) - {"id"}

@@ -16,8 +16,10 @@ from batchgen.io.input_options import template_arguments
 from batchgen.io.input_row import InputRow
 from batchgen.io.json_text import is_json_text
 from batchgen.io.passthrough import (
+    ADD_GENERATION_PROMPT_FIELD,
     CHAT_TEMPLATE_KWARGS_FIELD,
     CONTINUATION_FIELD,
+    CONTINUE_FINAL_MESSAGE_FIELD,
     KNOWN_FIELDS,
     PROMPT_FIELDS,
     READ_AND_PASSED,
@@ -59,6 +61,10 @@ class RowSpec:
         continuation: text to score after ``prompt`` or ``messages`` (see ``batchgen.job.continuation``), or ``None``.
         chat_template_kwargs: keyword arguments of the chat template that renders ``messages`` (vLLM's field), or
             ``None``; a key given as null is left out (a Parquet struct column's rows hold every key).
+        continue_final_message: whether the chat template leaves ``messages``' last message open, for the model to
+            continue (vLLM's field), rather than open the assistant's turn after it (``add_generation_prompt``,
+            the default; a row may also ask for neither); both ``False`` for a row without ``messages``.
+        add_generation_prompt: see ``continue_final_message``.
         tools: the function definitions the chat template is given (vLLM's ``tools``), or ``None``; read from a
             ``messages`` row's ``tools`` field, which passes through too (a prompt row's is data).
         sampling_overrides: the row's sampling fields with their raw values, under the names the row gave them
@@ -73,6 +79,8 @@ class RowSpec:
     prompt_token_ids: list[int] | None
     continuation: str | None
     chat_template_kwargs: dict[str, Any] | None
+    continue_final_message: bool
+    add_generation_prompt: bool
     tools: list[dict[str, Any]] | None
     sampling_overrides: dict[str, Any]
     passthrough: dict[str, Any]
@@ -118,6 +126,7 @@ def parse_row(
         messages = check_messages(data["messages"], fail, row.struct_nulls)
     else:
         token_ids = _check_token_ids(data["prompt_token_ids"], fail)
+    continued, generation_prompt = _check_prompt_end(data, kind, fail)
     return RowSpec(
         id=check_id(data.get("id"), row.index, fail),
         line=row.line,
@@ -126,6 +135,8 @@ def parse_row(
         prompt_token_ids=token_ids,
         continuation=_check_continuation(data, kind, fail),
         chat_template_kwargs=_check_chat_template_kwargs(data.get(CHAT_TEMPLATE_KWARGS_FIELD), kind, fail),
+        continue_final_message=continued,
+        add_generation_prompt=generation_prompt,
         tools=check_tools(data.get(TOOLS_FIELD), row.struct_nulls, fail) if kind == "messages" else None,
         sampling_overrides={name: data[name] for name in (*SAMPLING_FIELDS, *SAMPLING_FIELD_ALIASES) if name in data},
         passthrough=_passthrough(data, passthrough_schema, passthrough_names, fail),
@@ -184,6 +195,31 @@ def _check_chat_template_kwargs(value: Any, prompt_field: str, fail: _Fail) -> d
     if prompt_field != "messages":
         raise fail(CHAT_TEMPLATE_KWARGS_FIELD, "needs messages: a prompt is not rendered by the chat template")
     return arguments
+
+
+def _check_prompt_end(data: dict[str, Any], prompt_field: str, fail: _Fail) -> tuple[bool, bool]:
+    """A row's ``continue_final_message`` and ``add_generation_prompt``, each a boolean or null (its default:
+    ``False``, and ``True`` unless the last message is continued). Only a ``messages`` row gives one that is not its
+    default, and not both ``True``: vLLM's rule, where the generation prompt would follow the open message."""
+    values = {}
+    for name in (CONTINUE_FINAL_MESSAGE_FIELD, ADD_GENERATION_PROMPT_FIELD):
+        value = data.get(name)
+        if value is not None and not isinstance(value, bool):
+            raise fail(name, f"must be true or false, got {shown_value(value)}")
+        values[name] = value
+    continued = bool(values[CONTINUE_FINAL_MESSAGE_FIELD])
+    generation_prompt = values[ADD_GENERATION_PROMPT_FIELD]
+    if generation_prompt is None:
+        generation_prompt = not continued
+    if prompt_field != "messages":
+        if continued or not generation_prompt:
+            name = CONTINUE_FINAL_MESSAGE_FIELD if continued else ADD_GENERATION_PROMPT_FIELD
+            raise fail(name, "needs messages: a prompt is not rendered by the chat template")
+        return False, False
+    if continued and generation_prompt:
+        message = "true with add_generation_prompt true: the last message is continued, or the reply opened after it"
+        raise fail(CONTINUE_FINAL_MESSAGE_FIELD, message)
+    return continued, generation_prompt
 
 
 def _check_prompt(value: Any, fail: _Fail) -> str:

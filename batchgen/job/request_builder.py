@@ -192,7 +192,11 @@ class RequestBuilder:
                     given["tools"] = spec.tools
                 kwargs = {key: value for key, value in given.items() if value is not None}
                 text = self.tokenizer.apply_chat_template(
-                    spec.messages, add_generation_prompt=True, tokenize=False, **kwargs
+                    spec.messages,
+                    add_generation_prompt=spec.add_generation_prompt,
+                    continue_final_message=spec.continue_final_message,
+                    tokenize=False,
+                    **kwargs,
                 )
             except Exception as e:  # template errors are the row's fault (e.g. a role the template rejects)
                 raise error("messages", f"chat template failed: {e}") from None

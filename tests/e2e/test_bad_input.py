@@ -166,7 +166,8 @@ CASES: dict[str, Case] = {
     "chat_template_kwargs_batchgens_argument": Case(
         _bad(messages=[{"role": "user", "content": "hi"}], chat_template_kwargs={"add_generation_prompt": False}),
         "chat_template_kwargs",
-        "'add_generation_prompt' is set by batchgen, not a template argument to give",
+        "'add_generation_prompt' is a row field, not a template argument: give it beside messages, as vLLM's "
+        "requests do",
     ),
     "prompt_token_ids_string_item": Case(
         _bad(prompt_token_ids=[0, "a"]), "prompt_token_ids", 'item 1 must be an integer, got "a"'

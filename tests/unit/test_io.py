@@ -454,10 +454,68 @@ def test_parse_row_prompt_and_defaults() -> None:
         prompt_token_ids=None,
         continuation=None,
         chat_template_kwargs=None,
+        continue_final_message=False,
+        add_generation_prompt=False,
         tools=None,
         sampling_overrides={"temperature": 0, "stop": ["x"]},
         passthrough={"topic": "t", "count": None, "input_text": "renamed"},
     )
+
+
+_CHAT = [{"role": "user", "content": "Name a planet."}, {"role": "assistant", "content": "The planet is"}]
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        ({}, (False, True)),
+        ({"continue_final_message": None, "add_generation_prompt": None}, (False, True)),
+        ({"continue_final_message": True}, (True, False)),  # vLLM asks for add_generation_prompt false as well
+        ({"continue_final_message": True, "add_generation_prompt": False}, (True, False)),
+        ({"add_generation_prompt": False}, (False, False)),
+        ({"continue_final_message": False, "add_generation_prompt": True}, (False, True)),
+    ],
+)
+def test_how_the_chat_template_ends_a_messages_row(fields: dict[str, Any], expected: tuple[bool, bool]) -> None:
+    spec = parse({"messages": _CHAT, **fields})
+    assert (spec.continue_final_message, spec.add_generation_prompt) == expected
+
+
+@pytest.mark.parametrize(
+    ("fields", "field", "message"),
+    [
+        (
+            {"messages": _CHAT, "continue_final_message": True, "add_generation_prompt": True},
+            "continue_final_message",
+            "true with add_generation_prompt true: the last message is continued, or the reply opened after it",
+        ),
+        ({"messages": _CHAT, "continue_final_message": 1}, "continue_final_message", "must be true or false, got 1"),
+        (
+            {"messages": _CHAT, "add_generation_prompt": "no"},
+            "add_generation_prompt",
+            'must be true or false, got "no"',  # shown as JSON, as the row wrote it
+        ),
+        (
+            {"prompt": "The planet is", "continue_final_message": True},
+            "continue_final_message",
+            "needs messages: a prompt is not rendered by the chat template",
+        ),
+        (
+            {"prompt_token_ids": [1, 2], "add_generation_prompt": False},
+            "add_generation_prompt",
+            "needs messages: a prompt is not rendered by the chat template",
+        ),
+    ],
+)
+def test_a_bad_prompt_end_is_the_rows_error(fields: dict[str, Any], field: str, message: str) -> None:
+    error = row_error(fields)
+    assert (error.field, error.message) == (field, message)
+
+
+def test_a_prompt_row_may_give_the_default_prompt_end() -> None:
+    """As an OpenAI completions body or a table with the columns for every row gives them."""
+    spec = parse({"prompt": "hi", "add_generation_prompt": True, "continue_final_message": False})
+    assert (spec.continue_final_message, spec.add_generation_prompt) == (False, False)
 
 
 def test_an_id_with_no_fraction_is_that_integer() -> None:

@@ -135,6 +135,14 @@ def test_vllms_chat_extensions_at_what_batchgen_does_are_read(tmp_path: Path) ->
     assert row.problem is None  # batchgen's grammars are xgrammar's: a request asking for it asks for nothing more
 
 
+def test_vllms_prompt_end_fields_are_the_rows(tmp_path: Path) -> None:
+    """vLLM's ChatCompletionRequest continues the last message (found by a vLLM user: refused before)."""
+    body = chat(add_generation_prompt=False, continue_final_message=True)
+    (row,) = rows(tmp_path, [request("a", body)])
+    assert row.problem is None
+    assert (row.data["add_generation_prompt"], row.data["continue_final_message"]) == (False, True)
+
+
 # vLLM's request fields at their defaults (vllm/sampling_params.py's SamplingParams and the OpenAI protocol's
 # ChatCompletionRequest / CompletionRequest: best_of 1, use_beam_search false, length_penalty 1.0, bad_words [],
 # spaces_between_special_tokens true, priority 0, add_special_tokens false for chat and true for completions, a
@@ -285,10 +293,12 @@ def test_a_chat_lines_tools_reach_its_template_as_vllm_dumps_them(tmp_path: Path
         (request("a", chat(audio={"voice": "x"})), "body.audio", "not supported"),
         (request("a", chat(modalities=["text", "audio"])), "body.modalities", "not supported"),
         (request("a", chat(reasoning_effort="low")), "body.reasoning_effort", "not supported"),
-        # vLLM's chat extensions asking for what batchgen does not do.
-        (request("a", chat(add_generation_prompt=False)), "body.add_generation_prompt", "not supported"),
-        (request("a", chat(continue_final_message=True)), "body.continue_final_message", "not supported"),
         (request("a", chat(echo=True)), "body.echo", "not supported"),
+        (
+            request("a", {"model": "m", "prompt": "x", "continue_final_message": True}, COMPLETIONS),
+            "body.continue_final_message",
+            "not a field of /v1/completions requests",
+        ),
         (request("a", chat(prompt="x")), "body.prompt", "not a field of /v1/chat/completions"),
         (request("a", {"model": "m", "prompt": "x", "echo": True}, COMPLETIONS), "body.echo", "not supported"),
         (request("a", {"model": "m", "prompt": "x", "suffix": "y"}, COMPLETIONS), "body.suffix", "not supported"),

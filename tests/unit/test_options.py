@@ -259,14 +259,15 @@ def test_a_config_file_key_of_another_engine_is_named_as_a_keyword_is(key: str, 
         read_config(config, set(OPTION_HINTS))
 
 
-def test_tools_as_a_keyword_say_where_batchgen_takes_them() -> None:
-    """vLLM's LLM.chat(messages, tools=...) gives every conversation the tools; batchgen reads a row's own (found by
-    a helper: a bare TypeError)."""
+@pytest.mark.parametrize("name", ["tools", "continue_final_message", "add_generation_prompt"])
+def test_chat_arguments_as_keywords_say_where_batchgen_takes_them(name: str) -> None:
+    """vLLM's LLM.chat(messages, tools=..., continue_final_message=...) applies to every conversation; batchgen
+    reads a row's own (found by helpers: a bare TypeError)."""
     from batchgen.api.options import OPTION_CLASSES, check_option_names
 
     with pytest.raises(TypeError) as raised:
-        check_option_names({"tools": []}, OPTION_CLASSES, "generate")
+        check_option_names({name: True}, OPTION_CLASSES, "generate")
     assert (
         str(raised.value)
-        == "generate() got an unexpected keyword argument 'tools' (give them in each row, by its messages)"
+        == f"generate() got an unexpected keyword argument '{name}' (give it in each row, by its messages)"
     )
