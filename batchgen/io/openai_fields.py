@@ -67,7 +67,6 @@ _CHAT_ONLY = frozenset(
         "messages",
         "max_completion_tokens",
         "top_logprobs",
-        "response_format",
         "modalities",
         "add_generation_prompt",
         "continue_final_message",

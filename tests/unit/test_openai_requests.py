@@ -135,6 +135,15 @@ def test_vllms_chat_extensions_at_what_batchgen_does_are_read(tmp_path: Path) ->
     assert row.problem is None  # batchgen's grammars are xgrammar's: a request asking for it asks for nothing more
 
 
+def test_a_completions_body_may_give_a_response_format(tmp_path: Path) -> None:
+    """vLLM's CompletionRequest takes response_format as its chat requests do (found by a vLLM user: refused as
+    "not a field of /v1/completions requests")."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+    (row,) = rows(tmp_path, [request("p", {"model": "m", "prompt": "x", "response_format": fmt}, COMPLETIONS)])
+    assert row.problem is None and row.data["json_schema"] == schema
+
+
 def test_vllms_prompt_end_fields_are_the_rows(tmp_path: Path) -> None:
     """vLLM's ChatCompletionRequest continues the last message (found by a vLLM user: refused before)."""
     body = chat(add_generation_prompt=False, continue_final_message=True)
