@@ -62,8 +62,6 @@ def check_sampling_defaults(defaults: SamplingParams, facts: EngineFacts | None)
         aside = "--generation-config none leaves them aside"
         note = f", with the defaults of {facts.sampling_defaults_file} ({taken}; {aside})"
         _validate(defaults.with_model_defaults(facts.sampling_defaults), facts.vocab_size, note)
-    if defaults.n > facts.max_running_requests:
-        raise BatchgenError(f"--n {defaults.n} exceeds --max-running-requests {facts.max_running_requests}")
 
 
 def _validate(defaults: SamplingParams, vocab_size: int | None, note: str) -> None:

@@ -13,7 +13,7 @@ from batchgen.errors import BatchgenError, RowError
 from batchgen.io.reader import RowReader
 from batchgen.io.rows import parse_row
 from batchgen.job.request_builder import RequestBuilder
-from batchgen.sampling.sampling_params import MAX_SAMPLES, SamplingParams
+from batchgen.sampling.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -90,9 +90,7 @@ def dataset_workload(
         BatchgenError: the file cannot be read, or it has no valid row.
     """
     reader = RowReader(path)
-    builder = RequestBuilder(
-        tokenizer, vocab_size, context_len - output_len, [], SamplingParams(), run_seed=0, max_samples=MAX_SAMPLES
-    )
+    builder = RequestBuilder(tokenizer, vocab_size, context_len - output_len, [], SamplingParams(), run_seed=0)
     prompts: list[list[int]] = []
     skipped: list[RowError] = []
     for item in reader:

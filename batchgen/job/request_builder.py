@@ -30,7 +30,6 @@ class RequestBuilder:
         eos_token_ids: ids that end a request unless it sets ``ignore_eos``.
         defaults: sampling parameters for fields a row does not set.
         run_seed: seeds the rows that carry no ``seed``.
-        max_samples: the largest ``n`` a row may ask for (its samples decode together, one request row each).
         chat_template_kwargs: the chat template's arguments for every ``messages`` row (``--chat-template-kwargs``);
             a row's own ``chat_template_kwargs`` add to them and take precedence.
 
@@ -46,7 +45,6 @@ class RequestBuilder:
         eos_token_ids: Iterable[int],
         defaults: SamplingParams,
         run_seed: int,
-        max_samples: int,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
@@ -55,7 +53,6 @@ class RequestBuilder:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.defaults = defaults
         self.run_seed = run_seed
-        self.max_samples = max_samples
         self.chat_template_kwargs = chat_template_kwargs or {}
         self.grammars = GrammarCompiler(tokenizer, vocab_size)
         if defaults.constraint is not None:  # compiled once here, so that a bad one is one error, not every row's
@@ -76,8 +73,8 @@ class RequestBuilder:
         run_seed: int,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> RequestBuilder:
-        """A builder for the engine ``facts`` describes: its tokenizer, vocabulary, context length and EOS ids, ``n``
-        up to its ``max_running_requests``, and the run ``defaults`` with the sampling defaults it read from a
+        """A builder for the engine ``facts`` describes: its tokenizer, vocabulary, context length and EOS ids, and
+        the run ``defaults`` with the sampling defaults it read from a
         generation_config.json for those no option set (:meth:`SamplingParams.with_model_defaults`; checked
         together by ``batchgen.api.checks.check_sampling_defaults``)."""
         resolved = defaults.with_model_defaults(facts.sampling_defaults)
@@ -88,7 +85,6 @@ class RequestBuilder:
             facts.eos_token_ids,
             resolved,
             run_seed,
-            max_samples=facts.max_running_requests,
             chat_template_kwargs=chat_template_kwargs,
         )
 
@@ -110,8 +106,6 @@ class RequestBuilder:
             params = make_sampling_params(self.defaults, overrides, self.vocab_size)
         except FieldError as e:
             raise error(e.field, e.message) from None
-        if params.n > self.max_samples:
-            raise error("n", f"{params.n} samples exceed --max-running-requests {self.max_samples}")
         if self.tokenizer is None:
             text_field = "messages" if spec.messages is not None else "prompt"
             if spec.prompt_token_ids is None or params.stop:

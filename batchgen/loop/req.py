@@ -22,11 +22,14 @@ class Req:
 
     Attributes:
         rid: the row's ``id`` (shared by its ``n`` samples).
-        seed: the seed its noise is drawn from (the row's own, or one derived for it).
+        seed: the seed its noise is drawn from (the row's own, or one derived for it; a sample's from the row's).
+        row_seed: the seed of the row's sample 0, from which the other samples' derive; ``None`` on sample 0
+            itself, whose :attr:`seed` it is.
         stop_token_ids: EOS ids (unless ignore_eos) plus the row's stop_token_ids.
         max_total_len: the context length; prompt + output never exceed it.
         sample_index: which of the row's ``n`` samples this is; the row's first request is sample 0.
-        unforked_samples: samples 1..n-1 not created yet; they fork off when the prompt's prefill completes.
+        unforked_samples: the samples after this one (``sample_index + 1`` on) that fork off it when the prompt's
+            prefill completes: n - 1 on sample 0, unless the row's samples run as groups (:meth:`sample_groups`).
         fork_rows: ``req_to_token`` rows reserved at admission for those samples.
         draft_state: speculative decoding's bookkeeping for this request (``speculative.draft_state.DraftState``;
             opaque to the loop), ``None`` without a drafter.
@@ -57,6 +60,7 @@ class Req:
     stop_search_from: int | None = None
     text: str | None = None
     sample_index: int = 0
+    row_seed: int | None = None
     unforked_samples: int = 0
     fork_rows: list[int] = field(default_factory=list)
     draft_state: Any = None
@@ -139,14 +143,16 @@ class Req:
     def fork(self, sample_index: int, req_pool_idx: int | None) -> Req:
         """Sample ``sample_index`` of this row, made when the prompt is prefilled and nothing is sampled yet.
 
-        It has its own seed (derived from (seed, sample_index)), penalty history, grammar matcher and
+        It has its own seed (derived from (the row's seed, sample_index)), penalty history, grammar matcher and
         detokenizer; the scheduler gives it the prompt's KV slots once the forking round has run.
         """
         assert not self.output_ids, "samples fork before the first output token"
         detokenizer = self.detokenizer
+        row_seed = self.seed if self.row_seed is None else self.row_seed
         return replace(
             self,
-            seed=derive_seed(self.seed, sample_index),
+            seed=derive_seed(row_seed, sample_index),
+            row_seed=row_seed,
             detokenizer=(
                 IncrementalDetokenizer(
                     detokenizer.tokenizer, self.prompt_ids, detokenizer.skip_special, detokenizer.context_start
@@ -169,3 +175,23 @@ class Req:
             fork_rows=[],
             draft_state=None,
         )
+
+    def sample_groups(self, size: int) -> list[Req]:
+        """This request and the samples it forks, as requests of at most ``size`` samples each: itself with the
+        first ``size``, then one more request (:meth:`fork`, its prompt prefilled again: from the prefix cache
+        where one runs) per ``size`` samples after them, each forking the rest of its group. vLLM likewise runs a
+        row's ``n`` samples as requests of their own, so that ``n`` may exceed the requests that run at once.
+
+        Each sample keeps its index and seed, so its tokens are those it draws in one group (bitwise so where the
+        logits do not depend on the batch: ``--deterministic``)."""
+        count = 1 + self.unforked_samples
+        if count <= size:
+            return [self]
+        groups = [self]
+        end = self.sample_index + count
+        for first in range(self.sample_index + size, end, size):
+            leader = self.fork(first, None)
+            leader.unforked_samples = min(size, end - first) - 1
+            groups.append(leader)
+        self.unforked_samples = size - 1
+        return groups

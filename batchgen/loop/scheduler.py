@@ -53,7 +53,8 @@ class Scheduler:
     the queue, keeping its outputs, to be recomputed later (its pending tokens become prompt + outputs).
     A finished request frees its request row and KV at once.
 
-    ``n > 1``: a row's request reserves ``n`` request rows at admission (it counts as ``n`` running requests).
+    ``n > 1``: a row's request reserves ``n`` request rows at admission (it counts as ``n`` running requests; a
+    row of more samples than run at once is queued as several such requests, :meth:`Req.sample_groups`).
     In the round that completes its prompt, samples 1..n-1 fork off (:meth:`_fork_samples`) and draw their first
     token from the same logits; they then share the prompt's KV slots (reference-counted) and decode on their
     own, each an ordinary request from there on (retracted and recomputed alone if need be).
@@ -83,7 +84,9 @@ class Scheduler:
         self.accept_histogram: Counter[int] = Counter()
 
     def add(self, req: Req) -> None:
-        self.waiting.append(req)
+        """Queue ``req``; its samples as groups that fit the requests that run at once (:meth:`Req.sample_groups`)."""
+        for group in req.sample_groups(self.options.max_running_requests):
+            self.waiting.append(group)
 
     def has_work(self) -> bool:
         return bool(len(self.waiting) or self.running)
@@ -161,7 +164,8 @@ class Scheduler:
 
     def _finish_scored(self, req: Req) -> list[Req]:
         """Finish a request that only scored its prompt, and its other samples (the same scores, no tokens)."""
-        samples = [req.fork(i, None) for i in range(1, 1 + req.unforked_samples)]
+        first = req.sample_index + 1
+        samples = [req.fork(i, None) for i in range(first, first + req.unforked_samples)]
         req.unforked_samples = 0
         req.finish_reason = "length"
         self._finish(req)
@@ -203,7 +207,7 @@ class Scheduler:
         sampled: list[tuple[int, Req]] = []
         for row, req in batch.sampled:
             sampled.append((row, req))
-            for index, pool_row in enumerate(req.fork_rows, start=1):
+            for index, pool_row in enumerate(req.fork_rows, start=req.sample_index + 1):
                 sampled.append((row, req.fork(index, pool_row)))
             req.unforked_samples, req.fork_rows = 0, []
         batch.sampled = sampled

@@ -36,7 +36,6 @@ def enqueue_rows(engine: Any, rows: list[dict[str, Any]], path: Path, *, eos: bo
         engine.eos_token_ids if eos else [],
         SamplingParams(),
         run_seed=0,
-        max_samples=engine.max_running_requests,
     )
     for item in reader:
         assert not isinstance(item, Exception), item

@@ -25,7 +25,7 @@ from tests.helpers.models import build_tokenizer
 def builder(tmp_path_factory: pytest.TempPathFactory) -> RequestBuilder:
     tokenizer = build_tokenizer(tmp_path_factory.mktemp("tok"))
     tokenizer.chat_template = TOOL_TEMPLATE
-    return RequestBuilder(tokenizer, len(tokenizer), 4096, [1], SamplingParams(), run_seed=0, max_samples=4)
+    return RequestBuilder(tokenizer, len(tokenizer), 4096, [1], SamplingParams(), run_seed=0)
 
 
 # tools pass through too: as JSON text, the column of a field whose values share no type.
@@ -144,7 +144,7 @@ def test_tools_under_a_template_that_does_not_render_them_are_left_out(tmp_path:
     """As in vLLM and transformers: the template decides; the prompt is the one without tools."""
     tokenizer = build_tokenizer(tmp_path)
     tokenizer.chat_template = "{% for m in messages %}[{{ m.role }}]{{ m.content }}{{ '\\n' }}{% endfor %}[assistant]"
-    builder = RequestBuilder(tokenizer, len(tokenizer), 4096, [1], SamplingParams(), run_seed=0, max_samples=4)
+    builder = RequestBuilder(tokenizer, len(tokenizer), 4096, [1], SamplingParams(), run_seed=0)
     assert rendered(builder, {"messages": HISTORY[:1], "tools": [WEATHER]}) == "[user]Weather in Paris?\n[assistant]"
 
 
@@ -171,7 +171,7 @@ def test_tools_of_the_chat_template_arguments_render_unless_the_row_gives_its_ow
     tokenizer.chat_template = TOOL_TEMPLATE
     other = {"type": "function", "function": {"name": "time"}}
     run = RequestBuilder(
-        tokenizer, len(tokenizer), 4096, [1], SamplingParams(), run_seed=0, max_samples=4,
+        tokenizer, len(tokenizer), 4096, [1], SamplingParams(), run_seed=0,
         chat_template_kwargs={"tools": [other]},
     )  # fmt: skip
     assert rendered(run, {"messages": HISTORY[:1]}).startswith(

@@ -243,3 +243,26 @@ def test_rows_of_a_known_length_sharing_prefixes_are_never_retracted() -> None:
         assert finished == len(rows)
         assert scheduler.num_retracted == 0, (pool, [(len(p), n) for p, n in rows])
         assert kv_cache.available() == pool
+
+
+def test_a_rows_samples_as_groups_keep_their_indices_and_seeds() -> None:
+    """n = 5 with 2 requests running at once: sample 0 forks sample 1, a request for sample 2 forks 3, and one for
+    sample 4 runs alone; each sample's seed is the documented BLAKE2b-64("seed:i") >> 1 of the row's seed."""
+    import hashlib
+
+    from batchgen.loop.req import Req
+    from batchgen.sampling.sampling_params import SamplingParams
+
+    def seed_of(index: int) -> int:
+        digest = hashlib.blake2b(f"77:{index}".encode(), digest_size=8).digest()
+        return 77 if index == 0 else int.from_bytes(digest, "little") >> 1
+
+    req = Req("r", [1, 2, 3], SamplingParams(n=5), 77, frozenset(), 64, unforked_samples=4)
+    groups = req.sample_groups(2)
+    assert [(g.sample_index, g.unforked_samples, g.seed) for g in groups] == [
+        (0, 1, seed_of(0)),
+        (2, 1, seed_of(2)),
+        (4, 0, seed_of(4)),
+    ]
+    assert [g.fork(g.sample_index + 1, None).seed for g in groups[:2]] == [seed_of(1), seed_of(3)]
+    assert req.sample_groups(8) == [req]  # fits: as it was

@@ -24,7 +24,7 @@ from batchgen.sampling.sampling_params import SamplingParams
     ],
 )
 def test_a_model_without_a_tokenizer_names_the_field_that_needs_one(data: dict[str, Any], field: str) -> None:
-    builder = RequestBuilder(None, 512, 256, [], SamplingParams(), run_seed=0, max_samples=4)
+    builder = RequestBuilder(None, 512, 256, [], SamplingParams(), run_seed=0)
     spec = parse_row(InputRow(index=0, line=3, data=data), "in.jsonl", pa.schema([]), {})
     with pytest.raises(RowError) as caught:
         builder.build(spec, "in.jsonl")
@@ -35,7 +35,7 @@ def test_a_model_without_a_tokenizer_names_the_field_that_needs_one(data: dict[s
 
 def test_a_grammar_on_a_model_without_a_tokenizer_is_a_row_error() -> None:
     """Found by a helper: a regex row on a tokenizer-less model raised xgrammar's ValueError, even under skip."""
-    builder = RequestBuilder(None, 512, 256, [], SamplingParams(), run_seed=0, max_samples=4)
+    builder = RequestBuilder(None, 512, 256, [], SamplingParams(), run_seed=0)
     spec = parse_row(
         InputRow(index=0, line=2, data={"prompt_token_ids": [3, 4], "regex": "[a-z]+"}), "in", pa.schema([]), {}
     )
