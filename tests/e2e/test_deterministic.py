@@ -100,7 +100,8 @@ def test_rows_are_identical_however_the_job_runs(dtype: str, model: Path, tmp_pa
 
 def test_samples_of_an_n_row_equal_rows_of_their_own(random_models: dict[str, Path], tmp_path: Path) -> None:
     """Sample i of a row with seed s and n = 3 is the row with seed BLAKE2b-64("s:i") >> 1 (i > 0; the documented
-    derivation), alone in its batch."""
+    derivation), alone in its batch, and the same when the samples run as groups of 2 and 1 (fewer requests run at
+    once than the row has samples)."""
     model, seed = random_models["llama"], 1234
     row = {"prompt": PROMPTS[1], "max_new_tokens": 16, "temperature": 1.0, "logprobs": True, "top_logprobs": 3}
     forked = write_jsonl(tmp_path / "n.jsonl", [{**row, "id": "r", "n": 3, "seed": seed}])
@@ -116,6 +117,11 @@ def test_samples_of_an_n_row_equal_rows_of_their_own(random_models: dict[str, Pa
         single = write_jsonl(tmp_path / f"{i}.jsonl", [{**row, "id": "r", "seed": own}])
         alone = generate(single, tmp_path / f"{i}.arrow", model, "--dtype", "bfloat16", "--deterministic")
         assert columns({"r": samples[i]}) == columns(alone), i
+    flags = ("--dtype", "bfloat16", "--deterministic", "--max-running-requests", "2")
+    code, output = run_cli(run_args(forked, tmp_path / "groups.arrow", model, *flags))
+    assert code == 0, output
+    groups = {r["sample_index"]: r for r in read_results(tmp_path / "groups.arrow").to_pylist()}
+    assert {i: columns({"r": r}) for i, r in groups.items()} == {i: columns({"r": r}) for i, r in samples.items()}
 
 
 def _resumable_args(dataset: Path, out: Path, model: Path, *extra: str) -> list[str]:
