@@ -139,6 +139,7 @@ class OpenAIOutput:
                 choice["text"] = text
                 choice["logprobs"] = self._completion_logprobs(row)
             choice["finish_reason"] = row["finish_reason"]
+            choice["stop_reason"] = self._stop_reason(row)
             choices.append(choice)
         prompt_tokens = rows[0]["prompt_tokens"]
         completion_tokens = sum(row["completion_tokens"] for row in rows)
@@ -154,6 +155,19 @@ class OpenAIOutput:
                 "total_tokens": prompt_tokens + completion_tokens,
             },
         }
+
+    def _stop_reason(self, row: dict[str, Any]) -> int | str | None:
+        """vLLM's ``stop_reason`` of a choice: the stop string that ended it, the stop token id (an int), or
+        ``None`` for the tokenizer's EOS token or a row that did not stop. A row's ``matched_stop`` is text either
+        way: a token stop is the one whose id ends ``output_token_ids`` (a stop string is the text of tokens before
+        it, which ends with that string)."""
+        matched, ids = row["matched_stop"], row["output_token_ids"] or []
+        if row["finish_reason"] != "stop" or matched is None:
+            return None
+        if ids and matched == str(ids[-1]):
+            eos = getattr(self.tokenizer, "eos_token_id", None)
+            return None if ids[-1] == eos else ids[-1]
+        return str(matched)
 
     def token(self, token_id: int) -> str:
         """A token's text as OpenAI reports it, special tokens included: what it adds to a text after another token

@@ -516,3 +516,27 @@ def test_status_counts_an_openai_output_line_by_its_custom_id() -> None:
     # helper: its status counted it as an OpenAI line, "finished with rows missing").
     passed = {**plain, "custom_id": "old-1", "response": {"status_code": 500}}
     assert result_fields(passed) is passed
+
+
+@pytest.mark.parametrize(
+    ("finish_reason", "matched_stop", "ids", "stop_reason"),
+    [
+        ("stop", "2", [7, 9, 2], None),  # the tokenizer's EOS: vLLM's None
+        ("stop", "5", [7, 9, 5], 5),  # a stop token id: the id, an int
+        ("stop", "2", [7, 9, 11], "2"),  # the stop string "2", which the tokens' text ends with
+        ("stop", "\n\n", [7, 9, 11], "\n\n"),
+        ("length", None, [7, 9, 11], None),
+    ],
+)
+def test_a_choices_stop_reason_is_vllms(
+    finish_reason: str, matched_stop: str | None, ids: list[int], stop_reason: int | str | None
+) -> None:
+    """vLLM's CompletionOutput.stop_reason, in the choices of the OpenAI Batch lines (found by a vLLM user: absent;
+    batchgen's matched_stop column says "2" for EOS id 2 and for the stop string "2" alike)."""
+    from types import SimpleNamespace
+
+    from batchgen.io.openai_output import OpenAIOutput
+
+    output = OpenAIOutput(Path("requests.jsonl"), None, "m", SimpleNamespace(eos_token_id=2), 0)  # type: ignore[arg-type]
+    row = {"finish_reason": finish_reason, "matched_stop": matched_stop, "output_token_ids": ids}
+    assert output._stop_reason(row) == stop_reason
