@@ -38,8 +38,8 @@ def check_run_options(
 def check_sampling_defaults(defaults: SamplingParams, facts: EngineFacts | None) -> None:
     """Validate the sampling defaults: before the engine is loaded (``facts`` ``None``), the checks that need no
     model, a ``max_new_tokens`` left to the model's generation_config.json taken to be at least
-    ``min_new_tokens``; with ``facts``, against the engine's vocabulary and its ``max_running_requests`` (all samples
-    of a row decode together), together with the sampling defaults that file gave
+    ``min_new_tokens``; with ``facts``, against the engine's vocabulary, together with the sampling defaults that file
+    gave
     (:meth:`SamplingParams.with_model_defaults`).
 
     Their types were checked where they were given (the flags by Typer, the Python API's keywords by

@@ -42,6 +42,9 @@ def poll_every(seconds: float, items: Iterable[T]) -> Iterator[T | None]:
         reader.close()
 
 
+_END = object()  # what the items' iterator gives at its end
+
+
 class _Closed(BaseException):
     """Raised in a :class:`_Reader`'s thread while it waits for an item, when the reading side closes."""
 
@@ -65,12 +68,12 @@ class _Reader(threading.Thread):
             while True:
                 self._wait(True)
                 try:
-                    item = next(iterator)
-                except StopIteration:
+                    item = next(iterator, _END)
+                finally:
+                    self._wait(False)  # before the end is handed: a close after it finds nothing to interrupt
+                if item is _END:
                     self._hand("end", None)
                     return
-                finally:
-                    self._wait(False)
                 if not self._hand("item", item):
                     return
         except BaseException as e:  # handed to the reading side, which raises it there

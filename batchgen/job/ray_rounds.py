@@ -13,7 +13,9 @@ import logging
 import math
 import os
 import pickle
+import signal
 import sys
+import threading
 import warnings
 from collections import Counter
 from collections.abc import Iterable, Iterator
@@ -103,14 +105,14 @@ class RayRounds:
             return False
         quiet: dict[str, Any] = {"logging_level": logging.ERROR}
         try:
-            ray.init(address=address, **quiet)
+            _init_keeping_sigterm(ray, address=address, **quiet)
             joined = f"joined the Ray cluster at {ray.get_runtime_context().gcs_address}"
         except ConnectionError as e:
             # Only where no cluster runs here: a cluster that exists but does not answer is the user's to fix, not
             # one to skip silently for a local one.
             if address != "auto" or "Could not find any running Ray instance" not in str(e):
                 raise BatchgenError(f"--ray-address {address}: cannot join the Ray cluster: {e}") from None
-            ray.init(address="local", include_dashboard=False, **quiet)
+            _init_keeping_sigterm(ray, address="local", include_dashboard=False, **quiet)
             joined = f"no Ray cluster runs here: started a local one of {os.cpu_count()} cores"
         print(f"batchgen: {joined}", file=sys.stderr)
         return True
@@ -206,6 +208,22 @@ class RayRounds:
         if self._disconnect:
             self.ray.shutdown()
             self._disconnect = False
+
+
+def _init_keeping_sigterm(ray: Any, **kwargs: Any) -> None:
+    """``ray.init(**kwargs)``, this process's SIGTERM handler kept: Ray's own (``sys.exit``) would end a run
+    stopped while it starts, or later, without batchgen's line and exit status (found by a helper). A SIGTERM while
+    Ray starts goes to that handler too."""
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        ray.init(**kwargs)
+    except SystemExit as e:  # Ray's handler, which init installs first
+        if e.code == signal.SIGTERM and callable(previous):
+            previous(signal.SIGTERM, None)
+        raise
+    finally:
+        if previous is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _raise_user_error(error: BaseException) -> None:
