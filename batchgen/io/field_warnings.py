@@ -154,8 +154,8 @@ def warn_about_json_text_fields(path: Path, schema: pa.Schema) -> None:
     for field in schema:
         if is_json_text(field):
             print(
-                f"batchgen: warning: {path}: field '{field.name}': no one type stores all its values unchanged, or "
-                "its objects are all empty; it passes through as JSON text (a string column)",
+                f"batchgen: warning: {path}: field '{field.name}': no one type stores all its values unchanged, its "
+                "objects are all empty, or they nest over 64 deep; it passes through as JSON text (a string column)",
                 file=sys.stderr,
             )
 

@@ -41,6 +41,9 @@ KNOWN_FIELDS: frozenset[str] = frozenset(
         *SAMPLING_FIELD_ALIASES,
     )
 )
+# The deepest type Arrow's IPC writer takes ("Max recursion depth reached" past it: a JSON value 64 objects deep, found
+# by a helper, lost the whole run's output); a deeper field passes through as JSON text.
+MAX_TYPE_DEPTH = 64
 # `id` is both known and an output column; it is never a pass-through field, so it never collides.
 _COLLIDING: frozenset[str] = frozenset(OUTPUT_COLUMNS.names) - {"id"}
 
@@ -76,8 +79,9 @@ class SchemaInference:
     ``double``; objects a struct of all their keys), or none when no one type holds them all unchanged; the blocks'
     types are then unified as pyarrow promotes them (``pa.unify_schemas(..., promote_options="permissive")``: null
     parts take the other type, structs take the union of their fields, ``int64`` widens to ``double``). A field
-    whose values share no type, or whose objects are all empty (a struct of no fields, which Parquet cannot store),
-    passes through as JSON text (:data:`JSON_TEXT_METADATA`); one that is null in every row is a ``string``.
+    whose values share no type, whose objects are all empty (a struct of no fields, which Parquet cannot store), or
+    that nests deeper than :data:`MAX_TYPE_DEPTH`, passes through as JSON text (:data:`JSON_TEXT_METADATA`); one
+    that is null in every row is a ``string``.
     """
 
     def __init__(self) -> None:
@@ -127,7 +131,7 @@ class SchemaInference:
         for key, name in names.items():
             known = self._types.get(key, pa.null())  # a field null in every row has no values to type it
             arrow_type = None if known is None else _null_to_string(known)
-            if arrow_type is None or _has_empty_struct(arrow_type):
+            if arrow_type is None or _has_empty_struct(arrow_type) or type_depth(arrow_type) > MAX_TYPE_DEPTH:
                 fields.append(pa.field(name, pa.string(), metadata=JSON_TEXT_METADATA))
             else:
                 fields.append(pa.field(name, arrow_type))
@@ -173,6 +177,11 @@ def _null_to_string(t: pa.DataType) -> pa.DataType:
     if pa.types.is_struct(t):
         return pa.struct([t.field(i).with_type(_null_to_string(t.field(i).type)) for i in range(t.num_fields)])
     return t
+
+
+def type_depth(t: pa.DataType) -> int:
+    """How deep ``t`` nests: 1 for a flat type, one more than its deepest child for a list, struct or map."""
+    return 1 + max((type_depth(t.field(i).type) for i in range(t.num_fields)), default=0)
 
 
 def _has_empty_struct(t: pa.DataType) -> bool:

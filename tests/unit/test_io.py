@@ -851,9 +851,28 @@ def test_json_text_fields_get_one_warning_each(tmp_path: Path, capsys: pytest.Ca
     reader = RowReader(path)
     warn_about_json_text_fields(path, reader.passthrough_schema)
     assert capsys.readouterr().err.splitlines() == [
-        f"batchgen: warning: {path}: field 'x': no one type stores all its values unchanged, or its objects are all "
-        "empty; it passes through as JSON text (a string column)"
+        f"batchgen: warning: {path}: field 'x': no one type stores all its values unchanged, its objects are all "
+        "empty, or they nest over 64 deep; it passes through as JSON text (a string column)"
     ]
+
+
+@pytest.mark.parametrize(("depth", "json_text"), [(63, False), (64, True)])
+def test_a_field_nested_deeper_than_arrow_writes_is_json_text(depth: int, json_text: bool, tmp_path: Path) -> None:
+    """Arrow's IPC writer refuses a type nested past 64 levels ("Max recursion depth reached"; found by a helper: the
+    first flush failed, and the run lost every row). 63 objects around a number nest 64 deep, 64 objects 65."""
+    value: Any = 1
+    for _ in range(depth):
+        value = {"x": value}
+    reader = RowReader(write_lines(tmp_path / "in.jsonl", [json.dumps({"prompt": "a", "nest": value})]))
+    field = reader.passthrough_schema.field("nest")
+    assert is_json_text(field) == json_text
+    (row,) = [r for r in reader if isinstance(r, InputRow)]
+    spec = parse_row(row, reader.source, reader.passthrough_schema, reader.passthrough_names)
+    out = tmp_path / "out.arrow"
+    with open_result_writer(out, reader.passthrough_schema, {}) as writer:  # the write that failed
+        writer.write([{"id": spec.id, **spec.passthrough}])
+    stored = pa.ipc.open_file(out).read_all().column("nest")[0].as_py()
+    assert (json.loads(stored) if json_text else stored) == value
 
 
 @pytest.mark.parametrize("arrow_type", [pa.int64(), pa.float64(), pa.string(), pa.bool_()], ids=str)
