@@ -205,8 +205,10 @@ class EngineOptions:
             raise BatchgenError(f"--chunked-prefill-size must be >= 0, got {self.chunked_prefill_size}")
         if self.seed is not None and not -(2**63) <= self.seed < 2**63:
             raise BatchgenError(f"--seed must be a 64-bit signed integer, in [-2**63, 2**63), got {self.seed}")
-        if self.context_length is not None and self.context_length < 2:
-            raise BatchgenError(f"--context-length must be >= 2, got {self.context_length}")
+        for name in ("context_length", "max_total_tokens"):  # a prompt token and the one it predicts
+            value = getattr(self, name)
+            if value is not None and value < 2:
+                raise BatchgenError(f"--{name.replace('_', '-')} must be >= 2, got {value}")
         if not 0.0 < self.mem_fraction < 1.0:
             raise BatchgenError(f"--mem-fraction must be in (0, 1), got {self.mem_fraction}")
         self._validate_speculative()

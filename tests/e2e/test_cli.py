@@ -335,6 +335,8 @@ def test_config_unknown_key_names_it(model: Path, tmp_path: Path) -> None:
         (["--attention-backend", "foo"], "unknown attention backend 'foo'; choose one of "),
         (["--schedule-lookahead", "0"], "--schedule-lookahead must be >= 1, got 0"),
         (["--flush-every", "0"], "--flush-every must be >= 1, got 0"),
+        # Found by a helper: -5 was a traceback, 0 the default, 1 a row error for every row.
+        *((["--max-total-tokens", v], f"--max-total-tokens must be >= 2, got {v}") for v in ("-5", "0", "1")),
         (["--flush-every-seconds", "0"], "--flush-every-seconds must be > 0, got 0.0"),
         (["--ray", "--replicas", "0"], "--replicas must be >= 1, got 0"),
         (["--ray", "--cpus-per-replica", "0"], "--cpus-per-replica must be > 0, got 0.0"),
