@@ -106,3 +106,10 @@ def is_unicode_text(text: str) -> bool:
 def counted(n: int, noun: str) -> str:
     """``n`` and ``noun`` in the number it takes: ``1 row``, ``2 rows`` (``noun`` is the singular; plurals in s)."""
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def one_line(error: BaseException) -> str:
+    """An exception's message as one line: its non-blank lines joined by spaces (its type name if it has none), so
+    that a library's message that lists its reasons over several lines (transformers' "Couldn't instantiate the
+    backend tokenizer from one of: ...") keeps them."""
+    return " ".join(line.strip() for line in str(error).splitlines() if line.strip()) or type(error).__name__

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from batchgen.errors import BatchgenError
+from batchgen.errors import BatchgenError, one_line
 
 
 @dataclass(frozen=True)
@@ -214,8 +214,7 @@ def _convert(gguf_path: Path, out_dir: Path) -> None:
             src_dir, gguf_file=name, dtype=torch.float32, local_files_only=True
         )
     except Exception as exc:  # a user-supplied file can fail in many ways inside transformers/gguf
-        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise BatchgenError(f"{gguf_path}: cannot convert this GGUF model: {first_line}") from exc
+        raise BatchgenError(f"{gguf_path}: cannot convert this GGUF model: {one_line(exc)}") from exc
 
     # The weights arrived through transformers' GGUF "quantizer" but are already plain float tensors;
     # save_pretrained refuses to serialize a model that still carries it.

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
-from batchgen.errors import BatchgenError
+from batchgen.errors import BatchgenError, one_line
 from batchgen.models.config import ModelConfig
 from batchgen.models.llama import LlamaForCausalLM
 
@@ -75,24 +76,36 @@ def load_model(
     params = dict(model.named_parameters())
     filled: dict[str, int] = {}
     for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
-                if _IGNORED.search(name) or (name == "lm_head.weight" and config.tie_word_embeddings):
-                    continue
-                tensor = f.get_tensor(name)
-                target = _fused_target(name, config)
-                pname, offset, rows = target if target else (name, 0, tensor.shape[0] if tensor.dim() else 0)
-                param = params.get(pname)
-                if param is None:
-                    raise BatchgenError(f"{file.name}: unexpected tensor '{name}' for {config.architecture}")
-                dest = param.data[offset : offset + rows] if target else param.data
-                if dest.shape != tensor.shape:
-                    raise BatchgenError(
-                        f"{file.name}: tensor '{name}' has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
-                    )
-                dest.copy_(tensor.to(dtype))
-                filled[pname] = filled.get(pname, 0) + (rows if target else param.shape[0])
+        for name, tensor in _tensors(file, config.tie_word_embeddings):
+            target = _fused_target(name, config)
+            pname, offset, rows = target if target else (name, 0, tensor.shape[0] if tensor.dim() else 0)
+            param = params.get(pname)
+            if param is None:
+                raise BatchgenError(f"{file.name}: unexpected tensor '{name}' for {config.architecture}")
+            dest = param.data[offset : offset + rows] if target else param.data
+            if dest.shape != tensor.shape:
+                raise BatchgenError(
+                    f"{file.name}: tensor '{name}' has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
+                )
+            dest.copy_(tensor.to(dtype))
+            filled[pname] = filled.get(pname, 0) + (rows if target else param.shape[0])
     missing = [n for n, p in params.items() if filled.get(n, 0) != p.shape[0]]
     if missing:
         raise BatchgenError(f"{model_dir}: weights missing from the checkpoint: {', '.join(missing[:5])}")
     return model.eval()
+
+
+def _tensors(file: Path, tied: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of the checkpoint ``file`` a model loads, by name (not the LM head of a model whose embeddings
+    are ``tied``, nor the buffers :data:`_IGNORED` names).
+
+    Raises:
+        BatchgenError: the file is no safetensors file or is cut short (found by a helper: a traceback).
+    """
+    try:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                if not (_IGNORED.search(name) or (name == "lm_head.weight" and tied)):
+                    yield name, f.get_tensor(name)
+    except (SafetensorError, OSError) as e:
+        raise BatchgenError(f"{file}: cannot read the weights: {one_line(e)}") from None

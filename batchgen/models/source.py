@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
-from batchgen.errors import BatchgenError
+from batchgen.errors import BatchgenError, one_line
 from batchgen.kernels.attention import deterministic_backend
 from batchgen.kernels.cpu import fused_elementwise as cpu_ops
 from batchgen.kernels.switches import TRITON_FUSED_OPS, KernelSwitches
@@ -50,11 +50,6 @@ def triton_fused_ops_requested(device: torch.device, switches: KernelSwitches) -
     return True
 
 
-def first_line(error: Exception) -> str:
-    """The first non-blank line of an exception's message (its type name if it has none)."""
-    return next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
-
-
 @dataclass
 class ModelSource:
     """A resolved model spec, before its weights are loaded.
@@ -85,7 +80,7 @@ class ModelSource:
             hf_config = AutoConfig.from_pretrained(model_dir)
             tokenizer = AutoTokenizer.from_pretrained(model_dir)
         except (OSError, ValueError, KeyError) as e:
-            raise BatchgenError(f"{model_dir}: cannot load the config or tokenizer: {first_line(e)}") from None
+            raise BatchgenError(f"{model_dir}: cannot load the config or tokenizer: {one_line(e)}") from None
         return cls(spec, model_dir, hf_config, tokenizer)
 
     def load(

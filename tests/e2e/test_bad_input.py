@@ -607,6 +607,8 @@ FILE_LEVEL = [
     "parquet_as_second_jsonl_shard",
     "unknown_model",
     "model_dir_without_config",
+    "weights_cut_short",
+    "model_dir_without_a_tokenizer",
     "output_dir_missing",
     "output_exists",
     "unsupported_output_format",
@@ -744,6 +746,18 @@ def _file_level_case(name: str, tmp: Path, model: Path) -> tuple[list[str], str,
         empty.mkdir()
         args[5] = str(empty)
         return args, f"{empty}: not a model directory (no config.json)", True
+    if name in ("weights_cut_short", "model_dir_without_a_tokenizer"):  # found by a helper: a traceback, cut text
+        broken = tmp / "broken_model"
+        broken.mkdir()
+        for path in model.iterdir():
+            if name == "weights_cut_short" or not path.name.startswith(("tokenizer", "special_tokens")):
+                (broken / path.name).write_bytes(path.read_bytes())
+        args[5] = str(broken)
+        if name == "weights_cut_short":
+            weights = broken / "model.safetensors"
+            weights.write_bytes(weights.read_bytes()[:1000])
+            return args, f"{weights}: cannot read the weights: Error while deserializing header: ", False
+        return args, "Couldn't instantiate the backend tokenizer from one of: (1) a `tokenizers` library", False
     if name == "output_dir_missing":
         missing_out = tmp / "no_dir" / "out.arrow"
         args[3] = str(missing_out)
