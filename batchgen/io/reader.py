@@ -187,6 +187,9 @@ class RowReader:
             if field.name in KNOWN_FIELDS:
                 continue
             name = self.passthrough_names[field.name]
+            if _has_union(field.type):  # no Python value converts back into a union (found by a helper)
+                message = f"column '{field.name}' is a union ({field.type}), which batchgen cannot pass through"
+                raise BatchgenError(f"{self.source}: {message}; drop it, or cast it to one type")
             # Nullable: rows that fail still get an output row, with nulls for their pass-through fields. A
             # column of an earlier output marked JSON text is plain text here: its values are not encoded again.
             metadata = {k: v for k, v in (field.metadata or {}).items() if k not in JSON_TEXT_METADATA}
@@ -223,3 +226,8 @@ def count_input_rows(path: Path) -> int:
         except OSError as e:
             raise BatchgenError(f"{shard}: cannot read: {e.strerror or e}") from None
     return total
+
+
+def _has_union(t: pa.DataType) -> bool:
+    """Whether ``t`` is a union type or holds one."""
+    return pa.types.is_union(t) or any(_has_union(t.field(i).type) for i in range(t.num_fields))

@@ -15,6 +15,7 @@ import pyarrow.parquet as pq
 
 from batchgen.errors import BatchgenError
 from batchgen.io.json_text import JSON_TEXT_METADATA, is_json_text
+from batchgen.io.output_format import IPC_SUFFIXES, check_output_format
 
 _TOKEN_LOGPROB = pa.struct([pa.field("id", pa.int32()), pa.field("logprob", pa.float32())])
 
@@ -39,9 +40,6 @@ OUTPUT_COLUMNS: pa.Schema = pa.schema(
         pa.field("spec_accept_length", pa.float32()),
     ]
 )
-
-_IPC_SUFFIXES = (".arrow", ".ipc", ".feather")
-_SUPPORTED = ".arrow, .ipc, .feather, .parquet or .jsonl"
 
 
 def result_schema(passthrough: pa.Schema, metadata: dict[str, str]) -> pa.Schema:
@@ -215,18 +213,6 @@ def _json_default(value: Any) -> Any:
     return str(value)
 
 
-def check_output_format(path: Path) -> str:
-    """Return the output's lower-case extension.
-
-    Raises:
-        BatchgenError: batchgen cannot write that format.
-    """
-    suffix = path.suffix.lower()
-    if suffix not in (*_IPC_SUFFIXES, ".parquet", ".jsonl"):
-        raise BatchgenError(f"{path}: unsupported output format '{suffix}' (use {_SUPPORTED})")
-    return suffix
-
-
 def open_result_writer(path: Path, passthrough: pa.Schema, metadata: dict[str, str]) -> ResultWriter:
     """Create (or truncate) the output file ``path`` and return a writer for it.
 
@@ -245,7 +231,7 @@ def open_result_writer(path: Path, passthrough: pa.Schema, metadata: dict[str, s
         raise BatchgenError(f"{path}: is a directory, expected an output file")
     schema = result_schema(passthrough, metadata)
     try:
-        if suffix in _IPC_SUFFIXES:
+        if suffix in IPC_SUFFIXES:
             return _IpcWriter(path, schema)
         if suffix == ".parquet":
             return _ParquetWriter(path, schema)
@@ -265,18 +251,16 @@ def read_results(path: Path) -> pa.Table:
         BatchgenError: unsupported extension, or the file cannot be read or parsed (e.g. an Arrow IPC
             file whose writer never closed it).
     """
-    suffix = path.suffix.lower()
+    suffix = check_output_format(path)
     try:
-        if suffix in _IPC_SUFFIXES:
+        if suffix in IPC_SUFFIXES:
             with pa.OSFile(str(path), "rb") as source, pa.ipc.open_file(source) as reader:
                 return reader.read_all()
         if suffix == ".parquet":
             return pq.read_table(path)
-        if suffix == ".jsonl":
-            return _read_jsonl(path)
+        return _read_jsonl(path)
     except (OSError, pa.ArrowException, ValueError, OverflowError) as e:
         raise BatchgenError(f"{path}: cannot read results ({e})") from None
-    raise BatchgenError(f"{path}: unsupported output format '{suffix}' (use {_SUPPORTED})")
 
 
 def _read_jsonl(path: Path) -> pa.Table:

@@ -24,11 +24,11 @@ from batchgen.io.input_digests import (
     split_digests,
 )
 from batchgen.io.input_options import recorded_input_options
+from batchgen.io.output_format import check_output_format
 from batchgen.io.output_lock import WRITING, held_by_a_run
 from batchgen.io.partial_output import PartialOutput, PartialState, partial_dir, remove_partial_dir
 from batchgen.io.reopen import reopen_output
 from batchgen.io.shards import is_read_as_shard, reads_part_files
-from batchgen.io.writer import check_output_format
 from batchgen.job.changed_rows import check_partial_rows
 from batchgen.job.options import JobOptions
 from batchgen.job.output_columns import check_written_rows, columns_for_resume

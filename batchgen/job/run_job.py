@@ -18,6 +18,7 @@ from batchgen.io.field_warnings import warn_about_fields
 from batchgen.io.input_digests import RunDigests
 from batchgen.io.input_options import InputOptions
 from batchgen.io.openai_output import openai_output, wants_openai_output
+from batchgen.io.output_format import check_output_columns
 from batchgen.io.part_file import rows_sample_ids
 from batchgen.io.partial_output import PartialOutput, remove_partial_dir
 from batchgen.io.reader import RowReader, count_input_rows
@@ -68,6 +69,7 @@ class RunJob:
         input_options: InputOptions | None = None,
     ) -> None:
         self.reader = RowReader(dataset, options=input_options)
+        check_output_columns(out, self.reader.passthrough_schema)
         as_openai = wants_openai_output(job.output_format, self.reader.openai, out)
         self.out = out
         self.job = job

@@ -610,6 +610,8 @@ FILE_LEVEL = [
     "weights_cut_short",
     "model_dir_without_a_tokenizer",
     "output_dir_missing",
+    "parquet_output_of_an_interval_column",
+    "union_column",
     "output_exists",
     "unsupported_output_format",
     "unknown_dtype",
@@ -758,6 +760,27 @@ def _file_level_case(name: str, tmp: Path, model: Path) -> tuple[list[str], str,
             weights.write_bytes(weights.read_bytes()[:1000])
             return args, f"{weights}: cannot read the weights: Error while deserializing header: ", False
         return args, "Couldn't instantiate the backend tokenizer from one of: (1) a `tokenizers` library", False
+    if name in ("parquet_output_of_an_interval_column", "union_column"):  # found by a helper: see the messages
+        table = tmp / "in.arrow"
+        if name == "union_column":
+            column = pa.UnionArray.from_sparse(pa.array([0, 1], pa.int8()), [pa.array([1, 2]), pa.array(["x", "y"])])
+        else:
+            column = pa.array([pa.MonthDayNano([1, 2, 3]), None], pa.month_day_nano_interval())
+        with pa.ipc.new_file(table, pa.schema([("prompt", pa.string()), ("c", column.type)])) as writer:
+            writer.write_table(pa.table({"prompt": ["a", "b"], "c": column}))
+        args[1] = str(table)
+        if name == "union_column":
+            type_name = "sparse_union<0: int64=0, 1: string=1>"
+            message = f"column 'c' is a union ({type_name}), which batchgen cannot pass through; drop it, or cast it"
+            return args, f"{table}: {message} to one type", True
+        parquet = tmp / "out.parquet"
+        args[3] = str(parquet)
+        message = "Parquet cannot store the column 'c' (month_day_nano_interval: Unhandled type for Arrow to Parquet"
+        return (
+            args,
+            f"{parquet}: {message} schema conversion: month_day_nano_interval); write a .arrow or .jsonl",
+            False,
+        )
     if name == "output_dir_missing":
         missing_out = tmp / "no_dir" / "out.arrow"
         args[3] = str(missing_out)
