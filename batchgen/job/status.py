@@ -19,6 +19,7 @@ from batchgen.io.fingerprint import DatasetFingerprint, fingerprint_dataset
 from batchgen.io.finished_output import finished_rows, records_run
 from batchgen.io.input_digests import INPUT_DIGESTS_KEY, InputId, compare_each, compare_rows, input_ids
 from batchgen.io.input_options import InputOptions, recorded_input_options
+from batchgen.io.output_format import check_output_format
 from batchgen.io.output_lock import held_by_a_run
 from batchgen.io.partial_output import PartialOutput, partial_dir
 from batchgen.io.reader import count_input_rows
@@ -106,8 +107,10 @@ def read_output_status(
     stay 0: the caller checks them itself, as ``--resume`` does).
 
     Raises:
-        BatchgenError: the dataset or the output cannot be read.
+        BatchgenError: the dataset or the output cannot be read, or ``out`` is no output format batchgen writes (as
+            a run refuses it; found by a helper: "not started").
     """
+    check_output_format(out)
     total = count_input_rows(dataset)
     notes = []
     metadata: dict[bytes, bytes] = {}
