@@ -81,7 +81,8 @@ def _swapped(error: BatchgenError, dataset: Path | None, out: Path | None) -> Ba
     round (found by a new user, whose ``status OUT DATASET`` was told only that DATASET's rows are no output)."""
     from batchgen.io.finished_output import finished_rows
 
-    if dataset is None or out is None or "not a batchgen output" not in str(error):
+    said = str(error)
+    if dataset is None or out is None or not ("not a batchgen output" in said or "unsupported output format" in said):
         return error
     try:
         finished_rows(dataset)

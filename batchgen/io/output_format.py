@@ -26,8 +26,9 @@ def check_output_format(path: Path) -> str:
 
 
 def check_output_columns(path: Path, passthrough: pa.Schema) -> None:
-    """Refuse, before a run starts, a pass-through column that the output's format cannot store (Parquet has no
-    interval type, and no struct of no fields); found by a helper: refused only when the finished rows were
+    """Refuse, before a run starts, a pass-through column that the output's format cannot store and read back
+    (Parquet has no interval type, no struct of no fields, and reads no column nested past 100 levels, a list being
+    2); found by a helper: refused only when the finished rows were
     assembled, so that every ``--resume`` failed again.
 
     Raises:
@@ -37,8 +38,10 @@ def check_output_columns(path: Path, passthrough: pa.Schema) -> None:
         return
     for field in passthrough:
         try:
-            pq.ParquetWriter(pa.BufferOutputStream(), pa.schema([field])).close()
-        except (pa.ArrowNotImplementedError, pa.ArrowInvalid) as e:
+            sink = pa.BufferOutputStream()
+            pq.ParquetWriter(sink, pa.schema([field])).close()
+            pq.read_schema(pa.BufferReader(sink.getvalue()))  # its reader refuses nesting past 100 levels (a review)
+        except (pa.ArrowException, OSError) as e:
             raise BatchgenError(
                 f"{path}: Parquet cannot store the column '{field.name}' ({field.type}: {one_line(e)}); "
                 "write a .arrow or .jsonl output instead"

@@ -19,7 +19,14 @@ from batchgen.io.input_row import FieldPlace, InputRow
 from batchgen.io.json_text import JSON_TEXT_METADATA
 from batchgen.io.jsonl_rows import count_jsonl_rows, jsonl_rows
 from batchgen.io.openai_batch import OpenAIBatchInput, is_openai_batch_line
-from batchgen.io.passthrough import KNOWN_FIELDS, READ_AND_PASSED, SchemaInference, passthrough_names
+from batchgen.io.passthrough import (
+    KNOWN_FIELDS,
+    MAX_TYPE_DEPTH,
+    READ_AND_PASSED,
+    SchemaInference,
+    passthrough_names,
+    type_depth,
+)
 from batchgen.io.shards import list_shards
 from batchgen.io.table_shards import table_batches, table_num_rows, table_schema, unified_schema
 
@@ -190,6 +197,11 @@ class RowReader:
             if _has_union(field.type):  # no Python value converts back into a union (found by a helper)
                 message = f"column '{field.name}' is a union ({field.type}), which batchgen cannot pass through"
                 raise BatchgenError(f"{self.source}: {message}; drop it, or cast it to one type")
+            if type_depth(field.type) > MAX_TYPE_DEPTH:  # Parquet reads deeper ones than Arrow writes (a review)
+                message = (
+                    f"column '{field.name}' nests {type_depth(field.type)} deep, past the {MAX_TYPE_DEPTH} Arrow writes"
+                )
+                raise BatchgenError(f"{self.source}: {message}; drop it, or store it as JSON text")
             # Nullable: rows that fail still get an output row, with nulls for their pass-through fields. A
             # column of an earlier output marked JSON text is plain text here: its values are not encoded again.
             metadata = {k: v for k, v in (field.metadata or {}).items() if k not in JSON_TEXT_METADATA}

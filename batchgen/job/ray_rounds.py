@@ -213,7 +213,7 @@ class RayRounds:
 def _init_keeping_sigterm(ray: Any, **kwargs: Any) -> None:
     """``ray.init(**kwargs)``, this process's SIGTERM handler kept: Ray's own (``sys.exit``) would end a run
     stopped while it starts, or later, without batchgen's line and exit status (found by a helper). A SIGTERM while
-    Ray starts goes to that handler too."""
+    Ray starts goes to that handler too where it is a function (the command line's, which ends the process)."""
     previous = signal.getsignal(signal.SIGTERM)
     try:
         ray.init(**kwargs)

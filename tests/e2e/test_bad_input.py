@@ -611,7 +611,9 @@ FILE_LEVEL = [
     "model_dir_without_a_tokenizer",
     "output_dir_missing",
     "parquet_output_of_an_interval_column",
+    "parquet_output_of_a_deep_list",
     "union_column",
+    "deep_parquet_column",
     "output_exists",
     "unsupported_output_format",
     "unknown_dtype",
@@ -760,6 +762,22 @@ def _file_level_case(name: str, tmp: Path, model: Path) -> tuple[list[str], str,
             weights.write_bytes(weights.read_bytes()[:1000])
             return args, f"{weights}: cannot read the weights: Error while deserializing header: ", False
         return args, "Couldn't instantiate the backend tokenizer from one of: (1) a `tokenizers` library", False
+    if name == "deep_parquet_column":  # Parquet reads 70 levels, Arrow writes 64 (found by a review: a traceback)
+        deep: Any = 1
+        for _ in range(69):
+            deep = {"x": deep}
+        table = tmp / "in.parquet"
+        pq.write_table(pa.table({"prompt": ["a"], "c": [deep]}), table)
+        args[1] = str(table)
+        return args, f"{table}: column 'c' nests 70 deep, past the 64 Arrow writes; drop it, or store it as", False
+    if name == "parquet_output_of_a_deep_list":  # written, then unreadable: Parquet reads 100 levels, 2 a list
+        deep = 1
+        for _ in range(55):
+            deep = [deep]
+        dataset.write_text(json.dumps({"prompt": "a", "c": deep}) + "\n")
+        parquet = tmp / "out.parquet"
+        args[3] = str(parquet)
+        return args, f"{parquet}: Parquet cannot store the column 'c' (list<", False
     if name in ("parquet_output_of_an_interval_column", "union_column"):  # found by a helper: see the messages
         table = tmp / "in.arrow"
         if name == "union_column":

@@ -1063,6 +1063,8 @@ def test_status_with_dataset_and_out_swapped_asks_whether_they_are(
     # An output batchgen cannot write is refused as a run refuses it (found by a helper: "not started", exit 1).
     code, output = run_cli(["status", str(dataset), str(tmp_path / "out.csv")])
     assert code == 2 and "out.csv: unsupported output format '.csv'" in output, output
+    code, output = run_cli(["status", str(out), str(tmp_path)])  # a dataset directory as OUT: still the question
+    assert code == 2 and "DATASET and OUT swapped?" in output, output
 
 
 def test_status_counts_every_error_row_of_an_id_and_a_finished_output_of_changed_rows_is_not_complete(
