@@ -16,6 +16,7 @@ import pickle
 import signal
 import sys
 import threading
+import time
 import warnings
 from collections import Counter
 from collections.abc import Iterable, Iterator
@@ -35,6 +36,10 @@ from batchgen.loop.options import EngineOptions
 
 # How often the results yield while no batch finishes.
 _POLL_SECONDS = 0.5
+# Ray Data's threads that call Ray while a dataset's iteration ends (the executor's scheduling loop, the batches'
+# prefetcher), by the names Ray Data gives them; and how long close() waits for them, in seconds.
+_RAY_DATA_THREADS = ("StreamingExecutor-", "iter_threaded")
+_THREADS_WAIT = 30.0
 # Restarts of a dead replica, and reruns of a batch whose replica died, before the job fails.
 _RETRIES = 3
 T = TypeVar("T")
@@ -204,10 +209,21 @@ class RayRounds:
         self.accept_histogram += accepted
 
     def close(self) -> None:
-        """Disconnect from the cluster (a local one this run started stops); the replicas end with the job."""
+        """Disconnect from the cluster (a local one this run started stops); the replicas end with the job. Ray
+        Data's threads of a run stopped early finish their shutdown first: one that calls Ray after it is shut
+        down ends the process (exit 1, "The core worker has already been shutdown"; seen in CI under load)."""
         if self._disconnect:
+            _join_threads(_RAY_DATA_THREADS, _THREADS_WAIT)
             self.ray.shutdown()
             self._disconnect = False
+
+
+def _join_threads(prefixes: tuple[str, ...], seconds: float) -> None:
+    """Wait up to ``seconds`` in all for the threads whose names start with one of ``prefixes`` to end."""
+    deadline = time.monotonic() + seconds
+    for thread in threading.enumerate():
+        if thread.name.startswith(prefixes) and thread is not threading.current_thread():
+            thread.join(max(0.0, deadline - time.monotonic()))
 
 
 def _init_keeping_sigterm(ray: Any, **kwargs: Any) -> None:
