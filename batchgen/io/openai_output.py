@@ -167,7 +167,7 @@ class OpenAIOutput:
         if ids and matched == str(ids[-1]):
             eos = getattr(self.tokenizer, "eos_token_id", None)
             return None if ids[-1] == eos else ids[-1]
-        return str(matched)
+        return matched
 
     def token(self, token_id: int) -> str:
         """A token's text as OpenAI reports it, special tokens included: what it adds to a text after another token

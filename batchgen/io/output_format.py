@@ -28,8 +28,8 @@ def check_output_format(path: Path) -> str:
 def check_output_columns(path: Path, passthrough: pa.Schema) -> None:
     """Refuse, before a run starts, a pass-through column that the output's format cannot store and read back
     (Parquet has no interval type, no struct of no fields, and reads no column nested past 100 levels, a list being
-    2); found by a helper: refused only when the finished rows were
-    assembled, so that every ``--resume`` failed again.
+    2); found by a helper: refused only when the finished rows were assembled, so that every ``--resume`` failed
+    again.
 
     Raises:
         BatchgenError: naming the column, its type and the formats that take it.

@@ -3,7 +3,7 @@ column names and Arrow types (for JSON Lines, inferred from all the rows)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import pyarrow as pa
@@ -184,12 +184,28 @@ def type_depth(t: pa.DataType) -> int:
     return 1 + max((type_depth(t.field(i).type) for i in range(t.num_fields)), default=0)
 
 
+def _nested_types(t: pa.DataType) -> Iterator[pa.DataType]:
+    """``t`` and every type within it (a list's values, a struct's or union's fields, a map's entries)."""
+    yield t
+    for i in range(t.num_fields):
+        yield from _nested_types(t.field(i).type)
+
+
 def _has_empty_struct(t: pa.DataType) -> bool:
-    if pa.types.is_list(t) or pa.types.is_large_list(t):
-        return _has_empty_struct(t.value_type)
-    if pa.types.is_struct(t):
-        return t.num_fields == 0 or any(_has_empty_struct(t.field(i).type) for i in range(t.num_fields))
-    return False
+    return any(pa.types.is_struct(inner) and inner.num_fields == 0 for inner in _nested_types(t))
+
+
+def table_column_problem(t: pa.DataType) -> str | None:
+    """Why a Parquet or Arrow column of type ``t`` cannot pass through (the words after "column 'NAME'"), or
+    ``None``: a union, into which no Python value converts back, or a type nested past :data:`MAX_TYPE_DEPTH`, which
+    Parquet reads and Arrow does not write (both found by helpers: every row bad, or a traceback at the first
+    flush)."""
+    if any(pa.types.is_union(inner) for inner in _nested_types(t)):
+        return f"is a union ({t}), which batchgen cannot pass through; drop it, or cast it to one type"
+    depth = type_depth(t)
+    if depth > MAX_TYPE_DEPTH:
+        return f"nests {depth} deep, past the {MAX_TYPE_DEPTH} Arrow writes; drop it, or store it as JSON text"
+    return None
 
 
 def json_type_name(value: Any) -> str:

@@ -21,11 +21,10 @@ from batchgen.io.jsonl_rows import count_jsonl_rows, jsonl_rows
 from batchgen.io.openai_batch import OpenAIBatchInput, is_openai_batch_line
 from batchgen.io.passthrough import (
     KNOWN_FIELDS,
-    MAX_TYPE_DEPTH,
     READ_AND_PASSED,
     SchemaInference,
     passthrough_names,
-    type_depth,
+    table_column_problem,
 )
 from batchgen.io.shards import list_shards
 from batchgen.io.table_shards import table_batches, table_num_rows, table_schema, unified_schema
@@ -194,14 +193,9 @@ class RowReader:
             if field.name in KNOWN_FIELDS:
                 continue
             name = self.passthrough_names[field.name]
-            if _has_union(field.type):  # no Python value converts back into a union (found by a helper)
-                message = f"column '{field.name}' is a union ({field.type}), which batchgen cannot pass through"
-                raise BatchgenError(f"{self.source}: {message}; drop it, or cast it to one type")
-            if type_depth(field.type) > MAX_TYPE_DEPTH:  # Parquet reads deeper ones than Arrow writes (a review)
-                message = (
-                    f"column '{field.name}' nests {type_depth(field.type)} deep, past the {MAX_TYPE_DEPTH} Arrow writes"
-                )
-                raise BatchgenError(f"{self.source}: {message}; drop it, or store it as JSON text")
+            problem = table_column_problem(field.type)
+            if problem is not None:
+                raise BatchgenError(f"{self.source}: column '{field.name}' {problem}")
             # Nullable: rows that fail still get an output row, with nulls for their pass-through fields. A
             # column of an earlier output marked JSON text is plain text here: its values are not encoded again.
             metadata = {k: v for k, v in (field.metadata or {}).items() if k not in JSON_TEXT_METADATA}
@@ -238,8 +232,3 @@ def count_input_rows(path: Path) -> int:
         except OSError as e:
             raise BatchgenError(f"{shard}: cannot read: {e.strerror or e}") from None
     return total
-
-
-def _has_union(t: pa.DataType) -> bool:
-    """Whether ``t`` is a union type or holds one."""
-    return pa.types.is_union(t) or any(_has_union(t.field(i).type) for i in range(t.num_fields))
