@@ -28,6 +28,7 @@ _FOREIGN_SAMPLING_NAMES: dict[str, str | None] = {
     "guided_json": "json_schema",
     "guided_regex": "regex",
     "guided_grammar": "ebnf",
+    "guided_choice": "choice",
     "return_logprob": "logprobs",
     "top_logprobs_num": "top_logprobs",
     "top_n_tokens": "top_logprobs",
@@ -49,7 +50,6 @@ _FOREIGN_SAMPLING_NAMES: dict[str, str | None] = {
             "no_repeat_ngram_size",
             "allowed_token_ids",
             "truncate_prompt_tokens",
-            "guided_choice",
             "detokenize",
             "spaces_between_special_tokens",
             "bad_words",
@@ -69,8 +69,8 @@ _FOREIGN_SAMPLING_NOTES = {
     # OpenAI's {"type": "json_schema", "json_schema": {"schema": ...}}: a batchgen row gives the schema itself.
     "response_format": "a batchgen row gives its schema itself as 'json_schema' (an OpenAI Batch line's body takes "
     "response_format)",
-    "structured_outputs": "give 'json_schema', 'regex' or 'ebnf' at the top level of a row",
-    "guided_decoding": "give 'json_schema', 'regex' or 'ebnf' at the top level of a row",
+    "structured_outputs": "give 'json_schema', 'regex', 'ebnf' or 'choice' at the top level of a row",
+    "guided_decoding": "give 'json_schema', 'regex', 'ebnf' or 'choice' at the top level of a row",
     "pad_token_id": "batchgen pads nothing: give each row its own ids, unpadded, as 'prompt_token_ids'",
     "attention_mask": "batchgen pads nothing: give each row its own ids, unpadded, as 'prompt_token_ids'",
     "bos_token_id": "the tokenizer adds its BOS to a 'prompt'; 'prompt_token_ids' are taken as they are",

@@ -19,14 +19,14 @@ from tqdm import tqdm
 from batchgen.errors import BatchgenError, RowError, shown_value
 from batchgen.io.input_row import InputRow
 from batchgen.io.openai_fields import (
-    CHAT_NAMES,
     CHAT_URL,
-    COMPLETIONS_NAMES,
     COMPLETIONS_URL,
     COPIED,
     ENDPOINTS,
     Fail,
     check_body_field,
+    constraint_fields,
+    request_names,
 )
 from batchgen.io.passthrough import PROMPT_FIELDS, json_type_name
 from batchgen.io.row_ids import error_row_id
@@ -89,7 +89,7 @@ class OpenAIBatchInput:
                 "a file holds one kind of row (give every line custom_id, method, url and body)"
             )
         custom_id = data.get("custom_id")
-        names = COMPLETIONS_NAMES if data.get("url") == COMPLETIONS_URL else CHAT_NAMES
+        names = request_names(data.get("url"), data.get("body"))
         row: dict[str, Any] = {}
         if isinstance(custom_id, str) and custom_id.strip():
             row = {"id": custom_id, "custom_id": custom_id}
@@ -147,8 +147,7 @@ class OpenAIBatchInput:
         if tools:  # [] is no tools: the template's own default
             row["tools"] = [_as_vllm_tool(tool) for tool in tools] if isinstance(tools, list) else tools
         row.update(_logprobs(url, given, fail))
-        if "response_format" in given:
-            row.update(_response_format(given["response_format"], fail))
+        row.update(constraint_fields(given, fail))
         return row
 
 
@@ -210,22 +209,6 @@ def _logprobs(url: str, body: dict[str, Any], fail: Fail) -> dict[str, Any]:
     if isinstance(top, int | float) and not isinstance(top, bool) and top > 20:
         raise fail(name, f"asks for {shown_value(body[name.removeprefix('body.')])} top logprobs; at most 20 ({limit})")
     return {"logprobs": logprobs, "top_logprobs": top}
-
-
-def _response_format(value: Any, fail: Fail) -> dict[str, Any]:
-    """``{"type": "text"}``: nothing; ``json_object``: any JSON object; ``json_schema``: its ``schema``."""
-    kind = value.get("type") if isinstance(value, dict) else None
-    if kind == "text":
-        return {}
-    if kind == "json_object":
-        return {"json_schema": {"type": "object"}}
-    if kind == "json_schema":
-        spec = value.get("json_schema")
-        schema = spec.get("schema") if isinstance(spec, dict) else None
-        if not isinstance(schema, dict):
-            raise fail("body.response_format", 'json_schema needs a "schema" object')
-        return {"json_schema": schema}
-    raise fail("body.response_format", f"type must be text, json_object or json_schema, got {shown_value(kind)}")
 
 
 def _last_part(model: str) -> str:

@@ -25,6 +25,17 @@ COPIED = {
     "min_tokens": "min_new_tokens",
     # vLLM's chat extensions: how the template ends the prompt.
     **{name: name for name in ("chat_template_kwargs", "add_generation_prompt", "continue_final_message")},
+    # Ids of the model's vocabulary (JSON keys: strings), as vLLM reads them; OpenAI's are its own tokenizer's.
+    "logit_bias": "logit_bias",
+}
+# vLLM's structured-output body fields (its guided_* fields, and the keys of its structured_outputs object, vLLM
+# 0.11 on) → the row's constraint field; xgrammar, batchgen's backend, is vLLM's default one.
+GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_grammar": "ebnf", "guided_choice": "choice"}
+STRUCTURED_OUTPUTS = {"json": "json_schema", "regex": "regex", "grammar": "ebnf", "choice": "choice"}
+# structured_outputs' other keys, taken at the values that ask for nothing (json_object true is read).
+_STRUCTURED_OFF = {
+    **dict.fromkeys(("disable_any_whitespace", "disable_fallback", "disable_additional_properties"), (False,)),
+    "json_object": (False,),
 }
 # Body fields that change nothing batchgen writes, whatever their value (stream_options applies only to
 # stream: true, which is refused; vLLM's files carry it without; vLLM's request_id names nothing batchgen writes,
@@ -37,7 +48,6 @@ _OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "stream": (False,),
     "echo": (False,),
     "suffix": ("",),
-    "logit_bias": ({},),
     "functions": ([],),
     # Tools go to the chat template either way, as vLLM gives them; "required" or a named tool would need the call
     # constrained to the tools' schemas.
@@ -45,6 +55,7 @@ _OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "function_call": ("none",),
     "modalities": (["text"],),
     "guided_decoding_backend": ("xgrammar", "auto"),  # vLLM's: batchgen's grammars are xgrammar's
+    "guided_whitespace_pattern": (),  # vLLM's for guided_json; batchgen's schemas allow no free whitespace
     # vLLM's sampling extensions at their defaults, as a dumped vLLM request carries them (a helper's trial).
     "use_beam_search": (False,),
     "length_penalty": (1.0,),
@@ -53,14 +64,6 @@ _OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "bad_words": ([],),
     "return_tokens_as_token_ids": (False,),  # the lines give each token's text, as OpenAI's do
     "include_reasoning": (True,),  # batchgen splits no reasoning out of the text
-}
-# vLLM's own structured-output fields of a request body: where batchgen takes the same constraint.
-_VLLM_STRUCTURED = {
-    "guided_json": 'give the schema as response_format {"type": "json_schema", "json_schema": {"schema": ...}}',
-    **dict.fromkeys(("structured_outputs", "guided_decoding"), "a schema as response_format, others in rows"),
-    "guided_regex": "give it as a batchgen row's regex (OpenAI's response_format has none)",
-    "guided_grammar": "give it as a batchgen row's ebnf (OpenAI's response_format has none)",
-    "guided_choice": "give a batchgen row a regex of the choices, a|b|c",
 }
 _CHAT_ONLY = frozenset(
     (
@@ -74,7 +77,8 @@ _CHAT_ONLY = frozenset(
     )
 )
 _COMPLETIONS_ONLY = frozenset(("prompt", "suffix"))  # echo too, but vLLM's chat takes echo: false (and best_of)
-_READ = (*COPIED, "messages", "prompt", "logprobs", "top_logprobs", "response_format", "tools")
+_READ = (*COPIED, *GUIDED, "structured_outputs", "messages", "prompt", "logprobs", "top_logprobs", "response_format")
+_READ += ("tools",)
 # Each batchgen row field → the request field it was read from, so that a row error names the request's field.
 CHAT_NAMES = {
     "id": "custom_id",
@@ -105,8 +109,7 @@ def check_body_field(key: str, value: Any, url: str, body: dict[str, Any], fail:
         raise fail(name, f"not a field of {url} requests")
     if key in _OFF_VALUES:
         if not any(_same(value, off) for off in _OFF_VALUES[key]):
-            only = " or ".join(shown_value(off) for off in _OFF_VALUES[key])
-            raise fail(name, f"{shown_value(value)} is not supported by batchgen; leave it out (or give {only})")
+            raise fail(name, _unsupported(value, _OFF_VALUES[key]))
         return
     if key == "add_special_tokens":  # a prompt gets the tokenizer's BOS; chat messages only their template's
         if not _same(value, not chat):
@@ -129,11 +132,77 @@ def check_body_field(key: str, value: Any, url: str, body: dict[str, Any], fail:
     close = difflib.get_close_matches(key, known, n=1, cutoff=0.8)
     if close:
         raise fail(name, f"not a field batchgen knows (did you mean '{close[0]}'?)")
-    if key in _VLLM_STRUCTURED:
-        raise fail(name, f"vLLM's structured output, which a batchgen request does not read: {_VLLM_STRUCTURED[key]}")
+    if key == "guided_decoding":  # SamplingParams' field, which a dumped request does not carry
+        raise fail(name, "vLLM's SamplingParams field; a request body gives structured_outputs or response_format")
     raise fail(name, "not supported by batchgen; leave it out (the result would not be what it asks for)")
 
 
 def _same(value: Any, off: Any) -> bool:
     """Whether a body value is ``off``, a JSON boolean only where ``off`` is one (``0`` is no ``false``)."""
     return bool(value == off) and isinstance(value, bool) == isinstance(off, bool)
+
+
+def _unsupported(value: Any, offs: tuple[Any, ...]) -> str:
+    """Why a body value other than ``offs`` (the values that ask for nothing) is refused."""
+    only = f" (or give {' or '.join(shown_value(off) for off in offs)})" if offs else ""
+    return f"{shown_value(value)} is not supported by batchgen; leave it out{only}"
+
+
+def constraint_fields(body: dict[str, Any], fail: Fail) -> dict[str, Any]:
+    """The row's structured-output constraint from a request ``body`` (null fields left out): OpenAI's
+    ``response_format``, vLLM's ``guided_*`` fields or the keys of its ``structured_outputs`` object.
+
+    Raises:
+        RowError: (``fail``'s) two constraints, a ``response_format`` or ``structured_outputs`` of another shape, or a
+            ``structured_outputs`` key batchgen cannot honour; each naming its field.
+    """
+    found = {}  # the request field → (the row's field, its value)
+    schema = _response_format(body["response_format"], fail) if "response_format" in body else None
+    if schema is not None:
+        found["body.response_format"] = ("json_schema", schema)
+    found.update({f"body.{key}": (field, body[key]) for key, field in GUIDED.items() if key in body})
+    structured = body.get("structured_outputs")
+    if structured is not None and not isinstance(structured, dict):
+        raise fail("body.structured_outputs", f"must be an object, got {shown_value(structured)}")
+    for key, value in (structured or {}).items():
+        name = f"body.structured_outputs.{key}"
+        if key in STRUCTURED_OUTPUTS and value is not None:
+            found[name] = (STRUCTURED_OUTPUTS[key], value)
+        elif key == "json_object" and value is True:
+            found[name] = ("json_schema", {"type": "object"})
+        elif value is not None and not any(_same(value, off) for off in _STRUCTURED_OFF.get(key, ())):
+            raise fail(name, _unsupported(value, _STRUCTURED_OFF.get(key, ())))
+    if len(found) > 1:
+        raise fail(list(found)[1], f"give one structured-output constraint (found: {', '.join(found)})")
+    return dict(found.values())
+
+
+def _response_format(value: Any, fail: Fail) -> dict[str, Any] | None:
+    """The schema of ``response_format``: ``{"type": "text"}``, none; ``json_object``, any JSON object;
+    ``json_schema``, its ``schema``."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise fail("body.response_format", 'json_schema needs a "schema" object')
+        return schema
+    raise fail("body.response_format", f"type must be text, json_object or json_schema, got {shown_value(kind)}")
+
+
+def request_names(url: Any, body: Any) -> dict[str, str]:
+    """Each batchgen row field → the request field a line of endpoint ``url`` with ``body`` gave it under, so that a
+    row error names the request's field (``json_schema`` → ``body.guided_json`` where the line gave that)."""
+    names = dict(COMPLETIONS_NAMES if url == COMPLETIONS_URL else CHAT_NAMES)
+    if not isinstance(body, dict):
+        return names
+    names.update({field: f"body.{key}" for key, field in GUIDED.items() if body.get(key) is not None})
+    structured = body.get("structured_outputs")
+    if isinstance(structured, dict):
+        given = {key: field for key, field in STRUCTURED_OUTPUTS.items() if structured.get(key) is not None}
+        names.update({field: f"body.structured_outputs.{key}" for key, field in given.items()})
+    return names

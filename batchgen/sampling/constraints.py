@@ -1,6 +1,7 @@
 """A constraint's source text, checked before it is compiled: a JSON schema as JSON text (given as an object or a
-string) whose keywords xgrammar enforces, a regex in Python's dialect whose anchors xgrammar keeps, or an EBNF
-grammar; then compiled to an xgrammar ``Grammar``, which needs no tokenizer (:func:`constraint_grammar`)."""
+string) whose keywords xgrammar enforces, a regex in Python's dialect whose anchors xgrammar keeps, an EBNF
+grammar, or a choice of strings as the JSON text of their list; then compiled to an xgrammar ``Grammar``, which
+needs no tokenizer (:func:`constraint_grammar`)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import json
 import re
 from typing import Any
 
-from batchgen.errors import FieldError
+from batchgen.errors import NOT_UNICODE, FieldError, is_unicode_text, shown_value
 from batchgen.sampling.json_schema_support import check_enforceable, schema_patterns
 from batchgen.sampling.regex_support import check_regex, python_dot
 from batchgen.sampling.sampling_params import python_value
@@ -43,6 +44,8 @@ def normalize_constraint(name: str, value: Any) -> str:
             # object (a flag's and a config file's --json-schema, which a resume compares).
             return json.dumps(schema)
         raise FieldError(name, f"must be a JSON schema object or string, got {value!r}")
+    if name == "choice":
+        return _choice_text(value)
     if not isinstance(value, str) or not value:
         raise FieldError(name, f"must be a non-empty string, got {value!r}")
     if name == "regex":
@@ -52,6 +55,32 @@ def normalize_constraint(name: str, value: Any) -> str:
             raise FieldError(name, f"does not compile as a Python regular expression: {e}") from None
         check_regex(value)
     return value
+
+
+def _choice_text(value: Any) -> str:
+    """A choice (vLLM's ``guided_choice``: a list of strings, or its JSON text, as a flag gives it) as the JSON text
+    of the list, its characters unescaped.
+
+    Raises:
+        FieldError: not a non-empty list of strings, or a string that UTF-8 cannot encode (a lone surrogate).
+    """
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise FieldError("choice", f"must be an array of strings (as JSON text: {e.msg})") from None
+    if not isinstance(value, list | tuple) or not value or not all(isinstance(item, str) for item in value):
+        raise FieldError("choice", f"must be a non-empty array of strings, got {shown_value(value)}")
+    if not all(is_unicode_text(item) for item in value):
+        raise FieldError("choice", NOT_UNICODE)
+    return json.dumps(list(value), ensure_ascii=False)
+
+
+def choice_ebnf(text: str) -> str:
+    """The EBNF grammar whose sentences are exactly the strings of choice ``text`` (a JSON array): one alternative a
+    string, each written as a JSON string literal, whose escapes (``\\"``, ``\\\\``, ``\\n``, ``\\u0001``)
+    xgrammar's EBNF reads as JSON does."""
+    return "root ::= " + " | ".join(json.dumps(item, ensure_ascii=False) for item in json.loads(text))
 
 
 def _plain(value: Any) -> Any:
@@ -76,8 +105,9 @@ def import_xgrammar(kind: str) -> Any:
 
 
 def constraint_grammar(kind: str, text: str) -> Any:
-    """Constraint ``kind`` (``json_schema``, ``regex`` or ``ebnf``) with source ``text`` as an ``xgrammar.Grammar``:
-    what no tokenizer is needed for, so that a bad constraint of the run is refused before the model loads.
+    """Constraint ``kind`` (``json_schema``, ``regex``, ``ebnf`` or ``choice``) with source ``text`` as an
+    ``xgrammar.Grammar``: what no tokenizer is needed for, so that a bad constraint of the run is refused before the
+    model loads.
 
     Raises:
         FieldError: xgrammar is not installed, or the constraint does not compile.
@@ -88,7 +118,7 @@ def constraint_grammar(kind: str, text: str) -> Any:
             return xgr.Grammar.from_json_schema(text, any_whitespace=False)
         if kind == "regex":
             return xgr.Grammar.from_regex(python_dot(text))
-        return xgr.Grammar.from_ebnf(text)
+        return xgr.Grammar.from_ebnf(choice_ebnf(text) if kind == "choice" else text)
     except Exception as e:  # xgrammar raises several types (RuntimeError, ValueError, its own)
         pattern = _failing_pattern(xgr, text) if kind == "json_schema" else None
         raise FieldError(kind, pattern or f"does not compile: {compile_message(e)}") from None

@@ -36,6 +36,7 @@ SAMPLING_FIELDS: tuple[str, ...] = (
     "json_schema",
     "regex",
     "ebnf",
+    "choice",
     "prompt_logprobs",
     "prompt_logprobs_from",
     "n",

@@ -17,7 +17,7 @@ MAX_SAMPLES = 1024
 
 
 # The fields of a row's structured-output constraint, at most one of which a row gives.
-GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "choice")
 # The run defaults a model's generation_config.json may set (batchgen.loop.generation_config): those vLLM's
 # ModelConfig.get_diff_sampling_param takes from it (its max_new_tokens is batchgen's own name).
 MODEL_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
@@ -105,6 +105,8 @@ class SamplingParams:
     )
     regex: str | None = _constraint_field("regex", "PATTERN", "a regular expression (Python's) the output matches")
     ebnf: str | None = _constraint_field("ebnf", "GRAMMAR", "an EBNF grammar (GBNF, root rule 'root') it follows")
+    # vLLM's guided_choice, kept as the JSON text of the strings' list (as a schema is).
+    choice: str | None = _constraint_field("choice", "JSON", "a JSON array of strings, one of which is the output")
     # None: off; N >= 0: report each prompt token's raw logprob (after the first) and the N most likely tokens.
     prompt_logprobs: int | None = field(
         default=None,
@@ -191,9 +193,8 @@ class SamplingParams:
                 raise FieldError("logit_bias", f"bias of id {token_id} must be in [-100, 100], got {bias}")
         constraints = [n for n in GRAMMAR_FIELDS if getattr(self, n) is not None]
         if len(constraints) > 1:
-            raise FieldError(
-                constraints[1], f"give only one of json_schema, regex, ebnf (found: {', '.join(constraints)})"
-            )
+            kinds = ", ".join(GRAMMAR_FIELDS)
+            raise FieldError(constraints[1], f"give only one of {kinds} (found: {', '.join(constraints)})")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= limit:
             raise FieldError("prompt_logprobs", f"must be true, false or a count in [0, {size}]")
         if self.prompt_logprobs_from is not None and self.prompt_logprobs_from < 1:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -375,6 +376,29 @@ def test_json_schema_response_format_constrains_the_reply(model: Path, tmp_path:
         assert isinstance(json.loads(choice.message.content or ""), dict)
     else:
         assert (choice.message.content or "").startswith("{")
+
+
+def test_vllms_structured_output_fields_and_logit_bias_are_honoured(
+    model: Path, tokenizer: PreTrainedTokenizerBase, tmp_path: Path
+) -> None:
+    """A vllm run-batch file's guided_choice, guided_regex, structured_outputs and logit_bias (vLLM's
+    ChatCompletionRequest fields; found by a vLLM user: each was a 400 line) constrain the reply as they say: the
+    content is one of the choices, matches the regex, and a +100 bias on one id makes every greedy token that id."""
+    pytest.importorskip("xgrammar", reason='grammars need xgrammar (pip install -e ".[structured]")')
+    body = {"model": "m", "messages": [{"role": "user", "content": "Yes?"}], "max_tokens": 24}
+    x = int(tokenizer.convert_tokens_to_ids("x"))
+    lines = [
+        request("choice", {**body, "guided_choice": ["yes", "no", "no way"], "temperature": 1.0, "seed": 3}),
+        request("structured", {**body, "structured_outputs": {"choice": ["left", "right"]}, "temperature": 0}),
+        request("regex", {**body, "guided_regex": "[a-c]{2,4}-[0-9]{3}", "temperature": 0}),
+        request("bias", {**body, "logit_bias": {str(x): 100}, "max_tokens": 4, "temperature": 0}),
+    ]
+    run(write_jsonl(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl", model)
+    choice, structured, regex, bias = (validated(line).choices[0] for line in output_lines(tmp_path / "out.jsonl"))
+    assert choice.finish_reason == "stop" and choice.message.content in ("yes", "no", "no way")
+    assert structured.finish_reason == "stop" and structured.message.content in ("left", "right")
+    assert regex.finish_reason == "stop" and re.fullmatch("[a-c]{2,4}-[0-9]{3}", regex.message.content or "")
+    assert bias.finish_reason == "length" and bias.message.content == "xxxx"
 
 
 def bad_file(tmp_path: Path) -> Path:

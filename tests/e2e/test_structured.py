@@ -1,4 +1,4 @@
-"""Structured output (xgrammar): JSON schema, regex and EBNF constraints (cases B23 and B11's emoji row)."""
+"""Structured output (xgrammar): JSON schema, regex, EBNF and choice constraints (cases B23 and B11's emoji row)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import jsonschema
 import pytest
 
 from tests.helpers.cli import generate, read_rows, run_args, run_cli, write_jsonl
+from tests.helpers.hf_greedy import hf_constrained_greedy
 from tests.helpers.models import STORIES, needs_shared
 
 CITY = {
@@ -122,6 +123,30 @@ def test_regex_and_ebnf_rows(random_models: dict[str, Path], tmp_path: Path) -> 
     assert out["e"]["finish_reason"] == "stop" and out["e"]["text"] in {"yes", "no", "maybe so", "maybe not"}
 
 
+# Strings an EBNF literal must escape, and one that is a prefix of another.
+CHOICES = ["yes", "no", "no way", 'a "quoted" \\ one']
+
+
+def test_choice_rows_are_one_of_the_strings_and_greedy_is_hfs(random_models: dict[str, Path], tmp_path: Path) -> None:
+    """vLLM's guided_choice as a row's ``choice`` (found by a vLLM user: no way to give it): every sampled row's text
+    is one of the strings, whole, ended by EOS; a greedy row's ids are HF float32's greedy ids under xgrammar's
+    matcher of the grammar of the same strings written by hand; ``--choice`` gives every row one."""
+    model = random_models["llama"]
+    rows = [
+        {"id": f"s{seed}", "prompt": "Answer:", "choice": CHOICES, "temperature": 1.0, "seed": seed}
+        for seed in range(8)
+    ]
+    rows.append({"id": "g", "prompt": "Answer:", "choice": CHOICES, "temperature": 0})
+    out = generate(write_jsonl(tmp_path / "p.jsonl", rows), tmp_path / "o.arrow", model, "--max-new-tokens", "24")
+    for row in out.values():
+        assert row["finish_reason"] == "stop" and row["text"] in CHOICES, row
+    ebnf = r'root ::= "yes" | "no" | "no way" | "a \"quoted\" \\ one"'
+    assert out["g"]["output_token_ids"] == hf_constrained_greedy(model, "Answer:", ("ebnf", ebnf), [1], 24, {})
+    dataset = write_jsonl(tmp_path / "r.jsonl", [{"id": f"r{seed}", "prompt": "x", "seed": seed} for seed in range(4)])
+    out = generate(dataset, tmp_path / "r.arrow", model, "--choice", '["left", "right"]', "--temperature", "1")
+    assert {row["text"] for row in out.values()} <= {"left", "right"}
+
+
 def test_run_level_constraint_flags_and_a_rows_own(random_models: dict[str, Path], tmp_path: Path) -> None:
     """``--json-schema`` / ``--regex`` / ``--ebnf`` give every row the constraint (a data-generation run over plain
     prompts; the CLI said "a row field" before, and Python calls had it per call); a row's own constraint of another
@@ -150,7 +175,8 @@ def test_run_level_constraint_flags_and_a_rows_own(random_models: dict[str, Path
     [
         (["--regex", "("], "Invalid value for '--regex': does not compile as a Python regular expression"),
         (["--json-schema", '{"type": "objectx"}'], "--json-schema: does not compile: Unsupported type"),
-        (["--regex", "a", "--ebnf", 'root ::= "a"'], "--ebnf: give only one of json_schema, regex, ebnf"),
+        (["--regex", "a", "--ebnf", 'root ::= "a"'], "--ebnf: give only one of json_schema, regex, ebnf, choice"),
+        (["--choice", "yes"], "Invalid value for '--choice': must be an array of strings (as JSON text"),
         (["--json-schema", "true"], "Invalid value for '--json-schema': must be a JSON schema object, got true"),
     ],
 )
@@ -236,7 +262,8 @@ def test_bad_constraints_are_row_errors(
 def test_two_constraints_are_rejected(random_models: dict[str, Path], tmp_path: Path) -> None:
     dataset = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "x", "regex": "a", "ebnf": 'root ::= "a"'}])
     code, output = run_cli(run_args(dataset, tmp_path / "o.arrow", random_models["llama"]))
-    assert code == 3 and "field 'ebnf': give only one of json_schema, regex, ebnf (found: regex, ebnf)" in output
+    assert code == 3
+    assert "field 'ebnf': give only one of json_schema, regex, ebnf, choice (found: regex, ebnf)" in output
 
 
 def test_constraint_with_min_new_tokens_stays_valid(random_models: dict[str, Path], tmp_path: Path) -> None:

@@ -18,10 +18,10 @@ from typing import Any
 
 import jsonschema
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from tests.helpers.cli import generate, write_jsonl
+from tests.helpers.hf_greedy import hf_constrained_greedy
 
 xgrammar = pytest.importorskip("xgrammar", reason='grammars need xgrammar (pip install -e ".[structured]")')
 
@@ -182,36 +182,12 @@ def test_a_model_without_eos_ends_a_grammar_on_the_rows_stop_ids(random_models: 
     assert not compiler.matcher("regex", "[ab]{2}", eos_ids=()).terminated  # no end ids at all: xgrammar's default
 
 
-def _hf_constrained_greedy(model_dir: Path, prompt: str, end_ids: list[int], bias: dict[int, float]) -> list[int]:
-    """HF float32 greedy decoding of ``prompt`` under the regex, by xgrammar's own matcher told ``end_ids``."""
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    vocab = model.config.vocab_size
-    info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab)
-    compiled = xgrammar.GrammarCompiler(info).compile_regex(REGEX)
-    matcher = xgrammar.GrammarMatcher(compiled, override_stop_tokens=end_ids)
-    ids = list(tokenizer(prompt)["input_ids"])
-    out: list[int] = []
-    bitmask = xgrammar.allocate_token_bitmask(1, vocab)
-    while not matcher.is_terminated():
-        assert len(out) < 24, out  # the row's max_new_tokens
-        with torch.no_grad():
-            logits = model(torch.tensor([ids + out])).logits[:, -1].float()
-        for token_id, value in bias.items():
-            logits[0, token_id] += value
-        matcher.fill_next_token_bitmask(bitmask)
-        xgrammar.apply_token_bitmask_inplace(logits, bitmask)
-        out.append(int(logits.argmax()))
-        assert matcher.accept_token(out[-1])
-    return out
-
-
 def test_greedy_rows_equal_hf_under_xgrammar_with_every_eos(two_eos_model: tuple[Path, int], tmp_path: Path) -> None:
     model, extra = two_eos_model
     row = {"id": "r", "prompt": "Code:", "regex": REGEX, "temperature": 0, "max_new_tokens": 24}
     rows = [row | {"logit_bias": {str(extra): 4.0}}]
     out = generate(write_jsonl(tmp_path / "p.jsonl", rows), tmp_path / "o.arrow", model)["r"]
-    want = _hf_constrained_greedy(model, "Code:", [EOS, extra], {extra: 4.0})
+    want = hf_constrained_greedy(model, "Code:", ("regex", REGEX), [EOS, extra], 24, {extra: 4.0})
     assert out["output_token_ids"] == want and want[-1] == extra
     _check(out, {EOS, extra})
 

@@ -71,3 +71,35 @@ def check_against_hf(model_dir: Path, rows: list[dict[str, Any]], results: dict[
                 values, ids = ref_logprobs[step].topk(3)
                 assert [t["id"] for t in top] == ids.tolist(), (row["id"], step)
                 assert torch.allclose(torch.tensor([t["logprob"] for t in top]), values, atol=1e-4)
+
+
+def hf_constrained_greedy(
+    model_dir: Path, prompt: str, grammar: tuple[str, str], end_ids: list[int], max_new: int, bias: dict[int, float]
+) -> list[int]:
+    """HF float32 greedy decoding of ``prompt`` under ``grammar`` (``("regex", PATTERN)`` or ``("ebnf", GRAMMAR)``),
+    masked by xgrammar's own matcher told ``end_ids``, with ``bias`` added to the logits; the ids up to and with the
+    end id that terminates the grammar."""
+    import xgrammar
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = _hf_model(model_dir)
+    vocab = model.config.vocab_size
+    compiler = xgrammar.GrammarCompiler(xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab))
+    kind, source = grammar
+    compiled = compiler.compile_regex(source) if kind == "regex" else compiler.compile_grammar(source)
+    matcher = xgrammar.GrammarMatcher(compiled, override_stop_tokens=end_ids)
+    ids = list(tokenizer(prompt)["input_ids"])
+    out: list[int] = []
+    bitmask = xgrammar.allocate_token_bitmask(1, vocab)
+    while not matcher.is_terminated():
+        assert len(out) < max_new, out
+        with torch.no_grad():
+            logits = model(torch.tensor([ids + out])).logits[:, -1].float()
+        for token_id, value in bias.items():
+            logits[0, token_id] += value
+        matcher.fill_next_token_bitmask(bitmask)
+        xgrammar.apply_token_bitmask_inplace(logits, bitmask)
+        out.append(int(logits.argmax()))
+        assert matcher.accept_token(out[-1])
+    return out

@@ -235,6 +235,39 @@ def test_response_formats_become_json_schema_constraints(tmp_path: Path) -> None
     assert "json_schema" not in t.data
 
 
+def test_vllms_structured_output_fields_are_the_rows_constraints(tmp_path: Path) -> None:
+    """vLLM's guided_* body fields and its structured_outputs object (StructuredOutputsParams: json, regex, choice,
+    grammar, json_object; vllm/sampling_params.py) give the row's constraint, as vLLM's xgrammar backend compiles
+    them (found by a vLLM user: every one was refused); their other keys at vLLM's defaults ask for nothing."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    lines = [
+        request("gj", chat(guided_json=schema)),
+        request("gr", chat(guided_regex="[ab]+")),
+        request("gg", chat(guided_grammar='root ::= "x"')),
+        request("gc", chat(guided_choice=["yes", "no"])),
+        request("sj", chat(structured_outputs={"json": schema, "disable_fallback": False, "regex": None})),
+        request("sc", chat(structured_outputs={"choice": ["a"], "disable_any_whitespace": False})),
+        request("so", chat(structured_outputs={"json_object": True})),
+        request("sf", chat(structured_outputs={"json_object": False}, guided_grammar='root ::= "y"')),
+        request("lb", chat(logit_bias={"5": -100, "7": 2.5})),  # the model's token ids, as vLLM reads them
+    ]
+    got = {row.data["id"]: row for row in rows(tmp_path, lines)}
+    assert all(row.problem is None for row in got.values())
+    constraint_fields = ("json_schema", "regex", "ebnf", "choice")
+    assert {key: {f: row.data[f] for f in constraint_fields if f in row.data} for key, row in got.items()} == {
+        "gj": {"json_schema": schema},
+        "gr": {"regex": "[ab]+"},
+        "gg": {"ebnf": 'root ::= "x"'},
+        "gc": {"choice": ["yes", "no"]},
+        "sj": {"json_schema": schema},
+        "sc": {"choice": ["a"]},
+        "so": {"json_schema": {"type": "object"}},
+        "sf": {"ebnf": 'root ::= "y"'},
+        "lb": {},
+    }
+    assert got["lb"].data["logit_bias"] == {"5": -100, "7": 2.5}
+
+
 def test_text_content_parts_are_joined_and_others_refused(tmp_path: Path) -> None:
     """vLLM joins a message's text parts with a newline (its chat utilities' ``_parse_chat_message_content_parts``);
     batchgen runs no images or audio. Checked as any row's messages are (parse_row), named as the request's field."""
@@ -298,7 +331,6 @@ def test_a_chat_lines_tools_reach_its_template_as_vllm_dumps_them(tmp_path: Path
             "not a field of /v1/completions requests",
         ),
         (request("a", chat(stream=True)), "body.stream", "not supported"),
-        (request("a", chat(logit_bias={"5": 1})), "body.logit_bias", "not supported"),
         (request("a", chat(audio={"voice": "x"})), "body.audio", "not supported"),
         (request("a", chat(modalities=["text", "audio"])), "body.modalities", "not supported"),
         (request("a", chat(reasoning_effort="low")), "body.reasoning_effort", "not supported"),
@@ -322,9 +354,22 @@ def test_a_chat_lines_tools_reach_its_template_as_vllm_dumps_them(tmp_path: Path
             "body.response_format",
             "schema",
         ),
-        # Found by a vLLM user: guided_json was "not supported; leave it out", which batchgen takes another way.
-        (request("a", chat(guided_json={"type": "object"})), "body.guided_json", 'as response_format {"type"'),
-        (request("a", chat(guided_regex="a+")), "body.guided_regex", "give it as a batchgen row's regex"),
+        # Two constraints: the second named (vLLM's request model refuses two guided_* fields too).
+        (
+            request("a", chat(response_format={"type": "json_object"}, guided_regex="a+")),
+            "body.guided_regex",
+            "give one structured-output constraint (found: body.response_format, body.guided_regex)",
+        ),
+        (
+            request("a", chat(structured_outputs={"regex": "a", "choice": ["a"]})),
+            "body.structured_outputs.choice",
+            "give one structured-output constraint",
+        ),
+        (request("a", chat(structured_outputs="a+")), "body.structured_outputs", "must be an object"),
+        (request("a", chat(structured_outputs={"structural_tag": "{}"})), "body.structured_outputs.structural_tag", ""),
+        (request("a", chat(structured_outputs={"json_object": 1})), "body.structured_outputs.json_object", "false"),
+        (request("a", chat(guided_whitespace_pattern=" ")), "body.guided_whitespace_pattern", "leave it out"),
+        (request("a", chat(guided_decoding={"regex": "a"})), "body.guided_decoding", "structured_outputs"),
         (request("a", chat(guided_decoding_backend="outlines")), "body.guided_decoding_backend", "not supported"),
         (request("a", {"model": "m"}), "body.messages", "required"),
         (request("a", "text"), "body", "must be an object"),
@@ -414,6 +459,11 @@ def test_row_fields_are_named_by_the_request_fields_they_came_from(tmp_path: Pat
         "body.logprobs",  # a completions request's logprobs count is batchgen's top_logprobs
     ]
     assert chat_row.columns["json_schema"] == "body.response_format"
+    (guided, structured) = rows(
+        tmp_path, [request("g", chat(guided_json={})), request("s", chat(structured_outputs={"choice": ["x"]}))]
+    )
+    assert guided.columns["json_schema"] == "body.guided_json"
+    assert structured.columns["choice"] == "body.structured_outputs.choice"
 
 
 def test_a_custom_id_that_is_not_a_string_is_kept_as_given(tmp_path: Path) -> None:

@@ -82,7 +82,8 @@ def _other_value(field: Field[Any], annotation: Any) -> Any:
     if annotation is float:
         return (default or 0.0) + 0.25
     assert annotation is str, (field.name, annotation)
-    return '{"type": "string"}' if field.name == "json_schema" else f"{default}-other"
+    texts = {"json_schema": '{"type": "string"}', "choice": '["a", "b"]'}  # what the constraint checks take
+    return texts.get(field.name, f"{default}-other")
 
 
 def _probe_app(built: dict[str, Any]) -> typer.Typer:

@@ -1,0 +1,70 @@
+"""A row's ``choice`` (vLLM's ``guided_choice``): the output is exactly one of the strings. The reference is the
+list itself: xgrammar's own matcher over the compiled grammar accepts each string whole and nothing else (no
+prefix, no extension, no string with its escapes written out)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from batchgen.errors import FieldError
+from batchgen.sampling.constraints import constraint_grammar, normalize_constraint
+from batchgen.sampling.row_fields import make_sampling_params
+from batchgen.sampling.sampling_params import SamplingParams
+
+xgrammar = pytest.importorskip("xgrammar", reason='grammars need xgrammar (pip install -e ".[structured]")')
+from xgrammar.testing import _is_grammar_accept_string  # noqa: E402
+
+# Strings whose characters an EBNF literal must escape or carry: quotes, backslashes, control characters, an EBNF
+# operator, non-ASCII text; and one that is a prefix of another.
+CHOICES = ["yes", "yes please", 'say "no"', "back\\slash", "two\nlines\ttab", "a | b", "(x)*", "ctl\x01", "été 🎉", ""]
+
+
+def test_the_grammar_takes_exactly_the_choices() -> None:
+    grammar = constraint_grammar("choice", normalize_constraint("choice", CHOICES))
+    for text in CHOICES:
+        assert _is_grammar_accept_string(grammar, text), text
+    others = ["ye", "yes pleas", "yesyes", 'say \\"no\\"', "back\\\\slash", "two\\nlines\\ttab", "a", "(x)", "ete 🎉"]
+    for text in others:
+        assert not _is_grammar_accept_string(grammar, text), text
+
+
+@pytest.mark.parametrize(
+    "given",
+    [["a", "b"], ("a", "b"), '["a", "b"]', ' [ "a" , "b" ] '],
+    ids=["list", "tuple", "JSON text", "JSON text spaced"],
+)
+def test_a_choice_is_kept_as_the_json_text_of_its_list(given: Any) -> None:
+    """A row gives a list, a flag or a config file its JSON text, Python a tuple too: one choice is one text (a resume
+    compares the run's)."""
+    assert normalize_constraint("choice", given) == '["a", "b"]'
+    assert normalize_constraint("choice", ["é"]) == '["é"]'  # its characters as they are, not \u00e9
+
+
+@pytest.mark.parametrize(
+    ("given", "says"),
+    [
+        ([], "must be a non-empty array of strings, got []"),
+        (["a", 1], 'must be a non-empty array of strings, got ["a", 1]'),
+        ({"a": 1}, "must be a non-empty array of strings"),
+        ("yes", "must be an array of strings (as JSON text: Expecting value)"),
+        ('"yes"', 'must be a non-empty array of strings, got "yes"'),
+        (["\ud800"], "lone surrogate"),
+        (5, "must be a non-empty array of strings, got 5"),
+    ],
+)
+def test_a_bad_choice_is_refused_naming_the_field(given: Any, says: str) -> None:
+    with pytest.raises(FieldError) as raised:
+        normalize_constraint("choice", given)
+    assert raised.value.field == "choice" and says in raised.value.message
+
+
+def test_a_rows_choice_replaces_the_runs_other_constraint_and_is_one_of_four() -> None:
+    run = SamplingParams(regex="[0-9]+")
+    params = make_sampling_params(run, {"choice": ["x", "y"]}, vocab_size=512)
+    assert (params.choice, params.regex, params.constraint) == ('["x", "y"]', None, ("choice", '["x", "y"]'))
+    with pytest.raises(FieldError) as raised:
+        make_sampling_params(SamplingParams(), {"regex": "a", "choice": ["a"]}, vocab_size=512)
+    assert raised.value.field == "choice"
+    assert "give only one of json_schema, regex, ebnf, choice (found: regex, choice)" in raised.value.message
