@@ -147,7 +147,8 @@ class Generator:
                 takes them.
             **sampling: the sampling defaults of rows that do not set a field (``batchgen run``'s flags by Python
                 name: ``max_new_tokens``, ``temperature``, ``top_p``, ``stop``, ``n``..., and the row fields
-                ``json_schema``, ``regex``, ``ebnf``, ``logit_bias``, ``prompt_logprobs_from``; a row's own
+                ``json_schema``, ``regex``, ``ebnf``, ``choice``, ``logit_bias``, ``allowed_token_ids``,
+                ``prompt_logprobs_from``; a row's own
                 constraint replaces the call's), the chat template's arguments (``chat_template_kwargs``), and the
                 column options of dict rows (``prompt_column``, ``messages_column``, ``prompt_template``,
                 ``id_column``: rows of a Hugging Face ``Dataset`` iterate as such dicts).

@@ -25,8 +25,9 @@ COPIED = {
     "min_tokens": "min_new_tokens",
     # vLLM's chat extensions: how the template ends the prompt.
     **{name: name for name in ("chat_template_kwargs", "add_generation_prompt", "continue_final_message")},
-    # Ids of the model's vocabulary (JSON keys: strings), as vLLM reads them; OpenAI's are its own tokenizer's.
-    "logit_bias": "logit_bias",
+    # Ids of the model's vocabulary (logit_bias' JSON keys: strings), as vLLM reads them; OpenAI's are its own
+    # tokenizer's. allowed_token_ids is vLLM's.
+    **{name: name for name in ("logit_bias", "allowed_token_ids")},
 }
 # vLLM's structured-output body fields (its guided_* fields, and the keys of its structured_outputs object, vLLM
 # 0.11 on) → the row's constraint field; xgrammar, batchgen's backend, is vLLM's default one.

@@ -6,6 +6,7 @@ Semantics:
 - ``frequency_penalty`` / ``presence_penalty`` (OpenAI API, vLLM): over output tokens only,
   ``logit -= frequency_penalty * count + presence_penalty * (count > 0)``.
 - ``logit_bias`` (OpenAI API): ``logit += bias`` for the listed token ids.
+- ``allowed_token_ids`` (vLLM): every other id's logit is ``-inf``.
 """
 
 from __future__ import annotations
@@ -36,11 +37,13 @@ def needs_history(params: SamplingParams) -> bool:
 
 @dataclass
 class LogitAdjustments:
-    """Per-round sparse (row, token) index tensors (int64) and values (float32) of every adjustment."""
+    """Per-round sparse (row, token) index tensors (int64) and values (float32) of every adjustment, and the rows
+    (int64 ``[m]``) whose ids are limited with their allowed ids (bool ``[m, vocab]``)."""
 
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
     additive: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
     repetition: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    allowed: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def build(
@@ -48,8 +51,16 @@ class LogitAdjustments:
         params: Sequence[SamplingParams],
         histories: Sequence[TokenHistory | None],
         device: torch.device,
+        vocab_size: int,
     ) -> LogitAdjustments | None:
         """Collect the adjustments of rows that have any; ``None`` when no row has one (the common case)."""
+        limited = [row for row, p in enumerate(params) if p.allowed_token_ids is not None]
+        allowed = None
+        if limited:
+            mask = torch.zeros(len(limited), vocab_size, dtype=torch.bool)
+            for i, row in enumerate(limited):
+                mask[i, list(params[row].allowed_token_ids or ())] = True
+            allowed = (torch.tensor(limited, dtype=torch.int64, device=device), mask.to(device))
         bias: list[tuple[int, int, float]] = []
         additive: list[tuple[int, int, float]] = []
         repetition: list[tuple[int, int, float]] = []
@@ -65,7 +76,7 @@ class LogitAdjustments:
             if p.repetition_penalty != 1.0:
                 seen = history.prompt_tokens | history.output_counts.keys()
                 repetition += [(row, token, p.repetition_penalty) for token in seen]
-        if not (bias or additive or repetition):
+        if not (bias or additive or repetition or limited):
             return None
 
         def tensors(entries: list[tuple[int, int, float]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -78,11 +89,15 @@ class LogitAdjustments:
                 torch.tensor(values, dtype=torch.float32, device=device),
             )
 
-        return cls(tensors(bias), tensors(additive), tensors(repetition))
+        return cls(tensors(bias), tensors(additive), tensors(repetition), allowed)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """The adjusted copy of float32 ``logits`` ``[n, vocab]``: bias, then repetition, then frequency/presence."""
+        """The adjusted copy of float32 ``logits`` ``[n, vocab]``: the allowed ids, bias, then repetition, then
+        frequency/presence."""
         logits = logits.clone()
+        if self.allowed is not None:
+            rows, mask = self.allowed
+            logits[rows] = logits[rows].masked_fill(~mask, float("-inf"))
         if self.bias is not None:
             rows, tokens, values = self.bias
             logits.index_put_((rows, tokens), values, accumulate=True)

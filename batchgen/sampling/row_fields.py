@@ -33,6 +33,7 @@ SAMPLING_FIELDS: tuple[str, ...] = (
     "frequency_penalty",
     "presence_penalty",
     "logit_bias",
+    "allowed_token_ids",
     "json_schema",
     "regex",
     "ebnf",
@@ -51,7 +52,7 @@ SAMPLING_FIELD_ALIASES: dict[str, str] = {
 }
 # Sampling fields that are no run option (no flag: token biases, where prompt logprobs start) but that a Python call
 # may still give every row, as SGLang's sampling_params dict does; not the seed, which Generator() takes for the run.
-ROW_FIELD_KEYWORDS = ("logit_bias", "prompt_logprobs_from")
+ROW_FIELD_KEYWORDS = ("logit_bias", "allowed_token_ids", "prompt_logprobs_from")
 
 
 def field_names(field: str) -> tuple[str, ...]:
@@ -101,12 +102,12 @@ def _coerce(name: str, value: Any) -> Any:
         if not all(is_unicode_text(s) for s in value):  # it could never match the detokenized text
             raise FieldError(name, NOT_UNICODE)
         return tuple(value)
-    if name == "stop_token_ids":
+    if name in ("stop_token_ids", "allowed_token_ids"):
         if isinstance(value, (list, tuple)):
             value = [whole_number(t) for t in value]
         if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
             raise FieldError(name, f"must be a list of integers, got {shown_value(value)}")
-        return tuple(value)
+        return tuple(value) if name == "stop_token_ids" else tuple(sorted(set(value)))
     if name == "logit_bias":
         return _coerce_logit_bias(value)
     if name == "prompt_logprobs":

@@ -33,7 +33,7 @@ class SamplingBatchInfo:
         banned_rows, banned_ids: int64 ``[m]`` pairs (row, token) masked to -inf before choosing a token
             (EOS and stop ids while ``min_new_tokens`` is not reached).
         top_logprobs: host list, how many top logprobs each row reports; need_logprobs: any row wants them.
-        adjustments: logit bias and penalties of the rows that have any (``None`` if no row has).
+        adjustments: logit bias, penalties and allowed ids of the rows that have any (``None`` if no row has).
         grammar_mask: int32 ``[n, ceil(vocab / 32)]`` allowed-token bits of constrained rows (``None`` if none).
         processed_logprobs: report logprobs of the processed distribution instead of the raw one.
         argmax_only: bool ``[n]`` with ``processed_logprobs`` (else ``None``): the greedy rows that sample at a
@@ -106,7 +106,7 @@ class SamplingBatchInfo:
             banned_ids=tensor(banned_ids, torch.int64),
             top_logprobs=[p.top_logprobs if p.logprobs else 0 for p in params],
             need_logprobs=any(p.logprobs for p in params),
-            adjustments=LogitAdjustments.build(params, histories or [None] * len(params), device),
+            adjustments=LogitAdjustments.build(params, histories or [None] * len(params), device, vocab_size),
             processed_logprobs=processed_logprobs,
             # top_k 1 takes the argmax as greedy rows do, but its distribution is truncated to that token (vLLM's
             # processed logprobs are taken after top-k); temperature 0 reports the penalised logits' log_softmax.

@@ -99,6 +99,8 @@ class SamplingParams:
     presence_penalty: float = field(default=0.0, metadata={"help": "Default per row, in [-2, 2]."})
     # (token id, bias) pairs; a tuple, not a dict, so the parameters stay hashable and immutable.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # vLLM's: the only ids the row may produce (every other id's logit is -inf, EOS too unless listed); None: any.
+    allowed_token_ids: tuple[int, ...] | None = None
     # At most one constraint (see batchgen.sampling.grammar); a JSON schema is kept as JSON text.
     json_schema: str | None = _constraint_field(
         "json_schema", "JSON", "a JSON schema the output follows (its JSON text; a row's own constraint replaces it)"
@@ -191,6 +193,12 @@ class SamplingParams:
                 raise FieldError("logit_bias", f"id {token_id} is outside the vocabulary [0, {end})")
             if not -100.0 <= bias <= 100.0:
                 raise FieldError("logit_bias", f"bias of id {token_id} must be in [-100, 100], got {bias}")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise FieldError("allowed_token_ids", "must not be empty (leave it out to allow every id)")
+            for token_id in self.allowed_token_ids:
+                if not 0 <= token_id < limit:
+                    raise FieldError("allowed_token_ids", f"id {token_id} is outside the vocabulary [0, {end})")
         constraints = [n for n in GRAMMAR_FIELDS if getattr(self, n) is not None]
         if len(constraints) > 1:
             kinds = ", ".join(GRAMMAR_FIELDS)

@@ -643,6 +643,7 @@ def test_arrow_and_parquet_schema_metadata(formats: dict[str, Path], model: Path
         "frequency_penalty": 0.0,
         "presence_penalty": 0.0,
         "logit_bias": [],
+        "allowed_token_ids": None,
         "json_schema": None,
         "regex": None,
         "ebnf": None,

@@ -147,6 +147,34 @@ def test_choice_rows_are_one_of_the_strings_and_greedy_is_hfs(random_models: dic
     assert {row["text"] for row in out.values()} <= {"left", "right"}
 
 
+def test_allowed_token_ids_greedy_is_hfs_argmax_among_them(random_models: dict[str, Path], tmp_path: Path) -> None:
+    """vLLM's allowed_token_ids (found by a vLLM user: batchgen had none): a greedy row's ids are HF float32's argmax
+    over the listed ids at every step, EOS left out so the row runs to its length; a sampled row and its n-gram
+    speculative run draw only listed ids, the same ones."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = random_models["llama"]
+    allowed = [5, 17, 40, 41, 99]
+    rows = [
+        {"id": "g", "prompt": "Answer:", "allowed_token_ids": allowed, "temperature": 0, "max_new_tokens": 8},
+        {"id": "s", "prompt": "Answer:", "allowed_token_ids": allowed, "temperature": 1.0, "seed": 4},
+    ]
+    dataset = write_jsonl(tmp_path / "p.jsonl", rows)
+    out = generate(dataset, tmp_path / "o.arrow", model, "--max-new-tokens", "12")
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    ids = list(AutoTokenizer.from_pretrained(model)("Answer:")["input_ids"])
+    for _ in range(8):
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids])).logits[0, -1]
+        ids.append(allowed[int(logits[allowed].argmax())])
+    assert out["g"]["output_token_ids"] == ids[-8:] and out["g"]["finish_reason"] == "length"
+    assert set(out["s"]["output_token_ids"]) <= set(allowed) and len(out["s"]["output_token_ids"]) == 12
+    spec = ("--speculative-algorithm", "ngram", "--speculative-num-draft-tokens", "4", "--speculative-ngram-min", "1")
+    speculated = generate(dataset, tmp_path / "n.arrow", model, "--max-new-tokens", "12", *spec)
+    assert [speculated[k]["output_token_ids"] for k in "gs"] == [out[k]["output_token_ids"] for k in "gs"]
+
+
 def test_run_level_constraint_flags_and_a_rows_own(random_models: dict[str, Path], tmp_path: Path) -> None:
     """``--json-schema`` / ``--regex`` / ``--ebnf`` give every row the constraint (a data-generation run over plain
     prompts; the CLI said "a row field" before, and Python calls had it per call); a row's own constraint of another

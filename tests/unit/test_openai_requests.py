@@ -249,7 +249,8 @@ def test_vllms_structured_output_fields_are_the_rows_constraints(tmp_path: Path)
         request("sc", chat(structured_outputs={"choice": ["a"], "disable_any_whitespace": False})),
         request("so", chat(structured_outputs={"json_object": True})),
         request("sf", chat(structured_outputs={"json_object": False}, guided_grammar='root ::= "y"')),
-        request("lb", chat(logit_bias={"5": -100, "7": 2.5})),  # the model's token ids, as vLLM reads them
+        # The model's token ids, as vLLM reads them.
+        request("lb", chat(logit_bias={"5": -100, "7": 2.5}, allowed_token_ids=[5, 7, 9])),
     ]
     got = {row.data["id"]: row for row in rows(tmp_path, lines)}
     assert all(row.problem is None for row in got.values())
@@ -265,7 +266,7 @@ def test_vllms_structured_output_fields_are_the_rows_constraints(tmp_path: Path)
         "sf": {"ebnf": 'root ::= "y"'},
         "lb": {},
     }
-    assert got["lb"].data["logit_bias"] == {"5": -100, "7": 2.5}
+    assert (got["lb"].data["logit_bias"], got["lb"].data["allowed_token_ids"]) == ({"5": -100, "7": 2.5}, [5, 7, 9])
 
 
 def test_text_content_parts_are_joined_and_others_refused(tmp_path: Path) -> None:

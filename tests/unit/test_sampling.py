@@ -31,6 +31,8 @@ def _expected(params: SamplingParams, counts: Counter[int] | None = None) -> np.
     if counts:
         for token, count in counts.items():
             logits[token] -= params.frequency_penalty * count + params.presence_penalty
+    if params.allowed_token_ids is not None:
+        logits[[i for i in range(VOCAB) if i not in params.allowed_token_ids]] = -np.inf
     logits = logits / params.temperature
     probs = np.exp(logits - logits.max())
     probs /= probs.sum()
@@ -61,8 +63,10 @@ def _expected(params: SamplingParams, counts: Counter[int] | None = None) -> np.
         SamplingParams(temperature=1.0, min_p=0.3),
         SamplingParams(temperature=0.8, top_k=6, top_p=0.9, min_p=0.1),
         SamplingParams(temperature=1.0, frequency_penalty=0.7, presence_penalty=0.4),
+        SamplingParams(temperature=1.0, allowed_token_ids=(1, 4, 10)),
+        SamplingParams(temperature=0.7, top_k=2, allowed_token_ids=(1, 4, 8, 10)),
     ],
-    ids=["t1", "t0.6", "topk", "topp", "minp", "combined", "penalties"],
+    ids=["t1", "t0.6", "topk", "topp", "minp", "combined", "penalties", "allowed", "allowed-topk"],
 )
 def test_sampled_distribution_matches_exact(params: SamplingParams) -> None:
     counts = Counter({0: 3, 1: 1}) if params.frequency_penalty else None
@@ -111,6 +115,23 @@ def test_logit_bias_forces_and_bans_tokens() -> None:
     # Raw logprobs ignore the bias (they describe the model).
     raw = torch.log_softmax(LOGITS, dim=-1)
     assert torch.allclose(out.logprobs, torch.stack([raw[9], raw[1]]))
+
+
+def test_allowed_token_ids_limit_greedy_rows_to_them() -> None:
+    """vLLM's allowed_token_ids: the argmax among the listed ids (LOGITS: id 10's 0.8 above id 4's 0.5), a bias on an
+    id outside them changes nothing, and a row without the field in the same round keeps the whole vocabulary."""
+    params = [
+        SamplingParams(temperature=0.0, allowed_token_ids=(4, 10)),
+        SamplingParams(temperature=0.0, allowed_token_ids=(4, 10), logit_bias=((0, 100.0), (4, 1.0))),
+        SamplingParams(temperature=0.0),
+    ]
+    out = sample(
+        LOGITS.expand(3, VOCAB).clone(),
+        SamplingBatchInfo.from_params(params, [0, 1, 2], [0, 0, 0], [[]] * 3, VOCAB, torch.device("cpu")),
+    )
+    assert out.next_token_ids.tolist() == [10, 4, 0]
+    raw = torch.log_softmax(LOGITS, dim=-1)  # raw logprobs describe the model, not the limit
+    assert torch.allclose(out.logprobs, torch.stack([raw[10], raw[4], raw[0]]))
 
 
 def test_processed_logprobs_follow_temperature() -> None:
@@ -469,6 +490,19 @@ def test_bad_logit_bias(bias: dict[str, float], message: str) -> None:
 
     with pytest.raises(FieldError, match="logit_bias") as raised:
         make_sampling_params(SamplingParams(), {"logit_bias": bias}, vocab_size=512)
+    assert message in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("allowed", "message"),
+    [([], "must not be empty"), ([3, 512], "id 512 is outside the vocabulary [0, 512)"), ("3", "list of integers")],
+)
+def test_bad_allowed_token_ids(allowed: object, message: str) -> None:
+    from batchgen.errors import FieldError
+    from batchgen.sampling.row_fields import make_sampling_params
+
+    with pytest.raises(FieldError, match="allowed_token_ids") as raised:
+        make_sampling_params(SamplingParams(), {"allowed_token_ids": allowed}, vocab_size=512)
     assert message in str(raised.value)
 
 
