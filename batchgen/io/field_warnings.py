@@ -48,7 +48,6 @@ _FOREIGN_SAMPLING_NAMES: dict[str, str | None] = {
             "epsilon_cutoff",
             "eta_cutoff",
             "no_repeat_ngram_size",
-            "truncate_prompt_tokens",
             "detokenize",
             "spaces_between_special_tokens",
             "bad_words",

@@ -28,6 +28,7 @@ COPIED = {
     # Ids of the model's vocabulary (logit_bias' JSON keys: strings), as vLLM reads them; OpenAI's are its own
     # tokenizer's. allowed_token_ids is vLLM's.
     **{name: name for name in ("logit_bias", "allowed_token_ids")},
+    "truncate_prompt_tokens": "truncate_prompt_tokens",  # vLLM's left truncation
 }
 # vLLM's structured-output body fields (its guided_* fields, and the keys of its structured_outputs object, vLLM
 # 0.11 on) → the row's constraint field; xgrammar, batchgen's backend, is vLLM's default one.

@@ -128,6 +128,11 @@ class RequestBuilder:
             token = self.tokenizer.convert_ids_to_tokens(beyond)
             message = f"tokenizes to id {beyond} ({token!r}), outside the model's vocabulary [0, {self.vocab_size})"
             raise error("continuation" if scored_from is not None and at >= scored_from else prompt_field, message)
+        if params.truncate_prompt_tokens is not None:
+            if scored_from is not None:  # what it scores is the continuation given the whole context
+                raise error("truncate_prompt_tokens", "a row that scores a continuation cannot truncate its prompt")
+            keep = params.truncate_prompt_tokens
+            prompt_ids = prompt_ids[-(self.context_len - 1 if keep == -1 else keep) :]
         if scored_from is not None:
             params = replace(params, prompt_logprobs_from=scored_from, prompt_logprobs=params.prompt_logprobs or 0)
         if params.max_new_tokens == 0 and params.prompt_logprobs is not None:
@@ -137,7 +142,8 @@ class RequestBuilder:
                 message = f"prompt has {len(prompt_ids)} tokens, > context length {self.context_len} + 1"
                 raise error(prompt_field, message + " (a row that only scores its prompt)")
         elif len(prompt_ids) >= self.context_len:
-            raise error(prompt_field, f"prompt has {len(prompt_ids)} tokens, >= context length {self.context_len}")
+            message = f"prompt has {len(prompt_ids)} tokens, >= context length {self.context_len}"
+            raise error(prompt_field, message + " (truncate_prompt_tokens -1 keeps the last that fit)")
         if params.prompt_logprobs_from is not None and params.prompt_logprobs_from >= len(prompt_ids):
             raise error(
                 "prompt_logprobs_from",

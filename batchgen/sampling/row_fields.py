@@ -40,6 +40,7 @@ SAMPLING_FIELDS: tuple[str, ...] = (
     "choice",
     "prompt_logprobs",
     "prompt_logprobs_from",
+    "truncate_prompt_tokens",
     "n",
 )
 
@@ -89,7 +90,7 @@ def _coerce(name: str, value: Any) -> Any:
         if not isinstance(value, bool):
             raise FieldError(name, f"must be true or false, got {shown_value(value)}{switch_hint(name)}")
         return value
-    if name in ("seed", "prompt_logprobs_from"):
+    if name in ("seed", "prompt_logprobs_from", "truncate_prompt_tokens"):
         value = whole_number(value)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise FieldError(name, f"must be an integer or null, got {shown_value(value)}")

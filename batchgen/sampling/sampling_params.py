@@ -122,6 +122,10 @@ class SamplingParams:
     # The first prompt token whose logprob is reported (SGLang's logprob_start_len; None: token 1, the first that
     # has one); giving it asks for prompt logprobs. A row's ``continuation`` sets it to where the continuation starts.
     prompt_logprobs_from: int | None = None
+    # vLLM's left truncation: only the prompt's last N tokens run (-1: the longest prompt the context takes).
+    truncate_prompt_tokens: int | None = field(
+        default=None, metadata={"help": "Default per row: keep only the prompt's last N tokens (-1: all that fit)."}
+    )
     # Independent samples of the prompt: they share its prefill and prompt KV, each decodes on its own.
     n: int = field(default=1, metadata={"help": "Default per row: samples per prompt (one row each).", "flag": "--n"})
     # Run defaults only: the fields of MODEL_SAMPLING_FIELDS that no flag, config key or keyword set, which the
@@ -193,6 +197,10 @@ class SamplingParams:
                 raise FieldError("logit_bias", f"id {token_id} is outside the vocabulary [0, {end})")
             if not -100.0 <= bias <= 100.0:
                 raise FieldError("logit_bias", f"bias of id {token_id} must be in [-100, 100], got {bias}")
+        if self.truncate_prompt_tokens is not None and not (
+            self.truncate_prompt_tokens == -1 or self.truncate_prompt_tokens >= 1
+        ):
+            raise FieldError("truncate_prompt_tokens", f"must be >= 1 or -1, got {self.truncate_prompt_tokens}")
         if self.allowed_token_ids is not None:
             if not self.allowed_token_ids:
                 raise FieldError("allowed_token_ids", "must not be empty (leave it out to allow every id)")

@@ -38,6 +38,7 @@ GOOD = {"g1": GOOD_1, "g2": GOOD_2}
 BAD_LINE = 3  # line 1: GOOD_1, line 2: blank, line 3: the bad row, line 4: GOOD_2
 VOCAB = 400  # the conftest test tokenizer: 256 bytes + merges + <s>, </s>
 CONTEXT = ["--context-length", "16"]
+FITS = " (truncate_prompt_tokens -1 keeps the last that fit)"  # the hint of a prompt past the context
 COMMON = ["--dtype", "float32", "--device", "cpu", "--no-progress"]
 LEFT_OUT_1 = (
     "batchgen: error: 1 bad input row left out (see above; --on-error skip writes them); once they are fixed, --resume "
@@ -235,11 +236,14 @@ CASES: dict[str, Case] = {
     "prompt_empty_without_bos": Case(_bad(prompt=""), "prompt", "prompt is empty after tokenization", model="nobos"),
     # --- prompt does not fit the context (16 tokens)
     "prompt_token_ids_at_context": Case(
-        _bad(prompt_token_ids=[0] + [5] * 15), "prompt_token_ids", "prompt has 16 tokens, >= context length 16", CONTEXT
+        _bad(prompt_token_ids=[0] + [5] * 15),
+        "prompt_token_ids",
+        "prompt has 16 tokens, >= context length 16" + FITS,
+        CONTEXT,
     ),
     # "~" is not in the tokenizer's training corpus: one token per byte, plus BOS.
     "prompt_text_over_context": Case(
-        _bad(prompt="~" * 20), "prompt", "prompt has 21 tokens, >= context length 16", CONTEXT
+        _bad(prompt="~" * 20), "prompt", "prompt has 21 tokens, >= context length 16" + FITS, CONTEXT
     ),
     # --- duplicate id: the first row with the id (GOOD_1) is generated, the second is the bad one
     "duplicate_id": Case({"id": "g1", "prompt": "The quick"}, "id", "duplicate id 'g1'"),

@@ -81,6 +81,7 @@ RUN_FLAGS = {
     "--regex",
     "--ebnf",
     "--choice",
+    "--truncate-prompt-tokens",
     "--prompt-logprobs",
     "--repetition-penalty",
     "--frequency-penalty",
@@ -650,6 +651,7 @@ def test_arrow_and_parquet_schema_metadata(formats: dict[str, Path], model: Path
         "choice": None,
         "prompt_logprobs": None,
         "prompt_logprobs_from": None,
+        "truncate_prompt_tokens": None,
         "n": 1,
     }
     for schema in (pa.ipc.open_file(formats["arrow"]).schema, pq.read_schema(formats["parquet"])):

@@ -379,7 +379,10 @@ def test_a_scoring_row_holds_one_token_more_than_the_context(short_lm: BatchgenL
         "rows:2: field 'prompt_token_ids': prompt has 258 tokens, > context length 256 + 1 (a row that only scores "
         "its prompt)"
     )
-    assert generates["error"] == "rows:3: field 'prompt_token_ids': prompt has 256 tokens, >= context length 256"
+    assert generates["error"] == (
+        "rows:3: field 'prompt_token_ids': prompt has 256 tokens, >= context length 256 (truncate_prompt_tokens -1 "
+        "keeps the last that fit)"
+    )
 
 
 def test_max_length_beyond_the_context_is_refused(llama_dir: Path) -> None:
