@@ -50,7 +50,6 @@ _FOREIGN_SAMPLING_NAMES: dict[str, str | None] = {
             "no_repeat_ngram_size",
             "detokenize",
             "spaces_between_special_tokens",
-            "bad_words",
             "bad_words_ids",
             "logits_processors",
             "renormalize_logits",

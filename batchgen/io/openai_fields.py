@@ -27,7 +27,7 @@ COPIED = {
     **{name: name for name in ("chat_template_kwargs", "add_generation_prompt", "continue_final_message")},
     # Ids of the model's vocabulary (logit_bias' JSON keys: strings), as vLLM reads them; OpenAI's are its own
     # tokenizer's. allowed_token_ids is vLLM's.
-    **{name: name for name in ("logit_bias", "allowed_token_ids")},
+    **{name: name for name in ("logit_bias", "allowed_token_ids", "bad_words")},
     "truncate_prompt_tokens": "truncate_prompt_tokens",  # vLLM's left truncation
 }
 # vLLM's structured-output body fields (its guided_* fields, and the keys of its structured_outputs object, vLLM
@@ -63,7 +63,6 @@ _OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "length_penalty": (1.0,),
     "priority": (0,),
     "spaces_between_special_tokens": (True,),
-    "bad_words": ([],),
     "return_tokens_as_token_ids": (False,),  # the lines give each token's text, as OpenAI's do
     "include_reasoning": (True,),  # batchgen splits no reasoning out of the text
 }

@@ -12,6 +12,7 @@ from batchgen.job.continuation import split_continuation
 from batchgen.loop.detokenizer import IncrementalDetokenizer
 from batchgen.loop.engine import EngineFacts
 from batchgen.loop.req import Req
+from batchgen.sampling.bad_words import bad_word_sequences
 from batchgen.sampling.grammar import GrammarCompiler
 from batchgen.sampling.penalties import TokenHistory, needs_history
 from batchgen.sampling.random import derive_seed
@@ -108,9 +109,13 @@ class RequestBuilder:
             raise error(e.field, e.message) from None
         if self.tokenizer is None:
             text_field = "messages" if spec.messages is not None else "prompt"
-            if spec.prompt_token_ids is None or params.stop:
-                field = "stop" if spec.prompt_token_ids is not None else text_field
-                raise error(field, "this model has no tokenizer: give prompt_token_ids and no stop strings")
+            if spec.prompt_token_ids is None or params.stop or params.bad_words:
+                field = (
+                    ("bad_words" if params.bad_words else "stop") if spec.prompt_token_ids is not None else text_field
+                )
+                raise error(
+                    field, "this model has no tokenizer: give prompt_token_ids and no stop strings or bad words"
+                )
             if params.constraint is not None:  # a grammar constrains text, which needs the tokenizer's vocabulary
                 raise error(params.constraint[0], "this model has no tokenizer, which a grammar needs")
         try:
@@ -149,6 +154,10 @@ class RequestBuilder:
                 "prompt_logprobs_from",
                 f"must be less than the prompt's {len(prompt_ids)} tokens, got {params.prompt_logprobs_from}",
             )
+        try:
+            bad_word_ids = bad_word_sequences(self.tokenizer, params.bad_words) if params.bad_words else ()
+        except ValueError as e:
+            raise error("bad_words", str(e)) from None
         grammar = None
         if params.constraint is not None:
             # Every EOS id closes the grammar, ignore_eos or not (the grammar must end on one of them, and an EOS
@@ -171,6 +180,7 @@ class RequestBuilder:
             ),
             history=TokenHistory(frozenset(prompt_ids)) if needs_history(params) else None,
             grammar=grammar,
+            bad_word_ids=bad_word_ids,
             unforked_samples=params.n - 1,
         )
 

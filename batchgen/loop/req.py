@@ -44,6 +44,8 @@ class Req:
     detokenizer: IncrementalDetokenizer | None = None
     history: TokenHistory | None = None
     grammar: GrammarState | None = None
+    # The token sequences of the row's bad_words (batchgen.sampling.bad_words).
+    bad_word_ids: tuple[tuple[int, ...], ...] = ()
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)

@@ -11,6 +11,7 @@ from batchgen.loop.drafter import RoundDrafts
 from batchgen.loop.forward_mode import ForwardMode
 from batchgen.loop.kv_cache import KVCache
 from batchgen.loop.req import Req
+from batchgen.sampling.bad_words import bad_word_bans
 from batchgen.sampling.grammar import banned_before_min_tokens
 from batchgen.sampling.rejection import DraftProposals
 from batchgen.sampling.sampling_batch_info import SamplingBatchInfo
@@ -180,6 +181,9 @@ def _sampling_info(
         device=device,
         histories=[d.history_after(r.history, j) if d is not None else r.history for _, r, j, d in draws],
         grammars=grammars,
+        bad_words=[
+            bad_word_bans(r.bad_word_ids, r.output_ids + (d.ids[:j] if d is not None else [])) for _, r, j, d in draws
+        ],
         processed_logprobs=processed_logprobs,
         drafts=_draft_proposals(draws, vocab_size),
     )

@@ -23,6 +23,7 @@ SAMPLING_FIELDS: tuple[str, ...] = (
     "min_p",
     "stop",
     "stop_token_ids",
+    "bad_words",
     "ignore_eos",
     "seed",
     "skip_special_tokens",
@@ -95,7 +96,7 @@ def _coerce(name: str, value: Any) -> Any:
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise FieldError(name, f"must be an integer or null, got {shown_value(value)}")
         return value
-    if name == "stop":
+    if name in ("stop", "bad_words"):
         if isinstance(value, str):
             value = [value]
         if not isinstance(value, (list, tuple)) or not all(isinstance(s, str) for s in value):

@@ -31,7 +31,7 @@ class SamplingBatchInfo:
         greedy: bool ``[n]``; is_all_greedy: host bool, lets the sampler skip everything but argmax.
         seeds, steps: int64 ``[n]``: each row's seed and output position, from which its noise is derived.
         banned_rows, banned_ids: int64 ``[m]`` pairs (row, token) masked to -inf before choosing a token
-            (EOS and stop ids while ``min_new_tokens`` is not reached).
+            (EOS and stop ids while ``min_new_tokens`` is not reached, the next token of a bad word).
         top_logprobs: host list, how many top logprobs each row reports; need_logprobs: any row wants them.
         adjustments: logit bias, penalties and allowed ids of the rows that have any (``None`` if no row has).
         grammar_mask: int32 ``[n, ceil(vocab / 32)]`` allowed-token bits of constrained rows (``None`` if none).
@@ -78,13 +78,16 @@ class SamplingBatchInfo:
         processed_logprobs: bool = False,
         grammars: Sequence[GrammarState | None] | None = None,
         drafts: DraftProposals | None = None,
+        bad_words: Sequence[Sequence[int]] | None = None,
     ) -> SamplingBatchInfo:
-        """Stack per-row parameters; ``banned[i]`` lists the token ids row ``i`` may not pick this round;
+        """Stack per-row parameters; ``banned[i]`` lists the token ids row ``i`` may not pick this round as it has
+        not reached its ``min_new_tokens``, ``bad_words[i]`` those that would complete a bad word;
         ``histories[i]`` is row ``i``'s token history when it uses penalties."""
         greedy = [samples_greedily(p) for p in params]
         top_ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
-        banned_rows = [i for i, ids in enumerate(banned) for _ in ids]
-        banned_ids = [t for ids in banned for t in ids]
+        every = [sorted({*ids, *more}) for ids, more in zip(banned, bad_words)] if bad_words is not None else banned
+        banned_rows = [i for i, ids in enumerate(every) for _ in ids]
+        banned_ids = [t for ids in every for t in ids]
 
         def tensor(values: Sequence[float | int | bool], dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)

@@ -86,6 +86,8 @@ class SamplingParams:
         default=(), metadata={"help": "Default stop string (repeat; \\n, \\t, \\\\ are escapes).", "escapes": True}
     )
     stop_token_ids: tuple[int, ...] = field(default=(), metadata={"help": "Default stop token id (repeat)."})
+    # vLLM's: words the output may not contain (batchgen.sampling.bad_words).
+    bad_words: tuple[str, ...] = field(default=(), metadata={"help": "Default word the output may not hold (repeat)."})
     ignore_eos: bool = field(default=False, metadata={"help": "Default per row."})
     seed: int | None = None
     skip_special_tokens: bool = field(default=True, metadata={"help": "Default per row."})
@@ -184,6 +186,8 @@ class SamplingParams:
                 raise FieldError("stop_token_ids", f"id {token_id} is outside the vocabulary [0, {end})")
         if any(s == "" for s in self.stop):
             raise FieldError("stop", "stop strings must not be empty")
+        if any(not word.strip() for word in self.bad_words):
+            raise FieldError("bad_words", "a bad word must hold more than whitespace")
         if not 0 <= self.top_logprobs <= limit:
             raise FieldError("top_logprobs", f"must be in [0, {size}], got {self.top_logprobs}")
         if not 0.01 <= self.repetition_penalty <= 100.0:

@@ -22,6 +22,7 @@ from batchgen.loop.kv_cache import KVCache
 from batchgen.loop.model_runner import ModelRunner
 from batchgen.loop.req import Req
 from batchgen.loop.schedule_batch import ModelWorkerBatch
+from batchgen.sampling.bad_words import bad_word_bans
 from batchgen.sampling.grammar import GrammarState, banned_before_min_tokens
 from batchgen.sampling.penalties import TokenHistory
 from batchgen.sampling.sampling_batch_info import SamplingBatchInfo
@@ -161,6 +162,7 @@ def draft_sampling_info(items: list[Drafting], vocab_size: int, device: torch.de
         device=device,
         histories=[it.history for it in items],
         grammars=[it.grammar for it in items],
+        bad_words=[bad_word_bans(it.req.bad_word_ids, it.req.output_ids + it.drafts) for it in items],
     )
     info.need_logprobs = False  # nobody reads a draft's logprobs: skip their log_softmax and top-k
     info.return_probs = any(it.keep_probs for it in items)

@@ -24,7 +24,7 @@ def test_a_misspelt_sampling_field_is_named(name: str, meant: str) -> None:
 
 
 # vLLM's SamplingParams fields (its documented list) that batchgen has no option for; a new user's rows held them.
-@pytest.mark.parametrize("name", ["detokenize", "spaces_between_special_tokens", "bad_words"])
+@pytest.mark.parametrize("name", ["detokenize", "spaces_between_special_tokens", "typical_p"])
 def test_other_engines_sampling_fields_are_named_unsupported(name: str) -> None:
     assert foreign_field_warning(name) == (
         f"field '{name}' is not supported: batchgen has no such option; it is passed through unused"

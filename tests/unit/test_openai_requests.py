@@ -193,7 +193,7 @@ def test_vllms_request_fields_at_their_defaults_ask_for_nothing(tmp_path: Path) 
         ("use_beam_search", True, CHAT, "true is not supported by batchgen; leave it out (or give false)"),
         ("length_penalty", 0.5, CHAT, "0.5 is not supported by batchgen; leave it out (or give 1.0)"),
         ("priority", True, CHAT, "true is not supported by batchgen; leave it out (or give 0)"),  # a bool is no 1
-        ("bad_words", ["x"], COMPLETIONS, "is not supported by batchgen; leave it out (or give [])"),
+        ("spaces_between_special_tokens", False, COMPLETIONS, "leave it out (or give true)"),
         ("add_special_tokens", True, CHAT, "batchgen adds none to chat messages (their template has them)"),
         ("add_special_tokens", False, COMPLETIONS, "batchgen adds them to a prompt"),
         ("best_of", 3, CHAT, "best_of 3 is not supported (only best_of equal to n)"),
@@ -250,7 +250,7 @@ def test_vllms_structured_output_fields_are_the_rows_constraints(tmp_path: Path)
         request("so", chat(structured_outputs={"json_object": True})),
         request("sf", chat(structured_outputs={"json_object": False}, guided_grammar='root ::= "y"')),
         # The model's token ids, as vLLM reads them.
-        request("lb", chat(logit_bias={"5": -100, "7": 2.5}, allowed_token_ids=[5, 7, 9])),
+        request("lb", chat(logit_bias={"5": -100, "7": 2.5}, allowed_token_ids=[5, 7, 9], bad_words=["x y"])),
     ]
     got = {row.data["id"]: row for row in rows(tmp_path, lines)}
     assert all(row.problem is None for row in got.values())
@@ -266,7 +266,8 @@ def test_vllms_structured_output_fields_are_the_rows_constraints(tmp_path: Path)
         "sf": {"ebnf": 'root ::= "y"'},
         "lb": {},
     }
-    assert (got["lb"].data["logit_bias"], got["lb"].data["allowed_token_ids"]) == ({"5": -100, "7": 2.5}, [5, 7, 9])
+    limits = ("logit_bias", "allowed_token_ids", "bad_words")
+    assert [got["lb"].data[name] for name in limits] == [{"5": -100, "7": 2.5}, [5, 7, 9], ["x y"]]
 
 
 def test_text_content_parts_are_joined_and_others_refused(tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ from batchgen.sampling.sampling_params import SamplingParams
         # Found by a new user: a messages row on a model with no tokenizer was told about 'prompt'.
         ({"messages": [{"role": "user", "content": "hi"}]}, "messages"),
         ({"prompt_token_ids": [3, 4], "stop": "x"}, "stop"),
+        ({"prompt_token_ids": [3, 4], "bad_words": ["x"]}, "bad_words"),
     ],
 )
 def test_a_model_without_a_tokenizer_names_the_field_that_needs_one(data: dict[str, Any], field: str) -> None:
@@ -29,7 +30,8 @@ def test_a_model_without_a_tokenizer_names_the_field_that_needs_one(data: dict[s
     with pytest.raises(RowError) as caught:
         builder.build(spec, "in.jsonl")
     assert str(caught.value) == (
-        f"in.jsonl:3: field '{field}': this model has no tokenizer: give prompt_token_ids and no stop strings"
+        f"in.jsonl:3: field '{field}': this model has no tokenizer: give prompt_token_ids and no stop strings or "
+        "bad words"
     )
 
 
