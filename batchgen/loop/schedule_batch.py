@@ -182,7 +182,7 @@ def _sampling_info(
         histories=[d.history_after(r.history, j) if d is not None else r.history for _, r, j, d in draws],
         grammars=grammars,
         bad_words=[
-            bad_word_bans(r.bad_word_ids, r.output_ids + (d.ids[:j] if d is not None else [])) for _, r, j, d in draws
+            bad_word_bans(r.bad_word_ids, r.output_ids, d.ids[:j] if d is not None else ()) for _, r, j, d in draws
         ],
         processed_logprobs=processed_logprobs,
         drafts=_draft_proposals(draws, vocab_size),

@@ -30,12 +30,19 @@ def bad_word_sequences(tokenizer: Any, words: Sequence[str]) -> tuple[tuple[int,
     return tuple(sequences)
 
 
-def bad_word_bans(sequences: Sequence[Sequence[int]], output_ids: Sequence[int]) -> list[int]:
-    """The ids a row may not pick next: each sequence's last token where ``output_ids`` end with the sequence's other
-    tokens (a one-token sequence: always). Only the output counts, as in vLLM: a word begun in the prompt is not."""
+def bad_word_bans(
+    sequences: Sequence[Sequence[int]], output_ids: Sequence[int], drafted: Sequence[int] = ()
+) -> list[int]:
+    """The ids a row may not pick next: each sequence's last token where the output (``output_ids`` then the
+    ``drafted`` ids a verify or draft round puts after them) ends with the sequence's other tokens (a one-token
+    sequence: always). Only the output counts, as in vLLM: a word begun in the prompt is not."""
+    if not sequences:
+        return []
+    longest = max(len(sequence) for sequence in sequences) - 1
+    recent = [*output_ids[max(len(output_ids) - longest, 0) :], *drafted]  # all a sequence can look back on
     banned = set()
     for sequence in sequences:
         head = len(sequence) - 1
-        if head == 0 or (head <= len(output_ids) and list(output_ids[len(output_ids) - head :]) == list(sequence[:-1])):
+        if head == 0 or (head <= len(recent) and recent[len(recent) - head :] == list(sequence[:-1])):
             banned.add(sequence[-1])
     return sorted(banned)

@@ -162,7 +162,7 @@ def draft_sampling_info(items: list[Drafting], vocab_size: int, device: torch.de
         device=device,
         histories=[it.history for it in items],
         grammars=[it.grammar for it in items],
-        bad_words=[bad_word_bans(it.req.bad_word_ids, it.req.output_ids + it.drafts) for it in items],
+        bad_words=[bad_word_bans(it.req.bad_word_ids, it.req.output_ids, it.drafts) for it in items],
     )
     info.need_logprobs = False  # nobody reads a draft's logprobs: skip their log_softmax and top-k
     info.return_probs = any(it.keep_probs for it in items)

@@ -26,6 +26,9 @@ from tests.helpers.models import STORIES, build_tokenizer, needs_shared
 )
 def test_the_next_token_of_a_begun_word_is_banned(output: list[int], banned: list[int]) -> None:
     assert bad_word_bans([(4, 5, 6), (7, 8), (9,)], output) == banned
+    for cut in range(len(output) + 1):  # a verify round's drafts after the output so far: the same tokens
+        assert bad_word_bans([(4, 5, 6), (7, 8), (9,)], [1, 1, *output[:cut]], output[cut:]) == banned
+    assert bad_word_bans([], output) == []
 
 
 def test_a_word_gives_its_sequence_alone_and_after_a_space(tmp_path: Path) -> None:
