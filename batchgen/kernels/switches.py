@@ -5,12 +5,14 @@ the attention backend, and recorded in the output's metadata, which ``--resume``
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 from batchgen.errors import BatchgenError
 
 # The variable of Triton's fused elementwise kernels.
 TRITON_FUSED_OPS = "BATCHGEN_TRITON_FUSED_OPS"
+# The switches of kernels in batchgen's C++ extension: where it does not build, the PyTorch code runs in their place.
+EXTENSION_SWITCHES = ("cpu_attention_kernel", "cpu_fused_ops", "cpu_half_weight_linear")
 # Spellings of on and off, Triton's for its boolean environment variables.
 _ON = ("1", "true", "on", "yes")
 _OFF = ("0", "false", "off", "no")
@@ -57,6 +59,17 @@ class KernelSwitches:
             elif text:
                 raise BatchgenError(f"{variable} must be 1 or 0, got '{text}'")
         return cls(**values)  # type: ignore[arg-type]
+
+    @property
+    def use_extension(self) -> bool:
+        """Whether any kernel of batchgen's C++ extension is switched on (:data:`EXTENSION_SWITCHES`)."""
+        return any(getattr(self, name) for name in EXTENSION_SWITCHES)
+
+    def without_extension(self) -> KernelSwitches:
+        """These switches with the extension's kernels off: what runs where it did not build, as the output's
+        metadata must record it (found by a helper: a run without the extension recorded them on, and its
+        ``--resume`` on a machine that built it mixed the two paths' last bits in one output)."""
+        return replace(self, **dict.fromkeys(EXTENSION_SWITCHES, False))
 
     def as_metadata(self, device_type: str) -> dict[str, bool | None]:
         """The switches by variable name, as the output of a run on a ``device_type`` device (``cpu``, ``cuda``)

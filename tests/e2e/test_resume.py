@@ -1018,6 +1018,28 @@ def test_resume_refuses_other_kernel_switches_as_it_refuses_another_dtype(
     assert sorted(row["id"] for row in read_results(out).to_pylist()) == sorted(row["id"] for row in rows)
 
 
+def test_a_run_whose_cpu_kernels_did_not_build_records_them_off(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a helper: a run whose C++ kernels did not build (no compiler) ran the PyTorch code but recorded the
+    kernels on, and its --resume on a machine with them finished the output with the other path's last bits. Now it
+    records them off: a resume with the kernels is refused, one that turns them off too runs."""
+    rows = [{"id": f"r{i}", "prompt_token_ids": [0, 5 + i], "max_new_tokens": 2} for i in range(12)]
+    dataset = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.arrow"
+    with monkeypatch.context() as patch:
+        patch.setattr("batchgen.loop.engine.build_problem", lambda: "the CPU kernels did not build (no compiler)")
+        fail_part_write(patch, at=2)
+        assert run_cli(args(dataset, out, model, *SLOW_FLAGS))[0] == 2
+    code, output = run_cli(args(dataset, out, model, "--resume"))
+    assert code == 2
+    for name in ("BATCHGEN_CPU_ATTENTION_KERNEL", "BATCHGEN_CPU_FUSED_OPS", "BATCHGEN_CPU_HALF_WEIGHT_LINEAR"):
+        assert f"{name} False → True" in output
+        monkeypatch.setenv(name, "0")
+    code, output = run_cli(args(dataset, out, model, "--resume"))
+    assert code == 0, output
+
+
 def test_status_of_an_output_from_another_dataset_says_so(
     small_job: tuple[Path, dict[Key, dict[str, Any]]], model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
