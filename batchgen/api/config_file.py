@@ -8,7 +8,7 @@ same run from either.
 from __future__ import annotations
 
 import os
-from collections.abc import Collection
+from collections.abc import Mapping
 from dataclasses import Field
 from pathlib import Path
 from typing import Any, get_args, get_origin, get_type_hints
@@ -137,14 +137,22 @@ def with_config(config: str | os.PathLike[str] | None, given: dict[str, Any]) ->
     """
     from_file = config_options(Path(config)) if config is not None else {}
     given = {name: value for name, value in given.items() if value is not None}
-    replaced = constraints_replaced(given)
+    replaced = config_options_replaced(given)
     return {name: value for name, value in from_file.items() if name not in replaced} | given
 
 
-def constraints_replaced(given: Collection[str]) -> tuple[str, ...]:
-    """The constraint options of a ``--config`` file that options ``given`` over it replace: every other kind, where
-    one is given (``regex`` over the file's ``json-schema``), as a row's constraint replaces the run's."""
-    return tuple(name for name in GRAMMAR_FIELDS if name not in given) if set(given) & set(GRAMMAR_FIELDS) else ()
+# Options that exclude each other (JobOptions.validate): the one given on replaces the others in a config file.
+_EXCLUDED = {"overwrite": ("resume", "resume_force"), "resume": ("overwrite",), "resume_force": ("overwrite",)}
+
+
+def config_options_replaced(given: Mapping[str, Any]) -> tuple[str, ...]:
+    """The options of a ``--config`` file that the options ``given`` over it (by name, with their values) replace:
+    every other constraint kind, where one is given (``regex`` over the file's ``json-schema``), as a row's
+    constraint replaces the run's; and ``resume``/``resume_force`` under an ``overwrite`` given on, or ``overwrite``
+    under one of them (found by a helper: a file's ``resume: true`` made ``--overwrite`` an error, where flags
+    override the file)."""
+    replaced = [name for name in GRAMMAR_FIELDS if name not in given] if set(given) & set(GRAMMAR_FIELDS) else []
+    return (*replaced, *(other for name, others in _EXCLUDED.items() if given.get(name) for other in others))
 
 
 def parsed_text(option: Field[Any], value: Any) -> Any:

@@ -22,13 +22,13 @@ from typer._click.exceptions import UsageError
 from typer._click.globals import get_current_context
 from typer.core import TyperArgument, TyperCommand, TyperOption
 
-from batchgen.api.config_file import constraints_replaced, parsed_text, value_type
+from batchgen.api.config_file import config_options_replaced, parsed_text, value_type
 from batchgen.api.options import OPTION_CLASSES, declared_options
 from batchgen.cli import release_startup_interrupts
 from batchgen.cli.user_errors import given
 from batchgen.errors import FieldError, shown_value
 from batchgen.io.input_options import apply_escapes
-from batchgen.sampling.sampling_params import GRAMMAR_FIELDS, MODEL_SAMPLING_FIELDS, SamplingParams
+from batchgen.sampling.sampling_params import MODEL_SAMPLING_FIELDS, SamplingParams
 
 
 def with_options(
@@ -63,7 +63,7 @@ def with_options(
         @functools.wraps(func)
         def command(**values: Any) -> None:
             release_startup_interrupts(still_starting=starts_until_its_handlers)
-            _flags_replace_the_configs_constraint(values)
+            _flags_replace_the_configs_options(values)
             for name, (cls, names) in groups.items():
                 given = {n: values.pop(n) for n in names}
                 values[name] = cls(**{n: tuple(v) if isinstance(v, list) else v for n, v in given.items()})
@@ -78,14 +78,15 @@ def with_options(
     return decorate
 
 
-def _flags_replace_the_configs_constraint(values: dict[str, Any]) -> None:
-    """A constraint flag (``--regex``) replaces a ``--config`` file's constraint of another kind (its
-    ``json-schema``), as a flag replaces the file's value of its own option and a row's constraint the run's."""
+def _flags_replace_the_configs_options(values: dict[str, Any]) -> None:
+    """A flag replaces the ``--config`` file's options it excludes (:func:`config_options_replaced`: ``--regex`` its
+    ``json-schema``, ``--overwrite`` its ``resume``), as a flag replaces the file's value of its own option: those
+    take their defaults (none, off); a flag given on the command line too stays."""
     ctx = get_current_context()
-    flagged = [name for name in GRAMMAR_FIELDS if name in values and given(ctx, name)]
-    for name in constraints_replaced(flagged):
-        if name in values:
-            values[name] = None
+    flagged = {name: value for name, value in values.items() if given(ctx, name)}
+    for name in config_options_replaced(flagged):
+        if name in values and name not in flagged:
+            values[name] = False if isinstance(values[name], bool) else None
 
 
 def _left_to_model(values: dict[str, Any]) -> tuple[str, ...]:

@@ -20,6 +20,7 @@ from batchgen.io.input_options import INPUT_OPTIONS_KEY, InputOptions, apply_esc
 from batchgen.loop.engine import EngineFacts, dtype_name
 from batchgen.loop.generation_config import sampling_defaults
 from batchgen.loop.options import EngineOptions, pick_device
+from batchgen.models.fingerprint import fingerprint_differences, model_fingerprint
 from batchgen.sampling.sampling_params import MODEL_SAMPLING_FIELDS, SamplingParams
 
 # Metadata keys a resumed run adds to ``RunJob.metadata``: the dataset's fingerprint and the run seed.
@@ -29,6 +30,8 @@ RUN_SEED_KEY = "batchgen.run_seed"
 _OUTPUT_ENGINE_OPTIONS = ("seed", "context_length")
 # The sampling defaults a generation_config.json gave the run (``--generation-config``), by field.
 MODEL_SAMPLING_KEY = "batchgen.model_sampling_defaults"
+# The fingerprint of the model folder's files (batchgen.models.fingerprint); none for random: models.
+MODEL_FILES_KEY = "batchgen.model_files"
 # Entries the loaded engine records: before the model is loaded, the recorded ones stand in for what only the model
 # decides (its directory, a resolved ``--dtype auto``, the default of ``--deterministic``, the context length that
 # ``--context-length`` defaults to); the sampling defaults of its generation_config.json are read again.
@@ -41,6 +44,7 @@ _MODEL_FACTS = (
     MODEL_SAMPLING_KEY,
     # The most tokens a row holds (prompt and output): the context length, or a KV pool smaller than it (engine.py).
     "batchgen.context_length",
+    MODEL_FILES_KEY,
 )
 
 
@@ -56,6 +60,7 @@ def run_metadata(
         "batchgen.model_context_length": str(facts.model_context_len),
         MODEL_SAMPLING_KEY: json.dumps(facts.sampling_defaults),
         "batchgen.context_length": str(facts.context_len),
+        **({MODEL_FILES_KEY: model_fingerprint(facts.model_dir)} if facts.model_dir is not None else {}),
     }
     return {"batchgen.version": __version__} | _settings(options, defaults, input_options, model_facts)
 
@@ -105,6 +110,7 @@ def settings_differences(
     model_dir = next((path for path in (named, recorded_dir) if path.is_dir()), None)  # random:'s "None" is none
     if model_dir is not None or options.generation_config != "auto":  # else the recorded values stand in
         model_facts[MODEL_SAMPLING_KEY] = json.dumps(sampling_defaults(options.generation_config, model_dir)[0])
+    model_facts |= {MODEL_FILES_KEY: model_fingerprint(model_dir)} if model_dir is not None else {}
     same_dataset = {DATASET_KEY: fingerprint_dataset(dataset).to_json()}
     now = _settings(options, defaults, input_options, model_facts)
     return job_differences(recorded | same_dataset, now | same_dataset)
@@ -180,6 +186,7 @@ def job_differences(recorded: dict[str, str], now: dict[str, str]) -> list[str]:
             differences.append(f"{label} {old!r} → {new!r}")
     if "batchgen.kernel_switches" in recorded:  # an output of a batchgen that did not record them: not compared
         differences += changed_fields("batchgen.kernel_switches", recorded, now, None)
+    differences += fingerprint_differences(recorded.get(MODEL_FILES_KEY), now.get(MODEL_FILES_KEY))
     old_mode, new_mode = recorded.get("batchgen.deterministic"), now.get("batchgen.deterministic")
     if old_mode is not None and old_mode != new_mode:  # not recorded before batchgen had the mode: not compared
         flag = "--deterministic" if old_mode == "true" else "--no-deterministic"

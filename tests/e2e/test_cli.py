@@ -541,25 +541,28 @@ def test_config_true_or_false_sets_a_switch(model: Path, tmp_path: Path) -> None
 
 @pytest.mark.parametrize("key", ["resume", "resume-force"])
 def test_a_config_that_resumes_is_overridden_by_a_flag(key: str, model: Path, tmp_path: Path) -> None:
-    """Flags override the config (options.md), a switch the config turns on too: --no-resume / --no-resume-force
-    let a config's run start over with --overwrite (there was no such flag; helper 63). The row ignores EOS: an
-    unseeded run's sampled first token was EOS once in a CI run, and the row then held one token."""
+    """Flags override the config (options.md), a switch the config turns on too: --overwrite starts a config's
+    resuming run over (a helper: it was an error naming the file's resume, though refusals of a changed run say to
+    pass --overwrite), as --no-resume / --no-resume-force do (helper 63); on the command line both still exclude each
+    other. The row ignores EOS: an unseeded run's sampled first token was EOS once in a CI run."""
     dataset = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "x", "max_new_tokens": 2, "ignore_eos": True}])
     config = tmp_path / "c.yaml"
     config.write_text(f"{key}: true\n")
     out = tmp_path / "o.jsonl"
-    out.write_text("an earlier output\n")
-    code, output = _run(dataset, out, model, "--config", str(config), "--overwrite")
+    for flags in (["--overwrite"], ["--overwrite", f"--no-{key}"]):
+        out.write_text("an earlier output\n")
+        code, output = _run(dataset, out, model, "--config", str(config), *flags)
+        assert code == 0, output
+        assert json.loads(out.read_text())["completion_tokens"] == 2
+    code, output = _run(dataset, out, model, "--config", str(config), "--overwrite", f"--{key}")
     assert (code, output) == (
         2,
-        [
-            f"batchgen: error: {config}: option '{key}': --overwrite and --{key} exclude each other: --overwrite "
-            f"starts over, --{key} continues"
-        ],
+        [f"batchgen: error: --overwrite and --{key} exclude each other: --overwrite starts over, --{key} continues"],
     )
-    code, output = _run(dataset, out, model, "--config", str(config), "--overwrite", f"--no-{key}")
-    assert code == 0, output
-    assert json.loads(out.read_text())["completion_tokens"] == 2
+    # And a config's overwrite under a --resume flag: the flag's resume, not the file's start over.
+    config.write_text("overwrite: true\n")
+    code, output = _run(dataset, out, model, "--config", str(config), f"--{key}")
+    assert code == 0 and out.read_text().count("\n") == 1, output
 
 
 # --- output formats and metadata --------------------------------------------------------------------------

@@ -37,6 +37,7 @@ from batchgen.models.source import triton_fused_ops_requested
 from tests.helpers.cli import run_cli, write_jsonl
 from tests.helpers.crash_points import AFTER_ROWS, IN_FLUSH, part_write_with_fault
 from tests.helpers.fork_runner import Zygote
+from tests.helpers.models import perturbed_copy
 
 ROWS = 300
 # What a run that cannot have the output because another run writes it says.
@@ -1038,6 +1039,35 @@ def test_a_run_whose_cpu_kernels_did_not_build_records_them_off(
         monkeypatch.setenv(name, "0")
     code, output = run_cli(args(dataset, out, model, "--resume"))
     assert code == 0, output
+
+
+def test_a_model_replaced_at_the_same_path_is_refused(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a helper: a checkpoint retrained in place (or a ``latest`` link moved to another) resumed an output of
+    the old one, mixing two models' rows with exit 0. The model's files are fingerprinted: another checkpoint at the
+    path is refused by a partial output's resume, a finished one's, and ``status``; a copy of the same files (new
+    modification times, as on another machine) is not."""
+    here = tmp_path / "model"
+    shutil.copytree(model, here)
+    rows = [{"id": f"r{i}", "prompt_token_ids": [0, 5 + i], "max_new_tokens": 2} for i in range(12)]
+    dataset = write_jsonl(tmp_path / "in.jsonl", rows)
+    out, done = tmp_path / "out.arrow", tmp_path / "done.arrow"
+    assert run_cli(args(dataset, done, here))[0] == 0
+    with monkeypatch.context() as patch:
+        fail_part_write(patch, at=2)
+        assert run_cli(args(dataset, out, here, *SLOW_FLAGS))[0] == 2
+    shutil.rmtree(here)
+    shutil.copytree(model, here)  # the same files again, every modification time new
+    assert status(dataset, done).startswith(f"{done}: complete:")
+    shutil.rmtree(here)
+    perturbed_copy(model, here)  # another checkpoint at the same path
+    changed = "model files changed at the same path: model.safetensors"  # its tokenizer, saved again, too
+    for target in (out, done):
+        code, output = run_cli(args(dataset, target, here, "--resume"))
+        assert code == 2 and changed in output, output
+    code, output = run_cli(["status", str(dataset), str(done), "--model", str(here), *COMMON])
+    assert code == 1 and changed in output, output
 
 
 def test_status_of_an_output_from_another_dataset_says_so(
