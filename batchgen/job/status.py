@@ -64,16 +64,19 @@ class OutputStatus:
 
     def lines(self) -> list[str]:
         """``OUT: STATE: D of T rows done, R remaining, E errored``, then one line per note."""
-        # A finished output file that lacks rows is not "complete", though nothing is in progress.
-        state = "finished with rows missing" if self.state == "complete" and self.remaining else self.state
-        if self.state == "complete" and not self.remaining:
-            if self.recheck or (self.stale and not self.force):
+        # A finished output file that lacks rows is not "complete", though nothing is in progress; one that --resume
+        # refuses says why first, whether or not it lacks rows (a helper: "--resume adds them", then refused).
+        state = self.state
+        if self.state == "complete":
+            if (self.recheck and not self.remaining) or (self.stale and not self.force):
                 state = "finished from rows changed since"
             elif self.other_settings and not self.force:
                 state = "finished with other settings"
+            elif self.remaining:
+                state = "finished with rows missing"
         line = f"{self.out}: {state}: {self.done} of {self.total} rows done, {self.remaining} remaining, "
         line += f"{self.errored} errored"
-        if self.state == "complete" and self.remaining:
+        if state == "finished with rows missing":
             # A new user's trial: the hint named --resume for a .jsonl output, which cannot be resumed.
             how = (
                 "a .jsonl output cannot be resumed: once they are fixed, --overwrite runs the dataset again"

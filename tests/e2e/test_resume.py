@@ -1070,6 +1070,20 @@ def test_a_model_replaced_at_the_same_path_is_refused(
     assert code == 1 and changed in output, output
 
 
+def test_status_of_a_changed_row_and_an_added_one_says_resume_refuses(model: Path, tmp_path: Path) -> None:
+    """A helper's trial: one row edited and one appended after the run; status said "finished with rows missing ...
+    --resume adds them", and --resume then refused the edited row. The state now says why --resume refuses."""
+    rows = [{"id": f"r{i}", "prompt_token_ids": [0, 5 + i], "max_new_tokens": 2} for i in range(4)]
+    dataset = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.arrow"
+    assert run_cli(args(dataset, out, model))[0] == 0
+    rows[1]["prompt_token_ids"] = [0, 40]
+    write_jsonl(dataset, [*rows, {"id": "r4", "prompt_token_ids": [0, 9], "max_new_tokens": 2}])
+    lines = status(dataset, out).splitlines()
+    assert lines[0] == f"{out}: finished from rows changed since: 4 of 5 rows done, 1 remaining, 0 errored"
+    assert run_cli(args(dataset, out, model, "--resume"))[0] == 2
+
+
 def test_status_of_an_output_from_another_dataset_says_so(
     small_job: tuple[Path, dict[Key, dict[str, Any]]], model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1079,9 +1093,10 @@ def test_status_of_an_output_from_another_dataset_says_so(
     assert run_cli(args(dataset, out, model))[0] == 0
     other = write_jsonl(tmp_path / "other.jsonl", [{"id": f"z{i}", "prompt_token_ids": [0, 5]} for i in range(3)])
     lines = status(other, out).splitlines()
-    # By id: none of the other dataset's 3 ids has a row in the output, whose 40 rows match none of its rows.
-    missing = "finished with rows missing"
-    assert lines[0].startswith(f"{out}: {missing}: 0 of 3 rows done, 3 remaining, 0 errored")
+    # By id: none of the other dataset's 3 ids has a row in the output, whose 40 rows match none of its rows; as
+    # --resume refuses those rows, the state says so first (a helper: "rows missing ... --resume adds them").
+    changed = "finished from rows changed since"
+    assert lines[0] == f"{out}: {changed}: 0 of 3 rows done, 3 remaining, 0 errored"
     assert lines[1] == f"{out}: note: 40 rows of {out} have an id {other} lacks"
     assert lines[-1].startswith(f"{out}: note: {out} was made from another version of {other}, or from another file")
     assert lines[-1].endswith(f"its rows are matched to {other}'s by id")
