@@ -36,7 +36,7 @@ from batchgen.loop.engine import Engine
 from batchgen.loop.options import EngineOptions
 from batchgen.loop.req import Req
 from batchgen.sampling.row_fields import ROW_FIELD_KEYWORDS
-from batchgen.sampling.sampling_params import SamplingParams
+from batchgen.sampling.sampling_params import SamplingParams, python_value
 from batchgen.speculative import make_drafter
 
 # A row: a prompt, a message list ({"role", "content"} dicts), prompt token ids, or a row dict as in a JSONL file.
@@ -251,7 +251,8 @@ class Generator:
         sampling = call_sampling(caller, sampling_params, keywords)
         check_option_names(sampling, (SamplingParams, InputOptions), caller, also=ROW_FIELD_KEYWORDS)
         row_fields = {name: sampling.pop(name) for name in ROW_FIELD_KEYWORDS if name in sampling}
-        row_fields = {name: value for name, value in row_fields.items() if value is not None}
+        # numpy's and torch's values as the Python values they hold, as a row's (found by a helper: an array of ids).
+        row_fields = {name: python_value(value) for name, value in row_fields.items() if value is not None}
         facts = self.engine.facts()
         check_row_fields(row_fields, facts.vocab_size)
         columns = options_of(InputOptions, sampling)

@@ -171,6 +171,10 @@ def constraint_fields(body: dict[str, Any], fail: Fail) -> dict[str, Any]:
             found[name] = (STRUCTURED_OUTPUTS[key], value)
         elif key == "json_object" and value is True:
             found[name] = ("json_schema", {"type": "object"})
+        elif key not in _STRUCTURED_OFF and key != "json_object" and value is not None:
+            close = difflib.get_close_matches(key, [*STRUCTURED_OUTPUTS, *_STRUCTURED_OFF], n=1, cutoff=0.7)
+            meant = f"did you mean '{close[0]}'?" if close else f"{shown_value(value)} is not supported by batchgen"
+            raise fail(name, f"not a key batchgen reads ({meant}); leave it out")
         elif value is not None and not any(_same(value, off) for off in _STRUCTURED_OFF.get(key, ())):
             raise fail(name, _unsupported(value, _STRUCTURED_OFF.get(key, ())))
     if len(found) > 1:

@@ -133,9 +133,10 @@ class RequestBuilder:
             token = self.tokenizer.convert_ids_to_tokens(beyond)
             message = f"tokenizes to id {beyond} ({token!r}), outside the model's vocabulary [0, {self.vocab_size})"
             raise error("continuation" if scored_from is not None and at >= scored_from else prompt_field, message)
-        if params.truncate_prompt_tokens is not None:
-            if scored_from is not None:  # what it scores is the continuation given the whole context
-                raise error("truncate_prompt_tokens", "a row that scores a continuation cannot truncate its prompt")
+        # A scored continuation needs its whole context: a row's own value is refused, the run's default left aside.
+        if scored_from is not None and spec.sampling_overrides.get("truncate_prompt_tokens") is not None:
+            raise error("truncate_prompt_tokens", "a row that scores a continuation cannot truncate its prompt")
+        if params.truncate_prompt_tokens is not None and scored_from is None:
             keep = params.truncate_prompt_tokens
             prompt_ids = prompt_ids[-(self.context_len - 1 if keep == -1 else keep) :]
         if scored_from is not None:

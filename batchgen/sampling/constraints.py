@@ -67,20 +67,29 @@ def _choice_text(value: Any) -> str:
     if isinstance(value, str):
         try:
             value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise FieldError("choice", f"must be an array of strings (as JSON text: {e.msg})") from None
+        except json.JSONDecodeError:
+            raise FieldError("choice", f"must be an array of strings, got {shown_value(value)}") from None
     if not isinstance(value, list | tuple) or not value or not all(isinstance(item, str) for item in value):
         raise FieldError("choice", f"must be a non-empty array of strings, got {shown_value(value)}")
     if not all(is_unicode_text(item) for item in value):
         raise FieldError("choice", NOT_UNICODE)
+    if any("\x00" in item for item in value):  # xgrammar's literals end there
+        raise FieldError("choice", "a string holds NUL (U+0000), which a grammar cannot take")
     return json.dumps(list(value), ensure_ascii=False)
 
 
 def choice_ebnf(text: str) -> str:
     """The EBNF grammar whose sentences are exactly the strings of choice ``text`` (a JSON array): one alternative a
-    string, each written as a JSON string literal, whose escapes (``\\"``, ``\\\\``, ``\\n``, ``\\u0001``)
-    xgrammar's EBNF reads as JSON does."""
-    return "root ::= " + " | ".join(json.dumps(item, ensure_ascii=False) for item in json.loads(text))
+    string, each a sequence of JSON string literals, whose escapes (``\\"``, ``\\\\``, ``\\u0001``) xgrammar's
+    EBNF reads as JSON does, every control character a literal of its own: xgrammar prints a grammar again as it
+    compiles it, writing U+0001 as ``\\x01``, which it then reads with the hex digits after it (``\\x011`` as
+    U+0011; found by a helper: the row's text was another string)."""
+    return "root ::= " + " | ".join(_literals(item) for item in json.loads(text))
+
+
+def _literals(item: str) -> str:
+    parts = re.findall(r"[\x00-\x1f\x7f]|[^\x00-\x1f\x7f]+", item) or [""]
+    return " ".join(json.dumps(part, ensure_ascii=False) for part in parts)
 
 
 def _plain(value: Any) -> Any:

@@ -91,11 +91,11 @@ class LogitAdjustments:
 
         return cls(tensors(bias), tensors(additive), tensors(repetition), allowed)
 
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """The adjusted copy of float32 ``logits`` ``[n, vocab]``: the allowed ids, bias, then repetition, then
-        frequency/presence."""
+    def apply(self, logits: torch.Tensor, limit: bool = True) -> torch.Tensor:
+        """The adjusted copy of float32 ``logits`` ``[n, vocab]``: the allowed ids (unless not ``limit``), bias, then
+        repetition, then frequency/presence."""
         logits = logits.clone()
-        if self.allowed is not None:
+        if self.allowed is not None and limit:
             rows, mask = self.allowed
             logits[rows] = logits[rows].masked_fill(~mask, float("-inf"))
         if self.bias is not None:

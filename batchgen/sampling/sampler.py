@@ -36,21 +36,22 @@ class SampleOutput:
 def sample(logits: torch.Tensor, info: SamplingBatchInfo, cpu_kernel: bool = True) -> SampleOutput:
     """Sample one token per row of float32 ``logits`` ``[n, vocab]``.
 
-    Order: grammar mask → logit bias and penalties → banned tokens (min_new_tokens) → temperature → top-k →
-    top-p → min-p → draw. The draw is an exponential race (:func:`exponential_race`, i.e. Gumbel-max) with
-    counter-based noise per (seed, position, token id), so a row's token depends on its own seed, position and
-    distribution only, and a rounding-sized change of its logits changes the token only where two tokens' noisy
-    scores are that close (inverse-CDF sampling moved every interval by the rounding summed over the vocabulary).
-    Greedy rows take
-    the argmax of the adjusted logits (first index on ties, as ``torch.argmax``). Rows in ``info.drafts`` (sampled
-    rows verifying a draft model's draft) emit :func:`rejection_sample`'s choice instead of their draw. Reported
-    logprobs are raw (log_softmax of ``logits``), or with ``info.processed_logprobs`` those of the distribution
-    actually sampled from (vLLM's processed mode). ``cpu_kernel``: the argmax and the race may run batchgen's
-    C++ ops (:mod:`batchgen.kernels.cpu.sampling_ops`).
+    Order: grammar mask → allowed ids, logit bias and penalties → banned tokens (min_new_tokens, bad words) →
+    temperature → top-k → top-p → min-p → draw. Where the bans leave a row no token, they give way; where the
+    allowed ids leave none the grammar takes, they give way to the grammar. The draw is an exponential race
+    (:func:`exponential_race`, i.e. Gumbel-max) with counter-based noise per (seed, position, token id), so a row's
+    token depends on its own seed, position and distribution only, and a rounding-sized change of its logits
+    changes the token only where two tokens' noisy scores are that close (inverse-CDF sampling moved every interval
+    by the rounding summed over the vocabulary). Greedy rows take the argmax of the adjusted logits (first index on
+    ties, as ``torch.argmax``). Rows in ``info.drafts`` (sampled rows verifying a draft model's draft) emit
+    :func:`rejection_sample`'s choice instead of their draw. Reported logprobs are raw (log_softmax of ``logits``),
+    or with ``info.processed_logprobs`` those of the distribution actually sampled from (vLLM's processed mode).
+    ``cpu_kernel``: the argmax and the race may run batchgen's C++ ops (:mod:`batchgen.kernels.cpu.sampling_ops`).
     """
     raw = logits
     if info.grammar_mask is not None:
         logits = apply_bitmask(logits, info.grammar_mask)
+    constrained = logits
     if info.adjustments is not None:
         logits = info.adjustments.apply(logits)
     if info.banned_rows.numel():
@@ -58,9 +59,14 @@ def sample(logits: torch.Tensor, info: SamplingBatchInfo, cpu_kernel: bool = Tru
         logits = logits.index_put(
             (info.banned_rows, info.banned_ids), torch.tensor(float("-inf"), device=logits.device)
         )
-        # A grammar that can only end (with EOS) meets min_new_tokens banning EOS: the grammar wins, since a row
-        # with no allowed token at all could only produce garbage.
-        logits = torch.where(torch.isinf(logits).all(dim=-1, keepdim=True), allowed, logits)
+        # A grammar that can only end (with EOS) meets min_new_tokens banning EOS, or bad words ban every token it
+        # or the allowed ids take: the bans give way, since a row with no token at all could only produce garbage.
+        logits = torch.where(_no_token(logits), allowed, logits)
+    if info.adjustments is not None and info.adjustments.allowed is not None:
+        # Allowed ids that the grammar takes none of give way to it, likewise (found by a helper: token 0 came out).
+        stuck = _no_token(logits)
+        if bool(stuck.any()):
+            logits = torch.where(stuck, info.adjustments.apply(constrained, limit=False), logits)
     next_ids = argmax_rows(logits, cpu_kernel)
     processed = torch.log_softmax(logits, dim=-1) if info.need_logprobs and info.processed_logprobs else None
     drawn_from = None
@@ -102,6 +108,11 @@ def sample(logits: torch.Tensor, info: SamplingBatchInfo, cpu_kernel: bool = Tru
             logprobs = values[:, 0]
             top_logprobs = values[:, 1:] if k else None
     return SampleOutput(next_ids, logprobs, top_ids, top_logprobs, drawn_from)
+
+
+def _no_token(logits: torch.Tensor) -> torch.Tensor:
+    """bool ``[n, 1]``: the rows of ``logits`` ``[n, vocab]`` that allow no token (all -inf)."""
+    return torch.isinf(logits).all(dim=-1, keepdim=True)
 
 
 def _draw(

@@ -442,6 +442,15 @@ def test_a_datasets_dataset_with_column_options(generator: batchgen.Generator) -
         generator.generate([{"question": "Why?"}, {"question": None}], prompt_column="question")
 
 
+def test_row_field_keywords_take_numpy_values(generator: batchgen.Generator) -> None:
+    """Found by a helper: ``allowed_token_ids=np.array([...])`` was refused ("must be a list of integers"), where the
+    same array in a row dict is read as the list it holds."""
+    greedy = {"temperature": 0, "max_new_tokens": 4}
+    got = generator.generate(["x"], allowed_token_ids=np.array([29, 30]), **greedy)
+    want = generator.generate(["x"], allowed_token_ids=[29, 30], **greedy)
+    assert got[0]["output_token_ids"] == want[0]["output_token_ids"] and set(got[0]["output_token_ids"]) <= {29, 30}
+
+
 def test_sglangs_sampling_params_dict_and_row_fields_for_every_row(generator: batchgen.Generator) -> None:
     """SGLang's ``Engine.generate(prompts, sampling_params)``: the dict's entries are the call's keywords, and the
     row fields that are no run option (``regex``, ``json_schema``, ``logit_bias``...) apply to every row that gives

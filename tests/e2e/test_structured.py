@@ -204,7 +204,7 @@ def test_run_level_constraint_flags_and_a_rows_own(random_models: dict[str, Path
         (["--regex", "("], "Invalid value for '--regex': does not compile as a Python regular expression"),
         (["--json-schema", '{"type": "objectx"}'], "--json-schema: does not compile: Unsupported type"),
         (["--regex", "a", "--ebnf", 'root ::= "a"'], "--ebnf: give only one of json_schema, regex, ebnf, choice"),
-        (["--choice", "yes"], "Invalid value for '--choice': must be an array of strings (as JSON text"),
+        (["--choice", "yes"], "Invalid value for '--choice': must be an array of strings, got \"yes\""),
         (["--json-schema", "true"], "Invalid value for '--json-schema': must be a JSON schema object, got true"),
     ],
 )

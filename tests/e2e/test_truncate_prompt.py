@@ -71,3 +71,10 @@ def test_a_bad_value_or_a_scored_continuation_is_a_row_error(random_models: dict
         ":3: field 'truncate_prompt_tokens': a row that scores a continuation cannot truncate its prompt"
     )
     assert errors["ok"] is None
+    # The run's default leaves a scored row whole (a helper: --truncate-prompt-tokens failed every such row).
+    rows = [rows[2] | {"truncate_prompt_tokens": None}, rows[3]]
+    dataset = write_jsonl(tmp_path / "q.jsonl", rows)
+    flag = ("--truncate-prompt-tokens", "1")
+    out = generate(dataset, tmp_path / "q.arrow", random_models["llama"], *flag)
+    assert out["scored"]["error"] is None and out["scored"]["prompt_tokens"] > 2
+    assert out["ok"]["prompt_tokens"] == 1

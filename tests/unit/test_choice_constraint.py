@@ -4,6 +4,7 @@ prefix, no extension, no string with its escapes written out)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,6 +13,7 @@ from batchgen.errors import FieldError
 from batchgen.sampling.constraints import constraint_grammar, normalize_constraint
 from batchgen.sampling.row_fields import make_sampling_params
 from batchgen.sampling.sampling_params import SamplingParams
+from tests.helpers.models import build_tokenizer
 
 xgrammar = pytest.importorskip("xgrammar", reason='grammars need xgrammar (pip install -e ".[structured]")')
 from xgrammar.testing import _is_grammar_accept_string  # noqa: E402
@@ -19,6 +21,8 @@ from xgrammar.testing import _is_grammar_accept_string  # noqa: E402
 # Strings whose characters an EBNF literal must escape or carry: quotes, backslashes, control characters, an EBNF
 # operator, non-ASCII text; and one that is a prefix of another.
 CHOICES = ["yes", "yes please", 'say "no"', "back\\slash", "two\nlines\ttab", "a | b", "(x)*", "ctl\x01", "été 🎉", ""]
+# Control characters before hex digits: xgrammar prints U+0001 as \x01 when it compiles, and read "\x011" as U+0011.
+HEX_AFTER = ["\x011", "a\x1fb", "x\x01f", "a\x02bcd", "\x7fff", "\t1"]
 
 
 def test_the_grammar_takes_exactly_the_choices() -> None:
@@ -28,6 +32,19 @@ def test_the_grammar_takes_exactly_the_choices() -> None:
     others = ["ye", "yes pleas", "yesyes", 'say \\"no\\"', "back\\\\slash", "two\\nlines\\ttab", "a", "(x)", "ete 🎉"]
     for text in others:
         assert not _is_grammar_accept_string(grammar, text), text
+
+
+def test_control_characters_before_hex_digits_survive_compiling(tmp_path: Path) -> None:
+    """Found by a helper: a choice of "\x011" gave the text "\x11". Compiled for a tokenizer (which prints the
+    grammar and reads it again), each string is accepted whole and its misreading is not."""
+    info = xgrammar.TokenizerInfo.from_huggingface(build_tokenizer(tmp_path), vocab_size=400)
+    compiled = xgrammar.GrammarCompiler(info).compile_grammar(
+        constraint_grammar("choice", normalize_constraint("choice", HEX_AFTER))
+    )
+    for text in HEX_AFTER:
+        assert xgrammar.GrammarMatcher(compiled).accept_string(text), text
+    for text in ["\x11", "a\u01fb", "x\x1f", "a\u2bcd", "\u7fff"]:
+        assert not xgrammar.GrammarMatcher(compiled).accept_string(text), text
 
 
 @pytest.mark.parametrize(
@@ -48,7 +65,8 @@ def test_a_choice_is_kept_as_the_json_text_of_its_list(given: Any) -> None:
         ([], "must be a non-empty array of strings, got []"),
         (["a", 1], 'must be a non-empty array of strings, got ["a", 1]'),
         ({"a": 1}, "must be a non-empty array of strings"),
-        ("yes", "must be an array of strings (as JSON text: Expecting value)"),
+        ("yes", 'must be an array of strings, got "yes"'),
+        (["a\x00b"], "holds NUL (U+0000)"),
         ('"yes"', 'must be a non-empty array of strings, got "yes"'),
         (["\ud800"], "lone surrogate"),
         (5, "must be a non-empty array of strings, got 5"),

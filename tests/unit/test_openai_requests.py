@@ -368,6 +368,11 @@ def test_a_chat_lines_tools_reach_its_template_as_vllm_dumps_them(tmp_path: Path
             "give one structured-output constraint",
         ),
         (request("a", chat(structured_outputs="a+")), "body.structured_outputs", "must be an object"),
+        (
+            request("a", chat(structured_outputs={"chioce": ["a"]})),
+            "body.structured_outputs.chioce",
+            "not a key batchgen reads (did you mean 'choice'?); leave it out",
+        ),
         (request("a", chat(structured_outputs={"structural_tag": "{}"})), "body.structured_outputs.structural_tag", ""),
         (request("a", chat(structured_outputs={"json_object": 1})), "body.structured_outputs.json_object", "false"),
         (request("a", chat(guided_whitespace_pattern=" ")), "body.guided_whitespace_pattern", "leave it out"),

@@ -134,6 +134,22 @@ def test_allowed_token_ids_limit_greedy_rows_to_them() -> None:
     assert torch.allclose(out.logprobs, torch.stack([raw[10], raw[4], raw[0]]))
 
 
+def test_limits_that_leave_a_row_no_token_give_way_in_order() -> None:
+    """Found by a helper: bad words banning the only allowed id, or allowed ids the grammar takes none of, left a row
+    all -inf and token 0 came out. The bans give way first (row 0: its one allowed id, which a bad word bans), then
+    the allowed ids to the grammar (row 1: ids 1 and 2 allowed by the grammar, id 3 by the row: LOGITS' 1.5 > 1.2)."""
+    from batchgen.sampling.grammar import pack_bits
+
+    params = [SamplingParams(temperature=0.0, allowed_token_ids=ids) for ids in ((4,), (3,))]
+    info = SamplingBatchInfo.from_params(
+        params, [0, 1], [0, 0], [[], []], VOCAB, torch.device("cpu"), bad_words=[[4], []]
+    )
+    grammar = torch.zeros(VOCAB, dtype=torch.bool)
+    grammar[[1, 2]] = True
+    info.grammar_mask = torch.stack([pack_bits(torch.ones(VOCAB, dtype=torch.bool)), pack_bits(grammar)])
+    assert sample(LOGITS.expand(2, VOCAB).clone(), info).next_token_ids.tolist() == [4, 1]
+
+
 def test_processed_logprobs_follow_temperature() -> None:
     params = [SamplingParams(temperature=0.5, top_logprobs=2)]
     info = SamplingBatchInfo.from_params(params, [1], [0], [[]], VOCAB, torch.device("cpu"), processed_logprobs=True)
