@@ -275,15 +275,19 @@ class RunJob:
             return 0
 
     def _row_failed(self, error: RowError, rid: str, passthrough: dict[str, Any], bar: tqdm) -> None:
-        if self.output.state.done.take_error(rid, str(error)):
-            return  # an earlier run wrote this error row (--on-error skip)
+        skip = self.summary.on_error == "skip"
+        # An earlier run (--on-error skip) wrote this error row: kept, and under fail still a bad row, so that the
+        # run's exit says so (found by a helper: a resume under fail over it exited 0 with "0 bad rows").
+        written = self.output.state.done.take_error(rid, str(error))
+        if written and skip:
+            return
         self.summary.errors += 1
         bar.update(1)  # a bad row is one of the input's rows too: the bar ends at its total
-        skip = self.summary.on_error == "skip"
         # skip: the run succeeds, but a user scanning stderr still learns which rows went wrong, and why.
         kind = "warning" if skip else "error"
         if self.summary.errors <= MAX_PRINTED_ERRORS:
-            tqdm.write(f"batchgen: {kind}: {error}{' (written as an error row)' if skip else ''}", file=sys.stderr)
+            said = " (written as an error row)" if skip else " (its error row, written before, stays)" * written
+            tqdm.write(f"batchgen: {kind}: {error}{said}", file=sys.stderr)
         elif self.summary.errors == MAX_PRINTED_ERRORS + 1:
             tqdm.write(f"batchgen: {kind}: more bad rows; only the first 20 are shown", file=sys.stderr)
         if skip:

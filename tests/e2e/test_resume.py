@@ -1084,6 +1084,22 @@ def test_status_of_a_changed_row_and_an_added_one_says_resume_refuses(model: Pat
     assert run_cli(args(dataset, out, model, "--resume"))[0] == 2
 
 
+def test_a_resume_under_fail_over_a_kept_error_row_exits_3(model: Path, tmp_path: Path) -> None:
+    """A helper's trial: a run under --on-error skip wrote a bad row's error row; the dataset touched and resumed
+    under --on-error fail, the row still bad, the run said "0 bad rows" and exited 0, where a scheduler reads 3 as
+    "bad rows". The error row stays (it is the row's result), and the run exits 3 naming it."""
+    rows = [{"id": "a", "prompt_token_ids": [0, 5]}, {"id": "b", "prompt_token_ids": [0, 6], "temperature": -1}]
+    dataset = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.arrow"
+    assert run_cli(args(dataset, out, model))[0] == 0  # JOB_FLAGS: --on-error skip
+    os.utime(dataset, ns=(time.time_ns(), time.time_ns() + 10**9))  # changed: its error rows are read again
+    code, output = run_cli([*args(dataset, out, model, "--resume"), "--on-error", "fail"])
+    assert (
+        code == 3 and "in.jsonl:2: field 'temperature'" in output and "(its error row, written before, stays)" in output
+    )
+    assert sorted(row["id"] for row in read_results(out).to_pylist()) == ["a", "b"]
+
+
 def test_status_of_an_output_from_another_dataset_says_so(
     small_job: tuple[Path, dict[Key, dict[str, Any]]], model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
