@@ -72,6 +72,6 @@ def run(
         if job_options.report_memory:
             print(f"batchgen: peak RSS {peak_rss_mib():.0f} MiB", file=sys.stderr)
         if summary.interrupted_by:
-            print(f"batchgen: to resume: {resume_command(dataset, out, job_options.overwrite)}", file=sys.stderr)
+            print(f"batchgen: to resume: {resume_command(dataset, out)}", file=sys.stderr)
             raise typer.Exit(128 + signal.Signals[summary.interrupted_by].value)
         raise_if_failed(summary, Path(out))

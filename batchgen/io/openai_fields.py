@@ -36,8 +36,9 @@ GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_grammar
 STRUCTURED_OUTPUTS = {"json": "json_schema", "regex": "regex", "grammar": "ebnf", "choice": "choice"}
 # structured_outputs' other keys, taken at the values that ask for nothing (json_object true is read).
 _STRUCTURED_OFF = {
-    **dict.fromkeys(("disable_any_whitespace", "disable_fallback", "disable_additional_properties"), (False,)),
-    "json_object": (False,),
+    **dict.fromkeys(("disable_fallback", "disable_additional_properties", "json_object"), (False,)),
+    # batchgen's JSON has no free whitespace, which either value allows (true asks for none).
+    "disable_any_whitespace": (False, True),
 }
 # Body fields that change nothing batchgen writes, whatever their value (stream_options applies only to
 # stream: true, which is refused; vLLM's files carry it without; vLLM's request_id names nothing batchgen writes,
@@ -171,7 +172,7 @@ def constraint_fields(body: dict[str, Any], fail: Fail) -> dict[str, Any]:
             found[name] = (STRUCTURED_OUTPUTS[key], value)
         elif key == "json_object" and value is True:
             found[name] = ("json_schema", {"type": "object"})
-        elif key not in _STRUCTURED_OFF and key != "json_object" and value is not None:
+        elif key not in _STRUCTURED_OFF and value is not None:
             close = difflib.get_close_matches(key, [*STRUCTURED_OUTPUTS, *_STRUCTURED_OFF], n=1, cutoff=0.7)
             meant = f"did you mean '{close[0]}'?" if close else f"{shown_value(value)} is not supported by batchgen"
             raise fail(name, f"not a key batchgen reads ({meant}); leave it out")

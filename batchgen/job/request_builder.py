@@ -149,7 +149,8 @@ class RequestBuilder:
                 raise error(prompt_field, message + " (a row that only scores its prompt)")
         elif len(prompt_ids) >= self.context_len:
             message = f"prompt has {len(prompt_ids)} tokens, >= context length {self.context_len}"
-            raise error(prompt_field, message + " (truncate_prompt_tokens -1 keeps the last that fit)")
+            hint = " (truncate_prompt_tokens -1 keeps the last that fit)" if scored_from is None else ""
+            raise error(prompt_field, message + hint)
         if params.prompt_logprobs_from is not None and params.prompt_logprobs_from >= len(prompt_ids):
             raise error(
                 "prompt_logprobs_from",

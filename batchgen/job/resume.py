@@ -229,16 +229,14 @@ def check_same_job(where: Path, recorded: pa.Schema, now: pa.Schema, force: bool
         print(f"batchgen: warning: {where}: resuming despite: {'; '.join(differences)}{again}", file=sys.stderr)
 
 
-def resume_command(dataset: Path, out: Path, overwrite: bool = False) -> str:
+def resume_command(dataset: Path, out: Path) -> str:
     """The command that resumes this run: the command line as typed, without ``--overwrite``/``--resume-force``,
-    with ``--resume`` (and ``--no-overwrite`` where the run's ``overwrite`` came from its ``--config``, which
-    ``--resume`` excludes); a generic form when the process was not started from the command line."""
+    with ``--resume`` (which replaces a ``--config`` file's ``overwrite``); a generic form when the process was not
+    started from the command line."""
     argv = sys.argv
     if len(argv) >= 2 and argv[1] == "run":
         program = "python -m batchgen" if Path(argv[0]).name == "__main__.py" else "batchgen"
         args = [a for a in argv[1:] if a not in ("--overwrite", "--resume-force")]
-        if overwrite and "--overwrite" not in argv[1:]:
-            args.append("--no-overwrite")
         if "--resume" not in args:
             args.append("--resume")
         return f"{program} {shlex.join(args)}"

@@ -98,9 +98,8 @@ def settings_differences(
     be the recorded one; the dataset is not compared (its rows are checked by id and digest)."""
     model_facts = {key: recorded[key] for key in _MODEL_FACTS if key in recorded}
     # The environment's, as a run on the device --device picks records them.
-    model_facts["batchgen.kernel_switches"] = json.dumps(
-        kernel_switches().as_metadata(pick_device(options.device).type)
-    )
+    device = pick_device(options.device).type
+    model_facts["batchgen.kernel_switches"] = json.dumps(kernel_switches().as_run_on(device).as_metadata(device))
     if options.dtype != "auto":
         model_facts["batchgen.dtype"] = options.dtype
     if options.deterministic is not None:

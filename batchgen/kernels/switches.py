@@ -65,11 +65,16 @@ class KernelSwitches:
         """Whether any kernel of batchgen's C++ extension is switched on (:data:`EXTENSION_SWITCHES`)."""
         return any(getattr(self, name) for name in EXTENSION_SWITCHES)
 
-    def without_extension(self) -> KernelSwitches:
-        """These switches with the extension's kernels off: what runs where it did not build, as the output's
-        metadata must record it (found by a helper: a run without the extension recorded them on, and its
-        ``--resume`` on a machine that built it mixed the two paths' last bits in one output)."""
-        return replace(self, **dict.fromkeys(EXTENSION_SWITCHES, False))
+    def as_run_on(self, device_type: str) -> KernelSwitches:
+        """These switches as a run on a ``device_type`` device (``cpu``, ``cuda``) runs them: on a CPU where
+        batchgen's C++ extension does not build (:func:`batchgen.kernels.cpu.build_problem`, which builds it once a
+        process), with its kernels off, as the output's metadata must record them (found by a helper: such a run
+        recorded them on, and its ``--resume`` on a machine that built them mixed two paths' last bits)."""
+        if device_type != "cpu" or not self.use_extension:
+            return self
+        from batchgen.kernels.cpu import build_problem  # the build, only where a CPU run would use it
+
+        return replace(self, **dict.fromkeys(EXTENSION_SWITCHES, False)) if build_problem() is not None else self
 
     def as_metadata(self, device_type: str) -> dict[str, bool | None]:
         """The switches by variable name, as the output of a run on a ``device_type`` device (``cpu``, ``cuda``)

@@ -14,7 +14,6 @@ import torch
 
 from batchgen.environment import kernel_switches
 from batchgen.kernels.attention import deterministic_by_default
-from batchgen.kernels.cpu import build_problem
 from batchgen.kernels.switches import KernelSwitches
 from batchgen.loop.cpu_malloc import keep_freed_memory
 from batchgen.loop.drafter import Drafter
@@ -160,8 +159,7 @@ class Engine:
             options.generation_config, self.model_dir
         )
         self.device = pick_device(options.device)
-        if self.device.type == "cpu" and self.switches.use_extension and build_problem() is not None:
-            self.switches = self.switches.without_extension()
+        self.switches = self.switches.as_run_on(self.device.type)
         self.dtype = pick_dtype(options.dtype, self.hf_config, self.device)
         self.deterministic = (
             options.deterministic

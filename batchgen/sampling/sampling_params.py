@@ -26,8 +26,9 @@ _OR_THE_MODELS = " (where the model's generation_config.json gives none: --gener
 
 
 def constraint_option(name: str, value: Any) -> str | None:
-    """``--json-schema``, ``--regex`` or ``--ebnf`` as a flag, a config file or a keyword gives it: checked as a
-    row's (:func:`batchgen.sampling.constraints.normalize_constraint`; a schema as an object or its JSON text).
+    """``--json-schema``, ``--regex``, ``--ebnf`` or ``--choice`` as a flag, a config file or a keyword gives it:
+    checked as a row's (:func:`batchgen.sampling.constraints.normalize_constraint`; a schema as an object or its JSON
+    text).
 
     Raises:
         FieldError: as ``normalize_constraint``.

@@ -7,9 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from tests.helpers.cli import generate, run_args, run_cli, write_jsonl
+from tests.helpers.hf_greedy import hf_model
 
 NEW = 24
 GREEDY = ("--temperature", "0", "--max-new-tokens", str(NEW))
@@ -17,7 +18,7 @@ GREEDY = ("--temperature", "0", "--max-new-tokens", str(NEW))
 
 def _hf_greedy_banning(model_dir: Path, prompt: str, words: list[str]) -> list[int]:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = hf_model(model_dir)
     sequences = [tokenizer.convert_tokens_to_ids(tokenizer.tokenize(text)) for w in words for text in (w, " " + w)]
     ids = list(tokenizer(prompt)["input_ids"])
     out: list[int] = []

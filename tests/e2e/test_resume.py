@@ -297,22 +297,22 @@ def test_a_signal_the_caller_ignores_stays_ignored(
 
 
 @pytest.mark.parametrize(
-    ("argv", "overwrite", "command"),
+    ("argv", "command"),
     [
-        (["run", "--config", "job.yaml"], True, "batchgen run --config job.yaml --no-overwrite --resume"),
-        (["run", "d.jsonl", "-o", "o.arrow", "--overwrite"], True, "batchgen run d.jsonl -o o.arrow --resume"),
-        (["run", "--config", "job.yaml", "--resume"], False, "batchgen run --config job.yaml --resume"),
+        (["run", "--config", "job.yaml"], "batchgen run --config job.yaml --resume"),
+        (["run", "d.jsonl", "-o", "o.arrow", "--overwrite"], "batchgen run d.jsonl -o o.arrow --resume"),
+        (["run", "--config", "job.yaml", "--resume"], "batchgen run --config job.yaml --resume"),
     ],
 )
-def test_the_resume_command_runs_where_the_config_sets_overwrite(
-    argv: list[str], overwrite: bool, command: str, monkeypatch: pytest.MonkeyPatch
+def test_the_resume_command_is_the_command_with_resume(
+    argv: list[str], command: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Found by a review: with overwrite: true in the config, the printed `batchgen run --config job.yaml --resume`
-    failed: --overwrite and --resume exclude each other."""
+    """The printed command resumes a run whose config sets overwrite: true too, as --resume replaces the file's
+    overwrite (tests/e2e/test_cli.py)."""
     from batchgen.job.resume import resume_command
 
     monkeypatch.setattr(sys, "argv", ["/usr/bin/batchgen", *argv])
-    assert resume_command(Path("d.jsonl"), Path("o.arrow"), overwrite) == command
+    assert resume_command(Path("d.jsonl"), Path("o.arrow")) == command
 
 
 def test_stop_message_counts_rows_not_samples(model: Path, zygote: Zygote, tmp_path: Path) -> None:
@@ -1024,21 +1024,27 @@ def test_a_run_whose_cpu_kernels_did_not_build_records_them_off(
 ) -> None:
     """Found by a helper: a run whose C++ kernels did not build (no compiler) ran the PyTorch code but recorded the
     kernels on, and its --resume on a machine with them finished the output with the other path's last bits. Now it
-    records them off: a resume with the kernels is refused, one that turns them off too runs."""
+    records them off: on the same machine its partial and its finished output resume (a review: the finished one's
+    check took the environment's switches, and refused it), a machine with the kernels is refused, one that turns
+    them off too resumes."""
     rows = [{"id": f"r{i}", "prompt_token_ids": [0, 5 + i], "max_new_tokens": 2} for i in range(12)]
     dataset = write_jsonl(tmp_path / "in.jsonl", rows)
     out = tmp_path / "out.arrow"
     with monkeypatch.context() as patch:
-        patch.setattr("batchgen.loop.engine.build_problem", lambda: "the CPU kernels did not build (no compiler)")
-        fail_part_write(patch, at=2)
-        assert run_cli(args(dataset, out, model, *SLOW_FLAGS))[0] == 2
+        patch.setattr("batchgen.kernels.cpu.build_problem", lambda: "the CPU kernels did not build (no compiler)")
+        with monkeypatch.context() as disk:
+            fail_part_write(disk, at=2)
+            assert run_cli(args(dataset, out, model, *SLOW_FLAGS))[0] == 2
+        for _ in range(2):  # the partial output, then the finished one
+            code, output = run_cli(args(dataset, out, model, "--resume"))
+            assert code == 0, output
     code, output = run_cli(args(dataset, out, model, "--resume"))
-    assert code == 2
+    assert code == 2 and "is complete, but this run differs from the one that wrote it" in output
     for name in ("BATCHGEN_CPU_ATTENTION_KERNEL", "BATCHGEN_CPU_FUSED_OPS", "BATCHGEN_CPU_HALF_WEIGHT_LINEAR"):
         assert f"{name} False → True" in output
         monkeypatch.setenv(name, "0")
     code, output = run_cli(args(dataset, out, model, "--resume"))
-    assert code == 0, output
+    assert code == 0 and "already complete" in output, output
 
 
 def test_a_model_replaced_at_the_same_path_is_refused(

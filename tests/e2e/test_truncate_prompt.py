@@ -6,17 +6,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from tests.helpers.cli import generate, read_rows, run_args, run_cli, write_jsonl
+from tests.helpers.hf_greedy import hf_model
 
 CONTEXT = 256  # the random models' max_position_embeddings (tests/helpers/models.py)
 PROMPT = "Once upon a time there was a little girl who lived in a village near the forest."
 
 
 def _hf_greedy(model_dir: Path, ids: list[int], new: int) -> list[int]:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    out = model.generate(
+    out = hf_model(model_dir).generate(
         torch.tensor([ids]),
         max_new_tokens=new,
         do_sample=False,

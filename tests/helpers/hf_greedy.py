@@ -28,7 +28,7 @@ def greedy_prompts(vocab: int) -> list[dict[str, Any]]:
 
 
 def _hf_reference(model_dir: Path, prompt_ids: list[int]) -> tuple[list[int], list[torch.Tensor]]:
-    model = _hf_model(model_dir)
+    model = hf_model(model_dir)
     out = model.generate(
         torch.tensor([prompt_ids]),
         max_new_tokens=MAX_NEW,
@@ -45,7 +45,8 @@ def _hf_reference(model_dir: Path, prompt_ids: list[int]) -> tuple[list[int], li
 _HF_CACHE: dict[Path, Any] = {}
 
 
-def _hf_model(model_dir: Path) -> Any:
+def hf_model(model_dir: Path) -> Any:
+    """HF transformers' float32 model of ``model_dir``, loaded once per test process."""
     if model_dir not in _HF_CACHE:
         _HF_CACHE[model_dir] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     return _HF_CACHE[model_dir]
@@ -83,7 +84,7 @@ def hf_constrained_greedy(
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = _hf_model(model_dir)
+    model = hf_model(model_dir)
     vocab = model.config.vocab_size
     compiler = xgrammar.GrammarCompiler(xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab))
     kind, source = grammar
