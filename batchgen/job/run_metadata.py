@@ -185,7 +185,8 @@ def job_differences(recorded: dict[str, str], now: dict[str, str]) -> list[str]:
             differences.append(f"{label} {old!r} → {new!r}")
     if "batchgen.kernel_switches" in recorded:  # an output of a batchgen that did not record them: not compared
         differences += changed_fields("batchgen.kernel_switches", recorded, now, None)
-    differences += fingerprint_differences(recorded.get(MODEL_FILES_KEY), now.get(MODEL_FILES_KEY))
+    if recorded.get("batchgen.model") == now.get("batchgen.model"):  # another model is said once, above
+        differences += fingerprint_differences(recorded.get(MODEL_FILES_KEY), now.get(MODEL_FILES_KEY))
     old_mode, new_mode = recorded.get("batchgen.deterministic"), now.get("batchgen.deterministic")
     if old_mode is not None and old_mode != new_mode:  # not recorded before batchgen had the mode: not compared
         flag = "--deterministic" if old_mode == "true" else "--no-deterministic"
