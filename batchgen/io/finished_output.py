@@ -123,3 +123,23 @@ def _result_line(path: Path, number: int, line: str) -> dict[str, Any]:
     if lacking := [name for name in _RESULT_FIELDS if name not in row]:
         raise _not_an_output(f"{path}:{number}", lacking)
     return row
+
+
+def recorded_settings(out: Path) -> dict[str, str] | None:
+    """The metadata the finished output ``out`` records, by key; ``None`` for JSON Lines, which records none.
+
+    Raises:
+        BatchgenError: ``out`` cannot be read.
+    """
+    if not records_run(out):
+        return None
+    try:
+        schema, _ = finished_batches(out, ["id"])
+    except (OSError, pa.ArrowException) as e:
+        raise BatchgenError(f"{out}: cannot read results ({e})") from None
+    return schema_metadata(schema)
+
+
+def schema_metadata(schema: pa.Schema) -> dict[str, str]:
+    """``schema``'s metadata as text (keys and values are UTF-8 bytes in Arrow)."""
+    return {k.decode(): v.decode() for k, v in (schema.metadata or {}).items()}

@@ -15,11 +15,11 @@ import pyarrow as pa
 
 from batchgen.errors import BatchgenError, counted
 from batchgen.io.fingerprint import DatasetFingerprint, fingerprint_dataset
-from batchgen.io.finished_output import finished_batches, finished_rows
+from batchgen.io.finished_output import finished_batches, finished_rows, schema_metadata
 from batchgen.io.input_digests import INPUT_DIGESTS_KEY, compare_each, compare_rows
 from batchgen.io.input_options import INPUT_OPTIONS_KEY, InputOptions, recorded_input_options
 from batchgen.io.partial_output import PartialState
-from batchgen.job.run_metadata import DATASET_KEY, changed_fields, schema_metadata
+from batchgen.job.run_metadata import DATASET_KEY, changed_fields
 
 # A message names at most this many row ids.
 _IDS_SHOWN = 3

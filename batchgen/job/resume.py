@@ -15,7 +15,7 @@ import pyarrow as pa
 
 from batchgen.errors import BatchgenError
 from batchgen.io.fingerprint import fingerprint_dataset
-from batchgen.io.finished_output import finished_batches, finished_rows
+from batchgen.io.finished_output import finished_batches, finished_rows, schema_metadata
 from batchgen.io.input_digests import (
     INPUT_DIGESTS_KEY,
     UNKNOWN_DIGEST,
@@ -32,7 +32,7 @@ from batchgen.io.shards import is_read_as_shard, reads_part_files
 from batchgen.job.changed_rows import check_partial_rows
 from batchgen.job.options import JobOptions
 from batchgen.job.output_columns import check_written_rows, columns_for_resume
-from batchgen.job.run_metadata import DATASET_KEY, RUN_SEED_KEY, job_differences, schema_metadata
+from batchgen.job.run_metadata import DATASET_KEY, RUN_SEED_KEY, job_differences
 
 
 def check_output_place(dataset: Path, out: Path) -> None:

@@ -9,13 +9,11 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-import pyarrow as pa
-
 from batchgen import __version__
 from batchgen.environment import kernel_switches
 from batchgen.errors import BatchgenError
 from batchgen.io.fingerprint import DatasetFingerprint, fingerprint_dataset
-from batchgen.io.finished_output import finished_batches, records_run
+from batchgen.io.finished_output import recorded_settings
 from batchgen.io.input_options import INPUT_OPTIONS_KEY, InputOptions, apply_escapes
 from batchgen.loop.engine import EngineFacts, dtype_name
 from batchgen.loop.generation_config import sampling_defaults
@@ -65,26 +63,6 @@ def run_metadata(
     return {"batchgen.version": __version__} | _settings(options, defaults, input_options, model_facts)
 
 
-def recorded_settings(out: Path) -> dict[str, str] | None:
-    """The metadata the finished output ``out`` records, by key; ``None`` for JSON Lines, which records none.
-
-    Raises:
-        BatchgenError: ``out`` cannot be read.
-    """
-    if not records_run(out):
-        return None
-    try:
-        schema, _ = finished_batches(out, ["id"])
-    except (OSError, pa.ArrowException) as e:
-        raise BatchgenError(f"{out}: cannot read results ({e})") from None
-    return schema_metadata(schema)
-
-
-def schema_metadata(schema: pa.Schema) -> dict[str, str]:
-    """``schema``'s metadata as text (keys and values are UTF-8 bytes in Arrow)."""
-    return {k.decode(): v.decode() for k, v in (schema.metadata or {}).items()}
-
-
 def settings_differences(
     dataset: Path,
     recorded: dict[str, str],
@@ -110,6 +88,11 @@ def settings_differences(
     if model_dir is not None or options.generation_config != "auto":  # else the recorded values stand in
         model_facts[MODEL_SAMPLING_KEY] = json.dumps(sampling_defaults(options.generation_config, model_dir)[0])
     model_facts |= {MODEL_FILES_KEY: model_fingerprint(model_dir)} if model_dir is not None else {}
+    if options.max_total_tokens is not None and "batchgen.model_context_length" in recorded:
+        # The pool --max-total-tokens sizes caps what a row holds (engine.py), which needs no model to tell (found
+        # by a helper: a finished output took a smaller pool as "nothing to do", a partial one refused it).
+        context = options.context_length or int(recorded["batchgen.model_context_length"])
+        model_facts["batchgen.context_length"] = str(min(context, options.max_total_tokens))
     same_dataset = {DATASET_KEY: fingerprint_dataset(dataset).to_json()}
     now = _settings(options, defaults, input_options, model_facts)
     return job_differences(recorded | same_dataset, now | same_dataset)

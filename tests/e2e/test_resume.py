@@ -1106,6 +1106,22 @@ def test_a_resume_under_fail_over_a_kept_error_row_exits_3(model: Path, tmp_path
     assert sorted(row["id"] for row in read_results(out).to_pylist()) == ["a", "b"]
 
 
+def test_a_finished_output_refuses_a_smaller_pool_given_by_flag(model: Path, tmp_path: Path) -> None:
+    """A helper's trial: ``--resume --max-total-tokens 100`` of a finished output (rows of up to 256 tokens, the
+    random model's context) said "nothing to do", where a partial output's resume refuses the smaller pool; now both
+    refuse it, and status says so. A pool that holds the context changes nothing."""
+    dataset = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt_token_ids": [0, 5], "max_new_tokens": 2}])
+    out = tmp_path / "out.arrow"
+    assert run_cli(args(dataset, out, model))[0] == 0
+    code, output = run_cli(args(dataset, out, model, "--resume", "--max-total-tokens", "100"))
+    assert code == 2 and "tokens a row may hold 256 → 100" in output, output
+    code, output = run_cli(["status", *args(dataset, out, model, "--max-total-tokens", "100")[1:]])
+    assert code == 1 and "finished with other settings" in output and "256 → 100" in output, output
+    assert run_cli(["status", *args(dataset, out, model, "--max-total-tokens", "4096")[1:]])[0] == 0
+    code, output = run_cli(args(dataset, out, model, "--resume", "--max-total-tokens", "4096"))
+    assert code == 0 and "already complete" in output, output
+
+
 def test_status_of_an_output_from_another_dataset_says_so(
     small_job: tuple[Path, dict[Key, dict[str, Any]]], model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
