@@ -70,8 +70,11 @@ class GrammarCompiler:
         key = (kind, text)
         if key not in self._cache:
             grammar = constraint_grammar(kind, text)
+            # An EBNF row's own text, not the Grammar parsed from it: xgrammar prints a Grammar to compile it, writing
+            # U+0001 as \x01, which it reads again with the hex digits after it ("\u00011" as U+0011; a review).
+            source = text if kind == "ebnf" else grammar
             try:
-                self._cache[key] = self._compiler.compile_grammar(grammar)
+                self._cache[key] = self._compiler.compile_grammar(source)
             except Exception as e:  # as constraint_grammar's
                 raise FieldError(kind, f"does not compile: {compile_message(e)}") from None
         assert self._surrogates is not None  # made with the compiler

@@ -47,6 +47,16 @@ def test_control_characters_before_hex_digits_survive_compiling(tmp_path: Path) 
         assert not xgrammar.GrammarMatcher(compiled).accept_string(text), text
 
 
+def test_an_ebnf_rows_escapes_before_hex_digits_survive_compiling(tmp_path: Path) -> None:
+    """The same fault in a row's own EBNF (a review): "\\u00011" is U+0001 then "1", as JSON and xgrammar's EBNF read
+    it, and batchgen's matcher for the row takes exactly that."""
+    from batchgen.sampling.grammar import GrammarCompiler
+
+    compiler = GrammarCompiler(build_tokenizer(tmp_path), 400)
+    assert compiler.matcher("ebnf", 'root ::= "\\u00011"', eos_ids=[1]).matcher.accept_string("\x011")
+    assert not compiler.matcher("ebnf", 'root ::= "\\u00011"', eos_ids=[1]).matcher.accept_string("\x11")
+
+
 @pytest.mark.parametrize(
     "given",
     [["a", "b"], ("a", "b"), '["a", "b"]', ' [ "a" , "b" ] '],

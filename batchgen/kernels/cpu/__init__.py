@@ -166,7 +166,7 @@ def _build_name() -> str:
     return "batchgen_cpu_kernels_" + hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 
-def _one_line(error: BaseException) -> str:
+def _build_error_line(error: BaseException) -> str:
     """The line of a build failure worth showing: torch raises the whole ninja log (progress, compile commands,
     compiler output); keep the compiler's first error, else the first other message (``c++: not found``)."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
@@ -226,7 +226,7 @@ def build_problem() -> str | None:
                 verbose=False,
             )
     except Exception as e:  # compiler or ninja missing, compile errors (RuntimeError with the whole log), dlopen
-        problem = f"the CPU kernels did not build ({_one_line(e)})"
+        problem = f"the CPU kernels did not build ({_build_error_line(e)})"
         print(
             f"batchgen: {problem}; using the slower PyTorch code (BATCHGEN_CPU_ATTENTION_KERNEL=0, "
             "BATCHGEN_CPU_FUSED_OPS=0 and BATCHGEN_CPU_HALF_WEIGHT_LINEAR=0 hide this)",
