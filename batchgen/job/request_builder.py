@@ -166,7 +166,9 @@ class RequestBuilder:
             # it has not accepted must never end the row), and so does every stop id where the grammar is
             # complete; elsewhere a stop id is text, which would otherwise end the row with its output incomplete.
             try:
-                grammar = self.grammars.matcher(*params.constraint, self.eos_token_ids, params.stop_token_ids)
+                grammar = self.grammars.matcher(
+                    *params.constraint, self.eos_token_ids, params.stop_token_ids, params.skip_special_tokens
+                )
             except FieldError as e:
                 raise error(e.field, e.message) from None
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)

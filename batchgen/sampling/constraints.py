@@ -11,7 +11,7 @@ from typing import Any
 
 from batchgen.errors import NOT_UNICODE, FieldError, is_unicode_text, shown_value
 from batchgen.sampling.json_schema_support import check_enforceable, schema_patterns
-from batchgen.sampling.regex_support import check_regex, python_dot
+from batchgen.sampling.regex_support import check_regex, python_regex
 from batchgen.sampling.sampling_params import python_value
 
 
@@ -126,7 +126,7 @@ def constraint_grammar(kind: str, text: str) -> Any:
         if kind == "json_schema":
             return xgr.Grammar.from_json_schema(text, any_whitespace=False)
         if kind == "regex":
-            return xgr.Grammar.from_regex(python_dot(text))
+            return xgr.Grammar.from_regex(python_regex(text))
         return xgr.Grammar.from_ebnf(choice_ebnf(text) if kind == "choice" else text)
     except Exception as e:  # xgrammar raises several types (RuntimeError, ValueError, its own)
         pattern = _failing_pattern(xgr, text) if kind == "json_schema" else None

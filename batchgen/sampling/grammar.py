@@ -13,6 +13,12 @@ string's characters, a regex's ``[^"]``) take the code points U+D800-U+DFFF, byt
 UTF-8 (RFC 3629, section 3) and decode to three U+FFFD each, so a JSON string would overrun its ``maxLength`` and
 a regex would no longer match. The cut is at the second byte: right after a token whose bytes end in the lead
 byte ED, tokens starting with A0-BF are masked, and tokens holding ED A0-BF inside are masked everywhere.
+
+xgrammar matches a special token by its text, and takes an end id as text where that text completes the grammar
+(then ending it): a ``choice`` of ``<|im_end|>`` took the EOS id and ended the row with an empty text. So the
+compiler's vocabulary gives no text to the special tokens a row's text drops (all of them under
+``skip_special_tokens``, the default; its special end ids otherwise), which xgrammar then never takes as text: the
+row spells such a string out of ordinary tokens, and its end ids close the grammar only where it is complete.
 """
 
 from __future__ import annotations
@@ -41,15 +47,25 @@ class GrammarCompiler:
     def __init__(self, tokenizer: Any, vocab_size: int) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
-        self._compiler: Any = None
-        self._cache: dict[tuple[str, str], Any] = {}
+        self._info: Any = None  # xgrammar's TokenizerInfo of the tokenizer as it is
+        self._special: frozenset[int] = frozenset()
+        self._compilers: dict[frozenset[int], Any] = {}  # by the ids given no text
+        self._cache: dict[tuple[frozenset[int], str, str], Any] = {}
         self._no_control_chars: torch.Tensor | None = None
         self._surrogates: SurrogateMasks | None = None
         self._allowed: dict[tuple[bool, frozenset[int]], torch.Tensor] = {}
         self._tokenizer_stops: list[int] = []  # xgrammar's guess of the EOS ids, for a model that names none
 
-    def matcher(self, kind: str, text: str, eos_ids: Collection[int], stop_ids: Collection[int] = ()) -> GrammarState:
-        """A fresh matcher for constraint ``kind`` (``json_schema``, ``regex`` or ``ebnf``) with source ``text``.
+    def matcher(
+        self,
+        kind: str,
+        text: str,
+        eos_ids: Collection[int],
+        stop_ids: Collection[int] = (),
+        skip_special: bool = True,
+    ) -> GrammarState:
+        """A fresh matcher for constraint ``kind`` (``json_schema``, ``regex``, ``ebnf`` or ``choice``) with source
+        ``text``, for a row whose text drops the special tokens where ``skip_special`` (the module docstring).
 
         ``eos_ids`` close the grammar: each is masked until the grammar is complete, and allowed (and accepted,
         terminating it) there. xgrammar's own guess, the tokenizer's single EOS, misses the extra EOS ids a
@@ -62,31 +78,51 @@ class GrammarCompiler:
             FieldError: xgrammar is not installed, or the constraint does not compile.
         """
         xgr = import_xgrammar(kind)
-        if self._compiler is None:
-            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size)
-            self._compiler = xgr.GrammarCompiler(info, max_threads=2)
-            self._tokenizer_stops = list(info.stop_token_ids)
-            self._surrogates = SurrogateMasks.of_vocab(info.decoded_vocab, self.vocab_size)
-        key = (kind, text)
+        if self._info is None:
+            self._info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size)
+            self._tokenizer_stops = list(self._info.stop_token_ids)
+            self._surrogates = SurrogateMasks.of_vocab(self._info.decoded_vocab, self.vocab_size)
+            added = getattr(self.tokenizer, "added_tokens_decoder", {})
+            special = set(self.tokenizer.all_special_ids) | {i for i, token in added.items() if token.special}
+            self._special = frozenset(i for i in special if 0 <= i < self.vocab_size)
+        assert self._surrogates is not None  # made with the tokenizer info
+        # A model that names no EOS, and whose tokenizer xgrammar finds none in, ends its grammars on the row's
+        # stop ids alone (masked until the grammar is complete, as EOS ids are); with none, xgrammar's default.
+        ends = sorted(eos_ids) or self._tokenizer_stops or sorted(stop_ids)
+        textless = self._special if skip_special else self._special & frozenset(ends)
+        key = (textless, kind, text)
         if key not in self._cache:
             grammar = constraint_grammar(kind, text)
             # An EBNF row's own text, not the Grammar parsed from it: xgrammar prints a Grammar to compile it, writing
             # U+0001 as \x01, which it reads again with the hex digits after it ("\u00011" as U+0011; a review).
             source = text if kind == "ebnf" else grammar
             try:
-                self._cache[key] = self._compiler.compile_grammar(source)
+                self._cache[key] = self._compiler(xgr, textless).compile_grammar(source)
             except Exception as e:  # as constraint_grammar's
                 raise FieldError(kind, f"does not compile: {compile_message(e)}") from None
-        assert self._surrogates is not None  # made with the compiler
-        # A model that names no EOS, and whose tokenizer xgrammar finds none in, ends its grammars on the row's
-        # stop ids alone (masked until the grammar is complete, as EOS ids are); with none, xgrammar's default.
-        ends = sorted(eos_ids) or self._tokenizer_stops or sorted(stop_ids)
         matcher = xgr.GrammarMatcher(self._cache[key], override_stop_tokens=ends or None)
         stops = frozenset(stop_ids) - frozenset(ends)
         allowed = self._allowed_mask(kind, frozenset(ends))
         stop_bits = pack_bits(_one_hot(stops, self.vocab_size)) if stops else None
         ending = Ends(ends[0] if ends else None, stops, stop_bits)
         return GrammarState(xgr, matcher, allowed, self._surrogates, ending)
+
+    def _compiler(self, xgr: Any, textless: frozenset[int]) -> Any:
+        """An ``xgrammar.GrammarCompiler`` over the tokenizer's vocabulary with no text for the ids ``textless``
+        (a token of empty text is special to xgrammar, never matched as text)."""
+        if textless not in self._compilers:
+            info = self._info
+            if textless:
+                vocab = [b"" if i in textless else data for i, data in enumerate(info.decoded_vocab)]
+                info = xgr.TokenizerInfo(
+                    vocab,
+                    xgr.VocabType.RAW,  # the decoded bytes themselves
+                    vocab_size=self.vocab_size,
+                    stop_token_ids=info.stop_token_ids,
+                    add_prefix_space=info.add_prefix_space,
+                )
+            self._compilers[textless] = xgr.GrammarCompiler(info, max_threads=2)
+        return self._compilers[textless]
 
     def _allowed_mask(self, kind: str, end_ids: frozenset[int]) -> torch.Tensor:
         """Packed int32 bits of the tokens a row of ``kind`` may ever pick (cached: rows share their EOS ids)."""

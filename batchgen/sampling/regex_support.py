@@ -1,4 +1,4 @@
-"""Refuse regex anchors and lookarounds that xgrammar ignores, and read ``.`` as Python's ``re`` does.
+"""Refuse regex anchors and lookarounds that xgrammar ignores, and read ``.`` and ``\\xHH`` as Python's ``re`` does.
 
 A ``regex`` constraint must match the whole output, so ``^`` at its start and ``$`` at its end say nothing more;
 elsewhere (``a$b``, ``x(^a)``) Python's ``re`` lets them match nowhere, while xgrammar drops them with only a log
@@ -79,21 +79,30 @@ def _class_end(pattern: str, start: int) -> int:
     return i + 1
 
 
-def python_dot(pattern: str) -> str:
-    """``pattern`` with each ``.`` that is no escaped character nor in a character class written ``[^\n]``: any
-    character but a newline, Python's ``.`` (xgrammar's takes a newline too: a row's output held newlines its
-    pattern's ``re.fullmatch`` refused)."""
+def python_regex(pattern: str) -> str:
+    r"""``pattern`` rewritten so that xgrammar reads it as Python's ``re`` does: each ``.`` that is no escaped
+    character nor in a character class as ``[^\n]``, any character but a newline (xgrammar's takes a newline too: a
+    row's output held newlines its pattern's ``re.fullmatch`` refused); and each ``\xHH`` as ``\u00HH``, since
+    xgrammar reads on past two hex digits (``\x011`` as U+0011 where ``re`` reads U+0001 and "1"; a review)."""
     out, i = [], 0
     while i < len(pattern):
         c = pattern[i]
         if c == "\\":
-            out.append(pattern[i : i + 2])
+            out.append(_hex_escape(pattern, i))
             i += 2
         elif c == "[":
             end = _class_end(pattern, i)
-            out.append(pattern[i:end])
+            j = i
+            while j < end:
+                out.append(_hex_escape(pattern, j) if pattern[j] == "\\" else pattern[j])
+                j += 2 if pattern[j] == "\\" else 1
             i = end
         else:
             out.append("[^\\n]" if c == "." else c)
             i += 1
     return "".join(out)
+
+
+def _hex_escape(pattern: str, i: int) -> str:
+    r"""The escape at ``pattern[i]`` (a backslash) and the character after it, ``\x`` written ``\u00``."""
+    return "\\u00" if pattern[i + 1 : i + 2] == "x" else pattern[i : i + 2]

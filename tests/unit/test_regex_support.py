@@ -4,12 +4,15 @@ fully matches nothing that xgrammar's grammar accepts for it."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
 from batchgen.errors import FieldError
-from batchgen.sampling.constraints import normalize_constraint
+from batchgen.sampling.constraints import constraint_grammar, normalize_constraint
+from batchgen.sampling.grammar import GrammarCompiler
 from batchgen.sampling.regex_support import check_regex
+from tests.helpers.models import build_tokenizer
 
 xgrammar = pytest.importorskip("xgrammar", reason='grammars need xgrammar (pip install -e ".[structured]")')
 from xgrammar.testing import _is_grammar_accept_string  # noqa: E402
@@ -72,22 +75,31 @@ def test_groups_and_characters_that_are_no_lookaround_pass(pattern: str) -> None
 
 
 # (pattern, strings): xgrammar's grammar for the pattern as batchgen compiles it accepts exactly those of the
-# strings that Python's re.fullmatch accepts (helper 82: xgrammar's own "." took newlines).
-DOTS = [
+# strings that Python's re.fullmatch accepts (helper 82: xgrammar's own "." took newlines; a review: xgrammar read
+# hex digits past \x's two, "\x011" as U+0011).
+AS_PYTHON = [
     (r"[A-Z].{2,4}", ["Abc", "Ab\nc", "A\n\nb", "Abcde", "Ab"]),
     (r"a\.b.", ["a.bc", "axbc", "a.b\n"]),
     (r"[.]x.", [".xy", "zxy", ".x\n"]),
     (r"(a|.)+", ["ab", "a\nb", "\n"]),
+    (r"\x011", ["\x011", "\x11", "\x01"]),
+    (r"\x4142", ["A42", "\u4142", "A"]),
+    (r"[\x41-\x431]+", ["AB1", "\u0431", "C", "D"]),
+    (r"[\]\x41]x\\x41", ["Ax\\x41", "]x\\x41", "Ax\\A"]),
 ]
 
 
-@pytest.mark.parametrize(("pattern", "strings"), DOTS, ids=[d[0] for d in DOTS])
-def test_a_dot_is_pythons_any_character_but_a_newline(pattern: str, strings: list[str]) -> None:
-    from batchgen.sampling.regex_support import python_dot
-
-    grammar = xgrammar.Grammar.from_regex(python_dot(pattern))
+@pytest.mark.parametrize(("pattern", "strings"), AS_PYTHON, ids=[d[0] for d in AS_PYTHON])
+def test_a_pattern_reads_as_pythons_re_reads_it(pattern: str, strings: list[str], tmp_path: Path) -> None:
+    """The grammar alone, and compiled for a tokenizer (which prints it and reads it again): the text whole, then
+    the end id (1, </s>)."""
+    grammar = constraint_grammar("regex", pattern)
+    compiler = GrammarCompiler(build_tokenizer(tmp_path), 400)
     for text in strings:
-        assert bool(_is_grammar_accept_string(grammar, text)) == bool(re.fullmatch(pattern, text)), (pattern, text)
+        expected = bool(re.fullmatch(pattern, text))
+        assert bool(_is_grammar_accept_string(grammar, text)) == expected, (pattern, text)
+        matcher = compiler.matcher("regex", pattern, eos_ids=[1]).matcher
+        assert (matcher.accept_string(text) and matcher.accept_token(1)) == expected, (pattern, text)
 
 
 def test_a_pattern_pythons_re_refuses_is_refused() -> None:
