@@ -4,6 +4,8 @@ traceback."""
 from __future__ import annotations
 
 import json
+import os
+import sys
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -113,3 +115,14 @@ def one_line(error: BaseException) -> str:
     that a library's message that lists its reasons over several lines (transformers' "Couldn't instantiate the
     backend tokenizer from one of: ...") keeps them."""
     return " ".join(line.strip() for line in str(error).splitlines() if line.strip()) or type(error).__name__
+
+
+def caller_stacklevel() -> int:
+    """The ``stacklevel`` at which a warning raised by this function's caller points at the first frame outside the
+    batchgen package: the user's line that called batchgen (Python 3.12's ``skip_file_prefixes``, on every
+    version)."""
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level

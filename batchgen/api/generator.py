@@ -119,6 +119,7 @@ class Generator:
         self.engine = Engine(self.options, make_drafter)
         self.lookahead = max(job.schedule_lookahead, 2 * self.engine.max_running_requests)
         self._stream_open = False
+        self._drawn: set[int] = set()  # the seeds sampled rows drew with, derived from options.seed by earlier calls
 
     def generate(
         self,
@@ -262,7 +263,8 @@ class Generator:
         check_sampling_defaults(defaults, facts)
         self._check_no_stream_open()
         seed = self.options.seed if self.options.seed is not None else secrets.randbits(63)
-        builder = RequestBuilder.for_engine(facts, defaults, seed, columns.chat_template_kwargs)
+        drawn = self._drawn if self.options.seed is not None else None  # a run seed drawn for the call is its own
+        builder = RequestBuilder.for_engine(facts, defaults, seed, columns.chat_template_kwargs, drawn)
         checks = RowChecks(SOURCE, parse_python_row, python_passthrough)
         return (
             RowFlow(self.engine, builder, self.lookahead),

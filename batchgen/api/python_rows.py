@@ -4,8 +4,6 @@ input rows, checked as a file's rows are, with their pass-through fields kept as
 from __future__ import annotations
 
 import math
-import os
-import sys
 import warnings
 from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import replace
@@ -13,7 +11,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from batchgen.errors import BatchgenError, FieldError, RowError, shown_value
+from batchgen.errors import BatchgenError, FieldError, RowError, caller_stacklevel, shown_value
 from batchgen.io.columns import CONVERSATIONS, ColumnMapping
 from batchgen.io.field_warnings import foreign_field_warning
 from batchgen.io.input_options import InputOptions
@@ -107,7 +105,7 @@ def input_rows(rows: Iterable[Any], options: InputOptions) -> Iterator[InputRow 
     if type(rows).__module__ in ARRAY_MODULES and getattr(rows, "ndim", None) == 2:
         # tokenizer(prompts, padding=True, return_tensors=...)["input_ids"]: its pads would be prompt tokens.
         message = f"{SOURCE}: a 2-D array's rows are taken whole as prompt_token_ids, padding included"
-        warnings.warn(message, UserWarning, stacklevel=_caller_level())
+        warnings.warn(message, UserWarning, stacklevel=caller_stacklevel())
     if _is_lone_row(rows, options):
         rows = [rows]
     mapping: ColumnMapping | None = None
@@ -182,16 +180,6 @@ def _read_values(row: Mapping[str, Any], read: Collection[str]) -> dict[str, Any
     return values
 
 
-def _caller_level() -> int:
-    """The ``stacklevel`` at which a warning raised by this module's caller points at the first frame outside the
-    batchgen package: the line that gave the rows (Python 3.12's ``skip_file_prefixes``, on every version)."""
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-    frame, level = sys._getframe(1), 1
-    while frame.f_back is not None and frame.f_code.co_filename.startswith(package):
-        frame, level = frame.f_back, level + 1
-    return level
-
-
 def python_passthrough(row: InputRow) -> dict[str, Any]:
     """The pass-through fields of a row given in Python, under their output names, values as given; a field that
     looks like a sampling field batchgen does not read (``Temperature``, vLLM's ``best_of``) is warned about
@@ -200,5 +188,5 @@ def python_passthrough(row: InputRow) -> dict[str, Any]:
     for key in names:
         warning = foreign_field_warning(key)
         if warning is not None:
-            warnings.warn(f"{SOURCE}: {warning}", UserWarning, stacklevel=_caller_level())
+            warnings.warn(f"{SOURCE}: {warning}", UserWarning, stacklevel=caller_stacklevel())
     return {names[key]: value for key, value in row.data.items() if key in names}

@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -787,3 +788,25 @@ def test_import_batchgen_loads_no_torch() -> None:
     code = "import sys, batchgen; print('torch' in sys.modules, batchgen.__version__)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.split() == ["False", batchgen.__version__]
+
+
+def test_a_call_that_draws_an_earlier_calls_seeds_again_is_warned(chat_model: Path) -> None:
+    """Found by a vLLM user (helper 109), whose LLM(seed=0) draws new samples at every call: here the same sampled
+    rows give the same samples again (the documented seeding: run seed and id), which a warning now says."""
+    generator = batchgen.Generator(str(chat_model), **ENGINE)
+    sampled = {"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # neither a first call, nor greedy rows, nor rows of their own seed warn
+        first = generator.generate(["a b", "c d"], **sampled)
+        generator.generate(["a b", "c d"], max_new_tokens=6, temperature=0)
+        generator.generate([{"prompt": "a b", "seed": 3}], **sampled)
+    with pytest.warns(UserWarning, match="row '0' draws with the seed a sampled row of an earlier call drew with"):
+        again = generator.generate(["a b", "c d"], **sampled)
+    assert [r["output_token_ids"] for r in again] == [r["output_token_ids"] for r in first]
+    with pytest.warns(UserWarning, match="row '1' draws"):  # another prompt, at a position an earlier call used
+        generator.generate([{"id": "new", "prompt": "e"}, "f g"], **sampled)
+    unseeded = batchgen.Generator(str(chat_model), **{**ENGINE, "seed": None})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # each call draws a run seed of its own
+        for _ in range(2):
+            unseeded.generate(["a b"], **sampled)
