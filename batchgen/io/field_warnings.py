@@ -159,7 +159,7 @@ def warn_about_json_text_fields(path: Path, schema: pa.Schema) -> None:
 
 def warn_about_fields(reader: RowReader, built_in_max: int | None, tokenizer: Any) -> None:
     """Print the warnings about the fields of ``reader``'s dataset a run gives: :func:`warn_about_passthrough_names`,
-    :func:`warn_about_sampling_columns`, :func:`warn_about_json_text_fields`, :func:`warn_about_open_chat_lines`
+    :func:`warn_about_sampling_columns`, :func:`warn_about_json_text_fields`, :func:`warn_about_open_lines`
     (``built_in_max``: the run's built-in ``max_new_tokens`` where no option or generation_config.json set one),
     :func:`warn_about_unrendered_tools` (``tokenizer``: the model's, or ``None``)."""
     schema = reader.passthrough_schema
@@ -169,22 +169,26 @@ def warn_about_fields(reader: RowReader, built_in_max: int | None, tokenizer: An
     warn_about_passthrough_names(reader.path, schema.names, reader.options, reader.field_places)
     warn_about_sampling_columns(reader.path, reader.options)
     warn_about_json_text_fields(reader.path, schema)
-    if reader.openai is not None and reader.openai.url == CHAT_URL and built_in_max is not None:
-        warn_about_open_chat_lines(reader.path, reader.field_places, built_in_max)
+    if reader.openai is not None and reader.openai.url is not None and built_in_max is not None:
+        warn_about_open_lines(reader.path, reader.openai.url, reader.field_places, built_in_max)
 
 
-def warn_about_open_chat_lines(path: Path, places: Mapping[str, FieldPlace], built_in_max: int) -> None:
-    """Print one warning where chat request lines of the OpenAI Batch file ``path`` give no ``max_tokens`` (nor
-    ``max_completion_tokens``) and no option sets the run's: such a line stops at ``built_in_max`` tokens, where
-    vLLM's chat runs it to the end of the context (OpenAI's ``max_tokens`` default), so that no answer is cut short
-    unannounced. ``places`` counts the rows of each field (each good chat line has ``messages``)."""
-    lines = places["messages"].rows if "messages" in places else 0
+def warn_about_open_lines(path: Path, url: str, places: Mapping[str, FieldPlace], built_in_max: int) -> None:
+    """Print one warning where request lines of the OpenAI Batch file ``path`` (endpoint ``url``) give no
+    ``max_tokens`` (nor ``max_completion_tokens``) and no option sets the run's: such a line stops at
+    ``built_in_max`` tokens, where vLLM's run-batch runs a chat line to the end of the context and stops a
+    completions line at 16 tokens (its ``CompletionRequest``'s default, OpenAI's), so that no answer is cut short or
+    run long unannounced. ``places`` counts the rows of each field (each good line has its prompt field)."""
+    chat = url == CHAT_URL
+    prompt_rows = sum(places[name].rows for name in ("messages", "prompt", "prompt_token_ids") if name in places)
     bounded = sum(places[name].rows for name in ("max_tokens", "max_completion_tokens") if name in places)
-    if lines > bounded:
+    if prompt_rows > bounded:
+        kind, vllm = ("chat", "runs them to the end of the context") if chat else ("completions", "stops them at 16")
+        advice = "for longer answers" if chat else "(16 for vLLM's)"
         print(
-            f"batchgen: warning: {path}: {lines - bounded} of {lines} chat request lines give no max_tokens: each "
-            f"stops after {built_in_max} tokens (--max-new-tokens's default), where vllm run-batch runs them to the "
-            "end of the context; set --max-new-tokens for longer answers",
+            f"batchgen: warning: {path}: {prompt_rows - bounded} of {prompt_rows} {kind} request lines give no "
+            f"max_tokens: each stops after {built_in_max} tokens (--max-new-tokens's default), where vllm run-batch "
+            f"{vllm}; set --max-new-tokens {advice}",
             file=sys.stderr,
         )
 

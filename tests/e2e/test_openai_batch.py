@@ -135,6 +135,22 @@ def test_chat_lines_without_max_tokens_are_warned_about_unless_an_option_sets_it
     assert "give no max_tokens" not in output
 
 
+def test_completions_lines_without_max_tokens_are_warned_about(model: Path, tmp_path: Path) -> None:
+    """vLLM's CompletionRequest (as OpenAI's completions) stops at 16 tokens where a line gives no max_tokens,
+    batchgen at --max-new-tokens's default (helper 109: 8 times the tokens, without a word)."""
+    lines = [request(f"r{i}", {"prompt": "Hi", "max_tokens": 2 if i == 2 else None}, COMPLETIONS) for i in range(3)]
+    dataset = write_jsonl(tmp_path / "requests.jsonl", lines)
+    output = run(dataset, tmp_path / "out.jsonl", model, "--ignore-eos")
+    warning = (
+        f"batchgen: warning: {dataset}: 2 of 3 completions request lines give no max_tokens: each stops after 128 "
+        "tokens (--max-new-tokens's default), where vllm run-batch stops them at 16; set --max-new-tokens (16 for "
+        "vLLM's)"
+    )
+    assert warning in output.splitlines()
+    output = run(dataset, tmp_path / "out2.jsonl", model, "--max-new-tokens", "16")
+    assert "give no max_tokens" not in output
+
+
 def test_a_file_vllm_run_batch_answered_runs_unchanged(model: Path, tmp_path: Path) -> None:
     """``tests/data/vllm_chat_requests.jsonl`` (system + user messages, ``max_tokens``/``max_completion_tokens``,
     logprobs, n with a seed, stop, a json_schema response_format, vLLM's top_k/min_p/repetition_penalty): vLLM 0.32's
