@@ -192,8 +192,9 @@ def _as_vllm_tool(tool: Any) -> Any:
 
 
 def _logprobs(url: str, body: dict[str, Any], fail: Fail) -> dict[str, Any]:
-    """batchgen's ``logprobs`` / ``top_logprobs`` for the body's: off unless the body asks (OpenAI's default); at
-    most 20 top logprobs (OpenAI's cap for chat, vLLM's default ``max_logprobs`` for both endpoints)."""
+    """batchgen's ``logprobs`` / ``top_logprobs`` for the body's: off unless the body asks (OpenAI's default; a
+    completions ``false`` too, which vLLM's request model reads as 0); at most 20 top logprobs (OpenAI's cap for chat,
+    vLLM's default ``max_logprobs`` for both endpoints)."""
     value = body.get("logprobs")
     if url == CHAT_URL:
         if value is not None and not isinstance(value, bool):
@@ -202,7 +203,7 @@ def _logprobs(url: str, body: dict[str, Any], fail: Fail) -> dict[str, Any]:
     elif value is None or value is False:
         return {"logprobs": False, "top_logprobs": 0}
     else:
-        count = whole_number(value)  # 5.0: vLLM reads 5
+        count = 1 if value is True else whole_number(value)  # true and 5.0: vLLM's pydantic reads 1 and 5
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
             raise fail("body.logprobs", f"must be a count of top logprobs (an integer >= 0), got {shown_value(value)}")
         logprobs, top, name, limit = True, count, "body.logprobs", "vLLM's default max_logprobs"

@@ -67,6 +67,15 @@ _OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "return_tokens_as_token_ids": (False,),  # the lines give each token's text, as OpenAI's do
     "include_reasoning": (True,),  # batchgen splits no reasoning out of the text
 }
+# vLLM's body fields batchgen's OpenAI output lines have no place for, and where what they ask for is.
+_ELSEWHERE = {
+    "echo": "a line's text is its completion alone; to score a prompt, give it as a batchgen row with "
+    "prompt_logprobs (docs/input-output.md, Sampling fields)",
+    "prompt_logprobs": "the output lines carry no prompt logprobs; give the prompt as a batchgen row with "
+    "prompt_logprobs, whose output row holds them (docs/input-output.md, Sampling fields)",
+    "return_token_ids": "the output lines give tokens as text; an .arrow or .parquet --out of the same file holds "
+    "each line's output_token_ids",
+}
 _CHAT_ONLY = frozenset(
     (
         "messages",
@@ -111,7 +120,13 @@ def check_body_field(key: str, value: Any, url: str, body: dict[str, Any], fail:
         raise fail(name, f"not a field of {url} requests")
     if key in _OFF_VALUES:
         if not any(_same(value, off) for off in _OFF_VALUES[key]):
-            raise fail(name, _unsupported(value, _OFF_VALUES[key]))
+            raise fail(
+                name, _unsupported(value, _OFF_VALUES[key]) + (f": {_ELSEWHERE[key]}" if key in _ELSEWHERE else "")
+            )
+        return
+    if key in _ELSEWHERE and value is not False:
+        raise fail(name, f"{shown_value(value)} is not supported by batchgen: {_ELSEWHERE[key]}")
+    if key in _ELSEWHERE:
         return
     if key == "add_special_tokens":  # a prompt gets the tokenizer's BOS; chat messages only their template's
         if not _same(value, not chat):

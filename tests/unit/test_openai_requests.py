@@ -213,8 +213,11 @@ def test_completions_prompts_and_their_logprobs_count(tmp_path: Path) -> None:
         request("text", {"model": "m", "prompt": "Once upon", "logprobs": 3, "stop": ["\n", "."]}, COMPLETIONS),
         request("ids", {"model": "m", "prompt": [1, 2, 3], "logprobs": 0, "echo": False}, COMPLETIONS),
         request("one", {"model": "m", "prompt": ["Once"], "best_of": 1}, COMPLETIONS),
+        # vLLM's request model (pydantic, lax) reads true as 1 (a helper's vLLM file).
+        request("true", {"model": "m", "prompt": "x", "logprobs": True, "prompt_logprobs": False}, COMPLETIONS),
     ]
-    text, ids, one = rows(tmp_path, lines)
+    text, ids, one, true = rows(tmp_path, lines)
+    assert (true.data["logprobs"], true.data["top_logprobs"], true.problem) == (True, 1, None)
     assert text.data["prompt"] == "Once upon" and (text.data["logprobs"], text.data["top_logprobs"]) == (True, 3)
     assert text.data["stop"] == ["\n", "."]
     assert ids.data["prompt_token_ids"] == [1, 2, 3] and (ids.data["logprobs"], ids.data["top_logprobs"]) == (True, 0)
@@ -347,7 +350,11 @@ def test_a_chat_lines_tools_reach_its_template_as_vllm_dumps_them(tmp_path: Path
         (request("a", {"model": "m", "prompt": "x", "suffix": "y"}, COMPLETIONS), "body.suffix", "not supported"),
         (request("a", {"model": "m", "prompt": "x", "best_of": 3}, COMPLETIONS), "body.best_of", "equal to n"),
         (request("a", {"model": "m", "prompt": ["x", "y"]}, COMPLETIONS), "body.prompt", "holds 2 prompts"),
-        (request("a", {"model": "m", "prompt": "x", "logprobs": True}, COMPLETIONS), "body.logprobs", "integer"),
+        (request("a", {"model": "m", "prompt": "x", "logprobs": "3"}, COMPLETIONS), "body.logprobs", "integer"),
+        # What vLLM's lines may ask that batchgen's lines have no place for: the refusal says where it is (helper 109).
+        (request("a", {"model": "m", "prompt": "x", "prompt_logprobs": 1}, COMPLETIONS), "body.prompt_logprobs", "row"),
+        (request("a", {"model": "m", "prompt": "x", "echo": True}, COMPLETIONS), "body.echo", "to score a prompt"),
+        (request("a", chat(return_token_ids=True)), "body.return_token_ids", "output_token_ids"),
         (request("a", {"model": "m", "input": "x"}, "/v1/embeddings"), "url", "/v1/embeddings"),
         (request("a", chat(), method="GET"), "method", '"GET"'),
         (request("a", chat(), extra=1), "extra", "not a field of an OpenAI Batch request line"),
