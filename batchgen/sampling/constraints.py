@@ -133,6 +133,22 @@ def constraint_grammar(kind: str, text: str) -> Any:
         raise FieldError(kind, pattern or f"does not compile: {compile_message(e)}") from None
 
 
+def compile_constraint(compiler: Any, kind: str, text: str) -> Any:
+    """Constraint ``kind`` with source ``text`` compiled by ``compiler`` (an ``xgrammar.GrammarCompiler``) from its
+    source, as :func:`constraint_grammar` reads it: a ``Grammar`` object would be printed and read again, where
+    xgrammar writes U+0080-U+00FF as ``\\xHH`` and reads on through the hex digits after it (``°C`` became U+0B0C in a
+    choice, an enum, a property name; a helper), and U+0001 before a digit likewise.
+
+    Raises:
+        Exception: xgrammar's (several types), where the source does not compile.
+    """
+    if kind == "json_schema":
+        return compiler.compile_json_schema(text, any_whitespace=False)
+    if kind == "regex":
+        return compiler.compile_regex(python_regex(text))
+    return compiler.compile_grammar(choice_ebnf(text) if kind == "choice" else text)
+
+
 def _failing_pattern(xgr: Any, schema_text: str) -> str | None:
     """For a JSON schema xgrammar refuses: its first regex that xgrammar also refuses on its own (compiled as a string
     schema's ``pattern``, the way it reads a schema's regexes), named with its JSON pointer and that refusal

@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 import torch
 
 from batchgen.errors import FieldError
-from batchgen.sampling.constraints import compile_message, constraint_grammar, import_xgrammar
+from batchgen.sampling.constraints import compile_constraint, compile_message, constraint_grammar, import_xgrammar
 
 # A surrogate's UTF-8 form starts with this lead byte and a second byte in this range.
 _LEAD = 0xED
@@ -92,12 +92,9 @@ class GrammarCompiler:
         textless = self._special if skip_special else self._special & frozenset(ends)
         key = (textless, kind, text)
         if key not in self._cache:
-            grammar = constraint_grammar(kind, text)
-            # An EBNF row's own text, not the Grammar parsed from it: xgrammar prints a Grammar to compile it, writing
-            # U+0001 as \x01, which it reads again with the hex digits after it ("\u00011" as U+0011; a review).
-            source = text if kind == "ebnf" else grammar
+            constraint_grammar(kind, text)  # its refusal, as the run's before the model loads
             try:
-                self._cache[key] = self._compiler(xgr, textless).compile_grammar(source)
+                self._cache[key] = compile_constraint(self._compiler(xgr, textless), kind, text)
             except Exception as e:  # as constraint_grammar's
                 raise FieldError(kind, f"does not compile: {compile_message(e)}") from None
         matcher = xgr.GrammarMatcher(self._cache[key], override_stop_tokens=ends or None)

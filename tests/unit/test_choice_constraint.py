@@ -4,6 +4,7 @@ prefix, no extension, no string with its escapes written out)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,37 @@ def test_an_ebnf_rows_escapes_before_hex_digits_survive_compiling(tmp_path: Path
     compiler = GrammarCompiler(build_tokenizer(tmp_path), 400)
     assert compiler.matcher("ebnf", 'root ::= "\\u00011"', eos_ids=[1]).matcher.accept_string("\x011")
     assert not compiler.matcher("ebnf", 'root ::= "\\u00011"', eos_ids=[1]).matcher.accept_string("\x11")
+
+
+# Characters xgrammar prints as \xHH (U+0080-U+00FF) before hex digits, in each kind of constraint (helper 108:
+# "100°C" came out as "100\u0b0c" from a choice, an enum and a property name); each with the string batchgen's
+# matcher must take whole, and its misreading.
+LATIN_1 = [
+    ("choice", json.dumps(["100°C", "niñas", "é1"]), "100°C", "100\u0b0c"),
+    ("choice", json.dumps(["100°C", "niñas", "é1"]), "niñas", "ni\u0f1as"),
+    ("json_schema", json.dumps({"enum": ["°C", "°F"]}), '"°C"', '"\u0b0c"'),
+    (
+        "json_schema",
+        json.dumps({"properties": {"t°C": {"type": "integer"}}, "required": ["t°C"]}),
+        '{"t°C": 1}',
+        '{"t\u0b0c',
+    ),
+    ("regex", "é1|°C", "°C", "\u0b0c"),
+    ("ebnf", 'root ::= "°C"', "°C", "\u0b0c"),
+]
+
+
+@pytest.mark.parametrize(("kind", "text", "whole", "misread"), LATIN_1, ids=[c[0] + ":" + c[2] for c in LATIN_1])
+def test_latin_1_before_hex_digits_survives_compiling(
+    kind: str, text: str, whole: str, misread: str, tmp_path: Path
+) -> None:
+    from batchgen.sampling.grammar import GrammarCompiler
+
+    compiler = GrammarCompiler(build_tokenizer(tmp_path), 400)
+    assert _is_grammar_accept_string(constraint_grammar(kind, text), whole)  # the constraint's own sentence
+    matched = compiler.matcher(kind, text, eos_ids=[1]).matcher
+    assert matched.accept_string(whole) and matched.accept_token(1), (kind, whole)
+    assert not compiler.matcher(kind, text, eos_ids=[1]).matcher.accept_string(misread), (kind, misread)
 
 
 @pytest.mark.parametrize(
