@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from batchgen.errors import FieldError
-from batchgen.sampling.regex_support import check_regex
+from batchgen.sampling.regex_support import check_json_string_pattern, check_regex
 
 # Dropped wherever they appear (uniqueItems only when true: false asks nothing).
 _DROPPED = {
@@ -121,6 +121,7 @@ def _unenforced(node: dict[str, Any], root: Any) -> tuple[str, str] | None:
     for pointer, pattern in _node_patterns(node, ""):
         try:
             check_regex(pattern)
+            check_json_string_pattern(pattern)
         except FieldError as e:  # xgrammar drops an anchor or a lookaround inside a pattern
             keyword = pointer.split("/")[1]  # pattern or patternProperties
             return keyword, f"{pattern!r}: {e.message.replace(' is not enforced by xgrammar', ' is dropped')}"

@@ -66,6 +66,55 @@ def check_regex(pattern: str) -> None:
         i += 1
 
 
+def check_json_string_pattern(pattern: str) -> None:
+    """Refuse a JSON schema ``pattern`` that names a quote, a backslash or a control character as itself (a literal,
+    an escape such as ``\\"``, ``\\\\``, ``\\x22``, ``\\n``, or a class of it alone, ``["]``): xgrammar writes
+    it into the JSON string as it is, unescaped, so the output does not parse (a helper: ``^a"$`` gave ``"a""``).
+    Any other class (``[a"]``, ``[ -~]``, ``[^a]``, ``.``) is fine: xgrammar leaves such characters out of it.
+
+    Raises:
+        FieldError: (``regex``) naming the character and its position.
+    """
+    i = 0
+    while i < len(pattern):
+        if pattern[i] == "[":  # a class of one character (xgrammar leaves them out of any other class)
+            end = _class_end(pattern, i)
+            if pattern[i + 1 : i + 2] != "^" and i + 1 < end - 1:
+                char, size = _char_at(pattern, i + 1)
+                if i + 1 + size == end - 1:
+                    _refuse_json_special(char, i + 1)
+            i = end
+            continue
+        char, size = _char_at(pattern, i)
+        _refuse_json_special(char, i)
+        i += size
+
+
+def _char_at(pattern: str, i: int) -> tuple[str | None, int]:
+    """The one character that the literal or escape at ``pattern[i]`` stands for (``None`` for a class escape, an
+    anchor or a back reference, ``\\d``, ``\\b``, ``\\1``), and its length in the pattern."""
+    if pattern[i] != "\\":
+        return pattern[i], 1
+    letter = pattern[i + 1 : i + 2]
+    for mark, digits in (("x", 2), ("u", 4)):
+        code = pattern[i + 2 : i + 2 + digits]
+        if letter == mark and len(code) == digits and all(c in "0123456789abcdefABCDEF" for c in code):
+            return chr(int(code, 16)), 2 + digits
+    controls = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v", "0": "\0"}
+    if letter in controls:
+        return controls[letter], 2
+    return (letter if letter and not letter.isalnum() else None), 2
+
+
+def _refuse_json_special(char: str | None, position: int) -> None:
+    if char is not None and (char in '"\\' or ord(char) < 0x20):
+        raise FieldError(
+            "regex",
+            f"{char!r} at position {position} is written by xgrammar into the JSON string as it is, unescaped, so the "
+            "output would not parse: a pattern may not name a quote, a backslash or a control character alone",
+        )
+
+
 def _class_end(pattern: str, start: int) -> int:
     """The index just past the character class that opens at ``start`` (a ``]`` first in it, after an optional
     ``^``, is a character)."""

@@ -287,3 +287,36 @@ def test_a_schema_refused_elsewhere_blames_no_pattern_xgrammar_reads() -> None:
     with pytest.raises(FieldError) as refused:
         constraint_grammar("json_schema", json.dumps(schema))
     assert refused.value.message == 'does not compile: Unsupported type "objectx"'
+
+
+# (pattern, a JSON text xgrammar's grammar for it accepts, which does not parse): a pattern naming a quote, a
+# backslash or a control character alone, which xgrammar writes unescaped (helper 108: '^a"$' gave "a"").
+UNESCAPED = [
+    ('^a"$', '"a""'),
+    ("^\\\\$", '"\\"'),
+    ("^\\x22$", '"""'),
+    ("^\\u005c$", '"\\"'),
+    ("^\\n$", '"\n"'),
+    ('^["]$', '"""'),
+    ("^[\\\\]$", '"\\"'),
+]
+
+
+@pytest.mark.parametrize(("pattern", "text"), UNESCAPED, ids=[u[0] for u in UNESCAPED])
+def test_a_pattern_xgrammar_writes_unescaped_is_refused(pattern: str, text: str) -> None:
+    schema = {"type": "string", "pattern": pattern}
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(text)
+    assert _is_grammar_accept_string(xgrammar.Grammar.from_json_schema(json.dumps(schema)), text)
+    with pytest.raises(FieldError, match="unescaped, so the output would not parse"):
+        normalize_constraint("json_schema", {"type": "object", "patternProperties": {pattern: {}}})
+    with pytest.raises(FieldError, match=re.escape(f"pattern at # is not enforced by xgrammar ({pattern!r}: ")):
+        normalize_constraint("json_schema", schema)
+
+
+@pytest.mark.parametrize(("pattern", "text"), [("^[ -~]+$", '"a"b"'), ('^[a"]$', '"""'), ("^.+$", '"a\nb"')])
+def test_a_class_that_spans_those_characters_leaves_them_out(pattern: str, text: str) -> None:
+    """xgrammar leaves them out of any class but one of a single character: the pattern passes, and its grammar
+    takes no unparsable text."""
+    schema = normalize_constraint("json_schema", {"type": "string", "pattern": pattern})
+    assert not _is_grammar_accept_string(constraint_grammar("json_schema", schema), text)
