@@ -13,16 +13,21 @@ def append_token(req: Req, token_id: int, logprob: float | None, top: list[tuple
 
     Follows the OpenAI/vLLM conventions: a stop or EOS token stays in ``output_token_ids``; no stop counts
     before ``min_new_tokens`` tokens exist; ``length`` when ``max_new_tokens`` is reached or prompt + output
-    fill the context. Stop strings are looked for in the text as it streams (see :func:`finalize_text` for the
-    final cut).
+    fill the context, or (``token_id`` not appended) where a constrained row's grammar refuses the token, which it
+    takes only where it allowed none. Stop strings are looked for in the text as it streams (see
+    :func:`finalize_text` for the final cut).
     """
+    num_out = len(req.output_ids) + 1
+    stops_allowed = num_out >= req.params.min_new_tokens
+    if req.grammar is not None and not req.grammar.accept(token_id, may_end=stops_allowed):
+        # The grammar allowed no token here (every one masked: a JSON string's pattern of control characters
+        # alone, which JSON must escape), so the draw had none to take: the row ends, incomplete, as if cut by its
+        # length, not filled with a token the grammar refuses (found by a helper: id 0 to max_new_tokens).
+        req.finish_reason = "length"
+        return
     req.output_ids.append(token_id)
     if req.history is not None:
         req.history.add(token_id)
-    num_out = len(req.output_ids)
-    stops_allowed = num_out >= req.params.min_new_tokens
-    if req.grammar is not None:
-        req.grammar.accept(token_id, may_end=stops_allowed)
     if logprob is not None:
         req.output_logprobs.append(logprob)
     if top is not None:

@@ -55,6 +55,7 @@ class GrammarCompiler:
         self._surrogates: SurrogateMasks | None = None
         self._allowed: dict[tuple[bool, frozenset[int]], torch.Tensor] = {}
         self._tokenizer_stops: list[int] = []  # xgrammar's guess of the EOS ids, for a model that names none
+        self._startable: dict[tuple[tuple[frozenset[int], str, str], frozenset[int]], bool] = {}
 
     def matcher(
         self,
@@ -75,7 +76,7 @@ class GrammarCompiler:
         elsewhere (:meth:`GrammarState.accept`).
 
         Raises:
-            FieldError: xgrammar is not installed, or the constraint does not compile.
+            FieldError: xgrammar is not installed, the constraint does not compile, or no token can start it.
         """
         xgr = import_xgrammar(kind)
         if self._info is None:
@@ -102,7 +103,15 @@ class GrammarCompiler:
         allowed = self._allowed_mask(kind, frozenset(ends))
         stop_bits = pack_bits(_one_hot(stops, self.vocab_size)) if stops else None
         ending = Ends(ends[0] if ends else None, stops, stop_bits)
-        return GrammarState(xgr, matcher, allowed, self._surrogates, ending)
+        state = GrammarState(xgr, matcher, allowed, self._surrogates, ending)
+        if (key, allowed_key := frozenset(ends)) not in self._startable:
+            first = torch.zeros((1, (self.vocab_size + 31) // 32), dtype=torch.int32)
+            state.fill_mask(first, 0)
+            self._startable[key, allowed_key] = bool(first.any())
+        if not self._startable[key, allowed_key]:
+            # Found by a helper: every token masked, the row wrote id 0 to its length.
+            raise FieldError(kind, "no token can start it: it matches nothing this model can write")
+        return state
 
     def _compiler(self, xgr: Any, textless: frozenset[int]) -> Any:
         """An ``xgrammar.GrammarCompiler`` over the tokenizer's vocabulary with no text for the ids ``textless``
