@@ -82,7 +82,8 @@ def check_enforceable(schema: Any) -> None:
     not.
 
     Raises:
-        FieldError: (``json_schema``) naming the first such keyword and its JSON pointer (``#`` is the root).
+        FieldError: (``json_schema``) naming the first such keyword and its JSON pointer (``#`` is the root), or an
+            empty ``anyOf``, ``oneOf``, ``type`` or ``enum`` list (which no value matches).
     """
     nodes = list(_subschemas(schema, "#"))
     nested_id = next((pointer for pointer, node in nodes[1:] if "$id" in node), None)
@@ -90,6 +91,9 @@ def check_enforceable(schema: Any) -> None:
         # Its $ref pointers resolve against that subschema; xgrammar resolves every one against the root.
         raise FieldError("json_schema", f"$id at {nested_id} is not followed by xgrammar beside a $ref: remove it")
     for pointer, node in nodes:
+        empty = next((key for key in ("anyOf", "oneOf", "type", "enum") if node.get(key) == []), None)
+        if empty is not None:  # found by a helper: an empty anyOf gave "" (no JSON at all), an empty type numbers
+            raise FieldError("json_schema", f"{empty} at {pointer} is an empty list, which no value matches")
         problem = _unenforced(node, schema)
         if problem is not None:
             keyword, why = problem

@@ -320,3 +320,14 @@ def test_a_class_that_spans_those_characters_leaves_them_out(pattern: str, text:
     takes no unparsable text."""
     schema = normalize_constraint("json_schema", {"type": "string", "pattern": pattern})
     assert not _is_grammar_accept_string(constraint_grammar("json_schema", schema), text)
+
+
+@pytest.mark.parametrize("schema", [{"anyOf": []}, {"oneOf": []}, {"type": []}, {"properties": {"a": {"enum": []}}}])
+def test_an_empty_list_no_value_matches_is_refused(schema: dict[str, Any]) -> None:
+    """Found by helper 108: an empty anyOf wrote "" (no JSON), an empty type numbers. jsonschema takes no value."""
+    validator = jsonschema.Draft202012Validator(schema)
+    for value in (1, "a", None, [], True, {"a": 1}):
+        instance = value if "properties" not in schema else {"a": value}
+        assert not validator.is_valid(instance)
+    with pytest.raises(FieldError, match="is an empty list, which no value matches"):
+        normalize_constraint("json_schema", schema)
