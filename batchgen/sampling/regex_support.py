@@ -8,6 +8,8 @@ takes a newline too, which Python's (without ``re.DOTALL``) does not.
 
 from __future__ import annotations
 
+import re
+
 from batchgen.errors import FieldError
 
 
@@ -35,9 +37,12 @@ def check_regex(pattern: str) -> None:
             i, alternative_starts = i + 2, False
             continue
         if c == "[":
-            if pattern[i + 1 : i + 3] == "\\^":
+            caret = _ESCAPED_CARET.match(pattern, i + 1)  # \^, and \x5e, \u005e, \136 (a helper)
+            if caret:
                 raise FieldError(
-                    "regex", f"'[\\^' at position {i} is read by xgrammar as a negated class: put the ^ later in it"
+                    "regex",
+                    f"'[{caret[0]}' at position {i} is read by xgrammar as a negated class: put the ^ later in it (or "
+                    "write \\^ outside a class)",
                 )
             if pattern[i + 1 : i + 3] == "^]":
                 raise FieldError(
@@ -128,23 +133,35 @@ def _class_end(pattern: str, start: int) -> int:
     return i + 1
 
 
+# Escapes of ^ that xgrammar reads as a negation first in a class, whichever way written (python_regex writes the
+# hex and octal ones as \u005e, which it reads so too).
+_ESCAPED_CARET = re.compile(r"\\(\^|x5[eE]|u005[eE]|136)")
+# Python's whitespace, what re's \s takes in a str pattern (str.isspace); xgrammar's \s takes U+FEFF and leaves out
+# U+001C-U+001F and U+0085 (a helper).
+_PYTHON_SPACE = "\\t-\\r\\u001c-\\u0020\\u0085\\u00a0\\u1680\\u2000-\\u200a\\u2028\\u2029\\u202f\\u205f\\u3000"
+
+
 def python_regex(pattern: str) -> str:
     r"""``pattern`` rewritten so that xgrammar reads it as Python's ``re`` does: each ``.`` that is no escaped
     character nor in a character class as ``[^\n]``, any character but a newline (xgrammar's takes a newline too: a
-    row's output held newlines its pattern's ``re.fullmatch`` refused); and each ``\xHH`` as ``\u00HH``, since
-    xgrammar reads on past two hex digits (``\x011`` as U+0011 where ``re`` reads U+0001 and "1"; a review)."""
+    row's output held newlines its pattern's ``re.fullmatch`` refused); each ``\xHH`` as ``\u00HH``, since xgrammar
+    reads on past two hex digits (``\x011`` as U+0011 where ``re`` reads U+0001 and "1"; a review); an octal escape
+    (``\0``, ``\012``, ``\101``, ``[\1]``) as its ``\uHHHH``, which xgrammar read as digits; and ``\s`` (``\S``
+    outside a class) as Python's whitespace class (a helper)."""
     out, i = [], 0
     while i < len(pattern):
         c = pattern[i]
         if c == "\\":
-            out.append(_hex_escape(pattern, i))
-            i += 2
+            text, size = _python_escape(pattern, i, in_class=False)
+            out.append(text)
+            i += size
         elif c == "[":
             end = _class_end(pattern, i)
             j = i
             while j < end:
-                out.append(_hex_escape(pattern, j) if pattern[j] == "\\" else pattern[j])
-                j += 2 if pattern[j] == "\\" else 1
+                text, size = _python_escape(pattern, j, in_class=True) if pattern[j] == "\\" else (pattern[j], 1)
+                out.append(text)
+                j += size
             i = end
         else:
             out.append("[^\\n]" if c == "." else c)
@@ -152,6 +169,18 @@ def python_regex(pattern: str) -> str:
     return "".join(out)
 
 
-def _hex_escape(pattern: str, i: int) -> str:
-    r"""The escape at ``pattern[i]`` (a backslash) and the character after it, ``\x`` written ``\u00``."""
-    return "\\u00" if pattern[i + 1 : i + 2] == "x" else pattern[i : i + 2]
+def _python_escape(pattern: str, i: int, in_class: bool) -> tuple[str, int]:
+    r"""The escape at ``pattern[i]`` (a backslash) as xgrammar must read it (:func:`python_regex`), and its length."""
+    letter = pattern[i + 1 : i + 2]
+    if letter == "x":  # its two hex digits follow as they are
+        return "\\u00", 2
+    if letter == "s":
+        return (_PYTHON_SPACE if in_class else f"[{_PYTHON_SPACE}]"), 2
+    if letter == "S" and not in_class:
+        return f"[^{_PYTHON_SPACE}]", 2
+    # Python's octal escapes: in a class up to three digits; outside one, 0 and up to two more, or three digits
+    # (one or two digits from 1 on are a group reference there).
+    octal = re.match("[0-7]{1,3}" if in_class else "0[0-7]{0,2}|[0-7]{3}", pattern[i + 1 : i + 4])
+    if octal:
+        return f"\\u{int(octal[0], 8):04x}", 1 + len(octal[0])
+    return pattern[i : i + 2], 2

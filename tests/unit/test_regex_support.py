@@ -28,6 +28,8 @@ REFUSED = [
     (r"[\^]x", ",x", "'[\\^' at position 0"),
     # Helper 83: xgrammar reads [^] as any character, then the rest of what Python reads as one class.
     (r"[^]a]x", "qa]x", "'[^]' at position 0"),
+    # Helper 108: the caret written in hex or octal, which Python reads as a character too.
+    (r"[\x5e]", "a", "'[\\x5e' at position 0 is read by xgrammar as a negated class"),
 ]
 
 
@@ -86,6 +88,15 @@ AS_PYTHON = [
     (r"\x4142", ["A42", "\u4142", "A"]),
     (r"[\x41-\x431]+", ["AB1", "\u0431", "C", "D"]),
     (r"[\]\x41]x\\x41", ["Ax\\x41", "]x\\x41", "Ax\\A"]),
+    # Octal escapes (helper 108: [\1] took "1", [\101]x "1x"), in and outside a class.
+    (r"[\1]", ["\x01", "1"]),
+    (r"[\101]x", ["Ax", "1x", "101x"]),
+    (r"\01a\0", ["\x01a\x00", "1a0", "01a0"]),
+    (r"\101\1012", ["AA2", "101A2"]),
+    # Python's whitespace: U+001C-U+001F and U+0085 are, U+FEFF is not (helper 108).
+    (r"a\sb", ["a b", "a\x1cb", "a\x85b", "a\ufeffb", "a\u3000b"]),
+    (r"\S+", ["x\x1f", "\ufeff", "ab"]),
+    (r"[\s,]+", [", \x1e", "\ufeff"]),
 ]
 
 
