@@ -111,43 +111,31 @@ def test_a_vllm_run_batch_chat_file_runs_unchanged(model: Path, tmp_path: Path) 
         assert completion.usage.total_tokens == row["prompt_tokens"] + row["completion_tokens"]
 
 
-def test_chat_lines_without_max_tokens_are_warned_about_unless_an_option_sets_it(model: Path, tmp_path: Path) -> None:
-    """vLLM's chat runs a request without max_tokens to the end of the context, batchgen to --max-new-tokens's
-    default (a helper's trial: a null max_tokens came back at 128 tokens, "length", without a word)."""
-    chat = [{"role": "user", "content": "Hi"}]
-    lines = [request(f"r{i}", {"messages": chat, "max_tokens": None if i else 2}) for i in range(3)]
+OPEN_LINES = [
+    (CHAT, "chat", "runs them to the end of the context; set --max-new-tokens for longer answers"),
+    (COMPLETIONS, "completions", "stops them at 16; set --max-new-tokens (16 for vLLM's)"),
+]
+
+
+@pytest.mark.parametrize(("url", "kind", "vllm"), OPEN_LINES, ids=["chat", "completions"])
+def test_lines_without_max_tokens_are_warned_about_unless_an_option_sets_it(
+    url: str, kind: str, vllm: str, model: Path, tmp_path: Path
+) -> None:
+    """vLLM's chat runs a request without max_tokens to the end of the context, its completions stop at 16 tokens
+    (OpenAI's default), batchgen at --max-new-tokens's default (a helper's trial: a null max_tokens came back at 128
+    tokens, "length", without a word; helper 109: completions 8 times the tokens)."""
+    prompt = {"messages": [{"role": "user", "content": "Hi"}]} if url == CHAT else {"prompt": "Hi"}
+    lines = [request(f"r{i}", {**prompt, "max_tokens": None if i else 2}, url) for i in range(3)]
     dataset = write_jsonl(tmp_path / "requests.jsonl", lines)
     output = run(dataset, tmp_path / "out.jsonl", model, "--ignore-eos")
     warning = (
-        f"batchgen: warning: {dataset}: 2 of 3 chat request lines give no max_tokens: each stops after 128 tokens "
-        "(--max-new-tokens's default), where vllm run-batch runs them to the end of the context; set "
-        "--max-new-tokens for longer answers"
+        f"batchgen: warning: {dataset}: 2 of 3 {kind} request lines give no max_tokens: each stops after 128 tokens "
+        f"(--max-new-tokens's default), where vllm run-batch {vllm}"
     )
     assert warning in output.splitlines()
-    assert [
-        line["response"]["body"]["usage"]["completion_tokens"] for line in output_lines(tmp_path / "out.jsonl")
-    ] == [
-        2,
-        128,
-        128,
-    ]
+    usage = [line["response"]["body"]["usage"] for line in output_lines(tmp_path / "out.jsonl")]
+    assert [u["completion_tokens"] for u in usage] == [2, 128, 128]
     output = run(dataset, tmp_path / "out2.jsonl", model, "--max-new-tokens", "3")
-    assert "give no max_tokens" not in output
-
-
-def test_completions_lines_without_max_tokens_are_warned_about(model: Path, tmp_path: Path) -> None:
-    """vLLM's CompletionRequest (as OpenAI's completions) stops at 16 tokens where a line gives no max_tokens,
-    batchgen at --max-new-tokens's default (helper 109: 8 times the tokens, without a word)."""
-    lines = [request(f"r{i}", {"prompt": "Hi", "max_tokens": 2 if i == 2 else None}, COMPLETIONS) for i in range(3)]
-    dataset = write_jsonl(tmp_path / "requests.jsonl", lines)
-    output = run(dataset, tmp_path / "out.jsonl", model, "--ignore-eos")
-    warning = (
-        f"batchgen: warning: {dataset}: 2 of 3 completions request lines give no max_tokens: each stops after 128 "
-        "tokens (--max-new-tokens's default), where vllm run-batch stops them at 16; set --max-new-tokens (16 for "
-        "vLLM's)"
-    )
-    assert warning in output.splitlines()
-    output = run(dataset, tmp_path / "out2.jsonl", model, "--max-new-tokens", "16")
     assert "give no max_tokens" not in output
 
 
