@@ -157,9 +157,13 @@ def python_regex(pattern: str) -> str:
             i += size
         elif c == "[":
             end = _class_end(pattern, i)
+            # A class with \S keeps xgrammar's \s beside it: Python's \s and xgrammar's \S together would both miss
+            # or both take U+FEFF ([^\s\S] took it: a test).
+            spaces = _class_escapes(pattern, i, end).isdisjoint("S")
             j = i
             while j < end:
-                text, size = _python_escape(pattern, j, in_class=True) if pattern[j] == "\\" else (pattern[j], 1)
+                escape = pattern[j] == "\\"
+                text, size = _python_escape(pattern, j, in_class=True, spaces=spaces) if escape else (pattern[j], 1)
                 out.append(text)
                 j += size
             i = end
@@ -169,12 +173,25 @@ def python_regex(pattern: str) -> str:
     return "".join(out)
 
 
-def _python_escape(pattern: str, i: int, in_class: bool) -> tuple[str, int]:
-    r"""The escape at ``pattern[i]`` (a backslash) as xgrammar must read it (:func:`python_regex`), and its length."""
+def _class_escapes(pattern: str, start: int, end: int) -> set[str]:
+    """The letters escaped in the class ``pattern[start:end]`` (``{"s", "d"}`` for ``[\\s\\d,]``)."""
+    letters, j = set(), start + 1
+    while j < end - 1:
+        if pattern[j] == "\\":
+            letters.add(pattern[j + 1])
+            j += 2
+        else:
+            j += 1
+    return letters
+
+
+def _python_escape(pattern: str, i: int, in_class: bool, spaces: bool = True) -> tuple[str, int]:
+    r"""The escape at ``pattern[i]`` (a backslash) as xgrammar must read it (:func:`python_regex`), and its length;
+    ``\s`` as Python's where ``spaces``."""
     letter = pattern[i + 1 : i + 2]
     if letter == "x":  # its two hex digits follow as they are
         return "\\u00", 2
-    if letter == "s":
+    if letter == "s" and spaces:
         return (_PYTHON_SPACE if in_class else f"[{_PYTHON_SPACE}]"), 2
     if letter == "S" and not in_class:
         return f"[^{_PYTHON_SPACE}]", 2

@@ -97,6 +97,9 @@ AS_PYTHON = [
     (r"a\sb", ["a b", "a\x1cb", "a\x85b", "a\ufeffb", "a\u3000b"]),
     (r"\S+", ["x\x1f", "\ufeff", "ab"]),
     (r"[\s,]+", [", \x1e", "\ufeff"]),
+    # \s and \S in one class: both xgrammar's, which together take every character or none.
+    (r"[\S\s]", ["\ufeff", "a", "\x1c"]),
+    (r"a[^\s\S]?", ["a", "a\ufeff", "a "]),
 ]
 
 
