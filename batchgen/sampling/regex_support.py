@@ -1,4 +1,4 @@
-"""Refuse regex anchors and lookarounds that xgrammar ignores, and read ``.`` and ``\\xHH`` as Python's ``re`` does.
+"""Refuse regex anchors and lookarounds that xgrammar ignores, and read ``.`` and escapes as Python's ``re`` does.
 
 A ``regex`` constraint must match the whole output, so ``^`` at its start and ``$`` at its end say nothing more;
 elsewhere (``a$b``, ``x(^a)``) Python's ``re`` lets them match nowhere, while xgrammar drops them with only a log
@@ -136,6 +136,11 @@ def _class_end(pattern: str, start: int) -> int:
 # Escapes of ^ that xgrammar reads as a negation first in a class, whichever way written (python_regex writes the
 # hex and octal ones as \u005e, which it reads so too).
 _ESCAPED_CARET = re.compile(r"\\(\^|x5[eE]|u005[eE]|136)")
+# The characters xgrammar reads by these escapes, as Python does (a NUL or a newline as itself it refuses).
+_XGRAMMAR_ESCAPES = {"\0": "\\0", "\t": "\\t", "\n": "\\n", "\r": "\\r", "\f": "\\f", "\v": "\\v"}
+# Characters of regex syntax, escaped where they stand for themselves: outside a class, and in one.
+_SYNTAX = frozenset(".^$*+?()[]{}|\\")
+_CLASS_SYNTAX = frozenset("]\\^-[")
 # Python's whitespace, what re's \s takes in a str pattern (str.isspace); xgrammar's \s takes U+FEFF and leaves out
 # U+001C-U+001F and U+0085 (a helper).
 _PYTHON_SPACE = "\\t-\\r\\u001c-\\u0020\\u0085\\u00a0\\u1680\\u2000-\\u200a\\u2028\\u2029\\u202f\\u205f\\u3000"
@@ -144,10 +149,10 @@ _PYTHON_SPACE = "\\t-\\r\\u001c-\\u0020\\u0085\\u00a0\\u1680\\u2000-\\u200a\\u20
 def python_regex(pattern: str) -> str:
     r"""``pattern`` rewritten so that xgrammar reads it as Python's ``re`` does: each ``.`` that is no escaped
     character nor in a character class as ``[^\n]``, any character but a newline (xgrammar's takes a newline too: a
-    row's output held newlines its pattern's ``re.fullmatch`` refused); each ``\xHH`` as ``\u00HH``, since xgrammar
-    reads on past two hex digits (``\x011`` as U+0011 where ``re`` reads U+0001 and "1"; a review); an octal escape
-    (``\0``, ``\012``, ``\101``, ``[\1]``) as its ``\uHHHH``, which xgrammar read as digits; and ``\s`` (``\S``
-    outside a class) as Python's whitespace class (a helper)."""
+    row's output held newlines its pattern's ``re.fullmatch`` refused); each escape of one character (``\xHH``,
+    ``\uHHHH``, octal, ``\a``...) as that character, since xgrammar reads on past ``\x``'s two hex digits and, in a
+    class, past ``\u``'s four (``\x011`` was U+0011 where ``re`` reads U+0001 and "1"; a review), and octal escapes
+    as digits; and ``\s`` (``\S`` outside a class) as Python's whitespace class (a helper)."""
     out, i = [], 0
     while i < len(pattern):
         c = pattern[i]
@@ -189,15 +194,36 @@ def _python_escape(pattern: str, i: int, in_class: bool, spaces: bool = True) ->
     r"""The escape at ``pattern[i]`` (a backslash) as xgrammar must read it (:func:`python_regex`), and its length;
     ``\s`` as Python's where ``spaces``."""
     letter = pattern[i + 1 : i + 2]
-    if letter == "x":  # its two hex digits follow as they are
-        return "\\u00", 2
     if letter == "s" and spaces:
         return (_PYTHON_SPACE if in_class else f"[{_PYTHON_SPACE}]"), 2
     if letter == "S" and not in_class:
         return f"[^{_PYTHON_SPACE}]", 2
+    found = _escaped_char(pattern, i, in_class)
+    if found is None:
+        return pattern[i : i + 2], 2
+    char, size = found
+    if char in _XGRAMMAR_ESCAPES:
+        return _XGRAMMAR_ESCAPES[char], size
+    if 0xD800 <= ord(char) <= 0xDFFF:  # no UTF-8 of its own: left to xgrammar's escape
+        return f"\\u{ord(char):04x}", size
+    # The character itself: xgrammar reads the hex digits after a \x or \u escape on in a class, and on past \x's two
+    # outside one ("[\xe9a]" took U+0E9A; helper 110).
+    return ("\\" + char if char in (_CLASS_SYNTAX if in_class else _SYNTAX) else char), size
+
+
+def _escaped_char(pattern: str, i: int, in_class: bool) -> tuple[str, int] | None:
+    r"""The one character Python's ``re`` reads for the escape at ``pattern[i]`` (``\xHH``, ``\uHHHH``,
+    ``\UHHHHHHHH``, octal, ``\a``, ``\f``, ``\n``, ``\r``, ``\t``, ``\v``, and ``\b`` in a class) and the escape's
+    length; ``None`` for any other escape."""
+    letter = pattern[i + 1 : i + 2]
+    for mark, digits in (("x", 2), ("u", 4), ("U", 8)):
+        code = pattern[i + 2 : i + 2 + digits]
+        if letter == mark and len(code) == digits and all(c in "0123456789abcdefABCDEF" for c in code):
+            return (chr(int(code, 16)), 2 + digits) if int(code, 16) <= 0x10FFFF else None
     # Python's octal escapes: in a class up to three digits; outside one, 0 and up to two more, or three digits
     # (one or two digits from 1 on are a group reference there).
     octal = re.match("[0-7]{1,3}" if in_class else "0[0-7]{0,2}|[0-7]{3}", pattern[i + 1 : i + 4])
     if octal:
-        return f"\\u{int(octal[0], 8):04x}", 1 + len(octal[0])
-    return pattern[i : i + 2], 2
+        return chr(int(octal[0], 8)), 1 + len(octal[0])
+    simple = {"a": "\a", "f": "\f", "n": "\n", "r": "\r", "t": "\t", "v": "\v"} | ({"b": "\b"} if in_class else {})
+    return (simple[letter], 2) if letter in simple else None

@@ -97,6 +97,15 @@ AS_PYTHON = [
     (r"a\sb", ["a b", "a\x1cb", "a\x85b", "a\ufeffb", "a\u3000b"]),
     (r"\S+", ["x\x1f", "\ufeff", "ab"]),
     (r"[\s,]+", [", \x1e", "\ufeff"]),
+    # Escapes before hex digits in a class, where xgrammar read on past \u's four digits too (helper 110).
+    (r"[\xe9a]", ["é", "a", "\u0e9a"]),
+    (r"[\x01a]+", ["\x01a", "\x1a"]),
+    (r"[0-9]+[\xb0C]", ["12°", "12C", "12\u0b0c"]),
+    (r"[\1a]", ["\x01", "a", "\x1a"]),
+    (r"[\u00e9a]", ["é", "a", "\u0e9a"]),
+    # Escapes of regex syntax stand for themselves.
+    (r"\x28\x5d[\x5d\x2d]", ["(]]", "(]-", "(]a"]),
+    (r"\0\n[\b]", ["\x00\n\x08"]),
     # \s and \S in one class: both xgrammar's, which together take every character or none.
     (r"[\S\s]", ["\ufeff", "a", "\x1c"]),
     (r"a[^\s\S]?", ["a", "a\ufeff", "a "]),
