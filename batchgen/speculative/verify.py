@@ -135,24 +135,28 @@ def plan_drafts(
         count = len(drafts)
         if pad:
             drafts += [(drafts or req.pending_ids(1))[-1]] * (limit - len(drafts))
-        ids, grammars = _walk_grammar(req.grammar, drafts, keep_rejected=pad)
+        # Draft j is output token len(output_ids) + j + 1, which may end the row from min_new_tokens on.
+        ends_from = req.params.min_new_tokens - len(req.output_ids) - 1
+        ids, grammars = _walk_grammar(req.grammar, drafts, keep_rejected=pad, ends_from=ends_from)
         count = min(count, len(ids))
         plans.append(RoundDrafts(ids, grammars, count, probs[:count] if probs is not None else None))
     return plans
 
 
 def _walk_grammar(
-    grammar: GrammarState | None, drafts: list[int], keep_rejected: bool
+    grammar: GrammarState | None, drafts: list[int], keep_rejected: bool, ends_from: int
 ) -> tuple[list[int], list[GrammarState | None]]:
     """The drafts to verify and the grammar state of each of their ``len + 1`` positions (``None``:
-    unconstrained), position ``j`` being the state after drafts ``0..j-1``."""
+    unconstrained), position ``j`` being the state after drafts ``0..j-1``; a stop id ends the grammar only from
+    draft ``ends_from`` on (``min_new_tokens``: before, it is text, as :func:`~batchgen.loop.stop_checker.append_token`
+    takes it; found by a helper: an ending taken too early left the positions after it unconstrained)."""
     if grammar is None:
         return drafts, [None] * (1 + len(drafts))
     grammars: list[GrammarState | None] = [grammar]
     state = grammar
     for count, token_id in enumerate(drafts):
         state = state.fork()
-        accepted = state.accept(token_id)
+        accepted = state.accept(token_id, may_end=count >= ends_from)
         if accepted and not state.terminated:
             grammars.append(state)
             continue

@@ -212,3 +212,23 @@ def test_closing_eos_not_in_text_with_ignore_eos(
     for row in out.values():
         assert row["finish_reason"] == "stop" and "</s>" not in row["text"], row
         _check(row, {EOS})
+
+
+@pytest.mark.parametrize("spec", [SPEC, DRAFT], ids=["ngram", "draft-model"])
+def test_a_stop_id_before_min_new_tokens_is_text_to_speculation_too(
+    spec: tuple[str, ...], random_models: dict[str, Path], tmp_path: Path
+) -> None:
+    """Found by helper 110: speculation's walk of the drafts took a stop id for the grammar's end before
+    min_new_tokens, drew the positions after it unconstrained, and the row ended at 2 tokens, "length". The
+    reference is the plain run (greedy, the same engine), whose every token the regex takes."""
+    model = random_models["llama"]
+    b = int(AutoTokenizer.from_pretrained(model).convert_tokens_to_ids("b"))
+    a = int(AutoTokenizer.from_pretrained(model).convert_tokens_to_ids("a"))
+    row = {"id": "r", "prompt_token_ids": [b] * 30, "regex": "b+", "stop_token_ids": [b], "min_new_tokens": 6}
+    row |= {"allowed_token_ids": [a, b, EOS], "logit_bias": {str(a): 20.0}, "temperature": 0, "max_new_tokens": 12}
+    dataset = write_jsonl(tmp_path / "p.jsonl", [row])
+    plain = generate(dataset, tmp_path / "plain.arrow", model)["r"]
+    assert plain["output_token_ids"] == [b] * 6 and plain["finish_reason"] == "stop", plain
+    spec = tuple(str(model) if arg == "TARGET" else arg for arg in spec)
+    drafted = generate(dataset, tmp_path / "spec.arrow", model, *spec)["r"]
+    assert (drafted["output_token_ids"], drafted["finish_reason"]) == (plain["output_token_ids"], "stop")
