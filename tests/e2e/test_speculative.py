@@ -224,7 +224,7 @@ class _EvenTokens:
     def fork(self) -> _EvenTokens:
         return _EvenTokens(self.accepted)
 
-    def accept(self, token_id: int) -> bool:
+    def accept(self, token_id: int, may_end: bool = True) -> bool:
         if token_id % 2:
             return False
         self.accepted += (token_id,)
