@@ -50,6 +50,8 @@ _OPEN_STREAMS: weakref.WeakSet[PyGenerator[dict[str, Any], None, None]] = weakre
 # exception"). A stream is waited for through its frame; a generate call through this count. At most
 # _EXIT_WAIT_SECONDS in all: a stream may be waiting on its caller's rows rather than in a round.
 _EXIT_WAIT_SECONDS = 10.0
+# The rows a Generator remembers as sampled from its seed, for the warning of a row that draws their noise again.
+SAMPLED_IDS_KEPT = 100_000
 _EXITING = threading.Event()
 _GENERATING = threading.Condition()
 _generate_calls = 0
@@ -119,7 +121,7 @@ class Generator:
         self.engine = Engine(self.options, make_drafter)
         self.lookahead = max(job.schedule_lookahead, 2 * self.engine.max_running_requests)
         self._stream_open = False
-        self._drawn: set[int] = set()  # the seeds sampled rows drew with, derived from options.seed by earlier calls
+        self._sampled_ids: set[str] = set()  # rows finished earlier that sampled with seeds from options.seed
 
     def generate(
         self,
@@ -185,6 +187,7 @@ class Generator:
                 for finished in _until_exit(flow.rounds(iter(requests))):
                     for req in finished:
                         results[slot_of[req.rid]] += flow.result_rows(req)
+                        self._note_sampled(req)
             finally:
                 self.engine.drop_all()  # after an exception (Ctrl-C): nothing of this call stays in the engine
         return [row for row_results in results for row in row_results]
@@ -233,6 +236,7 @@ class Generator:
             for finished in _until_exit(flow.rounds(flow.requests(checks.checked(rows, bad_row), bad_row))):
                 for req in finished:
                     ready += flow.result_rows(req)
+                    self._note_sampled(req)
                 yield from ready
                 ready.clear()
         finally:
@@ -263,14 +267,20 @@ class Generator:
         check_sampling_defaults(defaults, facts)
         self._check_no_stream_open()
         seed = self.options.seed if self.options.seed is not None else secrets.randbits(63)
-        drawn = self._drawn if self.options.seed is not None else None  # a run seed drawn for the call is its own
-        builder = RequestBuilder.for_engine(facts, defaults, seed, columns.chat_template_kwargs, drawn)
+        builder = RequestBuilder.for_engine(facts, defaults, seed, columns.chat_template_kwargs, self._sampled_ids)
         checks = RowChecks(SOURCE, parse_python_row, python_passthrough)
         return (
             RowFlow(self.engine, builder, self.lookahead),
             checks,
             lambda rows: with_row_fields(input_rows(rows, columns), row_fields),
         )
+
+    def _note_sampled(self, req: Req) -> None:
+        """Remember a finished row that sampled with a seed derived from the Generator's (the first
+        :data:`SAMPLED_IDS_KEPT`: a loop over the same rows, or over chunks with the default ids, draws them again)."""
+        derived = self.options.seed is not None and req.params.seed is None and not req.params.is_greedy
+        if derived and len(self._sampled_ids) < SAMPLED_IDS_KEPT:
+            self._sampled_ids.add(req.rid)
 
     def _check_no_stream_open(self) -> None:
         if self._stream_open:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import replace
 from typing import Any
 
@@ -20,10 +20,6 @@ from batchgen.sampling.random import derive_seed
 from batchgen.sampling.row_fields import MAX_NEW_TOKENS_NAMES, make_sampling_params
 from batchgen.sampling.sampling_params import SamplingParams
 
-# The seeds of sampled rows a Generator remembers across calls (about 7 MB): the first rows' are the ones a loop over
-# the same rows, or over chunks with the default ids (positions), draws again.
-DRAWN_SEEDS_KEPT = 100_000
-
 
 class RequestBuilder:
     """Validates rows against the model and tokenizer and builds requests.
@@ -38,10 +34,10 @@ class RequestBuilder:
         run_seed: seeds the rows that carry no ``seed``.
         chat_template_kwargs: the chat template's arguments for every ``messages`` row (``--chat-template-kwargs``);
             a row's own ``chat_template_kwargs`` add to them and take precedence.
-        drawn: the seeds derived from ``run_seed`` that sampled rows drew with before (a ``Generator``'s earlier
-            calls), to which the builder adds its own: a row given one of those before again draws the same noise,
-            so its samples repeat (the same prompt) or follow another's (where vLLM's ``LLM(seed=)`` draws new ones
-            each call), which a ``UserWarning`` says once. It keeps at most :data:`DRAWN_SEEDS_KEPT` seeds.
+        drawn_ids: the ids of rows that sampled with seeds derived from ``run_seed`` before (a ``Generator``'s earlier
+            calls): a sampled row of one of them without a seed of its own draws the same noise again, so its
+            samples repeat (the same prompt) or follow another's (where vLLM's ``LLM(seed=)`` draws new ones each
+            call), which a ``UserWarning`` says once.
 
     Raises:
         BatchgenError: ``defaults`` hold a constraint that does not compile, or one for a model without a tokenizer.
@@ -56,7 +52,7 @@ class RequestBuilder:
         defaults: SamplingParams,
         run_seed: int,
         chat_template_kwargs: dict[str, Any] | None = None,
-        drawn: set[int] | None = None,
+        drawn_ids: Collection[str] = (),
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -65,8 +61,7 @@ class RequestBuilder:
         self.defaults = defaults
         self.run_seed = run_seed
         self.chat_template_kwargs = chat_template_kwargs or {}
-        self.drawn = drawn if drawn is not None else set()
-        self.drawn_before = frozenset(self.drawn)
+        self.drawn_ids = drawn_ids
         self._repeat_said = False
         self.grammars = GrammarCompiler(tokenizer, vocab_size)
         if defaults.constraint is not None:  # compiled once here, so that a bad one is one error, not every row's
@@ -86,7 +81,7 @@ class RequestBuilder:
         defaults: SamplingParams,
         run_seed: int,
         chat_template_kwargs: dict[str, Any] | None = None,
-        drawn: set[int] | None = None,
+        drawn_ids: Collection[str] = (),
     ) -> RequestBuilder:
         """A builder for the engine ``facts`` describes: its tokenizer, vocabulary, context length and EOS ids, and
         the run ``defaults`` with the sampling defaults it read from a
@@ -101,7 +96,7 @@ class RequestBuilder:
             resolved,
             run_seed,
             chat_template_kwargs=chat_template_kwargs,
-            drawn=drawn,
+            drawn_ids=drawn_ids,
         )
 
     def build(self, spec: RowSpec, source: str) -> Req:
@@ -204,22 +199,18 @@ class RequestBuilder:
         )
 
     def _derived_seed(self, rid: str, params: SamplingParams) -> int:
-        """The seed of row ``rid``, which gives none, from the run seed (:func:`derive_seed`), noted in ``drawn``
-        where the row samples."""
-        seed = derive_seed(self.run_seed, rid)
-        if params.temperature > 0:
-            if seed in self.drawn_before and not self._repeat_said:
-                self._repeat_said = True
-                warnings.warn(
-                    f"row '{rid}' draws with the seed a sampled row of an earlier call drew with (the Generator's "
-                    "seed and the same id), so its samples repeat that row's, or follow them for another prompt: "
-                    "give rows their own seed or other ids, or n for several samples (said once a call)",
-                    UserWarning,
-                    stacklevel=caller_stacklevel(),
-                )
-            if len(self.drawn) < DRAWN_SEEDS_KEPT:
-                self.drawn.add(seed)
-        return seed
+        """The seed of row ``rid``, which gives none, from the run seed (:func:`derive_seed`); said once where the
+        row samples and one of ``drawn_ids``."""
+        if not params.is_greedy and rid in self.drawn_ids and not self._repeat_said:
+            self._repeat_said = True
+            warnings.warn(
+                f"row '{rid}' draws with the seed a sampled row of an earlier call drew with (the Generator's seed and "
+                "the same id), so its samples repeat that row's, or follow them for another prompt: give rows their "
+                "own seed or other ids, or n for several samples (said once a call)",
+                UserWarning,
+                stacklevel=caller_stacklevel(),
+            )
+        return derive_seed(self.run_seed, rid)
 
     def _tokenize(self, spec: RowSpec, error: Any) -> tuple[str, list[int], int | None]:
         """The prompt's field, its token ids (with the continuation's, when the row has one) and where the

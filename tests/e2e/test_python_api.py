@@ -805,6 +805,19 @@ def test_a_call_that_draws_an_earlier_calls_seeds_again_is_warned(chat_model: Pa
     assert [r["output_token_ids"] for r in again] == [r["output_token_ids"] for r in first]
     with pytest.warns(UserWarning, match="row '1' draws"):  # another prompt, at a position an earlier call used
         generator.generate([{"id": "new", "prompt": "e"}, "f g"], **sampled)
+    # Found by helper 110: rows of a call that failed before generating, rows top_k 1 makes greedy, and rows a
+    # stream read but never ran drew nothing.
+    fresh = batchgen.Generator(str(chat_model), **ENGINE)
+    with pytest.raises(RowError):
+        fresh.generate(["a b", {"prompt": "c d", "temperature": "hot"}], **sampled)
+    fresh.generate(["a b", "c d"], max_new_tokens=4, top_k=1)
+    long_row = {"id": "s0", "prompt": "a", "max_new_tokens": 30}  # still running when the stream is closed
+    stream = fresh.stream([long_row, *[{"id": f"s{i}", "prompt": "b", "max_new_tokens": 1} for i in (1, 2)]], **sampled)
+    assert next(stream)["id"] != "s0"
+    stream.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fresh.generate(["a b", "c d", {"id": "s0", "prompt": "z"}], **sampled)
     unseeded = batchgen.Generator(str(chat_model), **{**ENGINE, "seed": None})
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # each call draws a run seed of its own
