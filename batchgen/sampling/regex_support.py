@@ -84,15 +84,37 @@ def check_json_string_pattern(pattern: str) -> None:
     while i < len(pattern):
         if pattern[i] == "[":  # a class of one character (xgrammar leaves them out of any other class)
             end = _class_end(pattern, i)
-            if pattern[i + 1 : i + 2] != "^" and i + 1 < end - 1:
-                char, size = _char_at(pattern, i + 1)
-                if i + 1 + size == end - 1:
-                    _refuse_json_special(char, i + 1)
+            chars = _class_chars(pattern, i, end)
+            if chars is not None and len(chars) == 1:
+                _refuse_json_special(next(iter(chars)), i)
             i = end
             continue
         char, size = _char_at(pattern, i)
         _refuse_json_special(char, i)
         i += size
+
+
+def _class_chars(pattern: str, start: int, end: int) -> set[str] | None:
+    """The characters the class ``pattern[start:end]`` takes (``[""]``, ``["-"]``: one), or ``None`` for a negated
+    class, one with a class escape (``\\d``) or one of over 256 characters."""
+    if pattern[start + 1 : start + 2] == "^":
+        return None
+    chars: set[str] = set()
+    j = start + 1
+    while j < end - 1:
+        low, size = _char_at(pattern, j)
+        j += size
+        if pattern[j : j + 1] == "-" and j + 1 < end - 1:
+            high, size = _char_at(pattern, j + 1)
+            j += 1 + size
+            if low is None or high is None or ord(high) - ord(low) > 256:
+                return None
+            chars.update(chr(c) for c in range(ord(low), ord(high) + 1))
+        elif low is None:
+            return None
+        else:
+            chars.add(low)
+    return chars
 
 
 def _char_at(pattern: str, i: int) -> tuple[str | None, int]:
@@ -105,7 +127,7 @@ def _char_at(pattern: str, i: int) -> tuple[str | None, int]:
         code = pattern[i + 2 : i + 2 + digits]
         if letter == mark and len(code) == digits and all(c in "0123456789abcdefABCDEF" for c in code):
             return chr(int(code, 16)), 2 + digits
-    controls = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v", "0": "\0"}
+    controls = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v", "0": "\0", "a": "\a"}
     if letter in controls:
         return controls[letter], 2
     return (letter if letter and not letter.isalnum() else None), 2

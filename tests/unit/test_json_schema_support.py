@@ -299,6 +299,11 @@ UNESCAPED = [
     ("^\\n$", '"\n"'),
     ('^["]$', '"""'),
     ("^[\\\\]$", '"\\"'),
+    # Classes of one character written otherwise (helper 110), and the bell, which xgrammar reads as itself.
+    ('^a[""]$', '"a""'),
+    ('^["-"]$', '"""'),
+    ("^[\\x22-\\x22]$", '"""'),
+    ("^\\a$", '"\a"'),
 ]
 
 
