@@ -279,7 +279,7 @@ class Generator:
         """Remember a finished row that sampled with a seed derived from the Generator's (the first
         :data:`SAMPLED_IDS_KEPT`: a loop over the same rows, or over chunks with the default ids, draws them again)."""
         derived = self.options.seed is not None and req.params.seed is None and not req.params.is_greedy
-        if derived and len(self._sampled_ids) < SAMPLED_IDS_KEPT:
+        if derived and req.output_ids and len(self._sampled_ids) < SAMPLED_IDS_KEPT:
             self._sampled_ids.add(req.rid)
 
     def _check_no_stream_open(self) -> None:

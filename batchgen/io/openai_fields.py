@@ -50,6 +50,8 @@ _HARMLESS = frozenset(
 _OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "stream": (False,),
     "echo": (False,),
+    "prompt_logprobs": (False,),  # vLLM's, as return_token_ids
+    "return_token_ids": (False,),
     "suffix": ("",),
     "functions": ([],),
     # Tools go to the chat template either way, as vLLM gives them; "required" or a named tool would need the call
@@ -123,10 +125,6 @@ def check_body_field(key: str, value: Any, url: str, body: dict[str, Any], fail:
             raise fail(
                 name, _unsupported(value, _OFF_VALUES[key]) + (f": {_ELSEWHERE[key]}" if key in _ELSEWHERE else "")
             )
-        return
-    if key in _ELSEWHERE and value is not False:
-        raise fail(name, f"{shown_value(value)} is not supported by batchgen: {_ELSEWHERE[key]}")
-    if key in _ELSEWHERE:
         return
     if key == "add_special_tokens":  # a prompt gets the tokenizer's BOS; chat messages only their template's
         if not _same(value, not chat):

@@ -201,7 +201,8 @@ class RequestBuilder:
     def _derived_seed(self, rid: str, params: SamplingParams) -> int:
         """The seed of row ``rid``, which gives none, from the run seed (:func:`derive_seed`); said once where the
         row samples and one of ``drawn_ids``."""
-        if not params.is_greedy and rid in self.drawn_ids and not self._repeat_said:
+        samples = not params.is_greedy and params.max_new_tokens > 0
+        if samples and rid in self.drawn_ids and not self._repeat_said:
             self._repeat_said = True
             warnings.warn(
                 f"row '{rid}' draws with the seed a sampled row of an earlier call drew with (the Generator's seed and "

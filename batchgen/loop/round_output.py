@@ -34,7 +34,8 @@ class RoundTokens:
 
     def emit(self, req: Req, first: int, count: int) -> int:
         """Append draws ``first..first + count - 1`` (``count`` >= 1) to ``req`` until one finishes it; return how
-        many were appended."""
+        many were appended (not the draw the row's grammar refused, which ends it: ``append_token``)."""
+        before = len(req.output_ids)
         want_logprobs = req.params.logprobs
         k = req.params.top_logprobs if want_logprobs else 0
         for j in range(first, first + count):
@@ -45,8 +46,8 @@ class RoundTokens:
             )
             append_token(req, self.ids[j], self.logprobs[j] if want_logprobs and self.logprobs else None, top)
             if req.finished:
-                return j - first + 1
-        return count
+                break
+        return len(req.output_ids) - before
 
 
 def record_prompt_logprobs(batch: ScheduleBatch, out: LogitsProcessorOutput) -> None:

@@ -93,7 +93,9 @@ def check_enforceable(schema: Any) -> None:
     for pointer, node in nodes:
         empty = next((key for key in ("anyOf", "oneOf", "type", "enum") if node.get(key) == []), None)
         if empty is not None:  # found by a helper: an empty anyOf gave "" (no JSON at all), an empty type numbers
-            raise FieldError("json_schema", f"{empty} at {pointer} is an empty list, which no value matches")
+            raise FieldError(
+                "json_schema", f"{empty} at {pointer} is an empty list, which no value matches (refused wherever it is)"
+            )
         problem = _unenforced(node, schema)
         if problem is not None:
             keyword, why = problem

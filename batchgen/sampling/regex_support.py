@@ -37,11 +37,13 @@ def check_regex(pattern: str) -> None:
             i, alternative_starts = i + 2, False
             continue
         if c == "[":
-            caret = _ESCAPED_CARET.match(pattern, i + 1)  # \^, and \x5e, \u005e, \136 (a helper)
-            if caret:
+            # \^ first in a class, or an escape python_regex writes so (\x5e, \136, \U0000005e...; a helper)
+            escaped = _escaped_char(pattern, i + 1, in_class=True) if pattern[i + 1 : i + 2] == "\\" else None
+            if pattern[i + 1 : i + 3] == "\\^" or (escaped is not None and escaped[0] == "^"):
+                written = pattern[i + 1 : i + 1 + (escaped[1] if escaped is not None else 2)]
                 raise FieldError(
                     "regex",
-                    f"'[{caret[0]}' at position {i} is read by xgrammar as a negated class: put the ^ later in it (or "
+                    f"'[{written}' at position {i} is read by xgrammar as a negated class: put the ^ later in it (or "
                     "write \\^ outside a class)",
                 )
             if pattern[i + 1 : i + 3] == "^]":
@@ -75,7 +77,8 @@ def check_json_string_pattern(pattern: str) -> None:
     """Refuse a JSON schema ``pattern`` that names a quote, a backslash or a control character as itself (a literal,
     an escape such as ``\\"``, ``\\\\``, ``\\x22``, ``\\n``, or a class of it alone, ``["]``): xgrammar writes
     it into the JSON string as it is, unescaped, so the output does not parse (a helper: ``^a"$`` gave ``"a""``).
-    Any other class (``[a"]``, ``[ -~]``, ``[^a]``, ``.``) is fine: xgrammar leaves such characters out of it.
+    A class of only such characters with a quote or backslash among them (``["\\\\]``) too; any other class
+    (``[a"]``, ``[ -~]``, ``[^a]``, ``.``) is fine: xgrammar leaves such characters out of it.
 
     Raises:
         FieldError: (``regex``) naming the character and its position.
@@ -84,9 +87,11 @@ def check_json_string_pattern(pattern: str) -> None:
     while i < len(pattern):
         if pattern[i] == "[":  # a class of one character (xgrammar leaves them out of any other class)
             end = _class_end(pattern, i)
+            # xgrammar leaves the quote, backslash and control characters out of a class that takes another
+            # character, and writes them raw from one that takes only such (["], ["\\]; helpers 110 and 111).
             chars = _class_chars(pattern, i, end)
-            if chars is not None and len(chars) == 1:
-                _refuse_json_special(next(iter(chars)), i)
+            if chars and all(c in '"\\' or ord(c) < 0x20 for c in chars) and not chars.isdisjoint('"\\'):
+                _refuse_json_special(min(chars & set('"\\')), i)
             i = end
             continue
         char, size = _char_at(pattern, i)
@@ -155,9 +160,6 @@ def _class_end(pattern: str, start: int) -> int:
     return i + 1
 
 
-# Escapes of ^ that xgrammar reads as a negation first in a class, whichever way written (python_regex writes the
-# hex and octal ones as \u005e, which it reads so too).
-_ESCAPED_CARET = re.compile(r"\\(\^|x5[eE]|u005[eE]|136)")
 # The characters xgrammar reads by these escapes, as Python does (a NUL or a newline as itself it refuses).
 _XGRAMMAR_ESCAPES = {"\0": "\\0", "\t": "\\t", "\n": "\\n", "\r": "\\r", "\f": "\\f", "\v": "\\v"}
 # Characters of regex syntax, escaped where they stand for themselves: outside a class, and in one.

@@ -811,6 +811,7 @@ def test_a_call_that_draws_an_earlier_calls_seeds_again_is_warned(chat_model: Pa
     with pytest.raises(RowError):
         fresh.generate(["a b", {"prompt": "c d", "temperature": "hot"}], **sampled)
     fresh.generate(["a b", "c d"], max_new_tokens=4, top_k=1)
+    fresh.generate([{"prompt": "a b", "prompt_logprobs": 0}], max_new_tokens=0, temperature=1)  # scores, draws nothing
     long_row = {"id": "s0", "prompt": "a", "max_new_tokens": 30}  # still running when the stream is closed
     stream = fresh.stream([long_row, *[{"id": f"s{i}", "prompt": "b", "max_new_tokens": 1} for i in (1, 2)]], **sampled)
     assert next(stream)["id"] != "s0"

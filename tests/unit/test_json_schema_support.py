@@ -304,6 +304,9 @@ UNESCAPED = [
     ('^["-"]$', '"""'),
     ("^[\\x22-\\x22]$", '"""'),
     ("^\\a$", '"\a"'),
+    # A class of several such characters, a quote or backslash among them (helper 111).
+    ('^["\\\\]$', '"""'),
+    ('^[\\x00-\\x1f"]$', '"""'),
 ]
 
 

@@ -41,6 +41,15 @@ def test_what_xgrammar_would_not_enforce_is_refused(pattern: str, text: str, mes
         normalize_constraint("regex", pattern)
 
 
+@pytest.mark.parametrize("pattern", [r"[\U0000005e]a", r"[\136]", r"[\x5E-a]"])
+def test_a_caret_escaped_any_way_first_in_a_class_is_refused(pattern: str) -> None:
+    r"""Python reads each as a class holding ^ (re.fullmatch takes "^" or "^a"); batchgen writes the escape as \^,
+    which xgrammar reads as a negation (helper 111: \U0000005e passed)."""
+    assert re.fullmatch(pattern, "^a") or re.fullmatch(pattern, "^")
+    with pytest.raises(FieldError, match="is read by xgrammar as a negated class"):
+        normalize_constraint("regex", pattern)
+
+
 @pytest.mark.parametrize("pattern", ["^ab$", "^a|^b", "a$|b$", "[$^]x", r"a\$", r"\^a", "(ab)+", r"[a\^]", r"\Bx"])
 def test_anchors_at_the_ends_and_characters_pass(pattern: str) -> None:
     check_regex(pattern)
