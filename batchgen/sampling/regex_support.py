@@ -123,8 +123,10 @@ def _class_chars(pattern: str, start: int, end: int) -> set[str] | None:
 
 
 def _char_at(pattern: str, i: int) -> tuple[str | None, int]:
-    """The one character that the literal or escape at ``pattern[i]`` stands for (``None`` for a class escape, an
-    anchor or a back reference, ``\\d``, ``\\b``, ``\\1``), and its length in the pattern."""
+    """The one character that the literal or escape at ``pattern[i]`` of a JSON schema's pattern stands for to
+    xgrammar, which writes it (``\\0`` a NUL alone, no octal: :func:`_escaped_char` reads a regex row's as Python's
+    ``re`` does), or ``None`` for a class escape, an anchor or a back reference (``\\d``, ``\\b``, ``\\1``); and
+    its length in the pattern."""
     if pattern[i] != "\\":
         return pattern[i], 1
     letter = pattern[i + 1 : i + 2]
