@@ -85,7 +85,7 @@ def check_json_string_pattern(pattern: str) -> None:
     """
     i = 0
     while i < len(pattern):
-        if pattern[i] == "[":  # a class of one character (xgrammar leaves them out of any other class)
+        if pattern[i] == "[":
             end = _class_end(pattern, i)
             # xgrammar leaves the quote, backslash and control characters out of a class that takes another
             # character, and writes them raw from one that takes only such (["], ["\\]; helpers 110 and 111).
