@@ -130,14 +130,23 @@ def _char_at(pattern: str, i: int) -> tuple[str | None, int]:
     if pattern[i] != "\\":
         return pattern[i], 1
     letter = pattern[i + 1 : i + 2]
-    for mark, digits in (("x", 2), ("u", 4)):
-        code = pattern[i + 2 : i + 2 + digits]
-        if letter == mark and len(code) == digits and all(c in "0123456789abcdefABCDEF" for c in code):
-            return chr(int(code, 16)), 2 + digits
-    controls = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v", "0": "\0", "a": "\a"}
+    found = _hex_char(pattern, i, {"x": 2, "u": 4})
+    if found is not None:
+        return found
+    controls = _LETTER_CONTROLS | {"0": "\0"}
     if letter in controls:
         return controls[letter], 2
     return (letter if letter and not letter.isalnum() else None), 2
+
+
+def _hex_char(pattern: str, i: int, digits_after: dict[str, int]) -> tuple[str, int] | None:
+    """The character of the hex escape at ``pattern[i]`` (a backslash, a letter of ``digits_after`` and that many hex
+    digits) and the escape's length; ``None`` for another escape or a code past U+10FFFF."""
+    digits = digits_after.get(pattern[i + 1 : i + 2], 0)
+    code = pattern[i + 2 : i + 2 + digits]
+    if digits and len(code) == digits and _HEX_DIGITS.issuperset(code) and int(code, 16) <= 0x10FFFF:
+        return chr(int(code, 16)), 2 + digits
+    return None
 
 
 def _refuse_json_special(char: str | None, position: int) -> None:
@@ -162,6 +171,9 @@ def _class_end(pattern: str, start: int) -> int:
     return i + 1
 
 
+_HEX_DIGITS = frozenset("0123456789abcdefABCDEF")
+# Control characters escaped by a letter, read so by Python's re and by xgrammar.
+_LETTER_CONTROLS = {"a": "\a", "f": "\f", "n": "\n", "r": "\r", "t": "\t", "v": "\v"}
 # The characters xgrammar reads by these escapes, as Python does (a NUL or a newline as itself it refuses).
 _XGRAMMAR_ESCAPES = {"\0": "\\0", "\t": "\\t", "\n": "\\n", "\r": "\\r", "\f": "\\f", "\v": "\\v"}
 # Characters of regex syntax, escaped where they stand for themselves: outside a class, and in one.
@@ -242,14 +254,13 @@ def _escaped_char(pattern: str, i: int, in_class: bool) -> tuple[str, int] | Non
     ``\UHHHHHHHH``, octal, ``\a``, ``\f``, ``\n``, ``\r``, ``\t``, ``\v``, and ``\b`` in a class) and the escape's
     length; ``None`` for any other escape."""
     letter = pattern[i + 1 : i + 2]
-    for mark, digits in (("x", 2), ("u", 4), ("U", 8)):
-        code = pattern[i + 2 : i + 2 + digits]
-        if letter == mark and len(code) == digits and all(c in "0123456789abcdefABCDEF" for c in code):
-            return (chr(int(code, 16)), 2 + digits) if int(code, 16) <= 0x10FFFF else None
+    found = _hex_char(pattern, i, {"x": 2, "u": 4, "U": 8})
+    if found is not None:
+        return found
     # Python's octal escapes: in a class up to three digits; outside one, 0 and up to two more, or three digits
     # (one or two digits from 1 on are a group reference there).
     octal = re.match("[0-7]{1,3}" if in_class else "0[0-7]{0,2}|[0-7]{3}", pattern[i + 1 : i + 4])
     if octal:
         return chr(int(octal[0], 8)), 1 + len(octal[0])
-    simple = {"a": "\a", "f": "\f", "n": "\n", "r": "\r", "t": "\t", "v": "\v"} | ({"b": "\b"} if in_class else {})
+    simple = _LETTER_CONTROLS | ({"b": "\b"} if in_class else {})
     return (simple[letter], 2) if letter in simple else None
