@@ -35,8 +35,9 @@ from batchgen.job.row_flow import RowChecks, RowFlow
 from batchgen.loop.engine import Engine
 from batchgen.loop.options import EngineOptions
 from batchgen.loop.req import Req
+from batchgen.sampling.plain_values import python_value
 from batchgen.sampling.row_fields import ROW_FIELD_KEYWORDS
-from batchgen.sampling.sampling_params import SamplingParams, python_value
+from batchgen.sampling.sampling_params import SamplingParams
 from batchgen.speculative import make_drafter
 
 # A row: a prompt, a message list ({"role", "content"} dicts), prompt token ids, or a row dict as in a JSONL file.

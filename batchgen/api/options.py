@@ -19,8 +19,9 @@ from batchgen.io.input_options import InputOptions
 from batchgen.io.passthrough import ADD_GENERATION_PROMPT_FIELD, CONTINUE_FINAL_MESSAGE_FIELD, TOOLS_FIELD
 from batchgen.job.options import JobOptions
 from batchgen.loop.options import EngineOptions
+from batchgen.sampling.plain_values import python_value
 from batchgen.sampling.row_fields import ROW_FIELD_KEYWORDS, SAMPLING_FIELD_ALIASES, switch_hint
-from batchgen.sampling.sampling_params import MODEL_SAMPLING_FIELDS, SamplingParams, python_value
+from batchgen.sampling.sampling_params import MODEL_SAMPLING_FIELDS, SamplingParams
 
 OPTION_CLASSES: tuple[type, ...] = (EngineOptions, SamplingParams, JobOptions, InputOptions)
 

@@ -18,8 +18,9 @@ from batchgen.io.input_options import InputOptions
 from batchgen.io.passthrough import KNOWN_FIELDS, PROMPT_FIELDS, READ_AND_PASSED, passthrough_names
 from batchgen.io.reader import InputRow
 from batchgen.io.rows import RowSpec, parse_row
+from batchgen.sampling.plain_values import ARRAY_MODULES, python_value, whole_number
 from batchgen.sampling.row_fields import make_sampling_params
-from batchgen.sampling.sampling_params import ARRAY_MODULES, SamplingParams, python_value, whole_number
+from batchgen.sampling.sampling_params import SamplingParams
 
 # The input's name in row errors: ``rows:3: field 'temperature': ...`` is the third row given (1-based, as a
 # file's lines are; its default id is its 0-based index, "2").

@@ -30,7 +30,7 @@ from batchgen.io.openai_fields import (
 )
 from batchgen.io.passthrough import PROMPT_FIELDS, json_type_name
 from batchgen.io.row_ids import error_row_id
-from batchgen.sampling.sampling_params import whole_number
+from batchgen.sampling.plain_values import whole_number
 
 # The keys of a request line; one of them on a line marks it as OpenAI-shaped.
 LINE_KEYS = ("custom_id", "method", "url", "body")

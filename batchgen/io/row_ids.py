@@ -8,7 +8,7 @@ from typing import Any
 
 from batchgen.errors import NOT_UNICODE, RowError, is_unicode_text, shown_value
 from batchgen.io.input_row import InputRow
-from batchgen.sampling.sampling_params import whole_number
+from batchgen.sampling.plain_values import whole_number
 
 # The id of the error row of a row whose id is unknown: a line that is not a JSON object (its index may be another
 # row's id: found by helpers, it made a good row a "duplicate", or an id appear twice), or a null one where ids come

@@ -27,8 +27,8 @@ from batchgen.io.passthrough import (
     json_type_name,
 )
 from batchgen.io.row_ids import check_id
+from batchgen.sampling.plain_values import whole_number
 from batchgen.sampling.row_fields import SAMPLING_FIELD_ALIASES, SAMPLING_FIELDS
-from batchgen.sampling.sampling_params import whole_number
 
 __all__ = ["PROMPT_FIELDS", "RowSpec", "parse_row"]
 

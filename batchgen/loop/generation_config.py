@@ -15,7 +15,8 @@ from typing import Any, get_type_hints
 
 from batchgen.errors import BatchgenError, FieldError, shown_value
 from batchgen.loop.options import GENERATION_CONFIG_FILE
-from batchgen.sampling.sampling_params import MODEL_SAMPLING_FIELDS, SamplingParams, whole_number
+from batchgen.sampling.plain_values import whole_number
+from batchgen.sampling.sampling_params import MODEL_SAMPLING_FIELDS, SamplingParams
 
 
 def eos_token_ids(model_dir: Path | None, hf_config: Any) -> list[int]:

@@ -11,8 +11,8 @@ from typing import Any
 
 from batchgen.errors import NOT_UNICODE, FieldError, is_unicode_text, shown_value
 from batchgen.sampling.json_schema_support import check_enforceable, schema_patterns
+from batchgen.sampling.plain_values import python_value
 from batchgen.sampling.regex_support import check_regex, python_regex
-from batchgen.sampling.sampling_params import python_value
 
 
 def normalize_constraint(name: str, value: Any) -> str:

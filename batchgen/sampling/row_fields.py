@@ -11,7 +11,8 @@ from typing import Any
 
 from batchgen.errors import NOT_UNICODE, FieldError, is_unicode_text, shown_value
 from batchgen.sampling.constraints import normalize_constraint
-from batchgen.sampling.sampling_params import GRAMMAR_FIELDS, SamplingParams, prompt_logprobs_count, whole_number
+from batchgen.sampling.plain_values import whole_number
+from batchgen.sampling.sampling_params import GRAMMAR_FIELDS, SamplingParams, prompt_logprobs_count
 
 # Fields that an input row may set at top level to override the CLI defaults for that row.
 SAMPLING_FIELDS: tuple[str, ...] = (

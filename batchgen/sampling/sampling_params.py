@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchgen.errors import FieldError, shown_value
+from batchgen.sampling.constraints import normalize_constraint
+from batchgen.sampling.plain_values import whole_number
 
 # Samples per prompt; the run's --max-running-requests may bound it further (all samples decode together).
 MAX_SAMPLES = 1024
@@ -33,8 +35,6 @@ def constraint_option(name: str, value: Any) -> str | None:
     Raises:
         FieldError: as ``normalize_constraint``.
     """
-    from batchgen.sampling.constraints import normalize_constraint  # which reads this module's python_value
-
     return None if value is None else normalize_constraint(name, value)
 
 
@@ -227,26 +227,3 @@ class SamplingParams:
         if self.seed is not None and not -(2**63) <= self.seed < 2**63:
             # vLLM's range (its OpenAI server's is int64's too): a negative seed is a seed like any other.
             raise FieldError("seed", f"must be a 64-bit signed integer, in [-2**63, 2**63), got {self.seed}")
-
-
-# Modules whose arrays and scalars hold Python values (tolist): numpy's (pandas' rows), torch's (a tokenizer's ids).
-ARRAY_MODULES = ("numpy", "torch")
-
-
-def python_value(value: Any) -> Any:
-    """numpy's and torch's scalars and arrays (what rows from pandas, numpy or a tokenizer hold) as the Python values
-    they hold, arrays and tuples as lists, inside lists and dicts too: the Python API's values as the checks,
-    written for JSON's, take them."""
-    if type(value).__module__ in ARRAY_MODULES and hasattr(value, "tolist"):
-        value = value.tolist()  # an object array's items stay as they are (pandas' nested lists: arrays again)
-    if isinstance(value, dict):
-        return {key: python_value(item) for key, item in value.items()}
-    return [python_value(item) for item in value] if isinstance(value, (list, tuple)) else value
-
-
-def whole_number(value: Any) -> Any:
-    """A float with no fraction as an int (4.0 → 4): what pandas writes for an integer column with nulls, and
-    what JSON writers give for numbers they hold as floats; every other value unchanged."""
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return value
