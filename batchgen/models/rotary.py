@@ -11,17 +11,18 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from batchgen.errors import BatchgenError
 
 # RoPE variants whose frequencies do not depend on the sequence length, so one cos/sin table serves all.
-_STATIC_ROPE_TYPES = ("default", "linear", "llama3")
+_STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def rope_inverse_frequencies(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
     """Inverse frequencies ``[head_dim // 2]`` float32 and the cos/sin scale factor.
 
-    The default is ``theta ** (-2i / d)``; ``linear`` and ``llama3`` scaling come from transformers'
-    ``ROPE_INIT_FUNCTIONS`` (the reference implementation our outputs are compared with).
+    The default is ``theta ** (-2i / d)``; ``linear``, ``llama3`` and ``yarn`` scaling (Peng et al. 2023, "YaRN",
+    whose attention factor is the scale) come from transformers' ``ROPE_INIT_FUNCTIONS`` (the reference
+    implementation our outputs are compared with).
 
     Raises:
-        BatchgenError: for RoPE types whose tables depend on the sequence length (dynamic, yarn, longrope).
+        BatchgenError: for RoPE types whose tables depend on the sequence length (dynamic, longrope).
     """
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
     rope_type = params.get("rope_type", params.get("type", "default"))

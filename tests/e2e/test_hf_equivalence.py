@@ -92,9 +92,11 @@ def test_seeded_sampling_is_independent_of_batching_and_preemption(
             "rope_theta": 500000.0,
         },
         {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+        # Qwen3's and DeepSeek's long-context setting: YaRN's frequencies and its attention factor on cos and sin.
+        {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}},
         {"tie_word_embeddings": True},
     ],
-    ids=["llama3-rope", "linear-rope", "tied-embeddings"],
+    ids=["llama3-rope", "linear-rope", "yarn-rope", "tied-embeddings"],
 )
 def test_llama_variants_equal_hf(overrides: dict[str, Any], tmp_path: Path) -> None:
     from tests.helpers.models import build_random_model
@@ -124,6 +126,44 @@ def test_unsupported_architecture_is_one_line_error(random_models: dict[str, Pat
     assert (
         "unsupported model architecture ['GPT2LMHeadModel']; supported: LlamaForCausalLM, MistralForCausalLM, "
         "Qwen2ForCausalLM, Qwen3ForCausalLM" in output
+    )
+    assert "Traceback" not in output
+
+
+@pytest.mark.parametrize(
+    "rope_scaling",
+    [
+        {"rope_type": "dynamic", "factor": 2.0},
+        {
+            "rope_type": "longrope",
+            "short_factor": [1.0] * 8,
+            "long_factor": [2.0] * 8,
+            "original_max_position_embeddings": 64,
+        },
+    ],
+    ids=["dynamic", "longrope"],
+)
+def test_a_rope_whose_tables_follow_the_batch_is_one_line_error(
+    random_models: dict[str, Path], rope_scaling: dict[str, Any], tmp_path: Path
+) -> None:
+    # transformers recomputes these frequencies from the longest position of each forward call, so a row's
+    # numbers would depend on the rows beside it (its dynamic_rope_update).
+    import json
+    import shutil
+
+    from tests.helpers.cli import run_cli
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(random_models["llama"], model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["rope_scaling"] = rope_scaling
+    (model_dir / "config.json").write_text(json.dumps(config))
+    dataset = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi"}])
+    code, output = run_cli(run_args(dataset, tmp_path / "o.arrow", model_dir))
+    assert code == 2
+    assert (
+        f"unsupported rope_scaling type '{rope_scaling['rope_type']}'; supported: default, linear, llama3, yarn"
+        in output
     )
     assert "Traceback" not in output
 
