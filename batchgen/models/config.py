@@ -13,21 +13,25 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
     "MistralForCausalLM": {"qkv_bias": False, "qk_norm": False},
     "Qwen2ForCausalLM": {"qkv_bias": True, "qk_norm": False},
     "Qwen3ForCausalLM": {"qkv_bias": False, "qk_norm": True},
+    # Phi-3 and Phi-4: Llama's layers with q/k/v and gate/up stored fused (qkv_proj, gate_up_proj), as ours are.
+    "Phi3ForCausalLM": {"qkv_bias": False, "qk_norm": False},
 }
+# Architectures whose attention reads ``sliding_window`` itself, without ``layer_types``.
+_WINDOWED_ARCHITECTURES = ("MistralForCausalLM", "Phi3ForCausalLM")
 
 
 def sliding_window(hf_config: Any) -> int | None:
     """The sliding attention window of a model whose layers (some or all) attend only to their last ``W`` positions,
     as transformers reads the config: ``layer_types`` naming ``sliding_attention`` layers (Qwen2, Qwen3 with
-    ``use_sliding_window``), or Mistral's ``sliding_window``; ``None`` for full attention. A query at position ``q``
-    sees keys ``q - W < k <= q`` (transformers' ``sliding_window_causal_mask``), so up to ``W`` positions the window
-    is full causal attention, which is what batchgen computes."""
+    ``use_sliding_window``), or Mistral's and Phi-3's ``sliding_window``; ``None`` for full attention. A query at
+    position ``q`` sees keys ``q - W < k <= q`` (transformers' ``sliding_window_causal_mask``), so up to ``W``
+    positions the window is full causal attention, which is what batchgen computes."""
     window = getattr(hf_config, "sliding_window", None)
     layer_types = getattr(hf_config, "layer_types", None)
     if layer_types is not None:
         return int(window) if window and "sliding_attention" in layer_types else None
     archs = getattr(hf_config, "architectures", None) or []
-    return int(window) if window and "MistralForCausalLM" in archs else None
+    return int(window) if window and any(arch in archs for arch in _WINDOWED_ARCHITECTURES) else None
 
 
 def context_limit(hf_config: Any, asked: int | None) -> tuple[int, str | None]:

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over the paged KV cache.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3) over the paged KV cache.
 
 Follows the Hugging Face reference modules (``modeling_llama.py``, ``modeling_qwen2.py``, ``modeling_qwen3.py``)
 in every numeric step that affects results: RMSNorm in float32, RoPE tables in float32 cast to the activation
@@ -194,7 +194,7 @@ class DecoderModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """The Llama-family causal LM; Mistral, Qwen2 and Qwen3 differ only by config flags (biases, q/k norm).
+    """The Llama-family causal LM; Mistral, Qwen2, Qwen3 and Phi-3 differ only by config flags (biases, q/k norm).
 
     ``forward(input_ids [T] int64, positions [T] int64, forward_batch)`` returns the final hidden states
     ``[T, hidden_size]`` in the model dtype; logits are computed by the ``LogitsProcessor`` for the rows that

@@ -22,10 +22,14 @@ def rope_inverse_frequencies(hf_config: Any, head_dim: int) -> tuple[torch.Tenso
     implementation our outputs are compared with).
 
     Raises:
-        BatchgenError: for RoPE types whose tables depend on the sequence length (dynamic, longrope).
+        BatchgenError: for RoPE types whose tables depend on the sequence length (dynamic, longrope), and for RoPE
+            on part of each head (``partial_rotary_factor`` below 1, Phi-4-mini's 0.75).
     """
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
     rope_type = params.get("rope_type", params.get("type", "default"))
+    partial = float(params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0)) or 1.0)
+    if partial != 1.0:
+        raise BatchgenError(f"unsupported partial_rotary_factor {partial}: RoPE on part of each head")
     if rope_type not in _STATIC_ROPE_TYPES:
         raise BatchgenError(f"unsupported rope_scaling type '{rope_type}'; supported: {', '.join(_STATIC_ROPE_TYPES)}")
     if rope_type == "default":

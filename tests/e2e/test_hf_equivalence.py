@@ -13,7 +13,7 @@ from tests.helpers.cli import generate, run_args, write_jsonl
 from tests.helpers.hf_greedy import check_against_hf, greedy_prompts
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "phi3"])
 def test_greedy_equals_hf_with_chunking_and_preemption(
     arch: str, random_models: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -125,7 +125,7 @@ def test_unsupported_architecture_is_one_line_error(random_models: dict[str, Pat
     assert code == 2
     assert (
         "unsupported model architecture ['GPT2LMHeadModel']; supported: LlamaForCausalLM, MistralForCausalLM, "
-        "Qwen2ForCausalLM, Qwen3ForCausalLM" in output
+        "Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM" in output
     )
     assert "Traceback" not in output
 
@@ -148,6 +148,18 @@ def test_a_rope_whose_tables_follow_the_batch_is_one_line_error(
 ) -> None:
     # transformers recomputes these frequencies from the longest position of each forward call, so a row's
     # numbers would depend on the rows beside it (its dynamic_rope_update).
+    message = f"unsupported rope_scaling type '{rope_scaling['rope_type']}'; supported: default, linear, llama3, yarn"
+    _check_refused(random_models, {"rope_scaling": rope_scaling}, message, tmp_path)
+
+
+def test_rope_on_part_of_each_head_is_one_line_error(random_models: dict[str, Path], tmp_path: Path) -> None:
+    # Phi-4-mini's RoPE turns the first 3/4 of each head only (transformers' rotate_half on cos.shape[-1] dims).
+    config = {"rope_scaling": {"rope_type": "default", "partial_rotary_factor": 0.75}}
+    _check_refused(random_models, config, "unsupported partial_rotary_factor 0.75: RoPE on part of each head", tmp_path)
+
+
+def _check_refused(random_models: dict[str, Path], changes: dict[str, Any], message: str, tmp_path: Path) -> None:
+    """The llama test model with ``changes`` in its config.json: a run exits 2 with ``message``, no traceback."""
     import json
     import shutil
 
@@ -156,15 +168,12 @@ def test_a_rope_whose_tables_follow_the_batch_is_one_line_error(
     model_dir = tmp_path / "model"
     shutil.copytree(random_models["llama"], model_dir)
     config = json.loads((model_dir / "config.json").read_text())
-    config["rope_scaling"] = rope_scaling
+    config.update(changes)
     (model_dir / "config.json").write_text(json.dumps(config))
     dataset = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi"}])
     code, output = run_cli(run_args(dataset, tmp_path / "o.arrow", model_dir))
     assert code == 2
-    assert (
-        f"unsupported rope_scaling type '{rope_scaling['rope_type']}'; supported: default, linear, llama3, yarn"
-        in output
-    )
+    assert message in output
     assert "Traceback" not in output
 
 
@@ -173,6 +182,7 @@ def test_a_rope_whose_tables_follow_the_batch_is_one_line_error(
     [
         ("mistral", {"sliding_window": 80}),
         ("qwen2", {"use_sliding_window": True, "sliding_window": 80, "max_window_layers": 1}),
+        ("phi3", {"sliding_window": 80}),
     ],
 )
 def test_a_sliding_window_caps_the_context_where_full_attention_is_the_same(
