@@ -157,9 +157,10 @@ def warn_about_json_text_fields(path: Path, schema: pa.Schema) -> None:
             )
 
 
-def warn_about_fields(reader: RowReader, built_in_max: int | None, tokenizer: Any) -> None:
+def warn_about_fields(reader: RowReader, built_in_max: int | None, tokenizer: Any, columns_out: bool) -> None:
     """Print the warnings about the fields of ``reader``'s dataset a run gives: :func:`warn_about_passthrough_names`,
-    :func:`warn_about_sampling_columns`, :func:`warn_about_json_text_fields`, :func:`warn_about_open_lines`
+    :func:`warn_about_sampling_columns`, :func:`warn_about_json_text_fields` (``columns_out``: the output stores typed
+    columns, Arrow or Parquet; a JSON Lines output holds the values themselves), :func:`warn_about_open_lines`
     (``built_in_max``: the run's built-in ``max_new_tokens`` where no option or generation_config.json set one),
     :func:`warn_about_unrendered_tools` (``tokenizer``: the model's, or ``None``)."""
     schema = reader.passthrough_schema
@@ -168,7 +169,8 @@ def warn_about_fields(reader: RowReader, built_in_max: int | None, tokenizer: An
         warn_about_unrendered_tools(reader.field_places[TOOLS_FIELD], tokenizer)
     warn_about_passthrough_names(reader.path, schema.names, reader.options, reader.field_places)
     warn_about_sampling_columns(reader.path, reader.options)
-    warn_about_json_text_fields(reader.path, schema)
+    if columns_out:
+        warn_about_json_text_fields(reader.path, schema)
     if reader.openai is not None and reader.openai.url is not None and built_in_max is not None:
         warn_about_open_lines(reader.path, reader.openai.url, reader.field_places, built_in_max)
 

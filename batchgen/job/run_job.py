@@ -18,7 +18,7 @@ from batchgen.io.field_warnings import warn_about_fields
 from batchgen.io.input_digests import RunDigests
 from batchgen.io.input_options import InputOptions
 from batchgen.io.openai_output import openai_output, wants_openai_output
-from batchgen.io.output_format import check_output_columns
+from batchgen.io.output_format import check_output_columns, check_output_format
 from batchgen.io.part_file import rows_sample_ids
 from batchgen.io.partial_output import PartialOutput, remove_partial_dir
 from batchgen.io.reader import RowReader, count_input_rows
@@ -107,7 +107,8 @@ class RunJob:
         model, tokenizer, seed = engine_options.model, self.facts.tokenizer, self.builder.run_seed
         self.openai_output = openai_output(dataset, self.reader.openai, as_openai, model, tokenizer, seed)
         chosen = "max_new_tokens" not in defaults.left_to_model or "max_new_tokens" in self.facts.sampling_defaults
-        warn_about_fields(self.reader, None if chosen else self.builder.defaults.max_new_tokens, self.facts.tokenizer)
+        built_in_max = None if chosen else self.builder.defaults.max_new_tokens
+        warn_about_fields(self.reader, built_in_max, self.facts.tokenizer, check_output_format(out) != ".jsonl")
         self.summary = RunSummary(on_error=self.job.bad_rows(self.openai_output is not None))
         # The output's pass-through columns: the dataset's, or, resuming, those combined with the rows written.
         passthrough = pa.schema([field for field in self.schema if field.name not in OUTPUT_COLUMNS.names])

@@ -54,7 +54,7 @@ def test_a_jsonl_field_is_named_with_its_first_line_and_its_rows(
     lines += ['{"prompt": "d", "temprature": 0.1}', '{"prompt": "e", "num_beams": 4}']
     path = tmp_path / "in.jsonl"
     path.write_text("\n".join(lines) + "\n")
-    warn_about_fields(RowReader(path), None, None)
+    warn_about_fields(RowReader(path), None, None, True)
     assert capsys.readouterr().err.splitlines() == [
         f"batchgen: warning: {path}:3 and 1 more row: field 'temprature' is not a sampling field (did you mean "
         "'temperature'?); it is passed through unused",
@@ -65,10 +65,10 @@ def test_a_jsonl_field_is_named_with_its_first_line_and_its_rows(
     (tmp_path / "shards").mkdir()
     (tmp_path / "shards" / "0.jsonl").write_text("\n".join(lines[:3]) + "\n")
     (tmp_path / "shards" / "1.jsonl").write_text("\n".join(lines[3:]) + "\n")
-    warn_about_fields(RowReader(tmp_path / "shards"), None, None)
+    warn_about_fields(RowReader(tmp_path / "shards"), None, None, True)
     first, second = capsys.readouterr().err.splitlines()
     assert first.startswith(f"batchgen: warning: {tmp_path / 'shards' / '0.jsonl'}:3 and 1 more row: ")
     assert second.startswith(f"batchgen: warning: {tmp_path / 'shards' / '1.jsonl'}:3: field 'num_beams'")
     pq.write_table(pa.table({"prompt": ["a", "b"], "temprature": [0.5, None]}), tmp_path / "in.parquet")
-    warn_about_fields(RowReader(tmp_path / "in.parquet"), None, None)
+    warn_about_fields(RowReader(tmp_path / "in.parquet"), None, None, True)
     assert capsys.readouterr().err.startswith(f"batchgen: warning: {tmp_path / 'in.parquet'}: field 'temprature'")
