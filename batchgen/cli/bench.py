@@ -22,6 +22,7 @@ from batchgen.bench.offline import (
 )
 from batchgen.bench.probes import measure_ceilings
 from batchgen.bench.workload import Workload, dataset_workload, random_workload, shared_prefix_workload
+from batchgen.cli.config import load_config
 from batchgen.cli.options import with_options
 from batchgen.cli.user_errors import user_errors
 from batchgen.errors import BatchgenError
@@ -133,6 +134,12 @@ def _shape(workload: Workload, shared: tuple[int, int] | None) -> str:
 def bench(
     options: EngineOptions,
     num_prompts: int = typer.Option(64, help="Prompts in the workload."),
+    config: Path | None = typer.Option(
+        None,
+        help="A run's YAML file of option defaults: its engine options apply (flags override), the rest is left aside.",
+        is_eager=True,
+        callback=load_config,
+    ),
     input_len_range: str = typer.Option(
         DEFAULT_INPUT_LEN_RANGE, help="Prompt lengths, uniform in LOW:HIGH tokens (not with --dataset)."
     ),

@@ -11,6 +11,7 @@ import typer
 from batchgen.bench.one_batch import OneBatchRunner
 from batchgen.bench.probes import measure_ceilings
 from batchgen.cli.bench import ONE_BATCH_ENGINE_OPTIONS, benchmark_interrupts, check_writable
+from batchgen.cli.config import load_config
 from batchgen.cli.options import with_options
 from batchgen.cli.user_errors import user_errors
 from batchgen.errors import BatchgenError
@@ -25,6 +26,12 @@ from batchgen.speculative import make_drafter
 def bench_one_batch(
     options: EngineOptions,
     batch_size: list[int] = typer.Option([1], help="Batch sizes (several values allowed)."),
+    config: Path | None = typer.Option(
+        None,
+        help="A run's YAML file of option defaults: its engine options apply (flags override), the rest is left aside.",
+        is_eager=True,
+        callback=load_config,
+    ),
     input_len: list[int] = typer.Option([256], help="Prompt lengths in tokens (several values allowed)."),
     output_len: list[int] = typer.Option([32], help="Generated tokens per request (several values allowed)."),
     prefix_len: int = typer.Option(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import typer
@@ -15,13 +16,26 @@ _PATHS = ("dataset", "out")
 
 
 def load_config(ctx: typer.Context, _param: typer.CallbackParam, value: Path | None) -> Path | None:
-    """Eager ``--config`` callback: the YAML's keys become the command's defaults (flags still override)."""
+    """Eager ``--config`` callback: the YAML's keys become the command's defaults (flags still override). A key of
+    ``batchgen run`` that the command has not (``max-new-tokens`` or ``dataset`` for ``bench``) is left aside, with
+    one note naming them, so that one file serves a job and its benchmark."""
     if value is None:
         return None
     with user_errors():
         params = {p.name: p for p in ctx.command.params if p.name is not None}
-        # The options and the paths are keys; another of a command's parameters (status's --out) is none.
-        defaults = read_config(value, {name for name in params if name in OPTION_HINTS or name in _PATHS})
+        # The options the command declares (with_options) and the paths are keys; another of a command's parameters
+        # (status's --out, bench's --seed of its workload) is none. The paths are a job's (run's, status's): bench's
+        # --dataset is its workload's.
+        paths = _PATHS if all(name in params for name in _PATHS) else ()
+        declared: frozenset[str] = getattr(ctx.command.callback, "option_names", frozenset())
+        read = read_config(value, set(OPTION_HINTS) | set(_PATHS))
+        defaults = {name: item for name, item in read.items() if name in declared or name in paths}
+        aside = [name.replace("_", "-") for name in read if name not in defaults]
+        if aside:
+            print(
+                f"batchgen: note: {value}: {', '.join(aside)}: not options of {ctx.info_name}, left aside",
+                file=sys.stderr,
+            )
         for name, item in defaults.items():
             if item is None:
                 continue  # null: the option's own default

@@ -72,6 +72,8 @@ def with_options(
             func(**values)
 
         command.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]
+        # The options this command declares, which a --config file's keys may set (batchgen.cli.config).
+        command.option_names = frozenset(n for _, names in groups.values() for n in names)  # type: ignore[attr-defined]
         command.__annotations__ = {p.name: p.annotation for p in parameters}
         return command
 

@@ -212,7 +212,7 @@ def build_problem() -> str | None:
     build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
     if not (build_dir / f"{name}.so").exists():
         # Otherwise the first run sits silent for the whole compile.
-        print("batchgen: building the CPU kernels for this machine (once, 15-40 s)", file=sys.stderr)
+        print("batchgen: building the CPU kernels for this machine (once; 15-40 s on two idle cores)", file=sys.stderr)
     try:
         with warnings.catch_warnings(), _build_lock(build_dir):
             started = time.monotonic()  # after the lock: time waiting for another process's build is not ours
