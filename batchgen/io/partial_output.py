@@ -65,6 +65,8 @@ class PartialState:
         listing: the directory's files and sizes when inspected (to notice another run changing them).
         input_digests: the input digest of each id with samples, that of the part whose samples count (the latest
             part holding some), or ``None`` when a valid part records none (an older batchgen wrote it).
+        part_schemas: the job's schema as each valid part records it, ``(path, schema)``: the settings of the run
+            that wrote it, which a resume holds against the manifest's.
     """
 
     schema: pa.Schema | None = None
@@ -75,6 +77,7 @@ class PartialState:
     next_part: int = 0
     listing: frozenset[tuple[str, int]] = frozenset()
     input_digests: dict[str, bytes] | None = None
+    part_schemas: list[tuple[Path, pa.Schema]] = field(default_factory=list)
 
 
 class PartialOutput:
@@ -118,6 +121,7 @@ class PartialOutput:
                 state.parts.append((number, path))
                 state.done.add_part(number, table)
                 last_schema = job_schema(table)
+                state.part_schemas.append((path, last_schema))
                 recorded = part_digests(table) if digests is not None else None
                 digests = None if recorded is None or digests is None else digests | recorded
         except OSError as e:

@@ -142,6 +142,7 @@ def open_output(
     if resumed is not None and resumed.schema is not None:
         # Its rows are checked one by one against a dataset that changed: the fingerprint is then the one now.
         recorded = check_partial_rows(dataset, output.dir, resumed, schema, job.resume_force)
+        check_parts_settings(resumed, recorded, job.resume_force)
     parts = lambda: _part_batches(resumed) if resumed is not None else iter(())  # noqa: E731
     schema = output_schema(schema, dataset, seed, recorded, job.resume_force, output.dir, parts)
     if recorded is not None:
@@ -227,6 +228,32 @@ def check_same_job(where: Path, recorded: pa.Schema, now: pa.Schema, force: bool
         # the old default's count, so they run again; rows that set one keep their samples.
         again = f" (rows that take the default n are generated again with n {new_n})" if old_n != new_n else ""
         print(f"batchgen: warning: {where}: resuming despite: {'; '.join(differences)}{again}", file=sys.stderr)
+
+
+def check_parts_settings(state: PartialState, recorded: pa.Schema, force: bool) -> None:
+    """Refuse to resume from a part that a run with other settings wrote (one copied in from another output, found
+    by a helper: its rows were merged, and the output's metadata named the manifest's settings): each part's own
+    record is held against the manifest's as a run's is (:func:`check_same_job`; the run seed too, which a run
+    without ``--seed`` drew), unless ``force``, which warns. The dataset is not compared: its rows are checked by
+    digest.
+
+    Raises:
+        BatchgenError: one line naming the first such part and every difference.
+    """
+    manifest = schema_metadata(recorded)
+    for path, schema in state.part_schemas:
+        part = schema_metadata(schema) | {DATASET_KEY: manifest.get(DATASET_KEY, "")}
+        differences = job_differences(part, manifest)
+        if part.get(RUN_SEED_KEY) != manifest.get(RUN_SEED_KEY):
+            differences.append(f"run seed {part.get(RUN_SEED_KEY)} → {manifest.get(RUN_SEED_KEY)}")
+        if differences and not force:
+            raise BatchgenError(
+                f"{path}: cannot resume: this part was written with other settings than the partial output's: "
+                f"{'; '.join(differences)} (delete the part to run its rows again, pass --resume-force to keep it, "
+                "or --overwrite to start over)"
+            )
+        if differences:
+            print(f"batchgen: warning: {path}: kept despite: {'; '.join(differences)}", file=sys.stderr)
 
 
 def resume_command(dataset: Path, out: Path) -> str:

@@ -535,6 +535,40 @@ def test_torn_parts_and_a_damaged_manifest_are_dropped_on_resume(
     assert_same_rows(by_key(read_results(out).to_pylist()), reference)
 
 
+def test_a_part_another_runs_settings_wrote_is_refused_on_resume(
+    small_job: tuple[Path, dict[Key, dict[str, Any]]], model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A part copied in from a run with other settings (found by a helper: its rows were merged into the output,
+    whose metadata named the manifest's settings) stops the resume, naming the part and what differs, as a run
+    with other settings does; ``--resume-force`` keeps it with a warning, and without it the rows run again."""
+    dataset, reference = small_job
+    out, other = tmp_path / "out.arrow", tmp_path / "other.arrow"
+    for target, extra in ((out, ("--seed", "7")), (other, ("--seed", "7", "--dtype", "bfloat16"))):
+        with monkeypatch.context() as patch:
+            fail_part_write(patch, at=3)
+            assert run_cli(args(dataset, target, model, *extra))[0] == 2
+    foreign = PartialOutput(other).inspect().parts[-1][1]
+    digest = foreign.name.split("-")[-1]
+    copied = partial_dir(out) / f"part-000050-{digest}"
+    shutil.copy(foreign, copied)
+    code, output = run_cli(args(dataset, out, model, "--resume"))  # the seed recorded: 7
+    assert code == 2, output
+    assert output.strip() == (
+        f"batchgen: error: {copied}: cannot resume: this part was written with other settings than the partial "
+        "output's: dtype 'bfloat16' → 'float32' (delete the part to run its rows again, pass --resume-force to keep "
+        "it, or --overwrite to start over)"
+    )
+    forced = tmp_path / "forced.arrow"
+    shutil.copytree(partial_dir(out), partial_dir(forced))
+    code, output = run_cli(args(dataset, forced, model, "--resume-force"))
+    kept = f"batchgen: warning: {partial_dir(forced) / copied.name}: kept despite: dtype 'bfloat16' → 'float32'"
+    assert code == 0 and kept in output.splitlines(), output
+    copied.unlink()
+    code, output = run_cli(args(dataset, out, model, "--resume"))
+    assert code == 0, output
+    assert_same_rows(by_key(read_results(out).to_pylist()), reference)
+
+
 def test_a_row_with_missing_samples_is_generated_again(
     small_job: tuple[Path, dict[Key, dict[str, Any]]], model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
