@@ -51,3 +51,24 @@ def release_startup_interrupts(still_starting: bool = False) -> None:
     _starting = still_starting
     if signal.getsignal(signal.SIGINT) is _stopped_while_starting:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+_finishing_signal: list[int] = []  # the stop signals that came after the run had finished
+
+
+def _after_the_run(signum: int, frame: FrameType | None) -> None:
+    name = signal.Signals(signum).name
+    if _finishing_signal:
+        os._exit(128 + signum)  # a second one: the caller insists, and nothing is left to lose
+    _finishing_signal.append(signum)
+    os.write(2, f"batchgen: {name} came after the run had finished: its output is written; ending as done\n".encode())
+
+
+def hold_finished_interrupts() -> None:
+    """Once ``run`` has finished its output, a stop signal has nothing left to stop: one line says so and the command
+    ends as it would have (its summary, exit status 0 or 3); a second one ends it at once with 128 + the signal.
+    Found by a helper: a SIGTERM after the summary said "stopped while starting", exit 143, over a complete output,
+    and a Ctrl-C there ended it with 130 and no word. A signal the caller ignores stays ignored."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            signal.signal(sig, _after_the_run)

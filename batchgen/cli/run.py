@@ -9,6 +9,7 @@ from pathlib import Path
 
 import typer
 
+from batchgen.cli import hold_finished_interrupts
 from batchgen.cli.config import load_config
 from batchgen.cli.options import with_options
 from batchgen.cli.user_errors import user_errors
@@ -53,6 +54,8 @@ def run(
             # batchgen reports problems with the input itself, one line each; transformers' notes would only add noise.
             transformers_logging.set_verbosity_error()
             summary = run_dataset(dataset, out, options, defaults, job_options, input_options)
+            if summary is None or not summary.interrupted_by:  # else the run's own handlers stay: the second stop
+                hold_finished_interrupts()
         except KeyboardInterrupt:  # before the job's own handlers are in place: loading the model, building kernels
             print("batchgen: interrupted while starting, before any row ran", file=sys.stderr)
             raise typer.Exit(128 + signal.SIGINT) from None

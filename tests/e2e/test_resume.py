@@ -296,6 +296,60 @@ def test_a_signal_the_caller_ignores_stays_ignored(
     assert_same_rows(by_key(read_results(out).to_pylist()), reference)
 
 
+# Runs batchgen's entry point with one signal (or two) sent to itself the moment ``run`` has finished its output,
+# where its handlers of the rest of the command go in place (a signal then lands there without a race).
+_SIGNAL_AFTER_THE_RUN = """
+import os, sys
+import batchgen.cli.run as cli_run
+from batchgen.cli.entry import main
+real = cli_run.hold_finished_interrupts
+signals = [int(sig) for sig in sys.argv[1].split(",")]
+def then_signals():
+    real()
+    for sig in signals:
+        os.kill(os.getpid(), sig)
+cli_run.hold_finished_interrupts = then_signals
+sys.argv = ["batchgen", *sys.argv[2:]]
+main()
+"""
+
+
+@pytest.mark.parametrize(
+    ("signals", "code"),
+    [([signal.SIGTERM], 0), ([signal.SIGINT], 0), ([signal.SIGTERM, signal.SIGTERM], 128 + signal.SIGTERM)],
+    ids=["SIGTERM", "SIGINT", "two"],
+)
+def test_a_stop_signal_after_the_run_finished_ends_it_as_done(
+    signals: list[signal.Signals],
+    code: int,
+    small_job: tuple[Path, dict[Key, dict[str, Any]]],
+    model: Path,
+    tmp_path: Path,
+) -> None:
+    """Found by a helper: a SIGTERM that came as the summary printed said "stopped by SIGTERM while starting" and
+    exited 143 over a complete output (a Ctrl-C: 130 and no word). Now one line says the output is written and the
+    command ends as done; a second signal ends it at once."""
+    dataset, reference = small_job
+    out = tmp_path / "out.arrow"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _SIGNAL_AFTER_THE_RUN,
+            ",".join(str(int(s)) for s in signals),
+            *args(dataset, out, model),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == code, proc.stderr
+    name = signals[0].name
+    assert f"batchgen: {name} came after the run had finished: its output is written; ending as done" in proc.stderr
+    assert "while starting" not in proc.stderr and "Traceback" not in proc.stderr
+    assert_same_rows(by_key(read_results(out).to_pylist()), reference)
+
+
 @pytest.mark.parametrize(
     ("argv", "command"),
     [
