@@ -183,6 +183,9 @@ def job_differences(recorded: dict[str, str], now: dict[str, str]) -> list[str]:
     if old_len and new_len and old_len != new_len and not any(p.startswith("context_length") for p in options_changed):
         # A helper's trial: a resume with a smaller --max-total-tokens cut rows at the smaller pool, accepted.
         pool = "the KV pool, which --max-total-tokens or --mem-fraction sizes, holds fewer tokens than the context"
+        models = [d.get("batchgen.model_context_length") for d in (recorded, now)]
+        if models[0] != models[1]:  # another model's context (found by a helper: the pool was blamed)
+            pool = f"the model's context length {models[0]} → {models[1]}"
         differences.append(f"tokens a row may hold {old_len} → {new_len} ({pool})")
     # An output of a batchgen without column options reads as one made with none.
     differences += changed_fields(INPUT_OPTIONS_KEY, _escaped(recorded), _escaped(now), None)

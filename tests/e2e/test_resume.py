@@ -1194,6 +1194,24 @@ def test_a_resume_under_fail_over_a_kept_error_row_exits_3(model: Path, tmp_path
     assert sorted(row["id"] for row in read_results(out).to_pylist()) == ["a", "b"]
 
 
+def test_another_models_context_is_named_as_the_reason_a_row_holds_other_tokens() -> None:
+    """Found by a helper: resuming a stories260k output (512 positions) with SmolLM2 (8,192) blamed the KV pool."""
+    from batchgen.job.run_metadata import job_differences
+
+    fingerprint = json.dumps({"size": 1, "mtime_ns": 1, "sample_sha256": "0" * 64})
+    base = {"batchgen.dtype": "float32", "batchgen.dataset": fingerprint}
+    old = {**base, "batchgen.model": "a", "batchgen.model_context_length": "512", "batchgen.context_length": "512"}
+    new = {**base, "batchgen.model": "b", "batchgen.model_context_length": "8192", "batchgen.context_length": "8192"}
+    assert job_differences(old, new) == [
+        "model 'a' → 'b'",
+        "tokens a row may hold 512 → 8192 (the model's context length 512 → 8192)",
+    ]
+    pool = {**old, "batchgen.context_length": "100"}
+    assert job_differences(old, pool)[-1].endswith(
+        "(the KV pool, which --max-total-tokens or --mem-fraction sizes, holds fewer tokens than the context)"
+    )
+
+
 def test_a_finished_output_refuses_a_smaller_pool_given_by_flag(model: Path, tmp_path: Path) -> None:
     """A helper's trial: ``--resume --max-total-tokens 100`` of a finished output (rows of up to 256 tokens, the
     random model's context) said "nothing to do", where a partial output's resume refuses the smaller pool; now both
