@@ -14,7 +14,6 @@ from __future__ import annotations
 import sys
 
 from batchgen.cli import hold_startup_interrupts, version_line
-from batchgen.environment import keep_openmp_threads_spinning
 
 
 def main() -> None:
@@ -22,8 +21,10 @@ def main() -> None:
     if sys.argv[1:] == ["--version"]:
         print(version_line())
         return
+    hold_startup_interrupts()  # before any other import (found by a helper: a Ctrl-C inside json's gave a traceback)
+    from batchgen.environment import keep_openmp_threads_spinning
+
     keep_openmp_threads_spinning()  # before the CLI imports torch
-    hold_startup_interrupts()
     from batchgen.cli.app import main as run_cli
 
     run_cli()
