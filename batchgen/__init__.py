@@ -11,22 +11,15 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from batchgen.api.generator import Generator
     from batchgen.api.run import RunInterrupted, run
-    from batchgen.job.summary import BadRowsLeftOut
 
 __version__ = "0.1.0"
-__all__ = ["BadRowsLeftOut", "Generator", "RunInterrupted", "__version__", "run"]
+__all__ = ["Generator", "RunInterrupted", "__version__", "run"]
 
-_LAZY = {
-    "Generator": "batchgen.api.generator",
-    "run": "batchgen.api.run",
-    "RunInterrupted": "batchgen.api.run",
-    "BadRowsLeftOut": "batchgen.job.summary",
-}
+_LAZY = {"Generator": "batchgen.api.generator", "run": "batchgen.api.run", "RunInterrupted": "batchgen.api.run"}
 
 
 def __getattr__(name: str) -> Any:
-    """``batchgen.Generator``, ``batchgen.run``, ``batchgen.RunInterrupted`` and ``batchgen.BadRowsLeftOut``, imported
-    when first asked for."""
+    """``batchgen.Generator``, ``batchgen.run`` and ``batchgen.RunInterrupted``, imported when first asked for."""
     if name not in _LAZY:
         raise AttributeError(f"module 'batchgen' has no attribute '{name}'")
     import importlib

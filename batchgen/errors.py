@@ -6,7 +6,10 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from batchgen.job.summary import RunSummary
 
 _SHOWN_LIMIT = 80
 
@@ -28,6 +31,22 @@ class BatchgenError(Exception):
     """
 
     exit_status = 2
+
+
+class BadRowsLeftOut(BatchgenError):
+    """A run under ``--on-error fail`` left bad input rows out after writing the good ones: exit status 3, so that a
+    scheduler tells "fix these rows, then ``--resume``" from a job that could not run (2). ``summary`` is the run's
+    :class:`~batchgen.job.summary.RunSummary` (rows written, ``errors`` the bad rows)."""
+
+    exit_status = 3
+
+    def __init__(self, message: str, summary: RunSummary) -> None:
+        super().__init__(message)
+        self.summary = summary
+
+    def __reduce__(self) -> tuple[type[BadRowsLeftOut], tuple[str, RunSummary]]:
+        # Rebuilt from its parts: args holds only the message.
+        return type(self), (str(self), self.summary)
 
 
 class OutputError(BatchgenError):

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from batchgen.errors import BatchgenError, counted
+from batchgen.errors import BadRowsLeftOut, counted
 from batchgen.io.finished_output import records_run
 from batchgen.loop.options import EngineOptions
 
@@ -82,22 +82,6 @@ def speculative_record(options: EngineOptions, histogram: dict[int, int]) -> dic
         "accept_length": mean_accept_length(histogram),
         "accept_histogram": dict(sorted(histogram.items())),
     }
-
-
-class BadRowsLeftOut(BatchgenError):
-    """A run under ``--on-error fail`` left bad input rows out after writing the good ones: exit status 3, so that a
-    scheduler tells "fix these rows, then ``--resume``" from a job that could not run (2). ``summary`` is the run's
-    :class:`RunSummary` (rows written, ``errors`` the bad rows); ``batchgen.BadRowsLeftOut`` is this class."""
-
-    exit_status = 3
-
-    def __init__(self, message: str, summary: RunSummary) -> None:
-        super().__init__(message)
-        self.summary = summary
-
-    def __reduce__(self) -> tuple[type[BadRowsLeftOut], tuple[str, RunSummary]]:
-        # Rebuilt from its parts: args holds only the message.
-        return type(self), (str(self), self.summary)
 
 
 def raise_if_failed(summary: RunSummary, out: Path) -> None:

@@ -22,7 +22,7 @@ import torch
 from transformers import AutoTokenizer
 
 import batchgen
-from batchgen.errors import BatchgenError, RowError
+from batchgen.errors import BadRowsLeftOut, BatchgenError, RowError
 from batchgen.io.partial_output import partial_dir
 from batchgen.io.writer import OUTPUT_COLUMNS, read_results
 from tests.helpers.cli import generate, read_rows, run_cli, write_jsonl
@@ -739,7 +739,7 @@ def test_run_with_bad_rows_raises_after_writing_the_good_ones(chat_model: Path, 
     dataset = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "fine"}, {"prompt": "bad", "top_k": -5}])
     out = tmp_path / "out.jsonl"
     options = {"model": str(chat_model), "max_new_tokens": 2, "progress": False, **ENGINE}
-    with pytest.raises(batchgen.BadRowsLeftOut, match="^1 bad input row left out") as info:
+    with pytest.raises(BadRowsLeftOut, match="^1 bad input row left out") as info:
         batchgen.run(dataset, out, **options)
     assert (info.value.exit_status, info.value.summary.rows, info.value.summary.errors) == (3, 1, 1)
     again = pickle.loads(pickle.dumps(info.value))  # as a worker process hands it back (multiprocessing, Ray)
