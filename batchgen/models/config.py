@@ -34,19 +34,41 @@ def sliding_window(hf_config: Any) -> int | None:
     return int(window) if window and any(arch in archs for arch in _WINDOWED_ARCHITECTURES) else None
 
 
+def model_positions(hf_config: Any) -> tuple[int, str | None]:
+    """The most positions the model holds and, where its RoPE rather than ``max_position_embeddings`` sets them,
+    why: YaRN's ``original_max_position_embeddings`` times its factor where that is more (vLLM's rule: Qwen3's
+    long-context setting keeps 40,960 and reaches 131,072); longrope's ``original_max_position_embeddings``, past
+    which transformers turns the whole batch to its long factors (Phi-3's 128k models: batchgen's one table holds
+    the short ones)."""
+    positions = int(hf_config.max_position_embeddings)
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    kind = params.get("rope_type", params.get("type"))
+    original = params.get("original_max_position_embeddings") or getattr(
+        hf_config, "original_max_position_embeddings", None
+    )
+    if kind == "yarn" and original and params.get("factor"):
+        return max(positions, int(float(params["factor"]) * int(original))), None
+    if kind == "longrope" and original and int(original) < positions:
+        return int(original), f"its longrope RoPE holds {int(original)} positions with the factors batchgen runs"
+    return positions, None
+
+
 def context_limit(hf_config: Any, asked: int | None) -> tuple[int, str | None]:
-    """A run's context length: ``asked`` (``--context-length``), else the most positions the model holds, its
-    ``max_position_embeddings`` or, below it, its sliding window (:func:`sliding_window`), up to which batchgen's
-    full causal attention is the window's; and a note saying so when the window set it, else ``None``.
+    """A run's context length: ``asked`` (``--context-length``), else the most positions the model holds
+    (:func:`model_positions`) or, below them, its sliding window (:func:`sliding_window`), up to which batchgen's
+    full causal attention is the window's; and a note saying so when the window or the RoPE set it, else ``None``.
 
     Raises:
         BatchgenError: ``asked`` exceeds that limit (one line naming it).
     """
-    positions = int(hf_config.max_position_embeddings)
+    positions, rope_note = model_positions(hf_config)
     window = sliding_window(hf_config)
     if window is None or window >= positions:
         if asked is not None and asked > positions:
-            raise BatchgenError(f"--context-length {asked} exceeds the model's {positions} positions")
+            why = f" ({rope_note})" if rope_note else ""
+            raise BatchgenError(f"--context-length {asked} exceeds the model's {positions} positions{why}")
+        if asked is None and rope_note is not None:
+            return positions, f"the model's context length set to {positions}: {rope_note}"
         return asked or positions, None
     if asked is not None and asked > window:
         raise BatchgenError(f"--context-length {asked} exceeds the model's sliding window of {window}")

@@ -10,28 +10,31 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from batchgen.errors import BatchgenError
 
-# RoPE variants whose frequencies do not depend on the sequence length, so one cos/sin table serves all.
-_STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# RoPE variants one cos/sin table serves for every position batchgen runs: transformers changes dynamic's and
+# longrope's frequencies for a whole batch only past max_position_embeddings and original_max_position_embeddings,
+# where batchgen's context stops (batchgen.models.config.context_limit).
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
 
 
 def rope_inverse_frequencies(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
     """Inverse frequencies ``[head_dim // 2]`` float32 and the cos/sin scale factor.
 
-    The default is ``theta ** (-2i / d)``; ``linear``, ``llama3`` and ``yarn`` scaling (Peng et al. 2023, "YaRN",
-    whose attention factor is the scale) come from transformers' ``ROPE_INIT_FUNCTIONS`` (the reference
-    implementation our outputs are compared with).
+    The default is ``theta ** (-2i / d)``; the scaled types of :data:`ROPE_TYPES` come from transformers'
+    ``ROPE_INIT_FUNCTIONS`` (the reference implementation our outputs are compared with) as it builds them before
+    any batch: ``yarn`` with its attention factor as the scale (Peng et al. 2023, "YaRN"), ``dynamic`` as the
+    default table, ``longrope`` with its short factors and attention factor (Phi-3's).
 
     Raises:
-        BatchgenError: for RoPE types whose tables depend on the sequence length (dynamic, longrope), and for RoPE
-            on part of each head (``partial_rotary_factor`` below 1, Phi-4-mini's 0.75).
+        BatchgenError: another RoPE type, or RoPE on part of each head (``partial_rotary_factor`` below 1,
+            Phi-4-mini's 0.75).
     """
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
     rope_type = params.get("rope_type", params.get("type", "default"))
     partial = float(params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0)) or 1.0)
     if partial != 1.0:
         raise BatchgenError(f"unsupported partial_rotary_factor {partial}: RoPE on part of each head")
-    if rope_type not in _STATIC_ROPE_TYPES:
-        raise BatchgenError(f"unsupported rope_scaling type '{rope_type}'; supported: {', '.join(_STATIC_ROPE_TYPES)}")
+    if rope_type not in ROPE_TYPES:
+        raise BatchgenError(f"unsupported rope_scaling type '{rope_type}'; supported: {', '.join(ROPE_TYPES)}")
     if rope_type == "default":
         theta = float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim))

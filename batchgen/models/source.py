@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoConfig, AutoTokenizer
 
 from batchgen.errors import BatchgenError, one_line
@@ -79,8 +80,10 @@ class ModelSource:
         try:
             hf_config = AutoConfig.from_pretrained(model_dir)
             tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        except (OSError, ValueError, KeyError) as e:
-            raise BatchgenError(f"{model_dir}: cannot load the config or tokenizer: {one_line(e)}") from None
+        except (OSError, ValueError, KeyError, StrictDataclassError) as e:
+            # A config that transformers' own checks refuse (Phi-3's RoPE types) says why in the error it wraps.
+            why = e.__cause__ if isinstance(e, StrictDataclassError) and e.__cause__ is not None else e
+            raise BatchgenError(f"{model_dir}: cannot load the config or tokenizer: {one_line(why)}") from None
         return cls(spec, model_dir, hf_config, tokenizer)
 
     def load(

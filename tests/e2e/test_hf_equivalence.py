@@ -92,11 +92,13 @@ def test_seeded_sampling_is_independent_of_batching_and_preemption(
             "rope_theta": 500000.0,
         },
         {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
-        # Qwen3's and DeepSeek's long-context setting: YaRN's frequencies and its attention factor on cos and sin.
+        # YaRN's frequencies and its attention factor on cos and sin (here all 256 positions fit in 4 x 16).
         {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}},
+        # transformers changes dynamic's table only past max_position_embeddings, where batchgen's context stops.
+        {"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}},
         {"tie_word_embeddings": True},
     ],
-    ids=["llama3-rope", "linear-rope", "yarn-rope", "tied-embeddings"],
+    ids=["llama3-rope", "linear-rope", "yarn-rope", "dynamic-rope", "tied-embeddings"],
 )
 def test_llama_variants_equal_hf(overrides: dict[str, Any], tmp_path: Path) -> None:
     from tests.helpers.models import build_random_model
@@ -130,26 +132,20 @@ def test_unsupported_architecture_is_one_line_error(random_models: dict[str, Pat
     assert "Traceback" not in output
 
 
-@pytest.mark.parametrize(
-    "rope_scaling",
-    [
-        {"rope_type": "dynamic", "factor": 2.0},
-        {
-            "rope_type": "longrope",
-            "short_factor": [1.0] * 8,
-            "long_factor": [2.0] * 8,
-            "original_max_position_embeddings": 64,
-        },
-    ],
-    ids=["dynamic", "longrope"],
-)
-def test_a_rope_whose_tables_follow_the_batch_is_one_line_error(
-    random_models: dict[str, Path], rope_scaling: dict[str, Any], tmp_path: Path
-) -> None:
-    # transformers recomputes these frequencies from the longest position of each forward call, so a row's
-    # numbers would depend on the rows beside it (its dynamic_rope_update).
-    message = f"unsupported rope_scaling type '{rope_scaling['rope_type']}'; supported: default, linear, llama3, yarn"
-    _check_refused(random_models, {"rope_scaling": rope_scaling}, message, tmp_path)
+def test_another_rope_type_is_one_line_error(random_models: dict[str, Path], tmp_path: Path) -> None:
+    message = (
+        "unsupported rope_scaling type 'proportional'; supported: default, linear, llama3, yarn, dynamic, longrope"
+    )
+    _check_refused(random_models, {"rope_scaling": {"rope_type": "proportional", "factor": 2.0}}, message, tmp_path)
+
+
+def test_a_config_transformers_refuses_is_one_line_error(random_models: dict[str, Path], tmp_path: Path) -> None:
+    # transformers' Phi3Config takes only longrope scaling; its check's error wraps the reason (found by a helper:
+    # a traceback).
+    message = (
+        "cannot load the config or tokenizer: `rope_parameters`'s type field must be one of ['longrope'], got dynamic"
+    )
+    _check_refused(random_models, {"rope_scaling": {"type": "dynamic", "factor": 2.0}}, message, tmp_path, "phi3")
 
 
 def test_rope_on_part_of_each_head_is_one_line_error(random_models: dict[str, Path], tmp_path: Path) -> None:
@@ -158,15 +154,17 @@ def test_rope_on_part_of_each_head_is_one_line_error(random_models: dict[str, Pa
     _check_refused(random_models, config, "unsupported partial_rotary_factor 0.75: RoPE on part of each head", tmp_path)
 
 
-def _check_refused(random_models: dict[str, Path], changes: dict[str, Any], message: str, tmp_path: Path) -> None:
-    """The llama test model with ``changes`` in its config.json: a run exits 2 with ``message``, no traceback."""
+def _check_refused(
+    random_models: dict[str, Path], changes: dict[str, Any], message: str, tmp_path: Path, arch: str = "llama"
+) -> None:
+    """The ``arch`` test model with ``changes`` in its config.json: a run exits 2 with ``message``, no traceback."""
     import json
     import shutil
 
     from tests.helpers.cli import run_cli
 
     model_dir = tmp_path / "model"
-    shutil.copytree(random_models["llama"], model_dir)
+    shutil.copytree(random_models[arch], model_dir)
     config = json.loads((model_dir / "config.json").read_text())
     config.update(changes)
     (model_dir / "config.json").write_text(json.dumps(config))
@@ -175,6 +173,49 @@ def _check_refused(random_models: dict[str, Path], changes: dict[str, Any], mess
     assert code == 2
     assert message in output
     assert "Traceback" not in output
+
+
+def test_yarn_reaches_its_original_positions_times_its_factor(tmp_path: Path) -> None:
+    """Qwen3's long-context setting keeps max_position_embeddings (40,960) and asks YaRN for 4 x 32,768 (found by a
+    helper: batchgen stopped at 40,960). Here 48 positions and 2 x 40: rows of up to 73 tokens equal HF's, and the
+    context stops at 80 (vLLM's rule)."""
+    from tests.helpers.cli import run_cli
+    from tests.helpers.models import build_random_model
+
+    yarn = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 40}
+    model_dir = build_random_model(tmp_path / "m", "qwen3", seed=1, max_position_embeddings=48, rope_scaling=yarn)
+    rows = greedy_prompts(vocab=300)
+    dataset = write_jsonl(tmp_path / "prompts.jsonl", rows)
+    check_against_hf(model_dir, rows, generate(dataset, tmp_path / "out.arrow", model_dir))
+    code, output = run_cli(run_args(dataset, tmp_path / "b.arrow", model_dir, "--context-length", "81"))
+    assert code == 2 and "--context-length 81 exceeds the model's 80 positions" in output, output
+
+
+def test_longrope_caps_the_context_where_its_short_factors_hold(tmp_path: Path) -> None:
+    """Phi-3's 128k models: transformers turns a whole batch to longrope's long factors once a position passes
+    original_max_position_embeddings, so batchgen's one table (the short factors, the attention factor) holds up to
+    there: the context stops at it, with a note, and rows inside it equal HF's (which runs them on the short ones)."""
+    from tests.helpers.cli import read_rows, run_cli
+    from tests.helpers.models import build_random_model
+
+    factors = {"short_factor": [1.0 + i / 8 for i in range(8)], "long_factor": [4.0 + i for i in range(8)]}
+    model_dir = build_random_model(
+        tmp_path / "m",
+        "phi3",
+        original_max_position_embeddings=80,
+        rope_scaling={"type": "longrope", **factors},
+    )
+    rows = greedy_prompts(vocab=300)
+    long_row = {"id": "long", "prompt_token_ids": [0] + [5] * 84, "max_new_tokens": 2, "temperature": 0}
+    dataset = write_jsonl(tmp_path / "prompts.jsonl", [*rows, long_row])
+    code, output = run_cli(run_args(dataset, tmp_path / "a.arrow", model_dir, "--on-error", "skip"))
+    assert code == 0, output
+    assert "the model's context length set to 80: its longrope RoPE holds 80 positions" in output
+    results = read_rows(tmp_path / "a.arrow")
+    assert "context" in results.pop("long")["error"]
+    check_against_hf(model_dir, rows, results)
+    code, output = run_cli(run_args(dataset, tmp_path / "b.arrow", model_dir, "--context-length", "100"))
+    assert code == 2 and "--context-length 100 exceeds the model's 80 positions (its longrope RoPE holds" in output
 
 
 @pytest.mark.parametrize(
