@@ -130,7 +130,7 @@ def _shape(workload: Workload, shared: tuple[int, int] | None) -> str:
     return shape if shared is None else f"{shape} in {shared[0]} groups sharing a prefix of {shared[1]} tokens"
 
 
-@with_options(only=BENCH_ENGINE_OPTIONS, required=("model",))
+@with_options(only=BENCH_ENGINE_OPTIONS, required=("model",), config_keys=("report_memory",))
 def bench(
     options: EngineOptions,
     num_prompts: int = typer.Option(64, help="Prompts in the workload."),

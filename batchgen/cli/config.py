@@ -30,17 +30,19 @@ def load_config(ctx: typer.Context, _param: typer.CallbackParam, value: Path | N
         declared: frozenset[str] = getattr(ctx.command.callback, "option_names", frozenset())
         read = read_config(value, set(OPTION_HINTS) | set(_PATHS))
         defaults = {name: item for name, item in read.items() if name in declared or name in paths}
-        aside = [name.replace("_", "-") for name in read if name not in defaults]
+        aside = [name for name in read if name not in defaults]
         if aside:
-            print(
-                f"batchgen: note: {value}: {', '.join(aside)}: not options of {ctx.info_name}, left aside",
-                file=sys.stderr,
+            flags = [name.replace("_", "-") for name in aside]
+            # A parameter of the command's own under the name (bench's --seed of its workload) means another thing.
+            own = "".join(
+                f"; its own --{flag} means another thing" for name, flag in zip(aside, flags) if name in params
             )
+            note = f"{', '.join(flags)}: not options of {ctx.info_name}, left aside{own}"
+            print(f"batchgen: note: {value}: {note}", file=sys.stderr)
         for name, item in defaults.items():
             if item is None:
                 continue  # null: the option's own default
-            if name in OPTION_HINTS or name in _PATHS:  # what click's conversion does not check
-                check_config_value(value, name, item, OPTION_HINTS.get(name, str))
+            check_config_value(value, name, item, OPTION_HINTS.get(name, str))  # what click's conversion does not check
             if params[name].multiple and not isinstance(item, list):
                 item = defaults[name] = [item]  # `stop: "."`: one value of a repeatable option, as on a row
             # Converted here, so that a bad value names the file; click would name only the option.

@@ -36,13 +36,16 @@ def with_options(
     required: Collection[str] = (),
     starts_until_its_handlers: bool = False,
     hidden: bool = False,
+    config_keys: Collection[str] = (),
 ) -> Callable[[Callable[..., None]], Callable[..., None]]:
     """Decorate a Typer command whose parameters include options objects (annotated with one of
     :data:`OPTION_CLASSES`): each such parameter becomes the flags of its class's declared fields (only those named
     in ``only``, when given; the others keep their defaults), and the command receives the built object.
     ``required`` names fields that become required flags (no default). ``starts_until_its_handlers``: a SIGTERM
     before the command puts its own handlers in place is one "while starting" (``run``: until rows run).
-    ``hidden``: the flags work but stay out of ``--help`` (``status`` takes ``run``'s, which its help names)."""
+    ``hidden``: the flags work but stay out of ``--help`` (``status`` takes ``run``'s, which its help names).
+    ``config_keys``: the command's own parameters that a ``--config`` key of their name sets, as it sets the options
+    (bench's ``--report-memory``, which ``run``'s means too)."""
 
     def decorate(func: Callable[..., None]) -> Callable[..., None]:
         hints = get_type_hints(func)
@@ -73,7 +76,8 @@ def with_options(
 
         command.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]
         # The options this command declares, which a --config file's keys may set (batchgen.cli.config).
-        command.option_names = frozenset(n for _, names in groups.values() for n in names)  # type: ignore[attr-defined]
+        keys = {n for _, names in groups.values() for n in names} | set(config_keys)
+        command.option_names = frozenset(keys)  # type: ignore[attr-defined]
         command.__annotations__ = {p.name: p.annotation for p in parameters}
         return command
 

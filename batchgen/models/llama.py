@@ -1,9 +1,10 @@
 """Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3) over the paged KV cache.
 
-Follows the Hugging Face reference modules (``modeling_llama.py``, ``modeling_qwen2.py``, ``modeling_qwen3.py``)
-in every numeric step that affects results: RMSNorm in float32, RoPE tables in float32 cast to the activation
-dtype, SiLU-gated MLP. q/k/v and gate/up projections are fused into one GEMM each (one weight read instead of
-three or two); the loader fills the fused weights from the checkpoint's separate tensors.
+Follows the Hugging Face reference modules (``modeling_llama.py``, ``modeling_qwen2.py``, ``modeling_qwen3.py``,
+``modeling_phi3.py``) in every numeric step that affects results: RMSNorm in float32, RoPE tables in float32 cast to
+the activation dtype, SiLU-gated MLP. q/k/v and gate/up projections are fused into one GEMM each (one weight read
+instead of three or two); the loader fills the fused weights from the checkpoint's separate tensors, or takes
+Phi-3's, stored fused in the same order, by name.
 :meth:`LlamaForCausalLM.use_fused_ops` swaps the RMSNorm (with the residual add before it), SiLU-and-multiply
 and RoPE chains for one kernel each, Triton's (:mod:`batchgen.kernels.triton.fused_elementwise`) or the CPU's
 (:mod:`batchgen.kernels.cpu.fused_elementwise`); :meth:`LlamaForCausalLM.carry_float32` then hands float32 GEMMs'

@@ -14,7 +14,7 @@ from batchgen.models.config import ModelConfig
 from batchgen.models.llama import LlamaForCausalLM
 
 # Checkpoint tensor name pattern → (our fused parameter, which shard of it). Shard order inside the fused
-# weight is q, k, v and gate, up.
+# weight is q, k, v and gate, up; a checkpoint that stores them fused so (Phi-3's qkv_proj, gate_up_proj) loads by name.
 _FUSED = re.compile(r"^(model\.layers\.\d+\.)(self_attn\.(q|k|v)_proj|mlp\.(gate|up)_proj)\.(weight|bias)$")
 # Tensors that checkpoints carry but that we derive ourselves.
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")

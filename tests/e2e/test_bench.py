@@ -356,20 +356,22 @@ def test_bench_takes_a_run_configs_engine_options_and_names_what_it_leaves_aside
     bench's --seed of the workload) are named in one note and left aside."""
     config = tmp_path / "job.yaml"
     lines = [f"model: {random_models['llama']}", "dtype: float32", "device: cpu", "max-total-tokens: 10"]
-    config.write_text("\n".join([*lines, "max-new-tokens: 64", "seed: 3", "dataset: prompts.jsonl"]) + "\n")
+    lines += ["report-memory: true", "max-new-tokens: 64", "seed: 3", "dataset: prompts.jsonl"]
+    config.write_text("\n".join(lines) + "\n")
     args = ["bench", "--config", str(config), "--num-prompts", "2", "--input-len-range", "8:16", "--output-len", "4"]
     code, output = run_cli(args)
     assert code == 2 and "--input-len-range up to 16 plus --output-len 4 exceeds the context length" in output
     note = f"batchgen: note: {config}: max-new-tokens, seed, dataset: not options of bench, left aside"
-    assert note in output.splitlines()
+    assert f"{note}; its own --seed means another thing; its own --dataset means another thing" in output.splitlines()
     result_file = tmp_path / "r.jsonl"
     code, output = run_cli([*args, "--max-total-tokens", "200", "--result-file", str(result_file)])
     assert code == 0, output
     (record,) = [json.loads(line) for line in result_file.read_text().splitlines()]
     assert (record["model"], record["dtype"], record["requests"]) == (str(random_models["llama"]), "float32", 2)
+    assert "peak RSS" in output  # bench's --report-memory, which run's key means too
     code, output = run_cli(["bench-one-batch", "--config", str(config), "--batch-size", "1", "--input-len", "8"])
     assert code == 0, output
-    assert f"batchgen: note: {config}: max-total-tokens, max-new-tokens, seed, dataset: not options of " in output
+    assert f"batchgen: note: {config}: max-total-tokens, report-memory, max-new-tokens, seed, dataset: not " in output
 
 
 def test_bench_one_batch_checks_its_result_file_first(random_models: dict[str, Path]) -> None:
