@@ -14,7 +14,7 @@ import pytest
 _PROBE = """
 import os, sys
 {before}
-from batchgen.cli.entry import keep_openmp_threads_spinning
+from batchgen.environment import keep_openmp_threads_spinning
 print(keep_openmp_threads_spinning(), os.environ.get("OMP_WAIT_POLICY"), "torch" in sys.modules)
 """
 
