@@ -15,6 +15,8 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
     "Qwen3ForCausalLM": {"qkv_bias": False, "qk_norm": True},
     # Phi-3 and Phi-4: Llama's layers with q/k/v and gate/up stored fused (qkv_proj, gate_up_proj), as ours are.
     "Phi3ForCausalLM": {"qkv_bias": False, "qk_norm": False},
+    # SmolLM3: Llama's layers, every fourth without RoPE (no_rope_layers).
+    "SmolLM3ForCausalLM": {"qkv_bias": False, "qk_norm": False},
 }
 # Architectures whose attention reads ``sliding_window`` itself, without ``layer_types``.
 _WINDOWED_ARCHITECTURES = ("MistralForCausalLM", "Phi3ForCausalLM")
@@ -102,6 +104,8 @@ class ModelConfig:
     qkv_bias: bool
     qk_norm: bool
     o_proj_bias: bool
+    # Whether each layer applies RoPE (SmolLM3's no_rope_layers: 1 where it does; all others do).
+    rope_layers: tuple[bool, ...]
     hf_config: Any
 
     @staticmethod
@@ -125,14 +129,14 @@ class ModelConfig:
         if getattr(hf_config, "mlp_bias", False):
             raise BatchgenError(f"unsupported mlp_bias=true for {arch}")
         flags = SUPPORTED_ARCHITECTURES[arch]
-        num_heads = hf_config.num_attention_heads
+        num_heads, num_layers = hf_config.num_attention_heads, hf_config.num_hidden_layers
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
         return ModelConfig(
             architecture=arch,
             vocab_size=hf_config.vocab_size,
             hidden_size=hf_config.hidden_size,
             intermediate_size=hf_config.intermediate_size,
-            num_layers=hf_config.num_hidden_layers,
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
             head_dim=head_dim,
@@ -143,5 +147,6 @@ class ModelConfig:
             qk_norm=flags["qk_norm"],
             # Qwen2 puts biases on q/k/v only; Llama's attention_bias covers o_proj as well.
             o_proj_bias=bool(getattr(hf_config, "attention_bias", False)) and arch != "Qwen2ForCausalLM",
+            rope_layers=tuple(bool(x) for x in getattr(hf_config, "no_rope_layers", None) or [1] * num_layers),
             hf_config=hf_config,
         )

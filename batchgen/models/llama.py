@@ -1,10 +1,10 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3) over the paged KV cache.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3) over the paged KV cache.
 
 Follows the Hugging Face reference modules (``modeling_llama.py``, ``modeling_qwen2.py``, ``modeling_qwen3.py``,
-``modeling_phi3.py``) in every numeric step that affects results: RMSNorm in float32, RoPE tables in float32 cast to
-the activation dtype, SiLU-gated MLP. q/k/v and gate/up projections are fused into one GEMM each (one weight read
-instead of three or two); the loader fills the fused weights from the checkpoint's separate tensors, or takes
-Phi-3's, stored fused in the same order, by name.
+``modeling_phi3.py``, ``modeling_smollm3.py``) in every numeric step that affects results: RMSNorm in float32, RoPE
+tables in float32 cast to the activation dtype, SiLU-gated MLP. q/k/v and gate/up projections are fused into one
+GEMM each (one weight read instead of three or two); the loader fills the fused weights from the checkpoint's
+separate tensors, or takes Phi-3's, stored fused in the same order, by name.
 :meth:`LlamaForCausalLM.use_fused_ops` swaps the RMSNorm (with the residual add before it), SiLU-and-multiply
 and RoPE chains for one kernel each, Triton's (:mod:`batchgen.kernels.triton.fused_elementwise`) or the CPU's
 (:mod:`batchgen.kernels.cpu.fused_elementwise`); :meth:`LlamaForCausalLM.carry_float32` then hands float32 GEMMs'
@@ -195,7 +195,7 @@ class DecoderModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """The Llama-family causal LM; Mistral, Qwen2, Qwen3 and Phi-3 differ only by config flags (biases, q/k norm).
+    """The Llama-family causal LM; the others differ only by config flags (biases, q/k norm, layers without RoPE).
 
     ``forward(input_ids [T] int64, positions [T] int64, forward_batch)`` returns the final hidden states
     ``[T, hidden_size]`` in the model dtype; logits are computed by the ``LogitsProcessor`` for the rows that
@@ -213,6 +213,8 @@ class LlamaForCausalLM(nn.Module):
             None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         self.rotary = RotaryEmbedding(config.hf_config, config.head_dim, max_positions, rotary_device)
+        plain = RotaryEmbedding(config.hf_config, config.head_dim, max_positions, rotary_device, turns=False)
+        self.layer_rotary = [self.rotary if turns else plain for turns in config.rope_layers]
         self.tied_lm_head: nn.Module | None = None  # the tied output projection, packed or swapped
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -251,13 +253,15 @@ class LlamaForCausalLM(nn.Module):
             layer.post_attention_layernorm.fused_kernel = ops.rms_norm
             layer.mlp.silu_and_mul = ops.silu_and_mul
         self.model.norm.fused_kernel = ops.rms_norm
-        self.rotary.fused_kernel = ops.rotary_embedding
+        for rotary in set(self.layer_rotary):
+            rotary.fused_kernel = ops.rotary_embedding
 
     def store_kv_in_rope(self, kernel: Callable[..., torch.Tensor]) -> None:
         """Let ``kernel`` (:func:`batchgen.kernels.cpu.fused_elementwise.rotary_embedding_kv`) rotate q and k and
         write the new tokens' K/V into the KV pool in one pass, instead of RoPE then the backend's store; for a
         model whose KV pool has its dtype on its device (bfloat16 on the CPU)."""
-        self.rotary.kv_store_kernel = kernel
+        for rotary in set(self.layer_rotary):
+            rotary.kv_store_kernel = kernel
 
     def carry_float32(self, ops: Float32CarrierOps) -> None:
         """Carry activations in float32 between float32 GEMMs and ``ops``' kernels, after :meth:`prepack_for_cpu`
@@ -287,8 +291,8 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         hidden, residual = self.model.embed_tokens(input_ids), None
-        for layer in self.model.layers:
-            hidden, residual = layer(positions, hidden, residual, self.rotary, forward_batch)
+        for layer, rotary in zip(self.model.layers, self.layer_rotary, strict=True):
+            hidden, residual = layer(positions, hidden, residual, rotary, forward_batch)
         if residual is None:  # a model of no layers
             return self.model.norm(hidden)
         return self.model.norm.add_and_norm(hidden, residual)[0]

@@ -113,6 +113,7 @@ class OneCallDecode:
             and isinstance(attn_backend, TorchNativeAttnBackend)
             and attn_backend.cpu_kernel
             and model.rotary.kv_store_kernel is not None
+            and all(model.config.rope_layers)  # the op turns every layer by the one table
             and paged_attention_available()
         ):
             return None

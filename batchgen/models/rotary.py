@@ -46,7 +46,8 @@ def rope_inverse_frequencies(hf_config: Any, head_dim: int) -> tuple[torch.Tenso
 
 
 class RotaryEmbedding:
-    """Applies RoPE to q ``[T, H, D]`` and k ``[T, Hkv, D]`` at integer ``positions`` ``[T]``.
+    """Applies RoPE to q ``[T, H, D]`` and k ``[T, Hkv, D]`` at integer ``positions`` ``[T]`` (none with ``turns``
+    false).
 
     cos/sin are tabulated in float32 for positions ``[0, max_positions)`` on ``device`` and cast to the
     activations' dtype before use, as transformers does, so bf16 results match the reference too. Not an
@@ -54,8 +55,13 @@ class RotaryEmbedding:
     (:func:`batchgen.kernels.triton.fused_elementwise.rotary_embedding`, when set) does the same in one kernel.
     """
 
-    def __init__(self, hf_config: Any, head_dim: int, max_positions: int, device: torch.device) -> None:
-        inv_freq, scale = rope_inverse_frequencies(hf_config, head_dim)
+    def __init__(
+        self, hf_config: Any, head_dim: int, max_positions: int, device: torch.device, turns: bool = True
+    ) -> None:
+        # Not ``turns`` (SmolLM3's layers without RoPE): frequencies 0, so cos 1 and sin 0 give q and k back bit for
+        # bit through the same kernels (RoPE fused with the KV store) as the other layers.
+        zero = (torch.zeros(head_dim // 2, device="cpu"), 1.0)  # real numbers under the model's meta device
+        inv_freq, scale = rope_inverse_frequencies(hf_config, head_dim) if turns else zero
         positions = torch.arange(max_positions, dtype=torch.float32, device="cpu")
         emb = torch.outer(positions, inv_freq.cpu()).repeat(1, 2)
         self.cos_table = (emb.cos() * scale).to(device)

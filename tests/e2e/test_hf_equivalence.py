@@ -13,7 +13,7 @@ from tests.helpers.cli import generate, run_args, write_jsonl
 from tests.helpers.hf_greedy import check_against_hf, greedy_prompts
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "phi3"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3"])
 def test_greedy_equals_hf_with_chunking_and_preemption(
     arch: str, random_models: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -127,7 +127,7 @@ def test_unsupported_architecture_is_one_line_error(random_models: dict[str, Pat
     assert code == 2
     assert (
         "unsupported model architecture ['GPT2LMHeadModel']; supported: LlamaForCausalLM, MistralForCausalLM, "
-        "Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM" in output
+        "Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM, SmolLM3ForCausalLM" in output
     )
     assert "Traceback" not in output
 

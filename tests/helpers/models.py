@@ -18,6 +18,7 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
+    SmolLM3Config,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -81,6 +82,7 @@ ARCH_CONFIGS: dict[str, Callable[..., Any]] = {
     "qwen2": Qwen2Config,
     "qwen3": Qwen3Config,
     "phi3": Phi3Config,
+    "smollm3": SmolLM3Config,
 }
 
 
@@ -104,6 +106,8 @@ def build_random_model(out_dir: Path, arch: str, seed: int = 0, **overrides: Any
     )
     if arch in ("qwen2", "qwen3"):
         kwargs["head_dim"] = 16
+    if arch == "smollm3":
+        kwargs["no_rope_layer_interval"] = 2  # its second layer without RoPE (SmolLM3-3B: every fourth)
     kwargs.update(overrides)
     config = ARCH_CONFIGS[arch](**kwargs)
     config.architectures = [type(AutoModelForCausalLM.from_config(config)).__name__]

@@ -184,16 +184,19 @@ def test_rotary_embedding_equals_hf_on_qkv_views(heads: int, kv_heads: int, head
     assert torch.equal(k_out, k_ref[0].transpose(0, 1))
 
 
+@pytest.mark.parametrize("turns", [True, False], ids=["rope", "no-rope-layer"])
 @pytest.mark.parametrize("carrier", [BF16, torch.float32], ids=["bfloat16", "float32-carrier"])
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 1, 128), (2, 1, 40)])
 def test_rotary_embedding_kv_equals_hf_rope_then_the_pool_store(
-    heads: int, kv_heads: int, head_dim: int, carrier: torch.dtype
+    heads: int, kv_heads: int, head_dim: int, carrier: torch.dtype, turns: bool
 ) -> None:
     """The RoPE that stores K/V: q equals transformers' rotated q, and the pool afterwards equals a pool into which
     transformers' rotated k and the bfloat16 v were index-copied at the same slots (float32 inputs, as a float32
-    GEMM hands them on, are rounded to bfloat16 first, as the model's casts do); every other slot is untouched."""
+    GEMM hands them on, are rounded to bfloat16 first, as the model's casts do); every other slot is untouched. On
+    the table that turns nothing (a SmolLM3 layer without RoPE) q and k come out as transformers leaves them there,
+    unrotated."""
     config = LlamaConfig(hidden_size=heads * head_dim, num_attention_heads=heads, rope_theta=10000.0)
-    rotary = RotaryEmbedding(config, head_dim, 2048, CPU)
+    rotary = RotaryEmbedding(config, head_dim, 2048, CPU, turns=turns)
     positions = torch.tensor([0, 5, 6, 2047, 300, 1], dtype=torch.int64)
     loc = torch.tensor([7, 3, 12, 1, 20, 9], dtype=torch.int64)
     t = positions.numel()
@@ -208,7 +211,7 @@ def test_rotary_embedding_kv_equals_hf_rope_then_the_pool_store(
     cos = rotary.cos_table[positions].to(BF16)[None]
     sin = rotary.sin_table[positions].to(BF16)[None]
     q16, k16 = q.to(BF16).transpose(0, 1)[None], k.to(BF16).transpose(0, 1)[None]
-    q_ref, k_ref = _hf_llama().apply_rotary_pos_emb(q16, k16, cos, sin)
+    q_ref, k_ref = _hf_llama().apply_rotary_pos_emb(q16, k16, cos, sin) if turns else (q16, k16)
     k_want[:, loc] = k_ref[0]
     v_want[:, loc] = v.to(BF16).transpose(0, 1)
     assert torch.equal(q_out, q_ref[0].transpose(0, 1))
