@@ -45,9 +45,10 @@ def model_positions(hf_config: Any) -> tuple[int, str | None]:
     positions = int(hf_config.max_position_embeddings)
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
     kind = params.get("rope_type", params.get("type"))
-    original = params.get("original_max_position_embeddings") or getattr(
-        hf_config, "original_max_position_embeddings", None
-    )
+    # A top-level value wins over rope_scaling's, as transformers' standardize_rope_params reads them (its tables
+    # take it at the model's load, after this runs: found by a review).
+    top = getattr(hf_config, "original_max_position_embeddings", None)
+    original = top or params.get("original_max_position_embeddings")
     if kind == "yarn" and original and params.get("factor"):
         return max(positions, int(float(params["factor"]) * int(original))), None
     if kind == "longrope" and original and int(original) < positions:
@@ -147,6 +148,13 @@ class ModelConfig:
             qk_norm=flags["qk_norm"],
             # Qwen2 puts biases on q/k/v only; Llama's attention_bias covers o_proj as well.
             o_proj_bias=bool(getattr(hf_config, "attention_bias", False)) and arch != "Qwen2ForCausalLM",
-            rope_layers=tuple(bool(x) for x in getattr(hf_config, "no_rope_layers", None) or [1] * num_layers),
+            rope_layers=_rope_layers(hf_config, arch, num_layers),
             hf_config=hf_config,
         )
+
+
+def _rope_layers(hf_config: Any, arch: str, num_layers: int) -> tuple[bool, ...]:
+    """Whether each layer applies RoPE: SmolLM3's ``no_rope_layers`` (1 where it does; transformers indexes the list,
+    so a longer one's tail is unused), which only SmolLM3's modules read; every layer of the others."""
+    flags = getattr(hf_config, "no_rope_layers", None) if arch == "SmolLM3ForCausalLM" else None
+    return tuple(bool(x) for x in (flags or [1] * num_layers)[:num_layers])

@@ -213,7 +213,9 @@ class LlamaForCausalLM(nn.Module):
             None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         self.rotary = RotaryEmbedding(config.hf_config, config.head_dim, max_positions, rotary_device)
-        plain = RotaryEmbedding(config.hf_config, config.head_dim, max_positions, rotary_device, turns=False)
+        plain = self.rotary
+        if not all(config.rope_layers):
+            plain = RotaryEmbedding(config.hf_config, config.head_dim, max_positions, rotary_device, turns=False)
         self.layer_rotary = [self.rotary if turns else plain for turns in config.rope_layers]
         self.tied_lm_head: nn.Module | None = None  # the tied output projection, packed or swapped
 

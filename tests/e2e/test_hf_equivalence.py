@@ -3,6 +3,7 @@ with chunked prefill, a KV pool small enough to force preemption, and one reques
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -97,8 +98,10 @@ def test_seeded_sampling_is_independent_of_batching_and_preemption(
         # transformers changes dynamic's table only past max_position_embeddings, where batchgen's context stops.
         {"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}},
         {"tie_word_embeddings": True},
+        # Only SmolLM3's modules read it (found by a review: batchgen left RoPE out of a Llama's second layer).
+        {"no_rope_layers": [1, 0]},
     ],
-    ids=["llama3-rope", "linear-rope", "yarn-rope", "dynamic-rope", "tied-embeddings"],
+    ids=["llama3-rope", "linear-rope", "yarn-rope", "dynamic-rope", "tied-embeddings", "foreign-no-rope-layers"],
 )
 def test_llama_variants_equal_hf(overrides: dict[str, Any], tmp_path: Path) -> None:
     from tests.helpers.models import build_random_model
@@ -191,20 +194,23 @@ def test_yarn_reaches_its_original_positions_times_its_factor(tmp_path: Path) ->
     assert code == 2 and "--context-length 81 exceeds the model's 80 positions" in output, output
 
 
-def test_longrope_caps_the_context_where_its_short_factors_hold(tmp_path: Path) -> None:
+@pytest.mark.parametrize("arch", ["phi3", "llama"])
+def test_longrope_caps_the_context_where_its_short_factors_hold(arch: str, tmp_path: Path) -> None:
     """Phi-3's 128k models: transformers turns a whole batch to longrope's long factors once a position passes
     original_max_position_embeddings, so batchgen's one table (the short factors, the attention factor) holds up to
-    there: the context stops at it, with a note, and rows inside it equal HF's (which runs them on the short ones)."""
+    there: the context stops at it, with a note, and rows inside it equal HF's (which runs them on the short ones).
+    The length given at the config's top level wins over rope_scaling's, as in transformers, for a Llama too (found
+    by a review: a Llama's context was not capped, and rows past 80 tokens differed)."""
     from tests.helpers.cli import read_rows, run_cli
     from tests.helpers.models import build_random_model
 
+    model_dir = build_random_model(tmp_path / "m", arch, seed=1)
+    # As a hub config.json of Phi-3-mini-128k has them: the length at the top level, rope_scaling without it.
+    config = json.loads((model_dir / "config.json").read_text())
+    config.pop("rope_parameters", None)
     factors = {"short_factor": [1.0 + i / 8 for i in range(8)], "long_factor": [4.0 + i for i in range(8)]}
-    model_dir = build_random_model(
-        tmp_path / "m",
-        "phi3",
-        original_max_position_embeddings=80,
-        rope_scaling={"type": "longrope", **factors},
-    )
+    config |= {"original_max_position_embeddings": 80, "rope_scaling": {"type": "longrope", **factors}}
+    (model_dir / "config.json").write_text(json.dumps(config))
     rows = greedy_prompts(vocab=300)
     long_row = {"id": "long", "prompt_token_ids": [0] + [5] * 84, "max_new_tokens": 2, "temperature": 0}
     dataset = write_jsonl(tmp_path / "prompts.jsonl", [*rows, long_row])
