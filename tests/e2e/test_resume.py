@@ -623,6 +623,25 @@ def test_a_part_another_runs_settings_wrote_is_refused_on_resume(
     assert_same_rows(by_key(read_results(out).to_pylist()), reference)
 
 
+def test_parts_a_forced_resume_kept_are_not_refused_by_a_later_resume(
+    small_job: tuple[Path, dict[Key, dict[str, Any]]], model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a review: after ``--resume-force --seed 8`` of a ``--seed 7`` run was stopped in turn, the plain
+    ``--resume --seed 8`` its stop message prints refused the seed-7 parts the user had kept. The manifest records
+    the parts a forced resume kept, and a later resume takes them as they are."""
+    dataset, reference = small_job
+    out = tmp_path / "out.arrow"
+    for at, extra in ((3, ("--seed", "7")), (2, ("--seed", "8", "--resume-force"))):
+        with monkeypatch.context() as patch:
+            fail_part_write(patch, at=at)
+            code, output = run_cli(args(dataset, out, model, *extra))
+            assert code == 2, output
+    assert "resuming despite: seed 7 → 8" in output
+    code, output = run_cli(args(dataset, out, model, "--seed", "8", "--resume"))
+    assert code == 0, output
+    assert_same_rows(by_key(read_results(out).to_pylist()), reference)  # greedy rows: either seed gives them
+
+
 def test_a_row_with_missing_samples_is_generated_again(
     small_job: tuple[Path, dict[Key, dict[str, Any]]], model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
