@@ -17,6 +17,7 @@ def version_line() -> str:
 
 
 _starting = True  # until a command starts (release_startup_interrupts)
+_console = False  # the process is the console command's (hold_startup_interrupts), not a host's that runs the app
 
 
 def _stopped_while_starting(signum: int, frame: FrameType | None) -> None:
@@ -33,6 +34,8 @@ def hold_startup_interrupts() -> None:
     reads the command line (its parameter types import pydantic) into a silent exit 130; a scheduler's SIGTERM ended
     it with no word at all. Only where the default handlers are in place: a signal the caller ignores (a shell's
     background job ignores SIGINT, nohup SIGHUP) stays ignored."""
+    global _console
+    _console = True
     defaults = {
         signal.SIGINT: signal.default_int_handler,
         signal.SIGTERM: signal.SIG_DFL,
@@ -68,7 +71,10 @@ def hold_finished_interrupts() -> None:
     """Once ``run`` has finished its output, a stop signal has nothing left to stop: one line says so and the command
     ends as it would have (its summary, exit status 0 or 3); a second one ends it at once with 128 + the signal.
     Found by a helper: a SIGTERM after the summary said "stopped while starting", exit 143, over a complete output,
-    and a Ctrl-C there ended it with 130 and no word. A signal the caller ignores stays ignored."""
+    and a Ctrl-C there ended it with 130 and no word. A signal the caller ignores stays ignored. Only in the console
+    command's process: a host that runs the app in its own (a test's runner) keeps its handlers."""
+    if not _console:
+        return
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         if signal.getsignal(sig) is not signal.SIG_IGN:
             signal.signal(sig, _after_the_run)

@@ -18,7 +18,7 @@ from batchgen.errors import BatchgenError
 from batchgen.job.summary import speculative_record
 from batchgen.loop.engine import Engine, dtype_name
 from batchgen.loop.options import EngineOptions
-from batchgen.models.config import model_positions
+from batchgen.models.config import context_limit
 from batchgen.models.source import ModelSource
 from batchgen.speculative import make_drafter
 
@@ -61,7 +61,7 @@ def bench_one_batch(
         check_writable(result_file)
         # Prompt + output tokens, as `run`'s context length counts them (the last token is never fed back).
         longest = prefix_len + max(input_len) + max(output_len)
-        max_positions = model_positions(ModelSource.open(options.model).hf_config)[0]
+        max_positions = context_limit(ModelSource.open(options.model).hf_config, None)[0]  # a sliding window too
         if longest > max_positions:
             prefix = f"--prefix-len {prefix_len} plus " if prefix_len else ""
             raise BatchgenError(
