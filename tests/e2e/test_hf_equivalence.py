@@ -201,7 +201,6 @@ def test_longrope_caps_the_context_where_its_short_factors_hold(arch: str, tmp_p
     there: the context stops at it, with a note, and rows inside it equal HF's (which runs them on the short ones).
     The length given at the config's top level wins over rope_scaling's, as in transformers, for a Llama too (found
     by a review: a Llama's context was not capped, and rows past 80 tokens differed)."""
-    from tests.helpers.cli import read_rows, run_cli
     from tests.helpers.models import build_random_model
 
     model_dir = build_random_model(tmp_path / "m", arch, seed=1)
@@ -211,17 +210,9 @@ def test_longrope_caps_the_context_where_its_short_factors_hold(arch: str, tmp_p
     factors = {"short_factor": [1.0 + i / 8 for i in range(8)], "long_factor": [4.0 + i for i in range(8)]}
     config |= {"original_max_position_embeddings": 80, "rope_scaling": {"type": "longrope", **factors}}
     (model_dir / "config.json").write_text(json.dumps(config))
-    rows = greedy_prompts(vocab=300)
-    long_row = {"id": "long", "prompt_token_ids": [0] + [5] * 84, "max_new_tokens": 2, "temperature": 0}
-    dataset = write_jsonl(tmp_path / "prompts.jsonl", [*rows, long_row])
-    code, output = run_cli(run_args(dataset, tmp_path / "a.arrow", model_dir, "--on-error", "skip"))
-    assert code == 0, output
-    assert "the model's context length set to 80: its longrope RoPE holds 80 positions" in output
-    results = read_rows(tmp_path / "a.arrow")
-    assert "context" in results.pop("long")["error"]
-    check_against_hf(model_dir, rows, results)
-    code, output = run_cli(run_args(dataset, tmp_path / "b.arrow", model_dir, "--context-length", "100"))
-    assert code == 2 and "--context-length 100 exceeds the model's 80 positions (its longrope RoPE holds" in output
+    note, refusal = _capped_at_80(model_dir, tmp_path)
+    assert "the model's context length set to 80: its longrope RoPE holds 80 positions" in note
+    assert refusal.startswith("batchgen: error: --context-length 100 exceeds the model's 80 positions (its longrope")
 
 
 @pytest.mark.parametrize(
@@ -238,20 +229,27 @@ def test_a_sliding_window_caps_the_context_where_full_attention_is_the_same(
     """batchgen computes full causal attention; transformers masks keys 80 or more positions back. Up to 80 positions
     they agree (greedy rows of up to 73 tokens equal HF's), so the context is capped at the window: a longer prompt
     is a row error, and a longer --context-length is refused in one line."""
-    from tests.helpers.cli import read_rows, run_cli
     from tests.helpers.models import build_random_model
 
-    model_dir = build_random_model(tmp_path / "m", arch, **overrides)
+    note, refusal = _capped_at_80(build_random_model(tmp_path / "m", arch, **overrides), tmp_path)
+    assert "sliding window of 80 tokens; context length set to 80" in note
+    assert refusal == "batchgen: error: --context-length 100 exceeds the model's sliding window of 80"
+
+
+def _capped_at_80(model_dir: Path, tmp_path: Path) -> tuple[str, str]:
+    """A run of the greedy rows (up to 73 tokens) and one of 86 on ``model_dir``, whose context stops at 80: the
+    long row is a row error, the others equal HF's. Returns that run's output (its note) and the one line of a run
+    asking for --context-length 100, which exits 2."""
+    from tests.helpers.cli import read_rows, run_cli
+
     rows = greedy_prompts(vocab=300)
     long_row = {"id": "long", "prompt_token_ids": [0] + [5] * 84, "max_new_tokens": 2, "temperature": 0}
     dataset = write_jsonl(tmp_path / "prompts.jsonl", [*rows, long_row])
-    code, output = run_cli(run_args(dataset, tmp_path / "a.arrow", model_dir, "--on-error", "skip"))
-    assert code == 0, output
-    assert "sliding window of 80 tokens; context length set to 80" in output
+    code, note = run_cli(run_args(dataset, tmp_path / "a.arrow", model_dir, "--on-error", "skip"))
+    assert code == 0, note
     results = read_rows(tmp_path / "a.arrow")
     assert "context" in results.pop("long")["error"]
     check_against_hf(model_dir, rows, results)
-    code, output = run_cli(run_args(dataset, tmp_path / "b.arrow", model_dir, "--context-length", "100"))
-    assert (
-        code != 0 and output.strip() == "batchgen: error: --context-length 100 exceeds the model's sliding window of 80"
-    )
+    code, refusal = run_cli(run_args(dataset, tmp_path / "b.arrow", model_dir, "--context-length", "100"))
+    assert code == 2, refusal
+    return note, refusal.strip()
