@@ -61,12 +61,12 @@ def bench_one_batch(
         check_writable(result_file)
         # Prompt + output tokens, as `run`'s context length counts them (the last token is never fed back).
         longest = prefix_len + max(input_len) + max(output_len)
-        max_positions = context_limit(ModelSource.open(options.model).hf_config, None)[0]  # a sliding window too
+        max_positions, why = context_limit(ModelSource.open(options.model).hf_config, None)  # a sliding window too
         if longest > max_positions:
             prefix = f"--prefix-len {prefix_len} plus " if prefix_len else ""
             raise BatchgenError(
                 f"{prefix}--input-len {max(input_len)} plus --output-len {max(output_len)} needs {longest} positions; "
-                f"the model has {max_positions}"
+                f"the model holds {max_positions}" + (f" ({why})" if why else "")
             )
         engine = Engine(
             replace(

@@ -32,10 +32,8 @@ from batchgen.io.shards import is_read_as_shard, reads_part_files
 from batchgen.job.changed_rows import check_partial_rows
 from batchgen.job.options import JobOptions
 from batchgen.job.output_columns import check_written_rows, columns_for_resume
+from batchgen.job.part_settings import KEPT_SETTINGS_KEY, check_parts_settings
 from batchgen.job.run_metadata import DATASET_KEY, RUN_SEED_KEY, job_differences
-
-# The parts of a partial output that a --resume-force kept whatever their settings (JSON list of file names).
-KEPT_PARTS_KEY = "batchgen.kept_parts"
 
 
 def check_output_place(dataset: Path, out: Path) -> None:
@@ -148,8 +146,8 @@ def open_output(
         kept = check_parts_settings(resumed, recorded, job.resume_force)
     parts = lambda: _part_batches(resumed) if resumed is not None else iter(())  # noqa: E731
     schema = output_schema(schema, dataset, seed, recorded, job.resume_force, output.dir, parts)
-    if recorded is not None and kept:  # the manifest records them, so that a later --resume takes them as they are
-        schema = schema.with_metadata(schema_metadata(schema) | {KEPT_PARTS_KEY: json.dumps(kept)})
+    if recorded is not None and kept:  # recorded, so that a later --resume takes those parts as they are
+        schema = schema.with_metadata(schema_metadata(schema) | {KEPT_SETTINGS_KEY: json.dumps(kept)})
     if recorded is not None:
         check_written_rows(parts(), recorded, schema, output.dir)
     return schema, resumed
@@ -233,39 +231,6 @@ def check_same_job(where: Path, recorded: pa.Schema, now: pa.Schema, force: bool
         # the old default's count, so they run again; rows that set one keep their samples.
         again = f" (rows that take the default n are generated again with n {new_n})" if old_n != new_n else ""
         print(f"batchgen: warning: {where}: resuming despite: {'; '.join(differences)}{again}", file=sys.stderr)
-
-
-def check_parts_settings(state: PartialState, recorded: pa.Schema, force: bool) -> list[str]:
-    """Refuse to resume from a part that a run with other settings wrote (one copied in from another output, found
-    by a helper: its rows were merged, and the output's metadata named the manifest's settings): each part's own
-    record is held against the manifest's as a run's is (:func:`check_same_job`; the run seed too, which a run
-    without ``--seed`` drew), unless ``force``, which warns. The dataset is not compared: its rows are checked by
-    digest. Returns the names of the parts a ``--resume-force`` kept, this one's (every part there) or an earlier
-    one's (:data:`KEPT_PARTS_KEY`), which are not checked again (found by a review: a later ``--resume`` refused
-    them).
-
-    Raises:
-        BatchgenError: one line naming the first such part and every difference.
-    """
-    manifest = schema_metadata(recorded)
-    kept = set(json.loads(manifest.get(KEPT_PARTS_KEY, "[]")))
-    for path, schema in state.part_schemas:
-        if path.name in kept:
-            continue
-        part = schema_metadata(schema) | {DATASET_KEY: manifest.get(DATASET_KEY, "")}
-        differences = job_differences(part, manifest)
-        seed_said = any(phrase.startswith("seed ") for phrase in differences)
-        if part.get(RUN_SEED_KEY) != manifest.get(RUN_SEED_KEY) and not seed_said:
-            differences.append(f"run seed {part.get(RUN_SEED_KEY)} → {manifest.get(RUN_SEED_KEY)}")
-        if differences and not force:
-            raise BatchgenError(
-                f"{path}: cannot resume: this part was written with other settings than the partial output's: "
-                f"{'; '.join(differences)} (delete the part to run its rows again, pass --resume-force to keep it, "
-                "or --overwrite to start over)"
-            )
-        if differences:
-            print(f"batchgen: warning: {path}: kept despite: {'; '.join(differences)}", file=sys.stderr)
-    return sorted(kept | {path.name for path, _ in state.part_schemas}) if force else sorted(kept)
 
 
 def resume_command(dataset: Path, out: Path) -> str:

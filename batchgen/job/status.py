@@ -24,6 +24,7 @@ from batchgen.io.output_lock import held_by_a_run
 from batchgen.io.partial_output import PartialOutput, partial_dir
 from batchgen.io.reader import count_input_rows
 from batchgen.job.changed_rows import check_finished_rows
+from batchgen.job.part_settings import foreign_parts
 from batchgen.job.run_metadata import DATASET_KEY, settings_differences
 from batchgen.loop.options import EngineOptions
 from batchgen.sampling.sampling_params import SamplingParams
@@ -146,6 +147,13 @@ def read_output_status(
             )
         if partial.manifest_damaged:
             notes.append("the manifest is damaged (rebuilt from the part files on resume)")
+        unlike = foreign_parts(partial, partial.schema) if partial.schema is not None else []
+        if unlike:  # found by a review: counted as done, where --resume refuses them
+            (first, differences), *_ = unlike
+            notes.append(
+                f"{counted(len(unlike), 'part file')} written with other settings than the partial output's "
+                f"({first.name}: {'; '.join(differences)}): --resume refuses them unless --resume-force"
+            )
     else:
         state = "not started"
     if state == "complete" and DATASET_KEY.encode() not in metadata:

@@ -155,6 +155,14 @@ class ModelConfig:
 
 def _rope_layers(hf_config: Any, arch: str, num_layers: int) -> tuple[bool, ...]:
     """Whether each layer applies RoPE: SmolLM3's ``no_rope_layers`` (1 where it does; transformers indexes the list,
-    so a longer one's tail is unused), which only SmolLM3's modules read; every layer of the others."""
-    flags = getattr(hf_config, "no_rope_layers", None) if arch == "SmolLM3ForCausalLM" else None
-    return tuple(bool(x) for x in (flags or [1] * num_layers)[:num_layers])
+    so a longer one's tail is unused), which only SmolLM3's modules read; every layer of the others.
+
+    Raises:
+        BatchgenError: the list is shorter than the layers.
+    """
+    if arch != "SmolLM3ForCausalLM" or getattr(hf_config, "no_rope_layers", None) is None:
+        return (True,) * num_layers
+    flags = list(hf_config.no_rope_layers)
+    if len(flags) < num_layers:  # transformers fails at the first missing layer's index (found by a review)
+        raise BatchgenError(f"no_rope_layers has {len(flags)} entries for {num_layers} layers")
+    return tuple(bool(x) for x in flags[:num_layers])

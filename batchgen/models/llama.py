@@ -255,14 +255,14 @@ class LlamaForCausalLM(nn.Module):
             layer.post_attention_layernorm.fused_kernel = ops.rms_norm
             layer.mlp.silu_and_mul = ops.silu_and_mul
         self.model.norm.fused_kernel = ops.rms_norm
-        for rotary in set(self.layer_rotary):
+        for rotary in {self.rotary, *self.layer_rotary}:
             rotary.fused_kernel = ops.rotary_embedding
 
     def store_kv_in_rope(self, kernel: Callable[..., torch.Tensor]) -> None:
         """Let ``kernel`` (:func:`batchgen.kernels.cpu.fused_elementwise.rotary_embedding_kv`) rotate q and k and
         write the new tokens' K/V into the KV pool in one pass, instead of RoPE then the backend's store; for a
         model whose KV pool has its dtype on its device (bfloat16 on the CPU)."""
-        for rotary in set(self.layer_rotary):
+        for rotary in {self.rotary, *self.layer_rotary}:
             rotary.kv_store_kernel = kernel
 
     def carry_float32(self, ops: Float32CarrierOps) -> None:

@@ -387,7 +387,7 @@ def test_bench_one_batch_checks_its_result_file_first(random_models: dict[str, P
         (["--batch-size", "2", "--batch-size", "0"], "--batch-size must be >= 1, got 0"),
         (["--input-len", "-5"], "--input-len must be >= 1, got -5"),
         (["--output-len", "0"], "--output-len must be >= 1, got 0"),
-        (["--input-len", "100000"], "--input-len 100000 plus --output-len 2 needs 100002 positions; the model has"),
+        (["--input-len", "100000"], "--input-len 100000 plus --output-len 2 needs 100002 positions; the model holds"),
     ],
     ids=["batch-size", "input-len", "output-len", "context"],
 )
@@ -408,7 +408,19 @@ def test_bench_one_batch_fills_the_models_positions_as_run_does(random_models: d
     assert code == 0, output
     assert "bs=1 in=250 out=6" in output
     code, output = run_cli([*args, "--input-len", "251", "--output-len", "6", "--no-warmup"])
-    assert code == 2 and "needs 257 positions; the model has 256" in output
+    assert code == 2 and "needs 257 positions; the model holds 256" in output
+
+
+def test_bench_one_batch_stops_at_a_sliding_window_as_run_does(tmp_path: Path) -> None:
+    """Found by a review: a model whose window (80) is below its positions (256) was let through to the engine, whose
+    refusal named a --context-length the command was never given."""
+    from tests.helpers.models import build_random_model
+
+    model = build_random_model(tmp_path / "m", "mistral", sliding_window=80)
+    args = ["bench-one-batch", "--model", str(model), "--device", "cpu", "--dtype", "float32", "--no-warmup"]
+    assert run_cli([*args, "--input-len", "70", "--output-len", "6"])[0] == 0
+    code, output = run_cli([*args, "--input-len", "100", "--output-len", "6"])
+    assert code == 2 and "needs 106 positions; the model holds 80 (the model attends over a sliding window" in output
 
 
 def test_bench_dataset_says_which_rows_it_skipped(random_models: dict[str, Path], tmp_path: Path) -> None:

@@ -137,7 +137,7 @@ def test_bench_one_batch_prefix_len_counts_only_the_new_tokens(
         (["--prefix-len", "-1"], "--prefix-len must be >= 0, got -1"),
         (
             ["--prefix-len", "200", "--input-len", "50"],
-            "--prefix-len 200 plus --input-len 50 plus --output-len 7 needs 257 positions; the model has 256",
+            "--prefix-len 200 plus --input-len 50 plus --output-len 7 needs 257 positions; the model holds 256",
         ),
     ],
     ids=["negative", "context"],

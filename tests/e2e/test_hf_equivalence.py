@@ -151,6 +151,13 @@ def test_a_config_transformers_refuses_is_one_line_error(random_models: dict[str
     _check_refused(random_models, {"rope_scaling": {"type": "dynamic", "factor": 2.0}}, message, tmp_path, "phi3")
 
 
+def test_a_short_no_rope_layers_list_is_one_line_error(random_models: dict[str, Path], tmp_path: Path) -> None:
+    # transformers fails at the first layer the list lacks; batchgen failed at the first round (found by a review).
+    _check_refused(
+        random_models, {"no_rope_layers": [1]}, "no_rope_layers has 1 entries for 2 layers", tmp_path, "smollm3"
+    )
+
+
 def test_rope_on_part_of_each_head_is_one_line_error(random_models: dict[str, Path], tmp_path: Path) -> None:
     # Phi-4-mini's RoPE turns the first 3/4 of each head only (transformers' rotate_half on cos.shape[-1] dims).
     config = {"rope_scaling": {"rope_type": "default", "partial_rotary_factor": 0.75}}

@@ -10,6 +10,7 @@ import fcntl
 import json
 import os
 import random
+import re
 import shlex
 import shutil
 import signal
@@ -616,6 +617,19 @@ def test_a_part_another_runs_settings_wrote_is_refused_on_resume(
         "output's: dtype 'bfloat16' → 'float32' (delete the part to run its rows again, pass --resume-force to keep "
         "it, or --overwrite to start over)"
     )
+    assert "1 part file written with other settings than the partial output's" in status(dataset, out)
+    # A part of a run without --seed: its drawn seed is said once, as the seed.
+    unseeded = tmp_path / "unseeded.arrow"
+    with monkeypatch.context() as patch:
+        fail_part_write(patch, at=3)
+        assert run_cli(args(dataset, unseeded, model))[0] == 2
+    drawn = PartialOutput(unseeded).inspect().parts[-1][1]
+    unseeded_copy = partial_dir(out) / f"part-000040-{drawn.name.split('-')[-1]}"  # checked before part 50
+    shutil.copy(drawn, unseeded_copy)
+    code, output = run_cli(args(dataset, out, model, "--resume"))
+    said = re.search(r"part-000040-\w+\.arrow: cannot resume: .* partial output's: seed \d+ → 7 \(delete", output)
+    assert code == 2 and said is not None, output
+    unseeded_copy.unlink()
     forced = tmp_path / "forced.arrow"
     shutil.copytree(partial_dir(out), partial_dir(forced))
     code, output = run_cli(args(dataset, forced, model, "--resume-force"))
