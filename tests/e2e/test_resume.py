@@ -349,10 +349,18 @@ def test_a_stop_signal_after_the_run_finished_ends_it_as_done(
     assert f"batchgen: {name} came after the run had finished: its output is written; ending as done" in proc.stderr
     assert "while starting" not in proc.stderr and "Traceback" not in proc.stderr
     assert_same_rows(by_key(read_results(out).to_pylist()), reference)
+
     # A host that runs the app in its own process keeps its handlers (found by a review: pytest's Ctrl-C was taken).
-    assert run_cli(args(dataset, tmp_path / "again.arrow", model))[0] == 0
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    def host_handler(signum: int, frame: Any) -> None:
+        raise AssertionError("not called")
+
+    previous = {sig: signal.signal(sig, host_handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        assert run_cli(args(dataset, tmp_path / "again.arrow", model))[0] == 0
+        assert [signal.getsignal(sig) for sig in previous] == [host_handler, host_handler]
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 @pytest.mark.parametrize(
