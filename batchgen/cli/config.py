@@ -17,8 +17,9 @@ _PATHS = ("dataset", "out")
 
 def load_config(ctx: typer.Context, _param: typer.CallbackParam, value: Path | None) -> Path | None:
     """Eager ``--config`` callback: the YAML's keys become the command's defaults (flags still override). A key of
-    ``batchgen run`` that the command has not (``max-new-tokens`` or ``dataset`` for ``bench``) is left aside, with
-    one note naming them, so that one file serves a job and its benchmark."""
+    ``batchgen run`` that the command has not (``max-new-tokens`` or ``out`` for ``bench``), or that its own
+    parameter of the name means otherwise (bench's ``--dataset`` and ``--seed``), is left aside, with one note
+    naming them, so that one file serves a job and its benchmark."""
     if value is None:
         return None
     with user_errors():

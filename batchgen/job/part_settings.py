@@ -17,9 +17,9 @@ from batchgen.io.input_digests import INPUT_DIGESTS_KEY
 from batchgen.io.partial_output import PartialState
 from batchgen.job.run_metadata import DATASET_KEY, RUN_SEED_KEY, job_differences
 
-# The settings a --resume-force kept parts of, whatever they differ in: a JSON list of settings_digest values, as
-# many as the forced resumes that kept such parts (found by a review: the names of the parts it kept, recorded
-# before, grew with the job, in every part written after).
+# The settings a --resume-force kept parts of, whatever they differ in: a JSON list of the distinct settings_digest
+# values of the parts present at each forced resume, one per settings record (found by a review: the names of the
+# parts it kept, recorded before, grew with the job, in every part written after).
 KEPT_SETTINGS_KEY = "batchgen.kept_settings"
 
 
