@@ -140,13 +140,14 @@ def open_output(
         resumed = output.inspect()
     report_damage(output.dir, resumed)
     recorded = None
+    kept: list[str] = []  # the settings a --resume-force kept parts of (part_settings)
     if resumed is not None and resumed.schema is not None:
         # Its rows are checked one by one against a dataset that changed: the fingerprint is then the one now.
         recorded = check_partial_rows(dataset, output.dir, resumed, schema, job.resume_force)
         kept = check_parts_settings(resumed, recorded, job.resume_force)
     parts = lambda: _part_batches(resumed) if resumed is not None else iter(())  # noqa: E731
     schema = output_schema(schema, dataset, seed, recorded, job.resume_force, output.dir, parts)
-    if recorded is not None and kept:  # recorded, so that a later --resume takes those parts as they are
+    if kept:  # recorded, so that a later --resume takes those parts as they are
         schema = schema.with_metadata(schema_metadata(schema) | {KEPT_SETTINGS_KEY: json.dumps(kept)})
     if recorded is not None:
         check_written_rows(parts(), recorded, schema, output.dir)

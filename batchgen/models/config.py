@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchgen.errors import BatchgenError
+from batchgen.models.rotary import rope_settings
 
 # architectures value in config.json → the variant flags our single decoder implementation needs.
 SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
@@ -43,8 +44,7 @@ def model_positions(hf_config: Any) -> tuple[int, str | None]:
     which transformers turns the whole batch to its long factors (Phi-3's 128k models: batchgen's one table holds
     the short ones)."""
     positions = int(hf_config.max_position_embeddings)
-    params = dict(getattr(hf_config, "rope_parameters", None) or {})
-    kind = params.get("rope_type", params.get("type"))
+    params, kind = rope_settings(hf_config)
     # A top-level value wins over rope_scaling's, as transformers' standardize_rope_params reads them (its tables
     # take it at the model's load, after this runs: found by a review).
     top = getattr(hf_config, "original_max_position_embeddings", None)

@@ -16,6 +16,13 @@ from batchgen.errors import BatchgenError
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
 
 
+def rope_settings(hf_config: Any) -> tuple[dict[str, Any], str]:
+    """The config's RoPE settings as transformers holds them (``rope_parameters``) and their type (``default`` where
+    it names none; older configs say ``type``)."""
+    params: dict[str, Any] = dict(getattr(hf_config, "rope_parameters", None) or {})
+    return params, str(params.get("rope_type", params.get("type", "default")))
+
+
 def rope_inverse_frequencies(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
     """Inverse frequencies ``[head_dim // 2]`` float32 and the cos/sin scale factor.
 
@@ -28,8 +35,7 @@ def rope_inverse_frequencies(hf_config: Any, head_dim: int) -> tuple[torch.Tenso
         BatchgenError: another RoPE type, or RoPE on part of each head (``partial_rotary_factor`` below 1,
             Phi-4-mini's 0.75).
     """
-    params = dict(getattr(hf_config, "rope_parameters", None) or {})
-    rope_type = params.get("rope_type", params.get("type", "default"))
+    params, rope_type = rope_settings(hf_config)
     partial = float(params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0)) or 1.0)
     if partial != 1.0:
         raise BatchgenError(f"unsupported partial_rotary_factor {partial}: RoPE on part of each head")
